@@ -1,0 +1,195 @@
+//! Run configuration: one TOML (or JSON) document for a whole run, with every policy as a
+//! table carrying a `kind`.
+
+use crate::accumulate::{AccumulationSchedule, Constant};
+use crate::checkpoint::{CheckpointPolicy, NoRecompute};
+use crate::error::{Error, Result};
+use crate::memory::{MemoryObserver, PeakTracker};
+use crate::model::Gpt2Config;
+use crate::optim::{AdamW, LrSchedule, Optimizer};
+use crate::precision::{Fp32, Precision};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where training data comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "source", deny_unknown_fields)]
+pub enum DataConfig {
+    /// The built-in synthetic corpus (nothing outside the binary needed).
+    Builtin {
+        /// Bytes of training text to generate.
+        #[serde(default = "default_builtin_bytes")]
+        bytes: usize,
+    },
+    /// A UTF-8 text file, tokenized byte by byte.
+    Text {
+        /// Path of the file.
+        path: PathBuf,
+    },
+}
+
+fn default_builtin_bytes() -> usize {
+    1 << 20
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig::Builtin {
+            bytes: default_builtin_bytes(),
+        }
+    }
+}
+
+/// Settings of the loop.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingConfig {
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Rows per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per row.
+    pub seq_len: usize,
+    /// Seed of initialization.
+    pub seed: u64,
+    /// Global-norm clipping threshold (0 = off).
+    pub grad_clip: f32,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrSchedule,
+    /// Evaluate on held-out data every this many steps (0 = only at the end).
+    pub eval_every: u64,
+    /// Batches per evaluation.
+    pub eval_batches: usize,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        TrainingConfig {
+            steps: 300,
+            batch_size: 16,
+            seq_len: 128,
+            seed: 1337,
+            grad_clip: 1.0,
+            lr_schedule: LrSchedule::Cosine {
+                warmup_steps: 20,
+                decay_steps: 0,
+                min_lr_ratio: 0.1,
+            },
+            eval_every: 100,
+            eval_batches: 4,
+        }
+    }
+}
+
+/// A whole run: model, data, loop settings and the five policies.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// The model's shape.
+    #[serde(default = "Gpt2Config::small_bytes")]
+    pub model: Gpt2Config,
+    /// Training data.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// Loop settings.
+    #[serde(default)]
+    pub training: TrainingConfig,
+    /// Precision policy (`kind = "fp32"` or `"mixed_bf16"`).
+    #[serde(default = "default_precision")]
+    pub precision: Box<dyn Precision>,
+    /// Checkpoint policy (`kind = "none"`, `"full"` or `"selective"`).
+    #[serde(default = "default_checkpoint")]
+    pub checkpoint: Box<dyn CheckpointPolicy>,
+    /// Optimizer (`kind = "adamw"` or `"sgd"`).
+    #[serde(default = "default_optimizer")]
+    pub optimizer: Box<dyn Optimizer>,
+    /// Accumulation schedule (`kind = "constant"`, `"tokens_per_step"` or `"ramp"`).
+    #[serde(default = "default_accumulation")]
+    pub accumulation: Box<dyn AccumulationSchedule>,
+    /// Memory observer (`kind = "peak_tracker"`, `"log"` or `"observers"`).
+    #[serde(default = "default_observer")]
+    pub observer: Box<dyn MemoryObserver>,
+}
+
+fn default_precision() -> Box<dyn Precision> {
+    Box::new(Fp32)
+}
+fn default_checkpoint() -> Box<dyn CheckpointPolicy> {
+    Box::new(NoRecompute)
+}
+fn default_optimizer() -> Box<dyn Optimizer> {
+    Box::new(AdamW {
+        lr: 2e-3,
+        ..AdamW::default()
+    })
+}
+fn default_accumulation() -> Box<dyn AccumulationSchedule> {
+    Box::new(Constant::new(1))
+}
+fn default_observer() -> Box<dyn MemoryObserver> {
+    Box::new(PeakTracker::new())
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            model: Gpt2Config::small_bytes(),
+            data: DataConfig::default(),
+            training: TrainingConfig::default(),
+            precision: default_precision(),
+            checkpoint: default_checkpoint(),
+            optimizer: default_optimizer(),
+            accumulation: default_accumulation(),
+            observer: default_observer(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// Parses a TOML document and validates it.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let cfg: RunConfig = toml::from_str(text).map_err(|e| Error::Serde(format!("config: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_file(path: impl Into<PathBuf>) -> Result<Self> {
+        let path = path.into();
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        Self::from_toml(&text).map_err(|e| match e {
+            Error::Serde(m) => Error::Serde(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// The config as TOML.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string_pretty(self).map_err(|e| Error::Serde(format!("config: {e}")))
+    }
+
+    /// Checks values that parse but cannot run.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        let t = &self.training;
+        if t.batch_size == 0 {
+            return Err(Error::config("training.batch_size", "must be at least 1"));
+        }
+        if t.seq_len == 0 || t.seq_len > self.model.n_positions {
+            return Err(Error::config(
+                "training.seq_len",
+                format!(
+                    "{} must be between 1 and model.n_positions = {}",
+                    t.seq_len, self.model.n_positions
+                ),
+            ));
+        }
+        if !(t.grad_clip >= 0.0 && t.grad_clip.is_finite()) {
+            return Err(Error::config(
+                "training.grad_clip",
+                "must be a finite value >= 0 (0 turns clipping off)",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,226 @@
+//! The `Backend` trait: every op the models and optimizers need, one call per kernel.
+
+use super::Device;
+use crate::error::Result;
+use crate::memory::{Ledger, MemoryCategory};
+use crate::tensor::{DType, Tensor};
+use std::fmt::Debug;
+
+/// Hyper-parameters of one fused AdamW update (PyTorch semantics).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate of this step.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the bias-corrected root of the second moment.
+    pub eps: f32,
+    /// Decoupled weight decay (0 for tensors that take none).
+    pub weight_decay: f32,
+    /// 1-based step count, for bias correction.
+    pub step: u64,
+    /// Multiplies the gradient before use (global-norm clipping, loss-scale removal).
+    pub grad_scale: f32,
+}
+
+/// The seam between model code and hardware: a device's buffers and ops.
+///
+/// Model and optimizer code is written once against this trait; `CpuBackend` is the
+/// reference, GPU backends implement the same ops. Shapes follow one convention: a tensor
+/// used as a matrix has all leading dimensions as rows and its last dimension as columns.
+/// Outputs are written in the output tensor's dtype; arithmetic is f32, and bf16 values
+/// are rounded (to nearest even) only when stored. Unless a method says it accumulates,
+/// it overwrites its output.
+pub trait Backend: Debug + Send + Sync {
+    /// Short name: `cpu`, `cuda`.
+    fn name(&self) -> &'static str;
+
+    /// The device this backend runs on.
+    fn device(&self) -> Device;
+
+    /// The ledger that counts every buffer this backend allocates.
+    fn ledger(&self) -> &Ledger;
+
+    /// Waits until queued work is done (no-op on the CPU).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A zero-filled tensor.
+    fn zeros(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor>;
+
+    /// A tensor holding `data`, rounded to `dtype`.
+    fn from_f32(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor>;
+
+    /// The elements as f32, in row-major order.
+    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>>;
+
+    /// A new tensor with the same dtype, shape and elements.
+    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor>;
+
+    /// `dst = src`, converting (and rounding) to `dst`'s dtype.
+    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()>;
+
+    /// Every element set to `value`.
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()>;
+
+    /// `out = a + b`, element-wise.
+    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()>;
+
+    /// `y += alpha * x`, element-wise.
+    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()>;
+
+    /// `x *= alpha`, element-wise.
+    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()>;
+
+    /// Sum of squares of all elements, accumulated in f64 in a fixed order.
+    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+
+    /// `out (+)= op(a) · op(b) (+ bias)` with f32 accumulation, where `op` transposes when
+    /// `trans_a` / `trans_b` is set. `out` is `[m, n]`, `op(a)` is `[m, k]`, `op(b)` is
+    /// `[k, n]`; `bias` (length n) is added to every row. With `accumulate` the product is
+    /// added to `out`'s contents and rounded once.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        out: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: Option<&Tensor>,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    /// `dbias += column sums of dout` (the bias gradient of a matmul).
+    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
+
+    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`; `out` is `[B, T, C]`.
+    fn embedding(&self, out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: &Tensor)
+        -> Result<()>;
+
+    /// `dwte[tokens[b, t]] += dout[b, t]` and `dwpe[t] += dout[b, t]`.
+    fn embedding_backward(
+        &self,
+        dwte: &mut Tensor,
+        dwpe: &mut Tensor,
+        dout: &Tensor,
+        tokens: &[u32],
+    ) -> Result<()>;
+
+    /// Layer normalization of each row of `x`: `out = (x - mean) · rstd · weight + bias`,
+    /// statistics in f32, written to `stats` as `[rows, 2]` = (mean, rstd).
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm(
+        &self,
+        out: &mut Tensor,
+        stats: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::layernorm`]: accumulates into `dx`, `dweight` and `dbias`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dbias: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        stats: &Tensor,
+    ) -> Result<()>;
+
+    /// GELU with the tanh approximation, element-wise.
+    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()>;
+
+    /// `dx = gelu'(x) · dout`.
+    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
+
+    /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
+    /// 0 above the diagonal; `qkv` is `[B, T, 3C]` (q, k, v blocks, heads contiguous in
+    /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
+    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()>;
+
+    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`.
+    fn attention_scores_backward(
+        &self,
+        dqkv: &mut Tensor,
+        dscores: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
+    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()>;
+
+    /// Backward of [`Backend::softmax_causal`]:
+    /// `dscores = probs · (dprobs - Σ probs · dprobs)` on `j <= i`, 0 above.
+    fn softmax_causal_backward(
+        &self,
+        dscores: &mut Tensor,
+        dprobs: &Tensor,
+        probs: &Tensor,
+    ) -> Result<()>;
+
+    /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head h]`; `out` is `[B, T, C]`.
+    fn attention_values(
+        &self,
+        out: &mut Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::attention_values`]: writes `dprobs` (0 above the diagonal) and
+    /// the v block of `dqkv`.
+    fn attention_values_backward(
+        &self,
+        dprobs: &mut Tensor,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
+    /// padding and ignored) against `targets`, in f32. Returns the sum of the row losses.
+    /// With `grad_scale`, `logits` is overwritten by its gradient
+    /// `grad_scale · (softmax - onehot)` (0 on padding columns).
+    fn cross_entropy(
+        &self,
+        logits: &mut Tensor,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: Option<f32>,
+    ) -> Result<f64>;
+
+    /// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
+    fn adamw(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamWStep,
+    ) -> Result<()>;
+}

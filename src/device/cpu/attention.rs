@@ -1,0 +1,314 @@
+//! Causal multi-head attention in three materialized steps: scores, softmax, values.
+//!
+//! `qkv` is `[B, T, 3C]`: columns `[0, C)` hold q, `[C, 2C)` k and `[2C, 3C)` v, and head
+//! `h` owns columns `h·hs .. (h+1)·hs` of each block (hs = C / H). Scores and
+//! probabilities are `[B, H, T, T]` with zeros above the diagonal.
+
+use super::matmul::gemm_raw;
+use super::{btc, ensure, ensure_shape, read, write, SendPtr};
+use crate::error::Result;
+use crate::tensor::Tensor;
+use rayon::prelude::*;
+
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    h: usize,
+    hs: usize,
+}
+
+fn dims(qkv: &Tensor, n_head: usize, op: &'static str) -> Result<Dims> {
+    let (b, t, c3) = btc(qkv, op)?;
+    ensure(c3 % 3 == 0, op, || {
+        format!("`{}` last dimension {c3} is not 3·C", qkv.label())
+    })?;
+    let c = c3 / 3;
+    ensure(n_head > 0 && c % n_head == 0, op, || {
+        format!("width {c} is not divisible by {n_head} heads")
+    })?;
+    Ok(Dims {
+        b,
+        t,
+        c,
+        h: n_head,
+        hs: c / n_head,
+    })
+}
+
+fn zero_upper(m: &mut [f32], t: usize) {
+    for i in 0..t {
+        m[i * t + i + 1..(i + 1) * t].fill(0.0);
+    }
+}
+
+pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_scores")?;
+    ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
+    let q = read(qkv);
+    let scale = 1.0 / (d.hs as f32).sqrt();
+    let c3 = 3 * d.c;
+    write(scores, false, |s| {
+        s.par_chunks_mut(d.t * d.t).enumerate().for_each(|(bh, s)| {
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            let base = bi * d.t * c3 + hi * d.hs;
+            // SAFETY: q and k blocks of (bi, hi) lie inside `q`; `s` is [T, T].
+            unsafe {
+                gemm_raw(
+                    d.t,
+                    d.t,
+                    d.hs,
+                    s.as_mut_ptr(),
+                    d.t as isize,
+                    false,
+                    q.as_ptr().add(base),
+                    c3 as isize,
+                    1,
+                    q.as_ptr().add(base + d.c),
+                    1,
+                    c3 as isize,
+                    scale,
+                    false,
+                );
+            }
+            zero_upper(s, d.t);
+        })
+    });
+    Ok(())
+}
+
+pub(super) fn scores_backward(
+    dqkv: &mut Tensor,
+    dscores: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_scores_backward")?;
+    ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
+    ensure_shape(dscores, &[d.b, d.h, d.t, d.t], "attention_scores_backward")?;
+    let q = read(qkv);
+    let ds = read(dscores);
+    let scale = 1.0 / (d.hs as f32).sqrt();
+    let c3 = 3 * d.c;
+    write(dqkv, true, |dq| {
+        let out = SendPtr(dq.as_mut_ptr());
+        (0..d.b * d.h).into_par_iter().for_each(|bh| {
+            let out = out;
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            let base = bi * d.t * c3 + hi * d.hs;
+            let s = &ds[bh * d.t * d.t..(bh + 1) * d.t * d.t];
+            // SAFETY: each (bi, hi) writes its own q and k columns of dqkv.
+            unsafe {
+                // dQ = scale · dS · K
+                gemm_raw(
+                    d.t,
+                    d.hs,
+                    d.t,
+                    out.0.add(base),
+                    c3 as isize,
+                    false,
+                    s.as_ptr(),
+                    d.t as isize,
+                    1,
+                    q.as_ptr().add(base + d.c),
+                    c3 as isize,
+                    1,
+                    scale,
+                    false,
+                );
+                // dK = scale · dSᵀ · Q
+                gemm_raw(
+                    d.t,
+                    d.hs,
+                    d.t,
+                    out.0.add(base + d.c),
+                    c3 as isize,
+                    false,
+                    s.as_ptr(),
+                    1,
+                    d.t as isize,
+                    q.as_ptr().add(base),
+                    c3 as isize,
+                    1,
+                    scale,
+                    false,
+                );
+            }
+        })
+    });
+    Ok(())
+}
+
+fn square_rows(t: &Tensor, op: &'static str) -> Result<usize> {
+    let s = t.shape();
+    ensure(s.len() == 4 && s[2] == s[3], op, || {
+        format!("`{}` must be [B, H, T, T], it is {s:?}", t.label())
+    })?;
+    Ok(s[3])
+}
+
+pub(super) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+    let t = square_rows(scores, "softmax_causal")?;
+    ensure_shape(probs, scores.shape(), "softmax_causal")?;
+    let s = read(scores);
+    write(probs, false, |p| {
+        p.par_chunks_mut(t * t)
+            .zip(s.par_chunks(t * t))
+            .for_each(|(p, s)| {
+                for i in 0..t {
+                    let row = &s[i * t..i * t + i + 1];
+                    let out = &mut p[i * t..(i + 1) * t];
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+                    let mut sum = 0f32;
+                    for j in 0..=i {
+                        let e = (row[j] - max).exp();
+                        out[j] = e;
+                        sum += e;
+                    }
+                    let inv = 1.0 / sum;
+                    for v in &mut out[..=i] {
+                        *v *= inv;
+                    }
+                    out[i + 1..].fill(0.0);
+                }
+            })
+    });
+    Ok(())
+}
+
+pub(super) fn softmax_backward(
+    dscores: &mut Tensor,
+    dprobs: &Tensor,
+    probs: &Tensor,
+) -> Result<()> {
+    let t = square_rows(probs, "softmax_causal_backward")?;
+    ensure_shape(dscores, probs.shape(), "softmax_causal_backward")?;
+    ensure_shape(dprobs, probs.shape(), "softmax_causal_backward")?;
+    let p = read(probs);
+    let dp = read(dprobs);
+    write(dscores, false, |ds| {
+        ds.par_chunks_mut(t * t)
+            .zip(p.par_chunks(t * t).zip(dp.par_chunks(t * t)))
+            .for_each(|(ds, (p, dp))| {
+                for i in 0..t {
+                    let (pr, dr) = (&p[i * t..(i + 1) * t], &dp[i * t..(i + 1) * t]);
+                    let dot: f32 = (0..=i).map(|j| pr[j] * dr[j]).sum();
+                    let out = &mut ds[i * t..(i + 1) * t];
+                    for j in 0..=i {
+                        out[j] = pr[j] * (dr[j] - dot);
+                    }
+                    out[i + 1..].fill(0.0);
+                }
+            })
+    });
+    Ok(())
+}
+
+pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_values")?;
+    ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
+    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")?;
+    let q = read(qkv);
+    let p = read(probs);
+    let c3 = 3 * d.c;
+    write(out, false, |o| {
+        let optr = SendPtr(o.as_mut_ptr());
+        (0..d.b * d.h).into_par_iter().for_each(|bh| {
+            let optr = optr;
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            // SAFETY: each (bi, hi) writes its own head columns of out.
+            unsafe {
+                gemm_raw(
+                    d.t,
+                    d.hs,
+                    d.t,
+                    optr.0.add(bi * d.t * d.c + hi * d.hs),
+                    d.c as isize,
+                    false,
+                    p.as_ptr().add(bh * d.t * d.t),
+                    d.t as isize,
+                    1,
+                    q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                    c3 as isize,
+                    1,
+                    1.0,
+                    false,
+                );
+            }
+        })
+    });
+    Ok(())
+}
+
+pub(super) fn values_backward(
+    dprobs: &mut Tensor,
+    dqkv: &mut Tensor,
+    dout: &Tensor,
+    probs: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_values_backward")?;
+    ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
+    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values_backward")?;
+    ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
+    ensure_shape(dqkv, qkv.shape(), "attention_values_backward")?;
+    let q = read(qkv);
+    let p = read(probs);
+    let g = read(dout);
+    let c3 = 3 * d.c;
+    write(dprobs, false, |dp| {
+        dp.par_chunks_mut(d.t * d.t).enumerate().for_each(|(bh, dp)| {
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            // SAFETY: dout and v blocks of (bi, hi) lie inside their buffers.
+            unsafe {
+                // dP = dout · Vᵀ
+                gemm_raw(
+                    d.t,
+                    d.t,
+                    d.hs,
+                    dp.as_mut_ptr(),
+                    d.t as isize,
+                    false,
+                    g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
+                    d.c as isize,
+                    1,
+                    q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                    1,
+                    c3 as isize,
+                    1.0,
+                    false,
+                );
+            }
+            zero_upper(dp, d.t);
+        })
+    });
+    write(dqkv, true, |dq| {
+        let out = SendPtr(dq.as_mut_ptr());
+        (0..d.b * d.h).into_par_iter().for_each(|bh| {
+            let out = out;
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            // SAFETY: each (bi, hi) writes its own v columns of dqkv.
+            unsafe {
+                // dV = Pᵀ · dout
+                gemm_raw(
+                    d.t,
+                    d.hs,
+                    d.t,
+                    out.0.add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                    c3 as isize,
+                    false,
+                    p.as_ptr().add(bh * d.t * d.t),
+                    1,
+                    d.t as isize,
+                    g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
+                    d.c as isize,
+                    1,
+                    1.0,
+                    false,
+                );
+            }
+        })
+    });
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! Element-wise ops, casts and reductions.
+
+use super::{ensure, read, write, CHUNK};
+use crate::error::Result;
+use crate::tensor::{Storage, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+
+fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
+    ensure(a.numel() == b.numel(), op, || {
+        format!(
+            "`{}` {:?} and `{}` {:?} differ in size",
+            a.label(),
+            a.shape(),
+            b.label(),
+            b.shape()
+        )
+    })
+}
+
+pub(super) fn cast(dst: &mut Tensor, src: &Tensor) -> Result<()> {
+    same_len(dst, src, "cast")?;
+    match (dst.storage_mut(), src.storage()) {
+        (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
+        (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
+        (Storage::Bf16(d), Storage::F32(s)) => {
+            d.par_chunks_mut(CHUNK)
+                .zip(s.par_chunks(CHUNK))
+                .for_each(|(d, s)| {
+                    for (d, s) in d.iter_mut().zip(s) {
+                        *d = bf16::from_f32(*s);
+                    }
+                })
+        }
+        (Storage::F32(d), Storage::Bf16(s)) => {
+            d.par_chunks_mut(CHUNK)
+                .zip(s.par_chunks(CHUNK))
+                .for_each(|(d, s)| {
+                    for (d, s) in d.iter_mut().zip(s) {
+                        *d = s.to_f32();
+                    }
+                })
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn fill(t: &mut Tensor, value: f32) {
+    match t.storage_mut() {
+        Storage::F32(v) => v.fill(value),
+        Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
+    }
+}
+
+pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+    same_len(out, a, "add")?;
+    same_len(out, b, "add")?;
+    let (a, b) = (read(a), read(b));
+    write(out, false, |o| {
+        o.par_chunks_mut(CHUNK)
+            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+            .for_each(|(o, (a, b))| {
+                for i in 0..o.len() {
+                    o[i] = a[i] + b[i];
+                }
+            })
+    });
+    Ok(())
+}
+
+pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+    same_len(y, x, "axpy")?;
+    let x = read(x);
+    write(y, true, |y| {
+        y.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .for_each(|(y, x)| {
+                for (y, x) in y.iter_mut().zip(x) {
+                    *y += alpha * x;
+                }
+            })
+    });
+    Ok(())
+}
+
+pub(super) fn scale(x: &mut Tensor, alpha: f32) {
+    write(x, true, |x| {
+        x.par_chunks_mut(CHUNK).for_each(|x| {
+            for v in x {
+                *v *= alpha;
+            }
+        })
+    })
+}
+
+pub(super) fn sum_squares(x: &Tensor) -> f64 {
+    let x = read(x);
+    let partial: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>())
+        .collect();
+    partial.iter().sum()
+}
+
+/// Rows per block of a column reduction; blocks are summed in order, so results do not
+/// depend on the thread count.
+pub(super) const ROW_BLOCK: usize = 128;
+
+/// Column sums of a `[rows, cols]` matrix in f32, in a fixed order.
+pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let partial: Vec<Vec<f32>> = x[..rows * cols]
+        .par_chunks(ROW_BLOCK * cols)
+        .map(|block| {
+            let mut acc = vec![0f32; cols];
+            for row in block.chunks_exact(cols) {
+                for (a, v) in acc.iter_mut().zip(row) {
+                    *a += v;
+                }
+            }
+            acc
+        })
+        .collect();
+    let mut total = vec![0f32; cols];
+    for p in &partial {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total
+}
+
+pub(super) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+    let (rows, cols) = dout.rows_cols();
+    ensure(dbias.numel() == cols, "bias_backward", || {
+        format!(
+            "`{}` has {} elements, `{}` has {cols} columns",
+            dbias.label(),
+            dbias.numel(),
+            dout.label()
+        )
+    })?;
+    let sums = column_sums(&read(dout), rows, cols);
+    write(dbias, true, |d| {
+        for (d, s) in d.iter_mut().zip(&sums) {
+            *d += s;
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! Token and position embeddings.
+
+use super::{btc, ensure, read, write};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use rayon::prelude::*;
+
+fn check(
+    op: &'static str,
+    x: &Tensor,
+    tokens: &[u32],
+    wte: &Tensor,
+    wpe: &Tensor,
+) -> Result<(usize, usize, usize, usize)> {
+    let (b, t, c) = btc(x, op)?;
+    let (v, cw) = wte.rows_cols();
+    let (p, cp) = wpe.rows_cols();
+    ensure(cw == c && cp == c, op, || {
+        format!(
+            "embedding width differs: activations {c}, wte {cw}, wpe {cp}"
+        )
+    })?;
+    ensure(tokens.len() == b * t, op, || {
+        format!("{} tokens for a [{b}, {t}] batch", tokens.len())
+    })?;
+    ensure(t <= p, op, || {
+        format!("sequence length {t} exceeds the {p} positions of wpe")
+    })?;
+    if let Some(bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
+        return Err(Error::data(
+            "tokens",
+            format!("token id {bad} is beyond the vocabulary of {v}; use a tokenizer that matches the model's vocab_size"),
+        ));
+    }
+    Ok((b, t, c, v))
+}
+
+pub(super) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: &Tensor) -> Result<()> {
+    let (_, t, c, _) = check("embedding", out, tokens, wte, wpe)?;
+    let we = read(wte);
+    let pe = read(wpe);
+    write(out, false, |o| {
+        o.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
+            let tok = tokens[row] as usize;
+            let pos = row % t;
+            let w = &we[tok * c..(tok + 1) * c];
+            let p = &pe[pos * c..(pos + 1) * c];
+            for i in 0..c {
+                o[i] = w[i] + p[i];
+            }
+        })
+    });
+    Ok(())
+}
+
+pub(super) fn backward(
+    dwte: &mut Tensor,
+    dwpe: &mut Tensor,
+    dout: &Tensor,
+    tokens: &[u32],
+) -> Result<()> {
+    let (_, t, c, _) = check("embedding_backward", dout, tokens, dwte, dwpe)?;
+    let d = read(dout);
+    // Rows are added in token order: deterministic.
+    write(dwte, true, |dw| {
+        for (row, g) in d.chunks_exact(c).enumerate() {
+            let tok = tokens[row] as usize;
+            for (a, v) in dw[tok * c..(tok + 1) * c].iter_mut().zip(g) {
+                *a += v;
+            }
+        }
+    });
+    write(dwpe, true, |dp| {
+        for (row, g) in d.chunks_exact(c).enumerate() {
+            let pos = row % t;
+            for (a, v) in dp[pos * c..(pos + 1) * c].iter_mut().zip(g) {
+                *a += v;
+            }
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! Layer normalization over the last dimension, statistics in f32.
+
+use super::elementwise::ROW_BLOCK;
+use super::{ensure, ensure_f32, ensure_shape, read, write};
+use crate::error::Result;
+use crate::tensor::{Storage, Tensor};
+use rayon::prelude::*;
+
+pub(super) fn forward(
+    out: &mut Tensor,
+    stats: &mut Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f32,
+) -> Result<()> {
+    let (rows, c) = x.rows_cols();
+    ensure_shape(out, x.shape(), "layernorm")?;
+    ensure_shape(stats, &[rows, 2], "layernorm")?;
+    ensure_f32(stats, "layernorm")?;
+    ensure(weight.numel() == c && bias.numel() == c, "layernorm", || {
+        format!("weight and bias must have {c} elements")
+    })?;
+    let xv = read(x);
+    let w = read(weight);
+    let b = read(bias);
+    let Storage::F32(st) = stats.storage_mut() else {
+        unreachable!("checked f32 above")
+    };
+    write(out, false, |o| {
+        o.par_chunks_mut(c)
+            .zip(xv.par_chunks(c))
+            .zip(st.par_chunks_mut(2))
+            .for_each(|((o, x), st)| {
+                let mean = x.iter().sum::<f32>() / c as f32;
+                let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
+                let rstd = 1.0 / (var + eps).sqrt();
+                for i in 0..c {
+                    o[i] = (x[i] - mean) * rstd * w[i] + b[i];
+                }
+                st[0] = mean;
+                st[1] = rstd;
+            })
+    });
+    Ok(())
+}
+
+pub(super) fn backward(
+    dx: &mut Tensor,
+    dweight: &mut Tensor,
+    dbias: &mut Tensor,
+    dout: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    stats: &Tensor,
+) -> Result<()> {
+    let (rows, c) = x.rows_cols();
+    ensure_shape(dx, x.shape(), "layernorm_backward")?;
+    ensure_shape(dout, x.shape(), "layernorm_backward")?;
+    ensure_shape(stats, &[rows, 2], "layernorm_backward")?;
+    ensure(
+        weight.numel() == c && dweight.numel() == c && dbias.numel() == c,
+        "layernorm_backward",
+        || format!("weight, dweight and dbias must have {c} elements"),
+    )?;
+    let xv = read(x);
+    let dv = read(dout);
+    let w = read(weight);
+    let st = read(stats);
+    // Parameter gradients: partial sums per fixed block of rows, summed in block order.
+    let partial: Vec<(Vec<f32>, Vec<f32>)> = (0..rows.div_ceil(ROW_BLOCK))
+        .into_par_iter()
+        .map(|blk| {
+            let mut dw = vec![0f32; c];
+            let mut db = vec![0f32; c];
+            for r in blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(rows) {
+                let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
+                let x = &xv[r * c..(r + 1) * c];
+                let d = &dv[r * c..(r + 1) * c];
+                for i in 0..c {
+                    let norm = (x[i] - mean) * rstd;
+                    dw[i] += norm * d[i];
+                    db[i] += d[i];
+                }
+            }
+            (dw, db)
+        })
+        .collect();
+    write(dweight, true, |dw| {
+        for (p, _) in &partial {
+            for (a, v) in dw.iter_mut().zip(p) {
+                *a += v;
+            }
+        }
+    });
+    write(dbias, true, |db| {
+        for (_, p) in &partial {
+            for (a, v) in db.iter_mut().zip(p) {
+                *a += v;
+            }
+        }
+    });
+    write(dx, true, |o| {
+        o.par_chunks_mut(c)
+            .zip(xv.par_chunks(c).zip(dv.par_chunks(c)))
+            .zip(st.par_chunks(2))
+            .for_each(|((o, (x, d)), st)| {
+                let (mean, rstd) = (st[0], st[1]);
+                let mut mean_dn = 0f32;
+                let mut mean_dn_n = 0f32;
+                for i in 0..c {
+                    let norm = (x[i] - mean) * rstd;
+                    let dn = w[i] * d[i];
+                    mean_dn += dn;
+                    mean_dn_n += dn * norm;
+                }
+                mean_dn /= c as f32;
+                mean_dn_n /= c as f32;
+                for i in 0..c {
+                    let norm = (x[i] - mean) * rstd;
+                    let dn = w[i] * d[i];
+                    o[i] += rstd * (dn - mean_dn - norm * mean_dn_n);
+                }
+            })
+    });
+    Ok(())
+}

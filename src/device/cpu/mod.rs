@@ -1,0 +1,360 @@
+//! The CPU backend: the reference implementation of every op.
+//!
+//! Arithmetic is f32; bf16 tensors are stored as `half::bf16` and rounded where a GPU
+//! kernel stores its output. Every reduction runs in a fixed order (work is split into
+//! chunks whose boundaries depend on the shape only, never on the thread count), so the same
+//! inputs give bitwise-equal outputs, which the recompute policies rely on.
+
+mod adamw;
+mod attention;
+mod cross_entropy;
+mod elementwise;
+mod embedding;
+mod gelu;
+mod layernorm;
+mod matmul;
+
+use super::{AdamWStep, Backend, Device};
+use crate::error::{Error, Result};
+use crate::memory::{Ledger, MemoryCategory};
+use crate::tensor::{DType, Storage, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// Elements per parallel chunk of element-wise work.
+const CHUNK: usize = 1 << 14;
+
+/// The reference backend, running on the host with rayon threads.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    ledger: Ledger,
+}
+
+impl CpuBackend {
+    /// A CPU backend with its own ledger.
+    pub fn new() -> Self {
+        CpuBackend {
+            ledger: Ledger::new(),
+        }
+    }
+}
+
+/// The elements of `t` as f32, borrowed when `t` is f32.
+pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
+    match t.storage() {
+        Storage::F32(v) => Cow::Borrowed(v.as_slice()),
+        Storage::Bf16(v) => {
+            let mut out = vec![0f32; v.len()];
+            out.par_chunks_mut(CHUNK)
+                .zip(v.par_chunks(CHUNK))
+                .for_each(|(o, i)| {
+                    for (o, i) in o.iter_mut().zip(i) {
+                        *o = i.to_f32();
+                    }
+                });
+            Cow::Owned(out)
+        }
+    }
+}
+
+/// Runs `f` on the elements of `t` as f32 and stores the result in `t`'s dtype.
+/// With `load`, `f` sees the current contents (for accumulation); otherwise zeros.
+pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    match t.storage_mut() {
+        Storage::F32(v) => f(v.as_mut_slice()),
+        Storage::Bf16(v) => {
+            let mut tmp = vec![0f32; v.len()];
+            if load {
+                tmp.par_chunks_mut(CHUNK)
+                    .zip(v.par_chunks(CHUNK))
+                    .for_each(|(o, i)| {
+                        for (o, i) in o.iter_mut().zip(i) {
+                            *o = i.to_f32();
+                        }
+                    });
+            }
+            let r = f(&mut tmp);
+            v.par_chunks_mut(CHUNK)
+                .zip(tmp.par_chunks(CHUNK))
+                .for_each(|(o, i)| {
+                    for (o, i) in o.iter_mut().zip(i) {
+                        *o = bf16::from_f32(*i);
+                    }
+                });
+            r
+        }
+    }
+}
+
+/// Fails with a shape error unless `ok`.
+pub(crate) fn ensure(ok: bool, op: &'static str, message: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::shape(op, message()))
+    }
+}
+
+/// Fails unless `t` has exactly `shape`.
+pub(crate) fn ensure_shape(t: &Tensor, shape: &[usize], op: &'static str) -> Result<()> {
+    ensure(t.shape() == shape, op, || {
+        format!(
+            "`{}` has shape {:?}, expected {:?}",
+            t.label(),
+            t.shape(),
+            shape
+        )
+    })
+}
+
+/// Fails unless `t` is f32.
+pub(crate) fn ensure_f32(t: &Tensor, op: &'static str) -> Result<()> {
+    ensure(t.dtype() == DType::F32, op, || {
+        format!("`{}` must be f32, it is {}", t.label(), t.dtype())
+    })
+}
+
+/// `[B, T, C]` of a rank-3 tensor.
+pub(crate) fn btc(t: &Tensor, op: &'static str) -> Result<(usize, usize, usize)> {
+    match *t.shape() {
+        [b, tt, c] => Ok((b, tt, c)),
+        _ => Err(Error::shape(
+            op,
+            format!("`{}` must be [B, T, C], it is {:?}", t.label(), t.shape()),
+        )),
+    }
+}
+
+/// A raw pointer that may cross threads; users guarantee disjoint writes.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr<T>(pub *mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    fn zeros(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let bytes = (n * dtype.size()) as u64;
+        // Ask the ledger first so a refused allocation never touches host memory.
+        if let Some(err) = self.ledger.would_refuse(category, bytes, label) {
+            return Err(err);
+        }
+        let storage = match dtype {
+            DType::F32 => Storage::F32(vec![0.0; n]),
+            DType::Bf16 => Storage::Bf16(vec![bf16::ZERO; n]),
+        };
+        Tensor::new(storage, shape, category, label, &self.ledger)
+    }
+
+    fn from_f32(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor> {
+        let storage = match dtype {
+            DType::F32 => Storage::F32(data.to_vec()),
+            DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+        };
+        Tensor::new(storage, shape, category, label, &self.ledger)
+    }
+
+    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        Ok(read(t).into_owned())
+    }
+
+    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
+        let storage = match t.storage() {
+            Storage::F32(v) => Storage::F32(v.clone()),
+            Storage::Bf16(v) => Storage::Bf16(v.clone()),
+        };
+        Tensor::new(storage, t.shape(), category, label, &self.ledger)
+    }
+
+    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        elementwise::cast(dst, src)
+    }
+
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        elementwise::fill(t, value);
+        Ok(())
+    }
+
+    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        elementwise::add(out, a, b)
+    }
+
+    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+        elementwise::axpy(y, alpha, x)
+    }
+
+    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+        elementwise::scale(x, alpha);
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        Ok(elementwise::sum_squares(x))
+    }
+
+    fn matmul(
+        &self,
+        out: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: Option<&Tensor>,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) -> Result<()> {
+        matmul::matmul(out, a, b, bias, trans_a, trans_b, accumulate)
+    }
+
+    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+        elementwise::bias_backward(dbias, dout)
+    }
+
+    fn embedding(
+        &self,
+        out: &mut Tensor,
+        tokens: &[u32],
+        wte: &Tensor,
+        wpe: &Tensor,
+    ) -> Result<()> {
+        embedding::forward(out, tokens, wte, wpe)
+    }
+
+    fn embedding_backward(
+        &self,
+        dwte: &mut Tensor,
+        dwpe: &mut Tensor,
+        dout: &Tensor,
+        tokens: &[u32],
+    ) -> Result<()> {
+        embedding::backward(dwte, dwpe, dout, tokens)
+    }
+
+    fn layernorm(
+        &self,
+        out: &mut Tensor,
+        stats: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        layernorm::forward(out, stats, x, weight, bias, eps)
+    }
+
+    fn layernorm_backward(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dbias: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        stats: &Tensor,
+    ) -> Result<()> {
+        layernorm::backward(dx, dweight, dbias, dout, x, weight, stats)
+    }
+
+    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+        gelu::forward(out, x)
+    }
+
+    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+        gelu::backward(dx, x, dout)
+    }
+
+    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+        attention::scores(scores, qkv, n_head)
+    }
+
+    fn attention_scores_backward(
+        &self,
+        dqkv: &mut Tensor,
+        dscores: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()> {
+        attention::scores_backward(dqkv, dscores, qkv, n_head)
+    }
+
+    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+        attention::softmax(probs, scores)
+    }
+
+    fn softmax_causal_backward(
+        &self,
+        dscores: &mut Tensor,
+        dprobs: &Tensor,
+        probs: &Tensor,
+    ) -> Result<()> {
+        attention::softmax_backward(dscores, dprobs, probs)
+    }
+
+    fn attention_values(
+        &self,
+        out: &mut Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()> {
+        attention::values(out, probs, qkv, n_head)
+    }
+
+    fn attention_values_backward(
+        &self,
+        dprobs: &mut Tensor,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()> {
+        attention::values_backward(dprobs, dqkv, dout, probs, qkv, n_head)
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &mut Tensor,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: Option<f32>,
+    ) -> Result<f64> {
+        cross_entropy::cross_entropy(logits, targets, vocab, grad_scale)
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamWStep,
+    ) -> Result<()> {
+        adamw::adamw(param, grad, m, v, hp)
+    }
+}

@@ -1,0 +1,50 @@
+//! trainkit: train transformer language models on one GPU (or the CPU), with mixed
+//! precision, activation recomputation, gradient accumulation and memory accounting as
+//! pluggable policies.
+//!
+//! The core loop, [`Trainer`], is generic over five policy traits: [`Precision`],
+//! [`CheckpointPolicy`], [`Optimizer`], [`AccumulationSchedule`] and [`MemoryObserver`].
+//! Each ships with implementations and can be written by users in their own crates; each
+//! is serializable by a `kind` tag, so a strategy choice lives in a config file.
+#![warn(missing_docs)]
+
+pub mod accumulate;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod memory;
+pub mod model;
+pub mod optim;
+pub mod precision;
+mod rng;
+pub mod tensor;
+pub mod trainer;
+
+pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
+pub use checkpoint::{ActivationKind, ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective};
+pub use device::{Backend, CpuBackend, Device};
+pub use error::{Error, Result};
+pub use memory::{LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase};
+pub use model::{Gpt2, Gpt2Config, Model};
+pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
+pub use precision::{Fp32, MixedBf16, Precision};
+pub use rng::Rng;
+pub use tensor::{DType, Tensor};
+pub use trainer::{StepStats, Trainer, TrainerOptions};
+
+/// Everything a training script needs, in one import.
+pub mod prelude {
+    pub use crate::accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
+    pub use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Retention, Selective};
+    pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus};
+    pub use crate::device::{Backend, Device};
+    pub use crate::error::{Error, Result};
+    pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker};
+    pub use crate::model::{Gpt2, Gpt2Config, Model};
+    pub use crate::optim::{AdamW, LrSchedule, Optimizer, Sgd};
+    pub use crate::precision::{Fp32, MixedBf16, Precision};
+    pub use crate::tensor::DType;
+    pub use crate::trainer::{StepStats, Trainer, TrainerOptions};
+}

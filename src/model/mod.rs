@@ -1,0 +1,97 @@
+//! Models: the `Model` trait, GPT-2, parameters and the activation stash.
+
+mod gpt2;
+mod param;
+mod stash;
+
+pub use gpt2::{Gpt2, Gpt2Config};
+pub use param::Param;
+pub use stash::{LayerStash, StashStats};
+
+use crate::checkpoint::CheckpointPolicy;
+use crate::device::Backend;
+use crate::error::Result;
+use crate::rng::Rng;
+use crate::tensor::DType;
+use std::fmt::Debug;
+
+/// A parameter's name, shape and initial values, as a model creates it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamInit {
+    /// Hugging Face name of the parameter.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Initial values, row-major f32.
+    pub data: Vec<f32>,
+}
+
+/// What a model's forward and backward pass works with.
+pub struct Pass<'a> {
+    /// The backend every op runs on.
+    pub backend: &'a dyn Backend,
+    /// The parameters, in the order [`Model::init_params`] gave them.
+    pub params: &'a mut [Param],
+    /// Decides which activations are kept for backward.
+    pub checkpoint: &'a dyn CheckpointPolicy,
+    /// Dtype of activations (the precision's compute dtype).
+    pub dtype: DType,
+}
+
+/// One micro-batch of token ids: `inputs[b, t]` predicts `targets[b, t]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Rows.
+    pub batch_size: usize,
+    /// Tokens per row.
+    pub seq_len: usize,
+    /// Input ids, `batch_size · seq_len`, row-major.
+    pub inputs: Vec<u32>,
+    /// Target ids (inputs shifted by one), same layout.
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// Tokens in the batch (predicted positions).
+    pub fn tokens(&self) -> usize {
+        self.batch_size * self.seq_len
+    }
+}
+
+/// What one forward-and-backward pass reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassStats {
+    /// Sum of the per-position cross-entropy losses (nats).
+    pub loss_sum: f64,
+    /// Activation bytes kept and dropped by the checkpoint policy in forward.
+    pub stash: StashStats,
+}
+
+/// A language model trainable by [`crate::Trainer`]: it creates its parameters and runs
+/// forward, loss and backward on a batch, accumulating parameter gradients.
+pub trait Model: Debug + Send + Sync {
+    /// A short description, e.g. `gpt2 (4 layers, 4 heads, 256 wide)`.
+    fn describe(&self) -> String;
+
+    /// Vocabulary size (valid token ids are below it).
+    fn vocab_size(&self) -> usize;
+
+    /// Longest sequence the model accepts.
+    fn max_seq_len(&self) -> usize;
+
+    /// Parameters with their initial values, drawn from `rng`.
+    fn init_params(&self, rng: &mut Rng) -> Vec<ParamInit>;
+
+    /// Forward, loss and backward on `batch`. Gradients are accumulated into the
+    /// parameters, with the loss gradient scaled by `grad_scale` (so the sum of the
+    /// per-position losses times `grad_scale` is what is differentiated).
+    fn forward_backward(&self, pass: &mut Pass<'_>, batch: &Batch, grad_scale: f32)
+        -> Result<PassStats>;
+
+    /// Forward and loss only; returns the sum of per-position losses.
+    fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64>;
+
+    /// Training FLOPs per token (forward and backward, no recomputation), as llm.c counts
+    /// them: `6·N + 6·L·C·T` for sequence length `seq_len`.
+    fn flops_per_token(&self, seq_len: usize) -> f64;
+}

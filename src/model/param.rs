@@ -1,0 +1,148 @@
+//! `Param`: one named parameter with its compute weights, master copy, gradient and
+//! optimizer state.
+
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::MemoryCategory;
+use crate::precision::Precision;
+use crate::tensor::{DType, Tensor};
+
+/// A named parameter tensor and everything training keeps for it.
+///
+/// `value` is the f32 copy the optimizer updates: the master weights when the precision
+/// keeps them apart, otherwise the compute weights themselves. Gradients are allocated on
+/// the first backward; optimizer state slots are created by the optimizer on its first
+/// step.
+#[derive(Debug)]
+pub struct Param {
+    name: String,
+    weight: Tensor,
+    master: Option<Tensor>,
+    grad: Option<Tensor>,
+    grad_dtype: DType,
+    state: Vec<Tensor>,
+}
+
+impl Param {
+    /// A parameter initialised from `init` (f32, row-major), laid out as `precision` says.
+    pub fn new(
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        init: &[f32],
+        precision: &dyn Precision,
+    ) -> Result<Param> {
+        let compute = precision.compute_dtype();
+        let master = if precision.master_weights() {
+            Some(backend.from_f32(init, shape, DType::F32, MemoryCategory::MasterWeights, name)?)
+        } else {
+            if compute != DType::F32 {
+                return Err(Error::config(
+                    "precision",
+                    format!(
+                        "a precision without master weights must compute in f32, not {compute}"
+                    ),
+                ));
+            }
+            None
+        };
+        let weight = backend.from_f32(init, shape, compute, MemoryCategory::Weights, name)?;
+        Ok(Param {
+            name: name.to_string(),
+            weight,
+            master,
+            grad: None,
+            grad_dtype: precision.grad_dtype(),
+            state: Vec::new(),
+        })
+    }
+
+    /// The parameter's name (Hugging Face's, e.g. `transformer.h.0.attn.c_attn.weight`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        self.weight.shape()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.weight.numel()
+    }
+
+    /// Whether weight decay applies: matrices and embeddings (rank >= 2), not biases or
+    /// norm gains.
+    pub fn decays(&self) -> bool {
+        self.weight.rank() >= 2
+    }
+
+    /// The weights forward and backward read (compute dtype).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The f32 values the optimizer updates (master copy, or the weights in f32 training).
+    pub fn value(&self) -> &Tensor {
+        self.master.as_ref().unwrap_or(&self.weight)
+    }
+
+    /// The accumulated gradient, once backward has run.
+    pub fn grad(&self) -> Option<&Tensor> {
+        self.grad.as_ref()
+    }
+
+    /// The values to update, the gradient and the optimizer state slots, together.
+    /// Fails if no backward has produced a gradient yet.
+    pub fn update_parts(&mut self) -> Result<(&mut Tensor, &Tensor, &mut Vec<Tensor>)> {
+        let grad = self.grad.as_ref().ok_or_else(|| Error::Backend {
+            backend: "optimizer",
+            message: format!("`{}` has no gradient: run backward first", self.name),
+        })?;
+        let value = self.master.as_mut().unwrap_or(&mut self.weight);
+        Ok((value, grad, &mut self.state))
+    }
+
+    /// Optimizer state slots (empty until the optimizer's first step).
+    pub fn state(&self) -> &[Tensor] {
+        &self.state
+    }
+
+    /// The gradient buffer, allocated (zeroed) on first use.
+    pub(crate) fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
+        if self.grad.is_none() {
+            let g = backend.zeros(
+                self.weight.shape(),
+                self.grad_dtype,
+                MemoryCategory::Gradients,
+                &self.name,
+            )?;
+            self.grad = Some(g);
+        }
+        Ok(self.grad.as_mut().expect("allocated above"))
+    }
+
+    /// The compute weights and the gradient buffer, for an op that reads one and
+    /// accumulates into the other.
+    pub(crate) fn weight_and_grad(&mut self, backend: &dyn Backend) -> Result<(&Tensor, &mut Tensor)> {
+        self.grad_mut(backend)?;
+        Ok((&self.weight, self.grad.as_mut().expect("allocated above")))
+    }
+
+    /// Zeroes the gradient (kept allocated, as PyTorch's `zero_grad(set_to_none=False)`).
+    pub(crate) fn zero_grad(&mut self, backend: &dyn Backend) -> Result<()> {
+        if let Some(g) = self.grad.as_mut() {
+            backend.fill(g, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the master weights into the compute weights (after an optimizer step).
+    pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {
+        if let Some(master) = &self.master {
+            backend.cast(&mut self.weight, master)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,69 @@
+//! Optimizers, learning-rate schedules and gradient clipping.
+
+mod adamw;
+mod clip;
+mod schedule;
+mod sgd;
+
+pub use crate::model::Param;
+pub use adamw::AdamW;
+pub use clip::{clip_coefficient, global_grad_norm};
+pub use schedule::LrSchedule;
+pub use sgd::Sgd;
+
+use crate::device::Backend;
+use crate::error::Result;
+use dyn_clone::DynClone;
+use std::fmt::Debug;
+
+/// Updates parameters from their gradients.
+///
+/// An optimizer value holds hyper-parameters; its per-parameter state (moments, momentum)
+/// lives in each [`Param`]'s state slots, which the optimizer creates lazily on its first
+/// step (so optimizer memory appears at step 1, as in PyTorch).
+#[typetag::serde(tag = "kind")]
+pub trait Optimizer: DynClone + Debug + Send + Sync {
+    /// The base learning rate (schedules scale from it).
+    fn learning_rate(&self) -> f32;
+
+    /// One update of every parameter. `lr` is this step's learning rate, `grad_scale`
+    /// multiplies every gradient (clipping), and `step` is 1-based.
+    fn step(
+        &mut self,
+        backend: &dyn Backend,
+        params: &mut [Param],
+        lr: f32,
+        grad_scale: f32,
+        step: u64,
+    ) -> Result<()>;
+
+    /// Bytes of optimizer state per parameter element (8 for Adam's two f32 moments).
+    fn state_bytes_per_param(&self) -> usize;
+}
+
+dyn_clone::clone_trait_object!(Optimizer);
+
+impl Optimizer for Box<dyn Optimizer> {
+    fn learning_rate(&self) -> f32 {
+        (**self).learning_rate()
+    }
+    fn step(
+        &mut self,
+        backend: &dyn Backend,
+        params: &mut [Param],
+        lr: f32,
+        grad_scale: f32,
+        step: u64,
+    ) -> Result<()> {
+        (**self).step(backend, params, lr, grad_scale, step)
+    }
+    fn state_bytes_per_param(&self) -> usize {
+        (**self).state_bytes_per_param()
+    }
+    #[doc(hidden)]
+    fn typetag_name(&self) -> &'static str {
+        (**self).typetag_name()
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
+}

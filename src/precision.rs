@@ -1,0 +1,119 @@
+//! `Precision`: which dtypes hold weights, activations and gradients, and loss scaling.
+
+use crate::tensor::DType;
+use dyn_clone::DynClone;
+use serde::{Deserialize, Serialize};
+use std::fmt::Debug;
+
+/// Chooses the dtypes of training.
+///
+/// The trainer asks it the compute dtype (weights read by forward and backward, and
+/// activations), whether a separate f32 master copy of the weights exists, and the dtype
+/// gradients accumulate in. The loss-scale hooks let a precision scale the loss before
+/// backward and react to non-finite gradients (identity for f32 and bf16).
+#[typetag::serde(tag = "kind")]
+pub trait Precision: DynClone + Debug + Send + Sync {
+    /// Dtype of the weights used in forward and backward, and of activations.
+    fn compute_dtype(&self) -> DType;
+
+    /// Whether an f32 master copy of the weights is kept apart from the compute weights.
+    /// When false, the compute weights are f32 and the optimizer updates them in place.
+    fn master_weights(&self) -> bool;
+
+    /// Dtype gradients are accumulated in across micro-batches.
+    fn grad_dtype(&self) -> DType;
+
+    /// Factor the loss is multiplied by before backward (1 without loss scaling).
+    fn loss_scale(&self) -> f32 {
+        1.0
+    }
+
+    /// Called after each step's gradients are checked; `finite` is false when any was not.
+    fn update_loss_scale(&mut self, finite: bool) {
+        let _ = finite;
+    }
+}
+
+dyn_clone::clone_trait_object!(Precision);
+
+impl Precision for Box<dyn Precision> {
+    fn compute_dtype(&self) -> DType {
+        (**self).compute_dtype()
+    }
+    fn master_weights(&self) -> bool {
+        (**self).master_weights()
+    }
+    fn grad_dtype(&self) -> DType {
+        (**self).grad_dtype()
+    }
+    fn loss_scale(&self) -> f32 {
+        (**self).loss_scale()
+    }
+    fn update_loss_scale(&mut self, finite: bool) {
+        (**self).update_loss_scale(finite)
+    }
+    #[doc(hidden)]
+    fn typetag_name(&self) -> &'static str {
+        (**self).typetag_name()
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
+}
+
+/// Everything in f32: weights, activations, gradients, optimizer state (16 bytes per
+/// parameter with Adam).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp32;
+
+#[typetag::serde(name = "fp32")]
+impl Precision for Fp32 {
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn master_weights(&self) -> bool {
+        false
+    }
+    fn grad_dtype(&self) -> DType {
+        DType::F32
+    }
+}
+
+/// bf16 compute with f32 master weights: weights are cast to bf16 for forward and
+/// backward, activations are bf16, matmuls accumulate in f32, norms, softmax and the loss
+/// are computed in f32, gradients accumulate in f32 (`fp32_grads`) or bf16, and the
+/// optimizer updates the f32 master copy, which is then cast back to bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixedBf16 {
+    /// Accumulate gradients in f32 (true) or bf16 (false).
+    #[serde(default = "default_true")]
+    pub fp32_grads: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for MixedBf16 {
+    fn default() -> Self {
+        MixedBf16 { fp32_grads: true }
+    }
+}
+
+#[typetag::serde(name = "mixed_bf16")]
+impl Precision for MixedBf16 {
+    fn compute_dtype(&self) -> DType {
+        DType::Bf16
+    }
+    fn master_weights(&self) -> bool {
+        true
+    }
+    fn grad_dtype(&self) -> DType {
+        if self.fp32_grads {
+            DType::F32
+        } else {
+            DType::Bf16
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! `Tensor`: a shaped buffer on a device, tagged with its memory category and a label.
+
+use crate::error::{Error, Result};
+use crate::memory::{Ledger, MemoryCategory};
+use half::bf16;
+use serde::{Deserialize, Serialize};
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16: f32's exponent range with 8 bits of mantissa.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+
+    /// Rounds an f32 value to this dtype's precision (round to nearest even), as stored.
+    #[inline]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::F32 => x,
+            DType::Bf16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        })
+    }
+}
+
+/// Where a tensor's elements live. Backends match on it; users never need to.
+#[derive(Debug)]
+pub(crate) enum Storage {
+    /// Host memory, f32 elements.
+    F32(Vec<f32>),
+    /// Host memory, bf16 elements.
+    Bf16(Vec<bf16>),
+}
+
+impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::Bf16(v) => v.len(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::Bf16(_) => DType::Bf16,
+        }
+    }
+}
+
+/// A shaped buffer owned by a backend. Its bytes are in the backend's [`Ledger`] from
+/// creation to drop, under its [`MemoryCategory`] and label.
+///
+/// Tensors are created by [`crate::Backend`] methods and read back with
+/// [`crate::Backend::to_f32`]; they are not `Clone` (a copy is an allocation:
+/// [`crate::Backend::copy`]).
+#[derive(Debug)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    category: MemoryCategory,
+    label: String,
+    storage: Storage,
+    ledger: Ledger,
+    id: u64,
+}
+
+impl Tensor {
+    /// Wraps `storage`, registering its bytes in `ledger`.
+    pub(crate) fn new(
+        storage: Storage,
+        shape: &[usize],
+        category: MemoryCategory,
+        label: impl Into<String>,
+        ledger: &Ledger,
+    ) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        let label = label.into();
+        if numel != storage.len() {
+            return Err(Error::shape(
+                "tensor",
+                format!(
+                    "`{label}`: shape {shape:?} holds {numel} elements but {} were given",
+                    storage.len()
+                ),
+            ));
+        }
+        let bytes = (numel * storage.dtype().size()) as u64;
+        let id = ledger.alloc(category, bytes, &label)?;
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            category,
+            label,
+            storage,
+            ledger: ledger.clone(),
+            id,
+        })
+    }
+
+    /// The shape, outermost dimension first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// The memory category the ledger counts this tensor under.
+    pub fn category(&self) -> MemoryCategory {
+        self.category
+    }
+
+    /// The label the ledger and observers show for this tensor.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// Exact bytes of the elements.
+    pub fn bytes(&self) -> u64 {
+        (self.numel() * self.dtype().size()) as u64
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// The shape as a matrix: all leading dimensions are rows, the last is columns.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self.shape.split_last() {
+            Some((&cols, rest)) => (rest.iter().product(), cols),
+            None => (1, 1),
+        }
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    pub(crate) fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        self.ledger
+            .free(self.id, self.category, self.bytes(), &self.label);
+    }
+}

@@ -1,0 +1,509 @@
+//! The core loop: one optimizer step over accumulated micro-batches, generic over the five
+//! policy traits.
+
+use crate::accumulate::{AccumulationContext, AccumulationSchedule, Constant};
+use crate::checkpoint::{CheckpointPolicy, NoRecompute};
+use crate::data::DataLoader;
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::{CategoryBytes, MemoryObserver, PeakTracker, Phase};
+use crate::model::{Batch, Model, Param, Pass, StashStats};
+use crate::optim::{clip_coefficient, global_grad_norm, AdamW, LrSchedule, Optimizer};
+use crate::precision::{Fp32, Precision};
+use crate::rng::Rng;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Settings of the loop that are not policies.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerOptions {
+    /// Global-norm gradient clipping threshold (0 = off).
+    pub grad_clip: f32,
+    /// Learning-rate schedule, relative to the optimizer's base rate.
+    pub lr_schedule: LrSchedule,
+    /// Steps of the whole run (cosine schedules decay over them).
+    pub total_steps: u64,
+    /// Seed of parameter initialization.
+    pub seed: u64,
+}
+
+impl Default for TrainerOptions {
+    fn default() -> Self {
+        TrainerOptions {
+            grad_clip: 1.0,
+            lr_schedule: LrSchedule::default(),
+            total_steps: 0,
+            seed: 1337,
+        }
+    }
+}
+
+/// Peak memory of one step, from the ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepMemory {
+    /// Each category's own maximum during the step.
+    pub peak: CategoryBytes,
+    /// The maximum of the total during the step.
+    pub peak_total: u64,
+    /// The breakdown at the moment the total peaked.
+    pub at_peak: CategoryBytes,
+}
+
+/// What one optimizer step did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    /// The step just completed (1-based).
+    pub step: u64,
+    /// Mean cross-entropy over the step's tokens (nats).
+    pub loss: f64,
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Tokens in the step (micro-batches × rows × sequence length).
+    pub tokens: u64,
+    /// Micro-batches accumulated.
+    pub micro_batches: usize,
+    /// Wall time of the step.
+    pub seconds: f64,
+    /// Throughput.
+    pub tokens_per_s: f64,
+    /// Whether the update was skipped because the loss or gradients were not finite.
+    pub skipped: bool,
+    /// Peak bytes per category during the step.
+    pub memory: StepMemory,
+    /// Activation bytes the checkpoint policy kept, dropped and recomputed (summed over
+    /// micro-batches).
+    #[serde(skip)]
+    pub stash: StashStats,
+}
+
+/// Trains a model: the loop of forward, backward, accumulation, clipping and update,
+/// generic over the five policies.
+///
+/// Built in code with concrete policy types (`Trainer<MixedBf16, Selective, AdamW,
+/// Constant, PeakTracker>`), or from a config file with boxed ones
+/// (`Trainer<Box<dyn Precision>, ...>`); both run this one loop.
+pub struct Trainer<P, C, O, A, M> {
+    model: Box<dyn Model>,
+    backend: Arc<dyn Backend>,
+    params: Vec<Param>,
+    precision: P,
+    checkpoint: C,
+    optimizer: O,
+    accumulation: A,
+    observer: M,
+    data: DataLoader,
+    options: TrainerOptions,
+    step: u64,
+    tokens_seen: u64,
+    skipped_steps: u64,
+}
+
+/// Assembles a [`Trainer`]; each policy setter changes the builder's type.
+pub struct TrainerBuilder<P, C, O, A, M> {
+    model: Box<dyn Model>,
+    backend: Arc<dyn Backend>,
+    data: DataLoader,
+    precision: P,
+    checkpoint: C,
+    optimizer: O,
+    accumulation: A,
+    observer: M,
+    options: TrainerOptions,
+}
+
+impl Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
+    /// Starts a trainer for `model` on `backend` reading `data`, with the defaults:
+    /// `Fp32`, `NoRecompute`, `AdamW::default()`, `Constant(1)`, `PeakTracker`.
+    pub fn builder(
+        model: impl Model + 'static,
+        backend: Arc<dyn Backend>,
+        data: DataLoader,
+    ) -> TrainerBuilder<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
+        TrainerBuilder {
+            model: Box::new(model),
+            backend,
+            data,
+            precision: Fp32,
+            checkpoint: NoRecompute,
+            optimizer: AdamW::default(),
+            accumulation: Constant::new(1),
+            observer: PeakTracker::new(),
+            options: TrainerOptions::default(),
+        }
+    }
+}
+
+impl<P, C, O, A, M> TrainerBuilder<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// Sets the precision policy.
+    pub fn precision<P2: Precision>(self, precision: P2) -> TrainerBuilder<P2, C, O, A, M> {
+        TrainerBuilder {
+            model: self.model,
+            backend: self.backend,
+            data: self.data,
+            precision,
+            checkpoint: self.checkpoint,
+            optimizer: self.optimizer,
+            accumulation: self.accumulation,
+            observer: self.observer,
+            options: self.options,
+        }
+    }
+
+    /// Sets the activation checkpointing policy.
+    pub fn checkpoint<C2: CheckpointPolicy>(self, checkpoint: C2) -> TrainerBuilder<P, C2, O, A, M> {
+        TrainerBuilder {
+            model: self.model,
+            backend: self.backend,
+            data: self.data,
+            precision: self.precision,
+            checkpoint,
+            optimizer: self.optimizer,
+            accumulation: self.accumulation,
+            observer: self.observer,
+            options: self.options,
+        }
+    }
+
+    /// Sets the optimizer.
+    pub fn optimizer<O2: Optimizer>(self, optimizer: O2) -> TrainerBuilder<P, C, O2, A, M> {
+        TrainerBuilder {
+            model: self.model,
+            backend: self.backend,
+            data: self.data,
+            precision: self.precision,
+            checkpoint: self.checkpoint,
+            optimizer,
+            accumulation: self.accumulation,
+            observer: self.observer,
+            options: self.options,
+        }
+    }
+
+    /// Sets the gradient accumulation schedule.
+    pub fn accumulation<A2: AccumulationSchedule>(
+        self,
+        accumulation: A2,
+    ) -> TrainerBuilder<P, C, O, A2, M> {
+        TrainerBuilder {
+            model: self.model,
+            backend: self.backend,
+            data: self.data,
+            precision: self.precision,
+            checkpoint: self.checkpoint,
+            optimizer: self.optimizer,
+            accumulation,
+            observer: self.observer,
+            options: self.options,
+        }
+    }
+
+    /// Sets the memory observer.
+    pub fn observer<M2: MemoryObserver>(self, observer: M2) -> TrainerBuilder<P, C, O, A, M2> {
+        TrainerBuilder {
+            model: self.model,
+            backend: self.backend,
+            data: self.data,
+            precision: self.precision,
+            checkpoint: self.checkpoint,
+            optimizer: self.optimizer,
+            accumulation: self.accumulation,
+            observer,
+            options: self.options,
+        }
+    }
+
+    /// Sets the loop's options (clipping, schedule, seed).
+    pub fn options(mut self, options: TrainerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Creates the parameters and returns the trainer.
+    pub fn build(self) -> Result<Trainer<P, C, O, A, M>> {
+        Trainer::new(
+            self.model,
+            self.backend,
+            self.data,
+            self.precision,
+            self.checkpoint,
+            self.optimizer,
+            self.accumulation,
+            self.observer,
+            self.options,
+        )
+    }
+}
+
+impl<P, C, O, A, M> Trainer<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// A trainer with freshly initialised parameters (seeded by `options.seed`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: Box<dyn Model>,
+        backend: Arc<dyn Backend>,
+        data: DataLoader,
+        precision: P,
+        checkpoint: C,
+        optimizer: O,
+        accumulation: A,
+        observer: M,
+        options: TrainerOptions,
+    ) -> Result<Self> {
+        if data.seq_len() > model.max_seq_len() {
+            return Err(Error::config(
+                "seq_len",
+                format!(
+                    "{} exceeds the model's context of {}; use at most {}",
+                    data.seq_len(),
+                    model.max_seq_len(),
+                    model.max_seq_len()
+                ),
+            ));
+        }
+        if !(options.grad_clip >= 0.0 && options.grad_clip.is_finite()) {
+            return Err(Error::config(
+                "grad_clip",
+                format!("{} is not a finite value >= 0 (0 turns clipping off)", options.grad_clip),
+            ));
+        }
+        backend.ledger().set_recording(true);
+        let mut rng = Rng::new(options.seed);
+        let params = model
+            .init_params(&mut rng)
+            .iter()
+            .map(|p| Param::new(backend.as_ref(), &p.name, &p.shape, &p.data, &precision))
+            .collect::<Result<Vec<_>>>()?;
+        let mut trainer = Trainer {
+            model,
+            backend,
+            params,
+            precision,
+            checkpoint,
+            optimizer,
+            accumulation,
+            observer,
+            data,
+            options,
+            step: 0,
+            tokens_seen: 0,
+            skipped_steps: 0,
+        };
+        trainer.flush_events();
+        Ok(trainer)
+    }
+
+    fn flush_events(&mut self) {
+        for e in self.backend.ledger().drain_events() {
+            self.observer.on_event(&e);
+        }
+    }
+
+    /// Runs one optimizer step: the schedule's micro-batches of forward and backward,
+    /// clipping, a finite check, the update, and the refresh of compute weights.
+    pub fn step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let backend = Arc::clone(&self.backend);
+        let be = backend.as_ref();
+        let ledger = be.ledger().clone();
+        ledger.reset_peaks();
+        let (b, t) = (self.data.batch_size(), self.data.seq_len());
+        let tokens_per_micro = (b * t) as u64;
+        let k = self.accumulation.micro_batches(&AccumulationContext {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            tokens_per_micro_batch: tokens_per_micro,
+        })?;
+        if k == 0 {
+            return Err(Error::config("accumulation", "a step needs at least one micro-batch"));
+        }
+        for p in &mut self.params {
+            p.zero_grad(be)?;
+        }
+        let loss_scale = self.precision.loss_scale();
+        let grad_scale = loss_scale / (tokens_per_micro as f32 * k as f32);
+        let mut loss_sum = 0.0;
+        let mut stash = StashStats::default();
+        for j in 0..k {
+            ledger.phase_begin(Phase::MicroBatch(j));
+            let batch = self.data.next_batch();
+            let mut pass = Pass {
+                backend: be,
+                params: &mut self.params,
+                checkpoint: &self.checkpoint,
+                dtype: self.precision.compute_dtype(),
+            };
+            let s = self.model.forward_backward(&mut pass, &batch, grad_scale)?;
+            loss_sum += s.loss_sum;
+            stash.kept_bytes += s.stash.kept_bytes;
+            stash.dropped_bytes += s.stash.dropped_bytes;
+            stash.recomputed_bytes += s.stash.recomputed_bytes;
+            ledger.phase_end(Phase::MicroBatch(j));
+            self.flush_events();
+        }
+
+        ledger.phase_begin(Phase::Optimizer);
+        let grad_norm = global_grad_norm(be, &self.params)? / loss_scale as f64;
+        let loss = loss_sum / (tokens_per_micro * k as u64) as f64;
+        let finite = grad_norm.is_finite() && loss.is_finite();
+        self.precision.update_loss_scale(finite);
+        let lr = self.options.lr_schedule.lr(
+            self.optimizer.learning_rate(),
+            self.step,
+            self.options.total_steps,
+        );
+        if finite {
+            let coef = clip_coefficient(grad_norm, self.options.grad_clip as f64);
+            self.optimizer
+                .step(be, &mut self.params, lr, coef / loss_scale, self.step + 1)?;
+            for p in &mut self.params {
+                p.refresh_weight(be)?;
+            }
+        } else {
+            self.skipped_steps += 1;
+            log::warn!(
+                "step {}: loss {loss} or gradient norm {grad_norm} is not finite; update skipped",
+                self.step + 1
+            );
+        }
+        be.synchronize()?;
+        ledger.phase_end(Phase::Optimizer);
+        self.step += 1;
+        self.tokens_seen += tokens_per_micro * k as u64;
+        ledger.step_end(self.step, None);
+        self.flush_events();
+        let snap = ledger.snapshot();
+        let seconds = start.elapsed().as_secs_f64();
+        let tokens = tokens_per_micro * k as u64;
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            grad_norm,
+            lr,
+            tokens,
+            micro_batches: k,
+            seconds,
+            tokens_per_s: tokens as f64 / seconds.max(1e-12),
+            skipped: !finite,
+            memory: StepMemory {
+                peak: snap.peak,
+                peak_total: snap.peak_total,
+                at_peak: snap.at_peak,
+            },
+            stash,
+        })
+    }
+
+    /// Mean loss over `batches` batches of `data`, without touching gradients.
+    pub fn evaluate(&mut self, data: &mut DataLoader, batches: usize) -> Result<f64> {
+        let mut sum = 0.0;
+        let mut n = 0usize;
+        for _ in 0..batches {
+            let batch = data.next_batch();
+            sum += self.loss_on(&batch)?;
+            n += batch.tokens();
+        }
+        self.flush_events();
+        Ok(sum / n.max(1) as f64)
+    }
+
+    /// Sum of per-position losses on one batch (forward only).
+    pub fn loss_on(&mut self, batch: &Batch) -> Result<f64> {
+        let mut pass = Pass {
+            backend: self.backend.as_ref(),
+            params: &mut self.params,
+            checkpoint: &self.checkpoint,
+            dtype: self.precision.compute_dtype(),
+        };
+        self.model.loss(&mut pass, batch)
+    }
+
+    /// The parameters, in the model's order.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// Mutable parameters (to load weights, or to inject faults in tests).
+    pub fn params_mut(&mut self) -> &mut [Param] {
+        &mut self.params
+    }
+
+    /// The backend training runs on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The model.
+    pub fn model(&self) -> &dyn Model {
+        self.model.as_ref()
+    }
+
+    /// The memory observer.
+    pub fn observer(&self) -> &M {
+        &self.observer
+    }
+
+    /// The precision policy.
+    pub fn precision(&self) -> &P {
+        &self.precision
+    }
+
+    /// The checkpoint policy.
+    pub fn checkpoint(&self) -> &C {
+        &self.checkpoint
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &O {
+        &self.optimizer
+    }
+
+    /// The accumulation schedule.
+    pub fn accumulation(&self) -> &A {
+        &self.accumulation
+    }
+
+    /// The training data.
+    pub fn data(&self) -> &DataLoader {
+        &self.data
+    }
+
+    /// Optimizer steps completed.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// Tokens trained on.
+    pub fn tokens_seen(&self) -> u64 {
+        self.tokens_seen
+    }
+
+    /// Steps whose update was skipped because of non-finite values.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    /// Values (f32) of the parameter named `name`, if it exists.
+    pub fn param_values(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        match self.params.iter().find(|p| p.name() == name) {
+            Some(p) => Ok(Some(self.backend.to_f32(p.value())?)),
+            None => Ok(None),
+        }
+    }
+}
