@@ -160,7 +160,8 @@ pub trait Backend: Debug + Send + Sync {
     /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
     fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()>;
 
-    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`.
+    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`
+    /// (entries of `dscores` above the diagonal are ignored).
     fn attention_scores_backward(
         &self,
         dqkv: &mut Tensor,

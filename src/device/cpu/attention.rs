@@ -96,7 +96,9 @@ pub(super) fn scores_backward(
             let out = out;
             let (bi, hi) = (bh / d.h, bh % d.h);
             let base = bi * d.t * c3 + hi * d.hs;
-            let s = &ds[bh * d.t * d.t..(bh + 1) * d.t * d.t];
+            // Scores above the diagonal are constant, so their gradient is ignored.
+            let mut s = ds[bh * d.t * d.t..(bh + 1) * d.t * d.t].to_vec();
+            zero_upper(&mut s, d.t);
             // SAFETY: each (bi, hi) writes its own q and k columns of dqkv.
             unsafe {
                 // dQ = scale · dS · K

@@ -1,0 +1,312 @@
+//! Every op's backward against central finite differences of its forward, on random
+//! inputs, through the public `Backend` API.
+
+mod common;
+
+use common::{cpu, randn, tensor};
+use trainkit::{Backend, Rng, Tensor};
+
+/// Central finite differences of `loss` at `x` along a sample of coordinates, compared
+/// with `analytic`.
+fn check_gradient(name: &str, x: &[f32], analytic: &[f32], loss: &dyn Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len(), "{name}: gradient length");
+    let h = 1e-2f32;
+    let step = (x.len() / 40).max(1);
+    let mut worst = 0f64;
+    for i in (0..x.len()).step_by(step) {
+        let mut xp = x.to_vec();
+        xp[i] += h;
+        let mut xm = x.to_vec();
+        xm[i] -= h;
+        let numeric = (loss(&xp) - loss(&xm)) / (2.0 * h as f64);
+        let a = analytic[i] as f64;
+        let err = (numeric - a).abs() / (1e-2 + numeric.abs().max(a.abs()));
+        worst = worst.max(err);
+        assert!(
+            err < 2e-2,
+            "{name}: coordinate {i}: numeric {numeric:.6}, analytic {a:.6}"
+        );
+    }
+    assert!(worst.is_finite(), "{name}");
+}
+
+/// `Σ w · out`, the scalar each test differentiates.
+fn weighted(be: &dyn Backend, out: &Tensor, w: &[f32]) -> f64 {
+    be.to_f32(out)
+        .unwrap()
+        .iter()
+        .zip(w)
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum()
+}
+
+#[test]
+fn matmul_backward_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(1);
+    let (m, k, n) = (5, 7, 6);
+    let a = randn(&mut rng, m * k, 1.0);
+    let b = randn(&mut rng, k * n, 1.0);
+    let bias = randn(&mut rng, n, 1.0);
+    let w = randn(&mut rng, m * n, 1.0);
+    let forward = |a: &[f32], b: &[f32], bias: &[f32]| {
+        let mut out = tensor(be, &vec![0.0; m * n], &[m, n]);
+        be.matmul(
+            &mut out,
+            &tensor(be, a, &[m, k]),
+            &tensor(be, b, &[k, n]),
+            Some(&tensor(be, bias, &[n])),
+            false,
+            false,
+            false,
+        )
+        .unwrap();
+        weighted(be, &out, &w)
+    };
+    let dy = tensor(be, &w, &[m, n]);
+    // dA = dY · Bᵀ, dB = Aᵀ · dY, dbias = Σ dY: the products the model's backward uses.
+    let mut da = tensor(be, &vec![0.0; m * k], &[m, k]);
+    be.matmul(&mut da, &dy, &tensor(be, &b, &[k, n]), None, false, true, false)
+        .unwrap();
+    let mut db = tensor(be, &vec![0.0; k * n], &[k, n]);
+    be.matmul(&mut db, &tensor(be, &a, &[m, k]), &dy, None, true, false, false)
+        .unwrap();
+    let mut dbias = tensor(be, &vec![0.0; n], &[n]);
+    be.bias_backward(&mut dbias, &dy).unwrap();
+    check_gradient("matmul dA", &a, &be.to_f32(&da).unwrap(), &|x| forward(x, &b, &bias));
+    check_gradient("matmul dB", &b, &be.to_f32(&db).unwrap(), &|x| forward(&a, x, &bias));
+    check_gradient("matmul dbias", &bias, &be.to_f32(&dbias).unwrap(), &|x| forward(&a, &b, x));
+}
+
+#[test]
+fn matmul_transposes_and_accumulation_match_a_naive_product() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(2);
+    let (m, k, n) = (33, 17, 29);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let a = randn(&mut rng, m * k, 1.0);
+        let b = randn(&mut rng, k * n, 1.0);
+        let init = randn(&mut rng, m * n, 1.0);
+        let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
+        let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
+        let a_shape = if ta { [k, m] } else { [m, k] };
+        let b_shape = if tb { [n, k] } else { [k, n] };
+        let mut out = tensor(be, &init, &[m, n]);
+        be.matmul(&mut out, &tensor(be, &a, &a_shape), &tensor(be, &b, &b_shape), None, ta, tb, true)
+            .unwrap();
+        let got = be.to_f32(&out).unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = init[i * n + j] as f64
+                    + (0..k).map(|p| at(i, p) as f64 * bt(p, j) as f64).sum::<f64>();
+                assert!(
+                    (got[i * n + j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+                    "ta={ta} tb={tb} ({i},{j}): {} vs {want}",
+                    got[i * n + j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn layernorm_backward_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(3);
+    let (rows, c) = (6, 16);
+    let x = randn(&mut rng, rows * c, 1.0);
+    let g = randn(&mut rng, c, 1.0);
+    let bb = randn(&mut rng, c, 1.0);
+    let w = randn(&mut rng, rows * c, 1.0);
+    let forward = |x: &[f32], g: &[f32], bb: &[f32]| {
+        let mut out = tensor(be, &vec![0.0; rows * c], &[rows, c]);
+        let mut st = tensor(be, &vec![0.0; rows * 2], &[rows, 2]);
+        be.layernorm(&mut out, &mut st, &tensor(be, x, &[rows, c]), &tensor(be, g, &[c]), &tensor(be, bb, &[c]), 1e-5)
+            .unwrap();
+        (weighted(be, &out, &w), st)
+    };
+    let (_, st) = forward(&x, &g, &bb);
+    let mut dx = tensor(be, &vec![0.0; rows * c], &[rows, c]);
+    let mut dg = tensor(be, &vec![0.0; c], &[c]);
+    let mut db = tensor(be, &vec![0.0; c], &[c]);
+    be.layernorm_backward(&mut dx, &mut dg, &mut db, &tensor(be, &w, &[rows, c]), &tensor(be, &x, &[rows, c]), &tensor(be, &g, &[c]), &st)
+        .unwrap();
+    check_gradient("layernorm dx", &x, &be.to_f32(&dx).unwrap(), &|v| forward(v, &g, &bb).0);
+    check_gradient("layernorm dweight", &g, &be.to_f32(&dg).unwrap(), &|v| forward(&x, v, &bb).0);
+    check_gradient("layernorm dbias", &bb, &be.to_f32(&db).unwrap(), &|v| forward(&x, &g, v).0);
+}
+
+#[test]
+fn gelu_backward_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(4);
+    let n = 200;
+    let x = randn(&mut rng, n, 2.0);
+    let w = randn(&mut rng, n, 1.0);
+    let forward = |x: &[f32]| {
+        let mut out = tensor(be, &vec![0.0; n], &[n]);
+        be.gelu(&mut out, &tensor(be, x, &[n])).unwrap();
+        weighted(be, &out, &w)
+    };
+    let mut dx = tensor(be, &vec![0.0; n], &[n]);
+    be.gelu_backward(&mut dx, &tensor(be, &x, &[n]), &tensor(be, &w, &[n]))
+        .unwrap();
+    check_gradient("gelu", &x, &be.to_f32(&dx).unwrap(), &forward);
+}
+
+#[test]
+fn attention_backward_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(5);
+    let (b, t, c, h) = (2, 5, 8, 2);
+    let qkv = randn(&mut rng, b * t * 3 * c, 1.0);
+    let w_scores = randn(&mut rng, b * h * t * t, 1.0);
+    let w_out = randn(&mut rng, b * t * c, 1.0);
+    let qkv_t = |v: &[f32]| tensor(be, v, &[b, t, 3 * c]);
+    let sq = [b, h, t, t];
+    let zeros = |shape: &[usize]| tensor(be, &vec![0.0; shape.iter().product()], shape);
+
+    // Scores alone.
+    let scores_of = |v: &[f32]| {
+        let mut s = zeros(&sq);
+        be.attention_scores(&mut s, &qkv_t(v), h).unwrap();
+        s
+    };
+    let mut dqkv = zeros(&[b, t, 3 * c]);
+    be.attention_scores_backward(&mut dqkv, &tensor(be, &w_scores, &sq), &qkv_t(&qkv), h)
+        .unwrap();
+    // The v block is not written by the scores backward: compare q and k only.
+    let mut analytic = be.to_f32(&dqkv).unwrap();
+    for row in analytic.chunks_mut(3 * c) {
+        row[2 * c..].fill(0.0);
+    }
+    check_gradient("attention_scores", &qkv, &analytic, &|v| {
+        weighted(be, &scores_of(v), &w_scores)
+    });
+
+    // Softmax alone.
+    let scores = randn(&mut rng, b * h * t * t, 1.0);
+    let softmax_of = |s: &[f32]| {
+        let mut p = zeros(&sq);
+        be.softmax_causal(&mut p, &tensor(be, s, &sq)).unwrap();
+        p
+    };
+    let probs = softmax_of(&scores);
+    let mut ds = zeros(&sq);
+    be.softmax_causal_backward(&mut ds, &tensor(be, &w_scores, &sq), &probs)
+        .unwrap();
+    check_gradient("softmax_causal", &scores, &be.to_f32(&ds).unwrap(), &|s| {
+        weighted(be, &softmax_of(s), &w_scores)
+    });
+
+    // Values: gradient with respect to the probabilities and to v.
+    let p_data = be.to_f32(&probs).unwrap();
+    let values_of = |p: &[f32], v: &[f32]| {
+        let mut out = zeros(&[b, t, c]);
+        be.attention_values(&mut out, &tensor(be, p, &sq), &qkv_t(v), h)
+            .unwrap();
+        weighted(be, &out, &w_out)
+    };
+    let mut dp = zeros(&sq);
+    let mut dqkv = zeros(&[b, t, 3 * c]);
+    be.attention_values_backward(&mut dp, &mut dqkv, &tensor(be, &w_out, &[b, t, c]), &probs, &qkv_t(&qkv), h)
+        .unwrap();
+    // dprobs is defined on the causal part only.
+    let dp_v = be.to_f32(&dp).unwrap();
+    let mut p_causal = p_data.clone();
+    for (g, p) in dp_v.chunks(t * t).zip(p_causal.chunks_mut(t * t)) {
+        for i in 0..t {
+            for j in i + 1..t {
+                assert_eq!(g[i * t + j], 0.0, "dprobs above the diagonal");
+                p[i * t + j] = 0.0;
+            }
+        }
+    }
+    let masked = |p: &[f32]| {
+        let mut p = p.to_vec();
+        for m in p.chunks_mut(t * t) {
+            for i in 0..t {
+                m[i * t + i + 1..(i + 1) * t].fill(0.0);
+            }
+        }
+        p
+    };
+    check_gradient("attention_values dprobs", &p_causal, &dp_v, &|p| values_of(&masked(p), &qkv));
+    let mut dv = be.to_f32(&dqkv).unwrap();
+    for row in dv.chunks_mut(3 * c) {
+        row[..2 * c].fill(0.0);
+    }
+    check_gradient("attention_values dv", &qkv, &dv, &|v| values_of(&p_data, v));
+}
+
+#[test]
+fn cross_entropy_gradient_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(6);
+    let (rows, vp, vocab) = (4, 12, 10);
+    let logits = randn(&mut rng, rows * vp, 2.0);
+    let targets = vec![0u32, 9, 3, 3];
+    let loss = |l: &[f32]| {
+        let mut t = tensor(be, l, &[rows, vp]);
+        be.cross_entropy(&mut t, &targets, vocab, None).unwrap()
+    };
+    let scale = 0.5;
+    let mut g = tensor(be, &logits, &[rows, vp]);
+    let total = be.cross_entropy(&mut g, &targets, vocab, Some(scale)).unwrap();
+    assert!((total - loss(&logits)).abs() < 1e-5, "fused loss equals the forward loss");
+    let analytic: Vec<f32> = be.to_f32(&g).unwrap().iter().map(|v| v / scale).collect();
+    for r in 0..rows {
+        assert!(analytic[r * vp + vocab..(r + 1) * vp].iter().all(|v| *v == 0.0), "padding gets no gradient");
+    }
+    check_gradient("cross_entropy", &logits, &analytic, &loss);
+    // Reference value: -log softmax at the target.
+    let row = &logits[..vocab];
+    let lse = row.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln();
+    let mut one = tensor(be, &logits[..vp], &[1, vp]);
+    let l0 = be.cross_entropy(&mut one, &targets[..1], vocab, None).unwrap();
+    assert!((l0 - (lse - row[0] as f64)).abs() < 1e-5);
+}
+
+#[test]
+fn embedding_backward_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(7);
+    let (b, t, c, v, p) = (2, 4, 6, 5, 7);
+    let wte = randn(&mut rng, v * c, 1.0);
+    let wpe = randn(&mut rng, p * c, 1.0);
+    let tokens = vec![0u32, 4, 4, 2, 1, 0, 3, 4];
+    let w = randn(&mut rng, b * t * c, 1.0);
+    let forward = |wte: &[f32], wpe: &[f32]| {
+        let mut out = tensor(be, &vec![0.0; b * t * c], &[b, t, c]);
+        be.embedding(&mut out, &tokens, &tensor(be, wte, &[v, c]), &tensor(be, wpe, &[p, c]))
+            .unwrap();
+        weighted(be, &out, &w)
+    };
+    let mut dwte = tensor(be, &vec![0.0; v * c], &[v, c]);
+    let mut dwpe = tensor(be, &vec![0.0; p * c], &[p, c]);
+    be.embedding_backward(&mut dwte, &mut dwpe, &tensor(be, &w, &[b, t, c]), &tokens)
+        .unwrap();
+    check_gradient("embedding wte", &wte, &be.to_f32(&dwte).unwrap(), &|x| forward(x, &wpe));
+    check_gradient("embedding wpe", &wpe, &be.to_f32(&dwpe).unwrap(), &|x| forward(&wte, x));
+}
+
+#[test]
+fn shape_mismatches_are_errors_not_panics() {
+    let be = cpu();
+    let be = be.as_ref();
+    let a = tensor(be, &[0.0; 6], &[2, 3]);
+    let b = tensor(be, &[0.0; 8], &[4, 2]);
+    let mut out = tensor(be, &[0.0; 4], &[2, 2]);
+    let err = be.matmul(&mut out, &a, &b, None, false, false, false).unwrap_err();
+    assert!(err.to_string().contains("inner dimensions"), "{err}");
+    let mut l = tensor(be, &[0.0; 6], &[2, 3]);
+    let err = be.cross_entropy(&mut l, &[0, 7], 3, None).unwrap_err();
+    assert!(err.to_string().contains("beyond the vocabulary"), "{err}");
+}

@@ -1,0 +1,75 @@
+//! Recomputation changes memory, never results: every policy gives gradients and updates
+//! bitwise equal to keeping everything, in f32 on the CPU.
+
+mod common;
+
+use common::{corpus_loader, cpu, grads, tiny_config, values};
+use serde::{Deserialize, Serialize};
+use trainkit::checkpoint::{ActivationKind, ActivationSite, Retention};
+use trainkit::{CheckpointPolicy, Full, Gpt2, NoRecompute, Selective, Trainer};
+
+/// Keeps only the input of every other layer: dropped layer inputs are recomputed by
+/// rerunning the layer before them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct EveryOtherInput;
+
+#[typetag::serde(name = "every_other_input")]
+impl CheckpointPolicy for EveryOtherInput {
+    fn retain(&self, site: &ActivationSite) -> Retention {
+        if site.kind == ActivationKind::LayerInput && site.layer % 2 == 0 {
+            Retention::Keep
+        } else {
+            Retention::Recompute
+        }
+    }
+}
+
+/// Drops everything, layer inputs included: backward reruns from the embedding.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct DropAll;
+
+#[typetag::serde(name = "drop_all")]
+impl CheckpointPolicy for DropAll {
+    fn retain(&self, _site: &ActivationSite) -> Retention {
+        Retention::Recompute
+    }
+}
+
+fn run<C: CheckpointPolicy>(policy: C) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>, u64) {
+    let model = Gpt2::new(tiny_config()).unwrap();
+    let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
+        .checkpoint(policy)
+        .build()
+        .unwrap();
+    let mut losses = vec![];
+    let mut recomputed = 0;
+    for _ in 0..2 {
+        let s = t.step().unwrap();
+        losses.push(s.loss);
+        recomputed += s.stash.recomputed_bytes;
+    }
+    (grads(&t), values(&t), losses, recomputed)
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect()).collect()
+}
+
+#[test]
+fn every_policy_is_bitwise_equal_to_no_recompute() {
+    let (g0, v0, l0, r0) = run(NoRecompute);
+    assert_eq!(r0, 0, "keeping everything recomputes nothing");
+    let others: Vec<(&str, Box<dyn CheckpointPolicy>)> = vec![
+        ("full", Box::new(Full)),
+        ("selective", Box::new(Selective)),
+        ("every_other_input", Box::new(EveryOtherInput)),
+        ("drop_all", Box::new(DropAll)),
+    ];
+    for (name, policy) in others {
+        let (g, v, l, r) = run(policy);
+        assert!(r > 0, "{name} recomputed something");
+        assert_eq!(l, l0, "{name}: losses");
+        assert!(bits(&g) == bits(&g0), "{name}: gradients differ from NoRecompute");
+        assert!(bits(&v) == bits(&v0), "{name}: updated weights differ from NoRecompute");
+    }
+}
