@@ -84,7 +84,11 @@ pub struct TokensPerStep {
 #[typetag::serde(name = "tokens_per_step")]
 impl AccumulationSchedule for TokensPerStep {
     fn micro_batches(&self, ctx: &AccumulationContext) -> Result<usize> {
-        divide("accumulation.tokens", self.tokens, ctx.tokens_per_micro_batch)
+        divide(
+            "accumulation.tokens",
+            self.tokens,
+            ctx.tokens_per_micro_batch,
+        )
     }
 }
 

@@ -148,7 +148,8 @@ impl Default for RunConfig {
 impl RunConfig {
     /// Parses a TOML document and validates it.
     pub fn from_toml(text: &str) -> Result<Self> {
-        let cfg: RunConfig = toml::from_str(text).map_err(|e| Error::Serde(format!("config: {e}")))?;
+        let cfg: RunConfig =
+            toml::from_str(text).map_err(|e| Error::Serde(format!("config: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
     }

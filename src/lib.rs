@@ -23,10 +23,14 @@ pub mod tensor;
 pub mod trainer;
 
 pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
-pub use checkpoint::{ActivationKind, ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective};
+pub use checkpoint::{
+    ActivationKind, ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective,
+};
 pub use device::{Backend, CpuBackend, Device};
 pub use error::{Error, Result};
-pub use memory::{LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase};
+pub use memory::{
+    LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
+};
 pub use model::{Gpt2, Gpt2Config, Model};
 pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, MixedBf16, Precision};
@@ -38,7 +42,7 @@ pub use trainer::{StepStats, Trainer, TrainerOptions};
 pub mod prelude {
     pub use crate::accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
     pub use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Retention, Selective};
-    pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus};
+    pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
     pub use crate::device::{Backend, Device};
     pub use crate::error::{Error, Result};
     pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker};

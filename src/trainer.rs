@@ -161,7 +161,10 @@ where
     }
 
     /// Sets the activation checkpointing policy.
-    pub fn checkpoint<C2: CheckpointPolicy>(self, checkpoint: C2) -> TrainerBuilder<P, C2, O, A, M> {
+    pub fn checkpoint<C2: CheckpointPolicy>(
+        self,
+        checkpoint: C2,
+    ) -> TrainerBuilder<P, C2, O, A, M> {
         TrainerBuilder {
             model: self.model,
             backend: self.backend,
@@ -280,7 +283,10 @@ where
         if !(options.grad_clip >= 0.0 && options.grad_clip.is_finite()) {
             return Err(Error::config(
                 "grad_clip",
-                format!("{} is not a finite value >= 0 (0 turns clipping off)", options.grad_clip),
+                format!(
+                    "{} is not a finite value >= 0 (0 turns clipping off)",
+                    options.grad_clip
+                ),
             ));
         }
         backend.ledger().set_recording(true);
@@ -331,7 +337,10 @@ where
             tokens_per_micro_batch: tokens_per_micro,
         })?;
         if k == 0 {
-            return Err(Error::config("accumulation", "a step needs at least one micro-batch"));
+            return Err(Error::config(
+                "accumulation",
+                "a step needs at least one micro-batch",
+            ));
         }
         for p in &mut self.params {
             p.zero_grad(be)?;

@@ -52,7 +52,9 @@ fn schedules_choose_the_documented_counts() {
     assert!(Constant::new(0).micro_batches(&ctx(0)).is_err());
     let per_step = TokensPerStep { tokens: 8192 };
     assert_eq!(per_step.micro_batches(&ctx(0)).unwrap(), 8);
-    let err = TokensPerStep { tokens: 1000 }.micro_batches(&ctx(0)).unwrap_err();
+    let err = TokensPerStep { tokens: 1000 }
+        .micro_batches(&ctx(0))
+        .unwrap_err();
     assert!(err.to_string().contains("multiple of the 1024"), "{err}");
     let ramp = Ramp {
         start_tokens: 2048,

@@ -54,7 +54,11 @@ impl CheckpointPolicy for RecomputeAttention {
     fn retain(&self, site: &ActivationSite) -> Retention {
         let attention = matches!(
             site.kind,
-            ActivationKind::Ln1Stats | ActivationKind::Ln1Out | ActivationKind::Qkv | ActivationKind::AttnProbs | ActivationKind::AttnOut
+            ActivationKind::Ln1Stats
+                | ActivationKind::Ln1Out
+                | ActivationKind::Qkv
+                | ActivationKind::AttnProbs
+                | ActivationKind::AttnOut
         );
         if attention && site.layer >= self.from_layer {
             Retention::Recompute
@@ -76,13 +80,25 @@ impl Optimizer for Momentum {
     fn learning_rate(&self) -> f32 {
         self.lr
     }
-    fn step(&mut self, backend: &dyn Backend, params: &mut [Param], lr: f32, grad_scale: f32, _step: u64) -> trainkit::Result<()> {
+    fn step(
+        &mut self,
+        backend: &dyn Backend,
+        params: &mut [Param],
+        lr: f32,
+        grad_scale: f32,
+        _step: u64,
+    ) -> trainkit::Result<()> {
         for p in params {
             let shape = p.shape().to_vec();
             let label = format!("{}.buf", p.name());
             let (value, grad, state) = p.update_parts()?;
             if state.is_empty() {
-                state.push(backend.zeros(&shape, DType::F32, trainkit::MemoryCategory::OptimizerState, &label)?);
+                state.push(backend.zeros(
+                    &shape,
+                    DType::F32,
+                    trainkit::MemoryCategory::OptimizerState,
+                    &label,
+                )?);
             }
             backend.scale(&mut state[0], self.beta)?;
             backend.axpy(&mut state[0], grad_scale, grad)?;
@@ -122,7 +138,10 @@ struct CountActivations {
 impl MemoryObserver for CountActivations {
     fn on_event(&mut self, event: &MemoryEvent) {
         match event {
-            MemoryEvent::Alloc { category: trainkit::MemoryCategory::Activations, .. } => self.allocs += 1,
+            MemoryEvent::Alloc {
+                category: trainkit::MemoryCategory::Activations,
+                ..
+            } => self.allocs += 1,
             MemoryEvent::StepEnd { .. } => self.steps += 1,
             _ => {}
         }
@@ -133,7 +152,10 @@ impl MemoryObserver for CountActivations {
 fn user_policies_train() {
     let model = Gpt2::new(tiny_config()).unwrap();
     let mut t = Trainer::builder(model, cpu(), corpus_loader(50_000, 2, 4, 16))
-        .precision(ScaledFp32 { scale: 1024.0, bad_steps: 0 })
+        .precision(ScaledFp32 {
+            scale: 1024.0,
+            bad_steps: 0,
+        })
         .checkpoint(RecomputeAttention { from_layer: 1 })
         .optimizer(Momentum { lr: 0.5, beta: 0.9 })
         .accumulation(Staircase { every: 3, max: 2 })
@@ -147,11 +169,18 @@ fn user_policies_train() {
     let first: f64 = stats[..2].iter().map(|s| s.loss).sum::<f64>() / 2.0;
     let last: f64 = stats[10..].iter().map(|s| s.loss).sum::<f64>() / 2.0;
     assert!(last < first - 0.5, "loss falls: {first} -> {last}");
-    assert!(stats[0].stash.recomputed_bytes > 0, "the policy recomputed attention");
+    assert!(
+        stats[0].stash.recomputed_bytes > 0,
+        "the policy recomputed attention"
+    );
     assert_eq!(t.observer().steps, 12);
     assert!(t.observer().allocs > 100);
     // The loss scale is removed before clipping and the update: the norm is the true one.
-    assert!(stats[0].grad_norm < 100.0, "unscaled gradient norm {}", stats[0].grad_norm);
+    assert!(
+        stats[0].grad_norm < 100.0,
+        "unscaled gradient norm {}",
+        stats[0].grad_norm
+    );
     assert_eq!(t.precision().bad_steps, 0);
 }
 
@@ -166,7 +195,10 @@ where
 
 #[test]
 fn user_policies_round_trip_through_toml_and_json() {
-    let precision: Box<dyn Precision> = Box::new(ScaledFp32 { scale: 8.0, bad_steps: 0 });
+    let precision: Box<dyn Precision> = Box::new(ScaledFp32 {
+        scale: 8.0,
+        bad_steps: 0,
+    });
     let checkpoint: Box<dyn CheckpointPolicy> = Box::new(RecomputeAttention { from_layer: 2 });
     let optimizer: Box<dyn Optimizer> = Box::new(Momentum { lr: 0.1, beta: 0.8 });
     let accumulation: Box<dyn AccumulationSchedule> = Box::new(Staircase { every: 5, max: 4 });
@@ -225,11 +257,26 @@ max = 4
 kind = "count_activations"
 "#;
     let cfg = RunConfig::from_toml(toml_text).unwrap();
-    assert_eq!(serde_json::to_string(&cfg.precision).unwrap(), serde_json::to_string(&precision).unwrap());
-    assert_eq!(serde_json::to_string(&cfg.checkpoint).unwrap(), serde_json::to_string(&checkpoint).unwrap());
-    assert_eq!(serde_json::to_string(&cfg.optimizer).unwrap(), serde_json::to_string(&optimizer).unwrap());
-    assert_eq!(serde_json::to_string(&cfg.accumulation).unwrap(), serde_json::to_string(&accumulation).unwrap());
-    assert_eq!(serde_json::to_string(&cfg.observer).unwrap(), serde_json::to_string(&observer).unwrap());
+    assert_eq!(
+        serde_json::to_string(&cfg.precision).unwrap(),
+        serde_json::to_string(&precision).unwrap()
+    );
+    assert_eq!(
+        serde_json::to_string(&cfg.checkpoint).unwrap(),
+        serde_json::to_string(&checkpoint).unwrap()
+    );
+    assert_eq!(
+        serde_json::to_string(&cfg.optimizer).unwrap(),
+        serde_json::to_string(&optimizer).unwrap()
+    );
+    assert_eq!(
+        serde_json::to_string(&cfg.accumulation).unwrap(),
+        serde_json::to_string(&accumulation).unwrap()
+    );
+    assert_eq!(
+        serde_json::to_string(&cfg.observer).unwrap(),
+        serde_json::to_string(&observer).unwrap()
+    );
     // And back to TOML and in again, unchanged.
     let again = RunConfig::from_toml(&cfg.to_toml().unwrap()).unwrap();
     assert_eq!(again.to_toml().unwrap(), cfg.to_toml().unwrap());
@@ -249,13 +296,28 @@ fn shipped_policies_round_trip_and_unknown_kinds_are_clear_errors() {
         let c: Box<dyn CheckpointPolicy> = toml::from_str(&format!("kind = \"{kind}\"")).unwrap();
         assert!(toml::to_string(&c).unwrap().contains(kind));
     }
-    let p: Box<dyn Precision> = toml::from_str("kind = \"mixed_bf16\"\nfp32_grads = false").unwrap();
+    let p: Box<dyn Precision> =
+        toml::from_str("kind = \"mixed_bf16\"\nfp32_grads = false").unwrap();
     assert_eq!(p.grad_dtype(), DType::Bf16);
 
-    let err = RunConfig::from_toml("[checkpoint]\nkind = \"bogus\"\n").unwrap_err().to_string();
-    assert!(err.contains("bogus") && err.contains("selective") && err.contains("full"), "{err}");
-    let err = RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nlearning_rate = 1.0\n").unwrap_err().to_string();
+    let err = RunConfig::from_toml("[checkpoint]\nkind = \"bogus\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bogus") && err.contains("selective") && err.contains("full"),
+        "{err}"
+    );
+    let err = RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nlearning_rate = 1.0\n")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("learning_rate"), "{err}");
-    let err = RunConfig::from_toml("[model]\nn_layer = 2\nn_head = 3\nn_embd = 32\nn_positions = 32\nvocab_size = 256\n").unwrap_err().to_string();
-    assert!(err.contains("model.n_embd") && err.contains("divisible"), "{err}");
+    let err = RunConfig::from_toml(
+        "[model]\nn_layer = 2\nn_head = 3\nn_embd = 32\nn_positions = 32\nvocab_size = 256\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("model.n_embd") && err.contains("divisible"),
+        "{err}"
+    );
 }

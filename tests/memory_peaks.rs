@@ -3,7 +3,9 @@
 mod common;
 
 use common::{corpus_loader, cpu};
-use trainkit::{CheckpointPolicy, Full, Gpt2, Gpt2Config, MemoryCategory, NoRecompute, Selective, Trainer};
+use trainkit::{
+    CheckpointPolicy, Full, Gpt2, Gpt2Config, MemoryCategory, NoRecompute, Selective, Trainer,
+};
 
 // A model whose classifier dominates activation memory (as in GPT-2, where the logits are
 // B·T·V), so every policy peaks during the loss, with all kept activations live.
@@ -36,7 +38,7 @@ fn activation_peak(policy: Box<dyn CheckpointPolicy>) -> (u64, u64, u64) {
 fn recompute_lowers_the_activation_peak_by_the_dropped_bytes() {
     let (b, t, c, h, l) = (2u64, 16u64, 32u64, 2u64, 3u64);
     let f = 4; // f32
-    // Selective drops the attention probabilities of every layer.
+               // Selective drops the attention probabilities of every layer.
     let probs = b * h * t * t * f;
     // Full drops everything but each layer's input.
     let per_layer = 2 * (b * t * 2 * f) // ln1 and ln2 statistics
@@ -51,8 +53,16 @@ fn recompute_lowers_the_activation_peak_by_the_dropped_bytes() {
     assert_eq!(none_dropped, 0);
     assert_eq!(sel_dropped, l * probs);
     assert_eq!(full_dropped, l * per_layer);
-    assert_eq!(none - sel, sel_dropped, "selective saves exactly the probabilities");
-    assert_eq!(none - full, full_dropped, "full saves everything but layer inputs");
+    assert_eq!(
+        none - sel,
+        sel_dropped,
+        "selective saves exactly the probabilities"
+    );
+    assert_eq!(
+        none - full,
+        full_dropped,
+        "full saves everything but layer inputs"
+    );
     // The total peak of this small model is the optimizer step (model state), the same
     // for every policy.
     assert_eq!(none_total, sel_total);

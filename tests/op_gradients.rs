@@ -67,16 +67,38 @@ fn matmul_backward_matches_finite_differences() {
     let dy = tensor(be, &w, &[m, n]);
     // dA = dY · Bᵀ, dB = Aᵀ · dY, dbias = Σ dY: the products the model's backward uses.
     let mut da = tensor(be, &vec![0.0; m * k], &[m, k]);
-    be.matmul(&mut da, &dy, &tensor(be, &b, &[k, n]), None, false, true, false)
-        .unwrap();
+    be.matmul(
+        &mut da,
+        &dy,
+        &tensor(be, &b, &[k, n]),
+        None,
+        false,
+        true,
+        false,
+    )
+    .unwrap();
     let mut db = tensor(be, &vec![0.0; k * n], &[k, n]);
-    be.matmul(&mut db, &tensor(be, &a, &[m, k]), &dy, None, true, false, false)
-        .unwrap();
+    be.matmul(
+        &mut db,
+        &tensor(be, &a, &[m, k]),
+        &dy,
+        None,
+        true,
+        false,
+        false,
+    )
+    .unwrap();
     let mut dbias = tensor(be, &vec![0.0; n], &[n]);
     be.bias_backward(&mut dbias, &dy).unwrap();
-    check_gradient("matmul dA", &a, &be.to_f32(&da).unwrap(), &|x| forward(x, &b, &bias));
-    check_gradient("matmul dB", &b, &be.to_f32(&db).unwrap(), &|x| forward(&a, x, &bias));
-    check_gradient("matmul dbias", &bias, &be.to_f32(&dbias).unwrap(), &|x| forward(&a, &b, x));
+    check_gradient("matmul dA", &a, &be.to_f32(&da).unwrap(), &|x| {
+        forward(x, &b, &bias)
+    });
+    check_gradient("matmul dB", &b, &be.to_f32(&db).unwrap(), &|x| {
+        forward(&a, x, &bias)
+    });
+    check_gradient("matmul dbias", &bias, &be.to_f32(&dbias).unwrap(), &|x| {
+        forward(&a, &b, x)
+    });
 }
 
 #[test]
@@ -94,13 +116,23 @@ fn matmul_transposes_and_accumulation_match_a_naive_product() {
         let a_shape = if ta { [k, m] } else { [m, k] };
         let b_shape = if tb { [n, k] } else { [k, n] };
         let mut out = tensor(be, &init, &[m, n]);
-        be.matmul(&mut out, &tensor(be, &a, &a_shape), &tensor(be, &b, &b_shape), None, ta, tb, true)
-            .unwrap();
+        be.matmul(
+            &mut out,
+            &tensor(be, &a, &a_shape),
+            &tensor(be, &b, &b_shape),
+            None,
+            ta,
+            tb,
+            true,
+        )
+        .unwrap();
         let got = be.to_f32(&out).unwrap();
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = init[i * n + j] as f64
-                    + (0..k).map(|p| at(i, p) as f64 * bt(p, j) as f64).sum::<f64>();
+                    + (0..k)
+                        .map(|p| at(i, p) as f64 * bt(p, j) as f64)
+                        .sum::<f64>();
                 assert!(
                     (got[i * n + j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
                     "ta={ta} tb={tb} ({i},{j}): {} vs {want}",
@@ -124,19 +156,40 @@ fn layernorm_backward_matches_finite_differences() {
     let forward = |x: &[f32], g: &[f32], bb: &[f32]| {
         let mut out = tensor(be, &vec![0.0; rows * c], &[rows, c]);
         let mut st = tensor(be, &vec![0.0; rows * 2], &[rows, 2]);
-        be.layernorm(&mut out, &mut st, &tensor(be, x, &[rows, c]), &tensor(be, g, &[c]), &tensor(be, bb, &[c]), 1e-5)
-            .unwrap();
+        be.layernorm(
+            &mut out,
+            &mut st,
+            &tensor(be, x, &[rows, c]),
+            &tensor(be, g, &[c]),
+            &tensor(be, bb, &[c]),
+            1e-5,
+        )
+        .unwrap();
         (weighted(be, &out, &w), st)
     };
     let (_, st) = forward(&x, &g, &bb);
     let mut dx = tensor(be, &vec![0.0; rows * c], &[rows, c]);
     let mut dg = tensor(be, &vec![0.0; c], &[c]);
     let mut db = tensor(be, &vec![0.0; c], &[c]);
-    be.layernorm_backward(&mut dx, &mut dg, &mut db, &tensor(be, &w, &[rows, c]), &tensor(be, &x, &[rows, c]), &tensor(be, &g, &[c]), &st)
-        .unwrap();
-    check_gradient("layernorm dx", &x, &be.to_f32(&dx).unwrap(), &|v| forward(v, &g, &bb).0);
-    check_gradient("layernorm dweight", &g, &be.to_f32(&dg).unwrap(), &|v| forward(&x, v, &bb).0);
-    check_gradient("layernorm dbias", &bb, &be.to_f32(&db).unwrap(), &|v| forward(&x, &g, v).0);
+    be.layernorm_backward(
+        &mut dx,
+        &mut dg,
+        &mut db,
+        &tensor(be, &w, &[rows, c]),
+        &tensor(be, &x, &[rows, c]),
+        &tensor(be, &g, &[c]),
+        &st,
+    )
+    .unwrap();
+    check_gradient("layernorm dx", &x, &be.to_f32(&dx).unwrap(), &|v| {
+        forward(v, &g, &bb).0
+    });
+    check_gradient("layernorm dweight", &g, &be.to_f32(&dg).unwrap(), &|v| {
+        forward(&x, v, &bb).0
+    });
+    check_gradient("layernorm dbias", &bb, &be.to_f32(&db).unwrap(), &|v| {
+        forward(&x, &g, v).0
+    });
 }
 
 #[test]
@@ -214,8 +267,15 @@ fn attention_backward_matches_finite_differences() {
     };
     let mut dp = zeros(&sq);
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_values_backward(&mut dp, &mut dqkv, &tensor(be, &w_out, &[b, t, c]), &probs, &qkv_t(&qkv), h)
-        .unwrap();
+    be.attention_values_backward(
+        &mut dp,
+        &mut dqkv,
+        &tensor(be, &w_out, &[b, t, c]),
+        &probs,
+        &qkv_t(&qkv),
+        h,
+    )
+    .unwrap();
     // dprobs is defined on the causal part only.
     let dp_v = be.to_f32(&dp).unwrap();
     let mut p_causal = p_data.clone();
@@ -236,7 +296,9 @@ fn attention_backward_matches_finite_differences() {
         }
         p
     };
-    check_gradient("attention_values dprobs", &p_causal, &dp_v, &|p| values_of(&masked(p), &qkv));
+    check_gradient("attention_values dprobs", &p_causal, &dp_v, &|p| {
+        values_of(&masked(p), &qkv)
+    });
     let mut dv = be.to_f32(&dqkv).unwrap();
     for row in dv.chunks_mut(3 * c) {
         row[..2 * c].fill(0.0);
@@ -258,18 +320,30 @@ fn cross_entropy_gradient_matches_finite_differences() {
     };
     let scale = 0.5;
     let mut g = tensor(be, &logits, &[rows, vp]);
-    let total = be.cross_entropy(&mut g, &targets, vocab, Some(scale)).unwrap();
-    assert!((total - loss(&logits)).abs() < 1e-5, "fused loss equals the forward loss");
+    let total = be
+        .cross_entropy(&mut g, &targets, vocab, Some(scale))
+        .unwrap();
+    assert!(
+        (total - loss(&logits)).abs() < 1e-5,
+        "fused loss equals the forward loss"
+    );
     let analytic: Vec<f32> = be.to_f32(&g).unwrap().iter().map(|v| v / scale).collect();
     for r in 0..rows {
-        assert!(analytic[r * vp + vocab..(r + 1) * vp].iter().all(|v| *v == 0.0), "padding gets no gradient");
+        assert!(
+            analytic[r * vp + vocab..(r + 1) * vp]
+                .iter()
+                .all(|v| *v == 0.0),
+            "padding gets no gradient"
+        );
     }
     check_gradient("cross_entropy", &logits, &analytic, &loss);
     // Reference value: -log softmax at the target.
     let row = &logits[..vocab];
     let lse = row.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln();
     let mut one = tensor(be, &logits[..vp], &[1, vp]);
-    let l0 = be.cross_entropy(&mut one, &targets[..1], vocab, None).unwrap();
+    let l0 = be
+        .cross_entropy(&mut one, &targets[..1], vocab, None)
+        .unwrap();
     assert!((l0 - (lse - row[0] as f64)).abs() < 1e-5);
 }
 
@@ -285,16 +359,25 @@ fn embedding_backward_matches_finite_differences() {
     let w = randn(&mut rng, b * t * c, 1.0);
     let forward = |wte: &[f32], wpe: &[f32]| {
         let mut out = tensor(be, &vec![0.0; b * t * c], &[b, t, c]);
-        be.embedding(&mut out, &tokens, &tensor(be, wte, &[v, c]), &tensor(be, wpe, &[p, c]))
-            .unwrap();
+        be.embedding(
+            &mut out,
+            &tokens,
+            &tensor(be, wte, &[v, c]),
+            &tensor(be, wpe, &[p, c]),
+        )
+        .unwrap();
         weighted(be, &out, &w)
     };
     let mut dwte = tensor(be, &vec![0.0; v * c], &[v, c]);
     let mut dwpe = tensor(be, &vec![0.0; p * c], &[p, c]);
     be.embedding_backward(&mut dwte, &mut dwpe, &tensor(be, &w, &[b, t, c]), &tokens)
         .unwrap();
-    check_gradient("embedding wte", &wte, &be.to_f32(&dwte).unwrap(), &|x| forward(x, &wpe));
-    check_gradient("embedding wpe", &wpe, &be.to_f32(&dwpe).unwrap(), &|x| forward(&wte, x));
+    check_gradient("embedding wte", &wte, &be.to_f32(&dwte).unwrap(), &|x| {
+        forward(x, &wpe)
+    });
+    check_gradient("embedding wpe", &wpe, &be.to_f32(&dwpe).unwrap(), &|x| {
+        forward(&wte, x)
+    });
 }
 
 #[test]
@@ -304,7 +387,9 @@ fn shape_mismatches_are_errors_not_panics() {
     let a = tensor(be, &[0.0; 6], &[2, 3]);
     let b = tensor(be, &[0.0; 8], &[4, 2]);
     let mut out = tensor(be, &[0.0; 4], &[2, 2]);
-    let err = be.matmul(&mut out, &a, &b, None, false, false, false).unwrap_err();
+    let err = be
+        .matmul(&mut out, &a, &b, None, false, false, false)
+        .unwrap_err();
     assert!(err.to_string().contains("inner dimensions"), "{err}");
     let mut l = tensor(be, &[0.0; 6], &[2, 3]);
     let err = be.cross_entropy(&mut l, &[0, 7], 3, None).unwrap_err();

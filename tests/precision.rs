@@ -3,7 +3,9 @@
 mod common;
 
 use common::{corpus_loader, cpu};
-use trainkit::{DType, Fp32, Gpt2, Gpt2Config, MemoryCategory, MixedBf16, Precision, Trainer, TrainerOptions};
+use trainkit::{
+    DType, Fp32, Gpt2, Gpt2Config, MemoryCategory, MixedBf16, Precision, Trainer, TrainerOptions,
+};
 
 fn final_loss<P: Precision>(precision: P) -> (f64, f64) {
     let cfg = Gpt2Config {
@@ -51,8 +53,18 @@ fn mixed_precision_lays_out_bytes_as_documented() {
     let n = cfg.num_params() as u64;
     for (precision, weights, master, grads) in [
         (Box::new(Fp32) as Box<dyn Precision>, 4 * n, 0, 4 * n),
-        (Box::new(MixedBf16 { fp32_grads: true }), 2 * n, 4 * n, 4 * n),
-        (Box::new(MixedBf16 { fp32_grads: false }), 2 * n, 4 * n, 2 * n),
+        (
+            Box::new(MixedBf16 { fp32_grads: true }),
+            2 * n,
+            4 * n,
+            4 * n,
+        ),
+        (
+            Box::new(MixedBf16 { fp32_grads: false }),
+            2 * n,
+            4 * n,
+            2 * n,
+        ),
     ] {
         let model = Gpt2::new(cfg.clone()).unwrap();
         let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
@@ -64,8 +76,16 @@ fn mixed_precision_lays_out_bytes_as_documented() {
         assert_eq!(live.get(MemoryCategory::Weights), weights);
         assert_eq!(live.get(MemoryCategory::MasterWeights), master);
         assert_eq!(live.get(MemoryCategory::Gradients), grads);
-        assert_eq!(live.get(MemoryCategory::OptimizerState), 8 * n, "AdamW: two f32 moments");
-        assert_eq!(live.get(MemoryCategory::Activations), 0, "activations all freed");
+        assert_eq!(
+            live.get(MemoryCategory::OptimizerState),
+            8 * n,
+            "AdamW: two f32 moments"
+        );
+        assert_eq!(
+            live.get(MemoryCategory::Activations),
+            0,
+            "activations all freed"
+        );
         assert_eq!(s.memory.peak.get(MemoryCategory::OptimizerState), 8 * n);
         let dtype = t.params()[0].weight().dtype();
         let want = t.precision().compute_dtype();

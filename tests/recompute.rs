@@ -35,7 +35,10 @@ impl CheckpointPolicy for DropAll {
     }
 }
 
-fn run<C: CheckpointPolicy>(policy: C) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>, u64) {
+/// Gradients, updated values, losses and recomputed bytes of a short run.
+type RunResult = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>, u64);
+
+fn run<C: CheckpointPolicy>(policy: C) -> RunResult {
     let model = Gpt2::new(tiny_config()).unwrap();
     let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
         .checkpoint(policy)
@@ -52,7 +55,9 @@ fn run<C: CheckpointPolicy>(policy: C) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect()).collect()
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
 }
 
 #[test]
@@ -69,7 +74,13 @@ fn every_policy_is_bitwise_equal_to_no_recompute() {
         let (g, v, l, r) = run(policy);
         assert!(r > 0, "{name} recomputed something");
         assert_eq!(l, l0, "{name}: losses");
-        assert!(bits(&g) == bits(&g0), "{name}: gradients differ from NoRecompute");
-        assert!(bits(&v) == bits(&v0), "{name}: updated weights differ from NoRecompute");
+        assert!(
+            bits(&g) == bits(&g0),
+            "{name}: gradients differ from NoRecompute"
+        );
+        assert!(
+            bits(&v) == bits(&v0),
+            "{name}: updated weights differ from NoRecompute"
+        );
     }
 }

@@ -24,7 +24,9 @@ fn reference_loss(cfg: &Gpt2Config, p: &dyn Fn(&str) -> Vec<f64>, batch: &Batch)
             .map(|o| b[o] + (0..n_in).map(|i| x[i] * w[i * n_out + o]).sum::<f64>())
             .collect()
     };
-    let gelu = |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh());
+    let gelu = |x: f64| {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+    };
     let wte = p("transformer.wte.weight");
     let wpe = p("transformer.wpe.weight");
     let mut total = 0.0;
@@ -33,14 +35,33 @@ fn reference_loss(cfg: &Gpt2Config, p: &dyn Fn(&str) -> Vec<f64>, batch: &Batch)
         let mut xs: Vec<Vec<f64>> = (0..t)
             .map(|pos| {
                 let tok = toks[pos] as usize;
-                (0..c).map(|i| wte[tok * c + i] + wpe[pos * c + i]).collect()
+                (0..c)
+                    .map(|i| wte[tok * c + i] + wpe[pos * c + i])
+                    .collect()
             })
             .collect();
         for l in 0..cfg.n_layer {
             let q = |s: &str| p(&format!("transformer.h.{l}.{s}"));
-            let (ln1w, ln1b, aw, ab, pw, pb) = (q("ln_1.weight"), q("ln_1.bias"), q("attn.c_attn.weight"), q("attn.c_attn.bias"), q("attn.c_proj.weight"), q("attn.c_proj.bias"));
-            let (ln2w, ln2b, fw, fb, mw, mb) = (q("ln_2.weight"), q("ln_2.bias"), q("mlp.c_fc.weight"), q("mlp.c_fc.bias"), q("mlp.c_proj.weight"), q("mlp.c_proj.bias"));
-            let qkv: Vec<Vec<f64>> = xs.iter().map(|x| linear(&layernorm(x, &ln1w, &ln1b), &aw, &ab, 3 * c)).collect();
+            let (ln1w, ln1b, aw, ab, pw, pb) = (
+                q("ln_1.weight"),
+                q("ln_1.bias"),
+                q("attn.c_attn.weight"),
+                q("attn.c_attn.bias"),
+                q("attn.c_proj.weight"),
+                q("attn.c_proj.bias"),
+            );
+            let (ln2w, ln2b, fw, fb, mw, mb) = (
+                q("ln_2.weight"),
+                q("ln_2.bias"),
+                q("mlp.c_fc.weight"),
+                q("mlp.c_fc.bias"),
+                q("mlp.c_proj.weight"),
+                q("mlp.c_proj.bias"),
+            );
+            let qkv: Vec<Vec<f64>> = xs
+                .iter()
+                .map(|x| linear(&layernorm(x, &ln1w, &ln1b), &aw, &ab, 3 * c))
+                .collect();
             let mut att = vec![vec![0.0; c]; t];
             for head in 0..h {
                 for i in 0..t {
@@ -55,14 +76,19 @@ fn reference_loss(cfg: &Gpt2Config, p: &dyn Fn(&str) -> Vec<f64>, batch: &Batch)
                     let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                     let z: f64 = e.iter().sum();
                     for d in 0..hs {
-                        att[i][head * hs + d] = (0..=i).map(|j| e[j] / z * qkv[j][2 * c + head * hs + d]).sum();
+                        att[i][head * hs + d] = (0..=i)
+                            .map(|j| e[j] / z * qkv[j][2 * c + head * hs + d])
+                            .sum();
                     }
                 }
             }
             for i in 0..t {
                 let proj = linear(&att[i], &pw, &pb, c);
                 let res: Vec<f64> = xs[i].iter().zip(&proj).map(|(a, b)| a + b).collect();
-                let fc: Vec<f64> = linear(&layernorm(&res, &ln2w, &ln2b), &fw, &fb, 4 * c).into_iter().map(gelu).collect();
+                let fc: Vec<f64> = linear(&layernorm(&res, &ln2w, &ln2b), &fw, &fb, 4 * c)
+                    .into_iter()
+                    .map(gelu)
+                    .collect();
                 let out = linear(&fc, &mw, &mb, c);
                 xs[i] = res.iter().zip(&out).map(|(a, b)| a + b).collect();
             }
@@ -70,7 +96,9 @@ fn reference_loss(cfg: &Gpt2Config, p: &dyn Fn(&str) -> Vec<f64>, batch: &Batch)
         let (lfw, lfb) = (p("transformer.ln_f.weight"), p("transformer.ln_f.bias"));
         for i in 0..t {
             let x = layernorm(&xs[i], &lfw, &lfb);
-            let logits: Vec<f64> = (0..v).map(|tok| (0..c).map(|d| x[d] * wte[tok * c + d]).sum()).collect();
+            let logits: Vec<f64> = (0..v)
+                .map(|tok| (0..c).map(|d| x[d] * wte[tok * c + d]).sum())
+                .collect();
             let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
             total += lse - logits[batch.targets[row * t + i] as usize];
@@ -91,7 +119,10 @@ fn forward_matches_a_naive_reference_during_training() {
     };
     let model = Gpt2::new(cfg.clone()).unwrap();
     let mut t = Trainer::builder(model, cpu(), corpus_loader(200_000, 5, 8, 64))
-        .optimizer(AdamW { lr: 3e-3, ..Default::default() })
+        .optimizer(AdamW {
+            lr: 3e-3,
+            ..Default::default()
+        })
         .build()
         .unwrap();
     for step in 0..40 {
@@ -100,10 +131,18 @@ fn forward_matches_a_naive_reference_during_training() {
         if step % 13 == 0 || step >= 36 {
             let ours = t.loss_on(&batch).unwrap() / batch.tokens() as f64;
             let params = |name: &str| -> Vec<f64> {
-                t.param_values(name).unwrap().unwrap().iter().map(|v| *v as f64).collect()
+                t.param_values(name)
+                    .unwrap()
+                    .unwrap()
+                    .iter()
+                    .map(|v| *v as f64)
+                    .collect()
             };
             let want = reference_loss(&cfg, &params, &batch);
-            assert!((ours - want).abs() < 1e-4 * want.abs(), "step {step}: trainkit {ours}, reference {want}");
+            assert!(
+                (ours - want).abs() < 1e-4 * want.abs(),
+                "step {step}: trainkit {ours}, reference {want}"
+            );
         }
         t.step().unwrap();
     }

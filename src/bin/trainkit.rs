@@ -9,7 +9,11 @@ use trainkit::memory::format_bytes;
 use trainkit::{Device, Gpt2, Trainer, TrainerOptions};
 
 #[derive(Parser)]
-#[command(name = "trainkit", version, about = "Train transformer language models on one GPU (or the CPU)")]
+#[command(
+    name = "trainkit",
+    version,
+    about = "Train transformer language models on one GPU (or the CPU)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -93,7 +97,8 @@ fn train(args: TrainArgs) -> trainkit::Result<()> {
         DataConfig::Builtin { bytes } => {
             let corpus = SyntheticCorpus::builtin();
             let train = tokenizer.encode(&corpus.generate(*bytes, 1));
-            let val = tokenizer.encode(&corpus.generate((*bytes / 10).max(t.batch_size * t.seq_len + 1), 2));
+            let val = tokenizer
+                .encode(&corpus.generate((*bytes / 10).max(t.batch_size * t.seq_len + 1), 2));
             (train, val, Some(corpus.entropy_per_byte()))
         }
         DataConfig::Text { path } => {

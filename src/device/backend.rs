@@ -57,8 +57,8 @@ pub trait Backend: Debug + Send + Sync {
         label: &str,
     ) -> Result<Tensor>;
 
-    /// A tensor holding `data`, rounded to `dtype`.
-    fn from_f32(
+    /// A tensor holding `data` (host values, row-major), rounded to `dtype`.
+    fn upload(
         &self,
         data: &[f32],
         shape: &[usize],

@@ -199,7 +199,10 @@ fn stats_tensor(pass: &Pass<'_>, rows: usize, label: String) -> Result<Tensor> {
 fn missing(kind: K, layer: usize) -> Error {
     Error::Backend {
         backend: "gpt2",
-        message: format!("activation h.{layer}.{} is missing from the stash", kind.name()),
+        message: format!(
+            "activation h.{layer}.{} is missing from the stash",
+            kind.name()
+        ),
     }
 }
 
@@ -259,7 +262,11 @@ impl Gpt2 {
 
     fn embed(&self, pass: &Pass<'_>, batch: &Batch) -> Result<Tensor> {
         let c = self.config.n_embd;
-        let mut x = act(pass, &[batch.batch_size, batch.seq_len, c], "h.0.input".into())?;
+        let mut x = act(
+            pass,
+            &[batch.batch_size, batch.seq_len, c],
+            "h.0.input".into(),
+        )?;
         pass.backend.embedding(
             &mut x,
             &batch.inputs,
@@ -271,7 +278,13 @@ impl Gpt2 {
 
     /// Runs one node of layer `l`, storing its outputs in empty stash slots.
     /// Returns the bytes newly stored.
-    fn run_node(&self, pass: &Pass<'_>, l: usize, node: Node, stash: &mut LayerStash) -> Result<u64> {
+    fn run_node(
+        &self,
+        pass: &Pass<'_>,
+        l: usize,
+        node: Node,
+        stash: &mut LayerStash,
+    ) -> Result<u64> {
         let be = pass.backend;
         let w = |j: usize| pass.params[self.lp(l, j)].weight();
         let (n_head, c) = (self.config.n_head, self.config.n_embd);
@@ -288,7 +301,14 @@ impl Gpt2 {
                 let (rows, _) = x.rows_cols();
                 let mut out = act(pass, x.shape(), label(out_kind))?;
                 let mut st = stats_tensor(pass, rows, label(stats_kind))?;
-                be.layernorm(&mut out, &mut st, x, w(wj), w(wj + 1), self.config.layer_norm_epsilon)?;
+                be.layernorm(
+                    &mut out,
+                    &mut st,
+                    x,
+                    w(wj),
+                    w(wj + 1),
+                    self.config.layer_norm_epsilon,
+                )?;
                 outputs.push((stats_kind, st));
                 outputs.push((out_kind, out));
             }
@@ -360,8 +380,15 @@ impl Gpt2 {
         };
         let mut out = act(pass, res.shape(), label)?;
         let w = |j: usize| pass.params[self.lp(l, j)].weight();
-        pass.backend
-            .matmul(&mut out, g, w(FCPROJ_W), Some(w(FCPROJ_B)), false, false, false)?;
+        pass.backend.matmul(
+            &mut out,
+            g,
+            w(FCPROJ_W),
+            Some(w(FCPROJ_B)),
+            false,
+            false,
+            false,
+        )?;
         pass.backend.axpy(&mut out, 1.0, res)?;
         Ok(out)
     }
@@ -452,9 +479,25 @@ impl Gpt2 {
     ) -> Result<()> {
         let be = pass.backend;
         if let Some(dx) = dx {
-            be.matmul(dx, dy, pass.params[w_idx].weight(), None, false, true, false)?;
+            be.matmul(
+                dx,
+                dy,
+                pass.params[w_idx].weight(),
+                None,
+                false,
+                true,
+                false,
+            )?;
         }
-        be.matmul(pass.params[w_idx].grad_mut(be)?, x, dy, None, true, false, true)?;
+        be.matmul(
+            pass.params[w_idx].grad_mut(be)?,
+            x,
+            dy,
+            None,
+            true,
+            false,
+            true,
+        )?;
         be.bias_backward(pass.params[w_idx + 1].grad_mut(be)?, dy)
     }
 
@@ -498,7 +541,9 @@ impl Gpt2 {
         // MLP output projection.
         self.ensure(pass, l, stash, K::GeluOut, stats)?;
         let mut dgelu = act(pass, &[b, t, 4 * c], label("gelu_out"))?;
-        let gelu_out = stash.take(K::GeluOut).ok_or_else(|| missing(K::GeluOut, l))?;
+        let gelu_out = stash
+            .take(K::GeluOut)
+            .ok_or_else(|| missing(K::GeluOut, l))?;
         self.linear_backward(pass, p(FCPROJ_W), &gelu_out, &dout, Some(&mut dgelu))?;
         drop(gelu_out);
 
@@ -521,15 +566,21 @@ impl Gpt2 {
         self.ensure(pass, l, stash, K::Residual, stats)?;
         self.ensure(pass, l, stash, K::Ln2Stats, stats)?;
         let mut dres = dout;
-        let residual = stash.take(K::Residual).ok_or_else(|| missing(K::Residual, l))?;
-        let ln2_stats = stash.take(K::Ln2Stats).ok_or_else(|| missing(K::Ln2Stats, l))?;
+        let residual = stash
+            .take(K::Residual)
+            .ok_or_else(|| missing(K::Residual, l))?;
+        let ln2_stats = stash
+            .take(K::Ln2Stats)
+            .ok_or_else(|| missing(K::Ln2Stats, l))?;
         self.norm_backward(pass, p(LN2_W), &mut dres, &dln2, &residual, &ln2_stats)?;
         drop((residual, ln2_stats, dln2));
 
         // Attention output projection.
         self.ensure(pass, l, stash, K::AttnOut, stats)?;
         let mut datt = act(pass, &[b, t, c], label("attn_out"))?;
-        let attn_out = stash.take(K::AttnOut).ok_or_else(|| missing(K::AttnOut, l))?;
+        let attn_out = stash
+            .take(K::AttnOut)
+            .ok_or_else(|| missing(K::AttnOut, l))?;
         self.linear_backward(pass, p(PROJ_W), &attn_out, &dres, Some(&mut datt))?;
         drop(attn_out);
 
@@ -560,8 +611,12 @@ impl Gpt2 {
 
         // First layer norm; `dres` becomes the input gradient.
         self.ensure(pass, l, stash, K::Ln1Stats, stats)?;
-        let x = stash.take(K::LayerInput).ok_or_else(|| missing(K::LayerInput, l))?;
-        let ln1_stats = stash.take(K::Ln1Stats).ok_or_else(|| missing(K::Ln1Stats, l))?;
+        let x = stash
+            .take(K::LayerInput)
+            .ok_or_else(|| missing(K::LayerInput, l))?;
+        let ln1_stats = stash
+            .take(K::Ln1Stats)
+            .ok_or_else(|| missing(K::Ln1Stats, l))?;
         self.norm_backward(pass, p(LN1_W), &mut dres, &dln1, &x, &ln1_stats)?;
         stash.clear();
         Ok(dres)
@@ -591,15 +646,39 @@ impl Gpt2 {
             self.config.layer_norm_epsilon,
         )?;
         let mut logits = act(pass, &[rows, v], "logits".into())?;
-        be.matmul(&mut logits, &ln_out, pass.params[WTE].weight(), None, false, true, false)?;
+        be.matmul(
+            &mut logits,
+            &ln_out,
+            pass.params[WTE].weight(),
+            None,
+            false,
+            true,
+            false,
+        )?;
         let loss = be.cross_entropy(&mut logits, &batch.targets, v, grad_scale)?;
         if grad_scale.is_none() {
             return Ok((loss, None));
         }
         // `logits` now holds the gradient of the loss with respect to the logits.
         let mut dln = act(pass, x.shape(), "ln_f.d_out".into())?;
-        be.matmul(&mut dln, &logits, pass.params[WTE].weight(), None, false, false, false)?;
-        be.matmul(pass.params[WTE].grad_mut(be)?, &logits, &ln_out, None, true, false, true)?;
+        be.matmul(
+            &mut dln,
+            &logits,
+            pass.params[WTE].weight(),
+            None,
+            false,
+            false,
+            false,
+        )?;
+        be.matmul(
+            pass.params[WTE].grad_mut(be)?,
+            &logits,
+            &ln_out,
+            None,
+            true,
+            false,
+            true,
+        )?;
         drop((logits, ln_out));
         let mut dx = act(pass, x.shape(), "ln_f.d_input".into())?;
         self.norm_backward(pass, lnf, &mut dx, &dln, &x, &st)?;

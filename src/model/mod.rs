@@ -85,8 +85,12 @@ pub trait Model: Debug + Send + Sync {
     /// Forward, loss and backward on `batch`. Gradients are accumulated into the
     /// parameters, with the loss gradient scaled by `grad_scale` (so the sum of the
     /// per-position losses times `grad_scale` is what is differentiated).
-    fn forward_backward(&self, pass: &mut Pass<'_>, batch: &Batch, grad_scale: f32)
-        -> Result<PassStats>;
+    fn forward_backward(
+        &self,
+        pass: &mut Pass<'_>,
+        batch: &Batch,
+        grad_scale: f32,
+    ) -> Result<PassStats>;
 
     /// Forward and loss only; returns the sum of per-position losses.
     fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64>;

@@ -34,7 +34,7 @@ impl Param {
     ) -> Result<Param> {
         let compute = precision.compute_dtype();
         let master = if precision.master_weights() {
-            Some(backend.from_f32(init, shape, DType::F32, MemoryCategory::MasterWeights, name)?)
+            Some(backend.upload(init, shape, DType::F32, MemoryCategory::MasterWeights, name)?)
         } else {
             if compute != DType::F32 {
                 return Err(Error::config(
@@ -46,7 +46,7 @@ impl Param {
             }
             None
         };
-        let weight = backend.from_f32(init, shape, compute, MemoryCategory::Weights, name)?;
+        let weight = backend.upload(init, shape, compute, MemoryCategory::Weights, name)?;
         Ok(Param {
             name: name.to_string(),
             weight,
@@ -125,7 +125,10 @@ impl Param {
 
     /// The compute weights and the gradient buffer, for an op that reads one and
     /// accumulates into the other.
-    pub(crate) fn weight_and_grad(&mut self, backend: &dyn Backend) -> Result<(&Tensor, &mut Tensor)> {
+    pub(crate) fn weight_and_grad(
+        &mut self,
+        backend: &dyn Backend,
+    ) -> Result<(&Tensor, &mut Tensor)> {
         self.grad_mut(backend)?;
         Ok((&self.weight, self.grad.as_mut().expect("allocated above")))
     }

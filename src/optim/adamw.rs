@@ -39,10 +39,26 @@ impl Default for AdamW {
 impl AdamW {
     fn validate(&self) -> Result<()> {
         let checks = [
-            ("optimizer.lr", self.lr >= 0.0 && self.lr.is_finite(), "a finite value >= 0"),
-            ("optimizer.beta1", (0.0..1.0).contains(&self.beta1), "a value in [0, 1)"),
-            ("optimizer.beta2", (0.0..1.0).contains(&self.beta2), "a value in [0, 1)"),
-            ("optimizer.eps", self.eps > 0.0 && self.eps.is_finite(), "a finite value > 0"),
+            (
+                "optimizer.lr",
+                self.lr >= 0.0 && self.lr.is_finite(),
+                "a finite value >= 0",
+            ),
+            (
+                "optimizer.beta1",
+                (0.0..1.0).contains(&self.beta1),
+                "a value in [0, 1)",
+            ),
+            (
+                "optimizer.beta2",
+                (0.0..1.0).contains(&self.beta2),
+                "a value in [0, 1)",
+            ),
+            (
+                "optimizer.eps",
+                self.eps > 0.0 && self.eps.is_finite(),
+                "a finite value > 0",
+            ),
             (
                 "optimizer.weight_decay",
                 self.weight_decay >= 0.0 && self.weight_decay.is_finite(),
@@ -79,8 +95,18 @@ impl Optimizer for AdamW {
             let shape = p.shape().to_vec();
             let (value, grad, state) = p.update_parts()?;
             if state.is_empty() {
-                state.push(backend.zeros(&shape, DType::F32, MemoryCategory::OptimizerState, &format!("{name}.exp_avg"))?);
-                state.push(backend.zeros(&shape, DType::F32, MemoryCategory::OptimizerState, &format!("{name}.exp_avg_sq"))?);
+                state.push(backend.zeros(
+                    &shape,
+                    DType::F32,
+                    MemoryCategory::OptimizerState,
+                    &format!("{name}.exp_avg"),
+                )?);
+                state.push(backend.zeros(
+                    &shape,
+                    DType::F32,
+                    MemoryCategory::OptimizerState,
+                    &format!("{name}.exp_avg_sq"),
+                )?);
             }
             let (m, v) = state.split_at_mut(1);
             backend.adamw(
@@ -104,5 +130,113 @@ impl Optimizer for AdamW {
 
     fn state_bytes_per_param(&self) -> usize {
         8
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::CpuBackend;
+    use crate::precision::Fp32;
+
+    fn param(be: &dyn Backend, name: &str, shape: &[usize], init: &[f32], grad: &[f32]) -> Param {
+        let mut p = Param::new(be, name, shape, init, &Fp32).unwrap();
+        let g = be
+            .upload(grad, shape, DType::F32, MemoryCategory::Gradients, name)
+            .unwrap();
+        be.cast(p.grad_mut(be).unwrap(), &g).unwrap();
+        p
+    }
+
+    /// With a constant gradient g the bias-corrected moments are exactly g and g², so
+    /// each step is `p ← p·(1 - lr·wd) - lr·g / (|g| + eps)`, and after n steps
+    /// `p_n = p_0·aⁿ - c·(1 - aⁿ) / (1 - a)` with `a = 1 - lr·wd`, `c = lr·g / (|g| + eps)`.
+    #[test]
+    fn constant_gradient_matches_the_closed_form() {
+        let be = CpuBackend::new();
+        let opt = AdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..AdamW::default()
+        };
+        let init = [0.5f32, -1.0, 2.0, 0.0, 1.5, -0.25];
+        let g = [0.3f32, -0.2, 1e-3, 4.0, -0.7, 0.05];
+        // A matrix (decays) and a bias (does not), with the same values.
+        let mut params = vec![
+            param(&be, "w", &[2, 3], &init, &g),
+            param(&be, "b", &[6], &init, &g),
+        ];
+        let mut opt_mut = opt;
+        let n = 7;
+        for step in 1..=n {
+            opt_mut.step(&be, &mut params, opt.lr, 1.0, step).unwrap();
+        }
+        assert_eq!(
+            params[0].state().len(),
+            2,
+            "moments created lazily, two per parameter"
+        );
+        for (p, wd) in params.iter().zip([0.1f64, 0.0]) {
+            let got = be.to_f32(p.value()).unwrap();
+            for i in 0..init.len() {
+                let (lr, gi) = (opt.lr as f64, g[i] as f64);
+                let a = 1.0 - lr * wd;
+                let c = lr * gi / (gi.abs() + opt.eps as f64);
+                let an = a.powi(n as i32);
+                let want = if wd == 0.0 {
+                    init[i] as f64 - c * n as f64
+                } else {
+                    init[i] as f64 * an - c * (1.0 - an) / (1.0 - a)
+                };
+                assert!(
+                    (got[i] as f64 - want).abs() < 2e-6,
+                    "{}[{i}]: {} vs closed form {want}",
+                    p.name(),
+                    got[i]
+                );
+            }
+        }
+    }
+
+    /// Varying gradients against the recurrence of `torch.optim.AdamW`, in f64.
+    #[test]
+    fn varying_gradients_match_pytorch_recurrence() {
+        let be = CpuBackend::new();
+        let mut opt = AdamW::default();
+        let init = [0.1f32, -0.2, 0.3, 0.4];
+        let mut p_ref: Vec<f64> = init.iter().map(|v| *v as f64).collect();
+        let (mut m, mut v) = (vec![0f64; 4], vec![0f64; 4]);
+        let mut params = vec![param(&be, "w", &[2, 2], &init, &[0.0; 4])];
+        for step in 1..=5u64 {
+            let g: Vec<f32> = (0..4)
+                .map(|i| ((step as f32) * 0.7 + i as f32).sin())
+                .collect();
+            let gt = be
+                .upload(&g, &[2, 2], DType::F32, MemoryCategory::Gradients, "g")
+                .unwrap();
+            be.cast(params[0].grad_mut(&be).unwrap(), &gt).unwrap();
+            let lr = 1e-3 * step as f32;
+            let clip = 0.5;
+            opt.step(&be, &mut params, lr, clip, step).unwrap();
+            let (b1, b2, eps, wd) = (0.9f64, 0.95f64, 1e-8f64, 0.1f64);
+            for i in 0..4 {
+                let gi = g[i] as f64 * clip as f64;
+                p_ref[i] *= 1.0 - lr as f64 * wd;
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let bc1 = 1.0 - b1.powi(step as i32);
+                let bc2 = 1.0 - b2.powi(step as i32);
+                p_ref[i] -= lr as f64 / bc1 * m[i] / (v[i].sqrt() / bc2.sqrt() + eps);
+            }
+        }
+        let got = be.to_f32(params[0].value()).unwrap();
+        for i in 0..4 {
+            assert!(
+                (got[i] as f64 - p_ref[i]).abs() < 1e-6,
+                "{i}: {} vs {}",
+                got[i],
+                p_ref[i]
+            );
+        }
     }
 }

@@ -53,7 +53,11 @@ impl LrSchedule {
                 if step < warmup_steps {
                     return base * (step + 1) as f32 / warmup_steps as f32;
                 }
-                let end = if decay_steps == 0 { total_steps } else { decay_steps };
+                let end = if decay_steps == 0 {
+                    total_steps
+                } else {
+                    decay_steps
+                };
                 let min = base * min_lr_ratio;
                 if step >= end || end <= warmup_steps {
                     return min;

@@ -57,7 +57,12 @@ impl Optimizer for Sgd {
                 continue;
             }
             if state.is_empty() {
-                state.push(backend.zeros(&shape, DType::F32, MemoryCategory::OptimizerState, &format!("{name}.momentum"))?);
+                state.push(backend.zeros(
+                    &shape,
+                    DType::F32,
+                    MemoryCategory::OptimizerState,
+                    &format!("{name}.momentum"),
+                )?);
             }
             backend.scale(&mut state[0], self.momentum)?;
             backend.axpy(&mut state[0], grad_scale, grad)?;

@@ -17,7 +17,7 @@ pub fn randn(rng: &mut Rng, n: usize, scale: f64) -> Vec<f32> {
 
 /// An f32 activation tensor.
 pub fn tensor(be: &dyn Backend, data: &[f32], shape: &[usize]) -> Tensor {
-    be.from_f32(data, shape, DType::F32, MemoryCategory::Activations, "test")
+    be.upload(data, shape, DType::F32, MemoryCategory::Activations, "test")
         .unwrap()
 }
 

@@ -20,7 +20,12 @@ pub(super) fn adamw(
     ensure(
         grad.numel() == n && m.numel() == n && v.numel() == n,
         "adamw",
-        || format!("`{}`: gradient and moments must have {n} elements", param.label()),
+        || {
+            format!(
+                "`{}`: gradient and moments must have {n} elements",
+                param.label()
+            )
+        },
     )?;
     let g = read(grad);
     let (Storage::F32(p), Storage::F32(mv), Storage::F32(vv)) =

@@ -93,7 +93,6 @@ pub(super) fn scores_backward(
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let out = out;
             let (bi, hi) = (bh / d.h, bh % d.h);
             let base = bi * d.t * c3 + hi * d.hs;
             // Scores above the diagonal are constant, so their gradient is ignored.
@@ -106,7 +105,7 @@ pub(super) fn scores_backward(
                     d.t,
                     d.hs,
                     d.t,
-                    out.0.add(base),
+                    out.get().add(base),
                     c3 as isize,
                     false,
                     s.as_ptr(),
@@ -123,7 +122,7 @@ pub(super) fn scores_backward(
                     d.t,
                     d.hs,
                     d.t,
-                    out.0.add(base + d.c),
+                    out.get().add(base + d.c),
                     c3 as isize,
                     false,
                     s.as_ptr(),
@@ -216,7 +215,6 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
     write(out, false, |o| {
         let optr = SendPtr(o.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let optr = optr;
             let (bi, hi) = (bh / d.h, bh % d.h);
             // SAFETY: each (bi, hi) writes its own head columns of out.
             unsafe {
@@ -224,7 +222,7 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
                     d.t,
                     d.hs,
                     d.t,
-                    optr.0.add(bi * d.t * d.c + hi * d.hs),
+                    optr.get().add(bi * d.t * d.c + hi * d.hs),
                     d.c as isize,
                     false,
                     p.as_ptr().add(bh * d.t * d.t),
@@ -260,35 +258,36 @@ pub(super) fn values_backward(
     let g = read(dout);
     let c3 = 3 * d.c;
     write(dprobs, false, |dp| {
-        dp.par_chunks_mut(d.t * d.t).enumerate().for_each(|(bh, dp)| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
-            // SAFETY: dout and v blocks of (bi, hi) lie inside their buffers.
-            unsafe {
-                // dP = dout · Vᵀ
-                gemm_raw(
-                    d.t,
-                    d.t,
-                    d.hs,
-                    dp.as_mut_ptr(),
-                    d.t as isize,
-                    false,
-                    g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
-                    d.c as isize,
-                    1,
-                    q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
-                    1,
-                    c3 as isize,
-                    1.0,
-                    false,
-                );
-            }
-            zero_upper(dp, d.t);
-        })
+        dp.par_chunks_mut(d.t * d.t)
+            .enumerate()
+            .for_each(|(bh, dp)| {
+                let (bi, hi) = (bh / d.h, bh % d.h);
+                // SAFETY: dout and v blocks of (bi, hi) lie inside their buffers.
+                unsafe {
+                    // dP = dout · Vᵀ
+                    gemm_raw(
+                        d.t,
+                        d.t,
+                        d.hs,
+                        dp.as_mut_ptr(),
+                        d.t as isize,
+                        false,
+                        g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
+                        d.c as isize,
+                        1,
+                        q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                        1,
+                        c3 as isize,
+                        1.0,
+                        false,
+                    );
+                }
+                zero_upper(dp, d.t);
+            })
     });
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let out = out;
             let (bi, hi) = (bh / d.h, bh % d.h);
             // SAFETY: each (bi, hi) writes its own v columns of dqkv.
             unsafe {
@@ -297,7 +296,7 @@ pub(super) fn values_backward(
                     d.t,
                     d.hs,
                     d.t,
-                    out.0.add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                    out.get().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
                     c3 as isize,
                     false,
                     p.as_ptr().add(bh * d.t * d.t),

@@ -23,24 +23,22 @@ pub(super) fn cast(dst: &mut Tensor, src: &Tensor) -> Result<()> {
     match (dst.storage_mut(), src.storage()) {
         (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
         (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
-        (Storage::Bf16(d), Storage::F32(s)) => {
-            d.par_chunks_mut(CHUNK)
-                .zip(s.par_chunks(CHUNK))
-                .for_each(|(d, s)| {
-                    for (d, s) in d.iter_mut().zip(s) {
-                        *d = bf16::from_f32(*s);
-                    }
-                })
-        }
-        (Storage::F32(d), Storage::Bf16(s)) => {
-            d.par_chunks_mut(CHUNK)
-                .zip(s.par_chunks(CHUNK))
-                .for_each(|(d, s)| {
-                    for (d, s) in d.iter_mut().zip(s) {
-                        *d = s.to_f32();
-                    }
-                })
-        }
+        (Storage::Bf16(d), Storage::F32(s)) => d
+            .par_chunks_mut(CHUNK)
+            .zip(s.par_chunks(CHUNK))
+            .for_each(|(d, s)| {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = bf16::from_f32(*s);
+                }
+            }),
+        (Storage::F32(d), Storage::Bf16(s)) => d
+            .par_chunks_mut(CHUNK)
+            .zip(s.par_chunks(CHUNK))
+            .for_each(|(d, s)| {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = s.to_f32();
+                }
+            }),
     }
     Ok(())
 }

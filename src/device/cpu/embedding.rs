@@ -16,9 +16,7 @@ fn check(
     let (v, cw) = wte.rows_cols();
     let (p, cp) = wpe.rows_cols();
     ensure(cw == c && cp == c, op, || {
-        format!(
-            "embedding width differs: activations {c}, wte {cw}, wpe {cp}"
-        )
+        format!("embedding width differs: activations {c}, wte {cw}, wpe {cp}")
     })?;
     ensure(tokens.len() == b * t, op, || {
         format!("{} tokens for a [{b}, {t}] batch", tokens.len())

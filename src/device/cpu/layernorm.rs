@@ -18,9 +18,11 @@ pub(super) fn forward(
     ensure_shape(out, x.shape(), "layernorm")?;
     ensure_shape(stats, &[rows, 2], "layernorm")?;
     ensure_f32(stats, "layernorm")?;
-    ensure(weight.numel() == c && bias.numel() == c, "layernorm", || {
-        format!("weight and bias must have {c} elements")
-    })?;
+    ensure(
+        weight.numel() == c && bias.numel() == c,
+        "layernorm",
+        || format!("weight and bias must have {c} elements"),
+    )?;
     let xv = read(x);
     let w = read(weight);
     let b = read(bias);

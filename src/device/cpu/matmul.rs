@@ -46,25 +46,8 @@ pub(super) unsafe fn gemm_raw(
         Parallelism::None
     };
     gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs,
-        accumulate,
-        a,
-        a_cs,
-        a_rs,
-        b,
-        b_cs,
-        b_rs,
-        1.0,
-        scale,
-        false,
-        false,
-        false,
-        par,
+        m, n, k, dst, 1, dst_rs, accumulate, a, a_cs, a_rs, b, b_cs, b_rs, 1.0, scale, false,
+        false, false, par,
     );
 }
 
@@ -101,14 +84,26 @@ pub(super) fn matmul(
     })?;
     if let Some(bias) = bias {
         ensure(bias.numel() == n, "matmul", || {
-            format!("bias `{}` has {} elements, expected {n}", bias.label(), bias.numel())
+            format!(
+                "bias `{}` has {} elements, expected {n}",
+                bias.label(),
+                bias.numel()
+            )
         })?;
     }
     let av = read(a);
     let bv = read(b);
     let biasv = bias.map(read);
-    let (a_rs, a_cs) = if trans_a { (1, ac as isize) } else { (ac as isize, 1) };
-    let (b_rs, b_cs) = if trans_b { (1, bc as isize) } else { (bc as isize, 1) };
+    let (a_rs, a_cs) = if trans_a {
+        (1, ac as isize)
+    } else {
+        (ac as isize, 1)
+    };
+    let (b_rs, b_cs) = if trans_b {
+        (1, bc as isize)
+    } else {
+        (bc as isize, 1)
+    };
     write(out, accumulate, |o| {
         let mut acc = accumulate;
         if let (Some(bias), false) = (&biasv, accumulate) {

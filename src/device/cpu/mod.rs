@@ -132,6 +132,13 @@ pub(crate) struct SendPtr<T>(pub *mut T);
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
+impl<T> SendPtr<T> {
+    /// The pointer (a method, so closures capture the whole `SendPtr`).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
@@ -165,7 +172,7 @@ impl Backend for CpuBackend {
         Tensor::new(storage, shape, category, label, &self.ledger)
     }
 
-    fn from_f32(
+    fn upload(
         &self,
         data: &[f32],
         shape: &[usize],

@@ -1,0 +1,92 @@
+//! CPU throughput of a full training step (forward, backward, AdamW) in f32.
+//!
+//! `cargo run --release --example cpu_bench` measures the two shapes of
+//! docs/benchmarks.md; `-- --shape a` or `-- --shape b` runs one.
+
+use std::sync::Arc;
+use std::time::Instant;
+use trainkit::data::DataLoader;
+use trainkit::{CpuBackend, Gpt2, Gpt2Config, Rng, Trainer};
+
+struct Shape {
+    name: &'static str,
+    config: Gpt2Config,
+    batch: usize,
+    seq: usize,
+}
+
+fn shapes() -> Vec<Shape> {
+    vec![
+        Shape {
+            name: "a",
+            config: Gpt2Config {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 256,
+                n_positions: 256,
+                vocab_size: 50257,
+                layer_norm_epsilon: 1e-5,
+            },
+            batch: 8,
+            seq: 256,
+        },
+        Shape {
+            name: "b",
+            config: Gpt2Config {
+                n_layer: 6,
+                n_head: 6,
+                n_embd: 384,
+                n_positions: 256,
+                vocab_size: 256,
+                layer_norm_epsilon: 1e-5,
+            },
+            batch: 16,
+            seq: 256,
+        },
+    ]
+}
+
+fn main() -> trainkit::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--shape")
+        .and_then(|i| args.get(i + 1).cloned());
+    let (warmup, timed) = (2, 5);
+    println!("threads: {}", rayon::current_num_threads());
+    for s in shapes() {
+        if only.as_deref().is_some_and(|o| o != s.name) {
+            continue;
+        }
+        let mut rng = Rng::new(0);
+        let v = s.config.vocab_size;
+        let tokens: Vec<u32> = (0..s.batch * s.seq * (warmup + timed + 1) + 1)
+            .map(|_| rng.below(v) as u32)
+            .collect();
+        let data = DataLoader::new(tokens, s.batch, s.seq)?;
+        let model = Gpt2::new(s.config.clone())?;
+        let mut t = Trainer::builder(model, Arc::new(CpuBackend::new()), data).build()?;
+        for _ in 0..warmup {
+            t.step()?;
+        }
+        let start = Instant::now();
+        for _ in 0..timed {
+            t.step()?;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let tok = (s.batch * s.seq * timed) as f64;
+        println!(
+            "shape {}: {} layers, {} heads, {} wide, vocab {}, batch {} x {}: {:.0} tokens/s ({:.0} ms/step)",
+            s.name,
+            s.config.n_layer,
+            s.config.n_head,
+            s.config.n_embd,
+            v,
+            s.batch,
+            s.seq,
+            tok / secs,
+            secs / timed as f64 * 1e3
+        );
+    }
+    Ok(())
+}
