@@ -1,5 +1,6 @@
 //! The AdamW update, PyTorch semantics.
 
+use super::simd::simd_fn;
 use super::{ensure, ensure_f32, read, CHUNK};
 use crate::device::AdamWStep;
 use crate::error::Result;
@@ -53,13 +54,44 @@ pub(super) fn adamw(
         .zip(mv.par_chunks_mut(CHUNK))
         .zip(vv.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)))
         .for_each(|((p, m), (v, g))| {
-            for i in 0..p.len() {
-                let gi = g[i] * grad_scale;
-                m[i] = beta1 * m[i] + (1.0 - beta1) * gi;
-                v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi;
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] = p[i] * decay - step_size * m[i] / denom;
-            }
+            update_chunk(
+                p,
+                m,
+                v,
+                g,
+                &Coefficients {
+                    beta1,
+                    beta2,
+                    eps,
+                    grad_scale,
+                    step_size,
+                    bc2_sqrt,
+                    decay,
+                },
+            )
         });
     Ok(())
+}
+
+/// Per-step constants of the update.
+struct Coefficients {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    grad_scale: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    decay: f32,
+}
+
+simd_fn! {
+    fn update_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], k: &Coefficients) {
+        for i in 0..p.len() {
+            let gi = g[i] * k.grad_scale;
+            m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * gi;
+            v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * gi * gi;
+            let denom = v[i].sqrt() / k.bc2_sqrt + k.eps;
+            p[i] = p[i] * k.decay - k.step_size * m[i] / denom;
+        }
+    }
 }

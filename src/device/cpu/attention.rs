@@ -5,6 +5,7 @@
 //! probabilities are `[B, H, T, T]` with zeros above the diagonal.
 
 use super::matmul::gemm_raw;
+use super::simd::{self, simd_fn};
 use super::{btc, ensure, ensure_shape, read, write, SendPtr};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -155,24 +156,7 @@ pub(super) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
     write(probs, false, |p| {
         p.par_chunks_mut(t * t)
             .zip(s.par_chunks(t * t))
-            .for_each(|(p, s)| {
-                for i in 0..t {
-                    let row = &s[i * t..i * t + i + 1];
-                    let out = &mut p[i * t..(i + 1) * t];
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                    let mut sum = 0f32;
-                    for j in 0..=i {
-                        let e = (row[j] - max).exp();
-                        out[j] = e;
-                        sum += e;
-                    }
-                    let inv = 1.0 / sum;
-                    for v in &mut out[..=i] {
-                        *v *= inv;
-                    }
-                    out[i + 1..].fill(0.0);
-                }
-            })
+            .for_each(|(p, s)| softmax_block(p, s, t))
     });
     Ok(())
 }
@@ -190,17 +174,7 @@ pub(super) fn softmax_backward(
     write(dscores, false, |ds| {
         ds.par_chunks_mut(t * t)
             .zip(p.par_chunks(t * t).zip(dp.par_chunks(t * t)))
-            .for_each(|(ds, (p, dp))| {
-                for i in 0..t {
-                    let (pr, dr) = (&p[i * t..(i + 1) * t], &dp[i * t..(i + 1) * t]);
-                    let dot: f32 = (0..=i).map(|j| pr[j] * dr[j]).sum();
-                    let out = &mut ds[i * t..(i + 1) * t];
-                    for j in 0..=i {
-                        out[j] = pr[j] * (dr[j] - dot);
-                    }
-                    out[i + 1..].fill(0.0);
-                }
-            })
+            .for_each(|(ds, (p, dp))| softmax_backward_block(ds, p, dp, t))
     });
     Ok(())
 }
@@ -312,4 +286,38 @@ pub(super) fn values_backward(
         })
     });
     Ok(())
+}
+
+simd_fn! {
+    /// Causal softmax of one `[T, T]` block of scores.
+    fn softmax_block(p: &mut [f32], s: &[f32], t: usize) {
+        for i in 0..t {
+            let row = &s[i * t..i * t + i + 1];
+            let (out, above) = p[i * t..(i + 1) * t].split_at_mut(i + 1);
+            let max = simd::max(row);
+            for (o, v) in out.iter_mut().zip(row) {
+                *o = simd::exp(v - max);
+            }
+            let inv = 1.0 / simd::sum(out);
+            for o in out.iter_mut() {
+                *o *= inv;
+            }
+            above.fill(0.0);
+        }
+    }
+}
+
+simd_fn! {
+    /// Backward of [`softmax_block`] on one `[T, T]` block.
+    fn softmax_backward_block(ds: &mut [f32], p: &[f32], dp: &[f32], t: usize) {
+        for i in 0..t {
+            let (pr, dr) = (&p[i * t..i * t + i + 1], &dp[i * t..i * t + i + 1]);
+            let dot = simd::dot(pr, dr);
+            let (out, above) = ds[i * t..(i + 1) * t].split_at_mut(i + 1);
+            for j in 0..=i {
+                out[j] = pr[j] * (dr[j] - dot);
+            }
+            above.fill(0.0);
+        }
+    }
 }

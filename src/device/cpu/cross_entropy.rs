@@ -1,5 +1,6 @@
 //! Softmax cross-entropy over the vocabulary, fused with its gradient.
 
+use super::simd::{self, simd_fn};
 use super::{ensure, read, write};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -31,12 +32,7 @@ pub(super) fn cross_entropy(
             l.par_chunks(vp)
                 .zip(losses.par_iter_mut())
                 .zip(targets.par_iter())
-                .for_each(|((row, loss), &t)| {
-                    let row = &row[..vocab];
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                    let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
-                    *loss = (sum.ln() + max - row[t as usize]) as f64;
-                });
+                .for_each(|((row, loss), &t)| *loss = row_loss(&row[..vocab], t as usize));
         }
         Some(scale) => {
             write(logits, true, |l| {
@@ -45,25 +41,45 @@ pub(super) fn cross_entropy(
                     .zip(targets.par_iter())
                     .for_each(|((row, loss), &t)| {
                         let (row, pad) = row.split_at_mut(vocab);
-                        let t = t as usize;
-                        let target_logit = row[t];
-                        let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                        let mut sum = 0f32;
-                        for v in row.iter_mut() {
-                            let e = (*v - max).exp();
-                            sum += e;
-                            *v = e;
-                        }
-                        *loss = (sum.ln() + max - target_logit) as f64;
-                        let inv = 1.0 / sum;
-                        for v in row.iter_mut() {
-                            *v *= inv * scale;
-                        }
-                        row[t] -= scale;
+                        *loss = row_loss_and_grad(row, t as usize, scale);
                         pad.fill(0.0);
                     })
             });
         }
     }
     Ok(losses.iter().sum())
+}
+
+simd_fn! {
+    /// `logsumexp(row) - row[t]`, in f64 for the caller's sum.
+    fn row_loss(row: &[f32], t: usize) -> f64 {
+        let max = simd::max(row);
+        let mut acc = [0f32; 16];
+        for c in row.chunks(16) {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += simd::exp(v - max);
+            }
+        }
+        let sum = simd::sum(&acc);
+        (sum.ln() + max - row[t]) as f64
+    }
+}
+
+simd_fn! {
+    /// The row's loss; the row is overwritten by `scale · (softmax - onehot(t))`.
+    fn row_loss_and_grad(row: &mut [f32], t: usize, scale: f32) -> f64 {
+        let target_logit = row[t];
+        let max = simd::max(row);
+        for v in row.iter_mut() {
+            *v = simd::exp(*v - max);
+        }
+        let sum = simd::sum(row);
+        let loss = (sum.ln() + max - target_logit) as f64;
+        let k = scale / sum;
+        for v in row.iter_mut() {
+            *v *= k;
+        }
+        row[t] -= scale;
+        loss
+    }
 }

@@ -1,5 +1,6 @@
 //! Element-wise ops, casts and reductions.
 
+use super::simd::simd_fn;
 use super::{ensure, read, write, CHUNK};
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
@@ -57,11 +58,7 @@ pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
     write(out, false, |o| {
         o.par_chunks_mut(CHUNK)
             .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-            .for_each(|(o, (a, b))| {
-                for i in 0..o.len() {
-                    o[i] = a[i] + b[i];
-                }
-            })
+            .for_each(|(o, (a, b))| add_chunk(o, a, b))
     });
     Ok(())
 }
@@ -72,22 +69,14 @@ pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
     write(y, true, |y| {
         y.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
-            .for_each(|(y, x)| {
-                for (y, x) in y.iter_mut().zip(x) {
-                    *y += alpha * x;
-                }
-            })
+            .for_each(|(y, x)| axpy_chunk(y, alpha, x))
     });
     Ok(())
 }
 
 pub(super) fn scale(x: &mut Tensor, alpha: f32) {
     write(x, true, |x| {
-        x.par_chunks_mut(CHUNK).for_each(|x| {
-            for v in x {
-                *v *= alpha;
-            }
-        })
+        x.par_chunks_mut(CHUNK).for_each(|x| scale_chunk(x, alpha))
     })
 }
 
@@ -110,11 +99,7 @@ pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         .par_chunks(ROW_BLOCK * cols)
         .map(|block| {
             let mut acc = vec![0f32; cols];
-            for row in block.chunks_exact(cols) {
-                for (a, v) in acc.iter_mut().zip(row) {
-                    *a += v;
-                }
-            }
+            add_rows(&mut acc, block);
             acc
         })
         .collect();
@@ -144,4 +129,39 @@ pub(super) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         }
     });
     Ok(())
+}
+
+simd_fn! {
+    fn add_chunk(o: &mut [f32], a: &[f32], b: &[f32]) {
+        for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    }
+}
+
+simd_fn! {
+    fn axpy_chunk(y: &mut [f32], alpha: f32, x: &[f32]) {
+        for (y, x) in y.iter_mut().zip(x) {
+            *y += alpha * x;
+        }
+    }
+}
+
+simd_fn! {
+    fn scale_chunk(x: &mut [f32], alpha: f32) {
+        for v in x {
+            *v *= alpha;
+        }
+    }
+}
+
+simd_fn! {
+    /// `acc += Σ rows of block` (rows of `acc.len()` columns, added in order).
+    fn add_rows(acc: &mut [f32], block: &[f32]) {
+        for row in block.chunks_exact(acc.len()) {
+            for (a, v) in acc.iter_mut().zip(row) {
+                *a += v;
+            }
+        }
+    }
 }

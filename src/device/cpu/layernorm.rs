@@ -1,6 +1,7 @@
 //! Layer normalization over the last dimension, statistics in f32.
 
 use super::elementwise::ROW_BLOCK;
+use super::simd::{self, simd_fn};
 use super::{ensure, ensure_f32, ensure_shape, read, write};
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
@@ -33,16 +34,7 @@ pub(super) fn forward(
         o.par_chunks_mut(c)
             .zip(xv.par_chunks(c))
             .zip(st.par_chunks_mut(2))
-            .for_each(|((o, x), st)| {
-                let mean = x.iter().sum::<f32>() / c as f32;
-                let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
-                let rstd = 1.0 / (var + eps).sqrt();
-                for i in 0..c {
-                    o[i] = (x[i] - mean) * rstd * w[i] + b[i];
-                }
-                st[0] = mean;
-                st[1] = rstd;
-            })
+            .for_each(|((o, x), st)| forward_row(o, st, x, &w, &b, eps))
     });
     Ok(())
 }
@@ -75,16 +67,8 @@ pub(super) fn backward(
         .map(|blk| {
             let mut dw = vec![0f32; c];
             let mut db = vec![0f32; c];
-            for r in blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(rows) {
-                let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
-                let x = &xv[r * c..(r + 1) * c];
-                let d = &dv[r * c..(r + 1) * c];
-                for i in 0..c {
-                    let norm = (x[i] - mean) * rstd;
-                    dw[i] += norm * d[i];
-                    db[i] += d[i];
-                }
-            }
+            let rows_in = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(rows);
+            param_grad_block(&mut dw, &mut db, &xv, &dv, &st, rows_in.start, rows_in.end);
             (dw, db)
         })
         .collect();
@@ -106,24 +90,69 @@ pub(super) fn backward(
         o.par_chunks_mut(c)
             .zip(xv.par_chunks(c).zip(dv.par_chunks(c)))
             .zip(st.par_chunks(2))
-            .for_each(|((o, (x, d)), st)| {
-                let (mean, rstd) = (st[0], st[1]);
-                let mut mean_dn = 0f32;
-                let mut mean_dn_n = 0f32;
-                for i in 0..c {
-                    let norm = (x[i] - mean) * rstd;
-                    let dn = w[i] * d[i];
-                    mean_dn += dn;
-                    mean_dn_n += dn * norm;
-                }
-                mean_dn /= c as f32;
-                mean_dn_n /= c as f32;
-                for i in 0..c {
-                    let norm = (x[i] - mean) * rstd;
-                    let dn = w[i] * d[i];
-                    o[i] += rstd * (dn - mean_dn - norm * mean_dn_n);
-                }
-            })
+            .for_each(|((o, (x, d)), st)| input_grad_row(o, x, d, &w, st))
     });
     Ok(())
+}
+
+simd_fn! {
+    fn forward_row(o: &mut [f32], st: &mut [f32], x: &[f32], w: &[f32], b: &[f32], eps: f32) {
+        let c = x.len();
+        let mean = simd::sum(x) / c as f32;
+        let var = simd::sum_sq_dev(x, mean) / c as f32;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for i in 0..c {
+            o[i] = (x[i] - mean) * rstd * w[i] + b[i];
+        }
+        st[0] = mean;
+        st[1] = rstd;
+    }
+}
+
+simd_fn! {
+    fn param_grad_block(
+        dw: &mut [f32],
+        db: &mut [f32],
+        xv: &[f32],
+        dv: &[f32],
+        st: &[f32],
+        start: usize,
+        end: usize,
+    ) {
+        let c = dw.len();
+        for r in start..end {
+            let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
+            let x = &xv[r * c..(r + 1) * c];
+            let d = &dv[r * c..(r + 1) * c];
+            for i in 0..c {
+                let norm = (x[i] - mean) * rstd;
+                dw[i] += norm * d[i];
+                db[i] += d[i];
+            }
+        }
+    }
+}
+
+simd_fn! {
+    fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], st: &[f32]) {
+        let c = x.len();
+        let (mean, rstd) = (st[0], st[1]);
+        let mut acc_dn = [0f32; 16];
+        let mut acc_dnn = [0f32; 16];
+        for (xc, (dc, wc)) in x.chunks(16).zip(d.chunks(16).zip(w.chunks(16))) {
+            for i in 0..xc.len() {
+                let norm = (xc[i] - mean) * rstd;
+                let dn = wc[i] * dc[i];
+                acc_dn[i] += dn;
+                acc_dnn[i] += dn * norm;
+            }
+        }
+        let mean_dn = simd::sum(&acc_dn) / c as f32;
+        let mean_dn_n = simd::sum(&acc_dnn) / c as f32;
+        for i in 0..c {
+            let norm = (x[i] - mean) * rstd;
+            let dn = w[i] * d[i];
+            o[i] += rstd * (dn - mean_dn - norm * mean_dn_n);
+        }
+    }
 }

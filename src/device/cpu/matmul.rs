@@ -1,9 +1,10 @@
 //! Matrix multiplication through the `gemm` crate (f32 with f32 accumulation).
 
-use super::{ensure, read, write};
+use super::{ensure, read, write, SendPtr};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 /// `dst (+)= op(a) · op(b)` on raw row-major buffers.
 ///
@@ -40,14 +41,101 @@ pub(super) unsafe fn gemm_raw(
         }
         return;
     }
-    let par = if parallel && m * n * k >= 1 << 18 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    if parallel && m * n * k >= PARALLEL_WORK {
+        // Split the output into fixed blocks, each a single-threaded product: blocks do
+        // not depend on the thread count, so neither do the results.
+        let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
+        let block = BLOCK;
+        if m >= 2 * block && m >= n {
+            (0..m.div_ceil(block)).into_par_iter().for_each(|blk| {
+                let (i0, rows) = (blk * block, block.min(m - blk * block));
+                gemm_serial(
+                    rows,
+                    n,
+                    k,
+                    dst.get().offset(i0 as isize * dst_rs),
+                    dst_rs,
+                    accumulate,
+                    a.get().offset(i0 as isize * a_rs),
+                    a_rs,
+                    a_cs,
+                    b.get(),
+                    b_rs,
+                    b_cs,
+                    scale,
+                );
+            });
+            return;
+        }
+        if n >= 2 * block {
+            (0..n.div_ceil(block)).into_par_iter().for_each(|blk| {
+                let (j0, cols) = (blk * block, block.min(n - blk * block));
+                gemm_serial(
+                    m,
+                    cols,
+                    k,
+                    dst.get().add(j0),
+                    dst_rs,
+                    accumulate,
+                    a.get(),
+                    a_rs,
+                    a_cs,
+                    b.get().offset(j0 as isize * b_cs),
+                    b_rs,
+                    b_cs,
+                    scale,
+                );
+            });
+            return;
+        }
+    }
+    gemm_serial(
+        m, n, k, dst, dst_rs, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale,
+    );
+}
+
+/// Rows (or columns) of the output per parallel block.
+const BLOCK: usize = 256;
+/// Multiply-adds above which a product is split across threads.
+const PARALLEL_WORK: usize = 1 << 20;
+
+/// One single-threaded `gemm` call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    accumulate: bool,
+    a: *const f32,
+    a_rs: isize,
+    a_cs: isize,
+    b: *const f32,
+    b_rs: isize,
+    b_cs: isize,
+    scale: f32,
+) {
     gemm::gemm(
-        m, n, k, dst, 1, dst_rs, accumulate, a, a_cs, a_rs, b, b_cs, b_rs, 1.0, scale, false,
-        false, false, par,
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs,
+        accumulate,
+        a,
+        a_cs,
+        a_rs,
+        b,
+        b_cs,
+        b_rs,
+        1.0,
+        scale,
+        false,
+        false,
+        false,
+        Parallelism::None,
     );
 }
 

@@ -13,6 +13,7 @@ mod embedding;
 mod gelu;
 mod layernorm;
 mod matmul;
+mod simd;
 
 use super::{AdamWStep, Backend, Device};
 use crate::error::{Error, Result};
