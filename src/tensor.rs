@@ -1,9 +1,11 @@
 //! `Tensor`: a shaped buffer on a device, tagged with its memory category and a label.
 
+use crate::device::cpu::BufferPool;
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use half::bf16;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -81,6 +83,7 @@ pub struct Tensor {
     label: String,
     storage: Storage,
     ledger: Ledger,
+    pool: Option<Arc<BufferPool>>,
     id: u64,
 }
 
@@ -112,8 +115,15 @@ impl Tensor {
             label,
             storage,
             ledger: ledger.clone(),
+            pool: None,
             id,
         })
+    }
+
+    /// Returns the storage to `pool` when the tensor is dropped.
+    pub(crate) fn with_pool(mut self, pool: Arc<BufferPool>) -> Tensor {
+        self.pool = Some(pool);
+        self
     }
 
     /// The shape, outermost dimension first.
@@ -172,5 +182,11 @@ impl Drop for Tensor {
     fn drop(&mut self) {
         self.ledger
             .free(self.id, self.category, self.bytes(), &self.label);
+        if let Some(pool) = self.pool.take() {
+            pool.put(std::mem::replace(
+                &mut self.storage,
+                Storage::F32(Vec::new()),
+            ));
+        }
     }
 }

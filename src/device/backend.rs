@@ -57,6 +57,19 @@ pub trait Backend: Debug + Send + Sync {
         label: &str,
     ) -> Result<Tensor>;
 
+    /// A tensor for an op to overwrite entirely: its contents are unspecified (stale
+    /// values of a reused buffer, never uninitialized memory). Backends without a cheaper
+    /// way return zeros.
+    fn empty(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor> {
+        self.zeros(shape, dtype, category, label)
+    }
+
     /// A tensor holding `data` (host values, row-major), rounded to `dtype`.
     fn upload(
         &self,

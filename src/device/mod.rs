@@ -1,7 +1,7 @@
 //! Devices and backends: the runtime choice of where training runs.
 
 mod backend;
-pub mod cpu;
+pub(crate) mod cpu;
 
 pub use backend::{AdamWStep, Backend};
 pub use cpu::CpuBackend;

@@ -186,14 +186,16 @@ pub struct Gpt2 {
     config: Gpt2Config,
 }
 
+/// An activation buffer for an op to overwrite entirely.
 fn act(pass: &Pass<'_>, shape: &[usize], label: String) -> Result<Tensor> {
     pass.backend
-        .zeros(shape, pass.dtype, MemoryCategory::Activations, &label)
+        .empty(shape, pass.dtype, MemoryCategory::Activations, &label)
 }
 
+/// Layer-norm statistics, `[rows, 2]` f32, for the op to overwrite.
 fn stats_tensor(pass: &Pass<'_>, rows: usize, label: String) -> Result<Tensor> {
     pass.backend
-        .zeros(&[rows, 2], DType::F32, MemoryCategory::Activations, &label)
+        .empty(&[rows, 2], DType::F32, MemoryCategory::Activations, &label)
 }
 
 fn missing(kind: K, layer: usize) -> Error {
@@ -680,7 +682,13 @@ impl Gpt2 {
             true,
         )?;
         drop((logits, ln_out));
-        let mut dx = act(pass, x.shape(), "ln_f.d_input".into())?;
+        // The layer-norm backward accumulates into its input gradient: start from zeros.
+        let mut dx = pass.backend.zeros(
+            x.shape(),
+            pass.dtype,
+            MemoryCategory::Activations,
+            "ln_f.d_input",
+        )?;
         self.norm_backward(pass, lnf, &mut dx, &dln, &x, &st)?;
         let _ = c;
         Ok((loss, Some(dx)))

@@ -13,6 +13,7 @@ mod embedding;
 mod gelu;
 mod layernorm;
 mod matmul;
+mod pool;
 mod simd;
 
 use super::{AdamWStep, Backend, Device};
@@ -20,24 +21,80 @@ use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
 use half::bf16;
+pub(crate) use pool::BufferPool;
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::sync::Arc;
 
 /// Elements per parallel chunk of element-wise work.
 const CHUNK: usize = 1 << 14;
 
 /// The reference backend, running on the host with rayon threads.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CpuBackend {
     ledger: Ledger,
+    pool: Arc<BufferPool>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl CpuBackend {
     /// A CPU backend with its own ledger.
     pub fn new() -> Self {
+        let ledger = Ledger::new();
         CpuBackend {
-            ledger: Ledger::new(),
+            pool: Arc::new(BufferPool::new(ledger.clone())),
+            ledger,
         }
+    }
+
+    /// Host bytes the caching allocator holds for reuse (not in the ledger, which counts
+    /// live tensors).
+    pub fn cached_bytes(&self) -> u64 {
+        self.pool.cached_bytes()
+    }
+
+    /// A tensor whose storage comes from the pool when possible; `zero` fills it.
+    fn alloc(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+        zero: bool,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let bytes = (n * dtype.size()) as u64;
+        // Ask the ledger first so a refused allocation never touches host memory.
+        if let Some(err) = self.ledger.would_refuse(category, bytes, label) {
+            return Err(err);
+        }
+        let storage = match dtype {
+            DType::F32 => Storage::F32(match self.pool.take_f32(n) {
+                Some(mut v) => {
+                    if zero {
+                        v.fill(0.0);
+                    }
+                    v
+                }
+                None => vec![0.0; n],
+            }),
+            DType::Bf16 => Storage::Bf16(match self.pool.take_bf16(n) {
+                Some(mut v) => {
+                    if zero {
+                        v.fill(bf16::ZERO);
+                    }
+                    v
+                }
+                None => vec![bf16::ZERO; n],
+            }),
+        };
+        Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
+            .with_pool(Arc::clone(&self.pool)))
     }
 }
 
@@ -160,17 +217,17 @@ impl Backend for CpuBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let bytes = (n * dtype.size()) as u64;
-        // Ask the ledger first so a refused allocation never touches host memory.
-        if let Some(err) = self.ledger.would_refuse(category, bytes, label) {
-            return Err(err);
-        }
-        let storage = match dtype {
-            DType::F32 => Storage::F32(vec![0.0; n]),
-            DType::Bf16 => Storage::Bf16(vec![bf16::ZERO; n]),
-        };
-        Tensor::new(storage, shape, category, label, &self.ledger)
+        self.alloc(shape, dtype, category, label, true)
+    }
+
+    fn empty(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor> {
+        self.alloc(shape, dtype, category, label, false)
     }
 
     fn upload(
