@@ -43,36 +43,47 @@ fn zero_upper(m: &mut [f32], t: usize) {
     }
 }
 
+/// Query rows per block of the causal products: block `i` needs keys `0 .. (i+1)·ROWS`
+/// only, which skips most of the upper triangle. Fixed, so results do not depend on it.
+const ROWS: usize = 64;
+
+/// `(first row, rows)` of each block of a `t`-row causal matrix.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(ROWS)).map(move |i| (i * ROWS, ROWS.min(t - i * ROWS)))
+}
+
 pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
     let d = dims(qkv, n_head, "attention_scores")?;
     ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
     let q = read(qkv);
     let scale = 1.0 / (d.hs as f32).sqrt();
-    let c3 = 3 * d.c;
+    let (t, c3) = (d.t, 3 * d.c);
     write(scores, false, |s| {
-        s.par_chunks_mut(d.t * d.t).enumerate().for_each(|(bh, s)| {
+        s.par_chunks_mut(t * t).enumerate().for_each(|(bh, s)| {
             let (bi, hi) = (bh / d.h, bh % d.h);
-            let base = bi * d.t * c3 + hi * d.hs;
-            // SAFETY: q and k blocks of (bi, hi) lie inside `q`; `s` is [T, T].
-            unsafe {
-                gemm_raw(
-                    d.t,
-                    d.t,
-                    d.hs,
-                    s.as_mut_ptr(),
-                    d.t as isize,
-                    false,
-                    q.as_ptr().add(base),
-                    c3 as isize,
-                    1,
-                    q.as_ptr().add(base + d.c),
-                    1,
-                    c3 as isize,
-                    scale,
-                    false,
-                );
+            let base = bi * t * c3 + hi * d.hs;
+            for (i0, rows) in blocks(t) {
+                // SAFETY: rows i0.. of q, keys 0..i0+rows of k, inside `q`; `s` is [T, T].
+                unsafe {
+                    gemm_raw(
+                        rows,
+                        i0 + rows,
+                        d.hs,
+                        s.as_mut_ptr().add(i0 * t),
+                        t as isize,
+                        false,
+                        q.as_ptr().add(base + i0 * c3),
+                        c3 as isize,
+                        1,
+                        q.as_ptr().add(base + d.c),
+                        1,
+                        c3 as isize,
+                        scale,
+                        false,
+                    );
+                }
             }
-            zero_upper(s, d.t);
+            zero_upper(s, t);
         })
     });
     Ok(())
@@ -90,51 +101,54 @@ pub(super) fn scores_backward(
     let q = read(qkv);
     let ds = read(dscores);
     let scale = 1.0 / (d.hs as f32).sqrt();
-    let c3 = 3 * d.c;
+    let (t, c3) = (d.t, 3 * d.c);
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
             let (bi, hi) = (bh / d.h, bh % d.h);
-            let base = bi * d.t * c3 + hi * d.hs;
+            let base = bi * t * c3 + hi * d.hs;
             // Scores above the diagonal are constant, so their gradient is ignored.
-            let mut s = ds[bh * d.t * d.t..(bh + 1) * d.t * d.t].to_vec();
-            zero_upper(&mut s, d.t);
-            // SAFETY: each (bi, hi) writes its own q and k columns of dqkv.
-            unsafe {
-                // dQ = scale · dS · K
-                gemm_raw(
-                    d.t,
-                    d.hs,
-                    d.t,
-                    out.get().add(base),
-                    c3 as isize,
-                    false,
-                    s.as_ptr(),
-                    d.t as isize,
-                    1,
-                    q.as_ptr().add(base + d.c),
-                    c3 as isize,
-                    1,
-                    scale,
-                    false,
-                );
-                // dK = scale · dSᵀ · Q
-                gemm_raw(
-                    d.t,
-                    d.hs,
-                    d.t,
-                    out.get().add(base + d.c),
-                    c3 as isize,
-                    false,
-                    s.as_ptr(),
-                    1,
-                    d.t as isize,
-                    q.as_ptr().add(base),
-                    c3 as isize,
-                    1,
-                    scale,
-                    false,
-                );
+            let mut s = ds[bh * t * t..(bh + 1) * t * t].to_vec();
+            zero_upper(&mut s, t);
+            for (i0, rows) in blocks(t) {
+                // SAFETY: each (bi, hi) writes its own q and k columns of dqkv, rows
+                // i0..i0+rows of each.
+                unsafe {
+                    // dQ[i] = scale · Σ_{j <= i} dS[i, j] · K[j]
+                    gemm_raw(
+                        rows,
+                        d.hs,
+                        i0 + rows,
+                        out.get().add(base + i0 * c3),
+                        c3 as isize,
+                        false,
+                        s.as_ptr().add(i0 * t),
+                        t as isize,
+                        1,
+                        q.as_ptr().add(base + d.c),
+                        c3 as isize,
+                        1,
+                        scale,
+                        false,
+                    );
+                    // dK[j] = scale · Σ_{i >= j} dS[i, j] · Q[i]
+                    gemm_raw(
+                        rows,
+                        d.hs,
+                        t - i0,
+                        out.get().add(base + d.c + i0 * c3),
+                        c3 as isize,
+                        false,
+                        s.as_ptr().add(i0 * t + i0),
+                        1,
+                        t as isize,
+                        q.as_ptr().add(base + i0 * c3),
+                        c3 as isize,
+                        1,
+                        scale,
+                        false,
+                    );
+                }
             }
         })
     });
@@ -185,29 +199,31 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
     ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")?;
     let q = read(qkv);
     let p = read(probs);
-    let c3 = 3 * d.c;
+    let (t, c3) = (d.t, 3 * d.c);
     write(out, false, |o| {
         let optr = SendPtr(o.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
             let (bi, hi) = (bh / d.h, bh % d.h);
-            // SAFETY: each (bi, hi) writes its own head columns of out.
-            unsafe {
-                gemm_raw(
-                    d.t,
-                    d.hs,
-                    d.t,
-                    optr.get().add(bi * d.t * d.c + hi * d.hs),
-                    d.c as isize,
-                    false,
-                    p.as_ptr().add(bh * d.t * d.t),
-                    d.t as isize,
-                    1,
-                    q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
-                    c3 as isize,
-                    1,
-                    1.0,
-                    false,
-                );
+            for (i0, rows) in blocks(t) {
+                // SAFETY: each (bi, hi) writes its own head columns of out.
+                unsafe {
+                    gemm_raw(
+                        rows,
+                        d.hs,
+                        i0 + rows,
+                        optr.get().add((bi * t + i0) * d.c + hi * d.hs),
+                        d.c as isize,
+                        false,
+                        p.as_ptr().add(bh * t * t + i0 * t),
+                        t as isize,
+                        1,
+                        q.as_ptr().add(bi * t * c3 + 2 * d.c + hi * d.hs),
+                        c3 as isize,
+                        1,
+                        1.0,
+                        false,
+                    );
+                }
             }
         })
     });
@@ -230,58 +246,61 @@ pub(super) fn values_backward(
     let q = read(qkv);
     let p = read(probs);
     let g = read(dout);
-    let c3 = 3 * d.c;
+    let (t, c3) = (d.t, 3 * d.c);
     write(dprobs, false, |dp| {
-        dp.par_chunks_mut(d.t * d.t)
-            .enumerate()
-            .for_each(|(bh, dp)| {
-                let (bi, hi) = (bh / d.h, bh % d.h);
-                // SAFETY: dout and v blocks of (bi, hi) lie inside their buffers.
+        dp.par_chunks_mut(t * t).enumerate().for_each(|(bh, dp)| {
+            let (bi, hi) = (bh / d.h, bh % d.h);
+            for (i0, rows) in blocks(t) {
+                // SAFETY: dout rows i0.. and v rows 0..i0+rows of (bi, hi) lie inside
+                // their buffers.
                 unsafe {
                     // dP = dout · Vᵀ
                     gemm_raw(
-                        d.t,
-                        d.t,
+                        rows,
+                        i0 + rows,
                         d.hs,
-                        dp.as_mut_ptr(),
-                        d.t as isize,
+                        dp.as_mut_ptr().add(i0 * t),
+                        t as isize,
                         false,
-                        g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
+                        g.as_ptr().add((bi * t + i0) * d.c + hi * d.hs),
                         d.c as isize,
                         1,
-                        q.as_ptr().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
+                        q.as_ptr().add(bi * t * c3 + 2 * d.c + hi * d.hs),
                         1,
                         c3 as isize,
                         1.0,
                         false,
                     );
                 }
-                zero_upper(dp, d.t);
-            })
+            }
+            zero_upper(dp, t);
+        })
     });
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
         (0..d.b * d.h).into_par_iter().for_each(|bh| {
             let (bi, hi) = (bh / d.h, bh % d.h);
-            // SAFETY: each (bi, hi) writes its own v columns of dqkv.
-            unsafe {
-                // dV = Pᵀ · dout
-                gemm_raw(
-                    d.t,
-                    d.hs,
-                    d.t,
-                    out.get().add(bi * d.t * c3 + 2 * d.c + hi * d.hs),
-                    c3 as isize,
-                    false,
-                    p.as_ptr().add(bh * d.t * d.t),
-                    1,
-                    d.t as isize,
-                    g.as_ptr().add(bi * d.t * d.c + hi * d.hs),
-                    d.c as isize,
-                    1,
-                    1.0,
-                    false,
-                );
+            for (j0, rows) in blocks(t) {
+                // SAFETY: each (bi, hi) writes its own v columns of dqkv.
+                unsafe {
+                    // dV[j] = Σ_{i >= j} P[i, j] · dout[i]
+                    gemm_raw(
+                        rows,
+                        d.hs,
+                        t - j0,
+                        out.get().add((bi * t + j0) * c3 + 2 * d.c + hi * d.hs),
+                        c3 as isize,
+                        false,
+                        p.as_ptr().add(bh * t * t + j0 * t + j0),
+                        1,
+                        t as isize,
+                        g.as_ptr().add((bi * t + j0) * d.c + hi * d.hs),
+                        d.c as isize,
+                        1,
+                        1.0,
+                        false,
+                    );
+                }
             }
         })
     });
