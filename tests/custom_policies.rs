@@ -184,15 +184,6 @@ fn user_policies_train() {
     assert_eq!(t.precision().bad_steps, 0);
 }
 
-fn round_trip<T>(value: &T)
-where
-    T: Serialize + for<'de> Deserialize<'de> + ?Sized,
-{
-    let json = serde_json::to_string(value).unwrap();
-    let back: Box<serde_json::Value> = serde_json::from_str(&json).unwrap();
-    assert!(back.get("kind").is_some(), "tagged with kind: {json}");
-}
-
 #[test]
 fn user_policies_round_trip_through_toml_and_json() {
     let precision: Box<dyn Precision> = Box::new(ScaledFp32 {
@@ -203,23 +194,21 @@ fn user_policies_round_trip_through_toml_and_json() {
     let optimizer: Box<dyn Optimizer> = Box::new(Momentum { lr: 0.1, beta: 0.8 });
     let accumulation: Box<dyn AccumulationSchedule> = Box::new(Staircase { every: 5, max: 4 });
     let observer: Box<dyn MemoryObserver> = Box::new(CountActivations::default());
-    round_trip(&precision);
-
     // JSON: each boxed policy serializes with its kind and deserializes to an equal value.
     macro_rules! json_round_trip {
-        ($value:expr, $trait:ty, $concrete:ty) => {{
+        ($value:expr, $trait:ty) => {{
             let json = serde_json::to_string(&$value).unwrap();
             let back: Box<$trait> = serde_json::from_str(&json).unwrap();
             assert_eq!(serde_json::to_string(&back).unwrap(), json);
             json
         }};
     }
-    let j = json_round_trip!(precision, dyn Precision, ScaledFp32);
+    let j = json_round_trip!(precision, dyn Precision);
     assert_eq!(j, r#"{"kind":"scaled_fp32","scale":8.0}"#);
-    json_round_trip!(checkpoint, dyn CheckpointPolicy, RecomputeAttention);
-    json_round_trip!(optimizer, dyn Optimizer, Momentum);
-    json_round_trip!(accumulation, dyn AccumulationSchedule, Staircase);
-    json_round_trip!(observer, dyn MemoryObserver, CountActivations);
+    json_round_trip!(checkpoint, dyn CheckpointPolicy);
+    json_round_trip!(optimizer, dyn Optimizer);
+    json_round_trip!(accumulation, dyn AccumulationSchedule);
+    json_round_trip!(observer, dyn MemoryObserver);
 
     // TOML: a whole run config naming every user policy by kind.
     let toml_text = r#"

@@ -418,8 +418,15 @@ fn attention_matches_naive_loops_on_long_sequences() {
     be.attention_values(&mut out, &p, &q_t, h).unwrap();
     let mut dp = zeros(&sq);
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_values_backward(&mut dp, &mut dqkv, &tensor(be, &dout, &[b, t, c]), &p, &q_t, h)
-        .unwrap();
+    be.attention_values_backward(
+        &mut dp,
+        &mut dqkv,
+        &tensor(be, &dout, &[b, t, c]),
+        &p,
+        &q_t,
+        h,
+    )
+    .unwrap();
     be.attention_scores_backward(&mut dqkv, &tensor(be, &dsc, &sq), &q_t, h)
         .unwrap();
     let (s, p, out, dp, dqkv) = (
@@ -432,7 +439,10 @@ fn attention_matches_naive_loops_on_long_sequences() {
     let x = |bi: usize, i: usize, col: usize| qkv[(bi * t + i) * 3 * c + col] as f64;
     let scale = 1.0 / (hs as f64).sqrt();
     let close = |got: f32, want: f64, what: &str| {
-        assert!((got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{what}: {got} vs {want}");
+        assert!(
+            (got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
+            "{what}: {got} vs {want}"
+        );
     };
     for bi in 0..b {
         for hi in 0..h {
@@ -440,13 +450,21 @@ fn attention_matches_naive_loops_on_long_sequences() {
             for i in 0..t {
                 for j in 0..t {
                     let want = if j <= i {
-                        scale * (0..hs).map(|d| x(bi, i, hi * hs + d) * x(bi, j, c + hi * hs + d)).sum::<f64>()
+                        scale
+                            * (0..hs)
+                                .map(|d| x(bi, i, hi * hs + d) * x(bi, j, c + hi * hs + d))
+                                .sum::<f64>()
                     } else {
                         0.0
                     };
                     close(s[m(i, j)], want, "scores");
                     let want_dp = if j <= i {
-                        (0..hs).map(|d| dout[(bi * t + i) * c + hi * hs + d] as f64 * x(bi, j, 2 * c + hi * hs + d)).sum::<f64>()
+                        (0..hs)
+                            .map(|d| {
+                                dout[(bi * t + i) * c + hi * hs + d] as f64
+                                    * x(bi, j, 2 * c + hi * hs + d)
+                            })
+                            .sum::<f64>()
                     } else {
                         0.0
                     };
@@ -454,11 +472,21 @@ fn attention_matches_naive_loops_on_long_sequences() {
                 }
                 for d in 0..hs {
                     let col = hi * hs + d;
-                    let want: f64 = (0..=i).map(|j| p[m(i, j)] as f64 * x(bi, j, 2 * c + col)).sum();
+                    let want: f64 = (0..=i)
+                        .map(|j| p[m(i, j)] as f64 * x(bi, j, 2 * c + col))
+                        .sum();
                     close(out[(bi * t + i) * c + col], want, "values");
-                    let dq: f64 = (0..=i).map(|j| dsc[m(i, j)] as f64 * x(bi, j, c + col)).sum::<f64>() * scale;
-                    let dk: f64 = (i..t).map(|r| dsc[m(r, i)] as f64 * x(bi, r, col)).sum::<f64>() * scale;
-                    let dv: f64 = (i..t).map(|r| p[m(r, i)] as f64 * dout[(bi * t + r) * c + col] as f64).sum();
+                    let dq: f64 = (0..=i)
+                        .map(|j| dsc[m(i, j)] as f64 * x(bi, j, c + col))
+                        .sum::<f64>()
+                        * scale;
+                    let dk: f64 = (i..t)
+                        .map(|r| dsc[m(r, i)] as f64 * x(bi, r, col))
+                        .sum::<f64>()
+                        * scale;
+                    let dv: f64 = (i..t)
+                        .map(|r| p[m(r, i)] as f64 * dout[(bi * t + r) * c + col] as f64)
+                        .sum();
                     close(dqkv[(bi * t + i) * 3 * c + col], dq, "dq");
                     close(dqkv[(bi * t + i) * 3 * c + c + col], dk, "dk");
                     close(dqkv[(bi * t + i) * 3 * c + 2 * c + col], dv, "dv");

@@ -635,7 +635,7 @@ impl Gpt2 {
     ) -> Result<(f64, Option<Tensor>)> {
         let be = pass.backend;
         let lnf = self.lnf();
-        let (rows, c) = x.rows_cols();
+        let (rows, _) = x.rows_cols();
         let v = self.config.vocab_size;
         let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
         let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
@@ -690,7 +690,6 @@ impl Gpt2 {
             "ln_f.d_input",
         )?;
         self.norm_backward(pass, lnf, &mut dx, &dln, &x, &st)?;
-        let _ = c;
         Ok((loss, Some(dx)))
     }
 }

@@ -45,10 +45,9 @@ pub(super) unsafe fn gemm_raw(
         // Split the output into fixed blocks, each a single-threaded product: blocks do
         // not depend on the thread count, so neither do the results.
         let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
-        let block = BLOCK;
-        if m >= 2 * block && m >= n {
-            (0..m.div_ceil(block)).into_par_iter().for_each(|blk| {
-                let (i0, rows) = (blk * block, block.min(m - blk * block));
+        if m >= 2 * BLOCK && m >= n {
+            (0..m.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+                let (i0, rows) = (blk * BLOCK, BLOCK.min(m - blk * BLOCK));
                 gemm_serial(
                     rows,
                     n,
@@ -67,9 +66,9 @@ pub(super) unsafe fn gemm_raw(
             });
             return;
         }
-        if n >= 2 * block {
-            (0..n.div_ceil(block)).into_par_iter().for_each(|blk| {
-                let (j0, cols) = (blk * block, block.min(n - blk * block));
+        if n >= 2 * BLOCK {
+            (0..n.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+                let (j0, cols) = (blk * BLOCK, BLOCK.min(n - blk * BLOCK));
                 gemm_serial(
                     m,
                     cols,
