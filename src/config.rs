@@ -65,13 +65,13 @@ pub struct TrainingConfig {
 impl Default for TrainingConfig {
     fn default() -> Self {
         TrainingConfig {
-            steps: 300,
+            steps: 500,
             batch_size: 16,
             seq_len: 128,
             seed: 1337,
             grad_clip: 1.0,
             lr_schedule: LrSchedule::Cosine {
-                warmup_steps: 20,
+                warmup_steps: 25,
                 decay_steps: 0,
                 min_lr_ratio: 0.1,
             },
