@@ -39,8 +39,11 @@ pub fn tiny_config() -> trainkit::Gpt2Config {
     }
 }
 
-/// Every parameter's gradient (f32), in model order.
-pub fn grads<P, C, O, A, M>(t: &trainkit::Trainer<P, C, O, A, M>) -> Vec<Vec<f32>>
+/// One f32 vector per parameter, in model order, of the tensor `pick` chooses.
+pub fn per_param<P, C, O, A, M>(
+    t: &trainkit::Trainer<P, C, O, A, M>,
+    pick: impl Fn(&trainkit::Param) -> &Tensor,
+) -> Vec<Vec<f32>>
 where
     P: trainkit::Precision,
     C: trainkit::CheckpointPolicy,
@@ -50,8 +53,20 @@ where
 {
     t.params()
         .iter()
-        .map(|p| t.backend().to_f32(p.grad().expect("gradient")).unwrap())
+        .map(|p| t.backend().to_f32(pick(p)).unwrap())
         .collect()
+}
+
+/// Every parameter's gradient (f32), in model order.
+pub fn grads<P, C, O, A, M>(t: &trainkit::Trainer<P, C, O, A, M>) -> Vec<Vec<f32>>
+where
+    P: trainkit::Precision,
+    C: trainkit::CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
+    per_param(t, |p| p.grad().expect("gradient"))
 }
 
 /// Every parameter's f32 values, in model order.
@@ -63,8 +78,5 @@ where
     A: trainkit::AccumulationSchedule,
     M: trainkit::MemoryObserver,
 {
-    t.params()
-        .iter()
-        .map(|p| t.backend().to_f32(p.value()).unwrap())
-        .collect()
+    per_param(t, |p| p.value())
 }
