@@ -37,8 +37,14 @@ fn print_config_round_trips() {
 fn bad_input_is_a_one_line_error() {
     for (args, needle) in [
         (vec!["train", "--device", "tpu"], "auto, cpu or cuda"),
-        (vec!["train", "--data", "/nonexistent/file.txt"], "/nonexistent/file.txt"),
-        (vec!["train", "--config", "/nonexistent/run.toml"], "/nonexistent/run.toml"),
+        (
+            vec!["train", "--data", "/nonexistent/file.txt"],
+            "/nonexistent/file.txt",
+        ),
+        (
+            vec!["train", "--config", "/nonexistent/run.toml"],
+            "/nonexistent/run.toml",
+        ),
     ] {
         let (ok, _, err) = trainkit(&args);
         assert!(!ok, "{args:?} should fail");
