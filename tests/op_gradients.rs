@@ -106,8 +106,19 @@ fn matmul_transposes_and_accumulation_match_a_naive_product() {
     let be = cpu();
     let be = be.as_ref();
     let mut rng = Rng::new(2);
-    let (m, k, n) = (33, 17, 29);
-    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+    // Small products run serially; the larger ones are split into parallel tiles: in
+    // both dimensions, in long row strips, and (with `aᵀ`) in row strips only.
+    let shapes = [
+        (33, 17, 29),
+        (600, 40, 530),
+        (2100, 24, 40),
+        (40, 1100, 300),
+    ];
+    let cases = [(false, false), (true, false), (false, true), (true, true)];
+    for ((m, k, n), (ta, tb)) in shapes
+        .into_iter()
+        .flat_map(|s| cases.into_iter().map(move |c| (s, c)))
+    {
         let a = randn(&mut rng, m * k, 1.0);
         let b = randn(&mut rng, k * n, 1.0);
         let init = randn(&mut rng, m * n, 1.0);
@@ -135,7 +146,7 @@ fn matmul_transposes_and_accumulation_match_a_naive_product() {
                         .sum::<f64>();
                 assert!(
                     (got[i * n + j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
-                    "ta={ta} tb={tb} ({i},{j}): {} vs {want}",
+                    "[{m}, {k}] x [{k}, {n}] ta={ta} tb={tb} ({i},{j}): {} vs {want}",
                     got[i * n + j]
                 );
             }

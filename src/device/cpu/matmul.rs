@@ -42,41 +42,22 @@ pub(super) unsafe fn gemm_raw(
         return;
     }
     if parallel && m * n * k >= PARALLEL_WORK {
-        // Split the output into fixed blocks, each a single-threaded product: blocks do
-        // not depend on the thread count, so neither do the results.
-        let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
-        if m >= 2 * BLOCK && m >= n {
-            (0..m.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
-                let (i0, rows) = (blk * BLOCK, BLOCK.min(m - blk * BLOCK));
+        // Split the output into fixed tiles, each a single-threaded product. Tiles depend
+        // only on the shape, never on the thread count, so neither do the results.
+        let (tile_m, tile_n) = tiles(m, n, a_cs != 1);
+        let (tiles_m, tiles_n) = (m.div_ceil(tile_m), n.div_ceil(tile_n));
+        if tiles_m * tiles_n > 1 {
+            let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
+            (0..tiles_m * tiles_n).into_par_iter().for_each(|t| {
+                let (i0, j0) = ((t / tiles_n) * tile_m, (t % tiles_n) * tile_n);
                 gemm_serial(
-                    rows,
-                    n,
+                    tile_m.min(m - i0),
+                    tile_n.min(n - j0),
                     k,
-                    dst.get().offset(i0 as isize * dst_rs),
+                    dst.get().offset(i0 as isize * dst_rs).add(j0),
                     dst_rs,
                     accumulate,
                     a.get().offset(i0 as isize * a_rs),
-                    a_rs,
-                    a_cs,
-                    b.get(),
-                    b_rs,
-                    b_cs,
-                    scale,
-                );
-            });
-            return;
-        }
-        if n >= 2 * BLOCK {
-            (0..n.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
-                let (j0, cols) = (blk * BLOCK, BLOCK.min(n - blk * BLOCK));
-                gemm_serial(
-                    m,
-                    cols,
-                    k,
-                    dst.get().add(j0),
-                    dst_rs,
-                    accumulate,
-                    a.get(),
                     a_rs,
                     a_cs,
                     b.get().offset(j0 as isize * b_cs),
@@ -93,10 +74,33 @@ pub(super) unsafe fn gemm_raw(
     );
 }
 
-/// Rows (or columns) of the output per parallel block.
-const BLOCK: usize = 256;
+/// Longest side of an output tile in a parallel product.
+const TILE: usize = 256;
+/// Outputs with at least this many rows (or columns) are split along that side alone.
+const LONG_SIDE: usize = 8 * TILE;
 /// Multiply-adds above which a product is split across threads.
 const PARALLEL_WORK: usize = 1 << 20;
+
+/// The output tile of a parallel `[m, n]` product: whole rows (or columns) in strips of
+/// [`TILE`] when one side is long, else both sides cut into near-equal parts of at most
+/// [`TILE`], rounded up to 16 (a `[384, 384]` output becomes four `[192, 192]` tiles
+/// rather than one).
+///
+/// When `a`'s reduction axis is strided (`op(a) = aᵀ`, as in a weight gradient `xᵀ·dy`),
+/// every tile repacks its rows of `a` for the whole reduction, so such products are cut
+/// along `m` alone, in at least two parts.
+fn tiles(m: usize, n: usize, a_strided: bool) -> (usize, usize) {
+    let even = |len: usize| len.div_ceil(len.div_ceil(TILE)).next_multiple_of(16);
+    if a_strided {
+        (even(m).min((m / 2).next_multiple_of(16)).max(16), n)
+    } else if m >= LONG_SIDE && m >= n {
+        (TILE, n)
+    } else if n >= LONG_SIDE {
+        (m, TILE)
+    } else {
+        (even(m), even(n))
+    }
+}
 
 /// One single-threaded `gemm` call.
 #[allow(clippy::too_many_arguments)]
@@ -227,4 +231,24 @@ pub(super) fn matmul(
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tiles;
+
+    #[test]
+    fn tiles_follow_the_shape() {
+        // Activations: long row strips, whole rows.
+        assert_eq!(tiles(4096, 1152, false), (256, 1152));
+        // Wide outputs: column strips.
+        assert_eq!(tiles(384, 4096, false), (384, 256));
+        // Weight-sized outputs: both sides cut into near-equal parts.
+        assert_eq!(tiles(384, 384, false), (192, 192));
+        assert_eq!(tiles(384, 1152, false), (192, 240));
+        // A strided reduction: row strips only, at least two.
+        assert_eq!(tiles(384, 1152, true), (192, 1152));
+        assert_eq!(tiles(1536, 384, true), (256, 384));
+        assert_eq!(tiles(256, 384, true), (128, 384));
+    }
 }
