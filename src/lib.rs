@@ -19,6 +19,7 @@ pub mod model;
 pub mod optim;
 pub mod precision;
 mod rng;
+pub mod save;
 pub mod tensor;
 pub mod trainer;
 

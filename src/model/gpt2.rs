@@ -823,6 +823,48 @@ impl Model for Gpt2 {
         Ok(self.head(pass, x, batch, None)?.0)
     }
 
+    fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
+        self.check_batch(batch)?;
+        let mut x = self.embed(pass, batch)?;
+        for l in 0..self.config.n_layer {
+            let mut stash = LayerStash::new();
+            stash.put(K::LayerInput, x);
+            for node in NODES {
+                self.run_node(pass, l, node, &mut stash)?;
+            }
+            x = self.layer_output(pass, l, &stash)?;
+        }
+        let be = pass.backend;
+        let lnf = self.lnf();
+        let (rows, _) = x.rows_cols();
+        let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
+        let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
+        be.layernorm(
+            &mut ln_out,
+            &mut st,
+            &x,
+            pass.params[lnf].weight(),
+            pass.params[lnf + 1].weight(),
+            self.config.layer_norm_epsilon,
+        )?;
+        drop(x);
+        let mut logits = act(pass, &[rows, self.config.vocab_size], "logits".into())?;
+        be.matmul(
+            &mut logits,
+            &ln_out,
+            pass.params[WTE].weight(),
+            None,
+            false,
+            true,
+            false,
+        )?;
+        be.to_f32(&logits)
+    }
+
+    fn write_config(&self, dir: &std::path::Path) -> Result<()> {
+        crate::save::write_hf_config(&dir.join(crate::save::CONFIG_FILE), &self.config)
+    }
+
     fn flops_per_token(&self, seq_len: usize) -> f64 {
         let c = &self.config;
         6.0 * c.num_params() as f64 + 6.0 * (c.n_layer * c.n_embd * seq_len) as f64

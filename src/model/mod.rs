@@ -95,6 +95,13 @@ pub trait Model: Debug + Send + Sync {
     /// Forward and loss only; returns the sum of per-position losses.
     fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64>;
 
+    /// Forward only: the logits `[batch_size · seq_len, vocab]` (row-major f32) for every
+    /// position of `batch`'s inputs (its targets are not read).
+    fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>>;
+
+    /// Writes the model's config into `dir` (for GPT-2, Hugging Face's `config.json`).
+    fn write_config(&self, dir: &std::path::Path) -> Result<()>;
+
     /// Training FLOPs per token (forward and backward, no recomputation), as llm.c counts
     /// them: `6·N + 6·L·C·T` for sequence length `seq_len`.
     fn flops_per_token(&self, seq_len: usize) -> f64;

@@ -142,6 +142,49 @@ impl Param {
     }
 
     /// Copies the master weights into the compute weights (after an optimizer step).
+    /// Replaces the parameter's value (master weights where kept, else the weights) with
+    /// `data`, then refreshes the compute weights.
+    pub(crate) fn set_value(&mut self, backend: &dyn Backend, data: &[f32]) -> Result<()> {
+        if data.len() != self.numel() {
+            return Err(Error::data(
+                &self.name,
+                format!(
+                    "has {} values, the model needs {} for shape {:?}",
+                    data.len(),
+                    self.numel(),
+                    self.shape()
+                ),
+            ));
+        }
+        let shape = self.shape().to_vec();
+        match &mut self.master {
+            Some(master) => {
+                *master = backend.upload(
+                    data,
+                    &shape,
+                    DType::F32,
+                    MemoryCategory::MasterWeights,
+                    &self.name,
+                )?
+            }
+            None => {
+                self.weight = backend.upload(
+                    data,
+                    &shape,
+                    self.weight.dtype(),
+                    MemoryCategory::Weights,
+                    &self.name,
+                )?
+            }
+        }
+        self.refresh_weight(backend)
+    }
+
+    /// Replaces the optimizer's per-parameter state (what [`Param::state`] returns).
+    pub(crate) fn set_state(&mut self, state: Vec<Tensor>) {
+        self.state = state;
+    }
+
     pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {
         if let Some(master) = &self.master {
             backend.cast(&mut self.weight, master)?;

@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
 
+mod persist;
+
 /// Settings of the loop that are not policies.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -100,6 +102,8 @@ pub struct Trainer<P, C, O, A, M> {
     step: u64,
     tokens_seen: u64,
     skipped_steps: u64,
+    /// The run's random stream after initialisation, saved and restored with the state.
+    rng: Rng,
 }
 
 /// Assembles a [`Trainer`]; each policy setter changes the builder's type.
@@ -310,6 +314,7 @@ where
             step: 0,
             tokens_seen: 0,
             skipped_steps: 0,
+            rng,
         };
         trainer.flush_events();
         Ok(trainer)

@@ -1,0 +1,99 @@
+//! Hugging Face's `config.json` for GPT-2.
+
+use super::write_atomically;
+use crate::error::{Error, Result};
+use crate::model::Gpt2Config;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// Writes `config` as a transformers `GPT2Config` (`GPT2LMHeadModel`, tied head, tanh
+/// GELU, no dropout).
+pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
+    let v = json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_positions": config.n_positions,
+        "n_ctx": config.n_positions,
+        "vocab_size": config.vocab_size,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": true,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "torch_dtype": "float32",
+    });
+    let text = serde_json::to_string_pretty(&v).map_err(|e| Error::Serde(e.to_string()))?;
+    write_atomically(path, text.as_bytes())
+}
+
+/// Reads a transformers GPT-2 `config.json`; fields trainkit does not use are ignored,
+/// settings it cannot honour (another architecture, another activation, an untied head)
+/// are errors.
+pub fn read_hf_config(path: &Path) -> Result<Gpt2Config> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let what = path.display().to_string();
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::data(&what, format!("is not valid JSON: {e}")))?;
+    let field = |name: &str| -> Result<usize> {
+        v.get(name)
+            .and_then(Value::as_u64)
+            .map(|n| n as usize)
+            .ok_or_else(|| {
+                Error::data(
+                    &what,
+                    format!("needs `{name}` as a positive integer (a GPT2Config field)"),
+                )
+            })
+    };
+    if let Some(t) = v.get("model_type").and_then(Value::as_str) {
+        if t != "gpt2" {
+            return Err(Error::data(
+                &what,
+                format!("`model_type` is `{t}`; trainkit reads GPT-2 (`gpt2`) models"),
+            ));
+        }
+    }
+    if let Some(act) = v.get("activation_function").and_then(Value::as_str) {
+        if act != "gelu_new" && act != "gelu_pytorch_tanh" {
+            return Err(Error::data(
+                &what,
+                format!(
+                    "`activation_function` is `{act}`; trainkit's GPT-2 uses the tanh GELU \
+                     (`gelu_new`)"
+                ),
+            ));
+        }
+    }
+    if v.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+        return Err(Error::data(
+            &what,
+            "`tie_word_embeddings` is false; trainkit's GPT-2 ties the head to `wte`",
+        ));
+    }
+    let n_positions = match field("n_positions") {
+        Ok(n) => n,
+        Err(e) => field("n_ctx").map_err(|_| e)?,
+    };
+    let config = Gpt2Config {
+        n_layer: field("n_layer")?,
+        n_head: field("n_head")?,
+        n_embd: field("n_embd")?,
+        n_positions,
+        vocab_size: field("vocab_size")?,
+        layer_norm_epsilon: v
+            .get("layer_norm_epsilon")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-5) as f32,
+    };
+    config
+        .validate()
+        .map_err(|e| Error::data(&what, format!("describes an impossible model: {e}")))?;
+    Ok(config)
+}

@@ -1,0 +1,246 @@
+//! Saving a trainer to a directory and restoring it: the model as Hugging Face reads it,
+//! plus everything an exact resume needs.
+
+use super::Trainer;
+use crate::accumulate::AccumulationSchedule;
+use crate::checkpoint::CheckpointPolicy;
+use crate::error::{Error, Result};
+use crate::memory::{MemoryCategory, MemoryObserver};
+use crate::optim::Optimizer;
+use crate::precision::Precision;
+use crate::rng::Rng;
+use crate::save::{
+    read_model_dir, read_safetensors, write_atomically, write_safetensors, DirectoryWriter,
+    ModelDir, NamedTensor, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+};
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// Identifies a trainer state file.
+const STATE_FORMAT: &str = "trainkit-trainer-state";
+/// The state file's layout version.
+const STATE_VERSION: u32 = 1;
+
+/// `trainer_state.json`: the counters and settings that, with the tensors, make a resume
+/// exact.
+#[derive(Debug, Serialize, Deserialize)]
+struct TrainerState {
+    format: String,
+    version: u32,
+    step: u64,
+    tokens_seen: u64,
+    skipped_steps: u64,
+    data_position: usize,
+    data_tokens: usize,
+    rng: Rng,
+    /// Per parameter, the names of its optimizer-state tensors in
+    /// `trainer_state.safetensors`, in slot order.
+    optimizer_state: BTreeMap<String, Vec<String>>,
+    precision: serde_json::Value,
+    checkpoint: serde_json::Value,
+    optimizer: serde_json::Value,
+    accumulation: serde_json::Value,
+}
+
+impl<P, C, O, A, M> Trainer<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// The model's parameters as f32 tensors with their Hugging Face names: the master
+    /// weights where the precision keeps them, else the weights.
+    pub fn model_tensors(&self) -> Result<Vec<NamedTensor>> {
+        self.params
+            .iter()
+            .map(|p| {
+                Ok(NamedTensor {
+                    name: p.name().to_string(),
+                    shape: p.shape().to_vec(),
+                    data: self.backend.to_f32(p.value())?,
+                })
+            })
+            .collect()
+    }
+
+    /// Saves the model (`config.json`, `model.safetensors`: what transformers'
+    /// `from_pretrained` loads) and the trainer state (optimizer moments, step, data
+    /// position, RNG, policies, and `run_config` as `trainkit.toml` when given) into
+    /// `dir`, replacing it in one rename once everything is written.
+    pub fn save(&self, dir: &Path, run_config: Option<&str>) -> Result<()> {
+        let w = DirectoryWriter::new(dir)?;
+        self.model.write_config(&w.path(""))?;
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        write_safetensors(&w.path(WEIGHTS_FILE), &self.model_tensors()?, Some(meta))?;
+
+        let mut state_tensors = Vec::new();
+        let mut optimizer_state = BTreeMap::new();
+        for p in &self.params {
+            let mut names = Vec::new();
+            for (i, t) in p.state().iter().enumerate() {
+                let name = if t.label().is_empty() {
+                    format!("{}.state.{i}", p.name())
+                } else {
+                    t.label().to_string()
+                };
+                state_tensors.push(NamedTensor {
+                    name: name.clone(),
+                    shape: t.shape().to_vec(),
+                    data: self.backend.to_f32(t)?,
+                });
+                names.push(name);
+            }
+            optimizer_state.insert(p.name().to_string(), names);
+        }
+        write_safetensors(&w.path(STATE_TENSORS_FILE), &state_tensors, None)?;
+        let json = |v: Result<serde_json::Value, serde_json::Error>| {
+            v.map_err(|e| Error::Serde(format!("saving the trainer state: {e}")))
+        };
+        let state = TrainerState {
+            format: STATE_FORMAT.into(),
+            version: STATE_VERSION,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            skipped_steps: self.skipped_steps,
+            data_position: self.data.position(),
+            data_tokens: self.data.len_tokens(),
+            rng: self.rng.clone(),
+            optimizer_state,
+            precision: json(serde_json::to_value(&self.precision as &dyn Precision))?,
+            checkpoint: json(serde_json::to_value(
+                &self.checkpoint as &dyn CheckpointPolicy,
+            ))?,
+            optimizer: json(serde_json::to_value(&self.optimizer as &dyn Optimizer))?,
+            accumulation: json(serde_json::to_value(
+                &self.accumulation as &dyn AccumulationSchedule,
+            ))?,
+        };
+        let text = serde_json::to_string_pretty(&state)
+            .map_err(|e| Error::Serde(format!("saving the trainer state: {e}")))?;
+        w.write(STATE_FILE, text.as_bytes())?;
+        if let Some(cfg) = run_config {
+            write_atomically(&w.path(RUN_CONFIG_FILE), cfg.as_bytes())?;
+        }
+        w.commit()
+    }
+
+    /// Replaces the parameters' values with a model directory's (`--init-from`): every
+    /// parameter must be there with its shape; optimizer state and counters are
+    /// untouched.
+    pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
+        let be = self.backend.as_ref();
+        for p in &mut self.params {
+            let t = model.tensors.get(p.name()).ok_or_else(|| {
+                Error::data(
+                    "model weights",
+                    format!(
+                        "`{}` is missing; the directory holds {} tensors but not this one \
+                         (is it a GPT-2 checkpoint of the same depth?)",
+                        p.name(),
+                        model.tensors.len()
+                    ),
+                )
+            })?;
+            if t.shape != p.shape() {
+                return Err(Error::data(
+                    "model weights",
+                    format!(
+                        "`{}` has shape {:?}, the model needs {:?}",
+                        p.name(),
+                        t.shape,
+                        p.shape()
+                    ),
+                ));
+            }
+            p.set_value(be, &t.data)?;
+        }
+        Ok(())
+    }
+
+    /// Restores a directory written by [`Trainer::save`]: weights, optimizer state, step,
+    /// tokens seen, data position and RNG, so that training on continues exactly as if it
+    /// had not stopped. The trainer must have been built with the same model shape,
+    /// policies and data.
+    pub fn resume_from(&mut self, dir: &Path) -> Result<()> {
+        let state_path = dir.join(STATE_FILE);
+        let text = std::fs::read_to_string(&state_path).map_err(|e| {
+            Error::io(
+                &state_path,
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}; a resumable checkpoint is written by `trainkit train --out DIR` \
+                         (use --init-from to start from weights alone)"
+                    ),
+                ),
+            )
+        })?;
+        let what = state_path.display().to_string();
+        let state: TrainerState = serde_json::from_str(&text)
+            .map_err(|e| Error::data(&what, format!("is not a trainer state: {e}")))?;
+        if state.format != STATE_FORMAT || state.version != STATE_VERSION {
+            return Err(Error::data(
+                &what,
+                format!(
+                    "has format `{}` version {}; this trainkit reads `{STATE_FORMAT}` version \
+                     {STATE_VERSION}",
+                    state.format, state.version
+                ),
+            ));
+        }
+        if state.data_tokens != self.data.len_tokens() {
+            return Err(Error::data(
+                &what,
+                format!(
+                    "was saved training on {} tokens, this run has {}; resume on the same data",
+                    state.data_tokens,
+                    self.data.len_tokens()
+                ),
+            ));
+        }
+        let model = read_model_dir(dir)?;
+        self.load_weights(&model)?;
+        let tensors: HashMap<String, NamedTensor> =
+            read_safetensors(&dir.join(STATE_TENSORS_FILE))?
+                .into_iter()
+                .map(|t| (t.name.clone(), t))
+                .collect();
+        let be = self.backend.as_ref();
+        for p in &mut self.params {
+            let names = state.optimizer_state.get(p.name()).ok_or_else(|| {
+                Error::data(&what, format!("has no optimizer state for `{}`", p.name()))
+            })?;
+            let slots = names
+                .iter()
+                .map(|n| {
+                    let t = tensors.get(n).ok_or_else(|| {
+                        Error::data(
+                            STATE_TENSORS_FILE,
+                            format!("is missing `{n}`; the checkpoint is incomplete"),
+                        )
+                    })?;
+                    be.upload(
+                        &t.data,
+                        &t.shape,
+                        DType::F32,
+                        MemoryCategory::OptimizerState,
+                        n,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            p.set_state(slots);
+        }
+        self.data.set_position(state.data_position)?;
+        self.step = state.step;
+        self.tokens_seen = state.tokens_seen;
+        self.skipped_steps = state.skipped_steps;
+        self.rng = state.rng;
+        self.flush_events();
+        Ok(())
+    }
+}

@@ -1,0 +1,248 @@
+//! Saving, loading and exact resume.
+
+mod common;
+
+use common::{corpus_loader, cpu, per_param, tiny_config};
+use std::path::PathBuf;
+use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
+use trainkit::{Constant, Gpt2, MixedBf16, Precision, Trainer, TrainerOptions};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainkit-save-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn trainer<P: Precision>(
+    precision: P,
+) -> Trainer<P, trainkit::NoRecompute, trainkit::AdamW, Constant, trainkit::PeakTracker> {
+    Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(4000, 7, 2, 16),
+    )
+    .precision(precision)
+    .accumulation(Constant { micro_batches: 2 })
+    .options(TrainerOptions {
+        total_steps: 8,
+        ..TrainerOptions::default()
+    })
+    .build()
+    .unwrap()
+}
+
+/// Training 2n steps equals training n, saving, resuming in a new trainer and training n:
+/// bitwise, in losses and in every weight.
+fn resume_is_exact<P: Precision + Clone>(precision: P, name: &str) {
+    let n = 4;
+    let mut straight = trainer(precision.clone());
+    let losses: Vec<f64> = (0..2 * n).map(|_| straight.step().unwrap().loss).collect();
+
+    let dir = scratch(name).join("ckpt");
+    let mut first = trainer(precision.clone());
+    for _ in 0..n {
+        first.step().unwrap();
+    }
+    first.save(&dir, Some("# run config\n")).unwrap();
+    drop(first);
+
+    let mut resumed = trainer(precision);
+    resumed.resume_from(&dir).unwrap();
+    assert_eq!(resumed.steps_done(), n as u64);
+    let rest: Vec<f64> = (0..n).map(|_| resumed.step().unwrap().loss).collect();
+    for (i, (a, b)) in losses[n..].iter().zip(&rest).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "step {}: {a} vs {b}", n + i + 1);
+    }
+    assert_eq!(
+        per_param(&straight, |p| p.value()),
+        per_param(&resumed, |p| p.value())
+    );
+    assert_eq!(
+        per_param(&straight, |p| p.weight()),
+        per_param(&resumed, |p| p.weight())
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("trainkit.toml")).unwrap(),
+        "# run config\n"
+    );
+}
+
+#[test]
+fn resume_is_bitwise_exact_in_fp32() {
+    resume_is_exact(trainkit::Fp32, "fp32");
+}
+
+#[test]
+fn resume_is_bitwise_exact_in_mixed_precision() {
+    resume_is_exact(MixedBf16 { fp32_grads: false }, "bf16");
+}
+
+#[test]
+fn a_saved_model_reads_back_with_hugging_face_names_and_layouts() {
+    let mut t = trainer(trainkit::Fp32);
+    t.step().unwrap();
+    let dir = scratch("names").join("model");
+    t.save(&dir, None).unwrap();
+    let m = read_model_dir(&dir).unwrap();
+    assert_eq!(m.config, tiny_config());
+    let c = tiny_config();
+    let e = c.n_embd;
+    let expect = [
+        ("transformer.wte.weight", vec![c.vocab_size, e]),
+        ("transformer.wpe.weight", vec![c.n_positions, e]),
+        ("transformer.h.0.attn.c_attn.weight", vec![e, 3 * e]),
+        ("transformer.h.0.attn.c_attn.bias", vec![3 * e]),
+        ("transformer.h.2.mlp.c_fc.weight", vec![e, 4 * e]),
+        ("transformer.h.2.mlp.c_proj.weight", vec![4 * e, e]),
+        ("transformer.ln_f.bias", vec![e]),
+    ];
+    for (name, shape) in expect {
+        assert_eq!(m.tensors[name].shape, shape, "{name}");
+    }
+    assert_eq!(
+        m.tensors.len(),
+        2 + 12 * c.n_layer + 2,
+        "no lm_head: it is tied"
+    );
+    for p in t.params() {
+        assert_eq!(
+            m.tensors[p.name()].data,
+            t.backend().to_f32(p.value()).unwrap()
+        );
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "gpt2");
+    assert_eq!(cfg["architectures"][0], "GPT2LMHeadModel");
+    assert_eq!(cfg["n_embd"], 32);
+    assert_eq!(cfg["activation_function"], "gelu_new");
+
+    // Weights alone start another trainer at the same point.
+    let mut other = trainer(trainkit::Fp32);
+    other.load_weights(&m).unwrap();
+    assert_eq!(
+        per_param(&t, |p| p.value()),
+        per_param(&other, |p| p.value())
+    );
+    assert_eq!(other.steps_done(), 0);
+}
+
+#[test]
+fn transformers_style_files_load() {
+    // What save_pretrained writes for GPT2LMHeadModel: names with or without the
+    // `transformer.` prefix, extra config fields, mask buffers, a tied lm_head.
+    let dir = scratch("hf");
+    let t = trainer(trainkit::Fp32);
+    let mut tensors: Vec<NamedTensor> = t
+        .model_tensors()
+        .unwrap()
+        .into_iter()
+        .map(|mut nt| {
+            nt.name = nt.name.trim_start_matches("transformer.").to_string();
+            nt
+        })
+        .collect();
+    tensors.push(NamedTensor {
+        name: "h.0.attn.bias".into(),
+        shape: vec![1, 1, 32, 32],
+        data: vec![1.0; 1024],
+    });
+    tensors.push(NamedTensor {
+        name: "lm_head.weight".into(),
+        shape: vec![256, 32],
+        data: vec![0.0; 256 * 32],
+    });
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 32, "n_ctx": 32,
+            "n_positions": 32, "vocab_size": 256, "summary_type": "cls_index",
+            "transformers_version": "4.57.0", "activation_function": "gelu_new"}"#,
+    )
+    .unwrap();
+    let m = read_model_dir(&dir).unwrap();
+    assert_eq!(m.tensors.len(), 2 + 12 * 3 + 2);
+    let mut other = trainer(trainkit::Fp32);
+    other.load_weights(&m).unwrap();
+    assert_eq!(
+        per_param(&t, |p| p.value()),
+        per_param(&other, |p| p.value())
+    );
+}
+
+#[test]
+fn bad_model_directories_are_clear_errors() {
+    let dir = scratch("bad");
+    let err = |d: &std::path::Path| read_model_dir(d).unwrap_err().to_string();
+    assert!(err(&dir.join("nope")).contains("not a directory"));
+    assert!(err(&dir).contains("config.json"));
+
+    let write_cfg = |text: &str| std::fs::write(dir.join("config.json"), text).unwrap();
+    write_cfg(r#"{"model_type": "bert", "n_layer": 1}"#);
+    assert!(err(&dir).contains("`model_type` is `bert`"));
+    write_cfg(
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 8, "vocab_size": 10, "activation_function": "relu"}"#,
+    );
+    assert!(err(&dir).contains("activation_function"));
+    write_cfg(r#"{"n_layer": 1, "n_head": 3, "n_embd": 32, "n_positions": 8, "vocab_size": 10}"#);
+    assert!(err(&dir).contains("impossible model"));
+    write_cfg(r#"{"n_layer": 1, "n_embd": 32, "n_positions": 8, "vocab_size": 10}"#);
+    assert!(err(&dir).contains("`n_head`"));
+
+    write_cfg(r#"{"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 256}"#);
+    std::fs::write(dir.join("model.safetensors"), b"garbage").unwrap();
+    assert!(err(&dir).contains("safetensors"));
+
+    // Missing and misshapen tensors name the tensor.
+    let t = trainer(trainkit::Fp32);
+    let mut tensors = t.model_tensors().unwrap();
+    tensors.retain(|nt| nt.name != "transformer.h.1.ln_2.bias");
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let mut other = trainer(trainkit::Fp32);
+    let e = other
+        .load_weights(&read_model_dir(&dir).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("transformer.h.1.ln_2.bias") && e.contains("missing"),
+        "{e}"
+    );
+    let mut tensors = t.model_tensors().unwrap();
+    tensors[0].shape = vec![128, 64];
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let e = other
+        .load_weights(&read_model_dir(&dir).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[128, 64]"), "{e}");
+
+    // Resuming needs the trainer state.
+    let e = other.resume_from(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("trainer_state.json") && e.contains("--init-from"),
+        "{e}"
+    );
+}
+
+#[test]
+fn saving_over_a_checkpoint_replaces_it_whole() {
+    let dir = scratch("over").join("ckpt");
+    let mut t = trainer(trainkit::Fp32);
+    t.step().unwrap();
+    t.save(&dir, None).unwrap();
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    t.step().unwrap();
+    t.save(&dir, None).unwrap();
+    let state = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
+    assert!(state.contains("\"step\": 2"), "{state}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(leftovers, vec!["ckpt".to_string()]);
+}
