@@ -37,7 +37,7 @@ pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, MixedBf16, Precision};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};
-pub use trainer::{StepStats, Trainer, TrainerOptions};
+pub use trainer::{SamplingOptions, StepStats, Trainer, TrainerOptions};
 
 /// Everything a training script needs, in one import.
 pub mod prelude {

@@ -1,6 +1,57 @@
 //! The `trainkit` binary as a user runs it.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use trainkit::save::{read_safetensors, NamedTensor};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainkit-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A tiny, fast run on the built-in corpus; `extra` flags are appended.
+fn tiny_run(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "train",
+        "--device",
+        "cpu",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    if !extra.contains(&"--batch-size") {
+        args.extend(["--batch-size".to_string(), "4".to_string()]);
+    }
+    args
+}
+
+fn run_ok(args: &[String]) -> String {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{args:?}: {err}");
+    out
+}
+
+fn weights(dir: &Path) -> Vec<NamedTensor> {
+    read_safetensors(&dir.join("model.safetensors")).unwrap()
+}
 
 fn trainkit(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
@@ -35,7 +86,21 @@ fn print_config_round_trips() {
 
 #[test]
 fn bad_input_is_a_one_line_error() {
-    for (args, needle) in [
+    let dir = scratch("bad");
+    let unknown = dir.join("unknown.toml");
+    std::fs::write(&unknown, "[training]\nstepz = 3\n").unwrap();
+    let heads = dir.join("heads.toml");
+    std::fs::write(
+        &heads,
+        "[model]\nn_layer = 2\nn_head = 3\nn_embd = 32\nn_positions = 64\nvocab_size = 256\n",
+    )
+    .unwrap();
+    let kind = dir.join("kind.toml");
+    std::fs::write(&kind, "[checkpoint]\nkind = \"sometimes\"\n").unwrap();
+    let xbin = dir.join("x.bin");
+    let binary = dir.join("binary.txt");
+    std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x41]).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["train", "--device", "tpu"], "auto, cpu or cuda"),
         (
             vec!["train", "--data", "/nonexistent/file.txt"],
@@ -45,10 +110,335 @@ fn bad_input_is_a_one_line_error() {
             vec!["train", "--config", "/nonexistent/run.toml"],
             "/nonexistent/run.toml",
         ),
-    ] {
+        (vec!["train", "--config", path(&unknown)], "stepz"),
+        (vec!["train", "--config", path(&heads)], "n_head"),
+        (vec!["train", "--config", path(&kind)], "sometimes"),
+        (vec!["train", "--precision", "fp16"], "fp32 or bf16"),
+        (
+            vec!["train", "--recompute", "some"],
+            "none, full or selective",
+        ),
+        (
+            vec!["train", "--lr-schedule", "linear"],
+            "constant or cosine",
+        ),
+        (vec!["train", "--grad-accum", "0"], "--grad-accum"),
+        (vec!["train", "--batch-size", "0"], "batch_size"),
+        (vec!["train", "--seq-len", "4096"], "n_positions"),
+        (vec!["train", "--lr=-1"], "--lr"),
+        (vec!["train", "--tokenizer", "wordpiece"], "gpt2"),
+        (vec!["train", "--data", path(&binary)], "not UTF-8"),
+        (vec!["train", "--resume", path(&dir)], "--init-from"),
+        (vec!["train", "--init-from", path(&dir)], "config.json"),
+        (
+            vec!["train", "--data", path(&unknown), "--tokenizer", "gpt2"],
+            "--vocab-size",
+        ),
+        (
+            vec!["eval", "--model", path(&dir), "--data", path(&unknown)],
+            "config.json",
+        ),
+        (
+            vec!["sample", "--model", "/nonexistent", "--prompt", "x"],
+            "not a directory",
+        ),
+        (
+            vec![
+                "prepare",
+                "--text",
+                "/nonexistent.txt",
+                "--out",
+                path(&xbin),
+            ],
+            "/nonexistent.txt",
+        ),
+        (
+            vec![
+                "prepare",
+                "--text",
+                path(&unknown),
+                "--out",
+                path(&xbin),
+                "--val-fraction",
+                "1.5",
+            ],
+            "--val-fraction",
+        ),
+    ];
+    for (args, needle) in cases {
         let (ok, _, err) = trainkit(&args);
         assert!(!ok, "{args:?} should fail");
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn every_subcommand_documents_its_flags() {
+    for (sub, flags) in [
+        (
+            "train",
+            &[
+                "--data",
+                "--tokenizer",
+                "--init-from",
+                "--out",
+                "--resume",
+                "--steps",
+                "--batch-size",
+                "--seq-len",
+                "--grad-accum",
+                "--lr",
+                "--lr-schedule",
+                "--warmup-steps",
+                "--weight-decay",
+                "--grad-clip",
+                "--precision",
+                "--recompute",
+                "--device",
+                "--seed",
+                "--n-layer",
+                "--n-head",
+                "--n-embd",
+                "--vocab-size",
+                "--eval-every",
+                "--save-every",
+                "--log-json",
+                "--print-config",
+            ][..],
+        ),
+        (
+            "eval",
+            &[
+                "--model",
+                "--data",
+                "--batch-size",
+                "--seq-len",
+                "--batches",
+                "--json",
+            ][..],
+        ),
+        (
+            "sample",
+            &[
+                "--model",
+                "--prompt",
+                "--max-new-tokens",
+                "--temperature",
+                "--top-k",
+                "--seed",
+            ][..],
+        ),
+        (
+            "prepare",
+            &["--text", "--out", "--tokenizer", "--val-fraction"][..],
+        ),
+    ] {
+        let (ok, out, err) = trainkit(&[sub, "--help"]);
+        assert!(ok, "{sub}: {err}");
+        for f in flags {
+            assert!(out.contains(f), "`trainkit {sub} --help` lacks {f}:\n{out}");
+        }
+    }
+}
+
+#[test]
+fn resume_through_the_cli_is_bitwise_exact() {
+    let dir = scratch("resume");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let constant = ["--lr-schedule", "constant", "--lr", "1e-3"];
+    let mut straight = tiny_run(&["--steps", "4", "--out", path(&a)]);
+    straight.extend(constant.iter().map(|s| s.to_string()));
+    run_ok(&straight);
+    let mut first = tiny_run(&["--steps", "2", "--out", path(&b)]);
+    first.extend(constant.iter().map(|s| s.to_string()));
+    run_ok(&first);
+    let out = run_ok(&[
+        "train".into(),
+        "--resume".into(),
+        path(&b).into(),
+        "--steps".into(),
+        "4".into(),
+        "--device".into(),
+        "cpu".into(),
+    ]);
+    assert!(out.contains("at step 2"), "{out}");
+    assert!(
+        out.contains("step     3/4") && !out.contains("step     2/4"),
+        "{out}"
+    );
+    assert_eq!(weights(&a), weights(&b));
+    let state = |d: &Path| std::fs::read_to_string(d.join("trainer_state.json")).unwrap();
+    assert_eq!(state(&a), state(&b));
+}
+
+#[test]
+fn grad_accum_sees_the_same_windows_as_a_bigger_batch() {
+    let dir = scratch("accum");
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    let big = tiny_run(&["--steps", "1", "--out", path(&one), "--batch-size", "4"]);
+    run_ok(&big);
+    let acc = tiny_run(&[
+        "--steps",
+        "1",
+        "--out",
+        path(&two),
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+    ]);
+    run_ok(&acc);
+    let (w1, w2) = (weights(&one), weights(&two));
+    let before = {
+        let d = dir.join("zero");
+        let mut zero = tiny_run(&["--steps", "1", "--out", path(&d), "--lr", "1e-30"]);
+        zero.extend(["--weight-decay", "0"].iter().map(|s| s.to_string()));
+        run_ok(&zero);
+        weights(&d)
+    };
+    let mut moved = 0usize;
+    for ((a, b), w0) in w1.iter().zip(&w2).zip(&before) {
+        assert_eq!(a.name, b.name);
+        for ((x, y), x0) in a.data.iter().zip(&b.data).zip(&w0.data) {
+            assert!(
+                (x - y).abs() <= 1e-6 * (1.0 + x.abs()),
+                "{}: {x} vs {y}",
+                a.name
+            );
+            moved += (x != x0) as usize;
+        }
+    }
+    assert!(moved > 1000, "the step must change the weights ({moved})");
+}
+
+#[test]
+fn saved_models_evaluate_and_sample() {
+    let dir = scratch("eval");
+    let model = dir.join("model");
+    run_ok(&tiny_run(&["--steps", "3", "--out", path(&model)]));
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "the cat sat on the mat. ".repeat(40)).unwrap();
+    let (ok, out, err) = trainkit(&[
+        "eval",
+        "--model",
+        path(&model),
+        "--data",
+        path(&text),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--batches",
+        "3",
+        "--json",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["tokens"], 2 * 16 * 3);
+    let loss = v["loss"].as_f64().unwrap();
+    assert!(loss > 0.5 && loss < 6.0, "{loss}");
+
+    let sample = || {
+        let (ok, out, err) = trainkit(&[
+            "sample",
+            "--model",
+            path(&model),
+            "--prompt",
+            "the ",
+            "--max-new-tokens",
+            "20",
+            "--seed",
+            "3",
+            "--top-k",
+            "8",
+            "--device",
+            "cpu",
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    let (s1, s2) = (sample(), sample());
+    assert_eq!(s1, s2, "a seed fixes the sample");
+    assert!(s1.starts_with("the ") && s1.trim_end().len() > 4, "{s1}");
+}
+
+#[test]
+fn prepared_token_files_train_and_log_json() {
+    let dir = scratch("prepare");
+    let text = dir.join("corpus.txt");
+    std::fs::write(
+        &text,
+        "to be or not to be, that is the question. ".repeat(60),
+    )
+    .unwrap();
+    let bin = dir.join("corpus.bin");
+    let (ok, out, err) = trainkit(&[
+        "prepare",
+        "--text",
+        path(&text),
+        "--out",
+        path(&bin),
+        "--tokenizer",
+        "bytes",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("corpus_val.bin"), "{out}");
+    let log = dir.join("log.jsonl");
+    let out = run_ok(&tiny_run(&[
+        "--steps",
+        "3",
+        "--data",
+        path(&bin),
+        "--tokenizer",
+        "bytes",
+        "--log-json",
+        path(&log),
+    ]));
+    assert!(out.contains("corpus_val.bin"), "{out}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"], i as u64 + 1);
+        for key in [
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens",
+            "seconds",
+            "tokens_per_s",
+        ] {
+            assert!(l[key].is_number(), "{key} in {l}");
+        }
+        assert!(l["memory_peak"]["activations"].as_u64().unwrap() > 0, "{l}");
+        assert!(l["memory_peak"]["optimizer_state"].is_u64(), "{l}");
+    }
+}
+
+#[test]
+fn constant_schedule_without_warmup_is_exactly_the_flag() {
+    let dir = scratch("lr");
+    let log = dir.join("log.jsonl");
+    run_ok(&tiny_run(&[
+        "--steps",
+        "3",
+        "--lr",
+        "0.00123",
+        "--lr-schedule",
+        "constant",
+        "--warmup-steps",
+        "0",
+        "--log-json",
+        path(&log),
+    ]));
+    for l in std::fs::read_to_string(&log).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["lr"].as_f64().unwrap() as f32, 0.00123f32, "{l}");
     }
 }

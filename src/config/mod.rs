@@ -11,34 +11,11 @@ use crate::precision::{Fp32, Precision};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Where training data comes from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "source", deny_unknown_fields)]
-pub enum DataConfig {
-    /// The built-in synthetic corpus (nothing outside the binary needed).
-    Builtin {
-        /// Bytes of training text to generate.
-        #[serde(default = "default_builtin_bytes")]
-        bytes: usize,
-    },
-    /// A UTF-8 text file, tokenized byte by byte.
-    Text {
-        /// Path of the file.
-        path: PathBuf,
-    },
-}
+mod data;
+mod overrides;
 
-fn default_builtin_bytes() -> usize {
-    1 << 20
-}
-
-impl Default for DataConfig {
-    fn default() -> Self {
-        DataConfig::Builtin {
-            bytes: default_builtin_bytes(),
-        }
-    }
-}
+pub use data::{Corpus, DataConfig};
+pub use overrides::Overrides;
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -60,6 +37,22 @@ pub struct TrainingConfig {
     pub eval_every: u64,
     /// Batches per evaluation.
     pub eval_batches: usize,
+    /// Start from the weights of this model directory instead of a random
+    /// initialisation.
+    pub init_from: Option<PathBuf>,
+}
+
+/// Where a run writes: checkpoints and the JSON-lines log.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutputConfig {
+    /// Model and trainer state are saved here (at the end, and every `save_every`
+    /// steps); nothing is saved when unset.
+    pub out: Option<PathBuf>,
+    /// Save every this many steps (0 = only at the end).
+    pub save_every: u64,
+    /// One JSON object per optimizer step is appended to this file.
+    pub log_json: Option<PathBuf>,
 }
 
 impl Default for TrainingConfig {
@@ -77,6 +70,7 @@ impl Default for TrainingConfig {
             },
             eval_every: 100,
             eval_batches: 4,
+            init_from: None,
         }
     }
 }
@@ -94,6 +88,9 @@ pub struct RunConfig {
     /// Loop settings.
     #[serde(default)]
     pub training: TrainingConfig,
+    /// Checkpoints and logs.
+    #[serde(default)]
+    pub output: OutputConfig,
     /// Precision policy (`kind = "fp32"` or `"mixed_bf16"`).
     #[serde(default = "default_precision")]
     pub precision: Box<dyn Precision>,
@@ -136,6 +133,7 @@ impl Default for RunConfig {
             model: Gpt2Config::small_bytes(),
             data: DataConfig::default(),
             training: TrainingConfig::default(),
+            output: OutputConfig::default(),
             precision: default_precision(),
             checkpoint: default_checkpoint(),
             optimizer: default_optimizer(),
@@ -191,6 +189,9 @@ impl RunConfig {
                 "must be a finite value >= 0 (0 turns clipping off)",
             ));
         }
-        Ok(())
+        if t.eval_batches == 0 {
+            return Err(Error::config("training.eval_batches", "must be at least 1"));
+        }
+        self.data.validate(&self.model)
     }
 }

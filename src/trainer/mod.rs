@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod persist;
+mod sample;
+
+pub use sample::SamplingOptions;
 
 /// Settings of the loop that are not policies.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,103 @@
+//! `trainkit eval`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use trainkit::config::DataConfig;
+use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::save::read_model_dir;
+use trainkit::{Error, Gpt2, Result, Trainer};
+
+/// Mean cross-entropy of a saved model over `--batches` batches of token data (every
+/// one of the K·B·T positions counts once).
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// A model directory (config.json and model.safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// An llm.c token file, or a text file tokenized with --tokenizer.
+    #[arg(long)]
+    data: PathBuf,
+    /// Tokenizer for text data: gpt2 or bytes (default: gpt2 for models with GPT-2's
+    /// vocabulary, else bytes).
+    #[arg(long)]
+    tokenizer: Option<TokenizerKind>,
+    /// Rows per batch.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Tokens per row.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Batches, read in order from the start of the data (wrapping at its end).
+    #[arg(long, default_value_t = 8)]
+    batches: usize,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Print one JSON line `{"loss": ..., "tokens": ...}` instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The tokenizer a model most likely reads, when nothing says otherwise.
+pub fn default_tokenizer(vocab_size: usize) -> TokenizerKind {
+    if vocab_size >= TokenizerKind::Gpt2.vocab_size() {
+        TokenizerKind::Gpt2
+    } else {
+        TokenizerKind::Bytes
+    }
+}
+
+pub fn run(args: EvalArgs) -> Result<()> {
+    if args.batches == 0 || args.batch_size == 0 || args.seq_len == 0 {
+        return Err(Error::config(
+            "--batches/--batch-size/--seq-len",
+            "must each be at least 1",
+        ));
+    }
+    let dir = read_model_dir(&args.model)?;
+    let tokenizer = args
+        .tokenizer
+        .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size));
+    let source = DataConfig::from_path(&args.data, Some(tokenizer));
+    let tokens = match &source {
+        DataConfig::Tokens { train, .. } => trainkit::data::read_token_file(train)?,
+        DataConfig::Text { path, .. } => {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            tokenizer.build().encode(&text)
+        }
+        DataConfig::Builtin { .. } => unreachable!("a path is never the built-in corpus"),
+    };
+    if let Some(bad) = tokens
+        .iter()
+        .find(|&&t| t as usize >= dir.config.vocab_size)
+    {
+        return Err(Error::data(
+            args.data.display().to_string(),
+            format!(
+                "holds token {bad}, beyond the model's vocabulary of {}; was it made with \
+                 another tokenizer?",
+                dir.config.vocab_size
+            ),
+        ));
+    }
+    let device = crate::device(&args.device)?;
+    let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
+    let mut trainer = Trainer::builder(
+        Gpt2::new(dir.config.clone())?,
+        Arc::clone(&device.backend()?),
+        data.clone(),
+    )
+    .build()?;
+    trainer.load_weights(&dir)?;
+    let loss = trainer.evaluate(&mut data, args.batches)?;
+    let tokens = args.batches * args.batch_size * args.seq_len;
+    if args.json {
+        println!("{}", serde_json::json!({ "loss": loss, "tokens": tokens }));
+    } else {
+        println!(
+            "loss {loss:.6} nats/token over {tokens} positions (perplexity {:.3})",
+            loss.exp()
+        );
+    }
+    Ok(())
+}

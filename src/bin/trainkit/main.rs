@@ -1,0 +1,74 @@
+//! The `trainkit` command line: train, eval, sample, prepare.
+
+mod eval;
+mod prepare;
+mod progress;
+mod sample;
+mod train;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+use trainkit::{Device, Error, Result};
+
+#[derive(Parser)]
+#[command(
+    name = "trainkit",
+    version,
+    about = "Train transformer language models on one GPU (or the CPU)",
+    long_about = "Train GPT-2 style language models with mixed precision, activation \
+                  recomputation and gradient accumulation as pluggable policies. With no \
+                  subcommand, `trainkit` trains the default small model on the built-in \
+                  corpus."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (with no flags: the default small model on the built-in corpus).
+    Train(Box<train::TrainArgs>),
+    /// Mean cross-entropy of a saved model on token data.
+    Eval(eval::EvalArgs),
+    /// Generate text from a saved model.
+    Sample(sample::SampleArgs),
+    /// Tokenize a text file into llm.c token files (train and val).
+    Prepare(prepare::PrepareArgs),
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        None => train::run(Box::default()),
+        Some(Command::Train(args)) => train::run(args),
+        Some(Command::Eval(args)) => eval::run(args),
+        Some(Command::Sample(args)) => sample::run(args),
+        Some(Command::Prepare(args)) => prepare::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The device a `--device` flag names (`auto` reports what it chose, on stderr).
+fn device(name: &str) -> Result<Device> {
+    match name {
+        "auto" => {
+            let (d, why) = Device::best();
+            eprintln!("{why}");
+            Ok(d)
+        }
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => Err(Error::config(
+            "--device",
+            format!("`{other}` is not a device; use auto, cpu or cuda"),
+        )),
+    }
+}

@@ -1,0 +1,110 @@
+//! What a run shows while it trains: a progress bar on a terminal, plain lines otherwise,
+//! and the optional JSON-lines log.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use trainkit::memory::{format_bytes, MemoryCategory};
+use trainkit::{Error, Result, StepStats};
+
+/// Reports steps as they finish.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    total: u64,
+    log: Option<(std::fs::File, std::path::PathBuf)>,
+}
+
+impl Progress {
+    /// Starts at step `done` of `total`; appends JSON lines to `log_json` when given.
+    pub fn new(done: u64, total: u64, log_json: Option<&Path>) -> Result<Self> {
+        let bar = std::io::stdout().is_terminal().then(|| {
+            let bar = ProgressBar::new(total);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
+            );
+            bar.set_position(done);
+            bar
+        });
+        let log = match log_json {
+            Some(path) => {
+                if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+                }
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| Error::io(path, e))?;
+                Some((f, path.to_path_buf()))
+            }
+            None => None,
+        };
+        Ok(Progress { bar, total, log })
+    }
+
+    /// Reports one finished step.
+    pub fn step(&mut self, s: &StepStats) -> Result<()> {
+        let peak = format_bytes(s.memory.peak_total);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(s.step);
+                bar.set_message(format!(
+                    "loss {:.4} | {:.0} tok/s | peak {peak}",
+                    s.loss, s.tokens_per_s
+                ));
+            }
+            None => println!(
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.0} tok/s | {:.0} ms | \
+                 peak {peak}{}",
+                s.step,
+                self.total,
+                s.loss,
+                s.lr,
+                s.grad_norm,
+                s.tokens_per_s,
+                s.seconds * 1e3,
+                if s.skipped { " | update skipped (not finite)" } else { "" }
+            ),
+        }
+        if let Some((file, path)) = &mut self.log {
+            let peak: serde_json::Map<String, serde_json::Value> = MemoryCategory::ALL
+                .iter()
+                .map(|c| (c.name().to_string(), s.memory.peak.get(*c).into()))
+                .collect();
+            let line = serde_json::json!({
+                "step": s.step,
+                "loss": s.loss,
+                "lr": s.lr,
+                "grad_norm": s.grad_norm,
+                "tokens": s.tokens,
+                "micro_batches": s.micro_batches,
+                "seconds": s.seconds,
+                "tokens_per_s": s.tokens_per_s,
+                "skipped": s.skipped,
+                "memory_peak": peak,
+                "memory_peak_total": s.memory.peak_total,
+            });
+            writeln!(file, "{line}").map_err(|e| Error::io(path.as_path(), e))?;
+        }
+        Ok(())
+    }
+
+    /// Prints a line without breaking the bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

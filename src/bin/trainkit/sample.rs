@@ -1,0 +1,71 @@
+//! `trainkit sample`.
+
+use crate::eval::default_tokenizer;
+use std::path::PathBuf;
+use std::sync::Arc;
+use trainkit::config::RunConfig;
+use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
+use trainkit::{Gpt2, Result, Rng, SamplingOptions, Trainer};
+
+/// Generate text from a saved model.
+#[derive(clap::Args)]
+pub struct SampleArgs {
+    /// A model directory (config.json and model.safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// Text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 100)]
+    max_new_tokens: usize,
+    /// Softmax temperature (0 = always the most likely token).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Sample among the K most likely tokens only (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// gpt2 or bytes (default: what the run that saved the model used).
+    #[arg(long)]
+    tokenizer: Option<TokenizerKind>,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+pub fn run(args: SampleArgs) -> Result<()> {
+    let dir = read_model_dir(&args.model)?;
+    let saved = args.model.join(RUN_CONFIG_FILE);
+    let tokenizer = match args.tokenizer {
+        Some(t) => t,
+        None if saved.is_file() => RunConfig::from_file(&saved)?.data.tokenizer(),
+        None => default_tokenizer(dir.config.vocab_size),
+    };
+    let tok = tokenizer.build();
+    let prompt = tok.encode(&args.prompt);
+    let device = crate::device(&args.device)?;
+    let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
+    let mut trainer = Trainer::builder(
+        Gpt2::new(dir.config.clone())?,
+        Arc::clone(&device.backend()?),
+        placeholder,
+    )
+    .build()?;
+    trainer.load_weights(&dir)?;
+    let mut rng = Rng::new(args.seed);
+    let new = trainer.generate(
+        &prompt,
+        args.max_new_tokens,
+        SamplingOptions {
+            temperature: args.temperature,
+            top_k: args.top_k,
+        },
+        &mut rng,
+    )?;
+    println!("{}{}", args.prompt, tok.decode(&new));
+    Ok(())
+}

@@ -1,0 +1,334 @@
+//! `trainkit train`.
+
+use crate::progress::Progress;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use trainkit::config::{Overrides, RunConfig};
+use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
+use trainkit::{Error, Gpt2, Model, Result, Trainer, TrainerOptions};
+
+/// Train a model. Flags override the config file (or, with --resume, the config saved
+/// in the checkpoint).
+#[derive(clap::Args, Default)]
+pub struct TrainArgs {
+    /// A TOML run config (see examples/configs/); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Training data: an llm.c token file (from `trainkit prepare`) or a UTF-8 text file
+    /// tokenized on the fly.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Tokenizer of the data: gpt2 or bytes (text files default to bytes, token files
+    /// to gpt2).
+    #[arg(long)]
+    tokenizer: Option<TokenizerKind>,
+    /// Start from the weights of a model directory (trainkit's or transformers'
+    /// save_pretrained); the model's shape comes from it.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Save the model and trainer state here (at the end and every --save-every steps).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue the run saved in this directory, exactly where it stopped (keeps saving
+    /// there unless --out says otherwise).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Optimizer steps, counted from the start of training (a resumed run stops there).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Rows per micro-batch.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Tokens per row.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Micro-batches per optimizer step.
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Base learning rate.
+    #[arg(long)]
+    lr: Option<f32>,
+    /// constant or cosine.
+    #[arg(long)]
+    lr_schedule: Option<String>,
+    /// Steps of linear learning-rate warmup.
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// Decoupled weight decay of the optimizer.
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// Global gradient-norm clipping threshold (0 = off).
+    #[arg(long)]
+    grad_clip: Option<f32>,
+    /// fp32, or bf16 (bf16 compute with f32 master weights).
+    #[arg(long)]
+    precision: Option<String>,
+    /// Activation recomputation: none, full or selective.
+    #[arg(long)]
+    recompute: Option<String>,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Initialisation seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Layers (a model from scratch).
+    #[arg(long)]
+    n_layer: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// Width of the residual stream.
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
+    #[arg(long)]
+    vocab_size: Option<usize>,
+    /// Evaluate on held-out data every N steps (0 = only at the end).
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// Save every N steps (0 = only at the end); needs --out.
+    #[arg(long)]
+    save_every: Option<u64>,
+    /// Append one JSON object per optimizer step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+    /// Print the resolved config as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+impl TrainArgs {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            data: self.data.clone(),
+            tokenizer: self.tokenizer,
+            init_from: self.init_from.clone(),
+            out: self.out.clone(),
+            steps: self.steps,
+            batch_size: self.batch_size,
+            seq_len: self.seq_len,
+            grad_accum: self.grad_accum,
+            lr: self.lr,
+            lr_schedule: self.lr_schedule.clone(),
+            warmup_steps: self.warmup_steps,
+            weight_decay: self.weight_decay,
+            grad_clip: self.grad_clip,
+            precision: self.precision.clone(),
+            recompute: self.recompute.clone(),
+            seed: self.seed,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            vocab_size: self.vocab_size,
+            eval_every: self.eval_every,
+            save_every: self.save_every,
+            log_json: self.log_json.clone(),
+        }
+    }
+}
+
+/// The run config: the file, or the resumed checkpoint's, with the flags laid over it.
+fn resolve(args: &TrainArgs) -> Result<RunConfig> {
+    let mut cfg = match (&args.resume, &args.config) {
+        (Some(_), Some(_)) => {
+            return Err(Error::config(
+                "--config",
+                "a resumed run uses the config saved in its directory; drop --config and \
+                 pass only the flags that change (e.g. --steps)",
+            ))
+        }
+        (Some(dir), None) => {
+            let path = dir.join(RUN_CONFIG_FILE);
+            if !path.is_file() {
+                return Err(Error::data(
+                    dir.display().to_string(),
+                    format!(
+                        "has no {RUN_CONFIG_FILE}: --resume takes a directory written by \
+                         `trainkit train --out DIR`; to start from weights alone use \
+                         --init-from"
+                    ),
+                ));
+            }
+            RunConfig::from_file(path)?
+        }
+        (None, Some(path)) => RunConfig::from_file(path)?,
+        (None, None) => RunConfig::default(),
+    };
+    let init_dir = args
+        .init_from
+        .clone()
+        .or_else(|| cfg.training.init_from.clone());
+    if let (Some(dir), None) = (&init_dir, &args.resume) {
+        // The model's shape comes from the directory; shape flags may only repeat it.
+        let model = trainkit::save::read_hf_config(&dir.join(trainkit::save::CONFIG_FILE))?;
+        let mut wanted = model.clone();
+        set(&mut wanted.n_layer, args.n_layer);
+        set(&mut wanted.n_head, args.n_head);
+        set(&mut wanted.n_embd, args.n_embd);
+        set(&mut wanted.vocab_size, args.vocab_size);
+        if wanted != model {
+            return Err(Error::config(
+                "--init-from",
+                format!(
+                    "the model in {} has n_layer {}, n_head {}, n_embd {}, vocab_size {}, \
+                     which the shape flags contradict; drop them",
+                    dir.display(),
+                    model.n_layer,
+                    model.n_head,
+                    model.n_embd,
+                    model.vocab_size
+                ),
+            ));
+        }
+        cfg.model = model;
+    }
+    let mut overrides = args.overrides();
+    if args.resume.is_some() && args.out.is_none() && cfg.output.out.is_none() {
+        overrides.out = args.resume.clone();
+    }
+    if init_dir.is_some() {
+        overrides.n_layer = None;
+        overrides.n_head = None;
+        overrides.n_embd = None;
+        overrides.vocab_size = None;
+    }
+    overrides.apply(&mut cfg)?;
+    Ok(cfg)
+}
+
+pub fn run(args: Box<TrainArgs>) -> Result<()> {
+    let cfg = resolve(&args)?;
+    if args.print_config {
+        print!("{}", cfg.to_toml()?);
+        return Ok(());
+    }
+    let device = crate::device(&args.device)?;
+    let backend = device.backend()?;
+    let t = cfg.training.clone();
+    let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size)?;
+    let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?;
+    let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
+    let model = Gpt2::new(cfg.model.clone())?;
+    println!("model: {}", model.describe());
+    println!("data: {}", corpus.description);
+    println!(
+        "device: {device}; precision {}; recompute {}; {} micro-batch rows × {} tokens",
+        kind(&cfg.precision)?,
+        kind(&cfg.checkpoint)?,
+        t.batch_size,
+        t.seq_len
+    );
+    if let Some(floor) = corpus.entropy_floor {
+        println!(
+            "data: built-in corpus, entropy floor {floor:.4} nats/byte (no model can beat it); \
+             uniform guessing is {:.4}",
+            (cfg.model.vocab_size as f64).ln()
+        );
+    }
+    let mut trainer = Trainer::new(
+        Box::new(model),
+        Arc::clone(&backend),
+        data,
+        cfg.precision.clone(),
+        cfg.checkpoint.clone(),
+        cfg.optimizer.clone(),
+        cfg.accumulation.clone(),
+        cfg.observer.clone(),
+        TrainerOptions {
+            grad_clip: t.grad_clip,
+            lr_schedule: t.lr_schedule,
+            total_steps: t.steps,
+            seed: t.seed,
+        },
+    )?;
+    if let Some(dir) = &args.resume {
+        trainer.resume_from(dir)?;
+        println!("resumed {} at step {}", dir.display(), trainer.steps_done());
+    } else if let Some(dir) = &t.init_from {
+        trainer.load_weights(&read_model_dir(dir)?)?;
+        println!("weights from {}", dir.display());
+    }
+    if trainer.steps_done() >= t.steps {
+        println!(
+            "already at step {} of {}: nothing to train (raise --steps to go on)",
+            trainer.steps_done(),
+            t.steps
+        );
+        return Ok(());
+    }
+    let out = cfg.output.out.clone();
+    let run_config = cfg.to_toml()?;
+    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| trainer.save(dir, Some(&run_config));
+    let mut progress = Progress::new(
+        trainer.steps_done(),
+        t.steps,
+        cfg.output.log_json.as_deref(),
+    )?;
+    let mut first_loss = None;
+    let mut last_loss = f64::NAN;
+    while trainer.steps_done() < t.steps {
+        let s = trainer.step()?;
+        first_loss.get_or_insert(s.loss);
+        last_loss = s.loss;
+        progress.step(&s)?;
+        if t.eval_every > 0 && s.step % t.eval_every == 0 && s.step < t.steps {
+            let v = trainer.evaluate(&mut val, t.eval_batches)?;
+            progress.println(&format!("step {:>5} | val loss {v:.4}", s.step));
+        }
+        if let Some(dir) = &out {
+            let every = cfg.output.save_every;
+            if every > 0 && s.step % every == 0 && s.step < t.steps {
+                save(&trainer, dir)?;
+                progress.println(&format!("step {:>5} | saved {}", s.step, dir.display()));
+            }
+        }
+    }
+    progress.finish();
+    let v = trainer.evaluate(&mut val, t.eval_batches)?;
+    println!("final train loss {last_loss:.4}; final val loss {v:.4}");
+    if let (Some(first), Some(floor)) = (first_loss, corpus.entropy_floor) {
+        println!(
+            "train loss {first:.4} -> {last_loss:.4}; the floor is {floor:.4} ({:.1}% of the gap closed)",
+            100.0 * (first - last_loss) / (first - floor)
+        );
+    }
+    match &out {
+        Some(dir) => {
+            save(&trainer, dir)?;
+            println!("saved model and trainer state to {}", dir.display());
+            println!(
+                "sample from it: trainkit sample --model {} --prompt \"{}\" --max-new-tokens 200",
+                dir.display(),
+                if corpus.tokenizer == TokenizerKind::Bytes {
+                    "the "
+                } else {
+                    "Once upon a time"
+                }
+            );
+            println!(
+                "continue it:    trainkit train --resume {} --steps {}",
+                dir.display(),
+                t.steps * 2
+            );
+        }
+        None => println!("not saved (pass --out DIR to keep the model)"),
+    }
+    Ok(())
+}
+
+/// The `kind` a policy is saved under.
+fn kind<T: serde::Serialize + ?Sized>(policy: &T) -> Result<String> {
+    let v = serde_json::to_value(policy).map_err(|e| Error::Serde(e.to_string()))?;
+    Ok(v.get("kind")
+        .and_then(|k| k.as_str())
+        .unwrap_or("custom")
+        .to_string())
+}
+
+fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *slot = v;
+    }
+}

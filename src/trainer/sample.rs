@@ -1,0 +1,151 @@
+//! Text generation from a trainer's model: temperature and top-k sampling.
+
+use super::Trainer;
+use crate::accumulate::AccumulationSchedule;
+use crate::checkpoint::CheckpointPolicy;
+use crate::error::{Error, Result};
+use crate::memory::MemoryObserver;
+use crate::model::{Batch, Pass};
+use crate::optim::Optimizer;
+use crate::precision::Precision;
+use crate::rng::Rng;
+
+/// How [`Trainer::generate`] picks each next token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingOptions {
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Sample among the `top_k` most likely tokens only (0 = all).
+    pub top_k: usize,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        SamplingOptions {
+            temperature: 1.0,
+            top_k: 0,
+        }
+    }
+}
+
+impl<P, C, O, A, M> Trainer<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// Logits `[seq_len, vocab]` of the model for one row of `tokens` (forward only).
+    pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let batch = Batch {
+            batch_size: 1,
+            seq_len: tokens.len(),
+            inputs: tokens.to_vec(),
+            targets: tokens.to_vec(),
+        };
+        let mut pass = Pass {
+            backend: self.backend.as_ref(),
+            params: &mut self.params,
+            checkpoint: &self.checkpoint,
+            dtype: self.precision.compute_dtype(),
+        };
+        let out = self.model.logits(&mut pass, &batch);
+        self.flush_events();
+        out
+    }
+
+    /// Continues `prompt` by `max_new_tokens` tokens, each drawn from the model's next-token
+    /// distribution (the context is cut to the model's last `max_seq_len` tokens).
+    /// Returns the new tokens only.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        options: SamplingOptions,
+        rng: &mut Rng,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(Error::config(
+                "prompt",
+                "is empty; give at least one token of context",
+            ));
+        }
+        if !(options.temperature >= 0.0 && options.temperature.is_finite()) {
+            return Err(Error::config(
+                "temperature",
+                format!("{} must be a number >= 0", options.temperature),
+            ));
+        }
+        let vocab = self.model.vocab_size();
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::data(
+                "prompt",
+                format!("token {bad} is beyond the model's vocabulary of {vocab}"),
+            ));
+        }
+        let ctx_len = self.model.max_seq_len();
+        let mut tokens = prompt.to_vec();
+        for _ in 0..max_new_tokens {
+            let ctx = &tokens[tokens.len().saturating_sub(ctx_len)..];
+            let logits = self.logits(ctx)?;
+            let last = &logits[(ctx.len() - 1) * vocab..ctx.len() * vocab];
+            tokens.push(pick(last, options, rng) as u32);
+        }
+        Ok(tokens[prompt.len()..].to_vec())
+    }
+}
+
+/// Draws a token id from `logits` under `options`.
+fn pick(logits: &[f32], options: SamplingOptions, rng: &mut Rng) -> usize {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if options.temperature == 0.0 {
+        return order[0];
+    }
+    if options.top_k > 0 {
+        order.truncate(options.top_k);
+    }
+    let max = logits[order[0]] as f64;
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / options.temperature as f64).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.uniform() * total;
+    for (&i, w) in order.iter().zip(&weights) {
+        if u < *w {
+            return i;
+        }
+        u -= w;
+    }
+    order[order.len() - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_and_top_k_pick_what_they_should() {
+        let logits = [0.0, 3.0, 1.0, 2.5];
+        let mut rng = Rng::new(1);
+        let greedy = SamplingOptions {
+            temperature: 0.0,
+            top_k: 0,
+        };
+        assert_eq!(pick(&logits, greedy, &mut rng), 1);
+        let top2 = SamplingOptions {
+            temperature: 1.0,
+            top_k: 2,
+        };
+        let mut counts = [0usize; 4];
+        for _ in 0..4000 {
+            counts[pick(&logits, top2, &mut rng)] += 1;
+        }
+        assert_eq!(counts[0] + counts[2], 0, "{counts:?}");
+        // p(1) / p(3) = e^0.5 ≈ 1.65.
+        let ratio = counts[1] as f64 / counts[3] as f64;
+        assert!((ratio - 0.5f64.exp()).abs() < 0.15, "{ratio}");
+    }
+}
