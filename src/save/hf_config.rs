@@ -6,6 +6,9 @@ use crate::model::Gpt2Config;
 use serde_json::{json, Value};
 use std::path::Path;
 
+/// GPT-2's `<|endoftext|>` id.
+const EOT: u32 = 50256;
+
 /// Writes `config` as a transformers `GPT2Config` (`GPT2LMHeadModel`, tied head, tanh
 /// GELU, no dropout).
 pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
@@ -25,10 +28,14 @@ pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
         "attn_pdrop": 0.0,
         "initializer_range": 0.02,
         "tie_word_embeddings": true,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
         "torch_dtype": "float32",
     });
+    let mut v = v;
+    // GPT-2's <|endoftext|> when the vocabulary has it; otherwise none (transformers
+    // would default to 50256).
+    let eot = (config.vocab_size > EOT as usize).then_some(EOT);
+    v["bos_token_id"] = json!(eot);
+    v["eos_token_id"] = json!(eot);
     let text = serde_json::to_string_pretty(&v).map_err(|e| Error::Serde(e.to_string()))?;
     write_atomically(path, text.as_bytes())
 }

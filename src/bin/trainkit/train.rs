@@ -250,17 +250,22 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
     }
-    if trainer.steps_done() >= t.steps {
-        println!(
-            "already at step {} of {}: nothing to train (raise --steps to go on)",
-            trainer.steps_done(),
-            t.steps
-        );
-        return Ok(());
-    }
     let out = cfg.output.out.clone();
     let run_config = cfg.to_toml()?;
     let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| trainer.save(dir, Some(&run_config));
+    if trainer.steps_done() >= t.steps {
+        println!(
+            "at step {} of {}: nothing to train (raise --steps to go on)",
+            trainer.steps_done(),
+            t.steps
+        );
+        if let (Some(dir), None) = (&out, &args.resume) {
+            // `--steps 0 --out DIR` writes the initialised model.
+            save(&trainer, dir)?;
+            println!("saved model and trainer state to {}", dir.display());
+        }
+        return Ok(());
+    }
     let mut progress = Progress::new(
         trainer.steps_done(),
         t.steps,

@@ -1,0 +1,154 @@
+"""trainkit against Hugging Face transformers (PyTorch), an independent GPT-2.
+
+Checks, on a small GPT-2 and llm.c-style batches of a text:
+1. transformers' GPT2LMHeadModel.from_pretrained loads a directory trainkit saved;
+2. its loss on the same windows equals `trainkit eval --json`;
+3. after a few AdamW steps from the same initial weights (constant learning rate, global
+   norm clipping, weight decay on matrices and embeddings only), PyTorch's weights equal
+   trainkit's;
+4. trainkit loads what `save_pretrained` writes, and `trainkit eval` on it equals
+   PyTorch's loss.
+
+Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
+torch, transformers, safetensors and numpy installed:
+
+    cargo build --release
+    python tests/hf_parity/check.py [--trainkit target/release/trainkit] [--text FILE]
+
+Exits non-zero when a check fails.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.numpy import load_file
+from transformers import GPT2LMHeadModel
+
+B, T, STEPS, LR, WD, CLIP = 4, 32, 3, 1e-3, 0.1, 1.0
+
+
+def run(cmd):
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}")
+    return out.stdout
+
+
+def windows(tokens, step, micro=1):
+    """llm.c's batch `step`: rows of T+1 consecutive tokens, moving through the file."""
+    start = step * B * T * micro
+    rows = [tokens[start + r * T: start + r * T + T + 1] for r in range(B)]
+    a = torch.tensor(np.array(rows, dtype=np.int64))
+    return a[:, :-1], a[:, 1:]
+
+
+def loss_of(model, x, y):
+    logits = model(x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trainkit", default="target/release/trainkit")
+    ap.add_argument("--text", default="../shared/data/tinyshakespeare.txt")
+    args = ap.parse_args()
+    tk = args.trainkit
+    torch.manual_seed(0)
+    work = tempfile.mkdtemp(prefix="trainkit-hf-")
+    text = os.path.join(work, "text.txt")
+    with open(args.text, encoding="utf-8") as f:
+        open(text, "w", encoding="utf-8").write(f.read()[:40000])
+    tokens_bin = os.path.join(work, "tokens.bin")
+    run([tk, "prepare", "--text", text, "--out", tokens_bin, "--tokenizer", "bytes",
+         "--val-fraction", "0"])
+    raw = np.fromfile(tokens_bin, dtype=np.uint16, offset=1024)
+    tokens = raw.astype(np.int64)
+
+    shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--vocab-size", "256"]
+    init = os.path.join(work, "init")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--steps", "0", "--out", init, "--seq-len", str(T), "--batch-size", str(B)] + shape)
+
+    # 1. transformers loads it.
+    model = GPT2LMHeadModel.from_pretrained(init, dtype=torch.float32)
+    model.eval()
+    ours = load_file(os.path.join(init, "model.safetensors"))
+    ok = True
+
+    # 2. The same loss on the same windows.
+    k = 3
+    tk_eval = json.loads(run([tk, "eval", "--model", init, "--data", tokens_bin,
+                              "--tokenizer", "bytes", "--batch-size", str(B), "--seq-len",
+                              str(T), "--batches", str(k), "--json", "--device", "cpu"]))
+    with torch.no_grad():
+        hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+    d = abs(hf - tk_eval["loss"])
+    print(f"eval loss: transformers {hf:.7f}, trainkit {tk_eval['loss']:.7f}, diff {d:.2e}")
+    ok &= d < 1e-5
+
+    # 3. A few AdamW steps from the same weights.
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    hf_losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *windows(tokens, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        hf_losses.append(loss.item())
+    trained = os.path.join(work, "trained")
+    log = os.path.join(work, "log.jsonl")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", init, "--steps", str(STEPS), "--out", trained, "--seq-len", str(T),
+         "--batch-size", str(B), "--lr", str(LR), "--lr-schedule", "constant",
+         "--warmup-steps", "0", "--weight-decay", str(WD), "--grad-clip", str(CLIP),
+         "--eval-every", "0", "--log-json", log])
+    tk_losses = [json.loads(line)["loss"] for line in open(log)]
+    for i, (a, b) in enumerate(zip(hf_losses, tk_losses)):
+        print(f"step {i + 1} loss: transformers {a:.7f}, trainkit {b:.7f}, diff {abs(a - b):.2e}")
+        ok &= abs(a - b) < 1e-5
+    after = load_file(os.path.join(trained, "model.safetensors"))
+    state = dict(model.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, w in after.items():
+        ref = state[name].detach().numpy()
+        moved = np.abs(ours[name] - ref).max()
+        diff = np.abs(w - ref).max()
+        if diff > worst:
+            worst, worst_name = diff, name
+        assert moved > 0 or name.endswith("bias") or "ln_" in name, name
+    print(f"weights after {STEPS} steps: max |diff| {worst:.2e} ({worst_name}); "
+          f"the step moved them by about {LR:.0e}")
+    ok &= worst < 2e-5
+
+    # 4. What transformers saves, trainkit reads.
+    saved = os.path.join(work, "hf_saved")
+    model.save_pretrained(saved)
+    model.eval()
+    with torch.no_grad():
+        hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+    tk_eval = json.loads(run([tk, "eval", "--model", saved, "--data", tokens_bin,
+                              "--tokenizer", "bytes", "--batch-size", str(B), "--seq-len",
+                              str(T), "--batches", str(k), "--json", "--device", "cpu"]))
+    d = abs(hf - tk_eval["loss"])
+    print(f"save_pretrained -> trainkit eval: transformers {hf:.7f}, trainkit "
+          f"{tk_eval['loss']:.7f}, diff {d:.2e}")
+    ok &= d < 1e-5
+    print("OK" if ok else "MISMATCH")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
