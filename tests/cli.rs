@@ -442,3 +442,39 @@ fn constant_schedule_without_warmup_is_exactly_the_flag() {
         assert_eq!(v["lr"].as_f64().unwrap() as f32, 0.00123f32, "{l}");
     }
 }
+
+#[test]
+fn init_from_takes_shape_and_weights_and_save_every_saves() {
+    let dir = scratch("init");
+    let (base, next) = (dir.join("base"), dir.join("next"));
+    let out = run_ok(&tiny_run(&[
+        "--steps",
+        "3",
+        "--out",
+        path(&base),
+        "--save-every",
+        "2",
+    ]));
+    assert!(out.contains("step     2 | saved"), "{out}");
+    // No shape flags: the 2-layer, 32-wide shape comes from the directory.
+    let out = run_ok(
+        &[
+            "train",
+            "--init-from",
+            path(&base),
+            "--steps",
+            "0",
+            "--out",
+            path(&next),
+            "--device",
+            "cpu",
+            "--seq-len",
+            "32",
+        ]
+        .map(String::from),
+    );
+    assert!(out.contains("2 layers"), "{out}");
+    assert_eq!(weights(&base), weights(&next));
+    let (ok, _, err) = trainkit(&["train", "--init-from", path(&base), "--n-layer", "3"]);
+    assert!(!ok && err.contains("contradict"), "{err}");
+}
