@@ -53,6 +53,7 @@ fn main() -> trainkit::Result<()> {
                 },
                 total_steps: steps,
                 seed: 1337,
+                ..TrainerOptions::default()
             })
             .build()?;
     for _ in 0..steps {

@@ -55,6 +55,12 @@ pub enum Error {
         /// Request, limit, and what was live.
         message: String,
     },
+    /// Training diverged: too many consecutive steps with a non-finite loss or gradient.
+    #[error("training diverged: {message}")]
+    Diverged {
+        /// What happened and what to try.
+        message: String,
+    },
     /// Serialization or deserialization failed.
     #[error("{0}")]
     Serde(String),

@@ -199,23 +199,34 @@ fn bad_model_directories_are_clear_errors() {
     let mut tensors = t.model_tensors().unwrap();
     tensors.retain(|nt| nt.name != "transformer.h.1.ln_2.bias");
     write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let e = read_model_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("transformer.h.1.ln_2.bias") && e.contains("do not belong together"),
+        "{e}"
+    );
+    let mut tensors = t.model_tensors().unwrap();
+    tensors[0].shape = vec![128, 64];
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let e = read_model_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("[128, 64]"), "{e}");
+    // A directory of another model's shape: load_weights names the tensor.
+    let mut small = t.model_tensors().unwrap();
+    small.retain(|nt| !nt.name.contains(".h.2."));
+    write_safetensors(&dir.join("model.safetensors"), &small, None).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 256}"#,
+    )
+    .unwrap();
     let mut other = trainer(trainkit::Fp32);
     let e = other
         .load_weights(&read_model_dir(&dir).unwrap())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("transformer.h.1.ln_2.bias") && e.contains("missing"),
+        e.contains("transformer.h.2.") && e.contains("missing"),
         "{e}"
     );
-    let mut tensors = t.model_tensors().unwrap();
-    tensors[0].shape = vec![128, 64];
-    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
-    let e = other
-        .load_weights(&read_model_dir(&dir).unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("[128, 64]"), "{e}");
 
     // Resuming needs the trainer state.
     let e = other.resume_from(&dir).unwrap_err().to_string();

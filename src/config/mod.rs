@@ -40,6 +40,9 @@ pub struct TrainingConfig {
     /// Start from the weights of this model directory instead of a random
     /// initialisation.
     pub init_from: Option<PathBuf>,
+    /// Stop (saving the last good state) after this many consecutive steps with a
+    /// non-finite loss or gradient norm (0 = never).
+    pub max_bad_steps: u64,
 }
 
 /// Where a run writes: checkpoints and the JSON-lines log.
@@ -71,6 +74,7 @@ impl Default for TrainingConfig {
             eval_every: 100,
             eval_batches: 4,
             init_from: None,
+            max_bad_steps: 10,
         }
     }
 }
@@ -146,8 +150,22 @@ impl Default for RunConfig {
 impl RunConfig {
     /// Parses a TOML document and validates it.
     pub fn from_toml(text: &str) -> Result<Self> {
-        let cfg: RunConfig =
-            toml::from_str(text).map_err(|e| Error::Serde(format!("config: {e}")))?;
+        let cfg: RunConfig = toml::from_str(text).map_err(|e| {
+            let message = e.message().trim().replace('\n', "; ");
+            match e.span() {
+                Some(span) => {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+                    let column = before.len() - line_start + 1;
+                    let source = text[line_start..].lines().next().unwrap_or("").trim();
+                    Error::Serde(format!(
+                        "config: line {line}, column {column} (`{source}`): {message}"
+                    ))
+                }
+                None => Error::Serde(format!("config: {message}")),
+            }
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }

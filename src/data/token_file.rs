@@ -35,8 +35,9 @@ pub fn read_token_file(path: &Path) -> Result<Vec<u32>> {
     parse_token_file(path, &bytes)
 }
 
-/// Decodes the bytes of a token file; `path` only names the file in errors.
-fn parse_token_file(path: &Path, bytes: &[u8]) -> Result<Vec<u32>> {
+/// Decodes the bytes of a token file (what [`read_token_file`] does after reading it);
+/// `path` only names the file in errors.
+pub fn parse_token_file(path: &Path, bytes: &[u8]) -> Result<Vec<u32>> {
     let what = || format!("token file {}", path.display());
     if bytes.len() < TOKEN_FILE_HEADER_BYTES {
         return Err(Error::data(

@@ -34,6 +34,35 @@ fn default_eps() -> f32 {
 }
 
 impl Gpt2Config {
+    /// Every parameter's Hugging Face name and shape, in model order.
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, v, p) = (self.n_embd, self.vocab_size, self.n_positions);
+        let mut out = vec![
+            ("transformer.wte.weight".to_string(), vec![v, e]),
+            ("transformer.wpe.weight".to_string(), vec![p, e]),
+        ];
+        for i in 0..self.n_layer {
+            let h = |s: &str| format!("transformer.h.{i}.{s}");
+            out.extend([
+                (h("ln_1.weight"), vec![e]),
+                (h("ln_1.bias"), vec![e]),
+                (h("attn.c_attn.weight"), vec![e, 3 * e]),
+                (h("attn.c_attn.bias"), vec![3 * e]),
+                (h("attn.c_proj.weight"), vec![e, e]),
+                (h("attn.c_proj.bias"), vec![e]),
+                (h("ln_2.weight"), vec![e]),
+                (h("ln_2.bias"), vec![e]),
+                (h("mlp.c_fc.weight"), vec![e, 4 * e]),
+                (h("mlp.c_fc.bias"), vec![4 * e]),
+                (h("mlp.c_proj.weight"), vec![4 * e, e]),
+                (h("mlp.c_proj.bias"), vec![e]),
+            ]);
+        }
+        out.push(("transformer.ln_f.weight".to_string(), vec![e]));
+        out.push(("transformer.ln_f.bias".to_string(), vec![e]));
+        out
+    }
+
     /// GPT-2 small (124M): 12 layers, 12 heads, 768 wide, 1024 positions, vocab 50257.
     pub fn gpt2_124m() -> Self {
         Gpt2Config {

@@ -36,10 +36,8 @@ impl DirectoryWriter {
         if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
             fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         }
+        recover_directory(target)?;
         let staging = temp_sibling(target, "partial");
-        if staging.exists() {
-            fs::remove_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-        }
         fs::create_dir(&staging).map_err(|e| Error::io(&staging, e))?;
         Ok(DirectoryWriter {
             target: target.to_path_buf(),
@@ -57,14 +55,23 @@ impl DirectoryWriter {
         write_atomically(&self.path(name), bytes)
     }
 
-    /// Replaces the target with what was written: the old target is moved aside, the new
-    /// one renamed in, then the old one removed. Files in the old target that this writer
-    /// did not produce (a user's notes, a tokenizer) are carried over.
+    /// Replaces the target with what was written. On Linux the two directories are
+    /// exchanged in one atomic `renameat2(RENAME_EXCHANGE)`, so the target is never
+    /// missing; elsewhere (or on a filesystem without it) the old target is renamed aside,
+    /// the new one renamed in, and [`recover_directory`] undoes a crash in between. Files
+    /// in the old target that this writer did not produce (a user's notes, a tokenizer)
+    /// are carried over.
     pub fn commit(self) -> Result<()> {
         let io = |p: &Path| {
             let p = p.to_path_buf();
             move |e| Error::io(p, e)
         };
+        if self.target.exists() && !self.target.is_dir() {
+            return Err(Error::data(
+                self.target.display().to_string(),
+                "exists and is not a directory; choose another output directory",
+            ));
+        }
         if self.target.is_dir() {
             for entry in fs::read_dir(&self.target).map_err(io(&self.target))? {
                 let entry = entry.map_err(io(&self.target))?;
@@ -73,23 +80,102 @@ impl DirectoryWriter {
                     fs::copy(entry.path(), &dest).map_err(io(&dest))?;
                 }
             }
+            sync_dir(&self.staging);
+            if exchange(&self.staging, &self.target).is_ok() {
+                sync_dir(self.target.parent().unwrap_or(Path::new(".")));
+                fs::remove_dir_all(&self.staging).map_err(io(&self.staging))?;
+                return Ok(());
+            }
             let old = temp_sibling(&self.target, "old");
             if old.exists() {
                 fs::remove_dir_all(&old).map_err(io(&old))?;
             }
             fs::rename(&self.target, &old).map_err(io(&self.target))?;
             fs::rename(&self.staging, &self.target).map_err(io(&self.target))?;
+            sync_dir(self.target.parent().unwrap_or(Path::new(".")));
             fs::remove_dir_all(&old).map_err(io(&old))?;
         } else {
-            if self.target.exists() {
-                return Err(Error::data(
-                    self.target.display().to_string(),
-                    "exists and is not a directory; choose another output directory",
-                ));
-            }
+            sync_dir(&self.staging);
             fs::rename(&self.staging, &self.target).map_err(io(&self.target))?;
+            sync_dir(self.target.parent().unwrap_or(Path::new(".")));
         }
         Ok(())
+    }
+}
+
+/// Repairs what an interrupted save can leave beside `target`: when `target` is missing
+/// but the previous checkpoint was set aside (`.NAME.PID.old`), it is renamed back; stale
+/// staging directories (`.NAME.PID.partial`) of saves that never finished are removed.
+/// Returns whether a checkpoint was restored.
+pub fn recover_directory(target: &Path) -> Result<bool> {
+    let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Ok(false);
+    };
+    let parent = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let Ok(entries) = fs::read_dir(&parent) else {
+        return Ok(false);
+    };
+    let prefix = format!(".{name}.");
+    let mut restored = false;
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(&prefix) else {
+            continue;
+        };
+        let path = entry.path();
+        if rest.ends_with(".old") && !target.exists() {
+            fs::rename(&path, target).map_err(|e| Error::io(&path, e))?;
+            log::warn!(
+                "{}: restored the previous checkpoint from {} (a save was interrupted)",
+                target.display(),
+                path.display()
+            );
+            restored = true;
+        } else if rest.ends_with(".partial") || rest.ends_with(".old") {
+            fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    Ok(restored)
+}
+
+/// Swaps two directories atomically.
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let a = CString::new(a.as_os_str().as_bytes())?;
+    let b = CString::new(b.as_os_str().as_bytes())?;
+    // SAFETY: both paths are valid NUL-terminated strings for the duration of the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Swaps two directories atomically (unsupported here: the caller falls back).
+#[cfg(not(target_os = "linux"))]
+fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
+    Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+}
+
+/// Flushes a directory's entries to disk (best effort: not every platform can).
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = d.sync_all();
     }
 }
 

@@ -45,8 +45,14 @@ pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
 /// are errors.
 pub fn read_hf_config(path: &Path) -> Result<Gpt2Config> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    parse_hf_config(path, &text)
+}
+
+/// Parses the text of a `config.json` (what [`read_hf_config`] does after reading it);
+/// `path` only names the file in errors.
+pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
     let what = path.display().to_string();
-    let v: Value = serde_json::from_str(&text)
+    let v: Value = serde_json::from_str(text)
         .map_err(|e| Error::data(&what, format!("is not valid JSON: {e}")))?;
     let field = |name: &str| -> Result<usize> {
         v.get(name)

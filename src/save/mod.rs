@@ -9,9 +9,9 @@ mod atomic;
 mod hf_config;
 mod tensors;
 
-pub use atomic::{write_atomically, DirectoryWriter};
-pub use hf_config::{read_hf_config, write_hf_config};
-pub use tensors::{read_safetensors, write_safetensors, NamedTensor};
+pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
+pub use hf_config::{parse_hf_config, read_hf_config, write_hf_config};
+pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 
 use crate::error::{Error, Result};
 use crate::model::Gpt2Config;
@@ -42,6 +42,7 @@ pub struct ModelDir {
 /// `save_pretrained` (names with or without the `transformer.` prefix; `lm_head.weight`
 /// and attention-mask buffers are ignored, the head being tied to `wte`).
 pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
+    recover_directory(dir)?;
     if !dir.is_dir() {
         return Err(Error::data(
             dir.display().to_string(),
@@ -64,6 +65,30 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
             || name.ends_with(".attn.masked_bias");
         if !ignored {
             tensors.insert(name.clone(), NamedTensor { name, ..t });
+        }
+    }
+    for (name, shape) in config.param_shapes() {
+        match tensors.get(&name) {
+            None => {
+                return Err(Error::data(
+                    weights.display().to_string(),
+                    format!(
+                        "has no `{name}`, which the model of config.json needs; the \
+                         weights and config.json do not belong together"
+                    ),
+                ))
+            }
+            Some(t) if t.shape != shape => {
+                return Err(Error::data(
+                    weights.display().to_string(),
+                    format!(
+                        "`{name}` has shape {:?}, config.json implies {shape:?}; the weights \
+                         and config.json do not belong together",
+                        t.shape
+                    ),
+                ))
+            }
+            Some(_) => {}
         }
     }
     Ok(ModelDir { config, tensors })

@@ -47,8 +47,14 @@ pub fn write_safetensors(
 /// Reads every tensor of a safetensors file, converting f32, bf16 and f16 to f32.
 pub fn read_safetensors(path: &Path) -> Result<Vec<NamedTensor>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    parse_safetensors(path, &bytes)
+}
+
+/// Decodes the bytes of a safetensors file (what [`read_safetensors`] does after reading
+/// it); `path` only names the file in errors.
+pub fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<NamedTensor>> {
     let what = path.display().to_string();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
         Error::data(
             &what,
             format!("is not a readable safetensors file ({e}); was it truncated or overwritten?"),

@@ -32,6 +32,10 @@ pub struct TrainerOptions {
     pub total_steps: u64,
     /// Seed of parameter initialization.
     pub seed: u64,
+    /// After this many consecutive steps whose loss or gradient norm was not finite
+    /// (each skipped, the weights untouched), [`Trainer::step`] fails with
+    /// [`Error::Diverged`] (0 = never).
+    pub max_bad_steps: u64,
 }
 
 impl Default for TrainerOptions {
@@ -41,6 +45,7 @@ impl Default for TrainerOptions {
             lr_schedule: LrSchedule::default(),
             total_steps: 0,
             seed: 1337,
+            max_bad_steps: 10,
         }
     }
 }
@@ -105,6 +110,8 @@ pub struct Trainer<P, C, O, A, M> {
     step: u64,
     tokens_seen: u64,
     skipped_steps: u64,
+    /// Skipped steps in a row, up to the last one.
+    bad_streak: u64,
     /// The run's random stream after initialisation, saved and restored with the state.
     rng: Rng,
 }
@@ -317,6 +324,7 @@ where
             step: 0,
             tokens_seen: 0,
             skipped_steps: 0,
+            bad_streak: 0,
             rng,
         };
         trainer.flush_events();
@@ -392,8 +400,10 @@ where
             for p in &mut self.params {
                 p.refresh_weight(be)?;
             }
+            self.bad_streak = 0;
         } else {
             self.skipped_steps += 1;
+            self.bad_streak += 1;
             log::warn!(
                 "step {}: loss {loss} or gradient norm {grad_norm} is not finite; update skipped",
                 self.step + 1
@@ -403,6 +413,21 @@ where
         ledger.phase_end(Phase::Optimizer);
         self.step += 1;
         self.tokens_seen += tokens_per_micro * k as u64;
+        let max_bad = self.options.max_bad_steps;
+        if max_bad > 0 && self.bad_streak >= max_bad {
+            self.flush_events();
+            return Err(Error::Diverged {
+                message: format!(
+                    "{} steps in a row up to step {} had a non-finite loss or gradient norm \
+                     (last: loss {loss}, gradient norm {grad_norm}); their updates were \
+                     skipped, so the weights are those of step {}. Lower the learning rate, \
+                     clip gradients, or raise max_bad_steps",
+                    self.bad_streak,
+                    self.step,
+                    self.step - self.bad_streak
+                ),
+            });
+        }
         ledger.step_end(self.step, None);
         self.flush_events();
         let snap = ledger.snapshot();
@@ -509,6 +534,11 @@ where
     /// Tokens trained on.
     pub fn tokens_seen(&self) -> u64 {
         self.tokens_seen
+    }
+
+    /// Consecutive skipped steps up to now.
+    pub fn bad_streak(&self) -> u64 {
+        self.bad_streak
     }
 
     /// Steps whose update was skipped because of non-finite values.

@@ -32,6 +32,8 @@ struct TrainerState {
     step: u64,
     tokens_seen: u64,
     skipped_steps: u64,
+    #[serde(default)]
+    bad_streak: u64,
     data_position: usize,
     data_tokens: usize,
     rng: Rng,
@@ -107,6 +109,7 @@ where
             step: self.step,
             tokens_seen: self.tokens_seen,
             skipped_steps: self.skipped_steps,
+            bad_streak: self.bad_streak,
             data_position: self.data.position(),
             data_tokens: self.data.len_tokens(),
             rng: self.rng.clone(),
@@ -167,6 +170,7 @@ where
     /// had not stopped. The trainer must have been built with the same model shape,
     /// policies and data.
     pub fn resume_from(&mut self, dir: &Path) -> Result<()> {
+        crate::save::recover_directory(dir)?;
         let state_path = dir.join(STATE_FILE);
         let text = std::fs::read_to_string(&state_path).map_err(|e| {
             Error::io(
@@ -239,6 +243,7 @@ where
         self.step = state.step;
         self.tokens_seen = state.tokens_seen;
         self.skipped_steps = state.skipped_steps;
+        self.bad_streak = state.bad_streak;
         self.rng = state.rng;
         self.flush_events();
         Ok(())

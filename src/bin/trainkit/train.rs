@@ -2,6 +2,7 @@
 
 use crate::progress::Progress;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use trainkit::config::{Overrides, RunConfig};
 use trainkit::data::{DataLoader, TokenizerKind};
@@ -140,6 +141,7 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
             ))
         }
         (Some(dir), None) => {
+            trainkit::save::recover_directory(dir)?;
             let path = dir.join(RUN_CONFIG_FILE);
             if !path.is_file() {
                 return Err(Error::data(
@@ -241,6 +243,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             lr_schedule: t.lr_schedule,
             total_steps: t.steps,
             seed: t.seed,
+            max_bad_steps: t.max_bad_steps,
         },
     )?;
     if let Some(dir) = &args.resume {
@@ -271,13 +274,43 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         t.steps,
         cfg.output.log_json.as_deref(),
     )?;
+    let interrupted = interrupt_flag();
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
     while trainer.steps_done() < t.steps {
-        let s = trainer.step()?;
+        let s = match trainer.step() {
+            Ok(s) => s,
+            Err(e @ Error::Diverged { .. }) => {
+                progress.finish();
+                // Skipped steps leave the weights untouched: this is the last good state.
+                let dir = out.clone().unwrap_or_else(|| fallback_dir("diverged"));
+                save(&trainer, &dir)?;
+                eprintln!(
+                    "saved the last good state (step {}) to {}",
+                    trainer.steps_done() - trainer.bad_streak(),
+                    dir.display()
+                );
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         first_loss.get_or_insert(s.loss);
         last_loss = s.loss;
         progress.step(&s)?;
+        if interrupted.load(Ordering::SeqCst) > 0 {
+            progress.finish();
+            let dir = out.clone().unwrap_or_else(|| fallback_dir("interrupted"));
+            save(&trainer, &dir)?;
+            println!(
+                "interrupted after step {}; saved to {}\nresume with: trainkit train --resume {} \
+                 --steps {}",
+                s.step,
+                dir.display(),
+                dir.display(),
+                t.steps
+            );
+            return Ok(());
+        }
         if t.eval_every > 0 && s.step % t.eval_every == 0 && s.step < t.steps {
             let v = trainer.evaluate(&mut val, t.eval_batches)?;
             progress.println(&format!("step {:>5} | val loss {v:.4}", s.step));
@@ -336,4 +369,35 @@ fn set<T>(slot: &mut T, value: Option<T>) {
     if let Some(v) = value {
         *slot = v;
     }
+}
+
+/// Counts SIGINT / SIGTERM: the first asks the loop to finish its step, save and exit; a
+/// second exits at once.
+fn interrupt_flag() -> Arc<AtomicUsize> {
+    let flag = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&flag);
+    let installed = ctrlc::set_handler(move || {
+        if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+            eprintln!(
+                "\ninterrupt: finishing this step, then saving (interrupt again to quit at once, \
+                 without saving)"
+            );
+        } else {
+            eprintln!("second interrupt: exiting without saving");
+            std::process::exit(130);
+        }
+    });
+    if let Err(e) = installed {
+        log::warn!("cannot catch interrupts ({e}); Ctrl-C will stop the run without saving");
+    }
+    flag
+}
+
+/// Where a run without `--out` saves when it has to stop early.
+fn fallback_dir(why: &str) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    PathBuf::from("runs").join(format!("{why}-{secs}"))
 }

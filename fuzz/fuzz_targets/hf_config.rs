@@ -1,0 +1,13 @@
+//! transformers' config.json: any text parses to a valid GPT-2 shape or an error.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use std::path::Path;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(text) = std::str::from_utf8(data) {
+        if let Ok(cfg) = trainkit::save::parse_hf_config(Path::new("config.json"), text) {
+            cfg.validate().expect("a parsed config is valid");
+        }
+    }
+});
