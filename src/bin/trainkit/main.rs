@@ -40,12 +40,11 @@ enum Command {
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
-    let result = match cli.command {
-        None => train::run(Box::default()),
-        Some(Command::Train(args)) => train::run(args),
-        Some(Command::Eval(args)) => eval::run(args),
-        Some(Command::Sample(args)) => sample::run(args),
-        Some(Command::Prepare(args)) => prepare::run(args),
+    let result = match cli.command.unwrap_or_else(default_command) {
+        Command::Train(args) => train::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Sample(args) => sample::run(args),
+        Command::Prepare(args) => prepare::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -54,6 +53,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// What a bare `trainkit` runs: `trainkit train` with every default, as clap fills them.
+fn default_command() -> Command {
+    Cli::parse_from(["trainkit", "train"])
+        .command
+        .expect("`train` parses to a command")
 }
 
 /// The device a `--device` flag names (`auto` reports what it chose, on stderr).
@@ -70,5 +76,18 @@ fn device(name: &str) -> Result<Device> {
             "--device",
             format!("`{other}` is not a device; use auto, cpu or cuda"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_invocation_is_train_with_its_defaults() {
+        match default_command() {
+            Command::Train(args) => assert_eq!(args.device(), "auto"),
+            _ => panic!("a bare `trainkit` must train"),
+        }
     }
 }

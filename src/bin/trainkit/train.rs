@@ -11,7 +11,7 @@ use trainkit::{Error, Gpt2, Model, Result, Trainer, TrainerOptions};
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
-#[derive(clap::Args, Default)]
+#[derive(clap::Args)]
 pub struct TrainArgs {
     /// A TOML run config (see examples/configs/); flags override it.
     #[arg(long)]
@@ -101,6 +101,11 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The `--device` flag.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
     fn overrides(&self) -> Overrides {
         Overrides {
             data: self.data.clone(),
@@ -206,7 +211,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         print!("{}", cfg.to_toml()?);
         return Ok(());
     }
-    let device = crate::device(&args.device)?;
+    let device = crate::device(args.device())?;
     let backend = device.backend()?;
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size)?;
