@@ -6,10 +6,10 @@
 //! zero. Files written here are read by llm.c's data loader and the other way round.
 
 use crate::error::{Error, Result};
+use crate::save::write_atomically;
 use std::fs;
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::Read;
+use std::path::Path;
 
 /// The magic number in `header[0]` of an llm.c token file.
 pub const TOKEN_FILE_MAGIC: i32 = 20240520;
@@ -191,49 +191,6 @@ pub fn is_token_file(path: &Path) -> bool {
         Ok(()) => i32::from_le_bytes(magic) == TOKEN_FILE_MAGIC,
         Err(_) => false,
     }
-}
-
-/// Writes `bytes` to a temporary sibling of `path`, syncs it, and renames it over `path`.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temp_sibling(path);
-    let result = (|| {
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
-    // Make the rename itself durable where directories can be synced (best effort).
-    #[cfg(unix)]
-    if let Some(dir) = path.parent() {
-        let dir = if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        };
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    Ok(())
-}
-
-/// `dir/.name.<pid>.<n>.tmp` beside `path`, unique within this process.
-fn temp_sibling(path: &Path) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "tokens".into());
-    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
 }
 
 #[cfg(test)]

@@ -5,21 +5,32 @@ use crate::error::{Error, Result};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Writes `bytes` to `path` through a temporary file in the same directory, flushed to
-/// disk before it is renamed over `path`.
+/// Writes `bytes` to `path` through a temporary file in the same directory (a fresh
+/// name for every call), flushed to disk before it is renamed over `path`; the rename is
+/// then made durable by flushing the directory. `path` holds either its old contents or
+/// the whole new file, never a part. The parent directory must exist.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temp_sibling(path, "tmp");
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = temp_sibling(path, &format!("{n}.tmp"));
     let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
+        drop(f);
         fs::rename(&tmp, path)
     })();
     result.map_err(|e| {
         let _ = fs::remove_file(&tmp);
         Error::io(path, e)
-    })
+    })?;
+    sync_dir(parent_dir(path));
+    Ok(())
 }
 
 /// Builds a directory beside its target and swaps it in by [`DirectoryWriter::commit`]:
@@ -82,7 +93,7 @@ impl DirectoryWriter {
             }
             sync_dir(&self.staging);
             if exchange(&self.staging, &self.target).is_ok() {
-                sync_dir(self.target.parent().unwrap_or(Path::new(".")));
+                sync_dir(parent_dir(&self.target));
                 fs::remove_dir_all(&self.staging).map_err(io(&self.staging))?;
                 return Ok(());
             }
@@ -92,12 +103,12 @@ impl DirectoryWriter {
             }
             fs::rename(&self.target, &old).map_err(io(&self.target))?;
             fs::rename(&self.staging, &self.target).map_err(io(&self.target))?;
-            sync_dir(self.target.parent().unwrap_or(Path::new(".")));
+            sync_dir(parent_dir(&self.target));
             fs::remove_dir_all(&old).map_err(io(&old))?;
         } else {
             sync_dir(&self.staging);
             fs::rename(&self.staging, &self.target).map_err(io(&self.target))?;
-            sync_dir(self.target.parent().unwrap_or(Path::new(".")));
+            sync_dir(parent_dir(&self.target));
         }
         Ok(())
     }
@@ -111,11 +122,7 @@ pub fn recover_directory(target: &Path) -> Result<bool> {
     let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
         return Ok(false);
     };
-    let parent = match target.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let Ok(entries) = fs::read_dir(&parent) else {
+    let Ok(entries) = fs::read_dir(parent_dir(target)) else {
         return Ok(false);
     };
     let prefix = format!(".{name}.");
@@ -176,6 +183,14 @@ fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
 fn sync_dir(dir: &Path) {
     if let Ok(d) = fs::File::open(dir) {
         let _ = d.sync_all();
+    }
+}
+
+/// The directory holding `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
     }
 }
 

@@ -12,7 +12,7 @@ const EOT: u32 = 50256;
 /// Writes `config` as a transformers `GPT2Config` (`GPT2LMHeadModel`, tied head, tanh
 /// GELU, no dropout).
 pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
-    let v = json!({
+    let mut v = json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "n_layer": config.n_layer,
@@ -30,7 +30,6 @@ pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
         "tie_word_embeddings": true,
         "torch_dtype": "float32",
     });
-    let mut v = v;
     // GPT-2's <|endoftext|> when the vocabulary has it; otherwise none (transformers
     // would default to 50256).
     let eot = (config.vocab_size > EOT as usize).then_some(EOT);

@@ -10,8 +10,8 @@ use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::save::{
-    read_model_dir, read_safetensors, write_atomically, write_safetensors, DirectoryWriter,
-    ModelDir, NamedTensor, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+    read_model_dir, read_safetensors, write_safetensors, DirectoryWriter, ModelDir, NamedTensor,
+    RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -127,7 +127,7 @@ where
             .map_err(|e| Error::Serde(format!("saving the trainer state: {e}")))?;
         w.write(STATE_FILE, text.as_bytes())?;
         if let Some(cfg) = run_config {
-            write_atomically(&w.path(RUN_CONFIG_FILE), cfg.as_bytes())?;
+            w.write(RUN_CONFIG_FILE, cfg.as_bytes())?;
         }
         w.commit()
     }
