@@ -653,6 +653,49 @@ impl Gpt2 {
         Ok(dres)
     }
 
+    /// Embedding and every layer, forward only: the last layer's output.
+    fn forward_layers(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Tensor> {
+        let mut x = self.embed(pass, batch)?;
+        for l in 0..self.config.n_layer {
+            let mut stash = LayerStash::new();
+            stash.put(K::LayerInput, x);
+            for node in NODES {
+                self.run_node(pass, l, node, &mut stash)?;
+            }
+            x = self.layer_output(pass, l, &stash)?;
+        }
+        Ok(x)
+    }
+
+    /// The final layer norm of `x` and the tied classifier: the norm's output and
+    /// statistics, and the logits `[rows, vocab]`.
+    fn final_logits(&self, pass: &Pass<'_>, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let be = pass.backend;
+        let lnf = self.lnf();
+        let (rows, _) = x.rows_cols();
+        let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
+        let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
+        be.layernorm(
+            &mut ln_out,
+            &mut st,
+            x,
+            pass.params[lnf].weight(),
+            pass.params[lnf + 1].weight(),
+            self.config.layer_norm_epsilon,
+        )?;
+        let mut logits = act(pass, &[rows, self.config.vocab_size], "logits".into())?;
+        be.matmul(
+            &mut logits,
+            &ln_out,
+            pass.params[WTE].weight(),
+            None,
+            false,
+            true,
+            false,
+        )?;
+        Ok((ln_out, st, logits))
+    }
+
     /// Final norm, classifier, loss and their backward; consumes the last layer's output.
     /// Returns the loss sum and the gradient of that output.
     fn head(
@@ -664,28 +707,8 @@ impl Gpt2 {
     ) -> Result<(f64, Option<Tensor>)> {
         let be = pass.backend;
         let lnf = self.lnf();
-        let (rows, _) = x.rows_cols();
         let v = self.config.vocab_size;
-        let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
-        let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
-        be.layernorm(
-            &mut ln_out,
-            &mut st,
-            &x,
-            pass.params[lnf].weight(),
-            pass.params[lnf + 1].weight(),
-            self.config.layer_norm_epsilon,
-        )?;
-        let mut logits = act(pass, &[rows, v], "logits".into())?;
-        be.matmul(
-            &mut logits,
-            &ln_out,
-            pass.params[WTE].weight(),
-            None,
-            false,
-            true,
-            false,
-        )?;
+        let (ln_out, st, mut logits) = self.final_logits(pass, &x)?;
         let loss = be.cross_entropy(&mut logits, &batch.targets, v, grad_scale)?;
         if grad_scale.is_none() {
             return Ok((loss, None));
@@ -746,45 +769,30 @@ impl Model for Gpt2 {
     }
 
     fn init_params(&self, rng: &mut Rng) -> Vec<ParamInit> {
-        let c = &self.config;
-        let (e, l) = (c.n_embd, c.n_layer);
         let std = 0.02;
-        let proj_std = 0.02 / ((2 * l) as f64).sqrt();
-        let mut normal = |shape: Vec<usize>, name: String, s: f64| {
-            let n: usize = shape.iter().product();
-            let data = (0..n).map(|_| (rng.normal() * s) as f32).collect();
-            ParamInit { name, shape, data }
-        };
-        let mut out = vec![
-            normal(vec![c.vocab_size, e], "transformer.wte.weight".into(), std),
-            normal(vec![c.n_positions, e], "transformer.wpe.weight".into(), std),
-        ];
-        let constant = |shape: Vec<usize>, name: String, v: f32| {
-            let n: usize = shape.iter().product();
-            ParamInit {
-                name,
-                shape,
-                data: vec![v; n],
-            }
-        };
-        for i in 0..l {
-            let h = |s: &str| format!("transformer.h.{i}.{s}");
-            out.push(constant(vec![e], h("ln_1.weight"), 1.0));
-            out.push(constant(vec![e], h("ln_1.bias"), 0.0));
-            out.push(normal(vec![e, 3 * e], h("attn.c_attn.weight"), std));
-            out.push(constant(vec![3 * e], h("attn.c_attn.bias"), 0.0));
-            out.push(normal(vec![e, e], h("attn.c_proj.weight"), proj_std));
-            out.push(constant(vec![e], h("attn.c_proj.bias"), 0.0));
-            out.push(constant(vec![e], h("ln_2.weight"), 1.0));
-            out.push(constant(vec![e], h("ln_2.bias"), 0.0));
-            out.push(normal(vec![e, 4 * e], h("mlp.c_fc.weight"), std));
-            out.push(constant(vec![4 * e], h("mlp.c_fc.bias"), 0.0));
-            out.push(normal(vec![4 * e, e], h("mlp.c_proj.weight"), proj_std));
-            out.push(constant(vec![e], h("mlp.c_proj.bias"), 0.0));
-        }
-        out.push(constant(vec![e], "transformer.ln_f.weight".into(), 1.0));
-        out.push(constant(vec![e], "transformer.ln_f.bias".into(), 0.0));
-        out
+        // GPT-2 scales the residual projections by 1/√(2·n_layer).
+        let proj_std = 0.02 / ((2 * self.config.n_layer) as f64).sqrt();
+        self.config
+            .param_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let mut normal = |s: f64| (0..n).map(|_| (rng.normal() * s) as f32).collect();
+                let data = if name.ends_with("c_proj.weight") {
+                    normal(proj_std)
+                } else if name.ends_with("ln_1.weight")
+                    || name.ends_with("ln_2.weight")
+                    || name.ends_with("ln_f.weight")
+                {
+                    vec![1.0; n]
+                } else if name.ends_with(".bias") {
+                    vec![0.0; n]
+                } else {
+                    normal(std)
+                };
+                ParamInit { name, shape, data }
+            })
+            .collect()
     }
 
     fn forward_backward(
@@ -840,54 +848,15 @@ impl Model for Gpt2 {
 
     fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64> {
         self.check_batch(batch)?;
-        let mut x = self.embed(pass, batch)?;
-        for l in 0..self.config.n_layer {
-            let mut stash = LayerStash::new();
-            stash.put(K::LayerInput, x);
-            for node in NODES {
-                self.run_node(pass, l, node, &mut stash)?;
-            }
-            x = self.layer_output(pass, l, &stash)?;
-        }
+        let x = self.forward_layers(pass, batch)?;
         Ok(self.head(pass, x, batch, None)?.0)
     }
 
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
         self.check_batch(batch)?;
-        let mut x = self.embed(pass, batch)?;
-        for l in 0..self.config.n_layer {
-            let mut stash = LayerStash::new();
-            stash.put(K::LayerInput, x);
-            for node in NODES {
-                self.run_node(pass, l, node, &mut stash)?;
-            }
-            x = self.layer_output(pass, l, &stash)?;
-        }
-        let be = pass.backend;
-        let lnf = self.lnf();
-        let (rows, _) = x.rows_cols();
-        let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
-        let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
-        be.layernorm(
-            &mut ln_out,
-            &mut st,
-            &x,
-            pass.params[lnf].weight(),
-            pass.params[lnf + 1].weight(),
-            self.config.layer_norm_epsilon,
-        )?;
-        drop(x);
-        let mut logits = act(pass, &[rows, self.config.vocab_size], "logits".into())?;
-        be.matmul(
-            &mut logits,
-            &ln_out,
-            pass.params[WTE].weight(),
-            None,
-            false,
-            true,
-            false,
-        )?;
-        be.to_f32(&logits)
+        let x = self.forward_layers(pass, batch)?;
+        let (_, _, logits) = self.final_logits(pass, &x)?;
+        pass.backend.to_f32(&logits)
     }
 
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {
