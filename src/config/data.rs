@@ -132,26 +132,16 @@ impl DataConfig {
         Ok(())
     }
 
-    /// Reads (and tokenizes) the data. `window` is the tokens one batch row needs
-    /// (`seq_len + 1`); each stream must hold at least one; every id must be below
-    /// `vocab_size`.
-    pub fn load(&self, window: usize, vocab_size: usize) -> Result<Corpus> {
-        let corpus = match self {
+    /// Every token of the primary source, unsplit: the text file tokenized, the training
+    /// token file, or the generated training text of the built-in corpus.
+    pub fn read_tokens(&self) -> Result<Vec<u32>> {
+        match self {
             DataConfig::Builtin { bytes } => {
-                let c = SyntheticCorpus::builtin();
-                let tok = crate::data::ByteTokenizer;
-                Corpus {
-                    train: tok.encode(&c.generate(*bytes, 1)),
-                    val: tok.encode(&c.generate((*bytes / 10).max(4 * window), 2)),
-                    entropy_floor: Some(c.entropy_per_byte()),
-                    tokenizer: TokenizerKind::Bytes,
-                    description: "the built-in corpus".into(),
-                }
+                Ok(crate::data::ByteTokenizer
+                    .encode(&SyntheticCorpus::builtin().generate(*bytes, 1)))
             }
             DataConfig::Text {
-                path,
-                tokenizer,
-                val_fraction,
+                path, tokenizer, ..
             } => {
                 let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
                 let text = String::from_utf8(bytes).map_err(|e| {
@@ -164,7 +154,34 @@ impl DataConfig {
                         ),
                     )
                 })?;
-                let tokens = tokenizer.build().encode(&text);
+                Ok(tokenizer.build().encode(&text))
+            }
+            DataConfig::Tokens { train, .. } => read_token_file(train),
+        }
+    }
+
+    /// Reads (and tokenizes) the data. `window` is the tokens one batch row needs
+    /// (`seq_len + 1`); each stream must hold at least one; every id must be below
+    /// `vocab_size`.
+    pub fn load(&self, window: usize, vocab_size: usize) -> Result<Corpus> {
+        let corpus = match self {
+            DataConfig::Builtin { bytes } => {
+                let c = SyntheticCorpus::builtin();
+                Corpus {
+                    train: self.read_tokens()?,
+                    val: crate::data::ByteTokenizer
+                        .encode(&c.generate((*bytes / 10).max(4 * window), 2)),
+                    entropy_floor: Some(c.entropy_per_byte()),
+                    tokenizer: TokenizerKind::Bytes,
+                    description: "the built-in corpus".into(),
+                }
+            }
+            DataConfig::Text {
+                path,
+                tokenizer,
+                val_fraction,
+            } => {
+                let tokens = self.read_tokens()?;
                 let split = tokens.len() - (tokens.len() as f64 * val_fraction) as usize;
                 Corpus {
                     val: tokens[split..].to_vec(),
@@ -183,7 +200,7 @@ impl DataConfig {
                 val,
                 tokenizer,
             } => {
-                let train_tokens = read_token_file(train)?;
+                let train_tokens = self.read_tokens()?;
                 let val_file = val.clone().or_else(|| {
                     let v = val_path_for(train);
                     v.exists().then_some(v)

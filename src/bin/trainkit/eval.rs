@@ -1,11 +1,10 @@
 //! `trainkit eval`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use trainkit::config::DataConfig;
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::save::read_model_dir;
-use trainkit::{Error, Gpt2, Result, Trainer};
+use trainkit::{Error, Result};
 
 /// Mean cross-entropy of a saved model over `--batches` batches of token data (every
 /// one of the K·B·T positions counts once).
@@ -59,14 +58,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .tokenizer
         .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size));
     let source = DataConfig::from_path(&args.data, Some(tokenizer));
-    let tokens = match &source {
-        DataConfig::Tokens { train, .. } => trainkit::data::read_token_file(train)?,
-        DataConfig::Text { path, .. } => {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-            tokenizer.build().encode(&text)
-        }
-        DataConfig::Builtin { .. } => unreachable!("a path is never the built-in corpus"),
-    };
+    let tokens = source.read_tokens()?;
     if let Some(bad) = tokens
         .iter()
         .find(|&&t| t as usize >= dir.config.vocab_size)
@@ -80,15 +72,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
             ),
         ));
     }
-    let device = crate::device(&args.device)?;
     let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
-    let mut trainer = Trainer::builder(
-        Gpt2::new(dir.config.clone())?,
-        Arc::clone(&device.backend()?),
-        data.clone(),
-    )
-    .build()?;
-    trainer.load_weights(&dir)?;
+    let mut trainer = crate::trainer_for(&dir, &args.device, data.clone())?;
     let loss = trainer.evaluate(&mut data, args.batches)?;
     let tokens = args.batches * args.batch_size * args.seq_len;
     if args.json {

@@ -8,7 +8,11 @@ mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-use trainkit::{Device, Error, Result};
+use trainkit::data::DataLoader;
+use trainkit::save::ModelDir;
+use trainkit::{
+    AdamW, Constant, Device, Error, Fp32, Gpt2, NoRecompute, PeakTracker, Result, Trainer,
+};
 
 #[derive(Parser)]
 #[command(
@@ -60,6 +64,19 @@ fn default_command() -> Command {
     Cli::parse_from(["trainkit", "train"])
         .command
         .expect("`train` parses to a command")
+}
+
+/// An f32 trainer on the `--device` device holding a model directory's weights (what
+/// `eval` and `sample` run the model with).
+fn trainer_for(
+    dir: &ModelDir,
+    device_flag: &str,
+    data: DataLoader,
+) -> Result<Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>> {
+    let backend = device(device_flag)?.backend()?;
+    let mut trainer = Trainer::builder(Gpt2::new(dir.config.clone())?, backend, data).build()?;
+    trainer.load_weights(dir)?;
+    Ok(trainer)
 }
 
 /// The device a `--device` flag names (`auto` reports what it chose, on stderr).

@@ -2,11 +2,10 @@
 
 use crate::eval::default_tokenizer;
 use std::path::PathBuf;
-use std::sync::Arc;
 use trainkit::config::RunConfig;
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
-use trainkit::{Gpt2, Result, Rng, SamplingOptions, Trainer};
+use trainkit::{Result, Rng, SamplingOptions};
 
 /// Generate text from a saved model.
 #[derive(clap::Args)]
@@ -47,15 +46,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
     };
     let tok = tokenizer.build();
     let prompt = tok.encode(&args.prompt);
-    let device = crate::device(&args.device)?;
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
-    let mut trainer = Trainer::builder(
-        Gpt2::new(dir.config.clone())?,
-        Arc::clone(&device.backend()?),
-        placeholder,
-    )
-    .build()?;
-    trainer.load_weights(&dir)?;
+    let mut trainer = crate::trainer_for(&dir, &args.device, placeholder)?;
     let mut rng = Rng::new(args.seed);
     let new = trainer.generate(
         &prompt,
