@@ -1,15 +1,11 @@
 //! The `trainkit` binary as a user runs it.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{scratch, TINY_TRAIN};
+use std::path::Path;
 use std::process::Command;
 use trainkit::save::{read_safetensors, NamedTensor};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("trainkit-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -17,24 +13,7 @@ fn path(p: &Path) -> &str {
 
 /// A tiny, fast run on the built-in corpus; `extra` flags are appended.
 fn tiny_run(extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "train",
-        "--device",
-        "cpu",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args: Vec<String> = TINY_TRAIN.iter().map(|s| s.to_string()).collect();
     args.extend(extra.iter().map(|s| s.to_string()));
     if !extra.contains(&"--batch-size") {
         args.extend(["--batch-size".to_string(), "4".to_string()]);

@@ -1,6 +1,8 @@
 //! Data formats through the public API: llm.c token files, GPT-2's tokenizer, and
 //! `prepare` (text to train/val token files).
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use trainkit::data::{
@@ -31,18 +33,6 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
     }
-}
-
-/// The bytes of a token file with the given header fields and tokens.
-fn token_file_bytes(magic: i32, version: i32, count: i32, tokens: &[u16]) -> Vec<u8> {
-    let mut bytes = vec![0u8; TOKEN_FILE_HEADER_BYTES];
-    bytes[0..4].copy_from_slice(&magic.to_le_bytes());
-    bytes[4..8].copy_from_slice(&version.to_le_bytes());
-    bytes[8..12].copy_from_slice(&count.to_le_bytes());
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
-    bytes
 }
 
 /// The error message of reading a file holding `bytes`.
@@ -106,7 +96,7 @@ fn a_file_written_by_llm_c_is_read() {
     let path = dir.path("tiny.bin");
     fs::write(
         &path,
-        token_file_bytes(20240520, 1, 3, &[50256, 5962, 22307]),
+        common::token_file_bytes(20240520, 1, 3, &[50256, 5962, 22307]),
     )
     .unwrap();
     assert!(is_token_file(&path));
@@ -119,7 +109,11 @@ fn malformed_token_files_are_errors_that_name_the_problem() {
     let short = read_error(&dir, "short.bin", &[0x88, 0xd8, 0x34, 0x01, 1, 0]);
     assert_contains(&short, &["6 bytes", "1024-byte header"]);
 
-    let magic = read_error(&dir, "magic.bin", &token_file_bytes(12345, 1, 1, &[1]));
+    let magic = read_error(
+        &dir,
+        "magic.bin",
+        &common::token_file_bytes(12345, 1, 1, &[1]),
+    );
     assert_contains(
         &magic,
         &[
@@ -136,14 +130,14 @@ fn malformed_token_files_are_errors_that_name_the_problem() {
     let version = read_error(
         &dir,
         "version.bin",
-        &token_file_bytes(TOKEN_FILE_MAGIC, 3, 1, &[1]),
+        &common::token_file_bytes(TOKEN_FILE_MAGIC, 3, 1, &[1]),
     );
     assert_contains(&version, &["unsupported version 3", "version 1"]);
 
     let truncated = read_error(
         &dir,
         "truncated.bin",
-        &token_file_bytes(TOKEN_FILE_MAGIC, 1, 10, &[1, 2, 3]),
+        &common::token_file_bytes(TOKEN_FILE_MAGIC, 1, 10, &[1, 2, 3]),
     );
     assert_contains(
         &truncated,
@@ -153,7 +147,7 @@ fn malformed_token_files_are_errors_that_name_the_problem() {
     let trailing = read_error(
         &dir,
         "trailing.bin",
-        &token_file_bytes(TOKEN_FILE_MAGIC, 1, 2, &[1, 2, 3]),
+        &common::token_file_bytes(TOKEN_FILE_MAGIC, 1, 2, &[1, 2, 3]),
     );
     assert_contains(
         &trailing,
@@ -163,14 +157,14 @@ fn malformed_token_files_are_errors_that_name_the_problem() {
     let empty = read_error(
         &dir,
         "empty.bin",
-        &token_file_bytes(TOKEN_FILE_MAGIC, 1, 0, &[]),
+        &common::token_file_bytes(TOKEN_FILE_MAGIC, 1, 0, &[]),
     );
     assert_contains(&empty, &["zero tokens"]);
 
     let negative = read_error(
         &dir,
         "negative.bin",
-        &token_file_bytes(TOKEN_FILE_MAGIC, 1, -5, &[]),
+        &common::token_file_bytes(TOKEN_FILE_MAGIC, 1, -5, &[]),
     );
     assert_contains(&negative, &["negative"]);
 

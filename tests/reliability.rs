@@ -2,8 +2,8 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, per_param, tiny_config};
-use std::path::{Path, PathBuf};
+use common::{corpus_loader, cpu, per_param, scratch, tiny_config, token_file_bytes, TINY_TRAIN};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -151,35 +151,12 @@ fn too_many_bad_steps_in_a_row_stop_the_run() {
     assert_eq!(per_param(&t, |p| p.value()), good);
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("trainkit-rel-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 fn train_cmd(out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_trainkit"));
-    c.args([
-        "train",
-        "--device",
-        "cpu",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-        "--out",
-    ])
-    .arg(out)
-    .args(extra);
+    c.args(TINY_TRAIN)
+        .args(["--batch-size", "2", "--out"])
+        .arg(out)
+        .args(extra);
     c
 }
 
@@ -187,6 +164,22 @@ fn saved_step(dir: &Path) -> u64 {
     let text = std::fs::read_to_string(dir.join("trainer_state.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["step"].as_u64().unwrap()
+}
+
+/// Resumes the run saved in `dir` up to `steps`, which it must then have saved.
+fn resume_to(dir: &Path, steps: u64) {
+    let out = train_cmd(dir, &[])
+        .arg("--resume")
+        .arg(dir)
+        .args(["--steps", &steps.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(saved_step(dir), steps);
 }
 
 #[cfg(unix)]
@@ -224,18 +217,7 @@ fn an_interrupt_finishes_the_step_saves_and_exits_cleanly() {
         );
         let step = saved_step(&dir);
         assert!(step >= 1, "{step}");
-        let resumed = train_cmd(&dir, &[])
-            .args(["--resume"])
-            .arg(&dir)
-            .args(["--steps", &(step + 1).to_string()])
-            .output()
-            .unwrap();
-        assert!(
-            resumed.status.success(),
-            "{}",
-            String::from_utf8_lossy(&resumed.stderr)
-        );
-        assert_eq!(saved_step(&dir), step + 1);
+        resume_to(&dir, step + 1);
     }
 }
 
@@ -296,18 +278,7 @@ fn a_process_killed_while_saving_always_leaves_a_checkpoint_that_resumes() {
     assert!(mid_save > 0, "no kill landed inside a save");
     eprintln!("{mid_save} of 20 kills landed inside a save");
     // The last checkpoint trains on.
-    let out = train_cmd(&dir, &[])
-        .args(["--resume"])
-        .arg(&dir)
-        .args(["--steps", &(last + 2).to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(saved_step(&dir), last + 2);
+    resume_to(&dir, last + 2);
 }
 
 /// Every kind of bad input ends in one line on stderr naming the file or field, a
@@ -356,33 +327,18 @@ fn bad_input_of_every_kind_is_a_one_line_error() {
     let state = copy("state");
     std::fs::write(state.join("trainer_state.json"), "{ not json").unwrap();
     // Token files.
-    let header = |magic: i32, version: i32, n: i32| {
-        let mut h = vec![0u8; 1024];
-        h[0..4].copy_from_slice(&magic.to_le_bytes());
-        h[4..8].copy_from_slice(&version.to_le_bytes());
-        h[8..12].copy_from_slice(&n.to_le_bytes());
-        h
-    };
     let wrong_magic = p("magic.bin");
-    let mut f = header(1234, 1, 4);
-    f.extend([0u8; 8]);
-    std::fs::write(&wrong_magic, &f).unwrap();
+    std::fs::write(&wrong_magic, token_file_bytes(1234, 1, 4, &[0; 4])).unwrap();
     let odd = p("odd.bin");
-    let mut f = header(20240520, 1, 400);
+    let mut f = token_file_bytes(20240520, 1, 400, &[]);
     f.extend(vec![1u8; 401]);
     std::fs::write(&odd, &f).unwrap();
     let beyond = p("beyond.bin");
-    let mut f = header(20240520, 1, 400);
-    for i in 0..400u16 {
-        f.extend((i % 300).to_le_bytes());
-    }
-    std::fs::write(&beyond, &f).unwrap();
+    let ids: Vec<u16> = (0..400).map(|i| i % 300).collect();
+    std::fs::write(&beyond, token_file_bytes(20240520, 1, 400, &ids)).unwrap();
     let fine = p("fine.bin");
-    let mut f = header(20240520, 1, 400);
-    for i in 0..400u16 {
-        f.extend((i % 200).to_le_bytes());
-    }
-    std::fs::write(&fine, &f).unwrap();
+    let ids: Vec<u16> = (0..400).map(|i| i % 200).collect();
+    std::fs::write(&fine, token_file_bytes(20240520, 1, 400, &ids)).unwrap();
     let bad_toml = p("bad.toml");
     std::fs::write(&bad_toml, "[training\nsteps = 3\n").unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![

@@ -2,17 +2,9 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, per_param, tiny_config};
-use std::path::PathBuf;
+use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
 use trainkit::{Constant, Gpt2, MixedBf16, Precision, Trainer, TrainerOptions};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("trainkit-save-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn trainer<P: Precision>(
     precision: P,

@@ -80,3 +80,42 @@ where
 {
     per_param(t, |p| p.value())
 }
+
+/// A fresh, empty directory for one test (unique to this test binary's process).
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainkit-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The bytes of an llm.c token file with the given header fields and tokens (any of
+/// them may be wrong on purpose).
+pub fn token_file_bytes(magic: i32, version: i32, count: i32, tokens: &[u16]) -> Vec<u8> {
+    let mut bytes = vec![0u8; trainkit::data::TOKEN_FILE_HEADER_BYTES];
+    bytes[0..4].copy_from_slice(&magic.to_le_bytes());
+    bytes[4..8].copy_from_slice(&version.to_le_bytes());
+    bytes[8..12].copy_from_slice(&count.to_le_bytes());
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    bytes
+}
+
+/// `trainkit train` flags of a tiny, fast run on the built-in corpus (batch size, steps
+/// and output left to the caller).
+pub const TINY_TRAIN: [&str; 13] = [
+    "train",
+    "--device",
+    "cpu",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "0",
+];
