@@ -1,0 +1,146 @@
+//! Autofit chooses the least recomputation, then the fewest micro-batches, that fit a
+//! budget; a run with its choice stays within the budget; when nothing fits it says what
+//! would.
+
+mod common;
+
+use common::{corpus_loader, cpu};
+use trainkit::estimate::{autofit, parse_bytes, predict_gpt2, FitRequest, MicroBatch, Recompute};
+use trainkit::{AdamW, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, Precision, Trainer};
+
+fn config() -> Gpt2Config {
+    Gpt2Config {
+        n_layer: 4,
+        n_head: 2,
+        n_embd: 32,
+        n_positions: 64,
+        vocab_size: 256,
+        layer_norm_epsilon: 1e-5,
+    }
+}
+
+fn request<'a>(
+    config: &'a Gpt2Config,
+    precision: &'a dyn Precision,
+    optimizer: &'a AdamW,
+    budget: u64,
+) -> FitRequest<'a> {
+    FitRequest {
+        config,
+        seq_len: 64,
+        global_batch: 8,
+        budget,
+        precision,
+        optimizer,
+    }
+}
+
+/// The peak of a setup over every step, as autofit counts it.
+fn peak(req: &FitRequest<'_>, micro: usize, recompute: Recompute) -> u64 {
+    let p = predict_gpt2(
+        req.config,
+        MicroBatch {
+            batch_size: micro,
+            seq_len: req.seq_len,
+        },
+        req.precision,
+        recompute.policy().as_ref(),
+        req.optimizer,
+    )
+    .unwrap();
+    p.peak_total
+        .max(p.first_step_peak_total(req.global_batch / micro))
+}
+
+#[test]
+fn the_choice_is_the_least_recompute_then_the_fewest_micro_batches() {
+    let (c, opt) = (config(), AdamW::default());
+    let full_batch = peak(&request(&c, &Fp32, &opt, 0), 8, Recompute::None);
+    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, Recompute::Full);
+    // Budgets from roomy to the tightest that fits: check the rule against brute force.
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..=40u64 {
+        let budget = tightest + (full_batch - tightest) * (40 - i) / 40;
+        let req = request(&c, &Fp32, &opt, budget);
+        let plan = autofit(&req).unwrap();
+        let ch = plan.choice;
+        assert!(ch.peak <= budget);
+        assert_eq!(ch.micro_batch * ch.micro_batches, 8);
+        assert_eq!(ch.peak, peak(&req, ch.micro_batch, ch.recompute));
+        for r in Recompute::ALL.into_iter().filter(|r| *r < ch.recompute) {
+            assert!(peak(&req, 1, r) > budget, "{r} would fit at {budget}");
+        }
+        for m in [8, 4, 2].into_iter().filter(|m| *m > ch.micro_batch) {
+            assert!(peak(&req, m, ch.recompute) > budget);
+        }
+        seen.insert((ch.recompute, ch.micro_batch));
+        assert!(plan.explain()[0].contains(&format!("recompute {}", ch.recompute)));
+    }
+    assert!(seen.contains(&(Recompute::None, 8)));
+    assert!(
+        seen.len() >= 3,
+        "the budgets should exercise several choices: {seen:?}"
+    );
+}
+
+#[test]
+fn a_run_with_the_choice_stays_within_the_budget() {
+    let (c, opt) = (config(), AdamW::default());
+    let precision = MixedBf16 { fp32_grads: true };
+    let roomy = peak(&request(&c, &precision, &opt, 0), 8, Recompute::None);
+    let budget = roomy * 3 / 4;
+    let plan = autofit(&request(&c, &precision, &opt, budget)).unwrap();
+    let ch = plan.choice;
+    assert!(ch.micro_batch < 8 || ch.recompute != Recompute::None);
+    let be = cpu();
+    be.ledger().set_limit(Some(budget));
+    let mut t = Trainer::builder(
+        Gpt2::new(c).unwrap(),
+        be,
+        corpus_loader(20_000, 5, ch.micro_batch, 64),
+    )
+    .precision(precision)
+    .checkpoint(ch.recompute.policy())
+    .optimizer(opt)
+    .accumulation(Constant::new(ch.micro_batches))
+    .build()
+    .unwrap();
+    for _ in 0..2 {
+        let s = t.step().unwrap();
+        assert!(s.memory.peak_total <= budget);
+    }
+}
+
+#[test]
+fn when_nothing_fits_the_error_says_what_would() {
+    let (c, opt) = (config(), AdamW::default());
+    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, Recompute::Full);
+    let req = request(&c, &Fp32, &opt, tightest - 1);
+    let Err(Error::OutOfMemory { message }) = autofit(&req) else {
+        panic!("expected an out-of-memory error");
+    };
+    assert!(message.contains("what would fit"), "{message}");
+    assert!(message.contains("--precision bf16"), "{message}");
+    // The suggested sequence length does fit.
+    let seq: usize = message
+        .split("--seq-len ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no --seq-len in {message}"));
+    assert!(seq < 64);
+    let shorter = FitRequest {
+        seq_len: seq,
+        ..req
+    };
+    assert!(autofit(&shorter).is_ok());
+    let longer = FitRequest {
+        seq_len: seq + 1,
+        ..req
+    };
+    assert!(autofit(&longer).is_err());
+    // A budget below the model state alone says so.
+    let tiny = request(&c, &Fp32, &opt, parse_bytes("1KiB").unwrap());
+    let e = autofit(&tiny).unwrap_err().to_string();
+    assert!(e.contains("model state alone"), "{e}");
+}
