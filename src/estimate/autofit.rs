@@ -100,7 +100,7 @@ impl FitPlan {
     pub fn explain(&self) -> Vec<String> {
         let c = &self.choice;
         let mut lines = vec![format!(
-            "autofit: micro-batch {} × {} accumulation steps, recompute {}: peak {} of a {} budget",
+            "autofit: micro-batch {} × {} micro-batches, recompute {}: peak {} of a {} budget",
             c.micro_batch,
             c.micro_batches,
             c.recompute,
@@ -118,7 +118,7 @@ impl FitPlan {
         for (policy, best) in &self.per_policy {
             lines.push(match best {
                 Some(b) => format!(
-                    "  recompute {:<9} largest micro-batch that fits: {} ({} steps, peak {}, activations {})",
+                    "  recompute {:<9} largest micro-batch that fits: {} ({} micro-batches, peak {}, activations {})",
                     policy.name(),
                     b.micro_batch,
                     b.micro_batches,

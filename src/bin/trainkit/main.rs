@@ -1,6 +1,7 @@
 //! The `trainkit` command line: train, eval, sample, prepare.
 
 mod eval;
+mod fit;
 mod prepare;
 mod progress;
 mod sample;

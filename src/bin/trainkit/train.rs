@@ -1,13 +1,15 @@
 //! `trainkit train`.
 
+use crate::fit;
 use crate::progress::Progress;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use trainkit::config::{Overrides, RunConfig};
 use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
-use trainkit::{Error, Gpt2, Model, Result, Trainer, TrainerOptions};
+use trainkit::{Device, Error, Gpt2, Model, Result, Trainer, TrainerOptions};
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
@@ -98,6 +100,21 @@ pub struct TrainArgs {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
+    /// Choose --batch-size, --grad-accum and --recompute that fit the memory budget
+    /// (--memory-budget, else the device's free memory) for the global batch.
+    #[arg(long)]
+    autofit: bool,
+    /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
+    /// hard cap (an allocation beyond it fails and says what would fit).
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// Rows per optimizer step that --autofit keeps (default: --batch-size × --grad-accum).
+    #[arg(long)]
+    global_batch: Option<usize>,
+    /// Write the measured peak bytes per memory category next to the exact prediction to
+    /// this JSON file at the end.
+    #[arg(long)]
+    memory_report: Option<PathBuf>,
 }
 
 impl TrainArgs {
@@ -206,13 +223,37 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
 }
 
 pub fn run(args: Box<TrainArgs>) -> Result<()> {
-    let cfg = resolve(&args)?;
+    let mut cfg = resolve(&args)?;
+    let memory_budget = match &args.memory_budget {
+        Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
+            Error::Config { message, .. } => Error::config("--memory-budget", message),
+            other => other,
+        })?),
+        None => None,
+    };
+    let device = crate::device(args.device())?;
+    if args.autofit {
+        let global = match args.global_batch {
+            Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
+            Some(g) => g,
+            None => fit::global_batch(&cfg)?,
+        };
+        let budget = fit::budget(memory_budget, device)?;
+        fit::apply_autofit(&mut cfg, global, budget)?;
+    } else if args.global_batch.is_some() {
+        return Err(Error::config(
+            "--global-batch",
+            "is what --autofit keeps; without --autofit set --batch-size and --grad-accum",
+        ));
+    }
     if args.print_config {
         print!("{}", cfg.to_toml()?);
         return Ok(());
     }
-    let device = crate::device(args.device())?;
     let backend = device.backend()?;
+    if let (Some(budget), Device::Cpu) = (memory_budget, device) {
+        backend.ledger().set_limit(Some(budget));
+    }
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size)?;
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?;
@@ -282,9 +323,15 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let interrupted = interrupt_flag();
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
+    let mut peaks = CategoryBytes::default();
+    let mut peak_total = 0;
     while trainer.steps_done() < t.steps {
         let s = match trainer.step() {
             Ok(s) => s,
+            Err(e @ Error::OutOfMemory { .. }) => {
+                progress.finish();
+                return Err(fit::explain_oom(e, &cfg, memory_budget));
+            }
             Err(e @ Error::Diverged { .. }) => {
                 progress.finish();
                 // Skipped steps leave the weights untouched: this is the last good state.
@@ -301,6 +348,8 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         };
         first_loss.get_or_insert(s.loss);
         last_loss = s.loss;
+        peaks.max_with(&s.memory.peak);
+        peak_total = peak_total.max(s.memory.peak_total);
         progress.step(&s)?;
         if interrupted.load(Ordering::SeqCst) > 0 {
             progress.finish();
@@ -329,6 +378,10 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         }
     }
     progress.finish();
+    if let Some(path) = &args.memory_report {
+        fit::write_report(path, &cfg, &peaks, peak_total)?;
+        println!("memory report: {}", path.display());
+    }
     let v = trainer.evaluate(&mut val, t.eval_batches)?;
     println!("final train loss {last_loss:.4}; final val loss {v:.4}");
     if let (Some(first), Some(floor)) = (first_loss, corpus.entropy_floor) {

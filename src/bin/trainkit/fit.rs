@@ -1,0 +1,137 @@
+//! `trainkit train`'s memory flags: the budget, autofit, the out-of-memory advice and
+//! the memory report.
+
+use std::path::Path;
+use trainkit::config::{Overrides, RunConfig};
+use trainkit::estimate::{autofit, host_available_memory, predict_gpt2, FitRequest, MicroBatch};
+use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
+use trainkit::{AccumulationSchedule, Device, Error, Result};
+
+/// Rows per optimizer step in `cfg`: micro-batch rows × the first step's micro-batches.
+pub fn global_batch(cfg: &RunConfig) -> Result<usize> {
+    let t = &cfg.training;
+    let k = cfg
+        .accumulation
+        .micro_batches(&trainkit::accumulate::AccumulationContext {
+            step: 0,
+            tokens_seen: 0,
+            tokens_per_micro_batch: (t.batch_size * t.seq_len) as u64,
+        })?;
+    Ok(t.batch_size * k)
+}
+
+/// The budget autofit works to: the flag, else the memory the device has free.
+pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
+    if let Some(b) = flag {
+        return Ok(b);
+    }
+    match device {
+        Device::Cpu => host_available_memory().ok_or_else(|| {
+            Error::config(
+                "--memory-budget",
+                "the host does not say how much memory is free; give a budget, e.g. \
+                 --memory-budget 8GiB",
+            )
+        }),
+        Device::Cuda(_) => Err(Error::config(
+            "--memory-budget",
+            "the device's free memory is not known here; give a budget, e.g. \
+             --memory-budget 70GiB",
+        )),
+    }
+}
+
+fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64) -> FitRequest<'a> {
+    FitRequest {
+        config: &cfg.model,
+        seq_len: cfg.training.seq_len,
+        global_batch: global,
+        budget,
+        precision: cfg.precision.as_ref(),
+        optimizer: cfg.optimizer.as_ref(),
+    }
+}
+
+/// Chooses micro-batch, accumulation and recompute for `budget` and writes them into
+/// `cfg`; prints the explanation.
+pub fn apply_autofit(cfg: &mut RunConfig, global: usize, budget: u64) -> Result<()> {
+    let plan = autofit(&request(cfg, global, budget))?;
+    for line in plan.explain() {
+        println!("{line}");
+    }
+    let c = plan.choice;
+    Overrides {
+        batch_size: Some(c.micro_batch),
+        grad_accum: Some(c.micro_batches),
+        recompute: Some(c.recompute.name().to_string()),
+        ..Overrides::default()
+    }
+    .apply(cfg)
+}
+
+/// An out-of-memory error with what would fit the budget appended.
+pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>) -> Error {
+    let (Error::OutOfMemory { message }, Some(budget)) = (&err, budget) else {
+        return err;
+    };
+    let advice = match global_batch(cfg).and_then(|g| autofit(&request(cfg, g, budget))) {
+        Ok(plan) => {
+            let c = plan.choice;
+            format!(
+                "what would fit: --batch-size {} --grad-accum {} --recompute {} (peak {}), \
+                 or pass --autofit",
+                c.micro_batch,
+                c.micro_batches,
+                c.recompute,
+                format_bytes(c.peak)
+            )
+        }
+        Err(Error::OutOfMemory { message }) => message,
+        Err(_) => return err,
+    };
+    Error::OutOfMemory {
+        message: format!("{message}; {advice}"),
+    }
+}
+
+fn by_category(bytes: &CategoryBytes) -> serde_json::Value {
+    let map: serde_json::Map<String, serde_json::Value> = MemoryCategory::ALL
+        .iter()
+        .map(|c| (c.name().to_string(), bytes.get(*c).into()))
+        .collect();
+    serde_json::Value::Object(map)
+}
+
+/// Writes `{"measured": {...}, "predicted": {...}}`: per-category peaks of the run next
+/// to the exact model's, plus the total peaks.
+pub fn write_report(
+    path: &Path,
+    cfg: &RunConfig,
+    measured: &CategoryBytes,
+    measured_total: u64,
+) -> Result<()> {
+    let t = &cfg.training;
+    let prediction = predict_gpt2(
+        &cfg.model,
+        MicroBatch {
+            batch_size: t.batch_size,
+            seq_len: t.seq_len,
+        },
+        cfg.precision.as_ref(),
+        cfg.checkpoint.as_ref(),
+        cfg.optimizer.as_ref(),
+    )?;
+    let k = global_batch(cfg)? / t.batch_size;
+    let report = serde_json::json!({
+        "measured": by_category(measured),
+        "predicted": by_category(&prediction.peak),
+        "peak_total": {
+            "measured": measured_total,
+            "predicted": prediction.peak_total.max(prediction.first_step_peak_total(k)),
+        },
+        "activation_peak_phase": prediction.activations.peak_phase.map(|p| p.to_string()),
+    });
+    let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Serde(e.to_string()))?;
+    trainkit::save::write_atomically(path, text.as_bytes())?;
+    Ok(())
+}

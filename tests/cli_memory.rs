@@ -1,0 +1,151 @@
+//! `trainkit train`'s memory flags as a user runs them: the report, the budget, autofit.
+
+mod common;
+
+use common::{scratch, TINY_TRAIN};
+use std::process::Command;
+
+fn trainkit(extra: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .args(TINY_TRAIN)
+        .args(extra)
+        .output()
+        .expect("run trainkit");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_memory_report_puts_measured_peaks_next_to_the_exact_prediction() {
+    let dir = scratch("memory-report");
+    let report = dir.join("memory.json");
+    for precision in ["fp32", "bf16"] {
+        for recompute in ["none", "selective", "full"] {
+            let (ok, _, err) = trainkit(&[
+                "--steps",
+                "2",
+                "--batch-size",
+                "3",
+                "--grad-accum",
+                "2",
+                "--precision",
+                precision,
+                "--recompute",
+                recompute,
+                "--memory-report",
+                report.to_str().unwrap(),
+            ]);
+            assert!(ok, "{err}");
+            let r: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            for key in [
+                "weights",
+                "master_weights",
+                "gradients",
+                "optimizer_state",
+                "activations",
+                "workspace",
+            ] {
+                let m = r["measured"][key].as_u64().unwrap();
+                assert_eq!(m, r["predicted"][key].as_u64().unwrap(), "{key}: {r}");
+            }
+            assert!(r["measured"]["activations"].as_u64().unwrap() > 0);
+            assert_eq!(r["peak_total"]["measured"], r["peak_total"]["predicted"]);
+            assert_eq!(
+                r["measured"]["master_weights"].as_u64().unwrap() > 0,
+                precision == "bf16"
+            );
+        }
+    }
+}
+
+/// The peak total the report measured for a setup.
+fn measured_peak(extra: &[&str]) -> u64 {
+    let dir = scratch("memory-peak");
+    let report = dir.join("m.json");
+    let mut args = vec!["--steps", "2", "--memory-report", report.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    r["peak_total"]["measured"].as_u64().unwrap()
+}
+
+#[test]
+fn autofit_fits_the_budget_and_an_oversized_run_says_what_would_fit() {
+    let whole = measured_peak(&["--batch-size", "8"]);
+    let budget = (whole * 3 / 4).to_string();
+    // Without autofit the batch of 8 exceeds the budget: the error names a setup that fits.
+    let (ok, _, err) = trainkit(&[
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--memory-budget",
+        &budget,
+    ]);
+    assert!(!ok);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("out of memory") && err.contains("what would fit: --batch-size"),
+        "{err}"
+    );
+    // Autofit keeps the global batch of 8 and fits.
+    let (ok, out, err) = trainkit(&[
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--autofit",
+        "--memory-budget",
+        &budget,
+    ]);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with("autofit:")).unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let micro: usize = words[2].parse().unwrap();
+    let k: usize = words[4].parse().unwrap();
+    assert_eq!(micro * k, 8, "{line}");
+    let recompute = words[7].trim_end_matches(':');
+    let peak = measured_peak(&[
+        "--batch-size",
+        &micro.to_string(),
+        "--grad-accum",
+        &k.to_string(),
+        "--recompute",
+        recompute,
+    ]);
+    assert!(peak <= whole * 3 / 4, "{line}: {peak}");
+}
+
+#[test]
+fn memory_flags_refuse_bad_values_in_one_line() {
+    for (args, needle) in [
+        (&["--memory-budget", "lots"][..], "24GiB"),
+        (&["--memory-budget", "0"][..], "24GiB"),
+        (&["--global-batch", "8"][..], "--autofit"),
+        (
+            &[
+                "--autofit",
+                "--global-batch",
+                "0",
+                "--memory-budget",
+                "1GiB",
+            ][..],
+            "at least 1",
+        ),
+        (
+            &["--autofit", "--memory-budget", "1KiB"][..],
+            "what would fit",
+        ),
+    ] {
+        let (ok, _, err) = trainkit(args);
+        assert!(!ok, "{args:?}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
