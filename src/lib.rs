@@ -14,6 +14,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod estimate;
 pub mod memory;
 pub mod model;
 pub mod optim;
@@ -29,6 +30,7 @@ pub use checkpoint::{
 };
 pub use device::{Backend, CpuBackend, Device};
 pub use error::{Error, Result};
+pub use estimate::{Architecture, Preset, Recompute, TrainingPrecision};
 pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
 };

@@ -1,0 +1,28 @@
+//! Memory estimates before training: the Ultra-Scale Playbook's formulas for parameters,
+//! model state and activations, and named model presets.
+//!
+//! ```
+//! use trainkit::estimate::{preset, Recompute, TrainingPrecision};
+//!
+//! let llama = preset("llama-8b")?;
+//! let params = llama.architecture.exact_params()?;
+//! let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
+//! let state = trainkit::estimate::model_state_bytes(params, bf16)?.total();
+//! let acts = llama
+//!     .architecture
+//!     .activation_shape(4096, 1)
+//!     .bytes(Recompute::Selective, bf16)?;
+//! assert_eq!(state, 16 * params);
+//! assert!(acts < state);
+//! # Ok::<(), trainkit::Error>(())
+//! ```
+
+pub mod architecture;
+pub mod formulas;
+pub mod presets;
+
+pub use architecture::{Architecture, Mlp, Norm};
+pub use formulas::{
+    model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,
+};
+pub use presets::{find_preset, preset, preset_names, Preset, PRESETS};
