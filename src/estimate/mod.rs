@@ -1,5 +1,6 @@
-//! Memory estimates before training: the Ultra-Scale Playbook's formulas for parameters,
-//! model state and activations, and named model presets.
+//! Memory and compute estimates before training: the Ultra-Scale Playbook's formulas for
+//! parameters, model state and activations, named model presets, and FLOPs per token and
+//! GPU peaks for MFU.
 //!
 //! ```
 //! use trainkit::estimate::{preset, Recompute, TrainingPrecision};
@@ -18,10 +19,12 @@
 //! ```
 
 pub mod architecture;
+pub mod flops;
 pub mod formulas;
 pub mod presets;
 
 pub use architecture::{Architecture, Mlp, Norm};
+pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{
     model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,
 };
