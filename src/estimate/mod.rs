@@ -1,6 +1,6 @@
 //! Memory and compute estimates before training: the Ultra-Scale Playbook's formulas for
-//! parameters, model state and activations, named model presets, and FLOPs per token and
-//! GPU peaks for MFU.
+//! parameters, model state and activations, named model presets, FLOPs per token and
+//! GPU peaks for MFU, and the activation-versus-sequence-length figure.
 //!
 //! ```
 //! use trainkit::estimate::{preset, Recompute, TrainingPrecision};
@@ -21,6 +21,7 @@
 pub mod architecture;
 pub mod flops;
 pub mod formulas;
+pub mod plot;
 pub mod presets;
 
 pub use architecture::{Architecture, Mlp, Norm};
@@ -28,4 +29,5 @@ pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, 
 pub use formulas::{
     model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,
 };
+pub use plot::ActivationSweep;
 pub use presets::{find_preset, preset, preset_names, Preset, PRESETS};
