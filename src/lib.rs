@@ -30,6 +30,7 @@ pub use checkpoint::{
 };
 pub use device::{Backend, CpuBackend, Device};
 pub use error::{Error, Result};
+pub use estimate::{Architecture, Preset, Recompute, TrainingPrecision};
 pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
 };

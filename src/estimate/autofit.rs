@@ -2,53 +2,13 @@
 //! memory budget, chosen with the exact memory model.
 
 use super::exact::{predict_gpt2, MemoryPrediction, MicroBatch};
-use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Selective};
+use super::formulas::Recompute;
+use crate::checkpoint::Full;
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
 use crate::model::Gpt2Config;
 use crate::optim::Optimizer;
 use crate::precision::{MixedBf16, Precision};
-use std::fmt;
-
-/// The shipped recompute policies, from the least recomputation to the most.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Recompute {
-    /// Keep every activation ([`NoRecompute`]).
-    None,
-    /// Recompute the attention probabilities ([`Selective`]).
-    Selective,
-    /// Keep only each layer's input ([`Full`]).
-    Full,
-}
-
-impl Recompute {
-    /// Every policy, least recomputation first.
-    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
-
-    /// The policy itself.
-    pub fn policy(self) -> Box<dyn CheckpointPolicy> {
-        match self {
-            Recompute::None => Box::new(NoRecompute),
-            Recompute::Selective => Box::new(Selective),
-            Recompute::Full => Box::new(Full),
-        }
-    }
-
-    /// The name the CLI's `--recompute` flag takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
-        }
-    }
-}
-
-impl fmt::Display for Recompute {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// What autofit is asked to fit.
 #[derive(Clone, Copy, Debug)]

@@ -1,10 +1,40 @@
-//! Memory estimation: trainkit's exact model of its own training memory, and autofit,
-//! which uses it to choose a setup that fits a budget.
+//! Memory and compute estimates: the Ultra-Scale Playbook's formulas for parameters,
+//! model state and activations, named model presets, FLOPs per token and GPU peaks for
+//! MFU, the activation-versus-sequence-length figure; and trainkit's exact model of its
+//! own training memory, with autofit, which uses it to choose a setup that fits a budget.
+//!
+//! ```
+//! use trainkit::estimate::{preset, Recompute, TrainingPrecision};
+//!
+//! let llama = preset("llama-8b")?;
+//! let params = llama.architecture.exact_params()?;
+//! let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
+//! let state = trainkit::estimate::model_state_bytes(params, bf16)?.total();
+//! let acts = llama
+//!     .architecture
+//!     .activation_shape(4096, 1)
+//!     .bytes(Recompute::Selective, bf16)?;
+//! assert_eq!(state, 16 * params);
+//! assert!(acts < state);
+//! # Ok::<(), trainkit::Error>(())
+//! ```
 
+pub mod architecture;
 mod autofit;
 mod budget;
 mod exact;
+pub mod flops;
+pub mod formulas;
+pub mod plot;
+pub mod presets;
 
-pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest, Recompute};
+pub use architecture::{Architecture, Mlp, Norm};
+pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest};
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch};
+pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
+pub use formulas::{
+    model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,
+};
+pub use plot::ActivationSweep;
+pub use presets::{find_preset, preset, preset_names, Preset, PRESETS};

@@ -1,7 +1,8 @@
-//! The `trainkit` command line: train, eval, sample, prepare.
+//! The `trainkit` command line: train, eval, sample, prepare, memory.
 
 mod eval;
 mod fit;
+mod memory;
 mod prepare;
 mod progress;
 mod sample;
@@ -40,6 +41,8 @@ enum Command {
     Sample(sample::SampleArgs),
     /// Tokenize a text file into llm.c token files (train and val).
     Prepare(prepare::PrepareArgs),
+    /// Memory of training a model with AdamW, by the Ultra-Scale Playbook's formulas.
+    Memory(memory::MemoryArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         Command::Sample(args) => sample::run(args),
         Command::Prepare(args) => prepare::run(args),
+        Command::Memory(args) => memory::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

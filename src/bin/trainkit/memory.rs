@@ -1,0 +1,563 @@
+//! `trainkit memory`: the Ultra-Scale Playbook's memory explorer.
+
+use std::path::PathBuf;
+use trainkit::estimate::{
+    model_state_bytes, preset_names, ActivationSweep, Architecture, Mlp, Norm, Preset, Recompute,
+    TrainingPrecision, PRESETS,
+};
+use trainkit::memory::MemoryCategory;
+use trainkit::{Error, Result};
+
+/// How much memory training a model takes on one GPU with AdamW, by the Ultra-Scale
+/// Playbook's formulas: weights, gradients, master weights and optimizer state per
+/// parameter, and activations per token for each recompute policy.
+#[derive(clap::Args)]
+pub struct MemoryArgs {
+    /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-8b,
+    /// llama-70b or llama-405b.
+    #[arg(long)]
+    model: Option<String>,
+    /// A parameter count instead of a model, e.g. 7B, 1.5B, 124M or 350000000 (K, M, B, T
+    /// suffixes): model state only, as activations need the dimensions.
+    #[arg(long)]
+    params: Option<String>,
+    /// Layers (raw dimensions, with --hidden, --heads and --vocab).
+    #[arg(long)]
+    layers: Option<u64>,
+    /// Width of the residual stream.
+    #[arg(long)]
+    hidden: Option<u64>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<u64>,
+    /// Vocabulary size.
+    #[arg(long)]
+    vocab: Option<u64>,
+    /// Key and value heads, for grouped-query attention (default: --heads).
+    #[arg(long)]
+    kv_heads: Option<u64>,
+    /// Inner width of the MLP (default: 4 × --hidden).
+    #[arg(long)]
+    ffn: Option<u64>,
+    /// Tokens per sequence (default: the context of a GPT-2, 4096 for Llama presets and
+    /// raw dimensions).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    batch_size: u64,
+    /// fp32, or bf16 (bf16 weights, gradients and activations with f32 master weights).
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    /// With bf16: also accumulate gradients in f32 (4 more bytes per parameter).
+    #[arg(long)]
+    fp32_grads: bool,
+    /// Activation recomputation: none, full or selective.
+    #[arg(long, default_value = "none")]
+    recompute: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also draw activation memory against sequence length for each recompute policy,
+    /// with the model state for scale, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+/// The model the estimate is for.
+struct Subject {
+    /// Preset name, if any.
+    name: Option<&'static str>,
+    /// What to call it in the table.
+    title: String,
+    /// Parameters the model state is computed from.
+    params: u64,
+    /// The dimensions, when known (not with --params).
+    arch: Option<Architecture>,
+    /// Sequence length when --seq-len is not given.
+    default_seq_len: u64,
+}
+
+fn flag_error(flag: &str, message: impl Into<String>) -> Error {
+    Error::config(flag, message)
+}
+
+/// Library errors name fields (`kv_heads`); on the command line they are flags.
+fn as_flag(e: Error) -> Error {
+    match e {
+        Error::Config { field, message } => Error::Config {
+            field: format!("--{}", field.replace('_', "-")),
+            message,
+        },
+        e => e,
+    }
+}
+
+/// A parameter count: digits with an optional fraction and K, M, B or T suffix.
+fn parse_count(text: &str) -> Result<u64> {
+    let bad = || {
+        flag_error(
+            "--params",
+            format!(
+                "`{text}` is not a parameter count; use a number with an optional K, M, B or \
+                 T suffix, e.g. 7B, 1.5B or 124M"
+            ),
+        )
+    };
+    let t = text.trim().replace('_', "");
+    let (number, scale) = match t.char_indices().last() {
+        Some((at, c)) if c.is_ascii_alphabetic() => {
+            let scale: u64 = match c.to_ascii_uppercase() {
+                'K' => 1_000,
+                'M' => 1_000_000,
+                'B' => 1_000_000_000,
+                'T' => 1_000_000_000_000,
+                _ => return Err(bad()),
+            };
+            (&t[..at], scale)
+        }
+        _ => (t.as_str(), 1),
+    };
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() && frac.is_empty() || !digits(whole) || !digits(frac) {
+        return Err(bad());
+    }
+    let too_big = || flag_error("--params", format!("`{text}` is too large"));
+    let whole: u64 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| too_big())?
+    };
+    let mut count = whole.checked_mul(scale).ok_or_else(too_big)?;
+    if !frac.is_empty() {
+        let frac_value: u128 = frac.parse().map_err(|_| too_big())?;
+        let denom = 10u128.checked_pow(frac.len() as u32).ok_or_else(too_big)?;
+        let scaled = frac_value * scale as u128;
+        if scaled % denom != 0 {
+            return Err(flag_error(
+                "--params",
+                format!("`{text}` is not a whole number of parameters; drop some decimals"),
+            ));
+        }
+        let extra = u64::try_from(scaled / denom).map_err(|_| too_big())?;
+        count = count.checked_add(extra).ok_or_else(too_big)?;
+    }
+    if count == 0 {
+        return Err(flag_error("--params", "must be at least 1"));
+    }
+    Ok(count)
+}
+
+fn positive(flag: &str, value: Option<u64>) -> Result<Option<u64>> {
+    match value {
+        Some(0) => Err(flag_error(flag, "must be at least 1")),
+        v => Ok(v),
+    }
+}
+
+fn describe(arch: &Architecture) -> String {
+    let heads = if arch.kv_heads == arch.heads {
+        format!("{} heads", arch.heads)
+    } else {
+        format!("{} heads ({} kv)", arch.heads, arch.kv_heads)
+    };
+    let mlp = match arch.mlp {
+        Mlp::Gelu => "GELU MLP",
+        Mlp::SwiGlu => "SwiGLU MLP",
+    };
+    let norm = match arch.norm {
+        Norm::LayerNorm => "LayerNorm",
+        Norm::RmsNorm => "RMSNorm",
+    };
+    format!(
+        "{} layers, hidden {}, {heads}, ffn {}, vocab {}, {mlp}, {norm}{}",
+        arch.layers,
+        arch.hidden,
+        arch.ffn,
+        arch.vocab,
+        if arch.tied_embeddings {
+            ", tied embeddings"
+        } else {
+            ""
+        }
+    )
+}
+
+fn subject(args: &MemoryArgs) -> Result<Subject> {
+    let dims = [
+        ("--layers", args.layers),
+        ("--hidden", args.hidden),
+        ("--heads", args.heads),
+        ("--vocab", args.vocab),
+        ("--kv-heads", args.kv_heads),
+        ("--ffn", args.ffn),
+    ];
+    let given: Vec<&str> = dims
+        .iter()
+        .filter(|(_, v)| v.is_some())
+        .map(|(f, _)| *f)
+        .collect();
+    match (&args.model, &args.params) {
+        (Some(_), Some(_)) => Err(flag_error(
+            "--model",
+            "--model and --params both name the model; give one of them",
+        )),
+        (Some(_), None) | (None, Some(_)) if !given.is_empty() => Err(flag_error(
+            given[0],
+            format!(
+                "{} fixes the model; drop {} or the {} flag",
+                if args.model.is_some() {
+                    "--model"
+                } else {
+                    "--params"
+                },
+                given.join(", "),
+                if args.model.is_some() {
+                    "--model"
+                } else {
+                    "--params"
+                }
+            ),
+        )),
+        (Some(name), None) => {
+            let preset: &'static Preset = PRESETS
+                .iter()
+                .find(|p| p.name.eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    flag_error(
+                        "--model",
+                        format!(
+                            "`{name}` is not a known model; use one of {}",
+                            preset_names()
+                        ),
+                    )
+                })?;
+            Ok(Subject {
+                name: Some(preset.name),
+                title: format!(
+                    "{}, {}: {}",
+                    preset.name,
+                    preset.description,
+                    describe(&preset.architecture)
+                ),
+                params: preset.architecture.exact_params().map_err(as_flag)?,
+                arch: Some(preset.architecture),
+                default_seq_len: preset.default_seq_len,
+            })
+        }
+        (None, Some(text)) => {
+            let params = parse_count(text)?;
+            Ok(Subject {
+                name: None,
+                title: format!("a model of {} parameters (--params {text})", group(params)),
+                params,
+                arch: None,
+                default_seq_len: 4096,
+            })
+        }
+        (None, None) => {
+            for (flag, v) in dims {
+                positive(flag, v)?;
+            }
+            let (Some(layers), Some(hidden), Some(heads), Some(vocab)) =
+                (args.layers, args.hidden, args.heads, args.vocab)
+            else {
+                if given.is_empty() {
+                    return Err(flag_error(
+                        "--model",
+                        format!(
+                            "no model given; use --model NAME ({}), --params N (e.g. 7B) or \
+                             --layers, --hidden, --heads and --vocab",
+                            preset_names()
+                        ),
+                    ));
+                }
+                let missing: Vec<&str> = dims[..4]
+                    .iter()
+                    .filter(|(_, v)| v.is_none())
+                    .map(|(f, _)| *f)
+                    .collect();
+                return Err(flag_error(
+                    missing[0],
+                    format!(
+                        "raw dimensions need --layers, --hidden, --heads and --vocab; add {}",
+                        missing.join(", ")
+                    ),
+                ));
+            };
+            let mut arch = Architecture::gpt(layers, hidden, heads, vocab);
+            arch.kv_heads = args.kv_heads.unwrap_or(heads);
+            arch.ffn = args.ffn.unwrap_or(arch.ffn);
+            let params = arch.exact_params().map_err(as_flag)?;
+            Ok(Subject {
+                name: None,
+                title: describe(&arch),
+                params,
+                arch: Some(arch),
+                default_seq_len: 4096,
+            })
+        }
+    }
+}
+
+/// `1234567` as `1,234,567`.
+fn group(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / 1e9)
+}
+
+const STATE: [MemoryCategory; 4] = [
+    MemoryCategory::Weights,
+    MemoryCategory::MasterWeights,
+    MemoryCategory::Gradients,
+    MemoryCategory::OptimizerState,
+];
+
+pub fn run(args: MemoryArgs) -> Result<()> {
+    let precision = TrainingPrecision::parse(&args.precision, args.fp32_grads).map_err(as_flag)?;
+    let recompute = Recompute::parse(&args.recompute).map_err(as_flag)?;
+    positive("--batch-size", Some(args.batch_size))?;
+    positive("--seq-len", args.seq_len)?;
+    let subject = subject(&args)?;
+    if args.plot.is_some() && subject.arch.is_none() {
+        return Err(flag_error(
+            "--plot",
+            "activations need the model's dimensions; use --model NAME or --layers, --hidden, \
+             --heads and --vocab instead of --params",
+        ));
+    }
+    let seq_len = args.seq_len.unwrap_or(subject.default_seq_len);
+    let state = model_state_bytes(subject.params, precision).map_err(as_flag)?;
+    let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
+    let shape = subject
+        .arch
+        .map(|a| a.activation_shape(seq_len, args.batch_size));
+    let by_policy: Option<Vec<(Recompute, u64)>> = shape
+        .map(|s| {
+            Recompute::ALL
+                .into_iter()
+                .map(|r| Ok((r, s.bytes(r, precision).map_err(as_flag)?)))
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    let activations = by_policy
+        .as_ref()
+        .and_then(|v| v.iter().find(|(r, _)| *r == recompute).map(|(_, b)| *b));
+    let total = activations
+        .map(|a| {
+            a.checked_add(state_total)
+                .ok_or_else(|| flag_error("--seq-len", "the total does not fit in 64 bits"))
+        })
+        .transpose()?;
+    let playbook = subject
+        .arch
+        .map(|a| a.playbook_params().map_err(as_flag))
+        .transpose()?;
+
+    if let (Some(path), Some(shape)) = (&args.plot, shape) {
+        let (lo, hi) = ActivationSweep::default_range(seq_len);
+        let sweep = ActivationSweep::new(shape, precision, state_total, lo, hi).map_err(as_flag)?;
+        let title = format!(
+            "{}: activations vs sequence length ({}, micro-batch {})",
+            subject.name.unwrap_or("model"),
+            precision,
+            args.batch_size
+        );
+        sweep.write_svg(path, &title)?;
+        let note = format!(
+            "plot: {} (activation memory, {lo} to {hi} tokens, per recompute policy)",
+            path.display()
+        );
+        if args.json {
+            eprintln!("{note}");
+        } else {
+            println!("{note}");
+        }
+    }
+
+    if args.json {
+        let mut bytes = serde_json::Map::new();
+        for c in STATE {
+            bytes.insert(c.name().into(), state.get(c).into());
+        }
+        bytes.insert("activations".into(), activations.into());
+        let by_policy = by_policy.as_ref().map(|v| {
+            v.iter()
+                .map(|(r, b)| (r.name().to_string(), serde_json::Value::from(*b)))
+                .collect::<serde_json::Map<_, _>>()
+        });
+        let a = subject.arch;
+        let out = serde_json::json!({
+            "model": subject.name,
+            "params": subject.params,
+            "params_playbook": playbook,
+            "bytes": bytes,
+            "model_state_bytes": state_total,
+            "activation_bytes": activations,
+            "activation_bytes_by_recompute": by_policy,
+            "total_bytes": total,
+            "inputs": {
+                "model": subject.name,
+                "params": args.params,
+                "layers": a.map(|a| a.layers),
+                "hidden": a.map(|a| a.hidden),
+                "heads": a.map(|a| a.heads),
+                "kv_heads": a.map(|a| a.kv_heads),
+                "ffn": a.map(|a| a.ffn),
+                "vocab": a.map(|a| a.vocab),
+                "seq_len": a.map(|_| seq_len),
+                "batch_size": args.batch_size,
+                "precision": precision.name(),
+                "fp32_grads": args.fp32_grads,
+                "recompute": recompute.name(),
+            },
+        });
+        println!("{out}");
+        return Ok(());
+    }
+
+    println!("model      {}", subject.title);
+    match playbook {
+        Some(p) => println!(
+            "params     {} exact; playbook formula h·v + L·(12h² + 13h) + 2h: {}",
+            group(subject.params),
+            group(p)
+        ),
+        None => println!("params     {}", group(subject.params)),
+    }
+    match shape {
+        Some(_) => println!(
+            "training   {precision}, AdamW, recompute {recompute}, micro-batch {} × {seq_len} \
+             tokens",
+            args.batch_size
+        ),
+        None => println!("training   {precision}, AdamW"),
+    }
+    println!();
+    println!(
+        "{:<16} {:>11} {:>12} {:>12}",
+        "category", "bytes/param", "GiB", "GB"
+    );
+    let per_param = precision.bytes_per_param();
+    for c in STATE {
+        println!(
+            "{:<16} {:>11} {:>12} {:>12}",
+            c.name(),
+            per_param.get(c),
+            gib(state.get(c)),
+            gb(state.get(c))
+        );
+    }
+    let per_param_total: u64 = STATE.iter().map(|&c| per_param.get(c)).sum();
+    println!(
+        "{:<16} {:>11} {:>12} {:>12}",
+        "model state",
+        per_param_total,
+        gib(state_total),
+        gb(state_total)
+    );
+    match (activations, total) {
+        (Some(a), Some(t)) => {
+            let formula = match recompute {
+                Recompute::None => "L·s·b·(34h + 5·a·s)",
+                Recompute::Selective => "L·s·b·34h",
+                Recompute::Full => "L·s·b·2h",
+            };
+            let scale = if precision.activation_bytes() == 4 {
+                ", ×2 for f32"
+            } else {
+                ""
+            };
+            println!(
+                "{:<16} {:>11} {:>12} {:>12}   {formula}{scale}",
+                "activations",
+                "",
+                gib(a),
+                gb(a)
+            );
+            println!("{:<16} {:>11} {:>12} {:>12}", "total", "", gib(t), gb(t));
+        }
+        _ => println!(
+            "{:<16} {:>11} {:>12} {:>12}   unknown without the dimensions (--model or \
+             --layers/--hidden/--heads/--vocab)",
+            "activations", "", "-", "-"
+        ),
+    }
+    if let Some(v) = by_policy {
+        let parts: Vec<String> = v
+            .iter()
+            .map(|(r, b)| format!("{r} {} GiB", gib(*b)))
+            .collect();
+        println!();
+        println!("activations by recompute policy: {}", parts.join(", "));
+    }
+    if subject.arch.is_some_and(|a| !a.is_gpt_like()) {
+        println!(
+            "note: the activation formula is for the playbook's GPT-style layer (multi-head \
+             attention, a 4h GELU MLP); for this model it is an approximation"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts() {
+        for (text, want) in [
+            ("7B", 7_000_000_000),
+            ("7b", 7_000_000_000),
+            ("1.5B", 1_500_000_000),
+            ("124M", 124_000_000),
+            ("350K", 350_000),
+            ("2T", 2_000_000_000_000),
+            ("0.5T", 500_000_000_000),
+            ("124439808", 124_439_808),
+            ("124_439_808", 124_439_808),
+            (" 70B ", 70_000_000_000),
+        ] {
+            assert_eq!(parse_count(text).unwrap(), want, "{text}");
+        }
+        for text in [
+            "",
+            "B",
+            "7X",
+            "7.B.",
+            "-1B",
+            "1e9",
+            "0",
+            "0B",
+            "1.0000000001K",
+        ] {
+            assert!(parse_count(text).is_err(), "{text}");
+        }
+        assert!(parse_count("99999999999T").is_err());
+        assert!(parse_count("18446744073709551616").is_err());
+    }
+
+    #[test]
+    fn grouping() {
+        assert_eq!(group(0), "0");
+        assert_eq!(group(999), "999");
+        assert_eq!(group(1000), "1,000");
+        assert_eq!(group(124_439_808), "124,439,808");
+    }
+}

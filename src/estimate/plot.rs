@@ -1,0 +1,214 @@
+//! The playbook's "activation explosion" figure: activation memory against sequence
+//! length for each recompute policy, beside the model state, as an SVG file.
+
+use super::formulas::{ActivationShape, Recompute, TrainingPrecision};
+use crate::error::{Error, Result};
+use crate::save::write_atomically;
+use plotters::prelude::*;
+use std::path::Path;
+
+/// Points per doubling of the sequence length.
+const STEPS_PER_OCTAVE: u32 = 4;
+
+/// Activation bytes of each recompute policy over a range of sequence lengths.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ActivationSweep {
+    /// Sequence lengths, increasing (powers of two and points between them).
+    pub seq_lens: Vec<u64>,
+    /// Activation bytes per sequence length, for each policy of [`Recompute::ALL`].
+    pub curves: Vec<(Recompute, Vec<u64>)>,
+    /// Model-state bytes (weights, gradients, master weights, optimizer state): the
+    /// horizontal line activations are compared with.
+    pub model_state: u64,
+}
+
+impl ActivationSweep {
+    /// The sequence lengths a sweep around `seq_len` covers: from a quarter of it to 8 times
+    /// it, rounded up to powers of two (1k to 32k around 4096).
+    pub fn default_range(seq_len: u64) -> (u64, u64) {
+        let top = seq_len
+            .max(1)
+            .checked_next_power_of_two()
+            .unwrap_or(1 << 63)
+            .min(1 << 40);
+        (top.div_ceil(4).max(1), top.saturating_mul(8))
+    }
+
+    /// Activation bytes of every policy for `shape` (its `seq_len` replaced) at sequence
+    /// lengths from `min_seq` to `max_seq`, four points per doubling.
+    pub fn new(
+        shape: ActivationShape,
+        precision: TrainingPrecision,
+        model_state: u64,
+        min_seq: u64,
+        max_seq: u64,
+    ) -> Result<Self> {
+        if min_seq == 0 || max_seq < min_seq {
+            return Err(Error::config(
+                "seq_len",
+                format!("the range {min_seq}..{max_seq} is empty; use 1 <= min <= max"),
+            ));
+        }
+        let octaves = (max_seq as f64 / min_seq as f64).log2();
+        let points = (octaves * STEPS_PER_OCTAVE as f64).round() as u32;
+        let mut seq_lens: Vec<u64> = (0..=points)
+            .map(|i| {
+                let s = min_seq as f64 * 2f64.powf(i as f64 / STEPS_PER_OCTAVE as f64);
+                (s.round() as u64).clamp(min_seq, max_seq)
+            })
+            .collect();
+        seq_lens.dedup();
+        let mut curves = Vec::new();
+        for policy in Recompute::ALL {
+            let bytes = seq_lens
+                .iter()
+                .map(|&seq_len| ActivationShape { seq_len, ..shape }.bytes(policy, precision))
+                .collect::<Result<Vec<u64>>>()?;
+            curves.push((policy, bytes));
+        }
+        Ok(ActivationSweep {
+            seq_lens,
+            curves,
+            model_state,
+        })
+    }
+
+    /// Draws the sweep as an SVG line chart (GiB against sequence length on a log2 axis)
+    /// titled `title`, and writes it to `path` (atomically).
+    pub fn write_svg(&self, path: &Path, title: &str) -> Result<()> {
+        write_atomically(path, self.to_svg(title)?.as_bytes())
+    }
+
+    /// The SVG text of [`ActivationSweep::write_svg`].
+    pub fn to_svg(&self, title: &str) -> Result<String> {
+        let fail = |e: &dyn std::fmt::Display| Error::Backend {
+            backend: "svg",
+            message: format!("drawing the plot failed: {e}"),
+        };
+        let (first, last) = match (self.seq_lens.first(), self.seq_lens.last()) {
+            (Some(&a), Some(&b)) => (a as f64, b as f64),
+            _ => return Err(fail(&"no sequence lengths to plot")),
+        };
+        let (x0, x1) = (first.log2(), last.log2().max(first.log2() + 1.0));
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let top = self
+            .curves
+            .iter()
+            .flat_map(|(_, ys)| ys.iter().copied())
+            .chain([self.model_state])
+            .map(gib)
+            .fold(0.0, f64::max);
+        let y1 = if top > 0.0 { top * 1.08 } else { 1.0 };
+
+        let mut svg = String::new();
+        let root = SVGBackend::with_string(&mut svg, (900, 560)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| fail(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(16)
+            .x_label_area_size(44)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x0..x1, 0f64..y1)
+            .map_err(|e| fail(&e))?;
+        let octaves = (x1 - x0).round() as usize;
+        let label = |x: &f64| {
+            if (x - x.round()).abs() > 1e-6 {
+                return String::new();
+            }
+            let s = 2f64.powf(x.round()) as u64;
+            if s >= 1024 && s % 1024 == 0 {
+                format!("{}k", s / 1024)
+            } else {
+                s.to_string()
+            }
+        };
+        let y_label = |y: &f64| {
+            if y1 >= 10.0 {
+                format!("{y:.0}")
+            } else {
+                format!("{y:.2}")
+            }
+        };
+        chart
+            .configure_mesh()
+            .x_labels(octaves + 1)
+            .x_label_formatter(&label)
+            .y_label_formatter(&y_label)
+            .x_desc("sequence length (tokens, log2 scale)")
+            .y_desc("activation memory (GiB)")
+            .draw()
+            .map_err(|e| fail(&e))?;
+        let colors = [RED, BLUE, RGBColor(0, 150, 0)];
+        for ((policy, ys), color) in self.curves.iter().zip(colors) {
+            let points = self
+                .seq_lens
+                .iter()
+                .zip(ys)
+                .map(|(&s, &b)| ((s as f64).log2(), gib(b)));
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(|e| fail(&e))?
+                .label(format!("recompute {policy}"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        let state = gib(self.model_state);
+        chart
+            .draw_series(LineSeries::new(
+                [(x0, state), (x1, state)],
+                BLACK.stroke_width(1),
+            ))
+            .map_err(|e| fail(&e))?
+            .label(format!("model state ({state:.1} GiB)"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| fail(&e))?;
+        root.present().map_err(|e| fail(&e))?;
+        drop(chart);
+        drop(root);
+        Ok(svg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_around_the_sequence_length() {
+        assert_eq!(ActivationSweep::default_range(4096), (1024, 32768));
+        assert_eq!(ActivationSweep::default_range(1024), (256, 8192));
+        assert_eq!(ActivationSweep::default_range(1000), (256, 8192));
+        assert_eq!(ActivationSweep::default_range(1), (1, 8));
+        let (lo, hi) = ActivationSweep::default_range(u64::MAX);
+        assert!(lo <= hi);
+    }
+
+    #[test]
+    fn sweeps_cover_every_policy_and_grow() {
+        let shape = ActivationShape {
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            seq_len: 0,
+            micro_batch: 1,
+        };
+        let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
+        let sweep = ActivationSweep::new(shape, bf16, 1 << 20, 256, 8192).unwrap();
+        assert_eq!(sweep.seq_lens.first(), Some(&256));
+        assert_eq!(sweep.seq_lens.last(), Some(&8192));
+        assert_eq!(sweep.seq_lens.len(), 21);
+        assert_eq!(sweep.curves.len(), 3);
+        for (_, ys) in &sweep.curves {
+            assert!(ys.windows(2).all(|w| w[0] < w[1]));
+        }
+        let svg = sweep.to_svg("tiny").unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("recompute selective"));
+        assert!(ActivationSweep::new(shape, bf16, 0, 0, 8).is_err());
+        assert!(ActivationSweep::new(shape, bf16, 0, 16, 8).is_err());
+    }
+}

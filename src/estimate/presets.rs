@@ -1,0 +1,192 @@
+//! Named models with their published architectures: the GPT-2 family and Llama 3.
+
+use super::architecture::{Architecture, Mlp, Norm};
+use crate::error::{Error, Result};
+
+/// A named model: its architecture, context length and the sequence length estimates use
+/// by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Preset {
+    /// The name `trainkit memory --model` takes (`gpt2`, `llama-8b`, ...).
+    pub name: &'static str,
+    /// The model it describes.
+    pub description: &'static str,
+    /// Layers, widths, heads, vocabulary and the form of each block.
+    pub architecture: Architecture,
+    /// The longest sequence the model was trained for.
+    pub context: u64,
+    /// The sequence length estimates assume unless told otherwise: the context for
+    /// GPT-2, 4096 for Llama (the playbook's usual training length).
+    pub default_seq_len: u64,
+}
+
+const fn gpt2(
+    name: &'static str,
+    description: &'static str,
+    layers: u64,
+    hidden: u64,
+    heads: u64,
+) -> Preset {
+    Preset {
+        name,
+        description,
+        architecture: Architecture {
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            ffn: 4 * hidden,
+            vocab: 50257,
+            positions: 1024,
+            mlp: Mlp::Gelu,
+            norm: Norm::LayerNorm,
+            biases: true,
+            tied_embeddings: true,
+        },
+        context: 1024,
+        default_seq_len: 1024,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+const fn llama(
+    name: &'static str,
+    description: &'static str,
+    layers: u64,
+    hidden: u64,
+    heads: u64,
+    kv_heads: u64,
+    ffn: u64,
+    tied_embeddings: bool,
+) -> Preset {
+    Preset {
+        name,
+        description,
+        architecture: Architecture {
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            ffn,
+            vocab: 128_256,
+            positions: 0,
+            mlp: Mlp::SwiGlu,
+            norm: Norm::RmsNorm,
+            biases: false,
+            tied_embeddings,
+        },
+        context: 131_072,
+        default_seq_len: 4096,
+    }
+}
+
+/// Every preset, smallest first within each family.
+pub const PRESETS: [Preset; 8] = [
+    gpt2("gpt2", "GPT-2 small (124M)", 12, 768, 12),
+    gpt2("gpt2-medium", "GPT-2 medium (355M)", 24, 1024, 16),
+    gpt2("gpt2-large", "GPT-2 large (774M)", 36, 1280, 20),
+    gpt2("gpt2-xl", "GPT-2 XL (1.5B)", 48, 1600, 25),
+    llama("llama-1b", "Llama 3.2 1B", 16, 2048, 32, 8, 8192, true),
+    llama("llama-8b", "Llama 3.1 8B", 32, 4096, 32, 8, 14_336, false),
+    llama("llama-70b", "Llama 3.1 70B", 80, 8192, 64, 8, 28_672, false),
+    llama(
+        "llama-405b",
+        "Llama 3.1 405B",
+        126,
+        16_384,
+        128,
+        8,
+        53_248,
+        false,
+    ),
+];
+
+/// The preset called `name` (ignoring case), or `None`.
+pub fn find_preset(name: &str) -> Option<&'static Preset> {
+    PRESETS.iter().find(|p| p.name.eq_ignore_ascii_case(name))
+}
+
+/// The names of every preset, comma-separated, for messages.
+pub fn preset_names() -> String {
+    PRESETS
+        .iter()
+        .map(|p| p.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The preset called `name`; the error lists the known names.
+pub fn preset(name: &str) -> Result<&'static Preset> {
+    find_preset(name).ok_or_else(|| {
+        Error::config(
+            "model",
+            format!(
+                "`{name}` is not a known model; use one of {}",
+                preset_names()
+            ),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_parameter_counts() {
+        for (name, exact) in [
+            ("gpt2", 124_439_808),
+            ("gpt2-medium", 354_823_168),
+            ("gpt2-large", 774_030_080),
+            ("gpt2-xl", 1_557_611_200),
+            ("llama-1b", 1_235_814_400),
+            ("llama-8b", 8_030_261_248),
+            ("llama-70b", 70_553_706_496),
+            ("llama-405b", 405_853_388_800),
+        ] {
+            let p = preset(name).unwrap();
+            assert_eq!(p.architecture.exact_params().unwrap(), exact, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_playbook_formula_beside_the_exact_count() {
+        // GPT-2: the formula is exact but for the position embedding.
+        let gpt2 = preset("gpt2").unwrap().architecture;
+        assert_eq!(
+            gpt2.exact_params().unwrap() - gpt2.playbook_params().unwrap(),
+            1024 * 768
+        );
+        // Llama: grouped-query attention and a SwiGLU MLP make the formula an
+        // approximation (within 15% here).
+        for name in ["llama-8b", "llama-70b", "llama-405b"] {
+            let a = preset(name).unwrap().architecture;
+            assert!(!a.is_gpt_like());
+            let (exact, formula) = (
+                a.exact_params().unwrap() as f64,
+                a.playbook_params().unwrap() as f64,
+            );
+            assert!(
+                (formula / exact - 1.0).abs() < 0.15,
+                "{name}: {formula} vs {exact}"
+            );
+        }
+    }
+
+    #[test]
+    fn gpt2_matches_trainkits_config() {
+        let p = preset("GPT2").unwrap();
+        let c = crate::model::Gpt2Config::gpt2_124m();
+        assert_eq!(p.architecture, Architecture::from(&c));
+        assert_eq!(p.context, c.n_positions as u64);
+    }
+
+    #[test]
+    fn unknown_names_list_the_known_ones() {
+        let e = preset("llama-7b").unwrap_err().to_string();
+        assert!(
+            e.contains("llama-7b") && e.contains("gpt2-xl") && e.contains("llama-405b"),
+            "{e}"
+        );
+    }
+}

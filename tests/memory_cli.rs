@@ -1,0 +1,234 @@
+//! `trainkit memory` as a user runs it.
+
+mod common;
+
+use common::scratch;
+use serde_json::Value;
+use std::process::Command;
+
+fn trainkit(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .arg("memory")
+        .args(args)
+        .output()
+        .expect("run trainkit");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let (ok, out, err) = trainkit(&all);
+    assert!(ok, "{args:?}: {err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn a_preset_prints_the_breakdown() {
+    let (ok, out, err) = trainkit(&["--model", "gpt2"]);
+    assert!(ok, "{err}");
+    for needle in [
+        "124,439,808",
+        "123,653,376",
+        "weights",
+        "master_weights",
+        "gradients",
+        "optimizer_state",
+        "model state",
+        "activations",
+        "total",
+        "1 × 1024 tokens",
+    ] {
+        assert!(out.contains(needle), "{needle}: {out}");
+    }
+    let v = json(&["--model", "llama-8b", "--recompute", "selective"]);
+    assert_eq!(v["params"], 8_030_261_248u64);
+    assert_eq!(v["inputs"]["seq_len"], 4096);
+    assert_eq!(v["inputs"]["kv_heads"], 8);
+    assert_eq!(v["model_state_bytes"], 16 * 8_030_261_248u64);
+    // Selective: L·s·b·34h in bf16.
+    assert_eq!(v["activation_bytes"], 32u64 * 4096 * 34 * 4096);
+    assert_eq!(
+        v["activation_bytes_by_recompute"]["full"],
+        32u64 * 4096 * 2 * 4096
+    );
+}
+
+#[test]
+fn a_parameter_count_gives_model_state_only() {
+    let v = json(&["--params", "7B"]);
+    assert_eq!(v["params"], 7_000_000_000u64);
+    assert_eq!(v["model_state_bytes"], 112_000_000_000u64);
+    assert_eq!(v["bytes"]["weights"], 14_000_000_000u64);
+    assert_eq!(v["bytes"]["master_weights"], 28_000_000_000u64);
+    assert!(v["activation_bytes"].is_null());
+    assert!(v["bytes"]["activations"].is_null());
+    assert!(v["total_bytes"].is_null());
+    let v = json(&["--params", "7B", "--fp32-grads"]);
+    assert_eq!(v["model_state_bytes"], 140_000_000_000u64);
+    assert_eq!(v["bytes"]["gradients"], 42_000_000_000u64);
+    let v = json(&["--params", "7B", "--precision", "fp32"]);
+    assert_eq!(v["model_state_bytes"], 112_000_000_000u64);
+    assert_eq!(v["bytes"]["master_weights"], 0);
+    let (ok, out, err) = trainkit(&["--params", "405B"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("6480.00"), "{out}");
+}
+
+#[test]
+fn raw_dimensions() {
+    let v = json(&[
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "256",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "3",
+        "--precision",
+        "fp32",
+    ]);
+    let n = 64 * 256 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64;
+    assert_eq!(v["params"], n);
+    assert_eq!(v["params_playbook"], n);
+    assert_eq!(v["model_state_bytes"], 16 * n);
+    // f32 activations: twice L·s·b·(34h + 5·a·s).
+    let acts = 2 * 2 * 128 * 3 * (34 * 64 + 5 * 4 * 128);
+    assert_eq!(v["activation_bytes"], acts);
+    assert_eq!(v["total_bytes"], 16 * n + acts);
+    assert_eq!(v["inputs"]["recompute"], "none");
+    let gqa = json(&[
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "128",
+        "--vocab",
+        "256",
+    ]);
+    assert!(gqa["params"].as_u64().unwrap() < n);
+    assert_eq!(gqa["inputs"]["seq_len"], 4096);
+}
+
+#[test]
+fn plot_draws_every_policy() {
+    let dir = scratch("memory-plot");
+    let path = dir.join("acts.svg");
+    let (ok, out, err) = trainkit(&["--model", "gpt2", "--plot", path.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("acts.svg"), "{out}");
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    for name in ["none", "selective", "full", "model state", "8k"] {
+        assert!(svg.contains(name), "{name} missing from the plot");
+    }
+}
+
+#[test]
+fn bad_input_is_a_one_line_error() {
+    let dir = scratch("memory-bad");
+    let unwritable = dir.join("no/such/dir/plot.svg");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![], "--model NAME"),
+        (vec!["--model", "llama-7b"], "llama-405b"),
+        (vec!["--model", "gpt2", "--params", "7B"], "one of them"),
+        (vec!["--model", "gpt2", "--layers", "2"], "--layers"),
+        (vec!["--params", "7X"], "K, M, B or T"),
+        (vec!["--params", "0"], "at least 1"),
+        (vec!["--params", "1.5"], "whole number"),
+        (vec!["--params", "7B", "--plot", "x.svg"], "--params"),
+        (vec!["--layers", "2", "--hidden", "64"], "--heads, --vocab"),
+        (
+            vec![
+                "--layers", "0", "--hidden", "64", "--heads", "4", "--vocab", "9",
+            ],
+            "--layers",
+        ),
+        (
+            vec![
+                "--layers", "2", "--hidden", "66", "--heads", "4", "--vocab", "9",
+            ],
+            "--hidden",
+        ),
+        (
+            vec![
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "3",
+                "--vocab",
+                "9",
+            ],
+            "--kv-heads",
+        ),
+        (vec!["--model", "gpt2", "--seq-len", "0"], "--seq-len"),
+        (vec!["--model", "gpt2", "--batch-size", "0"], "--batch-size"),
+        (
+            vec!["--model", "gpt2", "--precision", "fp16"],
+            "fp32 or bf16",
+        ),
+        (
+            vec!["--model", "gpt2", "--recompute", "some"],
+            "none, full or selective",
+        ),
+        (
+            vec!["--model", "llama-405b", "--seq-len", "18446744073709551615"],
+            "64 bits",
+        ),
+        (
+            vec!["--model", "gpt2", "--plot", unwritable.to_str().unwrap()],
+            "plot.svg",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (ok, out, err) = trainkit(&args);
+        assert!(!ok, "{args:?} should fail: {out}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn help_documents_every_flag() {
+    let (ok, out, err) = trainkit(&["--help"]);
+    assert!(ok, "{err}");
+    for flag in [
+        "--model",
+        "--params",
+        "--layers",
+        "--hidden",
+        "--heads",
+        "--vocab",
+        "--kv-heads",
+        "--ffn",
+        "--seq-len",
+        "--batch-size",
+        "--precision",
+        "--fp32-grads",
+        "--recompute",
+        "--json",
+        "--plot",
+    ] {
+        assert!(out.contains(flag), "{flag}: {out}");
+    }
+}
