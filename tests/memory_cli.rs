@@ -232,3 +232,52 @@ fn help_documents_every_flag() {
         assert!(out.contains(flag), "{flag}: {out}");
     }
 }
+
+#[test]
+fn gpt2_models_also_get_trainkits_exact_prediction() {
+    use trainkit::estimate::{predict_gpt2, MicroBatch};
+    let v = json(&[
+        "--model",
+        "gpt2-medium",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "512",
+        "--recompute",
+        "full",
+    ]);
+    let config = trainkit::Gpt2Config {
+        n_layer: 24,
+        n_head: 16,
+        n_embd: 1024,
+        n_positions: 1024,
+        vocab_size: 50257,
+        layer_norm_epsilon: 1e-5,
+    };
+    let p = predict_gpt2(
+        &config,
+        MicroBatch {
+            batch_size: 2,
+            seq_len: 512,
+        },
+        &trainkit::MixedBf16 { fp32_grads: false },
+        &trainkit::Full,
+        &trainkit::AdamW::default(),
+    )
+    .unwrap();
+    let exact = &v["trainkit_exact"];
+    assert_eq!(
+        exact["peak_total_bytes"].as_u64(),
+        Some(p.peak_total),
+        "{v}"
+    );
+    assert_eq!(
+        exact["bytes"]["activations"].as_u64(),
+        Some(p.activations.peak),
+        "{v}"
+    );
+    // The playbook's model state is trainkit's too, for bf16 gradients.
+    assert_eq!(exact["model_state_bytes"], v["model_state_bytes"]);
+    assert!(json(&["--model", "llama-8b"])["trainkit_exact"].is_null());
+    assert!(json(&["--params", "7B"])["trainkit_exact"].is_null());
+}

@@ -2,11 +2,11 @@
 
 use std::path::PathBuf;
 use trainkit::estimate::{
-    model_state_bytes, preset_names, ActivationSweep, Architecture, Mlp, Norm, Preset, Recompute,
-    TrainingPrecision, PRESETS,
+    model_state_bytes, predict_gpt2, preset_names, ActivationSweep, Architecture, MemoryPrediction,
+    MicroBatch, Mlp, Norm, Preset, Recompute, TrainingPrecision, PRESETS,
 };
 use trainkit::memory::MemoryCategory;
-use trainkit::{Error, Result};
+use trainkit::{AdamW, Error, Gpt2Config, Result};
 
 /// How much memory training a model takes on one GPU with AdamW, by the Ultra-Scale
 /// Playbook's formulas: weights, gradients, master weights and optimizer state per
@@ -391,7 +391,22 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         }
     }
 
+    let exact = trainkit_exact(&subject, seq_len, args.batch_size, precision, recompute)?;
+
     if args.json {
+        let exact_json = exact.as_ref().map(|p| {
+            let mut bytes = serde_json::Map::new();
+            for c in MemoryCategory::ALL {
+                bytes.insert(c.name().into(), p.peak.get(c).into());
+            }
+            serde_json::json!({
+                "bytes": bytes,
+                "model_state_bytes": p.model_state_bytes(),
+                "activation_bytes": p.peak.get(MemoryCategory::Activations),
+                "peak_total_bytes": p.peak_total,
+                "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
+            })
+        });
         let mut bytes = serde_json::Map::new();
         for c in STATE {
             bytes.insert(c.name().into(), state.get(c).into());
@@ -412,6 +427,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             "activation_bytes": activations,
             "activation_bytes_by_recompute": by_policy,
             "total_bytes": total,
+            "trainkit_exact": exact_json,
             "inputs": {
                 "model": subject.name,
                 "params": args.params,
@@ -507,6 +523,26 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!();
         println!("activations by recompute policy: {}", parts.join(", "));
     }
+    if let Some(p) = exact {
+        println!();
+        println!(
+            "trainkit's own GPT-2, exact (what its ledger measures; activations include the \
+             B·T·V logits):"
+        );
+        let parts: Vec<String> = MemoryCategory::ALL
+            .iter()
+            .filter(|c| p.peak.get(**c) > 0)
+            .map(|c| format!("{c} {} GiB", gib(p.peak.get(*c))))
+            .collect();
+        println!("  {}", parts.join(", "));
+        println!(
+            "  peak {} GiB, activations peaking in the {} phase",
+            gib(p.peak_total),
+            p.activations
+                .peak_phase
+                .map_or("-".to_string(), |x| x.to_string())
+        );
+    }
     if subject.arch.is_some_and(|a| !a.is_gpt_like()) {
         println!(
             "note: the activation formula is for the playbook's GPT-style layer (multi-head \
@@ -514,6 +550,55 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// trainkit's exact memory for GPT-2 shaped models (presets named gpt2*, or GPT-style raw
+/// dimensions), `None` for others or when the sequence exceeds a preset's context.
+fn trainkit_exact(
+    subject: &Subject,
+    seq_len: u64,
+    batch_size: u64,
+    precision: TrainingPrecision,
+    recompute: Recompute,
+) -> Result<Option<MemoryPrediction>> {
+    let Some(a) = subject.arch else {
+        return Ok(None);
+    };
+    let gpt2 = subject
+        .name
+        .map_or(a.is_gpt_like(), |n| n.starts_with("gpt2"));
+    if !gpt2 {
+        return Ok(None);
+    }
+    let positions = if subject.name.is_some() {
+        a.positions
+    } else {
+        seq_len
+    };
+    if seq_len > positions {
+        return Ok(None);
+    }
+    let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    let config = Gpt2Config {
+        n_layer: usize_of(a.layers),
+        n_head: usize_of(a.heads),
+        n_embd: usize_of(a.hidden),
+        n_positions: usize_of(positions),
+        vocab_size: usize_of(a.vocab),
+        layer_norm_epsilon: 1e-5,
+    };
+    predict_gpt2(
+        &config,
+        MicroBatch {
+            batch_size: usize_of(batch_size),
+            seq_len: usize_of(seq_len),
+        },
+        precision.policy().as_ref(),
+        recompute.policy().as_ref(),
+        &AdamW::default(),
+    )
+    .map(Some)
+    .map_err(as_flag)
 }
 
 #[cfg(test)]
