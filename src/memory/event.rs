@@ -1,7 +1,8 @@
-//! The memory event stream: allocations, frees, phase boundaries and step ends.
+//! The memory event stream: allocations, frees, phase boundaries, op spans and step ends.
 
 use super::MemoryCategory;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 /// A span of the training step, reported at its beginning and end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -91,6 +92,19 @@ pub enum MemoryEvent {
         phase: Phase,
         /// Microseconds since the ledger was created.
         time_us: u64,
+    },
+    /// A backend op ran (reported when it ends, so after the allocations it made).
+    Op {
+        /// The op: the [`crate::Backend`] method, e.g. `matmul` or `attention_scores`.
+        name: Cow<'static, str>,
+        /// Label of the tensor the op wrote (its first output), e.g. `h.3.qkv`.
+        label: String,
+        /// Floating-point operations the op executed (see [`crate::Backend`]'s methods).
+        flops: u64,
+        /// When the op started, in microseconds since the ledger was created.
+        time_us: u64,
+        /// How long it ran, in microseconds.
+        duration_us: u64,
     },
     /// An optimizer step ended.
     StepEnd {

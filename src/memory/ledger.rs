@@ -1,7 +1,11 @@
-//! The ledger: exact live and peak bytes per category, and the event stream behind them.
+//! The ledger: exact live and peak bytes per category and per label, the running count of
+//! executed floating-point operations, and the event stream behind them.
 
 use super::{CategoryBytes, MemoryCategory, MemoryEvent, Phase};
 use crate::error::{Error, Result};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -16,25 +20,60 @@ pub struct LedgerSnapshot {
     pub peak_total: u64,
     /// The per-category breakdown at the moment the total peaked.
     pub at_peak: CategoryBytes,
+    /// Floating-point operations the backend's ops executed since the last reset.
+    pub flops: u64,
+}
+
+/// Live and peak bytes of the buffers sharing one label (e.g. every `h.3.qkv`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LabelBytes {
+    /// The label, e.g. `h.3.qkv` or `h.3.attn.c_attn.weight`.
+    pub label: String,
+    /// The category the label's buffers are counted under.
+    pub category: MemoryCategory,
+    /// Bytes of the label's buffers live now.
+    pub live: u64,
+    /// The maximum of `live` since the last [`Ledger::reset_peaks`].
+    pub peak: u64,
+}
+
+/// Live and peak bytes of one (label, category) pair.
+#[derive(Clone, Copy, Debug)]
+struct LabelCount {
+    category: MemoryCategory,
+    live: u64,
+    peak: u64,
 }
 
 #[derive(Debug)]
 struct LedgerState {
     snapshot: LedgerSnapshot,
+    /// Per label; a label almost always has one category, so the list holds one entry.
+    labels: HashMap<String, Vec<LabelCount>>,
     next_id: u64,
-    recording: bool,
     events: Vec<MemoryEvent>,
     limit: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<LedgerState>,
+    /// Read without the lock by every op, so it lives beside it.
+    recording: AtomicBool,
+    /// Executed floating-point operations since the last reset; ops add without the lock.
+    flops: AtomicU64,
 }
 
 /// Exact accounting of every buffer a backend allocates. Cheap to clone (shared state).
 ///
 /// Every [`crate::Tensor`] reports its allocation and its drop here, so live and peak bytes
-/// per [`MemoryCategory`] are exact on every backend. While recording, the ledger also keeps
-/// the ordered event stream (allocations, frees, phase markers) for observers to drain.
+/// per [`MemoryCategory`] and per label are exact on every backend, and every op adds the
+/// floating-point operations it executed. While recording, the ledger also keeps the
+/// ordered event stream (allocations, frees, phase markers, op spans) for observers to
+/// drain.
 #[derive(Clone, Debug)]
 pub struct Ledger {
-    state: Arc<Mutex<LedgerState>>,
+    shared: Arc<Shared>,
     start: Instant,
 }
 
@@ -48,30 +87,38 @@ impl Ledger {
     /// An empty ledger, not recording events, with no memory limit.
     pub fn new() -> Self {
         Ledger {
-            state: Arc::new(Mutex::new(LedgerState {
-                snapshot: LedgerSnapshot::default(),
-                next_id: 0,
-                recording: false,
-                events: Vec::new(),
-                limit: None,
-            })),
+            shared: Arc::new(Shared {
+                state: Mutex::new(LedgerState {
+                    snapshot: LedgerSnapshot::default(),
+                    labels: HashMap::new(),
+                    next_id: 0,
+                    events: Vec::new(),
+                    limit: None,
+                }),
+                recording: AtomicBool::new(false),
+                flops: AtomicU64::new(0),
+            }),
             start: Instant::now(),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, LedgerState> {
         // A poisoned ledger still holds consistent numbers: every update is a few additions.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn now_us(&self) -> u64 {
         self.start.elapsed().as_micros() as u64
     }
 
+    fn recording(&self) -> bool {
+        self.shared.recording.load(Ordering::Relaxed)
+    }
+
     /// Starts or stops keeping the event stream (accounting itself never stops).
     pub fn set_recording(&self, on: bool) {
         let mut s = self.lock();
-        s.recording = on;
+        self.shared.recording.store(on, Ordering::Relaxed);
         if !on {
             s.events.clear();
         }
@@ -101,7 +148,11 @@ impl Ledger {
             snap.peak_total = total;
             snap.at_peak = snap.live;
         }
-        if s.recording {
+        update_label(&mut s.labels, label, category, |c| {
+            c.live += bytes;
+            c.peak = c.peak.max(c.live);
+        });
+        if self.recording() {
             s.events.push(MemoryEvent::Alloc {
                 id,
                 category,
@@ -124,7 +175,14 @@ impl Ledger {
         let mut s = self.lock();
         let live = s.snapshot.live.get_mut(category);
         *live = live.saturating_sub(bytes);
-        if s.recording {
+        if let Some(c) = s
+            .labels
+            .get_mut(label)
+            .and_then(|counts| counts.iter_mut().find(|c| c.category == category))
+        {
+            c.live = c.live.saturating_sub(bytes);
+        }
+        if self.recording() {
             s.events.push(MemoryEvent::Free {
                 id,
                 category,
@@ -139,7 +197,7 @@ impl Ledger {
     pub fn phase_begin(&self, phase: Phase) {
         let time_us = self.now_us();
         let mut s = self.lock();
-        if s.recording {
+        if self.recording() {
             s.events.push(MemoryEvent::PhaseBegin { phase, time_us });
         }
     }
@@ -148,7 +206,7 @@ impl Ledger {
     pub fn phase_end(&self, phase: Phase) {
         let time_us = self.now_us();
         let mut s = self.lock();
-        if s.recording {
+        if self.recording() {
             s.events.push(MemoryEvent::PhaseEnd { phase, time_us });
         }
     }
@@ -157,7 +215,7 @@ impl Ledger {
     pub fn step_end(&self, step: u64, device: Option<super::DeviceMemory>) {
         let time_us = self.now_us();
         let mut s = self.lock();
-        if s.recording {
+        if self.recording() {
             s.events.push(MemoryEvent::StepEnd {
                 step,
                 device,
@@ -166,23 +224,169 @@ impl Ledger {
         }
     }
 
+    /// Opens the span of one backend op that executes `flops` floating-point operations
+    /// and writes the tensor labelled `label`.
+    ///
+    /// When the span ends (dropped, or [`OpSpan::finish`] with `Ok`) its flops are added to
+    /// [`Ledger::flops`], and, while recording, a [`MemoryEvent::Op`] with its start and
+    /// duration joins the event stream. When not recording an op costs two atomic
+    /// operations and allocates nothing.
+    pub fn op(&self, name: &'static str, flops: u64, label: &str) -> OpSpan<'_> {
+        let recorded = self.recording().then(|| Recorded {
+            label: label.to_string(),
+            start: Instant::now(),
+            time_us: self.now_us(),
+        });
+        OpSpan {
+            ledger: self,
+            name,
+            flops,
+            recorded,
+        }
+    }
+
+    /// Floating-point operations executed by the backend's ops since the last
+    /// [`Ledger::reset_peaks`] (counted whether or not the ledger records events).
+    pub fn flops(&self) -> u64 {
+        self.shared.flops.load(Ordering::Relaxed)
+    }
+
     /// Takes the events recorded since the last drain, in order.
     pub fn drain_events(&self) -> Vec<MemoryEvent> {
         std::mem::take(&mut self.lock().events)
     }
 
-    /// Live and peak bytes now.
+    /// Live and peak bytes and executed flops now.
     pub fn snapshot(&self) -> LedgerSnapshot {
-        self.lock().snapshot
+        let mut snap = self.lock().snapshot;
+        snap.flops = self.flops();
+        snap
     }
 
-    /// Starts a new peak window: peaks become the bytes live now.
+    /// Live and peak bytes of every label allocated since the last [`Ledger::reset_peaks`]
+    /// or live now: by category in [`MemoryCategory::ALL`] order, then by peak (largest
+    /// first), then by label.
+    pub fn labels(&self) -> Vec<LabelBytes> {
+        let s = self.lock();
+        let mut out: Vec<LabelBytes> = s
+            .labels
+            .iter()
+            .flat_map(|(label, counts)| {
+                counts.iter().map(|c| LabelBytes {
+                    label: label.clone(),
+                    category: c.category,
+                    live: c.live,
+                    peak: c.peak,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            a.category
+                .cmp(&b.category)
+                .then(b.peak.cmp(&a.peak))
+                .then_with(|| a.label.cmp(&b.label))
+        });
+        out
+    }
+
+    /// Starts a new window: peaks (per category and per label) become the bytes live now,
+    /// labels with nothing live are forgotten, and the flops count returns to zero.
     pub fn reset_peaks(&self) {
         let mut s = self.lock();
         let live = s.snapshot.live;
         s.snapshot.peak = live;
         s.snapshot.peak_total = live.total();
         s.snapshot.at_peak = live;
+        s.labels.retain(|_, counts| {
+            counts.retain(|c| c.live > 0);
+            for c in counts.iter_mut() {
+                c.peak = c.live;
+            }
+            !counts.is_empty()
+        });
+        self.shared.flops.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Applies `f` to the counts of `label` under `category`, created at zero if missing.
+fn update_label(
+    labels: &mut HashMap<String, Vec<LabelCount>>,
+    label: &str,
+    category: MemoryCategory,
+    f: impl FnOnce(&mut LabelCount),
+) {
+    let fresh = || LabelCount {
+        category,
+        live: 0,
+        peak: 0,
+    };
+    match labels.get_mut(label) {
+        Some(counts) => match counts.iter_mut().find(|c| c.category == category) {
+            Some(c) => f(c),
+            None => {
+                let mut c = fresh();
+                f(&mut c);
+                counts.push(c);
+            }
+        },
+        None => {
+            let mut c = fresh();
+            f(&mut c);
+            labels.insert(label.to_string(), vec![c]);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Recorded {
+    label: String,
+    start: Instant,
+    time_us: u64,
+}
+
+/// The span of one backend op, from [`Ledger::op`]; it ends when dropped.
+#[derive(Debug)]
+#[must_use = "an op span measures until it is dropped; bind it (`let _op = ...`)"]
+pub struct OpSpan<'a> {
+    ledger: &'a Ledger,
+    name: &'static str,
+    flops: u64,
+    recorded: Option<Recorded>,
+}
+
+impl OpSpan<'_> {
+    /// Ends the span with the op's result: an op that failed executed nothing, so on `Err`
+    /// neither its flops nor its event are recorded. Returns `result`.
+    pub fn finish<R>(mut self, result: Result<R>) -> Result<R> {
+        if result.is_err() {
+            self.flops = 0;
+            self.recorded = None;
+        }
+        result
+    }
+}
+
+impl Drop for OpSpan<'_> {
+    fn drop(&mut self) {
+        if self.flops > 0 {
+            self.ledger
+                .shared
+                .flops
+                .fetch_add(self.flops, Ordering::Relaxed);
+        }
+        if let Some(r) = self.recorded.take() {
+            let duration_us = r.start.elapsed().as_micros() as u64;
+            let mut s = self.ledger.lock();
+            if self.ledger.recording() {
+                s.events.push(MemoryEvent::Op {
+                    name: Cow::Borrowed(self.name),
+                    label: r.label,
+                    flops: self.flops,
+                    time_us: r.time_us,
+                    duration_us,
+                });
+            }
+        }
     }
 }
 
@@ -212,4 +416,92 @@ fn refusal(s: &LedgerState, category: MemoryCategory, bytes: u64, label: &str) -
             }
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use MemoryCategory::{Activations, Gradients, Weights};
+
+    fn row(ledger: &Ledger, label: &str, category: MemoryCategory) -> (u64, u64) {
+        ledger
+            .labels()
+            .iter()
+            .find(|b| b.label == label && b.category == category)
+            .map(|b| (b.live, b.peak))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn labels_have_exact_live_and_peak_bytes() {
+        let l = Ledger::new();
+        let a = l.alloc(Activations, 100, "h.0.qkv").unwrap();
+        let b = l.alloc(Activations, 50, "h.0.qkv").unwrap();
+        l.free(a, Activations, 100, "h.0.qkv");
+        let w = l.alloc(Weights, 10, "wte").unwrap();
+        assert_eq!(row(&l, "h.0.qkv", Activations), (50, 150));
+        assert_eq!(row(&l, "wte", Weights), (10, 10));
+        // A label reused under another category is counted apart.
+        let g = l.alloc(Gradients, 7, "wte").unwrap();
+        assert_eq!(row(&l, "wte", Gradients), (7, 7));
+        assert_eq!(row(&l, "wte", Weights), (10, 10));
+        let order: Vec<(String, MemoryCategory)> = l
+            .labels()
+            .into_iter()
+            .map(|b| (b.label, b.category))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                ("wte".to_string(), Weights),
+                ("wte".to_string(), Gradients),
+                ("h.0.qkv".to_string(), Activations)
+            ]
+        );
+        l.free(b, Activations, 50, "h.0.qkv");
+        l.free(g, Gradients, 7, "wte");
+        l.reset_peaks();
+        let left: Vec<LabelBytes> = l.labels();
+        assert_eq!(
+            left,
+            [LabelBytes {
+                label: "wte".into(),
+                category: Weights,
+                live: 10,
+                peak: 10
+            }]
+        );
+        l.free(w, Weights, 10, "wte");
+        assert_eq!(row(&l, "wte", Weights), (0, 10));
+    }
+
+    #[test]
+    fn op_spans_count_flops_always_and_record_only_while_recording() {
+        let l = Ledger::new();
+        drop(l.op("matmul", 10, "out"));
+        assert_eq!(l.flops(), 10);
+        assert!(l.drain_events().is_empty());
+        l.set_recording(true);
+        {
+            let _op = l.op("gelu", 5, "h.0.gelu_out");
+        }
+        let failed: Result<()> = Err(Error::shape("add", "mismatch"));
+        assert!(l.op("add", 3, "x").finish(failed).is_err());
+        assert_eq!(l.flops(), 15);
+        let events = l.drain_events();
+        assert_eq!(events.len(), 1);
+        let MemoryEvent::Op {
+            name, label, flops, ..
+        } = &events[0]
+        else {
+            panic!("not an op: {:?}", events[0]);
+        };
+        assert_eq!(
+            (name.as_ref(), label.as_str(), *flops),
+            ("gelu", "h.0.gelu_out", 5)
+        );
+        assert_eq!(l.snapshot().flops, 15);
+        l.reset_peaks();
+        assert_eq!(l.snapshot().flops, 0);
+    }
 }

@@ -7,5 +7,5 @@ mod observer;
 
 pub use category::{format_bytes, CategoryBytes, MemoryCategory};
 pub use event::{DeviceMemory, MemoryEvent, Phase};
-pub use ledger::{Ledger, LedgerSnapshot};
+pub use ledger::{LabelBytes, Ledger, LedgerSnapshot, OpSpan};
 pub use observer::{LogObserver, MemoryObserver, Observers, PeakTracker};

@@ -140,7 +140,9 @@ impl MemoryObserver for PeakTracker {
                 self.step_peak = self.live;
                 self.step_peak_total = self.live.total();
             }
-            MemoryEvent::PhaseBegin { .. } | MemoryEvent::PhaseEnd { .. } => {}
+            MemoryEvent::PhaseBegin { .. }
+            | MemoryEvent::PhaseEnd { .. }
+            | MemoryEvent::Op { .. } => {}
         }
     }
 }
@@ -179,6 +181,13 @@ impl MemoryObserver for LogObserver {
             }
             MemoryEvent::PhaseBegin { phase, .. } => log::debug!("begin {phase}"),
             MemoryEvent::PhaseEnd { phase, .. } => log::debug!("end {phase}"),
+            MemoryEvent::Op {
+                name,
+                label,
+                flops,
+                duration_us,
+                ..
+            } => log::trace!("op {name} -> {label}: {flops} flops in {duration_us} us"),
             MemoryEvent::StepEnd { step, device, .. } => {
                 let parts: Vec<String> = self
                     .live

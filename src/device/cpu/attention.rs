@@ -52,6 +52,61 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(ROWS)).map(move |i| (i * ROWS, ROWS.min(t - i * ROWS)))
 }
 
+/// Entries of a `t`-row causal matrix the blocked products compute: `Σ rows·(i0 + rows)`
+/// over the row blocks, the triangle in whole blocks (a little more than `t(t+1)/2`). The
+/// products that run down from the diagonal (`Σ rows·(t - i0)`) cover the same count.
+fn block_area(t: usize) -> u64 {
+    blocks(t)
+        .map(|(i0, rows)| (rows * (i0 + rows)) as u64)
+        .sum()
+}
+
+/// Floating-point operations of each attention op with these operands, as the kernels
+/// here execute them: products over whole row blocks of the causal triangle (2 per
+/// multiply-add, plus 1 per output for the score scaling), 5 per causal entry for the
+/// softmax (max, subtract, exp, sum, normalise) and 4 for its backward. Zero for shapes
+/// the ops refuse.
+pub(super) struct AttentionFlops {
+    pub scores: u64,
+    pub scores_backward: u64,
+    pub values: u64,
+    pub values_backward: u64,
+}
+
+impl AttentionFlops {
+    pub(super) fn new(qkv: &Tensor, n_head: usize) -> AttentionFlops {
+        let Ok(d) = dims(qkv, n_head, "attention") else {
+            return AttentionFlops {
+                scores: 0,
+                scores_backward: 0,
+                values: 0,
+                values_backward: 0,
+            };
+        };
+        let area = block_area(d.t);
+        let (bh, hs, t) = ((d.b * d.h) as u64, d.hs as u64, d.t as u64);
+        AttentionFlops {
+            // S = scale · Q·Kᵀ on the blocks.
+            scores: bh * area * (2 * hs + 1),
+            // dQ = scale · dS·K and dK = scale · dSᵀ·Q.
+            scores_backward: bh * hs * (4 * area + 2 * t),
+            // O = P·V.
+            values: bh * 2 * hs * area,
+            // dP = dO·Vᵀ and dV = Pᵀ·dO.
+            values_backward: bh * 4 * hs * area,
+        }
+    }
+}
+
+/// Floating-point operations of the causal softmax (`per_entry` 5) or its backward (4)
+/// over `[B, H, T, T]` `probs`: the triangle `j <= i` only. Zero for other shapes.
+pub(super) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
+    match *probs.shape() {
+        [b, h, t, t2] if t == t2 => (b * h) as u64 * (t * (t + 1) / 2) as u64 * per_entry,
+        _ => 0,
+    }
+}
+
 pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
     let d = dims(qkv, n_head, "attention_scores")?;
     ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
@@ -305,6 +360,49 @@ pub(super) fn values_backward(
         })
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_area_covers_the_triangle_in_whole_blocks() {
+        // One block: the full square.
+        assert_eq!(block_area(10), 100);
+        // Two blocks of 64: 64·64 + 64·128.
+        assert_eq!(block_area(128), 12288);
+        // 64 + 6 rows: 64·64 + 6·70.
+        assert_eq!(block_area(70), 4516);
+        assert_eq!(block_area(0), 0);
+        // Going down from the diagonal covers as many entries.
+        for t in [1, 63, 64, 65, 200, 1024] {
+            let down: u64 = blocks(t).map(|(i0, rows)| (rows * (t - i0)) as u64).sum();
+            assert_eq!(down, block_area(t), "t = {t}");
+        }
+    }
+
+    #[test]
+    fn attention_flops_follow_the_blocks() {
+        let be = crate::CpuBackend::new();
+        use crate::Backend;
+        // B 2, T 70, C 8, 2 heads of 4.
+        let qkv = be
+            .zeros(
+                &[2, 70, 24],
+                crate::DType::F32,
+                crate::MemoryCategory::Activations,
+                "qkv",
+            )
+            .unwrap();
+        let f = AttentionFlops::new(&qkv, 2);
+        assert_eq!(f.scores, 4 * 4516 * 9);
+        assert_eq!(f.values, 4 * 2 * 4 * 4516);
+        assert_eq!(f.values_backward, 2 * f.values);
+        assert_eq!(f.scores_backward, 4 * 4 * (4 * 4516 + 140));
+        // Heads that do not divide the width: the op refuses, nothing is counted.
+        assert_eq!(AttentionFlops::new(&qkv, 3).scores, 0);
+    }
 }
 
 simd_fn! {

@@ -142,6 +142,24 @@ unsafe fn gemm_serial(
     );
 }
 
+/// Floating-point operations of a `[m, n]` product over `k`: a multiply and an add per
+/// term (2·m·n·k), plus one add per output element for a bias.
+pub(crate) fn product_flops(m: usize, n: usize, k: usize, bias: bool) -> u64 {
+    let (m, n, k) = (m as u64, n as u64, k as u64);
+    let mn = m.saturating_mul(n);
+    mn.saturating_mul(k)
+        .saturating_mul(2)
+        .saturating_add(if bias { mn } else { 0 })
+}
+
+/// Floating-point operations of [`matmul`] with these operands (meaningful once the
+/// shapes have been accepted).
+pub(super) fn flops(out: &Tensor, a: &Tensor, bias: bool, trans_a: bool) -> u64 {
+    let (m, n) = out.rows_cols();
+    let (ar, ac) = a.rows_cols();
+    product_flops(m, n, if trans_a { ar } else { ac }, bias)
+}
+
 pub(super) fn matmul(
     out: &mut Tensor,
     a: &Tensor,
@@ -235,7 +253,21 @@ pub(super) fn matmul(
 
 #[cfg(test)]
 mod tests {
-    use super::tiles;
+    use super::{product_flops, tiles};
+
+    #[test]
+    fn product_flops_are_two_per_multiply_add() {
+        assert_eq!(product_flops(2, 3, 4, false), 48);
+        // The bias adds one per output element.
+        assert_eq!(product_flops(2, 3, 4, true), 54);
+        assert_eq!(product_flops(0, 3, 4, true), 0);
+        // GPT-2 small's QKV projection on 8 × 1024 tokens.
+        assert_eq!(
+            product_flops(8 * 1024, 3 * 768, 768, false),
+            2 * 8192 * 2304 * 768
+        );
+        assert_eq!(product_flops(usize::MAX, 2, 2, false), u64::MAX);
+    }
 
     #[test]
     fn tiles_follow_the_shape() {

@@ -4,6 +4,16 @@
 //! kernel stores its output. Every reduction runs in a fixed order (work is split into
 //! chunks whose boundaries depend on the shape only, never on the thread count), so the same
 //! inputs give bitwise-equal outputs, which the recompute policies rely on.
+//!
+//! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
+//! operations it executed, each multiply, add, exp, square root or division counting
+//! one: 2·m·n·k for a matmul (plus m·n with a bias); for attention, the products over the
+//! causal triangle in whole blocks of 64 rows, as the kernels compute them (plus one per
+//! score for the scaling), 5 per causal entry for the softmax and 4 for its backward; per
+//! element, 1 for `add`, `scale`, `embedding` and `bias_backward`, 2 for `axpy`,
+//! `sum_squares` and `embedding_backward`, 8 for `layernorm`, 19 for its backward, 9 for
+//! `gelu`, 19 for its backward, 15 for `adamw`, and per logit 4 for `cross_entropy`
+//! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
 mod adamw;
 mod attention;
@@ -28,6 +38,32 @@ use std::sync::Arc;
 
 /// Elements per parallel chunk of element-wise work.
 const CHUNK: usize = 1 << 14;
+
+/// Floating-point operations per element of the element-wise kernels (see the module
+/// documentation).
+mod per_element {
+    pub const ADD: u64 = 1;
+    pub const AXPY: u64 = 2;
+    pub const SCALE: u64 = 1;
+    pub const SUM_SQUARES: u64 = 2;
+    pub const BIAS_BACKWARD: u64 = 1;
+    pub const EMBEDDING: u64 = 1;
+    pub const EMBEDDING_BACKWARD: u64 = 2;
+    pub const LAYERNORM: u64 = 8;
+    pub const LAYERNORM_BACKWARD: u64 = 19;
+    pub const GELU: u64 = 9;
+    pub const GELU_BACKWARD: u64 = 19;
+    pub const ADAMW: u64 = 15;
+    pub const CROSS_ENTROPY: u64 = 4;
+    pub const CROSS_ENTROPY_GRAD: u64 = 5;
+    pub const SOFTMAX: u64 = 5;
+    pub const SOFTMAX_BACKWARD: u64 = 4;
+}
+
+/// `per` operations on each of `n` elements.
+fn each(n: usize, per: u64) -> u64 {
+    (n as u64).saturating_mul(per)
+}
 
 /// The reference backend, running on the host with rayon threads.
 #[derive(Debug)]
@@ -238,48 +274,71 @@ impl Backend for CpuBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
+        let op = self.ledger.op("upload", 0, label);
         let storage = match dtype {
             DType::F32 => Storage::F32(data.to_vec()),
             DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
         };
-        Tensor::new(storage, shape, category, label, &self.ledger)
+        op.finish(Tensor::new(storage, shape, category, label, &self.ledger))
     }
 
     fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let _op = self.ledger.op("to_f32", 0, t.label());
         Ok(read(t).into_owned())
     }
 
     fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
+        let op = self.ledger.op("copy", 0, label);
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
         };
-        Tensor::new(storage, t.shape(), category, label, &self.ledger)
+        op.finish(Tensor::new(
+            storage,
+            t.shape(),
+            category,
+            label,
+            &self.ledger,
+        ))
     }
 
     fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        elementwise::cast(dst, src)
+        self.ledger
+            .op("cast", 0, dst.label())
+            .finish(elementwise::cast(dst, src))
     }
 
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        let _op = self.ledger.op("fill", 0, t.label());
         elementwise::fill(t, value);
         Ok(())
     }
 
     fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        elementwise::add(out, a, b)
+        let flops = each(out.numel(), per_element::ADD);
+        self.ledger
+            .op("add", flops, out.label())
+            .finish(elementwise::add(out, a, b))
     }
 
     fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-        elementwise::axpy(y, alpha, x)
+        let flops = each(y.numel(), per_element::AXPY);
+        self.ledger
+            .op("axpy", flops, y.label())
+            .finish(elementwise::axpy(y, alpha, x))
     }
 
     fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+        let _op = self
+            .ledger
+            .op("scale", each(x.numel(), per_element::SCALE), x.label());
         elementwise::scale(x, alpha);
         Ok(())
     }
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        let flops = each(x.numel(), per_element::SUM_SQUARES);
+        let _op = self.ledger.op("sum_squares", flops, x.label());
         Ok(elementwise::sum_squares(x))
     }
 
@@ -293,11 +352,19 @@ impl Backend for CpuBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
-        matmul::matmul(out, a, b, bias, trans_a, trans_b, accumulate)
+        let flops = matmul::flops(out, a, bias.is_some(), trans_a);
+        self.ledger
+            .op("matmul", flops, out.label())
+            .finish(matmul::matmul(
+                out, a, b, bias, trans_a, trans_b, accumulate,
+            ))
     }
 
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        elementwise::bias_backward(dbias, dout)
+        let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
+        self.ledger
+            .op("bias_backward", flops, dbias.label())
+            .finish(elementwise::bias_backward(dbias, dout))
     }
 
     fn embedding(
@@ -307,7 +374,10 @@ impl Backend for CpuBackend {
         wte: &Tensor,
         wpe: &Tensor,
     ) -> Result<()> {
-        embedding::forward(out, tokens, wte, wpe)
+        let flops = each(out.numel(), per_element::EMBEDDING);
+        self.ledger
+            .op("embedding", flops, out.label())
+            .finish(embedding::forward(out, tokens, wte, wpe))
     }
 
     fn embedding_backward(
@@ -317,7 +387,10 @@ impl Backend for CpuBackend {
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
-        embedding::backward(dwte, dwpe, dout, tokens)
+        let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
+        self.ledger
+            .op("embedding_backward", flops, dwte.label())
+            .finish(embedding::backward(dwte, dwpe, dout, tokens))
     }
 
     fn layernorm(
@@ -329,7 +402,10 @@ impl Backend for CpuBackend {
         bias: &Tensor,
         eps: f32,
     ) -> Result<()> {
-        layernorm::forward(out, stats, x, weight, bias, eps)
+        let flops = each(x.numel(), per_element::LAYERNORM);
+        self.ledger
+            .op("layernorm", flops, out.label())
+            .finish(layernorm::forward(out, stats, x, weight, bias, eps))
     }
 
     fn layernorm_backward(
@@ -342,19 +418,33 @@ impl Backend for CpuBackend {
         weight: &Tensor,
         stats: &Tensor,
     ) -> Result<()> {
-        layernorm::backward(dx, dweight, dbias, dout, x, weight, stats)
+        let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
+        self.ledger
+            .op("layernorm_backward", flops, dx.label())
+            .finish(layernorm::backward(
+                dx, dweight, dbias, dout, x, weight, stats,
+            ))
     }
 
     fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        gelu::forward(out, x)
+        let flops = each(x.numel(), per_element::GELU);
+        self.ledger
+            .op("gelu", flops, out.label())
+            .finish(gelu::forward(out, x))
     }
 
     fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        gelu::backward(dx, x, dout)
+        let flops = each(x.numel(), per_element::GELU_BACKWARD);
+        self.ledger
+            .op("gelu_backward", flops, dx.label())
+            .finish(gelu::backward(dx, x, dout))
     }
 
     fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
-        attention::scores(scores, qkv, n_head)
+        let flops = attention::AttentionFlops::new(qkv, n_head).scores;
+        self.ledger
+            .op("attention_scores", flops, scores.label())
+            .finish(attention::scores(scores, qkv, n_head))
     }
 
     fn attention_scores_backward(
@@ -364,11 +454,17 @@ impl Backend for CpuBackend {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        attention::scores_backward(dqkv, dscores, qkv, n_head)
+        let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
+        self.ledger
+            .op("attention_scores_backward", flops, dqkv.label())
+            .finish(attention::scores_backward(dqkv, dscores, qkv, n_head))
     }
 
     fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-        attention::softmax(probs, scores)
+        let flops = attention::softmax_flops(scores, per_element::SOFTMAX);
+        self.ledger
+            .op("softmax_causal", flops, probs.label())
+            .finish(attention::softmax(probs, scores))
     }
 
     fn softmax_causal_backward(
@@ -377,7 +473,10 @@ impl Backend for CpuBackend {
         dprobs: &Tensor,
         probs: &Tensor,
     ) -> Result<()> {
-        attention::softmax_backward(dscores, dprobs, probs)
+        let flops = attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
+        self.ledger
+            .op("softmax_causal_backward", flops, dscores.label())
+            .finish(attention::softmax_backward(dscores, dprobs, probs))
     }
 
     fn attention_values(
@@ -387,7 +486,10 @@ impl Backend for CpuBackend {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        attention::values(out, probs, qkv, n_head)
+        let flops = attention::AttentionFlops::new(qkv, n_head).values;
+        self.ledger
+            .op("attention_values", flops, out.label())
+            .finish(attention::values(out, probs, qkv, n_head))
     }
 
     fn attention_values_backward(
@@ -399,7 +501,12 @@ impl Backend for CpuBackend {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        attention::values_backward(dprobs, dqkv, dout, probs, qkv, n_head)
+        let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
+        self.ledger
+            .op("attention_values_backward", flops, dprobs.label())
+            .finish(attention::values_backward(
+                dprobs, dqkv, dout, probs, qkv, n_head,
+            ))
     }
 
     fn cross_entropy(
@@ -409,7 +516,16 @@ impl Backend for CpuBackend {
         vocab: usize,
         grad_scale: Option<f32>,
     ) -> Result<f64> {
-        cross_entropy::cross_entropy(logits, targets, vocab, grad_scale)
+        let per = match grad_scale {
+            Some(_) => per_element::CROSS_ENTROPY_GRAD,
+            None => per_element::CROSS_ENTROPY,
+        };
+        let flops = each(targets.len().saturating_mul(vocab), per);
+        self.ledger
+            .op("cross_entropy", flops, logits.label())
+            .finish(cross_entropy::cross_entropy(
+                logits, targets, vocab, grad_scale,
+            ))
     }
 
     fn adamw(
@@ -420,6 +536,9 @@ impl Backend for CpuBackend {
         v: &mut Tensor,
         hp: &AdamWStep,
     ) -> Result<()> {
-        adamw::adamw(param, grad, m, v, hp)
+        let flops = each(param.numel(), per_element::ADAMW);
+        self.ledger
+            .op("adamw", flops, param.label())
+            .finish(adamw::adamw(param, grad, m, v, hp))
     }
 }
