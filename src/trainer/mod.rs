@@ -36,6 +36,9 @@ pub struct TrainerOptions {
     /// (each skipped, the weights untouched), [`Trainer::step`] fails with
     /// [`Error::Diverged`] (0 = never).
     pub max_bad_steps: u64,
+    /// The device's peak FLOP/s in the compute dtype, for MFU and HFU in [`StepStats`]
+    /// (see [`crate::estimate::peak_flops`]); `None` leaves them unset.
+    pub peak_flops: Option<f64>,
 }
 
 impl Default for TrainerOptions {
@@ -46,6 +49,7 @@ impl Default for TrainerOptions {
             total_steps: 0,
             seed: 1337,
             max_bad_steps: 10,
+            peak_flops: None,
         }
     }
 }
@@ -84,6 +88,17 @@ pub struct StepStats {
     pub skipped: bool,
     /// Peak bytes per category during the step.
     pub memory: StepMemory,
+    /// The model's FLOPs for the step's tokens by llm.c's count, `6N + 6·L·h·T` per
+    /// token: what MFU divides by.
+    pub model_flops: f64,
+    /// Floating-point operations the backend's ops executed during the step, recomputed
+    /// forward work included: what HFU divides by.
+    pub hardware_flops: u64,
+    /// Model FLOPs utilisation: `model_flops / seconds / peak`, when the peak is known.
+    pub mfu: Option<f64>,
+    /// Hardware FLOPs utilisation: `hardware_flops / seconds / peak`, when the peak is
+    /// known.
+    pub hfu: Option<f64>,
     /// Activation bytes the checkpoint policy kept, dropped and recomputed (summed over
     /// micro-batches).
     #[serde(skip)]
@@ -433,6 +448,13 @@ where
         let snap = ledger.snapshot();
         let seconds = start.elapsed().as_secs_f64();
         let tokens = tokens_per_micro * k as u64;
+        let model_flops = self.model.flops_per_token(t) * tokens as f64;
+        let utilisation = |flops: f64| {
+            self.options
+                .peak_flops
+                .filter(|p| *p > 0.0)
+                .map(|peak| flops / seconds.max(1e-12) / peak)
+        };
         Ok(StepStats {
             step: self.step,
             loss,
@@ -448,6 +470,10 @@ where
                 peak_total: snap.peak_total,
                 at_peak: snap.at_peak,
             },
+            model_flops,
+            hardware_flops: snap.flops,
+            mfu: utilisation(model_flops),
+            hfu: utilisation(snap.flops as f64),
             stash,
         })
     }

@@ -49,17 +49,22 @@ impl Progress {
     /// Reports one finished step.
     pub fn step(&mut self, s: &StepStats) -> Result<()> {
         let peak = format_bytes(s.memory.peak_total);
+        let seconds = s.seconds.max(1e-12);
+        let speed = match (s.mfu, s.hfu) {
+            (Some(m), Some(h)) => format!("MFU {:.1}% | HFU {:.1}%", 100.0 * m, 100.0 * h),
+            _ => format!("{:.1} GFLOP/s", s.model_flops / seconds / 1e9),
+        };
         match &self.bar {
             Some(bar) => {
                 bar.set_position(s.step);
                 bar.set_message(format!(
-                    "loss {:.4} | {:.0} tok/s | peak {peak}",
+                    "loss {:.4} | {:.0} tok/s | {speed} | peak {peak}",
                     s.loss, s.tokens_per_s
                 ));
             }
             None => println!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.0} tok/s | {:.0} ms | \
-                 peak {peak}{}",
+                 {speed} | peak {peak}{}",
                 s.step,
                 self.total,
                 s.loss,
@@ -85,6 +90,12 @@ impl Progress {
                 "seconds": s.seconds,
                 "tokens_per_s": s.tokens_per_s,
                 "skipped": s.skipped,
+                "model_flops": s.model_flops,
+                "hardware_flops": s.hardware_flops,
+                "model_flops_per_s": s.model_flops / seconds,
+                "hardware_flops_per_s": s.hardware_flops as f64 / seconds,
+                "mfu": s.mfu,
+                "hfu": s.hfu,
                 "memory_peak": peak,
                 "memory_peak_total": s.memory.peak_total,
             });

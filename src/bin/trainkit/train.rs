@@ -115,6 +115,10 @@ pub struct TrainArgs {
     /// this JSON file at the end.
     #[arg(long)]
     memory_report: Option<PathBuf>,
+    /// The device's peak TFLOP/s in the compute dtype, for MFU and HFU in the log
+    /// (e.g. 989 for an H100 SXM in bf16); without it only achieved FLOP/s are shown.
+    #[arg(long)]
+    peak_tflops: Option<f64>,
 }
 
 impl TrainArgs {
@@ -250,6 +254,15 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         print!("{}", cfg.to_toml()?);
         return Ok(());
     }
+    let peak_flops = match args.peak_tflops {
+        Some(p) if !(p.is_finite() && p > 0.0) => {
+            return Err(Error::config(
+                "--peak-tflops",
+                format!("{p} is not a positive number of TFLOP/s (e.g. 989 for an H100 SXM)"),
+            ))
+        }
+        p => p.map(|p| p * 1e12),
+    };
     let backend = device.backend()?;
     if let (Some(budget), Device::Cpu) = (memory_budget, device) {
         backend.ledger().set_limit(Some(budget));
@@ -290,6 +303,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             total_steps: t.steps,
             seed: t.seed,
             max_bad_steps: t.max_bad_steps,
+            peak_flops,
         },
     )?;
     if let Some(dir) = &args.resume {
