@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, scratch, tiny_config};
+use common::{corpus_loader, cpu, scratch, tiny_config, TINY_TRAIN};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
@@ -453,6 +453,65 @@ fn a_config_file_sets_up_a_timeline() {
         assert!(err.contains(needle), "{bad}: {err}");
     }
     assert!(Timeline::new(0).is_err());
+}
+
+#[test]
+fn train_timeline_flag_writes_the_files() {
+    let dir = scratch("timeline-cli");
+    let out = dir.join("timeline");
+    let mut args: Vec<&str> = TINY_TRAIN.to_vec();
+    let out_str = out.to_str().unwrap();
+    // Fewer steps than --timeline-steps: the timeline records the steps that run.
+    args.extend([
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--timeline",
+        out_str,
+        "--timeline-steps",
+        "5",
+    ]);
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .args(&args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains("memory timeline"), "{stdout}");
+    for f in TIMELINE_FILES {
+        let len = std::fs::metadata(out.join(f)).map(|m| m.len()).unwrap_or(0);
+        assert!(len > 0, "{f} missing or empty");
+    }
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .args(["train", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--timeline") && help.contains("--timeline-steps"));
+
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .args(TINY_TRAIN)
+        .args([
+            "--steps",
+            "1",
+            "--timeline",
+            out_str,
+            "--timeline-steps",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(
+        err.contains("--timeline-steps") && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 /// Reads the pickle opcodes a memory snapshot uses into JSON (tuples become arrays).
