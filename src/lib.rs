@@ -33,6 +33,7 @@ pub use error::{Error, Result};
 pub use estimate::{Architecture, Preset, Recompute, TrainingPrecision};
 pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
+    Timeline,
 };
 pub use model::{Gpt2, Gpt2Config, Model};
 pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
@@ -48,7 +49,7 @@ pub mod prelude {
     pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
     pub use crate::device::{Backend, Device};
     pub use crate::error::{Error, Result};
-    pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker};
+    pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker, Timeline};
     pub use crate::model::{Gpt2, Gpt2Config, Model};
     pub use crate::optim::{AdamW, LrSchedule, Optimizer, Sgd};
     pub use crate::precision::{Fp32, MixedBf16, Precision};

@@ -107,7 +107,7 @@ pub struct RunConfig {
     /// Accumulation schedule (`kind = "constant"`, `"tokens_per_step"` or `"ramp"`).
     #[serde(default = "default_accumulation")]
     pub accumulation: Box<dyn AccumulationSchedule>,
-    /// Memory observer (`kind = "peak_tracker"`, `"log"` or `"observers"`).
+    /// Memory observer (`kind = "peak_tracker"`, `"log"`, `"timeline"` or `"observers"`).
     #[serde(default = "default_observer")]
     pub observer: Box<dyn MemoryObserver>,
 }

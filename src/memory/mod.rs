@@ -1,11 +1,14 @@
-//! Memory accounting: categories, the ledger, the event stream and its observers.
+//! Memory accounting: categories, the ledger, the event stream and its observers (among
+//! them the timeline, which plots and exports it).
 
 mod category;
 mod event;
 mod ledger;
 mod observer;
+mod timeline;
 
 pub use category::{format_bytes, CategoryBytes, MemoryCategory};
 pub use event::{DeviceMemory, MemoryEvent, Phase};
 pub use ledger::{LabelBytes, Ledger, LedgerSnapshot, OpSpan};
 pub use observer::{LogObserver, MemoryObserver, Observers, PeakTracker};
+pub use timeline::{StepPeak, Timeline, TimelineAxis, TIMELINE_FILES};

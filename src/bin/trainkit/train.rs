@@ -9,7 +9,10 @@ use trainkit::config::{Overrides, RunConfig};
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
-use trainkit::{Device, Error, Gpt2, Model, Result, Trainer, TrainerOptions};
+use trainkit::{
+    Device, Error, Gpt2, MemoryObserver, Model, Observers, Result, Timeline, Trainer,
+    TrainerOptions,
+};
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
@@ -119,6 +122,13 @@ pub struct TrainArgs {
     /// (e.g. 989 for an H100 SXM in bf16); without it only achieved FLOP/s are shown.
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Record memory and op timings of the first --timeline-steps steps and write
+    /// memory.svg, memory_viz.pickle, memory.jsonl and trace.json into this directory.
+    #[arg(long, value_name = "DIR")]
+    timeline: Option<PathBuf>,
+    /// Optimizer steps the --timeline records.
+    #[arg(long, value_name = "N", default_value_t = Timeline::DEFAULT_STEPS)]
+    timeline_steps: u64,
 }
 
 impl TrainArgs {
@@ -296,7 +306,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         cfg.checkpoint.clone(),
         cfg.optimizer.clone(),
         cfg.accumulation.clone(),
-        cfg.observer.clone(),
+        observer(&cfg, &args)?,
         TrainerOptions {
             grad_clip: t.grad_clip,
             lr_schedule: t.lr_schedule,
@@ -426,6 +436,41 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         None => println!("not saved (pass --out DIR to keep the model)"),
     }
     Ok(())
+}
+
+/// The config's observer, joined by a timeline writing into `--timeline DIR`.
+fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<Box<dyn MemoryObserver>> {
+    let Some(dir) = &args.timeline else {
+        return Ok(cfg.observer.clone());
+    };
+    // A run shorter than --timeline-steps still writes its files: record the steps it runs.
+    let done = args.resume.as_deref().map_or(0, resumed_step);
+    let steps = match cfg.training.steps.saturating_sub(done) {
+        0 => args.timeline_steps,
+        to_go => args.timeline_steps.min(to_go),
+    };
+    let timeline = Timeline::in_dir(dir, steps).map_err(|e| match e {
+        Error::Config { message, .. } => Error::config("--timeline-steps", message),
+        other => other,
+    })?;
+    println!(
+        "memory timeline: the first {steps} step(s) go to {} (memory.svg; memory_viz.pickle \
+         opens at https://pytorch.org/memory_viz, trace.json at https://ui.perfetto.dev)",
+        dir.display()
+    );
+    Ok(Box::new(Observers {
+        observers: vec![cfg.observer.clone(), Box::new(timeline)],
+    }))
+}
+
+/// The step a checkpoint directory was saved at (0 when it cannot tell; resuming then
+/// reports what is wrong with the directory).
+fn resumed_step(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join(trainkit::save::STATE_FILE))
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+        .unwrap_or(0)
 }
 
 /// The `kind` a policy is saved under.
