@@ -13,7 +13,7 @@ use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
 use trainkit::estimate::{predict_gpt2, MicroBatch};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
 use trainkit::prelude::*;
-use trainkit::CpuBackend;
+use trainkit::{CpuBackend, Timeline};
 
 /// A GPT-2 with the real vocabulary and context, six layers of 384: small enough to
 /// train a step in seconds on a CPU, with GPT-2's proportions of classifier to layers.
@@ -47,6 +47,30 @@ fn measure(setup: &Setup, tokens: &[u32], steps: usize) -> Result<Vec<(CategoryB
     (0..steps)
         .map(|_| t.step().map(|s| (s.memory.peak, s.memory.peak_total)))
         .collect()
+}
+
+/// Records three steps of `setup` with a [`Timeline`] and draws them.
+fn profile(setup: &Setup, tokens: &[u32], svg: &Path) -> Result<()> {
+    let data = DataLoader::new(tokens.to_vec(), setup.batch, setup.seq)?;
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let mut t = Trainer::builder(Gpt2::new(model())?, backend, data)
+        .precision(setup.precision.clone())
+        .checkpoint(setup.policy.clone())
+        .optimizer(AdamW::default())
+        .observer(Timeline::new(3)?.with_svg(svg))
+        .build()?;
+    for _ in 0..3 {
+        t.step()?;
+    }
+    for p in t.observer().step_peaks() {
+        eprintln!(
+            "step {}: peak {} in {}",
+            p.step,
+            format_bytes(p.peak_total),
+            p.phase.map_or("-".to_string(), |x| x.to_string())
+        );
+    }
+    Ok(())
 }
 
 fn predicted(setup: &Setup) -> Result<trainkit::estimate::MemoryPrediction> {
@@ -114,6 +138,7 @@ fn main() -> Result<()> {
         );
     }
     let p = predicted(&base)?;
+    profile(&base, &tokens, &out_dir.join("step_profile.svg"))?;
     println!(
         "| **total peak** | **{}** (predicted {}) | **{}** (predicted {}) |\n",
         format_bytes(steps[0].1),
