@@ -60,9 +60,9 @@ impl FitPlan {
     pub fn explain(&self) -> Vec<String> {
         let c = &self.choice;
         let mut lines = vec![format!(
-            "autofit: micro-batch {} × {} micro-batches, recompute {}: peak {} of a {} budget",
+            "autofit: micro-batch {} × {}, recompute {}: peak {} of a {} budget",
             c.micro_batch,
-            c.micro_batches,
+            micro_batches(c.micro_batches),
             c.recompute,
             format_bytes(c.peak),
             format_bytes(self.budget)
@@ -78,10 +78,10 @@ impl FitPlan {
         for (policy, best) in &self.per_policy {
             lines.push(match best {
                 Some(b) => format!(
-                    "  recompute {:<9} largest micro-batch that fits: {} ({} micro-batches, peak {}, activations {})",
+                    "  recompute {:<9} largest micro-batch that fits: {} ({}, peak {}, activations {})",
                     policy.name(),
                     b.micro_batch,
-                    b.micro_batches,
+                    micro_batches(b.micro_batches),
                     format_bytes(b.peak),
                     format_bytes(b.prediction.activations.peak)
                 ),
@@ -95,6 +95,15 @@ impl FitPlan {
             "  rule: the least recomputation first, then the fewest micro-batches".to_string(),
         );
         lines
+    }
+}
+
+/// `1 micro-batch`, `4 micro-batches`.
+fn micro_batches(n: usize) -> String {
+    if n == 1 {
+        "1 micro-batch".to_string()
+    } else {
+        format!("{n} micro-batches")
     }
 }
 
