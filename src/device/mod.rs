@@ -2,6 +2,7 @@
 
 mod backend;
 pub(crate) mod cpu;
+pub mod cuda;
 
 pub use backend::{AdamWStep, Backend};
 pub use cpu::CpuBackend;
@@ -22,11 +23,15 @@ pub enum Device {
 
 impl Device {
     /// The best device available, and why it was chosen. This build has no GPU backend,
-    /// so it is the CPU, with the reason.
+    /// so it is the CPU, with the reason and what the CUDA probe ([`cuda::probe`]) found.
     pub fn best() -> (Device, String) {
+        let found = match cuda::probe() {
+            Ok(info) => format!("found {info}"),
+            Err(reason) => reason,
+        };
         (
             Device::Cpu,
-            "using the CPU: this build of trainkit has no CUDA backend yet".to_string(),
+            format!("using the CPU: this build of trainkit has no CUDA backend yet ({found})"),
         )
     }
 

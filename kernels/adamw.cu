@@ -1,0 +1,44 @@
+// The AdamW update, PyTorch semantics, one fused pass per parameter tensor.
+// CPU twin: src/device/cpu/adamw.rs.
+//
+// Reads the f32 master value, the gradient (f32 or bf16: the kernel's suffix) and the f32
+// moments; writes the value and the moments and, when `compute` is not null, the bf16
+// compute copy of the weight in the same pass (the cast the precision would run next,
+// rounded to nearest even as `cast` rounds).
+//
+// The host computes the per-step constants as the CPU twin does, in f64 as PyTorch does:
+//   step_size = lr / (1 − beta1^step),  bc2_sqrt = sqrt(1 − beta2^step),
+//   decay = 1 − lr · weight_decay (f32),
+// and the update is then, per element (decoupled decay, eps outside the square root):
+//   g = grad · grad_scale
+//   m = beta1 · m + (1 − beta1) · g
+//   v = beta2 · v + (1 − beta2) · g · g
+//   p = p · decay − step_size · m / (sqrt(v) / bc2_sqrt + eps)
+// With --fmad=false and IEEE division and square root this is bitwise the CPU's update.
+
+template <typename G>
+__device__ void adamw_impl(float* param, const G* grad, float* m, float* v, bf16* compute,
+                           i64 n, float beta1, float beta2, float eps, float grad_scale,
+                           float step_size, float bc2_sqrt, float decay) {
+    TK_FOR_EACH(i, n) {
+        float g = load(grad, i) * grad_scale;
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        float p = param[i] * decay - step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+        param[i] = p;
+        if (compute != nullptr) store(compute, i, p);
+    }
+}
+
+#define TK_ADAMW(G, N)                                                                      \
+    extern "C" __global__ void adamw_##N(float* param, const G* grad, float* m, float* v,   \
+                                         bf16* compute, i64 n, float beta1, float beta2,    \
+                                         float eps, float grad_scale, float step_size,      \
+                                         float bc2_sqrt, float decay) {                     \
+        adamw_impl<G>(param, grad, m, v, compute, n, beta1, beta2, eps, grad_scale,         \
+                      step_size, bc2_sqrt, decay);                                          \
+    }
+TK_DTYPES(TK_ADAMW)

@@ -1,0 +1,111 @@
+// Shared by every kernel file: trainkit prepends this to each .cu source before NVRTC
+// compiles it (the sources are embedded in the binary, so there is no include directory
+// of trainkit's own at run time).
+//
+// Conventions, the same as the CPU backend in src/device/cpu/:
+// - arithmetic is f32; a bf16 value is widened exactly when loaded and rounded to nearest
+//   even only when stored (`store`), at the points where the CPU twin rounds;
+// - NVRTC compiles with --fmad=false, so `a * b + c` is two roundings as in Rust; a kernel
+//   that wants a fused multiply-add says so with fmaf;
+// - reductions that the CPU runs in 16 interleaved lanes (src/device/cpu/simd.rs) run on
+//   16 threads of a half-warp: lane i adds elements i, i + 16, i + 32, ... in order, then
+//   the lanes are combined pairwise at distances 8, 4, 2, 1, which is the CPU's order, so
+//   these sums are bitwise equal to the CPU's.
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef long long i64;
+
+// ---------------------------------------------------------------------------------------
+// Loads and stores in f32.
+
+__device__ __forceinline__ float load(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float load(const bf16* p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(bf16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// ---------------------------------------------------------------------------------------
+// Grid-stride loops.
+
+__device__ __forceinline__ i64 global_thread() {
+    return (i64)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ i64 global_threads() { return (i64)gridDim.x * blockDim.x; }
+
+#define TK_FOR_EACH(i, n) for (i64 i = global_thread(); i < (n); i += global_threads())
+
+// ---------------------------------------------------------------------------------------
+// Half-warp rows: 16 lanes per row, as the CPU's 16-lane accumulators. Every thread of a
+// half-warp runs the same number of loop trips, so the shuffles see all 16 lanes. Kernels
+// that use them are launched with blockDim.x a multiple of 32 (any grid).
+
+#define TK_LANES 16
+
+// −∞ (NVRTC has no <cmath>, so no INFINITY): the CPU's starting value of a maximum.
+#define TK_NEG_INF __uint_as_float(0xff800000u)
+
+__device__ __forceinline__ int lane16() { return threadIdx.x & 15; }
+__device__ __forceinline__ unsigned half_mask() { return 0xffffu << (threadIdx.x & 16); }
+__device__ __forceinline__ i64 global_half_warp() { return global_thread() / TK_LANES; }
+__device__ __forceinline__ i64 global_half_warps() { return global_threads() / TK_LANES; }
+
+#define TK_FOR_EACH_ROW(row, rows) \
+    for (i64 row = global_half_warp(); row < (rows); row += global_half_warps())
+
+// The CPU's `reduce`: a[i] += a[i + w] for w = 8, 4, 2, 1. Lane i < w holds a[i] and
+// receives a[i + w], so each addition has the CPU's operands in the CPU's order. Every lane
+// ends with the total.
+__device__ __forceinline__ float half_sum(float v) {
+    const unsigned mask = half_mask();
+#pragma unroll
+    for (int w = 8; w > 0; w >>= 1) {
+        v = v + __shfl_xor_sync(mask, v, w, TK_LANES);
+    }
+    return v;
+}
+
+// Maximum across the 16 lanes (order does not matter for a maximum).
+__device__ __forceinline__ float half_max(float v) {
+    const unsigned mask = half_mask();
+#pragma unroll
+    for (int w = 8; w > 0; w >>= 1) {
+        float o = __shfl_xor_sync(mask, v, w, TK_LANES);
+        v = o > v ? o : v;
+    }
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// exp, the CPU's `simd::exp` operation for operation: the same clamp, the same Cody-Waite
+// reduction and degree-7 polynomial, the same constants (hex literals of the CPU's f32
+// values). With --fmad=false every step rounds as on the CPU, so the results are equal
+// bit for bit; CUDA's own expf differs by an ulp here and there.
+__device__ __forceinline__ float tk_exp(float x) {
+    // Rust's clamp: NaN stays NaN.
+    if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
+    const float log2e = 0x1.715476p+0f;
+    const float ln2_hi = 0x1.62e400p-1f;
+    const float ln2_lo = 0x1.7f7d1cp-20f;
+    const float rounder = 0x1.800000p+23f;  // 1.5 * 2^23
+    float big = x * log2e + rounder;
+    float n = big - rounder;
+    float r = (x - n * ln2_hi) - n * ln2_lo;
+    float p = 0x1.a01a02p-13f;       // 1/5040
+    p = p * r + 0x1.6c16c2p-10f;     // 1/720
+    p = p * r + 0x1.111112p-7f;      // 1/120
+    p = p * r + 0x1.555556p-5f;      // 1/24
+    p = p * r + 0x1.555556p-3f;      // 1/6
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    unsigned bits = ((__float_as_uint(big) - __float_as_uint(rounder)) + 127u) << 23;
+    return p * __uint_as_float(bits);
+}
+
+// ---------------------------------------------------------------------------------------
+// Instantiation: each kernel is a template `NAME_impl<...>` and extern "C" wrappers give
+// every dtype combination a fixed name, `NAME_<dtype>[_<dtype>...]`, that the Rust side
+// loads.
+
+#define TK_DTYPES(X) X(float, f32) X(bf16, bf16)

@@ -1,0 +1,59 @@
+// Softmax cross-entropy over the vocabulary, fused with its gradient.
+// CPU twin: src/device/cpu/cross_entropy.rs.
+//
+// Layouts: logits is [rows, Vp] (columns from `vocab` on are padding, ignored),
+// targets holds `rows` token ids (< vocab, checked on the host), losses is [rows] f32.
+// The host sums `losses` in f64 in row order, as the CPU does.
+//
+// One half-warp per row, in the CPU's lane order: the maximum, the sum of exponentials
+// (tk_exp, the CPU's exp) and the gradient are bitwise equal to the CPU's. The loss uses
+// CUDA's logf where the CPU uses the host's `ln`: the two may differ in the last bit.
+
+// losses[row] = ln Σ_j exp(l_j − max) + max − l_target. With `write_grad`, the row is
+// overwritten by grad_scale · (softmax − onehot(target)), rounded once, and its padding
+// columns by 0; without, logits are only read.
+template <typename T>
+__device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* targets,
+                                   i64 rows, i64 vp, i64 vocab, float grad_scale,
+                                   int write_grad) {
+    const int lane = lane16();
+    TK_FOR_EACH_ROW(row, rows) {
+        const i64 base = row * vp;
+        const i64 t = targets[row];
+        // Read before any lane overwrites the row.
+        const float target_logit = load(logits, base + t);
+        float m = TK_NEG_INF;
+        for (i64 j = lane; j < vocab; j += TK_LANES) {
+            float v = load(logits, base + j);
+            m = v > m ? v : m;
+        }
+        const float max = half_max(m);
+        float acc = 0.0f;
+        for (i64 j = lane; j < vocab; j += TK_LANES) acc += tk_exp(load(logits, base + j) - max);
+        const float sum = half_sum(acc);
+        if (lane == 0) losses[row] = logf(sum) + max - target_logit;
+        if (write_grad) {
+            // Every lane has read the target logit before any lane writes.
+            __syncwarp(half_mask());
+            const float k = grad_scale / sum;
+            for (i64 j = lane; j < vp; j += TK_LANES) {
+                float g = 0.0f;
+                if (j < vocab) {
+                    g = tk_exp(load(logits, base + j) - max) * k;
+                    if (j == t) g -= grad_scale;
+                }
+                store(logits, base + j, g);
+            }
+        }
+    }
+}
+
+#define TK_CROSS_ENTROPY(T, N)                                                              \
+    extern "C" __global__ void cross_entropy_##N(T* logits, float* losses,                  \
+                                                 const unsigned* targets, i64 rows, i64 vp, \
+                                                 i64 vocab, float grad_scale,               \
+                                                 int write_grad) {                          \
+        cross_entropy_impl<T>(logits, losses, targets, rows, vp, vocab, grad_scale,         \
+                              write_grad);                                                  \
+    }
+TK_DTYPES(TK_CROSS_ENTROPY)

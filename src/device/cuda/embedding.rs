@@ -1,0 +1,95 @@
+//! Host-side input of the embedding backward kernels (kernels/embedding.cu).
+//!
+//! `embedding_backward_wte_*` accumulates without atomics: one thread per (token, column)
+//! adds that token's rows in row order. The token ids are on the host, so the rows are
+//! grouped there, once per batch, into [`TokenBuckets`], which the backend uploads.
+
+/// The rows of a batch grouped by token, in the layout the kernel reads: bucket `b` is
+/// token `tokens[b]` and its rows are `rows[offsets[b] .. offsets[b + 1]]`, ascending.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenBuckets {
+    /// The distinct token ids, ascending.
+    pub tokens: Vec<u32>,
+    /// `tokens.len() + 1` offsets into `rows`.
+    pub offsets: Vec<u32>,
+    /// Row indices (positions in the batch's `tokens`), grouped by token, each group in
+    /// row order.
+    pub rows: Vec<u32>,
+}
+
+impl TokenBuckets {
+    /// Groups the rows of `tokens` (one token per row of `[B·T, C]`) by token id.
+    ///
+    /// Panics if there are 2³² rows or more (a batch of that size does not fit a GPU).
+    pub fn new(tokens: &[u32]) -> Self {
+        let n = u32::try_from(tokens.len()).expect("fewer than 2^32 rows in a batch");
+        let mut order: Vec<u32> = (0..n).collect();
+        // Stable: rows of one token stay in row order.
+        order.sort_by_key(|&r| tokens[r as usize]);
+        let mut buckets = TokenBuckets {
+            tokens: Vec::new(),
+            offsets: Vec::new(),
+            rows: order,
+        };
+        for (i, &r) in buckets.rows.iter().enumerate() {
+            let tok = tokens[r as usize];
+            if buckets.tokens.last() != Some(&tok) {
+                buckets.tokens.push(tok);
+                buckets.offsets.push(i as u32);
+            }
+        }
+        buckets.offsets.push(n);
+        buckets
+    }
+
+    /// Number of distinct tokens (the kernel's `n_buckets`).
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the batch was empty.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_grouped_by_token_in_row_order() {
+        let b = TokenBuckets::new(&[5, 2, 5, 7, 2, 5]);
+        assert_eq!(b.tokens, vec![2, 5, 7]);
+        assert_eq!(b.offsets, vec![0, 2, 5, 6]);
+        assert_eq!(b.rows, vec![1, 4, 0, 2, 5, 3]);
+        assert_eq!(b.len(), 3);
+        let empty = TokenBuckets::new(&[]);
+        assert!(empty.is_empty());
+        assert_eq!(empty.offsets, vec![0]);
+    }
+
+    /// Accumulating bucket by bucket, as the kernel does, gives the CPU's sums (same
+    /// order per token, so the same f32 results).
+    #[test]
+    fn bucketed_accumulation_matches_row_order() {
+        let tokens: Vec<u32> = (0..200u32).map(|i| (i * 7 + i / 3) % 13).collect();
+        let grad: Vec<f32> = (0..200)
+            .map(|i| ((i * 37) % 101) as f32 * 0.013 - 0.6)
+            .collect();
+        let mut by_rows = vec![0.25f32; 13];
+        for (r, &t) in tokens.iter().enumerate() {
+            by_rows[t as usize] += grad[r];
+        }
+        let b = TokenBuckets::new(&tokens);
+        let mut by_buckets = vec![0.25f32; 13];
+        for (k, &t) in b.tokens.iter().enumerate() {
+            let mut acc = by_buckets[t as usize];
+            for &r in &b.rows[b.offsets[k] as usize..b.offsets[k + 1] as usize] {
+                acc += grad[r as usize];
+            }
+            by_buckets[t as usize] = acc;
+        }
+        assert_eq!(by_rows, by_buckets);
+    }
+}

@@ -1,0 +1,555 @@
+//! The CUDA C kernel sources (kernels/*.cu, embedded in the binary) and their compilation
+//! to PTX by NVRTC.
+//!
+//! Each file in kernels/ holds one op family; its kernels are `extern "C"` with a fixed
+//! name, `<op>_<dtype>[_<dtype>...]`, which the backend loads by name. kernels/common.cuh
+//! (loads and stores, the half-warp reductions, the CPU's `exp`) is prepended to every
+//! file before compiling, with `#line` directives so NVRTC's messages name the right file
+//! and line.
+//!
+//! NVRTC does not ship `cuda_bf16.h`: the include directory of a CUDA toolkit, or of the
+//! `nvidia-cuda-runtime` pip wheel, is passed in (see [`find_include_dir`]).
+
+use crate::error::{Error, Result};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// Helpers shared by every kernel file (prepended to each before compiling).
+pub const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
+
+/// One kernel source file: its name in kernels/, its text, and the kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelFile {
+    /// File name in kernels/, e.g. `gelu.cu`.
+    pub name: &'static str,
+    /// The file's text (without the common prelude).
+    pub source: &'static str,
+    /// The `extern "C"` kernel names it defines, each the `.entry` of one PTX function.
+    pub kernels: &'static [&'static str],
+}
+
+impl KernelFile {
+    /// The text NVRTC compiles: the common prelude, then the file, each with a `#line`
+    /// directive naming it.
+    pub fn full_source(&self) -> String {
+        format!(
+            "#line 1 \"common.cuh\"\n{COMMON_SOURCE}\n#line 1 \"{}\"\n{}",
+            self.name, self.source
+        )
+    }
+}
+
+/// Every kernel file of the CUDA backend, with the kernels each defines.
+pub const KERNEL_FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "embedding.cu",
+        source: include_str!("../../../kernels/embedding.cu"),
+        kernels: &[
+            "embedding_f32",
+            "embedding_bf16",
+            "embedding_backward_wte_f32_f32",
+            "embedding_backward_wte_bf16_f32",
+            "embedding_backward_wte_f32_bf16",
+            "embedding_backward_wte_bf16_bf16",
+            "embedding_backward_wpe_f32_f32",
+            "embedding_backward_wpe_bf16_f32",
+            "embedding_backward_wpe_f32_bf16",
+            "embedding_backward_wpe_bf16_bf16",
+        ],
+    },
+    KernelFile {
+        name: "layernorm.cu",
+        source: include_str!("../../../kernels/layernorm.cu"),
+        kernels: &[
+            "layernorm_f32",
+            "layernorm_bf16",
+            "layernorm_backward_dx_f32",
+            "layernorm_backward_dx_bf16",
+            "layernorm_backward_params_f32",
+            "layernorm_backward_params_bf16",
+            "layernorm_backward_params_finish_f32",
+            "layernorm_backward_params_finish_bf16",
+        ],
+    },
+    KernelFile {
+        name: "gelu.cu",
+        source: include_str!("../../../kernels/gelu.cu"),
+        kernels: &[
+            "gelu_f32",
+            "gelu_bf16",
+            "gelu_backward_f32",
+            "gelu_backward_bf16",
+        ],
+    },
+    KernelFile {
+        name: "attention.cu",
+        source: include_str!("../../../kernels/attention.cu"),
+        kernels: &[
+            "attention_scores_f32",
+            "attention_scores_bf16",
+            "attention_scores_backward_f32",
+            "attention_scores_backward_bf16",
+            "softmax_causal_f32",
+            "softmax_causal_bf16",
+            "softmax_causal_backward_f32",
+            "softmax_causal_backward_bf16",
+            "attention_values_f32",
+            "attention_values_bf16",
+            "attention_values_backward_dprobs_f32",
+            "attention_values_backward_dprobs_bf16",
+            "attention_values_backward_dv_f32",
+            "attention_values_backward_dv_bf16",
+        ],
+    },
+    KernelFile {
+        name: "cross_entropy.cu",
+        source: include_str!("../../../kernels/cross_entropy.cu"),
+        kernels: &["cross_entropy_f32", "cross_entropy_bf16"],
+    },
+    KernelFile {
+        name: "adamw.cu",
+        source: include_str!("../../../kernels/adamw.cu"),
+        kernels: &["adamw_f32", "adamw_bf16"],
+    },
+    KernelFile {
+        name: "elementwise.cu",
+        source: include_str!("../../../kernels/elementwise.cu"),
+        kernels: &[
+            "cast_f32_f32",
+            "cast_f32_bf16",
+            "cast_bf16_f32",
+            "cast_bf16_bf16",
+            "fill_f32",
+            "fill_bf16",
+            "scale_f32",
+            "scale_bf16",
+            "bias_backward_partial_f32",
+            "bias_backward_partial_bf16",
+            "bias_backward_finish_f32",
+            "bias_backward_finish_bf16",
+            "axpy_f32_f32",
+            "axpy_f32_bf16",
+            "axpy_bf16_f32",
+            "axpy_bf16_bf16",
+            "add_f32_f32_f32",
+            "add_f32_f32_bf16",
+            "add_f32_bf16_f32",
+            "add_f32_bf16_bf16",
+            "add_bf16_f32_f32",
+            "add_bf16_f32_bf16",
+            "add_bf16_bf16_f32",
+            "add_bf16_bf16_bf16",
+        ],
+    },
+    KernelFile {
+        name: "reductions.cu",
+        source: include_str!("../../../kernels/reductions.cu"),
+        kernels: &[
+            "sum_squares_partial_f32",
+            "sum_squares_partial_bf16",
+            "sum_squares_finish",
+        ],
+    },
+];
+
+/// The kernel file named `name` (e.g. `gelu.cu`).
+pub fn kernel_file(name: &str) -> Option<&'static KernelFile> {
+    KERNEL_FILES.iter().find(|f| f.name == name)
+}
+
+/// How NVRTC compiles a kernel file: the target architecture and the include directory
+/// holding `cuda_bf16.h`. Everything else is fixed (see [`CompileOptions::flags`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CompileOptions {
+    /// Virtual-to-real target, `sm_XY`: `sm_90` for Hopper, `sm_80` for Ampere, or the
+    /// device's own (see [`CompileOptions::for_compute_capability`]). Always set:
+    /// NVRTC's default (sm_75 in 13.0) would not use the device's features.
+    pub arch: String,
+    /// Directory holding `cuda_bf16.h` (see [`find_include_dir`]).
+    pub include_dir: PathBuf,
+}
+
+impl CompileOptions {
+    /// Options for `arch` (`sm_XY`) with headers from `include_dir`.
+    pub fn new(arch: impl Into<String>, include_dir: impl Into<PathBuf>) -> Self {
+        CompileOptions {
+            arch: arch.into(),
+            include_dir: include_dir.into(),
+        }
+    }
+
+    /// Options for a device of compute capability `major.minor` (`sm_90` for 9.0).
+    pub fn for_compute_capability(major: i32, minor: i32, include_dir: impl Into<PathBuf>) -> Self {
+        Self::new(format!("sm_{major}{minor}"), include_dir)
+    }
+
+    /// The NVRTC command-line options, in order; also part of the cache key.
+    ///
+    /// Fast math stays off, and `--fmad=false` keeps NVRTC from fusing `a * b + c` into
+    /// one rounding: every kernel then rounds where its CPU twin rounds (Rust never fuses
+    /// on its own), IEEE division and square root included, so element-wise ops, AdamW,
+    /// GELU, layer norm and the softmaxes give the CPU's results bit for bit, and the
+    /// parity tests can be strict. A kernel that wants a fused multiply-add (the
+    /// products in attention) asks for it with `fmaf`. Denormals are kept (`--ftz=false`)
+    /// as on the CPU.
+    pub fn flags(&self) -> Vec<String> {
+        vec![
+            format!("--gpu-architecture={}", self.arch),
+            format!("--include-path={}", self.include_dir.display()),
+            "-std=c++17".to_string(),
+            "--fmad=false".to_string(),
+            "--ftz=false".to_string(),
+            "--prec-div=true".to_string(),
+            "--prec-sqrt=true".to_string(),
+        ]
+    }
+
+    fn check_arch(&self) -> Result<()> {
+        let digits = self.arch.strip_prefix("sm_").unwrap_or("");
+        if digits.len() >= 2 && digits.chars().all(|c| c.is_ascii_digit()) {
+            Ok(())
+        } else {
+            Err(backend_error(format!(
+                "`{}` is not a CUDA architecture; use sm_XY, e.g. sm_90 for Hopper or sm_80 \
+                 for Ampere",
+                self.arch
+            )))
+        }
+    }
+}
+
+fn backend_error(message: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        message: message.into(),
+    }
+}
+
+/// How to get NVRTC, for error messages.
+const NVRTC_HELP: &str = "install a CUDA 13.0 toolkit, or the pip wheels \
+     (`python3 -m pip install 'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'`), \
+     and put the directory holding libnvrtc.so.13 (a toolkit's lib64/, or the wheel's \
+     site-packages/nvidia/cu13/lib) on LD_LIBRARY_PATH";
+
+/// Fails unless libnvrtc can be loaded (cudarc would panic on its first call otherwise).
+fn ensure_nvrtc() -> Result<()> {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(backend_error(format!(
+            "NVRTC (libnvrtc) was not found, so the CUDA kernels cannot be compiled: {NVRTC_HELP}"
+        )))
+    }
+}
+
+/// The version of the NVRTC library found, `(major, minor)`: an error, not a panic, when
+/// there is none.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    ensure_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present (checked above); the pointers are valid for writes.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(backend_error(format!(
+            "nvrtcVersion failed ({status:?}): {NVRTC_HELP}"
+        )));
+    }
+    Ok((major, minor))
+}
+
+/// Compiles one CUDA C source to PTX with NVRTC.
+///
+/// Returns an error (never panics) when NVRTC is missing, naming how to install it, and
+/// NVRTC's log when the source does not compile.
+pub fn compile(source: &str, options: &CompileOptions) -> Result<String> {
+    options.check_arch()?;
+    if source.contains('\0') {
+        return Err(backend_error("a kernel source contains a NUL byte"));
+    }
+    ensure_nvrtc()?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.flags(),
+        ..Default::default()
+    };
+    match cudarc::nvrtc::compile_ptx_with_opts(source, opts) {
+        Ok(ptx) => Ok(ptx.to_src()),
+        Err(cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. }) => {
+            Err(backend_error(format!(
+                "NVRTC could not compile for {} ({nvrtc:?}):\n{}",
+                options.arch,
+                log.to_string_lossy().trim_end()
+            )))
+        }
+        Err(e) => Err(backend_error(format!("NVRTC failed: {e}"))),
+    }
+}
+
+/// The `.version` of a PTX module, `(major, minor)`: a driver loads PTX up to the version
+/// its CUDA release knows (9.0 for the 580 drivers of CUDA 13.0).
+pub fn ptx_version(ptx: &str) -> Option<(u32, u32)> {
+    ptx.lines().find_map(|line| {
+        let v = line.trim().strip_prefix(".version")?.trim();
+        let (major, minor) = v.split_once('.')?;
+        Some((major.parse().ok()?, minor.trim().parse().ok()?))
+    })
+}
+
+/// The names of the kernels (`.entry` functions) a PTX module defines, in order.
+pub fn ptx_entries(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|line| {
+            let rest = line.trim().split(".entry ").nth(1)?;
+            let name = rest.split(['(', ' ']).next()?;
+            Some(name.to_string())
+        })
+        .collect()
+}
+
+/// The environment variable that names the CUDA include directory explicitly.
+pub const INCLUDE_ENV: &str = "TRAINKIT_CUDA_INCLUDE";
+
+/// The header that must be found (NVRTC has no built-in copy).
+const BF16_HEADER: &str = "cuda_bf16.h";
+
+/// The directory holding `cuda_bf16.h`, for [`CompileOptions::include_dir`].
+///
+/// Looks, in order, in:
+/// 1. `$TRAINKIT_CUDA_INCLUDE` (when set, it must hold the header);
+/// 2. `$CUDA_HOME/include`, then `$CUDA_PATH/include`;
+/// 3. `/usr/local/cuda/include`;
+/// 4. `nvidia/cu13/include` beside each `LD_LIBRARY_PATH` entry that ends in
+///    `nvidia/cu13/lib` (where the pip wheels put libnvrtc);
+/// 5. `nvidia/cu13/include` in the site-packages directories `python3` reports (one
+///    short `python3 -c` run, only when everything above failed).
+///
+/// Fails with the places it looked and how to point at the headers.
+pub fn find_include_dir() -> Result<PathBuf> {
+    find_include_dir_with(&|name| std::env::var_os(name), true)
+}
+
+/// [`find_include_dir`] with the environment given by `env`, asking `python3` only when
+/// `ask_python` is set.
+pub(crate) fn find_include_dir_with(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    ask_python: bool,
+) -> Result<PathBuf> {
+    let has_header = |dir: &Path| dir.join(BF16_HEADER).is_file();
+    if let Some(dir) = env(INCLUDE_ENV).filter(|v| !v.is_empty()) {
+        let dir = PathBuf::from(dir);
+        return if has_header(&dir) {
+            Ok(dir)
+        } else {
+            Err(backend_error(format!(
+                "{INCLUDE_ENV}={} holds no {BF16_HEADER}: point it at a CUDA include \
+                 directory (a toolkit's include/, or site-packages/nvidia/cu13/include of \
+                 the `nvidia-cuda-runtime==13.0.*` pip wheel)",
+                dir.display()
+            )))
+        };
+    }
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = env(var).filter(|v| !v.is_empty()) {
+            candidates.push(PathBuf::from(root).join("include"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    if let Some(paths) = env("LD_LIBRARY_PATH") {
+        for lib in std::env::split_paths(&paths) {
+            if lib.ends_with("nvidia/cu13/lib") {
+                if let Some(root) = lib.parent() {
+                    candidates.push(root.join("include"));
+                }
+            }
+        }
+    }
+    if let Some(found) = candidates.iter().find(|d| has_header(d)) {
+        return Ok(found.clone());
+    }
+    if ask_python {
+        for site in python_site_packages() {
+            let dir = site.join("nvidia/cu13/include");
+            if has_header(&dir) {
+                return Ok(dir);
+            }
+            candidates.push(dir);
+        }
+    }
+    let looked: Vec<String> = candidates.iter().map(|d| d.display().to_string()).collect();
+    Err(backend_error(format!(
+        "{BF16_HEADER} was not found (looked in {}): set {INCLUDE_ENV} to a CUDA include \
+         directory, a toolkit's include/ or site-packages/nvidia/cu13/include of the pip \
+         wheel (`python3 -m pip install 'nvidia-cuda-runtime==13.0.*'`)",
+        looked.join(", ")
+    )))
+}
+
+/// The site-packages directories of `python3`, if it runs.
+fn python_site_packages() -> Vec<PathBuf> {
+    let script = "import site\n\
+                  paths = list(site.getsitepackages()) + [site.getusersitepackages()]\n\
+                  print('\\n'.join(paths))";
+    match std::process::Command::new("python3")
+        .args(["-c", script])
+        .stderr(std::process::Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| PathBuf::from(l.trim()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{HashMap, HashSet};
+
+    #[test]
+    fn kernel_names_are_unique_and_follow_the_naming_scheme() {
+        let mut seen = HashSet::new();
+        for file in KERNEL_FILES {
+            assert!(!file.kernels.is_empty(), "{} defines no kernel", file.name);
+            for k in file.kernels {
+                assert!(seen.insert(*k), "kernel {k} is listed twice");
+                // Every name appears in its file, whole or as a macro's prefix.
+                let stem = k.trim_end_matches("_f32").trim_end_matches("_bf16");
+                let stem = stem.trim_end_matches("_f32").trim_end_matches("_bf16");
+                let stem = stem.trim_end_matches("_f32").trim_end_matches("_bf16");
+                assert!(
+                    file.source.contains(stem),
+                    "{}: no trace of {k} ({stem})",
+                    file.name
+                );
+            }
+        }
+        assert_eq!(seen.len(), 67);
+    }
+
+    #[test]
+    fn every_source_is_prefixed_by_the_common_helpers() {
+        let f = kernel_file("gelu.cu").unwrap();
+        let s = f.full_source();
+        assert!(s.starts_with("#line 1 \"common.cuh\"\n"));
+        assert!(s.contains("#line 1 \"gelu.cu\"\n"));
+        assert!(s.contains("#include <cuda_bf16.h>"));
+        assert!(kernel_file("nope.cu").is_none());
+    }
+
+    #[test]
+    fn options_always_name_the_architecture_and_keep_fast_math_off() {
+        let o = CompileOptions::for_compute_capability(9, 0, "/inc");
+        assert_eq!(o.arch, "sm_90");
+        let flags = o.flags();
+        assert_eq!(flags[0], "--gpu-architecture=sm_90");
+        assert!(flags.contains(&"--include-path=/inc".to_string()));
+        assert!(flags.contains(&"--fmad=false".to_string()));
+        assert!(!flags.iter().any(|f| f.contains("fast")));
+        assert!(CompileOptions::new("sm_80", "/inc").check_arch().is_ok());
+        let err = CompileOptions::new("hopper", "/inc")
+            .check_arch()
+            .unwrap_err();
+        assert!(err.to_string().contains("sm_90"), "{err}");
+    }
+
+    #[test]
+    fn ptx_headers_are_parsed() {
+        let ptx = "//\n.version 9.0\n.target sm_90\n.address_size 64\n\n\
+                   .visible .entry gelu_f32(\n\t.param .u64 a\n)\n{\n}\n\
+                   .visible .entry sum_squares_finish(\n)\n";
+        assert_eq!(ptx_version(ptx), Some((9, 0)));
+        assert_eq!(ptx_entries(ptx), vec!["gelu_f32", "sum_squares_finish"]);
+        assert_eq!(ptx_version("nothing"), None);
+    }
+
+    /// A directory `<tmp>/trainkit-<tag>-<pid>` holding `include/cuda_bf16.h`.
+    fn fake_root(tag: &str) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("trainkit-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("include")).unwrap();
+        std::fs::write(root.join("include").join(BF16_HEADER), "// test").unwrap();
+        root
+    }
+
+    fn env_of(pairs: Vec<(&'static str, OsString)>) -> impl Fn(&str) -> Option<OsString> {
+        let map: HashMap<&str, OsString> = pairs.into_iter().collect();
+        move |k: &str| map.get(k).cloned()
+    }
+
+    #[test]
+    fn include_dir_discovery_follows_its_order() {
+        let explicit = fake_root("explicit").join("include");
+        let home = fake_root("home");
+        let path = fake_root("path");
+        let wheel = fake_root("wheel").join("nvidia/cu13");
+        std::fs::create_dir_all(wheel.join("include")).unwrap();
+        std::fs::create_dir_all(wheel.join("lib")).unwrap();
+        std::fs::write(wheel.join("include").join(BF16_HEADER), "// test").unwrap();
+        let ld_path =
+            std::env::join_paths([Path::new("/nonexistent"), &wheel.join("lib")]).unwrap();
+
+        // The explicit variable wins over everything.
+        let env = env_of(vec![
+            (INCLUDE_ENV, explicit.clone().into()),
+            ("CUDA_HOME", home.clone().into()),
+        ]);
+        assert_eq!(find_include_dir_with(&env, false).unwrap(), explicit);
+        // A wrong explicit directory is an error naming the variable.
+        let env = env_of(vec![
+            (INCLUDE_ENV, "/nonexistent/include".into()),
+            ("CUDA_HOME", home.clone().into()),
+        ]);
+        let err = find_include_dir_with(&env, false).unwrap_err().to_string();
+        assert!(err.contains(INCLUDE_ENV), "{err}");
+        // CUDA_HOME, then CUDA_PATH, before the pip wheel.
+        let env = env_of(vec![
+            ("CUDA_HOME", home.clone().into()),
+            ("CUDA_PATH", path.clone().into()),
+            ("LD_LIBRARY_PATH", ld_path.clone()),
+        ]);
+        assert_eq!(
+            find_include_dir_with(&env, false).unwrap(),
+            home.join("include")
+        );
+        let env = env_of(vec![
+            ("CUDA_HOME", "/nonexistent".into()),
+            ("CUDA_PATH", path.clone().into()),
+        ]);
+        assert_eq!(
+            find_include_dir_with(&env, false).unwrap(),
+            path.join("include")
+        );
+        if !Path::new("/usr/local/cuda/include")
+            .join(BF16_HEADER)
+            .is_file()
+        {
+            // The pip wheel beside LD_LIBRARY_PATH.
+            let env = env_of(vec![("LD_LIBRARY_PATH", ld_path.clone())]);
+            assert_eq!(
+                find_include_dir_with(&env, false).unwrap(),
+                wheel.join("include")
+            );
+            // Nothing anywhere: the error says what to set.
+            let err = find_include_dir_with(&env_of(vec![]), false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(INCLUDE_ENV) && err.contains(BF16_HEADER),
+                "{err}"
+            );
+        }
+        let wheel_root = wheel.parent().unwrap().parent().unwrap();
+        for root in [explicit.parent().unwrap(), &home, &path, wheel_root] {
+            let _ = std::fs::remove_dir_all(root);
+        }
+    }
+
+    #[test]
+    fn compile_refuses_a_bad_architecture_before_touching_nvrtc() {
+        let err = compile("", &CompileOptions::new("90", "/inc")).unwrap_err();
+        assert!(err.to_string().contains("not a CUDA architecture"), "{err}");
+    }
+}

@@ -1,0 +1,148 @@
+//! Every CUDA kernel file compiles with NVRTC, for Hopper (sm_90) and Ampere (sm_80), to
+//! PTX that defines exactly the kernels `KERNEL_FILES` lists, at a PTX version the CUDA
+//! 13.0 driver (580) loads.
+//!
+//! Needs no GPU: only libnvrtc and the CUDA headers (the pip wheels
+//! `nvidia-cuda-nvrtc==13.0.*` and `nvidia-cuda-runtime==13.0.*` are enough; `.ci/run`
+//! installs them). Without them the tests print `skipped: <reason>` and pass, unless
+//! `TRAINKIT_REQUIRE_NVRTC=1`, which turns the skip into a failure.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::PathBuf;
+use trainkit::device::cuda::cache::{CacheOutcome, KernelCache};
+use trainkit::device::cuda::kernels::{
+    self, compile, find_include_dir, nvrtc_version, ptx_entries, ptx_version, CompileOptions,
+    KERNEL_FILES,
+};
+
+/// The newest PTX ISA the 580 driver (CUDA 13.0) loads.
+const MAX_PTX: (u32, u32) = (9, 0);
+
+/// Architectures every kernel must compile for.
+const ARCHS: [&str; 2] = ["sm_90", "sm_80"];
+
+/// Writes to the test's stderr, past the test harness's capture, so CI logs show it.
+fn say(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// The include directory when NVRTC and the headers are present; `None` (after printing
+/// why) when they are not and not required.
+fn nvrtc_or_skip() -> Option<(PathBuf, (i32, i32))> {
+    let found = nvrtc_version().and_then(|v| Ok((find_include_dir()?, v)));
+    match found {
+        Ok(found) => Some(found),
+        Err(e) => {
+            if std::env::var("TRAINKIT_REQUIRE_NVRTC").as_deref() == Ok("1") {
+                panic!("TRAINKIT_REQUIRE_NVRTC=1, but NVRTC cannot run: {e}");
+            }
+            say(&format!("skipped: {e}"));
+            None
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_for_sm90_and_sm80() {
+    let Some((include, version)) = nvrtc_or_skip() else {
+        return;
+    };
+    say(&format!(
+        "NVRTC {}.{}, headers from {}",
+        version.0,
+        version.1,
+        include.display()
+    ));
+    let mut failures = Vec::new();
+    for arch in ARCHS {
+        let options = CompileOptions::new(arch, &include);
+        let mut kernels = 0;
+        let mut versions = BTreeSet::new();
+        for file in KERNEL_FILES {
+            let start = std::time::Instant::now();
+            let ptx = match compile(&file.full_source(), &options) {
+                Ok(ptx) => ptx,
+                Err(e) => {
+                    failures.push(format!("{} for {arch}: {e}", file.name));
+                    continue;
+                }
+            };
+            let entries: BTreeSet<String> = ptx_entries(&ptx).into_iter().collect();
+            let listed: BTreeSet<String> = file.kernels.iter().map(|k| k.to_string()).collect();
+            for missing in listed.difference(&entries) {
+                failures.push(format!("{} for {arch}: no `.entry {missing}`", file.name));
+            }
+            for extra in entries.difference(&listed) {
+                failures.push(format!(
+                    "{} for {arch}: kernel `{extra}` is not listed in KERNEL_FILES",
+                    file.name
+                ));
+            }
+            match ptx_version(&ptx) {
+                Some(v) if v <= MAX_PTX => {
+                    versions.insert(format!("{}.{}", v.0, v.1));
+                }
+                other => failures.push(format!(
+                    "{} for {arch}: PTX .version {other:?}, the 580 driver loads up to {}.{}",
+                    file.name, MAX_PTX.0, MAX_PTX.1
+                )),
+            }
+            if !ptx.contains(&format!(".target {arch}")) {
+                failures.push(format!(
+                    "{} for {arch}: PTX targets another arch",
+                    file.name
+                ));
+            }
+            kernels += entries.len();
+            say(&format!(
+                "  {arch} {:<17} {:>2} kernels  {:>5.2} s",
+                file.name,
+                entries.len(),
+                start.elapsed().as_secs_f64()
+            ));
+        }
+        say(&format!(
+            "{arch}: {} files, {kernels} kernels, PTX .version {}",
+            KERNEL_FILES.len(),
+            versions.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn compiled_ptx_is_served_from_the_cache_the_second_time() {
+    let Some((include, version)) = nvrtc_or_skip() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("trainkit-nvrtc-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = KernelCache::new(&dir);
+    let file = kernels::kernel_file("gelu.cu").unwrap();
+    let options = CompileOptions::new("sm_90", &include);
+    let source = file.full_source();
+    let get = || {
+        cache
+            .get_or_compile(file.name, &source, &options, version, compile)
+            .unwrap()
+    };
+    let (first, o1) = get();
+    let (second, o2) = get();
+    assert_eq!((o1, o2), (CacheOutcome::Compiled, CacheOutcome::Hit));
+    assert_eq!(first, second);
+    assert_eq!(cache.ptx(file, &options).unwrap(), first);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_reports_nvrtc_log() {
+    let Some((include, _)) = nvrtc_or_skip() else {
+        return;
+    };
+    let src = "#line 1 \"broken.cu\"\nextern \"C\" __global__ void k(float* x) { x[0] = y; }\n";
+    let err = compile(src, &CompileOptions::new("sm_90", &include))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("broken.cu") && err.contains("\"y\""), "{err}");
+}
