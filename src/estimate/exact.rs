@@ -11,6 +11,9 @@
 use crate::checkpoint::{ActivationKind as K, ActivationSite, CheckpointPolicy, Retention};
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryCategory, Phase};
+use crate::model::gpt2_graph::{
+    Node, FCPROJ_W, FC_W, LN1_W, LN2_W, NODES, PER_LAYER, PROJ_W, QKV_W, WPE, WTE,
+};
 use crate::model::Gpt2Config;
 use crate::optim::Optimizer;
 use crate::precision::Precision;
@@ -158,83 +161,6 @@ struct GradTrack<'a> {
     bytes_per_elem: u64,
     allocated: Vec<bool>,
     live: u64,
-}
-
-// Parameter layout of `Gpt2`: wte, wpe, 12 per layer, then ln_f (weight, bias).
-const WTE: usize = 0;
-const WPE: usize = 1;
-const PER_LAYER: usize = 12;
-const LN1_W: usize = 0;
-const QKV_W: usize = 2;
-const PROJ_W: usize = 4;
-const LN2_W: usize = 6;
-const FC_W: usize = 8;
-const FCPROJ_W: usize = 10;
-
-/// The forward nodes of a layer, in order, as `Gpt2` runs them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Node {
-    Ln1,
-    Qkv,
-    Probs,
-    AttnOut,
-    Residual,
-    Ln2,
-    Fc,
-    Gelu,
-}
-
-const NODES: [Node; 8] = [
-    Node::Ln1,
-    Node::Qkv,
-    Node::Probs,
-    Node::AttnOut,
-    Node::Residual,
-    Node::Ln2,
-    Node::Fc,
-    Node::Gelu,
-];
-
-impl Node {
-    fn producing(kind: K) -> Option<Node> {
-        Some(match kind {
-            K::LayerInput => return None,
-            K::Ln1Stats | K::Ln1Out => Node::Ln1,
-            K::Qkv => Node::Qkv,
-            K::AttnProbs => Node::Probs,
-            K::AttnOut => Node::AttnOut,
-            K::Residual => Node::Residual,
-            K::Ln2Stats | K::Ln2Out => Node::Ln2,
-            K::FcOut => Node::Fc,
-            K::GeluOut => Node::Gelu,
-        })
-    }
-
-    fn inputs(self) -> &'static [K] {
-        match self {
-            Node::Ln1 => &[K::LayerInput],
-            Node::Qkv => &[K::Ln1Out],
-            Node::Probs => &[K::Qkv],
-            Node::AttnOut => &[K::AttnProbs, K::Qkv],
-            Node::Residual => &[K::LayerInput, K::AttnOut],
-            Node::Ln2 => &[K::Residual],
-            Node::Fc => &[K::Ln2Out],
-            Node::Gelu => &[K::FcOut],
-        }
-    }
-
-    fn settles(self) -> &'static [K] {
-        match self {
-            Node::Ln1 => &[K::Ln1Stats],
-            Node::Qkv => &[K::Ln1Out],
-            Node::Probs => &[],
-            Node::AttnOut => &[K::AttnProbs, K::Qkv],
-            Node::Residual => &[K::LayerInput, K::AttnOut],
-            Node::Ln2 => &[K::Ln2Stats],
-            Node::Fc => &[K::Ln2Out],
-            Node::Gelu => &[K::FcOut],
-        }
-    }
 }
 
 /// Bytes of each stash slot of one layer; `None` where the slot is empty.

@@ -1,6 +1,7 @@
 //! GPT-2 with Hugging Face semantics: pre-norm blocks, learned positions, GELU (tanh),
 //! LayerNorm eps 1e-5, tied input and output embeddings, no dropout.
 
+use super::gpt2_graph::*;
 use super::stash::{LayerStash, StashStats};
 use super::{Batch, Model, ParamInit, Pass, PassStats};
 use crate::checkpoint::ActivationKind as K;
@@ -124,88 +125,6 @@ impl Gpt2Config {
     pub fn num_params(&self) -> usize {
         let (c, l) = (self.n_embd, self.n_layer);
         self.vocab_size * c + self.n_positions * c + l * (12 * c * c + 13 * c) + 2 * c
-    }
-}
-
-// Parameter layout: wte, wpe, then 12 per layer, then ln_f.
-const WTE: usize = 0;
-const WPE: usize = 1;
-const LN1_W: usize = 0;
-const QKV_W: usize = 2;
-const QKV_B: usize = 3;
-const PROJ_W: usize = 4;
-const PROJ_B: usize = 5;
-const LN2_W: usize = 6;
-const FC_W: usize = 8;
-const FC_B: usize = 9;
-const FCPROJ_W: usize = 10;
-const FCPROJ_B: usize = 11;
-const PER_LAYER: usize = 12;
-
-/// The steps of a layer's forward, each producing stash entries from earlier ones.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Node {
-    Ln1,
-    Qkv,
-    Probs,
-    AttnOut,
-    Residual,
-    Ln2,
-    Fc,
-    Gelu,
-}
-
-const NODES: [Node; 8] = [
-    Node::Ln1,
-    Node::Qkv,
-    Node::Probs,
-    Node::AttnOut,
-    Node::Residual,
-    Node::Ln2,
-    Node::Fc,
-    Node::Gelu,
-];
-
-impl Node {
-    fn producing(kind: K) -> Option<Node> {
-        Some(match kind {
-            K::LayerInput => return None,
-            K::Ln1Stats | K::Ln1Out => Node::Ln1,
-            K::Qkv => Node::Qkv,
-            K::AttnProbs => Node::Probs,
-            K::AttnOut => Node::AttnOut,
-            K::Residual => Node::Residual,
-            K::Ln2Stats | K::Ln2Out => Node::Ln2,
-            K::FcOut => Node::Fc,
-            K::GeluOut => Node::Gelu,
-        })
-    }
-
-    fn inputs(self) -> &'static [K] {
-        match self {
-            Node::Ln1 => &[K::LayerInput],
-            Node::Qkv => &[K::Ln1Out],
-            Node::Probs => &[K::Qkv],
-            Node::AttnOut => &[K::AttnProbs, K::Qkv],
-            Node::Residual => &[K::LayerInput, K::AttnOut],
-            Node::Ln2 => &[K::Residual],
-            Node::Fc => &[K::Ln2Out],
-            Node::Gelu => &[K::FcOut],
-        }
-    }
-
-    /// Stash entries forward no longer needs once this node has run.
-    fn settles(self) -> &'static [K] {
-        match self {
-            Node::Ln1 => &[K::Ln1Stats],
-            Node::Qkv => &[K::Ln1Out],
-            Node::Probs => &[],
-            Node::AttnOut => &[K::AttnProbs, K::Qkv],
-            Node::Residual => &[K::LayerInput, K::AttnOut],
-            Node::Ln2 => &[K::Ln2Stats],
-            Node::Fc => &[K::Ln2Out],
-            Node::Gelu => &[K::FcOut],
-        }
     }
 }
 

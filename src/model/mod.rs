@@ -1,6 +1,7 @@
 //! Models: the `Model` trait, GPT-2, parameters and the activation stash.
 
 mod gpt2;
+pub(crate) mod gpt2_graph;
 mod param;
 mod stash;
 
