@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{corpus_loader, cpu};
+use common::{corpus_loader, cpu, EveryOtherInput};
 use serde::{Deserialize, Serialize};
 use trainkit::estimate::{predict_gpt2, MemoryPrediction, MicroBatch};
 use trainkit::{
@@ -12,22 +12,6 @@ use trainkit::{
     MemoryCategory, MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd,
     Trainer,
 };
-
-/// Keeps the inputs of every second layer only: backward restores the others by
-/// rerunning the layer before them.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct EverySecondInput;
-
-#[typetag::serde(name = "every_second_input")]
-impl CheckpointPolicy for EverySecondInput {
-    fn retain(&self, site: &ActivationSite) -> Retention {
-        if site.kind == ActivationKind::LayerInput && site.layer % 2 == 0 {
-            Retention::Keep
-        } else {
-            Retention::Recompute
-        }
-    }
-}
 
 /// Drops the MLP's wide activations of the last layer only.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -50,7 +34,7 @@ fn policies() -> Vec<Box<dyn CheckpointPolicy>> {
         Box::new(NoRecompute),
         Box::new(Selective),
         Box::new(Full),
-        Box::new(EverySecondInput),
+        Box::new(EveryOtherInput),
         Box::new(LastMlp),
     ]
 }

@@ -3,26 +3,10 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, grads, tiny_config, values};
+use common::{corpus_loader, cpu, grads, tiny_config, values, EveryOtherInput};
 use serde::{Deserialize, Serialize};
-use trainkit::checkpoint::{ActivationKind, ActivationSite, Retention};
+use trainkit::checkpoint::{ActivationSite, Retention};
 use trainkit::{CheckpointPolicy, Full, Gpt2, NoRecompute, Selective, Trainer};
-
-/// Keeps only the input of every other layer: dropped layer inputs are recomputed by
-/// rerunning the layer before them.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct EveryOtherInput;
-
-#[typetag::serde(name = "every_other_input")]
-impl CheckpointPolicy for EveryOtherInput {
-    fn retain(&self, site: &ActivationSite) -> Retention {
-        if site.kind == ActivationKind::LayerInput && site.layer % 2 == 0 {
-            Retention::Keep
-        } else {
-            Retention::Recompute
-        }
-    }
-}
 
 /// Drops everything, layer inputs included: backward reruns from the embedding.
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -119,3 +119,19 @@ pub const TINY_TRAIN: [&str; 13] = [
     "--eval-every",
     "0",
 ];
+
+/// A checkpoint policy written outside the crate: keeps only the input of every other
+/// layer, so backward restores the others by rerunning the layer before them.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct EveryOtherInput;
+
+#[typetag::serde(name = "every_other_input")]
+impl trainkit::CheckpointPolicy for EveryOtherInput {
+    fn retain(&self, site: &trainkit::ActivationSite) -> trainkit::Retention {
+        if site.kind == trainkit::ActivationKind::LayerInput && site.layer % 2 == 0 {
+            trainkit::Retention::Keep
+        } else {
+            trainkit::Retention::Recompute
+        }
+    }
+}
