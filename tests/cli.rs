@@ -2,9 +2,8 @@
 
 mod common;
 
-use common::{scratch, TINY_TRAIN};
+use common::{scratch, trainkit, TINY_TRAIN};
 use std::path::Path;
-use std::process::Command;
 use trainkit::save::{read_safetensors, NamedTensor};
 
 fn path(p: &Path) -> &str {
@@ -30,18 +29,6 @@ fn run_ok(args: &[String]) -> String {
 
 fn weights(dir: &Path) -> Vec<NamedTensor> {
     read_safetensors(&dir.join("model.safetensors")).unwrap()
-}
-
-fn trainkit(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(args)
-        .output()
-        .expect("run trainkit");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[test]

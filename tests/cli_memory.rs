@@ -3,19 +3,12 @@
 mod common;
 
 use common::{scratch, TINY_TRAIN};
-use std::process::Command;
 
+/// A tiny training run with `extra` flags.
 fn trainkit(extra: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(TINY_TRAIN)
-        .args(extra)
-        .output()
-        .expect("run trainkit");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut args = TINY_TRAIN.to_vec();
+    args.extend_from_slice(extra);
+    common::trainkit(&args)
 }
 
 #[test]

@@ -4,19 +4,12 @@ mod common;
 
 use common::scratch;
 use serde_json::Value;
-use std::process::Command;
 
+/// `trainkit memory` with `args`.
 fn trainkit(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .arg("memory")
-        .args(args)
-        .output()
-        .expect("run trainkit");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut all = vec!["memory"];
+    all.extend_from_slice(args);
+    common::trainkit(&all)
 }
 
 fn json(args: &[&str]) -> Value {

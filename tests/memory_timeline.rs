@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, scratch, tiny_config, TINY_TRAIN};
+use common::{corpus_loader, cpu, scratch, tiny_config, trainkit, TINY_TRAIN};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
@@ -472,42 +472,27 @@ fn train_timeline_flag_writes_the_files() {
         "--timeline-steps",
         "5",
     ]);
-    let run = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(&args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let (ok, stdout, stderr) = trainkit(&args);
+    assert!(ok, "{stdout}{stderr}");
     assert!(stdout.contains("memory timeline"), "{stdout}");
     for f in TIMELINE_FILES {
         let len = std::fs::metadata(out.join(f)).map(|m| m.len()).unwrap_or(0);
         assert!(len > 0, "{f} missing or empty");
     }
-    let help = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(["train", "--help"])
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout);
+    let (_, help, _) = trainkit(&["train", "--help"]);
     assert!(help.contains("--timeline") && help.contains("--timeline-steps"));
 
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(TINY_TRAIN)
-        .args([
-            "--steps",
-            "1",
-            "--timeline",
-            out_str,
-            "--timeline-steps",
-            "0",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(!bad.status.success());
+    let mut bad = TINY_TRAIN.to_vec();
+    bad.extend([
+        "--steps",
+        "1",
+        "--timeline",
+        out_str,
+        "--timeline-steps",
+        "0",
+    ]);
+    let (ok, _, err) = trainkit(&bad);
+    assert!(!ok);
     assert!(
         err.contains("--timeline-steps") && !err.contains("panicked"),
         "{err}"

@@ -5,6 +5,19 @@ use std::sync::Arc;
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
 use trainkit::{Backend, CpuBackend, DType, MemoryCategory, Rng, Tensor};
 
+/// Runs the `trainkit` binary with `args`: whether it succeeded, its stdout and stderr.
+pub fn trainkit(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
+        .args(args)
+        .output()
+        .expect("run trainkit");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A fresh CPU backend.
 pub fn cpu() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::new())
