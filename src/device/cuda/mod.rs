@@ -9,10 +9,12 @@
 
 pub mod cache;
 pub mod embedding;
+pub mod emulator;
 pub mod kernels;
 pub mod probe;
 
 pub use cache::{CacheOutcome, KernelCache};
+pub use emulator::KernelEmulator;
 pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, KernelFile, KERNEL_FILES,
 };
