@@ -1,5 +1,6 @@
 //! The CUDA side of trainkit: kernel sources and their NVRTC compilation, the on-disk
-//! cache of compiled PTX, and the probe that says whether a usable GPU is present.
+//! cache of compiled PTX, the probe that says whether a usable GPU is present, and the
+//! CPU emulator that runs the kernels where there is no GPU ([`KernelEmulator`]).
 //!
 //! Everything here builds and runs where no CUDA is installed: cudarc loads the CUDA
 //! libraries lazily (`dynamic-loading`), and every entry point first checks that the
