@@ -1201,6 +1201,455 @@ extern "C" __global__ void traps(int* out) {
         assert_bitwise("softmax_causal_f32", &p, &want);
     }
 
+    /// A device buffer of either dtype, as the kernels see it.
+    enum Buf {
+        F32(Vec<f32>),
+        Bf16(Vec<bf16>),
+    }
+
+    impl Buf {
+        fn new(v: &[f32], dtype: DType) -> Buf {
+            match dtype {
+                DType::F32 => Buf::F32(v.to_vec()),
+                DType::Bf16 => Buf::Bf16(to_bf16(v)),
+            }
+        }
+        fn ptr(&mut self) -> *mut c_void {
+            match self {
+                Buf::F32(v) => v.as_mut_ptr().cast(),
+                Buf::Bf16(v) => v.as_mut_ptr().cast(),
+            }
+        }
+        fn values(&self) -> Vec<f32> {
+            match self {
+                Buf::F32(v) => v.clone(),
+                Buf::Bf16(v) => widen(v),
+            }
+        }
+    }
+
+    impl Args {
+        fn buf(self, b: &mut Buf) -> Self {
+            self.arg(b.ptr())
+        }
+    }
+
+    fn suffix(dtype: DType) -> &'static str {
+        match dtype {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
+
+    const DTYPES: [DType; 2] = [DType::F32, DType::Bf16];
+
+    #[test]
+    fn elementwise_kernels_match_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let n = 1000usize;
+        let (xs, ys, zs) = (random(n, 2.0, 20), random(n, 2.0, 21), random(n, 1e-3, 22));
+        let ln = n as i64;
+        for d in DTYPES {
+            for s in DTYPES {
+                let src = upload(&be, &xs, &[n], s);
+                let mut dst = zeros(&be, &[n], d);
+                be.cast(&mut dst, &src).unwrap();
+                let mut out = Buf::new(&vec![0.0; n], d);
+                let mut x = Buf::new(&xs, s);
+                let a = Args::new().buf(&mut out).buf(&mut x).arg(ln);
+                launch(
+                    emu,
+                    &format!("cast_{}_{}", suffix(d), suffix(s)),
+                    2,
+                    128,
+                    0,
+                    a,
+                )
+                .unwrap();
+                assert_bitwise("cast", &out.values(), &be.to_f32(&dst).unwrap());
+
+                // y += alpha · x
+                let mut y_cpu = upload(&be, &ys, &[n], d);
+                be.axpy(&mut y_cpu, -0.37, &src).unwrap();
+                let mut y = Buf::new(&ys, d);
+                let a = Args::new().buf(&mut y).arg(-0.37f32).buf(&mut x).arg(ln);
+                launch(
+                    emu,
+                    &format!("axpy_{}_{}", suffix(d), suffix(s)),
+                    3,
+                    64,
+                    0,
+                    a,
+                )
+                .unwrap();
+                assert_bitwise("axpy", &y.values(), &be.to_f32(&y_cpu).unwrap());
+
+                for b in DTYPES {
+                    let bt = upload(&be, &zs, &[n], b);
+                    let mut out_cpu = zeros(&be, &[n], d);
+                    be.add(&mut out_cpu, &src, &bt).unwrap();
+                    let mut out = Buf::new(&vec![0.0; n], d);
+                    let mut bb = Buf::new(&zs, b);
+                    let a = Args::new().buf(&mut out).buf(&mut x).buf(&mut bb).arg(ln);
+                    let k = format!("add_{}_{}_{}", suffix(d), suffix(s), suffix(b));
+                    launch(emu, &k, 2, 96, 0, a).unwrap();
+                    assert_bitwise(&k, &out.values(), &be.to_f32(&out_cpu).unwrap());
+                }
+            }
+            let t = suffix(d);
+            let mut f_cpu = zeros(&be, &[n], d);
+            be.fill(&mut f_cpu, 0.1).unwrap();
+            let mut f = Buf::new(&ys, d);
+            let a = Args::new().buf(&mut f).arg(0.1f32).arg(ln);
+            launch(emu, &format!("fill_{t}"), 1, 256, 0, a).unwrap();
+            assert_bitwise("fill", &f.values(), &be.to_f32(&f_cpu).unwrap());
+            let mut s_cpu = upload(&be, &ys, &[n], d);
+            be.scale(&mut s_cpu, 1.7).unwrap();
+            let mut sc = Buf::new(&ys, d);
+            let a = Args::new().buf(&mut sc).arg(1.7f32).arg(ln);
+            launch(emu, &format!("scale_{t}"), 1, 256, 0, a).unwrap();
+            assert_bitwise("scale", &sc.values(), &be.to_f32(&s_cpu).unwrap());
+
+            // The bias gradient: 300 rows in 3 blocks of 128, 37 columns.
+            let (rows, cols) = (300usize, 37usize);
+            let douts = random(rows * cols, 1.0, 23);
+            let db0 = random(cols, 0.1, 24);
+            let dout = upload(&be, &douts, &[rows, cols], d);
+            let mut db_cpu = upload(&be, &db0, &[cols], d);
+            be.bias_backward(&mut db_cpu, &dout).unwrap();
+            let blocks = rows.div_ceil(128);
+            let mut partial = vec![f32::NAN; blocks * cols];
+            let mut dout_buf = Buf::new(&douts, d);
+            let a = Args::new()
+                .ptr(&mut partial)
+                .buf(&mut dout_buf)
+                .arg(rows as i64)
+                .arg(cols as i64);
+            launch(emu, &format!("bias_backward_partial_{t}"), 1, 64, 0, a).unwrap();
+            let mut db = Buf::new(&db0, d);
+            let a = Args::new()
+                .buf(&mut db)
+                .ptr(&mut partial)
+                .arg(blocks as i64)
+                .arg(cols as i64);
+            launch(emu, &format!("bias_backward_finish_{t}"), 1, 32, 0, a).unwrap();
+            assert_bitwise("bias_backward", &db.values(), &be.to_f32(&db_cpu).unwrap());
+        }
+    }
+
+    #[test]
+    fn embedding_kernels_match_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let (b, t, c, v, p) = (3usize, 11usize, 24usize, 17usize, 16usize);
+        let mut rng = Rng::new(30);
+        let mut tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
+        let buckets = super::super::embedding::TokenBuckets::new(&tokens);
+        let (wtes, wpes) = (random(v * c, 1.0, 31), random(p * c, 1.0, 32));
+        let douts = random(b * t * c, 1.0, 33);
+        for tt in DTYPES {
+            let wte = upload(&be, &wtes, &[v, c], tt);
+            let wpe = upload(&be, &wpes, &[p, c], tt);
+            let mut out_cpu = zeros(&be, &[b, t, c], tt);
+            be.embedding(&mut out_cpu, &tokens, &wte, &wpe).unwrap();
+            let mut out = Buf::new(&vec![0.0; b * t * c], tt);
+            let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
+            let a = Args::new()
+                .buf(&mut out)
+                .ptr(&mut tokens)
+                .buf(&mut we)
+                .buf(&mut pe)
+                .arg((b * t) as i64)
+                .arg(t as i64)
+                .arg(c as i64);
+            launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
+            assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            for g in DTYPES {
+                let dout = upload(&be, &douts, &[b, t, c], tt);
+                let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
+                let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);
+                be.embedding_backward(&mut dwte_cpu, &mut dwpe_cpu, &dout, &tokens)
+                    .unwrap();
+                let mut dout_buf = Buf::new(&douts, tt);
+                let (mut dwte, mut dwpe) = (Buf::new(&wtes, g), Buf::new(&wpes, g));
+                let (mut bt, mut bo, mut br) = (
+                    buckets.tokens.clone(),
+                    buckets.offsets.clone(),
+                    buckets.rows.clone(),
+                );
+                let a = Args::new()
+                    .buf(&mut dwte)
+                    .buf(&mut dout_buf)
+                    .ptr(&mut bt)
+                    .ptr(&mut bo)
+                    .ptr(&mut br)
+                    .arg(buckets.len() as i64)
+                    .arg(c as i64);
+                let names = format!("{}_{}", suffix(tt), suffix(g));
+                launch(emu, &format!("embedding_backward_wte_{names}"), 2, 64, 0, a).unwrap();
+                let a = Args::new()
+                    .buf(&mut dwpe)
+                    .buf(&mut dout_buf)
+                    .arg(b as i64)
+                    .arg(t as i64)
+                    .arg(c as i64);
+                launch(emu, &format!("embedding_backward_wpe_{names}"), 2, 64, 0, a).unwrap();
+                assert_bitwise("dwte", &dwte.values(), &be.to_f32(&dwte_cpu).unwrap());
+                assert_bitwise("dwpe", &dwpe.values(), &be.to_f32(&dwpe_cpu).unwrap());
+            }
+        }
+    }
+
+    /// Equal up to `tol` relative to the largest magnitude of `want`.
+    fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * scale,
+                "{what}[{i}]: emulated {g:e}, cpu {w:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn attention_kernels_match_the_cpu() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let (b, t, c, h) = (2usize, 19usize, 12usize, 3usize);
+        let rows = b * h * t;
+        let scale = 1.0 / ((c / h) as f32).sqrt();
+        let qkvs = random(b * t * 3 * c, 1.0, 40);
+        let dprobs_in = random(rows * t, 1.0, 41);
+        let douts = random(b * t * c, 1.0, 42);
+        let dims = |a: Args| a.arg(b as i64).arg(t as i64).arg(c as i64).arg(h as i64);
+        for d in DTYPES {
+            let sfx = suffix(d);
+            // The products add in another order than the CPU's: equal to f32 rounding, or
+            // to a bf16 step where stored in bf16.
+            let tol = if d == DType::F32 { 1e-5 } else { 1e-2 };
+            let qkv = upload(&be, &qkvs, &[b, t, 3 * c], d);
+            let mut scores_cpu = zeros(&be, &[b, h, t, t], d);
+            be.attention_scores(&mut scores_cpu, &qkv, h).unwrap();
+            let mut qkv_buf = Buf::new(&qkvs, d);
+            let mut scores = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = dims(Args::new().buf(&mut scores).buf(&mut qkv_buf)).arg(scale);
+            launch(emu, &format!("attention_scores_{sfx}"), 4, 128, 0, a).unwrap();
+            let scores_want = be.to_f32(&scores_cpu).unwrap();
+            assert_close("scores", &scores.values(), &scores_want, tol);
+
+            // The softmax and its backward from the CPU's scores: bit for bit.
+            let mut probs_cpu = zeros(&be, &[b, h, t, t], d);
+            be.softmax_causal(&mut probs_cpu, &scores_cpu).unwrap();
+            let mut scores = Buf::new(&scores_want, d);
+            let mut probs = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = Args::new()
+                .buf(&mut probs)
+                .buf(&mut scores)
+                .arg(rows as i64)
+                .arg(t as i64);
+            launch(emu, &format!("softmax_causal_{sfx}"), 2, 64, 0, a).unwrap();
+            let probs_want = be.to_f32(&probs_cpu).unwrap();
+            assert_bitwise("probs", &probs.values(), &probs_want);
+            let dprobs = upload(&be, &dprobs_in, &[b, h, t, t], d);
+            let mut dscores_cpu = zeros(&be, &[b, h, t, t], d);
+            be.softmax_causal_backward(&mut dscores_cpu, &dprobs, &probs_cpu)
+                .unwrap();
+            let mut dprobs_buf = Buf::new(&dprobs_in, d);
+            let mut dscores = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = Args::new()
+                .buf(&mut dscores)
+                .buf(&mut dprobs_buf)
+                .buf(&mut probs)
+                .arg(rows as i64)
+                .arg(t as i64);
+            launch(emu, &format!("softmax_causal_backward_{sfx}"), 3, 32, 0, a).unwrap();
+            let dscores_want = be.to_f32(&dscores_cpu).unwrap();
+            assert_bitwise("dscores", &dscores.values(), &dscores_want);
+
+            // Values and the backward products.
+            let mut out_cpu = zeros(&be, &[b, t, c], d);
+            be.attention_values(&mut out_cpu, &probs_cpu, &qkv, h)
+                .unwrap();
+            let mut out = Buf::new(&vec![f32::NAN; b * t * c], d);
+            let a = dims(Args::new().buf(&mut out).buf(&mut probs).buf(&mut qkv_buf));
+            launch(emu, &format!("attention_values_{sfx}"), 2, 64, 0, a).unwrap();
+            let out_want = be.to_f32(&out_cpu).unwrap();
+            assert_close("values", &out.values(), &out_want, tol);
+
+            let dout = upload(&be, &douts, &[b, t, c], d);
+            let mut dprobs_cpu = zeros(&be, &[b, h, t, t], d);
+            let mut dqkv_cpu = zeros(&be, &[b, t, 3 * c], d);
+            be.attention_values_backward(
+                &mut dprobs_cpu,
+                &mut dqkv_cpu,
+                &dout,
+                &probs_cpu,
+                &qkv,
+                h,
+            )
+            .unwrap();
+            be.attention_scores_backward(&mut dqkv_cpu, &dscores_cpu, &qkv, h)
+                .unwrap();
+            let mut dout_buf = Buf::new(&douts, d);
+            let mut dp = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = dims(
+                Args::new()
+                    .buf(&mut dp)
+                    .buf(&mut dout_buf)
+                    .buf(&mut qkv_buf),
+            );
+            let k = format!("attention_values_backward_dprobs_{sfx}");
+            launch(emu, &k, 2, 64, 0, a).unwrap();
+            let dp_want = be.to_f32(&dprobs_cpu).unwrap();
+            assert_close("dprobs", &dp.values(), &dp_want, tol);
+            let mut dqkv = Buf::new(&vec![f32::NAN; b * t * 3 * c], d);
+            let a = dims(
+                Args::new()
+                    .buf(&mut dqkv)
+                    .buf(&mut dout_buf)
+                    .buf(&mut probs),
+            );
+            launch(
+                emu,
+                &format!("attention_values_backward_dv_{sfx}"),
+                2,
+                64,
+                0,
+                a,
+            )
+            .unwrap();
+            let mut dscores = Buf::new(&dscores_want, d);
+            let a = Args::new()
+                .buf(&mut dqkv)
+                .buf(&mut dscores)
+                .buf(&mut qkv_buf);
+            let a = dims(a).arg(scale);
+            launch(
+                emu,
+                &format!("attention_scores_backward_{sfx}"),
+                2,
+                64,
+                0,
+                a,
+            )
+            .unwrap();
+            let dqkv_want = be.to_f32(&dqkv_cpu).unwrap();
+            assert_close("dqkv", &dqkv.values(), &dqkv_want, tol);
+        }
+    }
+
+    #[test]
+    fn cross_entropy_matches_the_cpu() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        // 23 rows of 70 logits, of which the first 61 are the vocabulary.
+        let (rows, vp, vocab) = (23usize, 70usize, 61usize);
+        let logits_in = random(rows * vp, 3.0, 50);
+        let mut rng = Rng::new(51);
+        let mut targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
+        for d in DTYPES {
+            for grad_scale in [None, Some(0.25f32)] {
+                let mut logits_cpu = upload(&be, &logits_in, &[rows, vp], d);
+                let want = be
+                    .cross_entropy(&mut logits_cpu, &targets, vocab, grad_scale)
+                    .unwrap();
+                let mut logits = Buf::new(&logits_in, d);
+                let mut losses = vec![f32::NAN; rows];
+                let a = Args::new()
+                    .buf(&mut logits)
+                    .ptr(&mut losses)
+                    .ptr(&mut targets)
+                    .arg(rows as i64)
+                    .arg(vp as i64)
+                    .arg(vocab as i64)
+                    .arg(grad_scale.unwrap_or(1.0))
+                    .arg(grad_scale.is_some() as i32);
+                launch(emu, &format!("cross_entropy_{}", suffix(d)), 2, 64, 0, a).unwrap();
+                // The host sums the row losses in f64 in row order, as the CPU does; logf
+                // against the host's ln may differ in the last bit of a loss.
+                let got: f64 = losses.iter().map(|&l| l as f64).sum();
+                assert!(
+                    ((got - want) / want).abs() < 1e-6,
+                    "{d:?}: loss {got} against {want}"
+                );
+                let logits_want = be.to_f32(&logits_cpu).unwrap();
+                assert_bitwise("logits", &logits.values(), &logits_want);
+            }
+        }
+    }
+
+    #[test]
+    fn adamw_matches_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let n = 777usize;
+        let (ps, gs, ms) = (random(n, 1.0, 60), random(n, 0.1, 61), random(n, 0.01, 62));
+        let vs: Vec<f32> = random(n, 1e-3, 63).iter().map(|v| v.abs()).collect();
+        let hp = crate::device::AdamWStep {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale: 0.5,
+        };
+        // The host's constants, as the CPU twin computes them.
+        let bc1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
+        let bc2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
+        let step_size = (hp.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let decay = 1.0 - hp.lr * hp.weight_decay;
+        for g in DTYPES {
+            let mut p_cpu = upload(&be, &ps, &[n], DType::F32);
+            let mut m_cpu = upload(&be, &ms, &[n], DType::F32);
+            let mut v_cpu = upload(&be, &vs, &[n], DType::F32);
+            let grad = upload(&be, &gs, &[n], g);
+            be.adamw(&mut p_cpu, &grad, &mut m_cpu, &mut v_cpu, &hp)
+                .unwrap();
+            let want_p = be.to_f32(&p_cpu).unwrap();
+            // With and without the bf16 compute copy.
+            for with_copy in [true, false] {
+                let (mut p, mut m, mut v) = (ps.clone(), ms.clone(), vs.clone());
+                let mut grad_buf = Buf::new(&gs, g);
+                let mut compute = vec![bf16::NAN; n];
+                let copy = if with_copy {
+                    compute.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                };
+                let a = Args::new()
+                    .ptr(&mut p)
+                    .buf(&mut grad_buf)
+                    .ptr(&mut m)
+                    .ptr(&mut v)
+                    .arg(copy)
+                    .arg(n as i64)
+                    .arg(hp.beta1)
+                    .arg(hp.beta2)
+                    .arg(hp.eps)
+                    .arg(hp.grad_scale)
+                    .arg(step_size)
+                    .arg(bc2_sqrt)
+                    .arg(decay);
+                launch(emu, &format!("adamw_{}", suffix(g)), 2, 128, 0, a).unwrap();
+                assert_bitwise("param", &p, &want_p);
+                assert_bitwise("m", &m, &be.to_f32(&m_cpu).unwrap());
+                assert_bitwise("v", &v, &be.to_f32(&v_cpu).unwrap());
+                if with_copy {
+                    assert_bitwise("compute copy", &widen(&compute), &widen(&to_bf16(&want_p)));
+                } else {
+                    assert!(compute.iter().all(|x| x.is_nan()));
+                }
+            }
+        }
+    }
+
     #[test]
     fn shuffles_follow_cuda_semantics() {
         let Some(emu) = test_emulator() else { return };
