@@ -7,6 +7,12 @@
 // returns. A barrier releases its threads when its last participant arrives: it is then
 // that the values of a collective are exchanged, all at once. Fibers and their stacks are
 // kept per OS thread and reused by later blocks and launches.
+#if defined(__APPLE__)
+// ucontext (the fallback below) is behind the X/Open API there.
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE
+#endif
+
 #include "emu.h"
 
 #include <sys/mman.h>
