@@ -493,7 +493,12 @@ fn compile_library(
     compiler: &Compiler,
     units: &[(String, String)],
 ) -> Result<PathBuf> {
-    let io = |path: &Path, e: std::io::Error| emu_error(format!("{}: {e}", path.display()));
+    let io = |path: &Path, e: std::io::Error| {
+        emu_error(format!(
+            "{}: {e} (set ${DIR_ENV} to a writable directory)",
+            path.display()
+        ))
+    };
     std::fs::create_dir_all(work).map_err(|e| io(work, e))?;
     let mut files: Vec<(String, &str)> = vec![
         ("emu.h".to_string(), EMU_HEADER),
