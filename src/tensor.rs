@@ -1,6 +1,7 @@
 //! `Tensor`: a shaped buffer on a device, tagged with its memory category and a label.
 
 use crate::device::cpu::BufferPool;
+use crate::device::cuda::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use half::bf16;
@@ -52,6 +53,8 @@ pub(crate) enum Storage {
     F32(Vec<f32>),
     /// Host memory, bf16 elements.
     Bf16(Vec<bf16>),
+    /// GPU memory (or the emulator's host stand-in for it), any dtype.
+    Device(DeviceBuffer),
 }
 
 impl Storage {
@@ -59,6 +62,7 @@ impl Storage {
         match self {
             Storage::F32(v) => v.len(),
             Storage::Bf16(v) => v.len(),
+            Storage::Device(d) => d.len(),
         }
     }
 
@@ -66,6 +70,7 @@ impl Storage {
         match self {
             Storage::F32(_) => DType::F32,
             Storage::Bf16(_) => DType::Bf16,
+            Storage::Device(d) => d.dtype(),
         }
     }
 }

@@ -25,6 +25,22 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+impl AdamWStep {
+    /// The per-step constants of the update, computed on the host as PyTorch does (bias
+    /// corrections in f64): `(step_size, bc2_sqrt, decay)` with
+    /// `step_size = lr / (1 − beta1^step)`, `bc2_sqrt = sqrt(1 − beta2^step)` and
+    /// `decay = 1 − lr · weight_decay`. Every backend uses these exact values.
+    pub fn constants(&self) -> (f32, f32, f32) {
+        let exponent = self.step.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - (self.beta1 as f64).powi(exponent);
+        let bc2 = 1.0 - (self.beta2 as f64).powi(exponent);
+        let step_size = (self.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let decay = 1.0 - self.lr * self.weight_decay;
+        (step_size, bc2_sqrt, decay)
+    }
+}
+
 /// The seam between model code and hardware: a device's buffers and ops.
 ///
 /// Model and optimizer code is written once against this trait; `CpuBackend` is the
@@ -47,6 +63,15 @@ pub trait Backend: Debug + Send + Sync {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    /// The device's own memory numbers (a GPU's pool and `cuMemGetInfo`), to show beside
+    /// the ledger's; `None` on the CPU.
+    fn device_memory(&self) -> Option<super::cuda::GpuMemory> {
+        None
+    }
+
+    /// Starts a new high-water mark of [`Backend::device_memory`] (no-op on the CPU).
+    fn reset_device_peak(&self) {}
 
     /// A zero-filled tensor.
     fn zeros(
@@ -103,6 +128,17 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
     fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+
+    /// The sum of squares of every element of every tensor in `xs`, accumulated in f64:
+    /// the squared global gradient norm. A GPU backend computes it with a single read back
+    /// to the host; the default sums [`Backend::sum_squares`] tensor by tensor.
+    fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        let mut sum = 0f64;
+        for x in xs {
+            sum += self.sum_squares(x)?;
+        }
+        Ok(sum)
+    }
 
     /// `out (+)= op(a) · op(b) (+ bias)` with f32 accumulation, where `op` transposes when
     /// `trans_a` / `trans_b` is set. `out` is `[m, n]`, `op(a)` is `[m, k]`, `op(b)` is
@@ -229,6 +265,8 @@ pub trait Backend: Debug + Send + Sync {
     ) -> Result<f64>;
 
     /// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
+    /// With `compute`, the updated values are also written there, rounded to its dtype
+    /// (the compute weights of mixed precision), in the same pass on a GPU.
     fn adamw(
         &self,
         param: &mut Tensor,
@@ -236,5 +274,6 @@ pub trait Backend: Debug + Send + Sync {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: &AdamWStep,
+        compute: Option<&mut Tensor>,
     ) -> Result<()>;
 }

@@ -7,7 +7,7 @@ pub mod cuda;
 pub use backend::{AdamWStep, Backend};
 pub use cpu::CpuBackend;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -22,30 +22,25 @@ pub enum Device {
 }
 
 impl Device {
-    /// The best device available, and why it was chosen. This build has no GPU backend,
-    /// so it is the CPU, with the reason and what the CUDA probe ([`cuda::probe`]) found.
+    /// The best device available, and why it was chosen: the first GPU when the CUDA
+    /// driver, NVRTC, cuBLAS and cuBLASLt load, a device answers ([`cuda::probe`]) and the
+    /// CUDA headers NVRTC needs are found ([`cuda::find_include_dir`]); otherwise the CPU,
+    /// with the reason.
     pub fn best() -> (Device, String) {
-        let found = match cuda::probe() {
-            Ok(info) => format!("found {info}"),
-            Err(reason) => reason,
-        };
-        (
-            Device::Cpu,
-            format!("using the CPU: this build of trainkit has no CUDA backend yet ({found})"),
-        )
+        match cuda::probe() {
+            Ok(info) => match cuda::find_include_dir() {
+                Ok(_) => (Device::Cuda(info.ordinal), format!("using {info}")),
+                Err(e) => (Device::Cpu, format!("using the CPU: found {info}, but {e}")),
+            },
+            Err(reason) => (Device::Cpu, format!("using the CPU: {reason}")),
+        }
     }
 
     /// A backend running on this device.
     pub fn backend(self) -> Result<Arc<dyn Backend>> {
         match self {
             Device::Cpu => Ok(Arc::new(CpuBackend::new())),
-            Device::Cuda(i) => Err(Error::Backend {
-                backend: "cuda",
-                message: format!(
-                    "cannot use cuda:{i}: this build of trainkit has no CUDA backend yet; \
-                     use the CPU (`--device cpu`)"
-                ),
-            }),
+            Device::Cuda(i) => Ok(Arc::new(cuda::CudaBackend::new(i)?)),
         }
     }
 }

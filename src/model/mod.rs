@@ -6,7 +6,7 @@ mod param;
 mod stash;
 
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use param::Param;
+pub use param::{Param, UpdateParts};
 pub use stash::{LayerStash, StashStats};
 
 use crate::checkpoint::CheckpointPolicy;

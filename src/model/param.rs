@@ -21,6 +21,22 @@ pub struct Param {
     grad: Option<Tensor>,
     grad_dtype: DType,
     state: Vec<Tensor>,
+    /// The optimizer already wrote the compute weights from this step's update.
+    weight_fresh: bool,
+}
+
+/// What an optimizer needs to update one parameter, with the compute weights it may
+/// write in the same pass ([`Param::update_parts_fused`]).
+pub struct UpdateParts<'a> {
+    /// The f32 values to update.
+    pub value: &'a mut Tensor,
+    /// The compute weights to overwrite with the updated values (rounded to their
+    /// dtype), when they are kept apart from `value`.
+    pub compute: Option<&'a mut Tensor>,
+    /// The accumulated gradient.
+    pub grad: &'a Tensor,
+    /// The optimizer's state slots.
+    pub state: &'a mut Vec<Tensor>,
 }
 
 impl Param {
@@ -54,6 +70,7 @@ impl Param {
             grad: None,
             grad_dtype: precision.grad_dtype(),
             state: Vec::new(),
+            weight_fresh: false,
         })
     }
 
@@ -102,6 +119,30 @@ impl Param {
         })?;
         let value = self.master.as_mut().unwrap_or(&mut self.weight);
         Ok((value, grad, &mut self.state))
+    }
+
+    /// As [`Param::update_parts`], with the compute weights (when kept apart from the
+    /// values) for the optimizer to write in the same pass as its update, as the fused
+    /// AdamW kernel does. The optimizer must write them when it gets them: the trainer
+    /// then skips its own copy of the master weights into the compute weights.
+    pub fn update_parts_fused(&mut self) -> Result<UpdateParts<'_>> {
+        let grad = self.grad.as_ref().ok_or_else(|| Error::Backend {
+            backend: "optimizer",
+            message: format!("`{}` has no gradient: run backward first", self.name),
+        })?;
+        let (value, compute) = match self.master.as_mut() {
+            Some(master) => {
+                self.weight_fresh = true;
+                (master, Some(&mut self.weight))
+            }
+            None => (&mut self.weight, None),
+        };
+        Ok(UpdateParts {
+            value,
+            compute,
+            grad,
+            state: &mut self.state,
+        })
     }
 
     /// Optimizer state slots (empty until the optimizer's first step).
@@ -185,7 +226,17 @@ impl Param {
         self.state = state;
     }
 
+    /// Copies the master weights into the compute weights after an optimizer step,
+    /// unless the optimizer already wrote them ([`Param::update_parts_fused`]).
+    pub(crate) fn refresh_after_step(&mut self, backend: &dyn Backend) -> Result<()> {
+        if std::mem::take(&mut self.weight_fresh) {
+            return Ok(());
+        }
+        self.refresh_weight(backend)
+    }
+
     pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {
+        self.weight_fresh = false;
         if let Some(master) = &self.master {
             backend.cast(&mut self.weight, master)?;
         }

@@ -93,7 +93,8 @@ impl Optimizer for AdamW {
             let decay = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();
             let shape = p.shape().to_vec();
-            let (value, grad, state) = p.update_parts()?;
+            let parts = p.update_parts_fused()?;
+            let (value, grad, state) = (parts.value, parts.grad, parts.state);
             if state.is_empty() {
                 state.push(backend.zeros(
                     &shape,
@@ -123,6 +124,7 @@ impl Optimizer for AdamW {
                     step,
                     grad_scale,
                 },
+                parts.compute,
             )?;
         }
         Ok(())

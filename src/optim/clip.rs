@@ -7,13 +7,8 @@ use crate::error::Result;
 /// The L2 norm of all gradients together (f64 accumulation). Parameters without a
 /// gradient count as zero.
 pub fn global_grad_norm(backend: &dyn Backend, params: &[Param]) -> Result<f64> {
-    let mut sum = 0f64;
-    for p in params {
-        if let Some(g) = p.grad() {
-            sum += backend.sum_squares(g)?;
-        }
-    }
-    Ok(sum.sqrt())
+    let grads: Vec<&crate::tensor::Tensor> = params.iter().filter_map(|p| p.grad()).collect();
+    Ok(backend.sum_squares_all(&grads)?.sqrt())
 }
 
 /// PyTorch's `clip_grad_norm_` coefficient: `max_norm / (norm + 1e-6)` capped at 1;

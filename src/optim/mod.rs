@@ -5,7 +5,7 @@ mod clip;
 mod schedule;
 mod sgd;
 
-pub use crate::model::Param;
+pub use crate::model::{Param, UpdateParts};
 pub use adamw::AdamW;
 pub use clip::{clip_coefficient, global_grad_norm};
 pub use schedule::LrSchedule;

@@ -63,6 +63,10 @@ pub struct StepMemory {
     pub peak_total: u64,
     /// The breakdown at the moment the total peaked.
     pub at_peak: CategoryBytes,
+    /// The device's own numbers at the end of the step (GPU pool and free memory), beside
+    /// the ledger's; `None` on the CPU.
+    #[serde(default)]
+    pub device: Option<crate::device::cuda::GpuMemory>,
 }
 
 /// What one optimizer step did.
@@ -360,6 +364,7 @@ where
         let be = backend.as_ref();
         let ledger = be.ledger().clone();
         ledger.reset_peaks();
+        be.reset_device_peak();
         let (b, t) = (self.data.batch_size(), self.data.seq_len());
         let tokens_per_micro = (b * t) as u64;
         let k = self.accumulation.micro_batches(&AccumulationContext {
@@ -413,7 +418,7 @@ where
             self.optimizer
                 .step(be, &mut self.params, lr, coef / loss_scale, self.step + 1)?;
             for p in &mut self.params {
-                p.refresh_weight(be)?;
+                p.refresh_after_step(be)?;
             }
             self.bad_streak = 0;
         } else {
@@ -469,6 +474,7 @@ where
                 peak: snap.peak,
                 peak_total: snap.peak_total,
                 at_peak: snap.at_peak,
+                device: be.device_memory(),
             },
             model_flops,
             hardware_flops: snap.flops,

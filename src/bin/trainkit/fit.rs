@@ -33,11 +33,20 @@ pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
                  --memory-budget 8GiB",
             )
         }),
-        Device::Cuda(_) => Err(Error::config(
-            "--memory-budget",
-            "the device's free memory is not known here; give a budget, e.g. \
-             --memory-budget 70GiB",
-        )),
+        Device::Cuda(i) => match trainkit::device::cuda::probe::probe_device(i) {
+            // The context, cuBLASLt's workspace and the pool's rounding take some of the
+            // free memory: keep 5% (at least 512 MiB) aside.
+            Ok(info) => Ok(info
+                .free_memory
+                .saturating_sub((info.free_memory / 20).max(512 << 20))),
+            Err(reason) => Err(Error::config(
+                "--memory-budget",
+                format!(
+                    "the GPU's free memory could not be read ({reason}); give a budget, e.g. \
+                     --memory-budget 70GiB"
+                ),
+            )),
+        },
     }
 }
 

@@ -48,7 +48,16 @@ impl Progress {
 
     /// Reports one finished step.
     pub fn step(&mut self, s: &StepStats) -> Result<()> {
-        let peak = format_bytes(s.memory.peak_total);
+        let mut peak = format_bytes(s.memory.peak_total);
+        if let Some(d) = &s.memory.device {
+            peak = format!(
+                "{peak} (GPU pool {} reserved, peak {}; {} free of {})",
+                format_bytes(d.pool_reserved),
+                format_bytes(d.pool_reserved_peak),
+                format_bytes(d.free),
+                format_bytes(d.total)
+            );
+        }
         let seconds = s.seconds.max(1e-12);
         let speed = match (s.mfu, s.hfu) {
             (Some(m), Some(h)) => format!("MFU {:.1}% | HFU {:.1}%", 100.0 * m, 100.0 * h),
@@ -98,6 +107,7 @@ impl Progress {
                 "hfu": s.hfu,
                 "memory_peak": peak,
                 "memory_peak_total": s.memory.peak_total,
+                "device_memory": s.memory.device,
             });
             writeln!(file, "{line}").map_err(|e| Error::io(path.as_path(), e))?;
         }

@@ -10,8 +10,7 @@ use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
 use trainkit::{
-    Device, Error, Gpt2, MemoryObserver, Model, Observers, Result, Timeline, Trainer,
-    TrainerOptions,
+    Error, Gpt2, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
 };
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
@@ -274,7 +273,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         p => p.map(|p| p * 1e12),
     };
     let backend = device.backend()?;
-    if let (Some(budget), Device::Cpu) = (memory_budget, device) {
+    if let Some(budget) = memory_budget {
         backend.ledger().set_limit(Some(budget));
     }
     let t = cfg.training.clone();

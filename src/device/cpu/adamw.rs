@@ -32,24 +32,21 @@ pub(super) fn adamw(
     let (Storage::F32(p), Storage::F32(mv), Storage::F32(vv)) =
         (param.storage_mut(), m.storage_mut(), v.storage_mut())
     else {
-        unreachable!("checked f32 above")
+        return Err(crate::error::Error::Backend {
+            backend: "cpu",
+            message: "a tensor of another backend was passed to the CPU backend: keep a \
+                      model's tensors on one device"
+                .to_string(),
+        });
     };
+    let (step_size, bc2_sqrt, decay) = hp.constants();
     let AdamWStep {
-        lr,
         beta1,
         beta2,
         eps,
-        weight_decay,
-        step,
         grad_scale,
+        ..
     } = *hp;
-    // Bias corrections in f64, as PyTorch computes them on the host.
-    let exponent = step.min(i32::MAX as u64) as i32;
-    let bc1 = 1.0 - (beta1 as f64).powi(exponent);
-    let bc2 = 1.0 - (beta2 as f64).powi(exponent);
-    let step_size = (lr as f64 / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let decay = 1.0 - lr * weight_decay;
     p.par_chunks_mut(CHUNK)
         .zip(mv.par_chunks_mut(CHUNK))
         .zip(vv.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)))

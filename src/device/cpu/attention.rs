@@ -11,15 +11,16 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-struct Dims {
-    b: usize,
-    t: usize,
-    c: usize,
-    h: usize,
-    hs: usize,
+/// The dimensions of an attention op: batch, sequence, width, heads, head size.
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) c: usize,
+    pub(crate) h: usize,
+    pub(crate) hs: usize,
 }
 
-fn dims(qkv: &Tensor, n_head: usize, op: &'static str) -> Result<Dims> {
+pub(crate) fn dims(qkv: &Tensor, n_head: usize, op: &'static str) -> Result<Dims> {
     let (b, t, c3) = btc(qkv, op)?;
     ensure(c3 % 3 == 0, op, || {
         format!("`{}` last dimension {c3} is not 3·C", qkv.label())
@@ -66,7 +67,7 @@ fn block_area(t: usize) -> u64 {
 /// multiply-add, plus 1 per output for the score scaling), 5 per causal entry for the
 /// softmax (max, subtract, exp, sum, normalise) and 4 for its backward. Zero for shapes
 /// the ops refuse.
-pub(super) struct AttentionFlops {
+pub(crate) struct AttentionFlops {
     pub scores: u64,
     pub scores_backward: u64,
     pub values: u64,
@@ -74,7 +75,7 @@ pub(super) struct AttentionFlops {
 }
 
 impl AttentionFlops {
-    pub(super) fn new(qkv: &Tensor, n_head: usize) -> AttentionFlops {
+    pub(crate) fn new(qkv: &Tensor, n_head: usize) -> AttentionFlops {
         let Ok(d) = dims(qkv, n_head, "attention") else {
             return AttentionFlops {
                 scores: 0,
@@ -100,7 +101,7 @@ impl AttentionFlops {
 
 /// Floating-point operations of the causal softmax (`per_entry` 5) or its backward (4)
 /// over `[B, H, T, T]` `probs`: the triangle `j <= i` only. Zero for other shapes.
-pub(super) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
+pub(crate) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
     match *probs.shape() {
         [b, h, t, t2] if t == t2 => (b * h) as u64 * (t * (t + 1) / 2) as u64 * per_entry,
         _ => 0,
@@ -210,7 +211,7 @@ pub(super) fn scores_backward(
     Ok(())
 }
 
-fn square_rows(t: &Tensor, op: &'static str) -> Result<usize> {
+pub(crate) fn square_rows(t: &Tensor, op: &'static str) -> Result<usize> {
     let s = t.shape();
     ensure(s.len() == 4 && s[2] == s[3], op, || {
         format!("`{}` must be [B, H, T, T], it is {s:?}", t.label())

@@ -7,7 +7,7 @@ use crate::tensor::{Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
+pub(crate) fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
     ensure(a.numel() == b.numel(), op, || {
         format!(
             "`{}` {:?} and `{}` {:?} differ in size",
@@ -40,6 +40,10 @@ pub(super) fn cast(dst: &mut Tensor, src: &Tensor) -> Result<()> {
                     *d = s.to_f32();
                 }
             }),
+        _ => {
+            let s = read(src).into_owned();
+            write(dst, false, |d| d.copy_from_slice(&s));
+        }
     }
     Ok(())
 }
@@ -48,6 +52,7 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
+        Storage::Device(_) => write(t, false, |v| v.fill(value)),
     }
 }
 

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-fn check(
+pub(crate) fn check(
     op: &'static str,
     x: &Tensor,
     tokens: &[u32],

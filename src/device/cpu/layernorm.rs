@@ -28,7 +28,12 @@ pub(super) fn forward(
     let w = read(weight);
     let b = read(bias);
     let Storage::F32(st) = stats.storage_mut() else {
-        unreachable!("checked f32 above")
+        return Err(crate::error::Error::Backend {
+            backend: "cpu",
+            message: "a tensor of another backend was passed to the CPU backend: keep a \
+                      model's tensors on one device"
+                .to_string(),
+        });
     };
     write(out, false, |o| {
         o.par_chunks_mut(c)

@@ -154,7 +154,7 @@ pub(crate) fn product_flops(m: usize, n: usize, k: usize, bias: bool) -> u64 {
 
 /// Floating-point operations of [`matmul`] with these operands (meaningful once the
 /// shapes have been accepted).
-pub(super) fn flops(out: &Tensor, a: &Tensor, bias: bool, trans_a: bool) -> u64 {
+pub(crate) fn flops(out: &Tensor, a: &Tensor, bias: bool, trans_a: bool) -> u64 {
     let (m, n) = out.rows_cols();
     let (ar, ac) = a.rows_cols();
     product_flops(m, n, if trans_a { ar } else { ac }, bias)

@@ -16,13 +16,13 @@
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
 mod adamw;
-mod attention;
-mod cross_entropy;
-mod elementwise;
-mod embedding;
-mod gelu;
-mod layernorm;
-mod matmul;
+pub(crate) mod attention;
+pub(crate) mod cross_entropy;
+pub(crate) mod elementwise;
+pub(crate) mod embedding;
+pub(crate) mod gelu;
+pub(crate) mod layernorm;
+pub(crate) mod matmul;
 mod pool;
 mod simd;
 
@@ -41,7 +41,7 @@ const CHUNK: usize = 1 << 14;
 
 /// Floating-point operations per element of the element-wise kernels (see the module
 /// documentation).
-mod per_element {
+pub(crate) mod per_element {
     pub const ADD: u64 = 1;
     pub const AXPY: u64 = 2;
     pub const SCALE: u64 = 1;
@@ -61,7 +61,7 @@ mod per_element {
 }
 
 /// `per` operations on each of `n` elements.
-fn each(n: usize, per: u64) -> u64 {
+pub(crate) fn each(n: usize, per: u64) -> u64 {
     (n as u64).saturating_mul(per)
 }
 
@@ -135,8 +135,16 @@ impl CpuBackend {
 }
 
 /// The elements of `t` as f32, borrowed when `t` is f32.
+///
+/// A tensor of the CUDA backend is copied from the device (slow, and only for mixing
+/// backends in tests); a device failure during that copy panics, as there is no way to
+/// return it here.
 pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
     match t.storage() {
+        Storage::Device(d) => Cow::Owned(
+            d.to_f32()
+                .unwrap_or_else(|e| panic!("reading `{}` from the GPU failed: {e}", t.label())),
+        ),
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
         Storage::Bf16(v) => {
             let mut out = vec![0f32; v.len()];
@@ -156,6 +164,17 @@ pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
 /// With `load`, `f` sees the current contents (for accumulation); otherwise zeros.
 pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
     match t.storage_mut() {
+        Storage::Device(d) => {
+            let fail = |e: Error| -> ! { panic!("writing a tensor on the GPU failed: {e}") };
+            let mut tmp = if load {
+                d.to_f32().unwrap_or_else(|e| fail(e))
+            } else {
+                vec![0f32; d.len()]
+            };
+            let r = f(&mut tmp);
+            d.write_f32(&tmp).unwrap_or_else(|e| fail(e));
+            r
+        }
         Storage::F32(v) => f(v.as_mut_slice()),
         Storage::Bf16(v) => {
             let mut tmp = vec![0f32; v.len()];
@@ -292,6 +311,13 @@ impl Backend for CpuBackend {
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
+            Storage::Device(d) => {
+                let v = d.to_f32()?;
+                match d.dtype() {
+                    DType::F32 => Storage::F32(v),
+                    DType::Bf16 => Storage::Bf16(v.iter().map(|x| bf16::from_f32(*x)).collect()),
+                }
+            }
         };
         op.finish(Tensor::new(
             storage,
@@ -535,10 +561,14 @@ impl Backend for CpuBackend {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: &AdamWStep,
+        compute: Option<&mut Tensor>,
     ) -> Result<()> {
         let flops = each(param.numel(), per_element::ADAMW);
-        self.ledger
-            .op("adamw", flops, param.label())
-            .finish(adamw::adamw(param, grad, m, v, hp))
+        let op = self.ledger.op("adamw", flops, param.label());
+        let updated = adamw::adamw(param, grad, m, v, hp).and_then(|()| match compute {
+            Some(c) => elementwise::cast(c, param),
+            None => Ok(()),
+        });
+        op.finish(updated)
     }
 }

@@ -1604,18 +1604,14 @@ extern "C" __global__ void traps(int* out) {
             step: 7,
             grad_scale: 0.5,
         };
-        // The host's constants, as the CPU twin computes them.
-        let bc1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
-        let bc2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
-        let step_size = (hp.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let decay = 1.0 - hp.lr * hp.weight_decay;
+        // The host's constants, as every backend computes them.
+        let (step_size, bc2_sqrt, decay) = hp.constants();
         for g in DTYPES {
             let mut p_cpu = upload(&be, &ps, &[n], DType::F32);
             let mut m_cpu = upload(&be, &ms, &[n], DType::F32);
             let mut v_cpu = upload(&be, &vs, &[n], DType::F32);
             let grad = upload(&be, &gs, &[n], g);
-            be.adamw(&mut p_cpu, &grad, &mut m_cpu, &mut v_cpu, &hp)
+            be.adamw(&mut p_cpu, &grad, &mut m_cpu, &mut v_cpu, &hp, None)
                 .unwrap();
             let want_p = be.to_f32(&p_cpu).unwrap();
             // With and without the bf16 compute copy.

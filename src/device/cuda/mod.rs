@@ -1,21 +1,30 @@
-//! The CUDA side of trainkit: kernel sources and their NVRTC compilation, the on-disk
-//! cache of compiled PTX, the probe that says whether a usable GPU is present, and the
-//! CPU emulator that runs the kernels where there is no GPU ([`KernelEmulator`]).
+//! The CUDA side of trainkit: the backend ([`CudaBackend`]), kernel sources and their
+//! NVRTC compilation, the on-disk cache of compiled PTX, the probe that says whether a
+//! usable GPU is present, and the CPU emulator that runs the kernels where there is no
+//! GPU ([`KernelEmulator`]).
 //!
 //! Everything here builds and runs where no CUDA is installed: cudarc loads the CUDA
 //! libraries lazily (`dynamic-loading`), and every entry point first checks that the
 //! library it needs is present, returning an error (or, for the probe, a reason) instead
-//! of letting cudarc panic. There is no CUDA [`Backend`](super::Backend) yet: these are
-//! its parts.
+//! of letting cudarc panic. [`CudaBackend`] is the [`Backend`](super::Backend); it runs
+//! on a GPU, or on the CUDA emulator where there is none (for tests).
 
+mod backend;
 pub mod cache;
+mod driver;
 pub mod embedding;
+mod emulated;
 pub mod emulator;
+mod gpu;
 pub mod kernels;
 pub mod probe;
 
+pub use backend::{CudaBackend, CudaOptions};
 pub use cache::{CacheOutcome, KernelCache};
+pub use embedding::TokenBuckets;
 pub use emulator::KernelEmulator;
+pub(crate) use gpu::DeviceBuffer;
+pub use gpu::GpuMemory;
 pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, KernelFile, KERNEL_FILES,
 };

@@ -1,0 +1,478 @@
+//! The real GPU under the CUDA backend, through cudarc's driver, NVRTC and cuBLASLt
+//! bindings.
+//!
+//! One context and one stream per backend. Memory comes from the device's default
+//! stream-ordered pool (`cuMemAllocFromPoolAsync`) with its release threshold raised to
+//! the maximum, so freed memory stays in the pool and is reused instead of going back to
+//! the driver at every synchronization. Kernels are compiled by NVRTC for the device's own
+//! architecture, through the on-disk PTX cache, and every kernel of every file is
+//! resolved once at start-up. Products go through cuBLASLt, with the algorithm chosen by
+//! its heuristic once per shape and kept.
+
+use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
+use super::kernels::{find_include_dir, CompileOptions, KERNEL_FILES};
+use super::probe::{probe_device, CudaInfo};
+use super::KernelCache;
+use crate::error::{Error, Result};
+use cudarc::cublaslt::{result as lt, sys as lt_sys};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+
+/// cuBLASLt's workspace: 32 MiB on Hopper and newer, 4 MiB before (NVIDIA's advice).
+pub(crate) fn gemm_workspace_bytes(major: i32) -> usize {
+    if major >= 9 {
+        32 << 20
+    } else {
+        4 << 20
+    }
+}
+
+fn driver_error(what: &str, e: drv::DriverError) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        message: format!("{what}: {e}"),
+    }
+}
+
+fn blas_error(what: &str, e: lt::CublasError) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        message: format!("cuBLASLt {what}: {e:?}"),
+    }
+}
+
+/// A GPU driven through cudarc.
+pub(crate) struct DriverGpu {
+    info: CudaInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pool: drv_sys::CUmemoryPool,
+    modules: Vec<drv_sys::CUmodule>,
+    functions: HashMap<&'static str, drv_sys::CUfunction>,
+    lt: lt_sys::cublasLtHandle_t,
+    algos: Mutex<HashMap<GemmKey, lt_sys::cublasLtMatmulAlgo_t>>,
+    max_blocks: u32,
+}
+
+// SAFETY: the raw handles are used only through the driver, which is thread-safe once the
+// context is bound; every method binds it first.
+unsafe impl Send for DriverGpu {}
+unsafe impl Sync for DriverGpu {}
+
+impl std::fmt::Debug for DriverGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DriverGpu({})", self.info)
+    }
+}
+
+/// What identifies a product for the algorithm cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GemmKey {
+    trans_a: bool,
+    trans_b: bool,
+    a: MatrixLayout,
+    b: MatrixLayout,
+    d: MatrixLayout,
+    bias: bool,
+    tf32: bool,
+}
+
+impl DriverGpu {
+    /// Opens GPU `ordinal`: checks the libraries, creates the context, stream and pool,
+    /// compiles (or loads from the cache) every kernel, and creates the cuBLASLt handle.
+    pub(crate) fn new(ordinal: usize) -> Result<DriverGpu> {
+        let info = probe_device(ordinal).map_err(|reason| Error::Backend {
+            backend: "cuda",
+            message: format!("cannot use cuda:{ordinal}: {reason}"),
+        })?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("creating a context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating a stream", e))?;
+        // SAFETY: the context is current (CudaContext::new binds it); the pool handle comes
+        // from the driver and the attribute value is a u64 as the attribute requires.
+        let pool = unsafe {
+            let pool = drv::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(|e| driver_error("finding the device's memory pool", e))?;
+            let mut threshold = u64::MAX;
+            drv::mem_pool::set_attribute(
+                pool,
+                drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            )
+            .map_err(|e| driver_error("setting the pool's release threshold", e))?;
+            pool
+        };
+        let include = find_include_dir()?;
+        let (major, minor) = info.compute_capability;
+        let options = CompileOptions::for_compute_capability(major, minor, include);
+        let cache = KernelCache::in_default_dir();
+        let mut modules = Vec::new();
+        let mut functions = HashMap::new();
+        for file in KERNEL_FILES {
+            let ptx = match &cache {
+                Some(cache) => cache.ptx(file, &options)?,
+                None => super::compile(&file.full_source(), &options)?,
+            };
+            let image = CString::new(ptx).map_err(|_| Error::Backend {
+                backend: "cuda",
+                message: format!("the PTX of {} contains a NUL byte", file.name),
+            })?;
+            // SAFETY: the image is a NUL-terminated PTX string; the context is current.
+            let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
+                .map_err(|e| driver_error(&format!("loading the PTX of {}", file.name), e))?;
+            modules.push(module);
+            for &name in file.kernels {
+                let cname = CString::new(name).expect("kernel names have no NUL");
+                // SAFETY: the module was just loaded and is kept alive in `modules`.
+                let f = unsafe { drv::module::get_function(module, cname) }
+                    .map_err(|e| driver_error(&format!("finding kernel {name}"), e))?;
+                functions.insert(name, f);
+            }
+        }
+        let lt = lt::create_handle().map_err(|e| blas_error("creating a handle", e))?;
+        let sms = ctx
+            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_error("reading the multiprocessor count", e))?;
+        Ok(DriverGpu {
+            info,
+            ctx,
+            stream,
+            pool,
+            modules,
+            functions,
+            lt,
+            algos: Mutex::new(HashMap::new()),
+            max_blocks: (sms.max(1) as u32) * 8,
+        })
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("binding the CUDA context", e))
+    }
+
+    fn pool_attribute(&self, attr: drv_sys::CUmemPool_attribute) -> u64 {
+        let mut value = 0u64;
+        // SAFETY: these pool attributes are u64 values; the pool lives as long as the device.
+        let ok = unsafe {
+            drv::mem_pool::get_attribute(self.pool, attr, &mut value as *mut u64 as *mut c_void)
+        };
+        if ok.is_err() {
+            return 0;
+        }
+        value
+    }
+}
+
+impl Drop for DriverGpu {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        let _ = self.stream.synchronize();
+        // SAFETY: the handle and modules were created here and are not used after this.
+        unsafe {
+            let _ = lt::destroy_handle(self.lt);
+            for &m in &self.modules {
+                let _ = drv::module::unload(m);
+            }
+        }
+        let _ = self.stream.synchronize();
+    }
+}
+
+fn data_type(t: MatrixType) -> lt_sys::cudaDataType {
+    match t {
+        MatrixType::F32 => lt_sys::cudaDataType::CUDA_R_32F,
+        MatrixType::Bf16 => lt_sys::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+/// A cuBLASLt descriptor destroyed on drop.
+struct Descriptors {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: created by cuBLASLt below and destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+impl DriverGpu {
+    fn descriptors(&self, g: &Gemm) -> Result<Descriptors> {
+        let compute = if g.allow_tf32 && g.a_layout.ty == MatrixType::F32 {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let desc = lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F)
+            .map_err(|e| blas_error("creating a matmul descriptor", e))?;
+        let layout = |l: &MatrixLayout| {
+            lt::create_matrix_layout(data_type(l.ty), l.rows, l.cols, l.ld)
+                .map_err(|e| blas_error("creating a matrix layout", e))
+        };
+        let mut d = Descriptors {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+        };
+        d.layouts[0] = layout(&g.a_layout)?;
+        d.layouts[1] = layout(&g.b_layout)?;
+        d.layouts[2] = layout(&g.d_layout)?;
+        // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
+        let op = |t: bool| t as i32;
+        let set = |attr: lt_sys::cublasLtMatmulDescAttributes_t, ptr: *const c_void, size| {
+            // SAFETY: each value below has the size and type its attribute documents.
+            unsafe { lt::set_matmul_desc_attribute(desc, attr, ptr, size) }
+                .map_err(|e| blas_error("setting a matmul attribute", e))
+        };
+        use lt_sys::cublasLtMatmulDescAttributes_t as A;
+        let (ta, tb) = (op(g.trans_a), op(g.trans_b));
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            &ta as *const _ as *const c_void,
+            std::mem::size_of_val(&ta),
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            &tb as *const _ as *const c_void,
+            std::mem::size_of_val(&tb),
+        )?;
+        if g.bias != 0 {
+            let epilogue = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &epilogue as *const _ as *const c_void,
+                std::mem::size_of_val(&epilogue),
+            )?;
+            let bias_type = data_type(g.d_layout.ty);
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                &bias_type as *const _ as *const c_void,
+                std::mem::size_of_val(&bias_type),
+            )?;
+            set(
+                A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &g.bias as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )?;
+        }
+        Ok(d)
+    }
+
+    fn algorithm(
+        &self,
+        g: &Gemm,
+        d: &Descriptors,
+        workspace: usize,
+    ) -> Result<lt_sys::cublasLtMatmulAlgo_t> {
+        let key = GemmKey {
+            trans_a: g.trans_a,
+            trans_b: g.trans_b,
+            a: g.a_layout,
+            b: g.b_layout,
+            d: g.d_layout,
+            bias: g.bias != 0,
+            tf32: g.allow_tf32,
+        };
+        let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = algos.get(&key) {
+            return Ok(*a);
+        }
+        let pref = lt::create_matmul_pref().map_err(|e| blas_error("creating preferences", e))?;
+        let bytes = workspace as u64;
+        // SAFETY: the preference was just created; the value is the documented u64.
+        let heuristic = unsafe {
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &bytes as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            );
+            let found = set.and_then(|()| {
+                lt::get_matmul_algo_heuristic(
+                    self.lt,
+                    d.desc,
+                    d.layouts[0],
+                    d.layouts[1],
+                    d.layouts[2],
+                    d.layouts[2],
+                    pref,
+                )
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            found
+        }
+        .map_err(|e| {
+            blas_error(
+                &format!("finding an algorithm for {:?} × {:?} → {:?}", g.a_layout, g.b_layout, g.d_layout),
+                e,
+            )
+        })?;
+        algos.insert(key, heuristic.algo);
+        Ok(heuristic.algo)
+    }
+}
+
+impl Gpu for DriverGpu {
+    fn describe(&self) -> String {
+        format!("{} ({})", self.info.name, self.info.arch())
+    }
+
+    fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
+    fn gemm_workspace_bytes(&self) -> usize {
+        gemm_workspace_bytes(self.info.compute_capability.0)
+    }
+
+    fn alloc(&self, bytes: usize) -> std::result::Result<DevicePtr, AllocError> {
+        self.bind().map_err(|e| AllocError::Other(e.to_string()))?;
+        // SAFETY: the pool and stream belong to this context.
+        match unsafe { drv::mem_pool::alloc_async(self.pool, bytes, self.stream.cu_stream()) } {
+            Ok(ptr) => Ok(ptr),
+            Err(drv::DriverError(drv_sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                Err(AllocError::OutOfMemory)
+            }
+            Err(e) => Err(AllocError::Other(e.to_string())),
+        }
+    }
+
+    fn free(&self, ptr: DevicePtr) {
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: `ptr` came from `alloc` on this stream and is freed once.
+        if let Err(e) = unsafe { drv::free_async(ptr, self.stream.cu_stream()) } {
+            log::error!("freeing GPU memory at {ptr:#x} failed: {e}");
+        }
+    }
+
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes. From
+        // pageable memory the driver stages the bytes before returning, so `src` may be
+        // reused at once.
+        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("copying to the GPU", e))
+    }
+
+    fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the buffer at `src` holds at least `dst.len()` bytes; the stream is
+        // synchronized before `dst` is read.
+        unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("copying from the GPU", e))?;
+        self.synchronize()
+    }
+
+    fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the buffer at `dst` holds at least `bytes` bytes.
+        unsafe { drv::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("zeroing GPU memory", e))
+    }
+
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both buffers hold at least `bytes` bytes.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_error("copying on the GPU", e))
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.bind()?;
+        let f = *self.functions.get(kernel).ok_or_else(|| Error::Backend {
+            backend: "cuda",
+            message: format!("no kernel named {kernel}"),
+        })?;
+        drv::launch_kernel(
+            f,
+            (grid.max(1), 1, 1),
+            (block, 1, 1),
+            0,
+            self.stream.cu_stream(),
+            params,
+        )
+        .map_err(|e| driver_error(&format!("launching {kernel}"), e))
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+        self.bind()?;
+        let (workspace, workspace_bytes) = (g.workspace, g.workspace_bytes);
+        let d = self.descriptors(g)?;
+        let algo = self.algorithm(g, &d, workspace_bytes)?;
+        lt::matmul(
+            self.lt,
+            d.desc,
+            &g.alpha as *const f32 as *const c_void,
+            &g.beta as *const f32 as *const c_void,
+            g.a as *const c_void,
+            d.layouts[0],
+            g.b as *const c_void,
+            d.layouts[1],
+            g.d as *const c_void,
+            d.layouts[2],
+            g.d as *mut c_void,
+            d.layouts[2],
+            &algo,
+            workspace as *mut c_void,
+            workspace_bytes,
+            self.stream.cu_stream() as lt_sys::cudaStream_t,
+        )
+        .map_err(|e| blas_error("running a matmul", e))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the GPU", e))
+    }
+
+    fn memory(&self) -> Option<GpuMemory> {
+        self.bind().ok()?;
+        let (free, total) = self.ctx.mem_get_info().ok()?;
+        use drv_sys::CUmemPool_attribute as P;
+        Some(GpuMemory {
+            pool_reserved: self.pool_attribute(P::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
+            pool_used: self.pool_attribute(P::CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+            pool_reserved_peak: self.pool_attribute(P::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH),
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn reset_peak(&self) {
+        if self.bind().is_err() {
+            return;
+        }
+        let mut zero = 0u64;
+        // SAFETY: the high-water attributes are reset by writing a u64 zero.
+        unsafe {
+            let _ = drv::mem_pool::set_attribute(
+                self.pool,
+                drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut c_void,
+            );
+        }
+    }
+}

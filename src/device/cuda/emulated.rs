@@ -1,0 +1,257 @@
+//! The CUDA backend's device layer on the CPU: "device" memory is host memory, kernels run
+//! in the kernel emulator ([`super::emulator::KernelEmulator`]: the same .cu sources,
+//! compiled for the host, with CUDA's threads, warps and barriers emulated), and products
+//! are computed by a plain reference loop from the very column-major description the real
+//! GPU hands to cuBLASLt.
+//!
+//! It exists so that the whole CUDA backend (launch configurations, argument lists,
+//! workspaces, matrix layouts, the order of operations) runs and is checked against the
+//! CPU backend where no GPU is present, as in CI. It is slow, and it proves nothing about
+//! PTX code generation, timing or the real memory model: those need a GPU.
+
+use super::emulator::KernelEmulator;
+use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
+use crate::error::Result;
+use rayon::prelude::*;
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// Alignment of every emulated allocation (the pool's on a real GPU).
+const ALIGN: usize = 256;
+
+/// The byte every fresh allocation is filled with: 0xFF makes f32 and bf16 NaN, so an
+/// element a kernel should have written and did not shows up in a comparison.
+const POISON: u8 = 0xFF;
+
+#[derive(Default)]
+struct Pool {
+    live: HashMap<DevicePtr, usize>,
+    used: u64,
+    peak: u64,
+}
+
+/// A GPU emulated on the host.
+pub(crate) struct EmulatedGpu {
+    kernels: KernelEmulator,
+    pool: Mutex<Pool>,
+    /// Refuse allocations beyond this many live bytes (to test out-of-memory handling).
+    capacity: Option<u64>,
+}
+
+impl std::fmt::Debug for EmulatedGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EmulatedGpu")
+    }
+}
+
+impl EmulatedGpu {
+    /// Builds (or reuses) the kernel emulator; `capacity` caps live bytes like a device's
+    /// memory size.
+    pub(crate) fn new(capacity: Option<u64>) -> Result<EmulatedGpu> {
+        Ok(EmulatedGpu {
+            kernels: KernelEmulator::new()?,
+            pool: Mutex::new(Pool::default()),
+            capacity,
+        })
+    }
+
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for EmulatedGpu {
+    fn drop(&mut self) {
+        let pool = std::mem::take(&mut *self.pool());
+        for (ptr, bytes) in pool.live {
+            // SAFETY: allocated in `alloc` with this layout and not freed since.
+            unsafe {
+                std::alloc::dealloc(
+                    ptr as *mut u8,
+                    Layout::from_size_align_unchecked(bytes, ALIGN),
+                )
+            };
+        }
+    }
+}
+
+/// Reads element `i` of a matrix of type `ty` at `base` as f32.
+///
+/// # Safety
+/// `base` must address at least `i + 1` elements of `ty`.
+unsafe fn load(ty: MatrixType, base: DevicePtr, i: usize) -> f32 {
+    match ty {
+        MatrixType::F32 => *(base as *const f32).add(i),
+        MatrixType::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+    }
+}
+
+/// Stores `v` (rounded to `ty`) as element `i` of a matrix at `base`.
+///
+/// # Safety
+/// `base` must address at least `i + 1` elements of `ty`.
+unsafe fn store(ty: MatrixType, base: DevicePtr, i: usize, v: f32) {
+    match ty {
+        MatrixType::F32 => *(base as *mut f32).add(i) = v,
+        MatrixType::Bf16 => *(base as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
+    }
+}
+
+/// Element `(r, c)` of `op(X)` for a matrix stored as `layout` at `base`.
+///
+/// # Safety
+/// The layout must describe memory at `base`.
+unsafe fn op_element(
+    layout: &MatrixLayout,
+    base: DevicePtr,
+    trans: bool,
+    r: usize,
+    c: usize,
+) -> f32 {
+    let (sr, sc) = if trans { (c, r) } else { (r, c) };
+    load(layout.ty, base, sr + sc * layout.ld as usize)
+}
+
+impl Gpu for EmulatedGpu {
+    fn describe(&self) -> String {
+        "the CUDA emulator (trainkit's kernels on the CPU)".to_string()
+    }
+
+    fn max_blocks(&self) -> u32 {
+        // Few blocks: grid-stride loops then take several trips, which is exercised too.
+        4
+    }
+
+    fn gemm_workspace_bytes(&self) -> usize {
+        0
+    }
+
+    fn alloc(&self, bytes: usize) -> std::result::Result<DevicePtr, AllocError> {
+        let mut pool = self.pool();
+        if let Some(cap) = self.capacity {
+            if pool.used + bytes as u64 > cap {
+                return Err(AllocError::OutOfMemory);
+            }
+        }
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| AllocError::Other(e.to_string()))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return Err(AllocError::OutOfMemory);
+        }
+        // SAFETY: `ptr` addresses `layout.size()` bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, POISON, layout.size()) };
+        pool.live.insert(ptr as DevicePtr, layout.size());
+        pool.used += layout.size() as u64;
+        pool.peak = pool.peak.max(pool.used);
+        Ok(ptr as DevicePtr)
+    }
+
+    fn free(&self, ptr: DevicePtr) {
+        let mut pool = self.pool();
+        let Some(bytes) = pool.live.remove(&ptr) else {
+            log::error!("the CUDA emulator was asked to free {ptr:#x}, which it never allocated");
+            return;
+        };
+        pool.used -= bytes as u64;
+        // SAFETY: allocated in `alloc` with this layout, freed once (removed from `live`).
+        unsafe {
+            std::alloc::dealloc(
+                ptr as *mut u8,
+                Layout::from_size_align_unchecked(bytes, ALIGN),
+            )
+        };
+    }
+
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        // SAFETY: the buffer at `src` holds at least `dst.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: the buffer at `dst` holds at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: both buffers hold at least `bytes` bytes; `std::ptr::copy` allows overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.kernels
+            .launch(kernel, (grid.max(1), 1, 1), (block, 1, 1), 0, params)
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let ldd = g.d_layout.ld as usize;
+        let bias_ty = g.d_layout.ty;
+        let g = *g;
+        (0..n).into_par_iter().for_each(|j| {
+            for i in 0..m {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    // SAFETY (whole block): the layouts describe the memory (the caller's
+                    // contract), and every index is inside them.
+                    unsafe {
+                        let a = op_element(&g.a_layout, g.a, g.trans_a, i, l);
+                        let b = op_element(&g.b_layout, g.b, g.trans_b, l, j);
+                        acc = a.mul_add(b, acc);
+                    }
+                }
+                unsafe {
+                    let at = i + j * ldd;
+                    let mut v = g.alpha * acc;
+                    if g.beta != 0.0 {
+                        v += g.beta * load(g.d_layout.ty, g.d, at);
+                    }
+                    if g.bias != 0 {
+                        v += load(bias_ty, g.bias, i);
+                    }
+                    store(g.d_layout.ty, g.d, at, v);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn memory(&self) -> Option<GpuMemory> {
+        let pool = self.pool();
+        let total = self.capacity.unwrap_or(0);
+        Some(GpuMemory {
+            pool_reserved: pool.used,
+            pool_used: pool.used,
+            pool_reserved_peak: pool.peak,
+            free: total.saturating_sub(pool.used),
+            total,
+        })
+    }
+
+    fn reset_peak(&self) {
+        let mut pool = self.pool();
+        pool.peak = pool.used;
+    }
+}

@@ -1,0 +1,323 @@
+//! The device layer under the CUDA backend: memory, transfers, kernel launches and
+//! matrix products, behind one trait with two implementations: the real GPU
+//! ([`super::driver::DriverGpu`], through cudarc) and the emulator
+//! ([`super::emulated::EmulatedGpu`], host memory and the kernels compiled for the CPU).
+//!
+//! The backend ([`super::CudaBackend`]) computes every launch configuration, kernel
+//! argument list and matrix layout itself and hands them to this layer, so running it on
+//! the emulator checks all of that code, not a copy of it.
+
+use crate::error::Result;
+use crate::tensor::DType;
+use std::ffi::c_void;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+/// A device address (a `CUdeviceptr`; a host address on the emulator). 0 is the null
+/// pointer, used for empty buffers.
+pub(crate) type DevicePtr = u64;
+
+/// Why an allocation failed.
+#[derive(Debug)]
+pub(crate) enum AllocError {
+    /// The device has no room for it.
+    OutOfMemory,
+    /// Anything else, with the driver's message.
+    Other(String),
+}
+
+/// The device's own view of its memory, for the step report beside the ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GpuMemory {
+    /// Bytes the stream-ordered pool holds from the device (`RESERVED_MEM_CURRENT`).
+    pub pool_reserved: u64,
+    /// Bytes of the pool handed out to live allocations (`USED_MEM_CURRENT`).
+    pub pool_used: u64,
+    /// The most the pool has held since the last reset (`RESERVED_MEM_HIGH`).
+    pub pool_reserved_peak: u64,
+    /// Free device memory (`cuMemGetInfo`).
+    pub free: u64,
+    /// Total device memory (`cuMemGetInfo`).
+    pub total: u64,
+}
+
+/// Element type of a matrix in a product (cuBLASLt's `cudaDataType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum MatrixType {
+    /// f32.
+    F32,
+    /// bf16.
+    Bf16,
+}
+
+impl From<DType> for MatrixType {
+    fn from(d: DType) -> Self {
+        match d {
+            DType::F32 => MatrixType::F32,
+            DType::Bf16 => MatrixType::Bf16,
+        }
+    }
+}
+
+/// One matrix of a product, column-major as cuBLASLt sees it: `rows × cols` as stored,
+/// with leading dimension `ld`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct MatrixLayout {
+    /// Element type.
+    pub ty: MatrixType,
+    /// Rows as stored (column-major).
+    pub rows: u64,
+    /// Columns as stored.
+    pub cols: u64,
+    /// Leading dimension (elements between consecutive columns).
+    pub ld: i64,
+}
+
+/// `D = alpha · op(A) · op(B) + beta · C (+ bias)` in cuBLASLt's column-major terms, with
+/// C and D the same buffer. `op(A)` is `m × k`, `op(B)` is `k × n`, D is `m × n`; the bias
+/// (one value per row of D, D's element type) is added by the epilogue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gemm {
+    /// Transpose A.
+    pub trans_a: bool,
+    /// Transpose B.
+    pub trans_b: bool,
+    /// Rows of D.
+    pub m: u64,
+    /// Columns of D.
+    pub n: u64,
+    /// The reduction length.
+    pub k: u64,
+    /// A's address and layout.
+    pub a: DevicePtr,
+    /// A as stored.
+    pub a_layout: MatrixLayout,
+    /// B's address.
+    pub b: DevicePtr,
+    /// B as stored.
+    pub b_layout: MatrixLayout,
+    /// C = D's address.
+    pub d: DevicePtr,
+    /// D's layout.
+    pub d_layout: MatrixLayout,
+    /// The bias vector (length m), or 0 for none.
+    pub bias: DevicePtr,
+    /// Multiplies the product.
+    pub alpha: f32,
+    /// Multiplies C (0: D is overwritten, 1: accumulate).
+    pub beta: f32,
+    /// Allow TF32 tensor cores for f32 operands.
+    pub allow_tf32: bool,
+    /// Scratch memory for the library ([`Gpu::gemm_workspace_bytes`] at `workspace`).
+    pub workspace: DevicePtr,
+    /// Bytes at `workspace`.
+    pub workspace_bytes: usize,
+}
+
+/// The operations the CUDA backend needs from a device. Every call is queued on one
+/// stream, in order; only [`Gpu::download`] and [`Gpu::synchronize`] wait.
+pub(crate) trait Gpu: Debug + Send + Sync {
+    /// What this device is, for messages: `NVIDIA H100 80GB HBM3 (sm_90)`.
+    fn describe(&self) -> String;
+
+    /// The most blocks worth launching for a grid-stride kernel of 256 threads.
+    fn max_blocks(&self) -> u32;
+
+    /// Scratch bytes [`Gpu::gemm`] wants (the backend allocates them, in the ledger).
+    fn gemm_workspace_bytes(&self) -> usize;
+
+    /// `bytes` of device memory (stream-ordered; 256-byte aligned).
+    fn alloc(&self, bytes: usize) -> std::result::Result<DevicePtr, AllocError>;
+
+    /// Returns an allocation (stream-ordered: queued work that uses it finishes first).
+    fn free(&self, ptr: DevicePtr);
+
+    /// Copies host bytes to the device; `src` may be reused once this returns.
+    fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
+
+    /// Copies device bytes to the host, waiting for queued work.
+    fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+
+    /// Zeroes `bytes` at `dst`.
+    fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<()>;
+
+    /// Copies `bytes` from `src` to `dst` on the device.
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()>;
+
+    /// Launches `kernel` on a 1-D grid of 1-D blocks.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature (cuLaunchKernel's conventions: each
+    /// entry points to one argument's value), and every pointer argument must address
+    /// device memory large enough for what the kernel touches.
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()>;
+
+    /// Runs one matrix product.
+    ///
+    /// # Safety
+    /// The layouts must describe memory that the pointers address.
+    unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
+
+    /// Waits until all queued work is done.
+    fn synchronize(&self) -> Result<()>;
+
+    /// The device's memory numbers, where it has them.
+    fn memory(&self) -> Option<GpuMemory>;
+
+    /// Starts a new peak for [`GpuMemory::pool_reserved_peak`].
+    fn reset_peak(&self) {}
+}
+
+/// A device allocation holding `len` elements of `dtype`, returned on drop.
+pub(crate) struct DeviceBuffer {
+    ptr: DevicePtr,
+    len: usize,
+    dtype: DType,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` elements of `dtype` (uninitialized).
+    pub(crate) fn alloc(
+        gpu: &Arc<dyn Gpu>,
+        len: usize,
+        dtype: DType,
+    ) -> std::result::Result<DeviceBuffer, AllocError> {
+        let bytes = len * dtype.size();
+        let ptr = if bytes == 0 { 0 } else { gpu.alloc(bytes)? };
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            dtype,
+            gpu: Arc::clone(gpu),
+        })
+    }
+
+    /// The device address of the first element.
+    pub(crate) fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes of the elements.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// The elements as f32 (waits for queued work).
+    pub(crate) fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut raw = vec![0u8; self.bytes()];
+        if !raw.is_empty() {
+            self.gpu.download(&mut raw, self.ptr)?;
+        }
+        Ok(match self.dtype {
+            DType::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::Bf16 => raw
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect(),
+        })
+    }
+
+    /// Overwrites the elements with `data`, rounded to the buffer's dtype.
+    pub(crate) fn write_f32(&self, data: &[f32]) -> Result<()> {
+        debug_assert_eq!(data.len(), self.len);
+        let raw: Vec<u8> = match self.dtype {
+            DType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            DType::Bf16 => data
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+        };
+        if raw.is_empty() {
+            return Ok(());
+        }
+        self.gpu.upload(self.ptr, &raw)
+    }
+}
+
+impl Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceBuffer({} × {} at {:#x})",
+            self.len, self.dtype, self.ptr
+        )
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            self.gpu.free(self.ptr);
+        }
+    }
+}
+
+/// Kernel arguments in cuLaunchKernel's form: each value in its own 8-byte slot, and a
+/// pointer to each slot.
+#[derive(Default)]
+pub(crate) struct Args {
+    slots: Vec<u64>,
+}
+
+impl Args {
+    /// No arguments yet.
+    pub(crate) fn new() -> Self {
+        Args {
+            slots: Vec::with_capacity(16),
+        }
+    }
+
+    /// A device pointer.
+    pub(crate) fn ptr(mut self, p: DevicePtr) -> Self {
+        self.slots.push(p);
+        self
+    }
+
+    /// A 64-bit integer (`i64` in the kernels).
+    pub(crate) fn i64(mut self, v: usize) -> Self {
+        self.slots.push(v as i64 as u64);
+        self
+    }
+
+    /// An `int`.
+    pub(crate) fn i32(mut self, v: i32) -> Self {
+        self.slots.push(v as u32 as u64);
+        self
+    }
+
+    /// A `float`.
+    pub(crate) fn f32(mut self, v: f32) -> Self {
+        self.slots.push(v.to_bits() as u64);
+        self
+    }
+
+    /// Pointers to the slots, for the launch. Values narrower than 8 bytes sit in the low
+    /// bytes of their slot, which is where a little-endian read of the narrower type
+    /// finds them.
+    pub(crate) fn params(&mut self) -> Vec<*mut c_void> {
+        self.slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect()
+    }
+}
