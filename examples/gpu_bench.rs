@@ -1,0 +1,131 @@
+//! GPU throughput and memory of a full training step (forward, backward, AdamW) for
+//! GPT-2 124M at sequence length 1024, in FP32 and in mixed bf16: the median and the best
+//! of the timed steps after warm-up, the ledger's peak and the pool's.
+//!
+//! `cargo run --release --example gpu_bench` on a machine with an NVIDIA GPU (driver 580
+//! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
+//! `-- --batch 8 --steps 10 --warmup 3 --recompute none|selective|full --tf32`.
+
+use std::sync::Arc;
+use std::time::Instant;
+use trainkit::data::DataLoader;
+use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
+use trainkit::memory::format_bytes;
+use trainkit::{
+    Backend, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MixedBf16, NoRecompute, Precision,
+    Rng, Selective, Trainer,
+};
+
+struct Args {
+    batch: usize,
+    steps: usize,
+    warmup: usize,
+    recompute: String,
+    tf32: bool,
+}
+
+fn args() -> Args {
+    let a: Vec<String> = std::env::args().collect();
+    let get = |flag: &str| {
+        a.iter()
+            .position(|x| x == flag)
+            .and_then(|i| a.get(i + 1).cloned())
+    };
+    let num = |flag: &str, default: usize| {
+        get(flag)
+            .map(|v| {
+                v.parse()
+                    .unwrap_or_else(|_| panic!("{flag} takes a number"))
+            })
+            .unwrap_or(default)
+    };
+    Args {
+        batch: num("--batch", 8),
+        steps: num("--steps", 10),
+        warmup: num("--warmup", 3),
+        recompute: get("--recompute").unwrap_or_else(|| "none".into()),
+        tf32: a.iter().any(|x| x == "--tf32"),
+    }
+}
+
+fn run<P: Precision + Default>(
+    name: &str,
+    backend: Arc<CudaBackend>,
+    policy: Box<dyn CheckpointPolicy>,
+    a: &Args,
+) -> trainkit::Result<()> {
+    let config = Gpt2Config::gpt2_124m();
+    let seq = 1024;
+    let mut rng = Rng::new(0);
+    let tokens: Vec<u32> = (0..a.batch * seq * (a.warmup + a.steps + 1) + 1)
+        .map(|_| rng.below(50257) as u32)
+        .collect();
+    let data = DataLoader::new(tokens, a.batch, seq)?;
+    let model = Gpt2::new(config)?;
+    let be: Arc<dyn Backend> = backend.clone();
+    let mut t = Trainer::builder(model, be, data)
+        .precision(P::default())
+        .checkpoint(policy)
+        .build()?;
+    for _ in 0..a.warmup {
+        t.step()?;
+    }
+    let mut secs = vec![];
+    let mut peak = 0;
+    let mut pool_peak = 0;
+    for _ in 0..a.steps {
+        let start = Instant::now();
+        let s = t.step()?;
+        backend.synchronize()?;
+        secs.push(start.elapsed().as_secs_f64());
+        peak = peak.max(s.memory.peak_total);
+        if let Some(d) = s.memory.device {
+            pool_peak = pool_peak.max(d.pool_reserved_peak);
+        }
+    }
+    secs.sort_by(f64::total_cmp);
+    let tok = (a.batch * seq) as f64;
+    println!(
+        "{name}: batch {} × {seq}, recompute {}: median {:.0} tokens/s, best {:.0} tokens/s; \
+         ledger peak {}, pool peak {}",
+        a.batch,
+        a.recompute,
+        tok / secs[secs.len() / 2],
+        tok / secs[0],
+        format_bytes(peak),
+        format_bytes(pool_peak)
+    );
+    Ok(())
+}
+
+fn policy(name: &str) -> Box<dyn CheckpointPolicy> {
+    match name {
+        "selective" => Box::new(Selective),
+        "full" => Box::new(Full),
+        _ => Box::new(NoRecompute),
+    }
+}
+
+fn main() -> trainkit::Result<()> {
+    let a = args();
+    let info = match probe() {
+        Ok(info) => info,
+        Err(reason) => {
+            println!("gpu_bench needs a GPU: {reason}");
+            return Ok(());
+        }
+    };
+    println!("device: {info}");
+    let backend = Arc::new(CudaBackend::with_options(
+        info.ordinal,
+        CudaOptions { allow_tf32: a.tf32 },
+    )?);
+    run::<Fp32>(
+        if a.tf32 { "fp32 (tf32 on)" } else { "fp32" },
+        backend.clone(),
+        policy(&a.recompute),
+        &a,
+    )?;
+    run::<MixedBf16>("bf16 mixed", backend, policy(&a.recompute), &a)?;
+    Ok(())
+}
