@@ -758,3 +758,33 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
         }
     }
 }
+
+#[test]
+fn a_full_gpu_is_a_clear_out_of_memory_error() {
+    if emulated().is_none() {
+        return;
+    }
+    let gpu = CudaBackend::emulated_with_capacity(Some(1 << 20)).unwrap();
+    let _held = gpu
+        .zeros(&[100_000], DType::F32, MemoryCategory::Weights, "held")
+        .unwrap();
+    let err = gpu
+        .zeros(&[200_000], DType::F32, MemoryCategory::Activations, "big")
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, trainkit::Error::OutOfMemory { .. }),
+        "not an out-of-memory error: {text}"
+    );
+    for part in [
+        "`big`",
+        "activations",
+        "trainkit holds",
+        "weights",
+        "smaller batch",
+    ] {
+        assert!(text.contains(part), "`{part}` missing from: {text}");
+    }
+    // The failed allocation left nothing behind in the ledger.
+    assert_eq!(gpu.ledger().snapshot().live.total(), 400_000);
+}
