@@ -788,3 +788,37 @@ fn a_full_gpu_is_a_clear_out_of_memory_error() {
     // The failed allocation left nothing behind in the ledger.
     assert_eq!(gpu.ledger().snapshot().live.total(), 400_000);
 }
+
+#[test]
+fn an_allocation_beyond_the_gpu_is_a_clear_out_of_memory_error() {
+    let Some(gpu) = gpu() else {
+        say("GPU out-of-memory check SKIPPED: it needs a GPU");
+        return;
+    };
+    let total = gpu.device_memory().expect("a GPU reports its memory").total;
+    let elements = (total / 4 + (1 << 20)) as usize;
+    let err = gpu
+        .zeros(
+            &[elements],
+            DType::F32,
+            MemoryCategory::Activations,
+            "too_big",
+        )
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, trainkit::Error::OutOfMemory { .. }) && text.contains("`too_big`"),
+        "not a clear out-of-memory error: {text}"
+    );
+    // And the GPU still works afterwards.
+    let t = gpu
+        .upload(
+            &[1.0, 2.0],
+            &[2],
+            DType::F32,
+            MemoryCategory::Activations,
+            "after",
+        )
+        .unwrap();
+    assert_eq!(gpu.to_f32(&t).unwrap(), vec![1.0, 2.0]);
+}

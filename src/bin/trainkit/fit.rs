@@ -78,6 +78,21 @@ pub fn apply_autofit(cfg: &mut RunConfig, global: usize, budget: u64) -> Result<
     .apply(cfg)
 }
 
+/// The budget a GPU run's out-of-memory advice aims at when no `--memory-budget` was
+/// given: the device's total memory less the 5% (at least 512 MiB) the context, cuBLASLt
+/// and the pool take. `None` on the CPU or when the GPU cannot be read.
+pub fn device_budget(device: Device) -> Option<u64> {
+    match device {
+        Device::Cpu => None,
+        Device::Cuda(i) => trainkit::device::cuda::probe::probe_device(i)
+            .ok()
+            .map(|info| {
+                info.total_memory
+                    .saturating_sub((info.total_memory / 20).max(512 << 20))
+            }),
+    }
+}
+
 /// An out-of-memory error with what would fit the budget appended.
 pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>) -> Error {
     let (Error::OutOfMemory { message }, Some(budget)) = (&err, budget) else {

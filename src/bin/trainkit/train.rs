@@ -353,7 +353,8 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             Ok(s) => s,
             Err(e @ Error::OutOfMemory { .. }) => {
                 progress.finish();
-                return Err(fit::explain_oom(e, &cfg, memory_budget));
+                let budget = memory_budget.or_else(|| fit::device_budget(device));
+                return Err(fit::explain_oom(e, &cfg, budget));
             }
             Err(e @ Error::Diverged { .. }) => {
                 progress.finish();
