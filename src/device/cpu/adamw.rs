@@ -7,14 +7,10 @@ use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
 use rayon::prelude::*;
 
-pub(super) fn adamw(
-    param: &mut Tensor,
-    grad: &Tensor,
-    m: &mut Tensor,
-    v: &mut Tensor,
-    hp: &AdamWStep,
-) -> Result<()> {
-    for t in [&*param, &*m, &*v] {
+/// Checks AdamW's operands (the contract every backend shares): f32 value and moments,
+/// all four the same size.
+pub(crate) fn check(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
+    for t in [param, m, v] {
         ensure_f32(t, "adamw")?;
     }
     let n = param.numel();
@@ -28,6 +24,17 @@ pub(super) fn adamw(
             )
         },
     )?;
+    Ok(())
+}
+
+pub(super) fn adamw(
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    hp: &AdamWStep,
+) -> Result<()> {
+    check(param, grad, m, v)?;
     let g = read(grad);
     let (Storage::F32(p), Storage::F32(mv), Storage::F32(vv)) =
         (param.storage_mut(), m.storage_mut(), v.storage_mut())

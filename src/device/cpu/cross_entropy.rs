@@ -6,12 +6,9 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-pub(super) fn cross_entropy(
-    logits: &mut Tensor,
-    targets: &[u32],
-    vocab: usize,
-    grad_scale: Option<f32>,
-) -> Result<f64> {
+/// Checks `cross_entropy`'s operands (the contract every backend shares) and returns the
+/// logits' `(rows, padded vocab)`.
+pub(crate) fn check(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<(usize, usize)> {
     let (rows, vp) = logits.rows_cols();
     ensure(targets.len() == rows, "cross_entropy", || {
         format!("{} targets for {rows} rows of logits", targets.len())
@@ -25,6 +22,16 @@ pub(super) fn cross_entropy(
             format!("token id {bad} is beyond the vocabulary of {vocab}; use a tokenizer that matches the model's vocab_size"),
         ));
     }
+    Ok((rows, vp))
+}
+
+pub(super) fn cross_entropy(
+    logits: &mut Tensor,
+    targets: &[u32],
+    vocab: usize,
+    grad_scale: Option<f32>,
+) -> Result<f64> {
+    let (rows, vp) = check(logits, targets, vocab)?;
     let mut losses = vec![0f64; rows];
     match grad_scale {
         None => {

@@ -7,14 +7,15 @@ use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
 use rayon::prelude::*;
 
-pub(super) fn forward(
-    out: &mut Tensor,
-    stats: &mut Tensor,
+/// Checks `layernorm`'s operands (the contract every backend shares) and returns
+/// `(rows, C)`.
+pub(crate) fn check_forward(
+    out: &Tensor,
+    stats: &Tensor,
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
-    eps: f32,
-) -> Result<()> {
+) -> Result<(usize, usize)> {
     let (rows, c) = x.rows_cols();
     ensure_shape(out, x.shape(), "layernorm")?;
     ensure_shape(stats, &[rows, 2], "layernorm")?;
@@ -24,6 +25,41 @@ pub(super) fn forward(
         "layernorm",
         || format!("weight and bias must have {c} elements"),
     )?;
+    Ok((rows, c))
+}
+
+/// Checks `layernorm_backward`'s operands (the contract every backend shares) and
+/// returns `(rows, C)`.
+pub(crate) fn check_backward(
+    dx: &Tensor,
+    dweight: &Tensor,
+    dbias: &Tensor,
+    dout: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    stats: &Tensor,
+) -> Result<(usize, usize)> {
+    let (rows, c) = x.rows_cols();
+    ensure_shape(dx, x.shape(), "layernorm_backward")?;
+    ensure_shape(dout, x.shape(), "layernorm_backward")?;
+    ensure_shape(stats, &[rows, 2], "layernorm_backward")?;
+    ensure(
+        weight.numel() == c && dweight.numel() == c && dbias.numel() == c,
+        "layernorm_backward",
+        || format!("weight, dweight and dbias must have {c} elements"),
+    )?;
+    Ok((rows, c))
+}
+
+pub(super) fn forward(
+    out: &mut Tensor,
+    stats: &mut Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f32,
+) -> Result<()> {
+    let (_, c) = check_forward(out, stats, x, weight, bias)?;
     let xv = read(x);
     let w = read(weight);
     let b = read(bias);
@@ -53,15 +89,7 @@ pub(super) fn backward(
     weight: &Tensor,
     stats: &Tensor,
 ) -> Result<()> {
-    let (rows, c) = x.rows_cols();
-    ensure_shape(dx, x.shape(), "layernorm_backward")?;
-    ensure_shape(dout, x.shape(), "layernorm_backward")?;
-    ensure_shape(stats, &[rows, 2], "layernorm_backward")?;
-    ensure(
-        weight.numel() == c && dweight.numel() == c && dbias.numel() == c,
-        "layernorm_backward",
-        || format!("weight, dweight and dbias must have {c} elements"),
-    )?;
+    let (rows, c) = check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
     let xv = read(x);
     let dv = read(dout);
     let w = read(weight);

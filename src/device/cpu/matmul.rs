@@ -160,15 +160,16 @@ pub(crate) fn flops(out: &Tensor, a: &Tensor, bias: bool, trans_a: bool) -> u64 
     product_flops(m, n, if trans_a { ar } else { ac }, bias)
 }
 
-pub(super) fn matmul(
-    out: &mut Tensor,
+/// Checks the operands of a product `out (+)= op(a)·op(b) (+ bias)` (the contract every
+/// backend's `matmul` shares) and returns `(m, n, k)`.
+pub(crate) fn dims(
+    out: &Tensor,
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
     trans_a: bool,
     trans_b: bool,
-    accumulate: bool,
-) -> Result<()> {
+) -> Result<(usize, usize, usize)> {
     let (ar, ac) = a.rows_cols();
     let (br, bc) = b.rows_cols();
     let (m, k) = if trans_a { (ac, ar) } else { (ar, ac) };
@@ -200,6 +201,21 @@ pub(super) fn matmul(
             )
         })?;
     }
+    Ok((m, n, k))
+}
+
+pub(super) fn matmul(
+    out: &mut Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<()> {
+    let (m, n, k) = dims(out, a, b, bias, trans_a, trans_b)?;
+    let (_, ac) = a.rows_cols();
+    let (_, bc) = b.rows_cols();
     let av = read(a);
     let bv = read(b);
     let biasv = bias.map(read);

@@ -15,7 +15,7 @@
 //! `gelu`, 19 for its backward, 15 for `adamw`, and per logit 4 for `cross_entropy`
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
-mod adamw;
+pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;

@@ -298,37 +298,7 @@ impl CudaBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
-        let (ar, ac) = a.rows_cols();
-        let (br, bc) = b.rows_cols();
-        let (m, k) = if trans_a { (ac, ar) } else { (ar, ac) };
-        let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
-        ensure(k == kb, "matmul", || {
-            format!(
-                "inner dimensions differ: `{}` {:?}{} and `{}` {:?}{}",
-                a.label(),
-                a.shape(),
-                if trans_a { "ᵀ" } else { "" },
-                b.label(),
-                b.shape(),
-                if trans_b { "ᵀ" } else { "" }
-            )
-        })?;
-        ensure(out.rows_cols() == (m, n), "matmul", || {
-            format!(
-                "`{}` is {:?}, the product is [{m}, {n}]",
-                out.label(),
-                out.shape()
-            )
-        })?;
-        if let Some(bias) = bias {
-            ensure(bias.numel() == n, "matmul", || {
-                format!(
-                    "bias `{}` has {} elements, expected {n}",
-                    bias.label(),
-                    bias.numel()
-                )
-            })?;
-        }
+        let (m, n, k) = cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -839,15 +809,7 @@ impl Backend for CudaBackend {
             each(x.numel(), per_element::LAYERNORM),
             out.label(),
         );
-        let (rows, c) = x.rows_cols();
-        ensure_shape(out, x.shape(), "layernorm")?;
-        ensure_shape(stats, &[rows, 2], "layernorm")?;
-        ensure_f32(stats, "layernorm")?;
-        ensure(
-            weight.numel() == c && bias.numel() == c,
-            "layernorm",
-            || format!("weight and bias must have {c} elements"),
-        )?;
+        let (rows, c) = cpu::layernorm::check_forward(out, stats, x, weight, bias)?;
         ensure_dtype(out, x.dtype(), "layernorm")?;
         if rows * c == 0 {
             return Ok(());
@@ -886,16 +848,9 @@ impl Backend for CudaBackend {
             each(x.numel(), per_element::LAYERNORM_BACKWARD),
             dx.label(),
         );
-        let (rows, c) = x.rows_cols();
-        ensure_shape(dx, x.shape(), "layernorm_backward")?;
-        ensure_shape(dout, x.shape(), "layernorm_backward")?;
-        ensure_shape(stats, &[rows, 2], "layernorm_backward")?;
+        let (rows, c) = cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
+        // The kernels read the statistics as f32.
         ensure_f32(stats, "layernorm_backward")?;
-        ensure(
-            weight.numel() == c && dweight.numel() == c && dbias.numel() == c,
-            "layernorm_backward",
-            || format!("weight, dweight and dbias must have {c} elements"),
-        )?;
         ensure_dtype(dbias, dweight.dtype(), "layernorm_backward")?;
         if rows * c == 0 {
             return Ok(());
@@ -1204,22 +1159,7 @@ impl Backend for CudaBackend {
         };
         let flops = each(targets.len().saturating_mul(vocab), per);
         let _op = self.ledger.op("cross_entropy", flops, logits.label());
-        let (rows, vp) = logits.rows_cols();
-        ensure(targets.len() == rows, "cross_entropy", || {
-            format!("{} targets for {rows} rows of logits", targets.len())
-        })?;
-        ensure(vocab > 0 && vocab <= vp, "cross_entropy", || {
-            format!("vocab {vocab} must be in 1..={vp} (the logits' width)")
-        })?;
-        if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::data(
-                "targets",
-                format!(
-                    "token id {bad} is beyond the vocabulary of {vocab}; use a tokenizer that \
-                     matches the model's vocab_size"
-                ),
-            ));
-        }
+        let (rows, vp) = cpu::cross_entropy::check(logits, targets, vocab)?;
         if rows == 0 {
             return Ok(0.0);
         }
@@ -1259,19 +1199,7 @@ impl Backend for CudaBackend {
         let _op = self
             .ledger
             .op("adamw", each(n, per_element::ADAMW), param.label());
-        for t in [&*param, &*m, &*v] {
-            ensure_f32(t, "adamw")?;
-        }
-        ensure(
-            grad.numel() == n && m.numel() == n && v.numel() == n,
-            "adamw",
-            || {
-                format!(
-                    "`{}`: gradient and moments must have {n} elements",
-                    param.label()
-                )
-            },
-        )?;
+        cpu::adamw::check(param, grad, m, v)?;
         if let Some(c) = &compute {
             cpu::elementwise::same_len(c, param, "adamw")?;
         }
