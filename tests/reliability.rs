@@ -3,6 +3,7 @@
 mod common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config, token_file_bytes, TINY_TRAIN};
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -197,15 +198,29 @@ fn signal(child: &std::process::Child, sig: &str) {
 fn an_interrupt_finishes_the_step_saves_and_exits_cleanly() {
     for sig in ["-INT", "-TERM"] {
         let dir = scratch(&format!("int{sig}")).join("run");
-        let child = train_cmd(&dir, &["--steps", "100000"])
+        let mut child = train_cmd(&dir, &["--steps", "100000"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(700));
+        // Signal once the first step is reported, however long start-up takes on a busy
+        // machine.
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut stdout = String::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            stdout.push_str(&line);
+            stdout.push('\n');
+            if line.starts_with("step") {
+                break;
+            }
+        }
         signal(&child, sig);
+        for line in lines {
+            stdout.push_str(&line.unwrap());
+            stdout.push('\n');
+        }
         let out = child.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
             "{sig}: {stdout} {}",

@@ -236,6 +236,9 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
 }
 
 pub fn run(args: Box<TrainArgs>) -> Result<()> {
+    // First of all: an interrupt while the model and data are still being built must
+    // not kill the process without a word; the loop sees it and saves after one step.
+    let interrupted = interrupt_flag();
     let mut cfg = resolve(&args)?;
     let memory_budget = match &args.memory_budget {
         Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
@@ -343,7 +346,6 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         t.steps,
         cfg.output.log_json.as_deref(),
     )?;
-    let interrupted = interrupt_flag();
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
     let mut peaks = CategoryBytes::default();
