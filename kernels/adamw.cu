@@ -2,7 +2,9 @@
 // CPU twin: src/device/cpu/adamw.rs.
 //
 // Reads the f32 master value, the gradient (f32 or bf16: the kernel's suffix) and the f32
-// moments; writes the value and the moments and, when `compute` is not null, the bf16
+// moments, and, when `scale` is not null, a device multiplier of the gradient (the step's
+// clipping coefficient over its loss scale, from `grad_guard`): when that is not finite
+// the step's loss or gradient norm was not, and the kernel writes nothing at all; writes the value and the moments and, when `compute` is not null, the bf16
 // compute copy of the weight in the same pass (the cast the precision would run next,
 // rounded to nearest even as `cast` rounds).
 //
@@ -10,16 +12,22 @@
 //   step_size = lr / (1 − beta1^step),  bc2_sqrt = sqrt(1 − beta2^step),
 //   decay = 1 − lr · weight_decay (f32),
 // and the update is then, per element (decoupled decay, eps outside the square root):
-//   g = grad · grad_scale
+//   g = grad · (grad_scale · scale[0])
 //   m = beta1 · m + (1 − beta1) · g
 //   v = beta2 · v + (1 − beta2) · g · g
 //   p = p · decay − step_size · m / (sqrt(v) / bc2_sqrt + eps)
 // With --fmad=false and IEEE division and square root this is bitwise the CPU's update.
 
 template <typename G>
-__device__ void adamw_impl(float* param, const G* grad, float* m, float* v, bf16* compute,
-                           i64 n, float beta1, float beta2, float eps, float grad_scale,
-                           float step_size, float bc2_sqrt, float decay) {
+__device__ void adamw_impl(float* param, const G* grad, float* m, float* v,
+                           const float* scale, bf16* compute, i64 n, float beta1, float beta2,
+                           float eps, float grad_scale, float step_size, float bc2_sqrt,
+                           float decay) {
+    if (scale != nullptr) {
+        const float s = scale[0];
+        if (!isfinite(s)) return;
+        grad_scale *= s;
+    }
     TK_FOR_EACH(i, n) {
         float g = load(grad, i) * grad_scale;
         float mi = beta1 * m[i] + (1.0f - beta1) * g;
@@ -35,10 +43,11 @@ __device__ void adamw_impl(float* param, const G* grad, float* m, float* v, bf16
 
 #define TK_ADAMW(G, N)                                                                      \
     extern "C" __global__ void adamw_##N(float* param, const G* grad, float* m, float* v,   \
-                                         bf16* compute, i64 n, float beta1, float beta2,    \
-                                         float eps, float grad_scale, float step_size,      \
-                                         float bc2_sqrt, float decay) {                     \
-        adamw_impl<G>(param, grad, m, v, compute, n, beta1, beta2, eps, grad_scale,         \
+                                         const float* scale, bf16* compute, i64 n,          \
+                                         float beta1, float beta2, float eps,               \
+                                         float grad_scale, float step_size, float bc2_sqrt, \
+                                         float decay) {                                     \
+        adamw_impl<G>(param, grad, m, v, scale, compute, n, beta1, beta2, eps, grad_scale,  \
                       step_size, bc2_sqrt, decay);                                          \
     }
 TK_DTYPES(TK_ADAMW)

@@ -2,14 +2,15 @@
 // CPU twin: src/device/cpu/cross_entropy.rs.
 //
 // Layouts: logits is [rows, Vp] (columns from `vocab` on are padding, ignored),
-// targets holds `rows` token ids (< vocab, checked on the host), losses is [rows] f32.
-// The host sums `losses` in f64 in row order, as the CPU does.
+// targets holds `rows` token ids (< vocab, checked on the host), losses is [>= rows] f32
+// and each row's loss is added to its element: the losses of a step's micro-batches stay
+// on the device until `grad_guard` sums them in f64, in row order, as the CPU does.
 //
 // One half-warp per row, in the CPU's lane order: the maximum, the sum of exponentials
 // (tk_exp, the CPU's exp) and the gradient are bitwise equal to the CPU's. The loss uses
 // CUDA's logf where the CPU uses the host's `ln`: the two may differ in the last bit.
 
-// losses[row] = ln Σ_j exp(l_j − max) + max − l_target. With `write_grad`, the row is
+// losses[row] += ln Σ_j exp(l_j − max) + max − l_target. With `write_grad`, the row is
 // overwritten by grad_scale · (softmax − onehot(target)), rounded once, and its padding
 // columns by 0; without, logits are only read.
 template <typename T>
@@ -31,7 +32,7 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
         float acc = 0.0f;
         for (i64 j = lane; j < vocab; j += TK_LANES) acc += tk_exp(load(logits, base + j) - max);
         const float sum = half_sum(acc);
-        if (lane == 0) losses[row] = logf(sum) + max - target_logit;
+        if (lane == 0) losses[row] += logf(sum) + max - target_logit;
         if (write_grad) {
             // Every lane has read the target logit before any lane writes.
             __syncwarp(half_mask());

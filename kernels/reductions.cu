@@ -1,4 +1,5 @@
-// Reductions over whole tensors. CPU twin: `sum_squares` in src/device/cpu/elementwise.rs.
+// Reductions over whole tensors. CPU twins: `sum_squares` in src/device/cpu/elementwise.rs,
+// `grad_guard` in src/device/cpu/guard.rs.
 //
 // Sum of squares for the global gradient norm, in f64 on the device, in two passes
 // without atomics: `sum_squares_partial_*` (any grid; blockDim a multiple of 32, at most
@@ -48,3 +49,37 @@ extern "C" __global__ void sum_squares_finish(double* out, const double* partial
         sum_squares_partial_impl<T>(partial, x, n);                                         \
     }
 TK_DTYPES(TK_SUM_SQUARES)
+
+// The step's gradient guard (CPU twin: src/device/cpu/guard.rs), one block of 32 threads:
+//   norm  = sqrt(Σ partial) / loss_scale        (the gradients' squares, from
+//                                                sum_squares_partial_*, one per block)
+//   loss  = Σ losses[0 .. n_losses]              (f64, the step's per-row losses)
+//   scale = clip(norm) / loss_scale when norm and loss are finite, else NaN, where
+//   clip(norm) = min(1, max_norm / (norm + 1e-6)) when max_norm > 0, else 1
+//           (PyTorch's clip_grad_norm_ coefficient)
+// record = [scale, norm, loss] as f32. AdamW reads record[0] and skips its update when it
+// is not finite, so a bad step never reaches the weights and the host does not wait.
+extern "C" __global__ void grad_guard(float* record, const double* partial, i64 n_partial,
+                                      const float* losses, i64 n_losses, float max_norm,
+                                      float loss_scale) {
+    double ss = 0.0, loss = 0.0;
+    for (i64 i = threadIdx.x; i < n_partial; i += 32) ss += partial[i];
+    for (i64 i = threadIdx.x; i < n_losses; i += 32) loss += (double)losses[i];
+    ss = warp_sum_f64(ss);
+    loss = warp_sum_f64(loss);
+    if (threadIdx.x == 0) {
+        const double norm = sqrt(ss) / (double)loss_scale;
+        float scale = __uint_as_float(0x7fc00000u);
+        if (isfinite(norm) && isfinite(loss)) {
+            float coef = 1.0f;
+            if (max_norm > 0.0f) {
+                const double c = (double)max_norm / (norm + 1e-6);
+                coef = (float)(c < 1.0 ? c : 1.0);
+            }
+            scale = coef / loss_scale;
+        }
+        record[0] = scale;
+        record[1] = (float)norm;
+        record[2] = (float)loss;
+    }
+}

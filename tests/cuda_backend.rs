@@ -550,15 +550,19 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                 let data = randn(&mut rng, rows * vp, 3.0);
                 for grad in [None, Some(0.125f32)] {
                     let mut l = pair(&cpu, &cuda, &data, &[rows, vp], dt);
-                    let want = cpu
-                        .cross_entropy(&mut l.cpu, &targets, vocab, grad)
+                    // The row losses are added to what the tensor holds.
+                    let before: Vec<f32> = randn(&mut rng, rows, 1.0);
+                    let mut losses = pair(&cpu, &cuda, &before, &[rows], DType::F32);
+                    cpu.cross_entropy(&mut l.cpu, &targets, vocab, grad, &mut losses.cpu)
                         .unwrap();
-                    let got = cuda
-                        .cross_entropy(&mut l.cuda, &targets, vocab, grad)
+                    cuda.cross_entropy(&mut l.cuda, &targets, vocab, grad, &mut losses.cuda)
                         .unwrap();
-                    assert!(
-                        ((got - want) / want.abs().max(1e-12)).abs() < tol(DType::F32),
-                        "{name}: cross_entropy loss {rows}x{vp} {dt}: {got} vs {want}"
+                    compare(
+                        &format!("cross_entropy losses {rows}x{vp} {dt} grad={grad:?}"),
+                        name,
+                        &cpu,
+                        &cuda,
+                        &losses,
                     );
                     compare(
                         &format!("cross_entropy logits/grad {rows}x{vp} {dt} grad={grad:?}"),
@@ -577,9 +581,20 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                 let mut m = pair(&cpu, &cuda, &randn(&mut rng, n, 0.01), &[n], DType::F32);
                 let v0: Vec<f32> = randn(&mut rng, n, 0.01).iter().map(|x| x * x).collect();
                 let mut v = pair(&cpu, &cuda, &v0, &[n], DType::F32);
-                // The compute copy written in the same pass, in both dtypes.
+                // The compute copy written in the same pass, in both dtypes. Steps 3 and 4
+                // take a device multiplier; step 4's is NaN, so it changes nothing.
                 let mut w = out(&cpu, &cuda, &[n], dg);
-                for step in 1..=3 {
+                let scales = [
+                    pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
+                    pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
+                ];
+                let mut after_3 = vec![];
+                for step in 1..=4 {
+                    let scale = match step {
+                        3 => Some(&scales[0]),
+                        4 => Some(&scales[1]),
+                        _ => None,
+                    };
                     let hp = AdamWStep {
                         lr: 6e-4,
                         beta1: 0.9,
@@ -595,6 +610,7 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         &mut m.cpu,
                         &mut v.cpu,
                         &hp,
+                        scale.map(|s| &s.cpu),
                         Some(&mut w.cpu),
                     )
                     .unwrap();
@@ -604,9 +620,20 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         &mut m.cuda,
                         &mut v.cuda,
                         &hp,
+                        scale.map(|s| &s.cuda),
                         Some(&mut w.cuda),
                     )
                     .unwrap();
+                    if step == 3 {
+                        after_3 = [&p.cuda, &m.cuda, &v.cuda, &w.cuda]
+                            .map(|t| cuda.to_f32(t).unwrap())
+                            .to_vec();
+                    }
+                }
+                let after_4 = [&p.cuda, &m.cuda, &v.cuda, &w.cuda].map(|t| cuda.to_f32(t).unwrap());
+                for (a, b) in after_3.iter().zip(&after_4) {
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(a), bits(b), "{name}: a NaN scale must skip the update");
                 }
                 compare(
                     &format!("adamw value n={n} grad {dg}"),
@@ -691,6 +718,94 @@ fn a_training_step_matches_the_cpu_in_both_precisions() {
         check_run(&format!("{name} fp32"), &got, &want32, DType::F32);
         let got = two_steps::<MixedBf16>(cuda.clone(), NoRecompute);
         check_run(&format!("{name} bf16"), &got, &want16, DType::Bf16);
+    }
+}
+
+#[test]
+fn a_training_step_waits_for_the_gpu_once() {
+    // Backends of its own: the shared ones count the other tests' waits too.
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    for (name, cuda) in own {
+        // Two micro-batches, full recomputation and mixed precision: every path of a step.
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let backend: Arc<dyn Backend> = cuda.clone();
+        let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16::default())
+            .checkpoint(Full)
+            .accumulation(trainkit::Constant { micro_batches: 2 })
+            .build()
+            .unwrap();
+        for step in 1..=3 {
+            let before = cuda.host_waits();
+            let s = t.step().unwrap();
+            let waits = cuda.host_waits() - before;
+            assert!(s.loss.is_finite() && s.grad_norm > 0.0, "{name}: {s:?}");
+            assert_eq!(
+                waits, 1,
+                "{name}: step {step} waited for the device {waits} times; only the loss read may"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_gradient_guard_matches_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(9);
+    for (name, cuda) in cuda_backends() {
+        for (max_norm, loss_scale, poison) in [
+            (1.0f32, 1.0f32, None),
+            (0.0, 1.0, None),
+            (1e5, 1.0, None),
+            (0.5, 512.0, None),
+            (1.0, 1.0, Some(f32::NAN)),
+            (1.0, 1.0, Some(f32::INFINITY)),
+        ] {
+            let mut g0 = randn(&mut rng, 5000, 0.3);
+            if let Some(bad) = poison {
+                g0[4321] = bad;
+            }
+            let grads = [
+                pair(&cpu, &cuda, &g0, &[50, 100], DType::F32),
+                pair(&cpu, &cuda, &randn(&mut rng, 77, 2.0), &[77], DType::Bf16),
+                pair(&cpu, &cuda, &[], &[0], DType::F32),
+            ];
+            let l: Vec<f32> = randn(&mut rng, 64, 1.0)
+                .iter()
+                .map(|x| x.abs() * 3.0)
+                .collect();
+            let losses = pair(&cpu, &cuda, &l, &[64], DType::F32);
+            let mut record = out(&cpu, &cuda, &[3], DType::F32);
+            let gc: Vec<&Tensor> = grads.iter().map(|g| &g.cpu).collect();
+            let gd: Vec<&Tensor> = grads.iter().map(|g| &g.cuda).collect();
+            cpu.grad_guard(&mut record.cpu, &gc, &losses.cpu, max_norm, loss_scale)
+                .unwrap();
+            cuda.grad_guard(&mut record.cuda, &gd, &losses.cuda, max_norm, loss_scale)
+                .unwrap();
+            let want = cpu.to_f32(&record.cpu).unwrap();
+            let got = cuda.to_f32(&record.cuda).unwrap();
+            let what = format!("{name}: max_norm {max_norm}, loss scale {loss_scale}, {poison:?}");
+            if poison.is_some() {
+                assert!(
+                    want[0].is_nan() && got[0].is_nan(),
+                    "{what}: {got:?} vs {want:?}"
+                );
+                continue;
+            }
+            // Each element on its own: the f64 sums differ only in their order.
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    ((g - w) / w).abs() <= 1e-6,
+                    "{what}: element {i}: {got:?} vs {want:?}"
+                );
+            }
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use trainkit::accumulate::AccumulationContext;
 use trainkit::checkpoint::{ActivationKind, ActivationSite, Retention};
 use trainkit::config::RunConfig;
-use trainkit::optim::Param;
+use trainkit::optim::{GradScale, Param};
 use trainkit::{
     AccumulationSchedule, Backend, CheckpointPolicy, DType, Gpt2, MemoryEvent, MemoryObserver,
     Optimizer, Precision, Trainer,
@@ -85,9 +85,13 @@ impl Optimizer for Momentum {
         backend: &dyn Backend,
         params: &mut [Param],
         lr: f32,
-        grad_scale: f32,
+        grad_scale: GradScale<'_>,
         _step: u64,
     ) -> trainkit::Result<()> {
+        // Host-valued ops: read the multiplier; a non-finite step is skipped.
+        let Some(grad_scale) = grad_scale.read(backend)? else {
+            return Ok(());
+        };
         for p in params {
             let shape = p.shape().to_vec();
             let label = format!("{}.buf", p.name());

@@ -317,6 +317,20 @@ fn attention_backward_matches_finite_differences() {
     check_gradient("attention_values dv", &qkv, &dv, &|v| values_of(&p_data, v));
 }
 
+/// `cross_entropy` into fresh zero losses, summed in f64.
+fn ce(
+    be: &dyn Backend,
+    logits: &mut Tensor,
+    targets: &[u32],
+    vocab: usize,
+    grad: Option<f32>,
+) -> f64 {
+    let mut losses = tensor(be, &vec![0.0; targets.len()], &[targets.len()]);
+    be.cross_entropy(logits, targets, vocab, grad, &mut losses)
+        .unwrap();
+    be.to_f32(&losses).unwrap().iter().map(|&l| l as f64).sum()
+}
+
 #[test]
 fn cross_entropy_gradient_matches_finite_differences() {
     let be = cpu();
@@ -327,13 +341,11 @@ fn cross_entropy_gradient_matches_finite_differences() {
     let targets = vec![0u32, 9, 3, 3];
     let loss = |l: &[f32]| {
         let mut t = tensor(be, l, &[rows, vp]);
-        be.cross_entropy(&mut t, &targets, vocab, None).unwrap()
+        ce(be, &mut t, &targets, vocab, None)
     };
     let scale = 0.5;
     let mut g = tensor(be, &logits, &[rows, vp]);
-    let total = be
-        .cross_entropy(&mut g, &targets, vocab, Some(scale))
-        .unwrap();
+    let total = ce(be, &mut g, &targets, vocab, Some(scale));
     assert!(
         (total - loss(&logits)).abs() < 1e-5,
         "fused loss equals the forward loss"
@@ -352,9 +364,7 @@ fn cross_entropy_gradient_matches_finite_differences() {
     let row = &logits[..vocab];
     let lse = row.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln();
     let mut one = tensor(be, &logits[..vp], &[1, vp]);
-    let l0 = be
-        .cross_entropy(&mut one, &targets[..1], vocab, None)
-        .unwrap();
+    let l0 = ce(be, &mut one, &targets[..1], vocab, None);
     assert!((l0 - (lse - row[0] as f64)).abs() < 1e-5);
 }
 
@@ -403,8 +413,16 @@ fn shape_mismatches_are_errors_not_panics() {
         .unwrap_err();
     assert!(err.to_string().contains("inner dimensions"), "{err}");
     let mut l = tensor(be, &[0.0; 6], &[2, 3]);
-    let err = be.cross_entropy(&mut l, &[0, 7], 3, None).unwrap_err();
+    let mut losses = tensor(be, &[0.0; 2], &[2]);
+    let err = be
+        .cross_entropy(&mut l, &[0, 7], 3, None, &mut losses)
+        .unwrap_err();
     assert!(err.to_string().contains("beyond the vocabulary"), "{err}");
+    let mut short = tensor(be, &[0.0; 1], &[1]);
+    let err = be
+        .cross_entropy(&mut l, &[0, 1], 3, None, &mut short)
+        .unwrap_err();
+    assert!(err.to_string().contains("at least 2 elements"), "{err}");
 }
 
 /// The attention ops against naive loops on a sequence spanning several row blocks.

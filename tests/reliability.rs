@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use trainkit::model::{Batch, ParamInit, Pass, PassStats};
-use trainkit::{Error, Gpt2, Model, Rng, Trainer, TrainerOptions};
+use trainkit::{Error, Gpt2, Model, Rng, Tensor, Trainer, TrainerOptions};
 
 /// GPT-2 that poisons chosen micro-batches: a NaN gradient (through the loss-gradient
 /// scale) or a NaN loss.
@@ -39,6 +39,7 @@ impl Model for Poisoned {
         pass: &mut Pass<'_>,
         batch: &Batch,
         grad_scale: f32,
+        losses: &mut Tensor,
     ) -> trainkit::Result<PassStats> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst);
         let scale = if self.nan_grad.contains(&call) {
@@ -46,9 +47,9 @@ impl Model for Poisoned {
         } else {
             grad_scale
         };
-        let mut s = self.inner.forward_backward(pass, batch, scale)?;
+        let s = self.inner.forward_backward(pass, batch, scale, losses)?;
         if self.nan_loss.contains(&call) {
-            s.loss_sum = f64::NAN;
+            pass.backend.fill(losses, f32::NAN)?;
         }
         Ok(s)
     }

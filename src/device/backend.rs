@@ -253,20 +253,45 @@ pub trait Backend: Debug + Send + Sync {
     ) -> Result<()>;
 
     /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
-    /// padding and ignored) against `targets`, in f32. Returns the sum of the row losses.
-    /// With `grad_scale`, `logits` is overwritten by its gradient
-    /// `grad_scale · (softmax - onehot)` (0 on padding columns).
+    /// padding and ignored) against `targets`, in f32. Each row's loss is added to
+    /// `losses[row]` (f32, at least `rows` elements), which stays on the device: a
+    /// training step reads its losses once, at its end. With `grad_scale`, `logits` is
+    /// overwritten by its gradient `grad_scale · (softmax - onehot)` (0 on padding
+    /// columns).
     fn cross_entropy(
         &self,
         logits: &mut Tensor,
         targets: &[u32],
         vocab: usize,
         grad_scale: Option<f32>,
-    ) -> Result<f64>;
+        losses: &mut Tensor,
+    ) -> Result<()>;
+
+    /// The end of a step's backward, on the device: writes the step's [`StepRecord`] to
+    /// `record` (f32, 3 elements) from the gradients `grads` (scaled by `loss_scale`)
+    /// and the per-row losses `losses`. The squared norm and the loss sum are accumulated
+    /// in f64; the multiplier is PyTorch's `clip_grad_norm_` coefficient (see
+    /// [`crate::optim::clip_coefficient`], 1 when `max_norm <= 0`) divided by
+    /// `loss_scale`, or NaN when the loss or the norm is not finite, which tells the
+    /// optimizer to skip the update.
+    ///
+    /// [`StepRecord`]: crate::optim::StepRecord
+    fn grad_guard(
+        &self,
+        record: &mut Tensor,
+        grads: &[&Tensor],
+        losses: &Tensor,
+        max_norm: f32,
+        loss_scale: f32,
+    ) -> Result<()>;
 
     /// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
-    /// With `compute`, the updated values are also written there, rounded to its dtype
-    /// (the compute weights of mixed precision), in the same pass on a GPU.
+    /// With `scale` (a one-element f32 tensor, see [`crate::optim::GradScale`]), the
+    /// gradient is also multiplied by its value, read on the device; when that value is
+    /// not finite nothing is written: the update is skipped. With `compute`, the updated
+    /// values are also written there, rounded to its dtype (the compute weights of mixed
+    /// precision), in the same pass on a GPU.
+    #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,
         param: &mut Tensor,
@@ -274,6 +299,7 @@ pub trait Backend: Debug + Send + Sync {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: &AdamWStep,
+        scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()>;
 }

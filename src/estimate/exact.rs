@@ -15,7 +15,7 @@ use crate::model::gpt2_graph::{
     Node, FCPROJ_W, FC_W, LN1_W, LN2_W, NODES, PER_LAYER, PROJ_W, QKV_W, WPE, WTE,
 };
 use crate::model::Gpt2Config;
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, StepRecord};
 use crate::precision::Precision;
 use crate::tensor::DType;
 
@@ -38,8 +38,9 @@ pub struct ActivationProfile {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryPrediction {
     /// Each category's own peak within any optimizer step: model state once every
-    /// gradient and optimizer slot exists, activations at their peak, no workspace on the
-    /// CPU backend.
+    /// gradient and optimizer slot exists, activations at their peak, and the step's
+    /// workspace (its per-position losses and its 3-element record, live for the whole
+    /// step; the CPU backend allocates no other workspace).
     pub peak: CategoryBytes,
     /// The peak of the total in a step after the first (all model state live).
     pub peak_total: u64,
@@ -57,7 +58,8 @@ impl MemoryPrediction {
         let p = &self.peak;
         let before_optimizer = p.get(MemoryCategory::Weights)
             + p.get(MemoryCategory::MasterWeights)
-            + p.get(MemoryCategory::Gradients);
+            + p.get(MemoryCategory::Gradients)
+            + p.get(MemoryCategory::Workspace);
         let mut peak = self
             .first_micro_batch_peak_total
             .max(before_optimizer + p.get(MemoryCategory::OptimizerState));
@@ -124,6 +126,8 @@ pub fn predict_gpt2(
     let master = if precision.master_weights() { 4 * n } else { 0 };
     let gradients = n * grad_size;
     let optimizer_state = n * optimizer.state_bytes_per_param() as u64;
+    // The trainer's per-position losses and step record (f32), held for the whole step.
+    let workspace = 4 * (micro.batch_size * micro.seq_len + StepRecord::LEN) as u64;
 
     // First step: gradients appear one by one during the first backward.
     let mut first = Replay::new(config, micro, compute, checkpoint);
@@ -133,12 +137,12 @@ pub fn predict_gpt2(
         allocated: vec![false; numels.len()],
         live: 0,
     });
-    first.base = weights + master;
+    first.base = weights + master + workspace;
     first.run();
 
     // Later steps: every gradient and optimizer slot is live throughout.
     let mut later = Replay::new(config, micro, compute, checkpoint);
-    later.base = weights + master + gradients + optimizer_state;
+    later.base = weights + master + gradients + optimizer_state + workspace;
     later.run();
 
     let mut peak = CategoryBytes::default();
@@ -147,6 +151,7 @@ pub fn predict_gpt2(
     *peak.get_mut(MemoryCategory::Gradients) = gradients;
     *peak.get_mut(MemoryCategory::OptimizerState) = optimizer_state;
     *peak.get_mut(MemoryCategory::Activations) = later.profile.peak;
+    *peak.get_mut(MemoryCategory::Workspace) = workspace;
     Ok(MemoryPrediction {
         peak,
         peak_total: later.peak_total.max(later.base),

@@ -616,21 +616,22 @@ impl Gpt2 {
     }
 
     /// Final norm, classifier, loss and their backward; consumes the last layer's output.
-    /// Returns the loss sum and the gradient of that output.
+    /// Adds the per-position losses to `losses` and returns the gradient of that output.
     fn head(
         &self,
         pass: &mut Pass<'_>,
         x: Tensor,
         batch: &Batch,
         grad_scale: Option<f32>,
-    ) -> Result<(f64, Option<Tensor>)> {
+        losses: &mut Tensor,
+    ) -> Result<Option<Tensor>> {
         let be = pass.backend;
         let lnf = self.lnf();
         let v = self.config.vocab_size;
         let (ln_out, st, mut logits) = self.final_logits(pass, &x)?;
-        let loss = be.cross_entropy(&mut logits, &batch.targets, v, grad_scale)?;
+        be.cross_entropy(&mut logits, &batch.targets, v, grad_scale, losses)?;
         if grad_scale.is_none() {
-            return Ok((loss, None));
+            return Ok(None);
         }
         // `logits` now holds the gradient of the loss with respect to the logits.
         let mut dln = act(pass, x.shape(), "ln_f.d_out".into())?;
@@ -661,7 +662,7 @@ impl Gpt2 {
             "ln_f.d_input",
         )?;
         self.norm_backward(pass, lnf, &mut dx, &dln, &x, &st)?;
-        Ok((loss, Some(dx)))
+        Ok(Some(dx))
     }
 }
 
@@ -719,6 +720,7 @@ impl Model for Gpt2 {
         pass: &mut Pass<'_>,
         batch: &Batch,
         grad_scale: f32,
+        losses: &mut Tensor,
     ) -> Result<PassStats> {
         self.check_batch(batch)?;
         let n_layer = self.config.n_layer;
@@ -738,7 +740,7 @@ impl Model for Gpt2 {
         }
 
         ledger.phase_begin(Phase::Loss);
-        let (loss_sum, dx) = self.head(pass, x, batch, Some(grad_scale))?;
+        let dx = self.head(pass, x, batch, Some(grad_scale), losses)?;
         let mut dx = dx.ok_or_else(|| missing(K::LayerInput, n_layer))?;
         ledger.phase_end(Phase::Loss);
 
@@ -759,16 +761,21 @@ impl Model for Gpt2 {
         be.embedding_backward(dwte, dwpe, &dx, &batch.inputs)?;
         drop(dx);
         ledger.phase_end(Phase::EmbeddingBackward);
-        Ok(PassStats {
-            loss_sum,
-            stash: stats,
-        })
+        Ok(PassStats { stash: stats })
     }
 
     fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64> {
         self.check_batch(batch)?;
         let x = self.forward_layers(pass, batch)?;
-        Ok(self.head(pass, x, batch, None)?.0)
+        let mut losses = pass.backend.zeros(
+            &[batch.tokens()],
+            DType::F32,
+            MemoryCategory::Workspace,
+            "eval.losses",
+        )?;
+        self.head(pass, x, batch, None, &mut losses)?;
+        let losses = pass.backend.to_f32(&losses)?;
+        Ok(losses.iter().map(|&l| l as f64).sum())
     }
 
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {

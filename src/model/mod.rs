@@ -13,7 +13,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::rng::Rng;
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 use std::fmt::Debug;
 
 /// A parameter's name, shape and initial values, as a model creates it.
@@ -62,8 +62,6 @@ impl Batch {
 /// What one forward-and-backward pass reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PassStats {
-    /// Sum of the per-position cross-entropy losses (nats).
-    pub loss_sum: f64,
     /// Activation bytes kept and dropped by the checkpoint policy in forward.
     pub stash: StashStats,
 }
@@ -85,12 +83,16 @@ pub trait Model: Debug + Send + Sync {
 
     /// Forward, loss and backward on `batch`. Gradients are accumulated into the
     /// parameters, with the loss gradient scaled by `grad_scale` (so the sum of the
-    /// per-position losses times `grad_scale` is what is differentiated).
+    /// per-position losses times `grad_scale` is what is differentiated). The loss of
+    /// position `i` (row-major over the batch) is added to `losses[i]`, an f32 tensor on
+    /// the backend that the trainer reads once per step (see
+    /// [`Backend::cross_entropy`]).
     fn forward_backward(
         &self,
         pass: &mut Pass<'_>,
         batch: &Batch,
         grad_scale: f32,
+        losses: &mut Tensor,
     ) -> Result<PassStats>;
 
     /// Forward and loss only; returns the sum of per-position losses.

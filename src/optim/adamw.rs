@@ -1,6 +1,6 @@
 //! AdamW with PyTorch's semantics.
 
-use super::{Optimizer, Param};
+use super::{GradScale, Optimizer, Param};
 use crate::device::{AdamWStep, Backend};
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
@@ -85,7 +85,7 @@ impl Optimizer for AdamW {
         backend: &dyn Backend,
         params: &mut [Param],
         lr: f32,
-        grad_scale: f32,
+        grad_scale: GradScale<'_>,
         step: u64,
     ) -> Result<()> {
         self.validate()?;
@@ -122,8 +122,9 @@ impl Optimizer for AdamW {
                     eps: self.eps,
                     weight_decay: decay,
                     step,
-                    grad_scale,
+                    grad_scale: 1.0,
                 },
+                Some(grad_scale.tensor()),
                 parts.compute,
             )?;
         }
@@ -150,6 +151,18 @@ mod tests {
         p
     }
 
+    /// A gradient multiplier, as the trainer's step record holds it.
+    fn scale(be: &dyn Backend, value: f32) -> crate::tensor::Tensor {
+        be.upload(
+            &[value],
+            &[1],
+            DType::F32,
+            MemoryCategory::Workspace,
+            "scale",
+        )
+        .unwrap()
+    }
+
     /// With a constant gradient g the bias-corrected moments are exactly g and g², so
     /// each step is `p ← p·(1 - lr·wd) - lr·g / (|g| + eps)`, and after n steps
     /// `p_n = p_0·aⁿ - c·(1 - aⁿ) / (1 - a)` with `a = 1 - lr·wd`, `c = lr·g / (|g| + eps)`.
@@ -170,8 +183,10 @@ mod tests {
         ];
         let mut opt_mut = opt;
         let n = 7;
+        let one = scale(&be, 1.0);
         for step in 1..=n {
-            opt_mut.step(&be, &mut params, opt.lr, 1.0, step).unwrap();
+            let s = GradScale::new(&one).unwrap();
+            opt_mut.step(&be, &mut params, opt.lr, s, step).unwrap();
         }
         assert_eq!(
             params[0].state().len(),
@@ -219,7 +234,9 @@ mod tests {
             be.cast(params[0].grad_mut(&be).unwrap(), &gt).unwrap();
             let lr = 1e-3 * step as f32;
             let clip = 0.5;
-            opt.step(&be, &mut params, lr, clip, step).unwrap();
+            let s = scale(&be, clip);
+            opt.step(&be, &mut params, lr, GradScale::new(&s).unwrap(), step)
+                .unwrap();
             let (b1, b2, eps, wd) = (0.9f64, 0.95f64, 1e-8f64, 0.1f64);
             for i in 0..4 {
                 let gi = g[i] as f64 * clip as f64;
@@ -240,5 +257,39 @@ mod tests {
                 p_ref[i]
             );
         }
+    }
+
+    /// A multiplier that is not finite (the step's loss or norm was not) skips the whole
+    /// update: values and moments stay bitwise as they were.
+    #[test]
+    fn a_non_finite_scale_leaves_values_and_moments_untouched() {
+        let be = CpuBackend::new();
+        let mut opt = AdamW::default();
+        let init = [0.1f32, -0.2, 0.3, 0.4];
+        let mut params = vec![param(&be, "w", &[2, 2], &init, &[0.5, -0.5, 1.0, 2.0])];
+        let one = scale(&be, 1.0);
+        opt.step(&be, &mut params, 1e-2, GradScale::new(&one).unwrap(), 1)
+            .unwrap();
+        let before = be.to_f32(params[0].value()).unwrap();
+        let moments: Vec<Vec<f32>> = params[0]
+            .state()
+            .iter()
+            .map(|m| be.to_f32(m).unwrap())
+            .collect();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let s = scale(&be, bad);
+            opt.step(&be, &mut params, 1e-2, GradScale::new(&s).unwrap(), 2)
+                .unwrap();
+            let after = be.to_f32(params[0].value()).unwrap();
+            assert_eq!(
+                after.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                before.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{bad}"
+            );
+            for (m, want) in params[0].state().iter().zip(&moments) {
+                assert_eq!(&be.to_f32(m).unwrap(), want, "{bad}");
+            }
+        }
+        assert_ne!(before, init, "the finite step moved the values");
     }
 }

@@ -2,12 +2,14 @@
 
 mod adamw;
 mod clip;
+mod guard;
 mod schedule;
 mod sgd;
 
 pub use crate::model::{Param, UpdateParts};
 pub use adamw::AdamW;
 pub use clip::{clip_coefficient, global_grad_norm};
+pub use guard::{GradScale, StepRecord};
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
 
@@ -27,13 +29,15 @@ pub trait Optimizer: DynClone + Debug + Send + Sync {
     fn learning_rate(&self) -> f32;
 
     /// One update of every parameter. `lr` is this step's learning rate, `grad_scale`
-    /// multiplies every gradient (clipping), and `step` is 1-based.
+    /// multiplies every gradient (clipping and loss-scale removal; it lives on the device,
+    /// and when it is not finite the update must be skipped, see [`GradScale`]), and
+    /// `step` is 1-based.
     fn step(
         &mut self,
         backend: &dyn Backend,
         params: &mut [Param],
         lr: f32,
-        grad_scale: f32,
+        grad_scale: GradScale<'_>,
         step: u64,
     ) -> Result<()>;
 
@@ -52,7 +56,7 @@ impl Optimizer for Box<dyn Optimizer> {
         backend: &dyn Backend,
         params: &mut [Param],
         lr: f32,
-        grad_scale: f32,
+        grad_scale: GradScale<'_>,
         step: u64,
     ) -> Result<()> {
         (**self).step(backend, params, lr, grad_scale, step)

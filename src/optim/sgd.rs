@@ -1,6 +1,6 @@
 //! Stochastic gradient descent with momentum and decoupled weight decay.
 
-use super::{Optimizer, Param};
+use super::{GradScale, Optimizer, Param};
 use crate::device::Backend;
 use crate::error::Result;
 use crate::memory::MemoryCategory;
@@ -41,9 +41,13 @@ impl Optimizer for Sgd {
         backend: &dyn Backend,
         params: &mut [Param],
         lr: f32,
-        grad_scale: f32,
+        grad_scale: GradScale<'_>,
         _step: u64,
     ) -> Result<()> {
+        // Built from host-valued ops: one wait for the device per step.
+        let Some(grad_scale) = grad_scale.read(backend)? else {
+            return Ok(());
+        };
         for p in params.iter_mut() {
             let wd = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();

@@ -6,11 +6,12 @@ use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::data::DataLoader;
 use crate::device::Backend;
 use crate::error::{Error, Result};
-use crate::memory::{CategoryBytes, MemoryObserver, PeakTracker, Phase};
+use crate::memory::{CategoryBytes, MemoryCategory, MemoryObserver, PeakTracker, Phase};
 use crate::model::{Batch, Model, Param, Pass, StashStats};
-use crate::optim::{clip_coefficient, global_grad_norm, AdamW, LrSchedule, Optimizer};
+use crate::optim::{AdamW, GradScale, LrSchedule, Optimizer, StepRecord};
 use crate::precision::{Fp32, Precision};
 use crate::rng::Rng;
+use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -383,7 +384,19 @@ where
         }
         let loss_scale = self.precision.loss_scale();
         let grad_scale = loss_scale / (tokens_per_micro as f32 * k as f32);
-        let mut loss_sum = 0.0;
+        // The step's losses and its record stay on the device until the step's one read.
+        let mut losses = be.zeros(
+            &[b * t],
+            DType::F32,
+            MemoryCategory::Workspace,
+            "step.losses",
+        )?;
+        let mut record = be.zeros(
+            &[StepRecord::LEN],
+            DType::F32,
+            MemoryCategory::Workspace,
+            "step.record",
+        )?;
         let mut stash = StashStats::default();
         for j in 0..k {
             ledger.phase_begin(Phase::MicroBatch(j));
@@ -394,8 +407,9 @@ where
                 checkpoint: &self.checkpoint,
                 dtype: self.precision.compute_dtype(),
             };
-            let s = self.model.forward_backward(&mut pass, &batch, grad_scale)?;
-            loss_sum += s.loss_sum;
+            let s = self
+                .model
+                .forward_backward(&mut pass, &batch, grad_scale, &mut losses)?;
             stash.kept_bytes += s.stash.kept_bytes;
             stash.dropped_bytes += s.stash.dropped_bytes;
             stash.recomputed_bytes += s.stash.recomputed_bytes;
@@ -404,22 +418,42 @@ where
         }
 
         ledger.phase_begin(Phase::Optimizer);
-        let grad_norm = global_grad_norm(be, &self.params)? / loss_scale as f64;
-        let loss = loss_sum / (tokens_per_micro * k as u64) as f64;
-        let finite = grad_norm.is_finite() && loss.is_finite();
-        self.precision.update_loss_scale(finite);
+        // The norm, the clipping multiplier and the skip decision are made on the device;
+        // the optimizer applies them there (AdamW skips a non-finite step in its kernel).
+        {
+            let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
+            be.grad_guard(
+                &mut record,
+                &grads,
+                &losses,
+                self.options.grad_clip,
+                loss_scale,
+            )?;
+        }
         let lr = self.options.lr_schedule.lr(
             self.optimizer.learning_rate(),
             self.step,
             self.options.total_steps,
         );
+        self.optimizer.step(
+            be,
+            &mut self.params,
+            lr,
+            GradScale::new(&record)?,
+            self.step + 1,
+        )?;
+        for p in &mut self.params {
+            p.refresh_after_step(be)?;
+        }
+        // The step's one read: the loss for logging, with the norm and the skip decision.
+        let r = StepRecord::read(be, &record)?;
+        drop((record, losses));
+        ledger.phase_end(Phase::Optimizer);
+        let loss = r.loss_sum as f64 / (tokens_per_micro * k as u64) as f64;
+        let grad_norm = r.grad_norm as f64;
+        let finite = r.finite();
+        self.precision.update_loss_scale(finite);
         if finite {
-            let coef = clip_coefficient(grad_norm, self.options.grad_clip as f64);
-            self.optimizer
-                .step(be, &mut self.params, lr, coef / loss_scale, self.step + 1)?;
-            for p in &mut self.params {
-                p.refresh_after_step(be)?;
-            }
             self.bad_streak = 0;
         } else {
             self.skipped_steps += 1;
@@ -429,8 +463,6 @@ where
                 self.step + 1
             );
         }
-        be.synchronize()?;
-        ledger.phase_end(Phase::Optimizer);
         self.step += 1;
         self.tokens_seen += tokens_per_micro * k as u64;
         let max_bad = self.options.max_bad_steps;

@@ -4,7 +4,7 @@ use super::simd::simd_fn;
 use super::{ensure, ensure_f32, read, CHUNK};
 use crate::device::AdamWStep;
 use crate::error::Result;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{DType, Storage, Tensor};
 use rayon::prelude::*;
 
 /// Checks AdamW's operands (the contract every backend shares): f32 value and moments,
@@ -27,14 +27,39 @@ pub(crate) fn check(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Re
     Ok(())
 }
 
+/// Checks AdamW's device scale: f32, at least one element.
+pub(crate) fn check_scale(scale: &Tensor) -> Result<()> {
+    ensure(
+        scale.dtype() == DType::F32 && scale.numel() >= 1,
+        "adamw",
+        || {
+            format!(
+                "the gradient scale `{}` must be f32 with at least one element",
+                scale.label()
+            )
+        },
+    )
+}
+
 pub(super) fn adamw(
     param: &mut Tensor,
     grad: &Tensor,
     m: &mut Tensor,
     v: &mut Tensor,
     hp: &AdamWStep,
+    scale: Option<&Tensor>,
 ) -> Result<()> {
     check(param, grad, m, v)?;
+    let device_scale = match scale {
+        Some(s) => {
+            check_scale(s)?;
+            read(s)[0]
+        }
+        None => 1.0,
+    };
+    if !device_scale.is_finite() {
+        return Ok(());
+    }
     let g = read(grad);
     let (Storage::F32(p), Storage::F32(mv), Storage::F32(vv)) =
         (param.storage_mut(), m.storage_mut(), v.storage_mut())
@@ -54,6 +79,7 @@ pub(super) fn adamw(
         grad_scale,
         ..
     } = *hp;
+    let grad_scale = grad_scale * device_scale;
     p.par_chunks_mut(CHUNK)
         .zip(mv.par_chunks_mut(CHUNK))
         .zip(vv.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)))

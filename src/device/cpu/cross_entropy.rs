@@ -3,7 +3,7 @@
 use super::simd::{self, simd_fn};
 use super::{ensure, read, write};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use rayon::prelude::*;
 
 /// Checks `cross_entropy`'s operands (the contract every backend shares) and returns the
@@ -25,14 +25,32 @@ pub(crate) fn check(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<(u
     Ok((rows, vp))
 }
 
+/// Checks the tensor the row losses are added to: f32 with at least `rows` elements.
+pub(crate) fn check_losses(losses: &Tensor, rows: usize) -> Result<()> {
+    ensure(
+        losses.dtype() == DType::F32 && losses.numel() >= rows,
+        "cross_entropy",
+        || {
+            format!(
+                "the losses `{}` must be f32 with at least {rows} elements, not {} {:?}",
+                losses.label(),
+                losses.dtype(),
+                losses.shape()
+            )
+        },
+    )
+}
+
 pub(super) fn cross_entropy(
     logits: &mut Tensor,
     targets: &[u32],
     vocab: usize,
     grad_scale: Option<f32>,
-) -> Result<f64> {
+    out: &mut Tensor,
+) -> Result<()> {
     let (rows, vp) = check(logits, targets, vocab)?;
-    let mut losses = vec![0f64; rows];
+    check_losses(out, rows)?;
+    let mut losses = vec![0f32; rows];
     match grad_scale {
         None => {
             let l = read(logits);
@@ -54,12 +72,17 @@ pub(super) fn cross_entropy(
             });
         }
     }
-    Ok(losses.iter().sum())
+    write(out, true, |o| {
+        for (o, l) in o.iter_mut().zip(&losses) {
+            *o += l;
+        }
+    });
+    Ok(())
 }
 
 simd_fn! {
-    /// `logsumexp(row) - row[t]`, in f64 for the caller's sum.
-    fn row_loss(row: &[f32], t: usize) -> f64 {
+    /// `logsumexp(row) - row[t]`.
+    fn row_loss(row: &[f32], t: usize) -> f32 {
         let max = simd::max(row);
         let mut acc = [0f32; 16];
         for c in row.chunks(16) {
@@ -68,20 +91,20 @@ simd_fn! {
             }
         }
         let sum = simd::sum(&acc);
-        (sum.ln() + max - row[t]) as f64
+        sum.ln() + max - row[t]
     }
 }
 
 simd_fn! {
     /// The row's loss; the row is overwritten by `scale · (softmax - onehot(t))`.
-    fn row_loss_and_grad(row: &mut [f32], t: usize, scale: f32) -> f64 {
+    fn row_loss_and_grad(row: &mut [f32], t: usize, scale: f32) -> f32 {
         let target_logit = row[t];
         let max = simd::max(row);
         for v in row.iter_mut() {
             *v = simd::exp(*v - max);
         }
         let sum = simd::sum(row);
-        let loss = (sum.ln() + max - target_logit) as f64;
+        let loss = sum.ln() + max - target_logit;
         let k = scale / sum;
         for v in row.iter_mut() {
             *v *= k;

@@ -21,6 +21,7 @@ pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod gelu;
+pub(crate) mod guard;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
@@ -541,7 +542,8 @@ impl Backend for CpuBackend {
         targets: &[u32],
         vocab: usize,
         grad_scale: Option<f32>,
-    ) -> Result<f64> {
+        losses: &mut Tensor,
+    ) -> Result<()> {
         let per = match grad_scale {
             Some(_) => per_element::CROSS_ENTROPY_GRAD,
             None => per_element::CROSS_ENTROPY,
@@ -550,8 +552,24 @@ impl Backend for CpuBackend {
         self.ledger
             .op("cross_entropy", flops, logits.label())
             .finish(cross_entropy::cross_entropy(
-                logits, targets, vocab, grad_scale,
+                logits, targets, vocab, grad_scale, losses,
             ))
+    }
+
+    fn grad_guard(
+        &self,
+        record: &mut Tensor,
+        grads: &[&Tensor],
+        losses: &Tensor,
+        max_norm: f32,
+        loss_scale: f32,
+    ) -> Result<()> {
+        let n: usize = grads.iter().map(|g| g.numel()).sum();
+        let flops = each(n, per_element::SUM_SQUARES);
+        let op = self.ledger.op("grad_guard", flops, record.label());
+        op.finish(guard::grad_guard(
+            record, grads, losses, max_norm, loss_scale,
+        ))
     }
 
     fn adamw(
@@ -561,11 +579,12 @@ impl Backend for CpuBackend {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: &AdamWStep,
+        scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         let flops = each(param.numel(), per_element::ADAMW);
         let op = self.ledger.op("adamw", flops, param.label());
-        let updated = adamw::adamw(param, grad, m, v, hp).and_then(|()| match compute {
+        let updated = adamw::adamw(param, grad, m, v, hp, scale).and_then(|()| match compute {
             Some(c) => elementwise::cast(c, param),
             None => Ok(()),
         });

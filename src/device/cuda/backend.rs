@@ -4,9 +4,11 @@
 //! Each op checks its operands with the same contract as the CPU backend (the CPU's
 //! checking functions are reused), records one ledger span with the same FLOP count, picks
 //! the kernel by the dtypes of its tensors (`<op>_<dtype>...`), and launches it. Work is
-//! queued, not waited for: only reads to the host (`to_f32`, the loss of
-//! `cross_entropy`, `sum_squares`) and `synchronize` wait. Op spans therefore time the
-//! host's side of a launch, not the kernel.
+//! queued, not waited for: only reads to the host (`to_f32`, `sum_squares`) and
+//! `synchronize` wait. A training step's losses, gradient norm and skip decision stay on
+//! the device (`cross_entropy` adds to a device tensor, `grad_guard` and `adamw` read
+//! it), so a step waits once, for its logged loss. Op spans therefore time the host's
+//! side of a launch, not the kernel.
 //!
 //! Temporary buffers (the two-pass reductions' partial sums, uploaded token ids, casts of
 //! operands, cuBLASLt's workspace) are tensors in the ledger's `Workspace` category, so
@@ -105,6 +107,13 @@ impl CudaBackend {
         self.options
     }
 
+    /// How many times the host has waited for the GPU so far (every read of device
+    /// memory and every synchronization counts once). A training step waits once, to read
+    /// its loss for the log.
+    pub fn host_waits(&self) -> u64 {
+        self.gpu.host_waits()
+    }
+
     fn alloc(
         &self,
         shape: &[usize],
@@ -178,6 +187,41 @@ impl CudaBackend {
             label,
             false,
         )
+    }
+
+    /// The f64 partial sums of squares of every tensor of `xs` in one workspace buffer
+    /// (one per block of each tensor's grid), and how many there are.
+    fn square_partials(&self, xs: &[&Tensor], label: &str) -> Result<(Tensor, usize)> {
+        let grids: Vec<u32> = xs
+            .iter()
+            .map(|x| {
+                if x.numel() == 0 {
+                    0
+                } else {
+                    self.grid(x.numel())
+                }
+            })
+            .collect();
+        let slots: usize = grids.iter().map(|&g| g as usize).sum();
+        let partial = self.scratch(slots.max(1) * 8, label)?;
+        let base = ptr(&partial)?;
+        let mut at = 0usize;
+        for (x, &grid) in xs.iter().zip(&grids) {
+            if grid == 0 {
+                continue;
+            }
+            self.launch(
+                &format!("sum_squares_partial_{}", x.dtype()),
+                grid,
+                BLOCK,
+                Args::new()
+                    .ptr(base + (at * 8) as u64)
+                    .ptr(ptr(x)?)
+                    .i64(x.numel()),
+            )?;
+            at += grid as usize;
+        }
+        Ok((partial, slots))
     }
 
     /// `values` on the device, in a workspace tensor.
@@ -674,44 +718,16 @@ impl Backend for CudaBackend {
             each(total_n, per_element::SUM_SQUARES),
             "gradients",
         );
-        let grids: Vec<u32> = xs
-            .iter()
-            .map(|x| {
-                if x.numel() == 0 {
-                    0
-                } else {
-                    self.grid(x.numel())
-                }
-            })
-            .collect();
-        let slots: usize = grids.iter().map(|&g| g as usize).sum();
+        let (partial, slots) = self.square_partials(xs, "sum_squares.partial")?;
         if slots == 0 {
             return Ok(0.0);
         }
-        let partial = self.scratch(slots * 8, "sum_squares.partial")?;
         let total = self.scratch(8, "sum_squares.total")?;
-        let base = ptr(&partial)?;
-        let mut at = 0usize;
-        for (x, &grid) in xs.iter().zip(&grids) {
-            if grid == 0 {
-                continue;
-            }
-            self.launch(
-                &format!("sum_squares_partial_{}", x.dtype()),
-                grid,
-                BLOCK,
-                Args::new()
-                    .ptr(base + (at * 8) as u64)
-                    .ptr(ptr(x)?)
-                    .i64(x.numel()),
-            )?;
-            at += grid as usize;
-        }
         self.launch(
             "sum_squares_finish",
             1,
             32,
-            Args::new().ptr(ptr(&total)?).ptr(base).i64(slots),
+            Args::new().ptr(ptr(&total)?).ptr(ptr(&partial)?).i64(slots),
         )?;
         let mut bytes = [0u8; 8];
         self.gpu.download(&mut bytes, ptr(&total)?)?;
@@ -1152,7 +1168,8 @@ impl Backend for CudaBackend {
         targets: &[u32],
         vocab: usize,
         grad_scale: Option<f32>,
-    ) -> Result<f64> {
+        losses: &mut Tensor,
+    ) -> Result<()> {
         let per = match grad_scale {
             Some(_) => per_element::CROSS_ENTROPY_GRAD,
             None => per_element::CROSS_ENTROPY,
@@ -1160,10 +1177,10 @@ impl Backend for CudaBackend {
         let flops = each(targets.len().saturating_mul(vocab), per);
         let _op = self.ledger.op("cross_entropy", flops, logits.label());
         let (rows, vp) = cpu::cross_entropy::check(logits, targets, vocab)?;
+        cpu::cross_entropy::check_losses(losses, rows)?;
         if rows == 0 {
-            return Ok(0.0);
+            return Ok(());
         }
-        let losses = self.scratch(rows * 4, "cross_entropy.losses")?;
         let tg = self.upload_u32(targets, "cross_entropy.targets")?;
         self.launch(
             &format!("cross_entropy_{}", logits.dtype()),
@@ -1171,19 +1188,47 @@ impl Backend for CudaBackend {
             BLOCK,
             Args::new()
                 .ptr(ptr(logits)?)
-                .ptr(ptr(&losses)?)
+                .ptr(ptr(losses)?)
                 .ptr(ptr(&tg)?)
                 .i64(rows)
                 .i64(vp)
                 .i64(vocab)
                 .f32(grad_scale.unwrap_or(0.0))
                 .i32(grad_scale.is_some() as i32),
-        )?;
-        let losses = match losses.storage() {
-            Storage::Device(d) => d.to_f32()?,
-            _ => unreachable!("allocated on the device above"),
-        };
-        Ok(losses[..rows].iter().map(|&l| l as f64).sum())
+        )
+    }
+
+    fn grad_guard(
+        &self,
+        record: &mut Tensor,
+        grads: &[&Tensor],
+        losses: &Tensor,
+        max_norm: f32,
+        loss_scale: f32,
+    ) -> Result<()> {
+        // One partial per block of every gradient in one buffer, then one block that adds
+        // them and the losses and writes the record: nothing is read back.
+        let total_n: usize = grads.iter().map(|x| x.numel()).sum();
+        let _op = self.ledger.op(
+            "grad_guard",
+            each(total_n, per_element::SUM_SQUARES),
+            record.label(),
+        );
+        cpu::guard::check(record, losses)?;
+        let (partial, slots) = self.square_partials(grads, "grad_guard.partial")?;
+        self.launch(
+            "grad_guard",
+            1,
+            32,
+            Args::new()
+                .ptr(ptr(record)?)
+                .ptr(ptr(&partial)?)
+                .i64(slots)
+                .ptr(ptr(losses)?)
+                .i64(losses.numel())
+                .f32(max_norm)
+                .f32(loss_scale),
+        )
     }
 
     fn adamw(
@@ -1193,6 +1238,7 @@ impl Backend for CudaBackend {
         m: &mut Tensor,
         v: &mut Tensor,
         hp: &AdamWStep,
+        scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         let n = param.numel();
@@ -1200,6 +1246,13 @@ impl Backend for CudaBackend {
             .ledger
             .op("adamw", each(n, per_element::ADAMW), param.label());
         cpu::adamw::check(param, grad, m, v)?;
+        let scale = match scale {
+            Some(s) => {
+                cpu::adamw::check_scale(s)?;
+                ptr(s)?
+            }
+            None => 0,
+        };
         if let Some(c) = &compute {
             cpu::elementwise::same_len(c, param, "adamw")?;
         }
@@ -1221,6 +1274,7 @@ impl Backend for CudaBackend {
                 .ptr(ptr(grad)?)
                 .ptr(ptr(m)?)
                 .ptr(ptr(v)?)
+                .ptr(scale)
                 .ptr(fused)
                 .i64(n)
                 .f32(hp.beta1)

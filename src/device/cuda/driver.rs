@@ -18,6 +18,7 @@ use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// cuBLASLt's workspace: 32 MiB on Hopper and newer, 4 MiB before (NVIDIA's advice).
@@ -54,6 +55,8 @@ pub(crate) struct DriverGpu {
     lt: lt_sys::cublasLtHandle_t,
     algos: Mutex<HashMap<GemmKey, lt_sys::cublasLtMatmulAlgo_t>>,
     max_blocks: u32,
+    /// Downloads and synchronizations so far.
+    waits: AtomicU64,
 }
 
 // SAFETY: the raw handles are used only through the driver, which is thread-safe once the
@@ -80,6 +83,15 @@ struct GemmKey {
 }
 
 impl DriverGpu {
+    /// Waits for the stream, counting the wait.
+    fn wait(&self) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the GPU", e))
+    }
+
     /// Opens GPU `ordinal`: checks the libraries, creates the context, stream and pool,
     /// compiles (or loads from the cache) every kernel, and creates the cuBLASLt handle.
     pub(crate) fn new(ordinal: usize) -> Result<DriverGpu> {
@@ -146,6 +158,7 @@ impl DriverGpu {
             lt,
             algos: Mutex::new(HashMap::new()),
             max_blocks: (sms.max(1) as u32) * 8,
+            waits: AtomicU64::new(0),
         })
     }
 
@@ -375,7 +388,7 @@ impl Gpu for DriverGpu {
         // synchronized before `dst` is read.
         unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
             .map_err(|e| driver_error("copying from the GPU", e))?;
-        self.synchronize()
+        self.wait()
     }
 
     fn zero(&self, dst: DevicePtr, bytes: usize) -> Result<()> {
@@ -442,10 +455,11 @@ impl Gpu for DriverGpu {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        self.stream
-            .synchronize()
-            .map_err(|e| driver_error("waiting for the GPU", e))
+        self.wait()
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
     }
 
     fn memory(&self) -> Option<GpuMemory> {

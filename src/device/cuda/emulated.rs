@@ -16,6 +16,7 @@ use rayon::prelude::*;
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Alignment of every emulated allocation (the pool's on a real GPU).
@@ -38,6 +39,8 @@ pub(crate) struct EmulatedGpu {
     pool: Mutex<Pool>,
     /// Refuse allocations beyond this many live bytes (to test out-of-memory handling).
     capacity: Option<u64>,
+    /// Downloads and synchronizations so far.
+    waits: AtomicU64,
 }
 
 impl std::fmt::Debug for EmulatedGpu {
@@ -54,6 +57,7 @@ impl EmulatedGpu {
             kernels: KernelEmulator::new()?,
             pool: Mutex::new(Pool::default()),
             capacity,
+            waits: AtomicU64::new(0),
         })
     }
 
@@ -173,6 +177,7 @@ impl Gpu for EmulatedGpu {
     }
 
     fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the buffer at `src` holds at least `dst.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
@@ -235,7 +240,12 @@ impl Gpu for EmulatedGpu {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
     }
 
     fn memory(&self) -> Option<GpuMemory> {

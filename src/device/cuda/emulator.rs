@@ -1046,6 +1046,88 @@ extern "C" __global__ void traps(int* out) {
         }
     }
 
+    #[test]
+    fn grad_guard_matches_the_cpu() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let grads = [
+            random(3000, 0.5, 70),
+            random(17, 4.0, 71),
+            random(1025, 0.01, 72),
+        ];
+        let losses: Vec<f32> = random(300, 1.0, 73).iter().map(|l| l.abs() * 5.0).collect();
+        // Clipping on and off, a loss scale, and non-finite gradients and losses.
+        let cases = [
+            (1.0f32, 1.0f32, None),
+            (0.0, 1.0, None),
+            (1e6, 1.0, None),
+            (1.0, 1024.0, None),
+            (1.0, 1.0, Some((0usize, f32::NAN))),
+            (1.0, 1.0, Some((1, f32::INFINITY))),
+            (1.0, 1.0, Some((3, f32::NAN))),
+        ];
+        for (max_norm, loss_scale, poison) in cases {
+            let mut gs = grads.clone();
+            let mut ls = losses.clone();
+            match poison {
+                Some((3, v)) => ls[7] = v,
+                Some((i, v)) => gs[i][5] = v,
+                None => {}
+            }
+            let tensors: Vec<Tensor> = gs
+                .iter()
+                .map(|g| upload(&be, g, &[g.len()], DType::F32))
+                .collect();
+            let refs: Vec<&Tensor> = tensors.iter().collect();
+            let loss_t = upload(&be, &ls, &[ls.len()], DType::F32);
+            let mut record = zeros(&be, &[3], DType::F32);
+            be.grad_guard(&mut record, &refs, &loss_t, max_norm, loss_scale)
+                .unwrap();
+            let want = be.to_f32(&record).unwrap();
+            // The device: one partial per block of every gradient, then the guard.
+            let blocks = 3u32;
+            let mut partial = vec![f64::NAN; blocks as usize * gs.len()];
+            for (i, g) in gs.iter_mut().enumerate() {
+                let n = g.len() as i64;
+                let at = partial[i * blocks as usize..].as_mut_ptr();
+                let a = Args::new().arg(at).ptr(g).arg(n);
+                launch(emu, "sum_squares_partial_f32", blocks, 256, 0, a).unwrap();
+            }
+            let mut got = [f32::NAN; 3];
+            let a = Args::new()
+                .ptr(&mut got)
+                .ptr(&mut partial)
+                .arg(blocks as i64 * gs.len() as i64)
+                .ptr(&mut ls)
+                .arg(ls.len() as i64)
+                .arg(max_norm)
+                .arg(loss_scale);
+            launch(emu, "grad_guard", 1, 32, 0, a).unwrap();
+            let what = format!("max_norm {max_norm}, loss scale {loss_scale}, {poison:?}");
+            if poison.is_some() {
+                assert!(
+                    got[0].is_nan() && want[0].is_nan(),
+                    "{what}: {got:?} {want:?}"
+                );
+                continue;
+            }
+            // The f64 sums differ only in their order: equal once rounded to f32, but for
+            // a rare last bit.
+            for (i, name) in ["scale", "norm", "loss"].iter().enumerate() {
+                let rel = ((got[i] - want[i]) / want[i]).abs();
+                assert!(
+                    rel <= 2.0 * f32::EPSILON,
+                    "{what}: {name} {} against {}",
+                    got[i],
+                    want[i]
+                );
+            }
+            if max_norm == 0.0 || max_norm == 1e6 {
+                assert_eq!(got[0], 1.0 / loss_scale, "{what}: no clipping");
+            }
+        }
+    }
+
     /// Inputs of the layer-norm tests: x, weight, bias, dout and the starting dx, dweight,
     /// dbias (the backward accumulates), `[rows, c]` or `[c]`.
     struct LayerNormCase {
@@ -1559,12 +1641,21 @@ extern "C" __global__ void traps(int* out) {
         let mut targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
         for d in DTYPES {
             for grad_scale in [None, Some(0.25f32)] {
+                // The losses are added to what is there: start from earlier values.
+                let before = random(rows, 2.0, 52);
                 let mut logits_cpu = upload(&be, &logits_in, &[rows, vp], d);
-                let want = be
-                    .cross_entropy(&mut logits_cpu, &targets, vocab, grad_scale)
-                    .unwrap();
+                let mut losses_cpu = upload(&be, &before, &[rows], DType::F32);
+                be.cross_entropy(
+                    &mut logits_cpu,
+                    &targets,
+                    vocab,
+                    grad_scale,
+                    &mut losses_cpu,
+                )
+                .unwrap();
+                let want = be.to_f32(&losses_cpu).unwrap();
                 let mut logits = Buf::new(&logits_in, d);
-                let mut losses = vec![f32::NAN; rows];
+                let mut losses = before.clone();
                 let a = Args::new()
                     .buf(&mut logits)
                     .ptr(&mut losses)
@@ -1575,13 +1666,13 @@ extern "C" __global__ void traps(int* out) {
                     .arg(grad_scale.unwrap_or(1.0))
                     .arg(grad_scale.is_some() as i32);
                 launch(emu, &format!("cross_entropy_{}", suffix(d)), 2, 64, 0, a).unwrap();
-                // The host sums the row losses in f64 in row order, as the CPU does; logf
-                // against the host's ln may differ in the last bit of a loss.
-                let got: f64 = losses.iter().map(|&l| l as f64).sum();
-                assert!(
-                    ((got - want) / want).abs() < 1e-6,
-                    "{d:?}: loss {got} against {want}"
-                );
+                // logf against the host's ln may differ in the last bits of a loss.
+                for (row, (got, want)) in losses.iter().zip(&want).enumerate() {
+                    assert!(
+                        (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "{d:?} row {row}: loss {got} against {want}"
+                    );
+                }
                 let logits_want = be.to_f32(&logits_cpu).unwrap();
                 assert_bitwise("logits", &logits.values(), &logits_want);
             }
@@ -1611,11 +1702,28 @@ extern "C" __global__ void traps(int* out) {
             let mut m_cpu = upload(&be, &ms, &[n], DType::F32);
             let mut v_cpu = upload(&be, &vs, &[n], DType::F32);
             let grad = upload(&be, &gs, &[n], g);
-            be.adamw(&mut p_cpu, &grad, &mut m_cpu, &mut v_cpu, &hp, None)
-                .unwrap();
+            // The device scale multiplies hp.grad_scale; 1 leaves it as it is.
+            let one = upload(&be, &[1.0], &[1], DType::F32);
+            be.adamw(
+                &mut p_cpu,
+                &grad,
+                &mut m_cpu,
+                &mut v_cpu,
+                &hp,
+                Some(&one),
+                None,
+            )
+            .unwrap();
             let want_p = be.to_f32(&p_cpu).unwrap();
-            // With and without the bf16 compute copy.
-            for with_copy in [true, false] {
+            // With and without the bf16 compute copy, with and without the device scale,
+            // and with a NaN scale, which must leave everything untouched.
+            for (with_copy, scale) in [
+                (true, Some(1.0f32)),
+                (false, None),
+                (true, Some(f32::NAN)),
+                (false, Some(f32::INFINITY)),
+            ] {
+                let skipped = scale.is_some_and(|s| !s.is_finite());
                 let (mut p, mut m, mut v) = (ps.clone(), ms.clone(), vs.clone());
                 let mut grad_buf = Buf::new(&gs, g);
                 let mut compute = vec![bf16::NAN; n];
@@ -1624,11 +1732,18 @@ extern "C" __global__ void traps(int* out) {
                 } else {
                     std::ptr::null_mut()
                 };
+                let mut scale_buf = [scale.unwrap_or(f32::NAN)];
+                let scale_ptr = if scale.is_some() {
+                    scale_buf.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                };
                 let a = Args::new()
                     .ptr(&mut p)
                     .buf(&mut grad_buf)
                     .ptr(&mut m)
                     .ptr(&mut v)
+                    .arg(scale_ptr)
                     .arg(copy)
                     .arg(n as i64)
                     .arg(hp.beta1)
@@ -1639,6 +1754,13 @@ extern "C" __global__ void traps(int* out) {
                     .arg(bc2_sqrt)
                     .arg(decay);
                 launch(emu, &format!("adamw_{}", suffix(g)), 2, 128, 0, a).unwrap();
+                if skipped {
+                    assert_bitwise("skipped param", &p, &ps);
+                    assert_bitwise("skipped m", &m, &ms);
+                    assert_bitwise("skipped v", &v, &vs);
+                    assert!(compute.iter().all(|x| x.is_nan()));
+                    continue;
+                }
                 assert_bitwise("param", &p, &want_p);
                 assert_bitwise("m", &m, &be.to_f32(&m_cpu).unwrap());
                 assert_bitwise("v", &v, &be.to_f32(&v_cpu).unwrap());
@@ -1960,7 +2082,7 @@ extern "C" __global__ void traps(int* out) {
             }
         }
         assert_eq!(emu.arity("gelu_f32"), Some(3));
-        assert_eq!(emu.arity("adamw_bf16"), Some(13));
+        assert_eq!(emu.arity("adamw_bf16"), Some(14));
     }
 
     #[test]

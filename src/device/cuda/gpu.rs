@@ -172,6 +172,10 @@ pub(crate) trait Gpu: Debug + Send + Sync {
 
     /// Starts a new peak for [`GpuMemory::pool_reserved_peak`].
     fn reset_peak(&self) {}
+
+    /// How many times the host has waited for the device so far: each
+    /// [`Gpu::download`] and [`Gpu::synchronize`] counts once.
+    fn host_waits(&self) -> u64;
 }
 
 /// A device allocation holding `len` elements of `dtype`, returned on drop.

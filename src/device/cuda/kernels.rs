@@ -148,6 +148,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
             "sum_squares_partial_f32",
             "sum_squares_partial_bf16",
             "sum_squares_finish",
+            "grad_guard",
         ],
     },
 ];
@@ -427,7 +428,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 67);
+        assert_eq!(seen.len(), 68);
     }
 
     #[test]
