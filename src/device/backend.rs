@@ -156,6 +156,22 @@ pub trait Backend: Debug + Send + Sync {
         accumulate: bool,
     ) -> Result<()>;
 
+    /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP. The
+    /// default runs [`Backend::matmul`] then [`Backend::gelu`]; a GPU backend applies the
+    /// bias and the GELU in the product's epilogue, writing both outputs from its
+    /// accumulator, a pass over `pre` fewer.
+    fn matmul_bias_gelu(
+        &self,
+        out: &mut Tensor,
+        pre: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: &Tensor,
+    ) -> Result<()> {
+        self.matmul(pre, a, b, Some(bias), false, false, false)?;
+        self.gelu(out, pre)
+    }
+
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
 

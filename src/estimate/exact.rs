@@ -353,7 +353,18 @@ impl<'a> Replay<'a> {
 
     fn forward_layer(&mut self, stash: &mut Stash, layer: usize) -> u64 {
         for node in NODES {
-            self.run_node(stash, node);
+            match node {
+                // The model runs the MLP's product and GELU as one op: both outputs exist
+                // before the policy settles the product's input.
+                Node::Fc => {
+                    self.run_node(stash, Node::Fc);
+                    self.run_node(stash, Node::Gelu);
+                }
+                Node::Gelu => {}
+                _ => {
+                    self.run_node(stash, node);
+                }
+            }
             for &kind in node.settles() {
                 self.settle(stash, layer, kind);
             }

@@ -319,6 +319,24 @@ impl Gpt2 {
         Ok(stored)
     }
 
+    /// The MLP's first product and its GELU in one op: stores `FcOut` (the pre-activation)
+    /// and `GeluOut`, both absent. Returns the bytes stored.
+    fn fc_gelu(&self, pass: &Pass<'_>, l: usize, stash: &mut LayerStash) -> Result<u64> {
+        let c = self.config.n_embd;
+        let w = |j: usize| pass.params[self.lp(l, j)].weight();
+        let label = |k: K| format!("h.{l}.{}", k.name());
+        let x = slot(stash, K::Ln2Out, l)?;
+        let s = x.shape();
+        let mut pre = act(pass, &[s[0], s[1], 4 * c], label(K::FcOut))?;
+        let mut out = act(pass, &[s[0], s[1], 4 * c], label(K::GeluOut))?;
+        pass.backend
+            .matmul_bias_gelu(&mut out, &mut pre, x, w(FC_W), w(FC_B))?;
+        let stored = pre.bytes() + out.bytes();
+        stash.put(K::FcOut, pre);
+        stash.put(K::GeluOut, out);
+        Ok(stored)
+    }
+
     /// The layer's output (the next layer's input) from its residual and GELU output.
     fn layer_output(&self, pass: &Pass<'_>, l: usize, stash: &LayerStash) -> Result<Tensor> {
         let res = slot(stash, K::Residual, l)?;
@@ -354,7 +372,16 @@ impl Gpt2 {
     ) -> Result<Tensor> {
         let n_layer = self.config.n_layer;
         for node in NODES {
-            self.run_node(pass, l, node, stash)?;
+            match node {
+                // The MLP's product and its GELU run as one op (`Backend::matmul_bias_gelu`).
+                Node::Fc => {
+                    self.fc_gelu(pass, l, stash)?;
+                }
+                Node::Gelu if stash.has(K::GeluOut) => {}
+                _ => {
+                    self.run_node(pass, l, node, stash)?;
+                }
+            }
             for &kind in node.settles() {
                 stash.settle(kind, l, n_layer, pass.checkpoint, stats);
             }
@@ -375,6 +402,12 @@ impl Gpt2 {
         stats: &mut StashStats,
     ) -> Result<()> {
         if stash.has(kind) {
+            return Ok(());
+        }
+        if kind == K::GeluOut && !stash.has(K::FcOut) {
+            // Both dropped: recompute them together, as forward made them.
+            self.ensure(pass, l, stash, K::Ln2Out, stats)?;
+            stats.recomputed_bytes += self.fc_gelu(pass, l, stash)?;
             return Ok(());
         }
         let node = Node::producing(kind).ok_or_else(|| missing(kind, l))?;

@@ -342,6 +342,23 @@ impl CudaBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemm(out, a, b, bias, trans_a, trans_b, accumulate, 0)
+    }
+
+    /// [`Self::matmul_impl`], with `gelu_aux` the address of the pre-GELU values when the
+    /// epilogue applies GELU (0: no GELU; the caller checks the fused form applies).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        out: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: Option<&Tensor>,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+        gelu_aux: DevicePtr,
+    ) -> Result<()> {
         let (m, n, k) = cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
         if m == 0 || n == 0 {
             return Ok(());
@@ -418,6 +435,7 @@ impl CudaBackend {
                 Some(t) => ptr(t)?,
                 None => 0,
             },
+            gelu_aux,
             alpha: 1.0,
             beta: if accumulate { 1.0 } else { 0.0 },
             allow_tf32: self.options.allow_tf32,
@@ -747,6 +765,38 @@ impl Backend for CudaBackend {
         let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
         let op = self.ledger.op("matmul", flops, out.label());
         op.finish(self.matmul_impl(out, a, b, bias, trans_a, trans_b, accumulate))
+    }
+
+    fn matmul_bias_gelu(
+        &self,
+        out: &mut Tensor,
+        pre: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: &Tensor,
+    ) -> Result<()> {
+        // cuBLASLt's GELU_AUX_BIAS epilogue writes both outputs from the accumulator:
+        // when the operands are of one dtype (or bf16 into f32), both outputs share D's
+        // dtype and shape, and the rows are a multiple of 8 elements (the aux's leading
+        // dimension). Otherwise the product and the GELU run as two ops.
+        let operand = if a.dtype() == b.dtype() {
+            a.dtype()
+        } else {
+            DType::F32
+        };
+        let (_, cols) = pre.rows_cols();
+        let fused = out.dtype() == pre.dtype()
+            && out.shape() == pre.shape()
+            && !(operand == DType::F32 && pre.dtype() == DType::Bf16)
+            && cols % 8 == 0;
+        if !fused {
+            self.matmul(pre, a, b, Some(bias), false, false, false)?;
+            return self.gelu(out, pre);
+        }
+        let flops = cpu::matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
+        let op = self.ledger.op("matmul_bias_gelu", flops, out.label());
+        let aux = ptr(pre)?;
+        op.finish(self.gemm(out, a, b, Some(bias), false, false, false, aux))
     }
 
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {

@@ -79,6 +79,7 @@ struct GemmKey {
     b: MatrixLayout,
     d: MatrixLayout,
     bias: bool,
+    gelu: bool,
     tf32: bool,
 }
 
@@ -262,13 +263,35 @@ impl DriverGpu {
             &tb as *const _ as *const c_void,
             std::mem::size_of_val(&tb),
         )?;
-        if g.bias != 0 {
-            let epilogue = lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+        use lt_sys::cublasLtEpilogue_t as E;
+        let epilogue = match (g.bias != 0, g.gelu_aux != 0) {
+            (false, false) => None,
+            (true, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
+            (false, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
+            (true, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        };
+        if let Some(epilogue) = epilogue {
             set(
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE,
                 &epilogue as *const _ as *const c_void,
                 std::mem::size_of_val(&epilogue),
             )?;
+        }
+        if g.gelu_aux != 0 {
+            // The pre-GELU values, in D's type and layout (ld a multiple of 8).
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &g.gelu_aux as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )?;
+            let ld: i64 = g.d_layout.ld;
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                &ld as *const i64 as *const c_void,
+                std::mem::size_of::<i64>(),
+            )?;
+        }
+        if g.bias != 0 {
             let bias_type = data_type(g.d_layout.ty);
             set(
                 A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
@@ -297,6 +320,7 @@ impl DriverGpu {
             b: g.b_layout,
             d: g.d_layout,
             bias: g.bias != 0,
+            gelu: g.gelu_aux != 0,
             tf32: g.allow_tf32,
         };
         let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());

@@ -232,6 +232,10 @@ impl Gpu for EmulatedGpu {
                     if g.bias != 0 {
                         v += load(bias_ty, g.bias, i);
                     }
+                    if g.gelu_aux != 0 {
+                        store(g.d_layout.ty, g.gelu_aux, at, v);
+                        v = gelu_tanh(v);
+                    }
                     store(g.d_layout.ty, g.d, at, v);
                 }
             }
@@ -264,4 +268,12 @@ impl Gpu for EmulatedGpu {
         let mut pool = self.pool();
         pool.peak = pool.used;
     }
+}
+
+/// GELU's tanh approximation, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, in f64 (the
+/// epilogue's reference).
+fn gelu_tanh(x: f32) -> f32 {
+    let x = x as f64;
+    let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+    (0.5 * x * (1.0 + u.tanh())) as f32
 }

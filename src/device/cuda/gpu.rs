@@ -75,7 +75,9 @@ pub(crate) struct MatrixLayout {
 
 /// `D = alpha · op(A) · op(B) + beta · C (+ bias)` in cuBLASLt's column-major terms, with
 /// C and D the same buffer. `op(A)` is `m × k`, `op(B)` is `k × n`, D is `m × n`; the bias
-/// (one value per row of D, D's element type) is added by the epilogue.
+/// (one value per row of D, D's element type) is added by the epilogue. With `gelu_aux`,
+/// the epilogue also applies GELU (tanh approximation): the value before it is stored at
+/// `gelu_aux` (D's type and layout) and D receives GELU of it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
     /// Transpose A.
@@ -102,6 +104,8 @@ pub(crate) struct Gemm {
     pub d_layout: MatrixLayout,
     /// The bias vector (length m), or 0 for none.
     pub bias: DevicePtr,
+    /// Where the pre-GELU values go when the epilogue applies GELU, or 0 for no GELU.
+    pub gelu_aux: DevicePtr,
     /// Multiplies the product.
     pub alpha: f32,
     /// Multiplies C (0: D is overwritten, 1: accumulate).
