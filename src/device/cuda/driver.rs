@@ -12,6 +12,7 @@
 use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
 use super::kernels::{find_include_dir, CompileOptions, KERNEL_FILES};
 use super::probe::{probe_device, CudaInfo};
+use super::staging::Staging;
 use super::KernelCache;
 use crate::error::{Error, Result};
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
@@ -46,6 +47,9 @@ fn blas_error(what: &str, e: lt::CublasError) -> Error {
 
 /// A GPU driven through cudarc.
 pub(crate) struct DriverGpu {
+    /// Page-locked slots that small uploads are copied through. The first field, so it is
+    /// dropped first, after `drop` has synchronized the stream and while the context lives.
+    staging: Mutex<Staging>,
     info: CudaInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -118,6 +122,7 @@ impl DriverGpu {
             .map_err(|e| driver_error("setting the pool's release threshold", e))?;
             pool
         };
+        let staging = Staging::new()?;
         let include = find_include_dir()?;
         let (major, minor) = info.compute_capability;
         let options = CompileOptions::for_compute_capability(major, minor, include);
@@ -150,6 +155,7 @@ impl DriverGpu {
             .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("reading the multiprocessor count", e))?;
         Ok(DriverGpu {
+            staging: Mutex::new(staging),
             info,
             ctx,
             stream,
@@ -399,11 +405,22 @@ impl Gpu for DriverGpu {
 
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes. From
-        // pageable memory the driver stages the bytes before returning, so `src` may be
-        // reused at once.
-        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| driver_error("copying to the GPU", e))
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes; the
+        // context is bound.
+        match unsafe { staging.upload(dst, src, self.stream.cu_stream()) }? {
+            Some(waited) => {
+                if waited {
+                    self.waits.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            // Larger than a slot (weights, once): from pageable memory, which the driver
+            // stages before returning, so `src` may be reused at once.
+            // SAFETY: as above.
+            None => unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+                .map_err(|e| driver_error("copying to the GPU", e)),
+        }
     }
 
     fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {

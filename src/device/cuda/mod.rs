@@ -18,6 +18,7 @@ pub mod emulator;
 mod gpu;
 pub mod kernels;
 pub mod probe;
+mod staging;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use cache::{CacheOutcome, KernelCache};
