@@ -22,6 +22,7 @@ use crate::device::{AdamWStep, Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Threads per block of every kernel but `sum_squares_finish` (32).
@@ -47,6 +48,9 @@ pub struct CudaBackend {
     device: Device,
     options: CudaOptions,
     gemm_workspace: Mutex<Option<Tensor>>,
+    /// Cleared when cuBLASLt fails a product with the GELU epilogue: from then on the
+    /// product and the GELU run as two ops.
+    gelu_epilogue: AtomicBool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -94,6 +98,7 @@ impl CudaBackend {
             device,
             options,
             gemm_workspace: Mutex::new(None),
+            gelu_epilogue: AtomicBool::new(true),
         }
     }
 
@@ -788,15 +793,29 @@ impl Backend for CudaBackend {
         let fused = out.dtype() == pre.dtype()
             && out.shape() == pre.shape()
             && !(operand == DType::F32 && pre.dtype() == DType::Bf16)
-            && cols % 8 == 0;
-        if !fused {
-            self.matmul(pre, a, b, Some(bias), false, false, false)?;
-            return self.gelu(out, pre);
+            && cols % 8 == 0
+            && self.gelu_epilogue.load(Ordering::Relaxed);
+        if fused {
+            let flops =
+                cpu::matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
+            let op = self.ledger.op("matmul_bias_gelu", flops, out.label());
+            let aux = ptr(pre)?;
+            match op.finish(self.gemm(out, a, b, Some(bias), false, false, false, aux)) {
+                Ok(()) => return Ok(()),
+                // Nothing was written: say so once and run the two ops, which report the
+                // error again if it was not the epilogue's.
+                Err(e) => {
+                    if self.gelu_epilogue.swap(false, Ordering::Relaxed) {
+                        log::warn!(
+                            "cuBLASLt ran no product with the GELU epilogue ({e}); the MLP's \
+                             product and GELU now run as two ops"
+                        );
+                    }
+                }
+            }
         }
-        let flops = cpu::matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
-        let op = self.ledger.op("matmul_bias_gelu", flops, out.label());
-        let aux = ptr(pre)?;
-        op.finish(self.gemm(out, a, b, Some(bias), false, false, false, aux))
+        self.matmul(pre, a, b, Some(bias), false, false, false)?;
+        self.gelu(out, pre)
     }
 
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
@@ -1338,6 +1357,52 @@ impl Backend for CudaBackend {
         match after {
             Some(c) => self.launch_cast(c, param),
             None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cpu::CpuBackend;
+
+    /// A library without an algorithm for the GELU epilogue: the product and the GELU run
+    /// as two ops, with the same values, and the epilogue is not tried again.
+    #[test]
+    fn a_refused_gelu_epilogue_falls_back_to_two_ops() {
+        let mut gpu = match EmulatedGpu::new(None) {
+            Ok(gpu) => gpu,
+            Err(e) if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() => {
+                panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}")
+            }
+            Err(_) => return,
+        };
+        gpu.refuse_gelu_epilogue = true;
+        let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
+        let cpu = CpuBackend::new();
+        let (m, n, k) = (5usize, 16usize, 7usize);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.05 - 0.3).collect();
+        let run = |be: &dyn Backend| {
+            let up = |v: &[f32], s: &[usize]| {
+                be.upload(v, s, DType::F32, MemoryCategory::Activations, "x")
+                    .unwrap()
+            };
+            let (a, b, bias) = (up(&a, &[m, k]), up(&b, &[k, n]), up(&bias, &[n]));
+            let mut pre = up(&vec![f32::NAN; m * n], &[m, n]);
+            let mut out = up(&vec![f32::NAN; m * n], &[m, n]);
+            be.matmul_bias_gelu(&mut out, &mut pre, &a, &b, &bias)
+                .unwrap();
+            (be.to_f32(&pre).unwrap(), be.to_f32(&out).unwrap())
+        };
+        let want = run(&cpu);
+        for _ in 0..2 {
+            let got = run(&be);
+            for (g, w) in got.0.iter().chain(&got.1).zip(want.0.iter().chain(&want.1)) {
+                assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+            }
+            assert!(!be.gelu_epilogue.load(Ordering::Relaxed));
         }
     }
 }

@@ -11,7 +11,7 @@
 
 use super::emulator::KernelEmulator;
 use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -41,6 +41,9 @@ pub(crate) struct EmulatedGpu {
     capacity: Option<u64>,
     /// Downloads and synchronizations so far.
     waits: AtomicU64,
+    /// Refuse products with the GELU epilogue, as a library without an algorithm for one
+    /// would (to test the backend's fallback).
+    pub(crate) refuse_gelu_epilogue: bool,
 }
 
 impl std::fmt::Debug for EmulatedGpu {
@@ -58,6 +61,7 @@ impl EmulatedGpu {
             pool: Mutex::new(Pool::default()),
             capacity,
             waits: AtomicU64::new(0),
+            refuse_gelu_epilogue: false,
         })
     }
 
@@ -207,6 +211,12 @@ impl Gpu for EmulatedGpu {
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+        if g.gelu_aux != 0 && self.refuse_gelu_epilogue {
+            return Err(Error::Backend {
+                backend: "cuda-emulator",
+                message: "no algorithm for the GELU epilogue (refused on request)".into(),
+            });
+        }
         let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
         let ldd = g.d_layout.ld as usize;
         let bias_ty = g.d_layout.ty;
