@@ -375,13 +375,7 @@ impl CudaBackend {
                 b.label()
             )
         })?;
-        // cuBLASLt multiplies equal operand types; bf16 × bf16 may write f32 or bf16,
-        // f32 × f32 writes f32. Anything else is brought to a supported form.
-        let operand = if a.dtype() == b.dtype() {
-            a.dtype()
-        } else {
-            DType::F32
-        };
+        let operand = operand_dtype(a, b);
         let a = self.as_dtype(a, operand)?;
         let b = self.as_dtype(b, operand)?;
         if operand == DType::F32 && out.dtype() == DType::Bf16 {
@@ -784,11 +778,7 @@ impl Backend for CudaBackend {
         // when the operands are of one dtype (or bf16 into f32), both outputs share D's
         // dtype and shape, and the rows are a multiple of 8 elements (the aux's leading
         // dimension). Otherwise the product and the GELU run as two ops.
-        let operand = if a.dtype() == b.dtype() {
-            a.dtype()
-        } else {
-            DType::F32
-        };
+        let operand = operand_dtype(a, b);
         let (_, cols) = pre.rows_cols();
         let fused = out.dtype() == pre.dtype()
             && out.shape() == pre.shape()
@@ -1358,6 +1348,17 @@ impl Backend for CudaBackend {
             Some(c) => self.launch_cast(c, param),
             None => Ok(()),
         }
+    }
+}
+
+/// The dtype both operands of a product are brought to: cuBLASLt multiplies equal
+/// operand types (bf16 × bf16 may write f32 or bf16, f32 × f32 writes f32), so mixed
+/// operands are multiplied in f32.
+fn operand_dtype(a: &Tensor, b: &Tensor) -> DType {
+    if a.dtype() == b.dtype() {
+        a.dtype()
+    } else {
+        DType::F32
     }
 }
 

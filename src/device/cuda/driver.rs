@@ -31,7 +31,8 @@ pub(crate) fn gemm_workspace_bytes(major: i32) -> usize {
     }
 }
 
-fn driver_error(what: &str, e: drv::DriverError) -> Error {
+/// A driver call's failure as trainkit's error, saying what was being done.
+pub(super) fn driver_error(what: &str, e: drv::DriverError) -> Error {
     Error::Backend {
         backend: "cuda",
         message: format!("{what}: {e}"),

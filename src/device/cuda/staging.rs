@@ -4,7 +4,8 @@
 //! the embedding backward's buckets) therefore go through a ring of page-locked slots,
 //! each reused once the copy queued from it has run.
 
-use crate::error::{Error, Result};
+use super::driver::driver_error;
+use crate::error::Result;
 use cudarc::driver::{result as drv, sys as drv_sys};
 use std::ffi::c_void;
 
@@ -13,13 +14,6 @@ use std::ffi::c_void;
 const SLOTS: usize = 64;
 /// Bytes per slot: the token ids of 64k positions, or a 50k vocabulary's offsets.
 pub(crate) const SLOT_BYTES: usize = 256 << 10;
-
-fn driver_error(what: &str, e: drv::DriverError) -> Error {
-    Error::Backend {
-        backend: "cuda",
-        message: format!("{what}: {e:?}"),
-    }
-}
 
 /// A ring of page-locked slots, each with the event recorded after its last copy.
 pub(crate) struct Staging {
