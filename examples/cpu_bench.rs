@@ -1,6 +1,13 @@
 //! CPU throughput of a full training step (forward, backward, AdamW) in f32: the median
 //! and the best of 7 timed steps after 2 warm-up steps.
 //!
+//! It also prints the process's CPU time per step: on a shared machine whose other
+//! tenants take cores away, wall time varies from run to run while CPU time stays steady,
+//! so CPU time is the figure to compare two builds by.
+//!
+//! Matrix products run on the `gemm` crate, or on the CBLAS library `$TRAINKIT_BLAS`
+//! names (Intel MKL, OpenBLAS, BLIS).
+//!
 //! `cargo run --release --example cpu_bench` measures the two shapes of
 //! docs/benchmarks.md; `-- --shape a` or `-- --shape b` runs one.
 
@@ -54,7 +61,14 @@ fn main() -> trainkit::Result<()> {
         .position(|a| a == "--shape")
         .and_then(|i| args.get(i + 1).cloned());
     let (warmup, timed) = (2, 7);
-    println!("threads: {}", rayon::current_num_threads());
+    let backend = Arc::new(CpuBackend::from_env()?);
+    println!(
+        "threads: {}; matrix products: {}",
+        rayon::current_num_threads(),
+        backend
+            .blas()
+            .map_or("the gemm crate".to_string(), |b| b.to_string())
+    );
     for s in shapes() {
         if only.as_deref().is_some_and(|o| o != s.name) {
             continue;
@@ -66,17 +80,28 @@ fn main() -> trainkit::Result<()> {
             .collect();
         let data = DataLoader::new(tokens, s.batch, s.seq)?;
         let model = Gpt2::new(s.config.clone())?;
-        let mut t = Trainer::builder(model, Arc::new(CpuBackend::new()), data).build()?;
+        let mut t = Trainer::builder(
+            model,
+            Arc::clone(&backend) as Arc<dyn trainkit::Backend>,
+            data,
+        )
+        .build()?;
         for _ in 0..warmup {
             t.step()?;
         }
-        let mut secs: Vec<f64> = (0..timed)
-            .map(|_| {
-                let start = Instant::now();
-                t.step().map(|_| start.elapsed().as_secs_f64())
-            })
-            .collect::<trainkit::Result<_>>()?;
+        let mut secs = Vec::with_capacity(timed);
+        let mut cpu = Vec::with_capacity(timed);
+        let mut faults = 0;
+        for _ in 0..timed {
+            let (start, before) = (Instant::now(), Usage::now());
+            t.step()?;
+            let after = Usage::now();
+            secs.push(start.elapsed().as_secs_f64());
+            cpu.push(after.cpu_secs - before.cpu_secs);
+            faults += after.minor_faults - before.minor_faults;
+        }
         secs.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
         let tok = (s.batch * s.seq) as f64;
         println!(
             "shape {}: {} layers, {} heads, {} wide, vocab {}, batch {} x {}: median {:.0} tokens/s \
@@ -92,6 +117,36 @@ fn main() -> trainkit::Result<()> {
             secs[timed / 2] * 1e3,
             tok / secs[0]
         );
+        println!(
+            "  process CPU time per step: median {:.0} ms ({:.2} cores busy), least {:.0} ms; \
+             {} page faults per step",
+            cpu[timed / 2] * 1e3,
+            cpu[timed / 2] / secs[timed / 2],
+            cpu[0] * 1e3,
+            faults / timed as i64
+        );
     }
     Ok(())
+}
+
+/// The process's CPU time (user and system, all threads) and minor page faults so far.
+struct Usage {
+    cpu_secs: f64,
+    minor_faults: i64,
+}
+
+impl Usage {
+    fn now() -> Usage {
+        // SAFETY: `getrusage` fills the zeroed struct it is given.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+            ru
+        };
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        Usage {
+            cpu_secs: secs(ru.ru_utime) + secs(ru.ru_stime),
+            minor_faults: ru.ru_minflt as i64,
+        }
+    }
 }

@@ -5,7 +5,7 @@ pub(crate) mod cpu;
 pub mod cuda;
 
 pub use backend::{AdamWStep, Backend};
-pub use cpu::CpuBackend;
+pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 
 use crate::error::Result;
 use serde::{Deserialize, Serialize};
@@ -36,10 +36,17 @@ impl Device {
         }
     }
 
-    /// A backend running on this device.
+    /// A backend running on this device. The CPU's runs its matrix products on the CBLAS
+    /// library `$TRAINKIT_BLAS` names, if set ([`CpuBackend::from_env`]).
     pub fn backend(self) -> Result<Arc<dyn Backend>> {
         match self {
-            Device::Cpu => Ok(Arc::new(CpuBackend::new())),
+            Device::Cpu => {
+                let cpu = CpuBackend::from_env()?;
+                if let Some(blas) = cpu.blas() {
+                    log::info!("CPU matrix products: {blas}");
+                }
+                Ok(Arc::new(cpu))
+            }
             Device::Cuda(i) => Ok(Arc::new(cuda::CudaBackend::new(i)?)),
         }
     }

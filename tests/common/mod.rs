@@ -18,9 +18,10 @@ pub fn trainkit(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-/// A fresh CPU backend.
+/// A fresh CPU backend: its products run on the CBLAS library `$TRAINKIT_BLAS` names,
+/// if set, so the suite can be run against one.
 pub fn cpu() -> Arc<dyn Backend> {
-    Arc::new(CpuBackend::new())
+    Arc::new(CpuBackend::from_env().expect("$TRAINKIT_BLAS names a usable CBLAS library"))
 }
 
 /// `n` standard-normal values times `scale`.

@@ -276,6 +276,15 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         p => p.map(|p| p * 1e12),
     };
     let backend = device.backend()?;
+    if device == trainkit::Device::Cpu {
+        if let Some(path) = std::env::var_os(trainkit::device::BLAS_ENV).filter(|p| !p.is_empty()) {
+            println!(
+                "CPU matrix products: the CBLAS library {} (${})",
+                Path::new(&path).display(),
+                trainkit::device::BLAS_ENV
+            );
+        }
+    }
     if let Some(budget) = memory_budget {
         backend.ledger().set_limit(Some(budget));
     }

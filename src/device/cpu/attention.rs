@@ -4,6 +4,7 @@
 //! `h` owns columns `h·hs .. (h+1)·hs` of each block (hs = C / H). Scores and
 //! probabilities are `[B, H, T, T]` with zeros above the diagonal.
 
+use super::blas::Blas;
 use super::matmul::gemm_raw;
 use super::simd::{self, simd_fn};
 use super::{btc, ensure, ensure_shape, read, write, SendPtr};
@@ -108,7 +109,12 @@ pub(crate) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
     }
 }
 
-pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+pub(super) fn scores(
+    blas: Option<&Blas>,
+    scores: &mut Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
     let d = dims(qkv, n_head, "attention_scores")?;
     ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
     let q = read(qkv);
@@ -122,6 +128,7 @@ pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result
                 // SAFETY: rows i0.. of q, keys 0..i0+rows of k, inside `q`; `s` is [T, T].
                 unsafe {
                     gemm_raw(
+                        blas,
                         rows,
                         i0 + rows,
                         d.hs,
@@ -135,6 +142,7 @@ pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result
                         1,
                         c3 as isize,
                         scale,
+                        None,
                         false,
                     );
                 }
@@ -146,6 +154,7 @@ pub(super) fn scores(scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result
 }
 
 pub(super) fn scores_backward(
+    blas: Option<&Blas>,
     dqkv: &mut Tensor,
     dscores: &Tensor,
     qkv: &Tensor,
@@ -172,6 +181,7 @@ pub(super) fn scores_backward(
                 unsafe {
                     // dQ[i] = scale · Σ_{j <= i} dS[i, j] · K[j]
                     gemm_raw(
+                        blas,
                         rows,
                         d.hs,
                         i0 + rows,
@@ -185,10 +195,12 @@ pub(super) fn scores_backward(
                         c3 as isize,
                         1,
                         scale,
+                        None,
                         false,
                     );
                     // dK[j] = scale · Σ_{i >= j} dS[i, j] · Q[i]
                     gemm_raw(
+                        blas,
                         rows,
                         d.hs,
                         t - i0,
@@ -202,6 +214,7 @@ pub(super) fn scores_backward(
                         c3 as isize,
                         1,
                         scale,
+                        None,
                         false,
                     );
                 }
@@ -249,7 +262,13 @@ pub(super) fn softmax_backward(
     Ok(())
 }
 
-pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+pub(super) fn values(
+    blas: Option<&Blas>,
+    out: &mut Tensor,
+    probs: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
     let d = dims(qkv, n_head, "attention_values")?;
     ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
     ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")?;
@@ -264,6 +283,7 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
                 // SAFETY: each (bi, hi) writes its own head columns of out.
                 unsafe {
                     gemm_raw(
+                        blas,
                         rows,
                         d.hs,
                         i0 + rows,
@@ -277,6 +297,7 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
                         c3 as isize,
                         1,
                         1.0,
+                        None,
                         false,
                     );
                 }
@@ -287,6 +308,7 @@ pub(super) fn values(out: &mut Tensor, probs: &Tensor, qkv: &Tensor, n_head: usi
 }
 
 pub(super) fn values_backward(
+    blas: Option<&Blas>,
     dprobs: &mut Tensor,
     dqkv: &mut Tensor,
     dout: &Tensor,
@@ -312,6 +334,7 @@ pub(super) fn values_backward(
                 unsafe {
                     // dP = dout · Vᵀ
                     gemm_raw(
+                        blas,
                         rows,
                         i0 + rows,
                         d.hs,
@@ -325,6 +348,7 @@ pub(super) fn values_backward(
                         1,
                         c3 as isize,
                         1.0,
+                        None,
                         false,
                     );
                 }
@@ -341,6 +365,7 @@ pub(super) fn values_backward(
                 unsafe {
                     // dV[j] = Σ_{i >= j} P[i, j] · dout[i]
                     gemm_raw(
+                        blas,
                         rows,
                         d.hs,
                         t - j0,
@@ -354,6 +379,7 @@ pub(super) fn values_backward(
                         d.c as isize,
                         1,
                         1.0,
+                        None,
                         false,
                     );
                 }

@@ -1,5 +1,7 @@
-//! Matrix multiplication through the `gemm` crate (f32 with f32 accumulation).
+//! Matrix multiplication through the `gemm` crate (f32 with f32 accumulation), or through
+//! a loaded CBLAS library ([`Blas`]).
 
+use super::blas::Blas;
 use super::{ensure, read, write, SendPtr};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -9,12 +11,16 @@ use rayon::prelude::*;
 /// `dst (+)= op(a) · op(b)` on raw row-major buffers.
 ///
 /// `a` is stored `[ar, ac]`, `b` is stored `[br, bc]`; `dst` is `[m, n]` with row stride
-/// `dst_rs`. Safe to call from many threads on disjoint `dst` regions.
+/// `dst_rs`. With `bias` (`n` values) and not `accumulate`, `dst = bias + product`: each
+/// tile's rows are set to the bias just before its product, while the tile is in cache.
+/// Safe to call from many threads on disjoint `dst` regions. Each tile runs on
+/// `blas` when given (and able to express the strides), else on the `gemm` crate.
 ///
 /// # Safety
 /// The pointers must cover the described matrices.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemm_raw(
+    blas: Option<&Blas>,
     m: usize,
     n: usize,
     k: usize,
@@ -28,16 +34,16 @@ pub(super) unsafe fn gemm_raw(
     b_rs: isize,
     b_cs: isize,
     scale: f32,
+    bias: Option<&[f32]>,
     parallel: bool,
 ) {
     if m == 0 || n == 0 {
         return;
     }
+    let bias = bias.filter(|_| !accumulate);
     if k == 0 {
         if !accumulate {
-            for i in 0..m {
-                std::slice::from_raw_parts_mut(dst.offset(i as isize * dst_rs), n).fill(0.0);
-            }
+            set_rows(dst, dst_rs, m, n, bias);
         }
         return;
     }
@@ -50,13 +56,19 @@ pub(super) unsafe fn gemm_raw(
             let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
             (0..tiles_m * tiles_n).into_par_iter().for_each(|t| {
                 let (i0, j0) = ((t / tiles_n) * tile_m, (t % tiles_n) * tile_n);
+                let (rows, cols) = (tile_m.min(m - i0), tile_n.min(n - j0));
+                let tile = dst.get().offset(i0 as isize * dst_rs).add(j0);
+                if let Some(bias) = bias {
+                    set_rows(tile, dst_rs, rows, cols, Some(&bias[j0..j0 + cols]));
+                }
                 gemm_serial(
-                    tile_m.min(m - i0),
-                    tile_n.min(n - j0),
+                    blas,
+                    rows,
+                    cols,
                     k,
-                    dst.get().offset(i0 as isize * dst_rs).add(j0),
+                    tile,
                     dst_rs,
-                    accumulate,
+                    accumulate || bias.is_some(),
                     a.get().offset(i0 as isize * a_rs),
                     a_rs,
                     a_cs,
@@ -69,9 +81,39 @@ pub(super) unsafe fn gemm_raw(
             return;
         }
     }
+    if bias.is_some() {
+        set_rows(dst, dst_rs, m, n, bias);
+    }
     gemm_serial(
-        m, n, k, dst, dst_rs, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale,
+        blas,
+        m,
+        n,
+        k,
+        dst,
+        dst_rs,
+        accumulate || bias.is_some(),
+        a,
+        a_rs,
+        a_cs,
+        b,
+        b_rs,
+        b_cs,
+        scale,
     );
+}
+
+/// Sets each of the `m` rows (`n` long, `rs` apart) at `dst` to `bias`, or to zeros.
+///
+/// # Safety
+/// `dst` must cover the rows.
+unsafe fn set_rows(dst: *mut f32, rs: isize, m: usize, n: usize, bias: Option<&[f32]>) {
+    for i in 0..m {
+        let row = std::slice::from_raw_parts_mut(dst.offset(i as isize * rs), n);
+        match bias {
+            Some(bias) => row.copy_from_slice(bias),
+            None => row.fill(0.0),
+        }
+    }
 }
 
 /// Longest side of an output tile in a parallel product.
@@ -102,9 +144,11 @@ fn tiles(m: usize, n: usize, a_strided: bool) -> (usize, usize) {
     }
 }
 
-/// One single-threaded `gemm` call.
+/// One single-threaded product: `blas` when given and able to express the strides, else
+/// the `gemm` crate.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_serial(
+    blas: Option<&Blas>,
     m: usize,
     n: usize,
     k: usize,
@@ -119,6 +163,13 @@ unsafe fn gemm_serial(
     b_cs: isize,
     scale: f32,
 ) {
+    if let Some(blas) = blas {
+        if blas.sgemm(
+            m, n, k, dst, dst_rs, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale,
+        ) {
+            return;
+        }
+    }
     gemm::gemm(
         m,
         n,
@@ -204,7 +255,9 @@ pub(crate) fn dims(
     Ok((m, n, k))
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn matmul(
+    blas: Option<&Blas>,
     out: &mut Tensor,
     a: &Tensor,
     b: &Tensor,
@@ -230,22 +283,16 @@ pub(super) fn matmul(
         (bc as isize, 1)
     };
     write(out, accumulate, |o| {
-        let mut acc = accumulate;
-        if let (Some(bias), false) = (&biasv, accumulate) {
-            for row in o.chunks_exact_mut(n) {
-                row.copy_from_slice(bias);
-            }
-            acc = true;
-        }
         // SAFETY: the shapes were checked above; `o`, `av`, `bv` cover them.
         unsafe {
             gemm_raw(
+                blas,
                 m,
                 n,
                 k,
                 o.as_mut_ptr(),
                 n as isize,
-                acc,
+                accumulate,
                 av.as_ptr(),
                 a_rs,
                 a_cs,
@@ -253,6 +300,7 @@ pub(super) fn matmul(
                 b_rs,
                 b_cs,
                 1.0,
+                biasv.as_deref(),
                 true,
             );
         }

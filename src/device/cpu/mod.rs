@@ -17,6 +17,7 @@
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
+mod blas;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
@@ -31,6 +32,7 @@ use super::{AdamWStep, Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
+pub use blas::{Blas, BLAS_ENV};
 use half::bf16;
 pub(crate) use pool::BufferPool;
 use rayon::prelude::*;
@@ -67,10 +69,14 @@ pub(crate) fn each(n: usize, per: u64) -> u64 {
 }
 
 /// The reference backend, running on the host with rayon threads.
+///
+/// Matrix products run on the `gemm` crate, or on a CBLAS library loaded at run time
+/// ([`CpuBackend::with_blas`], [`CpuBackend::from_env`]).
 #[derive(Debug)]
 pub struct CpuBackend {
     ledger: Ledger,
     pool: Arc<BufferPool>,
+    blas: Option<Arc<Blas>>,
 }
 
 impl Default for CpuBackend {
@@ -80,13 +86,38 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A CPU backend with its own ledger.
+    /// A CPU backend with its own ledger, running its matrix products on the `gemm`
+    /// crate.
     pub fn new() -> Self {
         let ledger = Ledger::new();
         CpuBackend {
             pool: Arc::new(BufferPool::new(ledger.clone())),
             ledger,
+            blas: None,
         }
+    }
+
+    /// A CPU backend whose matrix products run on `blas` (see [`Blas`]).
+    pub fn with_blas(blas: Arc<Blas>) -> Self {
+        CpuBackend {
+            blas: Some(blas),
+            ..Self::new()
+        }
+    }
+
+    /// [`CpuBackend::with_blas`] with the library named by `$TRAINKIT_BLAS` when it is set
+    /// and not empty, else [`CpuBackend::new`]. A library that cannot be used is an error
+    /// naming the variable and what it should point at.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var_os(BLAS_ENV).filter(|v| !v.is_empty()) {
+            Some(path) => Ok(Self::with_blas(Arc::new(Blas::load(path)?))),
+            None => Ok(Self::new()),
+        }
+    }
+
+    /// The CBLAS library running the matrix products, if any.
+    pub fn blas(&self) -> Option<&Blas> {
+        self.blas.as_deref()
     }
 
     /// Host bytes the caching allocator holds for reuse (not in the ledger, which counts
@@ -383,7 +414,14 @@ impl Backend for CpuBackend {
         self.ledger
             .op("matmul", flops, out.label())
             .finish(matmul::matmul(
-                out, a, b, bias, trans_a, trans_b, accumulate,
+                self.blas(),
+                out,
+                a,
+                b,
+                bias,
+                trans_a,
+                trans_b,
+                accumulate,
             ))
     }
 
@@ -471,7 +509,7 @@ impl Backend for CpuBackend {
         let flops = attention::AttentionFlops::new(qkv, n_head).scores;
         self.ledger
             .op("attention_scores", flops, scores.label())
-            .finish(attention::scores(scores, qkv, n_head))
+            .finish(attention::scores(self.blas(), scores, qkv, n_head))
     }
 
     fn attention_scores_backward(
@@ -484,7 +522,13 @@ impl Backend for CpuBackend {
         let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
         self.ledger
             .op("attention_scores_backward", flops, dqkv.label())
-            .finish(attention::scores_backward(dqkv, dscores, qkv, n_head))
+            .finish(attention::scores_backward(
+                self.blas(),
+                dqkv,
+                dscores,
+                qkv,
+                n_head,
+            ))
     }
 
     fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
@@ -516,7 +560,7 @@ impl Backend for CpuBackend {
         let flops = attention::AttentionFlops::new(qkv, n_head).values;
         self.ledger
             .op("attention_values", flops, out.label())
-            .finish(attention::values(out, probs, qkv, n_head))
+            .finish(attention::values(self.blas(), out, probs, qkv, n_head))
     }
 
     fn attention_values_backward(
@@ -532,7 +576,13 @@ impl Backend for CpuBackend {
         self.ledger
             .op("attention_values_backward", flops, dprobs.label())
             .finish(attention::values_backward(
-                dprobs, dqkv, dout, probs, qkv, n_head,
+                self.blas(),
+                dprobs,
+                dqkv,
+                dout,
+                probs,
+                qkv,
+                n_head,
             ))
     }
 
