@@ -13,6 +13,7 @@
 //! reproducibility mode, so the same product gives the same bits wherever its buffers
 //! lie in memory: the recompute policies rely on that.
 
+use super::matmul::Product;
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, CStr};
 use std::path::{Path, PathBuf};
@@ -132,57 +133,40 @@ impl Blas {
         &self.name
     }
 
-    /// `dst (+)= scale · op(a) · op(b)` through `cblas_sgemm`, with the strides of
-    /// [`gemm_raw`](super::matmul::gemm_raw) (`dst`'s column stride is 1). Returns false,
-    /// having done nothing, when CBLAS cannot express the strides or the sizes exceed its
-    /// 32-bit integers.
+    /// Runs `p` through `cblas_sgemm`. Returns false, having done nothing, when CBLAS
+    /// cannot express the strides or the sizes exceed its 32-bit integers.
     ///
     /// # Safety
     /// The pointers must cover the described matrices.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn sgemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        dst_rs: isize,
-        accumulate: bool,
-        a: *const f32,
-        a_rs: isize,
-        a_cs: isize,
-        b: *const f32,
-        b_rs: isize,
-        b_cs: isize,
-        scale: f32,
-    ) -> bool {
-        let (Some((ta, lda)), Some((tb, ldb))) =
-            (operand(m, k, a_rs, a_cs), operand(k, n, b_rs, b_cs))
-        else {
+    pub(super) unsafe fn sgemm(&self, p: &Product) -> bool {
+        let (Some((ta, lda)), Some((tb, ldb))) = (
+            operand(p.m, p.k, p.a_rs, p.a_cs),
+            operand(p.k, p.n, p.b_rs, p.b_cs),
+        ) else {
             return false;
         };
-        let ints = [m, n, k, lda, ldb];
-        if dst_rs < n.max(1) as isize || ints.iter().any(|&v| v > c_int::MAX as usize) {
+        let ints = [p.m, p.n, p.k, lda, ldb];
+        if p.dst_rs < p.n.max(1) as isize || ints.iter().any(|&v| v > c_int::MAX as usize) {
             return false;
         }
-        let Ok(ldc) = c_int::try_from(dst_rs) else {
+        let Ok(ldc) = c_int::try_from(p.dst_rs) else {
             return false;
         };
-        let beta = if accumulate { 1.0 } else { 0.0 };
+        let beta = if p.accumulate { 1.0 } else { 0.0 };
         (self.sgemm)(
             ROW_MAJOR,
             ta,
             tb,
-            m as c_int,
-            n as c_int,
-            k as c_int,
-            scale,
-            a,
+            p.m as c_int,
+            p.n as c_int,
+            p.k as c_int,
+            p.scale,
+            p.a,
             lda as c_int,
-            b,
+            p.b,
             ldb as c_int,
             beta,
-            dst,
+            p.dst,
             ldc,
         );
         true

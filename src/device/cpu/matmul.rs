@@ -2,104 +2,111 @@
 //! a loaded CBLAS library ([`Blas`]).
 
 use super::blas::Blas;
-use super::{ensure, read, write, SendPtr};
+use super::{ensure, read, write};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-/// `dst (+)= op(a) · op(b)` on raw row-major buffers.
-///
-/// `a` is stored `[ar, ac]`, `b` is stored `[br, bc]`; `dst` is `[m, n]` with row stride
-/// `dst_rs`. With `bias` (`n` values) and not `accumulate`, `dst = bias + product`: each
+/// One product `dst (+)= scale · op(a) · op(b)` on raw row-major buffers: `op(a)` is
+/// `[m, k]` with element `(i, p)` at `a[i·a_rs + p·a_cs]`, `op(b)` is `[k, n]` with
+/// element `(p, j)` at `b[p·b_rs + j·b_cs]`, and `dst` is `[m, n]` with row stride
+/// `dst_rs` and column stride 1.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Product {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dst: *mut f32,
+    pub dst_rs: isize,
+    pub accumulate: bool,
+    pub a: *const f32,
+    pub a_rs: isize,
+    pub a_cs: isize,
+    pub b: *const f32,
+    pub b_rs: isize,
+    pub b_cs: isize,
+    pub scale: f32,
+}
+
+// SAFETY: a `Product` only describes memory; whoever runs it guarantees the pointers are
+// valid and that products running at once write disjoint `dst` regions.
+unsafe impl Send for Product {}
+unsafe impl Sync for Product {}
+
+impl Product {
+    /// The `[rows, cols]` tile of this product whose first element is `(i0, j0)`.
+    ///
+    /// # Safety
+    /// The tile must lie inside the product.
+    unsafe fn tile(&self, i0: usize, j0: usize, rows: usize, cols: usize) -> Product {
+        Product {
+            m: rows,
+            n: cols,
+            dst: self.dst.offset(i0 as isize * self.dst_rs).add(j0),
+            a: self.a.offset(i0 as isize * self.a_rs),
+            b: self.b.offset(j0 as isize * self.b_cs),
+            ..*self
+        }
+    }
+}
+
+/// Runs `p`. With `bias` (`n` values) and not `accumulate`, `dst = bias + product`: each
 /// tile's rows are set to the bias just before its product, while the tile is in cache.
-/// Safe to call from many threads on disjoint `dst` regions. Each tile runs on
-/// `blas` when given (and able to express the strides), else on the `gemm` crate.
+/// Safe to call from many threads on disjoint `dst` regions. Each tile runs on `blas`
+/// when given (and able to express the strides), else on the `gemm` crate.
 ///
 /// # Safety
 /// The pointers must cover the described matrices.
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn gemm_raw(
     blas: Option<&Blas>,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: isize,
-    accumulate: bool,
-    a: *const f32,
-    a_rs: isize,
-    a_cs: isize,
-    b: *const f32,
-    b_rs: isize,
-    b_cs: isize,
-    scale: f32,
+    p: Product,
     bias: Option<&[f32]>,
     parallel: bool,
 ) {
+    let Product { m, n, k, .. } = p;
     if m == 0 || n == 0 {
         return;
     }
-    let bias = bias.filter(|_| !accumulate);
+    let bias = bias.filter(|_| !p.accumulate);
     if k == 0 {
-        if !accumulate {
-            set_rows(dst, dst_rs, m, n, bias);
+        if !p.accumulate {
+            set_rows(p.dst, p.dst_rs, m, n, bias);
         }
         return;
     }
+    let p = Product {
+        accumulate: p.accumulate || bias.is_some(),
+        ..p
+    };
     if parallel && m * n * k >= PARALLEL_WORK {
         // Split the output into fixed tiles, each a single-threaded product. Tiles depend
         // only on the shape, never on the thread count, so neither do the results.
-        let (tile_m, tile_n) = tiles(m, n, a_cs != 1);
+        let (tile_m, tile_n) = tiles(m, n, p.a_cs != 1);
         let (tiles_m, tiles_n) = (m.div_ceil(tile_m), n.div_ceil(tile_n));
         if tiles_m * tiles_n > 1 {
-            let (dst, a, b) = (SendPtr(dst), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
             (0..tiles_m * tiles_n).into_par_iter().for_each(|t| {
                 let (i0, j0) = ((t / tiles_n) * tile_m, (t % tiles_n) * tile_n);
                 let (rows, cols) = (tile_m.min(m - i0), tile_n.min(n - j0));
-                let tile = dst.get().offset(i0 as isize * dst_rs).add(j0);
+                let tile = p.tile(i0, j0, rows, cols);
                 if let Some(bias) = bias {
-                    set_rows(tile, dst_rs, rows, cols, Some(&bias[j0..j0 + cols]));
+                    set_rows(
+                        tile.dst,
+                        tile.dst_rs,
+                        rows,
+                        cols,
+                        Some(&bias[j0..j0 + cols]),
+                    );
                 }
-                gemm_serial(
-                    blas,
-                    rows,
-                    cols,
-                    k,
-                    tile,
-                    dst_rs,
-                    accumulate || bias.is_some(),
-                    a.get().offset(i0 as isize * a_rs),
-                    a_rs,
-                    a_cs,
-                    b.get().offset(j0 as isize * b_cs),
-                    b_rs,
-                    b_cs,
-                    scale,
-                );
+                gemm_serial(blas, &tile);
             });
             return;
         }
     }
     if bias.is_some() {
-        set_rows(dst, dst_rs, m, n, bias);
+        set_rows(p.dst, p.dst_rs, m, n, bias);
     }
-    gemm_serial(
-        blas,
-        m,
-        n,
-        k,
-        dst,
-        dst_rs,
-        accumulate || bias.is_some(),
-        a,
-        a_rs,
-        a_cs,
-        b,
-        b_rs,
-        b_cs,
-        scale,
-    );
+    gemm_serial(blas, &p);
 }
 
 /// Sets each of the `m` rows (`n` long, `rs` apart) at `dst` to `bias`, or to zeros.
@@ -146,46 +153,26 @@ fn tiles(m: usize, n: usize, a_strided: bool) -> (usize, usize) {
 
 /// One single-threaded product: `blas` when given and able to express the strides, else
 /// the `gemm` crate.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_serial(
-    blas: Option<&Blas>,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: isize,
-    accumulate: bool,
-    a: *const f32,
-    a_rs: isize,
-    a_cs: isize,
-    b: *const f32,
-    b_rs: isize,
-    b_cs: isize,
-    scale: f32,
-) {
-    if let Some(blas) = blas {
-        if blas.sgemm(
-            m, n, k, dst, dst_rs, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale,
-        ) {
-            return;
-        }
+unsafe fn gemm_serial(blas: Option<&Blas>, p: &Product) {
+    if blas.is_some_and(|blas| blas.sgemm(p)) {
+        return;
     }
     gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
+        p.m,
+        p.n,
+        p.k,
+        p.dst,
         1,
-        dst_rs,
-        accumulate,
-        a,
-        a_cs,
-        a_rs,
-        b,
-        b_cs,
-        b_rs,
+        p.dst_rs,
+        p.accumulate,
+        p.a,
+        p.a_cs,
+        p.a_rs,
+        p.b,
+        p.b_cs,
+        p.b_rs,
         1.0,
-        scale,
+        p.scale,
         false,
         false,
         false,
@@ -287,19 +274,21 @@ pub(super) fn matmul(
         unsafe {
             gemm_raw(
                 blas,
-                m,
-                n,
-                k,
-                o.as_mut_ptr(),
-                n as isize,
-                accumulate,
-                av.as_ptr(),
-                a_rs,
-                a_cs,
-                bv.as_ptr(),
-                b_rs,
-                b_cs,
-                1.0,
+                Product {
+                    m,
+                    n,
+                    k,
+                    dst: o.as_mut_ptr(),
+                    dst_rs: n as isize,
+                    accumulate,
+                    a: av.as_ptr(),
+                    a_rs,
+                    a_cs,
+                    b: bv.as_ptr(),
+                    b_rs,
+                    b_cs,
+                    scale: 1.0,
+                },
                 biasv.as_deref(),
                 true,
             );
