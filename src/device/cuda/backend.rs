@@ -336,22 +336,9 @@ impl CudaBackend {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_impl(
-        &self,
-        out: &mut Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        bias: Option<&Tensor>,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
-    ) -> Result<()> {
-        self.gemm(out, a, b, bias, trans_a, trans_b, accumulate, 0)
-    }
-
-    /// [`Self::matmul_impl`], with `gelu_aux` the address of the pre-GELU values when the
-    /// epilogue applies GELU (0: no GELU; the caller checks the fused form applies).
+    /// [`Backend::matmul`] without its ledger span, with `gelu_aux` the address of the
+    /// pre-GELU values when the epilogue applies GELU (0: no GELU; the caller checks the
+    /// fused form applies).
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
@@ -387,7 +374,7 @@ impl CudaBackend {
                 &format!("{}.f32", out.label()),
                 false,
             )?;
-            self.matmul_impl(&mut tmp, &a, &b, bias, trans_a, trans_b, false)?;
+            self.gemm(&mut tmp, &a, &b, bias, trans_a, trans_b, false, 0)?;
             return if accumulate {
                 let n_el = out.numel();
                 let o = ptr(out)?;
@@ -763,7 +750,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
         let op = self.ledger.op("matmul", flops, out.label());
-        op.finish(self.matmul_impl(out, a, b, bias, trans_a, trans_b, accumulate))
+        op.finish(self.gemm(out, a, b, bias, trans_a, trans_b, accumulate, 0))
     }
 
     fn matmul_bias_gelu(
