@@ -9,12 +9,16 @@
 //! names (Intel MKL, OpenBLAS, BLIS).
 //!
 //! `cargo run --release --example cpu_bench` measures the two shapes of
-//! docs/benchmarks.md; `-- --shape a` or `-- --shape b` runs one.
+//! docs/benchmarks.md; `-- --shape a` or `-- --shape b` runs one. `-- --ops` also prints
+//! where the timed steps' time went, op by op (from the ledger's op spans).
 
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
-use trainkit::{CpuBackend, Gpt2, Gpt2Config, Rng, Trainer};
+use trainkit::memory::MemoryEvent;
+use trainkit::{CpuBackend, Gpt2, Gpt2Config, MemoryObserver, Rng, Trainer};
 
 struct Shape {
     name: &'static str,
@@ -60,6 +64,7 @@ fn main() -> trainkit::Result<()> {
         .iter()
         .position(|a| a == "--shape")
         .and_then(|i| args.get(i + 1).cloned());
+    let ops = args.iter().any(|a| a == "--ops");
     let (warmup, timed) = (2, 7);
     let backend = Arc::new(CpuBackend::from_env()?);
     println!(
@@ -85,6 +90,7 @@ fn main() -> trainkit::Result<()> {
             Arc::clone(&backend) as Arc<dyn trainkit::Backend>,
             data,
         )
+        .observer(OpProfile::default())
         .build()?;
         for _ in 0..warmup {
             t.step()?;
@@ -92,6 +98,7 @@ fn main() -> trainkit::Result<()> {
         let mut secs = Vec::with_capacity(timed);
         let mut cpu = Vec::with_capacity(timed);
         let mut faults = 0;
+        let before_timed = t.observer().clone();
         for _ in 0..timed {
             let (start, before) = (Instant::now(), Usage::now());
             t.step()?;
@@ -125,8 +132,72 @@ fn main() -> trainkit::Result<()> {
             cpu[0] * 1e3,
             faults / timed as i64
         );
+        if ops {
+            t.observer().since(&before_timed).print(secs.iter().sum());
+        }
     }
     Ok(())
+}
+
+/// An observer that sums time, flops and calls per op name.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct OpProfile {
+    by_op: BTreeMap<String, (u64, u64, u64)>,
+}
+
+#[typetag::serde(name = "op_profile")]
+impl MemoryObserver for OpProfile {
+    fn on_event(&mut self, event: &MemoryEvent) {
+        if let MemoryEvent::Op {
+            name,
+            flops,
+            duration_us,
+            ..
+        } = event
+        {
+            let entry = self.by_op.entry(name.to_string()).or_default();
+            entry.0 += duration_us;
+            entry.1 += flops;
+            entry.2 += 1;
+        }
+    }
+}
+
+impl OpProfile {
+    /// What was added since `earlier`, a clone of this observer.
+    fn since(&self, earlier: &OpProfile) -> OpProfile {
+        let mut by_op = self.by_op.clone();
+        for (name, (us, flops, calls)) in &earlier.by_op {
+            if let Some(e) = by_op.get_mut(name) {
+                *e = (e.0 - us, e.1 - flops, e.2 - calls);
+            }
+        }
+        OpProfile { by_op }
+    }
+
+    fn print(&self, wall_secs: f64) {
+        let mut rows: Vec<_> = self.by_op.iter().collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .0));
+        let total_us: u64 = rows.iter().map(|r| r.1 .0).sum();
+        println!(
+            "  ops: {:.0}% of the wall time inside op spans",
+            100.0 * total_us as f64 * 1e-6 / wall_secs
+        );
+        for (name, (us, flops, calls)) in rows {
+            let secs = *us as f64 * 1e-6;
+            println!(
+                "    {name:<28} {:>5.1}% {:>8.1} ms {:>6} calls {:>7.1} GFLOP/s",
+                100.0 * secs / wall_secs,
+                secs * 1e3,
+                calls,
+                if secs > 0.0 {
+                    *flops as f64 / secs * 1e-9
+                } else {
+                    0.0
+                }
+            );
+        }
+    }
 }
 
 /// The process's CPU time (user and system, all threads) and minor page faults so far.
