@@ -64,7 +64,8 @@ pub(super) fn backward(dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>
 }
 
 simd_fn! {
-    fn forward_chunk(o: &mut [f32], x: &[f32]) {
+    /// `o = gelu(x)` element by element.
+    pub(super) fn forward_chunk(o: &mut [f32], x: &[f32]) {
         for (o, x) in o.iter_mut().zip(x) {
             *o = gelu(*x);
         }
