@@ -89,22 +89,30 @@ pub(super) fn backward(
     weight: &Tensor,
     stats: &Tensor,
 ) -> Result<()> {
-    let (rows, c) = check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
+    let (_, c) = check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
     let xv = read(x);
     let dv = read(dout);
     let w = read(weight);
     let st = read(stats);
-    // Parameter gradients: partial sums per fixed block of rows, summed in block order.
-    let partial: Vec<(Vec<f32>, Vec<f32>)> = (0..rows.div_ceil(ROW_BLOCK))
-        .into_par_iter()
-        .map(|blk| {
-            let mut dw = vec![0f32; c];
-            let mut db = vec![0f32; c];
-            let rows_in = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(rows);
-            param_grad_block(&mut dw, &mut db, &xv, &dv, &st, rows_in.start, rows_in.end);
-            (dw, db)
-        })
-        .collect();
+    // One pass over fixed blocks of rows: each row's input gradient, and the block's
+    // partial sums of the parameter gradients, later summed in block order.
+    let partial: Vec<(Vec<f32>, Vec<f32>)> = write(dx, true, |o| {
+        o.par_chunks_mut((ROW_BLOCK * c).max(1))
+            .enumerate()
+            .map(|(blk, o)| {
+                let mut dw = vec![0f32; c];
+                let mut db = vec![0f32; c];
+                for (i, o) in o.chunks_mut(c).enumerate() {
+                    let r = blk * ROW_BLOCK + i;
+                    let (x, d) = (&xv[r * c..(r + 1) * c], &dv[r * c..(r + 1) * c]);
+                    let st = &st[2 * r..2 * r + 2];
+                    param_grad_row(&mut dw, &mut db, x, d, st);
+                    input_grad_row(o, x, d, &w, st);
+                }
+                (dw, db)
+            })
+            .collect()
+    });
     write(dweight, true, |dw| {
         for (p, _) in &partial {
             for (a, v) in dw.iter_mut().zip(p) {
@@ -118,12 +126,6 @@ pub(super) fn backward(
                 *a += v;
             }
         }
-    });
-    write(dx, true, |o| {
-        o.par_chunks_mut(c)
-            .zip(xv.par_chunks(c).zip(dv.par_chunks(c)))
-            .zip(st.par_chunks(2))
-            .for_each(|((o, (x, d)), st)| input_grad_row(o, x, d, &w, st))
     });
     Ok(())
 }
@@ -143,25 +145,13 @@ simd_fn! {
 }
 
 simd_fn! {
-    fn param_grad_block(
-        dw: &mut [f32],
-        db: &mut [f32],
-        xv: &[f32],
-        dv: &[f32],
-        st: &[f32],
-        start: usize,
-        end: usize,
-    ) {
-        let c = dw.len();
-        for r in start..end {
-            let (mean, rstd) = (st[2 * r], st[2 * r + 1]);
-            let x = &xv[r * c..(r + 1) * c];
-            let d = &dv[r * c..(r + 1) * c];
-            for i in 0..c {
-                let norm = (x[i] - mean) * rstd;
-                dw[i] += norm * d[i];
-                db[i] += d[i];
-            }
+    /// Adds one row's terms to the parameter gradients' partial sums.
+    fn param_grad_row(dw: &mut [f32], db: &mut [f32], x: &[f32], d: &[f32], st: &[f32]) {
+        let (mean, rstd) = (st[0], st[1]);
+        for ((dw, db), (x, d)) in dw.iter_mut().zip(db.iter_mut()).zip(x.iter().zip(d)) {
+            let norm = (x - mean) * rstd;
+            *dw += norm * d;
+            *db += d;
         }
     }
 }
