@@ -159,8 +159,7 @@ pub trait Backend: Debug + Send + Sync {
     /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP. The
     /// default runs [`Backend::matmul`] then [`Backend::gelu`]; a GPU backend applies the
     /// bias and the GELU in the product's epilogue, writing both outputs from its
-    /// accumulator, a pass over `pre` fewer. The CPU backend applies the GELU to each tile
-    /// of the product while it is in cache (f32; two ops in bf16).
+    /// accumulator, a pass over `pre` fewer.
     fn matmul_bias_gelu(
         &self,
         out: &mut Tensor,

@@ -5,7 +5,7 @@
 //! probabilities are `[B, H, T, T]` with zeros above the diagonal.
 
 use super::blas::Blas;
-use super::matmul::{gemm_raw, Epilogue, Product};
+use super::matmul::{gemm_raw, Product};
 use super::simd::{self, simd_fn};
 use super::{btc, ensure, ensure_shape, read, write, SendPtr};
 use crate::error::Result;
@@ -144,7 +144,7 @@ pub(super) fn scores(
                             b_cs: c3 as isize,
                             scale,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                 }
@@ -199,7 +199,7 @@ pub(super) fn scores_backward(
                             b_cs: 1,
                             scale,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                     // dK[j] = scale · Σ_{i >= j} dS[i, j] · Q[i]
@@ -220,7 +220,7 @@ pub(super) fn scores_backward(
                             b_cs: 1,
                             scale,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                 }
@@ -305,7 +305,7 @@ pub(super) fn values(
                             b_cs: 1,
                             scale: 1.0,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                 }
@@ -358,7 +358,7 @@ pub(super) fn values_backward(
                             b_cs: c3 as isize,
                             scale: 1.0,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                 }
@@ -391,7 +391,7 @@ pub(super) fn values_backward(
                             b_cs: 1,
                             scale: 1.0,
                         },
-                        Epilogue::default(),
+                        None,
                         false,
                     );
                 }

@@ -64,8 +64,7 @@ pub(super) fn backward(dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>
 }
 
 simd_fn! {
-    /// `o = gelu(x)` element by element.
-    pub(super) fn forward_chunk(o: &mut [f32], x: &[f32]) {
+    fn forward_chunk(o: &mut [f32], x: &[f32]) {
         for (o, x) in o.iter_mut().zip(x) {
             *o = gelu(*x);
         }

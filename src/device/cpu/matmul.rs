@@ -2,9 +2,9 @@
 //! a loaded CBLAS library ([`Blas`]).
 
 use super::blas::Blas;
-use super::{ensure, gelu, read, write, SendPtr};
+use super::{ensure, read, write};
 use crate::error::Result;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::Tensor;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -51,43 +51,28 @@ impl Product {
     }
 }
 
-/// What a product does around each of its tiles, while the tile is in cache.
-#[derive(Clone, Copy, Default)]
-pub(super) struct Epilogue<'a> {
-    /// `n` values: without `accumulate`, `dst = bias + product` (each tile's rows are set
-    /// to the bias just before its product).
-    pub bias: Option<&'a [f32]>,
-    /// Called with `(first row, first column, rows, columns)` of each finished tile.
-    pub after: Option<&'a (dyn Fn(usize, usize, usize, usize) + Sync)>,
-}
-
-/// Runs `p` and its epilogue. Safe to call from many threads on disjoint `dst` regions.
-/// Each tile runs on `blas` when given (and able to express the strides), else on the
-/// `gemm` crate.
+/// Runs `p`. With `bias` (`n` values) and not `accumulate`, `dst = bias + product`: each
+/// tile's rows are set to the bias just before its product, while the tile is in cache.
+/// Safe to call from many threads on disjoint `dst` regions. Each tile runs on `blas`
+/// when given (and able to express the strides), else on the `gemm` crate.
 ///
 /// # Safety
 /// The pointers must cover the described matrices.
 pub(super) unsafe fn gemm_raw(
     blas: Option<&Blas>,
     p: Product,
-    epilogue: Epilogue<'_>,
+    bias: Option<&[f32]>,
     parallel: bool,
 ) {
     let Product { m, n, k, .. } = p;
     if m == 0 || n == 0 {
         return;
     }
-    let bias = epilogue.bias.filter(|_| !p.accumulate);
-    let after = |i0, j0, rows, cols| {
-        if let Some(after) = epilogue.after {
-            after(i0, j0, rows, cols);
-        }
-    };
+    let bias = bias.filter(|_| !p.accumulate);
     if k == 0 {
         if !p.accumulate {
             set_rows(p.dst, p.dst_rs, m, n, bias);
         }
-        after(0, 0, m, n);
         return;
     }
     let p = Product {
@@ -114,7 +99,6 @@ pub(super) unsafe fn gemm_raw(
                     );
                 }
                 gemm_serial(blas, &tile);
-                after(i0, j0, rows, cols);
             });
             return;
         }
@@ -123,7 +107,6 @@ pub(super) unsafe fn gemm_raw(
         set_rows(p.dst, p.dst_rs, m, n, bias);
     }
     gemm_serial(blas, &p);
-    after(0, 0, m, n);
 }
 
 /// Sets each of the `m` rows (`n` long, `rs` apart) at `dst` to `bias`, or to zeros.
@@ -306,10 +289,7 @@ pub(super) fn matmul(
                     b_cs,
                     scale: 1.0,
                 },
-                Epilogue {
-                    bias: biasv.as_deref(),
-                    after: None,
-                },
+                biasv.as_deref(),
                 true,
             );
         }
@@ -321,82 +301,6 @@ pub(super) fn matmul(
             }
         }
     });
-    Ok(())
-}
-
-/// Whether [`matmul_bias_gelu`] takes these operands: all f32, `out` with `pre`'s rows and
-/// columns.
-pub(super) fn gelu_fusable(
-    out: &Tensor,
-    pre: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    bias: &Tensor,
-) -> bool {
-    [out, pre, a, b, bias]
-        .iter()
-        .all(|t| matches!(t.storage(), Storage::F32(_)))
-        && out.rows_cols() == pre.rows_cols()
-}
-
-/// `pre = a·b + bias` and `out = gelu(pre)` with each tile's GELU run right after its
-/// product, while the tile is in cache: bitwise equal to [`matmul`] then the GELU op.
-/// The operands must be [`gelu_fusable`].
-pub(super) fn matmul_bias_gelu(
-    blas: Option<&Blas>,
-    out: &mut Tensor,
-    pre: &mut Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    bias: &Tensor,
-) -> Result<()> {
-    let (m, n, k) = dims(pre, a, b, Some(bias), false, false)?;
-    let (Storage::F32(o), Storage::F32(pv)) = (out.storage_mut(), pre.storage_mut()) else {
-        return Err(crate::error::Error::Backend {
-            backend: "cpu",
-            message: "the fused GELU product takes f32 host tensors only".to_string(),
-        });
-    };
-    let (av, bv, biasv) = (read(a), read(b), read(bias));
-    let (optr, pptr) = (SendPtr(o.as_mut_ptr()), SendPtr(pv.as_mut_ptr()));
-    let gelu_tile = |i0: usize, j0: usize, rows: usize, cols: usize| {
-        for i in i0..i0 + rows {
-            // SAFETY: the tile lies inside both `[m, n]` buffers and no other tile
-            // touches it; its product has finished.
-            unsafe {
-                let at = i * n + j0;
-                let x = std::slice::from_raw_parts(pptr.get().add(at), cols);
-                let y = std::slice::from_raw_parts_mut(optr.get().add(at), cols);
-                gelu::forward_chunk(y, x);
-            }
-        }
-    };
-    // SAFETY: the shapes were checked above; the buffers cover them.
-    unsafe {
-        gemm_raw(
-            blas,
-            Product {
-                m,
-                n,
-                k,
-                dst: pptr.get(),
-                dst_rs: n as isize,
-                accumulate: false,
-                a: av.as_ptr(),
-                a_rs: k as isize,
-                a_cs: 1,
-                b: bv.as_ptr(),
-                b_rs: n as isize,
-                b_cs: 1,
-                scale: 1.0,
-            },
-            Epilogue {
-                bias: Some(&biasv),
-                after: Some(&gelu_tile),
-            },
-            true,
-        );
-    }
     Ok(())
 }
 
@@ -431,57 +335,5 @@ mod tests {
         assert_eq!(tiles(384, 1152, true), (192, 1152));
         assert_eq!(tiles(1536, 384, true), (256, 384));
         assert_eq!(tiles(256, 384, true), (128, 384));
-    }
-}
-
-#[cfg(test)]
-mod fused_gelu_tests {
-    use crate::{Backend, CpuBackend, DType, MemoryCategory, Rng};
-
-    /// The fused product and GELU against `matmul` then `gelu`, bitwise, in shapes the
-    /// product runs whole and in tiles; bf16 takes the two-op path.
-    #[test]
-    fn the_fused_gelu_product_equals_the_two_ops() {
-        let be = CpuBackend::new();
-        let mut rng = Rng::new(11);
-        for (m, n, k) in [(3, 5, 7), (600, 520, 40), (4100, 20, 64)] {
-            for dtype in [DType::F32, DType::Bf16] {
-                let mut up = |shape: &[usize]| {
-                    let data: Vec<f32> = (0..shape.iter().product())
-                        .map(|_| rng.normal() as f32)
-                        .collect();
-                    be.upload(&data, shape, dtype, MemoryCategory::Activations, "t")
-                        .unwrap()
-                };
-                let (a, b, bias) = (up(&[m, k]), up(&[k, n]), up(&[n]));
-                let mut outs = vec![];
-                for fused in [true, false] {
-                    let mut pre = up(&[m, n]);
-                    let mut out = up(&[m, n]);
-                    if fused {
-                        be.matmul_bias_gelu(&mut out, &mut pre, &a, &b, &bias)
-                            .unwrap();
-                    } else {
-                        be.matmul(&mut pre, &a, &b, Some(&bias), false, false, false)
-                            .unwrap();
-                        be.gelu(&mut out, &pre).unwrap();
-                    }
-                    outs.push((be.to_f32(&pre).unwrap(), be.to_f32(&out).unwrap()));
-                }
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&outs[0].0),
-                    bits(&outs[1].0),
-                    "pre {m}x{n}x{k} {dtype:?}"
-                );
-                assert_eq!(
-                    bits(&outs[0].1),
-                    bits(&outs[1].1),
-                    "out {m}x{n}x{k} {dtype:?}"
-                );
-                // The product really ran: GELU of a non-trivial product is not all zeros.
-                assert!(outs[0].1.iter().any(|v| *v != 0.0));
-            }
-        }
     }
 }

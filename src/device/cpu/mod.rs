@@ -7,8 +7,7 @@
 //!
 //! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
 //! operations it executed, each multiply, add, exp, square root or division counting
-//! one: 2·m·n·k for a matmul (plus m·n with a bias; `matmul_bias_gelu` adds its GELU's
-//! count); for attention, the products over the
+//! one: 2·m·n·k for a matmul (plus m·n with a bias); for attention, the products over the
 //! causal triangle in whole blocks of 64 rows, as the kernels compute them (plus one per
 //! score for the scaling), 5 per causal entry for the softmax and 4 for its backward; per
 //! element, 1 for `add`, `scale`, `embedding` and `bias_backward`, 2 for `axpy`,
@@ -424,26 +423,6 @@ impl Backend for CpuBackend {
                 trans_b,
                 accumulate,
             ))
-    }
-
-    fn matmul_bias_gelu(
-        &self,
-        out: &mut Tensor,
-        pre: &mut Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        bias: &Tensor,
-    ) -> Result<()> {
-        // f32: each tile's GELU runs right after its product. Otherwise (bf16, where the
-        // GELU reads the rounded pre-activation, or mismatched shapes) two ops.
-        if !matmul::gelu_fusable(out, pre, a, b, bias) {
-            self.matmul(pre, a, b, Some(bias), false, false, false)?;
-            return self.gelu(out, pre);
-        }
-        let flops = matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
-        self.ledger
-            .op("matmul_bias_gelu", flops, out.label())
-            .finish(matmul::matmul_bias_gelu(self.blas(), out, pre, a, b, bias))
     }
 
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
