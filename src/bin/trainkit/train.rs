@@ -277,10 +277,10 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     };
     let backend = device.backend()?;
     if device == trainkit::Device::Cpu {
-        if let Some(path) = std::env::var_os(trainkit::device::BLAS_ENV).filter(|p| !p.is_empty()) {
+        if let Some(path) = trainkit::Blas::path_from_env() {
             println!(
                 "CPU matrix products: the CBLAS library {} (${})",
-                Path::new(&path).display(),
+                path.display(),
                 trainkit::device::BLAS_ENV
             );
         }

@@ -86,6 +86,14 @@ fn blas_error(path: &Path, message: impl std::fmt::Display) -> Error {
 }
 
 impl Blas {
+    /// The library `$TRAINKIT_BLAS` names; `None` when it is unset or empty, which means
+    /// the `gemm` crate.
+    pub fn path_from_env() -> Option<PathBuf> {
+        std::env::var_os(BLAS_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    }
+
     /// Opens the shared library at `path`, finds `cblas_sgemm` and makes the library run
     /// each call on the calling thread alone.
     ///

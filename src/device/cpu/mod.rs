@@ -109,7 +109,7 @@ impl CpuBackend {
     /// and not empty, else [`CpuBackend::new`]. A library that cannot be used is an error
     /// naming the variable and what it should point at.
     pub fn from_env() -> Result<Self> {
-        match std::env::var_os(BLAS_ENV).filter(|v| !v.is_empty()) {
+        match Blas::path_from_env() {
             Some(path) => Ok(Self::with_blas(Arc::new(Blas::load(path)?))),
             None => Ok(Self::new()),
         }
