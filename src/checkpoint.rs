@@ -120,7 +120,7 @@ pub trait CheckpointPolicy: DynClone + Debug + Send + Sync {
 
 dyn_clone::clone_trait_object!(CheckpointPolicy);
 
-impl CheckpointPolicy for Box<dyn CheckpointPolicy> {
+impl<'a> CheckpointPolicy for Box<dyn CheckpointPolicy + 'a> {
     fn retain(&self, site: &ActivationSite) -> Retention {
         (**self).retain(site)
     }

@@ -28,7 +28,7 @@ pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
 pub use checkpoint::{
     ActivationKind, ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective,
 };
-pub use device::{Backend, Blas, CpuBackend, Device};
+pub use device::{Backend, Blas, CpuBackend, Device, MetaBackend};
 pub use error::{Error, Result};
 pub use estimate::{Architecture, Preset, Recompute, TrainingPrecision};
 pub use memory::{

@@ -36,7 +36,7 @@ pub trait Precision: DynClone + Debug + Send + Sync {
 
 dyn_clone::clone_trait_object!(Precision);
 
-impl Precision for Box<dyn Precision> {
+impl<'a> Precision for Box<dyn Precision + 'a> {
     fn compute_dtype(&self) -> DType {
         (**self).compute_dtype()
     }

@@ -55,6 +55,9 @@ pub(crate) enum Storage {
     Bf16(Vec<bf16>),
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
     Device(DeviceBuffer),
+    /// No elements at all: the meta backend's tensors, which have a shape, a dtype and
+    /// ledger bytes but hold no data.
+    Meta { len: usize, dtype: DType },
 }
 
 impl Storage {
@@ -63,6 +66,7 @@ impl Storage {
             Storage::F32(v) => v.len(),
             Storage::Bf16(v) => v.len(),
             Storage::Device(d) => d.len(),
+            Storage::Meta { len, .. } => *len,
         }
     }
 
@@ -71,6 +75,7 @@ impl Storage {
             Storage::F32(_) => DType::F32,
             Storage::Bf16(_) => DType::Bf16,
             Storage::Device(d) => d.dtype(),
+            Storage::Meta { dtype, .. } => *dtype,
         }
     }
 }

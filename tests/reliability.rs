@@ -31,8 +31,8 @@ impl Model for Poisoned {
     fn max_seq_len(&self) -> usize {
         self.inner.max_seq_len()
     }
-    fn init_params(&self, rng: &mut Rng) -> Vec<ParamInit> {
-        self.inner.init_params(rng)
+    fn init_params(&self) -> Vec<ParamInit> {
+        self.inner.init_params()
     }
     fn forward_backward(
         &self,

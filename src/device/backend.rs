@@ -59,6 +59,12 @@ pub trait Backend: Debug + Send + Sync {
     /// The ledger that counts every buffer this backend allocates.
     fn ledger(&self) -> &Ledger;
 
+    /// Whether tensors hold elements: false for the meta backend, whose tensors have a
+    /// shape and ledger bytes only (so initial values need not be drawn for it).
+    fn holds_data(&self) -> bool {
+        true
+    }
+
     /// Waits until queued work is done (no-op on the CPU).
     fn synchronize(&self) -> Result<()> {
         Ok(())

@@ -3,9 +3,11 @@
 mod backend;
 pub(crate) mod cpu;
 pub mod cuda;
+mod meta;
 
 pub use backend::{AdamWStep, Backend};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
+pub use meta::MetaBackend;
 
 use crate::error::Result;
 use serde::{Deserialize, Serialize};

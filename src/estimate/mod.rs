@@ -31,7 +31,7 @@ pub mod presets;
 pub use architecture::{Architecture, Mlp, Norm};
 pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest};
 pub use budget::{host_available_memory, parse_bytes};
-pub use exact::{predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch};
+pub use exact::{predict, predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch};
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{
     model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,

@@ -3,11 +3,10 @@
 
 use super::gpt2_graph::*;
 use super::stash::{LayerStash, StashStats};
-use super::{Batch, Model, ParamInit, Pass, PassStats};
+use super::{Batch, Init, Model, ParamInit, Pass, PassStats};
 use crate::checkpoint::ActivationKind as K;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, Phase};
-use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -721,7 +720,7 @@ impl Model for Gpt2 {
         self.config.n_positions
     }
 
-    fn init_params(&self, rng: &mut Rng) -> Vec<ParamInit> {
+    fn init_params(&self) -> Vec<ParamInit> {
         let std = 0.02;
         // GPT-2 scales the residual projections by 1/√(2·n_layer).
         let proj_std = 0.02 / ((2 * self.config.n_layer) as f64).sqrt();
@@ -729,21 +728,19 @@ impl Model for Gpt2 {
             .param_shapes()
             .into_iter()
             .map(|(name, shape)| {
-                let n: usize = shape.iter().product();
-                let mut normal = |s: f64| (0..n).map(|_| (rng.normal() * s) as f32).collect();
-                let data = if name.ends_with("c_proj.weight") {
-                    normal(proj_std)
+                let init = if name.ends_with("c_proj.weight") {
+                    Init::Normal { std: proj_std }
                 } else if name.ends_with("ln_1.weight")
                     || name.ends_with("ln_2.weight")
                     || name.ends_with("ln_f.weight")
                 {
-                    vec![1.0; n]
+                    Init::Constant(1.0)
                 } else if name.ends_with(".bias") {
-                    vec![0.0; n]
+                    Init::Constant(0.0)
                 } else {
-                    normal(std)
+                    Init::Normal { std }
                 };
-                ParamInit { name, shape, data }
+                ParamInit { name, shape, init }
             })
             .collect()
     }

@@ -16,15 +16,49 @@ use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use std::fmt::Debug;
 
-/// A parameter's name, shape and initial values, as a model creates it.
+/// How a parameter's initial values are drawn.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Init {
+    /// Independent normal values with mean 0 and this standard deviation.
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// Every element this value (1 for norm gains, 0 for biases).
+    Constant(f32),
+    /// These values, row-major.
+    Values(Vec<f32>),
+}
+
+/// A parameter's name, shape and initialisation, as a model declares it. Values are drawn
+/// only when a backend stores them ([`ParamInit::values`]), so a model predicted on the
+/// meta backend never materialises its weights.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamInit {
     /// Hugging Face name of the parameter.
     pub name: String,
     /// Shape.
     pub shape: Vec<usize>,
-    /// Initial values, row-major f32.
-    pub data: Vec<f32>,
+    /// How the initial values are drawn.
+    pub init: Init,
+}
+
+impl ParamInit {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The initial values, row-major f32, drawing from `rng` for random initialisations
+    /// (parameters are drawn in model order from one stream).
+    pub fn values(&self, rng: &mut Rng) -> Vec<f32> {
+        let n = self.numel();
+        match &self.init {
+            Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+            Init::Constant(v) => vec![*v; n],
+            Init::Values(v) => v.clone(),
+        }
+    }
 }
 
 /// What a model's forward and backward pass works with.
@@ -78,8 +112,8 @@ pub trait Model: Debug + Send + Sync {
     /// Longest sequence the model accepts.
     fn max_seq_len(&self) -> usize;
 
-    /// Parameters with their initial values, drawn from `rng`.
-    fn init_params(&self, rng: &mut Rng) -> Vec<ParamInit>;
+    /// The parameters in model order: names, shapes and how they are initialised.
+    fn init_params(&self) -> Vec<ParamInit>;
 
     /// Forward, loss and backward on `batch`. Gradients are accumulated into the
     /// parameters, with the loss gradient scaled by `grad_scale` (so the sum of the

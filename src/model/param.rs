@@ -1,10 +1,12 @@
 //! `Param`: one named parameter with its compute weights, master copy, gradient and
 //! optimizer state.
 
+use super::ParamInit;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::precision::Precision;
+use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 
 /// A named parameter tensor and everything training keeps for it.
@@ -48,9 +50,40 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
+        Self::build(backend, name, shape, Some(init), precision)
+    }
+
+    /// The parameter `spec` declares, its values drawn from `rng` in model order; on a
+    /// backend that holds no data ([`Backend::holds_data`]) nothing is drawn and no value
+    /// is materialised.
+    pub fn init(
+        backend: &dyn Backend,
+        spec: &ParamInit,
+        rng: &mut Rng,
+        precision: &dyn Precision,
+    ) -> Result<Param> {
+        if backend.holds_data() {
+            let values = spec.values(rng);
+            Self::build(backend, &spec.name, &spec.shape, Some(&values), precision)
+        } else {
+            Self::build(backend, &spec.name, &spec.shape, None, precision)
+        }
+    }
+
+    fn build(
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        init: Option<&[f32]>,
+        precision: &dyn Precision,
+    ) -> Result<Param> {
+        let place = |dtype: DType, category: MemoryCategory| match init {
+            Some(values) => backend.upload(values, shape, dtype, category, name),
+            None => backend.zeros(shape, dtype, category, name),
+        };
         let compute = precision.compute_dtype();
         let master = if precision.master_weights() {
-            Some(backend.upload(init, shape, DType::F32, MemoryCategory::MasterWeights, name)?)
+            Some(place(DType::F32, MemoryCategory::MasterWeights)?)
         } else {
             if compute != DType::F32 {
                 return Err(Error::config(
@@ -62,7 +95,7 @@ impl Param {
             }
             None
         };
-        let weight = backend.upload(init, shape, compute, MemoryCategory::Weights, name)?;
+        let weight = place(compute, MemoryCategory::Weights)?;
         Ok(Param {
             name: name.to_string(),
             weight,

@@ -47,7 +47,7 @@ pub trait Optimizer: DynClone + Debug + Send + Sync {
 
 dyn_clone::clone_trait_object!(Optimizer);
 
-impl Optimizer for Box<dyn Optimizer> {
+impl<'a> Optimizer for Box<dyn Optimizer + 'a> {
     fn learning_rate(&self) -> f32 {
         (**self).learning_rate()
     }

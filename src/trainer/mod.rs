@@ -326,9 +326,9 @@ where
         backend.ledger().set_recording(true);
         let mut rng = Rng::new(options.seed);
         let params = model
-            .init_params(&mut rng)
+            .init_params()
             .iter()
-            .map(|p| Param::new(backend.as_ref(), &p.name, &p.shape, &p.data, &precision))
+            .map(|p| Param::init(backend.as_ref(), p, &mut rng, &precision))
             .collect::<Result<Vec<_>>>()?;
         let mut trainer = Trainer {
             model,

@@ -52,7 +52,7 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
-        Storage::Device(_) => write(t, false, |v| v.fill(value)),
+        Storage::Device(_) | Storage::Meta { .. } => write(t, false, |v| v.fill(value)),
     }
 }
 

@@ -177,6 +177,7 @@ pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
             d.to_f32()
                 .unwrap_or_else(|e| panic!("reading `{}` from the GPU failed: {e}", t.label())),
         ),
+        Storage::Meta { len, .. } => Cow::Owned(vec![0.0; *len]),
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
         Storage::Bf16(v) => {
             let mut out = vec![0f32; v.len()];
@@ -207,6 +208,7 @@ pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) ->
             d.write_f32(&tmp).unwrap_or_else(|e| fail(e));
             r
         }
+        Storage::Meta { len, .. } => f(&mut vec![0.0; *len]),
         Storage::F32(v) => f(v.as_mut_slice()),
         Storage::Bf16(v) => {
             let mut tmp = vec![0f32; v.len()];
@@ -343,6 +345,10 @@ impl Backend for CpuBackend {
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
+            Storage::Meta { len, dtype } => Storage::Meta {
+                len: *len,
+                dtype: *dtype,
+            },
             Storage::Device(d) => {
                 let v = d.to_f32()?;
                 match d.dtype() {
