@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
-use trainkit::checkpoint::{ActivationKind, ActivationSite, Retention};
+use trainkit::checkpoint::{ActivationSite, Retention, Tags};
 use trainkit::config::RunConfig;
 use trainkit::prelude::*;
 use trainkit::CpuBackend;
@@ -24,7 +24,7 @@ struct EveryNth {
 #[typetag::serde(name = "every_nth")]
 impl CheckpointPolicy for EveryNth {
     fn retain(&self, site: &ActivationSite) -> Retention {
-        if site.kind == ActivationKind::LayerInput && site.layer % self.n.max(1) == 0 {
+        if site.is(Tags::LAYER_INPUT) && site.layer % self.n.max(1) == 0 {
             Retention::Keep
         } else {
             Retention::Recompute

@@ -5,95 +5,97 @@ use dyn_clone::DynClone;
 use serde::{Deserialize, Serialize};
 use std::fmt::Debug;
 
-/// The activations a transformer layer saves for its backward pass.
+/// What kind of tensor an activation is: the tags a [`CheckpointPolicy`] matches, so that
+/// one policy applies to every model (GPT-2, Llama, a user's own) unchanged.
 ///
-/// These are exactly the tensors backward reads. Attention scores (before the softmax) are
-/// not among them: the softmax backward needs only its output, so scores are a transient
-/// of the forward pass under every policy and exist again only while probabilities are
-/// being recomputed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ActivationKind {
-    /// The layer's input (the residual stream), `[B, T, C]`: the checkpoint of full
-    /// recomputation. Layer 0's input is the embedding output.
-    LayerInput,
-    /// Mean and reciprocal standard deviation of the first layer norm, `[B·T, 2]` f32.
-    Ln1Stats,
-    /// Output of the first layer norm, `[B, T, C]`.
-    Ln1Out,
-    /// Query, key and value projections, `[B, T, 3C]`.
-    Qkv,
-    /// Attention probabilities (softmax of the causal scores), `[B, H, T, T]`.
-    AttnProbs,
-    /// Attention output before its projection, `[B, T, C]`.
-    AttnOut,
-    /// Residual stream after the attention block, `[B, T, C]`.
-    Residual,
-    /// Statistics of the second layer norm, `[B·T, 2]` f32.
-    Ln2Stats,
-    /// Output of the second layer norm, `[B, T, C]`.
-    Ln2Out,
-    /// Output of the first MLP projection (GELU's input), `[B, T, 4C]`.
-    FcOut,
-    /// GELU output, `[B, T, 4C]`.
-    GeluOut,
-}
+/// A set of flags: `Tags::ATTENTION | Tags::QUADRATIC` is the attention probabilities.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Tags(u32);
 
-impl ActivationKind {
-    /// Every kind, in the order a layer's forward produces them.
-    pub const ALL: [ActivationKind; 11] = [
-        ActivationKind::LayerInput,
-        ActivationKind::Ln1Stats,
-        ActivationKind::Ln1Out,
-        ActivationKind::Qkv,
-        ActivationKind::AttnProbs,
-        ActivationKind::AttnOut,
-        ActivationKind::Residual,
-        ActivationKind::Ln2Stats,
-        ActivationKind::Ln2Out,
-        ActivationKind::FcOut,
-        ActivationKind::GeluOut,
-    ];
+impl Tags {
+    /// No tag.
+    pub const NONE: Tags = Tags(0);
+    /// A layer's input (the residual stream entering it): the checkpoint of full
+    /// recomputation, from which the whole layer can be rerun.
+    pub const LAYER_INPUT: Tags = Tags(1);
+    /// Grows with the square of the sequence length (materialized attention scores and
+    /// probabilities).
+    pub const QUADRATIC: Tags = Tags(1 << 1);
+    /// Part of the attention block (its input norm, projections, probabilities, output).
+    pub const ATTENTION: Tags = Tags(1 << 2);
+    /// Part of the MLP block (its input norm, its wide hidden activations).
+    pub const MLP: Tags = Tags(1 << 3);
+    /// A normalization's statistics (mean and reciprocal standard deviation, f32).
+    pub const NORM_STATS: Tags = Tags(1 << 4);
+    /// A normalization's output.
+    pub const NORM_OUT: Tags = Tags(1 << 5);
+    /// The output of a linear projection.
+    pub const PROJECTION: Tags = Tags(1 << 6);
+    /// The residual stream inside a layer (after its attention block).
+    pub const RESIDUAL: Tags = Tags(1 << 7);
+    /// The MLP's wide hidden activations (`[B, T, ffn]`: before and after its activation
+    /// function).
+    pub const WIDE: Tags = Tags(1 << 8);
 
-    /// Position in [`ActivationKind::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
+    /// Whether every tag of `other` is set.
+    pub fn contains(self, other: Tags) -> bool {
+        self.0 & other.0 == other.0
     }
 
-    /// Short snake_case name, used in tensor labels (`h.3.qkv`).
-    pub fn name(self) -> &'static str {
-        match self {
-            ActivationKind::LayerInput => "input",
-            ActivationKind::Ln1Stats => "ln1_stats",
-            ActivationKind::Ln1Out => "ln1_out",
-            ActivationKind::Qkv => "qkv",
-            ActivationKind::AttnProbs => "attn_probs",
-            ActivationKind::AttnOut => "attn_out",
-            ActivationKind::Residual => "residual",
-            ActivationKind::Ln2Stats => "ln2_stats",
-            ActivationKind::Ln2Out => "ln2_out",
-            ActivationKind::FcOut => "fc_out",
-            ActivationKind::GeluOut => "gelu_out",
-        }
+    /// Whether any tag of `other` is set.
+    pub fn intersects(self, other: Tags) -> bool {
+        self.0 & other.0 != 0
     }
 
-    /// Whether the tensor grows with the square of the sequence length.
-    pub fn is_quadratic(self) -> bool {
-        self == ActivationKind::AttnProbs
+    /// The names of the tags set, e.g. `["attention", "quadratic"]`.
+    pub fn names(self) -> Vec<&'static str> {
+        const NAMES: [(Tags, &str); 9] = [
+            (Tags::LAYER_INPUT, "layer_input"),
+            (Tags::QUADRATIC, "quadratic"),
+            (Tags::ATTENTION, "attention"),
+            (Tags::MLP, "mlp"),
+            (Tags::NORM_STATS, "norm_stats"),
+            (Tags::NORM_OUT, "norm_out"),
+            (Tags::PROJECTION, "projection"),
+            (Tags::RESIDUAL, "residual"),
+            (Tags::WIDE, "wide"),
+        ];
+        NAMES
+            .iter()
+            .filter(|(t, _)| self.contains(*t))
+            .map(|(_, n)| *n)
+            .collect()
     }
 }
 
-/// One activation offered to the stash: where it comes from and how big it is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+impl std::ops::BitOr for Tags {
+    type Output = Tags;
+    fn bitor(self, rhs: Tags) -> Tags {
+        Tags(self.0 | rhs.0)
+    }
+}
+
+/// One activation offered to the stash: where it comes from, what it is and how big.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ActivationSite {
     /// Layer index, `0..n_layer`.
     pub layer: usize,
     /// Number of layers in the model.
     pub n_layer: usize,
-    /// Which activation.
-    pub kind: ActivationKind,
+    /// The activation's name within its layer, e.g. `qkv` or `attn_probs` (the tensor's
+    /// label is `h.{layer}.{name}`).
+    pub name: &'static str,
+    /// What kind of tensor it is; policies match these.
+    pub tags: Tags,
     /// Exact bytes of the tensor.
     pub bytes: u64,
+}
+
+impl ActivationSite {
+    /// Whether the activation carries every tag of `tags`.
+    pub fn is(&self, tags: Tags) -> bool {
+        self.tags.contains(tags)
+    }
 }
 
 /// What happens to an activation after forward produced it.
@@ -153,7 +155,7 @@ pub struct Full;
 #[typetag::serde(name = "full")]
 impl CheckpointPolicy for Full {
     fn retain(&self, site: &ActivationSite) -> Retention {
-        if site.kind == ActivationKind::LayerInput {
+        if site.is(Tags::LAYER_INPUT) {
             Retention::Keep
         } else {
             Retention::Recompute
@@ -161,8 +163,8 @@ impl CheckpointPolicy for Full {
     }
 }
 
-/// Selective recomputation: drops the attention probabilities (the terms quadratic in the
-/// sequence length) and recomputes scores and softmax from `qkv` in backward; keeps the
+/// Selective recomputation: drops what grows with the square of the sequence length (the
+/// materialized attention probabilities, recomputed from `qkv` in backward); keeps the
 /// rest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -171,7 +173,7 @@ pub struct Selective;
 #[typetag::serde(name = "selective")]
 impl CheckpointPolicy for Selective {
     fn retain(&self, site: &ActivationSite) -> Retention {
-        if site.kind.is_quadratic() {
+        if site.is(Tags::QUADRATIC) {
             Retention::Recompute
         } else {
             Retention::Keep

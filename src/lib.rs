@@ -17,6 +17,7 @@ pub mod error;
 pub mod estimate;
 pub mod memory;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod precision;
 mod rng;
@@ -26,7 +27,7 @@ pub mod trainer;
 
 pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
 pub use checkpoint::{
-    ActivationKind, ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective,
+    ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective, Tags,
 };
 pub use device::{Backend, Blas, CpuBackend, Device, MetaBackend};
 pub use error::{Error, Result};
@@ -45,7 +46,7 @@ pub use trainer::{SamplingOptions, StepStats, Trainer, TrainerOptions};
 /// Everything a training script needs, in one import.
 pub mod prelude {
     pub use crate::accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
-    pub use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Retention, Selective};
+    pub use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Retention, Selective, Tags};
     pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
     pub use crate::device::{Backend, Device};
     pub use crate::error::{Error, Result};

@@ -6,7 +6,7 @@ mod common;
 use common::{corpus_loader, cpu, tiny_config};
 use serde::{Deserialize, Serialize};
 use trainkit::accumulate::AccumulationContext;
-use trainkit::checkpoint::{ActivationKind, ActivationSite, Retention};
+use trainkit::checkpoint::{ActivationSite, Retention, Tags};
 use trainkit::config::RunConfig;
 use trainkit::optim::{GradScale, Param};
 use trainkit::{
@@ -52,15 +52,7 @@ struct RecomputeAttention {
 #[typetag::serde(name = "recompute_attention")]
 impl CheckpointPolicy for RecomputeAttention {
     fn retain(&self, site: &ActivationSite) -> Retention {
-        let attention = matches!(
-            site.kind,
-            ActivationKind::Ln1Stats
-                | ActivationKind::Ln1Out
-                | ActivationKind::Qkv
-                | ActivationKind::AttnProbs
-                | ActivationKind::AttnOut
-        );
-        if attention && site.layer >= self.from_layer {
+        if site.is(Tags::ATTENTION) && site.layer >= self.from_layer {
             Retention::Recompute
         } else {
             Retention::Keep

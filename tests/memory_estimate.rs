@@ -8,9 +8,8 @@ use common::{corpus_loader, cpu, EveryOtherInput};
 use serde::{Deserialize, Serialize};
 use trainkit::estimate::{predict_gpt2, MemoryPrediction, MicroBatch};
 use trainkit::{
-    ActivationKind, ActivationSite, AdamW, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config,
-    MemoryCategory, MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd,
-    Trainer,
+    ActivationSite, AdamW, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MemoryCategory,
+    MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd, Tags, Trainer,
 };
 
 /// Drops the MLP's wide activations of the last layer only.
@@ -20,7 +19,7 @@ struct LastMlp;
 #[typetag::serde(name = "last_mlp")]
 impl CheckpointPolicy for LastMlp {
     fn retain(&self, site: &ActivationSite) -> Retention {
-        let wide = matches!(site.kind, ActivationKind::FcOut | ActivationKind::GeluOut);
+        let wide = site.is(Tags::MLP | Tags::WIDE);
         if wide && site.layer + 1 == site.n_layer {
             Retention::Recompute
         } else {

@@ -1,14 +1,17 @@
 //! GPT-2 with Hugging Face semantics: pre-norm blocks, learned positions, GELU (tanh),
 //! LayerNorm eps 1e-5, tied input and output embeddings, no dropout.
 
-use super::gpt2_graph::*;
-use super::stash::{LayerStash, StashStats};
+use super::exec;
+use super::graph::{Graph, Section, Value};
 use super::{Batch, Init, Model, ParamInit, Pass, PassStats};
-use crate::checkpoint::ActivationKind as K;
+use crate::checkpoint::Tags;
 use crate::error::{Error, Result};
-use crate::memory::{MemoryCategory, Phase};
-use crate::tensor::{DType, Tensor};
+use crate::ops::{
+    CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearGelu, LinearResidual,
+};
+use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// GPT-2's shape, with the field names of Hugging Face's `GPT2Config`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -127,43 +130,35 @@ impl Gpt2Config {
     }
 }
 
-/// GPT-2, trainable on any backend with any checkpoint policy and precision.
-#[derive(Clone, Debug, PartialEq)]
+/// GPT-2, trainable on any backend with any checkpoint policy and precision: its config,
+/// its parameters and its graph of op nodes, run by the executor ([`super::exec`]).
+#[derive(Debug)]
 pub struct Gpt2 {
     config: Gpt2Config,
+    graph: Graph,
 }
 
-/// An activation buffer for an op to overwrite entirely.
-fn act(pass: &Pass<'_>, shape: &[usize], label: String) -> Result<Tensor> {
-    pass.backend
-        .empty(shape, pass.dtype, MemoryCategory::Activations, &label)
-}
-
-/// Layer-norm statistics, `[rows, 2]` f32, for the op to overwrite.
-fn stats_tensor(pass: &Pass<'_>, rows: usize, label: String) -> Result<Tensor> {
-    pass.backend
-        .empty(&[rows, 2], DType::F32, MemoryCategory::Activations, &label)
-}
-
-fn missing(kind: K, layer: usize) -> Error {
-    Error::Backend {
-        backend: "gpt2",
-        message: format!(
-            "activation h.{layer}.{} is missing from the stash",
-            kind.name()
-        ),
+impl Clone for Gpt2 {
+    fn clone(&self) -> Self {
+        Gpt2 {
+            config: self.config.clone(),
+            graph: graph(&self.config),
+        }
     }
 }
 
-fn slot(stash: &LayerStash, kind: K, layer: usize) -> Result<&Tensor> {
-    stash.get(kind).ok_or_else(|| missing(kind, layer))
+impl PartialEq for Gpt2 {
+    fn eq(&self, other: &Self) -> bool {
+        self.config == other.config
+    }
 }
 
 impl Gpt2 {
     /// A GPT-2 of the given shape (validated).
     pub fn new(config: Gpt2Config) -> Result<Self> {
         config.validate()?;
-        Ok(Gpt2 { config })
+        let graph = graph(&config);
+        Ok(Gpt2 { config, graph })
     }
 
     /// The shape.
@@ -171,12 +166,9 @@ impl Gpt2 {
         &self.config
     }
 
-    fn lp(&self, layer: usize, j: usize) -> usize {
-        2 + PER_LAYER * layer + j
-    }
-
-    fn lnf(&self) -> usize {
-        2 + PER_LAYER * self.config.n_layer
+    /// The graph of op nodes the executor runs.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
@@ -208,493 +200,134 @@ impl Gpt2 {
         }
         Ok(())
     }
+}
 
-    fn embed(&self, pass: &Pass<'_>, batch: &Batch) -> Result<Tensor> {
-        let c = self.config.n_embd;
-        let mut x = act(
-            pass,
-            &[batch.batch_size, batch.seq_len, c],
-            "h.0.input".into(),
-        )?;
-        pass.backend.embedding(
-            &mut x,
-            &batch.inputs,
-            pass.params[WTE].weight(),
-            pass.params[WPE].weight(),
-        )?;
-        Ok(x)
+/// GPT-2's graph: learned token and position embeddings; per layer a pre-norm attention
+/// block (layer norm, fused qkv projection, causal attention, output projection added to
+/// the residual) and a pre-norm MLP block (layer norm, projection with GELU, projection
+/// added to the residual); the final norm and the classifier tied to the token embedding.
+fn graph(c: &Gpt2Config) -> Graph {
+    let names: HashMap<String, usize> = c
+        .param_shapes()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, _))| (name, i))
+        .collect();
+    let p = |name: &str| names[name];
+    let (wte, wpe) = (p("transformer.wte.weight"), p("transformer.wpe.weight"));
+    let eps = c.layer_norm_epsilon;
+    let conv1d = LinearResidual {
+        bias: true,
+        transposed: false,
+    };
+
+    let mut embedding = Section::new(value("tokens", "tokens", Tags::NONE));
+    let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
+    embedding.node(LearnedEmbedding, &[], &[x], &[wte, wpe]);
+    embedding.output = x;
+
+    let layers = (0..c.n_layer)
+        .map(|l| {
+            let h = |s: &str| p(&format!("transformer.h.{l}.{s}"));
+            let label = |s: &str| format!("h.{l}.{s}");
+            let (attn, mlp) = (Tags::ATTENTION, Tags::MLP);
+            let mut s = Section::new(value("input", label("input"), Tags::LAYER_INPUT));
+            let input = 0;
+            let ln1_out = s.value("ln1_out", label("ln1_out"), attn | Tags::NORM_OUT);
+            let ln1_stats = s.value("ln1_stats", label("ln1_stats"), attn | Tags::NORM_STATS);
+            let qkv = s.value("qkv", label("qkv"), attn | Tags::PROJECTION);
+            let probs = s.value("attn_probs", label("attn_probs"), attn | Tags::QUADRATIC);
+            let attn_out = s.value("attn_out", label("attn_out"), attn);
+            let residual = s.value("residual", label("residual"), Tags::RESIDUAL);
+            let ln2_out = s.value("ln2_out", label("ln2_out"), mlp | Tags::NORM_OUT);
+            let ln2_stats = s.value("ln2_stats", label("ln2_stats"), mlp | Tags::NORM_STATS);
+            let fc_out = s.value(
+                "fc_out",
+                label("fc_out"),
+                mlp | Tags::WIDE | Tags::PROJECTION,
+            );
+            let gelu_out = s.value("gelu_out", label("gelu_out"), mlp | Tags::WIDE);
+            let next = if l + 1 < c.n_layer {
+                format!("h.{}.input", l + 1)
+            } else {
+                "ln_f.input".to_string()
+            };
+            let output = s.value("output", next, Tags::LAYER_INPUT);
+            s.node(
+                LayerNorm { eps },
+                &[input],
+                &[ln1_out, ln1_stats],
+                &[h("ln_1.weight"), h("ln_1.bias")],
+            );
+            s.node(
+                Linear {
+                    bias: true,
+                    transposed: false,
+                },
+                &[ln1_out],
+                &[qkv],
+                &[h("attn.c_attn.weight"), h("attn.c_attn.bias")],
+            );
+            s.node(
+                CausalAttention { n_head: c.n_head },
+                &[qkv],
+                &[probs, attn_out],
+                &[],
+            );
+            s.node(
+                conv1d,
+                &[input, attn_out],
+                &[residual],
+                &[h("attn.c_proj.weight"), h("attn.c_proj.bias")],
+            );
+            s.node(
+                LayerNorm { eps },
+                &[residual],
+                &[ln2_out, ln2_stats],
+                &[h("ln_2.weight"), h("ln_2.bias")],
+            );
+            s.node(
+                LinearGelu { transposed: false },
+                &[ln2_out],
+                &[fc_out, gelu_out],
+                &[h("mlp.c_fc.weight"), h("mlp.c_fc.bias")],
+            );
+            s.node(
+                conv1d,
+                &[residual, gelu_out],
+                &[output],
+                &[h("mlp.c_proj.weight"), h("mlp.c_proj.bias")],
+            );
+            s.output = output;
+            s
+        })
+        .collect();
+
+    let mut head = Section::new(value("input", "ln_f.input", Tags::NONE));
+    let out = head.value("out", "ln_f.out", Tags::NORM_OUT);
+    let stats = head.value("stats", "ln_f.stats", Tags::NORM_STATS);
+    let logits = head.value("logits", "logits", Tags::NONE);
+    head.node(
+        LayerNorm { eps },
+        &[0],
+        &[out, stats],
+        &[p("transformer.ln_f.weight"), p("transformer.ln_f.bias")],
+    );
+    head.node(Classifier, &[out], &[logits], &[wte]);
+    head.output = logits;
+
+    Graph {
+        embedding,
+        layers,
+        head,
     }
+}
 
-    /// Runs one node of layer `l`, storing its outputs in empty stash slots.
-    /// Returns the bytes newly stored.
-    fn run_node(
-        &self,
-        pass: &Pass<'_>,
-        l: usize,
-        node: Node,
-        stash: &mut LayerStash,
-    ) -> Result<u64> {
-        let be = pass.backend;
-        let w = |j: usize| pass.params[self.lp(l, j)].weight();
-        let (n_head, c) = (self.config.n_head, self.config.n_embd);
-        let label = |k: K| format!("h.{l}.{}", k.name());
-        let mut outputs: Vec<(K, Tensor)> = Vec::with_capacity(2);
-        match node {
-            Node::Ln1 | Node::Ln2 => {
-                let (src, stats_kind, out_kind, wj) = if node == Node::Ln1 {
-                    (K::LayerInput, K::Ln1Stats, K::Ln1Out, LN1_W)
-                } else {
-                    (K::Residual, K::Ln2Stats, K::Ln2Out, LN2_W)
-                };
-                let x = slot(stash, src, l)?;
-                let (rows, _) = x.rows_cols();
-                let mut out = act(pass, x.shape(), label(out_kind))?;
-                let mut st = stats_tensor(pass, rows, label(stats_kind))?;
-                be.layernorm(
-                    &mut out,
-                    &mut st,
-                    x,
-                    w(wj),
-                    w(wj + 1),
-                    self.config.layer_norm_epsilon,
-                )?;
-                outputs.push((stats_kind, st));
-                outputs.push((out_kind, out));
-            }
-            Node::Qkv => {
-                let x = slot(stash, K::Ln1Out, l)?;
-                let s = x.shape();
-                let mut out = act(pass, &[s[0], s[1], 3 * c], label(K::Qkv))?;
-                be.matmul(&mut out, x, w(QKV_W), Some(w(QKV_B)), false, false, false)?;
-                outputs.push((K::Qkv, out));
-            }
-            Node::Probs => {
-                let qkv = slot(stash, K::Qkv, l)?;
-                let s = qkv.shape();
-                let shape = [s[0], n_head, s[1], s[1]];
-                let mut scores = act(pass, &shape, format!("h.{l}.attn_scores"))?;
-                be.attention_scores(&mut scores, qkv, n_head)?;
-                let mut probs = act(pass, &shape, label(K::AttnProbs))?;
-                be.softmax_causal(&mut probs, &scores)?;
-                outputs.push((K::AttnProbs, probs));
-            }
-            Node::AttnOut => {
-                let qkv = slot(stash, K::Qkv, l)?;
-                let probs = slot(stash, K::AttnProbs, l)?;
-                let s = qkv.shape();
-                let mut out = act(pass, &[s[0], s[1], c], label(K::AttnOut))?;
-                be.attention_values(&mut out, probs, qkv, n_head)?;
-                outputs.push((K::AttnOut, out));
-            }
-            Node::Residual => {
-                let x = slot(stash, K::LayerInput, l)?;
-                let a = slot(stash, K::AttnOut, l)?;
-                let mut out = act(pass, x.shape(), label(K::Residual))?;
-                be.matmul(&mut out, a, w(PROJ_W), Some(w(PROJ_B)), false, false, false)?;
-                be.axpy(&mut out, 1.0, x)?;
-                outputs.push((K::Residual, out));
-            }
-            Node::Fc => {
-                let x = slot(stash, K::Ln2Out, l)?;
-                let s = x.shape();
-                let mut out = act(pass, &[s[0], s[1], 4 * c], label(K::FcOut))?;
-                be.matmul(&mut out, x, w(FC_W), Some(w(FC_B)), false, false, false)?;
-                outputs.push((K::FcOut, out));
-            }
-            Node::Gelu => {
-                let x = slot(stash, K::FcOut, l)?;
-                let mut out = act(pass, x.shape(), label(K::GeluOut))?;
-                be.gelu(&mut out, x)?;
-                outputs.push((K::GeluOut, out));
-            }
-        }
-        let mut stored = 0;
-        for (kind, t) in outputs {
-            if !stash.has(kind) {
-                stored += t.bytes();
-                stash.put(kind, t);
-            }
-        }
-        Ok(stored)
-    }
-
-    /// The MLP's first product and its GELU in one op: stores `FcOut` (the pre-activation)
-    /// and `GeluOut`, both absent. Returns the bytes stored.
-    fn fc_gelu(&self, pass: &Pass<'_>, l: usize, stash: &mut LayerStash) -> Result<u64> {
-        let c = self.config.n_embd;
-        let w = |j: usize| pass.params[self.lp(l, j)].weight();
-        let label = |k: K| format!("h.{l}.{}", k.name());
-        let x = slot(stash, K::Ln2Out, l)?;
-        let s = x.shape();
-        let mut pre = act(pass, &[s[0], s[1], 4 * c], label(K::FcOut))?;
-        let mut out = act(pass, &[s[0], s[1], 4 * c], label(K::GeluOut))?;
-        pass.backend
-            .matmul_bias_gelu(&mut out, &mut pre, x, w(FC_W), w(FC_B))?;
-        let stored = pre.bytes() + out.bytes();
-        stash.put(K::FcOut, pre);
-        stash.put(K::GeluOut, out);
-        Ok(stored)
-    }
-
-    /// The layer's output (the next layer's input) from its residual and GELU output.
-    fn layer_output(&self, pass: &Pass<'_>, l: usize, stash: &LayerStash) -> Result<Tensor> {
-        let res = slot(stash, K::Residual, l)?;
-        let g = slot(stash, K::GeluOut, l)?;
-        let label = if l + 1 < self.config.n_layer {
-            format!("h.{}.input", l + 1)
-        } else {
-            "ln_f.input".to_string()
-        };
-        let mut out = act(pass, res.shape(), label)?;
-        let w = |j: usize| pass.params[self.lp(l, j)].weight();
-        pass.backend.matmul(
-            &mut out,
-            g,
-            w(FCPROJ_W),
-            Some(w(FCPROJ_B)),
-            false,
-            false,
-            false,
-        )?;
-        pass.backend.axpy(&mut out, 1.0, res)?;
-        Ok(out)
-    }
-
-    /// Forward of layer `l` with its input in `stash`; the checkpoint policy settles each
-    /// activation once forward is done with it. Returns the layer's output.
-    fn layer_forward(
-        &self,
-        pass: &Pass<'_>,
-        l: usize,
-        stash: &mut LayerStash,
-        stats: &mut StashStats,
-    ) -> Result<Tensor> {
-        let n_layer = self.config.n_layer;
-        for node in NODES {
-            match node {
-                // The MLP's product and its GELU run as one op (`Backend::matmul_bias_gelu`).
-                Node::Fc => {
-                    self.fc_gelu(pass, l, stash)?;
-                }
-                Node::Gelu if stash.has(K::GeluOut) => {}
-                _ => {
-                    self.run_node(pass, l, node, stash)?;
-                }
-            }
-            for &kind in node.settles() {
-                stash.settle(kind, l, n_layer, pass.checkpoint, stats);
-            }
-        }
-        let out = self.layer_output(pass, l, stash)?;
-        stash.settle(K::Residual, l, n_layer, pass.checkpoint, stats);
-        stash.settle(K::GeluOut, l, n_layer, pass.checkpoint, stats);
-        Ok(out)
-    }
-
-    /// Makes `kind` present in the stash, recomputing it (and what it needs) if dropped.
-    fn ensure(
-        &self,
-        pass: &Pass<'_>,
-        l: usize,
-        stash: &mut LayerStash,
-        kind: K,
-        stats: &mut StashStats,
-    ) -> Result<()> {
-        if stash.has(kind) {
-            return Ok(());
-        }
-        if kind == K::GeluOut && !stash.has(K::FcOut) {
-            // Both dropped: recompute them together, as forward made them.
-            self.ensure(pass, l, stash, K::Ln2Out, stats)?;
-            stats.recomputed_bytes += self.fc_gelu(pass, l, stash)?;
-            return Ok(());
-        }
-        let node = Node::producing(kind).ok_or_else(|| missing(kind, l))?;
-        for &dep in node.inputs() {
-            self.ensure(pass, l, stash, dep, stats)?;
-        }
-        stats.recomputed_bytes += self.run_node(pass, l, node, stash)?;
-        Ok(())
-    }
-
-    /// Makes layer `l`'s input present: if the policy dropped it, reruns the layers from
-    /// the nearest kept input before it (or the embedding), keeping what they produce for
-    /// their own backward.
-    fn restore_input(
-        &self,
-        pass: &Pass<'_>,
-        l: usize,
-        stashes: &mut [LayerStash],
-        batch: &Batch,
-        stats: &mut StashStats,
-    ) -> Result<()> {
-        if stashes[l].has(K::LayerInput) {
-            return Ok(());
-        }
-        let start = match (0..l).rev().find(|&j| stashes[j].has(K::LayerInput)) {
-            Some(j) => j,
-            None => {
-                let x = self.embed(pass, batch)?;
-                stats.recomputed_bytes += x.bytes();
-                stashes[0].put(K::LayerInput, x);
-                0
-            }
-        };
-        for i in start..l {
-            self.ensure(pass, i, &mut stashes[i], K::Residual, stats)?;
-            self.ensure(pass, i, &mut stashes[i], K::GeluOut, stats)?;
-            let out = self.layer_output(pass, i, &stashes[i])?;
-            stats.recomputed_bytes += out.bytes();
-            stashes[i + 1].put(K::LayerInput, out);
-        }
-        Ok(())
-    }
-
-    /// `dx = dy · Wᵀ` (when wanted), `dW += xᵀ · dy`, `db += Σ dy`.
-    fn linear_backward(
-        &self,
-        pass: &mut Pass<'_>,
-        w_idx: usize,
-        x: &Tensor,
-        dy: &Tensor,
-        dx: Option<&mut Tensor>,
-    ) -> Result<()> {
-        let be = pass.backend;
-        if let Some(dx) = dx {
-            be.matmul(
-                dx,
-                dy,
-                pass.params[w_idx].weight(),
-                None,
-                false,
-                true,
-                false,
-            )?;
-        }
-        be.matmul(
-            pass.params[w_idx].grad_mut(be)?,
-            x,
-            dy,
-            None,
-            true,
-            false,
-            true,
-        )?;
-        be.bias_backward(pass.params[w_idx + 1].grad_mut(be)?, dy)
-    }
-
-    /// LayerNorm backward for the norm whose weight is parameter `w_idx`; accumulates
-    /// into `dx`.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_backward(
-        &self,
-        pass: &mut Pass<'_>,
-        w_idx: usize,
-        dx: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()> {
-        let be = pass.backend;
-        pass.params[w_idx + 1].grad_mut(be)?;
-        let (head, tail) = pass.params.split_at_mut(w_idx + 1);
-        let (weight, dweight) = head[w_idx].weight_and_grad(be)?;
-        let dbias = tail[0].grad_mut(be)?;
-        be.layernorm_backward(dx, dweight, dbias, dout, x, weight, stats)
-    }
-
-    /// Backward of layer `l`: consumes the incoming gradient `dout`, frees the stash as it
-    /// goes, and returns the gradient of the layer's input.
-    fn layer_backward(
-        &self,
-        pass: &mut Pass<'_>,
-        l: usize,
-        stash: &mut LayerStash,
-        dout: Tensor,
-        stats: &mut StashStats,
-    ) -> Result<Tensor> {
-        let be = pass.backend;
-        let n_head = self.config.n_head;
-        let p = |j: usize| 2 + PER_LAYER * l + j;
-        let shape = dout.shape().to_vec();
-        let (b, t, c) = (shape[0], shape[1], shape[2]);
-        let label = |s: &str| format!("h.{l}.d_{s}");
-
-        // MLP output projection.
-        self.ensure(pass, l, stash, K::GeluOut, stats)?;
-        let mut dgelu = act(pass, &[b, t, 4 * c], label("gelu_out"))?;
-        let gelu_out = stash
-            .take(K::GeluOut)
-            .ok_or_else(|| missing(K::GeluOut, l))?;
-        self.linear_backward(pass, p(FCPROJ_W), &gelu_out, &dout, Some(&mut dgelu))?;
-        drop(gelu_out);
-
-        // GELU.
-        self.ensure(pass, l, stash, K::FcOut, stats)?;
-        let mut dfc = act(pass, &[b, t, 4 * c], label("fc_out"))?;
-        be.gelu_backward(&mut dfc, slot(stash, K::FcOut, l)?, &dgelu)?;
-        stash.free(K::FcOut);
-        drop(dgelu);
-
-        // MLP input projection.
-        self.ensure(pass, l, stash, K::Ln2Out, stats)?;
-        let mut dln2 = act(pass, &[b, t, c], label("ln2_out"))?;
-        let ln2_out = stash.take(K::Ln2Out).ok_or_else(|| missing(K::Ln2Out, l))?;
-        self.linear_backward(pass, p(FC_W), &ln2_out, &dfc, Some(&mut dln2))?;
-        drop(ln2_out);
-        drop(dfc);
-
-        // Second layer norm; the residual gradient accumulates into `dres`.
-        self.ensure(pass, l, stash, K::Residual, stats)?;
-        self.ensure(pass, l, stash, K::Ln2Stats, stats)?;
-        let mut dres = dout;
-        let residual = stash
-            .take(K::Residual)
-            .ok_or_else(|| missing(K::Residual, l))?;
-        let ln2_stats = stash
-            .take(K::Ln2Stats)
-            .ok_or_else(|| missing(K::Ln2Stats, l))?;
-        self.norm_backward(pass, p(LN2_W), &mut dres, &dln2, &residual, &ln2_stats)?;
-        drop((residual, ln2_stats, dln2));
-
-        // Attention output projection.
-        self.ensure(pass, l, stash, K::AttnOut, stats)?;
-        let mut datt = act(pass, &[b, t, c], label("attn_out"))?;
-        let attn_out = stash
-            .take(K::AttnOut)
-            .ok_or_else(|| missing(K::AttnOut, l))?;
-        self.linear_backward(pass, p(PROJ_W), &attn_out, &dres, Some(&mut datt))?;
-        drop(attn_out);
-
-        // Attention: values, softmax, scores.
-        self.ensure(pass, l, stash, K::Qkv, stats)?;
-        self.ensure(pass, l, stash, K::AttnProbs, stats)?;
-        let mut dqkv = act(pass, &[b, t, 3 * c], label("qkv"))?;
-        {
-            let qkv = slot(stash, K::Qkv, l)?;
-            let probs = slot(stash, K::AttnProbs, l)?;
-            let mut dprobs = act(pass, &[b, n_head, t, t], label("attn_probs"))?;
-            be.attention_values_backward(&mut dprobs, &mut dqkv, &datt, probs, qkv, n_head)?;
-            drop(datt);
-            let mut dscores = act(pass, &[b, n_head, t, t], label("attn_scores"))?;
-            be.softmax_causal_backward(&mut dscores, &dprobs, probs)?;
-            drop(dprobs);
-            be.attention_scores_backward(&mut dqkv, &dscores, qkv, n_head)?;
-        }
-        stash.free(K::AttnProbs);
-        stash.free(K::Qkv);
-
-        // QKV projection.
-        self.ensure(pass, l, stash, K::Ln1Out, stats)?;
-        let mut dln1 = act(pass, &[b, t, c], label("ln1_out"))?;
-        let ln1_out = stash.take(K::Ln1Out).ok_or_else(|| missing(K::Ln1Out, l))?;
-        self.linear_backward(pass, p(QKV_W), &ln1_out, &dqkv, Some(&mut dln1))?;
-        drop((ln1_out, dqkv));
-
-        // First layer norm; `dres` becomes the input gradient.
-        self.ensure(pass, l, stash, K::Ln1Stats, stats)?;
-        let x = stash
-            .take(K::LayerInput)
-            .ok_or_else(|| missing(K::LayerInput, l))?;
-        let ln1_stats = stash
-            .take(K::Ln1Stats)
-            .ok_or_else(|| missing(K::Ln1Stats, l))?;
-        self.norm_backward(pass, p(LN1_W), &mut dres, &dln1, &x, &ln1_stats)?;
-        stash.clear();
-        Ok(dres)
-    }
-
-    /// Embedding and every layer, forward only: the last layer's output.
-    fn forward_layers(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Tensor> {
-        let mut x = self.embed(pass, batch)?;
-        for l in 0..self.config.n_layer {
-            let mut stash = LayerStash::new();
-            stash.put(K::LayerInput, x);
-            for node in NODES {
-                self.run_node(pass, l, node, &mut stash)?;
-            }
-            x = self.layer_output(pass, l, &stash)?;
-        }
-        Ok(x)
-    }
-
-    /// The final layer norm of `x` and the tied classifier: the norm's output and
-    /// statistics, and the logits `[rows, vocab]`.
-    fn final_logits(&self, pass: &Pass<'_>, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let be = pass.backend;
-        let lnf = self.lnf();
-        let (rows, _) = x.rows_cols();
-        let mut ln_out = act(pass, x.shape(), "ln_f.out".into())?;
-        let mut st = stats_tensor(pass, rows, "ln_f.stats".into())?;
-        be.layernorm(
-            &mut ln_out,
-            &mut st,
-            x,
-            pass.params[lnf].weight(),
-            pass.params[lnf + 1].weight(),
-            self.config.layer_norm_epsilon,
-        )?;
-        let mut logits = act(pass, &[rows, self.config.vocab_size], "logits".into())?;
-        be.matmul(
-            &mut logits,
-            &ln_out,
-            pass.params[WTE].weight(),
-            None,
-            false,
-            true,
-            false,
-        )?;
-        Ok((ln_out, st, logits))
-    }
-
-    /// Final norm, classifier, loss and their backward; consumes the last layer's output.
-    /// Adds the per-position losses to `losses` and returns the gradient of that output.
-    fn head(
-        &self,
-        pass: &mut Pass<'_>,
-        x: Tensor,
-        batch: &Batch,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<Option<Tensor>> {
-        let be = pass.backend;
-        let lnf = self.lnf();
-        let v = self.config.vocab_size;
-        let (ln_out, st, mut logits) = self.final_logits(pass, &x)?;
-        be.cross_entropy(&mut logits, &batch.targets, v, grad_scale, losses)?;
-        if grad_scale.is_none() {
-            return Ok(None);
-        }
-        // `logits` now holds the gradient of the loss with respect to the logits.
-        let mut dln = act(pass, x.shape(), "ln_f.d_out".into())?;
-        be.matmul(
-            &mut dln,
-            &logits,
-            pass.params[WTE].weight(),
-            None,
-            false,
-            false,
-            false,
-        )?;
-        be.matmul(
-            pass.params[WTE].grad_mut(be)?,
-            &logits,
-            &ln_out,
-            None,
-            true,
-            false,
-            true,
-        )?;
-        drop((logits, ln_out));
-        // The layer-norm backward accumulates into its input gradient: start from zeros.
-        let mut dx = pass.backend.zeros(
-            x.shape(),
-            pass.dtype,
-            MemoryCategory::Activations,
-            "ln_f.d_input",
-        )?;
-        self.norm_backward(pass, lnf, &mut dx, &dln, &x, &st)?;
-        Ok(Some(dx))
+fn value(name: &'static str, label: impl Into<String>, tags: Tags) -> Value {
+    Value {
+        name,
+        label: label.into(),
+        tags,
     }
 }
 
@@ -753,66 +386,18 @@ impl Model for Gpt2 {
         losses: &mut Tensor,
     ) -> Result<PassStats> {
         self.check_batch(batch)?;
-        let n_layer = self.config.n_layer;
-        let ledger = pass.backend.ledger().clone();
-        let mut stats = StashStats::default();
-        let mut stashes: Vec<LayerStash> = (0..n_layer).map(|_| LayerStash::new()).collect();
-
-        ledger.phase_begin(Phase::Embedding);
-        let mut x = self.embed(pass, batch)?;
-        ledger.phase_end(Phase::Embedding);
-
-        for (l, stash) in stashes.iter_mut().enumerate() {
-            ledger.phase_begin(Phase::Forward(l));
-            stash.put(K::LayerInput, x);
-            x = self.layer_forward(pass, l, stash, &mut stats)?;
-            ledger.phase_end(Phase::Forward(l));
-        }
-
-        ledger.phase_begin(Phase::Loss);
-        let dx = self.head(pass, x, batch, Some(grad_scale), losses)?;
-        let mut dx = dx.ok_or_else(|| missing(K::LayerInput, n_layer))?;
-        ledger.phase_end(Phase::Loss);
-
-        for l in (0..n_layer).rev() {
-            ledger.phase_begin(Phase::Backward(l));
-            self.restore_input(pass, l, &mut stashes, batch, &mut stats)?;
-            let mut stash = std::mem::take(&mut stashes[l]);
-            dx = self.layer_backward(pass, l, &mut stash, dx, &mut stats)?;
-            ledger.phase_end(Phase::Backward(l));
-        }
-
-        ledger.phase_begin(Phase::EmbeddingBackward);
-        let be = pass.backend;
-        pass.params[WPE].grad_mut(be)?;
-        let (first, rest) = pass.params.split_at_mut(WPE);
-        let dwte = first[WTE].grad_mut(be)?;
-        let dwpe = rest[0].grad_mut(be)?;
-        be.embedding_backward(dwte, dwpe, &dx, &batch.inputs)?;
-        drop(dx);
-        ledger.phase_end(Phase::EmbeddingBackward);
-        Ok(PassStats { stash: stats })
+        let vocab = self.config.vocab_size;
+        exec::forward_backward(&self.graph, pass, batch, vocab, grad_scale, losses)
     }
 
     fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64> {
         self.check_batch(batch)?;
-        let x = self.forward_layers(pass, batch)?;
-        let mut losses = pass.backend.zeros(
-            &[batch.tokens()],
-            DType::F32,
-            MemoryCategory::Workspace,
-            "eval.losses",
-        )?;
-        self.head(pass, x, batch, None, &mut losses)?;
-        let losses = pass.backend.to_f32(&losses)?;
-        Ok(losses.iter().map(|&l| l as f64).sum())
+        exec::loss(&self.graph, pass, batch, self.config.vocab_size)
     }
 
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
         self.check_batch(batch)?;
-        let x = self.forward_layers(pass, batch)?;
-        let (_, _, logits) = self.final_logits(pass, &x)?;
-        pass.backend.to_f32(&logits)
+        exec::logits(&self.graph, pass, batch)
     }
 
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {

@@ -1,13 +1,14 @@
 //! Models: the `Model` trait, GPT-2, parameters and the activation stash.
 
+pub mod exec;
 mod gpt2;
-pub(crate) mod gpt2_graph;
+mod graph;
 mod param;
-mod stash;
 
+pub use exec::StashStats;
 pub use gpt2::{Gpt2, Gpt2Config};
+pub use graph::{Graph, Node, Section, Value};
 pub use param::{Param, UpdateParts};
-pub use stash::{LayerStash, StashStats};
 
 use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;

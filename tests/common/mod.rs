@@ -142,7 +142,7 @@ pub struct EveryOtherInput;
 #[typetag::serde(name = "every_other_input")]
 impl trainkit::CheckpointPolicy for EveryOtherInput {
     fn retain(&self, site: &trainkit::ActivationSite) -> trainkit::Retention {
-        if site.kind == trainkit::ActivationKind::LayerInput && site.layer % 2 == 0 {
+        if site.is(trainkit::Tags::LAYER_INPUT) && site.layer % 2 == 0 {
             trainkit::Retention::Keep
         } else {
             trainkit::Retention::Recompute

@@ -1,0 +1,535 @@
+//! The one executor: runs any model's [`Graph`] forward, offers every activation
+//! backward needs to the [`CheckpointPolicy`], runs backward in reverse, and recomputes
+//! what the policy dropped from the node that produced it (the smallest segment).
+//!
+//! Forward runs each layer's nodes in order. Once forward is done with a value (after its
+//! last reader), the value is freed if no backward reads it, else offered to the policy:
+//! kept, or freed to be recomputed. The loss reads the head's output (the logits), writes
+//! their gradient over them, and backward walks the head, the layers and the embedding in
+//! reverse. Before a node's backward, every value it reads is made present: a dropped one
+//! by rerunning its producer for that output alone (and, recursively, what that needs); a
+//! dropped layer input by rerunning the layers from the nearest kept input before it (or
+//! the embedding). A node's gradient for an input is written when it is the input's first
+//! reader in backward order and accumulated by later ones.
+
+use super::graph::{Graph, Section};
+use super::{Batch, Param, Pass, PassStats};
+use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention};
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::{MemoryCategory, Phase};
+use crate::ops::{BackwardCx, ForwardCx, GradIn, Saved};
+use crate::tensor::{DType, Tensor};
+
+/// Bytes the checkpoint policy kept and dropped during forward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StashStats {
+    /// Activation bytes kept for backward.
+    pub kept_bytes: u64,
+    /// Activation bytes freed after forward, to be recomputed in backward.
+    pub dropped_bytes: u64,
+    /// Activation bytes recomputed in backward.
+    pub recomputed_bytes: u64,
+}
+
+/// Forward, loss and backward of `graph` on `batch`: gradients accumulate into the
+/// parameters, the loss gradient scaled by `grad_scale`; each position's loss is added to
+/// `losses`.
+pub fn forward_backward(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    batch: &Batch,
+    vocab: usize,
+    grad_scale: f32,
+    losses: &mut Tensor,
+) -> Result<PassStats> {
+    let ledger = pass.backend.ledger().clone();
+    let mut run = Run::new(graph, pass, batch);
+    let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
+
+    ledger.phase_begin(Phase::Embedding);
+    let mut x = run.embed(pass.params)?;
+    ledger.phase_end(Phase::Embedding);
+
+    for (l, (sec, st)) in graph.layers.iter().zip(&mut layers).enumerate() {
+        ledger.phase_begin(Phase::Forward(l));
+        st.put_input(x);
+        x = run.layer_forward(pass.params, sec, st, l)?;
+        ledger.phase_end(Phase::Forward(l));
+    }
+
+    ledger.phase_begin(Phase::Loss);
+    let dx = run.head(pass.params, x, vocab, Some(grad_scale), losses)?;
+    let mut dx = dx.ok_or_else(|| missing("the gradient of the last layer's output"))?;
+    ledger.phase_end(Phase::Loss);
+
+    for l in (0..graph.layers.len()).rev() {
+        ledger.phase_begin(Phase::Backward(l));
+        run.restore_input(pass.params, &mut layers, l)?;
+        let mut st = std::mem::take(&mut layers[l]);
+        dx = run
+            .backward(pass.params, &graph.layers[l], &mut st, Some(dx))?
+            .ok_or_else(|| missing(&format!("the gradient of layer {l}'s input")))?;
+        ledger.phase_end(Phase::Backward(l));
+    }
+
+    ledger.phase_begin(Phase::EmbeddingBackward);
+    let mut st = State::new(&graph.embedding);
+    run.backward(pass.params, &graph.embedding, &mut st, Some(dx))?;
+    ledger.phase_end(Phase::EmbeddingBackward);
+    Ok(PassStats { stash: run.stats })
+}
+
+/// Forward and loss only: the sum of the per-position losses.
+pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> Result<f64> {
+    let mut run = Run::new(graph, pass, batch);
+    let x = run.forward_layers(pass.params)?;
+    let mut losses = pass.backend.zeros(
+        &[batch.tokens()],
+        DType::F32,
+        MemoryCategory::Workspace,
+        "eval.losses",
+    )?;
+    run.head(pass.params, x, vocab, None, &mut losses)?;
+    let losses = pass.backend.to_f32(&losses)?;
+    Ok(losses.iter().map(|&l| l as f64).sum())
+}
+
+/// Forward only: the head's output (the logits, `[rows, vocab]`) as f32.
+pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
+    let run = Run::new(graph, pass, batch);
+    let x = run.forward_layers(pass.params)?;
+    let mut st = State::new(&graph.head);
+    st.put_input(x);
+    run.forward_all(pass.params, &graph.head, &mut st)?;
+    let out = st.stash[graph.head.output]
+        .as_ref()
+        .ok_or_else(|| missing("the logits"))?;
+    pass.backend.to_f32(out)
+}
+
+/// The values of one section during a pass, with their shapes once known.
+#[derive(Debug, Default)]
+struct State {
+    stash: Vec<Option<Tensor>>,
+    shapes: Vec<Option<(Vec<usize>, DType)>>,
+}
+
+impl State {
+    fn new(sec: &Section) -> Self {
+        State {
+            stash: (0..sec.values.len()).map(|_| None).collect(),
+            shapes: vec![None; sec.values.len()],
+        }
+    }
+
+    fn put_input(&mut self, x: Tensor) {
+        self.shapes[0] = Some((x.shape().to_vec(), x.dtype()));
+        self.stash[0] = Some(x);
+    }
+}
+
+/// One pass's settings and counters.
+struct Run<'r> {
+    graph: &'r Graph,
+    backend: &'r dyn Backend,
+    policy: &'r dyn CheckpointPolicy,
+    dtype: DType,
+    tokens: &'r [u32],
+    targets: &'r [u32],
+    batch: [usize; 2],
+    stats: StashStats,
+}
+
+impl<'r> Run<'r> {
+    fn new(graph: &'r Graph, pass: &Pass<'r>, batch: &'r Batch) -> Self {
+        Run {
+            graph,
+            backend: pass.backend,
+            policy: pass.checkpoint,
+            dtype: pass.dtype,
+            tokens: &batch.inputs,
+            targets: &batch.targets,
+            batch: [batch.batch_size, batch.seq_len],
+            stats: StashStats::default(),
+        }
+    }
+
+    /// Runs node `n` for the `wanted` outputs; stores what it computed in empty slots and
+    /// frees the rest. Returns the bytes newly stored.
+    fn run_node(
+        &self,
+        params: &[Param],
+        sec: &Section,
+        st: &mut State,
+        n: usize,
+        wanted: Vec<bool>,
+    ) -> Result<u64> {
+        let node = &sec.nodes[n];
+        let present: Vec<bool> = node
+            .outputs
+            .iter()
+            .map(|&v| st.stash[v].is_some())
+            .collect();
+        let needed = node.op.inputs_needed(&wanted, &present);
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for (i, &v) in node.inputs.iter().enumerate() {
+            if needed >> i & 1 == 1 {
+                let t = st.stash[v]
+                    .as_ref()
+                    .ok_or_else(|| missing(&sec.values[v].label))?;
+                inputs.push(Some(t));
+            } else {
+                inputs.push(None);
+            }
+        }
+        let weights: Vec<&Tensor> = node.params.iter().map(|&p| params[p].weight()).collect();
+        let known: Option<Vec<_>> = node.outputs.iter().map(|&v| st.shapes[v].clone()).collect();
+        let shapes = match known {
+            Some(shapes) => shapes,
+            None => {
+                let all: Option<Vec<&Tensor>> = inputs.iter().copied().collect();
+                let all = all.ok_or_else(|| missing("an input to infer shapes from"))?;
+                node.op
+                    .output_shapes(&all, &weights, self.dtype, self.batch)?
+            }
+        };
+        let mut cx = ForwardCx {
+            backend: self.backend,
+            inputs,
+            weights,
+            tokens: self.tokens,
+            present: node.outputs.iter().map(|&v| st.stash[v].as_ref()).collect(),
+            wanted,
+            outputs: (0..node.outputs.len()).map(|_| None).collect(),
+            labels: node
+                .outputs
+                .iter()
+                .map(|&v| sec.values[v].label.clone())
+                .collect(),
+            shapes,
+        };
+        node.op.forward(&mut cx)?;
+        let outputs = std::mem::take(&mut cx.outputs);
+        let shapes = std::mem::take(&mut cx.shapes);
+        drop(cx);
+        let mut stored = 0;
+        for ((t, &v), shape) in outputs.into_iter().zip(&node.outputs).zip(shapes) {
+            st.shapes[v].get_or_insert(shape);
+            if let Some(t) = t {
+                if st.stash[v].is_none() {
+                    stored += t.bytes();
+                    st.stash[v] = Some(t);
+                }
+            }
+        }
+        Ok(stored)
+    }
+
+    /// Every node of `sec`, keeping everything (forward-only passes and the head).
+    fn forward_all(&self, params: &[Param], sec: &Section, st: &mut State) -> Result<()> {
+        for n in 0..sec.nodes.len() {
+            let wanted = vec![true; sec.nodes[n].outputs.len()];
+            self.run_node(params, sec, st, n, wanted)?;
+        }
+        Ok(())
+    }
+
+    /// The embedding section: layer 0's input.
+    fn embed(&self, params: &[Param]) -> Result<Tensor> {
+        let sec = &self.graph.embedding;
+        let mut st = State::new(sec);
+        self.forward_all(params, sec, &mut st)?;
+        st.stash[sec.output]
+            .take()
+            .ok_or_else(|| missing("the embedding's output"))
+    }
+
+    /// Embedding and every layer, forward only: the last layer's output.
+    fn forward_layers(&self, params: &[Param]) -> Result<Tensor> {
+        let mut x = self.embed(params)?;
+        for sec in &self.graph.layers {
+            let mut st = State::new(sec);
+            st.put_input(x);
+            self.forward_all(params, sec, &mut st)?;
+            x = st.stash[sec.output]
+                .take()
+                .ok_or_else(|| missing("a layer's output"))?;
+        }
+        Ok(x)
+    }
+
+    /// Forward of layer `l` with its input in `st`; each value is settled once forward is
+    /// done with it. Returns the layer's output.
+    fn layer_forward(
+        &mut self,
+        params: &[Param],
+        sec: &Section,
+        st: &mut State,
+        l: usize,
+    ) -> Result<Tensor> {
+        for n in 0..sec.nodes.len() {
+            let wanted = vec![true; sec.nodes[n].outputs.len()];
+            self.run_node(params, sec, st, n, wanted)?;
+            for v in 0..sec.values.len() {
+                if v != sec.output && sec.settle_after(v) == Some(n) {
+                    self.settle(sec, st, l, v);
+                }
+            }
+        }
+        st.stash[sec.output]
+            .take()
+            .ok_or_else(|| missing("a layer's output"))
+    }
+
+    /// Forward is done with value `v` of layer `l`: freed if backward never reads it,
+    /// else kept or dropped as the policy says.
+    fn settle(&mut self, sec: &Section, st: &mut State, l: usize, v: usize) {
+        let Some(t) = &st.stash[v] else { return };
+        if !sec.saved(v) {
+            st.stash[v] = None;
+            return;
+        }
+        let value = &sec.values[v];
+        let site = ActivationSite {
+            layer: l,
+            n_layer: self.graph.layers.len(),
+            name: value.name,
+            tags: value.tags,
+            bytes: t.bytes(),
+        };
+        match self.policy.retain(&site) {
+            Retention::Keep => self.stats.kept_bytes += site.bytes,
+            Retention::Recompute => {
+                self.stats.dropped_bytes += site.bytes;
+                st.stash[v] = None;
+            }
+        }
+    }
+
+    /// Makes value `v` present, recomputing it (and what it needs) if dropped.
+    fn ensure(&mut self, params: &[Param], sec: &Section, st: &mut State, v: usize) -> Result<()> {
+        if st.stash[v].is_some() {
+            return Ok(());
+        }
+        let n = sec
+            .producer(v)
+            .ok_or_else(|| missing(&sec.values[v].label))?;
+        let node = &sec.nodes[n];
+        let wanted: Vec<bool> = node.outputs.iter().map(|&o| o == v).collect();
+        let present: Vec<bool> = node
+            .outputs
+            .iter()
+            .map(|&o| st.stash[o].is_some())
+            .collect();
+        let needed = node.op.inputs_needed(&wanted, &present);
+        for (i, &input) in node.inputs.iter().enumerate() {
+            if needed >> i & 1 == 1 {
+                self.ensure(params, sec, st, input)?;
+            }
+        }
+        self.stats.recomputed_bytes += self.run_node(params, sec, st, n, wanted)?;
+        Ok(())
+    }
+
+    /// Makes layer `l`'s input present: if the policy dropped it, reruns the layers from
+    /// the nearest kept input before it (or the embedding), keeping what they produce for
+    /// their own backward.
+    fn restore_input(&mut self, params: &[Param], layers: &mut [State], l: usize) -> Result<()> {
+        if layers[l].stash[0].is_some() {
+            return Ok(());
+        }
+        let start = match (0..l).rev().find(|&j| layers[j].stash[0].is_some()) {
+            Some(j) => j,
+            None => {
+                let x = self.embed(params)?;
+                self.stats.recomputed_bytes += x.bytes();
+                layers[0].stash[0] = Some(x);
+                0
+            }
+        };
+        for i in start..l {
+            let sec = &self.graph.layers[i];
+            let out = sec.output;
+            let n = sec
+                .producer(out)
+                .ok_or_else(|| missing("a layer's output"))?;
+            let node = &sec.nodes[n];
+            for &input in &node.inputs {
+                self.ensure(params, sec, &mut layers[i], input)?;
+            }
+            let wanted = node.outputs.iter().map(|&o| o == out).collect();
+            self.stats.recomputed_bytes += self.run_node(params, sec, &mut layers[i], n, wanted)?;
+            let x = layers[i].stash[out]
+                .take()
+                .ok_or_else(|| missing("a layer's output"))?;
+            layers[i + 1].stash[0] = Some(x);
+        }
+        Ok(())
+    }
+
+    /// Final norm, classifier and loss, and their backward when `grad_scale` is given;
+    /// consumes the last layer's output. Adds the per-position losses to `losses` and
+    /// returns the gradient of that output.
+    fn head(
+        &mut self,
+        params: &mut [Param],
+        x: Tensor,
+        vocab: usize,
+        grad_scale: Option<f32>,
+        losses: &mut Tensor,
+    ) -> Result<Option<Tensor>> {
+        let sec = &self.graph.head;
+        let mut st = State::new(sec);
+        st.put_input(x);
+        self.forward_all(params, sec, &mut st)?;
+        let logits = st.stash[sec.output]
+            .as_mut()
+            .ok_or_else(|| missing("the logits"))?;
+        self.backend
+            .cross_entropy(logits, self.targets, vocab, grad_scale, losses)?;
+        if grad_scale.is_none() {
+            return Ok(None);
+        }
+        // The logits now hold the gradient of the loss with respect to them.
+        let dlogits = st.stash[sec.output].take();
+        self.backward(params, sec, &mut st, dlogits)
+    }
+
+    /// Backward of `sec` from the gradient of its output; frees its values as it goes and
+    /// returns the gradient of its input.
+    fn backward(
+        &mut self,
+        params: &mut [Param],
+        sec: &Section,
+        st: &mut State,
+        dout: Option<Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let mut grads: Vec<Option<Tensor>> = (0..sec.values.len()).map(|_| None).collect();
+        grads[sec.output] = dout;
+        for n in (0..sec.nodes.len()).rev() {
+            let node = &sec.nodes[n];
+            let saves = node.op.saves();
+            for (i, &v) in node.inputs.iter().enumerate() {
+                if saves.input(i) {
+                    self.ensure(params, sec, st, v)?;
+                }
+            }
+            for (i, &v) in node.outputs.iter().enumerate() {
+                if saves.output(i) {
+                    self.ensure(params, sec, st, v)?;
+                }
+            }
+            // A value whose last reader in backward is this node is handed over.
+            let mut take = |v: usize, saved: bool| -> Option<Tensor> {
+                if saved && sec.first_saver(v) == Some(n) {
+                    st.stash[v].take()
+                } else {
+                    None
+                }
+            };
+            let owned_in: Vec<Option<Tensor>> = node
+                .inputs
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| take(v, saves.input(i)))
+                .collect();
+            let owned_out: Vec<Option<Tensor>> = node
+                .outputs
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| take(v, saves.output(i)))
+                .collect();
+            let stash = &st.stash;
+            let hand = |owned: Option<Tensor>, v: usize, saved: bool| match owned {
+                Some(t) => Saved::Owned(t),
+                None if saved => stash[v].as_ref().map_or(Saved::None, Saved::Borrowed),
+                None => Saved::None,
+            };
+            let inputs: Vec<Saved<'_>> = owned_in
+                .into_iter()
+                .zip(&node.inputs)
+                .enumerate()
+                .map(|(i, (t, &v))| hand(t, v, saves.input(i)))
+                .collect();
+            let outputs: Vec<Saved<'_>> = owned_out
+                .into_iter()
+                .zip(&node.outputs)
+                .enumerate()
+                .map(|(i, (t, &v))| hand(t, v, saves.output(i)))
+                .collect();
+            let mut grads_in = Vec::with_capacity(node.inputs.len());
+            for &v in &node.inputs {
+                let (shape, dtype) = st.shapes[v]
+                    .clone()
+                    .ok_or_else(|| missing(&sec.values[v].label))?;
+                grads_in.push(GradIn {
+                    tensor: grads[v].take(),
+                    shape,
+                    dtype,
+                    label: grad_label(&sec.values[v].label),
+                });
+            }
+            let mut cx = BackwardCx {
+                backend: self.backend,
+                inputs,
+                outputs,
+                params: params_mut(params, &node.params)?,
+                tokens: self.tokens,
+                grads_out: node.outputs.iter().map(|&v| grads[v].take()).collect(),
+                grad_labels_out: node
+                    .outputs
+                    .iter()
+                    .map(|&v| grad_label(&sec.values[v].label))
+                    .collect(),
+                grads_in,
+            };
+            node.op.backward(&mut cx)?;
+            let BackwardCx {
+                inputs,
+                outputs,
+                grads_out,
+                grads_in,
+                ..
+            } = cx;
+            drop((inputs, outputs, grads_out));
+            for (g, &v) in grads_in.into_iter().zip(&node.inputs) {
+                grads[v] = g.tensor;
+            }
+        }
+        for t in &mut st.stash {
+            *t = None;
+        }
+        Ok(grads[0].take())
+    }
+}
+
+/// The label of a value's gradient: `h.3.d_qkv` for `h.3.qkv`.
+fn grad_label(label: &str) -> String {
+    match label.rsplit_once('.') {
+        Some((scope, name)) => format!("{scope}.d_{name}"),
+        None => format!("d_{label}"),
+    }
+}
+
+/// The parameters at `indices`, mutably, in that order.
+fn params_mut<'p>(params: &'p mut [Param], indices: &[usize]) -> Result<Vec<&'p mut Param>> {
+    let mut found: Vec<Option<&'p mut Param>> = indices.iter().map(|_| None).collect();
+    for (i, p) in params.iter_mut().enumerate() {
+        if let Some(k) = indices.iter().position(|&j| j == i) {
+            found[k] = Some(p);
+        }
+    }
+    found
+        .into_iter()
+        .zip(indices)
+        .map(|(p, i)| p.ok_or_else(|| missing(&format!("parameter {i}"))))
+        .collect()
+}
+
+fn missing(what: &str) -> Error {
+    Error::Backend {
+        backend: "executor",
+        message: format!("{what} is missing"),
+    }
+}

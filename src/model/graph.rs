@@ -1,0 +1,136 @@
+//! A model as data: sections of op nodes over named activations, with parameters reached
+//! by handles.
+
+use crate::checkpoint::Tags;
+use crate::ops::Op;
+
+/// An activation of a section: its name, its ledger label and the tags a checkpoint
+/// policy matches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Value {
+    /// The name within its layer, e.g. `qkv` (what [`crate::ActivationSite::name`] says).
+    pub name: &'static str,
+    /// The ledger label, e.g. `h.3.qkv`.
+    pub label: String,
+    /// What kind of tensor it is.
+    pub tags: Tags,
+}
+
+/// One op of a section: which values it reads and writes, and which parameters it uses
+/// (indices into the model's parameter list, in the order the op documents).
+#[derive(Debug)]
+pub struct Node {
+    /// The op.
+    pub op: Box<dyn Op>,
+    /// Values read, by index into [`Section::values`].
+    pub inputs: Vec<usize>,
+    /// Values written.
+    pub outputs: Vec<usize>,
+    /// Parameter handles.
+    pub params: Vec<usize>,
+}
+
+/// A run of nodes over its own values: the embedding, one transformer layer, or the head.
+///
+/// Value 0 is the section's input (the previous section's output; nothing for the
+/// embedding); [`Section::output`] is handed to the next section.
+#[derive(Debug, Default)]
+pub struct Section {
+    /// Every value, in the order forward creates them (the input first).
+    pub values: Vec<Value>,
+    /// The nodes, in forward order.
+    pub nodes: Vec<Node>,
+    /// The value handed to the next section.
+    pub output: usize,
+}
+
+impl Section {
+    /// A section whose input is a value named `name`.
+    pub fn new(input: Value) -> Self {
+        Section {
+            values: vec![input],
+            nodes: Vec::new(),
+            output: 0,
+        }
+    }
+
+    /// Adds a value; returns its index.
+    pub fn value(&mut self, name: &'static str, label: impl Into<String>, tags: Tags) -> usize {
+        self.values.push(Value {
+            name,
+            label: label.into(),
+            tags,
+        });
+        self.values.len() - 1
+    }
+
+    /// Adds a node.
+    pub fn node(
+        &mut self,
+        op: impl Op + 'static,
+        inputs: &[usize],
+        outputs: &[usize],
+        params: &[usize],
+    ) {
+        self.nodes.push(Node {
+            op: Box::new(op),
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            params: params.to_vec(),
+        });
+    }
+
+    /// The node producing value `v` (none for the input).
+    pub(crate) fn producer(&self, v: usize) -> Option<usize> {
+        self.nodes.iter().position(|n| n.outputs.contains(&v))
+    }
+
+    /// After which node forward is done with value `v`: its last reader, or its producer
+    /// when nothing reads it.
+    pub(crate) fn settle_after(&self, v: usize) -> Option<usize> {
+        let last_reader = self.nodes.iter().rposition(|n| n.inputs.contains(&v));
+        last_reader.or_else(|| self.producer(v))
+    }
+
+    /// Whether some node's backward reads value `v`.
+    pub(crate) fn saved(&self, v: usize) -> bool {
+        self.nodes.iter().any(|n| {
+            let s = n.op.saves();
+            n.inputs
+                .iter()
+                .enumerate()
+                .any(|(i, &x)| x == v && s.input(i))
+                || n.outputs
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &x)| x == v && s.output(i))
+        })
+    }
+
+    /// The first node (in forward order) whose backward reads `v`: backward's last reader.
+    pub(crate) fn first_saver(&self, v: usize) -> Option<usize> {
+        self.nodes.iter().position(|n| {
+            let s = n.op.saves();
+            n.inputs
+                .iter()
+                .enumerate()
+                .any(|(i, &x)| x == v && s.input(i))
+                || n.outputs
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &x)| x == v && s.output(i))
+        })
+    }
+}
+
+/// A whole model's graph: the embedding, the layers and the head (final norm and
+/// classifier, whose output the loss reads).
+#[derive(Debug, Default)]
+pub struct Graph {
+    /// Produces layer 0's input from the batch's tokens.
+    pub embedding: Section,
+    /// The transformer layers.
+    pub layers: Vec<Section>,
+    /// From the last layer's output to the logits.
+    pub head: Section,
+}

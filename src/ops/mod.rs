@@ -1,0 +1,303 @@
+//! Op nodes: the layer ops models are built from, one type per op, each saying what it
+//! reads, what it produces, what its backward needs, and how it runs forward and backward
+//! through the [`Backend`].
+//!
+//! A model is a list of nodes over named values ([`crate::model::Graph`]); the one
+//! executor ([`crate::model::exec`]) runs them, offers every value backward needs to the
+//! checkpoint policy, and recomputes a dropped value by running the node that produced it
+//! with [`ForwardCx::wanted`] set to that output. A new op is a new type implementing
+//! [`Op`]; nothing else changes.
+
+mod attention;
+mod classifier;
+mod embedding;
+mod linear;
+mod norm;
+
+pub use attention::CausalAttention;
+pub use classifier::Classifier;
+pub use embedding::LearnedEmbedding;
+pub use linear::{Linear, LinearGelu, LinearResidual};
+pub use norm::LayerNorm;
+
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::MemoryCategory;
+use crate::model::Param;
+use crate::tensor::{DType, Tensor};
+use std::fmt::Debug;
+
+/// Which inputs and outputs of a node its backward reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Saves {
+    /// Bit `i` set: input `i` is read by backward.
+    pub inputs: u32,
+    /// Bit `i` set: output `i` is read by backward.
+    pub outputs: u32,
+}
+
+impl Saves {
+    /// Whether backward reads input `i`.
+    pub fn input(&self, i: usize) -> bool {
+        self.inputs >> i & 1 == 1
+    }
+
+    /// Whether backward reads output `i`.
+    pub fn output(&self, i: usize) -> bool {
+        self.outputs >> i & 1 == 1
+    }
+}
+
+/// One op of a model's graph.
+///
+/// Inputs and outputs are activations (values of the graph, positional); parameters are
+/// handles into the model's parameter list, in the order the op documents.
+pub trait Op: Debug + Send + Sync {
+    /// The op's name in errors, e.g. `layernorm`.
+    fn name(&self) -> &'static str;
+
+    /// The shape and dtype of each output, from the inputs and weights, in the compute
+    /// dtype `dtype`, for a batch of `[rows, tokens per row]`.
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        weights: &[&Tensor],
+        dtype: DType,
+        batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>>;
+
+    /// The inputs and outputs its backward reads: the activations it saves.
+    fn saves(&self) -> Saves;
+
+    /// Which inputs a forward run needs given the outputs wanted and those already
+    /// present (bit `i`: input `i`); all of them unless the op says otherwise.
+    fn inputs_needed(&self, _wanted: &[bool], _present: &[bool]) -> u32 {
+        u32::MAX
+    }
+
+    /// Computes at least the [`ForwardCx::wanted`] outputs into [`ForwardCx::outputs`].
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()>;
+
+    /// Accumulates the gradients of the inputs ([`BackwardCx::grads_in`]) and of the
+    /// parameters from those of the outputs.
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()>;
+}
+
+/// What a node's forward works with.
+pub struct ForwardCx<'a> {
+    /// The backend every op runs on.
+    pub backend: &'a dyn Backend,
+    /// The input activations (present for those [`Op::inputs_needed`] names).
+    pub inputs: Vec<Option<&'a Tensor>>,
+    /// The weights of the node's parameters.
+    pub weights: Vec<&'a Tensor>,
+    /// The batch's token ids (read by embeddings).
+    pub tokens: &'a [u32],
+    /// Outputs asked for.
+    pub wanted: Vec<bool>,
+    /// Outputs that already exist (during recomputation), which the op may read.
+    pub present: Vec<Option<&'a Tensor>>,
+    /// The outputs the op computed.
+    pub outputs: Vec<Option<Tensor>>,
+    /// Shape and dtype of each output.
+    pub shapes: Vec<(Vec<usize>, DType)>,
+    /// Ledger label of each output.
+    pub labels: Vec<String>,
+}
+
+impl<'a> ForwardCx<'a> {
+    /// Input `i`.
+    pub fn input(&self, i: usize) -> Result<&'a Tensor> {
+        self.inputs[i].ok_or_else(|| missing(&format!("input {i}")))
+    }
+
+    /// A buffer for output `i`, for an op to overwrite.
+    pub fn alloc(&self, i: usize) -> Result<Tensor> {
+        let (shape, dtype) = &self.shapes[i];
+        self.backend
+            .empty(shape, *dtype, MemoryCategory::Activations, &self.labels[i])
+    }
+
+    /// Output `i`: the one just computed, else the one already present.
+    pub fn output(&self, i: usize) -> Result<&Tensor> {
+        self.outputs[i]
+            .as_ref()
+            .or(self.present[i])
+            .ok_or_else(|| missing(&self.labels[i]))
+    }
+}
+
+/// A saved activation handed to a node's backward: owned when this node is its last
+/// reader (the op may free it early), borrowed otherwise.
+#[derive(Debug)]
+pub enum Saved<'a> {
+    /// Not saved for this node.
+    None,
+    /// This node is the last reader: freed when released or when backward ends.
+    Owned(Tensor),
+    /// Read by a node whose backward runs later.
+    Borrowed(&'a Tensor),
+}
+
+impl Saved<'_> {
+    /// The tensor.
+    pub fn get(&self) -> Result<&Tensor> {
+        match self {
+            Saved::Owned(t) => Ok(t),
+            Saved::Borrowed(t) => Ok(t),
+            Saved::None => Err(missing("a saved activation")),
+        }
+    }
+
+    /// Frees the tensor now if this node owns it.
+    pub fn release(&mut self) {
+        *self = Saved::None;
+    }
+}
+
+/// The gradient of one input of a node: absent until a reader of the input writes it;
+/// later readers (in backward order) accumulate into it.
+#[derive(Debug)]
+pub struct GradIn {
+    /// The gradient so far.
+    pub tensor: Option<Tensor>,
+    /// Its shape and dtype (the input's).
+    pub shape: Vec<usize>,
+    /// Its dtype.
+    pub dtype: DType,
+    /// Its ledger label, e.g. `h.3.d_qkv`.
+    pub label: String,
+}
+
+impl GradIn {
+    /// The gradient buffer for an op that accumulates into it: zeros when new.
+    pub fn accumulate(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
+        if self.tensor.is_none() {
+            self.tensor = Some(backend.zeros(
+                &self.shape,
+                self.dtype,
+                MemoryCategory::Activations,
+                &self.label,
+            )?);
+        }
+        Ok(self.tensor.as_mut().expect("allocated above"))
+    }
+
+    /// The gradient buffer and whether it is new: a new one is for the op to overwrite,
+    /// an existing one to accumulate into (matrix products' `accumulate`).
+    pub fn buffer(&mut self, backend: &dyn Backend) -> Result<(&mut Tensor, bool)> {
+        let fresh = self.tensor.is_none();
+        if fresh {
+            self.tensor = Some(backend.empty(
+                &self.shape,
+                self.dtype,
+                MemoryCategory::Activations,
+                &self.label,
+            )?);
+        }
+        Ok((self.tensor.as_mut().expect("allocated above"), fresh))
+    }
+
+    /// Runs `f` on a buffer to overwrite: the gradient itself when new, else a
+    /// temporary that is then added to it.
+    pub fn overwrite(
+        &mut self,
+        backend: &dyn Backend,
+        f: impl FnOnce(&mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let (buf, fresh) = self.buffer(backend)?;
+        if fresh {
+            return f(buf);
+        }
+        let mut tmp = backend.empty(
+            &self.shape,
+            self.dtype,
+            MemoryCategory::Activations,
+            &self.label,
+        )?;
+        f(&mut tmp)?;
+        backend.axpy(self.tensor.as_mut().expect("present"), 1.0, &tmp)
+    }
+
+    /// Adds `g`: moved in when the gradient is new, added to it otherwise.
+    pub fn add(&mut self, backend: &dyn Backend, g: Tensor) -> Result<()> {
+        match self.tensor.as_mut() {
+            None => {
+                self.tensor = Some(g);
+                Ok(())
+            }
+            Some(t) => backend.axpy(t, 1.0, &g),
+        }
+    }
+}
+
+/// What a node's backward works with.
+pub struct BackwardCx<'a> {
+    /// The backend every op runs on.
+    pub backend: &'a dyn Backend,
+    /// The saved inputs ([`Saves::inputs`]).
+    pub inputs: Vec<Saved<'a>>,
+    /// The saved outputs ([`Saves::outputs`]).
+    pub outputs: Vec<Saved<'a>>,
+    /// The node's parameters: weights and gradient buffers.
+    pub params: Vec<&'a mut Param>,
+    /// The batch's token ids (read by embeddings).
+    pub tokens: &'a [u32],
+    /// The gradient of each output (`None`: nothing flows back through it).
+    pub grads_out: Vec<Option<Tensor>>,
+    /// The ledger label of each output's gradient, e.g. `h.3.d_fc_out`, for a buffer
+    /// the op allocates in its place.
+    pub grad_labels_out: Vec<String>,
+    /// The gradient of each input, for the op to write or accumulate.
+    pub grads_in: Vec<GradIn>,
+}
+
+impl BackwardCx<'_> {
+    /// The gradient of output `i`, taken (the op frees it when done).
+    pub fn take_grad_out(&mut self, i: usize) -> Result<Tensor> {
+        self.grads_out[i]
+            .take()
+            .ok_or_else(|| missing(&format!("the gradient of output {i}")))
+    }
+}
+
+/// `dx = dy · op(W)ᵀ` into `dx` (accumulating when it already holds a gradient), then
+/// `dW += op(x)ᵀ · dy` and `db += Σ dy`: the backward of `y = x · op(W) + b`, where
+/// `transposed` means `op(W) = Wᵀ` (weights stored `[out, in]`).
+pub(crate) fn linear_backward(
+    backend: &dyn Backend,
+    params: &mut [&mut Param],
+    x: &Tensor,
+    dy: &Tensor,
+    dx: Option<&mut GradIn>,
+    transposed: bool,
+) -> Result<()> {
+    if let Some(dx) = dx {
+        let (buf, fresh) = dx.buffer(backend)?;
+        backend.matmul(
+            buf,
+            dy,
+            params[0].weight(),
+            None,
+            false,
+            !transposed,
+            !fresh,
+        )?;
+    }
+    if transposed {
+        backend.matmul(params[0].grad_mut(backend)?, dy, x, None, true, false, true)?;
+    } else {
+        backend.matmul(params[0].grad_mut(backend)?, x, dy, None, true, false, true)?;
+    }
+    if params.len() > 1 {
+        backend.bias_backward(params[1].grad_mut(backend)?, dy)?;
+    }
+    Ok(())
+}
+
+fn missing(what: &str) -> Error {
+    Error::Backend {
+        backend: "executor",
+        message: format!("{what} is missing"),
+    }
+}
