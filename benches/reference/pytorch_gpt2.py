@@ -68,26 +68,29 @@ class Batches:
         return window[:-1].view(self.batch, self.seq), window[1:].view(self.batch, self.seq)
 
 
+def allow_every_sdpa_kernel(allow):
+    """Lets scaled_dot_product_attention choose any kernel, or (False) only flash."""
+    backends = torch.backends.cuda
+    backends.enable_flash_sdp(True)
+    backends.enable_mem_efficient_sdp(allow)
+    backends.enable_math_sdp(allow)
+    if hasattr(backends, "enable_cudnn_sdp"):
+        backends.enable_cudnn_sdp(allow)
+
+
 def use_flash_only(device):
     """Restricts scaled_dot_product_attention to the flash kernel; returns a description,
     or why it cannot be (then every SDPA kernel stays allowed)."""
     if device != "cuda":
         return "sdpa (any kernel: flash attention needs a GPU)"
-    backends = torch.backends.cuda
     q = torch.randn(1, 12, 64, 64, device=device, dtype=torch.bfloat16)
-    backends.enable_flash_sdp(True)
-    backends.enable_mem_efficient_sdp(False)
-    backends.enable_math_sdp(False)
-    if hasattr(backends, "enable_cudnn_sdp"):
-        backends.enable_cudnn_sdp(False)
+    allow_every_sdpa_kernel(False)
     try:
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
         return "sdpa, flash kernel only"
     except RuntimeError as e:
-        backends.enable_mem_efficient_sdp(True)
-        backends.enable_math_sdp(True)
-        reason = str(e).splitlines()[0]
-        return f"sdpa, any kernel (flash refused: {reason})"
+        allow_every_sdpa_kernel(True)
+        return f"sdpa, any kernel (flash refused: {str(e).splitlines()[0]})"
 
 
 def main():
@@ -163,9 +166,20 @@ def main():
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync()
         start = time.perf_counter()
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            logits = forward(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        try:
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                logits = forward(input_ids=x).logits
+        except RuntimeError as e:
+            # The model's attention call does not fit the flash kernel (a mask passed, say):
+            # say so, and let SDPA choose.
+            if step > 1 or "flash kernel only" not in attention:
+                raise
+            allow_every_sdpa_kernel(True)
+            attention = f"sdpa, any kernel (the model's call refused flash: {str(e).splitlines()[0]})"
+            print(attention, flush=True)
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                logits = forward(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -27,10 +27,17 @@
 # Settings (environment): STEPS (optimizer steps of the training runs, default 50),
 # BATCH (rows of 1024 tokens, default 8), STEP_TIMEOUT (seconds a step may take before it
 # is stopped and failed; default per step), TRAINKIT_CUDA_WHEELS (a pip --target folder
-# holding nvidia/cu13 from the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels), CUDA_HOME.
+# holding nvidia/cu13 from the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels), CUDA_HOME,
+# PYTHON (the python with torch, default python3).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python="${PYTHON:-python3}"
+# PyTorch runs with the loader path it came with: the CUDA libraries found below for
+# trainkit and llm.c go first on LD_LIBRARY_PATH, and could shadow the ones torch's
+# wheels were built against.
+orig_ld_path="${LD_LIBRARY_PATH:-}"
+py() { LD_LIBRARY_PATH="$orig_ld_path" "$python" "$@"; }
 steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
@@ -148,7 +155,8 @@ write_report() {
     say "trainkit GPU bundle report, $now"
     sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || true
     say "host: $(uname -n), $(nproc) cores; GPU: ${gpu:-none ($no_gpu)}"
-    say "NVRTC: ${found[libnvrtc.so.13]:-not found}; cuBLAS: ${found[libcublas.so.13]:-not found}; cuBLASLt: ${found[libcublasLt.so.13]:-not found}"
+    say "NVRTC: ${found[libnvrtc.so.13]:-not found}; cuBLAS: ${found[libcublas.so.13]:-not found};" \
+      "cuBLASLt: ${found[libcublasLt.so.13]:-not found}"
     say "CUDA headers: ${header:-not found}; nvcc: ${nvcc:-not found}; $python_torch"
     say "phases: ${phases[*]}"
     say ""
@@ -170,18 +178,20 @@ write_report() {
     printf '  "date": %s,\n  "host": %s,\n  "gpu": %s,\n  "no_gpu_reason": %s,\n' \
       "$(json_str "$now")" "$(json_str "$(uname -n)")" "$(json_str "$gpu")" "$(json_str "$no_gpu")"
     printf '  "bundle": %s,\n' "$(json_str "$(sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || true)")"
-    printf '  "libraries": {"nvrtc": %s, "cublas": %s, "cublaslt": %s, "cuda_include": %s, "nvcc": %s, "python": %s},\n' \
+    printf '  "libraries": {"nvrtc": %s, "cublas": %s, "cublaslt": %s, ' \
       "$(json_str "${found[libnvrtc.so.13]}")" "$(json_str "${found[libcublas.so.13]}")" \
-      "$(json_str "${found[libcublasLt.so.13]}")" "$(json_str "$header")" "$(json_str "$nvcc")" \
-      "$(json_str "$python_torch")"
+      "$(json_str "${found[libcublasLt.so.13]}")"
+    printf '"cuda_include": %s, "nvcc": %s, "python": %s},\n' \
+      "$(json_str "$header")" "$(json_str "$nvcc")" "$(json_str "$python_torch")"
     printf '  "phases": ['
     sep=""
     for p in "${phases[@]}"; do printf '%s%s' "$sep" "$(json_str "$p")"; sep=", "; done
     printf '],\n  "steps": [\n'
     for i in "${!names[@]}"; do
-      printf '    {"name": %s, "command": %s, "status": %s, "seconds": %s, "note": %s, "log": %s, "figures": {' \
-        "$(json_str "${names[$i]}")" "$(json_str "${commands[$i]}")" "$(json_str "${statuses[$i]}")" \
-        "${seconds[$i]}" "$(json_str "${notes[$i]}")" "$(json_str "${logs[$i]}")"
+      printf '    {"name": %s, "command": %s, "status": %s, ' "$(json_str "${names[$i]}")" \
+        "$(json_str "${commands[$i]}")" "$(json_str "${statuses[$i]}")"
+      printf '"seconds": %s, "note": %s, "log": %s, "figures": {' "${seconds[$i]}" \
+        "$(json_str "${notes[$i]}")" "$(json_str "${logs[$i]}")"
       sep=""
       IFS=';' read -r -a pairs <<<"${figures[$i]}"
       for kv in "${pairs[@]}"; do
@@ -302,18 +312,19 @@ section "CUDA libraries"
 # target/cuda-wheels beside the bundle, python3's site-packages: nvidia/cu13 and
 # nvidia/*). Only CUDA 13 libraries (.so.13) fit trainkit's bindings.
 lib_dirs=() inc_dirs=()
-for root in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda $(ls -d /usr/local/cuda-13* 2>/dev/null | sort -rV); do
-  [ -n "$root" ] && [ -d "$root" ] || continue
+mapfile -t versioned < <(printf '%s\n' /usr/local/cuda-13* | sort -rV)
+for root in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda "${versioned[@]}"; do
+  if [ -z "$root" ] || [ ! -d "$root" ]; then continue; fi
   lib_dirs+=("$root/lib64" "$root/targets/x86_64-linux/lib" "$root/lib")
   inc_dirs+=("$root/include" "$root/targets/x86_64-linux/include")
 done
 wheel_roots=()
 [ -n "${TRAINKIT_CUDA_WHEELS:-}" ] && wheel_roots+=("$TRAINKIT_CUDA_WHEELS")
 [ -d "$here/../cuda-wheels" ] && wheel_roots+=("$(cd "$here/../cuda-wheels" && pwd)")
-if command -v python3 >/dev/null 2>&1; then
+if command -v "$python" >/dev/null 2>&1; then
   while IFS= read -r site; do
     [ -n "$site" ] && [ -d "$site" ] && wheel_roots+=("$site")
-  done < <(python3 -c 'import site; print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null || true)
+  done < <(py -c 'import site; print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null || true)
 fi
 for w in "${wheel_roots[@]}"; do
   lib_dirs+=("$w/nvidia/cu13/lib")
@@ -378,8 +389,8 @@ for n in "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" /usr/local/cuda/bin/nvcc $(command 
   if [ -n "$n" ] && [ -x "$n" ]; then nvcc="$n"; break; fi
 done
 say "nvcc: ${nvcc:-not found}${nvcc:+ ($("$nvcc" --version | grep -o 'release [0-9.]*' | head -n1))}"
-python_torch="$(python3 -c 'import torch, transformers; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}), transformers {transformers.__version__}")' 2>&1 | tail -n1 || true)"
-say "python3: $(python3 --version 2>&1 || echo missing); $python_torch"
+python_torch="$(py -c 'import torch, transformers; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}), transformers {transformers.__version__}")' 2>&1 | tail -n1 || true)"
+say "$python: $(py --version 2>&1 || echo missing); $python_torch"
 cxx_found="$(command -v "${CXX:-c++}" 2>/dev/null || true)"
 say "C++ compiler for the CUDA emulator: ${cxx_found:-none (the emulator checks are skipped)}"
 
@@ -444,15 +455,16 @@ phase_reference() {
   local script="$here/reference/pytorch_gpt2.py" why=""
   if [ -n "$no_gpu" ]; then
     why="GPU checks skipped: $no_gpu"
-  elif ! python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
-    why="python3 with torch (CUDA available) and transformers is missing: $python_torch"
+  elif ! py -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    why="$python with torch (CUDA available) and transformers is missing: $python_torch"
   fi
   for mode in eager compile; do
     if [ -n "$why" ]; then
-      skip "pytorch_$mode" "python3 $script --mode $mode" "$why"
+      skip "pytorch_$mode" "$python $script --mode $mode" "$why"
       continue
     fi
-    run_step "pytorch_$mode" 600 figures_pytorch python3 "$script" --data "$data" \
+    run_step "pytorch_$mode" 600 figures_pytorch env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$script" --data "$data" \
       --mode "$mode" --batch "$batch" --seq "$seq" --steps "$steps" \
       --json "$report/logs/pytorch_$mode.json"
   done
