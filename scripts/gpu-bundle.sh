@@ -32,7 +32,8 @@ limit=$((60 << 20))
 
 for tool in cargo python3 strip; do
   if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "$tool is missing: the bundle is built with cargo, python3 (to read cargo's JSON) and strip" >&2
+    echo "$tool is missing: the bundle is built with cargo, python3 (to read cargo's" \
+      "JSON) and strip" >&2
     exit 1
   fi
 done
@@ -99,7 +100,11 @@ fi
 
 echo "== MANIFEST.txt"
 {
-  echo "trainkit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (with uncommitted changes)'), bundle built $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  commit="$(git rev-parse --short HEAD 2>/dev/null || echo 'of no known commit')"
+  if git rev-parse HEAD >/dev/null 2>&1 && ! git diff --quiet HEAD -- . 2>/dev/null; then
+    commit="$commit (with uncommitted changes)"
+  fi
+  echo "trainkit $commit, bundle built $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "$(rustc --version), $(uname -sm)"
   echo "token file: $(basename "$text") -> data/tinyshakespeare.bin, data/tinyshakespeare_val.bin"
   if [ -f "$bundle/llmc/COMMIT" ]; then
@@ -115,7 +120,8 @@ echo "== MANIFEST.txt"
 
 # NVRTC and the headers from the pip wheels, so that run.sh can compile the kernels here.
 wheels="$root/target/cuda-wheels"
-if [ ! -e "$wheels/nvidia/cu13/lib/libnvrtc.so.13" ] || [ ! -f "$wheels/nvidia/cu13/include/cuda_bf16.h" ]; then
+cu13="$wheels/nvidia/cu13"
+if [ ! -e "$cu13/lib/libnvrtc.so.13" ] || [ ! -f "$cu13/include/cuda_bf16.h" ]; then
   echo "== NVRTC 13.0 and the CUDA headers (pip wheels) into $wheels, for a rehearsal here"
   if ! python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$wheels" \
     'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'; then
@@ -124,7 +130,8 @@ if [ ! -e "$wheels/nvidia/cu13/lib/libnvrtc.so.13" ] || [ ! -f "$wheels/nvidia/c
 fi
 
 size="$(du -sb "$bundle" | cut -f1)"
-echo "== $bundle: $(numfmt --to=iec-i --suffix=B "$size") ($size bytes) in $(find "$bundle" -type f | wc -l) files"
+files="$(find "$bundle" -type f | wc -l)"
+echo "== $bundle: $(numfmt --to=iec-i --suffix=B "$size") ($size bytes) in $files files"
 du -sh "$bundle"/* | sort -h
 if [ "$size" -gt "$limit" ]; then
   echo "the bundle is over 60 MiB: too large to carry to the GPU machine" >&2

@@ -70,7 +70,7 @@ say() { printf '%s\n' "$*"; }
 section() { printf '\n==== %s\n' "$*"; }
 
 # ---------------------------------------------------------------------------------------
-# The report: one entry per step, kept in parallel arrays until the end.
+# The report: one entry per step, in parallel arrays; written out after every step.
 names=() commands=() statuses=() seconds=() figures=() notes=() logs=()
 
 # record NAME COMMAND STATUS SECONDS FIGURES NOTE LOG: FIGURES is "key=value;key=value".
@@ -94,8 +94,8 @@ amend_last() {
 skip() { record "$1" "$2" skipped 0 "" "$3" ""; }
 
 # run_step NAME TIMEOUT FIGURE_FUNCTION COMMAND...: runs COMMAND with its output shown and
-# kept in logs/NAME.log, then records it; FIGURE_FUNCTION (or "-") reads figures from the
-# log and may print "note=..." to explain a failure.
+# kept in logs/NAME.log, then records it; FIGURE_FUNCTION (or "-") reads the figures from
+# the log. A step still running after TIMEOUT seconds (or $STEP_TIMEOUT) is stopped.
 run_step() {
   local name="$1" limit="${STEP_TIMEOUT:-$2}" parse="$3"
   shift 3
@@ -418,7 +418,7 @@ phase_tests() {
   fi
   local name=cuda_backend
   [ -z "$gpu" ] && name=cuda_backend_emulator_only
-  run_step "$name" 900 figures_cargo_test "$bin/cuda_backend" --nocapture --test-threads=1
+  run_step "$name" 480 figures_cargo_test "$bin/cuda_backend" --nocapture --test-threads=1
   if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
     amend_last fail "a GPU is here, but the tests did not use it: $(grep -m1 -o 'GPU checks SKIPPED.*' "$report/logs/$name.log")"
   fi
@@ -438,12 +438,12 @@ phase_bench() {
       --steps 2 --device cpu
     return 0
   fi
-  run_step gpu_bench 600 figures_gpu_bench "$bin/gpu_bench" --batch "$batch"
+  run_step gpu_bench 420 figures_gpu_bench "$bin/gpu_bench" --batch "$batch"
   if grep -q 'gpu_bench needs a GPU' "$report/logs/gpu_bench.log"; then
     amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/gpu_bench.log")"
   fi
   rm -f "$work/train-log.jsonl"
-  run_step trainkit_train_gpu 600 figures_trainkit_train "$bin/trainkit" train \
+  run_step trainkit_train_gpu 420 figures_trainkit_train "$bin/trainkit" train \
     --config "$here/gpt2-124m.toml" --data "$data" --steps "$steps" --batch-size "$batch" \
     --seq-len "$seq" --grad-accum 1 --recompute none --precision bf16 \
     --lr-schedule constant --warmup-steps 0 --eval-every 0 --save-every 0 \
@@ -463,7 +463,7 @@ phase_reference() {
       skip "pytorch_$mode" "$python $script --mode $mode" "$why"
       continue
     fi
-    run_step "pytorch_$mode" 600 figures_pytorch env LD_LIBRARY_PATH="$orig_ld_path" \
+    run_step "pytorch_$mode" 480 figures_pytorch env LD_LIBRARY_PATH="$orig_ld_path" \
       "$python" "$script" --data "$data" \
       --mode "$mode" --batch "$batch" --seq "$seq" --steps "$steps" \
       --json "$report/logs/pytorch_$mode.json"
@@ -500,7 +500,7 @@ phase_llmc() {
       say "note: llm.c's cudaMemAdvise call was not found to adapt for CUDA $major"
   fi
   sed -i 's/^#if __has_include(<nvml.h>)$/#if 0 \/\/ NVML left out by run.sh/' "$build/llmc/mfu.h"
-  run_step llmc_build 600 - "$nvcc" --threads=0 -t=0 --use_fast_math -std=c++17 -O3 \
+  run_step llmc_build 420 - "$nvcc" --threads=0 -t=0 --use_fast_math -std=c++17 -O3 \
     "--generate-code=arch=compute_$cc,code=[compute_$cc,sm_$cc]" -DENABLE_BF16 \
     "$build/train_gpt2.cu" -I"$build" -lcublas -lcublasLt -o "$build/train_gpt2cu"
   if [ "${statuses[-1]}" != pass ]; then
@@ -509,7 +509,7 @@ phase_llmc() {
   fi
   # GPT-2 124M from scratch (-e d12), batch × 1024 tokens a step, lr 6e-4 constant, weight
   # decay 0.1, no sampling; validation only at the first and last step.
-  run_step llmc_train 600 figures_llmc "$build/train_gpt2cu" -i "$data" -j "$val" \
+  run_step llmc_train 300 figures_llmc "$build/train_gpt2cu" -i "$data" -j "$val" \
     -e d12 -b "$batch" -t "$seq" -d "$((batch * seq))" -x "$steps" -l 0.0006 -u 0 -q 1.0 \
     -c 0.1 -v 1000 -m 4 -s 0 -h 0 -y 0
 }
