@@ -225,7 +225,9 @@ figures_cargo_test() {
 
 figures_gpu_bench() {
   # "fp32: batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s; ledger peak X, pool peak Y"
-  sed -n -E 's/^(fp32[^:]*|bf16 mixed): .*median ([0-9]+) tokens\/s, best ([0-9]+) tokens\/s; ledger peak ([^,]+), pool peak (.+)$/\1|\2|\3|\4|\5/p' "$1" |
+  local pattern='^(fp32[^:]*|bf16 mixed): .*median ([0-9]+) tokens/s, best ([0-9]+) tokens/s;'
+  pattern+=' ledger peak ([^,]+), pool peak (.+)$'
+  sed -n -E "s#$pattern#\\1|\\2|\\3|\\4|\\5#p" "$1" |
     while IFS='|' read -r what median best ledger pool; do
       key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
       printf '%s_tokens_per_s_median=%s;%s_tokens_per_s_best=%s;%s_ledger_peak=%s;%s_pool_peak=%s;' \
@@ -279,7 +281,10 @@ figures_llmc() {
   awk 'NR == 1 { printf "loss_first=%s;", $5 } END { printf "steps=%d;loss_last=%s;", NR, $5 }' "$lines"
   awk '{ for (i = 2; i <= NF; i++) if ($i == "tok/s") t = $(i-1) } END { printf "tokens_per_s_ema=%s;", t }' "$lines"
   m="$(awk 'NR > 3 { for (i = 2; i <= NF; i++) if ($i == "ms") print $(i-1) }' "$lines" | median)"
-  [ -n "$m" ] && printf 'ms_per_step_median=%s;tokens_per_s_median=%.0f;' "$m" "$(awk -v ms="$m" -v n="$((batch * seq))" 'BEGIN { print n / (ms / 1000) }')"
+  if [ -n "$m" ]; then
+    printf 'ms_per_step_median=%s;tokens_per_s_median=%.0f;' "$m" \
+      "$(awk -v ms="$m" -v n="$((batch * seq))" 'BEGIN { print n / (ms / 1000) }')"
+  fi
   return 0
 }
 
@@ -302,7 +307,11 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$work/gpus" 2>&1 && 
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || true
   no_gpu=""
 else
-  no_gpu="no NVIDIA GPU answers here ($(command -v nvidia-smi >/dev/null 2>&1 && head -c 200 "$work/gpus" | tr '\n' ' ' || echo 'nvidia-smi not found'))"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    no_gpu="no NVIDIA GPU answers here (nvidia-smi: $(head -c 200 "$work/gpus" | tr '\n' ' '))"
+  else
+    no_gpu="no NVIDIA GPU answers here (nvidia-smi not found)"
+  fi
   say "$no_gpu"
 fi
 
@@ -324,7 +333,8 @@ wheel_roots=()
 if command -v "$python" >/dev/null 2>&1; then
   while IFS= read -r site; do
     [ -n "$site" ] && [ -d "$site" ] && wheel_roots+=("$site")
-  done < <(py -c 'import site; print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null || true)
+  done < <(py -c 'import site
+print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null || true)
 fi
 for w in "${wheel_roots[@]}"; do
   lib_dirs+=("$w/nvidia/cu13/lib")
@@ -389,7 +399,10 @@ for n in "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" /usr/local/cuda/bin/nvcc $(command 
   if [ -n "$n" ] && [ -x "$n" ]; then nvcc="$n"; break; fi
 done
 say "nvcc: ${nvcc:-not found}${nvcc:+ ($("$nvcc" --version | grep -o 'release [0-9.]*' | head -n1))}"
-python_torch="$(py -c 'import torch, transformers; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}), transformers {transformers.__version__}")' 2>&1 | tail -n1 || true)"
+python_torch="$(py -c 'import torch, transformers
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available:",
+      f"{torch.cuda.is_available()}), transformers {transformers.__version__}")' 2>&1 |
+  tail -n1 || true)"
 say "$python: $(py --version 2>&1 || echo missing); $python_torch"
 cxx_found="$(command -v "${CXX:-c++}" 2>/dev/null || true)"
 say "C++ compiler for the CUDA emulator: ${cxx_found:-none (the emulator checks are skipped)}"
@@ -420,7 +433,9 @@ phase_tests() {
   [ -z "$gpu" ] && name=cuda_backend_emulator_only
   run_step "$name" 480 figures_cargo_test "$bin/cuda_backend" --nocapture --test-threads=1
   if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
-    amend_last fail "a GPU is here, but the tests did not use it: $(grep -m1 -o 'GPU checks SKIPPED.*' "$report/logs/$name.log")"
+    local reason
+    reason="$(grep -m1 -o 'GPU checks SKIPPED.*' "$report/logs/$name.log")"
+    amend_last fail "a GPU is here, but the tests did not use it: $reason"
   fi
   if [ -n "$no_gpu" ]; then
     skip cuda_backend_gpu "$bin/cuda_backend --nocapture --test-threads=1" \
@@ -494,7 +509,8 @@ phase_llmc() {
   cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d ' .')"
   major="$("$nvcc" --version | sed -n -E 's/.*release ([0-9]+)\..*/\1/p' | head -n1)"
   if [ "${major:-0}" -ge 13 ]; then
-    sed -i 's/cudaMemAdvise(\*out, bytes, cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdvise(*out, bytes, cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
+    local call='cudaMemAdvise(\*out, bytes, cudaMemAdviseSetPreferredLocation'
+    sed -i "s/$call, cudaCpuDeviceId)/$call, cudaMemLocation{cudaMemLocationTypeHost, 0})/" \
       "$build/llmc/cuda_utils.cuh"
     grep -q 'cudaMemLocationTypeHost' "$build/llmc/cuda_utils.cuh" ||
       say "note: llm.c's cudaMemAdvise call was not found to adapt for CUDA $major"
