@@ -105,7 +105,8 @@ echo "== MANIFEST.txt"
     commit="$commit (with uncommitted changes)"
   fi
   echo "trainkit $commit, bundle built $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "$(rustc --version), $(uname -sm)"
+  glibc="$(objdump -T "$bundle"/bin/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n1)"
+  echo "$(rustc --version), $(uname -sm); the binaries need glibc ${glibc#GLIBC_} or newer"
   echo "token file: $(basename "$text") -> data/tinyshakespeare.bin, data/tinyshakespeare_val.bin"
   if [ -f "$bundle/llmc/COMMIT" ]; then
     echo "llm.c: $(cat "$bundle/llmc/COMMIT")"

@@ -299,6 +299,8 @@ median() {
 section "bundle"
 sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || say "(no MANIFEST.txt)"
 say "report folder: $report"
+libc="$(ldd --version 2>&1 | head -n1 || true)"
+say "this machine: $(uname -sm), ${libc:-glibc unknown}"
 
 section "GPU"
 gpu=""
