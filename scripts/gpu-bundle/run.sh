@@ -1,0 +1,551 @@
+#!/usr/bin/env bash
+# trainkit's GPU verification bundle: runs on a machine with no Rust and no network.
+# scripts/gpu-bundle.sh builds the bundle (target/gpu-bundle) and copies this script into
+# it; the script finds everything else beside itself, so it runs from any directory:
+#
+#   bash target/gpu-bundle/run.sh                  # every phase, in order
+#   bash target/gpu-bundle/run.sh tests bench      # some phases (in the order given)
+#
+# Phases:
+#   tests      the CUDA test binaries with output shown: every kernel compiled by NVRTC,
+#              every op against its CPU twin in both precisions, a training step, every
+#              recompute policy, one host wait per step, out of memory beyond the device,
+#              the default run's first 50 steps against the CPU
+#   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32 and mixed bf16)
+#   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
+#   reference  the PyTorch reference on the same token file and batch, eager then
+#              torch.compile (needs python3 with torch and transformers)
+#   llmc       llm.c's train_gpt2cu (when the bundle holds its source), built with nvcc
+#              and run on the same token file and batch
+#
+# Every step's output is shown and kept in logs/; the report (report.txt, report.json:
+# each step's name, command, status pass/fail/skipped, seconds and the figures read from
+# its output) goes to $OUT when set, else to a new folder it names. A failing step is
+# recorded and the rest still run. Without a GPU the GPU steps are reported as skipped,
+# with the reason. Exit status: 0 when no step failed, 1 otherwise.
+#
+# Settings (environment): STEPS (optimizer steps of the training runs, default 50),
+# BATCH (rows of 1024 tokens, default 8), STEP_TIMEOUT (seconds a step may take before it
+# is stopped and failed; default per step), TRAINKIT_CUDA_WHEELS (a pip --target folder
+# holding nvidia/cu13 from the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels), CUDA_HOME,
+# PYTHON (the python with torch, default python3).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python="${PYTHON:-python3}"
+# PyTorch runs with the loader path it came with: the CUDA libraries found below for
+# trainkit and llm.c go first on LD_LIBRARY_PATH, and could shadow the ones torch's
+# wheels were built against.
+orig_ld_path="${LD_LIBRARY_PATH:-}"
+py() { LD_LIBRARY_PATH="$orig_ld_path" "$python" "$@"; }
+steps="${STEPS:-50}"
+batch="${BATCH:-8}"
+seq=1024
+
+all_phases=(tests bench train reference llmc)
+if [ "$#" -eq 0 ]; then
+  phases=("${all_phases[@]}")
+else
+  phases=("$@")
+  for p in "${phases[@]}"; do
+    case " ${all_phases[*]} " in
+      *" $p "*) ;;
+      *) echo "unknown phase '$p': use ${all_phases[*]}" >&2; exit 2 ;;
+    esac
+  done
+fi
+
+# The report folder: $OUT, else a new folder in the current directory.
+if [ -n "${OUT:-}" ]; then
+  report="$OUT"
+else
+  report="$PWD/gpu-bundle-report-$(date +%Y%m%d-%H%M%S)"
+fi
+mkdir -p "$report/logs"
+report="$(cd "$report" && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/trainkit-gpu-bundle.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+say() { printf '%s\n' "$*"; }
+section() { printf '\n==== %s\n' "$*"; }
+
+# ---------------------------------------------------------------------------------------
+# The report: one entry per step, in parallel arrays; written out after every step.
+names=() commands=() statuses=() seconds=() figures=() notes=() logs=()
+
+# record NAME COMMAND STATUS SECONDS FIGURES NOTE LOG: FIGURES is "key=value;key=value".
+record() {
+  names+=("$1") commands+=("$2") statuses+=("$3") seconds+=("$4") figures+=("$5")
+  notes+=("$6") logs+=("$7")
+  printf -- '---- %s: %s (%ss)%s\n' "$1" "$3" "$4" "${6:+: $6}"
+  write_report
+}
+
+# amend_last STATUS NOTE: changes the last step's status (a test binary that passed
+# without reaching the GPU it should have used fails; one that could only say why it
+# skipped is skipped), and rewrites the report.
+amend_last() {
+  statuses[-1]="$1"
+  notes[-1]="$2"
+  printf -- '---- %s: %s: %s\n' "${names[-1]}" "$1" "$2"
+  write_report
+}
+
+skip() { record "$1" "$2" skipped 0 "" "$3" ""; }
+
+# run_step NAME TIMEOUT FIGURE_FUNCTION COMMAND...: runs COMMAND with its output shown and
+# kept in logs/NAME.log, then records it; FIGURE_FUNCTION (or "-") reads the figures from
+# the log. A step still running after TIMEOUT seconds (or $STEP_TIMEOUT) is stopped.
+run_step() {
+  local name="$1" limit="${STEP_TIMEOUT:-$2}" parse="$3"
+  shift 3
+  local log="$report/logs/$name.log" rc start end status note="" figs=""
+  section "$name: $*"
+  start=$(date +%s.%N)
+  set +e
+  timeout --kill-after=30 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  end=$(date +%s.%N)
+  if [ "$rc" -eq 0 ]; then
+    status=pass
+  else
+    status=fail
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+      note="stopped after ${limit}s (STEP_TIMEOUT)"
+    else
+      note="exit status $rc"
+    fi
+  fi
+  if [ "$parse" != "-" ]; then
+    figs="$("$parse" "$log" | tr -d '\n' || true)"
+  fi
+  record "$name" "$*" "$status" "$(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}')" \
+    "$figs" "$note" "logs/$name.log"
+}
+
+json_str() {
+  # A JSON string: backslashes, quotes and control characters escaped.
+  local s="$1"
+  s="${s//\\/\\\\}"; s="${s//\"/\\\"}"; s="${s//$'\n'/\\n}"; s="${s//$'\t'/\\t}"; s="${s//$'\r'/}"
+  printf '"%s"' "$(printf '%s' "$s" | tr -d '\000-\010\013\014\016-\037')"
+}
+
+json_value() {
+  if [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]]; then printf '%s' "$1"; else json_str "$1"; fi
+}
+
+# write_report: report.txt and report.json from the steps recorded so far (rewritten after
+# every step, so that a run stopped from outside still leaves its report). Sets $failed.
+write_report() {
+  local passed=0 skipped=0 verdict s i p sep kv pairs now
+  failed=0
+  for s in "${statuses[@]}"; do
+    case "$s" in
+      pass) passed=$((passed + 1)) ;;
+      fail) failed=$((failed + 1)) ;;
+      *) skipped=$((skipped + 1)) ;;
+    esac
+  done
+  verdict=PASS
+  [ "$failed" -gt 0 ] && verdict=FAIL
+  now="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+
+  {
+    say "trainkit GPU bundle report, $now"
+    sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || true
+    say "host: $(uname -n), $(nproc) cores; GPU: ${gpu:-none ($no_gpu)}"
+    say "NVRTC: ${found[libnvrtc.so.13]:-not found}; cuBLAS: ${found[libcublas.so.13]:-not found};" \
+      "cuBLASLt: ${found[libcublasLt.so.13]:-not found}"
+    say "CUDA headers: ${header:-not found}; nvcc: ${nvcc:-not found}; $python_torch"
+    say "phases: ${phases[*]}"
+    say ""
+    for i in "${!names[@]}"; do
+      printf '%-28s %-8s %8ss  %s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "${notes[$i]}"
+      printf '    command: %s\n' "${commands[$i]}"
+      if [ -n "${figures[$i]}" ]; then
+        tr ';' '\n' <<<"${figures[$i]}" | sed '/^$/d; s/^/    /; s/=/: /'
+      fi
+    done
+    say ""
+    say "$verdict: $passed passed, $failed failed, $skipped skipped"
+    if [ -n "$no_gpu" ]; then say "GPU checks skipped: $no_gpu"; fi
+  } >"$report/report.txt"
+
+  {
+    printf '{\n  "verdict": %s,\n  "passed": %d,\n  "failed": %d,\n  "skipped": %d,\n' \
+      "$(json_str "$verdict")" "$passed" "$failed" "$skipped"
+    printf '  "date": %s,\n  "host": %s,\n  "gpu": %s,\n  "no_gpu_reason": %s,\n' \
+      "$(json_str "$now")" "$(json_str "$(uname -n)")" "$(json_str "$gpu")" "$(json_str "$no_gpu")"
+    printf '  "bundle": %s,\n' "$(json_str "$(sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || true)")"
+    printf '  "libraries": {"nvrtc": %s, "cublas": %s, "cublaslt": %s, ' \
+      "$(json_str "${found[libnvrtc.so.13]}")" "$(json_str "${found[libcublas.so.13]}")" \
+      "$(json_str "${found[libcublasLt.so.13]}")"
+    printf '"cuda_include": %s, "nvcc": %s, "python": %s},\n' \
+      "$(json_str "$header")" "$(json_str "$nvcc")" "$(json_str "$python_torch")"
+    printf '  "phases": ['
+    sep=""
+    for p in "${phases[@]}"; do printf '%s%s' "$sep" "$(json_str "$p")"; sep=", "; done
+    printf '],\n  "steps": [\n'
+    for i in "${!names[@]}"; do
+      printf '    {"name": %s, "command": %s, "status": %s, ' "$(json_str "${names[$i]}")" \
+        "$(json_str "${commands[$i]}")" "$(json_str "${statuses[$i]}")"
+      printf '"seconds": %s, "note": %s, "log": %s, "figures": {' "${seconds[$i]}" \
+        "$(json_str "${notes[$i]}")" "$(json_str "${logs[$i]}")"
+      sep=""
+      IFS=';' read -r -a pairs <<<"${figures[$i]}"
+      for kv in "${pairs[@]}"; do
+        [ -n "$kv" ] || continue
+        printf '%s%s: %s' "$sep" "$(json_str "${kv%%=*}")" "$(json_value "${kv#*=}")"
+        sep=", "
+      done
+      if [ "$i" -lt $((${#names[@]} - 1)) ]; then printf '}},\n'; else printf '}}\n'; fi
+    done
+    printf '  ]\n}\n'
+  } >"$report/report.json"
+}
+
+# ---------------------------------------------------------------------------------------
+# Figures read from the logs (each prints key=value;key=value).
+
+figures_cargo_test() {
+  # libtest's summary line and the lines saying what was skipped.
+  awk '/^test result:/ {
+         for (i = 1; i <= NF; i++) {
+           if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i
+         }
+       }
+       /SKIPPED|skipped:/ { s++ }
+       END { printf "passed=%d;failed=%d;lines_saying_skipped=%d", p, f, s }' "$1"
+  local found
+  found="$(grep -m1 -o -E 'GPU checks run on .*|NVRTC [0-9]+\.[0-9]+, headers from .*' "$1" || true)"
+  [ -n "$found" ] && printf ';found=%s' "$(tr ';=' ',:' <<<"$found")"
+  return 0
+}
+
+figures_gpu_bench() {
+  # "fp32: batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s; ledger peak X, pool peak Y"
+  local pattern='^(fp32[^:]*|bf16 mixed): .*median ([0-9]+) tokens/s, best ([0-9]+) tokens/s;'
+  pattern+=' ledger peak ([^,]+), pool peak (.+)$'
+  sed -n -E "s#$pattern#\\1|\\2|\\3|\\4|\\5#p" "$1" |
+    while IFS='|' read -r what median best ledger pool; do
+      key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
+      printf '%s_tokens_per_s_median=%s;%s_tokens_per_s_best=%s;%s_ledger_peak=%s;%s_pool_peak=%s;' \
+        "$key" "$median" "$key" "$best" "$key" "$ledger" "$key" "$pool"
+    done
+  return 0
+}
+
+figures_trainkit_train() {
+  # The --log-json file: the first and last steps' losses, the median tokens/s after the
+  # first 3 steps.
+  local json="$work/train-log.jsonl" m
+  [ -s "$json" ] || return 0
+  m="$(sed -n -E '4,$s/.*"tokens_per_s":([-0-9.eE+]+).*/\1/p' "$json" | median)"
+  [ -n "$m" ] && printf 'tokens_per_s_median=%.0f;' "$m"
+  sed -n -E '1s/.*"loss":([-0-9.eE+]+).*/loss_first=\1;/p; $s/.*"loss":([-0-9.eE+]+).*/loss_last=\1;/p' "$json"
+  tail -n1 "$json" | sed -n -E 's/.*"step":([0-9]+).*/steps=\1;/p'
+  # The highest peaks of any step: the ledger's, and the device pool's.
+  sed -n -E 's/.*"memory_peak_total":([0-9]+).*/\1/p' "$json" | sort -n | tail -n1 |
+    sed 's/^/ledger_peak_bytes=/; s/$/;/'
+  sed -n -E 's/.*"pool_reserved_peak":([0-9]+).*/\1/p' "$json" | sort -n | tail -n1 |
+    sed 's/^/pool_peak_bytes=/; s/$/;/'
+  return 0
+}
+
+figures_pytorch() {
+  # The RESULT line's JSON, flattened (numbers and short strings only).
+  local line
+  line="$(grep -m1 '^RESULT ' "$1" | cut -c8- || true)"
+  [ -n "$line" ] || return 0
+  python3 - "$line" <<'EOF'
+import json, sys
+r = json.loads(sys.argv[1])
+keys = ["tokens_per_s_median", "tokens_per_s_best", "ms_per_step_median",
+        "peak_allocated_bytes", "peak_reserved_bytes", "loss_first", "loss_last", "steps",
+        "first_step_s", "attention", "torch"]
+out = []
+for k in keys:
+    if k in r:
+        v = r[k]
+        v = f"{v:.6g}" if isinstance(v, float) else str(v)
+        out.append(k + "=" + v.replace(";", ",").replace("=", ":"))
+print(";".join(out))
+EOF
+}
+
+figures_llmc() {
+  # llm.c's step lines: "step   50/50 | loss 7.1 (+0.00z)| norm ... | 123.45 ms | 45.6% bf16 MFU | 98765 tok/s"
+  local lines="$work/llmc-steps" m
+  grep -E '^step +[0-9]+/[0-9]+ \| loss' "$1" >"$lines" || return 0
+  awk 'NR == 1 { printf "loss_first=%s;", $5 } END { printf "steps=%d;loss_last=%s;", NR, $5 }' "$lines"
+  awk '{ for (i = 2; i <= NF; i++) if ($i == "tok/s") t = $(i-1) } END { printf "tokens_per_s_ema=%s;", t }' "$lines"
+  m="$(awk 'NR > 3 { for (i = 2; i <= NF; i++) if ($i == "ms") print $(i-1) }' "$lines" | median)"
+  if [ -n "$m" ]; then
+    printf 'ms_per_step_median=%s;tokens_per_s_median=%.0f;' "$m" \
+      "$(awk -v ms="$m" -v n="$((batch * seq))" 'BEGIN { print n / (ms / 1000) }')"
+  fi
+  return 0
+}
+
+# median: the median of the numbers on standard input (nothing when there are none).
+median() {
+  sort -g | awk '{ a[NR] = $1 } END { if (NR) print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'
+}
+
+# ---------------------------------------------------------------------------------------
+# The machine: the GPU, and where NVRTC, cuBLAS and the CUDA headers are.
+
+section "bundle"
+sed '/^$/q' "$here/MANIFEST.txt" 2>/dev/null || say "(no MANIFEST.txt)"
+say "report folder: $report"
+libc="$(ldd --version 2>&1 | head -n1 || true)"
+say "this machine: $(uname -sm), ${libc:-glibc unknown}"
+
+section "GPU"
+gpu=""
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$work/gpus" 2>&1 && grep -q '^GPU ' "$work/gpus"; then
+  gpu="$(head -n1 "$work/gpus")"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || true
+  no_gpu=""
+else
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    no_gpu="no NVIDIA GPU answers here (nvidia-smi: $(head -c 200 "$work/gpus" | tr '\n' ' '))"
+  else
+    no_gpu="no NVIDIA GPU answers here (nvidia-smi not found)"
+  fi
+  say "$no_gpu"
+fi
+
+section "CUDA libraries"
+# Each library from the first place that has it: the toolkit (CUDA_HOME, CUDA_PATH,
+# /usr/local/cuda, /usr/local/cuda-13*), then pip wheels (TRAINKIT_CUDA_WHEELS,
+# target/cuda-wheels beside the bundle, python3's site-packages: nvidia/cu13 and
+# nvidia/*). Only CUDA 13 libraries (.so.13) fit trainkit's bindings.
+lib_dirs=() inc_dirs=()
+mapfile -t versioned < <(printf '%s\n' /usr/local/cuda-13* | sort -rV)
+for root in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda "${versioned[@]}"; do
+  if [ -z "$root" ] || [ ! -d "$root" ]; then continue; fi
+  lib_dirs+=("$root/lib64" "$root/targets/x86_64-linux/lib" "$root/lib")
+  inc_dirs+=("$root/include" "$root/targets/x86_64-linux/include")
+done
+wheel_roots=()
+[ -n "${TRAINKIT_CUDA_WHEELS:-}" ] && wheel_roots+=("$TRAINKIT_CUDA_WHEELS")
+[ -d "$here/../cuda-wheels" ] && wheel_roots+=("$(cd "$here/../cuda-wheels" && pwd)")
+if command -v "$python" >/dev/null 2>&1; then
+  while IFS= read -r site; do
+    [ -n "$site" ] && [ -d "$site" ] && wheel_roots+=("$site")
+  done < <(py -c 'import site
+print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null || true)
+fi
+for w in "${wheel_roots[@]}"; do
+  lib_dirs+=("$w/nvidia/cu13/lib")
+  inc_dirs+=("$w/nvidia/cu13/include")
+  for d in "$w"/nvidia/*/lib; do lib_dirs+=("$d"); done
+  for d in "$w"/nvidia/*/include; do inc_dirs+=("$d"); done
+done
+
+# Each existing directory once, in order.
+dedupe() { awk '!seen[$0]++'; }
+existing() { while IFS= read -r d; do if [ -d "$d" ]; then printf '%s\n' "$d"; fi; done; }
+mapfile -t lib_dirs < <(printf '%s\n' "${lib_dirs[@]}" | existing | dedupe)
+mapfile -t inc_dirs < <(printf '%s\n' "${inc_dirs[@]}" | existing | dedupe)
+
+# find_lib PATTERN: the first lib dir holding a file matching PATTERN (prints "dir file").
+find_lib() {
+  local d f
+  for d in "${lib_dirs[@]}"; do
+    for f in "$d"/$1; do
+      [ -e "$f" ] && { printf '%s %s\n' "$d" "$f"; return 0; }
+    done
+  done
+  return 1
+}
+
+found_dirs=()
+declare -A found=()
+for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
+  if hit="$(find_lib "$lib*")"; then
+    found[$lib]="${hit#* }"
+    found_dirs+=("${hit%% *}")
+    say "$lib: ${hit#* }"
+  else
+    found[$lib]=""
+    say "$lib: NOT FOUND (looked in: ${lib_dirs[*]:-nothing})"
+  fi
+done
+header=""
+for d in "${TRAINKIT_CUDA_INCLUDE:-}" "${inc_dirs[@]}"; do
+  if [ -n "$d" ] && [ -f "$d/cuda_bf16.h" ]; then header="$d"; break; fi
+done
+if [ -n "$header" ]; then
+  say "cuda_bf16.h: $header"
+  export TRAINKIT_CUDA_INCLUDE="$header"
+else
+  say "cuda_bf16.h: NOT FOUND (looked in: ${inc_dirs[*]:-nothing})"
+fi
+# The CUDA driver library comes with the driver, from the loader's usual places.
+driver_lib="$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / { print $NF; exit }')"
+say "libcuda.so.1 (driver): ${driver_lib:-not in the loader cache}"
+path=""
+for d in "${found_dirs[@]}"; do
+  case ":$path:" in *":$d:"*) ;; *) path="${path:+$path:}$d" ;; esac
+done
+if [ -n "$path" ]; then
+  export LD_LIBRARY_PATH="$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+say "TRAINKIT_CUDA_INCLUDE=${TRAINKIT_CUDA_INCLUDE:-}"
+nvcc=""
+for n in "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" /usr/local/cuda/bin/nvcc $(command -v nvcc 2>/dev/null || true); do
+  if [ -n "$n" ] && [ -x "$n" ]; then nvcc="$n"; break; fi
+done
+say "nvcc: ${nvcc:-not found}${nvcc:+ ($("$nvcc" --version | grep -o 'release [0-9.]*' | head -n1))}"
+python_torch="$(py -c 'import torch, transformers
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available:",
+      f"{torch.cuda.is_available()}), transformers {transformers.__version__}")' 2>&1 |
+  tail -n1 || true)"
+say "$python: $(py --version 2>&1 || echo missing); $python_torch"
+cxx_found="$(command -v "${CXX:-c++}" 2>/dev/null || true)"
+say "C++ compiler for the CUDA emulator: ${cxx_found:-none (the emulator checks are skipped)}"
+
+# A cache of compiled kernels of this run's own, so every run compiles them afresh.
+export TRAINKIT_CACHE_DIR="$work/kernel-cache"
+export TRAINKIT_EMU_DIR="$work/emu"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+bin="$here/bin"
+data="$here/data/tinyshakespeare.bin"
+val="$here/data/tinyshakespeare_val.bin"
+
+# ---------------------------------------------------------------------------------------
+phase_tests() {
+  if [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
+    # A kernel that does not compile fails, rather than skips.
+    TRAINKIT_REQUIRE_NVRTC=1 run_step nvrtc_kernels 300 figures_cargo_test \
+      "$bin/nvrtc_kernels" --nocapture --test-threads=1
+  else
+    # The binary says what it misses; without a GPU that is a skip, with one a failure.
+    run_step nvrtc_kernels 300 figures_cargo_test "$bin/nvrtc_kernels" --nocapture --test-threads=1
+    local why="NVRTC 13 or cuda_bf16.h not found (see \"CUDA libraries\" above)"
+    if [ "${statuses[-1]}" = pass ]; then
+      if [ -n "$gpu" ]; then amend_last fail "$why"; else amend_last skipped "$why"; fi
+    fi
+  fi
+  local name=cuda_backend
+  [ -z "$gpu" ] && name=cuda_backend_emulator_only
+  run_step "$name" 480 figures_cargo_test "$bin/cuda_backend" --nocapture --test-threads=1
+  if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
+    local reason
+    reason="$(grep -m1 -o 'GPU checks SKIPPED.*' "$report/logs/$name.log")"
+    amend_last fail "a GPU is here, but the tests did not use it: $reason"
+  fi
+  if [ -n "$no_gpu" ]; then
+    skip cuda_backend_gpu "$bin/cuda_backend --nocapture --test-threads=1" \
+      "GPU checks skipped: $no_gpu (the run above covered the CPU emulator only)"
+  fi
+}
+
+phase_bench() {
+  if [ -n "$no_gpu" ]; then
+    skip gpu_bench "$bin/gpu_bench" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  run_step gpu_bench 420 figures_gpu_bench "$bin/gpu_bench" --batch "$batch"
+  if grep -q 'gpu_bench needs a GPU' "$report/logs/gpu_bench.log"; then
+    amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/gpu_bench.log")"
+  fi
+}
+
+phase_train() {
+  if [ -n "$no_gpu" ]; then
+    skip trainkit_train_gpu "$bin/trainkit train --device cuda ..." "GPU checks skipped: $no_gpu"
+    # The binary and the token file, on the CPU: two steps of a small model.
+    run_step trainkit_train_cpu_smoke 300 - "$bin/trainkit" train --data "$data" \
+      --vocab-size 50257 --n-layer 2 --n-head 2 --n-embd 64 --batch-size 2 --seq-len 64 \
+      --steps 2 --device cpu
+    return 0
+  fi
+  # The reference runs' settings: GPT-2 124M from scratch, batch × 1024 tokens a step, bf16,
+  # no recomputation, AdamW lr 6e-4 constant, weight decay 0.1, clipping at 1.0.
+  rm -f "$work/train-log.jsonl"
+  run_step trainkit_train_gpu 420 figures_trainkit_train "$bin/trainkit" train \
+    --config "$here/gpt2-124m.toml" --data "$data" --steps "$steps" --batch-size "$batch" \
+    --seq-len "$seq" --grad-accum 1 --recompute none --precision bf16 \
+    --lr-schedule constant --warmup-steps 0 --eval-every 0 --save-every 0 \
+    --device cuda --log-json "$work/train-log.jsonl"
+  cp "$work/train-log.jsonl" "$report/logs/trainkit_train_gpu.jsonl" 2>/dev/null || true
+}
+
+phase_reference() {
+  local script="$here/reference/pytorch_gpt2.py" why=""
+  if [ -n "$no_gpu" ]; then
+    why="GPU checks skipped: $no_gpu"
+  elif ! py -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    why="$python with torch (CUDA available) and transformers is missing: $python_torch"
+  fi
+  for mode in eager compile; do
+    if [ -n "$why" ]; then
+      skip "pytorch_$mode" "$python $script --mode $mode" "$why"
+      continue
+    fi
+    run_step "pytorch_$mode" 480 figures_pytorch env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$script" --data "$data" \
+      --mode "$mode" --batch "$batch" --seq "$seq" --steps "$steps" \
+      --json "$report/logs/pytorch_$mode.json"
+  done
+}
+
+phase_llmc() {
+  local src="$here/llmc" why=""
+  if [ ! -f "$src/train_gpt2.cu" ]; then
+    why="the bundle holds no llm.c source (scripts/gpu-bundle.sh copies it from third_party/llm.c)"
+  elif [ -n "$no_gpu" ]; then
+    why="GPU checks skipped: $no_gpu"
+  elif [ -z "$nvcc" ]; then
+    why="nvcc not found (CUDA_HOME, /usr/local/cuda/bin, PATH)"
+  fi
+  if [ -n "$why" ]; then
+    skip llmc_build "nvcc ... train_gpt2.cu -o train_gpt2cu" "$why"
+    skip llmc_train "train_gpt2cu -i $data -j $val -e d12 ..." "$why"
+    return 0
+  fi
+  # Built in a copy of its own, with two adaptations made to that copy: CUDA 13 takes a
+  # cudaMemLocation where CUDA 12 took a device id in cudaMemAdvise (llm.c's fallback to
+  # managed memory), so that call is adapted for CUDA 13 compilers; and NVML, which llm.c
+  # uses only to print GPU telemetry, is left out, so that its header and library don't
+  # matter. The flags are llm.c's Makefile's for a bf16 build without cuDNN, MPI or NCCL.
+  local build="$work/llmc" cc major
+  cp -r "$src" "$build"
+  cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d ' .')"
+  major="$("$nvcc" --version | sed -n -E 's/.*release ([0-9]+)\..*/\1/p' | head -n1)"
+  if [ "${major:-0}" -ge 13 ]; then
+    local call='cudaMemAdvise(\*out, bytes, cudaMemAdviseSetPreferredLocation'
+    sed -i "s/$call, cudaCpuDeviceId)/$call, cudaMemLocation{cudaMemLocationTypeHost, 0})/" \
+      "$build/llmc/cuda_utils.cuh"
+    grep -q 'cudaMemLocationTypeHost' "$build/llmc/cuda_utils.cuh" ||
+      say "note: llm.c's cudaMemAdvise call was not found to adapt for CUDA $major"
+  fi
+  sed -i 's/^#if __has_include(<nvml.h>)$/#if 0 \/\/ NVML left out by run.sh/' "$build/llmc/mfu.h"
+  run_step llmc_build 420 - "$nvcc" --threads=0 -t=0 --use_fast_math -std=c++17 -O3 \
+    "--generate-code=arch=compute_$cc,code=[compute_$cc,sm_$cc]" -DENABLE_BF16 \
+    "$build/train_gpt2.cu" -I"$build" -lcublas -lcublasLt -o "$build/train_gpt2cu"
+  if [ "${statuses[-1]}" != pass ]; then
+    skip llmc_train "train_gpt2cu ..." "the build failed"
+    return 0
+  fi
+  # GPT-2 124M from scratch (-e d12), batch × 1024 tokens a step, lr 6e-4 constant, weight
+  # decay 0.1, no sampling; validation only at the first and last step.
+  run_step llmc_train 300 figures_llmc "$build/train_gpt2cu" -i "$data" -j "$val" \
+    -e d12 -b "$batch" -t "$seq" -d "$((batch * seq))" -x "$steps" -l 0.0006 -u 0 -q 1.0 \
+    -c 0.1 -v 1000 -m 4 -s 0 -h 0 -y 0
+}
+
+for p in "${phases[@]}"; do
+  section "phase: $p"
+  "phase_$p"
+done
+
+write_report
+section "report ($report/report.txt, report.json)"
+cat "$report/report.txt"
+[ "$failed" -eq 0 ]
