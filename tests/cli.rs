@@ -90,7 +90,10 @@ fn bad_input_is_a_one_line_error() {
         ),
         (vec!["train", "--grad-accum", "0"], "--grad-accum"),
         (vec!["train", "--batch-size", "0"], "batch_size"),
-        (vec!["train", "--seq-len", "4096"], "n_positions"),
+        (
+            vec!["train", "--seq-len", "4096", "--n-positions", "1024"],
+            "n_positions",
+        ),
         (vec!["train", "--lr=-1"], "--lr"),
         (vec!["train", "--tokenizer", "wordpiece"], "gpt2"),
         (vec!["train", "--data", path(&binary)], "not UTF-8"),
@@ -443,4 +446,28 @@ fn init_from_takes_shape_and_weights_and_save_every_saves() {
     assert_eq!(weights(&base), weights(&next));
     let (ok, _, err) = trainkit(&["train", "--init-from", path(&base), "--n-layer", "3"]);
     assert!(!ok && err.contains("contradict"), "{err}");
+}
+
+#[test]
+fn a_model_from_scratch_gets_the_context_its_sequences_need() {
+    // The default model's context is 128: --seq-len 256 raises it, --n-positions sets it.
+    let (ok, out, err) = trainkit(&["train", "--print-config", "--seq-len", "256"]);
+    assert!(ok, "{err}");
+    let cfg = trainkit::config::RunConfig::from_toml(&out).unwrap();
+    assert_eq!((cfg.training.seq_len, cfg.model.n_positions), (256, 256));
+    let (ok, out, err) = trainkit(&["train", "--print-config", "--n-positions", "512"]);
+    assert!(ok, "{err}");
+    let cfg = trainkit::config::RunConfig::from_toml(&out).unwrap();
+    assert_eq!(cfg.model.n_positions, 512);
+    // An explicit context shorter than the sequences is refused, naming the fix.
+    let (ok, _, err) = trainkit(&[
+        "train",
+        "--print-config",
+        "--seq-len",
+        "256",
+        "--n-positions",
+        "64",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("--n-positions"), "{err}");
 }

@@ -196,7 +196,8 @@ impl RunConfig {
             return Err(Error::config(
                 "training.seq_len",
                 format!(
-                    "{} must be between 1 and model.n_positions = {}",
+                    "{} must be between 1 and model.n_positions = {}; raise the model's \
+                     context (model.n_positions, --n-positions) or shorten the sequences",
                     t.seq_len, self.model.n_positions
                 ),
             ));

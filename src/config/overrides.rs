@@ -53,6 +53,8 @@ pub struct Overrides {
     pub n_embd: Option<usize>,
     /// Vocabulary.
     pub vocab_size: Option<usize>,
+    /// Context length (rows of the position embedding).
+    pub n_positions: Option<usize>,
     /// Evaluate every N steps.
     pub eval_every: Option<u64>,
     /// Save every N steps.
@@ -96,6 +98,7 @@ impl Overrides {
         set(&mut m.n_head, self.n_head);
         set(&mut m.n_embd, self.n_embd);
         set(&mut m.vocab_size, self.vocab_size);
+        set(&mut m.n_positions, self.n_positions);
         if let Some(k) = self.grad_accum {
             if k == 0 {
                 return Err(Error::config("--grad-accum", "must be at least 1"));

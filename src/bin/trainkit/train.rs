@@ -90,6 +90,10 @@ pub struct TrainArgs {
     /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
     #[arg(long)]
     vocab_size: Option<usize>,
+    /// Context length of a model from scratch (rows of its position embedding); by
+    /// default the config's, raised to --seq-len when that is longer.
+    #[arg(long)]
+    n_positions: Option<usize>,
     /// Evaluate on held-out data every N steps (0 = only at the end).
     #[arg(long)]
     eval_every: Option<u64>,
@@ -158,6 +162,7 @@ impl TrainArgs {
             n_head: self.n_head,
             n_embd: self.n_embd,
             vocab_size: self.vocab_size,
+            n_positions: self.n_positions,
             eval_every: self.eval_every,
             save_every: self.save_every,
             log_json: self.log_json.clone(),
@@ -205,17 +210,19 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         set(&mut wanted.n_head, args.n_head);
         set(&mut wanted.n_embd, args.n_embd);
         set(&mut wanted.vocab_size, args.vocab_size);
+        set(&mut wanted.n_positions, args.n_positions);
         if wanted != model {
             return Err(Error::config(
                 "--init-from",
                 format!(
                     "the model in {} has n_layer {}, n_head {}, n_embd {}, vocab_size {}, \
-                     which the shape flags contradict; drop them",
+                     n_positions {}, which the shape flags contradict; drop them",
                     dir.display(),
                     model.n_layer,
                     model.n_head,
                     model.n_embd,
-                    model.vocab_size
+                    model.vocab_size,
+                    model.n_positions
                 ),
             ));
         }
@@ -230,6 +237,13 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         overrides.n_head = None;
         overrides.n_embd = None;
         overrides.vocab_size = None;
+        overrides.n_positions = None;
+    }
+    // A model from scratch gets the context its sequences need.
+    if let (None, None, None, Some(t)) = (&init_dir, &args.resume, args.n_positions, args.seq_len) {
+        if t > cfg.model.n_positions {
+            overrides.n_positions = Some(t);
+        }
     }
     overrides.apply(&mut cfg)?;
     Ok(cfg)
