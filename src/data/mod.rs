@@ -15,7 +15,9 @@ pub use corpus::SyntheticCorpus;
 pub use dataset::{is_shard_spec, is_val_shard, TokenDataset};
 pub use gpt2_tokenizer::{Gpt2Tokenizer, TokenizerKind};
 pub use loader::{DataCursor, DataLoader};
-pub use prepare::{prepare, val_path_for, PrepareReport};
+pub use prepare::{
+    prepare, prepare_with, val_path_for, InputKind, PrepareOptions, PrepareProgress, PrepareReport,
+};
 pub use shard::Shard;
 pub use token_file::{
     is_token_file, parse_token_file, read_token_file, write_token_file, write_token_file_as,

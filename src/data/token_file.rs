@@ -237,13 +237,9 @@ pub(crate) fn parse_header(
         return Err(Error::data(
             what(),
             format!(
-                "the header says {count} {} tokens, so the file should be {expected} bytes, \
-                 but it is {file_len} bytes ({} tokens' worth{}): {problem}; re-create it \
-                 with `trainkit prepare`",
-                match format {
-                    TokenFormat::U16 => "u16",
-                    TokenFormat::U32 => "u32",
-                },
+                "the header says {count} tokens of {width} bytes, so the file should be \
+                 {expected} bytes, but it is {file_len} bytes ({} tokens' worth{}): \
+                 {problem}; re-create it with `trainkit prepare`",
                 body / width,
                 match odd {
                     0 => String::new(),
@@ -406,7 +402,10 @@ mod tests {
         assert!(err(&file(TOKEN_FILE_MAGIC, 1, -1, &[])).contains("negative"));
         assert!(err(&file(TOKEN_FILE_MAGIC, 1, 0, &[])).contains("zero tokens"));
         let e = err(&file(TOKEN_FILE_MAGIC, 1, 3, &[1, 2]));
-        assert!(e.contains("truncated") && e.contains("3 u16 tokens"), "{e}");
+        assert!(
+            e.contains("truncated") && e.contains("3 tokens of 2 bytes"),
+            "{e}"
+        );
         let mut odd = file(TOKEN_FILE_MAGIC, 1, 2, &[1, 2]);
         odd.push(0);
         assert!(err(&odd).contains("trailing bytes"));

@@ -33,6 +33,9 @@ pub(super) struct Piece {
     pub text: String,
 }
 
+/// Text past which a stretch with no exact cut is cut anyway.
+const FORCED_CUT_BYTES: usize = 64 << 10;
+
 /// Reads the inputs in order as pieces of text cut where tokenizing the pieces one by one
 /// gives the ids of tokenizing the whole (see [`exact_cut`]).
 pub(super) struct Reader {
@@ -126,87 +129,93 @@ impl TextStream {
     /// About `want` bytes of text (at least one character), and the bytes of the file it
     /// consumed; `None` at the end of the file.
     fn next_piece(&mut self, want: usize) -> Result<Option<(Piece, u64)>> {
-        let want = want.max(4);
-        while !self.eof && self.carry.len() < want + 4 {
-            let mut block = vec![0u8; (want + 4 - self.carry.len()).max(64 << 10)];
-            let n = self
-                .file
-                .read(&mut block)
-                .map_err(|e| Error::io(&self.path, e))?;
-            self.carry.extend_from_slice(&block[..n]);
-            self.eof = n == 0;
-        }
-        if !self.started {
-            let magic = self.carry.get(..4).map(|m| i32::from_le_bytes([m[0], m[1], m[2], m[3]]));
-            if magic.and_then(TokenFormat::from_magic).is_some() {
-                return Err(Error::data(
-                    self.what(),
-                    "this is already an llm.c token file, not text; train on it directly \
-                     instead of preparing it",
-                ));
+        let mut want = want.max(4);
+        loop {
+            self.fill(want + 4)?;
+            if !self.started {
+                let magic = self
+                    .carry
+                    .get(..4)
+                    .map(|m| i32::from_le_bytes([m[0], m[1], m[2], m[3]]));
+                if magic.and_then(TokenFormat::from_magic).is_some() {
+                    return Err(Error::data(
+                        self.what(),
+                        "this is already an llm.c token file, not text; train on it \
+                         directly instead of preparing it",
+                    ));
+                }
             }
-        }
-        if self.carry.is_empty() {
-            if self.started {
-                return Ok(None);
-            }
-            // An empty file is an empty document.
-            self.started = true;
-            return Ok(Some((
-                Piece {
+            if self.carry.is_empty() {
+                if self.started {
+                    return Ok(None);
+                }
+                // An empty file is an empty document.
+                self.started = true;
+                let piece = Piece {
                     starts_document: true,
                     text: String::new(),
-                },
-                0,
-            )));
-        }
-        let valid = match std::str::from_utf8(&self.carry) {
-            Ok(s) => s.len(),
-            Err(e) if e.error_len().is_none() && !self.eof => e.valid_up_to(),
-            Err(e) => {
-                return Err(Error::data(
-                    self.what(),
-                    format!(
-                        "the file is not valid UTF-8 (first bad byte at offset {}); convert \
-                         it to UTF-8 first (e.g. `iconv -t UTF-8`)",
-                        self.offset + e.valid_up_to() as u64
-                    ),
-                ))
+                };
+                return Ok(Some((piece, 0)));
             }
-        };
-        // Checked just above: the first `valid` bytes are UTF-8.
-        let text = std::str::from_utf8(&self.carry[..valid]).unwrap_or_default();
-        let cut = if self.eof && valid == self.carry.len() {
-            valid
-        } else {
-            match exact_cut(text) {
-                Some(cut) => cut,
-                // No exact cut in the whole block: one enormous stretch, cut anyway (as the
-                // GPT-2 tokenizer itself does past 16 KiB).
-                None if valid > 0 => valid,
-                None => {
+            let valid = match std::str::from_utf8(&self.carry) {
+                Ok(s) => s.len(),
+                Err(e) if e.error_len().is_none() && !self.eof => e.valid_up_to(),
+                Err(e) => {
                     return Err(Error::data(
                         self.what(),
                         format!(
-                            "the file is not valid UTF-8 (first bad byte at offset {})",
-                            self.offset
+                            "the file is not valid UTF-8 (first bad byte at offset {}); \
+                             convert it to UTF-8 first (e.g. `iconv -t UTF-8`)",
+                            self.offset + e.valid_up_to() as u64
                         ),
                     ))
                 }
-            }
-        };
-        let text = text[..cut].to_string();
-        self.carry.drain(..cut);
-        self.offset += cut as u64;
-        let starts_document = !self.started;
-        self.started = true;
-        Ok(Some((
-            Piece {
+            };
+            // Checked just above: the first `valid` bytes are UTF-8.
+            let text = std::str::from_utf8(&self.carry[..valid]).unwrap_or_default();
+            let cut = if self.eof && valid == self.carry.len() {
+                Some(valid)
+            } else {
+                match exact_cut(text) {
+                    Some(cut) => Some(cut),
+                    // No exact cut in a long stretch: cut anyway, as the GPT-2 tokenizer
+                    // itself does past 16 KiB.
+                    None if valid >= FORCED_CUT_BYTES => Some(valid),
+                    None => None,
+                }
+            };
+            let Some(cut) = cut else {
+                // Too little text to find a cut in: read more.
+                want = 2 * self.carry.len();
+                continue;
+            };
+            let text = text[..cut].to_string();
+            self.carry.drain(..cut);
+            self.offset += cut as u64;
+            let starts_document = !self.started;
+            self.started = true;
+            let piece = Piece {
                 starts_document,
                 text,
-            },
-            cut as u64,
-        )))
+            };
+            return Ok(Some((piece, cut as u64)));
+        }
+    }
+
+    /// Reads until `carry` holds at least `bytes` bytes or the file ends.
+    fn fill(&mut self, bytes: usize) -> Result<()> {
+        while !self.eof && self.carry.len() < bytes {
+            let old = self.carry.len();
+            let want = (bytes - old).max(64 << 10);
+            self.carry.resize(old + want, 0);
+            let n = self
+                .file
+                .read(&mut self.carry[old..])
+                .map_err(|e| Error::io(&self.path, e))?;
+            self.carry.truncate(old + n);
+            self.eof = n == 0;
+        }
+        Ok(())
     }
 }
 
