@@ -318,7 +318,7 @@ fn check_prepare(dir: &TempDir, text: &str, kind: TokenizerKind, val_fraction: f
         Some(eot) => [vec![eot], expected].concat(),
         None => expected,
     };
-    assert_eq!(report.train_files, [out.clone()]);
+    assert_eq!(report.train_files, std::slice::from_ref(&out));
     assert_eq!(report.val_files, [dir.path("out/corpus_val.bin")]);
     assert_eq!(report.train_tokens + report.val_tokens, expected.len());
     let want_val = (expected.len() as f64 * val_fraction).round() as usize;
