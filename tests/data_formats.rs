@@ -6,8 +6,9 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 use trainkit::data::{
-    is_token_file, prepare, read_token_file, val_path_for, write_token_file, ByteTokenizer,
-    Gpt2Tokenizer, Tokenizer, TokenizerKind, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC,
+    is_token_file, prepare, read_token_file, val_path_for, write_token_file, write_token_file_as,
+    ByteTokenizer, Gpt2Tokenizer, TokenFormat, Tokenizer, TokenizerKind, TOKEN_FILE_HEADER_BYTES,
+    TOKEN_FILE_MAGIC,
 };
 
 /// A fresh, empty directory for one test, removed when dropped.
@@ -193,11 +194,11 @@ fn is_token_file_sniffs_the_magic() {
 fn write_refuses_what_the_format_cannot_hold() {
     let dir = TempDir::new("refuse");
     let path = dir.path("big.bin");
-    let err = write_token_file(&path, &[1, 2, 65535, 65536, 3])
+    let err = write_token_file_as(&path, &[1, 2, 65535, 65536, 3], TokenFormat::U16)
         .unwrap_err()
         .to_string();
     assert_contains(&err, &["65536", "index 3", "u16"]);
-    let err = write_token_file(&path, &[u32::MAX])
+    let err = write_token_file_as(&path, &[u32::MAX], TokenFormat::U16)
         .unwrap_err()
         .to_string();
     assert_contains(&err, &["4294967295", "index 0"]);
@@ -312,14 +313,19 @@ fn check_prepare(dir: &TempDir, text: &str, kind: TokenizerKind, val_fraction: f
     let report = prepare(&text_path, &out, kind, val_fraction).unwrap();
     let expected = kind.build().encode(text);
 
-    assert_eq!(report.train_path, out);
-    assert_eq!(report.val_path, Some(dir.path("out/corpus_val.bin")));
+    // The document starts with the end-of-text token, as in llm.c's files.
+    let expected = match kind.end_of_text() {
+        Some(eot) => [vec![eot], expected].concat(),
+        None => expected,
+    };
+    assert_eq!(report.train_files, std::slice::from_ref(&out));
+    assert_eq!(report.val_files, [dir.path("out/corpus_val.bin")]);
     assert_eq!(report.train_tokens + report.val_tokens, expected.len());
     let want_val = (expected.len() as f64 * val_fraction).round() as usize;
     assert_eq!(report.val_tokens, want_val);
 
     let train = read_token_file(&out).unwrap();
-    let val = read_token_file(report.val_path.as_ref().unwrap()).unwrap();
+    let val = read_token_file(&report.val_files[0]).unwrap();
     assert_eq!(train.len(), report.train_tokens);
     assert_eq!(val.len(), report.val_tokens);
     assert_eq!([train, val].concat(), expected);
@@ -341,17 +347,17 @@ fn prepare_without_val_and_train_names() {
 
     let out = dir.path("all.bin");
     let report = prepare(&text_path, &out, TokenizerKind::Gpt2, 0.0).unwrap();
-    assert_eq!(report.val_path, None);
+    assert!(report.val_files.is_empty());
     assert_eq!(report.val_tokens, 0);
     assert!(!dir.path("all_val.bin").exists());
     assert_eq!(
         read_token_file(&out).unwrap(),
-        Gpt2Tokenizer.encode(PARAGRAPH)
+        [vec![Gpt2Tokenizer::EOT], Gpt2Tokenizer.encode(PARAGRAPH)].concat()
     );
 
     let out = dir.path("x_train.bin");
     let report = prepare(&text_path, &out, TokenizerKind::Gpt2, 0.5).unwrap();
-    assert_eq!(report.val_path, Some(dir.path("x_val.bin")));
+    assert_eq!(report.val_files, [dir.path("x_val.bin")]);
     assert!(dir.path("x_val.bin").exists());
 
     assert_eq!(
@@ -379,11 +385,11 @@ fn prepare_validates_its_inputs() {
     }
 
     let tiny = dir.path("tiny.txt");
-    fs::write(&tiny, "Hi").unwrap();
-    let err = prepare(&tiny, &out, TokenizerKind::Gpt2, 0.0)
+    fs::write(&tiny, "H").unwrap();
+    let err = prepare(&tiny, &out, TokenizerKind::Bytes, 0.0)
         .unwrap_err()
         .to_string();
-    assert_contains(&err, &["is 1 gpt2 tokens", "at least 2"]);
+    assert_contains(&err, &["is 1 bytes tokens", "at least 2"]);
     // Enough tokens in all, but too few for the val part.
     let err = prepare(&text_path, &out, TokenizerKind::Gpt2, 0.001)
         .unwrap_err()

@@ -1,6 +1,6 @@
 //! Where a run's tokens come from, and loading them.
 
-use crate::data::{read_token_file, val_path_for, SyntheticCorpus, Tokenizer, TokenizerKind};
+use crate::data::{SyntheticCorpus, TokenDataset, Tokenizer, TokenizerKind};
 use crate::error::{Error, Result};
 use crate::model::Gpt2Config;
 use serde::{Deserialize, Serialize};
@@ -27,19 +27,29 @@ pub enum DataConfig {
         /// Fraction of the tokens held out for evaluation, in (0, 1).
         #[serde(default = "default_val_fraction")]
         val_fraction: f64,
+        /// Visit the batches in a seeded random order (the run's seed), new every epoch.
+        #[serde(default)]
+        shuffle: bool,
     },
-    /// llm.c token files (`trainkit prepare` writes them).
+    /// llm.c token files (`trainkit prepare` writes them), memory-mapped.
     Tokens {
-        /// The training tokens.
+        /// The training tokens: a token file, a glob of shards
+        /// (`data/fineweb_train_*.bin`) or a directory of shards, read in sorted order
+        /// (see [`TokenDataset::open`]).
         train: PathBuf,
-        /// Held-out tokens; when unset, the `_val` sibling of `train` if it exists, else
-        /// the last tenth of `train`.
+        /// Held-out tokens (a file, glob or directory); when unset, the validation shards
+        /// beside `train` if there are any (see [`TokenDataset::open_val_for`]), else the
+        /// last tenth of the last training shard.
         #[serde(default)]
         val: Option<PathBuf>,
-        /// The tokenizer that produced the ids (for sampling and for checking the
-        /// vocabulary).
+        /// The tokenizer that produced the ids, for sampling; the ids themselves are
+        /// checked against the model's vocabulary.
         #[serde(default = "default_token_tokenizer")]
         tokenizer: TokenizerKind,
+        /// Visit shards and batches in a seeded random order (the run's seed), new every
+        /// epoch.
+        #[serde(default)]
+        shuffle: bool,
     },
 }
 
@@ -68,9 +78,11 @@ impl Default for DataConfig {
 #[derive(Clone, Debug)]
 pub struct Corpus {
     /// Training tokens.
-    pub train: Vec<u32>,
+    pub train: TokenDataset,
     /// Held-out tokens.
-    pub val: Vec<u32>,
+    pub val: TokenDataset,
+    /// Whether training batches are shuffled (with the run's seed).
+    pub shuffle: bool,
     /// The lowest loss any model can reach, when known (the built-in corpus).
     pub entropy_floor: Option<f64>,
     /// The tokenizer behind the ids.
@@ -81,20 +93,31 @@ pub struct Corpus {
 
 impl DataConfig {
     /// The data from a path on the command line: an llm.c token file (recognised by its
-    /// magic number) or a text file tokenized with `tokenizer`.
+    /// magic number), a glob of shards or a directory of them, or else a text file
+    /// tokenized with `tokenizer`.
     pub fn from_path(path: &Path, tokenizer: Option<TokenizerKind>) -> DataConfig {
-        if crate::data::is_token_file(path) {
+        if crate::data::is_token_file(path) || crate::data::is_shard_spec(path) {
             DataConfig::Tokens {
                 train: path.to_path_buf(),
                 val: None,
                 tokenizer: tokenizer.unwrap_or(TokenizerKind::Gpt2),
+                shuffle: false,
             }
         } else {
             DataConfig::Text {
                 path: path.to_path_buf(),
                 tokenizer: tokenizer.unwrap_or(TokenizerKind::Bytes),
                 val_fraction: default_val_fraction(),
+                shuffle: false,
             }
+        }
+    }
+
+    /// Whether training batches are shuffled.
+    pub fn shuffle(&self) -> bool {
+        match self {
+            DataConfig::Builtin { .. } => false,
+            DataConfig::Text { shuffle, .. } | DataConfig::Tokens { shuffle, .. } => *shuffle,
         }
     }
 
@@ -116,8 +139,10 @@ impl DataConfig {
                 ));
             }
         }
+        // Token files hold ids, checked against the model's vocabulary when they are read
+        // (`load`); their tokenizer matters only for sampling.
         let tok = self.tokenizer();
-        if model.vocab_size < tok.vocab_size() {
+        if !matches!(self, DataConfig::Tokens { .. }) && model.vocab_size < tok.vocab_size() {
             return Err(Error::config(
                 "model.vocab_size",
                 format!(
@@ -132,8 +157,18 @@ impl DataConfig {
         Ok(())
     }
 
-    /// Every token of the primary source, unsplit: the text file tokenized, the training
-    /// token file, or the generated training text of the built-in corpus.
+    /// The primary source, unsplit: the training shards, memory-mapped; or the text file
+    /// tokenized, or the generated training text of the built-in corpus, in memory.
+    pub fn train_dataset(&self) -> Result<TokenDataset> {
+        match self {
+            DataConfig::Tokens { train, .. } => TokenDataset::open(train),
+            _ => self.read_tokens().map(TokenDataset::from),
+        }
+    }
+
+    /// Every token of the primary source, unsplit, in memory: the text file tokenized, the
+    /// training token files, or the generated training text of the built-in corpus (prefer
+    /// [`DataConfig::train_dataset`], which maps token files instead).
     pub fn read_tokens(&self) -> Result<Vec<u32>> {
         match self {
             DataConfig::Builtin { bytes } => {
@@ -156,21 +191,30 @@ impl DataConfig {
                 })?;
                 Ok(tokenizer.build().encode(&text))
             }
-            DataConfig::Tokens { train, .. } => read_token_file(train),
+            DataConfig::Tokens { train, .. } => {
+                let data = TokenDataset::open(train)?;
+                let mut tokens = Vec::with_capacity(data.len_tokens());
+                for shard in data.shards() {
+                    shard.read_into(0, shard.len(), &mut tokens);
+                }
+                Ok(tokens)
+            }
         }
     }
 
-    /// Reads (and tokenizes) the data. `window` is the tokens one batch row needs
-    /// (`seq_len + 1`); each stream must hold at least one; every id must be below
-    /// `vocab_size`.
+    /// Reads (and tokenizes) the data; token files are mapped, not read. `window` is the
+    /// tokens one batch row needs (`seq_len + 1`); each stream must hold at least one in
+    /// one shard; every id must be below `vocab_size`.
     pub fn load(&self, window: usize, vocab_size: usize) -> Result<Corpus> {
         let corpus = match self {
             DataConfig::Builtin { bytes } => {
                 let c = SyntheticCorpus::builtin();
                 Corpus {
-                    train: self.read_tokens()?,
+                    train: self.read_tokens()?.into(),
                     val: crate::data::ByteTokenizer
-                        .encode(&c.generate((*bytes / 10).max(4 * window), 2)),
+                        .encode(&c.generate((*bytes / 10).max(4 * window), 2))
+                        .into(),
+                    shuffle: false,
                     entropy_floor: Some(c.entropy_per_byte()),
                     tokenizer: TokenizerKind::Bytes,
                     description: "the built-in corpus".into(),
@@ -180,16 +224,18 @@ impl DataConfig {
                 path,
                 tokenizer,
                 val_fraction,
+                shuffle,
             } => {
                 let tokens = self.read_tokens()?;
                 let split = tokens.len() - (tokens.len() as f64 * val_fraction) as usize;
                 Corpus {
-                    val: tokens[split..].to_vec(),
+                    val: tokens[split..].to_vec().into(),
                     train: {
                         let mut t = tokens;
                         t.truncate(split);
-                        t
+                        t.into()
                     },
+                    shuffle: *shuffle,
                     entropy_floor: None,
                     tokenizer: *tokenizer,
                     description: format!("{} ({tokenizer} tokens)", path.display()),
@@ -199,59 +245,63 @@ impl DataConfig {
                 train,
                 val,
                 tokenizer,
+                shuffle,
             } => {
-                let train_tokens = self.read_tokens()?;
-                let val_file = val.clone().or_else(|| {
-                    let v = val_path_for(train);
-                    v.exists().then_some(v)
-                });
-                let (train_tokens, val_tokens) = match &val_file {
-                    Some(v) => (train_tokens, read_token_file(v)?),
+                let train_data = TokenDataset::open(train)?;
+                let val_data = match val {
+                    Some(v) => Some(TokenDataset::open_all(v)?),
+                    None => TokenDataset::open_val_for(train)?,
+                };
+                let (train_data, val_data, held_out) = match val_data {
+                    Some(v) => (train_data, v, None),
                     None => {
-                        let split = train_tokens.len() - train_tokens.len() / 10;
-                        let val = train_tokens[split..].to_vec();
-                        let mut t = train_tokens;
-                        t.truncate(split);
-                        (t, val)
+                        let last = train_data.shards().last().map_or(0, |s| s.len());
+                        let (t, v) = train_data.split_tail(last / 10);
+                        (t, v, Some(()))
                     }
                 };
+                let description = format!(
+                    "{}{}; val {}",
+                    train_data.describe(),
+                    match train_data.format() {
+                        Some(f) =>
+                            format!(", {} tokens in the {f} format", train_data.len_tokens()),
+                        None => String::new(),
+                    },
+                    if held_out.is_some() {
+                        "the last tenth of the last shard".to_string()
+                    } else {
+                        val_data.describe()
+                    }
+                );
                 Corpus {
-                    train: train_tokens,
-                    val: val_tokens,
+                    train: train_data,
+                    val: val_data,
+                    shuffle: *shuffle,
                     entropy_floor: None,
                     tokenizer: *tokenizer,
-                    description: match &val_file {
-                        Some(v) => format!("{} (val {})", train.display(), v.display()),
-                        None => format!("{} (last tenth held out)", train.display()),
-                    },
+                    description,
                 }
             }
         };
         for (name, stream) in [("training", &corpus.train), ("held-out", &corpus.val)] {
-            if stream.len() < window {
+            let longest = stream.shards().iter().map(|s| s.len()).max().unwrap_or(0);
+            if longest < window {
                 return Err(Error::data(
                     &corpus.description,
                     format!(
-                        "the {name} stream has {} tokens, one batch row needs {window} \
+                        "the {name} stream has {} tokens{}, one batch row needs {window} \
                          (seq_len + 1); use more data or a shorter --seq-len",
-                        stream.len()
+                        stream.len_tokens(),
+                        if stream.shards().len() > 1 {
+                            format!(" (at most {longest} in one shard)")
+                        } else {
+                            String::new()
+                        }
                     ),
                 ));
             }
-            if let Some((i, &id)) = stream
-                .iter()
-                .enumerate()
-                .find(|(_, &id)| id as usize >= vocab_size)
-            {
-                return Err(Error::data(
-                    &corpus.description,
-                    format!(
-                        "{name} token {i} is id {id}, beyond the model's vocabulary of \
-                         {vocab_size}; raise model.vocab_size (--vocab-size) or use data made \
-                         with the model's tokenizer"
-                    ),
-                ));
-            }
+            stream.check_ids(vocab_size)?;
         }
         Ok(corpus)
     }

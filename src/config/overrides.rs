@@ -13,8 +13,12 @@ use std::path::PathBuf;
 /// config's value.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Overrides {
-    /// Training data: an llm.c token file or a text file.
+    /// Training data: an llm.c token file, a glob or directory of shards, or a text file.
     pub data: Option<PathBuf>,
+    /// Validation data (a token file, glob or directory) for token-file data.
+    pub val_data: Option<PathBuf>,
+    /// Shuffle the training batches (`Some(true)`), or not.
+    pub shuffle: Option<bool>,
     /// Tokenizer for text data (and the one token files were made with).
     pub tokenizer: Option<TokenizerKind>,
     /// Model directory to start from.
@@ -78,6 +82,32 @@ impl Overrides {
                         "--tokenizer",
                         "the built-in corpus is byte tokens; --tokenizer applies to --data \
                          files",
+                    ))
+                }
+            }
+        }
+        if let Some(path) = &self.val_data {
+            match &mut cfg.data {
+                DataConfig::Tokens { val, .. } => *val = Some(path.clone()),
+                _ => {
+                    return Err(Error::config(
+                        "--val-data",
+                        "applies to token-file data (--data FILE.bin, a glob or a directory); \
+                         text data holds out its last tenth",
+                    ))
+                }
+            }
+        }
+        if let Some(on) = self.shuffle {
+            match &mut cfg.data {
+                DataConfig::Tokens { shuffle, .. } | DataConfig::Text { shuffle, .. } => {
+                    *shuffle = on
+                }
+                DataConfig::Builtin { .. } if !on => {}
+                DataConfig::Builtin { .. } => {
+                    return Err(Error::config(
+                        "--shuffle",
+                        "applies to --data files; the built-in corpus is generated in order",
                     ))
                 }
             }

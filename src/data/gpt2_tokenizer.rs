@@ -185,6 +185,15 @@ impl TokenizerKind {
         }
     }
 
+    /// The id that separates documents, if the vocabulary has one (GPT-2's
+    /// `<|endoftext|>`, 50256; the byte tokenizer has none).
+    pub fn end_of_text(self) -> Option<u32> {
+        match self {
+            TokenizerKind::Gpt2 => Some(Gpt2Tokenizer::EOT),
+            TokenizerKind::Bytes => None,
+        }
+    }
+
     /// The tokenizer of this kind.
     pub fn build(self) -> Box<dyn Tokenizer> {
         match self {

@@ -1,50 +1,124 @@
-//! Batching with llm.c's semantics.
+//! Batching with llm.c's semantics, across shards, optionally shuffled.
 
-use super::Tokenizer;
+use super::{TokenDataset, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Batch;
+use crate::rng::Rng;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::Arc;
 
-/// Cuts a token stream into micro-batches the way llm.c does: micro-batch `j`, row `r` is
-/// the window `tokens[(j·B + r)·T ..= (j·B + r)·T + T]` (inputs the first `T`, targets the
-/// same shifted by one), moving through the stream in order and starting over from the
-/// beginning when the next batch would run past the end.
+/// Where a [`DataLoader`] stands: the epoch, the shard (its place in the epoch's shard
+/// order) and the window (its place in the shard's window order) the next batch reads.
+/// With the loader's settings it determines every batch to come, so saving it makes a
+/// resume exact.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataCursor {
+    /// Passes over the whole dataset completed.
+    pub epoch: u64,
+    /// Index into this epoch's shard order.
+    pub shard: usize,
+    /// Index into the current shard's window order: windows already read from it.
+    pub window: usize,
+}
+
+/// Cuts token shards into micro-batches the way llm.c does.
+///
+/// A shard of `n` tokens holds `(n - 1) / (B·T)` windows of `B·T + 1` tokens; window `w`
+/// starts at token `w·B·T` and gives row `r` of the batch the tokens
+/// `w·B·T + r·T ..= w·B·T + r·T + T` (inputs the first `T`, targets the same shifted by
+/// one). Batches take the windows of one shard in order and move to the next shard when
+/// the next batch would run past the end of this one, starting over from the first shard
+/// after the last (a new epoch). A shard too short for one batch is skipped.
+///
+/// With [`DataLoader::shuffled`], every epoch visits the shards in a new order and each
+/// shard's windows in a new order, both drawn from the seed and the epoch (and the shard),
+/// so the [`DataCursor`] alone says where a run stands.
 #[derive(Clone, Debug)]
 pub struct DataLoader {
-    tokens: Arc<[u32]>,
+    data: TokenDataset,
     batch_size: usize,
     seq_len: usize,
-    position: usize,
+    shuffle: Option<u64>,
+    /// Windows in each shard (0 for a shard too short for one batch).
+    windows: Vec<usize>,
+    cursor: DataCursor,
+    /// The shard order of the cursor's epoch.
+    order: Vec<usize>,
+    /// The window order of the cursor's shard, when shuffling.
+    window_order: Option<Vec<u32>>,
+    /// The (epoch, shard) that `window_order` belongs to.
+    window_order_of: Option<(u64, usize)>,
 }
 
 impl DataLoader {
-    /// A loader over `tokens` giving `batch_size` rows of `seq_len` tokens.
-    pub fn new(tokens: impl Into<Arc<[u32]>>, batch_size: usize, seq_len: usize) -> Result<Self> {
-        let tokens = tokens.into();
+    /// A loader over `data` (a [`TokenDataset`], or tokens in memory: a `Vec<u32>`) giving
+    /// `batch_size` rows of `seq_len` tokens, in order.
+    ///
+    /// Fails when no shard holds the `batch_size · seq_len + 1` tokens of one batch.
+    pub fn new(data: impl Into<TokenDataset>, batch_size: usize, seq_len: usize) -> Result<Self> {
+        let data = data.into();
         if batch_size == 0 {
             return Err(Error::config("batch_size", "must be at least 1"));
         }
         if seq_len == 0 {
             return Err(Error::config("seq_len", "must be at least 1"));
         }
-        let need = batch_size * seq_len + 1;
-        if tokens.len() < need {
-            return Err(Error::data(
-                "token stream",
+        let span = batch_size * seq_len;
+        let need = span + 1;
+        let windows: Vec<usize> = data
+            .shards()
+            .iter()
+            .map(|s| s.len().saturating_sub(1) / span)
+            .collect();
+        if windows.iter().all(|&w| w == 0) {
+            let longest = data.shards().iter().map(|s| s.len()).max().unwrap_or(0);
+            let what = if data.shards().len() == 1 {
+                format!("{longest} tokens")
+            } else {
                 format!(
-                    "{} tokens, but one batch of {batch_size} × {seq_len} needs {need}; use more \
-                     data or a smaller batch size or sequence length",
-                    tokens.len()
+                    "the longest of its {} shards has {longest} tokens",
+                    data.shards().len()
+                )
+            };
+            return Err(Error::data(
+                data.describe(),
+                format!(
+                    "{what}, but one batch of {batch_size} × {seq_len} needs {need}; use more \
+                     data or a smaller batch size or sequence length"
                 ),
             ));
         }
+        for (shard, _) in data.shards().iter().zip(&windows).filter(|(_, &w)| w == 0) {
+            log::warn!(
+                "{} has {} tokens, fewer than the {need} of one batch of {batch_size} × \
+                 {seq_len}: it is skipped",
+                shard.name(),
+                shard.len()
+            );
+        }
+        let order = (0..windows.len()).collect();
         Ok(DataLoader {
-            tokens,
+            data,
             batch_size,
             seq_len,
-            position: 0,
+            shuffle: None,
+            windows,
+            cursor: DataCursor::default(),
+            order,
+            window_order: None,
+            window_order_of: None,
         })
+    }
+
+    /// Shuffles with `seed` (or stops shuffling, with `None`): every epoch, the shard
+    /// order and each shard's window order are permuted. Starts from the beginning.
+    pub fn shuffled(mut self, seed: Option<u64>) -> Self {
+        self.shuffle = seed;
+        self.cursor = DataCursor::default();
+        self.order = self.shard_order(0);
+        self.window_order = None;
+        self.window_order_of = None;
+        self
     }
 
     /// A loader over a text file, tokenized with `tokenizer`.
@@ -69,52 +143,160 @@ impl DataLoader {
         self.seq_len
     }
 
-    /// Tokens in the stream.
+    /// Tokens in all shards.
     pub fn len_tokens(&self) -> usize {
-        self.tokens.len()
+        self.data.len_tokens()
     }
 
-    /// Where the next batch starts (in tokens): save it to resume exactly.
+    /// The data.
+    pub fn dataset(&self) -> &TokenDataset {
+        &self.data
+    }
+
+    /// The shuffling seed, if the loader shuffles.
+    pub fn shuffle_seed(&self) -> Option<u64> {
+        self.shuffle
+    }
+
+    /// Where the next batch starts in its shard's order of windows, in tokens
+    /// (`window · B·T`; for one shard read in order, the token it starts at).
     pub fn position(&self) -> usize {
-        self.position
+        self.cursor.window * self.batch_size * self.seq_len
     }
 
-    /// Continues from a saved [`DataLoader::position`].
+    /// Continues from a saved [`DataLoader::position`] in the first shard of the first
+    /// epoch (what a trainer state without a [`DataCursor`] records).
     pub fn set_position(&mut self, position: usize) -> Result<()> {
-        if position > self.tokens.len() {
+        let span = self.batch_size * self.seq_len;
+        if position > self.len_tokens() || position % span != 0 {
             return Err(Error::data(
                 "data position",
                 format!(
-                    "position {position} is past the end of a stream of {} tokens; was the \
-                     run resumed on different data?",
-                    self.tokens.len()
+                    "position {position} is not the start of a batch of {span} tokens within \
+                     a stream of {} tokens; was the run resumed on different data or with \
+                     another batch size?",
+                    self.len_tokens()
                 ),
             ));
         }
-        self.position = position;
+        self.set_cursor(DataCursor {
+            epoch: 0,
+            shard: 0,
+            window: position / span,
+        })
+    }
+
+    /// Where the loader stands: save it to resume exactly.
+    pub fn cursor(&self) -> DataCursor {
+        self.cursor
+    }
+
+    /// Continues from a saved [`DataLoader::cursor`].
+    pub fn set_cursor(&mut self, cursor: DataCursor) -> Result<()> {
+        let shards = self.windows.len();
+        if cursor.shard >= shards {
+            return Err(Error::data(
+                "data position",
+                format!(
+                    "shard {} of a dataset of {shards} shards; was the run resumed on \
+                     different data?",
+                    cursor.shard
+                ),
+            ));
+        }
+        let order = self.shard_order(cursor.epoch);
+        if cursor.window > self.windows[order[cursor.shard]] {
+            return Err(Error::data(
+                "data position",
+                format!(
+                    "window {} of a shard of {} windows; was the run resumed on different \
+                     data or with another batch size?",
+                    cursor.window, self.windows[order[cursor.shard]]
+                ),
+            ));
+        }
+        self.cursor = cursor;
+        self.order = order;
+        self.window_order = None;
+        self.window_order_of = None;
         Ok(())
     }
 
     /// The next micro-batch.
     pub fn next_batch(&mut self) -> Batch {
-        let (b, t) = (self.batch_size, self.seq_len);
-        if self.position + b * t + 1 > self.tokens.len() {
-            self.position = 0;
+        let span = self.batch_size * self.seq_len;
+        while self.cursor.window >= self.windows[self.order[self.cursor.shard]] {
+            self.cursor.window = 0;
+            self.cursor.shard += 1;
+            if self.cursor.shard == self.order.len() {
+                self.cursor.shard = 0;
+                self.cursor.epoch += 1;
+                self.order = self.shard_order(self.cursor.epoch);
+            }
         }
-        let window = &self.tokens[self.position..self.position + b * t + 1];
-        self.position += b * t;
+        let shard = self.order[self.cursor.shard];
+        let window = match self.shuffle {
+            None => self.cursor.window,
+            Some(seed) => {
+                let key = (self.cursor.epoch, shard);
+                if self.window_order_of != Some(key) {
+                    self.window_order = Some(permutation(
+                        self.windows[shard],
+                        mix(seed, self.cursor.epoch, shard as u64 + 1),
+                    ));
+                    self.window_order_of = Some(key);
+                }
+                self.window_order
+                    .as_ref()
+                    .map_or(0, |p| p[self.cursor.window] as usize)
+            }
+        };
+        let mut tokens = Vec::with_capacity(span + 1);
+        self.data.shards()[shard].read_into(window * span, span + 1, &mut tokens);
+        self.cursor.window += 1;
         Batch {
-            batch_size: b,
-            seq_len: t,
-            inputs: window[..b * t].to_vec(),
-            targets: window[1..].to_vec(),
+            batch_size: self.batch_size,
+            seq_len: self.seq_len,
+            inputs: tokens[..span].to_vec(),
+            targets: tokens[1..].to_vec(),
         }
     }
+
+    /// The order of the shards in `epoch`.
+    fn shard_order(&self, epoch: u64) -> Vec<usize> {
+        let n = self.windows.len();
+        match self.shuffle {
+            None => (0..n).collect(),
+            Some(seed) => permutation(n, mix(seed, epoch, 0))
+                .into_iter()
+                .map(|i| i as usize)
+                .collect(),
+        }
+    }
+}
+
+/// A seed for one (epoch, shard) permutation: distinct inputs give unrelated streams.
+fn mix(seed: u64, epoch: u64, shard: u64) -> u64 {
+    let mut rng = Rng::new(seed ^ epoch.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let a = rng.next_u64();
+    Rng::new(a ^ shard.wrapping_mul(0xA076_1D64_78BD_642F)).next_u64()
+}
+
+/// A uniformly random permutation of `0..n` (Fisher–Yates) drawn from `seed`.
+fn permutation(n: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    let mut p: Vec<u32> = (0..n as u32).collect();
+    for i in (1..n).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::Shard;
 
     #[test]
     fn windows_follow_llm_c() {
@@ -140,11 +322,66 @@ mod tests {
         assert_eq!(l.next_batch().inputs[0], 10);
         // 20 + 10 + 1 > 25: starts over.
         assert_eq!(l.next_batch().inputs[0], 0);
+        assert_eq!(l.cursor().epoch, 1);
     }
 
     #[test]
     fn too_little_data_is_an_error() {
         let err = DataLoader::new(vec![1u32; 10], 2, 5).unwrap_err();
         assert!(err.to_string().contains("needs 11"), "{err}");
+    }
+
+    fn shards(lens: &[u32]) -> TokenDataset {
+        let mut next = 0;
+        TokenDataset::from_shards(
+            lens.iter()
+                .map(|&n| {
+                    let s = Shard::from_tokens((next..next + n).collect::<Vec<u32>>());
+                    next += n;
+                    s
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn moves_across_shards_and_skips_short_ones() {
+        // Windows of 2 × 3 + 1 tokens: 2 in the first shard, none in the second, 1 in the
+        // third.
+        let mut l = DataLoader::new(shards(&[13, 5, 7]), 2, 3).unwrap();
+        let starts: Vec<u32> = (0..5).map(|_| l.next_batch().inputs[0]).collect();
+        assert_eq!(starts, [0, 6, 18, 0, 6]);
+    }
+
+    #[test]
+    fn shuffling_permutes_and_resumes() {
+        let data = shards(&[41, 41, 41]);
+        let mut l = DataLoader::new(data.clone(), 2, 4)
+            .unwrap()
+            .shuffled(Some(5));
+        let epoch: Vec<u32> = (0..15).map(|_| l.next_batch().inputs[0]).collect();
+        let mut sorted = epoch.clone();
+        sorted.sort();
+        let plain: Vec<u32> = {
+            let mut p = DataLoader::new(data.clone(), 2, 4).unwrap();
+            (0..15).map(|_| p.next_batch().inputs[0]).collect()
+        };
+        assert_eq!(sorted, plain, "one epoch visits every window once");
+        assert_ne!(epoch, plain);
+        let next: Vec<u32> = (0..15).map(|_| l.next_batch().inputs[0]).collect();
+        assert_ne!(next, epoch, "each epoch has its own order");
+
+        // Stopping anywhere and resuming from the cursor gives the same batches.
+        let mut a = DataLoader::new(data.clone(), 2, 4)
+            .unwrap()
+            .shuffled(Some(5));
+        for _ in 0..7 {
+            a.next_batch();
+        }
+        let mut b = DataLoader::new(data, 2, 4).unwrap().shuffled(Some(5));
+        b.set_cursor(a.cursor()).unwrap();
+        for _ in 0..20 {
+            assert_eq!(a.next_batch().inputs, b.next_batch().inputs);
+        }
     }
 }

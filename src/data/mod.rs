@@ -1,19 +1,26 @@
-//! Data: tokenizers, the built-in synthetic corpus, and llm.c-style batching.
+//! Data: token files and shards (memory-mapped), tokenizers, the built-in synthetic corpus,
+//! llm.c-style batching, and `prepare`, which streams text into token shards.
 
 mod corpus;
+mod dataset;
 mod gpt2_tokenizer;
 mod loader;
 mod prepare;
+mod shard;
 mod token_file;
 mod tokenizer;
 
 pub use crate::model::Batch;
 pub use corpus::SyntheticCorpus;
+pub use dataset::{is_shard_spec, is_val_shard, TokenDataset};
 pub use gpt2_tokenizer::{Gpt2Tokenizer, TokenizerKind};
-pub use loader::DataLoader;
-pub use prepare::{prepare, val_path_for, PrepareReport};
+pub use loader::{DataCursor, DataLoader};
+pub use prepare::{
+    prepare, prepare_with, val_path_for, InputKind, PrepareOptions, PrepareProgress, PrepareReport,
+};
+pub use shard::Shard;
 pub use token_file::{
-    is_token_file, parse_token_file, read_token_file, write_token_file, TOKEN_FILE_HEADER_BYTES,
-    TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION,
+    is_token_file, parse_token_file, read_token_file, write_token_file, write_token_file_as,
+    TokenFormat, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION,
 };
 pub use tokenizer::{ByteTokenizer, Tokenizer};

@@ -4,6 +4,7 @@
 use super::Trainer;
 use crate::accumulate::AccumulationSchedule;
 use crate::checkpoint::CheckpointPolicy;
+use crate::data::DataCursor;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver};
 use crate::optim::Optimizer;
@@ -34,8 +35,16 @@ struct TrainerState {
     skipped_steps: u64,
     #[serde(default)]
     bad_streak: u64,
+    /// The next batch's start in its shard's window order, in tokens (all a state without
+    /// `data_cursor` has: one shard read in order).
     data_position: usize,
     data_tokens: usize,
+    /// Where the data loader stands: epoch, shard and window.
+    #[serde(default)]
+    data_cursor: Option<DataCursor>,
+    /// The data loader's shuffling seed, if it shuffles.
+    #[serde(default)]
+    data_shuffle: Option<u64>,
     rng: Rng,
     /// Per parameter, the names of its optimizer-state tensors in
     /// `trainer_state.safetensors`, in slot order.
@@ -112,6 +121,8 @@ where
             bad_streak: self.bad_streak,
             data_position: self.data.position(),
             data_tokens: self.data.len_tokens(),
+            data_cursor: Some(self.data.cursor()),
+            data_shuffle: self.data.shuffle_seed(),
             rng: self.rng.clone(),
             optimizer_state,
             precision: json(serde_json::to_value(&self.precision as &dyn Precision))?,
@@ -207,6 +218,21 @@ where
                 ),
             ));
         }
+        if state.data_cursor.is_some() && state.data_shuffle != self.data.shuffle_seed() {
+            let says = |s: Option<u64>| match s {
+                Some(seed) => format!("shuffled with seed {seed}"),
+                None => "in order".to_string(),
+            };
+            return Err(Error::data(
+                &what,
+                format!(
+                    "was saved reading the data {}, this run reads it {}; resume with the \
+                     same --shuffle and --seed",
+                    says(state.data_shuffle),
+                    says(self.data.shuffle_seed())
+                ),
+            ));
+        }
         let model = read_model_dir(dir)?;
         self.load_weights(&model)?;
         let tensors: HashMap<String, NamedTensor> =
@@ -239,7 +265,10 @@ where
                 .collect::<Result<Vec<_>>>()?;
             p.set_state(slots);
         }
-        self.data.set_position(state.data_position)?;
+        match state.data_cursor {
+            Some(cursor) => self.data.set_cursor(cursor)?,
+            None => self.data.set_position(state.data_position)?,
+        }
         self.step = state.step;
         self.tokens_seen = state.tokens_seen;
         self.skipped_steps = state.skipped_steps;

@@ -58,20 +58,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .tokenizer
         .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size));
     let source = DataConfig::from_path(&args.data, Some(tokenizer));
-    let tokens = source.read_tokens()?;
-    if let Some(bad) = tokens
-        .iter()
-        .find(|&&t| t as usize >= dir.config.vocab_size)
-    {
-        return Err(Error::data(
-            args.data.display().to_string(),
-            format!(
-                "holds token {bad}, beyond the model's vocabulary of {}; was it made with \
-                 another tokenizer?",
-                dir.config.vocab_size
-            ),
-        ));
-    }
+    let tokens = source.train_dataset()?;
+    tokens.check_ids(dir.config.vocab_size)?;
     let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
     let mut trainer = crate::trainer_for(&dir, &args.device, data.clone())?;
     let loss = trainer.evaluate(&mut data, args.batches)?;

@@ -1,41 +1,136 @@
-//! `trainkit prepare`: text to llm.c token files.
+//! `trainkit prepare`: text or JSON lines to llm.c token files.
 
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 use std::path::PathBuf;
-use trainkit::data::{prepare, TokenizerKind};
+use trainkit::data::{prepare_with, InputKind, PrepareOptions, TokenizerKind};
 use trainkit::Result;
 
-/// Tokenize a text file into llm.c token files: the train file at --out and, with a
-/// nonzero --val-fraction, a `_val` file beside it.
+/// Tokenize text files or JSON lines into llm.c token files: the train file (or shards)
+/// at --out and, with a nonzero --val-fraction, `_val` files beside it.
 #[derive(clap::Args)]
 pub struct PrepareArgs {
-    /// The UTF-8 text to tokenize.
-    #[arg(long)]
-    text: PathBuf,
+    /// UTF-8 text files, each one document; several, or a quoted glob ('books/*.txt').
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    text: Vec<PathBuf>,
+    /// JSON-lines files, one document per line in its `text` field (FineWeb's form);
+    /// several, or a quoted glob. Read after the --text files.
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    jsonl: Vec<PathBuf>,
     /// The train token file to write (e.g. data/shakespeare.bin; the val file becomes
-    /// data/shakespeare_val.bin).
+    /// data/shakespeare_val.bin); with --shard-tokens, the name shards are numbered from.
     #[arg(long)]
     out: PathBuf,
     /// gpt2 (BPE, vocabulary 50257) or bytes (vocabulary 256).
     #[arg(long, default_value = "gpt2")]
     tokenizer: TokenizerKind,
-    /// Fraction of the tokens, from the end of the text, written to the val file.
+    /// Fraction of the tokens, from the end, written to the val file(s).
     #[arg(long, default_value_t = 0.1)]
     val_fraction: f64,
+    /// Write shards of this many tokens: NAME_000000.bin, NAME_000001.bin, ... and
+    /// NAME_val_000000.bin, ... (llm.c's FineWeb shards hold 100000000).
+    #[arg(long, value_name = "N")]
+    shard_tokens: Option<usize>,
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
-    let r = prepare(&args.text, &args.out, args.tokenizer, args.val_fraction)?;
+    let mut inputs: Vec<(PathBuf, InputKind)> = args
+        .text
+        .iter()
+        .map(|p| (p.clone(), InputKind::Text))
+        .collect();
+    inputs.extend(args.jsonl.iter().map(|p| (p.clone(), InputKind::JsonLines)));
+    let options = PrepareOptions {
+        inputs,
+        out: args.out.clone(),
+        tokenizer: args.tokenizer,
+        val_fraction: args.val_fraction,
+        shard_tokens: args.shard_tokens,
+    };
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {bytes}/{total_bytes} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        bar
+    });
+    let mut last = None;
+    let r = prepare_with(&options, &mut |p| {
+        let mb_s = p.bytes as f64 / 1e6 / p.elapsed.as_secs_f64().max(1e-9);
+        if let Some(bar) = &bar {
+            bar.set_length(p.total_bytes);
+            bar.set_position(p.bytes);
+            bar.set_message(format!(
+                "{mb_s:.1} MB/s | {} tokens | {} documents",
+                p.tokens, p.documents
+            ));
+        }
+        last = Some(*p);
+    });
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    let r = r?;
+    if let Some(p) = last {
+        let secs = p.elapsed.as_secs_f64().max(1e-9);
+        println!(
+            "read {:.1} MB ({} documents) in {secs:.1} s: {:.1} MB/s, {:.0} tokens/s",
+            p.bytes as f64 / 1e6,
+            p.documents,
+            p.bytes as f64 / 1e6 / secs,
+            p.tokens as f64 / secs
+        );
+    }
+    let list = |files: &[PathBuf]| match files {
+        [one] => one.display().to_string(),
+        [first, .., last] => format!(
+            "{} shards, {} .. {}",
+            files.len(),
+            first.display(),
+            last.display()
+        ),
+        [] => String::new(),
+    };
     println!(
         "wrote {} train tokens to {}",
         r.train_tokens,
-        r.train_path.display()
+        list(&r.train_files)
     );
-    if let Some(val) = &r.val_path {
-        println!("wrote {} val tokens to {}", r.val_tokens, val.display());
+    if !r.val_files.is_empty() {
+        println!(
+            "wrote {} val tokens to {}",
+            r.val_tokens,
+            list(&r.val_files)
+        );
     }
+    let data = match (args.shard_tokens, r.train_files.first()) {
+        (Some(_), Some(first)) => {
+            let dir = first
+                .parent()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default();
+            let stem = args.out.file_stem().unwrap_or_default().to_string_lossy();
+            let ext = args
+                .out
+                .extension()
+                .map(|e| format!(".{}", e.to_string_lossy()))
+                .unwrap_or_default();
+            let dir = if dir.is_empty() {
+                String::new()
+            } else {
+                format!("{dir}/")
+            };
+            format!("'{dir}{stem}_*{ext}'")
+        }
+        (_, Some(first)) => first.display().to_string(),
+        _ => String::new(),
+    };
     println!(
-        "train on them with: trainkit train --data {} --tokenizer {}{}",
-        r.train_path.display(),
+        "train on them with: trainkit train --data {data} --tokenizer {}{}",
         args.tokenizer,
         if args.tokenizer == TokenizerKind::Gpt2 {
             " --vocab-size 50257"

@@ -20,10 +20,18 @@ pub struct TrainArgs {
     /// A TOML run config (see examples/configs/); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Training data: an llm.c token file (from `trainkit prepare`) or a UTF-8 text file
+    /// Training data: an llm.c token file (from `trainkit prepare`), a glob of shards
+    /// (quote it: 'data/fineweb_train_*.bin'), a directory of shards, or a UTF-8 text file
     /// tokenized on the fly.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Validation data for token files (a file, glob or directory); by default the `_val`
+    /// shards beside --data.
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// Visit shards and batches in a random order drawn from --seed, new every epoch.
+    #[arg(long)]
+    shuffle: bool,
     /// Tokenizer of the data: gpt2 or bytes (text files default to bytes, token files
     /// to gpt2).
     #[arg(long)]
@@ -143,6 +151,8 @@ impl TrainArgs {
     fn overrides(&self) -> Overrides {
         Overrides {
             data: self.data.clone(),
+            val_data: self.val_data.clone(),
+            shuffle: self.shuffle.then_some(true),
             tokenizer: self.tokenizer,
             init_from: self.init_from.clone(),
             out: self.out.clone(),
@@ -304,7 +314,8 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     }
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size)?;
-    let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?;
+    let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
+        .shuffled(corpus.shuffle.then_some(t.seed));
     let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
     let model = Gpt2::new(cfg.model.clone())?;
     println!("model: {}", model.describe());

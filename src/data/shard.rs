@@ -1,0 +1,245 @@
+//! One shard of token data: an llm.c token file mapped into memory (never read whole), or
+//! tokens already in memory; either viewed whole or as a range.
+
+use super::token_file::{parse_header, TokenFormat, TOKEN_FILE_HEADER_BYTES};
+use crate::error::{Error, Result};
+use memmap2::Mmap;
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Tokens scanned at a time when checking ids, so a check never holds more than this much
+/// of a mapped file in memory.
+const SCAN_TOKENS: usize = 1 << 21;
+
+/// A run of tokens: a memory-mapped token file (ids stay in the file's 16- or 32-bit form;
+/// the pages a read touches are handed back to the kernel right after), or ids in memory.
+/// Cloning is cheap: clones share the mapping.
+#[derive(Clone)]
+pub struct Shard {
+    source: Arc<Source>,
+    /// First token of this view within the source.
+    start: usize,
+    /// Tokens in this view.
+    len: usize,
+}
+
+enum Source {
+    Mapped {
+        path: PathBuf,
+        map: Mmap,
+        format: TokenFormat,
+    },
+    Memory(Arc<[u32]>),
+}
+
+impl Shard {
+    /// Maps the token file at `path` after checking its header and length (see
+    /// [`read_token_file`](super::read_token_file) for the errors); ids are checked
+    /// separately, by [`Shard::check_ids`].
+    pub fn open(path: &Path) -> Result<Shard> {
+        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let mut header = Vec::with_capacity(TOKEN_FILE_HEADER_BYTES);
+        (&mut file)
+            .take(TOKEN_FILE_HEADER_BYTES as u64)
+            .read_to_end(&mut header)
+            .map_err(|e| Error::io(path, e))?;
+        let (format, len) = parse_header(path, &header, file_len)?;
+        // SAFETY: the mapping is read-only and shared; the file is not written by this
+        // process while mapped. Another process truncating it would fault, as with every
+        // memory-mapped reader (llm.c's readers share the same assumption); token files are
+        // written once, atomically, by renaming a complete file into place.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        if (map.len() as u64) != file_len {
+            return Err(Error::data(
+                format!("token file {}", path.display()),
+                "changed size while it was being opened; is it still being written?",
+            ));
+        }
+        Ok(Shard {
+            source: Arc::new(Source::Mapped {
+                path: path.to_path_buf(),
+                map,
+                format,
+            }),
+            start: 0,
+            len,
+        })
+    }
+
+    /// A shard of ids held in memory.
+    pub fn from_tokens(tokens: impl Into<Arc<[u32]>>) -> Shard {
+        let tokens = tokens.into();
+        Shard {
+            start: 0,
+            len: tokens.len(),
+            source: Arc::new(Source::Memory(tokens)),
+        }
+    }
+
+    /// Tokens in the shard.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the shard holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The file behind the shard, if it is one.
+    pub fn path(&self) -> Option<&Path> {
+        match &*self.source {
+            Source::Mapped { path, .. } => Some(path),
+            Source::Memory(_) => None,
+        }
+    }
+
+    /// The token format of the file behind the shard, if it is one.
+    pub fn format(&self) -> Option<TokenFormat> {
+        match &*self.source {
+            Source::Mapped { format, .. } => Some(*format),
+            Source::Memory(_) => None,
+        }
+    }
+
+    /// The shard's name in messages: its file, or "tokens in memory", with the range when
+    /// it is a part.
+    pub fn name(&self) -> String {
+        let whole = match &*self.source {
+            Source::Mapped { path, .. } => format!("token file {}", path.display()),
+            Source::Memory(_) => "tokens in memory".to_string(),
+        };
+        if self.start == 0 && self.len == self.source_len() {
+            whole
+        } else {
+            format!("{whole} (tokens {}..{})", self.start, self.start + self.len)
+        }
+    }
+
+    fn source_len(&self) -> usize {
+        match &*self.source {
+            Source::Mapped { map, format, .. } => {
+                (map.len() - TOKEN_FILE_HEADER_BYTES) / format.token_bytes()
+            }
+            Source::Memory(t) => t.len(),
+        }
+    }
+
+    /// The tokens `range` of this shard as a shard of its own (sharing the mapping).
+    ///
+    /// # Panics
+    /// If `range` is not within `0..len()`.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Shard {
+        assert!(range.start <= range.end && range.end <= self.len);
+        Shard {
+            source: Arc::clone(&self.source),
+            start: self.start + range.start,
+            len: range.end - range.start,
+        }
+    }
+
+    /// Appends tokens `start .. start + n` of the shard to `out`.
+    ///
+    /// # Panics
+    /// If the range is not within the shard.
+    pub fn read_into(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+        assert!(
+            start + n <= self.len,
+            "read past the end of {}",
+            self.name()
+        );
+        let first = self.start + start;
+        match &*self.source {
+            Source::Memory(tokens) => out.extend_from_slice(&tokens[first..first + n]),
+            Source::Mapped { map, format, .. } => {
+                let w = format.token_bytes();
+                let begin = TOKEN_FILE_HEADER_BYTES + first * w;
+                format.decode_into(&map[begin..begin + n * w], out);
+                release(map, begin, n * w);
+            }
+        }
+    }
+
+    /// Checks that every id is below `vocab_size`; the error names the shard, the token's
+    /// index in its file and the id. Scans a mapped file a piece at a time, handing each
+    /// piece back to the kernel, so memory does not grow with the file.
+    pub fn check_ids(&self, vocab_size: usize) -> Result<()> {
+        let limit = vocab_size as u64;
+        let bad = |index: usize, id: u64| {
+            Error::data(
+                self.name(),
+                format!(
+                    "token {index} is id {id}, beyond the model's vocabulary of {vocab_size}; \
+                     raise model.vocab_size (--vocab-size) or use data made with the model's \
+                     tokenizer"
+                ),
+            )
+        };
+        match &*self.source {
+            Source::Memory(tokens) => {
+                let view = &tokens[self.start..self.start + self.len];
+                match view.iter().position(|&id| u64::from(id) >= limit) {
+                    Some(i) => Err(bad(self.start + i, u64::from(view[i]))),
+                    None => Ok(()),
+                }
+            }
+            Source::Mapped { map, format, .. } => {
+                if limit >= format.id_limit() {
+                    return Ok(());
+                }
+                let w = format.token_bytes();
+                let mut at = self.start;
+                let end = self.start + self.len;
+                while at < end {
+                    let n = SCAN_TOKENS.min(end - at);
+                    let begin = TOKEN_FILE_HEADER_BYTES + at * w;
+                    let found = format.find_id_at_least(&map[begin..begin + n * w], limit);
+                    release(map, begin, n * w);
+                    if let Some((i, id)) = found {
+                        return Err(bad(at + i, id));
+                    }
+                    at += n;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Hands the pages of `map[offset .. offset + len]` back to the kernel, so that pages a
+/// reader has finished with do not stay in the process's resident memory; a later read
+/// faults them in again from the page cache.
+fn release(map: &Mmap, offset: usize, len: usize) {
+    #[cfg(unix)]
+    {
+        const PAGE: usize = 4096;
+        let first = offset / PAGE * PAGE;
+        let end = (offset + len).min(map.len());
+        if end > first {
+            // SAFETY: the mapping is a shared, read-only mapping of a file (memmap2's
+            // `Mmap::map`), so MADV_DONTNEED drops this process's page-table entries
+            // without changing what the range reads as: a later access refaults the same
+            // file contents. No reference into the range is used while the call runs in
+            // this thread, and a concurrent reader elsewhere reads the same bytes either
+            // way.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first)
+            };
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (map, offset, len);
+}
+
+impl fmt::Debug for Shard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shard")
+            .field("name", &self.name())
+            .field("len", &self.len)
+            .finish()
+    }
+}
