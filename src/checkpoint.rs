@@ -37,6 +37,11 @@ impl Tags {
     /// function).
     pub const WIDE: Tags = Tags(1 << 8);
 
+    /// These tags and those of `other` (`|` in a constant).
+    pub const fn with(self, other: Tags) -> Tags {
+        Tags(self.0 | other.0)
+    }
+
     /// Whether every tag of `other` is set.
     pub fn contains(self, other: Tags) -> bool {
         self.0 & other.0 == other.0
@@ -179,4 +184,24 @@ impl CheckpointPolicy for Selective {
             Retention::Keep
         }
     }
+}
+
+/// The shipped recompute policies, from the least recomputation (and the most memory) to
+/// the most: [`NoRecompute`], [`Selective`], [`Full`]. Autofit tries them in this order.
+pub fn by_cost() -> Vec<Box<dyn CheckpointPolicy>> {
+    vec![Box::new(NoRecompute), Box::new(Selective), Box::new(Full)]
+}
+
+/// The shipped policy `name` names (`none`, `selective` or `full`: its config `kind`, and
+/// the spelling of `--recompute`).
+pub fn named(name: &str) -> crate::error::Result<Box<dyn CheckpointPolicy>> {
+    by_cost()
+        .into_iter()
+        .find(|p| p.typetag_name() == name)
+        .ok_or_else(|| {
+            crate::error::Error::config(
+                "recompute",
+                format!("`{name}` is not a recompute policy; use none, full or selective"),
+            )
+        })
 }

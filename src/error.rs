@@ -75,6 +75,18 @@ impl Error {
         }
     }
 
+    /// The same error, a config error naming `field` instead of its own (a flag that
+    /// carries a value checked elsewhere); other errors unchanged.
+    pub fn for_field(self, field: impl Into<String>) -> Self {
+        match self {
+            Error::Config { message, .. } => Error::Config {
+                field: field.into(),
+                message,
+            },
+            other => other,
+        }
+    }
+
     /// A shape error found by `op`.
     pub fn shape(op: &'static str, message: impl Into<String>) -> Self {
         Error::Shape {

@@ -117,3 +117,32 @@ impl Precision for MixedBf16 {
         }
     }
 }
+
+/// The precision a `--precision` value names: `fp32` ([`Fp32`]) or `bf16`
+/// ([`MixedBf16`], with f32 gradient accumulation when `fp32_grads`).
+pub fn named(name: &str, fp32_grads: bool) -> crate::error::Result<Box<dyn Precision>> {
+    match name {
+        "fp32" => Ok(Box::new(Fp32)),
+        "bf16" => Ok(Box::new(MixedBf16 { fp32_grads })),
+        other => Err(crate::error::Error::config(
+            "precision",
+            format!("`{other}` is not a precision; use fp32 or bf16"),
+        )),
+    }
+}
+
+/// A short description: `fp32`, `bf16 mixed`, `bf16 mixed, f32 gradient accumulation`, or
+/// the policy's `kind` for others.
+pub fn describe(precision: &dyn Precision) -> String {
+    use crate::tensor::DType;
+    match (
+        precision.compute_dtype(),
+        precision.master_weights(),
+        precision.grad_dtype(),
+    ) {
+        (DType::F32, false, _) => "fp32".to_string(),
+        (DType::Bf16, true, DType::Bf16) => "bf16 mixed".to_string(),
+        (DType::Bf16, true, DType::F32) => "bf16 mixed, f32 gradient accumulation".to_string(),
+        _ => precision.typetag_name().to_string(),
+    }
+}

@@ -5,7 +5,8 @@
 mod common;
 
 use common::{corpus_loader, cpu};
-use trainkit::estimate::{autofit, parse_bytes, predict_gpt2, FitRequest, MicroBatch, Recompute};
+use trainkit::checkpoint::{by_cost, named};
+use trainkit::estimate::{autofit, parse_bytes, predict_gpt2, FitRequest, MicroBatch};
 use trainkit::{AdamW, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, Precision, Trainer};
 
 fn config() -> Gpt2Config {
@@ -35,8 +36,16 @@ fn request<'a>(
     }
 }
 
+/// Where a shipped recompute policy (by its `kind`) stands in autofit's cost order.
+fn rank(kind: &str) -> usize {
+    by_cost()
+        .iter()
+        .position(|p| p.typetag_name() == kind)
+        .unwrap()
+}
+
 /// The peak of a setup over every step, as autofit counts it.
-fn peak(req: &FitRequest<'_>, micro: usize, recompute: Recompute) -> u64 {
+fn peak(req: &FitRequest<'_>, micro: usize, recompute: &str) -> u64 {
     let p = predict_gpt2(
         req.config,
         MicroBatch {
@@ -44,7 +53,7 @@ fn peak(req: &FitRequest<'_>, micro: usize, recompute: Recompute) -> u64 {
             seq_len: req.seq_len,
         },
         req.precision,
-        recompute.policy().as_ref(),
+        named(recompute).unwrap().as_ref(),
         req.optimizer,
     )
     .unwrap();
@@ -55,28 +64,31 @@ fn peak(req: &FitRequest<'_>, micro: usize, recompute: Recompute) -> u64 {
 #[test]
 fn the_choice_is_the_least_recompute_then_the_fewest_micro_batches() {
     let (c, opt) = (config(), AdamW::default());
-    let full_batch = peak(&request(&c, &Fp32, &opt, 0), 8, Recompute::None);
-    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, Recompute::Full);
+    let full_batch = peak(&request(&c, &Fp32, &opt, 0), 8, "none");
+    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, "full");
     // Budgets from roomy to the tightest that fits: check the rule against brute force.
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..=40u64 {
         let budget = tightest + (full_batch - tightest) * (40 - i) / 40;
         let req = request(&c, &Fp32, &opt, budget);
         let plan = autofit(&req).unwrap();
-        let ch = plan.choice;
+        let ch = plan.choice.clone();
+        let kind = ch.recompute.typetag_name();
         assert!(ch.peak <= budget);
         assert_eq!(ch.micro_batch * ch.micro_batches, 8);
-        assert_eq!(ch.peak, peak(&req, ch.micro_batch, ch.recompute));
-        for r in Recompute::ALL.into_iter().filter(|r| *r < ch.recompute) {
-            assert!(peak(&req, 1, r) > budget, "{r} would fit at {budget}");
+        assert_eq!(ch.peak, peak(&req, ch.micro_batch, kind));
+        for r in by_cost().iter().map(|r| r.typetag_name()) {
+            if rank(r) < rank(kind) {
+                assert!(peak(&req, 1, r) > budget, "{r} would fit at {budget}");
+            }
         }
         for m in [8, 4, 2].into_iter().filter(|m| *m > ch.micro_batch) {
-            assert!(peak(&req, m, ch.recompute) > budget);
+            assert!(peak(&req, m, kind) > budget);
         }
-        seen.insert((ch.recompute, ch.micro_batch));
-        assert!(plan.explain()[0].contains(&format!("recompute {}", ch.recompute)));
+        seen.insert((kind, ch.micro_batch));
+        assert!(plan.explain()[0].contains(&format!("recompute {kind}")));
     }
-    assert!(seen.contains(&(Recompute::None, 8)));
+    assert!(seen.contains(&("none", 8)));
     assert!(
         seen.len() >= 3,
         "the budgets should exercise several choices: {seen:?}"
@@ -87,11 +99,11 @@ fn the_choice_is_the_least_recompute_then_the_fewest_micro_batches() {
 fn a_run_with_the_choice_stays_within_the_budget() {
     let (c, opt) = (config(), AdamW::default());
     let precision = MixedBf16 { fp32_grads: true };
-    let roomy = peak(&request(&c, &precision, &opt, 0), 8, Recompute::None);
+    let roomy = peak(&request(&c, &precision, &opt, 0), 8, "none");
     let budget = roomy * 3 / 4;
     let plan = autofit(&request(&c, &precision, &opt, budget)).unwrap();
     let ch = plan.choice;
-    assert!(ch.micro_batch < 8 || ch.recompute != Recompute::None);
+    assert!(ch.micro_batch < 8 || ch.recompute.typetag_name() != "none");
     let be = cpu();
     be.ledger().set_limit(Some(budget));
     let mut t = Trainer::builder(
@@ -100,7 +112,7 @@ fn a_run_with_the_choice_stays_within_the_budget() {
         corpus_loader(20_000, 5, ch.micro_batch, 64),
     )
     .precision(precision)
-    .checkpoint(ch.recompute.policy())
+    .checkpoint(ch.recompute)
     .optimizer(opt)
     .accumulation(Constant::new(ch.micro_batches))
     .build()
@@ -114,7 +126,7 @@ fn a_run_with_the_choice_stays_within_the_budget() {
 #[test]
 fn when_nothing_fits_the_error_says_what_would() {
     let (c, opt) = (config(), AdamW::default());
-    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, Recompute::Full);
+    let tightest = peak(&request(&c, &Fp32, &opt, 0), 1, "full");
     let req = request(&c, &Fp32, &opt, tightest - 1);
     let Err(Error::OutOfMemory { message }) = autofit(&req) else {
         panic!("expected an out-of-memory error");

@@ -2,11 +2,10 @@
 
 use super::{DataConfig, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
-use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
 use crate::optim::{LrSchedule, Optimizer};
-use crate::precision::{Fp32, MixedBf16, Precision};
+
 use std::path::PathBuf;
 
 /// Settings that override a [`RunConfig`] (the `trainkit train` flags); `None` leaves the
@@ -136,29 +135,11 @@ impl Overrides {
             cfg.accumulation = Box::new(Constant::new(k)) as Box<dyn AccumulationSchedule>;
         }
         if let Some(p) = &self.precision {
-            cfg.precision = match p.as_str() {
-                "fp32" => Box::new(Fp32) as Box<dyn Precision>,
-                "bf16" => Box::new(MixedBf16 { fp32_grads: false }),
-                other => {
-                    return Err(Error::config(
-                        "--precision",
-                        format!("`{other}` is not a precision; use fp32 or bf16"),
-                    ))
-                }
-            };
+            cfg.precision =
+                crate::precision::named(p, false).map_err(|e| e.for_field("--precision"))?;
         }
         if let Some(r) = &self.recompute {
-            cfg.checkpoint = match r.as_str() {
-                "none" => Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
-                "full" => Box::new(Full),
-                "selective" => Box::new(Selective),
-                other => {
-                    return Err(Error::config(
-                        "--recompute",
-                        format!("`{other}` is not a recompute policy; use none, full or selective"),
-                    ))
-                }
-            };
+            cfg.checkpoint = crate::checkpoint::named(r).map_err(|e| e.for_field("--recompute"))?;
         }
         let warmup_now = match cfg.training.lr_schedule {
             LrSchedule::Constant { warmup_steps } | LrSchedule::Cosine { warmup_steps, .. } => {

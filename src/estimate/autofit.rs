@@ -2,8 +2,7 @@
 //! memory budget, chosen with the exact memory model.
 
 use super::exact::{predict_gpt2, MemoryPrediction, MicroBatch};
-use super::formulas::Recompute;
-use crate::checkpoint::Full;
+use crate::checkpoint::{by_cost, CheckpointPolicy, Full, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
 use crate::model::Gpt2Config;
@@ -28,14 +27,14 @@ pub struct FitRequest<'a> {
 }
 
 /// One setup autofit considered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct FitCandidate {
     /// Rows per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
     pub micro_batches: usize,
     /// The recompute policy.
-    pub recompute: Recompute,
+    pub recompute: Box<dyn CheckpointPolicy>,
     /// Its exact memory.
     pub prediction: MemoryPrediction,
     /// The peak over any step (the first step included).
@@ -49,8 +48,9 @@ pub struct FitPlan {
     pub choice: FitCandidate,
     /// The budget it fits.
     pub budget: u64,
-    /// For each policy, the largest micro-batch that fits (or `None`), in policy order.
-    pub per_policy: Vec<(Recompute, Option<FitCandidate>)>,
+    /// For each policy, the largest micro-batch that fits (or `None`), in the order of
+    /// [`by_cost`].
+    pub per_policy: Vec<(Box<dyn CheckpointPolicy>, Option<FitCandidate>)>,
     /// The setup without accumulation nor recomputation, for the explanation.
     pub unconstrained: FitCandidate,
 }
@@ -63,7 +63,7 @@ impl FitPlan {
             "autofit: micro-batch {} × {}, recompute {}: peak {} of a {} budget",
             c.micro_batch,
             micro_batches(c.micro_batches),
-            c.recompute,
+            c.recompute.typetag_name(),
             format_bytes(c.peak),
             format_bytes(self.budget)
         )];
@@ -79,7 +79,7 @@ impl FitPlan {
             lines.push(match best {
                 Some(b) => format!(
                     "  recompute {:<9} largest micro-batch that fits: {} ({}, peak {}, activations {})",
-                    policy.name(),
+                    policy.typetag_name(),
                     b.micro_batch,
                     micro_batches(b.micro_batches),
                     format_bytes(b.peak),
@@ -87,7 +87,7 @@ impl FitPlan {
                 ),
                 None => format!(
                     "  recompute {:<9} does not fit even with micro-batch 1",
-                    policy.name()
+                    policy.typetag_name()
                 ),
             });
         }
@@ -110,7 +110,7 @@ fn micro_batches(n: usize) -> String {
 fn candidate(
     req: &FitRequest<'_>,
     micro_batch: usize,
-    recompute: Recompute,
+    recompute: &(dyn CheckpointPolicy + 'static),
 ) -> Result<FitCandidate> {
     let prediction = predict_gpt2(
         req.config,
@@ -119,14 +119,14 @@ fn candidate(
             seq_len: req.seq_len,
         },
         req.precision,
-        recompute.policy().as_ref(),
+        recompute,
         req.optimizer,
     )?;
     let micro_batches = req.global_batch / micro_batch;
     Ok(FitCandidate {
         micro_batch,
         micro_batches,
-        recompute,
+        recompute: dyn_clone::clone_box(recompute),
         peak: prediction
             .peak_total
             .max(prediction.first_step_peak_total(micro_batches)),
@@ -149,11 +149,11 @@ pub fn autofit(req: &FitRequest<'_>) -> Result<FitPlan> {
         .filter(|d| req.global_batch % d == 0)
         .collect();
     let mut per_policy = Vec::new();
-    for recompute in Recompute::ALL {
+    for recompute in by_cost() {
         // Memory grows with the micro-batch: find the largest divisor that fits.
         let mut best = None;
         for &m in &divisors {
-            let c = candidate(req, m, recompute)?;
+            let c = candidate(req, m, recompute.as_ref())?;
             if c.peak <= req.budget {
                 best = Some(c);
                 break;
@@ -161,8 +161,8 @@ pub fn autofit(req: &FitRequest<'_>) -> Result<FitPlan> {
         }
         per_policy.push((recompute, best));
     }
-    let unconstrained = candidate(req, req.global_batch, Recompute::None)?;
-    match per_policy.iter().find_map(|(_, b)| *b) {
+    let unconstrained = candidate(req, req.global_batch, &NoRecompute)?;
+    match per_policy.iter().find_map(|(_, b)| b.clone()) {
         Some(choice) => Ok(FitPlan {
             choice,
             budget: req.budget,
@@ -177,7 +177,7 @@ pub fn autofit(req: &FitRequest<'_>) -> Result<FitPlan> {
 
 /// The message of a run that cannot fit: what it needs and what would fit.
 fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
-    let least = candidate(req, 1, Recompute::Full)?;
+    let least = candidate(req, 1, &Full)?;
     let state = least.prediction.model_state_bytes();
     let mut msg = format!(
         "nothing fits {}: even micro-batch 1 with full recompute peaks at {} (model state {}, \
@@ -217,7 +217,7 @@ fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
                 seq_len: mid,
                 ..*req
             };
-            if candidate(&shorter, 1, Recompute::Full)?.peak <= req.budget {
+            if candidate(&shorter, 1, &Full)?.peak <= req.budget {
                 lo = mid;
             } else {
                 hi = mid;

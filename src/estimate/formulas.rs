@@ -5,10 +5,12 @@
 //! typical mixed-precision setup holds, in decimal bytes, and leave out workspace,
 //! allocator fragmentation and the logits of the loss.
 
-use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Selective};
+use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, Tags};
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryCategory};
-use crate::precision::{Fp32, MixedBf16, Precision};
+use crate::optim::Optimizer;
+use crate::precision::Precision;
+use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 
 /// `a·b` or an error naming `what` when it does not fit in 64 bits.
@@ -44,156 +46,82 @@ pub fn playbook_params(layers: u64, hidden: u64, vocab: u64) -> Result<u64> {
     add(total, mul(2, hidden, what)?, what)
 }
 
-/// How training holds its model state: the precision of the weights, gradients and
-/// master copy (the optimizer is AdamW, whose two f32 moments take 8 bytes per parameter).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
-pub enum TrainingPrecision {
-    /// Everything in f32: weights 4, gradients 4, optimizer state 8 bytes per parameter
-    /// (16), no master copy. Activations are f32.
-    Fp32,
-    /// bf16 weights and gradients with an f32 master copy: weights 2, gradients 2, master
-    /// weights 4, optimizer state 8 bytes per parameter (16). With `fp32_grads`, gradients
-    /// are also accumulated in f32, 4 more bytes per parameter counted under gradients
-    /// (20). Activations are bf16.
-    MixedBf16 {
-        /// Accumulate gradients in an extra f32 buffer.
-        fp32_grads: bool,
-    },
-}
-
-impl TrainingPrecision {
-    /// The spelling of `trainkit train --precision`: `fp32` or `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            TrainingPrecision::Fp32 => "fp32",
-            TrainingPrecision::MixedBf16 { .. } => "bf16",
-        }
-    }
-
-    /// The precision a `--precision` value names (`fp32` or `bf16`); `fp32_grads` adds the
-    /// f32 gradient buffer to bf16 and changes nothing for fp32, whose gradients are f32.
-    pub fn parse(name: &str, fp32_grads: bool) -> Result<Self> {
-        match name {
-            "fp32" => Ok(TrainingPrecision::Fp32),
-            "bf16" => Ok(TrainingPrecision::MixedBf16 { fp32_grads }),
-            other => Err(Error::config(
-                "precision",
-                format!("`{other}` is not a precision; use fp32 or bf16"),
-            )),
-        }
-    }
-
-    /// Bytes per parameter in each model-state category (weights, master weights,
-    /// gradients, optimizer state; activations and workspace are 0).
-    pub fn bytes_per_param(self) -> CategoryBytes {
-        let (weights, master, grads) = match self {
-            TrainingPrecision::Fp32 => (4, 0, 4),
-            TrainingPrecision::MixedBf16 { fp32_grads } => (2, 4, if fp32_grads { 6 } else { 2 }),
-        };
-        let mut out = CategoryBytes::default();
-        *out.get_mut(MemoryCategory::Weights) = weights;
-        *out.get_mut(MemoryCategory::MasterWeights) = master;
-        *out.get_mut(MemoryCategory::Gradients) = grads;
-        *out.get_mut(MemoryCategory::OptimizerState) = 8;
-        out
-    }
-
-    /// Bytes of one activation element: 4 in f32, 2 in bf16.
-    pub fn activation_bytes(self) -> u64 {
-        match self {
-            TrainingPrecision::Fp32 => 4,
-            TrainingPrecision::MixedBf16 { .. } => 2,
-        }
-    }
-
-    /// trainkit's precision policy closest to this choice ([`Fp32`] or [`MixedBf16`]).
-    pub fn policy(self) -> Box<dyn Precision> {
-        match self {
-            TrainingPrecision::Fp32 => Box::new(Fp32),
-            TrainingPrecision::MixedBf16 { fp32_grads } => Box::new(MixedBf16 { fp32_grads }),
-        }
-    }
-}
-
-impl std::fmt::Display for TrainingPrecision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TrainingPrecision::Fp32 => f.write_str("fp32"),
-            TrainingPrecision::MixedBf16 { fp32_grads: false } => f.write_str("bf16 mixed"),
-            TrainingPrecision::MixedBf16 { fp32_grads: true } => {
-                f.write_str("bf16 mixed, f32 gradient accumulation")
-            }
-        }
-    }
+/// Bytes per parameter by category (weights, master weights, gradients, optimizer
+/// state) as the playbook counts them for `precision` and `optimizer`: the compute
+/// weights, an f32 master copy when the precision keeps one, gradients in the compute
+/// dtype plus an f32 accumulation buffer when they accumulate in f32 apart from bf16
+/// compute (the playbook's 20 bytes of mixed precision), and the optimizer's state.
+pub fn bytes_per_param(precision: &dyn Precision, optimizer: &dyn Optimizer) -> CategoryBytes {
+    let compute = precision.compute_dtype().size() as u64;
+    let master = if precision.master_weights() { 4 } else { 0 };
+    let f32_grads = precision.grad_dtype() == DType::F32 && precision.compute_dtype() != DType::F32;
+    let grads = compute + if f32_grads { 4 } else { 0 };
+    let mut out = CategoryBytes::default();
+    *out.get_mut(MemoryCategory::Weights) = compute;
+    *out.get_mut(MemoryCategory::MasterWeights) = master;
+    *out.get_mut(MemoryCategory::Gradients) = grads;
+    *out.get_mut(MemoryCategory::OptimizerState) = optimizer.state_bytes_per_param() as u64;
+    out
 }
 
 /// Model-state bytes of `params` parameters by category (weights, master weights,
-/// gradients, optimizer state), the playbook's `bytes per parameter × N`.
-pub fn model_state_bytes(params: u64, precision: TrainingPrecision) -> Result<CategoryBytes> {
-    let mut out = precision.bytes_per_param();
+/// gradients, optimizer state), the playbook's `bytes per parameter × N`
+/// ([`bytes_per_param`]).
+pub fn model_state_bytes(
+    params: u64,
+    precision: &dyn Precision,
+    optimizer: &dyn Optimizer,
+) -> Result<CategoryBytes> {
+    let mut out = bytes_per_param(precision, optimizer);
     for bytes in out.0.iter_mut() {
         *bytes = mul(*bytes, params, "params")?;
     }
     Ok(out)
 }
 
-/// Which activations a layer keeps for backward, by the names of trainkit's checkpoint
-/// policies (`kind = "none"`, `"selective"`, `"full"`). Ordered from the least
-/// recomputation to the most.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Recompute {
-    /// Keep everything ([`NoRecompute`]): `L·s·b·(34h + 5·a·s)` bytes at 16 bits.
-    None,
-    /// Drop the attention scores and probabilities and recompute them ([`Selective`]):
-    /// the quadratic `5·a·s` term goes, `L·s·b·34h` stays.
-    Selective,
-    /// Keep only each layer's input and recompute the layer ([`Full`]): `L·s·b·2h`.
-    Full,
+/// One activation of the playbook's GPT-style layer (Korthikanti et al., 2022, the
+/// playbook's source), in 16-bit bytes: `per_token_h · h + per_token_as · a · s` per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlaybookActivation {
+    /// Its name.
+    pub name: &'static str,
+    /// The tags a checkpoint policy matches, as trainkit's own GPT-2 tags its activations.
+    pub tags: Tags,
+    /// Bytes per token per unit of width `h`.
+    pub per_token_h: u64,
+    /// Bytes per token per head per token of context (`a · s`): the quadratic terms.
+    pub per_token_as: u64,
 }
 
-impl Recompute {
-    /// Every policy, from most to least memory.
-    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
-
-    /// The spelling of `trainkit train --recompute` and of the checkpoint `kind`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
+/// The activations a GPT-style layer keeps for backward in the playbook's count:
+/// `34h + 5·a·s` bytes per token at 16 bits (dropout masks included, 1 byte each).
+pub const PLAYBOOK_LAYER: [PlaybookActivation; 14] = {
+    const fn act(name: &'static str, tags: Tags, h: u64, a_s: u64) -> PlaybookActivation {
+        PlaybookActivation {
+            name,
+            tags,
+            per_token_h: h,
+            per_token_as: a_s,
         }
     }
-
-    /// The policy a `--recompute` value names (`none`, `selective` or `full`).
-    pub fn parse(name: &str) -> Result<Self> {
-        Recompute::ALL
-            .into_iter()
-            .find(|r| r.name() == name)
-            .ok_or_else(|| {
-                Error::config(
-                    "recompute",
-                    format!("`{name}` is not a recompute policy; use none, full or selective"),
-                )
-            })
-    }
-
-    /// trainkit's checkpoint policy of the same name.
-    pub fn policy(self) -> Box<dyn CheckpointPolicy> {
-        match self {
-            Recompute::None => Box::new(NoRecompute),
-            Recompute::Selective => Box::new(Selective),
-            Recompute::Full => Box::new(Full),
-        }
-    }
-}
-
-impl std::fmt::Display for Recompute {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+    let (attn, mlp) = (Tags::ATTENTION, Tags::MLP);
+    [
+        act("input", Tags::LAYER_INPUT, 2, 0),
+        act("ln1_out", attn.with(Tags::NORM_OUT), 2, 0),
+        act("q_and_k", attn.with(Tags::PROJECTION), 4, 0),
+        act("v", attn.with(Tags::PROJECTION), 2, 0),
+        act("attn_probs", attn.with(Tags::QUADRATIC), 0, 2),
+        act("attn_dropout_mask", attn.with(Tags::QUADRATIC), 0, 1),
+        act("attn_dropout_out", attn.with(Tags::QUADRATIC), 0, 2),
+        act("attn_out", attn, 2, 0),
+        act("attn_proj_dropout_mask", attn, 1, 0),
+        act("residual", Tags::RESIDUAL, 2, 0),
+        act("ln2_out", mlp.with(Tags::NORM_OUT), 2, 0),
+        act("fc_out", mlp.with(Tags::WIDE).with(Tags::PROJECTION), 8, 0),
+        act("gelu_out", mlp.with(Tags::WIDE), 8, 0),
+        act("mlp_dropout_mask", mlp, 1, 0),
+    ]
+};
 
 /// The dimensions activation memory depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -211,45 +139,63 @@ pub struct ActivationShape {
 }
 
 impl ActivationShape {
-    /// Activation bytes the policy keeps for backward, by the playbook's formula for a
-    /// GPT-style layer in 16-bit activations: `L·s·b·(34h + 5·a·s)` with no recomputation,
-    /// `L·s·b·34h` with selective recomputation, `L·s·b·2h` (each layer's input) with full
-    /// recomputation. f32 activations double every term (the playbook's own convention;
-    /// its 1-byte dropout masks would not double, but trainkit has no dropout).
-    pub fn bytes(&self, recompute: Recompute, precision: TrainingPrecision) -> Result<u64> {
+    /// Activation bytes `policy` keeps for backward, by the playbook's count of a
+    /// GPT-style layer ([`PLAYBOOK_LAYER`]): the policy is asked about each of its
+    /// activations in every layer, as in training. For the shipped policies this is
+    /// `L·s·b·(34h + 5·a·s)` with no recomputation, `L·s·b·34h` with selective
+    /// recomputation and `L·s·b·2h` (each layer's input) with full recomputation, at 16
+    /// bits; f32 activations double every term (the playbook's own convention; its 1-byte
+    /// dropout masks would not double, but trainkit has no dropout).
+    pub fn bytes(&self, policy: &dyn CheckpointPolicy, precision: &dyn Precision) -> Result<u64> {
         let what = "activations";
-        let (l, h, a, s, b) = (
-            self.layers,
-            self.hidden,
-            self.heads,
-            self.seq_len,
-            self.micro_batch,
-        );
-        let per_token = match recompute {
-            Recompute::None => add(mul(34, h, what)?, mul(mul(5, a, what)?, s, what)?, what)?,
-            Recompute::Selective => mul(34, h, what)?,
-            Recompute::Full => mul(2, h, what)?,
-        };
-        let tokens = mul(mul(l, s, what)?, b, what)?;
-        let bytes16 = mul(tokens, per_token, what)?;
-        mul(bytes16, precision.activation_bytes() / 2, what)
+        let (h, a, s) = (self.hidden, self.heads, self.seq_len);
+        let tokens = mul(s, self.micro_batch, what)?;
+        let scale = precision.compute_dtype().size() as u64;
+        let n_layer = usize::try_from(self.layers).unwrap_or(usize::MAX);
+        let mut total = 0u64;
+        for layer in 0..self.layers {
+            for act in &PLAYBOOK_LAYER {
+                let per_token = add(
+                    mul(act.per_token_h, h, what)?,
+                    mul(mul(act.per_token_as, a, what)?, s, what)?,
+                    what,
+                )?;
+                let bytes = mul(mul(tokens, per_token, what)?, scale, what)? / 2;
+                let site = ActivationSite {
+                    layer: usize::try_from(layer).unwrap_or(usize::MAX),
+                    n_layer,
+                    name: act.name,
+                    tags: act.tags,
+                    bytes,
+                };
+                if policy.retain(&site) == Retention::Keep {
+                    total = add(total, bytes, what)?;
+                }
+            }
+        }
+        Ok(total)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::{by_cost, Full, NoRecompute, Selective};
+    use crate::optim::AdamW;
+    use crate::precision::{Fp32, MixedBf16};
 
     const GB: u64 = 1_000_000_000;
 
-    fn state_total(params: u64, precision: TrainingPrecision) -> u64 {
-        model_state_bytes(params, precision).unwrap().total()
+    fn state_total(params: u64, precision: &dyn Precision) -> u64 {
+        model_state_bytes(params, precision, &AdamW::default())
+            .unwrap()
+            .total()
     }
 
     #[test]
     fn the_playbook_table_of_model_state_is_exact() {
-        let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
-        let bf16_f32 = TrainingPrecision::MixedBf16 { fp32_grads: true };
+        let bf16 = MixedBf16 { fp32_grads: false };
+        let bf16_f32 = MixedBf16 { fp32_grads: true };
         for (billions, plain, with_f32_grads) in [
             (1, 16, 20),
             (7, 112, 140),
@@ -257,16 +203,20 @@ mod tests {
             (405, 6480, 8100),
         ] {
             let n = billions * GB;
-            assert_eq!(state_total(n, bf16), plain * GB, "{billions}B");
-            assert_eq!(state_total(n, TrainingPrecision::Fp32), plain * GB);
-            assert_eq!(state_total(n, bf16_f32), with_f32_grads * GB, "{billions}B");
+            assert_eq!(state_total(n, &bf16), plain * GB, "{billions}B");
+            assert_eq!(state_total(n, &Fp32), plain * GB);
+            assert_eq!(
+                state_total(n, &bf16_f32),
+                with_f32_grads * GB,
+                "{billions}B"
+            );
         }
     }
 
     #[test]
     fn bytes_per_param_by_category() {
-        let per = |p: TrainingPrecision| {
-            let b = p.bytes_per_param();
+        let per = |p: &dyn Precision| {
+            let b = bytes_per_param(p, &AdamW::default());
             [
                 MemoryCategory::Weights,
                 MemoryCategory::MasterWeights,
@@ -276,15 +226,9 @@ mod tests {
             ]
             .map(|c| b.get(c))
         };
-        assert_eq!(per(TrainingPrecision::Fp32), [4, 0, 4, 8, 0]);
-        assert_eq!(
-            per(TrainingPrecision::MixedBf16 { fp32_grads: false }),
-            [2, 4, 2, 8, 0]
-        );
-        assert_eq!(
-            per(TrainingPrecision::MixedBf16 { fp32_grads: true }),
-            [2, 4, 6, 8, 0]
-        );
+        assert_eq!(per(&Fp32), [4, 0, 4, 8, 0]);
+        assert_eq!(per(&MixedBf16 { fp32_grads: false }), [2, 4, 2, 8, 0]);
+        assert_eq!(per(&MixedBf16 { fp32_grads: true }), [2, 4, 6, 8, 0]);
     }
 
     #[test]
@@ -292,6 +236,13 @@ mod tests {
         // GPT-2 small without its 1024×768 position embedding.
         assert_eq!(playbook_params(12, 768, 50257).unwrap(), 123_653_376);
         assert!(playbook_params(u64::MAX, 1 << 20, 1).is_err());
+    }
+
+    #[test]
+    fn the_layer_sums_to_the_playbook_terms() {
+        let h: u64 = PLAYBOOK_LAYER.iter().map(|a| a.per_token_h).sum();
+        let a_s: u64 = PLAYBOOK_LAYER.iter().map(|a| a.per_token_as).sum();
+        assert_eq!((h, a_s), (34, 5));
     }
 
     #[test]
@@ -303,49 +254,75 @@ mod tests {
             seq_len: 4096,
             micro_batch: 2,
         };
-        let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
+        let bf16 = MixedBf16 { fp32_grads: false };
         let lsb = 32 * 4096 * 2;
         assert_eq!(
-            shape.bytes(Recompute::None, bf16).unwrap(),
+            shape.bytes(&NoRecompute, &bf16).unwrap(),
             lsb * (34 * 4096 + 5 * 32 * 4096)
         );
-        assert_eq!(
-            shape.bytes(Recompute::Selective, bf16).unwrap(),
-            lsb * 34 * 4096
-        );
-        assert_eq!(shape.bytes(Recompute::Full, bf16).unwrap(), lsb * 2 * 4096);
-        for r in Recompute::ALL {
+        assert_eq!(shape.bytes(&Selective, &bf16).unwrap(), lsb * 34 * 4096);
+        assert_eq!(shape.bytes(&Full, &bf16).unwrap(), lsb * 2 * 4096);
+        for r in by_cost() {
             assert_eq!(
-                shape.bytes(r, TrainingPrecision::Fp32).unwrap(),
-                2 * shape.bytes(r, bf16).unwrap()
+                shape.bytes(r.as_ref(), &Fp32).unwrap(),
+                2 * shape.bytes(r.as_ref(), &bf16).unwrap()
             );
         }
         let huge = ActivationShape {
             seq_len: u64::MAX / 2,
             ..shape
         };
-        assert!(huge.bytes(Recompute::None, bf16).is_err());
+        assert!(huge.bytes(&NoRecompute, &bf16).is_err());
+    }
+
+    /// A policy of its own is asked about every activation of every layer.
+    #[test]
+    fn a_users_policy_is_counted_as_it_decides() {
+        #[derive(Clone, Debug, Serialize, Deserialize)]
+        struct KeepFirstLayerOnly;
+        #[typetag::serde(name = "keep_first_layer_only_formula_test")]
+        impl CheckpointPolicy for KeepFirstLayerOnly {
+            fn retain(&self, site: &ActivationSite) -> Retention {
+                if site.layer == 0 {
+                    Retention::Keep
+                } else {
+                    Retention::Recompute
+                }
+            }
+        }
+        let shape = ActivationShape {
+            layers: 4,
+            hidden: 64,
+            heads: 4,
+            seq_len: 32,
+            micro_batch: 1,
+        };
+        let bf16 = MixedBf16 { fp32_grads: false };
+        let all = shape.bytes(&NoRecompute, &bf16).unwrap();
+        assert_eq!(shape.bytes(&KeepFirstLayerOnly, &bf16).unwrap(), all / 4);
     }
 
     #[test]
     fn names_are_those_of_the_train_flags_and_policy_kinds() {
-        for r in Recompute::ALL {
-            assert_eq!(Recompute::parse(r.name()).unwrap(), r);
-            assert_eq!(r.policy().typetag_name(), r.name());
+        for r in by_cost() {
+            let name = r.typetag_name();
+            assert_eq!(crate::checkpoint::named(name).unwrap().typetag_name(), name);
         }
-        assert!(Recompute::parse("no_recompute").is_err());
+        assert!(crate::checkpoint::named("no_recompute").is_err());
         assert_eq!(
-            TrainingPrecision::parse("bf16", true).unwrap(),
-            TrainingPrecision::MixedBf16 { fp32_grads: true }
+            crate::precision::named("bf16", true).unwrap().grad_dtype(),
+            DType::F32
         );
         assert_eq!(
-            TrainingPrecision::parse("fp32", true).unwrap(),
-            TrainingPrecision::Fp32
+            crate::precision::named("fp32", true)
+                .unwrap()
+                .typetag_name(),
+            "fp32"
         );
-        assert!(TrainingPrecision::parse("fp16", false).is_err());
+        assert!(crate::precision::named("fp16", false).is_err());
         assert_eq!(
-            TrainingPrecision::MixedBf16 { fp32_grads: false }
-                .policy()
+            crate::precision::named("bf16", false)
+                .unwrap()
                 .typetag_name(),
             "mixed_bf16"
         );

@@ -4,16 +4,17 @@
 //! own training memory, with autofit, which uses it to choose a setup that fits a budget.
 //!
 //! ```
-//! use trainkit::estimate::{preset, Recompute, TrainingPrecision};
+//! use trainkit::estimate::preset;
+//! use trainkit::{AdamW, MixedBf16, Selective};
 //!
 //! let llama = preset("llama-8b")?;
 //! let params = llama.architecture.exact_params()?;
-//! let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
-//! let state = trainkit::estimate::model_state_bytes(params, bf16)?.total();
+//! let bf16 = MixedBf16 { fp32_grads: false };
+//! let state = trainkit::estimate::model_state_bytes(params, &bf16, &AdamW::default())?.total();
 //! let acts = llama
 //!     .architecture
 //!     .activation_shape(4096, 1)
-//!     .bytes(Recompute::Selective, bf16)?;
+//!     .bytes(&Selective, &bf16)?;
 //! assert_eq!(state, 16 * params);
 //! assert!(acts < state);
 //! # Ok::<(), trainkit::Error>(())
@@ -34,7 +35,8 @@ pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{predict, predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch};
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{
-    model_state_bytes, playbook_params, ActivationShape, Recompute, TrainingPrecision,
+    bytes_per_param, model_state_bytes, playbook_params, ActivationShape, PlaybookActivation,
+    PLAYBOOK_LAYER,
 };
 pub use plot::ActivationSweep;
 pub use presets::{find_preset, preset, preset_names, Preset, PRESETS};

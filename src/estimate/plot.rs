@@ -1,8 +1,10 @@
 //! The playbook's "activation explosion" figure: activation memory against sequence
 //! length for each recompute policy, beside the model state, as an SVG file.
 
-use super::formulas::{ActivationShape, Recompute, TrainingPrecision};
+use super::formulas::ActivationShape;
+use crate::checkpoint::by_cost;
 use crate::error::{Error, Result};
+use crate::precision::Precision;
 use crate::save::write_atomically;
 use plotters::prelude::*;
 use std::path::Path;
@@ -15,8 +17,9 @@ const STEPS_PER_OCTAVE: u32 = 4;
 pub struct ActivationSweep {
     /// Sequence lengths, increasing (powers of two and points between them).
     pub seq_lens: Vec<u64>,
-    /// Activation bytes per sequence length, for each policy of [`Recompute::ALL`].
-    pub curves: Vec<(Recompute, Vec<u64>)>,
+    /// Activation bytes per sequence length, for each shipped recompute policy (by its
+    /// `kind`, in the order of [`crate::checkpoint::by_cost`]).
+    pub curves: Vec<(String, Vec<u64>)>,
     /// Model-state bytes (weights, gradients, master weights, optimizer state): the
     /// horizontal line activations are compared with.
     pub model_state: u64,
@@ -38,7 +41,7 @@ impl ActivationSweep {
     /// lengths from `min_seq` to `max_seq`, four points per doubling.
     pub fn new(
         shape: ActivationShape,
-        precision: TrainingPrecision,
+        precision: &dyn Precision,
         model_state: u64,
         min_seq: u64,
         max_seq: u64,
@@ -59,12 +62,14 @@ impl ActivationSweep {
             .collect();
         seq_lens.dedup();
         let mut curves = Vec::new();
-        for policy in Recompute::ALL {
+        for policy in by_cost() {
             let bytes = seq_lens
                 .iter()
-                .map(|&seq_len| ActivationShape { seq_len, ..shape }.bytes(policy, precision))
+                .map(|&seq_len| {
+                    ActivationShape { seq_len, ..shape }.bytes(policy.as_ref(), precision)
+                })
                 .collect::<Result<Vec<u64>>>()?;
-            curves.push((policy, bytes));
+            curves.push((policy.typetag_name().to_string(), bytes));
         }
         Ok(ActivationSweep {
             seq_lens,
@@ -197,8 +202,8 @@ mod tests {
             seq_len: 0,
             micro_batch: 1,
         };
-        let bf16 = TrainingPrecision::MixedBf16 { fp32_grads: false };
-        let sweep = ActivationSweep::new(shape, bf16, 1 << 20, 256, 8192).unwrap();
+        let bf16 = crate::precision::MixedBf16 { fp32_grads: false };
+        let sweep = ActivationSweep::new(shape, &bf16, 1 << 20, 256, 8192).unwrap();
         assert_eq!(sweep.seq_lens.first(), Some(&256));
         assert_eq!(sweep.seq_lens.last(), Some(&8192));
         assert_eq!(sweep.seq_lens.len(), 21);
@@ -208,7 +213,7 @@ mod tests {
         }
         let svg = sweep.to_svg("tiny").unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("recompute selective"));
-        assert!(ActivationSweep::new(shape, bf16, 0, 0, 8).is_err());
-        assert!(ActivationSweep::new(shape, bf16, 0, 16, 8).is_err());
+        assert!(ActivationSweep::new(shape, &bf16, 0, 0, 8).is_err());
+        assert!(ActivationSweep::new(shape, &bf16, 0, 16, 8).is_err());
     }
 }

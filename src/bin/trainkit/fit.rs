@@ -72,7 +72,7 @@ pub fn apply_autofit(cfg: &mut RunConfig, global: usize, budget: u64) -> Result<
     Overrides {
         batch_size: Some(c.micro_batch),
         grad_accum: Some(c.micro_batches),
-        recompute: Some(c.recompute.name().to_string()),
+        recompute: Some(c.recompute.typetag_name().to_string()),
         ..Overrides::default()
     }
     .apply(cfg)
@@ -106,7 +106,7 @@ pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>) -> Error {
                  or pass --autofit",
                 c.micro_batch,
                 c.micro_batches,
-                c.recompute,
+                c.recompute.typetag_name(),
                 format_bytes(c.peak)
             )
         }

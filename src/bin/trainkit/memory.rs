@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use trainkit::estimate::{
     model_state_bytes, predict_gpt2, preset_names, ActivationSweep, Architecture, MemoryPrediction,
-    MicroBatch, Mlp, Norm, Preset, Recompute, TrainingPrecision, PRESETS,
+    MicroBatch, Mlp, Norm, Preset, PRESETS,
 };
 use trainkit::memory::MemoryCategory;
 use trainkit::{AdamW, Error, Gpt2Config, Result};
@@ -330,8 +330,14 @@ const STATE: [MemoryCategory; 4] = [
 ];
 
 pub fn run(args: MemoryArgs) -> Result<()> {
-    let precision = TrainingPrecision::parse(&args.precision, args.fp32_grads).map_err(as_flag)?;
-    let recompute = Recompute::parse(&args.recompute).map_err(as_flag)?;
+    let precision = trainkit::precision::named(&args.precision, args.fp32_grads)
+        .map_err(|e| e.for_field("--precision"))?;
+    let precision = precision.as_ref();
+    let recompute =
+        trainkit::checkpoint::named(&args.recompute).map_err(|e| e.for_field("--recompute"))?;
+    let recompute_name = recompute.typetag_name();
+    let precision_name = trainkit::precision::describe(precision);
+    let adamw = AdamW::default();
     positive("--batch-size", Some(args.batch_size))?;
     positive("--seq-len", args.seq_len)?;
     let subject = subject(&args)?;
@@ -343,22 +349,27 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         ));
     }
     let seq_len = args.seq_len.unwrap_or(subject.default_seq_len);
-    let state = model_state_bytes(subject.params, precision).map_err(as_flag)?;
+    let state = model_state_bytes(subject.params, precision, &adamw).map_err(as_flag)?;
     let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
     let shape = subject
         .arch
         .map(|a| a.activation_shape(seq_len, args.batch_size));
-    let by_policy: Option<Vec<(Recompute, u64)>> = shape
+    let by_policy: Option<Vec<(&'static str, u64)>> = shape
         .map(|s| {
-            Recompute::ALL
+            trainkit::checkpoint::by_cost()
                 .into_iter()
-                .map(|r| Ok((r, s.bytes(r, precision).map_err(as_flag)?)))
+                .map(|r| {
+                    let bytes = s.bytes(r.as_ref(), precision).map_err(as_flag)?;
+                    Ok((r.typetag_name(), bytes))
+                })
                 .collect::<Result<Vec<_>>>()
         })
         .transpose()?;
-    let activations = by_policy
-        .as_ref()
-        .and_then(|v| v.iter().find(|(r, _)| *r == recompute).map(|(_, b)| *b));
+    let activations = by_policy.as_ref().and_then(|v| {
+        v.iter()
+            .find(|(r, _)| *r == recompute_name)
+            .map(|(_, b)| *b)
+    });
     let total = activations
         .map(|a| {
             a.checked_add(state_total)
@@ -376,7 +387,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         let title = format!(
             "{}: activations vs sequence length ({}, micro-batch {})",
             subject.name.unwrap_or("model"),
-            precision,
+            precision_name,
             args.batch_size
         );
         sweep.write_svg(path, &title)?;
@@ -391,7 +402,13 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         }
     }
 
-    let exact = trainkit_exact(&subject, seq_len, args.batch_size, precision, recompute)?;
+    let exact = trainkit_exact(
+        &subject,
+        seq_len,
+        args.batch_size,
+        precision,
+        recompute.as_ref(),
+    )?;
 
     if args.json {
         let exact_json = exact.as_ref().map(|p| {
@@ -414,7 +431,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         bytes.insert("activations".into(), activations.into());
         let by_policy = by_policy.as_ref().map(|v| {
             v.iter()
-                .map(|(r, b)| (r.name().to_string(), serde_json::Value::from(*b)))
+                .map(|(r, b)| (r.to_string(), serde_json::Value::from(*b)))
                 .collect::<serde_json::Map<_, _>>()
         });
         let a = subject.arch;
@@ -439,9 +456,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "vocab": a.map(|a| a.vocab),
                 "seq_len": a.map(|_| seq_len),
                 "batch_size": args.batch_size,
-                "precision": precision.name(),
+                "precision": args.precision,
                 "fp32_grads": args.fp32_grads,
-                "recompute": recompute.name(),
+                "recompute": recompute_name,
             },
         });
         println!("{out}");
@@ -459,18 +476,18 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     }
     match shape {
         Some(_) => println!(
-            "training   {precision}, AdamW, recompute {recompute}, micro-batch {} × {seq_len} \
+            "training   {precision_name}, AdamW, recompute {recompute_name}, micro-batch {} × {seq_len} \
              tokens",
             args.batch_size
         ),
-        None => println!("training   {precision}, AdamW"),
+        None => println!("training   {precision_name}, AdamW"),
     }
     println!();
     println!(
         "{:<16} {:>11} {:>12} {:>12}",
         "category", "bytes/param", "GiB", "GB"
     );
-    let per_param = precision.bytes_per_param();
+    let per_param = trainkit::estimate::bytes_per_param(precision, &adamw);
     for c in STATE {
         println!(
             "{:<16} {:>11} {:>12} {:>12}",
@@ -490,12 +507,12 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     );
     match (activations, total) {
         (Some(a), Some(t)) => {
-            let formula = match recompute {
-                Recompute::None => "L·s·b·(34h + 5·a·s)",
-                Recompute::Selective => "L·s·b·34h",
-                Recompute::Full => "L·s·b·2h",
+            let formula = match recompute_name {
+                "none" => "L·s·b·(34h + 5·a·s)",
+                "selective" => "L·s·b·34h",
+                _ => "L·s·b·2h",
             };
-            let scale = if precision.activation_bytes() == 4 {
+            let scale = if precision.compute_dtype().size() == 4 {
                 ", ×2 for f32"
             } else {
                 ""
@@ -558,8 +575,8 @@ fn trainkit_exact(
     subject: &Subject,
     seq_len: u64,
     batch_size: u64,
-    precision: TrainingPrecision,
-    recompute: Recompute,
+    precision: &dyn trainkit::Precision,
+    recompute: &dyn trainkit::CheckpointPolicy,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(a) = subject.arch else {
         return Ok(None);
@@ -593,8 +610,8 @@ fn trainkit_exact(
             batch_size: usize_of(batch_size),
             seq_len: usize_of(seq_len),
         },
-        precision.policy().as_ref(),
-        recompute.policy().as_ref(),
+        precision,
+        recompute,
         &AdamW::default(),
     )
     .map(Some)
