@@ -1432,7 +1432,7 @@ extern "C" __global__ void traps(int* out) {
         let (b, t, c, v, p) = (3usize, 11usize, 24usize, 17usize, 16usize);
         let mut rng = Rng::new(30);
         let mut tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
-        let buckets = super::super::embedding::TokenBuckets::new(&tokens);
+        let buckets = crate::device::cuda::TokenBuckets::new(&tokens);
         let (wtes, wpes) = (random(v * c, 1.0, 31), random(p * c, 1.0, 32));
         let douts = random(b * t * c, 1.0, 33);
         for tt in DTYPES {
