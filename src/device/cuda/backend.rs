@@ -18,10 +18,11 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
-    adamw, attention, cross_entropy, elementwise, embedding, gelu, layernorm, matmul, reductions,
+    adamw, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm, matmul,
+    reductions,
 };
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, Device};
+use crate::device::{AdamWStep, Backend, CustomKernel, Device};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -565,6 +566,16 @@ impl Backend for CudaBackend {
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         adamw::adamw(self, param, grad, m, v, hp, scale, compute)
+    }
+
+    fn custom(
+        &self,
+        kernel: &dyn CustomKernel,
+        outputs: &mut [&mut Tensor],
+        inputs: &[&Tensor],
+        scalars: &[f32],
+    ) -> Result<()> {
+        custom::custom(self, kernel, outputs, inputs, scalars)
     }
 }
 

@@ -222,6 +222,19 @@ impl KernelEmulator {
         Self::build_in(&default_dir())
     }
 
+    /// A library of one kernel written outside trainkit: `kernel`, defined by `source` (as
+    /// NVRTC gets it, the common prelude included), built like trainkit's own (the same
+    /// compiler, flags and cache directory) into a library of its own.
+    pub(crate) fn build_custom(kernel: &str, source: String) -> Result<KernelEmulator> {
+        let compiler = Compiler::from_env()?;
+        let unit = KernelSource {
+            name: format!("{kernel}.cu"),
+            source,
+            kernels: vec![kernel.to_string()],
+        };
+        build(&default_dir(), &compiler, &[unit])
+    }
+
     /// The shared library the kernels run from.
     pub fn library_path(&self) -> &Path {
         &self.path

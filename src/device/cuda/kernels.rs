@@ -13,6 +13,7 @@
 //! `nvidia-cuda-runtime` pip wheel, is passed in (see [`find_include_dir`]).
 
 use super::ops;
+use crate::device::CustomKernel;
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -35,11 +36,20 @@ impl KernelFile {
     /// The text NVRTC compiles: the common prelude, then the file, each with a `#line`
     /// directive naming it.
     pub fn full_source(&self) -> String {
-        format!(
-            "#line 1 \"common.cuh\"\n{COMMON_SOURCE}\n#line 1 \"{}\"\n{}",
-            self.name, self.source
-        )
+        with_common(self.name, self.source)
     }
+}
+
+/// `source` (the text of file `file`) as NVRTC compiles it: the common prelude, then the
+/// source, each with a `#line` directive naming it.
+pub fn with_common(file: &str, source: &str) -> String {
+    format!("#line 1 \"common.cuh\"\n{COMMON_SOURCE}\n#line 1 \"{file}\"\n{source}")
+}
+
+/// The text NVRTC compiles for a kernel written outside trainkit: its source, as file
+/// `<name>.cu`, after the common prelude ([`with_common`]).
+pub fn custom_full_source(kernel: &dyn CustomKernel) -> String {
+    with_common(&format!("{}.cu", kernel.name()), kernel.source())
 }
 
 /// Every kernel file of the CUDA backend, with the kernels each defines: each op family
