@@ -20,6 +20,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     kernels: &["adamw_f32", "adamw_bf16"],
 };
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw(
     be: &CudaBackend,
     param: &mut Tensor,

@@ -65,6 +65,7 @@ pub(crate) fn forward(
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     be: &CudaBackend,
     dx: &mut Tensor,

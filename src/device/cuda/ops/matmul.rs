@@ -122,6 +122,7 @@ pub(crate) fn gemm(
     unsafe { be.gpu.gemm(&g) }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
     be: &CudaBackend,
     out: &mut Tensor,
