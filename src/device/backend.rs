@@ -1,6 +1,6 @@
 //! The `Backend` trait: every op the models and optimizers need, one call per kernel.
 
-use super::Device;
+use super::{CustomKernel, Device};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
@@ -324,4 +324,37 @@ pub trait Backend: Debug + Send + Sync {
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()>;
+
+    /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
+    /// elements of `outputs[0]`: each output is read and written, each input read, and
+    /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
+    /// CPU backend runs the kernel's CPU twin, the CUDA backend compiles its CUDA source
+    /// (once, through NVRTC and the kernel cache) and launches it, the meta backend checks
+    /// the operands only. This default runs the CPU twin on host copies read with
+    /// [`Backend::to_f32`] and written back with [`Backend::upload`] and [`Backend::cast`].
+    fn custom(
+        &self,
+        kernel: &dyn CustomKernel,
+        outputs: &mut [&mut Tensor],
+        inputs: &[&Tensor],
+        scalars: &[f32],
+    ) -> Result<()> {
+        super::custom::run_on_host(
+            kernel,
+            outputs,
+            inputs,
+            scalars,
+            &|t| self.to_f32(t),
+            &|t, v| {
+                let tmp = self.upload(
+                    v,
+                    t.shape(),
+                    t.dtype(),
+                    MemoryCategory::Workspace,
+                    t.label(),
+                )?;
+                self.cast(t, &tmp)
+            },
+        )
+    }
 }

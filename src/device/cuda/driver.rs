@@ -9,8 +9,10 @@
 //! resolved once at start-up. Products go through cuBLASLt, with the algorithm chosen by
 //! its heuristic once per shape and kept.
 
-use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
-use super::kernels::{find_include_dir, CompileOptions, KERNEL_FILES};
+use super::gpu::{
+    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType,
+};
+use super::kernels::{find_include_dir, with_common, CompileOptions, KERNEL_FILES};
 use super::probe::{probe_device, CudaInfo};
 use super::staging::Staging;
 use super::KernelCache;
@@ -57,6 +59,10 @@ pub(crate) struct DriverGpu {
     pool: drv_sys::CUmemoryPool,
     modules: Vec<drv_sys::CUmodule>,
     functions: HashMap<&'static str, drv_sys::CUfunction>,
+    /// NVRTC's options for this device (kernels written outside trainkit compile later).
+    options: CompileOptions,
+    /// Kernels written outside trainkit, loaded on first use: module and function.
+    custom: CustomKernels<(drv_sys::CUmodule, drv_sys::CUfunction)>,
     lt: lt_sys::cublasLtHandle_t,
     algos: Mutex<HashMap<GemmKey, lt_sys::cublasLtMatmulAlgo_t>>,
     max_blocks: u32,
@@ -163,6 +169,8 @@ impl DriverGpu {
             pool,
             modules,
             functions,
+            options,
+            custom: CustomKernels::new(),
             lt,
             algos: Mutex::new(HashMap::new()),
             max_blocks: (sms.max(1) as u32) * 8,
@@ -199,6 +207,9 @@ impl Drop for DriverGpu {
         unsafe {
             let _ = lt::destroy_handle(self.lt);
             for &m in &self.modules {
+                let _ = drv::module::unload(m);
+            }
+            for (m, _) in self.custom.take_all() {
                 let _ = drv::module::unload(m);
             }
         }
@@ -455,10 +466,18 @@ impl Gpu for DriverGpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.bind()?;
-        let f = *self.functions.get(kernel).ok_or_else(|| Error::Backend {
-            backend: "cuda",
-            message: format!("no kernel named {kernel}"),
-        })?;
+        let f = match self.functions.get(kernel) {
+            Some(&f) => f,
+            None => {
+                self.custom
+                    .get(kernel)
+                    .ok_or_else(|| Error::Backend {
+                        backend: "cuda",
+                        message: format!("no kernel named {kernel}"),
+                    })?
+                    .1
+            }
+        };
         drv::launch_kernel(
             f,
             (grid.max(1), 1, 1),
@@ -468,6 +487,47 @@ impl Gpu for DriverGpu {
             params,
         )
         .map_err(|e| driver_error(&format!("launching {kernel}"), e))
+    }
+
+    fn load_custom(&self, name: &str, source: &str) -> Result<()> {
+        self.custom.get_or_load(name, source, || {
+            self.bind()?;
+            let file = format!("{name}.cu");
+            let full = with_common(&file, source);
+            let ptx = match KernelCache::in_default_dir() {
+                Some(cache) => {
+                    let nvrtc = super::nvrtc_version()?;
+                    cache
+                        .get_or_compile(&file, &full, &self.options, nvrtc, super::compile)?
+                        .0
+                }
+                None => super::compile(&full, &self.options)?,
+            };
+            let image = CString::new(ptx).map_err(|_| Error::Backend {
+                backend: "cuda",
+                message: format!("the PTX of {file} contains a NUL byte"),
+            })?;
+            let cname = CString::new(name).map_err(|_| Error::Backend {
+                backend: "cuda",
+                message: format!("the kernel name `{name}` contains a NUL byte"),
+            })?;
+            // SAFETY: the image is a NUL-terminated PTX string; the context is current.
+            let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
+                .map_err(|e| driver_error(&format!("loading the PTX of {file}"), e))?;
+            // SAFETY: the module was just loaded; it is kept with the function, and unloaded
+            // here when the function is missing.
+            match unsafe { drv::module::get_function(module, cname) } {
+                Ok(f) => Ok((module, f)),
+                Err(e) => {
+                    // SAFETY: loaded above, used by nothing else.
+                    let _ = unsafe { drv::module::unload(module) };
+                    Err(driver_error(
+                        &format!("finding kernel {name} in {file} (is it `extern \"C\"`?)"),
+                        e,
+                    ))
+                }
+            }
+        })
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {

@@ -10,14 +10,16 @@
 //! PTX code generation, timing or the real memory model: those need a GPU.
 
 use super::emulator::KernelEmulator;
-use super::gpu::{AllocError, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType};
+use super::gpu::{
+    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType,
+};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Alignment of every emulated allocation (the pool's on a real GPU).
 const ALIGN: usize = 256;
@@ -36,6 +38,8 @@ struct Pool {
 /// A GPU emulated on the host.
 pub(crate) struct EmulatedGpu {
     kernels: KernelEmulator,
+    /// Kernels written outside trainkit, each built into a library of its own on first use.
+    custom: CustomKernels<Arc<KernelEmulator>>,
     pool: Mutex<Pool>,
     /// Refuse allocations beyond this many live bytes (to test out-of-memory handling).
     capacity: Option<u64>,
@@ -58,6 +62,7 @@ impl EmulatedGpu {
     pub(crate) fn new(capacity: Option<u64>) -> Result<EmulatedGpu> {
         Ok(EmulatedGpu {
             kernels: KernelEmulator::new()?,
+            custom: CustomKernels::new(),
             pool: Mutex::new(Pool::default()),
             capacity,
             waits: AtomicU64::new(0),
@@ -206,8 +211,22 @@ impl Gpu for EmulatedGpu {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.kernels
-            .launch(kernel, (grid.max(1), 1, 1), (block, 1, 1), 0, params)
+        let dims = ((grid.max(1), 1, 1), (block, 1, 1));
+        if self.kernels.has_kernel(kernel) {
+            return self.kernels.launch(kernel, dims.0, dims.1, 0, params);
+        }
+        match self.custom.get(kernel) {
+            Some(emu) => emu.launch(kernel, dims.0, dims.1, 0, params),
+            // trainkit's library names the kernel in its error.
+            None => self.kernels.launch(kernel, dims.0, dims.1, 0, params),
+        }
+    }
+
+    fn load_custom(&self, name: &str, source: &str) -> Result<()> {
+        self.custom.get_or_load(name, source, || {
+            let full = super::kernels::with_common(&format!("{name}.cu"), source);
+            Ok(Arc::new(KernelEmulator::build_custom(name, full)?))
+        })
     }
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {

@@ -222,6 +222,19 @@ impl KernelEmulator {
         Self::build_in(&default_dir())
     }
 
+    /// A library of one kernel written outside trainkit: `kernel`, defined by `source` (as
+    /// NVRTC gets it, the common prelude included), built like trainkit's own (the same
+    /// compiler, flags and cache directory) into a library of its own.
+    pub(crate) fn build_custom(kernel: &str, source: String) -> Result<KernelEmulator> {
+        let compiler = Compiler::from_env()?;
+        let unit = KernelSource {
+            name: format!("{kernel}.cu"),
+            source,
+            kernels: vec![kernel.to_string()],
+        };
+        build(&default_dir(), &compiler, &[unit])
+    }
+
     /// The shared library the kernels run from.
     pub fn library_path(&self) -> &Path {
         &self.path
@@ -1432,7 +1445,7 @@ extern "C" __global__ void traps(int* out) {
         let (b, t, c, v, p) = (3usize, 11usize, 24usize, 17usize, 16usize);
         let mut rng = Rng::new(30);
         let mut tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
-        let buckets = super::super::embedding::TokenBuckets::new(&tokens);
+        let buckets = crate::device::cuda::TokenBuckets::new(&tokens);
         let (wtes, wpes) = (random(v * c, 1.0, 31), random(p * c, 1.0, 32));
         let douts = random(b * t * c, 1.0, 33);
         for tt in DTYPES {

@@ -9,9 +9,10 @@
 
 use crate::error::Result;
 use crate::tensor::DType;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A device address (a `CUdeviceptr`; a host address on the emulator). 0 is the null
 /// pointer, used for empty buffers.
@@ -161,6 +162,11 @@ pub(crate) trait Gpu: Debug + Send + Sync {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()>;
+
+    /// Makes the kernel `name`, defined by `source` (a kernel written outside trainkit,
+    /// without the common prelude), launchable by [`Gpu::launch`]: compiled on first use,
+    /// then kept. The same name with another source is an error.
+    fn load_custom(&self, name: &str, source: &str) -> Result<()>;
 
     /// Runs one matrix product.
     ///
@@ -326,6 +332,64 @@ impl Args {
         self.slots
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
+            .collect()
+    }
+}
+
+/// The kernels written outside trainkit that a device has loaded ([`Gpu::load_custom`]),
+/// by name, each with its source and the device's handle `T` for it.
+pub(crate) struct CustomKernels<T> {
+    loaded: Mutex<HashMap<String, (String, T)>>,
+}
+
+impl<T: Clone> CustomKernels<T> {
+    /// None loaded yet.
+    pub(crate) fn new() -> Self {
+        CustomKernels {
+            loaded: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, T)>> {
+        self.loaded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The handle of kernel `name`, if loaded.
+    pub(crate) fn get(&self, name: &str) -> Option<T> {
+        self.lock().get(name).map(|(_, h)| h.clone())
+    }
+
+    /// Loads `name` from `source` with `load` unless it is loaded already; the same name
+    /// with another source is an error.
+    pub(crate) fn get_or_load(
+        &self,
+        name: &str,
+        source: &str,
+        load: impl FnOnce() -> Result<T>,
+    ) -> Result<()> {
+        let mut loaded = self.lock();
+        match loaded.get(name) {
+            Some((known, _)) if known == source => Ok(()),
+            Some(_) => Err(crate::error::Error::Backend {
+                backend: "cuda",
+                message: format!(
+                    "two custom kernels are named `{name}` with different sources: give each \
+                     kernel a name of its own"
+                ),
+            }),
+            None => {
+                let handle = load()?;
+                loaded.insert(name.to_string(), (source.to_string(), handle));
+                Ok(())
+            }
+        }
+    }
+
+    /// Every handle, emptying the set (to release them).
+    pub(crate) fn take_all(&self) -> Vec<T> {
+        std::mem::take(&mut *self.lock())
+            .into_values()
+            .map(|(_, h)| h)
             .collect()
     }
 }

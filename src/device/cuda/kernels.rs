@@ -2,7 +2,9 @@
 //! to PTX by NVRTC.
 //!
 //! Each file in kernels/ holds one op family; its kernels are `extern "C"` with a fixed
-//! name, `<op>_<dtype>[_<dtype>...]`, which the backend loads by name. kernels/common.cuh
+//! name, `<op>_<dtype>[_<dtype>...]`, which the backend loads by name. The family's host
+//! code (`src/device/cuda/ops/<family>.rs`) declares the file and those names once;
+//! [`KERNEL_FILES`] gathers the declarations. kernels/common.cuh
 //! (loads and stores, the half-warp reductions, the CPU's `exp`) is prepended to every
 //! file before compiling, with `#line` directives so NVRTC's messages name the right file
 //! and line.
@@ -10,6 +12,8 @@
 //! NVRTC does not ship `cuda_bf16.h`: the include directory of a CUDA toolkit, or of the
 //! `nvidia-cuda-runtime` pip wheel, is passed in (see [`find_include_dir`]).
 
+use super::ops;
+use crate::device::CustomKernel;
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -32,125 +36,34 @@ impl KernelFile {
     /// The text NVRTC compiles: the common prelude, then the file, each with a `#line`
     /// directive naming it.
     pub fn full_source(&self) -> String {
-        format!(
-            "#line 1 \"common.cuh\"\n{COMMON_SOURCE}\n#line 1 \"{}\"\n{}",
-            self.name, self.source
-        )
+        with_common(self.name, self.source)
     }
 }
 
-/// Every kernel file of the CUDA backend, with the kernels each defines.
+/// `source` (the text of file `file`) as NVRTC compiles it: the common prelude, then the
+/// source, each with a `#line` directive naming it.
+pub fn with_common(file: &str, source: &str) -> String {
+    format!("#line 1 \"common.cuh\"\n{COMMON_SOURCE}\n#line 1 \"{file}\"\n{source}")
+}
+
+/// The text NVRTC compiles for a kernel written outside trainkit: its source, as file
+/// `<name>.cu`, after the common prelude ([`with_common`]).
+pub fn custom_full_source(kernel: &dyn CustomKernel) -> String {
+    with_common(&format!("{}.cu", kernel.name()), kernel.source())
+}
+
+/// Every kernel file of the CUDA backend, with the kernels each defines: each op family
+/// declares its file and kernel names once, beside the code that launches them
+/// (`KERNELS` in `src/device/cuda/ops/<family>.rs`).
 pub const KERNEL_FILES: &[KernelFile] = &[
-    KernelFile {
-        name: "embedding.cu",
-        source: include_str!("../../../kernels/embedding.cu"),
-        kernels: &[
-            "embedding_f32",
-            "embedding_bf16",
-            "embedding_backward_wte_f32_f32",
-            "embedding_backward_wte_bf16_f32",
-            "embedding_backward_wte_f32_bf16",
-            "embedding_backward_wte_bf16_bf16",
-            "embedding_backward_wpe_f32_f32",
-            "embedding_backward_wpe_bf16_f32",
-            "embedding_backward_wpe_f32_bf16",
-            "embedding_backward_wpe_bf16_bf16",
-        ],
-    },
-    KernelFile {
-        name: "layernorm.cu",
-        source: include_str!("../../../kernels/layernorm.cu"),
-        kernels: &[
-            "layernorm_f32",
-            "layernorm_bf16",
-            "layernorm_backward_dx_f32",
-            "layernorm_backward_dx_bf16",
-            "layernorm_backward_params_f32",
-            "layernorm_backward_params_bf16",
-            "layernorm_backward_params_finish_f32",
-            "layernorm_backward_params_finish_bf16",
-        ],
-    },
-    KernelFile {
-        name: "gelu.cu",
-        source: include_str!("../../../kernels/gelu.cu"),
-        kernels: &[
-            "gelu_f32",
-            "gelu_bf16",
-            "gelu_backward_f32",
-            "gelu_backward_bf16",
-        ],
-    },
-    KernelFile {
-        name: "attention.cu",
-        source: include_str!("../../../kernels/attention.cu"),
-        kernels: &[
-            "attention_scores_f32",
-            "attention_scores_bf16",
-            "attention_scores_backward_f32",
-            "attention_scores_backward_bf16",
-            "softmax_causal_f32",
-            "softmax_causal_bf16",
-            "softmax_causal_backward_f32",
-            "softmax_causal_backward_bf16",
-            "attention_values_f32",
-            "attention_values_bf16",
-            "attention_values_backward_dprobs_f32",
-            "attention_values_backward_dprobs_bf16",
-            "attention_values_backward_dv_f32",
-            "attention_values_backward_dv_bf16",
-        ],
-    },
-    KernelFile {
-        name: "cross_entropy.cu",
-        source: include_str!("../../../kernels/cross_entropy.cu"),
-        kernels: &["cross_entropy_f32", "cross_entropy_bf16"],
-    },
-    KernelFile {
-        name: "adamw.cu",
-        source: include_str!("../../../kernels/adamw.cu"),
-        kernels: &["adamw_f32", "adamw_bf16"],
-    },
-    KernelFile {
-        name: "elementwise.cu",
-        source: include_str!("../../../kernels/elementwise.cu"),
-        kernels: &[
-            "cast_f32_f32",
-            "cast_f32_bf16",
-            "cast_bf16_f32",
-            "cast_bf16_bf16",
-            "fill_f32",
-            "fill_bf16",
-            "scale_f32",
-            "scale_bf16",
-            "bias_backward_partial_f32",
-            "bias_backward_partial_bf16",
-            "bias_backward_finish_f32",
-            "bias_backward_finish_bf16",
-            "axpy_f32_f32",
-            "axpy_f32_bf16",
-            "axpy_bf16_f32",
-            "axpy_bf16_bf16",
-            "add_f32_f32_f32",
-            "add_f32_f32_bf16",
-            "add_f32_bf16_f32",
-            "add_f32_bf16_bf16",
-            "add_bf16_f32_f32",
-            "add_bf16_f32_bf16",
-            "add_bf16_bf16_f32",
-            "add_bf16_bf16_bf16",
-        ],
-    },
-    KernelFile {
-        name: "reductions.cu",
-        source: include_str!("../../../kernels/reductions.cu"),
-        kernels: &[
-            "sum_squares_partial_f32",
-            "sum_squares_partial_bf16",
-            "sum_squares_finish",
-            "grad_guard",
-        ],
-    },
+    ops::embedding::KERNELS,
+    ops::layernorm::KERNELS,
+    ops::gelu::KERNELS,
+    ops::attention::KERNELS,
+    ops::cross_entropy::KERNELS,
+    ops::adamw::KERNELS,
+    ops::elementwise::KERNELS,
+    ops::reductions::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).

@@ -1,5 +1,6 @@
-//! The CUDA side of trainkit: the backend ([`CudaBackend`]), kernel sources and their
-//! NVRTC compilation, the on-disk cache of compiled PTX, the probe that says whether a
+//! The CUDA side of trainkit: the backend ([`CudaBackend`]; the host code of each op
+//! family in `ops/<family>.rs`, beside `cpu/<family>.rs` and `kernels/<family>.cu`),
+//! kernel sources and their NVRTC compilation, the on-disk cache of compiled PTX, the probe that says whether a
 //! usable GPU is present, and the CPU emulator that runs the kernels where there is no
 //! GPU ([`KernelEmulator`]).
 //!
@@ -12,21 +13,21 @@
 mod backend;
 pub mod cache;
 mod driver;
-pub mod embedding;
 mod emulated;
 pub mod emulator;
 mod gpu;
 pub mod kernels;
+mod ops;
 pub mod probe;
 mod staging;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use cache::{CacheOutcome, KernelCache};
-pub use embedding::TokenBuckets;
 pub use emulator::KernelEmulator;
 pub(crate) use gpu::DeviceBuffer;
 pub use gpu::GpuMemory;
 pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, KernelFile, KERNEL_FILES,
 };
+pub use ops::embedding::TokenBuckets;
 pub use probe::{probe, CudaInfo};

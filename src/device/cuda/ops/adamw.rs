@@ -1,0 +1,82 @@
+//! The fused AdamW update (PyTorch semantics), reading the step's gradient multiplier on
+//! the device and writing the bf16 compute copy in the same pass.
+//!
+//! CPU twin: `src/device/cpu/adamw.rs`. Kernels: `kernels/adamw.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use super::elementwise::launch_cast;
+use crate::device::cpu::{self, each, per_element};
+use crate::device::AdamWStep;
+use crate::error::Result;
+use crate::tensor::{DType, Tensor};
+
+/// The kernels of `kernels/adamw.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "adamw.cu",
+    source: include_str!("../../../../kernels/adamw.cu"),
+    kernels: &["adamw_f32", "adamw_bf16"],
+};
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adamw(
+    be: &CudaBackend,
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    hp: &AdamWStep,
+    scale: Option<&Tensor>,
+    compute: Option<&mut Tensor>,
+) -> Result<()> {
+    let n = param.numel();
+    let _op = be
+        .ledger
+        .op("adamw", each(n, per_element::ADAMW), param.label());
+    cpu::adamw::check(param, grad, m, v)?;
+    let scale = match scale {
+        Some(s) => {
+            cpu::adamw::check_scale(s)?;
+            ptr(s)?
+        }
+        None => 0,
+    };
+    if let Some(c) = &compute {
+        cpu::elementwise::same_len(c, param, "adamw")?;
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    // The kernel writes a bf16 compute copy in its pass; another dtype is cast after.
+    let (fused, after) = match compute {
+        Some(c) if c.dtype() == DType::Bf16 => (ptr(c)?, None),
+        other => (0, other),
+    };
+    let (step_size, bc2_sqrt, decay) = hp.constants();
+    be.launch(
+        &format!("adamw_{}", grad.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(param)?)
+            .ptr(ptr(grad)?)
+            .ptr(ptr(m)?)
+            .ptr(ptr(v)?)
+            .ptr(scale)
+            .ptr(fused)
+            .i64(n)
+            .f32(hp.beta1)
+            .f32(hp.beta2)
+            .f32(hp.eps)
+            .f32(hp.grad_scale)
+            .f32(step_size)
+            .f32(bc2_sqrt)
+            .f32(decay),
+    )?;
+    match after {
+        Some(c) => launch_cast(be, c, param),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,55 @@
+//! Cross-entropy per row, optionally writing the gradient over the logits; the losses
+//! stay on the device.
+//!
+//! CPU twin: `src/device/cpu/cross_entropy.rs`. Kernels: `kernels/cross_entropy.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::cpu::{self, each, per_element};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/cross_entropy.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "cross_entropy.cu",
+    source: include_str!("../../../../kernels/cross_entropy.cu"),
+    kernels: &["cross_entropy_f32", "cross_entropy_bf16"],
+};
+
+pub(crate) fn cross_entropy(
+    be: &CudaBackend,
+    logits: &mut Tensor,
+    targets: &[u32],
+    vocab: usize,
+    grad_scale: Option<f32>,
+    losses: &mut Tensor,
+) -> Result<()> {
+    let per = match grad_scale {
+        Some(_) => per_element::CROSS_ENTROPY_GRAD,
+        None => per_element::CROSS_ENTROPY,
+    };
+    let flops = each(targets.len().saturating_mul(vocab), per);
+    let _op = be.ledger.op("cross_entropy", flops, logits.label());
+    let (rows, vp) = cpu::cross_entropy::check(logits, targets, vocab)?;
+    cpu::cross_entropy::check_losses(losses, rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let tg = be.upload_u32(targets, "cross_entropy.targets")?;
+    be.launch(
+        &format!("cross_entropy_{}", logits.dtype()),
+        be.grid_rows(rows),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(logits)?)
+            .ptr(ptr(losses)?)
+            .ptr(ptr(&tg)?)
+            .i64(rows)
+            .i64(vp)
+            .i64(vocab)
+            .f32(grad_scale.unwrap_or(0.0))
+            .i32(grad_scale.is_some() as i32),
+    )
+}

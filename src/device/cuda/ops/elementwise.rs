@@ -1,0 +1,176 @@
+//! Element-wise ops: casts, fill, `add`, `axpy`, `scale`, and the bias gradient (two
+//! passes, no atomics).
+//!
+//! CPU twin: `src/device/cpu/elementwise.rs`. Kernels: `kernels/elementwise.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ptr, CudaBackend, BLOCK, ROW_BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::cpu::{self, each, ensure, per_element};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/elementwise.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "elementwise.cu",
+    source: include_str!("../../../../kernels/elementwise.cu"),
+    kernels: &[
+        "cast_f32_f32",
+        "cast_f32_bf16",
+        "cast_bf16_f32",
+        "cast_bf16_bf16",
+        "fill_f32",
+        "fill_bf16",
+        "scale_f32",
+        "scale_bf16",
+        "bias_backward_partial_f32",
+        "bias_backward_partial_bf16",
+        "bias_backward_finish_f32",
+        "bias_backward_finish_bf16",
+        "axpy_f32_f32",
+        "axpy_f32_bf16",
+        "axpy_bf16_f32",
+        "axpy_bf16_bf16",
+        "add_f32_f32_f32",
+        "add_f32_f32_bf16",
+        "add_f32_bf16_f32",
+        "add_f32_bf16_bf16",
+        "add_bf16_f32_f32",
+        "add_bf16_f32_bf16",
+        "add_bf16_bf16_f32",
+        "add_bf16_bf16_bf16",
+    ],
+};
+
+pub(crate) fn launch_cast(be: &CudaBackend, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+    let n = dst.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("cast_{}_{}", dst.dtype(), src.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(dst)?).ptr(ptr(src)?).i64(n),
+    )
+}
+
+pub(crate) fn cast(be: &CudaBackend, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+    let op = be.ledger.op("cast", 0, dst.label());
+    op.finish(cpu::elementwise::same_len(dst, src, "cast").and_then(|()| launch_cast(be, dst, src)))
+}
+
+pub(crate) fn fill(be: &CudaBackend, t: &mut Tensor, value: f32) -> Result<()> {
+    let _op = be.ledger.op("fill", 0, t.label());
+    let n = t.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    if value == 0.0 && value.is_sign_positive() {
+        return be.gpu.zero(ptr(t)?, t.bytes() as usize);
+    }
+    be.launch(
+        &format!("fill_{}", t.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(t)?).f32(value).i64(n),
+    )
+}
+
+pub(crate) fn add(be: &CudaBackend, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+    let n = out.numel();
+    let _op = be.ledger.op("add", each(n, per_element::ADD), out.label());
+    cpu::elementwise::same_len(out, a, "add")?;
+    cpu::elementwise::same_len(out, b, "add")?;
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("add_{}_{}_{}", out.dtype(), a.dtype(), b.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(out)?).ptr(ptr(a)?).ptr(ptr(b)?).i64(n),
+    )
+}
+
+pub(crate) fn axpy(be: &CudaBackend, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+    let n = y.numel();
+    let _op = be.ledger.op("axpy", each(n, per_element::AXPY), y.label());
+    cpu::elementwise::same_len(y, x, "axpy")?;
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("axpy_{}_{}", y.dtype(), x.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(y)?).f32(alpha).ptr(ptr(x)?).i64(n),
+    )
+}
+
+pub(crate) fn scale(be: &CudaBackend, x: &mut Tensor, alpha: f32) -> Result<()> {
+    let n = x.numel();
+    let _op = be
+        .ledger
+        .op("scale", each(n, per_element::SCALE), x.label());
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("scale_{}", x.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(x)?).f32(alpha).i64(n),
+    )
+}
+
+pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+    let (_, cols) = dout.rows_cols();
+    let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
+    let op = be.ledger.op("bias_backward", flops, dbias.label());
+    let checked = ensure(dbias.numel() == cols, "bias_backward", || {
+        format!(
+            "`{}` has {} elements, `{}` has {cols} columns",
+            dbias.label(),
+            dbias.numel(),
+            dout.label()
+        )
+    });
+    op.finish(checked.and_then(|()| bias_backward_impl(be, dbias, dout)))
+}
+
+/// The row sums of `rows × cols` into an f32 `[ceil(rows / 128), cols]` workspace,
+/// then their total added to `dbias` (the bias gradient, two passes, no atomics).
+pub(crate) fn bias_backward_impl(
+    be: &CudaBackend,
+    dbias: &mut Tensor,
+    dout: &Tensor,
+) -> Result<()> {
+    let (rows, cols) = dout.rows_cols();
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let blocks = rows.div_ceil(ROW_BLOCK);
+    let partial = be.scratch(blocks * cols * 4, "bias_backward.partial")?;
+    be.launch(
+        &format!("bias_backward_partial_{}", dout.dtype()),
+        be.grid(blocks * cols),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(&partial)?)
+            .ptr(ptr(dout)?)
+            .i64(rows)
+            .i64(cols),
+    )?;
+    be.launch(
+        &format!("bias_backward_finish_{}", dbias.dtype()),
+        be.grid(cols),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dbias)?)
+            .ptr(ptr(&partial)?)
+            .i64(blocks)
+            .i64(cols),
+    )
+}

@@ -1,0 +1,214 @@
+//! Token and position embeddings and their backward.
+//!
+//! `embedding_backward_wte_*` accumulates without atomics: one thread per (token, column)
+//! adds that token's rows in row order. The token ids are on the host, so the rows are
+//! grouped there, once per batch, into [`TokenBuckets`], which the backend uploads.
+//!
+//! CPU twin: `src/device/cpu/embedding.rs`. Kernels: `kernels/embedding.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::cpu::{self, each, per_element};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/embedding.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "embedding.cu",
+    source: include_str!("../../../../kernels/embedding.cu"),
+    kernels: &[
+        "embedding_f32",
+        "embedding_bf16",
+        "embedding_backward_wte_f32_f32",
+        "embedding_backward_wte_bf16_f32",
+        "embedding_backward_wte_f32_bf16",
+        "embedding_backward_wte_bf16_bf16",
+        "embedding_backward_wpe_f32_f32",
+        "embedding_backward_wpe_bf16_f32",
+        "embedding_backward_wpe_f32_bf16",
+        "embedding_backward_wpe_bf16_bf16",
+    ],
+};
+
+pub(crate) fn forward(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    tokens: &[u32],
+    wte: &Tensor,
+    wpe: &Tensor,
+) -> Result<()> {
+    let _op = be.ledger.op(
+        "embedding",
+        each(out.numel(), per_element::EMBEDDING),
+        out.label(),
+    );
+    let (b, t, c, _) = cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
+    if b * t * c == 0 {
+        return Ok(());
+    }
+    let dt = out.dtype();
+    let wte = be.as_dtype(wte, dt)?;
+    let wpe = be.as_dtype(wpe, dt)?;
+    let toks = be.upload_u32(tokens, "embedding.tokens")?;
+    be.launch(
+        &format!("embedding_{dt}"),
+        be.grid(b * t * c),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(out)?)
+            .ptr(ptr(&toks)?)
+            .ptr(ptr(&wte)?)
+            .ptr(ptr(&wpe)?)
+            .i64(b * t)
+            .i64(t)
+            .i64(c),
+    )
+}
+
+pub(crate) fn backward(
+    be: &CudaBackend,
+    dwte: &mut Tensor,
+    dwpe: &mut Tensor,
+    dout: &Tensor,
+    tokens: &[u32],
+) -> Result<()> {
+    let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
+    let op = be.ledger.op("embedding_backward", flops, dwte.label());
+    op.finish(backward_impl(be, dwte, dwpe, dout, tokens))
+}
+
+pub(crate) fn backward_impl(
+    be: &CudaBackend,
+    dwte: &mut Tensor,
+    dwpe: &mut Tensor,
+    dout: &Tensor,
+    tokens: &[u32],
+) -> Result<()> {
+    let (b, t, c, _) = cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe)?;
+    if b * t == 0 || c == 0 {
+        return Ok(());
+    }
+    let buckets = TokenBuckets::new(tokens);
+    let bt = be.upload_u32(&buckets.tokens, "embedding_backward.tokens")?;
+    let bo = be.upload_u32(&buckets.offsets, "embedding_backward.offsets")?;
+    let br = be.upload_u32(&buckets.rows, "embedding_backward.rows")?;
+    let suffix = format!("{}_{}", dout.dtype(), dwte.dtype());
+    be.launch(
+        &format!("embedding_backward_wte_{suffix}"),
+        be.grid(buckets.len() * c),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dwte)?)
+            .ptr(ptr(dout)?)
+            .ptr(ptr(&bt)?)
+            .ptr(ptr(&bo)?)
+            .ptr(ptr(&br)?)
+            .i64(buckets.len())
+            .i64(c),
+    )?;
+    let dwpe_kernel = format!("embedding_backward_wpe_{}_{}", dout.dtype(), dwpe.dtype());
+    let dwpe_ptr = ptr(dwpe)?;
+    be.launch(
+        &dwpe_kernel,
+        be.grid(t * c),
+        BLOCK,
+        Args::new()
+            .ptr(dwpe_ptr)
+            .ptr(ptr(dout)?)
+            .i64(b)
+            .i64(t)
+            .i64(c),
+    )
+}
+
+/// The rows of a batch grouped by token, in the layout the kernel reads: bucket `b` is
+/// token `tokens[b]` and its rows are `rows[offsets[b] .. offsets[b + 1]]`, ascending.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenBuckets {
+    /// The distinct token ids, ascending.
+    pub tokens: Vec<u32>,
+    /// `tokens.len() + 1` offsets into `rows`.
+    pub offsets: Vec<u32>,
+    /// Row indices (positions in the batch's `tokens`), grouped by token, each group in
+    /// row order.
+    pub rows: Vec<u32>,
+}
+
+impl TokenBuckets {
+    /// Groups the rows of `tokens` (one token per row of `[B·T, C]`) by token id.
+    ///
+    /// Panics if there are 2³² rows or more (a batch of that size does not fit a GPU).
+    pub fn new(tokens: &[u32]) -> Self {
+        let n = u32::try_from(tokens.len()).expect("fewer than 2^32 rows in a batch");
+        let mut order: Vec<u32> = (0..n).collect();
+        // Stable: rows of one token stay in row order.
+        order.sort_by_key(|&r| tokens[r as usize]);
+        let mut buckets = TokenBuckets {
+            tokens: Vec::new(),
+            offsets: Vec::new(),
+            rows: order,
+        };
+        for (i, &r) in buckets.rows.iter().enumerate() {
+            let tok = tokens[r as usize];
+            if buckets.tokens.last() != Some(&tok) {
+                buckets.tokens.push(tok);
+                buckets.offsets.push(i as u32);
+            }
+        }
+        buckets.offsets.push(n);
+        buckets
+    }
+
+    /// Number of distinct tokens (the kernel's `n_buckets`).
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the batch was empty.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_grouped_by_token_in_row_order() {
+        let b = TokenBuckets::new(&[5, 2, 5, 7, 2, 5]);
+        assert_eq!(b.tokens, vec![2, 5, 7]);
+        assert_eq!(b.offsets, vec![0, 2, 5, 6]);
+        assert_eq!(b.rows, vec![1, 4, 0, 2, 5, 3]);
+        assert_eq!(b.len(), 3);
+        let empty = TokenBuckets::new(&[]);
+        assert!(empty.is_empty());
+        assert_eq!(empty.offsets, vec![0]);
+    }
+
+    /// Accumulating bucket by bucket, as the kernel does, gives the CPU's sums (same
+    /// order per token, so the same f32 results).
+    #[test]
+    fn bucketed_accumulation_matches_row_order() {
+        let tokens: Vec<u32> = (0..200u32).map(|i| (i * 7 + i / 3) % 13).collect();
+        let grad: Vec<f32> = (0..200)
+            .map(|i| ((i * 37) % 101) as f32 * 0.013 - 0.6)
+            .collect();
+        let mut by_rows = vec![0.25f32; 13];
+        for (r, &t) in tokens.iter().enumerate() {
+            by_rows[t as usize] += grad[r];
+        }
+        let b = TokenBuckets::new(&tokens);
+        let mut by_buckets = vec![0.25f32; 13];
+        for (k, &t) in b.tokens.iter().enumerate() {
+            let mut acc = by_buckets[t as usize];
+            for &r in &b.rows[b.offsets[k] as usize..b.offsets[k + 1] as usize] {
+                acc += grad[r as usize];
+            }
+            by_buckets[t as usize] = acc;
+        }
+        assert_eq!(by_rows, by_buckets);
+    }
+}

@@ -1,0 +1,67 @@
+//! GELU (tanh approximation) and its backward.
+//!
+//! CPU twin: `src/device/cpu/gelu.rs`. Kernels: `kernels/gelu.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::cpu::{self, each, per_element};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/gelu.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "gelu.cu",
+    source: include_str!("../../../../kernels/gelu.cu"),
+    kernels: &[
+        "gelu_f32",
+        "gelu_bf16",
+        "gelu_backward_f32",
+        "gelu_backward_bf16",
+    ],
+};
+
+pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, x: &Tensor) -> Result<()> {
+    let n = x.numel();
+    let _op = be
+        .ledger
+        .op("gelu", each(n, per_element::GELU), out.label());
+    cpu::elementwise::same_len(out, x, "gelu")?;
+    ensure_dtype(out, x.dtype(), "gelu")?;
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("gelu_{}", x.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(ptr(out)?).ptr(ptr(x)?).i64(n),
+    )
+}
+
+pub(crate) fn backward(be: &CudaBackend, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+    let n = x.numel();
+    let _op = be.ledger.op(
+        "gelu_backward",
+        each(n, per_element::GELU_BACKWARD),
+        dx.label(),
+    );
+    cpu::elementwise::same_len(dx, x, "gelu_backward")?;
+    cpu::elementwise::same_len(dout, x, "gelu_backward")?;
+    ensure_dtype(dx, x.dtype(), "gelu_backward")?;
+    if n == 0 {
+        return Ok(());
+    }
+    let dout = be.as_dtype(dout, x.dtype())?;
+    be.launch(
+        &format!("gelu_backward_{}", x.dtype()),
+        be.grid(n),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dx)?)
+            .ptr(ptr(x)?)
+            .ptr(ptr(&dout)?)
+            .i64(n),
+    )
+}

@@ -1,0 +1,191 @@
+//! Matrix products through cuBLASLt (the `Gpu` layer's `gemm`), with the bias and GELU
+//! epilogues; no kernel file of trainkit's own.
+//!
+//! CPU twin: `src/device/cpu/matmul.rs`.
+
+use super::super::backend::{ptr, CudaBackend, BLOCK};
+use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout};
+use super::elementwise::launch_cast;
+use crate::device::cpu::{self, each, ensure, per_element};
+use crate::error::Result;
+use crate::memory::MemoryCategory;
+use crate::tensor::{DType, Tensor};
+use std::sync::atomic::Ordering;
+
+/// The cuBLASLt workspace (allocated once, in the ledger).
+pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {
+    let bytes = be.gpu.gemm_workspace_bytes();
+    if bytes == 0 {
+        return Ok((0, 0));
+    }
+    let mut w = be.gemm_workspace.lock().unwrap_or_else(|p| p.into_inner());
+    if w.is_none() {
+        *w = Some(be.scratch(bytes, "cublaslt.workspace")?);
+    }
+    let t = w.as_ref().expect("set above");
+    Ok((ptr(t)?, bytes))
+}
+
+/// [`Backend::matmul`] without its ledger span, with `gelu_aux` the address of the
+/// pre-GELU values when the epilogue applies GELU (0: no GELU; the caller checks the
+/// fused form applies).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    gelu_aux: DevicePtr,
+) -> Result<()> {
+    let (m, n, k) = cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    ensure(k > 0, "matmul", || {
+        format!(
+            "`{}` and `{}` have an empty inner dimension",
+            a.label(),
+            b.label()
+        )
+    })?;
+    let operand = operand_dtype(a, b);
+    let a = be.as_dtype(a, operand)?;
+    let b = be.as_dtype(b, operand)?;
+    if operand == DType::F32 && out.dtype() == DType::Bf16 {
+        // f32 operands into bf16: the product in f32, then added or cast.
+        let mut tmp = be.alloc(
+            out.shape(),
+            DType::F32,
+            MemoryCategory::Workspace,
+            &format!("{}.f32", out.label()),
+            false,
+        )?;
+        gemm(be, &mut tmp, &a, &b, bias, trans_a, trans_b, false, 0)?;
+        return if accumulate {
+            let n_el = out.numel();
+            let o = ptr(out)?;
+            be.launch(
+                "add_bf16_bf16_f32",
+                be.grid(n_el),
+                BLOCK,
+                Args::new().ptr(o).ptr(o).ptr(ptr(&tmp)?).i64(n_el),
+            )
+        } else {
+            launch_cast(be, out, &tmp)
+        };
+    }
+    let bias = match bias {
+        Some(t) => Some(be.as_dtype(t, out.dtype())?),
+        None => None,
+    };
+    // Row-major X[r, c] is column-major Xᵀ (r columns of c): out = op(a)·op(b) is
+    // outᵀ = op(b)ᵀ·op(a)ᵀ, so cuBLASLt's A is our b and its B is our a, each with its
+    // own transpose flag, and D is outᵀ, n × m.
+    let colmajor = |t: &Tensor| {
+        let (r, c) = t.rows_cols();
+        MatrixLayout {
+            ty: t.dtype().into(),
+            rows: c as u64,
+            cols: r as u64,
+            ld: c as i64,
+        }
+    };
+    let (workspace, workspace_bytes) = gemm_workspace(be)?;
+    let g = Gemm {
+        trans_a: trans_b,
+        trans_b: trans_a,
+        m: n as u64,
+        n: m as u64,
+        k: k as u64,
+        a: ptr(&b)?,
+        a_layout: colmajor(&b),
+        b: ptr(&a)?,
+        b_layout: colmajor(&a),
+        d: ptr(out)?,
+        d_layout: colmajor(out),
+        bias: match &bias {
+            Some(t) => ptr(t)?,
+            None => 0,
+        },
+        gelu_aux,
+        alpha: 1.0,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        allow_tf32: be.options.allow_tf32,
+        workspace,
+        workspace_bytes,
+    };
+    // SAFETY: the layouts are the tensors' own shapes, checked above.
+    unsafe { be.gpu.gemm(&g) }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<()> {
+    let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
+    let op = be.ledger.op("matmul", flops, out.label());
+    op.finish(gemm(be, out, a, b, bias, trans_a, trans_b, accumulate, 0))
+}
+
+pub(crate) fn matmul_bias_gelu(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    pre: &mut Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    bias: &Tensor,
+) -> Result<()> {
+    // cuBLASLt's GELU_AUX_BIAS epilogue writes both outputs from the accumulator:
+    // when the operands are of one dtype (or bf16 into f32), both outputs share D's
+    // dtype and shape, and the rows are a multiple of 8 elements (the aux's leading
+    // dimension). Otherwise the product and the GELU run as two ops.
+    let operand = operand_dtype(a, b);
+    let (_, cols) = pre.rows_cols();
+    let fused = out.dtype() == pre.dtype()
+        && out.shape() == pre.shape()
+        && !(operand == DType::F32 && pre.dtype() == DType::Bf16)
+        && cols % 8 == 0
+        && be.gelu_epilogue.load(Ordering::Relaxed);
+    if fused {
+        let flops = cpu::matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
+        let op = be.ledger.op("matmul_bias_gelu", flops, out.label());
+        let aux = ptr(pre)?;
+        match op.finish(gemm(be, out, a, b, Some(bias), false, false, false, aux)) {
+            Ok(()) => return Ok(()),
+            // Nothing was written: say so once and run the two ops, which report the
+            // error again if it was not the epilogue's.
+            Err(e) => {
+                if be.gelu_epilogue.swap(false, Ordering::Relaxed) {
+                    log::warn!(
+                        "cuBLASLt ran no product with the GELU epilogue ({e}); the MLP's \
+                         product and GELU now run as two ops"
+                    );
+                }
+            }
+        }
+    }
+    matmul(be, pre, a, b, Some(bias), false, false, false)?;
+    super::gelu::forward(be, out, pre)
+}
+
+/// The dtype both operands of a product are brought to: cuBLASLt multiplies equal
+/// operand types (bf16 × bf16 may write f32 or bf16, f32 × f32 writes f32), so mixed
+/// operands are multiplied in f32.
+fn operand_dtype(a: &Tensor, b: &Tensor) -> DType {
+    if a.dtype() == b.dtype() {
+        a.dtype()
+    } else {
+        DType::F32
+    }
+}

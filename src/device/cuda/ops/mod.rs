@@ -1,0 +1,20 @@
+//! The host side of each CUDA op family, one file per family beside its CPU twin
+//! (`src/device/cpu/<family>.rs`) and its kernels (`kernels/<family>.cu`).
+//!
+//! Each file checks an op's operands with the CPU's contract, records its ledger span,
+//! picks the kernel by the dtypes of its tensors and launches it; and each file with a
+//! kernel source declares that source and the names of its kernels once, in its
+//! `KERNELS` ([`KernelFile`](super::kernels::KernelFile)), from which [`super::kernels::KERNEL_FILES`] is assembled.
+//! [`super::CudaBackend`]'s `Backend` impl only dispatches here; `custom.rs` runs kernels
+//! written outside trainkit ([`crate::device::CustomKernel`]).
+
+pub(crate) mod adamw;
+pub(crate) mod attention;
+pub(crate) mod cross_entropy;
+pub(crate) mod custom;
+pub(crate) mod elementwise;
+pub(crate) mod embedding;
+pub(crate) mod gelu;
+pub(crate) mod layernorm;
+pub(crate) mod matmul;
+pub(crate) mod reductions;

@@ -1,0 +1,153 @@
+//! Reductions: the sum of squares (one tensor, or all gradients with one read back) and
+//! the step's gradient guard (norm, clipping multiplier, skip decision, loss sum), all
+//! accumulated in f64 in two passes.
+//!
+//! CPU twin: `src/device/cpu/elementwise.rs (`sum_squares`) and cpu/guard.rs`. Kernels: `kernels/reductions.cu`, listed once in [`KERNELS`].
+
+use super::super::backend::{ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::cpu::{self, each, per_element};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/reductions.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "reductions.cu",
+    source: include_str!("../../../../kernels/reductions.cu"),
+    kernels: &[
+        "sum_squares_partial_f32",
+        "sum_squares_partial_bf16",
+        "sum_squares_finish",
+        "grad_guard",
+    ],
+};
+
+/// The f64 partial sums of squares of every tensor of `xs` in one workspace buffer
+/// (one per block of each tensor's grid), and how many there are.
+pub(crate) fn square_partials(
+    be: &CudaBackend,
+    xs: &[&Tensor],
+    label: &str,
+) -> Result<(Tensor, usize)> {
+    let grids: Vec<u32> = xs
+        .iter()
+        .map(|x| {
+            if x.numel() == 0 {
+                0
+            } else {
+                be.grid(x.numel())
+            }
+        })
+        .collect();
+    let slots: usize = grids.iter().map(|&g| g as usize).sum();
+    let partial = be.scratch(slots.max(1) * 8, label)?;
+    let base = ptr(&partial)?;
+    let mut at = 0usize;
+    for (x, &grid) in xs.iter().zip(&grids) {
+        if grid == 0 {
+            continue;
+        }
+        be.launch(
+            &format!("sum_squares_partial_{}", x.dtype()),
+            grid,
+            BLOCK,
+            Args::new()
+                .ptr(base + (at * 8) as u64)
+                .ptr(ptr(x)?)
+                .i64(x.numel()),
+        )?;
+        at += grid as usize;
+    }
+    Ok((partial, slots))
+}
+
+pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
+    let n = x.numel();
+    let _op = be
+        .ledger
+        .op("sum_squares", each(n, per_element::SUM_SQUARES), x.label());
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let grid = be.grid(n);
+    let partial = be.scratch(grid as usize * 8, "sum_squares.partial")?;
+    let total = be.scratch(8, "sum_squares.total")?;
+    be.launch(
+        &format!("sum_squares_partial_{}", x.dtype()),
+        grid,
+        BLOCK,
+        Args::new().ptr(ptr(&partial)?).ptr(ptr(x)?).i64(n),
+    )?;
+    be.launch(
+        "sum_squares_finish",
+        1,
+        32,
+        Args::new()
+            .ptr(ptr(&total)?)
+            .ptr(ptr(&partial)?)
+            .i64(grid as usize),
+    )?;
+    let mut bytes = [0u8; 8];
+    be.gpu.download(&mut bytes, ptr(&total)?)?;
+    Ok(f64::from_le_bytes(bytes))
+}
+
+pub(crate) fn sum_squares_all(be: &CudaBackend, xs: &[&Tensor]) -> Result<f64> {
+    // One partial per block of every tensor in one buffer, one finishing sum over all
+    // of them, and one read back.
+    let total_n: usize = xs.iter().map(|x| x.numel()).sum();
+    let _op = be.ledger.op(
+        "sum_squares",
+        each(total_n, per_element::SUM_SQUARES),
+        "gradients",
+    );
+    let (partial, slots) = square_partials(be, xs, "sum_squares.partial")?;
+    if slots == 0 {
+        return Ok(0.0);
+    }
+    let total = be.scratch(8, "sum_squares.total")?;
+    be.launch(
+        "sum_squares_finish",
+        1,
+        32,
+        Args::new().ptr(ptr(&total)?).ptr(ptr(&partial)?).i64(slots),
+    )?;
+    let mut bytes = [0u8; 8];
+    be.gpu.download(&mut bytes, ptr(&total)?)?;
+    Ok(f64::from_le_bytes(bytes))
+}
+
+pub(crate) fn grad_guard(
+    be: &CudaBackend,
+    record: &mut Tensor,
+    grads: &[&Tensor],
+    losses: &Tensor,
+    max_norm: f32,
+    loss_scale: f32,
+) -> Result<()> {
+    // One partial per block of every gradient in one buffer, then one block that adds
+    // them and the losses and writes the record: nothing is read back.
+    let total_n: usize = grads.iter().map(|x| x.numel()).sum();
+    let _op = be.ledger.op(
+        "grad_guard",
+        each(total_n, per_element::SUM_SQUARES),
+        record.label(),
+    );
+    cpu::guard::check(record, losses)?;
+    let (partial, slots) = square_partials(be, grads, "grad_guard.partial")?;
+    be.launch(
+        "grad_guard",
+        1,
+        32,
+        Args::new()
+            .ptr(ptr(record)?)
+            .ptr(ptr(&partial)?)
+            .i64(slots)
+            .ptr(ptr(losses)?)
+            .i64(losses.numel())
+            .f32(max_norm)
+            .f32(loss_scale),
+    )
+}
