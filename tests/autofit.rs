@@ -6,7 +6,7 @@ mod common;
 
 use common::{corpus_loader, cpu};
 use trainkit::checkpoint::{by_cost, named};
-use trainkit::estimate::{autofit, parse_bytes, predict_gpt2, FitRequest, MicroBatch};
+use trainkit::estimate::{autofit, parse_bytes, predict_architecture, FitRequest, MicroBatch};
 use trainkit::{AdamW, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, Precision, Trainer};
 
 fn config() -> Gpt2Config {
@@ -27,7 +27,7 @@ fn request<'a>(
     budget: u64,
 ) -> FitRequest<'a> {
     FitRequest {
-        config,
+        model: config.architecture(),
         seq_len: 64,
         global_batch: 8,
         budget,
@@ -46,8 +46,8 @@ fn rank(kind: &str) -> usize {
 
 /// The peak of a setup over every step, as autofit counts it.
 fn peak(req: &FitRequest<'_>, micro: usize, recompute: &str) -> u64 {
-    let p = predict_gpt2(
-        req.config,
+    let p = predict_architecture(
+        &req.model,
         MicroBatch {
             batch_size: micro,
             seq_len: req.seq_len,

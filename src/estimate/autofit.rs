@@ -1,11 +1,11 @@
 //! Autofit: the micro-batch size, accumulation steps and recompute policy that fit a
 //! memory budget, chosen with the exact memory model.
 
-use super::exact::{predict_gpt2, MemoryPrediction, MicroBatch};
+use super::exact::{predict_architecture, MemoryPrediction, MicroBatch};
 use crate::checkpoint::{by_cost, CheckpointPolicy, Full, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
-use crate::model::Gpt2Config;
+use crate::model::Architecture;
 use crate::optim::Optimizer;
 use crate::precision::{MixedBf16, Precision};
 
@@ -13,7 +13,7 @@ use crate::precision::{MixedBf16, Precision};
 #[derive(Clone, Copy, Debug)]
 pub struct FitRequest<'a> {
     /// The model.
-    pub config: &'a Gpt2Config,
+    pub model: Architecture,
     /// Tokens per row.
     pub seq_len: usize,
     /// Rows per optimizer step: micro-batch size × accumulation steps.
@@ -112,8 +112,8 @@ fn candidate(
     micro_batch: usize,
     recompute: &(dyn CheckpointPolicy + 'static),
 ) -> Result<FitCandidate> {
-    let prediction = predict_gpt2(
-        req.config,
+    let prediction = predict_architecture(
+        &req.model,
         MicroBatch {
             batch_size: micro_batch,
             seq_len: req.seq_len,
@@ -190,8 +190,8 @@ fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
     let mut fixes = vec![format!("a budget of at least {}", format_bytes(least.peak))];
     if req.precision.compute_dtype() != crate::tensor::DType::Bf16 {
         let mixed = MixedBf16 { fp32_grads: false };
-        let p = predict_gpt2(
-            req.config,
+        let p = predict_architecture(
+            &req.model,
             MicroBatch {
                 batch_size: 1,
                 seq_len: req.seq_len,

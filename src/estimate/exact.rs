@@ -14,7 +14,7 @@ use crate::data::DataLoader;
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryCategory, MemoryEvent, MemoryObserver, Phase};
-use crate::model::{Gpt2, Gpt2Config, Model};
+use crate::model::{Architecture, Gpt2, Gpt2Config, Model};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::trainer::{Trainer, TrainerOptions};
@@ -103,6 +103,24 @@ pub fn predict_gpt2(
 ) -> Result<MemoryPrediction> {
     let model = Gpt2::new(config.clone())?;
     predict(Box::new(model), micro, precision, checkpoint, optimizer)
+}
+
+/// Predicts trainkit's memory for a step of the model `arch` describes ([`crate::model::build`]),
+/// exactly as the ledger will record it (see [`predict`]).
+pub fn predict_architecture(
+    arch: &Architecture,
+    micro: MicroBatch,
+    precision: &dyn Precision,
+    checkpoint: &dyn CheckpointPolicy,
+    optimizer: &dyn Optimizer,
+) -> Result<MemoryPrediction> {
+    predict(
+        crate::model::build(arch)?,
+        micro,
+        precision,
+        checkpoint,
+        optimizer,
+    )
 }
 
 /// Predicts trainkit's memory for a step of `model`, exactly as the ledger will record it

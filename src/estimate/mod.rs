@@ -20,7 +20,6 @@
 //! # Ok::<(), trainkit::Error>(())
 //! ```
 
-pub mod architecture;
 mod autofit;
 mod budget;
 mod exact;
@@ -29,10 +28,12 @@ pub mod formulas;
 pub mod plot;
 pub mod presets;
 
-pub use architecture::{Architecture, Mlp, Norm};
+pub use crate::model::{Architecture, Mlp, Norm};
 pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest};
 pub use budget::{host_available_memory, parse_bytes};
-pub use exact::{predict, predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch};
+pub use exact::{
+    predict, predict_architecture, predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch,
+};
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{
     bytes_per_param, model_state_bytes, playbook_params, ActivationShape, PlaybookActivation,

@@ -1,7 +1,7 @@
 //! Named models with their published architectures: the GPT-2 family and Llama 3.
 
-use super::architecture::{Architecture, Mlp, Norm};
 use crate::error::{Error, Result};
+use crate::model::{Architecture, Mlp, Norm};
 
 /// A named model: its architecture, context length and the sequence length estimates use
 /// by default.

@@ -3,7 +3,7 @@
 
 use super::exec;
 use super::graph::{Graph, Section, Value};
-use super::{Batch, Init, Model, ParamInit, Pass, PassStats};
+use super::{Architecture, Batch, Init, Mlp, Model, Norm, ParamInit, Pass, PassStats};
 use crate::checkpoint::Tags;
 use crate::error::{Error, Result};
 use crate::ops::{
@@ -121,6 +121,60 @@ impl Gpt2Config {
             ));
         }
         Ok(())
+    }
+
+    /// The architecture this config describes.
+    pub fn architecture(&self) -> Architecture {
+        Architecture::from(self)
+    }
+
+    /// The GPT-2 config of `arch`, if it is GPT-2 shaped: multi-head attention, a GELU MLP
+    /// of width 4h, LayerNorms, biases, tied embeddings and learned positions (LayerNorm
+    /// eps 1e-5). Otherwise an error naming what differs.
+    pub fn from_architecture(arch: &Architecture) -> Result<Self> {
+        arch.validate()?;
+        let mut differs = Vec::new();
+        if arch.kv_heads != arch.heads {
+            differs.push("grouped-query attention");
+        }
+        if arch.mlp != Mlp::Gelu || arch.ffn != arch.hidden.saturating_mul(4) {
+            differs.push("an MLP other than GELU of width 4 × hidden");
+        }
+        if arch.norm != Norm::LayerNorm {
+            differs.push("a norm other than LayerNorm");
+        }
+        if !arch.biases {
+            differs.push("no biases");
+        }
+        if !arch.tied_embeddings {
+            differs.push("an untied output head");
+        }
+        if arch.positions == 0 {
+            differs.push("no learned position embedding");
+        }
+        if !differs.is_empty() {
+            return Err(Error::config(
+                "model",
+                format!(
+                    "trainkit builds GPT-2 shaped models; this one has {}: the Llama family \
+                     is not built yet",
+                    differs.join(", ")
+                ),
+            ));
+        }
+        let size = |field: &str, v: u64| {
+            usize::try_from(v).map_err(|_| Error::config(field, format!("{v} is too large")))
+        };
+        let config = Gpt2Config {
+            n_layer: size("model.n_layer", arch.layers)?,
+            n_head: size("model.n_head", arch.heads)?,
+            n_embd: size("model.n_embd", arch.hidden)?,
+            n_positions: size("model.n_positions", arch.positions)?,
+            vocab_size: size("model.vocab_size", arch.vocab)?,
+            layer_norm_epsilon: default_eps(),
+        };
+        config.validate()?;
+        Ok(config)
     }
 
     /// Number of parameters (embeddings tied, so counted once).

@@ -1,10 +1,12 @@
 //! Models: the `Model` trait, GPT-2, parameters and the activation stash.
 
+mod architecture;
 pub mod exec;
 mod gpt2;
 mod graph;
 mod param;
 
+pub use architecture::{Architecture, Mlp, Norm};
 pub use exec::StashStats;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, Section, Value};
@@ -143,4 +145,11 @@ pub trait Model: Debug + Send + Sync {
     /// Training FLOPs per token (forward and backward, no recomputation), as llm.c counts
     /// them: `6·N + 6·L·C·T` for sequence length `seq_len`.
     fn flops_per_token(&self, seq_len: usize) -> f64;
+}
+
+/// The model `arch` describes, with freshly declared parameters: a [`Gpt2`] for a GPT-2
+/// shape (multi-head attention, a 4h GELU MLP, LayerNorms with biases, tied embeddings and
+/// learned positions). Other shapes are refused with an error naming what differs.
+pub fn build(arch: &Architecture) -> Result<Box<dyn Model>> {
+    Ok(Box::new(Gpt2::new(Gpt2Config::from_architecture(arch)?)?))
 }

@@ -3,7 +3,9 @@
 
 use std::path::Path;
 use trainkit::config::{Overrides, RunConfig};
-use trainkit::estimate::{autofit, host_available_memory, predict_gpt2, FitRequest, MicroBatch};
+use trainkit::estimate::{
+    autofit, host_available_memory, predict_architecture, FitRequest, MicroBatch,
+};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
 use trainkit::{AccumulationSchedule, Device, Error, Result};
 
@@ -52,7 +54,7 @@ pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
 
 fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64) -> FitRequest<'a> {
     FitRequest {
-        config: &cfg.model,
+        model: cfg.model.architecture(),
         seq_len: cfg.training.seq_len,
         global_batch: global,
         budget,
@@ -135,8 +137,8 @@ pub fn write_report(
     measured_total: u64,
 ) -> Result<()> {
     let t = &cfg.training;
-    let prediction = predict_gpt2(
-        &cfg.model,
+    let prediction = predict_architecture(
+        &cfg.model.architecture(),
         MicroBatch {
             batch_size: t.batch_size,
             seq_len: t.seq_len,

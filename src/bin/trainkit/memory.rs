@@ -2,11 +2,11 @@
 
 use std::path::PathBuf;
 use trainkit::estimate::{
-    model_state_bytes, predict_gpt2, preset_names, ActivationSweep, Architecture, MemoryPrediction,
-    MicroBatch, Mlp, Norm, Preset, PRESETS,
+    model_state_bytes, preset_names, ActivationSweep, Architecture, MemoryPrediction, MicroBatch,
+    Mlp, Norm, Preset, PRESETS,
 };
 use trainkit::memory::MemoryCategory;
-use trainkit::{AdamW, Error, Gpt2Config, Result};
+use trainkit::{AdamW, Error, Result};
 
 /// How much memory training a model takes on one GPU with AdamW, by the Ultra-Scale
 /// Playbook's formulas: weights, gradients, master weights and optimizer state per
@@ -569,7 +569,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     Ok(())
 }
 
-/// trainkit's exact memory for GPT-2 shaped models (presets named gpt2*, or GPT-style raw
+/// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
 /// dimensions), `None` for others or when the sequence exceeds a preset's context.
 fn trainkit_exact(
     subject: &Subject,
@@ -581,12 +581,6 @@ fn trainkit_exact(
     let Some(a) = subject.arch else {
         return Ok(None);
     };
-    let gpt2 = subject
-        .name
-        .map_or(a.is_gpt_like(), |n| n.starts_with("gpt2"));
-    if !gpt2 {
-        return Ok(None);
-    }
     let positions = if subject.name.is_some() {
         a.positions
     } else {
@@ -595,17 +589,13 @@ fn trainkit_exact(
     if seq_len > positions {
         return Ok(None);
     }
-    let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    let config = Gpt2Config {
-        n_layer: usize_of(a.layers),
-        n_head: usize_of(a.heads),
-        n_embd: usize_of(a.hidden),
-        n_positions: usize_of(positions),
-        vocab_size: usize_of(a.vocab),
-        layer_norm_epsilon: 1e-5,
+    // Exact figures for the architectures trainkit builds; the formulas alone for others.
+    let Ok(model) = trainkit::model::build(&Architecture { positions, ..a }) else {
+        return Ok(None);
     };
-    predict_gpt2(
-        &config,
+    let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    trainkit::estimate::predict(
+        model,
         MicroBatch {
             batch_size: usize_of(batch_size),
             seq_len: usize_of(seq_len),

@@ -1,7 +1,9 @@
-//! The shape of a decoder-only transformer, enough to count its parameters exactly.
+//! The one description of a decoder-only transformer's shape: what builds a model
+//! ([`super::build`]), what the playbook's formulas, the presets and autofit read, and
+//! what a model's config file converts to and from.
 
-use super::formulas::{add, mul, playbook_params, ActivationShape};
 use crate::error::{Error, Result};
+use crate::estimate::formulas::{add, mul, playbook_params, ActivationShape};
 use crate::model::Gpt2Config;
 use serde::{Deserialize, Serialize};
 
@@ -233,6 +235,23 @@ mod tests {
             assert_eq!(exact, config.num_params() as u64);
             assert_eq!(exact, shapes as u64);
         }
+    }
+
+    #[test]
+    fn a_gpt2_config_round_trips_and_other_shapes_are_refused_by_name() {
+        let c = Gpt2Config::gpt2_124m();
+        assert_eq!(Gpt2Config::from_architecture(&c.architecture()).unwrap(), c);
+        assert!(crate::model::build(&c.architecture()).is_ok());
+        let llama = crate::estimate::preset("llama-1b").unwrap().architecture;
+        let e = crate::model::build(&llama).err().unwrap().to_string();
+        for what in ["grouped-query attention", "MLP", "norm", "no biases"] {
+            assert!(e.contains(what), "{e}");
+        }
+        let no_positions = Architecture::gpt(2, 64, 4, 256);
+        let e = Gpt2Config::from_architecture(&no_positions)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("position"), "{e}");
     }
 
     #[test]
