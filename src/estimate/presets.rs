@@ -59,6 +59,26 @@ const fn llama(
     ffn: u64,
     tied_embeddings: bool,
 ) -> Preset {
+    llama_family(
+        name,
+        description,
+        [layers, hidden, heads, kv_heads, ffn],
+        128_256,
+        tied_embeddings,
+        131_072,
+    )
+}
+
+/// A Llama-shaped model (RMSNorm, SwiGLU, grouped-query attention, rotary positions, no
+/// biases): `[layers, hidden, heads, kv_heads, ffn]`, its vocabulary, tying and context.
+const fn llama_family(
+    name: &'static str,
+    description: &'static str,
+    [layers, hidden, heads, kv_heads, ffn]: [u64; 5],
+    vocab: u64,
+    tied_embeddings: bool,
+    context: u64,
+) -> Preset {
     Preset {
         name,
         description,
@@ -68,24 +88,53 @@ const fn llama(
             heads,
             kv_heads,
             ffn,
-            vocab: 128_256,
+            vocab,
             positions: 0,
             mlp: Mlp::SwiGlu,
             norm: Norm::RmsNorm,
             biases: false,
             tied_embeddings,
         },
-        context: 131_072,
+        context,
         default_seq_len: 4096,
     }
 }
 
-/// Every preset, smallest first within each family.
-pub const PRESETS: [Preset; 8] = [
+/// Every preset, smallest first within each family. The SmolLM2 and Llama 3 shapes are
+/// those of each model's published `config.json`; `llama-1b` and `llama-8b` are the
+/// shorter names of `llama-3.2-1b` and `llama-3.1-8b`.
+pub const PRESETS: [Preset; 14] = [
     gpt2("gpt2", "GPT-2 small (124M)", 12, 768, 12),
     gpt2("gpt2-medium", "GPT-2 medium (355M)", 24, 1024, 16),
     gpt2("gpt2-large", "GPT-2 large (774M)", 36, 1280, 20),
     gpt2("gpt2-xl", "GPT-2 XL (1.5B)", 48, 1600, 25),
+    llama_family(
+        "smollm2-135m",
+        "SmolLM2 135M",
+        [30, 576, 9, 3, 1536],
+        49_152,
+        true,
+        8192,
+    ),
+    llama_family(
+        "smollm2-360m",
+        "SmolLM2 360M",
+        [32, 960, 15, 5, 2560],
+        49_152,
+        true,
+        8192,
+    ),
+    llama_family(
+        "smollm2-1.7b",
+        "SmolLM2 1.7B",
+        [24, 2048, 32, 32, 8192],
+        49_152,
+        true,
+        8192,
+    ),
+    llama("llama-3.2-1b", "Llama 3.2 1B", 16, 2048, 32, 8, 8192, true),
+    llama("llama-3.2-3b", "Llama 3.2 3B", 28, 3072, 24, 8, 8192, true),
+    llama("llama-3.1-8b", "Llama 3.1 8B", 32, 4096, 32, 8, 14_336, false),
     llama("llama-1b", "Llama 3.2 1B", 16, 2048, 32, 8, 8192, true),
     llama("llama-8b", "Llama 3.1 8B", 32, 4096, 32, 8, 14_336, false),
     llama("llama-70b", "Llama 3.1 70B", 80, 8192, 64, 8, 28_672, false),
@@ -139,6 +188,12 @@ mod tests {
             ("gpt2-medium", 354_823_168),
             ("gpt2-large", 774_030_080),
             ("gpt2-xl", 1_557_611_200),
+            ("smollm2-135m", 134_515_008),
+            ("smollm2-360m", 361_821_120),
+            ("smollm2-1.7b", 1_711_376_384),
+            ("llama-3.2-1b", 1_235_814_400),
+            ("llama-3.2-3b", 3_212_749_824),
+            ("llama-3.1-8b", 8_030_261_248),
             ("llama-1b", 1_235_814_400),
             ("llama-8b", 8_030_261_248),
             ("llama-70b", 70_553_706_496),

@@ -13,8 +13,9 @@ use trainkit::{AdamW, Error, Result};
 /// parameter, and activations per token for each recompute policy.
 #[derive(clap::Args)]
 pub struct MemoryArgs {
-    /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-8b,
-    /// llama-70b or llama-405b.
+    /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, smollm2-135m, smollm2-360m,
+    /// smollm2-1.7b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-1b, llama-8b, llama-70b
+    /// or llama-405b.
     #[arg(long)]
     model: Option<String>,
     /// A parameter count instead of a model, e.g. 7B, 1.5B, 124M or 350000000 (K, M, B, T
