@@ -4,12 +4,14 @@ mod architecture;
 pub mod exec;
 mod gpt2;
 mod graph;
+mod llama_config;
 mod param;
 
 pub use architecture::{Architecture, Mlp, Norm};
 pub use exec::StashStats;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, Section, Value};
+pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use param::{Param, UpdateParts};
 
 use crate::checkpoint::CheckpointPolicy;
