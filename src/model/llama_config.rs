@@ -471,7 +471,7 @@ mod tests {
             0.002_5,
             0.000_790_569_47,
             0.000_25,
-            7.905_694_7e-5,
+            7.905_695e-5,
         ];
         for (got, want) in [(llama3, want), (linear, want_linear)] {
             for (g, w) in got.iter().zip(want) {
