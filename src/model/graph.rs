@@ -94,32 +94,28 @@ impl Section {
 
     /// Whether some node's backward reads value `v`.
     pub(crate) fn saved(&self, v: usize) -> bool {
-        self.nodes.iter().any(|n| {
-            let s = n.op.saves();
-            n.inputs
-                .iter()
-                .enumerate()
-                .any(|(i, &x)| x == v && s.input(i))
-                || n.outputs
-                    .iter()
-                    .enumerate()
-                    .any(|(i, &x)| x == v && s.output(i))
-        })
+        self.first_saver(v).is_some()
     }
 
     /// The first node (in forward order) whose backward reads `v`: backward's last reader.
     pub(crate) fn first_saver(&self, v: usize) -> Option<usize> {
-        self.nodes.iter().position(|n| {
-            let s = n.op.saves();
-            n.inputs
+        self.nodes.iter().position(|n| n.reads_in_backward(v))
+    }
+}
+
+impl Node {
+    /// Whether this node's backward reads value `v` (as a saved input or output).
+    fn reads_in_backward(&self, v: usize) -> bool {
+        let s = self.op.saves();
+        self.inputs
+            .iter()
+            .enumerate()
+            .any(|(i, &x)| x == v && s.input(i))
+            || self
+                .outputs
                 .iter()
                 .enumerate()
-                .any(|(i, &x)| x == v && s.input(i))
-                || n.outputs
-                    .iter()
-                    .enumerate()
-                    .any(|(i, &x)| x == v && s.output(i))
-        })
+                .any(|(i, &x)| x == v && s.output(i))
     }
 }
 
