@@ -8,11 +8,19 @@
 //! ledger (the executor and the meta backend treat the user's node as their own), gives
 //! the CPU's losses on the CUDA emulator, and compiles with NVRTC.
 //!
+//! On a GPU (the GPU bundle runs this binary there), the same model trains with the op and
+//! with Lion (examples/lion/lion.rs, an optimizer whose update is a user kernel too) as on
+//! the CPU: the check of user kernels compiled by NVRTC and launched on a real device.
+//!
 //! The emulator check skips with a printed reason where no C++ compiler runs, unless
 //! `TRAINKIT_REQUIRE_EMULATOR` is set; the NVRTC check skips where NVRTC or the CUDA
-//! headers are missing, unless `TRAINKIT_REQUIRE_NVRTC=1`.
+//! headers are missing, unless `TRAINKIT_REQUIRE_NVRTC=1`; the GPU check skips where no GPU
+//! answers.
 
 mod common;
+#[path = "../examples/lion/lion.rs"]
+#[allow(dead_code)]
+mod lion;
 
 use common::{corpus_loader, tiny_config};
 use std::collections::HashMap;
@@ -22,7 +30,7 @@ use trainkit::checkpoint::{Full, NoRecompute, Tags};
 use trainkit::device::cuda::kernels::{
     compile, custom_full_source, find_include_dir, nvrtc_version, ptx_entries, CompileOptions,
 };
-use trainkit::device::cuda::CudaBackend;
+use trainkit::device::cuda::{probe, CudaBackend};
 use trainkit::device::CustomKernel;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{exec, Batch, Graph, ParamInit, Pass, PassStats, Section, Value};
@@ -433,7 +441,7 @@ fn a_model_with_the_users_op_trains_recomputes_exactly_and_is_predicted_exactly(
 }
 
 #[test]
-fn the_users_op_runs_on_the_cuda_emulator_as_on_the_cpu() {
+fn the_users_op_and_optimizer_run_on_the_cuda_emulator_as_on_the_cpu() {
     let emulated = match CudaBackend::emulated() {
         Ok(b) => b,
         Err(e) => {
@@ -444,15 +452,7 @@ fn the_users_op_runs_on_the_cuda_emulator_as_on_the_cpu() {
             return;
         }
     };
-    let mut gpu = trainer(Arc::new(emulated), Box::new(Full));
-    let mut cpu = trainer(Arc::new(CpuBackend::new()), Box::new(Full));
-    for step in 1..=3 {
-        let (a, b) = (gpu.step().unwrap().loss, cpu.step().unwrap().loss);
-        assert!(
-            ((a - b) / b).abs() < 1e-5,
-            "step {step}: emulator {a}, CPU {b}"
-        );
-    }
+    tracks_the_cpu(Arc::new(emulated), "the emulator", 1e-5);
 }
 
 #[test]
@@ -482,5 +482,48 @@ fn the_users_kernels_compile_with_nvrtc() {
             version.1,
             kernel.name()
         ));
+    }
+}
+
+#[test]
+fn the_users_op_and_optimizer_run_on_a_gpu_as_on_the_cpu() {
+    let info = match probe() {
+        Ok(info) => info,
+        Err(reason) => {
+            say(&format!("GPU checks SKIPPED: no usable GPU ({reason})"));
+            return;
+        }
+    };
+    let gpu = CudaBackend::new(info.ordinal)
+        .unwrap_or_else(|e| panic!("{info} answers but the backend fails: {e}"));
+    say(&format!("GPU checks run on {info}"));
+    tracks_the_cpu(Arc::new(gpu), "the GPU", 1e-4);
+}
+
+/// Three steps of the squared-ReLU GPT-2 with full recomputation and Lion on `backend`
+/// give the CPU's losses within `tolerance` (relative).
+fn tracks_the_cpu(backend: Arc<dyn Backend>, name: &str, tolerance: f64) {
+    let build = |backend: Arc<dyn Backend>| {
+        Trainer::builder(
+            ReluSquaredGpt::new(tiny_config()),
+            backend,
+            corpus_loader(20_000, 7, 2, 32),
+        )
+        .checkpoint(Box::new(Full) as Box<dyn CheckpointPolicy>)
+        .optimizer(lion::Lion {
+            lr: 3e-4,
+            ..Default::default()
+        })
+        .build()
+        .unwrap()
+    };
+    let (mut there, mut cpu) = (build(backend), build(Arc::new(CpuBackend::new())));
+    for step in 1..=3 {
+        let (a, b) = (there.step().unwrap().loss, cpu.step().unwrap().loss);
+        say(&format!("step {step}: loss {a} on {name}, {b} on the CPU"));
+        assert!(
+            ((a - b) / b).abs() < tolerance,
+            "step {step}: {name} {a}, CPU {b}"
+        );
     }
 }

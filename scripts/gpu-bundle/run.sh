@@ -443,6 +443,13 @@ phase_tests() {
     skip cuda_backend_gpu "$bin/cuda_backend --nocapture --test-threads=1" \
       "GPU checks skipped: $no_gpu (the run above covered the CPU emulator only)"
   fi
+  # Kernels written outside trainkit (an op node and Lion's update): NVRTC at run time.
+  name=custom_kernels
+  [ -z "$gpu" ] && name=custom_kernels_emulator_only
+  run_step "$name" 300 figures_cargo_test "$bin/custom_op" --nocapture --test-threads=1
+  if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
+    amend_last fail "a GPU is here, but the user-kernel tests did not use it"
+  fi
 }
 
 phase_bench() {
