@@ -43,6 +43,10 @@ pub struct TrainingConfig {
     /// Stop (saving the last good state) after this many consecutive steps with a
     /// non-finite loss or gradient norm (0 = never).
     pub max_bad_steps: u64,
+    /// Update each parameter inside backward as soon as its gradient is complete, and
+    /// free the gradient (see [`crate::TrainerOptions::optimizer_in_backward`]); needs one
+    /// micro-batch per step and `grad_clip = 0`.
+    pub optimizer_in_backward: bool,
 }
 
 /// Where a run writes: checkpoints and the JSON-lines log.
@@ -75,6 +79,7 @@ impl Default for TrainingConfig {
             eval_batches: 4,
             init_from: None,
             max_bad_steps: 10,
+            optimizer_in_backward: false,
         }
     }
 }

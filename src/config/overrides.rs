@@ -42,6 +42,8 @@ pub struct Overrides {
     pub weight_decay: Option<f32>,
     /// Clipping threshold (0 = off).
     pub grad_clip: Option<f32>,
+    /// Run the optimizer inside backward.
+    pub optimizer_in_backward: Option<bool>,
     /// `fp32` or `bf16`.
     pub precision: Option<String>,
     /// `none`, `full` or `selective`.
@@ -117,6 +119,7 @@ impl Overrides {
         set(&mut t.batch_size, self.batch_size);
         set(&mut t.seq_len, self.seq_len);
         set(&mut t.grad_clip, self.grad_clip);
+        set(&mut t.optimizer_in_backward, self.optimizer_in_backward);
         set(&mut t.seed, self.seed);
         set(&mut t.eval_every, self.eval_every);
         set(&mut cfg.output.out, self.out.clone().map(Some));

@@ -135,6 +135,19 @@ pub fn predict(
     checkpoint: &dyn CheckpointPolicy,
     optimizer: &dyn Optimizer,
 ) -> Result<MemoryPrediction> {
+    let options = TrainerOptions::default();
+    predict_with(model, micro, precision, checkpoint, optimizer, &options)
+}
+
+/// [`predict`] for a trainer with `options` (the optimizer inside backward, say).
+pub fn predict_with(
+    model: Box<dyn Model>,
+    micro: MicroBatch,
+    precision: &dyn Precision,
+    checkpoint: &dyn CheckpointPolicy,
+    optimizer: &dyn Optimizer,
+    options: &TrainerOptions,
+) -> Result<MemoryPrediction> {
     let (b, t) = (micro.batch_size, micro.seq_len);
     if b == 0 || t == 0 {
         return Err(Error::config(
@@ -157,7 +170,7 @@ pub fn predict(
         dyn_clone::clone_box(optimizer),
         Constant::new(1),
         PredictionObserver::default(),
-        TrainerOptions::default(),
+        options.clone(),
     )?;
     trainer.step()?;
     let later = trainer.step()?;

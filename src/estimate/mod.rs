@@ -32,7 +32,8 @@ pub use crate::model::{Architecture, Mlp, Norm};
 pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest};
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{
-    predict, predict_architecture, predict_gpt2, ActivationProfile, MemoryPrediction, MicroBatch,
+    predict, predict_architecture, predict_gpt2, predict_with, ActivationProfile, MemoryPrediction,
+    MicroBatch,
 };
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{

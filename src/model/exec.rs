@@ -44,7 +44,7 @@ pub fn forward_backward(
     losses: &mut Tensor,
 ) -> Result<PassStats> {
     let ledger = pass.backend.ledger().clone();
-    let mut run = Run::new(graph, pass, batch);
+    let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
 
     ledger.phase_begin(Phase::Embedding);
@@ -59,7 +59,14 @@ pub fn forward_backward(
     }
 
     ledger.phase_begin(Phase::Loss);
-    let dx = run.head(pass.params, x, vocab, Some(grad_scale), losses)?;
+    let (mut head, dlogits) = run.head_loss(pass.params, x, vocab, Some(grad_scale), losses)?;
+    let losses: &Tensor = losses;
+    let mut ready = pass.grad_ready.as_deref_mut().map(|hook| Ready {
+        remaining: uses(graph, pass.params.len()),
+        hook,
+        losses,
+    });
+    let dx = run.backward(pass.params, &graph.head, &mut head, dlogits, &mut ready)?;
     let mut dx = dx.ok_or_else(|| missing("the gradient of the last layer's output"))?;
     ledger.phase_end(Phase::Loss);
 
@@ -68,21 +75,45 @@ pub fn forward_backward(
         run.restore_input(pass.params, &mut layers, l)?;
         let mut st = std::mem::take(&mut layers[l]);
         dx = run
-            .backward(pass.params, &graph.layers[l], &mut st, Some(dx))?
+            .backward(pass.params, &graph.layers[l], &mut st, Some(dx), &mut ready)?
             .ok_or_else(|| missing(&format!("the gradient of layer {l}'s input")))?;
         ledger.phase_end(Phase::Backward(l));
     }
 
     ledger.phase_begin(Phase::EmbeddingBackward);
     let mut st = State::new(&graph.embedding);
-    run.backward(pass.params, &graph.embedding, &mut st, Some(dx))?;
+    run.backward(pass.params, &graph.embedding, &mut st, Some(dx), &mut ready)?;
     ledger.phase_end(Phase::EmbeddingBackward);
     Ok(PassStats { stash: run.stats })
 }
 
+/// The optimizer step inside backward: how many nodes still to run backward read each
+/// parameter, the hook to call when that reaches zero, and the step's losses.
+struct Ready<'h, 'l> {
+    remaining: Vec<usize>,
+    hook: &'h mut super::GradReady<'h>,
+    losses: &'l Tensor,
+}
+
+/// How many nodes of `graph` read each of `n` parameters (each node's backward once).
+fn uses(graph: &Graph, n: usize) -> Vec<usize> {
+    let mut count = vec![0; n];
+    let sections = std::iter::once(&graph.embedding)
+        .chain(&graph.layers)
+        .chain(std::iter::once(&graph.head));
+    for node in sections.flat_map(|s| &s.nodes) {
+        for &p in &node.params {
+            if let Some(c) = count.get_mut(p) {
+                *c += 1;
+            }
+        }
+    }
+    count
+}
+
 /// Forward and loss only: the sum of the per-position losses.
 pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> Result<f64> {
-    let mut run = Run::new(graph, pass, batch);
+    let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     let x = run.forward_layers(pass.params)?;
     let mut losses = pass.backend.zeros(
         &[batch.tokens()],
@@ -90,14 +121,14 @@ pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> 
         MemoryCategory::Workspace,
         "eval.losses",
     )?;
-    run.head(pass.params, x, vocab, None, &mut losses)?;
+    run.head_loss(pass.params, x, vocab, None, &mut losses)?;
     let losses = pass.backend.to_f32(&losses)?;
     Ok(losses.iter().map(|&l| l as f64).sum())
 }
 
 /// Forward only: the head's output (the logits, `[rows, vocab]`) as f32.
 pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
-    let run = Run::new(graph, pass, batch);
+    let run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     let x = run.forward_layers(pass.params)?;
     let mut st = State::new(&graph.head);
     st.put_input(x);
@@ -142,12 +173,18 @@ struct Run<'r> {
 }
 
 impl<'r> Run<'r> {
-    fn new(graph: &'r Graph, pass: &Pass<'r>, batch: &'r Batch) -> Self {
+    fn with(
+        graph: &'r Graph,
+        backend: &'r dyn Backend,
+        policy: &'r dyn CheckpointPolicy,
+        dtype: DType,
+        batch: &'r Batch,
+    ) -> Self {
         Run {
             graph,
-            backend: pass.backend,
-            policy: pass.checkpoint,
-            dtype: pass.dtype,
+            backend,
+            policy,
+            dtype,
             tokens: &batch.inputs,
             targets: &batch.targets,
             batch: [batch.batch_size, batch.seq_len],
@@ -368,17 +405,17 @@ impl<'r> Run<'r> {
         Ok(())
     }
 
-    /// Final norm, classifier and loss, and their backward when `grad_scale` is given;
-    /// consumes the last layer's output. Adds the per-position losses to `losses` and
-    /// returns the gradient of that output.
-    fn head(
+    /// Final norm, classifier and loss; consumes the last layer's output and adds the
+    /// per-position losses to `losses`. With `grad_scale`, returns the head's values and
+    /// the gradient of the logits (written over them), for the head's backward.
+    fn head_loss(
         &mut self,
-        params: &mut [Param],
+        params: &[Param],
         x: Tensor,
         vocab: usize,
         grad_scale: Option<f32>,
         losses: &mut Tensor,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<(State, Option<Tensor>)> {
         let sec = &self.graph.head;
         let mut st = State::new(sec);
         st.put_input(x);
@@ -389,11 +426,10 @@ impl<'r> Run<'r> {
         self.backend
             .cross_entropy(logits, self.targets, vocab, grad_scale, losses)?;
         if grad_scale.is_none() {
-            return Ok(None);
+            return Ok((st, None));
         }
-        // The logits now hold the gradient of the loss with respect to them.
         let dlogits = st.stash[sec.output].take();
-        self.backward(params, sec, &mut st, dlogits)
+        Ok((st, dlogits))
     }
 
     /// Backward of `sec` from the gradient of its output; frees its values as it goes and
@@ -404,6 +440,7 @@ impl<'r> Run<'r> {
         sec: &Section,
         st: &mut State,
         dout: Option<Tensor>,
+        ready: &mut Option<Ready<'_, '_>>,
     ) -> Result<Option<Tensor>> {
         let mut grads: Vec<Option<Tensor>> = (0..sec.values.len()).map(|_| None).collect();
         grads[sec.output] = dout;
@@ -495,6 +532,15 @@ impl<'r> Run<'r> {
             drop((inputs, outputs, grads_out));
             for (g, &v) in grads_in.into_iter().zip(&node.inputs) {
                 grads[v] = g.tensor;
+            }
+            if let Some(ready) = ready.as_mut() {
+                for &p in &node.params {
+                    let left = &mut ready.remaining[p];
+                    *left = left.saturating_sub(1);
+                    if *left == 0 {
+                        (ready.hook)(&mut params[p], ready.losses)?;
+                    }
+                }
             }
         }
         for t in &mut st.stash {

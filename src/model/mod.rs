@@ -76,7 +76,15 @@ pub struct Pass<'a> {
     pub checkpoint: &'a dyn CheckpointPolicy,
     /// Dtype of activations (the precision's compute dtype).
     pub dtype: DType,
+    /// Called during backward with each parameter as soon as its gradient is complete
+    /// (no node left in backward reads it) and the step's per-position losses: the
+    /// optimizer step inside backward. `None` leaves gradients to the end of the pass.
+    pub grad_ready: Option<&'a mut GradReady<'a>>,
 }
+
+/// The hook of [`Pass::grad_ready`]: a parameter whose gradient is complete, and the
+/// step's per-position losses (complete since the loss ran before backward).
+pub type GradReady<'h> = dyn FnMut(&mut Param, &Tensor) -> Result<()> + 'h;
 
 /// One micro-batch of token ids: `inputs[b, t]` predicts `targets[b, t]`.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -207,6 +207,12 @@ impl Param {
         Ok((&self.weight, self.grad.as_mut().expect("allocated above")))
     }
 
+    /// Frees the gradient (after the optimizer used it inside backward); the next
+    /// backward allocates it again.
+    pub(crate) fn drop_grad(&mut self) {
+        self.grad = None;
+    }
+
     /// Zeroes the gradient (kept allocated, as PyTorch's `zero_grad(set_to_none=False)`).
     pub(crate) fn zero_grad(&mut self, backend: &dyn Backend) -> Result<()> {
         if let Some(g) = self.grad.as_mut() {

@@ -40,6 +40,12 @@ pub struct TrainerOptions {
     /// The device's peak FLOP/s in the compute dtype, for MFU and HFU in [`StepStats`]
     /// (see [`crate::estimate::peak_flops`]); `None` leaves them unset.
     pub peak_flops: Option<f64>,
+    /// Runs the optimizer inside backward: each parameter is updated as soon as its
+    /// gradient is complete, and the gradient freed, so gradient memory is about one
+    /// layer's rather than the model's. Needs one micro-batch per step and no global-norm
+    /// clipping (`grad_clip = 0`). A parameter whose gradient (or the step's loss) is not
+    /// finite keeps its values, and the step counts as skipped.
+    pub optimizer_in_backward: bool,
 }
 
 impl Default for TrainerOptions {
@@ -51,6 +57,7 @@ impl Default for TrainerOptions {
             seed: 1337,
             max_bad_steps: 10,
             peak_flops: None,
+            optimizer_in_backward: false,
         }
     }
 }
@@ -323,6 +330,17 @@ where
                 ),
             ));
         }
+        if options.optimizer_in_backward && options.grad_clip > 0.0 {
+            return Err(Error::config(
+                "optimizer_in_backward",
+                format!(
+                    "updating each parameter inside backward cannot clip by the global norm \
+                     (grad_clip = {}), which needs every gradient at once; set grad_clip = 0 \
+                     (--grad-clip 0) or drop --optimizer-in-backward",
+                    options.grad_clip
+                ),
+            ));
+        }
         backend.ledger().set_recording(true);
         let mut rng = Rng::new(options.seed);
         let params = model
@@ -379,6 +397,17 @@ where
                 "a step needs at least one micro-batch",
             ));
         }
+        if self.options.optimizer_in_backward && k > 1 {
+            return Err(Error::config(
+                "optimizer_in_backward",
+                format!(
+                    "step {} accumulates {k} micro-batches, but updating each parameter \
+                     inside backward needs its whole gradient from one; use one micro-batch \
+                     per step (--grad-accum 1) or drop --optimizer-in-backward",
+                    self.step + 1
+                ),
+            ));
+        }
         for p in &mut self.params {
             p.zero_grad(be)?;
         }
@@ -397,15 +426,49 @@ where
             MemoryCategory::Workspace,
             "step.record",
         )?;
+        let lr = self.options.lr_schedule.lr(
+            self.optimizer.learning_rate(),
+            self.step,
+            self.options.total_steps,
+        );
+        let in_backward = self.options.optimizer_in_backward;
+        // Inside backward, each parameter's guard (its own norm, the loss's finiteness)
+        // decides its update; the squares of the norms add up to the step's.
+        let mut norm_squares = 0f64;
+        let mut all_finite = true;
         let mut stash = StashStats::default();
         for j in 0..k {
             ledger.phase_begin(Phase::MicroBatch(j));
             let batch = self.data.next_batch();
+            let optimizer = &mut self.optimizer;
+            let record = &mut record;
+            let step = self.step + 1;
+            let (norm_squares, all_finite) = (&mut norm_squares, &mut all_finite);
+            let mut update = |p: &mut Param, losses: &Tensor| -> Result<()> {
+                let Some(grad) = p.grad() else {
+                    return Ok(());
+                };
+                be.grad_guard(record, &[grad], losses, 0.0, loss_scale)?;
+                let r = StepRecord::read(be, record)?;
+                *norm_squares += (r.grad_norm as f64).powi(2);
+                *all_finite &= r.finite();
+                optimizer.step(
+                    be,
+                    std::slice::from_mut(p),
+                    lr,
+                    GradScale::new(record)?,
+                    step,
+                )?;
+                p.refresh_after_step(be)?;
+                p.drop_grad();
+                Ok(())
+            };
             let mut pass = Pass {
                 backend: be,
                 params: &mut self.params,
                 checkpoint: &self.checkpoint,
                 dtype: self.precision.compute_dtype(),
+                grad_ready: if in_backward { Some(&mut update) } else { None },
             };
             let s = self
                 .model
@@ -418,35 +481,45 @@ where
         }
 
         ledger.phase_begin(Phase::Optimizer);
-        // The norm, the clipping multiplier and the skip decision are made on the device;
-        // the optimizer applies them there (AdamW skips a non-finite step in its kernel).
-        {
-            let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
-            be.grad_guard(
-                &mut record,
-                &grads,
-                &losses,
-                self.options.grad_clip,
-                loss_scale,
+        if !in_backward {
+            // The norm, the clipping multiplier and the skip decision are made on the
+            // device; the optimizer applies them there (AdamW skips a non-finite step in
+            // its kernel).
+            {
+                let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
+                be.grad_guard(
+                    &mut record,
+                    &grads,
+                    &losses,
+                    self.options.grad_clip,
+                    loss_scale,
+                )?;
+            }
+            self.optimizer.step(
+                be,
+                &mut self.params,
+                lr,
+                GradScale::new(&record)?,
+                self.step + 1,
             )?;
-        }
-        let lr = self.options.lr_schedule.lr(
-            self.optimizer.learning_rate(),
-            self.step,
-            self.options.total_steps,
-        );
-        self.optimizer.step(
-            be,
-            &mut self.params,
-            lr,
-            GradScale::new(&record)?,
-            self.step + 1,
-        )?;
-        for p in &mut self.params {
-            p.refresh_after_step(be)?;
+            for p in &mut self.params {
+                p.refresh_after_step(be)?;
+            }
         }
         // The step's one read: the loss for logging, with the norm and the skip decision.
-        let r = StepRecord::read(be, &record)?;
+        let mut r = StepRecord::read(be, &record)?;
+        if in_backward {
+            let loss_sum: f64 = be.to_f32(&losses)?.iter().map(|&l| l as f64).sum();
+            r = StepRecord {
+                scale: if all_finite && loss_sum.is_finite() {
+                    1.0 / loss_scale
+                } else {
+                    f32::NAN
+                },
+                grad_norm: norm_squares.sqrt() as f32,
+                loss_sum: loss_sum as f32,
+            };
+        }
         drop((record, losses));
         ledger.phase_end(Phase::Optimizer);
         let loss = r.loss_sum as f64 / (tokens_per_micro * k as u64) as f64;
@@ -536,6 +609,7 @@ where
             params: &mut self.params,
             checkpoint: &self.checkpoint,
             dtype: self.precision.compute_dtype(),
+            grad_ready: None,
         };
         self.model.loss(&mut pass, batch)
     }

@@ -98,6 +98,11 @@ pub struct TrainArgs {
     /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
     #[arg(long)]
     vocab_size: Option<usize>,
+    /// Update each parameter inside backward as soon as its gradient is complete and free
+    /// the gradient (gradient memory of about one layer); needs --grad-accum 1 and
+    /// --grad-clip 0.
+    #[arg(long)]
+    optimizer_in_backward: bool,
     /// Context length of a model from scratch (rows of its position embedding); by
     /// default the config's, raised to --seq-len when that is longer.
     #[arg(long)]
@@ -165,6 +170,7 @@ impl TrainArgs {
             warmup_steps: self.warmup_steps,
             weight_decay: self.weight_decay,
             grad_clip: self.grad_clip,
+            optimizer_in_backward: self.optimizer_in_backward.then_some(true),
             precision: self.precision.clone(),
             recompute: self.recompute.clone(),
             seed: self.seed,
@@ -350,6 +356,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             seed: t.seed,
             max_bad_steps: t.max_bad_steps,
             peak_flops,
+            optimizer_in_backward: t.optimizer_in_backward,
         },
     )?;
     if let Some(dir) = &args.resume {

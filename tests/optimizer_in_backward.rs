@@ -1,0 +1,156 @@
+//! The optimizer step inside backward: each parameter updated as soon as its gradient is
+//! complete and the gradient freed. Updates are bitwise those of the step after backward
+//! (without clipping), gradient memory drops to about a layer's, the exact prediction
+//! still equals the ledger, and the combinations that cannot work are refused by name.
+
+mod common;
+
+use common::{corpus_loader, cpu, tiny_config, trainkit};
+use trainkit::estimate::{predict_with, MicroBatch};
+use trainkit::{
+    AdamW, CheckpointPolicy, Constant, Error, Fp32, Full, Gpt2, MemoryCategory, MixedBf16,
+    NoRecompute, Precision, Trainer, TrainerOptions,
+};
+
+fn options(in_backward: bool) -> TrainerOptions {
+    TrainerOptions {
+        grad_clip: 0.0,
+        optimizer_in_backward: in_backward,
+        ..TrainerOptions::default()
+    }
+}
+
+fn trainer(
+    in_backward: bool,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+) -> Trainer<Box<dyn Precision>, Box<dyn CheckpointPolicy>, AdamW, Constant, trainkit::PeakTracker>
+{
+    Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 11, 2, 32),
+    )
+    .precision(precision)
+    .checkpoint(policy)
+    .options(options(in_backward))
+    .build()
+    .unwrap()
+}
+
+#[test]
+fn updates_are_bitwise_those_of_the_step_after_backward() {
+    for (precision, policy) in [
+        (
+            Box::new(Fp32) as Box<dyn Precision>,
+            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+        ),
+        (Box::new(Fp32), Box::new(Full)),
+        (Box::new(MixedBf16 { fp32_grads: true }), Box::new(Full)),
+    ] {
+        let mut after = trainer(false, precision.clone(), policy.clone());
+        let mut inside = trainer(true, precision, policy);
+        for step in 1..=4 {
+            let (a, b) = (after.step().unwrap(), inside.step().unwrap());
+            assert_eq!(a.loss, b.loss, "step {step}");
+            assert!(!b.skipped);
+            assert!(
+                ((a.grad_norm - b.grad_norm) / a.grad_norm).abs() < 1e-5,
+                "step {step}: norm {} vs {}",
+                a.grad_norm,
+                b.grad_norm
+            );
+            // Gradients live one layer at a time: far less than the model's.
+            let whole = a.memory.peak.get(MemoryCategory::Gradients);
+            let held = b.memory.peak.get(MemoryCategory::Gradients);
+            assert!(held * 2 < whole, "step {step}: {held} of {whole} bytes");
+        }
+        for (p, q) in after.params().iter().zip(inside.params()) {
+            let be = after.backend();
+            assert_eq!(
+                be.to_f32(p.value()).unwrap(),
+                be.to_f32(q.value()).unwrap(),
+                "{}",
+                p.name()
+            );
+            assert!(q.grad().is_none(), "{} keeps a gradient", q.name());
+        }
+    }
+}
+
+#[test]
+fn the_prediction_equals_the_ledger() {
+    for policy in [
+        Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+        Box::new(Full),
+    ] {
+        let p = predict_with(
+            Box::new(Gpt2::new(tiny_config()).unwrap()),
+            MicroBatch {
+                batch_size: 2,
+                seq_len: 32,
+            },
+            &Fp32,
+            policy.as_ref(),
+            &AdamW::default(),
+            &options(true),
+        )
+        .unwrap();
+        let mut t = trainer(true, Box::new(Fp32), policy);
+        t.step().unwrap();
+        let s = t.step().unwrap();
+        for c in MemoryCategory::ALL {
+            assert_eq!(s.memory.peak.get(c), p.peak.get(c), "{c}");
+        }
+        assert_eq!(s.memory.peak_total, p.peak_total);
+    }
+}
+
+#[test]
+fn what_cannot_work_is_refused_by_name() {
+    let clipped = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 11, 2, 32),
+    )
+    .options(TrainerOptions {
+        optimizer_in_backward: true,
+        ..TrainerOptions::default()
+    })
+    .build();
+    let Err(Error::Config { message, .. }) = clipped else {
+        panic!("clipping with the optimizer inside backward should be refused");
+    };
+    assert!(message.contains("--grad-clip 0"), "{message}");
+    let mut accumulating = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 11, 2, 32),
+    )
+    .accumulation(Constant::new(2))
+    .options(options(true))
+    .build()
+    .unwrap();
+    let e = accumulating.step().unwrap_err().to_string();
+    assert!(e.contains("--grad-accum 1"), "{e}");
+
+    let (ok, _, err) = trainkit(&["train", "--optimizer-in-backward", "--steps", "1"]);
+    assert!(!ok);
+    assert!(err.contains("--grad-clip 0"), "{err}");
+    let (ok, out, err) = trainkit(&[
+        "train",
+        "--optimizer-in-backward",
+        "--grad-clip",
+        "0",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("step     2/2"), "{out}");
+}
