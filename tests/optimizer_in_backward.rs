@@ -154,3 +154,20 @@ fn what_cannot_work_is_refused_by_name() {
     assert!(ok, "{err}");
     assert!(out.contains("step     2/2"), "{out}");
 }
+
+#[test]
+fn trainkit_memory_shows_what_it_saves() {
+    let grads = |extra: &[&str]| -> u64 {
+        let mut args = vec!["memory", "--model", "gpt2", "--recompute", "full", "--json"];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = trainkit(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["trainkit_exact"]["bytes"]["gradients"].as_u64().unwrap()
+    };
+    let (after, inside) = (grads(&[]), grads(&["--optimizer-in-backward"]));
+    // GPT-2 small in bf16: 2 bytes per parameter after backward; inside it, the tied
+    // embedding's gradient (live from the head to the embedding) and about a layer's.
+    assert_eq!(after, 2 * 124_439_808);
+    assert!(inside < after / 3, "{inside} of {after}");
+}

@@ -56,6 +56,10 @@ pub struct MemoryArgs {
     /// Activation recomputation: none, full or selective.
     #[arg(long, default_value = "none")]
     recompute: String,
+    /// trainkit's exact figures with the optimizer inside backward (each gradient freed
+    /// once its parameter is updated; no clipping, one micro-batch).
+    #[arg(long)]
+    optimizer_in_backward: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -409,6 +413,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         args.batch_size,
         precision,
         recompute.as_ref(),
+        args.optimizer_in_backward,
     )?;
 
     if args.json {
@@ -422,6 +427,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "model_state_bytes": p.model_state_bytes(),
                 "activation_bytes": p.peak.get(MemoryCategory::Activations),
                 "peak_total_bytes": p.peak_total,
+                "optimizer_in_backward": args.optimizer_in_backward,
                 "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
             })
         });
@@ -545,7 +551,12 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!();
         println!(
             "trainkit's own GPT-2, exact (what its ledger measures; activations include the \
-             B·T·V logits):"
+             B·T·V logits){}:",
+            if args.optimizer_in_backward {
+                ", optimizer inside backward"
+            } else {
+                ""
+            }
         );
         let parts: Vec<String> = MemoryCategory::ALL
             .iter()
@@ -578,6 +589,7 @@ fn trainkit_exact(
     batch_size: u64,
     precision: &dyn trainkit::Precision,
     recompute: &dyn trainkit::CheckpointPolicy,
+    optimizer_in_backward: bool,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(a) = subject.arch else {
         return Ok(None);
@@ -595,7 +607,16 @@ fn trainkit_exact(
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    trainkit::estimate::predict(
+    let options = if optimizer_in_backward {
+        trainkit::TrainerOptions {
+            grad_clip: 0.0,
+            optimizer_in_backward: true,
+            ..trainkit::TrainerOptions::default()
+        }
+    } else {
+        trainkit::TrainerOptions::default()
+    };
+    trainkit::estimate::predict_with(
         model,
         MicroBatch {
             batch_size: usize_of(batch_size),
@@ -604,6 +625,7 @@ fn trainkit_exact(
         precision,
         recompute,
         &AdamW::default(),
+        &options,
     )
     .map(Some)
     .map_err(as_flag)
