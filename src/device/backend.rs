@@ -66,9 +66,10 @@ impl AdamWStep {
 /// Callers use the op methods (`matmul`, `layernorm`, ...); a backend implements the
 /// kernel methods (`matmul_kernel`, `layernorm_kernel`, ...) and leaves the op methods as
 /// they are. Each op method checks its operands with the contract every backend shares,
-/// opens the op's ledger span, runs the kernel and ends the span (see the
-/// [module documentation](self)); a kernel is called only with operands that passed the
-/// check, and records no span of its own.
+/// opens the op's ledger span ([`Ledger::op`]) with the op's name, the label of the tensor
+/// it writes and its floating-point operations, runs the kernel and ends the span with the
+/// kernel's result (a failed op records neither flops nor an event); a kernel is called
+/// only with operands that passed the check, and records no span of its own.
 pub trait Backend: Debug + Send + Sync {
     /// Short name: `cpu`, `cuda`.
     fn name(&self) -> &'static str;
