@@ -129,3 +129,43 @@ fn the_stream_tags_every_buffer_and_marks_every_phase() {
         s2.memory.peak.get(MemoryCategory::OptimizerState)
     );
 }
+
+/// The ops of a training step, with their labels and FLOP counts, on `backend`.
+fn step_ops(backend: std::sync::Arc<dyn trainkit::Backend>) -> (Vec<(String, String, u64)>, u64) {
+    let model = Gpt2::new(tiny_config()).unwrap();
+    let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+        .observer(Recorder::default())
+        .build()
+        .unwrap();
+    t.step().unwrap();
+    t.step().unwrap();
+    let flops = t.backend().ledger().flops();
+    let events = &t.observer().events;
+    let first_step_end = events
+        .iter()
+        .position(|e| matches!(e, MemoryEvent::StepEnd { .. }))
+        .unwrap();
+    let ops = events[first_step_end..]
+        .iter()
+        .filter_map(|e| match e {
+            MemoryEvent::Op {
+                name, label, flops, ..
+            } => Some((name.to_string(), label.clone(), *flops)),
+            _ => None,
+        })
+        .collect();
+    (ops, flops)
+}
+
+/// The operand checks and op spans are the `Backend` trait's: the meta backend, whose
+/// kernels compute nothing, records the CPU's ops with the CPU's FLOP counts.
+#[test]
+fn the_meta_backend_records_the_cpus_ops_and_flops() {
+    let (cpu_ops, cpu_flops) = step_ops(cpu());
+    let (meta_ops, meta_flops) = step_ops(std::sync::Arc::new(trainkit::MetaBackend::new()));
+    assert!(cpu_ops
+        .iter()
+        .any(|(name, _, f)| name == "matmul" && *f > 0));
+    assert_eq!(meta_ops, cpu_ops);
+    assert_eq!(meta_flops, cpu_flops);
+}

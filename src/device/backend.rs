@@ -1,5 +1,18 @@
 //! The `Backend` trait: every op the models and optimizers need, one call per kernel.
+//!
+//! Each op is a provided method of the trait and the one place where the op's operands
+//! are checked and its ledger span is recorded: it runs the op's shared operand check (the
+//! contract every backend has, the functions in `cpu/<family>.rs` and
+//! [`crate::device::custom`]), opens the span ([`Ledger::op`]) with the op's name, the
+//! label of the tensor it writes and its floating-point operations (the formulas at the
+//! top of `cpu/mod.rs`), calls the backend's kernel method (`add` calls `add_kernel`) and
+//! ends the span with the kernel's result, so a failed op records neither its flops nor
+//! its event. A backend implements the `*_kernel` methods only: a kernel may assume that
+//! its operands passed the shared check, records no span, and checks only what is its own
+//! (the CUDA backend's dtype rules, for example). The meta backend's kernels compute
+//! nothing, so it records the same spans and FLOP counts as the CPU.
 
+use super::cpu::{self, attention, each, per_element};
 use super::{CustomKernel, Device};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
@@ -49,6 +62,14 @@ impl AdamWStep {
 /// Outputs are written in the output tensor's dtype; arithmetic is f32, and bf16 values
 /// are rounded (to nearest even) only when stored. Unless a method says it accumulates,
 /// it overwrites its output.
+///
+/// Callers use the op methods (`matmul`, `layernorm`, ...); a backend implements the
+/// kernel methods (`matmul_kernel`, `layernorm_kernel`, ...) and leaves the op methods as
+/// they are. Each op method checks its operands with the contract every backend shares,
+/// opens the op's ledger span ([`Ledger::op`]) with the op's name, the label of the tensor
+/// it writes and its floating-point operations, runs the kernel and ends the span with the
+/// kernel's result (a failed op records neither flops nor an event); a kernel is called
+/// only with operands that passed the check, and records no span of its own.
 pub trait Backend: Debug + Send + Sync {
     /// Short name: `cpu`, `cuda`.
     fn name(&self) -> &'static str;
@@ -101,7 +122,10 @@ pub trait Backend: Debug + Send + Sync {
         self.zeros(shape, dtype, category, label)
     }
 
-    /// A tensor holding `data` (host values, row-major), rounded to `dtype`.
+    // ---- Ops: the shared check, the ledger span, the kernel. ----
+
+    /// A tensor holding `data` (host values, row-major), rounded to `dtype`. Fails unless
+    /// `shape` holds `data.len()` elements.
     fn upload(
         &self,
         data: &[f32],
@@ -109,36 +133,85 @@ pub trait Backend: Debug + Send + Sync {
         dtype: DType,
         category: MemoryCategory,
         label: &str,
-    ) -> Result<Tensor>;
+    ) -> Result<Tensor> {
+        cpu::elementwise::check_upload(data, shape, label)?;
+        let op = self.ledger().op("upload", 0, label);
+        op.finish(self.upload_kernel(data, shape, dtype, category, label))
+    }
 
     /// The elements as f32, in row-major order.
-    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>>;
+    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let op = self.ledger().op("to_f32", 0, t.label());
+        op.finish(self.to_f32_kernel(t))
+    }
 
     /// A new tensor with the same dtype, shape and elements.
-    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor>;
+    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
+        let op = self.ledger().op("copy", 0, label);
+        op.finish(self.copy_kernel(t, category, label))
+    }
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
-    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()>;
+    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        cpu::elementwise::same_len(dst, src, "cast")?;
+        let op = self.ledger().op("cast", 0, dst.label());
+        op.finish(self.cast_kernel(dst, src))
+    }
 
     /// Every element set to `value`.
-    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()>;
+    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        let op = self.ledger().op("fill", 0, t.label());
+        op.finish(self.fill_kernel(t, value))
+    }
 
     /// `out = a + b`, element-wise.
-    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()>;
+    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        cpu::elementwise::same_len(out, a, "add")?;
+        cpu::elementwise::same_len(out, b, "add")?;
+        let flops = each(out.numel(), per_element::ADD);
+        let op = self.ledger().op("add", flops, out.label());
+        op.finish(self.add_kernel(out, a, b))
+    }
 
     /// `y += alpha * x`, element-wise.
-    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()>;
+    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+        cpu::elementwise::same_len(y, x, "axpy")?;
+        let flops = each(y.numel(), per_element::AXPY);
+        let op = self.ledger().op("axpy", flops, y.label());
+        op.finish(self.axpy_kernel(y, alpha, x))
+    }
 
     /// `x *= alpha`, element-wise.
-    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()>;
+    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+        let flops = each(x.numel(), per_element::SCALE);
+        let op = self.ledger().op("scale", flops, x.label());
+        op.finish(self.scale_kernel(x, alpha))
+    }
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
-    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        let flops = each(x.numel(), per_element::SUM_SQUARES);
+        let op = self.ledger().op("sum_squares", flops, x.label());
+        op.finish(self.sum_squares_kernel(x))
+    }
 
     /// The sum of squares of every element of every tensor in `xs`, accumulated in f64:
-    /// the squared global gradient norm. A GPU backend computes it with a single read back
-    /// to the host; the default sums [`Backend::sum_squares`] tensor by tensor.
+    /// the squared global gradient norm. A backend whose
+    /// [`Backend::sum_squares_all_kernel`] computes it at once (a GPU, with a single read
+    /// back to the host) records one `sum_squares` span labelled `gradients`; otherwise
+    /// it is [`Backend::sum_squares`] tensor by tensor, a span each.
     fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        let n: usize = xs.iter().map(|x| x.numel()).sum();
+        let op = self.ledger().op(
+            "sum_squares",
+            each(n, per_element::SUM_SQUARES),
+            "gradients",
+        );
+        match self.sum_squares_all_kernel(xs) {
+            Ok(Some(sum)) => return op.finish(Ok(sum)),
+            Ok(None) => op.cancel(),
+            Err(e) => return op.finish(Err(e)),
+        }
         let mut sum = 0f64;
         for x in xs {
             sum += self.sum_squares(x)?;
@@ -160,12 +233,18 @@ pub trait Backend: Debug + Send + Sync {
         trans_a: bool,
         trans_b: bool,
         accumulate: bool,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
+        let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
+        let op = self.ledger().op("matmul", flops, out.label());
+        op.finish(self.matmul_kernel(out, a, b, bias, trans_a, trans_b, accumulate))
+    }
 
-    /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP. The
-    /// default runs [`Backend::matmul`] then [`Backend::gelu`]; a GPU backend applies the
+    /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP. When the
+    /// backend's [`Backend::matmul_bias_gelu_kernel`] fuses the two (a GPU applies the
     /// bias and the GELU in the product's epilogue, writing both outputs from its
-    /// accumulator, a pass over `pre` fewer.
+    /// accumulator, a pass over `pre` fewer) this is one `matmul_bias_gelu` span carrying
+    /// the flops of both; otherwise it runs [`Backend::matmul`] then [`Backend::gelu`].
     fn matmul_bias_gelu(
         &self,
         out: &mut Tensor,
@@ -174,16 +253,41 @@ pub trait Backend: Debug + Send + Sync {
         b: &Tensor,
         bias: &Tensor,
     ) -> Result<()> {
+        cpu::matmul::dims(pre, a, b, Some(bias), false, false)?;
+        cpu::elementwise::same_len(out, pre, "gelu")?;
+        let flops = cpu::matmul::flops(pre, a, true, false)
+            .saturating_add(each(out.numel(), per_element::GELU));
+        let op = self.ledger().op("matmul_bias_gelu", flops, out.label());
+        match self.matmul_bias_gelu_kernel(out, pre, a, b, bias) {
+            Ok(true) => return op.finish(Ok(())),
+            Ok(false) => op.cancel(),
+            Err(e) => return op.finish(Err(e)),
+        }
         self.matmul(pre, a, b, Some(bias), false, false, false)?;
         self.gelu(out, pre)
     }
 
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
-    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
+    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+        cpu::elementwise::check_bias_backward(dbias, dout)?;
+        let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
+        let op = self.ledger().op("bias_backward", flops, dbias.label());
+        op.finish(self.bias_backward_kernel(dbias, dout))
+    }
 
     /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`; `out` is `[B, T, C]`.
-    fn embedding(&self, out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: &Tensor)
-        -> Result<()>;
+    fn embedding(
+        &self,
+        out: &mut Tensor,
+        tokens: &[u32],
+        wte: &Tensor,
+        wpe: &Tensor,
+    ) -> Result<()> {
+        cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
+        let flops = each(out.numel(), per_element::EMBEDDING);
+        let op = self.ledger().op("embedding", flops, out.label());
+        op.finish(self.embedding_kernel(out, tokens, wte, wpe))
+    }
 
     /// `dwte[tokens[b, t]] += dout[b, t]` and `dwpe[t] += dout[b, t]`.
     fn embedding_backward(
@@ -192,7 +296,12 @@ pub trait Backend: Debug + Send + Sync {
         dwpe: &mut Tensor,
         dout: &Tensor,
         tokens: &[u32],
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe)?;
+        let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
+        let op = self.ledger().op("embedding_backward", flops, dwte.label());
+        op.finish(self.embedding_backward_kernel(dwte, dwpe, dout, tokens))
+    }
 
     /// Layer normalization of each row of `x`: `out = (x - mean) · rstd · weight + bias`,
     /// statistics in f32, written to `stats` as `[rows, 2]` = (mean, rstd).
@@ -205,7 +314,12 @@ pub trait Backend: Debug + Send + Sync {
         weight: &Tensor,
         bias: &Tensor,
         eps: f32,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::layernorm::check_forward(out, stats, x, weight, bias)?;
+        let flops = each(x.numel(), per_element::LAYERNORM);
+        let op = self.ledger().op("layernorm", flops, out.label());
+        op.finish(self.layernorm_kernel(out, stats, x, weight, bias, eps))
+    }
 
     /// Backward of [`Backend::layernorm`]: accumulates into `dx`, `dweight` and `dbias`.
     #[allow(clippy::too_many_arguments)]
@@ -218,18 +332,39 @@ pub trait Backend: Debug + Send + Sync {
         x: &Tensor,
         weight: &Tensor,
         stats: &Tensor,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
+        let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
+        let op = self.ledger().op("layernorm_backward", flops, dx.label());
+        op.finish(self.layernorm_backward_kernel(dx, dweight, dbias, dout, x, weight, stats))
+    }
 
     /// GELU with the tanh approximation, element-wise.
-    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()>;
+    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+        cpu::elementwise::same_len(out, x, "gelu")?;
+        let flops = each(x.numel(), per_element::GELU);
+        let op = self.ledger().op("gelu", flops, out.label());
+        op.finish(self.gelu_kernel(out, x))
+    }
 
     /// `dx = gelu'(x) · dout`.
-    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
+    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+        cpu::elementwise::same_len(dx, x, "gelu_backward")?;
+        cpu::elementwise::same_len(dx, dout, "gelu_backward")?;
+        let flops = each(x.numel(), per_element::GELU_BACKWARD);
+        let op = self.ledger().op("gelu_backward", flops, dx.label());
+        op.finish(self.gelu_backward_kernel(dx, x, dout))
+    }
 
     /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
     /// 0 above the diagonal; `qkv` is `[B, T, 3C]` (q, k, v blocks, heads contiguous in
     /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
-    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()>;
+    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+        attention::check_scores(scores, qkv, n_head)?;
+        let flops = attention::AttentionFlops::new(qkv, n_head).scores;
+        let op = self.ledger().op("attention_scores", flops, scores.label());
+        op.finish(self.attention_scores_kernel(scores, qkv, n_head))
+    }
 
     /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`
     /// (entries of `dscores` above the diagonal are ignored).
@@ -239,10 +374,22 @@ pub trait Backend: Debug + Send + Sync {
         dscores: &Tensor,
         qkv: &Tensor,
         n_head: usize,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        attention::check_scores_backward(dqkv, dscores, qkv, n_head)?;
+        let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
+        let op = self
+            .ledger()
+            .op("attention_scores_backward", flops, dqkv.label());
+        op.finish(self.attention_scores_backward_kernel(dqkv, dscores, qkv, n_head))
+    }
 
     /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
-    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()>;
+    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+        attention::check_softmax(probs, scores)?;
+        let flops = attention::softmax_flops(scores, per_element::SOFTMAX);
+        let op = self.ledger().op("softmax_causal", flops, probs.label());
+        op.finish(self.softmax_causal_kernel(probs, scores))
+    }
 
     /// Backward of [`Backend::softmax_causal`]:
     /// `dscores = probs · (dprobs - Σ probs · dprobs)` on `j <= i`, 0 above.
@@ -251,7 +398,14 @@ pub trait Backend: Debug + Send + Sync {
         dscores: &mut Tensor,
         dprobs: &Tensor,
         probs: &Tensor,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        attention::check_softmax_backward(dscores, dprobs, probs)?;
+        let flops = attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
+        let op = self
+            .ledger()
+            .op("softmax_causal_backward", flops, dscores.label());
+        op.finish(self.softmax_causal_backward_kernel(dscores, dprobs, probs))
+    }
 
     /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head h]`; `out` is `[B, T, C]`.
     fn attention_values(
@@ -260,7 +414,12 @@ pub trait Backend: Debug + Send + Sync {
         probs: &Tensor,
         qkv: &Tensor,
         n_head: usize,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        attention::check_values(out, probs, qkv, n_head)?;
+        let flops = attention::AttentionFlops::new(qkv, n_head).values;
+        let op = self.ledger().op("attention_values", flops, out.label());
+        op.finish(self.attention_values_kernel(out, probs, qkv, n_head))
+    }
 
     /// Backward of [`Backend::attention_values`]: writes `dprobs` (0 above the diagonal) and
     /// the v block of `dqkv`.
@@ -272,7 +431,14 @@ pub trait Backend: Debug + Send + Sync {
         probs: &Tensor,
         qkv: &Tensor,
         n_head: usize,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, n_head)?;
+        let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
+        let op = self
+            .ledger()
+            .op("attention_values_backward", flops, dprobs.label());
+        op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, n_head))
+    }
 
     /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
     /// padding and ignored) against `targets`, in f32. Each row's loss is added to
@@ -287,7 +453,17 @@ pub trait Backend: Debug + Send + Sync {
         vocab: usize,
         grad_scale: Option<f32>,
         losses: &mut Tensor,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let (rows, _) = cpu::cross_entropy::check(logits, targets, vocab)?;
+        cpu::cross_entropy::check_losses(losses, rows)?;
+        let per = match grad_scale {
+            Some(_) => per_element::CROSS_ENTROPY_GRAD,
+            None => per_element::CROSS_ENTROPY,
+        };
+        let flops = each(targets.len().saturating_mul(vocab), per);
+        let op = self.ledger().op("cross_entropy", flops, logits.label());
+        op.finish(self.cross_entropy_kernel(logits, targets, vocab, grad_scale, losses))
+    }
 
     /// The end of a step's backward, on the device: writes the step's [`StepRecord`] to
     /// `record` (f32, 3 elements) from the gradients `grads` (scaled by `loss_scale`)
@@ -305,14 +481,20 @@ pub trait Backend: Debug + Send + Sync {
         losses: &Tensor,
         max_norm: f32,
         loss_scale: f32,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::guard::check(record, losses)?;
+        let n: usize = grads.iter().map(|g| g.numel()).sum();
+        let flops = each(n, per_element::SUM_SQUARES);
+        let op = self.ledger().op("grad_guard", flops, record.label());
+        op.finish(self.grad_guard_kernel(record, grads, losses, max_norm, loss_scale))
+    }
 
     /// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
     /// With `scale` (a one-element f32 tensor, see [`crate::optim::GradScale`]), the
     /// gradient is also multiplied by its value, read on the device; when that value is
-    /// not finite nothing is written: the update is skipped. With `compute`, the updated
-    /// values are also written there, rounded to its dtype (the compute weights of mixed
-    /// precision), in the same pass on a GPU.
+    /// not finite nothing is written: the update is skipped. With `compute` (as many
+    /// elements as `param`), the updated values are also written there, rounded to its
+    /// dtype (the compute weights of mixed precision), in the same pass on a GPU.
     #[allow(clippy::too_many_arguments)]
     fn adamw(
         &self,
@@ -323,16 +505,273 @@ pub trait Backend: Debug + Send + Sync {
         hp: &AdamWStep,
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        cpu::adamw::check(param, grad, m, v)?;
+        if let Some(s) = scale {
+            cpu::adamw::check_scale(s)?;
+        }
+        if let Some(c) = &compute {
+            cpu::elementwise::same_len(c, param, "adamw")?;
+        }
+        let flops = each(param.numel(), per_element::ADAMW);
+        let op = self.ledger().op("adamw", flops, param.label());
+        op.finish(self.adamw_kernel(param, grad, m, v, hp, scale, compute))
+    }
 
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
     /// elements of `outputs[0]`: each output is read and written, each input read, and
     /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
-    /// CPU backend runs the kernel's CPU twin, the CUDA backend compiles its CUDA source
-    /// (once, through NVRTC and the kernel cache) and launches it, the meta backend checks
-    /// the operands only. This default runs the CPU twin on host copies read with
-    /// [`Backend::to_f32`] and written back with [`Backend::upload`] and [`Backend::cast`].
+    /// span is named by [`CustomKernel::name`] and carries
+    /// [`CustomKernel::flops_per_element`] per element of `outputs[0]`. The CPU backend
+    /// runs the kernel's CPU twin, the CUDA backend compiles its CUDA source (once,
+    /// through NVRTC and the kernel cache) and launches it, the meta backend computes
+    /// nothing.
     fn custom(
+        &self,
+        kernel: &dyn CustomKernel,
+        outputs: &mut [&mut Tensor],
+        inputs: &[&Tensor],
+        scalars: &[f32],
+    ) -> Result<()> {
+        let n = super::custom::check(kernel, outputs, inputs)?;
+        let label = outputs.first().map_or("", |t| t.label()).to_string();
+        let flops = each(n, kernel.flops_per_element());
+        let op = self.ledger().op(kernel.name(), flops, &label);
+        op.finish(self.custom_kernel(kernel, outputs, inputs, scalars))
+    }
+
+    // ---- Kernels: what a backend implements. ----
+    //
+    // Each is called by the op of the same name with operands that passed the op's shared
+    // check, inside the op's ledger span: a kernel checks only its backend's own
+    // constraints and opens no span.
+
+    /// The kernel of [`Backend::upload`]: `shape` holds `data.len()` elements.
+    fn upload_kernel(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> Result<Tensor>;
+
+    /// The kernel of [`Backend::to_f32`].
+    fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>>;
+
+    /// The kernel of [`Backend::copy`].
+    fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor>;
+
+    /// The kernel of [`Backend::cast`]: `dst` and `src` have as many elements.
+    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::fill`].
+    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()>;
+
+    /// The kernel of [`Backend::add`]: the three tensors have as many elements.
+    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::axpy`]: `y` and `x` have as many elements.
+    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::scale`].
+    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()>;
+
+    /// The kernel of [`Backend::sum_squares`].
+    fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64>;
+
+    /// The kernel of [`Backend::sum_squares_all`]: the total at once, or `None` (the
+    /// default) to have the op sum [`Backend::sum_squares`] tensor by tensor.
+    fn sum_squares_all_kernel(&self, xs: &[&Tensor]) -> Result<Option<f64>> {
+        let _ = xs;
+        Ok(None)
+    }
+
+    /// The kernel of [`Backend::matmul`]: the shapes agree (`out` is `[m, n]`, `op(a)`
+    /// `[m, k]`, `op(b)` `[k, n]`, `bias` has `n` elements).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_kernel(
+        &self,
+        out: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: Option<&Tensor>,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) -> Result<()>;
+
+    /// The fused kernel of [`Backend::matmul_bias_gelu`], with the shapes of
+    /// `matmul(pre, a, b, Some(bias))` checked and `out` as large as `pre`: `Ok(true)`
+    /// when it wrote both outputs, `Ok(false)` when it wrote nothing and the op is to run
+    /// as [`Backend::matmul`] then [`Backend::gelu`]. The default fuses nothing.
+    fn matmul_bias_gelu_kernel(
+        &self,
+        out: &mut Tensor,
+        pre: &mut Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        bias: &Tensor,
+    ) -> Result<bool> {
+        let _ = (out, pre, a, b, bias);
+        Ok(false)
+    }
+
+    /// The kernel of [`Backend::bias_backward`]: `dbias` has one element per column of
+    /// `dout`.
+    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::embedding`]: `out` is `[B, T, C]`, the tables are `C`
+    /// wide, every token is in the vocabulary and `wpe` has at least `T` rows.
+    fn embedding_kernel(
+        &self,
+        out: &mut Tensor,
+        tokens: &[u32],
+        wte: &Tensor,
+        wpe: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::embedding_backward`], with the operands checked as for
+    /// [`Backend::embedding_kernel`] (`dout` in the place of `out`).
+    fn embedding_backward_kernel(
+        &self,
+        dwte: &mut Tensor,
+        dwpe: &mut Tensor,
+        dout: &Tensor,
+        tokens: &[u32],
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::layernorm`]: `out` is shaped as `x`, `stats` is f32
+    /// `[rows, 2]`, `weight` and `bias` have `C` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_kernel(
+        &self,
+        out: &mut Tensor,
+        stats: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::layernorm_backward`]: `dx` and `dout` are shaped as `x`,
+    /// `stats` is `[rows, 2]`, the parameters and their gradients have `C` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dbias: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        stats: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::gelu`]: `out` and `x` have as many elements.
+    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
+    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::attention_scores`]: `qkv` is `[B, T, 3C]` with `C`
+    /// divisible by `n_head`, `scores` is `[B, H, T, T]`.
+    fn attention_scores_kernel(
+        &self,
+        scores: &mut Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::attention_scores_backward`]: `qkv` as for
+    /// [`Backend::attention_scores_kernel`], `dqkv` shaped as `qkv`, `dscores` as the
+    /// scores.
+    fn attention_scores_backward_kernel(
+        &self,
+        dqkv: &mut Tensor,
+        dscores: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::softmax_causal`]: `scores` is `[B, H, T, T]` and `probs`
+    /// has its shape.
+    fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::softmax_causal_backward`]: `probs` is `[B, H, T, T]` and
+    /// `dscores` and `dprobs` have its shape.
+    fn softmax_causal_backward_kernel(
+        &self,
+        dscores: &mut Tensor,
+        dprobs: &Tensor,
+        probs: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::attention_values`]: `qkv` as for
+    /// [`Backend::attention_scores_kernel`], `probs` `[B, H, T, T]`, `out` `[B, T, C]`.
+    fn attention_values_kernel(
+        &self,
+        out: &mut Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::attention_values_backward`], with the shapes of
+    /// [`Backend::attention_values_kernel`] (`dout` in the place of `out`), `dprobs`
+    /// shaped as `probs` and `dqkv` as `qkv`.
+    fn attention_values_backward_kernel(
+        &self,
+        dprobs: &mut Tensor,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        probs: &Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::cross_entropy`]: one target per row, each below `vocab`,
+    /// `vocab` within the logits' width, `losses` f32 with at least a slot per row.
+    fn cross_entropy_kernel(
+        &self,
+        logits: &mut Tensor,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: Option<f32>,
+        losses: &mut Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::grad_guard`]: `record` is f32 with 3 elements, `losses`
+    /// is f32.
+    fn grad_guard_kernel(
+        &self,
+        record: &mut Tensor,
+        grads: &[&Tensor],
+        losses: &Tensor,
+        max_norm: f32,
+        loss_scale: f32,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::adamw`]: `param`, `m` and `v` are f32, and `grad`, `m`,
+    /// `v` and `compute` have as many elements as `param`; `scale` is f32 with at least
+    /// one element.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_kernel(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::custom`]: the kernel's name is usable and there is at
+    /// least one output, all outputs with as many elements. This default runs the CPU
+    /// twin on host copies read with [`Backend::to_f32_kernel`] and written back with
+    /// [`Backend::upload_kernel`] and [`Backend::cast_kernel`].
+    fn custom_kernel(
         &self,
         kernel: &dyn CustomKernel,
         outputs: &mut [&mut Tensor],
@@ -344,16 +783,16 @@ pub trait Backend: Debug + Send + Sync {
             outputs,
             inputs,
             scalars,
-            &|t| self.to_f32(t),
+            &|t| self.to_f32_kernel(t),
             &|t, v| {
-                let tmp = self.upload(
+                let tmp = self.upload_kernel(
                     v,
                     t.shape(),
                     t.dtype(),
                     MemoryCategory::Workspace,
                     t.label(),
                 )?;
-                self.cast(t, &tmp)
+                self.cast_kernel(t, &tmp)
             },
         )
     }

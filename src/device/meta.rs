@@ -1,5 +1,7 @@
 //! The meta backend: tensors with a shape, a dtype and ledger bytes but no elements, and
-//! every op a check of its operands that computes nothing.
+//! every kernel a no-op. The ops' shared checks and ledger spans are the trait's
+//! ([`Backend`]), so a meta run checks every operand as the CPU does and records the same
+//! op spans with the same FLOP counts.
 //!
 //! Running the real trainer on it reproduces the ledger of a training step byte for byte
 //! (every allocation and free happens in the same order, with the same category, bytes
@@ -7,13 +9,13 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::cpu::{self, ensure};
-use super::{AdamWStep, Backend, Device};
+use super::{AdamWStep, Backend, CustomKernel, Device};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
 
-/// A backend whose tensors hold no data: allocations, frees and operand checks only.
+/// A backend whose tensors hold no data: allocations, frees, operand checks and op spans
+/// only.
 ///
 /// Reads ([`Backend::to_f32`]) return zeros, so a loop driven by values (a loss, a norm)
 /// sees a finite, zero-valued step.
@@ -46,19 +48,6 @@ impl MetaBackend {
     }
 }
 
-/// Fails unless `a` and `b` have as many elements.
-fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
-    ensure(a.numel() == b.numel(), op, || {
-        format!(
-            "`{}` {:?} and `{}` {:?} differ in size",
-            a.label(),
-            a.shape(),
-            b.label(),
-            b.shape()
-        )
-    })
-}
-
 impl Backend for MetaBackend {
     fn name(&self) -> &'static str {
         "meta"
@@ -86,140 +75,129 @@ impl Backend for MetaBackend {
         self.alloc(shape, dtype, category, label)
     }
 
-    fn upload(
+    fn upload_kernel(
         &self,
-        data: &[f32],
+        _data: &[f32],
         shape: &[usize],
         dtype: DType,
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
-        ensure(data.len() == numel, "upload", || {
-            format!(
-                "`{label}`: shape {shape:?} holds {numel} elements but {} were given",
-                data.len()
-            )
-        })?;
         self.alloc(shape, dtype, category, label)
     }
 
-    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+    fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
         Ok(vec![0.0; t.numel()])
     }
 
-    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
+    fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
         self.alloc(t.shape(), t.dtype(), category, label)
     }
 
-    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        same_len(dst, src, "cast")
-    }
-
-    fn fill(&self, _t: &mut Tensor, _value: f32) -> Result<()> {
+    fn cast_kernel(&self, _dst: &mut Tensor, _src: &Tensor) -> Result<()> {
         Ok(())
     }
 
-    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        same_len(out, a, "add")?;
-        same_len(out, b, "add")
-    }
-
-    fn axpy(&self, y: &mut Tensor, _alpha: f32, x: &Tensor) -> Result<()> {
-        same_len(y, x, "axpy")
-    }
-
-    fn scale(&self, _x: &mut Tensor, _alpha: f32) -> Result<()> {
+    fn fill_kernel(&self, _t: &mut Tensor, _value: f32) -> Result<()> {
         Ok(())
     }
 
-    fn sum_squares(&self, _x: &Tensor) -> Result<f64> {
+    fn add_kernel(&self, _out: &mut Tensor, _a: &Tensor, _b: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn axpy_kernel(&self, _y: &mut Tensor, _alpha: f32, _x: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn scale_kernel(&self, _x: &mut Tensor, _alpha: f32) -> Result<()> {
+        Ok(())
+    }
+
+    fn sum_squares_kernel(&self, _x: &Tensor) -> Result<f64> {
         Ok(0.0)
     }
 
-    fn matmul(
+    fn matmul_kernel(
         &self,
-        out: &mut Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        bias: Option<&Tensor>,
-        trans_a: bool,
-        trans_b: bool,
+        _out: &mut Tensor,
+        _a: &Tensor,
+        _b: &Tensor,
+        _bias: Option<&Tensor>,
+        _trans_a: bool,
+        _trans_b: bool,
         _accumulate: bool,
     ) -> Result<()> {
-        cpu::matmul::dims(out, a, b, bias, trans_a, trans_b).map(|_| ())
-    }
-
-    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        let (_, cols) = dout.rows_cols();
-        ensure(dbias.numel() == cols, "bias_backward", || {
-            format!(
-                "`{}` has {} elements for {cols} columns",
-                dbias.label(),
-                dbias.numel()
-            )
-        })
-    }
-
-    fn embedding(
-        &self,
-        out: &mut Tensor,
-        tokens: &[u32],
-        wte: &Tensor,
-        wpe: &Tensor,
-    ) -> Result<()> {
-        cpu::embedding::check("embedding", out, tokens, wte, wpe).map(|_| ())
-    }
-
-    fn embedding_backward(
-        &self,
-        dwte: &mut Tensor,
-        dwpe: &mut Tensor,
-        dout: &Tensor,
-        tokens: &[u32],
-    ) -> Result<()> {
-        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe).map(|_| ())
-    }
-
-    fn layernorm(
-        &self,
-        out: &mut Tensor,
-        stats: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        _eps: f32,
-    ) -> Result<()> {
-        cpu::layernorm::check_forward(out, stats, x, weight, bias).map(|_| ())
-    }
-
-    fn layernorm_backward(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dbias: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()> {
-        cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats).map(|_| ())
-    }
-
-    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        same_len(out, x, "gelu")
-    }
-
-    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        same_len(dx, x, "gelu_backward")?;
-        same_len(dx, dout, "gelu_backward")
-    }
-
-    fn attention_scores(&self, _scores: &mut Tensor, _qkv: &Tensor, _n_head: usize) -> Result<()> {
         Ok(())
     }
 
-    fn attention_scores_backward(
+    fn bias_backward_kernel(&self, _dbias: &mut Tensor, _dout: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn embedding_kernel(
+        &self,
+        _out: &mut Tensor,
+        _tokens: &[u32],
+        _wte: &Tensor,
+        _wpe: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn embedding_backward_kernel(
+        &self,
+        _dwte: &mut Tensor,
+        _dwpe: &mut Tensor,
+        _dout: &Tensor,
+        _tokens: &[u32],
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn layernorm_kernel(
+        &self,
+        _out: &mut Tensor,
+        _stats: &mut Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _bias: &Tensor,
+        _eps: f32,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn layernorm_backward_kernel(
+        &self,
+        _dx: &mut Tensor,
+        _dweight: &mut Tensor,
+        _dbias: &mut Tensor,
+        _dout: &Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _stats: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn gelu_kernel(&self, _out: &mut Tensor, _x: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn gelu_backward_kernel(&self, _dx: &mut Tensor, _x: &Tensor, _dout: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn attention_scores_kernel(
+        &self,
+        _scores: &mut Tensor,
+        _qkv: &Tensor,
+        _n_head: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn attention_scores_backward_kernel(
         &self,
         _dqkv: &mut Tensor,
         _dscores: &Tensor,
@@ -229,21 +207,20 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
-    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-        same_len(probs, scores, "softmax_causal")
+    fn softmax_causal_kernel(&self, _probs: &mut Tensor, _scores: &Tensor) -> Result<()> {
+        Ok(())
     }
 
-    fn softmax_causal_backward(
+    fn softmax_causal_backward_kernel(
         &self,
-        dscores: &mut Tensor,
-        dprobs: &Tensor,
-        probs: &Tensor,
+        _dscores: &mut Tensor,
+        _dprobs: &Tensor,
+        _probs: &Tensor,
     ) -> Result<()> {
-        same_len(dscores, dprobs, "softmax_causal_backward")?;
-        same_len(dscores, probs, "softmax_causal_backward")
+        Ok(())
     }
 
-    fn attention_values(
+    fn attention_values_kernel(
         &self,
         _out: &mut Tensor,
         _probs: &Tensor,
@@ -253,7 +230,7 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
-    fn attention_values_backward(
+    fn attention_values_backward_kernel(
         &self,
         _dprobs: &mut Tensor,
         _dqkv: &mut Tensor,
@@ -265,59 +242,48 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
-    fn cross_entropy(
+    fn cross_entropy_kernel(
         &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
+        _logits: &mut Tensor,
+        _targets: &[u32],
+        _vocab: usize,
         _grad_scale: Option<f32>,
-        losses: &mut Tensor,
+        _losses: &mut Tensor,
     ) -> Result<()> {
-        let (rows, _) = cpu::cross_entropy::check(logits, targets, vocab)?;
-        cpu::cross_entropy::check_losses(losses, rows)
-    }
-
-    fn grad_guard(
-        &self,
-        record: &mut Tensor,
-        _grads: &[&Tensor],
-        losses: &Tensor,
-        _max_norm: f32,
-        _loss_scale: f32,
-    ) -> Result<()> {
-        cpu::guard::check(record, losses)
-    }
-
-    fn adamw(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        _hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        _compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        cpu::adamw::check(param, grad, m, v)?;
-        if let Some(s) = scale {
-            cpu::adamw::check_scale(s)?;
-        }
         Ok(())
     }
 
-    fn custom(
+    fn grad_guard_kernel(
         &self,
-        kernel: &dyn super::CustomKernel,
-        outputs: &mut [&mut Tensor],
-        inputs: &[&Tensor],
+        _record: &mut Tensor,
+        _grads: &[&Tensor],
+        _losses: &Tensor,
+        _max_norm: f32,
+        _loss_scale: f32,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn adamw_kernel(
+        &self,
+        _param: &mut Tensor,
+        _grad: &Tensor,
+        _m: &mut Tensor,
+        _v: &mut Tensor,
+        _hp: &AdamWStep,
+        _scale: Option<&Tensor>,
+        _compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn custom_kernel(
+        &self,
+        _kernel: &dyn CustomKernel,
+        _outputs: &mut [&mut Tensor],
+        _inputs: &[&Tensor],
         _scalars: &[f32],
     ) -> Result<()> {
-        let n = super::custom::check(kernel, outputs, inputs)?;
-        let _op = self.ledger.op(
-            kernel.name(),
-            cpu::each(n, kernel.flops_per_element()),
-            outputs[0].label(),
-        );
         Ok(())
     }
 }

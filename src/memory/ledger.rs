@@ -364,6 +364,14 @@ impl OpSpan<'_> {
         }
         result
     }
+
+    /// Ends the span without recording it (neither flops nor an event): the op ran
+    /// nothing under this span, as when a fused form is declined and its parts run as
+    /// ops of their own.
+    pub fn cancel(mut self) {
+        self.flops = 0;
+        self.recorded = None;
+    }
 }
 
 impl Drop for OpSpan<'_> {

@@ -49,12 +49,8 @@ pub(super) fn adamw(
     hp: &AdamWStep,
     scale: Option<&Tensor>,
 ) -> Result<()> {
-    check(param, grad, m, v)?;
     let device_scale = match scale {
-        Some(s) => {
-            check_scale(s)?;
-            read(s)[0]
-        }
+        Some(s) => read(s).first().copied().unwrap_or(1.0),
         None => 1.0,
     };
     if !device_scale.is_finite() {

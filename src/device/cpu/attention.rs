@@ -21,6 +21,26 @@ pub(crate) struct Dims {
     pub(crate) hs: usize,
 }
 
+impl Dims {
+    /// The dimensions of a checked `[B, T, 3C]` `qkv` with `n_head` heads, read without
+    /// checking (zeros where the shape does not fit).
+    pub(crate) fn of(qkv: &Tensor, n_head: usize) -> Dims {
+        let (b, t, c) = match *qkv.shape() {
+            [b, t, c3] => (b, t, c3 / 3),
+            _ => (0, 0, 0),
+        };
+        Dims {
+            b,
+            t,
+            c,
+            h: n_head,
+            hs: c.checked_div(n_head).unwrap_or(0),
+        }
+    }
+}
+
+/// Checks a `[B, T, 3C]` `qkv` with `n_head` heads dividing `C`, and returns its
+/// dimensions.
 pub(crate) fn dims(qkv: &Tensor, n_head: usize, op: &'static str) -> Result<Dims> {
     let (b, t, c3) = btc(qkv, op)?;
     ensure(c3 % 3 == 0, op, || {
@@ -109,14 +129,84 @@ pub(crate) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
     }
 }
 
+/// Checks `attention_scores`' operands (the contract every backend shares).
+pub(crate) fn check_scores(scores: &Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_scores")?;
+    ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")
+}
+
+/// Checks `attention_scores_backward`'s operands (the contract every backend shares).
+pub(crate) fn check_scores_backward(
+    dqkv: &Tensor,
+    dscores: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_scores_backward")?;
+    ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
+    ensure_shape(dscores, &[d.b, d.h, d.t, d.t], "attention_scores_backward")
+}
+
+/// Checks `softmax_causal`'s operands (the contract every backend shares).
+pub(crate) fn check_softmax(probs: &Tensor, scores: &Tensor) -> Result<()> {
+    square_rows(scores, "softmax_causal")?;
+    ensure_shape(probs, scores.shape(), "softmax_causal")
+}
+
+/// Checks `softmax_causal_backward`'s operands (the contract every backend shares).
+pub(crate) fn check_softmax_backward(
+    dscores: &Tensor,
+    dprobs: &Tensor,
+    probs: &Tensor,
+) -> Result<()> {
+    square_rows(probs, "softmax_causal_backward")?;
+    ensure_shape(dscores, probs.shape(), "softmax_causal_backward")?;
+    ensure_shape(dprobs, probs.shape(), "softmax_causal_backward")
+}
+
+/// Checks `attention_values`' operands (the contract every backend shares).
+pub(crate) fn check_values(
+    out: &Tensor,
+    probs: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_values")?;
+    ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
+    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")
+}
+
+/// Checks `attention_values_backward`'s operands (the contract every backend shares).
+pub(crate) fn check_values_backward(
+    dprobs: &Tensor,
+    dqkv: &Tensor,
+    dout: &Tensor,
+    probs: &Tensor,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<()> {
+    let d = dims(qkv, n_head, "attention_values_backward")?;
+    ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
+    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values_backward")?;
+    ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
+    ensure_shape(dqkv, qkv.shape(), "attention_values_backward")
+}
+
+/// `T` of checked `[B, H, T, T]` scores or probabilities.
+pub(crate) fn square_side(t: &Tensor) -> usize {
+    t.shape().last().copied().unwrap_or(0)
+}
+
 pub(super) fn scores(
     blas: Option<&Blas>,
     scores: &mut Tensor,
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_scores")?;
-    ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
+    let d = Dims::of(qkv, n_head);
+    if d.t == 0 {
+        return Ok(());
+    }
     let q = read(qkv);
     let scale = 1.0 / (d.hs as f32).sqrt();
     let (t, c3) = (d.t, 3 * d.c);
@@ -162,9 +252,10 @@ pub(super) fn scores_backward(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_scores_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
-    ensure_shape(dscores, &[d.b, d.h, d.t, d.t], "attention_scores_backward")?;
+    let d = Dims::of(qkv, n_head);
+    if d.t == 0 {
+        return Ok(());
+    }
     let q = read(qkv);
     let ds = read(dscores);
     let scale = 1.0 / (d.hs as f32).sqrt();
@@ -239,8 +330,10 @@ pub(crate) fn square_rows(t: &Tensor, op: &'static str) -> Result<usize> {
 }
 
 pub(super) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-    let t = square_rows(scores, "softmax_causal")?;
-    ensure_shape(probs, scores.shape(), "softmax_causal")?;
+    let t = square_side(scores);
+    if t == 0 {
+        return Ok(());
+    }
     let s = read(scores);
     write(probs, false, |p| {
         p.par_chunks_mut(t * t)
@@ -255,9 +348,10 @@ pub(super) fn softmax_backward(
     dprobs: &Tensor,
     probs: &Tensor,
 ) -> Result<()> {
-    let t = square_rows(probs, "softmax_causal_backward")?;
-    ensure_shape(dscores, probs.shape(), "softmax_causal_backward")?;
-    ensure_shape(dprobs, probs.shape(), "softmax_causal_backward")?;
+    let t = square_side(probs);
+    if t == 0 {
+        return Ok(());
+    }
     let p = read(probs);
     let dp = read(dprobs);
     write(dscores, false, |ds| {
@@ -275,9 +369,10 @@ pub(super) fn values(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_values")?;
-    ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")?;
+    let d = Dims::of(qkv, n_head);
+    if d.t == 0 {
+        return Ok(());
+    }
     let q = read(qkv);
     let p = read(probs);
     let (t, c3) = (d.t, 3 * d.c);
@@ -324,11 +419,10 @@ pub(super) fn values_backward(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_values_backward")?;
-    ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values_backward")?;
-    ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_values_backward")?;
+    let d = Dims::of(qkv, n_head);
+    if d.t == 0 {
+        return Ok(());
+    }
     let q = read(qkv);
     let p = read(probs);
     let g = read(dout);

@@ -48,8 +48,7 @@ pub(super) fn cross_entropy(
     grad_scale: Option<f32>,
     out: &mut Tensor,
 ) -> Result<()> {
-    let (rows, vp) = check(logits, targets, vocab)?;
-    check_losses(out, rows)?;
+    let (rows, vp) = (targets.len(), logits.rows_cols().1);
     let mut losses = vec![0f32; rows];
     match grad_scale {
         None => {

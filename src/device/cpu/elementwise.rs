@@ -7,6 +7,7 @@ use crate::tensor::{Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
+/// Fails unless `a` and `b` have as many elements (the check of the element-wise ops).
 pub(crate) fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
     ensure(a.numel() == b.numel(), op, || {
         format!(
@@ -19,8 +20,31 @@ pub(crate) fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
     })
 }
 
-pub(super) fn cast(dst: &mut Tensor, src: &Tensor) -> Result<()> {
-    same_len(dst, src, "cast")?;
+/// Checks `upload`'s operands: `shape` holds `data.len()` elements.
+pub(crate) fn check_upload(data: &[f32], shape: &[usize], label: &str) -> Result<()> {
+    let numel: usize = shape.iter().product();
+    ensure(data.len() == numel, "upload", || {
+        format!(
+            "`{label}`: shape {shape:?} holds {numel} elements but {} were given",
+            data.len()
+        )
+    })
+}
+
+/// Checks `bias_backward`'s operands: `dbias` has one element per column of `dout`.
+pub(crate) fn check_bias_backward(dbias: &Tensor, dout: &Tensor) -> Result<()> {
+    let (_, cols) = dout.rows_cols();
+    ensure(dbias.numel() == cols, "bias_backward", || {
+        format!(
+            "`{}` has {} elements, `{}` has {cols} columns",
+            dbias.label(),
+            dbias.numel(),
+            dout.label()
+        )
+    })
+}
+
+pub(super) fn cast(dst: &mut Tensor, src: &Tensor) {
     match (dst.storage_mut(), src.storage()) {
         (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
         (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
@@ -45,7 +69,6 @@ pub(super) fn cast(dst: &mut Tensor, src: &Tensor) -> Result<()> {
             write(dst, false, |d| d.copy_from_slice(&s));
         }
     }
-    Ok(())
 }
 
 pub(super) fn fill(t: &mut Tensor, value: f32) {
@@ -56,27 +79,22 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     }
 }
 
-pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-    same_len(out, a, "add")?;
-    same_len(out, b, "add")?;
+pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) {
     let (a, b) = (read(a), read(b));
     write(out, false, |o| {
         o.par_chunks_mut(CHUNK)
             .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
             .for_each(|(o, (a, b))| add_chunk(o, a, b))
     });
-    Ok(())
 }
 
-pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-    same_len(y, x, "axpy")?;
+pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) {
     let x = read(x);
     write(y, true, |y| {
         y.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .for_each(|(y, x)| axpy_chunk(y, alpha, x))
     });
-    Ok(())
 }
 
 pub(super) fn scale(x: &mut Tensor, alpha: f32) {
@@ -117,23 +135,14 @@ pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     total
 }
 
-pub(super) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+pub(super) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) {
     let (rows, cols) = dout.rows_cols();
-    ensure(dbias.numel() == cols, "bias_backward", || {
-        format!(
-            "`{}` has {} elements, `{}` has {cols} columns",
-            dbias.label(),
-            dbias.numel(),
-            dout.label()
-        )
-    })?;
     let sums = column_sums(&read(dout), rows, cols);
     write(dbias, true, |d| {
         for (d, s) in d.iter_mut().zip(&sums) {
             *d += s;
         }
     });
-    Ok(())
 }
 
 simd_fn! {

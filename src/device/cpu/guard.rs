@@ -43,11 +43,9 @@ pub(super) fn grad_guard(
     losses: &Tensor,
     max_norm: f32,
     loss_scale: f32,
-) -> Result<()> {
-    check(out, losses)?;
+) {
     let sum_squares: f64 = grads.iter().map(|g| elementwise::sum_squares(g)).sum();
     let loss_sum: f64 = read(losses).iter().map(|&l| l as f64).sum();
     let r = record(sum_squares, loss_sum, max_norm, loss_scale);
     write(out, false, |o| o.copy_from_slice(&r));
-    Ok(())
 }

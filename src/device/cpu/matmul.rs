@@ -198,6 +198,16 @@ pub(crate) fn flops(out: &Tensor, a: &Tensor, bias: bool, trans_a: bool) -> u64 
     product_flops(m, n, if trans_a { ar } else { ac }, bias)
 }
 
+/// `(m, n, k)` of the product `op(a)·op(b)`, read from the operands without checking
+/// that they agree.
+pub(crate) fn shape(a: &Tensor, b: &Tensor, trans_a: bool, trans_b: bool) -> (usize, usize, usize) {
+    let (ar, ac) = a.rows_cols();
+    let (br, bc) = b.rows_cols();
+    let (m, k) = if trans_a { (ac, ar) } else { (ar, ac) };
+    let n = if trans_b { br } else { bc };
+    (m, n, k)
+}
+
 /// Checks the operands of a product `out (+)= op(a)·op(b) (+ bias)` (the contract every
 /// backend's `matmul` shares) and returns `(m, n, k)`.
 pub(crate) fn dims(
@@ -208,10 +218,9 @@ pub(crate) fn dims(
     trans_a: bool,
     trans_b: bool,
 ) -> Result<(usize, usize, usize)> {
-    let (ar, ac) = a.rows_cols();
+    let (m, n, k) = shape(a, b, trans_a, trans_b);
     let (br, bc) = b.rows_cols();
-    let (m, k) = if trans_a { (ac, ar) } else { (ar, ac) };
-    let (kb, n) = if trans_b { (bc, br) } else { (br, bc) };
+    let kb = if trans_b { bc } else { br };
     ensure(k == kb, "matmul", || {
         format!(
             "inner dimensions differ: `{}` {:?}{} and `{}` {:?}{}",
@@ -253,7 +262,7 @@ pub(super) fn matmul(
     trans_b: bool,
     accumulate: bool,
 ) -> Result<()> {
-    let (m, n, k) = dims(out, a, b, bias, trans_a, trans_b)?;
+    let (m, n, k) = shape(a, b, trans_a, trans_b);
     let (_, ac) = a.rows_cols();
     let (_, bc) = b.rows_cols();
     let av = read(a);

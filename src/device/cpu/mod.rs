@@ -5,8 +5,15 @@
 //! chunks whose boundaries depend on the shape only, never on the thread count), so the same
 //! inputs give bitwise-equal outputs, which the recompute policies rely on.
 //!
+//! The operand checks of every op (the contract every backend shares) live here, beside
+//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
+//! `cross_entropy::check`, `adamw::check`, `guard::check`, the `attention::check_*` and
+//! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
+//! ledger span, then call this backend's kernel methods, which neither check nor record.
+//!
 //! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
-//! operations it executed, each multiply, add, exp, square root or division counting
+//! operations it executed, the same count on every backend (the trait computes it from
+//! these formulas), each multiply, add, exp, square root or division counting
 //! one: 2·m·n·k for a matmul (plus m·n with a bias); for attention, the products over the
 //! causal triangle in whole blocks of 64 rows, as the kernels compute them (plus one per
 //! score for the scaling), 5 per causal entry for the softmax and 4 for its backward; per
@@ -319,7 +326,7 @@ impl Backend for CpuBackend {
         self.alloc(shape, dtype, category, label, false)
     }
 
-    fn upload(
+    fn upload_kernel(
         &self,
         data: &[f32],
         shape: &[usize],
@@ -327,21 +334,18 @@ impl Backend for CpuBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        let op = self.ledger.op("upload", 0, label);
         let storage = match dtype {
             DType::F32 => Storage::F32(data.to_vec()),
             DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
         };
-        op.finish(Tensor::new(storage, shape, category, label, &self.ledger))
+        Tensor::new(storage, shape, category, label, &self.ledger)
     }
 
-    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
-        let _op = self.ledger.op("to_f32", 0, t.label());
+    fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
         Ok(read(t).into_owned())
     }
 
-    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
-        let op = self.ledger.op("copy", 0, label);
+    fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
@@ -357,56 +361,39 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        op.finish(Tensor::new(
-            storage,
-            t.shape(),
-            category,
-            label,
-            &self.ledger,
-        ))
+        Tensor::new(storage, t.shape(), category, label, &self.ledger)
     }
 
-    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        self.ledger
-            .op("cast", 0, dst.label())
-            .finish(elementwise::cast(dst, src))
+    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        elementwise::cast(dst, src);
+        Ok(())
     }
 
-    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
-        let _op = self.ledger.op("fill", 0, t.label());
+    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()> {
         elementwise::fill(t, value);
         Ok(())
     }
 
-    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        let flops = each(out.numel(), per_element::ADD);
-        self.ledger
-            .op("add", flops, out.label())
-            .finish(elementwise::add(out, a, b))
+    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        elementwise::add(out, a, b);
+        Ok(())
     }
 
-    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-        let flops = each(y.numel(), per_element::AXPY);
-        self.ledger
-            .op("axpy", flops, y.label())
-            .finish(elementwise::axpy(y, alpha, x))
+    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+        elementwise::axpy(y, alpha, x);
+        Ok(())
     }
 
-    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
-        let _op = self
-            .ledger
-            .op("scale", each(x.numel(), per_element::SCALE), x.label());
+    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
         elementwise::scale(x, alpha);
         Ok(())
     }
 
-    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        let flops = each(x.numel(), per_element::SUM_SQUARES);
-        let _op = self.ledger.op("sum_squares", flops, x.label());
+    fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64> {
         Ok(elementwise::sum_squares(x))
     }
 
-    fn matmul(
+    fn matmul_kernel(
         &self,
         out: &mut Tensor,
         a: &Tensor,
@@ -416,55 +403,37 @@ impl Backend for CpuBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
-        let flops = matmul::flops(out, a, bias.is_some(), trans_a);
-        self.ledger
-            .op("matmul", flops, out.label())
-            .finish(matmul::matmul(
-                self.blas(),
-                out,
-                a,
-                b,
-                bias,
-                trans_a,
-                trans_b,
-                accumulate,
-            ))
+        matmul::matmul(self.blas(), out, a, b, bias, trans_a, trans_b, accumulate)
     }
 
-    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
-        self.ledger
-            .op("bias_backward", flops, dbias.label())
-            .finish(elementwise::bias_backward(dbias, dout))
+    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+        elementwise::bias_backward(dbias, dout);
+        Ok(())
     }
 
-    fn embedding(
+    fn embedding_kernel(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
         wpe: &Tensor,
     ) -> Result<()> {
-        let flops = each(out.numel(), per_element::EMBEDDING);
-        self.ledger
-            .op("embedding", flops, out.label())
-            .finish(embedding::forward(out, tokens, wte, wpe))
+        embedding::forward(out, tokens, wte, wpe);
+        Ok(())
     }
 
-    fn embedding_backward(
+    fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
         dwpe: &mut Tensor,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
-        let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
-        self.ledger
-            .op("embedding_backward", flops, dwte.label())
-            .finish(embedding::backward(dwte, dwpe, dout, tokens))
+        embedding::backward(dwte, dwpe, dout, tokens);
+        Ok(())
     }
 
-    fn layernorm(
+    fn layernorm_kernel(
         &self,
         out: &mut Tensor,
         stats: &mut Tensor,
@@ -473,13 +442,10 @@ impl Backend for CpuBackend {
         bias: &Tensor,
         eps: f32,
     ) -> Result<()> {
-        let flops = each(x.numel(), per_element::LAYERNORM);
-        self.ledger
-            .op("layernorm", flops, out.label())
-            .finish(layernorm::forward(out, stats, x, weight, bias, eps))
+        layernorm::forward(out, stats, x, weight, bias, eps)
     }
 
-    fn layernorm_backward(
+    fn layernorm_backward_kernel(
         &self,
         dx: &mut Tensor,
         dweight: &mut Tensor,
@@ -489,87 +455,62 @@ impl Backend for CpuBackend {
         weight: &Tensor,
         stats: &Tensor,
     ) -> Result<()> {
-        let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
-        self.ledger
-            .op("layernorm_backward", flops, dx.label())
-            .finish(layernorm::backward(
-                dx, dweight, dbias, dout, x, weight, stats,
-            ))
+        layernorm::backward(dx, dweight, dbias, dout, x, weight, stats)
     }
 
-    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        let flops = each(x.numel(), per_element::GELU);
-        self.ledger
-            .op("gelu", flops, out.label())
-            .finish(gelu::forward(out, x))
+    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+        gelu::forward(out, x);
+        Ok(())
     }
 
-    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        let flops = each(x.numel(), per_element::GELU_BACKWARD);
-        self.ledger
-            .op("gelu_backward", flops, dx.label())
-            .finish(gelu::backward(dx, x, dout))
+    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+        gelu::backward(dx, x, dout);
+        Ok(())
     }
 
-    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores;
-        self.ledger
-            .op("attention_scores", flops, scores.label())
-            .finish(attention::scores(self.blas(), scores, qkv, n_head))
+    fn attention_scores_kernel(
+        &self,
+        scores: &mut Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()> {
+        attention::scores(self.blas(), scores, qkv, n_head)
     }
 
-    fn attention_scores_backward(
+    fn attention_scores_backward_kernel(
         &self,
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
-        self.ledger
-            .op("attention_scores_backward", flops, dqkv.label())
-            .finish(attention::scores_backward(
-                self.blas(),
-                dqkv,
-                dscores,
-                qkv,
-                n_head,
-            ))
+        attention::scores_backward(self.blas(), dqkv, dscores, qkv, n_head)
     }
 
-    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-        let flops = attention::softmax_flops(scores, per_element::SOFTMAX);
-        self.ledger
-            .op("softmax_causal", flops, probs.label())
-            .finish(attention::softmax(probs, scores))
+    fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+        attention::softmax(probs, scores)
     }
 
-    fn softmax_causal_backward(
+    fn softmax_causal_backward_kernel(
         &self,
         dscores: &mut Tensor,
         dprobs: &Tensor,
         probs: &Tensor,
     ) -> Result<()> {
-        let flops = attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
-        self.ledger
-            .op("softmax_causal_backward", flops, dscores.label())
-            .finish(attention::softmax_backward(dscores, dprobs, probs))
+        attention::softmax_backward(dscores, dprobs, probs)
     }
 
-    fn attention_values(
+    fn attention_values_kernel(
         &self,
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        let flops = attention::AttentionFlops::new(qkv, n_head).values;
-        self.ledger
-            .op("attention_values", flops, out.label())
-            .finish(attention::values(self.blas(), out, probs, qkv, n_head))
+        attention::values(self.blas(), out, probs, qkv, n_head)
     }
 
-    fn attention_values_backward(
+    fn attention_values_backward_kernel(
         &self,
         dprobs: &mut Tensor,
         dqkv: &mut Tensor,
@@ -578,21 +519,10 @@ impl Backend for CpuBackend {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
-        let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
-        self.ledger
-            .op("attention_values_backward", flops, dprobs.label())
-            .finish(attention::values_backward(
-                self.blas(),
-                dprobs,
-                dqkv,
-                dout,
-                probs,
-                qkv,
-                n_head,
-            ))
+        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, n_head)
     }
 
-    fn cross_entropy(
+    fn cross_entropy_kernel(
         &self,
         logits: &mut Tensor,
         targets: &[u32],
@@ -600,19 +530,10 @@ impl Backend for CpuBackend {
         grad_scale: Option<f32>,
         losses: &mut Tensor,
     ) -> Result<()> {
-        let per = match grad_scale {
-            Some(_) => per_element::CROSS_ENTROPY_GRAD,
-            None => per_element::CROSS_ENTROPY,
-        };
-        let flops = each(targets.len().saturating_mul(vocab), per);
-        self.ledger
-            .op("cross_entropy", flops, logits.label())
-            .finish(cross_entropy::cross_entropy(
-                logits, targets, vocab, grad_scale, losses,
-            ))
+        cross_entropy::cross_entropy(logits, targets, vocab, grad_scale, losses)
     }
 
-    fn grad_guard(
+    fn grad_guard_kernel(
         &self,
         record: &mut Tensor,
         grads: &[&Tensor],
@@ -620,15 +541,11 @@ impl Backend for CpuBackend {
         max_norm: f32,
         loss_scale: f32,
     ) -> Result<()> {
-        let n: usize = grads.iter().map(|g| g.numel()).sum();
-        let flops = each(n, per_element::SUM_SQUARES);
-        let op = self.ledger.op("grad_guard", flops, record.label());
-        op.finish(guard::grad_guard(
-            record, grads, losses, max_norm, loss_scale,
-        ))
+        guard::grad_guard(record, grads, losses, max_norm, loss_scale);
+        Ok(())
     }
 
-    fn adamw(
+    fn adamw_kernel(
         &self,
         param: &mut Tensor,
         grad: &Tensor,
@@ -638,36 +555,30 @@ impl Backend for CpuBackend {
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
-        let flops = each(param.numel(), per_element::ADAMW);
-        let op = self.ledger.op("adamw", flops, param.label());
-        let updated = adamw::adamw(param, grad, m, v, hp, scale).and_then(|()| match compute {
-            Some(c) => elementwise::cast(c, param),
-            None => Ok(()),
-        });
-        op.finish(updated)
+        adamw::adamw(param, grad, m, v, hp, scale)?;
+        if let Some(c) = compute {
+            elementwise::cast(c, param);
+        }
+        Ok(())
     }
 
-    fn custom(
+    fn custom_kernel(
         &self,
         kernel: &dyn super::CustomKernel,
         outputs: &mut [&mut Tensor],
         inputs: &[&Tensor],
         scalars: &[f32],
     ) -> Result<()> {
-        let n = outputs.first().map_or(0, |t| t.numel());
-        let label = outputs.first().map_or("", |t| t.label()).to_string();
-        self.ledger
-            .op(kernel.name(), each(n, kernel.flops_per_element()), &label)
-            .finish(super::custom::run_on_host(
-                kernel,
-                outputs,
-                inputs,
-                scalars,
-                &|t| Ok(read(t).into_owned()),
-                &|t, v| {
-                    write(t, false, |out| out.copy_from_slice(v));
-                    Ok(())
-                },
-            ))
+        super::custom::run_on_host(
+            kernel,
+            outputs,
+            inputs,
+            scalars,
+            &|t| Ok(read(t).into_owned()),
+            &|t, v| {
+                write(t, false, |out| out.copy_from_slice(v));
+                Ok(())
+            },
+        )
     }
 }

@@ -1,10 +1,11 @@
 //! `CudaBackend`: the struct, its allocation and transfers, the launch helpers every op
-//! family shares, and the [`Backend`] impl, which dispatches each op to its family in
+//! family shares, and the [`Backend`] impl, which dispatches each kernel to its family in
 //! `ops/` (`ops/layernorm.rs` beside `cpu/layernorm.rs` and `kernels/layernorm.cu`).
 //!
-//! Each op checks its operands with the same contract as the CPU backend (the CPU's
-//! checking functions are reused), records one ledger span with the same FLOP count, picks
-//! the kernel by the dtypes of its tensors (`<op>_<dtype>...`), and launches it. Work is
+//! The [`Backend`] trait checks each op's operands and records its ledger span, as for
+//! every backend; the kernel methods here check only the CUDA backend's own constraints
+//! (dtypes its kernels accept), pick the kernel by the dtypes of the tensors
+//! (`<op>_<dtype>...`), and launch it. Work is
 //! queued, not waited for: only reads to the host (`to_f32`, `sum_squares`) and
 //! `synchronize` wait. A training step's losses, gradient norm and skip decision stay on
 //! the device (`cross_entropy` adds to a device tensor, `grad_guard` and `adamw` read
@@ -329,7 +330,7 @@ impl Backend for CudaBackend {
         self.alloc(shape, dtype, category, label, false)
     }
 
-    fn upload(
+    fn upload_kernel(
         &self,
         data: &[f32],
         shape: &[usize],
@@ -337,26 +338,14 @@ impl Backend for CudaBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        let op = self.ledger.op("upload", 0, label);
-        let numel: usize = shape.iter().product();
-        if numel != data.len() {
-            return op.finish(Err(Error::shape(
-                "upload",
-                format!(
-                    "`{label}`: shape {shape:?} holds {numel} elements but {} were given",
-                    data.len()
-                ),
-            )));
-        }
         let t = self.alloc(shape, dtype, category, label, false)?;
         if let Storage::Device(d) = t.storage() {
             d.write_f32(data)?;
         }
-        op.finish(Ok(t))
+        Ok(t)
     }
 
-    fn to_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
-        let _op = self.ledger.op("to_f32", 0, t.label());
+    fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
         match t.storage() {
             Storage::Device(d) => d.to_f32(),
             _ => Err(Error::Backend {
@@ -366,44 +355,43 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn copy(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
-        let op = self.ledger.op("copy", 0, label);
+    fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
         let out = self.alloc(t.shape(), t.dtype(), category, label, false)?;
         if t.bytes() > 0 {
             self.gpu.copy(ptr(&out)?, ptr(t)?, t.bytes() as usize)?;
         }
-        op.finish(Ok(out))
+        Ok(out)
     }
 
-    fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        elementwise::cast(self, dst, src)
+    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        elementwise::launch_cast(self, dst, src)
     }
 
-    fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()> {
         elementwise::fill(self, t, value)
     }
 
-    fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
         elementwise::add(self, out, a, b)
     }
 
-    fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
         elementwise::axpy(self, y, alpha, x)
     }
 
-    fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
         elementwise::scale(self, x, alpha)
     }
 
-    fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+    fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64> {
         reductions::sum_squares(self, x)
     }
 
-    fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
-        reductions::sum_squares_all(self, xs)
+    fn sum_squares_all_kernel(&self, xs: &[&Tensor]) -> Result<Option<f64>> {
+        reductions::sum_squares_all(self, xs).map(Some)
     }
 
-    fn matmul(
+    fn matmul_kernel(
         &self,
         out: &mut Tensor,
         a: &Tensor,
@@ -413,25 +401,25 @@ impl Backend for CudaBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
-        matmul::matmul(self, out, a, b, bias, trans_a, trans_b, accumulate)
+        matmul::gemm(self, out, a, b, bias, trans_a, trans_b, accumulate, 0)
     }
 
-    fn matmul_bias_gelu(
+    fn matmul_bias_gelu_kernel(
         &self,
         out: &mut Tensor,
         pre: &mut Tensor,
         a: &Tensor,
         b: &Tensor,
         bias: &Tensor,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         matmul::matmul_bias_gelu(self, out, pre, a, b, bias)
     }
 
-    fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(self, dbias, dout)
     }
 
-    fn embedding(
+    fn embedding_kernel(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
@@ -441,7 +429,7 @@ impl Backend for CudaBackend {
         embedding::forward(self, out, tokens, wte, wpe)
     }
 
-    fn embedding_backward(
+    fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
         dwpe: &mut Tensor,
@@ -451,7 +439,7 @@ impl Backend for CudaBackend {
         embedding::backward(self, dwte, dwpe, dout, tokens)
     }
 
-    fn layernorm(
+    fn layernorm_kernel(
         &self,
         out: &mut Tensor,
         stats: &mut Tensor,
@@ -463,7 +451,7 @@ impl Backend for CudaBackend {
         layernorm::forward(self, out, stats, x, weight, bias, eps)
     }
 
-    fn layernorm_backward(
+    fn layernorm_backward_kernel(
         &self,
         dx: &mut Tensor,
         dweight: &mut Tensor,
@@ -476,19 +464,24 @@ impl Backend for CudaBackend {
         layernorm::backward(self, dx, dweight, dbias, dout, x, weight, stats)
     }
 
-    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
         gelu::forward(self, out, x)
     }
 
-    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
         gelu::backward(self, dx, x, dout)
     }
 
-    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+    fn attention_scores_kernel(
+        &self,
+        scores: &mut Tensor,
+        qkv: &Tensor,
+        n_head: usize,
+    ) -> Result<()> {
         attention::scores(self, scores, qkv, n_head)
     }
 
-    fn attention_scores_backward(
+    fn attention_scores_backward_kernel(
         &self,
         dqkv: &mut Tensor,
         dscores: &Tensor,
@@ -498,11 +491,11 @@ impl Backend for CudaBackend {
         attention::scores_backward(self, dqkv, dscores, qkv, n_head)
     }
 
-    fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+    fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
         attention::softmax(self, probs, scores)
     }
 
-    fn softmax_causal_backward(
+    fn softmax_causal_backward_kernel(
         &self,
         dscores: &mut Tensor,
         dprobs: &Tensor,
@@ -511,7 +504,7 @@ impl Backend for CudaBackend {
         attention::softmax_backward(self, dscores, dprobs, probs)
     }
 
-    fn attention_values(
+    fn attention_values_kernel(
         &self,
         out: &mut Tensor,
         probs: &Tensor,
@@ -521,7 +514,7 @@ impl Backend for CudaBackend {
         attention::values(self, out, probs, qkv, n_head)
     }
 
-    fn attention_values_backward(
+    fn attention_values_backward_kernel(
         &self,
         dprobs: &mut Tensor,
         dqkv: &mut Tensor,
@@ -533,7 +526,7 @@ impl Backend for CudaBackend {
         attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, n_head)
     }
 
-    fn cross_entropy(
+    fn cross_entropy_kernel(
         &self,
         logits: &mut Tensor,
         targets: &[u32],
@@ -544,7 +537,7 @@ impl Backend for CudaBackend {
         cross_entropy::cross_entropy(self, logits, targets, vocab, grad_scale, losses)
     }
 
-    fn grad_guard(
+    fn grad_guard_kernel(
         &self,
         record: &mut Tensor,
         grads: &[&Tensor],
@@ -555,7 +548,7 @@ impl Backend for CudaBackend {
         reductions::grad_guard(self, record, grads, losses, max_norm, loss_scale)
     }
 
-    fn adamw(
+    fn adamw_kernel(
         &self,
         param: &mut Tensor,
         grad: &Tensor,
@@ -568,7 +561,7 @@ impl Backend for CudaBackend {
         adamw::adamw(self, param, grad, m, v, hp, scale, compute)
     }
 
-    fn custom(
+    fn custom_kernel(
         &self,
         kernel: &dyn CustomKernel,
         outputs: &mut [&mut Tensor],

@@ -6,7 +6,7 @@
 use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
-use crate::device::cpu::{self, ensure_shape, per_element};
+use crate::device::cpu::attention::{square_side, Dims};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -39,10 +39,7 @@ pub(crate) fn scores(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let flops = cpu::attention::AttentionFlops::new(qkv, n_head).scores;
-    let _op = be.ledger.op("attention_scores", flops, scores.label());
-    let d = cpu::attention::dims(qkv, n_head, "attention_scores")?;
-    ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")?;
+    let d = Dims::of(qkv, n_head);
     ensure_dtype(scores, qkv.dtype(), "attention_scores")?;
     let n = scores.numel();
     if n == 0 {
@@ -71,13 +68,7 @@ pub(crate) fn scores_backward(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let flops = cpu::attention::AttentionFlops::new(qkv, n_head).scores_backward;
-    let _op = be
-        .ledger
-        .op("attention_scores_backward", flops, dqkv.label());
-    let d = cpu::attention::dims(qkv, n_head, "attention_scores_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
-    ensure_shape(dscores, &[d.b, d.h, d.t, d.t], "attention_scores_backward")?;
+    let d = Dims::of(qkv, n_head);
     let dt = qkv.dtype();
     ensure_dtype(dqkv, dt, "attention_scores_backward")?;
     if qkv.numel() == 0 {
@@ -102,10 +93,7 @@ pub(crate) fn scores_backward(
 }
 
 pub(crate) fn softmax(be: &CudaBackend, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-    let flops = cpu::attention::softmax_flops(scores, per_element::SOFTMAX);
-    let _op = be.ledger.op("softmax_causal", flops, probs.label());
-    let t = cpu::attention::square_rows(scores, "softmax_causal")?;
-    ensure_shape(probs, scores.shape(), "softmax_causal")?;
+    let t = square_side(scores);
     ensure_dtype(probs, scores.dtype(), "softmax_causal")?;
     let rows = scores.numel().checked_div(t).unwrap_or(0);
     if rows == 0 {
@@ -129,13 +117,7 @@ pub(crate) fn softmax_backward(
     dprobs: &Tensor,
     probs: &Tensor,
 ) -> Result<()> {
-    let flops = cpu::attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
-    let _op = be
-        .ledger
-        .op("softmax_causal_backward", flops, dscores.label());
-    let t = cpu::attention::square_rows(probs, "softmax_causal_backward")?;
-    ensure_shape(dscores, probs.shape(), "softmax_causal_backward")?;
-    ensure_shape(dprobs, probs.shape(), "softmax_causal_backward")?;
+    let t = square_side(probs);
     let dt = probs.dtype();
     ensure_dtype(dscores, dt, "softmax_causal_backward")?;
     let rows = probs.numel().checked_div(t).unwrap_or(0);
@@ -163,11 +145,7 @@ pub(crate) fn values(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let flops = cpu::attention::AttentionFlops::new(qkv, n_head).values;
-    let _op = be.ledger.op("attention_values", flops, out.label());
-    let d = cpu::attention::dims(qkv, n_head, "attention_values")?;
-    ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")?;
+    let d = Dims::of(qkv, n_head);
     let dt = qkv.dtype();
     ensure_dtype(out, dt, "attention_values")?;
     if out.numel() == 0 {
@@ -198,15 +176,7 @@ pub(crate) fn values_backward(
     qkv: &Tensor,
     n_head: usize,
 ) -> Result<()> {
-    let flops = cpu::attention::AttentionFlops::new(qkv, n_head).values_backward;
-    let _op = be
-        .ledger
-        .op("attention_values_backward", flops, dprobs.label());
-    let d = cpu::attention::dims(qkv, n_head, "attention_values_backward")?;
-    ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values_backward")?;
-    ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_values_backward")?;
+    let d = Dims::of(qkv, n_head);
     let dt = qkv.dtype();
     ensure_dtype(dprobs, dt, "attention_values_backward")?;
     ensure_dtype(dqkv, dt, "attention_values_backward")?;

@@ -6,7 +6,6 @@
 use super::super::backend::{ptr, CudaBackend, BLOCK, ROW_BLOCK};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
-use crate::device::cpu::{self, each, ensure, per_element};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -56,13 +55,7 @@ pub(crate) fn launch_cast(be: &CudaBackend, dst: &mut Tensor, src: &Tensor) -> R
     )
 }
 
-pub(crate) fn cast(be: &CudaBackend, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-    let op = be.ledger.op("cast", 0, dst.label());
-    op.finish(cpu::elementwise::same_len(dst, src, "cast").and_then(|()| launch_cast(be, dst, src)))
-}
-
 pub(crate) fn fill(be: &CudaBackend, t: &mut Tensor, value: f32) -> Result<()> {
-    let _op = be.ledger.op("fill", 0, t.label());
     let n = t.numel();
     if n == 0 {
         return Ok(());
@@ -80,9 +73,6 @@ pub(crate) fn fill(be: &CudaBackend, t: &mut Tensor, value: f32) -> Result<()> {
 
 pub(crate) fn add(be: &CudaBackend, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
     let n = out.numel();
-    let _op = be.ledger.op("add", each(n, per_element::ADD), out.label());
-    cpu::elementwise::same_len(out, a, "add")?;
-    cpu::elementwise::same_len(out, b, "add")?;
     if n == 0 {
         return Ok(());
     }
@@ -96,8 +86,6 @@ pub(crate) fn add(be: &CudaBackend, out: &mut Tensor, a: &Tensor, b: &Tensor) ->
 
 pub(crate) fn axpy(be: &CudaBackend, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
     let n = y.numel();
-    let _op = be.ledger.op("axpy", each(n, per_element::AXPY), y.label());
-    cpu::elementwise::same_len(y, x, "axpy")?;
     if n == 0 {
         return Ok(());
     }
@@ -111,9 +99,6 @@ pub(crate) fn axpy(be: &CudaBackend, y: &mut Tensor, alpha: f32, x: &Tensor) -> 
 
 pub(crate) fn scale(be: &CudaBackend, x: &mut Tensor, alpha: f32) -> Result<()> {
     let n = x.numel();
-    let _op = be
-        .ledger
-        .op("scale", each(n, per_element::SCALE), x.label());
     if n == 0 {
         return Ok(());
     }
@@ -125,28 +110,9 @@ pub(crate) fn scale(be: &CudaBackend, x: &mut Tensor, alpha: f32) -> Result<()> 
     )
 }
 
-pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-    let (_, cols) = dout.rows_cols();
-    let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
-    let op = be.ledger.op("bias_backward", flops, dbias.label());
-    let checked = ensure(dbias.numel() == cols, "bias_backward", || {
-        format!(
-            "`{}` has {} elements, `{}` has {cols} columns",
-            dbias.label(),
-            dbias.numel(),
-            dout.label()
-        )
-    });
-    op.finish(checked.and_then(|()| bias_backward_impl(be, dbias, dout)))
-}
-
 /// The row sums of `rows × cols` into an f32 `[ceil(rows / 128), cols]` workspace,
 /// then their total added to `dbias` (the bias gradient, two passes, no atomics).
-pub(crate) fn bias_backward_impl(
-    be: &CudaBackend,
-    dbias: &mut Tensor,
-    dout: &Tensor,
-) -> Result<()> {
+pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
     let (rows, cols) = dout.rows_cols();
     if rows == 0 || cols == 0 {
         return Ok(());

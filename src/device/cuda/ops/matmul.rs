@@ -6,7 +6,7 @@
 use super::super::backend::{ptr, CudaBackend, BLOCK};
 use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout};
 use super::elementwise::launch_cast;
-use crate::device::cpu::{self, each, ensure, per_element};
+use crate::device::cpu::{self, ensure};
 use crate::error::Result;
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
@@ -26,9 +26,11 @@ pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {
     Ok((ptr(t)?, bytes))
 }
 
-/// [`Backend::matmul`] without its ledger span, with `gelu_aux` the address of the
-/// pre-GELU values when the epilogue applies GELU (0: no GELU; the caller checks the
-/// fused form applies).
+/// The product of [`Backend::matmul_kernel`] on checked operands, with `gelu_aux` the
+/// address of the pre-GELU values when the epilogue applies GELU (0: no GELU; the caller
+/// checks the fused form applies).
+///
+/// [`Backend::matmul_kernel`]: crate::device::Backend::matmul_kernel
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     be: &CudaBackend,
@@ -41,7 +43,7 @@ pub(crate) fn gemm(
     accumulate: bool,
     gelu_aux: DevicePtr,
 ) -> Result<()> {
-    let (m, n, k) = cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
+    let (m, n, k) = cpu::matmul::shape(a, b, trans_a, trans_b);
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -122,22 +124,11 @@ pub(crate) fn gemm(
     unsafe { be.gpu.gemm(&g) }
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    be: &CudaBackend,
-    out: &mut Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    bias: Option<&Tensor>,
-    trans_a: bool,
-    trans_b: bool,
-    accumulate: bool,
-) -> Result<()> {
-    let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
-    let op = be.ledger.op("matmul", flops, out.label());
-    op.finish(gemm(be, out, a, b, bias, trans_a, trans_b, accumulate, 0))
-}
-
+/// [`Backend::matmul_bias_gelu_kernel`]: `Ok(true)` when cuBLASLt's GELU epilogue wrote
+/// both outputs, `Ok(false)` when the fused form does not apply or the library refused it
+/// (nothing written: the trait runs the product and the GELU as two ops).
+///
+/// [`Backend::matmul_bias_gelu_kernel`]: crate::device::Backend::matmul_bias_gelu_kernel
 pub(crate) fn matmul_bias_gelu(
     be: &CudaBackend,
     out: &mut Tensor,
@@ -145,7 +136,7 @@ pub(crate) fn matmul_bias_gelu(
     a: &Tensor,
     b: &Tensor,
     bias: &Tensor,
-) -> Result<()> {
+) -> Result<bool> {
     // cuBLASLt's GELU_AUX_BIAS epilogue writes both outputs from the accumulator:
     // when the operands are of one dtype (or bf16 into f32), both outputs share D's
     // dtype and shape, and the rows are a multiple of 8 elements (the aux's leading
@@ -158,11 +149,9 @@ pub(crate) fn matmul_bias_gelu(
         && cols % 8 == 0
         && be.gelu_epilogue.load(Ordering::Relaxed);
     if fused {
-        let flops = cpu::matmul::flops(pre, a, true, false) + each(out.numel(), per_element::GELU);
-        let op = be.ledger.op("matmul_bias_gelu", flops, out.label());
         let aux = ptr(pre)?;
-        match op.finish(gemm(be, out, a, b, Some(bias), false, false, false, aux)) {
-            Ok(()) => return Ok(()),
+        match gemm(be, out, a, b, Some(bias), false, false, false, aux) {
+            Ok(()) => return Ok(true),
             // Nothing was written: say so once and run the two ops, which report the
             // error again if it was not the epilogue's.
             Err(e) => {
@@ -175,8 +164,7 @@ pub(crate) fn matmul_bias_gelu(
             }
         }
     }
-    matmul(be, pre, a, b, Some(bias), false, false, false)?;
-    super::gelu::forward(be, out, pre)
+    Ok(false)
 }
 
 /// The dtype both operands of a product are brought to: cuBLASLt multiplies equal

@@ -7,7 +7,6 @@
 use super::super::backend::{ptr, CudaBackend, BLOCK};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
-use crate::device::cpu::{self, each, per_element};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -65,9 +64,6 @@ pub(crate) fn square_partials(
 
 pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
     let n = x.numel();
-    let _op = be
-        .ledger
-        .op("sum_squares", each(n, per_element::SUM_SQUARES), x.label());
     if n == 0 {
         return Ok(0.0);
     }
@@ -97,12 +93,6 @@ pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
 pub(crate) fn sum_squares_all(be: &CudaBackend, xs: &[&Tensor]) -> Result<f64> {
     // One partial per block of every tensor in one buffer, one finishing sum over all
     // of them, and one read back.
-    let total_n: usize = xs.iter().map(|x| x.numel()).sum();
-    let _op = be.ledger.op(
-        "sum_squares",
-        each(total_n, per_element::SUM_SQUARES),
-        "gradients",
-    );
     let (partial, slots) = square_partials(be, xs, "sum_squares.partial")?;
     if slots == 0 {
         return Ok(0.0);
@@ -129,13 +119,6 @@ pub(crate) fn grad_guard(
 ) -> Result<()> {
     // One partial per block of every gradient in one buffer, then one block that adds
     // them and the losses and writes the record: nothing is read back.
-    let total_n: usize = grads.iter().map(|x| x.numel()).sum();
-    let _op = be.ledger.op(
-        "grad_guard",
-        each(total_n, per_element::SUM_SQUARES),
-        record.label(),
-    );
-    cpu::guard::check(record, losses)?;
     let (partial, slots) = square_partials(be, grads, "grad_guard.partial")?;
     be.launch(
         "grad_guard",
