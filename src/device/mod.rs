@@ -27,7 +27,7 @@ pub enum Device {
 
 impl Device {
     /// The best device available, and why it was chosen: the first GPU when the CUDA
-    /// driver, NVRTC, cuBLAS and cuBLASLt load, a device answers ([`cuda::probe`]) and the
+    /// driver, NVRTC, cuBLAS and cuBLASLt load, a device answers ([`cuda::probe()`]) and the
     /// CUDA headers NVRTC needs are found ([`cuda::find_include_dir`]); otherwise the CPU,
     /// with the reason.
     pub fn best() -> (Device, String) {
