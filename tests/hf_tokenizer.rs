@@ -450,3 +450,37 @@ fn train_saves_the_tokenizer_and_sample_uses_it() {
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.starts_with("hello world"), "{stdout}");
 }
+
+#[test]
+fn configs_take_a_tokenizer_path() {
+    use trainkit::config::{DataConfig, RunConfig};
+    // Read when the data is loaded, not when the config is parsed: the file need not exist.
+    let text = "[data]\nsource = \"text\"\npath = \"x.txt\"\ntokenizer = \"models/llama/\"\n";
+    let cfg = RunConfig::from_toml(text).unwrap();
+    let kind = TokenizerKind::HuggingFace("models/llama/".into());
+    assert_eq!(cfg.data.tokenizer(), kind);
+    let again = RunConfig::from_toml(&cfg.to_toml().unwrap()).unwrap();
+    assert_eq!(again.data, cfg.data);
+    // The built-in names parse as before.
+    let old = "[data]\nsource = \"tokens\"\ntrain = \"x.bin\"\ntokenizer = \"gpt2\"\n";
+    assert_eq!(
+        RunConfig::from_toml(old).unwrap().data.tokenizer(),
+        TokenizerKind::Gpt2
+    );
+    let err = RunConfig::from_toml(&text.replace("models/llama/", "wordpiece"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown tokenizer `wordpiece`"), "{err}");
+    // Loading reads it, and names it when it is missing.
+    let data = DataConfig::Text {
+        path: "x.txt".into(),
+        tokenizer: kind,
+        val_fraction: 0.1,
+        shuffle: false,
+    };
+    let err = data.load(8, 1 << 20).unwrap_err().to_string();
+    assert!(
+        err.contains("models/llama/") && err.contains("no such file"),
+        "{err}"
+    );
+}

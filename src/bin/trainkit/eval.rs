@@ -42,7 +42,7 @@ pub struct EvalArgs {
 /// `tokenizer.json`.
 pub fn model_dir_tokenizer(dir: &Path) -> Option<TokenizerKind> {
     let file = dir.join(TOKENIZER_FILE);
-    file.is_file().then(|| TokenizerKind::HuggingFace(file))
+    file.is_file().then_some(TokenizerKind::HuggingFace(file))
 }
 
 /// The tokenizer a model most likely reads, when nothing says otherwise.

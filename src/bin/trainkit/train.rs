@@ -365,9 +365,10 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let out = cfg.output.out.clone();
     let run_config = cfg.to_toml()?;
     let tokenizer = cfg.data.tokenizer();
-    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| {
+    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| -> Result<()> {
         trainer.save(dir, Some(&run_config))?;
-        copy_tokenizer(&tokenizer, dir)
+        copy_tokenizer(&tokenizer, dir);
+        Ok(())
     };
     if trainer.steps_done() >= t.steps {
         println!(
@@ -483,12 +484,21 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
 
 /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
 /// beside it if there is one) into the model directory `dir`, where `sample` and `eval`
-/// look for it.
-fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) -> Result<()> {
+/// look for it. A failure is a warning: the model itself is saved.
+fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
     let Some(path) = kind.hf_path() else {
-        return Ok(());
+        return;
     };
-    let file = HfTokenizer::resolve(path)?;
+    let file = match HfTokenizer::resolve(path) {
+        Ok(file) => file,
+        Err(e) => {
+            eprintln!(
+                "warning: the tokenizer was not copied into {}: {e}",
+                dir.display()
+            );
+            return;
+        }
+    };
     for (from, name) in [
         (file.clone(), TOKENIZER_FILE),
         (
@@ -502,10 +512,15 @@ fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) -> Result<()> {
             (Ok(a), Ok(b)) if a == b
         );
         if from.is_file() && !same {
-            std::fs::copy(&from, &to).map_err(|e| Error::io(&to, e))?;
+            if let Err(e) = std::fs::copy(&from, &to) {
+                eprintln!(
+                    "warning: {} was not copied to {}: {e}",
+                    from.display(),
+                    to.display()
+                );
+            }
         }
     }
-    Ok(())
 }
 
 /// The config's observer, joined by a timeline writing into `--timeline DIR`.
