@@ -484,3 +484,54 @@ fn configs_take_a_tokenizer_path() {
         "{err}"
     );
 }
+
+/// [`byte_level_bpe`] with Llama 3's pre-tokenizer (which keeps a run of newlines whole)
+/// and a merge of two newlines.
+fn llama3_style() -> Value {
+    let mut v = byte_level_bpe(&["<|end_of_text|>"]);
+    let pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    v["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+    ]});
+    let eot = v["added_tokens"][0]["id"].as_u64().unwrap();
+    v["model"]["vocab"]["ĊĊ"] = json!(eot);
+    v["added_tokens"][0]["id"] = json!(eot + 1);
+    v["model"]["merges"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!("Ċ Ċ"));
+    v
+}
+
+#[test]
+fn long_text_files_encode_as_a_whole() {
+    let dir = TempDir::new("long");
+    let file = dir.path("tokenizer.json");
+    write_json(&file, &llama3_style());
+    let tok = HfTokenizer::open(&file).unwrap();
+    let eot = tok.end_of_text().unwrap();
+    assert_eq!(tok.encode("\n\n"), [eot - 1]);
+    // Long enough to be cut into pieces, with runs of newlines everywhere.
+    let text = "hello world, it's 12345 wor\n\nld!\n\n\nhe  said\n \n".repeat(20_000);
+    let path = dir.path("long.txt");
+    fs::write(&path, &text).unwrap();
+    let out = dir.path("long.bin");
+    prepare(&path, &out, TokenizerKind::HuggingFace(file.clone()), 0.0).unwrap();
+    let mut expected = vec![eot];
+    expected.extend(reference_ids(&file, &text));
+    let got = read_token_file(&out).unwrap();
+    let first = got.iter().zip(&expected).position(|(a, b)| a != b);
+    if let Some(i) =
+        first.or((got.len() != expected.len()).then_some(got.len().min(expected.len())))
+    {
+        let lo = i.saturating_sub(8);
+        panic!(
+            "ids differ at {i} of {} / {}: {:?} vs {:?}",
+            got.len(),
+            expected.len(),
+            &got[lo..(i + 8).min(got.len())],
+            &expected[lo..(i + 8).min(expected.len())]
+        );
+    }
+}

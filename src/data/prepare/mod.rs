@@ -140,11 +140,12 @@ pub fn prepare(
 /// `tokenizer.json`), so documents simply follow each other. Text is read a block at a
 /// time, cut only where GPT-2's pre-tokenizer always splits (so the ids equal those of
 /// tokenizing each document whole, with the exception documented on
-/// [`Gpt2Tokenizer`](super::Gpt2Tokenizer); the same holds for a `tokenizer.json` that
-/// splits words the same way, as byte-level BPE and whitespace pre-tokenizers do, while
-/// one that puts a `▁` before the start of its text, as Llama 2's and Mistral's do, gets
-/// one more `▁` at each cut, one in about 256 KiB of a text file), tokenized in parallel
-/// and written in order; memory stays bounded whatever the input size.
+/// [`Gpt2Tokenizer`](super::Gpt2Tokenizer); preferably at a single space between words,
+/// so the same holds for a `tokenizer.json` whose pre-tokenizer splits there, as the
+/// byte-level BPE of GPT-2, Llama 3 and Qwen and whitespace pre-tokenizers do, while one
+/// that puts a `▁` before the start of its text, as Llama 2's and Mistral's do, gets one
+/// more `▁` at each cut, one in about 256 KiB of a text file), tokenized in parallel and
+/// written in order; memory stays bounded whatever the input size.
 ///
 /// The last `round(tokens × val_fraction)` tokens go to the val file(s). Without
 /// `shard_tokens` the train tokens go to `out` and the val tokens to [`val_path_for`]`(out)`;
