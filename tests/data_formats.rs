@@ -297,10 +297,10 @@ fn tokenizer_kinds() {
     let kind: TokenizerKind = serde_json::from_str("\"bytes\"").unwrap();
     assert_eq!(kind, TokenizerKind::Bytes);
     assert!(serde_json::from_str::<TokenizerKind>("\"GPT-2\"").is_err());
-    assert_eq!(TokenizerKind::Gpt2.build().vocab_size(), 50257);
-    assert_eq!(TokenizerKind::Bytes.build().vocab_size(), 256);
+    assert_eq!(TokenizerKind::Gpt2.build().unwrap().vocab_size(), 50257);
+    assert_eq!(TokenizerKind::Bytes.build().unwrap().vocab_size(), 256);
     assert_eq!(
-        TokenizerKind::Bytes.build().encode("hé"),
+        TokenizerKind::Bytes.build().unwrap().encode("hé"),
         ByteTokenizer.encode("hé")
     );
 }
@@ -310,11 +310,11 @@ fn check_prepare(dir: &TempDir, text: &str, kind: TokenizerKind, val_fraction: f
     let text_path = dir.path("input.txt");
     fs::write(&text_path, text).unwrap();
     let out = dir.path("out/corpus.bin");
-    let report = prepare(&text_path, &out, kind, val_fraction).unwrap();
-    let expected = kind.build().encode(text);
+    let report = prepare(&text_path, &out, kind.clone(), val_fraction).unwrap();
+    let expected = kind.build().unwrap().encode(text);
 
     // The document starts with the end-of-text token, as in llm.c's files.
-    let expected = match kind.end_of_text() {
+    let expected = match kind.end_of_text().unwrap() {
         Some(eot) => [vec![eot], expected].concat(),
         None => expected,
     };

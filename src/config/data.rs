@@ -21,7 +21,9 @@ pub enum DataConfig {
     Text {
         /// Path of the file.
         path: PathBuf,
-        /// `gpt2` (BPE, vocabulary 50257) or `bytes` (vocabulary 256).
+        /// `gpt2` (BPE, vocabulary 50257), `bytes` (vocabulary 256), or the path of a
+        /// Hugging Face `tokenizer.json` or of a model directory that holds one (see
+        /// [`TokenizerKind`]).
         #[serde(default = "default_text_tokenizer")]
         tokenizer: TokenizerKind,
         /// Fraction of the tokens held out for evaluation, in (0, 1).
@@ -125,7 +127,9 @@ impl DataConfig {
     pub fn tokenizer(&self) -> TokenizerKind {
         match self {
             DataConfig::Builtin { .. } => TokenizerKind::Bytes,
-            DataConfig::Text { tokenizer, .. } | DataConfig::Tokens { tokenizer, .. } => *tokenizer,
+            DataConfig::Text { tokenizer, .. } | DataConfig::Tokens { tokenizer, .. } => {
+                tokenizer.clone()
+            }
         }
     }
 
@@ -141,20 +145,13 @@ impl DataConfig {
         }
         // Token files hold ids, checked against the model's vocabulary when they are read
         // (`load`); their tokenizer matters only for sampling.
+        // A tokenizer file is read (and its vocabulary checked) when the data is loaded,
+        // so that a config parses wherever it is read.
         let tok = self.tokenizer();
-        if !matches!(self, DataConfig::Tokens { .. }) && model.vocab_size < tok.vocab_size() {
-            return Err(Error::config(
-                "model.vocab_size",
-                format!(
-                    "{} is smaller than the {tok} tokenizer's {}; set model.vocab_size \
-                     (--vocab-size) to at least {}",
-                    model.vocab_size,
-                    tok.vocab_size(),
-                    tok.vocab_size()
-                ),
-            ));
+        if matches!(self, DataConfig::Tokens { .. }) || tok.hf_path().is_some() {
+            return Ok(());
         }
-        Ok(())
+        check_vocab(&tok, tok.vocab_size()?, model.vocab_size)
     }
 
     /// The primary source, unsplit: the training shards, memory-mapped; or the text file
@@ -177,20 +174,7 @@ impl DataConfig {
             }
             DataConfig::Text {
                 path, tokenizer, ..
-            } => {
-                let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-                let text = String::from_utf8(bytes).map_err(|e| {
-                    Error::data(
-                        path.display().to_string(),
-                        format!(
-                            "is not UTF-8 text (invalid byte at offset {}); pass a text file, \
-                             or an llm.c token file written by `trainkit prepare`",
-                            e.utf8_error().valid_up_to()
-                        ),
-                    )
-                })?;
-                Ok(tokenizer.build().encode(&text))
-            }
+            } => read_text(path, tokenizer.build()?.as_ref()),
             DataConfig::Tokens { train, .. } => {
                 let data = TokenDataset::open(train)?;
                 let mut tokens = Vec::with_capacity(data.len_tokens());
@@ -226,7 +210,9 @@ impl DataConfig {
                 val_fraction,
                 shuffle,
             } => {
-                let tokens = self.read_tokens()?;
+                let tok = tokenizer.build()?;
+                check_vocab(tokenizer, tok.vocab_size(), vocab_size)?;
+                let tokens = read_text(path, tok.as_ref())?;
                 let split = tokens.len() - (tokens.len() as f64 * val_fraction) as usize;
                 Corpus {
                     val: tokens[split..].to_vec().into(),
@@ -237,7 +223,7 @@ impl DataConfig {
                     },
                     shuffle: *shuffle,
                     entropy_floor: None,
-                    tokenizer: *tokenizer,
+                    tokenizer: tokenizer.clone(),
                     description: format!("{} ({tokenizer} tokens)", path.display()),
                 }
             }
@@ -279,7 +265,7 @@ impl DataConfig {
                     val: val_data,
                     shuffle: *shuffle,
                     entropy_floor: None,
-                    tokenizer: *tokenizer,
+                    tokenizer: tokenizer.clone(),
                     description,
                 }
             }
@@ -305,4 +291,36 @@ impl DataConfig {
         }
         Ok(corpus)
     }
+}
+
+/// The text file `path`, tokenized with `tok`.
+fn read_text(path: &Path, tok: &dyn Tokenizer) -> Result<Vec<u32>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        Error::data(
+            path.display().to_string(),
+            format!(
+                "is not UTF-8 text (invalid byte at offset {}); pass a text file, or an \
+                 llm.c token file written by `trainkit prepare`",
+                e.utf8_error().valid_up_to()
+            ),
+        )
+    })?;
+    tok.try_encode(&text)
+}
+
+/// Fails, naming the tokenizer and the fix, when its `vocab` ids do not fit in the
+/// model's `model_vocab`.
+fn check_vocab(tokenizer: &TokenizerKind, vocab: usize, model_vocab: usize) -> Result<()> {
+    if model_vocab < vocab {
+        return Err(Error::config(
+            "model.vocab_size",
+            format!(
+                "{model_vocab} is smaller than the {tokenizer} tokenizer's {vocab}; set \
+                 model.vocab_size (--vocab-size) to at least {vocab}, or use a tokenizer \
+                 with fewer ids"
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -72,8 +72,8 @@ impl Overrides {
     /// Lays the settings over `cfg`, then validates it.
     pub fn apply(&self, cfg: &mut RunConfig) -> Result<()> {
         if let Some(path) = &self.data {
-            cfg.data = DataConfig::from_path(path, self.tokenizer);
-        } else if let Some(kind) = self.tokenizer {
+            cfg.data = DataConfig::from_path(path, self.tokenizer.clone());
+        } else if let Some(kind) = self.tokenizer.clone() {
             match &mut cfg.data {
                 DataConfig::Text { tokenizer, .. } | DataConfig::Tokens { tokenizer, .. } => {
                     *tokenizer = kind

@@ -1,13 +1,8 @@
 //! GPT-2's byte-level BPE tokenizer (the `r50k_base` ranks, shipped inside tiktoken-rs, no
-//! download), and [`TokenizerKind`], the choice of tokenizer in configs and on the command
-//! line.
+//! download).
 
-use super::{ByteTokenizer, Tokenizer};
-use crate::error::{Error, Result};
+use super::Tokenizer;
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
 use tiktoken_rs::CoreBPE;
 
 /// GPT-2's tokenizer: byte-level BPE with 50,257 ids, the last being `<|endoftext|>`
@@ -108,6 +103,10 @@ impl Tokenizer for Gpt2Tokenizer {
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         }
     }
+
+    fn end_of_text(&self) -> Option<u32> {
+        Some(Self::EOT)
+    }
 }
 
 /// Cuts `text` into pieces of at least `target` bytes (the last may be shorter) whose
@@ -152,79 +151,6 @@ fn split_for_encoding(text: &str, target: usize, max_stretch: usize) -> Vec<&str
         chunks.push(&text[start..]);
     }
     chunks
-}
-
-/// Which tokenizer turns text into ids: the choice in a config (`"gpt2"`, `"bytes"`) and
-/// on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TokenizerKind {
-    /// GPT-2's BPE ([`Gpt2Tokenizer`]), vocabulary 50,257.
-    Gpt2,
-    /// One token per UTF-8 byte ([`ByteTokenizer`]), vocabulary 256.
-    Bytes,
-}
-
-impl TokenizerKind {
-    /// Every kind, in the order they are listed in messages.
-    pub const ALL: [TokenizerKind; 2] = [TokenizerKind::Gpt2, TokenizerKind::Bytes];
-
-    /// The name used in configs and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            TokenizerKind::Gpt2 => "gpt2",
-            TokenizerKind::Bytes => "bytes",
-        }
-    }
-
-    /// The vocabulary size of this kind's tokenizer.
-    pub fn vocab_size(self) -> usize {
-        match self {
-            TokenizerKind::Gpt2 => Gpt2Tokenizer::VOCAB_SIZE,
-            TokenizerKind::Bytes => 256,
-        }
-    }
-
-    /// The id that separates documents, if the vocabulary has one (GPT-2's
-    /// `<|endoftext|>`, 50256; the byte tokenizer has none).
-    pub fn end_of_text(self) -> Option<u32> {
-        match self {
-            TokenizerKind::Gpt2 => Some(Gpt2Tokenizer::EOT),
-            TokenizerKind::Bytes => None,
-        }
-    }
-
-    /// The tokenizer of this kind.
-    pub fn build(self) -> Box<dyn Tokenizer> {
-        match self {
-            TokenizerKind::Gpt2 => Box::new(Gpt2Tokenizer),
-            TokenizerKind::Bytes => Box::new(ByteTokenizer),
-        }
-    }
-}
-
-impl fmt::Display for TokenizerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for TokenizerKind {
-    type Err = Error;
-
-    /// Parses `gpt2` or `bytes` (ignoring case and surrounding spaces).
-    fn from_str(s: &str) -> Result<Self> {
-        let wanted = s.trim();
-        TokenizerKind::ALL
-            .into_iter()
-            .find(|kind| kind.name().eq_ignore_ascii_case(wanted))
-            .ok_or_else(|| {
-                Error::config(
-                    "tokenizer",
-                    format!("unknown tokenizer `{s}`; valid values are `gpt2` and `bytes`"),
-                )
-            })
-    }
 }
 
 #[cfg(test)]
@@ -322,19 +248,5 @@ mod tests {
         assert_eq!(chunks.concat(), text);
         assert!(chunks.iter().all(|c| c.len() <= 32), "{chunks:?}");
         assert_eq!(split_for_encoding("", 10, 10), [""]);
-    }
-
-    #[test]
-    fn kinds_parse_and_print() {
-        for kind in TokenizerKind::ALL {
-            assert_eq!(kind.to_string().parse::<TokenizerKind>().unwrap(), kind);
-            assert_eq!(kind.build().vocab_size(), kind.vocab_size());
-        }
-        assert_eq!(
-            " GPT2 ".parse::<TokenizerKind>().unwrap(),
-            TokenizerKind::Gpt2
-        );
-        let e = "bpe".parse::<TokenizerKind>().unwrap_err().to_string();
-        assert!(e.contains("`gpt2`") && e.contains("`bytes`"), "{e}");
     }
 }

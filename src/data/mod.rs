@@ -1,19 +1,23 @@
-//! Data: token files and shards (memory-mapped), tokenizers, the built-in synthetic corpus,
+//! Data: token files and shards (memory-mapped), tokenizers (GPT-2, bytes, Hugging Face
+//! `tokenizer.json`), the built-in synthetic corpus,
 //! llm.c-style batching, and `prepare`, which streams text into token shards.
 
 mod corpus;
 mod dataset;
 mod gpt2_tokenizer;
+mod hf_tokenizer;
 mod loader;
 mod prepare;
 mod shard;
 mod token_file;
 mod tokenizer;
+mod tokenizer_kind;
 
 pub use crate::model::Batch;
 pub use corpus::SyntheticCorpus;
 pub use dataset::{is_shard_spec, is_val_shard, TokenDataset};
-pub use gpt2_tokenizer::{Gpt2Tokenizer, TokenizerKind};
+pub use gpt2_tokenizer::Gpt2Tokenizer;
+pub use hf_tokenizer::{HfTokenizer, END_OF_TEXT_TOKENS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use loader::{DataCursor, DataLoader};
 pub use prepare::{
     prepare, prepare_with, val_path_for, InputKind, PrepareOptions, PrepareProgress, PrepareReport,
@@ -24,3 +28,4 @@ pub use token_file::{
     TokenFormat, TOKEN_FILE_HEADER_BYTES, TOKEN_FILE_MAGIC, TOKEN_FILE_VERSION,
 };
 pub use tokenizer::{ByteTokenizer, Tokenizer};
+pub use tokenizer_kind::TokenizerKind;

@@ -1,5 +1,6 @@
 //! Tokenizers: text to token ids and back.
 
+use crate::error::Result;
 use std::fmt::Debug;
 
 /// Turns text into token ids and back.
@@ -10,6 +11,16 @@ pub trait Tokenizer: Debug + Send + Sync {
     fn encode(&self, text: &str) -> Vec<u32>;
     /// Text of `ids` (invalid sequences replaced, never an error).
     fn decode(&self, ids: &[u32]) -> String;
+    /// Token ids of `text`, or an error naming what cannot be encoded (only a tokenizer
+    /// read from a file can fail: a word-level vocabulary without an unknown token).
+    fn try_encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.encode(text))
+    }
+    /// The id that separates documents, if the vocabulary has one (GPT-2's
+    /// `<|endoftext|>`; see [`HfTokenizer`](super::HfTokenizer) for a `tokenizer.json`).
+    fn end_of_text(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// One token per byte of UTF-8: vocabulary 256, works on any text.

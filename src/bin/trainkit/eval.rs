@@ -1,8 +1,8 @@
 //! `trainkit eval`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use trainkit::config::DataConfig;
-use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::data::{DataLoader, TokenizerKind, TOKENIZER_FILE};
 use trainkit::save::read_model_dir;
 use trainkit::{Error, Result};
 
@@ -16,7 +16,8 @@ pub struct EvalArgs {
     /// An llm.c token file, or a text file tokenized with --tokenizer.
     #[arg(long)]
     data: PathBuf,
-    /// Tokenizer for text data: gpt2 or bytes (default: gpt2 for models with GPT-2's
+    /// Tokenizer for text data: gpt2, bytes, or a Hugging Face tokenizer.json (default: the
+    /// model directory's tokenizer.json if it has one, else gpt2 for models with GPT-2's
     /// vocabulary, else bytes).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
@@ -37,9 +38,16 @@ pub struct EvalArgs {
     json: bool,
 }
 
+/// The Hugging Face tokenizer in the model directory `dir`, if it holds a
+/// `tokenizer.json`.
+pub fn model_dir_tokenizer(dir: &Path) -> Option<TokenizerKind> {
+    let file = dir.join(TOKENIZER_FILE);
+    file.is_file().then_some(TokenizerKind::HuggingFace(file))
+}
+
 /// The tokenizer a model most likely reads, when nothing says otherwise.
 pub fn default_tokenizer(vocab_size: usize) -> TokenizerKind {
-    if vocab_size >= TokenizerKind::Gpt2.vocab_size() {
+    if vocab_size >= trainkit::data::Gpt2Tokenizer::VOCAB_SIZE {
         TokenizerKind::Gpt2
     } else {
         TokenizerKind::Bytes
@@ -56,6 +64,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let dir = read_model_dir(&args.model)?;
     let tokenizer = args
         .tokenizer
+        .clone()
+        .or_else(|| model_dir_tokenizer(&args.model))
         .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size));
     let source = DataConfig::from_path(&args.data, Some(tokenizer));
     let tokens = source.train_dataset()?;

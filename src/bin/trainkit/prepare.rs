@@ -21,7 +21,9 @@ pub struct PrepareArgs {
     /// data/shakespeare_val.bin); with --shard-tokens, the name shards are numbered from.
     #[arg(long)]
     out: PathBuf,
-    /// gpt2 (BPE, vocabulary 50257) or bytes (vocabulary 256).
+    /// gpt2 (BPE, vocabulary 50257), bytes (vocabulary 256), or a Hugging Face
+    /// tokenizer.json (or a model directory that holds one); its end-of-text token goes
+    /// before every document.
     #[arg(long, default_value = "gpt2")]
     tokenizer: TokenizerKind,
     /// Fraction of the tokens, from the end, written to the val file(s).
@@ -43,7 +45,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     let options = PrepareOptions {
         inputs,
         out: args.out.clone(),
-        tokenizer: args.tokenizer,
+        tokenizer: args.tokenizer.clone(),
         val_fraction: args.val_fraction,
         shard_tokens: args.shard_tokens,
     };
@@ -129,14 +131,13 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         (_, Some(first)) => first.display().to_string(),
         _ => String::new(),
     };
+    let vocab = match &args.tokenizer {
+        TokenizerKind::Bytes => String::new(),
+        kind => format!(" --vocab-size {}", kind.vocab_size()?),
+    };
     println!(
-        "train on them with: trainkit train --data {data} --tokenizer {}{}",
+        "train on them with: trainkit train --data {data} --tokenizer {}{vocab}",
         args.tokenizer,
-        if args.tokenizer == TokenizerKind::Gpt2 {
-            " --vocab-size 50257"
-        } else {
-            ""
-        }
     );
     Ok(())
 }

@@ -1,11 +1,11 @@
 //! `trainkit sample`.
 
-use crate::eval::default_tokenizer;
+use crate::eval::{default_tokenizer, model_dir_tokenizer};
 use std::path::PathBuf;
 use trainkit::config::RunConfig;
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
-use trainkit::{Result, Rng, SamplingOptions};
+use trainkit::{Error, Result, Rng, SamplingOptions};
 
 /// Generate text from a saved model.
 #[derive(clap::Args)]
@@ -28,7 +28,9 @@ pub struct SampleArgs {
     /// Seed of the sampling.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
-    /// gpt2 or bytes (default: what the run that saved the model used).
+    /// gpt2, bytes, or a Hugging Face tokenizer.json (or a directory that holds one)
+    /// (default: the model directory's tokenizer.json if it has one, else what the run
+    /// that saved the model used).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
     /// auto, cpu or cuda.
@@ -39,13 +41,24 @@ pub struct SampleArgs {
 pub fn run(args: SampleArgs) -> Result<()> {
     let dir = read_model_dir(&args.model)?;
     let saved = args.model.join(RUN_CONFIG_FILE);
-    let tokenizer = match args.tokenizer {
-        Some(t) => t,
-        None if saved.is_file() => RunConfig::from_file(&saved)?.data.tokenizer(),
-        None => default_tokenizer(dir.config.vocab_size),
+    let tokenizer = match (args.tokenizer, model_dir_tokenizer(&args.model)) {
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) if saved.is_file() => RunConfig::from_file(&saved)?.data.tokenizer(),
+        (None, None) => default_tokenizer(dir.config.vocab_size),
     };
-    let tok = tokenizer.build();
-    let prompt = tok.encode(&args.prompt);
+    let tok = tokenizer.build()?;
+    if tok.vocab_size() > dir.config.vocab_size {
+        return Err(Error::config(
+            "--tokenizer",
+            format!(
+                "the {tokenizer} tokenizer has {} ids, more than the model's vocabulary of \
+                 {}; sample with the tokenizer the model was trained with (--tokenizer)",
+                tok.vocab_size(),
+                dir.config.vocab_size
+            ),
+        ));
+    }
+    let prompt = tok.try_encode(&args.prompt)?;
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
     let mut trainer = crate::trainer_for(&dir, &args.device, placeholder)?;
     let mut rng = Rng::new(args.seed);

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use trainkit::config::{Overrides, RunConfig};
-use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::data::{
+    DataLoader, HfTokenizer, TokenizerKind, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
 use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
 use trainkit::{
@@ -32,8 +34,9 @@ pub struct TrainArgs {
     /// Visit shards and batches in a random order drawn from --seed, new every epoch.
     #[arg(long)]
     shuffle: bool,
-    /// Tokenizer of the data: gpt2 or bytes (text files default to bytes, token files
-    /// to gpt2).
+    /// Tokenizer of the data: gpt2, bytes, or a Hugging Face tokenizer.json (or a model
+    /// directory that holds one), copied into --out (text files default to bytes, token
+    /// files to gpt2).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
     /// Start from the weights of a model directory (trainkit's or transformers'
@@ -158,7 +161,7 @@ impl TrainArgs {
             data: self.data.clone(),
             val_data: self.val_data.clone(),
             shuffle: self.shuffle.then_some(true),
-            tokenizer: self.tokenizer,
+            tokenizer: self.tokenizer.clone(),
             init_from: self.init_from.clone(),
             out: self.out.clone(),
             steps: self.steps,
@@ -368,7 +371,12 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     }
     let out = cfg.output.out.clone();
     let run_config = cfg.to_toml()?;
-    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| trainer.save(dir, Some(&run_config));
+    let tokenizer = cfg.data.tokenizer();
+    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| -> Result<()> {
+        trainer.save(dir, Some(&run_config))?;
+        copy_tokenizer(&tokenizer, dir);
+        Ok(())
+    };
     if trainer.steps_done() >= t.steps {
         println!(
             "at step {} of {}: nothing to train (raise --steps to go on)",
@@ -479,6 +487,47 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         None => println!("not saved (pass --out DIR to keep the model)"),
     }
     Ok(())
+}
+
+/// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
+/// beside it if there is one) into the model directory `dir`, where `sample` and `eval`
+/// look for it. A failure is a warning: the model itself is saved.
+fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
+    let Some(path) = kind.hf_path() else {
+        return;
+    };
+    let file = match HfTokenizer::resolve(path) {
+        Ok(file) => file,
+        Err(e) => {
+            eprintln!(
+                "warning: the tokenizer was not copied into {}: {e}",
+                dir.display()
+            );
+            return;
+        }
+    };
+    for (from, name) in [
+        (file.clone(), TOKENIZER_FILE),
+        (
+            file.with_file_name(TOKENIZER_CONFIG_FILE),
+            TOKENIZER_CONFIG_FILE,
+        ),
+    ] {
+        let to = dir.join(name);
+        let same = matches!(
+            (std::fs::canonicalize(&from), std::fs::canonicalize(&to)),
+            (Ok(a), Ok(b)) if a == b
+        );
+        if from.is_file() && !same {
+            if let Err(e) = std::fs::copy(&from, &to) {
+                eprintln!(
+                    "warning: {} was not copied to {}: {e}",
+                    from.display(),
+                    to.display()
+                );
+            }
+        }
+    }
 }
 
 /// The config's observer, joined by a timeline writing into `--timeline DIR`.

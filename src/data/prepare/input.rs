@@ -36,6 +36,10 @@ pub(super) struct Piece {
 /// Text past which a stretch with no exact cut is cut anyway.
 const FORCED_CUT_BYTES: usize = 64 << 10;
 
+/// Text past which a cut exact for GPT-2 only is taken when there is no single space
+/// between words to cut at (see [`exact_cut`]).
+const FALLBACK_CUT_BYTES: usize = 16 << 10;
+
 /// Reads the inputs in order as pieces of text cut where tokenizing the pieces one by one
 /// gives the ids of tokenizing the whole (see [`exact_cut`]).
 pub(super) struct Reader {
@@ -176,7 +180,7 @@ impl TextStream {
             let cut = if self.eof && valid == self.carry.len() {
                 Some(valid)
             } else {
-                match exact_cut(text) {
+                match exact_cut(text, FALLBACK_CUT_BYTES) {
                     Some(cut) => Some(cut),
                     // No exact cut in a long stretch: cut anyway, as the GPT-2 tokenizer
                     // itself does past 16 KiB.
@@ -224,16 +228,26 @@ impl TextStream {
 /// non-whitespace character follows (the argument is on the GPT-2 tokenizer's
 /// `split_for_encoding`). Tokenizing the text before and after such a cut separately gives
 /// the ids of tokenizing it whole.
-pub(super) fn exact_cut(text: &str) -> Option<usize> {
+///
+/// A single space between two non-whitespace characters is preferred: it is also exact
+/// for the pre-tokenizers of Llama 3 and Qwen, which keep a run of newlines whole; another
+/// cut is taken only when there is none and `text` holds at least `fallback_from` bytes.
+pub(super) fn exact_cut(text: &str, fallback_from: usize) -> Option<usize> {
     let mut next_is_space = None;
-    for (i, c) in text.char_indices().rev() {
+    let mut fallback = None;
+    let mut chars = text.char_indices().rev().peekable();
+    while let Some((i, c)) = chars.next() {
         let space = c.is_whitespace();
         if space && next_is_space == Some(false) && i > 0 {
-            return Some(i);
+            let single = c == ' ' && matches!(chars.peek(), Some((_, p)) if !p.is_whitespace());
+            if single {
+                return Some(i);
+            }
+            fallback = fallback.or(Some(i));
         }
         next_is_space = Some(space);
     }
-    None
+    fallback.filter(|_| text.len() >= fallback_from)
 }
 
 /// The part of a JSON line that `prepare` reads; every other field is skipped.
@@ -310,11 +324,17 @@ mod tests {
 
     #[test]
     fn exact_cuts() {
-        assert_eq!(exact_cut("hello world"), Some(5));
-        assert_eq!(exact_cut("a  b c  "), Some(4));
-        assert_eq!(exact_cut("  x"), Some(1));
-        assert_eq!(exact_cut(" x"), None);
-        assert_eq!(exact_cut("abc"), None);
-        assert_eq!(exact_cut("日本 語"), Some(6));
+        assert_eq!(exact_cut("hello world", 0), Some(5));
+        assert_eq!(exact_cut("a  b c  ", 0), Some(4));
+        assert_eq!(exact_cut("  x", 0), Some(1));
+        assert_eq!(exact_cut(" x", 0), None);
+        assert_eq!(exact_cut("abc", 0), None);
+        assert_eq!(exact_cut("日本 語", 0), Some(6));
+        // A single space between words is preferred to a cut in a run of whitespace.
+        assert_eq!(exact_cut("a b\n\nc", 0), Some(1));
+        assert_eq!(exact_cut("a\n\nc", 0), Some(2));
+        assert_eq!(exact_cut("\n b", 0), Some(1));
+        assert_eq!(exact_cut("a\n\nc", 5), None);
+        assert_eq!(exact_cut("a b\n\nc", 5), Some(1));
     }
 }

@@ -135,11 +135,17 @@ pub fn prepare(
 ///
 /// Each text file is one document and each JSON line one document (its `text` field);
 /// like llm.c's data scripts, the tokenizer's end-of-text token (GPT-2's `<|endoftext|>`,
-/// 50256) goes before every document; the byte tokenizer has none, so documents simply
-/// follow each other. Text is read a block at a time, cut only where GPT-2's
-/// pre-tokenizer always splits (so the ids equal those of tokenizing each document whole,
-/// with the exception documented on [`Gpt2Tokenizer`](super::Gpt2Tokenizer)), tokenized
-/// in parallel and written in order; memory stays bounded whatever the input size.
+/// 50256; for a Hugging Face `tokenizer.json`, the one [`HfTokenizer`](super::HfTokenizer)
+/// finds) goes before every document; the byte tokenizer has none (nor may a
+/// `tokenizer.json`), so documents simply follow each other. Text is read a block at a
+/// time, cut only where GPT-2's pre-tokenizer always splits (so the ids equal those of
+/// tokenizing each document whole, with the exception documented on
+/// [`Gpt2Tokenizer`](super::Gpt2Tokenizer); preferably at a single space between words,
+/// so the same holds for a `tokenizer.json` whose pre-tokenizer splits there, as the
+/// byte-level BPE of GPT-2, Llama 3 and Qwen and whitespace pre-tokenizers do, while one
+/// that puts a `▁` before the start of its text, as Llama 2's and Mistral's do, gets one
+/// more `▁` at each cut, one in about 256 KiB of a text file), tokenized in parallel and
+/// written in order; memory stays bounded whatever the input size.
 ///
 /// The last `round(tokens × val_fraction)` tokens go to the val file(s). Without
 /// `shard_tokens` the train tokens go to `out` and the val tokens to [`val_path_for`]`(out)`;
@@ -149,7 +155,9 @@ pub fn prepare(
 /// format is u16, or u32 for a vocabulary above 65536.
 ///
 /// Nothing appears before the whole input has been read: tokens go to temporary files,
-/// renamed into place at the end, each complete; a failure removes them. Fails if
+/// renamed into place at the end, each complete; a failure removes them. Fails if the
+/// tokenizer cannot be read (a `tokenizer.json` missing or not one) or cannot encode the
+/// text, if
 /// `val_fraction` is not in `[0, 1)` (0 writes no val file), if an input is missing, not
 /// UTF-8, a token file, or (JSON lines) a line that is not an object with a `text` string
 /// (the error names the file and line), if a glob matches nothing, if `out` is a directory
@@ -166,7 +174,7 @@ pub fn prepare_with(
         shard_tokens,
         ..
     } = options;
-    let (tokenizer, val_fraction, shard_tokens) = (*tokenizer, *val_fraction, *shard_tokens);
+    let (val_fraction, shard_tokens) = (*val_fraction, *shard_tokens);
     if !(0.0..1.0).contains(&val_fraction) {
         return Err(Error::config(
             "--val-fraction",
@@ -203,6 +211,16 @@ pub fn prepare_with(
         ));
     }
     let inputs = resolve_inputs(&options.inputs)?;
+    let tok = tokenizer.build()?;
+    let eot = tok.end_of_text();
+    if eot.is_none() && tokenizer.hf_path().is_some() {
+        log::warn!(
+            "the tokenizer {tokenizer} has no end-of-text token (no eos_token in a \
+             tokenizer_config.json beside it, none of {} among its special tokens): the \
+             documents are written with nothing between them",
+            super::END_OF_TEXT_TOKENS.join(" ")
+        );
+    }
     let train_name = |i: usize| match shard_tokens {
         Some(_) => numbered(out, i),
         None => out.clone(),
@@ -236,14 +254,12 @@ pub fn prepare_with(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let format = TokenFormat::for_vocab(tokenizer.vocab_size());
+    let format = TokenFormat::for_vocab(tok.vocab_size());
     let per_file = shard_tokens.unwrap_or(usize::MAX);
     let mut train = ShardWriter::new(&dir, &stem, format, per_file);
     let total_bytes = inputs.iter().map(|i| i.len).sum();
     let mut reader = Reader::new(inputs);
     let start = Instant::now();
-    let tok = tokenizer.build();
-    let eot = tokenizer.end_of_text();
     loop {
         let mut batch: Vec<Vec<Piece>> = Vec::new();
         let mut bytes = 0;
@@ -265,11 +281,11 @@ pub fn prepare_with(
                     if let (true, Some(eot)) = (piece.starts_document, eot) {
                         ids.push(eot);
                     }
-                    ids.extend(tok.encode(&piece.text));
+                    ids.extend(tok.try_encode(&piece.text)?);
                 }
-                ids
+                Ok(ids)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         drop(batch);
         for ids in &encoded {
             train.push(ids)?;
