@@ -527,3 +527,28 @@ fn tracks_the_cpu(backend: Arc<dyn Backend>, name: &str, tolerance: f64) {
         );
     }
 }
+
+/// An op node of a downstream crate reaches its parameters' weights and gradient buffers
+/// as trainkit's own nodes do (`BackwardCx::params`).
+#[test]
+fn a_downstream_node_accumulates_parameter_gradients() {
+    let be = CpuBackend::new();
+    let mut p =
+        trainkit::optim::Param::new(&be, "gain", &[4], &[1.0, 2.0, 3.0, 4.0], &Fp32).unwrap();
+    let delta = be
+        .upload(
+            &[0.5; 4],
+            &[4],
+            DType::F32,
+            MemoryCategory::Workspace,
+            "delta",
+        )
+        .unwrap();
+    for _ in 0..2 {
+        let (weight, grad) = p.weight_and_grad(&be).unwrap();
+        assert_eq!(be.to_f32(weight).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+        be.axpy(grad, 1.0, &delta).unwrap();
+    }
+    be.axpy(p.grad_mut(&be).unwrap(), 2.0, &delta).unwrap();
+    assert_eq!(be.to_f32(p.grad().unwrap()).unwrap(), vec![2.0; 4]);
+}

@@ -183,8 +183,10 @@ impl Param {
         &self.state
     }
 
-    /// The gradient buffer, allocated (zeroed) on first use.
-    pub(crate) fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
+    /// The gradient buffer, allocated (zeroed) on first use: what an op node's backward
+    /// accumulates its parameter's gradient into (add to it, never overwrite: several
+    /// nodes and micro-batches add up in it).
+    pub fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
         if self.grad.is_none() {
             let g = backend.zeros(
                 self.weight.shape(),
@@ -199,10 +201,7 @@ impl Param {
 
     /// The compute weights and the gradient buffer, for an op that reads one and
     /// accumulates into the other.
-    pub(crate) fn weight_and_grad(
-        &mut self,
-        backend: &dyn Backend,
-    ) -> Result<(&Tensor, &mut Tensor)> {
+    pub fn weight_and_grad(&mut self, backend: &dyn Backend) -> Result<(&Tensor, &mut Tensor)> {
         self.grad_mut(backend)?;
         Ok((&self.weight, self.grad.as_mut().expect("allocated above")))
     }
