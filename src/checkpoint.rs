@@ -76,7 +76,7 @@ impl Tags {
 impl std::ops::BitOr for Tags {
     type Output = Tags;
     fn bitor(self, rhs: Tags) -> Tags {
-        Tags(self.0 | rhs.0)
+        self.with(rhs)
     }
 }
 

@@ -171,10 +171,6 @@ struct ReluSquaredGpt {
     graph: Graph,
 }
 
-fn value(name: &'static str, label: String, tags: Tags) -> Value {
-    Value { name, label, tags }
-}
-
 impl ReluSquaredGpt {
     fn new(config: Gpt2Config) -> Self {
         let index: HashMap<String, usize> = config
@@ -193,7 +189,7 @@ impl ReluSquaredGpt {
             bias: true,
             transposed: false,
         };
-        let mut embedding = Section::new(value("tokens", "tokens".into(), Tags::NONE));
+        let mut embedding = Section::new(Value::new("tokens", "tokens", Tags::NONE));
         let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
         embedding.node(
             LearnedEmbedding,
@@ -207,7 +203,7 @@ impl ReluSquaredGpt {
                 let h = |s: &str| p(&format!("transformer.h.{l}.{s}"));
                 let label = |s: &str| format!("h.{l}.{s}");
                 let (attn, mlp) = (Tags::ATTENTION, Tags::MLP);
-                let mut s = Section::new(value("input", label("input"), Tags::LAYER_INPUT));
+                let mut s = Section::new(Value::new("input", label("input"), Tags::LAYER_INPUT));
                 let ln1 = s.value("ln1_out", label("ln1_out"), attn | Tags::NORM_OUT);
                 let ln1_stats = s.value("ln1_stats", label("ln1_stats"), attn | Tags::NORM_STATS);
                 let qkv = s.value("qkv", label("qkv"), attn | Tags::PROJECTION);
@@ -277,7 +273,7 @@ impl ReluSquaredGpt {
                 s
             })
             .collect();
-        let mut head = Section::new(value("input", "ln_f.input".into(), Tags::NONE));
+        let mut head = Section::new(Value::new("input", "ln_f.input", Tags::NONE));
         let out = head.value("out", "ln_f.out", Tags::NORM_OUT);
         let stats = head.value("stats", "ln_f.stats", Tags::NORM_STATS);
         let logits = head.value("logits", "logits", Tags::NONE);

@@ -12,13 +12,13 @@
 //! the embedding). A node's gradient for an input is written when it is the input's first
 //! reader in backward order and accumulated by later ones.
 
-use super::graph::{Graph, Section};
+use super::graph::{Graph, Node, Section};
 use super::{Batch, Param, Pass, PassStats};
 use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention};
 use crate::device::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::{MemoryCategory, Phase};
-use crate::ops::{BackwardCx, ForwardCx, GradIn, Saved};
+use crate::ops::{missing, BackwardCx, ForwardCx, GradIn, Saved};
 use crate::tensor::{DType, Tensor};
 
 /// Bytes the checkpoint policy kept and dropped during forward.
@@ -158,6 +158,17 @@ impl State {
         self.shapes[0] = Some((x.shape().to_vec(), x.dtype()));
         self.stash[0] = Some(x);
     }
+
+    /// The inputs `node` needs to compute its `wanted` outputs, given those present
+    /// ([`crate::ops::Op::inputs_needed`]).
+    fn inputs_needed(&self, node: &Node, wanted: &[bool]) -> u32 {
+        let present: Vec<bool> = node
+            .outputs
+            .iter()
+            .map(|&v| self.stash[v].is_some())
+            .collect();
+        node.op.inputs_needed(wanted, &present)
+    }
 }
 
 /// One pass's settings and counters.
@@ -203,12 +214,7 @@ impl<'r> Run<'r> {
         wanted: Vec<bool>,
     ) -> Result<u64> {
         let node = &sec.nodes[n];
-        let present: Vec<bool> = node
-            .outputs
-            .iter()
-            .map(|&v| st.stash[v].is_some())
-            .collect();
-        let needed = node.op.inputs_needed(&wanted, &present);
+        let needed = st.inputs_needed(node, &wanted);
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (i, &v) in node.inputs.iter().enumerate() {
             if needed >> i & 1 == 1 {
@@ -354,12 +360,7 @@ impl<'r> Run<'r> {
             .ok_or_else(|| missing(&sec.values[v].label))?;
         let node = &sec.nodes[n];
         let wanted: Vec<bool> = node.outputs.iter().map(|&o| o == v).collect();
-        let present: Vec<bool> = node
-            .outputs
-            .iter()
-            .map(|&o| st.stash[o].is_some())
-            .collect();
-        let needed = node.op.inputs_needed(&wanted, &present);
+        let needed = st.inputs_needed(node, &wanted);
         for (i, &input) in node.inputs.iter().enumerate() {
             if needed >> i & 1 == 1 {
                 self.ensure(params, sec, st, input)?;
@@ -387,17 +388,8 @@ impl<'r> Run<'r> {
         };
         for i in start..l {
             let sec = &self.graph.layers[i];
-            let out = sec.output;
-            let n = sec
-                .producer(out)
-                .ok_or_else(|| missing("a layer's output"))?;
-            let node = &sec.nodes[n];
-            for &input in &node.inputs {
-                self.ensure(params, sec, &mut layers[i], input)?;
-            }
-            let wanted = node.outputs.iter().map(|&o| o == out).collect();
-            self.stats.recomputed_bytes += self.run_node(params, sec, &mut layers[i], n, wanted)?;
-            let x = layers[i].stash[out]
+            self.ensure(params, sec, &mut layers[i], sec.output)?;
+            let x = layers[i].stash[sec.output]
                 .take()
                 .ok_or_else(|| missing("a layer's output"))?;
             layers[i + 1].stash[0] = Some(x);
@@ -571,11 +563,4 @@ fn params_mut<'p>(params: &'p mut [Param], indices: &[usize]) -> Result<Vec<&'p 
         .zip(indices)
         .map(|(p, i)| p.ok_or_else(|| missing(&format!("parameter {i}"))))
         .collect()
-}
-
-fn missing(what: &str) -> Error {
-    Error::Backend {
-        backend: "executor",
-        message: format!("{what} is missing"),
-    }
 }

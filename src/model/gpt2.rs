@@ -275,7 +275,7 @@ fn graph(c: &Gpt2Config) -> Graph {
         transposed: false,
     };
 
-    let mut embedding = Section::new(value("tokens", "tokens", Tags::NONE));
+    let mut embedding = Section::new(Value::new("tokens", "tokens", Tags::NONE));
     let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
     embedding.node(LearnedEmbedding, &[], &[x], &[wte, wpe]);
     embedding.output = x;
@@ -285,7 +285,7 @@ fn graph(c: &Gpt2Config) -> Graph {
             let h = |s: &str| p(&format!("transformer.h.{l}.{s}"));
             let label = |s: &str| format!("h.{l}.{s}");
             let (attn, mlp) = (Tags::ATTENTION, Tags::MLP);
-            let mut s = Section::new(value("input", label("input"), Tags::LAYER_INPUT));
+            let mut s = Section::new(Value::new("input", label("input"), Tags::LAYER_INPUT));
             let input = 0;
             let ln1_out = s.value("ln1_out", label("ln1_out"), attn | Tags::NORM_OUT);
             let ln1_stats = s.value("ln1_stats", label("ln1_stats"), attn | Tags::NORM_STATS);
@@ -357,7 +357,7 @@ fn graph(c: &Gpt2Config) -> Graph {
         })
         .collect();
 
-    let mut head = Section::new(value("input", "ln_f.input", Tags::NONE));
+    let mut head = Section::new(Value::new("input", "ln_f.input", Tags::NONE));
     let out = head.value("out", "ln_f.out", Tags::NORM_OUT);
     let stats = head.value("stats", "ln_f.stats", Tags::NORM_STATS);
     let logits = head.value("logits", "logits", Tags::NONE);
@@ -374,14 +374,6 @@ fn graph(c: &Gpt2Config) -> Graph {
         embedding,
         layers,
         head,
-    }
-}
-
-fn value(name: &'static str, label: impl Into<String>, tags: Tags) -> Value {
-    Value {
-        name,
-        label: label.into(),
-        tags,
     }
 }
 

@@ -16,6 +16,17 @@ pub struct Value {
     pub tags: Tags,
 }
 
+impl Value {
+    /// A value named `name` in its layer, labelled `label` in the ledger, with `tags`.
+    pub fn new(name: &'static str, label: impl Into<String>, tags: Tags) -> Self {
+        Value {
+            name,
+            label: label.into(),
+            tags,
+        }
+    }
+}
+
 /// One op of a section: which values it reads and writes, and which parameters it uses
 /// (indices into the model's parameter list, in the order the op documents).
 #[derive(Debug)]
@@ -56,11 +67,7 @@ impl Section {
 
     /// Adds a value; returns its index.
     pub fn value(&mut self, name: &'static str, label: impl Into<String>, tags: Tags) -> usize {
-        self.values.push(Value {
-            name,
-            label: label.into(),
-            tags,
-        });
+        self.values.push(Value::new(name, label, tags));
         self.values.len() - 1
     }
 

@@ -16,6 +16,22 @@ fn product_shape(x: &Tensor, w: &Tensor, transposed: bool) -> Vec<usize> {
     shape
 }
 
+/// `x · op(W) (+ b)` into a new buffer for output `i`: the product every projection here
+/// starts with (`W` is `weights[0]`, `b` is `weights[1]` when `bias`).
+fn project(
+    cx: &ForwardCx<'_>,
+    i: usize,
+    x: &Tensor,
+    bias: bool,
+    transposed: bool,
+) -> Result<Tensor> {
+    let mut y = cx.alloc(i)?;
+    let b = bias.then(|| cx.weights[1]);
+    cx.backend
+        .matmul(&mut y, x, cx.weights[0], b, false, transposed, false)?;
+    Ok(y)
+}
+
 /// `y = x · op(W) (+ b)`: with `transposed`, `W` is stored `[out, in]` (PyTorch's
 /// `Linear`, Llama), otherwise `[in, out]` (GPT-2's `Conv1D`).
 ///
@@ -54,17 +70,7 @@ impl Op for Linear {
     }
 
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
-        let mut y = cx.alloc(0)?;
-        let bias = self.bias.then(|| cx.weights[1]);
-        cx.backend.matmul(
-            &mut y,
-            cx.input(0)?,
-            cx.weights[0],
-            bias,
-            false,
-            self.transposed,
-            false,
-        )?;
+        let y = project(cx, 0, cx.input(0)?, self.bias, self.transposed)?;
         cx.outputs[0] = Some(y);
         Ok(())
     }
@@ -121,19 +127,8 @@ impl Op for LinearResidual {
     }
 
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
-        let mut y = cx.alloc(0)?;
-        let bias = self.bias.then(|| cx.weights[1]);
-        let be = cx.backend;
-        be.matmul(
-            &mut y,
-            cx.input(1)?,
-            cx.weights[0],
-            bias,
-            false,
-            self.transposed,
-            false,
-        )?;
-        be.axpy(&mut y, 1.0, cx.input(0)?)?;
+        let mut y = project(cx, 0, cx.input(1)?, self.bias, self.transposed)?;
+        cx.backend.axpy(&mut y, 1.0, cx.input(0)?)?;
         cx.outputs[0] = Some(y);
         Ok(())
     }
@@ -209,35 +204,21 @@ impl Op for LinearGelu {
             }
         }
         let x = cx.input(0)?;
-        let mut pre = cx.alloc(0)?;
-        if !want_out {
-            be.matmul(
-                &mut pre,
-                x,
-                cx.weights[0],
-                Some(cx.weights[1]),
-                false,
-                self.transposed,
-                false,
-            )?;
+        if !want_out || self.transposed {
+            // The product alone (and its GELU as an op of its own where the weights are
+            // stored [out, in], which the fused epilogue does not take).
+            let pre = project(cx, 0, x, true, self.transposed)?;
+            if want_out {
+                let mut out = cx.alloc(1)?;
+                be.gelu(&mut out, &pre)?;
+                cx.outputs[1] = Some(out);
+            }
             cx.outputs[0] = Some(pre);
             return Ok(());
         }
+        let mut pre = cx.alloc(0)?;
         let mut out = cx.alloc(1)?;
-        if self.transposed {
-            be.matmul(
-                &mut pre,
-                x,
-                cx.weights[0],
-                Some(cx.weights[1]),
-                false,
-                true,
-                false,
-            )?;
-            be.gelu(&mut out, &pre)?;
-        } else {
-            be.matmul_bias_gelu(&mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
-        }
+        be.matmul_bias_gelu(&mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
         cx.outputs[0] = Some(pre);
         cx.outputs[1] = Some(out);
         Ok(())

@@ -295,7 +295,9 @@ pub(crate) fn linear_backward(
     Ok(())
 }
 
-fn missing(what: &str) -> Error {
+/// The error of a value, input or gradient the graph should hold but does not: a graph
+/// whose nodes disagree about what they read and write.
+pub(crate) fn missing(what: &str) -> Error {
     Error::Backend {
         backend: "executor",
         message: format!("{what} is missing"),
