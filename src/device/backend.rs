@@ -13,7 +13,7 @@
 //! nothing, so it records the same spans and FLOP counts as the CPU.
 
 use super::cpu::{self, attention, each, per_element};
-use super::{CustomKernel, Device};
+use super::{CustomKernel, Device, Heads};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
@@ -357,30 +357,32 @@ pub trait Backend: Debug + Send + Sync {
     }
 
     /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
-    /// 0 above the diagonal; `qkv` is `[B, T, 3C]` (q, k, v blocks, heads contiguous in
-    /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
-    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
-        attention::check_scores(scores, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores;
+    /// 0 above the diagonal, with query head `h` and the key head it shares; `qkv` is
+    /// `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says, `scores` is `[B, H, T, T]`,
+    /// scale = 1/sqrt(D).
+    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+        attention::check_scores(scores, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).scores;
         let op = self.ledger().op("attention_scores", flops, scores.label());
-        op.finish(self.attention_scores_kernel(scores, qkv, n_head))
+        op.finish(self.attention_scores_kernel(scores, qkv, heads))
     }
 
-    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`
-    /// (entries of `dscores` above the diagonal are ignored).
+    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`, each
+    /// key head's gradient summed over the query heads sharing it (entries of `dscores`
+    /// above the diagonal are ignored).
     fn attention_scores_backward(
         &self,
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::check_scores_backward(dqkv, dscores, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
+        attention::check_scores_backward(dqkv, dscores, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).scores_backward;
         let op = self
             .ledger()
             .op("attention_scores_backward", flops, dqkv.label());
-        op.finish(self.attention_scores_backward_kernel(dqkv, dscores, qkv, n_head))
+        op.finish(self.attention_scores_backward_kernel(dqkv, dscores, qkv, heads))
     }
 
     /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
@@ -407,18 +409,19 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.softmax_causal_backward_kernel(dscores, dprobs, probs))
     }
 
-    /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head h]`; `out` is `[B, T, C]`.
+    /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head of h]`; `out` is
+    /// `[B, T, H·D]`.
     fn attention_values(
         &self,
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::check_values(out, probs, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).values;
+        attention::check_values(out, probs, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).values;
         let op = self.ledger().op("attention_values", flops, out.label());
-        op.finish(self.attention_values_kernel(out, probs, qkv, n_head))
+        op.finish(self.attention_values_kernel(out, probs, qkv, heads))
     }
 
     /// Backward of [`Backend::attention_values`]: writes `dprobs` (0 above the diagonal) and
@@ -430,14 +433,14 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
+        attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).values_backward;
         let op = self
             .ledger()
             .op("attention_values_backward", flops, dprobs.label());
-        op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, n_head))
+        op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, heads))
     }
 
     /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
@@ -674,13 +677,13 @@ pub trait Backend: Debug + Send + Sync {
     /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
 
-    /// The kernel of [`Backend::attention_scores`]: `qkv` is `[B, T, 3C]` with `C`
-    /// divisible by `n_head`, `scores` is `[B, H, T, T]`.
+    /// The kernel of [`Backend::attention_scores`]: `heads` are valid, `qkv` is
+    /// `[B, T, (H + 2·KV)·D]`, `scores` is `[B, H, T, T]`.
     fn attention_scores_kernel(
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::attention_scores_backward`]: `qkv` as for
@@ -691,7 +694,7 @@ pub trait Backend: Debug + Send + Sync {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::softmax_causal`]: `scores` is `[B, H, T, T]` and `probs`
@@ -714,7 +717,7 @@ pub trait Backend: Debug + Send + Sync {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::attention_values_backward`], with the shapes of
@@ -727,7 +730,7 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::cross_entropy`]: one target per row, each below `vocab`,

@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device};
+use super::{AdamWStep, Backend, CustomKernel, Device, Heads};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -192,7 +192,7 @@ impl Backend for MetaBackend {
         &self,
         _scores: &mut Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -202,7 +202,7 @@ impl Backend for MetaBackend {
         _dqkv: &mut Tensor,
         _dscores: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -225,7 +225,7 @@ impl Backend for MetaBackend {
         _out: &mut Tensor,
         _probs: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -237,7 +237,7 @@ impl Backend for MetaBackend {
         _dout: &Tensor,
         _probs: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }

@@ -35,7 +35,7 @@ pub(crate) mod matmul;
 mod pool;
 mod simd;
 
-use super::{AdamWStep, Backend, Device};
+use super::{AdamWStep, Backend, Device, Heads};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -472,9 +472,9 @@ impl Backend for CpuBackend {
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores(self.blas(), scores, qkv, n_head)
+        attention::scores(self.blas(), scores, qkv, heads)
     }
 
     fn attention_scores_backward_kernel(
@@ -482,9 +482,9 @@ impl Backend for CpuBackend {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores_backward(self.blas(), dqkv, dscores, qkv, n_head)
+        attention::scores_backward(self.blas(), dqkv, dscores, qkv, heads)
     }
 
     fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
@@ -505,9 +505,9 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values(self.blas(), out, probs, qkv, n_head)
+        attention::values(self.blas(), out, probs, qkv, heads)
     }
 
     fn attention_values_backward_kernel(
@@ -517,9 +517,9 @@ impl Backend for CpuBackend {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, n_head)
+        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, heads)
     }
 
     fn cross_entropy_kernel(

@@ -23,7 +23,7 @@ use super::ops::{
     reductions,
 };
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device};
+use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -476,9 +476,9 @@ impl Backend for CudaBackend {
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores(self, scores, qkv, n_head)
+        attention::scores(self, scores, qkv, heads)
     }
 
     fn attention_scores_backward_kernel(
@@ -486,9 +486,9 @@ impl Backend for CudaBackend {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores_backward(self, dqkv, dscores, qkv, n_head)
+        attention::scores_backward(self, dqkv, dscores, qkv, heads)
     }
 
     fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
@@ -509,9 +509,9 @@ impl Backend for CudaBackend {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values(self, out, probs, qkv, n_head)
+        attention::values(self, out, probs, qkv, heads)
     }
 
     fn attention_values_backward_kernel(
@@ -521,9 +521,9 @@ impl Backend for CudaBackend {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, n_head)
+        attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, heads)
     }
 
     fn cross_entropy_kernel(
