@@ -356,6 +356,88 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.gelu_backward_kernel(dx, x, dout))
     }
 
+    /// RMS normalization of each row of `x`: `out = x · rstd · weight` with
+    /// `rstd = 1/√(mean(x²) + eps)` in f32, written to `rstd` (f32, one per row).
+    fn rmsnorm(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        cpu::rmsnorm::check_forward(out, rstd, x, weight)?;
+        let flops = each(x.numel(), per_element::RMSNORM);
+        let op = self.ledger().op("rmsnorm", flops, out.label());
+        op.finish(self.rmsnorm_kernel(out, rstd, x, weight, eps))
+    }
+
+    /// Backward of [`Backend::rmsnorm`]: accumulates into `dx` and `dweight`.
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
+        cpu::rmsnorm::check_backward(dx, dweight, dout, x, weight, rstd)?;
+        let flops = each(x.numel(), per_element::RMSNORM_BACKWARD);
+        let op = self.ledger().op("rmsnorm_backward", flops, dx.label());
+        op.finish(self.rmsnorm_backward_kernel(dx, dweight, dout, x, weight, rstd))
+    }
+
+    /// Rotary position embedding (Hugging Face's rotate-half layout) of the queries and
+    /// keys of a fused projection `x` (`[B, T, (H + 2·KV)·D]`, see [`Heads`]): in each
+    /// query and key head, elements `i` and `i + D/2` turn by `t · inv_freq[i]` at
+    /// position `t` of the row; the values are copied to `out` as they are.
+    fn rope(&self, out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) -> Result<()> {
+        cpu::rope::check("rope", out, x, inv_freq, heads)?;
+        let flops = rope_flops(x, heads);
+        let op = self.ledger().op("rope", flops, out.label());
+        op.finish(self.rope_kernel(out, x, inv_freq, heads))
+    }
+
+    /// Backward of [`Backend::rope`]: `dx` is `dout` turned back by the same angles
+    /// (overwritten).
+    fn rope_backward(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        cpu::rope::check("rope_backward", dx, dout, inv_freq, heads)?;
+        let flops = rope_flops(dout, heads);
+        let op = self.ledger().op("rope_backward", flops, dx.label());
+        op.finish(self.rope_backward_kernel(dx, dout, inv_freq, heads))
+    }
+
+    /// SwiGLU's gate: `out = silu(gate) · up` where `gate_up` holds the gate in its first
+    /// `F` columns and the up projection in its last `F` (`out` is `[.., F]`).
+    fn swiglu(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        cpu::swiglu::check("swiglu", out, gate_up, &[])?;
+        let flops = each(out.numel(), per_element::SWIGLU);
+        let op = self.ledger().op("swiglu", flops, out.label());
+        op.finish(self.swiglu_kernel(out, gate_up))
+    }
+
+    /// Backward of [`Backend::swiglu`]: writes the gate and up gradients side by side into
+    /// `dgate_up` (overwritten).
+    fn swiglu_backward(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()> {
+        cpu::swiglu::check("swiglu_backward", dout, gate_up, &[dgate_up])?;
+        cpu::elementwise::same_len(dgate_up, gate_up, "swiglu_backward")?;
+        let flops = each(dout.numel(), per_element::SWIGLU_BACKWARD);
+        let op = self.ledger().op("swiglu_backward", flops, dgate_up.label());
+        op.finish(self.swiglu_backward_kernel(dgate_up, dout, gate_up))
+    }
+
     /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
     /// 0 above the diagonal, with query head `h` and the key head it shares; `qkv` is
     /// `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says, `scores` is `[B, H, T, T]`,
@@ -677,6 +759,62 @@ pub trait Backend: Debug + Send + Sync {
     /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
 
+    /// The kernel of [`Backend::rmsnorm`]: `out` is shaped as `x`, `rstd` is f32 with one
+    /// element per row, `weight` has `C` elements.
+    fn rmsnorm_kernel(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rmsnorm_backward`]: `dx` and `dout` are shaped as `x`,
+    /// `rstd` has one element per row, `weight` and `dweight` have `C` elements.
+    fn rmsnorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rope`]: `heads` are valid with an even head width, `x`
+    /// and `out` are `[B, T, (H + 2·KV)·D]`, `inv_freq` has `D/2` values.
+    fn rope_kernel(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rope_backward`], with the operands of
+    /// [`Backend::rope_kernel`].
+    fn rope_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::swiglu`]: `gate_up` has the rows of `out` and twice its
+    /// columns.
+    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::swiglu_backward`]: `dgate_up` is shaped as `gate_up`,
+    /// which has the rows of `dout` and twice its columns.
+    fn swiglu_backward_kernel(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()>;
+
     /// The kernel of [`Backend::attention_scores`]: `heads` are valid, `qkv` is
     /// `[B, T, (H + 2·KV)·D]`, `scores` is `[B, H, T, T]`.
     fn attention_scores_kernel(
@@ -799,4 +937,15 @@ pub trait Backend: Debug + Send + Sync {
             },
         )
     }
+}
+
+/// Floating-point operations of [`Backend::rope`] (or its backward) on `x`: 3 per rotated
+/// element (two products and a sum); the copied values count 0.
+fn rope_flops(x: &Tensor, heads: Heads) -> u64 {
+    let w = heads.qkv_width().max(1);
+    let rows = x.numel() / w;
+    each(
+        rows * (heads.q_width() + heads.kv_width()),
+        per_element::ROPE,
+    )
 }

@@ -188,6 +188,62 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
+    fn rmsnorm_kernel(
+        &self,
+        _out: &mut Tensor,
+        _rstd: &mut Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _eps: f32,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rmsnorm_backward_kernel(
+        &self,
+        _dx: &mut Tensor,
+        _dweight: &mut Tensor,
+        _dout: &Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _rstd: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rope_kernel(
+        &self,
+        _out: &mut Tensor,
+        _x: &Tensor,
+        _inv_freq: &[f32],
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rope_backward_kernel(
+        &self,
+        _dx: &mut Tensor,
+        _dout: &Tensor,
+        _inv_freq: &[f32],
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn swiglu_kernel(&self, _out: &mut Tensor, _gate_up: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn swiglu_backward_kernel(
+        &self,
+        _dgate_up: &mut Tensor,
+        _dout: &Tensor,
+        _gate_up: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn attention_scores_kernel(
         &self,
         _scores: &mut Tensor,

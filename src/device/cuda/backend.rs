@@ -20,7 +20,7 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
     adamw, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm, matmul,
-    reductions,
+    reductions, rmsnorm, rope, swiglu,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads};
@@ -470,6 +470,62 @@ impl Backend for CudaBackend {
 
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
         gelu::backward(self, dx, x, dout)
+    }
+
+    fn rmsnorm_kernel(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        rmsnorm::forward(self, out, rstd, x, weight, eps)
+    }
+
+    fn rmsnorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
+        rmsnorm::backward(self, dx, dweight, dout, x, weight, rstd)
+    }
+
+    fn rope_kernel(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::forward(self, out, x, inv_freq, heads)
+    }
+
+    fn rope_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::backward(self, dx, dout, inv_freq, heads)
+    }
+
+    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        swiglu::forward(self, out, gate_up)
+    }
+
+    fn swiglu_backward_kernel(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()> {
+        swiglu::backward(self, dgate_up, dout, gate_up)
     }
 
     fn attention_scores_kernel(
