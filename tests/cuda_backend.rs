@@ -355,12 +355,24 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                 let wte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dt);
                 let wpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dt);
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, &wpe.cpu)
+                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, Some(&wpe.cpu))
                     .unwrap();
-                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, &wpe.cuda)
+                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, Some(&wpe.cuda))
                     .unwrap();
                 compare(
                     &format!("embedding b={b} t={t} {dt}"),
+                    name,
+                    &cpu,
+                    &cuda,
+                    &o,
+                );
+                // Without position embeddings (Llama): the token rows alone.
+                let mut o = out(&cpu, &cuda, &[b, t, c], dt);
+                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, None).unwrap();
+                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, None)
+                    .unwrap();
+                compare(
+                    &format!("embedding without positions b={b} t={t} {dt}"),
                     name,
                     &cpu,
                     &cuda,
@@ -376,10 +388,15 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                     );
                     let mut dwte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dg);
                     let mut dwpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dg);
-                    cpu.embedding_backward(&mut dwte.cpu, &mut dwpe.cpu, &dout.cpu, &tokens)
+                    cpu.embedding_backward(&mut dwte.cpu, Some(&mut dwpe.cpu), &dout.cpu, &tokens)
                         .unwrap();
-                    cuda.embedding_backward(&mut dwte.cuda, &mut dwpe.cuda, &dout.cuda, &tokens)
-                        .unwrap();
+                    cuda.embedding_backward(
+                        &mut dwte.cuda,
+                        Some(&mut dwpe.cuda),
+                        &dout.cuda,
+                        &tokens,
+                    )
+                    .unwrap();
                     compare(
                         &format!("embedding_backward dwte {dt}→{dg}"),
                         name,

@@ -275,30 +275,42 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.bias_backward_kernel(dbias, dout))
     }
 
-    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`; `out` is `[B, T, C]`.
+    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`, or `wte[tokens[b, t]]` alone without
+    /// position embeddings (`wpe` `None`, as Llama); `out` is `[B, T, C]`.
     fn embedding(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
         cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
-        let flops = each(out.numel(), per_element::EMBEDDING);
+        let per = if wpe.is_some() {
+            per_element::EMBEDDING
+        } else {
+            0
+        };
+        let flops = each(out.numel(), per);
         let op = self.ledger().op("embedding", flops, out.label());
         op.finish(self.embedding_kernel(out, tokens, wte, wpe))
     }
 
-    /// `dwte[tokens[b, t]] += dout[b, t]` and `dwpe[t] += dout[b, t]`.
+    /// `dwte[tokens[b, t]] += dout[b, t]` and, with position embeddings,
+    /// `dwpe[t] += dout[b, t]`.
     fn embedding_backward(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
-        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe)?;
-        let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
+        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe.as_deref())?;
+        let per = if dwpe.is_some() {
+            per_element::EMBEDDING_BACKWARD
+        } else {
+            per_element::EMBEDDING_BACKWARD / 2
+        };
+        let flops = each(dout.numel(), per);
         let op = self.ledger().op("embedding_backward", flops, dwte.label());
         op.finish(self.embedding_backward_kernel(dwte, dwpe, dout, tokens))
     }
@@ -707,13 +719,14 @@ pub trait Backend: Debug + Send + Sync {
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
 
     /// The kernel of [`Backend::embedding`]: `out` is `[B, T, C]`, the tables are `C`
-    /// wide, every token is in the vocabulary and `wpe` has at least `T` rows.
+    /// wide, every token is in the vocabulary and `wpe`, when given, has at least `T`
+    /// rows.
     fn embedding_kernel(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::embedding_backward`], with the operands checked as for
@@ -721,7 +734,7 @@ pub trait Backend: Debug + Send + Sync {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()>;

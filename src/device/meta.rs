@@ -140,7 +140,7 @@ impl Backend for MetaBackend {
         _out: &mut Tensor,
         _tokens: &[u32],
         _wte: &Tensor,
-        _wpe: &Tensor,
+        _wpe: Option<&Tensor>,
     ) -> Result<()> {
         Ok(())
     }
@@ -148,7 +148,7 @@ impl Backend for MetaBackend {
     fn embedding_backward_kernel(
         &self,
         _dwte: &mut Tensor,
-        _dwpe: &mut Tensor,
+        _dwpe: Option<&mut Tensor>,
         _dout: &Tensor,
         _tokens: &[u32],
     ) -> Result<()> {

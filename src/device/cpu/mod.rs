@@ -426,7 +426,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
         embedding::forward(out, tokens, wte, wpe);
         Ok(())
@@ -435,7 +435,7 @@ impl Backend for CpuBackend {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {

@@ -160,9 +160,9 @@ simd_fn! {
 
 #[cfg(test)]
 mod tests {
-    use crate::tensor::DType;
     use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
+    use crate::tensor::DType;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = crate::rng::Rng::new(seed);

@@ -424,7 +424,7 @@ impl Backend for CudaBackend {
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
         embedding::forward(self, out, tokens, wte, wpe)
     }
@@ -432,7 +432,7 @@ impl Backend for CudaBackend {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {

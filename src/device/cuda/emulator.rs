@@ -1451,25 +1451,30 @@ extern "C" __global__ void traps(int* out) {
         for tt in DTYPES {
             let wte = upload(&be, &wtes, &[v, c], tt);
             let wpe = upload(&be, &wpes, &[p, c], tt);
-            let mut out_cpu = zeros(&be, &[b, t, c], tt);
-            be.embedding(&mut out_cpu, &tokens, &wte, &wpe).unwrap();
-            let mut out = Buf::new(&vec![0.0; b * t * c], tt);
-            let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
-            let a = Args::new()
-                .buf(&mut out)
-                .ptr(&mut tokens)
-                .buf(&mut we)
-                .buf(&mut pe)
-                .arg((b * t) as i64)
-                .arg(t as i64)
-                .arg(c as i64);
-            launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
-            assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            // With position embeddings (GPT-2) and without (Llama).
+            for with_wpe in [true, false] {
+                let mut out_cpu = zeros(&be, &[b, t, c], tt);
+                be.embedding(&mut out_cpu, &tokens, &wte, with_wpe.then_some(&wpe))
+                    .unwrap();
+                let mut out = Buf::new(&vec![0.0; b * t * c], tt);
+                let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
+                let a = Args::new()
+                    .buf(&mut out)
+                    .ptr(&mut tokens)
+                    .buf(&mut we)
+                    .buf(&mut pe)
+                    .arg((b * t) as i64)
+                    .arg(t as i64)
+                    .arg(c as i64)
+                    .arg(with_wpe as i64);
+                launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
+                assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            }
             for g in DTYPES {
                 let dout = upload(&be, &douts, &[b, t, c], tt);
                 let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
                 let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);
-                be.embedding_backward(&mut dwte_cpu, &mut dwpe_cpu, &dout, &tokens)
+                be.embedding_backward(&mut dwte_cpu, Some(&mut dwpe_cpu), &dout, &tokens)
                     .unwrap();
                 let mut dout_buf = Buf::new(&douts, tt);
                 let (mut dwte, mut dwpe) = (Buf::new(&wtes, g), Buf::new(&wpes, g));
