@@ -157,8 +157,8 @@ impl Gpt2Config {
             return Err(Error::config(
                 "model",
                 format!(
-                    "trainkit builds GPT-2 shaped models; this one has {}: the Llama family \
-                     is not built yet",
+                    "a GPT-2 model has none of: {} (a Llama-shaped model takes RMSNorm, a \
+                     SwiGLU MLP and no biases)",
                     differs.join(", ")
                 ),
             ));

@@ -13,12 +13,16 @@ mod classifier;
 mod embedding;
 mod linear;
 mod norm;
+mod rope;
+mod swiglu;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
-pub use embedding::LearnedEmbedding;
+pub use embedding::{LearnedEmbedding, TokenEmbedding};
 pub use linear::{Linear, LinearGelu, LinearResidual};
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, RmsNorm};
+pub use rope::Rope;
+pub use swiglu::SwiGlu;
 
 use crate::device::Backend;
 use crate::error::{Error, Result};
