@@ -61,6 +61,9 @@ pub struct Overrides {
     pub vocab_size: Option<usize>,
     /// Context length (GPT-2's `n_positions`, Llama's `max_position_embeddings`).
     pub n_positions: Option<usize>,
+    /// A preset shape for a model from scratch (`gpt2`, `smollm2-135m`, `llama-3.2-1b`,
+    /// ...; [`ModelConfig::preset`]).
+    pub model: Option<String>,
     /// The model family of a model from scratch: `gpt2` or `llama`.
     pub arch: Option<String>,
     /// Key/value heads (Llama).
@@ -104,6 +107,18 @@ impl Overrides {
     /// it), the shape flags set the family's fields; a flag the family has no use for is an
     /// error naming the family that has it.
     pub fn apply_model(&self, model: &mut ModelConfig) -> Result<()> {
+        if let Some(name) = &self.model {
+            *model = ModelConfig::preset(name).map_err(|e| e.for_field("--model"))?;
+            if let Some(arch) = self.arch.as_deref().filter(|a| *a != model.arch()) {
+                return Err(Error::config(
+                    "--arch",
+                    format!(
+                        "`{arch}` contradicts --model {name}, a {} model",
+                        model.arch()
+                    ),
+                ));
+            }
+        }
         match self.arch.as_deref() {
             None => {}
             Some(a) if a == model.arch() => {}

@@ -1,7 +1,7 @@
 //! The shape of either model family trainkit builds, as one value: what a model
 //! directory's `config.json` and a run config's `[model]` table describe.
 
-use super::{Architecture, Gpt2, Gpt2Config, Llama, LlamaConfig, Model};
+use super::{Architecture, Gpt2, Gpt2Config, Llama, LlamaConfig, Model, Norm, Rope, RopeScaling};
 use crate::error::Result;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -65,6 +65,44 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => c.validate(),
             ModelConfig::Llama(c) => Llama::new(c.clone()).map(|_| ()),
         }
+    }
+
+    /// The config of a preset (`trainkit memory --model` names them): GPT-2 presets with
+    /// their context as positions; Llama-family presets with the rotary embedding, RMSNorm
+    /// eps and initialisation of each model's published config (Llama 3's `llama3` rope
+    /// scaling included).
+    pub fn preset(name: &str) -> Result<ModelConfig> {
+        let p = crate::estimate::preset(name)?;
+        let context = usize::try_from(p.context).unwrap_or(usize::MAX);
+        if p.architecture.norm == Norm::LayerNorm {
+            let arch = Architecture {
+                positions: p.context,
+                ..p.architecture
+            };
+            return Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(&arch)?));
+        }
+        let mut c = LlamaConfig::from_architecture(&p.architecture, context)?;
+        let llama3 = |factor| Rope {
+            theta: 500_000.0,
+            scaling: RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            },
+        };
+        let plain = |theta| Rope {
+            theta,
+            scaling: RopeScaling::Default,
+        };
+        (c.rope, c.initializer_range) = match p.name {
+            "smollm2-135m" => (plain(100_000.0), 0.041_666_666_666_666_664),
+            "smollm2-360m" => (plain(100_000.0), 0.02),
+            "smollm2-1.7b" => (plain(130_000.0), 0.02),
+            "llama-3.1-8b" | "llama-8b" | "llama-70b" | "llama-405b" => (llama3(8.0), 0.02),
+            _ => (llama3(32.0), 0.02),
+        };
+        Ok(ModelConfig::Llama(c))
     }
 
     /// The model, with freshly declared parameters.
@@ -140,7 +178,21 @@ impl<'de> Deserialize<'de> for ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Rope, RopeScaling};
+
+    #[test]
+    fn presets_build_with_their_published_shapes() {
+        let c = ModelConfig::preset("llama-3.2-1b").unwrap();
+        let ModelConfig::Llama(l) = &c else {
+            panic!("{c:?}")
+        };
+        assert_eq!((l.head_dim, l.num_key_value_heads), (64, 8));
+        assert!(matches!(l.rope.scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+        let ModelConfig::Gpt2(g) = ModelConfig::preset("gpt2").unwrap() else {
+            panic!("gpt2")
+        };
+        assert_eq!(g, Gpt2Config::gpt2_124m());
+        assert!(ModelConfig::preset("nope").is_err());
+    }
 
     #[test]
     fn either_family_round_trips_through_toml() {

@@ -89,6 +89,10 @@ pub struct TrainArgs {
     /// Initialisation seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// A preset shape to train from scratch: gpt2, gpt2-medium, smollm2-135m, llama-3.2-1b,
+    /// ... (the names `trainkit memory --model` takes); shape flags adjust it.
+    #[arg(long)]
+    model: Option<String>,
     /// Model family of a model from scratch: gpt2 or llama (a directory's config.json
     /// names its own).
     #[arg(long)]
@@ -195,6 +199,7 @@ impl TrainArgs {
             n_embd: self.n_embd,
             vocab_size: self.vocab_size,
             n_positions: self.n_positions,
+            model: self.model.clone(),
             arch: self.arch.clone(),
             n_kv_head: self.n_kv_head,
             ffn: self.ffn,
@@ -268,6 +273,7 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         overrides.vocab_size = None;
         overrides.n_positions = None;
         overrides.arch = None;
+        overrides.model = None;
         overrides.n_kv_head = None;
         overrides.ffn = None;
         overrides.rope_theta = None;
