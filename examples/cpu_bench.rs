@@ -8,8 +8,9 @@
 //! Matrix products run on the `gemm` crate, or on the CBLAS library `$TRAINKIT_BLAS`
 //! names (Intel MKL, OpenBLAS, BLIS).
 //!
-//! `cargo run --release --example cpu_bench` measures the two shapes of
-//! docs/benchmarks.md; `-- --shape a` or `-- --shape b` runs one. `-- --ops` also prints
+//! `cargo run --release --example cpu_bench` measures the three shapes of
+//! docs/benchmarks.md (a and b: GPT-2; c: a Llama with grouped-query attention);
+//! `-- --shape a` (or b, c) runs one. `-- --ops` also prints
 //! where the timed steps' time went, op by op (from the ledger's op spans).
 
 use serde::{Deserialize, Serialize};
@@ -18,11 +19,12 @@ use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
 use trainkit::memory::MemoryEvent;
-use trainkit::{CpuBackend, Gpt2, Gpt2Config, MemoryObserver, Rng, Trainer};
+use trainkit::model::{Rope, RopeScaling};
+use trainkit::{CpuBackend, Gpt2Config, LlamaConfig, MemoryObserver, ModelConfig, Rng, Trainer};
 
 struct Shape {
     name: &'static str,
-    config: Gpt2Config,
+    config: ModelConfig,
     batch: usize,
     seq: usize,
 }
@@ -31,27 +33,49 @@ fn shapes() -> Vec<Shape> {
     vec![
         Shape {
             name: "a",
-            config: Gpt2Config {
+            config: ModelConfig::Gpt2(Gpt2Config {
                 n_layer: 4,
                 n_head: 4,
                 n_embd: 256,
                 n_positions: 256,
                 vocab_size: 50257,
                 layer_norm_epsilon: 1e-5,
-            },
+            }),
             batch: 8,
             seq: 256,
         },
         Shape {
             name: "b",
-            config: Gpt2Config {
+            config: ModelConfig::Gpt2(Gpt2Config {
                 n_layer: 6,
                 n_head: 6,
                 n_embd: 384,
                 n_positions: 256,
                 vocab_size: 256,
                 layer_norm_epsilon: 1e-5,
-            },
+            }),
+            batch: 16,
+            seq: 256,
+        },
+        Shape {
+            name: "c",
+            config: ModelConfig::Llama(LlamaConfig {
+                hidden_size: 384,
+                intermediate_size: 1024,
+                num_hidden_layers: 6,
+                num_attention_heads: 6,
+                num_key_value_heads: 2,
+                head_dim: 64,
+                vocab_size: 256,
+                max_position_embeddings: 256,
+                rms_norm_eps: 1e-5,
+                tie_word_embeddings: false,
+                initializer_range: 0.02,
+                rope: Rope {
+                    theta: 10_000.0,
+                    scaling: RopeScaling::Default,
+                },
+            }),
             batch: 16,
             seq: 256,
         },
@@ -79,12 +103,12 @@ fn main() -> trainkit::Result<()> {
             continue;
         }
         let mut rng = Rng::new(0);
-        let v = s.config.vocab_size;
+        let v = s.config.vocab_size();
         let tokens: Vec<u32> = (0..s.batch * s.seq * (warmup + timed + 1) + 1)
             .map(|_| rng.below(v) as u32)
             .collect();
         let data = DataLoader::new(tokens, s.batch, s.seq)?;
-        let model = Gpt2::new(s.config.clone())?;
+        let model = s.config.build()?;
         let mut t = Trainer::builder(
             model,
             Arc::clone(&backend) as Arc<dyn trainkit::Backend>,
@@ -111,13 +135,10 @@ fn main() -> trainkit::Result<()> {
         cpu.sort_by(f64::total_cmp);
         let tok = (s.batch * s.seq) as f64;
         println!(
-            "shape {}: {} layers, {} heads, {} wide, vocab {}, batch {} x {}: median {:.0} tokens/s \
-             ({:.0} ms/step), best {:.0} tokens/s",
+            "shape {}: {}, batch {} x {}: median {:.0} tokens/s ({:.0} ms/step), best {:.0} \
+             tokens/s",
             s.name,
-            s.config.n_layer,
-            s.config.n_head,
-            s.config.n_embd,
-            v,
+            t.model().describe(),
             s.batch,
             s.seq,
             tok / secs[timed / 2],

@@ -2,10 +2,11 @@
 
 A full training step in f32 -- forward, backward, global-norm clipping at 1.0, AdamW
 (lr 6e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1) -- on Hugging Face's
-GPT2LMHeadModel with the shapes of `cargo run --release --example cpu_bench`, random
+GPT2LMHeadModel (shapes a, b) or LlamaForCausalLM (shape c: grouped-query attention, an
+untied head) with the shapes of `cargo run --release --example cpu_bench`, random
 tokens, dropout off, 2 warm-up steps, then the median and the best of 7 timed steps.
 
-    python scripts/pytorch_cpu_bench.py [--shape a|b] [--attn sdpa|eager] [--threads N]
+    python scripts/pytorch_cpu_bench.py [--shape a|b|c] [--attn sdpa|eager] [--threads N]
 
 Needs torch and transformers (any recent versions; the figures in docs/benchmarks.md name
 theirs).
@@ -16,12 +17,51 @@ import statistics
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 SHAPES = {
     "a": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=50257, batch=8, seq=256),
     "b": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=256, batch=16, seq=256),
+    "c": dict(n_layer=6, n_head=6, n_kv_head=2, n_embd=384, ffn=1024, vocab_size=256,
+              batch=16, seq=256),
 }
+
+
+def model_of(s, attn):
+    if "ffn" in s:
+        config = LlamaConfig(
+            hidden_size=s["n_embd"],
+            intermediate_size=s["ffn"],
+            num_hidden_layers=s["n_layer"],
+            num_attention_heads=s["n_head"],
+            num_key_value_heads=s["n_kv_head"],
+            head_dim=s["n_embd"] // s["n_head"],
+            vocab_size=s["vocab_size"],
+            max_position_embeddings=s["seq"],
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation=attn,
+        )
+        return LlamaForCausalLM(config).train()
+    config = GPT2Config(
+        n_layer=s["n_layer"],
+        n_head=s["n_head"],
+        n_embd=s["n_embd"],
+        vocab_size=s["vocab_size"],
+        n_positions=s["seq"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+        attn_implementation=attn,
+    )
+    return GPT2LMHeadModel(config).train()
 
 
 def main():
@@ -38,23 +78,7 @@ def main():
     )
     for name in args.shape or sorted(SHAPES):
         s = SHAPES[name]
-        config = GPT2Config(
-            n_layer=s["n_layer"],
-            n_head=s["n_head"],
-            n_embd=s["n_embd"],
-            vocab_size=s["vocab_size"],
-            n_positions=s["seq"],
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            activation_function="gelu_new",
-            layer_norm_epsilon=1e-5,
-            bos_token_id=0,
-            eos_token_id=0,
-            loss_type="ForCausalLM",
-            attn_implementation=args.attn,
-        )
-        model = GPT2LMHeadModel(config).train()
+        model = model_of(s, args.attn)
         assert model.config._attn_implementation == args.attn
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]

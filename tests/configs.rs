@@ -56,3 +56,16 @@ fn config_errors_name_the_field_and_the_fix() {
     let frac = bad("[data]\nsource = \"text\"\npath = \"x.txt\"\nval_fraction = 1.0\n");
     assert!(frac.contains("val_fraction"), "{frac}");
 }
+
+#[test]
+fn the_smollm2_config_is_the_preset() {
+    let c = load("smollm2-135m.toml");
+    assert_eq!(
+        c.model,
+        trainkit::ModelConfig::preset("smollm2-135m").unwrap()
+    );
+    assert_eq!(
+        serde_json::to_value(&c.checkpoint).unwrap()["kind"],
+        "selective"
+    );
+}

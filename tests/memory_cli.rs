@@ -271,6 +271,11 @@ fn gpt2_models_also_get_trainkits_exact_prediction() {
     );
     // The playbook's model state is trainkit's too, for bf16 gradients.
     assert_eq!(exact["model_state_bytes"], v["model_state_bytes"]);
-    assert!(json(&["--model", "llama-8b"])["trainkit_exact"].is_null());
+    // Llama presets are trainkit's models too; a bare parameter count is not a model.
+    let llama = json(&["--model", "llama-3.2-1b", "--seq-len", "1024"]);
+    assert!(
+        llama["trainkit_exact"]["peak_total_bytes"].as_u64() > Some(0),
+        "{llama}"
+    );
     assert!(json(&["--params", "7B"])["trainkit_exact"].is_null());
 }
