@@ -322,6 +322,33 @@ fn hugging_face_directories_round_trip() {
             .unwrap();
         assert!(bits(&values(&from_shards)) == bits(&values(&t)), "shards");
 
+        // Trained on from the shards in bf16 with selective recomputation, saved, and
+        // reloaded bitwise.
+        let mut tuned = Trainer::builder(
+            Llama::new(config.clone()).unwrap(),
+            cpu(),
+            corpus_loader(8_000, 4, 2, 16),
+        )
+        .precision(MixedBf16 { fp32_grads: false })
+        .checkpoint(Selective)
+        .build()
+        .unwrap();
+        tuned
+            .load_weights(&read_model_dir(&sharded).unwrap())
+            .unwrap();
+        tuned.step().unwrap();
+        let tuned_dir = scratch(&format!("llama-tuned-{tied}"));
+        tuned.save(&tuned_dir, None).unwrap();
+        let mut again = fresh();
+        again
+            .load_weights(&read_model_dir(&tuned_dir).unwrap())
+            .unwrap();
+        assert!(
+            bits(&values(&again)) == bits(&values(&tuned)),
+            "bf16 fine-tune reloaded"
+        );
+        let _ = std::fs::remove_dir_all(&tuned_dir);
+
         // A missing projection is named.
         std::fs::remove_file(sharded.join("model-00002-of-00002.safetensors")).unwrap();
         write_safetensors(
