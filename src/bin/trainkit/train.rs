@@ -12,7 +12,7 @@ use trainkit::data::{
 use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
 use trainkit::{
-    Error, Gpt2, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
+    Error, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
 };
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
@@ -83,6 +83,13 @@ pub struct TrainArgs {
     /// Activation recomputation: none, full or selective.
     #[arg(long)]
     recompute: Option<String>,
+    /// How the loss is computed: fused (the classifier product and the cross-entropy in
+    /// chunks of positions, the default) or materialized (the logits of every position).
+    #[arg(long)]
+    loss: Option<String>,
+    /// Positions per chunk of the fused loss (default: chosen from the vocabulary).
+    #[arg(long)]
+    loss_chunk: Option<usize>,
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -176,6 +183,8 @@ impl TrainArgs {
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
             precision: self.precision.clone(),
             recompute: self.recompute.clone(),
+            loss: self.loss.clone(),
+            loss_chunk: self.loss_chunk,
             seed: self.seed,
             n_layer: self.n_layer,
             n_head: self.n_head,
@@ -326,7 +335,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
         .shuffled(corpus.shuffle.then_some(t.seed));
     let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
-    let model = Gpt2::new(cfg.model.clone())?;
+    let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
     println!(
