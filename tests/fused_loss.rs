@@ -289,3 +289,25 @@ fn automatic_chunks_follow_the_vocabulary() {
         5
     );
 }
+
+#[test]
+fn the_command_line_chooses_the_loss() {
+    let (ok, _, err) = common::trainkit(&["train", "--steps", "1", "--loss-chunk", "0"]);
+    assert!(!ok && err.contains("--loss-chunk"), "{err}");
+    let (ok, _, err) = common::trainkit(&["train", "--steps", "1", "--loss", "chunked"]);
+    assert!(
+        !ok && err.contains("--loss") && err.contains("materialized"),
+        "{err}"
+    );
+    let (ok, out, err) = common::trainkit(&[
+        "train",
+        "--loss",
+        "materialized",
+        "--loss-chunk",
+        "7",
+        "--print-config",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("loss = \"materialized\""), "{out}");
+    assert!(out.contains("loss_chunk = 7"), "{out}");
+}

@@ -187,7 +187,9 @@ impl FusedLoss for LinearCrossEntropy {
         inputs: &[&Tensor],
         weights: &[&Tensor],
     ) -> Result<Tensor> {
-        let (x, w) = (inputs[0], weights[0]);
+        let (Some(&x), Some(&w)) = (inputs.first(), weights.first()) else {
+            return Err(super::missing("the classifier's input or weight"));
+        };
         let mut logits = backend.empty(
             &[x.rows_cols().0, w.rows_cols().0],
             x.dtype(),
