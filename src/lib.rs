@@ -36,7 +36,7 @@ pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
     Timeline,
 };
-pub use model::{Gpt2, Gpt2Config, Model};
+pub use model::{Gpt2, Gpt2Config, Llama, LlamaConfig, Model, ModelConfig};
 pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, MixedBf16, Precision};
 pub use rng::Rng;

@@ -4,11 +4,13 @@ mod backend;
 pub(crate) mod cpu;
 pub mod cuda;
 pub mod custom;
+mod heads;
 mod meta;
 
 pub use backend::{AdamWStep, Backend};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 pub use custom::CustomKernel;
+pub use heads::Heads;
 pub use meta::MetaBackend;
 
 use crate::error::Result;

@@ -115,7 +115,7 @@ pub fn predict_architecture(
     optimizer: &dyn Optimizer,
 ) -> Result<MemoryPrediction> {
     predict(
-        crate::model::build(arch)?,
+        crate::model::build(arch, micro.seq_len)?,
         micro,
         precision,
         checkpoint,

@@ -241,12 +241,27 @@ mod tests {
     fn a_gpt2_config_round_trips_and_other_shapes_are_refused_by_name() {
         let c = Gpt2Config::gpt2_124m();
         assert_eq!(Gpt2Config::from_architecture(&c.architecture()).unwrap(), c);
-        assert!(crate::model::build(&c.architecture()).is_ok());
+        assert!(crate::model::build(&c.architecture(), 1024).is_ok());
         let llama = crate::estimate::preset("llama-1b").unwrap().architecture;
-        let e = crate::model::build(&llama).err().unwrap().to_string();
+        let e = Gpt2Config::from_architecture(&llama)
+            .unwrap_err()
+            .to_string();
         for what in ["grouped-query attention", "MLP", "norm", "no biases"] {
             assert!(e.contains(what), "{e}");
         }
+        let built = crate::model::build(&llama, 4096).unwrap();
+        assert!(
+            built.describe().starts_with("llama"),
+            "{}",
+            built.describe()
+        );
+        // A GPT-2 block with RMSNorm is neither model.
+        let mixed = Architecture {
+            norm: Norm::RmsNorm,
+            ..Architecture::gpt(2, 64, 4, 256)
+        };
+        let e = crate::model::build(&mixed, 64).err().unwrap().to_string();
+        assert!(e.contains("SwiGLU") && e.contains("biases"), "{e}");
         let no_positions = Architecture::gpt(2, 64, 4, 256);
         let e = Gpt2Config::from_architecture(&no_positions)
             .unwrap_err()

@@ -5,6 +5,7 @@ use super::exec;
 use super::graph::{Graph, Section, Value};
 use super::{Architecture, Batch, Init, Mlp, Model, Norm, ParamInit, Pass, PassStats};
 use crate::checkpoint::Tags;
+use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
     CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy,
@@ -157,8 +158,8 @@ impl Gpt2Config {
             return Err(Error::config(
                 "model",
                 format!(
-                    "trainkit builds GPT-2 shaped models; this one has {}: the Llama family \
-                     is not built yet",
+                    "a GPT-2 model has none of: {} (a Llama-shaped model takes RMSNorm, a \
+                     SwiGLU MLP and no biases)",
                     differs.join(", ")
                 ),
             ));
@@ -363,7 +364,9 @@ fn graph(c: &Gpt2Config, head_kind: Head) -> Graph {
                 &[h("attn.c_attn.weight"), h("attn.c_attn.bias")],
             );
             s.node(
-                CausalAttention { n_head: c.n_head },
+                CausalAttention {
+                    heads: Heads::mha(c.n_head, c.n_embd),
+                },
                 &[qkv],
                 &[probs, attn_out],
                 &[],

@@ -1,24 +1,30 @@
-//! Models: the `Model` trait, GPT-2, parameters and the activation stash.
+//! Models: the `Model` trait, GPT-2 and Llama, their parameters and graphs.
 
 mod architecture;
 pub mod exec;
 mod gpt2;
 mod graph;
+mod llama;
 mod llama_config;
+mod model_config;
 mod param;
 
 pub use architecture::{Architecture, Mlp, Norm};
 pub use exec::StashStats;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, Section, Value};
+pub use llama::Llama;
 pub use llama_config::{LlamaConfig, Rope, RopeScaling};
+pub use model_config::ModelConfig;
 pub use param::{Param, UpdateParts};
 
 use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::rng::Rng;
+use crate::save::NamedTensor;
 use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
 use std::fmt::Debug;
 
 /// How a parameter's initial values are drawn.
@@ -155,11 +161,90 @@ pub trait Model: Debug + Send + Sync {
     /// Training FLOPs per token (forward and backward, no recomputation), as llm.c counts
     /// them: `6·N + 6·L·C·T` for sequence length `seq_len`.
     fn flops_per_token(&self, seq_len: usize) -> f64;
+
+    /// The parameters (by [`Model::init_params`] name) as the model's file format names and
+    /// shapes them: what `model.safetensors` holds. The identity unless the model fuses
+    /// parameters the format keeps apart ([`Llama`]'s projections).
+    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+        Ok(tensors)
+    }
+
+    /// The inverse of [`Model::export_tensors`]: a file's tensors by the model's parameter
+    /// names. Errors name a tensor that is missing or misshapen.
+    fn import_tensors(
+        &self,
+        tensors: BTreeMap<String, NamedTensor>,
+    ) -> Result<BTreeMap<String, NamedTensor>> {
+        Ok(tensors)
+    }
+}
+
+/// A boxed model is a model: a trainer can be built from [`ModelConfig::build`]'s result.
+impl Model for Box<dyn Model> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+
+    fn max_seq_len(&self) -> usize {
+        (**self).max_seq_len()
+    }
+
+    fn init_params(&self) -> Vec<ParamInit> {
+        (**self).init_params()
+    }
+
+    fn forward_backward(
+        &self,
+        pass: &mut Pass<'_>,
+        batch: &Batch,
+        grad_scale: f32,
+        losses: &mut Tensor,
+    ) -> Result<PassStats> {
+        (**self).forward_backward(pass, batch, grad_scale, losses)
+    }
+
+    fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64> {
+        (**self).loss(pass, batch)
+    }
+
+    fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
+        (**self).logits(pass, batch)
+    }
+
+    fn write_config(&self, dir: &std::path::Path) -> Result<()> {
+        (**self).write_config(dir)
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        (**self).flops_per_token(seq_len)
+    }
+
+    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+        (**self).export_tensors(tensors)
+    }
+
+    fn import_tensors(
+        &self,
+        tensors: BTreeMap<String, NamedTensor>,
+    ) -> Result<BTreeMap<String, NamedTensor>> {
+        (**self).import_tensors(tensors)
+    }
 }
 
 /// The model `arch` describes, with freshly declared parameters: a [`Gpt2`] for a GPT-2
 /// shape (multi-head attention, a 4h GELU MLP, LayerNorms with biases, tied embeddings and
-/// learned positions). Other shapes are refused with an error naming what differs.
-pub fn build(arch: &Architecture) -> Result<Box<dyn Model>> {
+/// learned positions), a [`Llama`] for a Llama shape (RMSNorm, SwiGLU, no biases, rotary
+/// positions, with a context of `context`). Other shapes are refused with an error naming
+/// what differs.
+pub fn build(arch: &Architecture, context: usize) -> Result<Box<dyn Model>> {
+    if arch.mlp == Mlp::SwiGlu || arch.norm == Norm::RmsNorm {
+        return Ok(Box::new(Llama::new(LlamaConfig::from_architecture(
+            arch, context,
+        )?)?));
+    }
     Ok(Box::new(Gpt2::new(Gpt2Config::from_architecture(arch)?)?))
 }

@@ -220,10 +220,10 @@ impl Param {
         Ok(())
     }
 
-    /// Copies the master weights into the compute weights (after an optimizer step).
     /// Replaces the parameter's value (master weights where kept, else the weights) with
-    /// `data`, then refreshes the compute weights.
-    pub(crate) fn set_value(&mut self, backend: &dyn Backend, data: &[f32]) -> Result<()> {
+    /// `data` (row-major, as many values as the shape holds), then refreshes the compute
+    /// weights.
+    pub fn set_value(&mut self, backend: &dyn Backend, data: &[f32]) -> Result<()> {
         if data.len() != self.numel() {
             return Err(Error::data(
                 &self.name,

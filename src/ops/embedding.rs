@@ -1,4 +1,4 @@
-//! Token and learned position embeddings (GPT-2's input).
+//! Token embeddings, with learned position embeddings (GPT-2's input) or alone (Llama's).
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::error::{Error, Result};
@@ -37,7 +37,7 @@ impl Op for LearnedEmbedding {
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
         let mut out = cx.alloc(0)?;
         cx.backend
-            .embedding(&mut out, cx.tokens, cx.weights[0], cx.weights[1])?;
+            .embedding(&mut out, cx.tokens, cx.weights[0], Some(cx.weights[1]))?;
         cx.outputs[0] = Some(out);
         Ok(())
     }
@@ -49,6 +49,49 @@ impl Op for LearnedEmbedding {
         let (wte, wpe) = cx.params.split_at_mut(1);
         let dwte = wte[0].grad_mut(be)?;
         let dwpe = wpe[0].grad_mut(be)?;
-        be.embedding_backward(dwte, dwpe, &dout, cx.tokens)
+        be.embedding_backward(dwte, Some(dwpe), &dout, cx.tokens)
+    }
+}
+
+/// `out[b, t] = wte[tokens[b, t]]`, `[B, T, C]`: token embeddings alone, for models whose
+/// positions enter elsewhere (rotary embeddings).
+///
+/// No activation inputs (it reads the batch's tokens). Parameter: wte `[V, C]`. Output:
+/// `out`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenEmbedding;
+
+impl Op for TokenEmbedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        weights: &[&Tensor],
+        dtype: DType,
+        batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>> {
+        LearnedEmbedding.output_shapes(inputs, weights, dtype, batch)
+    }
+
+    fn saves(&self) -> Saves {
+        Saves::default()
+    }
+
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
+        let mut out = cx.alloc(0)?;
+        cx.backend
+            .embedding(&mut out, cx.tokens, cx.weights[0], None)?;
+        cx.outputs[0] = Some(out);
+        Ok(())
+    }
+
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        let dout = cx.take_grad_out(0)?;
+        let dwte = cx.params[0].grad_mut(be)?;
+        be.embedding_backward(dwte, None, &dout, cx.tokens)
     }
 }

@@ -14,13 +14,17 @@ mod embedding;
 mod linear;
 mod linear_cross_entropy;
 mod norm;
+mod rope;
+mod swiglu;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
-pub use embedding::LearnedEmbedding;
+pub use embedding::{LearnedEmbedding, TokenEmbedding};
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, RmsNorm};
+pub use rope::Rope;
+pub use swiglu::SwiGlu;
 
 use crate::device::Backend;
 use crate::error::{Error, Result};

@@ -1,8 +1,8 @@
-//! Hugging Face's `config.json` for GPT-2.
+//! Hugging Face's `config.json` for GPT-2 and Llama.
 
 use super::write_atomically;
 use crate::error::{Error, Result};
-use crate::model::Gpt2Config;
+use crate::model::{Gpt2Config, LlamaConfig, RopeScaling};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -35,6 +35,55 @@ pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
     let eot = (config.vocab_size > EOT as usize).then_some(EOT);
     v["bos_token_id"] = json!(eot);
     v["eos_token_id"] = json!(eot);
+    let text = serde_json::to_string_pretty(&v).map_err(|e| Error::Serde(e.to_string()))?;
+    write_atomically(path, text.as_bytes())
+}
+
+/// Writes `config` as a transformers `LlamaConfig` (`LlamaForCausalLM`): the rope
+/// parameters in both transformers 5's `rope_parameters` and 4.x's `rope_theta` and
+/// `rope_scaling`, so either version loads it.
+pub fn write_llama_config(path: &Path, config: &LlamaConfig) -> Result<()> {
+    let mut rope = match config.rope.scaling {
+        RopeScaling::Default => json!({"rope_type": "default"}),
+        RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings as u64,
+        }),
+    };
+    let scaling = (config.rope.scaling != RopeScaling::Default).then(|| rope.clone());
+    rope["rope_theta"] = json!(config.rope.theta);
+    let v = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "mlp_bias": false,
+        "attention_dropout": 0.0,
+        "rope_parameters": rope,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": scaling,
+        "torch_dtype": "float32",
+    });
     let text = serde_json::to_string_pretty(&v).map_err(|e| Error::Serde(e.to_string()))?;
     write_atomically(path, text.as_bytes())
 }

@@ -1,5 +1,5 @@
-//! Saving and loading: Hugging Face GPT-2 model directories (`config.json` and
-//! `model.safetensors`) and the trainer state that makes a resume exact.
+//! Saving and loading: Hugging Face GPT-2 and Llama model directories (`config.json` and
+//! `model.safetensors`, or shards listed in `model.safetensors.index.json`) and the trainer state that makes a resume exact.
 //!
 //! Every file is written to a temporary name, flushed to disk and renamed over its target,
 //! and a whole directory is assembled beside its target and swapped in at the end, so a
@@ -10,11 +10,11 @@ mod hf_config;
 mod tensors;
 
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
-pub use hf_config::{parse_hf_config, read_hf_config, write_hf_config};
+pub use hf_config::{parse_hf_config, read_hf_config, write_hf_config, write_llama_config};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 
 use crate::error::{Error, Result};
-use crate::model::Gpt2Config;
+use crate::model::{Llama, LlamaConfig, ModelConfig};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -29,18 +29,22 @@ pub const STATE_FILE: &str = "trainer_state.json";
 /// The resolved run config, as TOML.
 pub const RUN_CONFIG_FILE: &str = "trainkit.toml";
 
+/// The index of a sharded checkpoint (`weight_map`: each tensor's file).
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+
 /// A model read from a directory: its config and its tensors by (Hugging Face) name.
 #[derive(Clone, Debug)]
 pub struct ModelDir {
-    /// The model's shape.
-    pub config: Gpt2Config,
-    /// Every weight by its name under `transformer.` (`transformer.wte.weight`, ...).
+    /// The model's family and shape.
+    pub config: ModelConfig,
+    /// Every weight by its name in the files (GPT-2's under `transformer.`).
     pub tensors: BTreeMap<String, NamedTensor>,
 }
 
-/// Reads a GPT-2 model directory written by trainkit or by transformers'
-/// `save_pretrained` (names with or without the `transformer.` prefix; `lm_head.weight`
-/// and attention-mask buffers are ignored, the head being tied to `wte`).
+/// Reads a model directory written by trainkit or by transformers' `save_pretrained`: its
+/// `config.json` (`model_type` `gpt2` or `llama`) and its weights, from `model.safetensors`
+/// or from the shards `model.safetensors.index.json` lists. The tensors are checked
+/// against the config: a missing or misshapen one is an error naming it.
 pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
     recover_directory(dir)?;
     if !dir.is_dir() {
@@ -51,10 +55,30 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
              transformers' save_pretrained)",
         ));
     }
-    let config = read_hf_config(&dir.join(CONFIG_FILE))?;
-    let weights = dir.join(WEIGHTS_FILE);
+    let config_path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let model_type = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
+    if model_type.as_deref() == Some("llama") {
+        let config = LlamaConfig::from_json(&text)
+            .map_err(|e| Error::data(config_path.display().to_string(), e.to_string()))?;
+        let tensors: BTreeMap<String, NamedTensor> = read_weights(dir)?
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        // The model's own mapping checks every tensor it needs.
+        let model = Llama::new(config.clone())?;
+        let mapped = model.import_tensors(tensors.clone())?;
+        check_shapes(dir, &config.param_shapes(), &mapped)?;
+        return Ok(ModelDir {
+            config: ModelConfig::Llama(config),
+            tensors,
+        });
+    }
+    let config = parse_hf_config(&config_path, &text)?;
     let mut tensors = BTreeMap::new();
-    for t in read_safetensors(&weights)? {
+    for t in read_weights(dir)? {
         let name = if t.name.starts_with("transformer.") {
             t.name.clone()
         } else {
@@ -67,20 +91,34 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
             tensors.insert(name.clone(), NamedTensor { name, ..t });
         }
     }
-    for (name, shape) in config.param_shapes() {
-        match tensors.get(&name) {
+    check_shapes(dir, &config.param_shapes(), &tensors)?;
+    Ok(ModelDir {
+        config: ModelConfig::Gpt2(config),
+        tensors,
+    })
+}
+
+/// Fails unless `tensors` holds every parameter of `shapes` with its shape.
+fn check_shapes(
+    dir: &Path,
+    shapes: &[(String, Vec<usize>)],
+    tensors: &BTreeMap<String, NamedTensor>,
+) -> Result<()> {
+    let weights = dir.display().to_string();
+    for (name, shape) in shapes {
+        match tensors.get(name) {
             None => {
                 return Err(Error::data(
-                    weights.display().to_string(),
+                    &weights,
                     format!(
                         "has no `{name}`, which the model of config.json needs; the \
                          weights and config.json do not belong together"
                     ),
                 ))
             }
-            Some(t) if t.shape != shape => {
+            Some(t) if &t.shape != shape => {
                 return Err(Error::data(
-                    weights.display().to_string(),
+                    &weights,
                     format!(
                         "`{name}` has shape {:?}, config.json implies {shape:?}; the weights \
                          and config.json do not belong together",
@@ -91,5 +129,46 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
             Some(_) => {}
         }
     }
-    Ok(ModelDir { config, tensors })
+    Ok(())
+}
+
+/// Every tensor of a directory's weights: `model.safetensors`, or else each shard named
+/// in `model.safetensors.index.json`'s `weight_map` (each file read once).
+pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>> {
+    let single = dir.join(WEIGHTS_FILE);
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    if single.exists() || !index.exists() {
+        return read_safetensors(&single);
+    }
+    let what = index.display().to_string();
+    let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::data(&what, format!("is not valid JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| Error::data(&what, "has no `weight_map` table of tensor → file"))?;
+    let mut files: Vec<&str> = Vec::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            Error::data(&what, format!("maps `{name}` to {file}, not a file name"))
+        })?;
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(Error::data(
+                &what,
+                format!("names the shard `{file}`; shards must lie beside the index"),
+            ));
+        }
+        if !files.contains(&file) {
+            files.push(file);
+        }
+    }
+    files.sort_unstable();
+    let mut out = Vec::new();
+    for file in files {
+        let shard: Vec<NamedTensor> = read_safetensors(&dir.join(file))?;
+        out.extend(shard.into_iter().filter(|t| map.contains_key(&t.name)));
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
 }

@@ -66,7 +66,8 @@ where
     /// The model's parameters as f32 tensors with their Hugging Face names: the master
     /// weights where the precision keeps them, else the weights.
     pub fn model_tensors(&self) -> Result<Vec<NamedTensor>> {
-        self.params
+        let tensors = self
+            .params
             .iter()
             .map(|p| {
                 Ok(NamedTensor {
@@ -75,7 +76,8 @@ where
                     data: self.backend.to_f32(p.value())?,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        self.model.export_tensors(tensors)
     }
 
     /// Saves the model (`config.json`, `model.safetensors`: what transformers'
@@ -147,16 +149,17 @@ where
     /// parameter must be there with its shape; optimizer state and counters are
     /// untouched.
     pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
+        let tensors = self.model.import_tensors(model.tensors.clone())?;
         let be = self.backend.as_ref();
         for p in &mut self.params {
-            let t = model.tensors.get(p.name()).ok_or_else(|| {
+            let t = tensors.get(p.name()).ok_or_else(|| {
                 Error::data(
                     "model weights",
                     format!(
                         "`{}` is missing; the directory holds {} tensors but not this one \
-                         (is it a GPT-2 checkpoint of the same depth?)",
+                         (is it a checkpoint of the same model and depth?)",
                         p.name(),
-                        model.tensors.len()
+                        tensors.len()
                     ),
                 )
             })?;

@@ -66,10 +66,10 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .tokenizer
         .clone()
         .or_else(|| model_dir_tokenizer(&args.model))
-        .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size));
+        .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size()));
     let source = DataConfig::from_path(&args.data, Some(tokenizer));
     let tokens = source.train_dataset()?;
-    tokens.check_ids(dir.config.vocab_size)?;
+    tokens.check_ids(dir.config.vocab_size())?;
     let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
     let mut trainer = crate::trainer_for(&dir, &args.device, data.clone())?;
     let loss = trainer.evaluate(&mut data, args.batches)?;

@@ -12,9 +12,7 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 use trainkit::data::DataLoader;
 use trainkit::save::ModelDir;
-use trainkit::{
-    AdamW, Constant, Device, Error, Fp32, Gpt2, NoRecompute, PeakTracker, Result, Trainer,
-};
+use trainkit::{AdamW, Constant, Device, Error, Fp32, NoRecompute, PeakTracker, Result, Trainer};
 
 #[derive(Parser)]
 #[command(
@@ -79,7 +77,7 @@ fn trainer_for(
     data: DataLoader,
 ) -> Result<Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>> {
     let backend = device(device_flag)?.backend()?;
-    let mut trainer = Trainer::builder(Gpt2::new(dir.config.clone())?, backend, data).build()?;
+    let mut trainer = Trainer::builder(dir.config.build()?, backend, data).build()?;
     trainer.load_weights(dir)?;
     Ok(trainer)
 }

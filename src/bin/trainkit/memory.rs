@@ -594,16 +594,19 @@ fn trainkit_exact(
     let Some(a) = subject.arch else {
         return Ok(None);
     };
-    let positions = if subject.name.is_some() {
+    // Rotary models (Llama) have no position table: any length up to the context.
+    let rotary = a.positions == 0 && a.norm == trainkit::model::Norm::RmsNorm;
+    let positions = if subject.name.is_some() || rotary {
         a.positions
     } else {
         seq_len
     };
-    if seq_len > positions {
+    if seq_len > positions && !rotary {
         return Ok(None);
     }
     // Exact figures for the architectures trainkit builds; the formulas alone for others.
-    let Ok(model) = trainkit::model::build(&Architecture { positions, ..a }) else {
+    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
+    let Ok(model) = trainkit::model::build(&Architecture { positions, ..a }, context) else {
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);

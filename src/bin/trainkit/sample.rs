@@ -44,17 +44,17 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let tokenizer = match (args.tokenizer, model_dir_tokenizer(&args.model)) {
         (Some(t), _) | (None, Some(t)) => t,
         (None, None) if saved.is_file() => RunConfig::from_file(&saved)?.data.tokenizer(),
-        (None, None) => default_tokenizer(dir.config.vocab_size),
+        (None, None) => default_tokenizer(dir.config.vocab_size()),
     };
     let tok = tokenizer.build()?;
-    if tok.vocab_size() > dir.config.vocab_size {
+    if tok.vocab_size() > dir.config.vocab_size() {
         return Err(Error::config(
             "--tokenizer",
             format!(
                 "the {tokenizer} tokenizer has {} ids, more than the model's vocabulary of \
                  {}; sample with the tokenizer the model was trained with (--tokenizer)",
                 tok.vocab_size(),
-                dir.config.vocab_size
+                dir.config.vocab_size()
             ),
         ));
     }

@@ -1,0 +1,361 @@
+//! The Llama family: the whole model's gradients against finite differences (grouped-query
+//! attention, rotary embeddings with scaling, SwiGLU, RMSNorm, tied and untied heads),
+//! every recompute policy bitwise equal in both precisions, the exact memory prediction
+//! equal to the ledger, and Hugging Face directories (separate q/k/v and gate/up tensors,
+//! single files and shards) that reload bitwise.
+
+mod common;
+
+use common::{corpus_loader, cpu, grads, scratch, values};
+use std::collections::BTreeMap;
+use trainkit::estimate::{predict, MicroBatch};
+use trainkit::model::{Rope, RopeScaling};
+use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
+use trainkit::{
+    AdamW, CheckpointPolicy, Constant, Full, Llama, LlamaConfig, MemoryCategory, MixedBf16, Model,
+    NoRecompute, Precision, Selective, Trainer, TrainerOptions,
+};
+
+/// A small Llama: 2 layers, 32 wide, 4 query heads of 8 sharing `kv` key/value heads, an
+/// MLP of 48, bytes, llama3 rope scaling.
+fn tiny(kv: usize, tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: kv,
+        head_dim: 8,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: tied,
+        initializer_range: 0.1,
+        rope: Rope {
+            theta: 500.0,
+            scaling: RopeScaling::Llama3 {
+                factor: 4.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 2.0,
+                original_max_position_embeddings: 16.0,
+            },
+        },
+    }
+}
+
+/// The gradient of one step against central differences of the mean loss on the same
+/// batch, at coordinates of every kind of parameter.
+#[test]
+fn gradients_match_finite_differences() {
+    for (kv, tied) in [(2, false), (1, true), (4, true)] {
+        let config = tiny(kv, tied);
+        let (b, t) = (2, 12);
+        let batch = corpus_loader(4_000, 7, b, t).next_batch();
+        let mut trainer = Trainer::builder(
+            Llama::new(config.clone()).unwrap(),
+            cpu(),
+            corpus_loader(4_000, 7, b, t),
+        )
+        .optimizer(AdamW {
+            lr: 0.0,
+            ..AdamW::default()
+        })
+        .options(TrainerOptions {
+            grad_clip: 0.0,
+            ..TrainerOptions::default()
+        })
+        .build()
+        .unwrap();
+        trainer.step().unwrap();
+        let g = grads(&trainer);
+        let tokens = (b * t) as f64;
+        let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
+        let heads = config.heads();
+        let c = config.hidden_size;
+        // (parameter, row): the q, k and v rows of the fused projection, gate and up rows.
+        let mut probes = vec![
+            ("model.embed_tokens.weight", batch.inputs[3] as usize),
+            ("model.layers.0.input_layernorm.weight", 0),
+            ("model.layers.0.self_attn.qkv_proj.weight", 1),
+            (
+                "model.layers.0.self_attn.qkv_proj.weight",
+                heads.q_width() + 2,
+            ),
+            (
+                "model.layers.1.self_attn.qkv_proj.weight",
+                heads.q_width() + heads.kv_width() + 3,
+            ),
+            ("model.layers.1.self_attn.o_proj.weight", 5),
+            ("model.layers.1.post_attention_layernorm.weight", 0),
+            ("model.layers.0.mlp.gate_up_proj.weight", 4),
+            ("model.layers.0.mlp.gate_up_proj.weight", 48 + 4),
+            ("model.layers.1.mlp.down_proj.weight", 7),
+            ("model.norm.weight", 0),
+        ];
+        if !tied {
+            probes.push(("lm_head.weight", batch.targets[0] as usize));
+        }
+        for (name, row) in probes {
+            let i = names.iter().position(|n| n == name).unwrap();
+            let cols = trainer.params()[i].shape().last().copied().unwrap();
+            let at = if cols == c && trainer.params()[i].shape().len() == 2 {
+                row * cols + 3
+            } else {
+                row * cols + row % cols.max(1)
+            };
+            let original = values(&trainer)[i].clone();
+            let h = 1e-2f32;
+            let mut loss_at = |delta: f32| {
+                let mut v = original.clone();
+                v[at] += delta;
+                let be = trainer.backend().clone();
+                trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+                trainer.loss_on(&batch).unwrap() / tokens
+            };
+            let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
+            loss_at(0.0);
+            let analytic = g[i][at] as f64;
+            let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
+            assert!(
+                err < 2e-2,
+                "kv {kv} tied {tied}: {name}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}"
+            );
+        }
+    }
+}
+
+type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>);
+
+fn run(
+    config: &LlamaConfig,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+    micro_batches: usize,
+) -> Run {
+    let mut t = Trainer::builder(
+        Llama::new(config.clone()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 1, 2, 16),
+    )
+    .precision(precision)
+    .checkpoint(policy)
+    .accumulation(Constant::new(micro_batches))
+    .build()
+    .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (grads(&t), values(&t), losses)
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// Recomputation changes memory, never results, in f32 and bf16 alike, with one, two and
+/// all key/value heads and with accumulation.
+#[test]
+fn every_policy_is_bitwise_equal_in_both_precisions() {
+    let precisions: [Box<dyn Precision>; 2] = [
+        Box::new(trainkit::Fp32),
+        Box::new(MixedBf16 { fp32_grads: true }),
+    ];
+    for kv in [1, 2, 4] {
+        let config = tiny(kv, kv != 2);
+        for precision in &precisions {
+            for micro_batches in [1, 2] {
+                let (g0, v0, l0) = run(
+                    &config,
+                    precision.clone(),
+                    Box::new(NoRecompute),
+                    micro_batches,
+                );
+                assert!(l0.iter().all(|l| l.is_finite() && *l > 0.0));
+                for policy in [
+                    Box::new(Full) as Box<dyn CheckpointPolicy>,
+                    Box::new(Selective),
+                ] {
+                    let what = format!("kv {kv} {precision:?} {policy:?} k={micro_batches}");
+                    let (g, v, l) = run(&config, precision.clone(), policy, micro_batches);
+                    assert_eq!(l, l0, "{what}: losses");
+                    assert!(bits(&g) == bits(&g0), "{what}: gradients");
+                    assert!(bits(&v) == bits(&v0), "{what}: updated weights");
+                }
+            }
+        }
+    }
+}
+
+/// The meta backend's prediction equals the ledger, category by category.
+#[test]
+fn the_exact_prediction_equals_the_ledger() {
+    let policies: [Box<dyn CheckpointPolicy>; 3] =
+        [Box::new(NoRecompute), Box::new(Selective), Box::new(Full)];
+    for (kv, tied) in [(2, false), (1, true)] {
+        let config = tiny(kv, tied);
+        for precision in [
+            Box::new(trainkit::Fp32) as Box<dyn Precision>,
+            Box::new(MixedBf16 { fp32_grads: false }),
+        ] {
+            for policy in &policies {
+                let what = format!("kv {kv} {precision:?} {policy:?}");
+                let predicted = predict(
+                    Box::new(Llama::new(config.clone()).unwrap()),
+                    MicroBatch {
+                        batch_size: 2,
+                        seq_len: 16,
+                    },
+                    precision.as_ref(),
+                    policy.as_ref(),
+                    &AdamW::default(),
+                )
+                .unwrap();
+                let mut t = Trainer::builder(
+                    Llama::new(config.clone()).unwrap(),
+                    cpu(),
+                    corpus_loader(8_000, 3, 2, 16),
+                )
+                .precision(precision.clone())
+                .checkpoint(policy.clone())
+                .build()
+                .unwrap();
+                for step in 1..=2 {
+                    let s = t.step().unwrap();
+                    for c in MemoryCategory::ALL {
+                        assert_eq!(
+                            s.memory.peak.get(c),
+                            predicted.peak.get(c),
+                            "step {step} {c} of {what}"
+                        );
+                    }
+                    let total = if step == 1 {
+                        predicted.first_step_peak_total(1)
+                    } else {
+                        predicted.peak_total
+                    };
+                    assert_eq!(s.memory.peak_total, total, "step {step} total of {what}");
+                }
+            }
+        }
+    }
+}
+
+/// A trained model saved as a Hugging Face directory: separate projections under their
+/// Hugging Face names, a Llama config.json, and weights that reload bitwise, from one file
+/// or from shards; a missing projection is refused by name.
+#[test]
+fn hugging_face_directories_round_trip() {
+    for tied in [true, false] {
+        let config = tiny(2, tied);
+        let mut t = Trainer::builder(
+            Llama::new(config.clone()).unwrap(),
+            cpu(),
+            corpus_loader(8_000, 3, 2, 16),
+        )
+        .build()
+        .unwrap();
+        t.step().unwrap();
+        let dir = scratch(&format!("llama-dir-{tied}"));
+        t.save(&dir, None).unwrap();
+        let loaded = read_model_dir(&dir).unwrap();
+        assert_eq!(loaded.config, trainkit::ModelConfig::Llama(config.clone()));
+        let names: Vec<&String> = loaded.tensors.keys().collect();
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+        ] {
+            assert!(loaded.tensors.contains_key(name), "{name} in {names:?}");
+        }
+        assert_eq!(
+            loaded.tensors["model.layers.0.self_attn.k_proj.weight"].shape,
+            vec![16, 32]
+        );
+        assert_eq!(loaded.tensors.contains_key("lm_head.weight"), !tied);
+        let config_json = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        assert_eq!(LlamaConfig::from_json(&config_json).unwrap(), config);
+
+        let fresh = || {
+            Trainer::builder(
+                Llama::new(config.clone()).unwrap(),
+                cpu(),
+                corpus_loader(8_000, 9, 2, 16),
+            )
+            .build()
+            .unwrap()
+        };
+        let mut back = fresh();
+        back.load_weights(&loaded).unwrap();
+        assert!(
+            bits(&values(&back)) == bits(&values(&t)),
+            "reloaded weights"
+        );
+
+        // The same tensors in two shards with an index, as transformers writes them.
+        let sharded = scratch(&format!("llama-sharded-{tied}"));
+        std::fs::create_dir_all(&sharded).unwrap();
+        std::fs::copy(dir.join("config.json"), sharded.join("config.json")).unwrap();
+        let all: Vec<NamedTensor> = loaded.tensors.values().cloned().collect();
+        let (a, b) = all.split_at(all.len() / 2);
+        let mut map = BTreeMap::new();
+        for (file, part) in [
+            ("model-00001-of-00002.safetensors", a),
+            ("model-00002-of-00002.safetensors", b),
+        ] {
+            write_safetensors(&sharded.join(file), part, None).unwrap();
+            for t in part {
+                map.insert(t.name.clone(), file);
+            }
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(
+            sharded.join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .unwrap();
+        let mut from_shards = fresh();
+        from_shards
+            .load_weights(&read_model_dir(&sharded).unwrap())
+            .unwrap();
+        assert!(bits(&values(&from_shards)) == bits(&values(&t)), "shards");
+
+        // A missing projection is named.
+        std::fs::remove_file(sharded.join("model-00002-of-00002.safetensors")).unwrap();
+        write_safetensors(
+            &sharded.join("model-00002-of-00002.safetensors"),
+            &b.iter()
+                .filter(|t| !t.name.ends_with("up_proj.weight"))
+                .cloned()
+                .collect::<Vec<_>>(),
+            None,
+        )
+        .unwrap();
+        let e = read_model_dir(&sharded).unwrap_err().to_string();
+        assert!(e.contains("up_proj"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&sharded);
+    }
+}
+
+/// A small Llama learns the built-in corpus.
+#[test]
+fn training_lowers_the_loss() {
+    let model = Llama::new(tiny(2, true)).unwrap();
+    assert!(model.describe().contains("llama"));
+    let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 5, 4, 32))
+        .optimizer(AdamW {
+            lr: 3e-3,
+            ..AdamW::default()
+        })
+        .build()
+        .unwrap();
+    let first = t.step().unwrap().loss;
+    let mut last = first;
+    for _ in 0..40 {
+        last = t.step().unwrap().loss;
+    }
+    assert!(last < 0.7 * first, "loss {first} → {last}");
+}
