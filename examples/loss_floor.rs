@@ -1,4 +1,5 @@
-//! The loss floor: for GPT-2 124M (bf16, batch 1) at sequence lengths up to 8192, the
+//! The loss floor: for GPT-2 124M and Llama 3.2 1B (bf16, batch 1) at sequence lengths
+//! up to 8192, the
 //! activation peak of the loss phase and of the whole step, with the fused linear
 //! cross-entropy and with the materialized logits, for each recompute policy. Exact
 //! figures from the meta backend (the trainer run with no data), as `trainkit memory`.
@@ -67,16 +68,26 @@ fn main() -> Result<()> {
         ("selective", Box::new(Selective)),
         ("full", Box::new(Full)),
     ];
-    println!("| T | recompute | loss | loss-phase peak | step activation peak | peak phase |");
-    println!("| --- | --- | --- | --- | --- | --- |");
-    for t in [1024, 2048, 4096, 8192] {
-        let config = Gpt2Config {
-            n_positions: t,
-            ..Gpt2Config::gpt2_124m()
-        };
+    println!("| model | T | recompute | loss | loss-phase peak | step activation peak | peak phase |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let llama = trainkit::estimate::preset("llama-3.2-1b")?.architecture;
+    for (family, t) in [1024, 2048, 4096, 8192]
+        .map(|t| ("gpt2-124m", t))
+        .into_iter()
+        .chain([1024, 2048, 4096, 8192].map(|t| ("llama-3.2-1b", t)))
+    {
         for (name, policy) in &policies {
             for path in [LossPath::Materialized, LossPath::Fused] {
-                let model = Gpt2::new(config.clone())?.with_loss(path, None)?;
+                let model: Box<dyn Model> = if family == "gpt2-124m" {
+                    let config = Gpt2Config {
+                        n_positions: t,
+                        ..Gpt2Config::gpt2_124m()
+                    };
+                    Box::new(Gpt2::new(config)?.with_loss(path, None)?)
+                } else {
+                    let config = trainkit::LlamaConfig::from_architecture(&llama, t)?;
+                    Box::new(trainkit::Llama::new(config)?.with_loss(path, None)?)
+                };
                 let data = DataLoader::new(vec![0u32; t + 1], 1, t)?;
                 let backend: Arc<dyn Backend> = Arc::new(MetaBackend::new());
                 let mut trainer = Trainer::builder(model, backend, data)
@@ -90,7 +101,7 @@ fn main() -> Result<()> {
                 assert_eq!(o.peak, s.memory.peak.get(MemoryCategory::Activations));
                 let phase = o.peak_phase.map_or("-".to_string(), |p| p.to_string());
                 println!(
-                    "| {t} | {name} | {path} | {} ({}) | {} ({}) | {phase} |",
+                    "| {family} | {t} | {name} | {path} | {} ({}) | {} ({}) | {phase} |",
                     format_bytes(o.loss_peak),
                     o.loss_peak,
                     format_bytes(o.peak),
