@@ -68,7 +68,9 @@ fn main() -> Result<()> {
         ("selective", Box::new(Selective)),
         ("full", Box::new(Full)),
     ];
-    println!("| model | T | recompute | loss | loss-phase peak | step activation peak | peak phase |");
+    println!(
+        "| model | T | recompute | loss | loss-phase peak | step activation peak | peak phase |"
+    );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let llama = trainkit::estimate::preset("llama-3.2-1b")?.architecture;
     for (family, t) in [1024, 2048, 4096, 8192]
