@@ -85,7 +85,7 @@ max = 4
         ("every_nth", cfg.checkpoint.clone()),
     ] {
         let data = DataLoader::new(tokens.clone(), 8, 128)?;
-        let model = Gpt2::new(cfg.model.clone())?;
+        let model = cfg.model.build()?;
         let mut trainer = Trainer::builder(model, Arc::new(CpuBackend::new()), data)
             .checkpoint(policy)
             .accumulation(cfg.accumulation.clone())

@@ -454,11 +454,11 @@ fn a_model_from_scratch_gets_the_context_its_sequences_need() {
     let (ok, out, err) = trainkit(&["train", "--print-config", "--seq-len", "256"]);
     assert!(ok, "{err}");
     let cfg = trainkit::config::RunConfig::from_toml(&out).unwrap();
-    assert_eq!((cfg.training.seq_len, cfg.model.n_positions), (256, 256));
+    assert_eq!((cfg.training.seq_len, cfg.model.context()), (256, 256));
     let (ok, out, err) = trainkit(&["train", "--print-config", "--n-positions", "512"]);
     assert!(ok, "{err}");
     let cfg = trainkit::config::RunConfig::from_toml(&out).unwrap();
-    assert_eq!(cfg.model.n_positions, 512);
+    assert_eq!(cfg.model.context(), 512);
     // An explicit context shorter than the sequences is refused, naming the fix.
     let (ok, _, err) = trainkit(&[
         "train",
@@ -470,4 +470,107 @@ fn a_model_from_scratch_gets_the_context_its_sequences_need() {
     ]);
     assert!(!ok);
     assert!(err.contains("--n-positions"), "{err}");
+}
+
+#[test]
+fn llama_trains_resumes_bitwise_evaluates_and_samples() {
+    let dir = scratch("llama");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let llama = [
+        "--arch",
+        "llama",
+        "--n-kv-head",
+        "1",
+        "--ffn",
+        "48",
+        "--rope-theta",
+        "500",
+        "--precision",
+        "bf16",
+        "--recompute",
+        "selective",
+        "--lr-schedule",
+        "constant",
+    ];
+    let run = |steps: &str, out: &Path| {
+        let mut args = tiny_run(&["--steps", steps, "--out", path(out)]);
+        args.extend(llama.iter().map(|s| s.to_string()));
+        run_ok(&args)
+    };
+    let out = run("4", &a);
+    assert!(
+        out.contains("llama: 2 layers, 2 heads (1 key/value)"),
+        "{out}"
+    );
+    run("2", &b);
+    let resumed = run_ok(&[
+        "train".into(),
+        "--resume".into(),
+        path(&b).into(),
+        "--steps".into(),
+        "4".into(),
+    ]);
+    assert!(resumed.contains("at step 2"), "{resumed}");
+    assert_eq!(weights(&a), weights(&b));
+    let names: Vec<String> = weights(&a).into_iter().map(|t| t.name).collect();
+    assert!(
+        names.contains(&"model.layers.1.self_attn.k_proj.weight".to_string()),
+        "{names:?}"
+    );
+    let config = std::fs::read_to_string(a.join("config.json")).unwrap();
+    assert!(config.contains("\"model_type\": \"llama\""), "{config}");
+
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let (ok, out, err) = trainkit(&[
+        "eval",
+        "--model",
+        path(&a),
+        "--data",
+        path(&text),
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok && out.contains("nats/token"), "{out}{err}");
+    let (ok, out, err) = trainkit(&[
+        "sample",
+        "--model",
+        path(&a),
+        "--prompt",
+        "the ",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok && !out.is_empty(), "{err}");
+    // A fine-tune from it takes its shape; a contradicting flag is refused.
+    let (ok, _, err) = trainkit(&[
+        "train",
+        "--init-from",
+        path(&a),
+        "--n-kv-head",
+        "2",
+        "--steps",
+        "1",
+    ]);
+    assert!(!ok && err.contains("contradict"), "{err}");
+    for (args, needle) in [
+        (vec!["train", "--arch", "mamba"], "gpt2 or llama"),
+        (vec!["train", "--n-kv-head", "2"], "--arch llama"),
+        (
+            vec!["train", "--arch", "llama", "--n-kv-head", "3"],
+            "num_key_value_heads",
+        ),
+        (vec!["train", "--model", "gpt5"], "smollm2-135m"),
+        (
+            vec!["train", "--model", "gpt2", "--arch", "llama"],
+            "contradicts",
+        ),
+    ] {
+        let (ok, _, err) = trainkit(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

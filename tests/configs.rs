@@ -17,7 +17,10 @@ fn the_default_config_is_the_default_run() {
 #[test]
 fn the_gpt2_config_is_gpt2_small() {
     let c = load("gpt2-124m.toml");
-    assert_eq!(c.model, trainkit::Gpt2Config::gpt2_124m());
+    assert_eq!(
+        c.model,
+        trainkit::ModelConfig::Gpt2(trainkit::Gpt2Config::gpt2_124m())
+    );
     assert!(matches!(c.data, DataConfig::Tokens { .. }));
     let json = serde_json::to_value(&c.precision).unwrap();
     assert_eq!(json["kind"], "mixed_bf16");

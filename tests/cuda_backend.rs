@@ -1030,10 +1030,13 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
     let run = |backend: Arc<dyn Backend>| -> Vec<f64> {
         let cfg = trainkit::config::RunConfig::default();
         let t = cfg.training.clone();
-        let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size).unwrap();
+        let corpus = cfg
+            .data
+            .load(t.seq_len + 1, cfg.model.vocab_size())
+            .unwrap();
         let data = trainkit::data::DataLoader::new(corpus.train, t.batch_size, t.seq_len).unwrap();
         let mut trainer = Trainer::new(
-            Box::new(Gpt2::new(cfg.model.clone()).unwrap()),
+            cfg.model.build().unwrap(),
             backend,
             data,
             cfg.precision.clone(),

@@ -2,7 +2,6 @@
 
 use crate::data::{SyntheticCorpus, TokenDataset, Tokenizer, TokenizerKind};
 use crate::error::{Error, Result};
-use crate::model::Gpt2Config;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -134,7 +133,7 @@ impl DataConfig {
     }
 
     /// Checks settings against the model before anything is read.
-    pub fn validate(&self, model: &Gpt2Config) -> Result<()> {
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
         if let DataConfig::Text { val_fraction, .. } = self {
             if !(*val_fraction > 0.0 && *val_fraction < 1.0) {
                 return Err(Error::config(
@@ -151,7 +150,7 @@ impl DataConfig {
         if matches!(self, DataConfig::Tokens { .. }) || tok.hf_path().is_some() {
             return Ok(());
         }
-        check_vocab(&tok, tok.vocab_size()?, model.vocab_size)
+        check_vocab(&tok, tok.vocab_size()?, vocab_size)
     }
 
     /// The primary source, unsplit: the training shards, memory-mapped; or the text file

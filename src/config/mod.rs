@@ -5,7 +5,7 @@ use crate::accumulate::{AccumulationSchedule, Constant};
 use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryObserver, PeakTracker};
-use crate::model::{Gpt2, Gpt2Config};
+use crate::model::{Model, ModelConfig};
 use crate::ops::LossPath;
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::precision::{Fp32, Precision};
@@ -16,7 +16,7 @@ mod data;
 mod overrides;
 
 pub use data::{Corpus, DataConfig};
-pub use overrides::Overrides;
+pub use overrides::{small_llama, Overrides};
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -98,9 +98,9 @@ impl Default for TrainingConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// The model's shape.
-    #[serde(default = "Gpt2Config::small_bytes")]
-    pub model: Gpt2Config,
+    /// The model's family and shape (`arch = "gpt2"`, the default, or `"llama"`).
+    #[serde(default)]
+    pub model: ModelConfig,
     /// Training data.
     #[serde(default)]
     pub data: DataConfig,
@@ -149,7 +149,7 @@ fn default_observer() -> Box<dyn MemoryObserver> {
 impl Default for RunConfig {
     fn default() -> Self {
         RunConfig {
-            model: Gpt2Config::small_bytes(),
+            model: ModelConfig::default(),
             data: DataConfig::default(),
             training: TrainingConfig::default(),
             output: OutputConfig::default(),
@@ -200,10 +200,10 @@ impl RunConfig {
         toml::to_string_pretty(self).map_err(|e| Error::Serde(format!("config: {e}")))
     }
 
-    /// The model this run trains: `[model]`'s GPT-2 with `[training]`'s loss path and
-    /// chunk.
-    pub fn build_model(&self) -> Result<Gpt2> {
-        Gpt2::new(self.model.clone())?.with_loss(self.training.loss, self.training.loss_chunk)
+    /// The model this run trains: `[model]` with `[training]`'s loss path and chunk.
+    pub fn build_model(&self) -> Result<Box<dyn Model>> {
+        self.model
+            .build_with_loss(self.training.loss, self.training.loss_chunk)
     }
 
     /// Checks values that parse but cannot run.
@@ -213,13 +213,15 @@ impl RunConfig {
         if t.batch_size == 0 {
             return Err(Error::config("training.batch_size", "must be at least 1"));
         }
-        if t.seq_len == 0 || t.seq_len > self.model.n_positions {
+        if t.seq_len == 0 || t.seq_len > self.model.context() {
             return Err(Error::config(
                 "training.seq_len",
                 format!(
-                    "{} must be between 1 and model.n_positions = {}; raise the model's \
-                     context (model.n_positions, --n-positions) or shorten the sequences",
-                    t.seq_len, self.model.n_positions
+                    "{} must be between 1 and the model's context {}; raise it \
+                     (model.n_positions or model.max_position_embeddings, --n-positions) or \
+                     shorten the sequences",
+                    t.seq_len,
+                    self.model.context()
                 ),
             ));
         }
@@ -233,6 +235,6 @@ impl RunConfig {
             return Err(Error::config("training.eval_batches", "must be at least 1"));
         }
         crate::ops::LinearCrossEntropy::new("training.loss_chunk", t.loss_chunk)?;
-        self.data.validate(&self.model)
+        self.data.validate(self.model.vocab_size())
     }
 }

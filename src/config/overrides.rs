@@ -4,6 +4,7 @@ use super::{DataConfig, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
+use crate::model::{Gpt2Config, LlamaConfig, ModelConfig, Rope, RopeScaling};
 use crate::optim::{LrSchedule, Optimizer};
 
 use std::path::PathBuf;
@@ -62,8 +63,19 @@ pub struct Overrides {
     pub n_embd: Option<usize>,
     /// Vocabulary.
     pub vocab_size: Option<usize>,
-    /// Context length (rows of the position embedding).
+    /// Context length (GPT-2's `n_positions`, Llama's `max_position_embeddings`).
     pub n_positions: Option<usize>,
+    /// A preset shape for a model from scratch (`gpt2`, `smollm2-135m`, `llama-3.2-1b`,
+    /// ...; [`ModelConfig::preset`]).
+    pub model: Option<String>,
+    /// The model family of a model from scratch: `gpt2` or `llama`.
+    pub arch: Option<String>,
+    /// Key/value heads (Llama).
+    pub n_kv_head: Option<usize>,
+    /// Inner width of the MLP (Llama).
+    pub ffn: Option<usize>,
+    /// Rotary embedding base θ (Llama).
+    pub rope_theta: Option<f64>,
     /// Evaluate every N steps.
     pub eval_every: Option<u64>,
     /// Save every N steps.
@@ -72,7 +84,119 @@ pub struct Overrides {
     pub log_json: Option<PathBuf>,
 }
 
+/// A Llama of the default run's size: 4 layers, 128 wide, 4 query heads sharing 2
+/// key/value heads, a SwiGLU MLP of 352, bytes, a context of 128, tied embeddings.
+pub fn small_llama() -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 128,
+        intermediate_size: 352,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        vocab_size: 256,
+        max_position_embeddings: 128,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: true,
+        initializer_range: 0.02,
+        rope: Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::Default,
+        },
+    }
+}
+
 impl Overrides {
+    /// Lays the model flags over `model`: `--arch` switches the family (to a small model of
+    /// it), the shape flags set the family's fields; a flag the family has no use for is an
+    /// error naming the family that has it.
+    pub fn apply_model(&self, model: &mut ModelConfig) -> Result<()> {
+        if let Some(name) = &self.model {
+            *model = ModelConfig::preset(name).map_err(|e| e.for_field("--model"))?;
+            if let Some(arch) = self.arch.as_deref().filter(|a| *a != model.arch()) {
+                return Err(Error::config(
+                    "--arch",
+                    format!(
+                        "`{arch}` contradicts --model {name}, a {} model",
+                        model.arch()
+                    ),
+                ));
+            }
+        }
+        match self.arch.as_deref() {
+            None => {}
+            Some(a) if a == model.arch() => {}
+            Some("gpt2") => *model = ModelConfig::Gpt2(Gpt2Config::small_bytes()),
+            Some("llama") => *model = ModelConfig::Llama(small_llama()),
+            Some(other) => {
+                return Err(Error::config(
+                    "--arch",
+                    format!("`{other}` is not a model family trainkit builds; use gpt2 or llama"),
+                ))
+            }
+        }
+        match model {
+            ModelConfig::Gpt2(m) => {
+                for (flag, given) in [
+                    ("--n-kv-head", self.n_kv_head.is_some()),
+                    ("--ffn", self.ffn.is_some()),
+                    ("--rope-theta", self.rope_theta.is_some()),
+                ] {
+                    if given {
+                        return Err(Error::config(
+                            flag,
+                            "shapes a Llama model; add --arch llama (GPT-2 has multi-head \
+                             attention, an MLP of 4 × n_embd and learned positions)",
+                        ));
+                    }
+                }
+                set(&mut m.n_layer, self.n_layer);
+                set(&mut m.n_head, self.n_head);
+                set(&mut m.n_embd, self.n_embd);
+                set(&mut m.vocab_size, self.vocab_size);
+                set(&mut m.n_positions, self.n_positions);
+            }
+            ModelConfig::Llama(m) => {
+                set(&mut m.num_hidden_layers, self.n_layer);
+                set(&mut m.hidden_size, self.n_embd);
+                set(&mut m.vocab_size, self.vocab_size);
+                set(&mut m.max_position_embeddings, self.n_positions);
+                set(&mut m.intermediate_size, self.ffn);
+                if let Some(h) = self.n_head {
+                    m.num_attention_heads = h;
+                    // Heads that the key/value heads no longer divide become multi-head.
+                    if h % m.num_key_value_heads.max(1) != 0 {
+                        m.num_key_value_heads = h;
+                    }
+                }
+                set(&mut m.num_key_value_heads, self.n_kv_head);
+                if self.n_head.is_some() || self.n_embd.is_some() {
+                    let heads = m.num_attention_heads.max(1);
+                    if m.hidden_size % heads != 0 {
+                        return Err(Error::config(
+                            "--n-embd",
+                            format!(
+                                "{} is not divisible by {heads} heads; use a multiple of {heads}",
+                                m.hidden_size
+                            ),
+                        ));
+                    }
+                    m.head_dim = m.hidden_size / heads;
+                }
+                if let Some(theta) = self.rope_theta {
+                    if !(theta > 1.0 && theta.is_finite()) {
+                        return Err(Error::config(
+                            "--rope-theta",
+                            format!("{theta} must be a finite value > 1"),
+                        ));
+                    }
+                    m.rope.theta = theta;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Lays the settings over `cfg`, then validates it.
     pub fn apply(&self, cfg: &mut RunConfig) -> Result<()> {
         if let Some(path) = &self.data {
@@ -129,12 +253,7 @@ impl Overrides {
         set(&mut cfg.output.out, self.out.clone().map(Some));
         set(&mut cfg.output.save_every, self.save_every);
         set(&mut cfg.output.log_json, self.log_json.clone().map(Some));
-        let m = &mut cfg.model;
-        set(&mut m.n_layer, self.n_layer);
-        set(&mut m.n_head, self.n_head);
-        set(&mut m.n_embd, self.n_embd);
-        set(&mut m.vocab_size, self.vocab_size);
-        set(&mut m.n_positions, self.n_positions);
+        self.apply_model(&mut cfg.model)?;
         if let Some(k) = self.grad_accum {
             if k == 0 {
                 return Err(Error::config("--grad-accum", "must be at least 1"));

@@ -1,7 +1,7 @@
 //! The shape of either model family trainkit builds, as one value: what a model
 //! directory's `config.json` and a run config's `[model]` table describe.
 
-use super::{Architecture, Gpt2, Gpt2Config, Llama, LlamaConfig, Model};
+use super::{Architecture, Gpt2, Gpt2Config, Llama, LlamaConfig, Model, Norm, Rope, RopeScaling};
 use crate::error::Result;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -67,11 +67,62 @@ impl ModelConfig {
         }
     }
 
-    /// The model, with freshly declared parameters.
+    /// The config of a preset (`trainkit memory --model` names them): GPT-2 presets with
+    /// their context as positions; Llama-family presets with the rotary embedding, RMSNorm
+    /// eps and initialisation of each model's published config (Llama 3's `llama3` rope
+    /// scaling included).
+    pub fn preset(name: &str) -> Result<ModelConfig> {
+        let p = crate::estimate::preset(name)?;
+        let context = usize::try_from(p.context).unwrap_or(usize::MAX);
+        if p.architecture.norm == Norm::LayerNorm {
+            let arch = Architecture {
+                positions: p.context,
+                ..p.architecture
+            };
+            return Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(&arch)?));
+        }
+        let mut c = LlamaConfig::from_architecture(&p.architecture, context)?;
+        let llama3 = |factor| Rope {
+            theta: 500_000.0,
+            scaling: RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            },
+        };
+        let plain = |theta| Rope {
+            theta,
+            scaling: RopeScaling::Default,
+        };
+        (c.rope, c.initializer_range) = match p.name {
+            "smollm2-135m" => (plain(100_000.0), 0.041_666_666_666_666_664),
+            "smollm2-360m" => (plain(100_000.0), 0.02),
+            "smollm2-1.7b" => (plain(130_000.0), 0.02),
+            "llama-3.1-8b" | "llama-8b" | "llama-70b" | "llama-405b" => (llama3(8.0), 0.02),
+            _ => (llama3(32.0), 0.02),
+        };
+        Ok(ModelConfig::Llama(c))
+    }
+
+    /// The model, with freshly declared parameters (and the fused loss).
     pub fn build(&self) -> Result<Box<dyn Model>> {
         Ok(match self {
             ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?),
             ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?),
+        })
+    }
+
+    /// The model with its loss computed by `path` in chunks of `chunk` positions (see
+    /// [`Gpt2::with_loss`]).
+    pub fn build_with_loss(
+        &self,
+        path: crate::ops::LossPath,
+        chunk: Option<usize>,
+    ) -> Result<Box<dyn Model>> {
+        Ok(match self {
+            ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?.with_loss(path, chunk)?),
+            ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?.with_loss(path, chunk)?),
         })
     }
 }
@@ -140,7 +191,21 @@ impl<'de> Deserialize<'de> for ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Rope, RopeScaling};
+
+    #[test]
+    fn presets_build_with_their_published_shapes() {
+        let c = ModelConfig::preset("llama-3.2-1b").unwrap();
+        let ModelConfig::Llama(l) = &c else {
+            panic!("{c:?}")
+        };
+        assert_eq!((l.head_dim, l.num_key_value_heads), (64, 8));
+        assert!(matches!(l.rope.scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+        let ModelConfig::Gpt2(g) = ModelConfig::preset("gpt2").unwrap() else {
+            panic!("gpt2")
+        };
+        assert_eq!(g, Gpt2Config::gpt2_124m());
+        assert!(ModelConfig::preset("nope").is_err());
+    }
 
     #[test]
     fn either_family_round_trips_through_toml() {

@@ -55,28 +55,22 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
              transformers' save_pretrained)",
         ));
     }
-    let config_path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let model_type = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
-    if model_type.as_deref() == Some("llama") {
-        let config = LlamaConfig::from_json(&text)
-            .map_err(|e| Error::data(config_path.display().to_string(), e.to_string()))?;
-        let tensors: BTreeMap<String, NamedTensor> = read_weights(dir)?
-            .into_iter()
-            .map(|t| (t.name.clone(), t))
-            .collect();
-        // The model's own mapping checks every tensor it needs.
-        let model = Llama::new(config.clone())?;
-        let mapped = model.import_tensors(tensors.clone())?;
-        check_shapes(dir, &config.param_shapes(), &mapped)?;
-        return Ok(ModelDir {
-            config: ModelConfig::Llama(config),
-            tensors,
-        });
-    }
-    let config = parse_hf_config(&config_path, &text)?;
+    let config = match read_model_config(dir)? {
+        ModelConfig::Llama(config) => {
+            let tensors: BTreeMap<String, NamedTensor> = read_weights(dir)?
+                .into_iter()
+                .map(|t| (t.name.clone(), t))
+                .collect();
+            // The model's own mapping checks every tensor it needs.
+            let mapped = Llama::new(config.clone())?.import_tensors(tensors.clone())?;
+            check_shapes(dir, &config.param_shapes(), &mapped)?;
+            return Ok(ModelDir {
+                config: ModelConfig::Llama(config),
+                tensors,
+            });
+        }
+        ModelConfig::Gpt2(config) => config,
+    };
     let mut tensors = BTreeMap::new();
     for t in read_weights(dir)? {
         let name = if t.name.starts_with("transformer.") {
@@ -96,6 +90,23 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
         config: ModelConfig::Gpt2(config),
         tensors,
     })
+}
+
+/// The model family and shape of a model directory's `config.json` (`model_type` `gpt2`
+/// or `llama`), without reading its weights.
+pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
+    recover_directory(dir)?;
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let model_type = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
+    if model_type.as_deref() == Some("llama") {
+        let config = LlamaConfig::from_json(&text)
+            .map_err(|e| Error::data(path.display().to_string(), e.to_string()))?;
+        return Ok(ModelConfig::Llama(config));
+    }
+    Ok(ModelConfig::Gpt2(parse_hf_config(&path, &text)?))
 }
 
 /// Fails unless `tensors` holds every parameter of `shapes` with its shape.

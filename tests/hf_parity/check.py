@@ -1,4 +1,4 @@
-"""trainkit against Hugging Face transformers (PyTorch), an independent GPT-2.
+"""trainkit against Hugging Face transformers (PyTorch), an independent GPT-2 and Llama.
 
 Checks, on a small GPT-2 and llm.c-style batches of a text:
 1. transformers' GPT2LMHeadModel.from_pretrained loads a directory trainkit saved;
@@ -8,6 +8,12 @@ Checks, on a small GPT-2 and llm.c-style batches of a text:
    trainkit's;
 4. trainkit loads what `save_pretrained` writes, and `trainkit eval` on it equals
    PyTorch's loss.
+
+and on small Llamas made by transformers (grouped-query attention with 1 and 2 key/value
+heads and all of them, llama3 and linear rope scaling, tied and untied heads): trainkit
+loads the `save_pretrained` directory, its loss equals `LlamaForCausalLM`'s, and after a
+few AdamW steps from it the losses and weights (saved under Hugging Face's names, which
+transformers loads back) equal PyTorch's.
 
 Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
 torch, transformers, safetensors and numpy installed:
@@ -29,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.numpy import load_file
-from transformers import GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 B, T, STEPS, LR, WD, CLIP = 4, 32, 3, 1e-3, 0.1, 1.0
 
@@ -146,8 +152,88 @@ def main():
     print(f"save_pretrained -> trainkit eval: transformers {hf:.7f}, trainkit "
           f"{tk_eval['loss']:.7f}, diff {d:.2e}")
     ok &= d < 1e-5
+    for kv, tied, rope in [
+        (2, True, {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 4.0,
+                   "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+                   "original_max_position_embeddings": 16}),
+        (1, False, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        (4, False, {"rope_type": "default", "rope_theta": 500.0}),
+    ]:
+        ok &= check_llama(tk, work, tokens_bin, tokens, kv, tied, rope)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
+
+
+def adamw(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WD},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
+
+
+def check_llama(tk, work, tokens_bin, tokens, kv, tied, rope):
+    """A Llama made and saved by transformers: trainkit's loss and AdamW steps on it."""
+    what = f"llama kv={kv} tied={tied} rope={rope['rope_type']}"
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv, head_dim=16,
+                         vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         tie_word_embeddings=tied, rope_parameters=rope,
+                         attn_implementation="eager")
+    torch.manual_seed(kv)
+    model = LlamaForCausalLM(config).float()
+    init = os.path.join(work, f"llama-{kv}-{tied}")
+    model.save_pretrained(init)
+    model.eval()
+    k, ok = 3, True
+    tk_eval = json.loads(run([tk, "eval", "--model", init, "--data", tokens_bin,
+                              "--tokenizer", "bytes", "--batch-size", str(B), "--seq-len",
+                              str(T), "--batches", str(k), "--json", "--device", "cpu"]))
+    with torch.no_grad():
+        hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+    d = abs(hf - tk_eval["loss"])
+    print(f"{what}: eval loss transformers {hf:.7f}, trainkit {tk_eval['loss']:.7f}, "
+          f"diff {d:.2e}")
+    ok &= d < 1e-5
+    model.train()
+    opt = adamw(model)
+    hf_losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *windows(tokens, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        hf_losses.append(loss.item())
+    trained = init + "-trained"
+    log = os.path.join(work, f"log-{kv}-{tied}.jsonl")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", init, "--steps", str(STEPS), "--out", trained, "--seq-len", str(T),
+         "--batch-size", str(B), "--lr", str(LR), "--lr-schedule", "constant",
+         "--warmup-steps", "0", "--weight-decay", str(WD), "--grad-clip", str(CLIP),
+         "--eval-every", "0", "--log-json", log])
+    tk_losses = [json.loads(line)["loss"] for line in open(log)]
+    for i, (a, b) in enumerate(zip(hf_losses, tk_losses)):
+        print(f"{what}: step {i + 1} loss transformers {a:.7f}, trainkit {b:.7f}, "
+              f"diff {abs(a - b):.2e}")
+        ok &= abs(a - b) < 1e-5
+    after = load_file(os.path.join(trained, "model.safetensors"))
+    state = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    missing = [n for n in state if n not in after]
+    ok &= not missing
+    worst, worst_name = 0.0, ""
+    for name, w in after.items():
+        diff = np.abs(w - state[name]).max()
+        if diff > worst:
+            worst, worst_name = diff, name
+    print(f"{what}: weights after {STEPS} steps max |diff| {worst:.2e} ({worst_name})"
+          f"{'; missing ' + str(missing) if missing else ''}")
+    ok &= worst < 2e-5
+    # transformers loads what trainkit saved.
+    back = LlamaForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    for name, p in back.named_parameters():
+        ok &= np.array_equal(p.detach().numpy(), after[name])
+    return ok
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ pub fn write_report(
 ) -> Result<()> {
     let t = &cfg.training;
     let prediction = trainkit::estimate::predict(
-        Box::new(cfg.build_model()?),
+        cfg.build_model()?,
         MicroBatch {
             batch_size: t.batch_size,
             seq_len: t.seq_len,

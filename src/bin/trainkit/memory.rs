@@ -550,7 +550,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     if let Some(p) = exact {
         println!();
         println!(
-            "trainkit's own GPT-2, exact (what its ledger measures; activations include the \
+            "trainkit's model, exact (what its ledger measures; activations include the \
              fused loss's chunk of logits){}:",
             if args.optimizer_in_backward {
                 ", optimizer inside backward"

@@ -96,6 +96,14 @@ pub struct TrainArgs {
     /// Initialisation seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// A preset shape to train from scratch: gpt2, gpt2-medium, smollm2-135m, llama-3.2-1b,
+    /// ... (the names `trainkit memory --model` takes); shape flags adjust it.
+    #[arg(long)]
+    model: Option<String>,
+    /// Model family of a model from scratch: gpt2 or llama (a directory's config.json
+    /// names its own).
+    #[arg(long)]
+    arch: Option<String>,
     /// Layers (a model from scratch).
     #[arg(long)]
     n_layer: Option<usize>,
@@ -108,6 +116,15 @@ pub struct TrainArgs {
     /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
     #[arg(long)]
     vocab_size: Option<usize>,
+    /// Key/value heads of a Llama (grouped-query attention; --n-head for multi-head).
+    #[arg(long)]
+    n_kv_head: Option<usize>,
+    /// Inner width of a Llama's SwiGLU MLP.
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Rotary embedding base θ of a Llama.
+    #[arg(long)]
+    rope_theta: Option<f64>,
     /// Update each parameter inside backward as soon as its gradient is complete and free
     /// the gradient (gradient memory of about one layer); needs --grad-accum 1 and
     /// --grad-clip 0.
@@ -191,6 +208,11 @@ impl TrainArgs {
             n_embd: self.n_embd,
             vocab_size: self.vocab_size,
             n_positions: self.n_positions,
+            model: self.model.clone(),
+            arch: self.arch.clone(),
+            n_kv_head: self.n_kv_head,
+            ffn: self.ffn,
+            rope_theta: self.rope_theta,
             eval_every: self.eval_every,
             save_every: self.save_every,
             log_json: self.log_json.clone(),
@@ -231,26 +253,19 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         .clone()
         .or_else(|| cfg.training.init_from.clone());
     if let (Some(dir), None) = (&init_dir, &args.resume) {
-        // The model's shape comes from the directory; shape flags may only repeat it.
-        let model = trainkit::save::read_hf_config(&dir.join(trainkit::save::CONFIG_FILE))?;
+        // The model's family and shape come from the directory; shape flags may only
+        // repeat them.
+        let model = trainkit::save::read_model_config(dir)?;
         let mut wanted = model.clone();
-        set(&mut wanted.n_layer, args.n_layer);
-        set(&mut wanted.n_head, args.n_head);
-        set(&mut wanted.n_embd, args.n_embd);
-        set(&mut wanted.vocab_size, args.vocab_size);
-        set(&mut wanted.n_positions, args.n_positions);
+        args.overrides().apply_model(&mut wanted)?;
         if wanted != model {
             return Err(Error::config(
                 "--init-from",
                 format!(
-                    "the model in {} has n_layer {}, n_head {}, n_embd {}, vocab_size {}, \
-                     n_positions {}, which the shape flags contradict; drop them",
+                    "the {} model in {} is {}, which the shape flags contradict; drop them",
+                    model.arch(),
                     dir.display(),
-                    model.n_layer,
-                    model.n_head,
-                    model.n_embd,
-                    model.vocab_size,
-                    model.n_positions
+                    model.build()?.describe()
                 ),
             ));
         }
@@ -266,10 +281,15 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         overrides.n_embd = None;
         overrides.vocab_size = None;
         overrides.n_positions = None;
+        overrides.arch = None;
+        overrides.model = None;
+        overrides.n_kv_head = None;
+        overrides.ffn = None;
+        overrides.rope_theta = None;
     }
     // A model from scratch gets the context its sequences need.
     if let (None, None, None, Some(t)) = (&init_dir, &args.resume, args.n_positions, args.seq_len) {
-        if t > cfg.model.n_positions {
+        if t > cfg.model.context() {
             overrides.n_positions = Some(t);
         }
     }
@@ -331,7 +351,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         backend.ledger().set_limit(Some(budget));
     }
     let t = cfg.training.clone();
-    let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size)?;
+    let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size())?;
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
         .shuffled(corpus.shuffle.then_some(t.seed));
     let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
@@ -349,11 +369,11 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         println!(
             "data: built-in corpus, entropy floor {floor:.4} nats/byte (no model can beat it); \
              uniform guessing is {:.4}",
-            (cfg.model.vocab_size as f64).ln()
+            (cfg.model.vocab_size() as f64).ln()
         );
     }
     let mut trainer = Trainer::new(
-        Box::new(model),
+        model,
         Arc::clone(&backend),
         data,
         cfg.precision.clone(),
@@ -581,12 +601,6 @@ fn kind<T: serde::Serialize + ?Sized>(policy: &T) -> Result<String> {
         .and_then(|k| k.as_str())
         .unwrap_or("custom")
         .to_string())
-}
-
-fn set<T>(slot: &mut T, value: Option<T>) {
-    if let Some(v) = value {
-        *slot = v;
-    }
 }
 
 /// Counts SIGINT / SIGTERM: the first asks the loop to finish its step, save and exit; a
