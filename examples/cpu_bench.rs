@@ -12,6 +12,8 @@
 //! docs/benchmarks.md (a and b: GPT-2; c: a Llama with grouped-query attention);
 //! `-- --shape a` (or b, c) runs one. `-- --ops` also prints
 //! where the timed steps' time went, op by op (from the ledger's op spans).
+//! `-- --loss materialized` runs the materialized loss instead of the fused one, and
+//! `-- --loss-chunk N` sets the fused loss's positions per chunk.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -89,6 +91,22 @@ fn main() -> trainkit::Result<()> {
         .position(|a| a == "--shape")
         .and_then(|i| args.get(i + 1).cloned());
     let ops = args.iter().any(|a| a == "--ops");
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let loss = match flag("--loss") {
+        Some(name) => trainkit::ops::LossPath::parse("--loss", &name)?,
+        None => trainkit::ops::LossPath::Fused,
+    };
+    let loss_chunk = match flag("--loss-chunk") {
+        Some(n) => Some(
+            n.parse::<usize>()
+                .map_err(|_| trainkit::Error::config("--loss-chunk", "must be a number"))?,
+        ),
+        None => None,
+    };
     let (warmup, timed) = (2, 7);
     let backend = Arc::new(CpuBackend::from_env()?);
     println!(
@@ -108,7 +126,7 @@ fn main() -> trainkit::Result<()> {
             .map(|_| rng.below(v) as u32)
             .collect();
         let data = DataLoader::new(tokens, s.batch, s.seq)?;
-        let model = s.config.build()?;
+        let model = s.config.build_with_loss(loss, loss_chunk)?;
         let mut t = Trainer::builder(
             model,
             Arc::clone(&backend) as Arc<dyn trainkit::Backend>,

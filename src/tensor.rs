@@ -171,6 +171,25 @@ impl Tensor {
         self.shape.len()
     }
 
+    /// Gives the tensor another shape with as many elements (its elements are untouched:
+    /// a row-major tensor read as `[rows, cols]` instead of `[n]`, say).
+    pub fn reshape(&mut self, shape: &[usize]) -> Result<()> {
+        let numel: usize = shape.iter().product();
+        if numel != self.numel() {
+            return Err(Error::shape(
+                "reshape",
+                format!(
+                    "`{}`: {:?} holds {} elements, {shape:?} would hold {numel}",
+                    self.label,
+                    self.shape,
+                    self.numel()
+                ),
+            ));
+        }
+        self.shape = shape.to_vec();
+        Ok(())
+    }
+
     /// The shape as a matrix: all leading dimensions are rows, the last is columns.
     pub fn rows_cols(&self) -> (usize, usize) {
         match self.shape.split_last() {

@@ -202,6 +202,51 @@ fn elementwise_ops_match_the_cpu() {
 }
 
 #[test]
+fn copy_rows_matches_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(4);
+    for (name, cuda) in cuda_backends() {
+        for (rows, cols, dst_row, src_row, n) in
+            [(9, 5, 2, 4, 5), (7, 1, 0, 6, 1), (3, 33, 0, 0, 3)]
+        {
+            for ds in DTYPES {
+                for dd in DTYPES {
+                    let src = pair(
+                        &cpu,
+                        &cuda,
+                        &randn(&mut rng, rows * cols, 1.0),
+                        &[rows, cols],
+                        ds,
+                    );
+                    for accumulate in [false, true] {
+                        let init = randn(&mut rng, rows * cols, 1.0);
+                        let mut dst = pair(&cpu, &cuda, &init, &[rows, cols], dd);
+                        cpu.copy_rows(&mut dst.cpu, dst_row, &src.cpu, src_row, n, accumulate)
+                            .unwrap();
+                        cuda.copy_rows(&mut dst.cuda, dst_row, &src.cuda, src_row, n, accumulate)
+                            .unwrap();
+                        let what = format!(
+                            "copy_rows {ds}→{dd} {n} rows of {cols} ({src_row}→{dst_row}, \
+                             accumulate {accumulate})"
+                        );
+                        compare(&what, name, &cpu, &cuda, &dst);
+                    }
+                }
+            }
+        }
+        // Rows past the end are refused on every backend.
+        let src = pair(&cpu, &cuda, &[0.0; 6], &[3, 2], DType::F32);
+        let mut dst = pair(&cpu, &cuda, &[0.0; 6], &[3, 2], DType::F32);
+        assert!(cpu
+            .copy_rows(&mut dst.cpu, 2, &src.cpu, 0, 2, false)
+            .is_err());
+        assert!(cuda
+            .copy_rows(&mut dst.cuda, 0, &src.cuda, 2, 2, true)
+            .is_err());
+    }
+}
+
+#[test]
 fn matmul_matches_the_cpu_in_every_layout() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(2);
@@ -741,7 +786,19 @@ fn two_steps<P: Precision + Default>(
     backend: Arc<dyn Backend>,
     policy: impl CheckpointPolicy + 'static,
 ) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let model = Gpt2::new(tiny_config()).unwrap();
+    two_steps_chunked::<P>(backend, policy, None)
+}
+
+/// [`two_steps`] with the fused loss in chunks of `chunk` positions.
+fn two_steps_chunked<P: Precision + Default>(
+    backend: Arc<dyn Backend>,
+    policy: impl CheckpointPolicy + 'static,
+    chunk: Option<usize>,
+) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let model = Gpt2::new(tiny_config())
+        .unwrap()
+        .with_loss(trainkit::ops::LossPath::Fused, chunk)
+        .unwrap();
     let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
         .precision(P::default())
         .checkpoint(policy)
@@ -819,6 +876,40 @@ fn a_training_step_matches_the_cpu_in_both_precisions() {
         check_run(&format!("{name} fp32"), &got, &want32, &init, DType::F32);
         let got = two_steps::<MixedBf16>(cuda.clone(), NoRecompute);
         check_run(&format!("{name} bf16"), &got, &want16, &init, DType::Bf16);
+    }
+}
+
+#[test]
+fn the_fused_loss_in_chunks_matches_the_cpu() {
+    // 32 positions in chunks of 5: the chunked path (rows copied in and out) on each
+    // backend against the CPU's, and recomputation bitwise equal within it.
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let want32 = two_steps_chunked::<trainkit::Fp32>(cpu.clone(), NoRecompute, Some(5));
+    let want16 = two_steps_chunked::<MixedBf16>(cpu.clone(), NoRecompute, Some(5));
+    let model = Gpt2::new(tiny_config()).unwrap();
+    let fresh = Trainer::builder(model, cpu, corpus_loader(20_000, 1, 2, 16))
+        .build()
+        .unwrap();
+    let init = values(&fresh);
+    for (name, cuda) in cuda_backends() {
+        let got = two_steps_chunked::<trainkit::Fp32>(cuda.clone(), NoRecompute, Some(5));
+        check_run(
+            &format!("{name} fp32 chunked"),
+            &got,
+            &want32,
+            &init,
+            DType::F32,
+        );
+        let full = two_steps_chunked::<trainkit::Fp32>(cuda.clone(), Full, Some(5));
+        assert_eq!(full, got, "{name}: full recomputation, chunked loss");
+        let got = two_steps_chunked::<MixedBf16>(cuda.clone(), NoRecompute, Some(5));
+        check_run(
+            &format!("{name} bf16 chunked"),
+            &got,
+            &want16,
+            &init,
+            DType::Bf16,
+        );
     }
 }
 

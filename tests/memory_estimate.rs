@@ -6,7 +6,8 @@ mod common;
 
 use common::{corpus_loader, cpu, EveryOtherInput};
 use serde::{Deserialize, Serialize};
-use trainkit::estimate::{predict_gpt2, MemoryPrediction, MicroBatch};
+use trainkit::estimate::{predict, predict_gpt2, MemoryPrediction, MicroBatch};
+use trainkit::ops::LossPath;
 use trainkit::{
     ActivationSite, AdamW, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MemoryCategory,
     MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd, Tags, Trainer,
@@ -67,11 +68,34 @@ fn check(
     policy: Box<dyn CheckpointPolicy>,
     optimizer: Box<dyn Optimizer>,
 ) {
+    check_model(
+        Gpt2::new(config.clone()).unwrap(),
+        batch,
+        seq,
+        micro_batches,
+        precision,
+        policy,
+        optimizer,
+    )
+}
+
+/// Runs two steps of `model` and compares each with the prediction.
+fn check_model(
+    model: Gpt2,
+    batch: usize,
+    seq: usize,
+    micro_batches: usize,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+    optimizer: Box<dyn Optimizer>,
+) {
     let what = format!(
-        "{config:?} B={batch} T={seq} k={micro_batches} {precision:?} {policy:?} {optimizer:?}"
+        "{:?} {:?} B={batch} T={seq} k={micro_batches} {precision:?} {policy:?} {optimizer:?}",
+        model.config(),
+        model.loss_path()
     );
-    let predicted: MemoryPrediction = predict_gpt2(
-        config,
+    let predicted: MemoryPrediction = predict(
+        Box::new(model.clone()),
         MicroBatch {
             batch_size: batch,
             seq_len: seq,
@@ -81,7 +105,6 @@ fn check(
         optimizer.as_ref(),
     )
     .unwrap();
-    let model = Gpt2::new(config.clone()).unwrap();
     let mut t = Trainer::builder(model, cpu(), corpus_loader(8_000, 3, batch, seq))
         .precision(precision)
         .checkpoint(policy)
@@ -200,4 +223,33 @@ fn the_prediction_refuses_impossible_shapes() {
     let e = p(1, 33).unwrap_err().to_string();
     assert!(e.contains("32"), "{e}");
     assert!(p(1, 32).is_ok());
+}
+
+#[test]
+fn each_loss_path_is_predicted_exactly() {
+    // The fused loss in one chunk and in uneven ones, and the materialized logits, on a
+    // classifier-dominated model where the loss sets the peak.
+    for (path, chunk) in [
+        (LossPath::Fused, None),
+        (LossPath::Fused, Some(3)),
+        (LossPath::Materialized, None),
+    ] {
+        for policy in policies() {
+            for precision in precisions() {
+                let model = Gpt2::new(config(2, 2, 16, 2048))
+                    .unwrap()
+                    .with_loss(path, chunk)
+                    .unwrap();
+                check_model(
+                    model,
+                    2,
+                    8,
+                    2,
+                    precision,
+                    policy.clone(),
+                    Box::new(AdamW::default()),
+                );
+            }
+        }
+    }
 }

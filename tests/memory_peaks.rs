@@ -8,7 +8,8 @@ use trainkit::{
 };
 
 // A model whose classifier dominates activation memory (as in GPT-2, where the logits are
-// B·T·V), so every policy peaks during the loss, with all kept activations live.
+// B·T·V; the fused loss's automatic chunk covers these 32 positions at once), so every
+// policy peaks during the loss, with all kept activations live.
 fn config() -> Gpt2Config {
     Gpt2Config {
         n_layer: 3,

@@ -7,6 +7,7 @@ mod common;
 
 use common::{corpus_loader, cpu, tiny_config, trainkit};
 use trainkit::estimate::{predict_with, MicroBatch};
+use trainkit::ops::LossPath;
 use trainkit::{
     AdamW, CheckpointPolicy, Constant, Error, Fp32, Full, Gpt2, MemoryCategory, MixedBf16,
     NoRecompute, Precision, Trainer, TrainerOptions,
@@ -20,14 +21,29 @@ fn options(in_backward: bool) -> TrainerOptions {
     }
 }
 
+type Tk =
+    Trainer<Box<dyn Precision>, Box<dyn CheckpointPolicy>, AdamW, Constant, trainkit::PeakTracker>;
+
 fn trainer(
     in_backward: bool,
     precision: Box<dyn Precision>,
     policy: Box<dyn CheckpointPolicy>,
-) -> Trainer<Box<dyn Precision>, Box<dyn CheckpointPolicy>, AdamW, Constant, trainkit::PeakTracker>
-{
+) -> Tk {
+    trainer_with(in_backward, precision, policy, (LossPath::Fused, None))
+}
+
+/// As [`trainer`], with the loss computed by `loss` (path and chunk).
+fn trainer_with(
+    in_backward: bool,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+    loss: (LossPath, Option<usize>),
+) -> Tk {
     Trainer::builder(
-        Gpt2::new(tiny_config()).unwrap(),
+        Gpt2::new(tiny_config())
+            .unwrap()
+            .with_loss(loss.0, loss.1)
+            .unwrap(),
         cpu(),
         corpus_loader(20_000, 11, 2, 32),
     )
@@ -40,16 +56,28 @@ fn trainer(
 
 #[test]
 fn updates_are_bitwise_those_of_the_step_after_backward() {
-    for (precision, policy) in [
+    let fused = (LossPath::Fused, None);
+    for (precision, policy, loss) in [
         (
             Box::new(Fp32) as Box<dyn Precision>,
             Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+            fused,
         ),
-        (Box::new(Fp32), Box::new(Full)),
-        (Box::new(MixedBf16 { fp32_grads: true }), Box::new(Full)),
+        (Box::new(Fp32), Box::new(Full), fused),
+        (
+            Box::new(MixedBf16 { fp32_grads: true }),
+            Box::new(Full),
+            fused,
+        ),
+        (Box::new(Fp32), Box::new(Full), (LossPath::Fused, Some(7))),
+        (
+            Box::new(Fp32),
+            Box::new(Full),
+            (LossPath::Materialized, None),
+        ),
     ] {
-        let mut after = trainer(false, precision.clone(), policy.clone());
-        let mut inside = trainer(true, precision, policy);
+        let mut after = trainer_with(false, precision.clone(), policy.clone(), loss);
+        let mut inside = trainer_with(true, precision, policy, loss);
         for step in 1..=4 {
             let (a, b) = (after.step().unwrap(), inside.step().unwrap());
             assert_eq!(a.loss, b.loss, "step {step}");

@@ -5,7 +5,8 @@ use crate::accumulate::{AccumulationSchedule, Constant};
 use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryObserver, PeakTracker};
-use crate::model::ModelConfig;
+use crate::model::{Model, ModelConfig};
+use crate::ops::LossPath;
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::precision::{Fp32, Precision};
 use serde::{Deserialize, Serialize};
@@ -47,6 +48,13 @@ pub struct TrainingConfig {
     /// free the gradient (see [`crate::TrainerOptions::optimizer_in_backward`]); needs one
     /// micro-batch per step and `grad_clip = 0`.
     pub optimizer_in_backward: bool,
+    /// How the head computes the loss: `fused` (the classifier product and the
+    /// cross-entropy in chunks of positions, no `[tokens, vocab]` logits; the default) or
+    /// `materialized` (the logits of every position, the reference).
+    pub loss: LossPath,
+    /// Positions per chunk of the fused loss; unset chooses from the vocabulary (chunk
+    /// logits of about 64 MiB, at least 512 positions).
+    pub loss_chunk: Option<usize>,
 }
 
 /// Where a run writes: checkpoints and the JSON-lines log.
@@ -80,6 +88,8 @@ impl Default for TrainingConfig {
             init_from: None,
             max_bad_steps: 10,
             optimizer_in_backward: false,
+            loss: LossPath::Fused,
+            loss_chunk: None,
         }
     }
 }
@@ -190,6 +200,12 @@ impl RunConfig {
         toml::to_string_pretty(self).map_err(|e| Error::Serde(format!("config: {e}")))
     }
 
+    /// The model this run trains: `[model]` with `[training]`'s loss path and chunk.
+    pub fn build_model(&self) -> Result<Box<dyn Model>> {
+        self.model
+            .build_with_loss(self.training.loss, self.training.loss_chunk)
+    }
+
     /// Checks values that parse but cannot run.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
@@ -218,6 +234,7 @@ impl RunConfig {
         if t.eval_batches == 0 {
             return Err(Error::config("training.eval_batches", "must be at least 1"));
         }
+        crate::ops::LinearCrossEntropy::new("training.loss_chunk", t.loss_chunk)?;
         self.data.validate(self.model.vocab_size())
     }
 }

@@ -49,6 +49,10 @@ pub struct Overrides {
     pub precision: Option<String>,
     /// `none`, `full` or `selective`.
     pub recompute: Option<String>,
+    /// `fused` or `materialized`.
+    pub loss: Option<String>,
+    /// Positions per chunk of the fused loss.
+    pub loss_chunk: Option<usize>,
     /// Initialisation seed.
     pub seed: Option<u64>,
     /// Layers (a model from scratch).
@@ -262,6 +266,13 @@ impl Overrides {
         }
         if let Some(r) = &self.recompute {
             cfg.checkpoint = crate::checkpoint::named(r).map_err(|e| e.for_field("--recompute"))?;
+        }
+        if let Some(l) = &self.loss {
+            cfg.training.loss = crate::ops::LossPath::parse("--loss", l)?;
+        }
+        if let Some(c) = self.loss_chunk {
+            crate::ops::LinearCrossEntropy::new("--loss-chunk", Some(c))?;
+            cfg.training.loss_chunk = Some(c);
         }
         let warmup_now = match cfg.training.lr_schedule {
             LrSchedule::Constant { warmup_steps } | LrSchedule::Cosine { warmup_steps, .. } => {

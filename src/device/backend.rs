@@ -181,6 +181,30 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.axpy_kernel(y, alpha, x))
     }
 
+    /// Rows `dst_row..dst_row + rows` of `dst` set to (with `accumulate`: added to) rows
+    /// `src_row..src_row + rows` of `src`, converting to `dst`'s dtype with one rounding:
+    /// a chunk of positions taken from or written back to a `[positions, width]` tensor
+    /// (both tensors have the same width, their last dimension).
+    fn copy_rows(
+        &self,
+        dst: &mut Tensor,
+        dst_row: usize,
+        src: &Tensor,
+        src_row: usize,
+        rows: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        cpu::elementwise::check_copy_rows(dst, dst_row, src, src_row, rows)?;
+        let n = rows.saturating_mul(src.rows_cols().1);
+        let flops = if accumulate {
+            each(n, per_element::ADD)
+        } else {
+            0
+        };
+        let op = self.ledger().op("copy_rows", flops, dst.label());
+        op.finish(self.copy_rows_kernel(dst, dst_row, src, src_row, rows, accumulate))
+    }
+
     /// `x *= alpha`, element-wise.
     fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
         let flops = each(x.numel(), per_element::SCALE);
@@ -670,6 +694,18 @@ pub trait Backend: Debug + Send + Sync {
 
     /// The kernel of [`Backend::axpy`]: `y` and `x` have as many elements.
     fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::copy_rows`]: both tensors have the same width and hold
+    /// the rows named.
+    fn copy_rows_kernel(
+        &self,
+        dst: &mut Tensor,
+        dst_row: usize,
+        src: &Tensor,
+        src_row: usize,
+        rows: usize,
+        accumulate: bool,
+    ) -> Result<()>;
 
     /// The kernel of [`Backend::scale`].
     fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()>;

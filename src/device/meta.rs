@@ -110,6 +110,18 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
+    fn copy_rows_kernel(
+        &self,
+        _dst: &mut Tensor,
+        _dst_row: usize,
+        _src: &Tensor,
+        _src_row: usize,
+        _rows: usize,
+        _accumulate: bool,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn scale_kernel(&self, _x: &mut Tensor, _alpha: f32) -> Result<()> {
         Ok(())
     }

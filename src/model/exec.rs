@@ -11,6 +11,12 @@
 //! dropped layer input by rerunning the layers from the nearest kept input before it (or
 //! the embedding). A node's gradient for an input is written when it is the input's first
 //! reader in backward order and accumulated by later ones.
+//!
+//! A head may instead end in a node that computes the loss itself
+//! ([`crate::ops::FusedLoss`], the classifier fused with the cross-entropy): the executor
+//! then hands it the targets where it would run the cross-entropy, and backward starts
+//! from the gradient of that node's input, which the loss wrote; no logits reach the
+//! executor.
 
 use super::graph::{Graph, Node, Section};
 use super::{Batch, Param, Pass, PassStats};
@@ -136,6 +142,25 @@ pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f
     let out = st.stash[graph.head.output]
         .as_ref()
         .ok_or_else(|| missing("the logits"))?;
+    if let Some(node) = fused_loss(&graph.head) {
+        let op = node.op.as_loss().ok_or_else(|| missing("a fused loss"))?;
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                st.stash[v]
+                    .as_ref()
+                    .ok_or_else(|| missing("the loss's input"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights: Vec<&Tensor> = node
+            .params
+            .iter()
+            .map(|&p| pass.params[p].weight())
+            .collect();
+        let logits = op.logits(pass.backend, &inputs, &weights)?;
+        return pass.backend.to_f32(&logits);
+    }
     pass.backend.to_f32(out)
 }
 
@@ -399,10 +424,13 @@ impl<'r> Run<'r> {
 
     /// Final norm, classifier and loss; consumes the last layer's output and adds the
     /// per-position losses to `losses`. With `grad_scale`, returns the head's values and
-    /// the gradient of the logits (written over them), for the head's backward.
+    /// the gradient of the logits (written over them), for the head's backward. A head
+    /// ending in a fused loss node ([`crate::ops::FusedLoss`]) runs its other nodes, then
+    /// the loss, which writes the gradient of its input: that is returned instead, as the
+    /// gradient of the head's output (the fused loss's input).
     fn head_loss(
         &mut self,
-        params: &[Param],
+        params: &mut [Param],
         x: Tensor,
         vocab: usize,
         grad_scale: Option<f32>,
@@ -411,6 +439,14 @@ impl<'r> Run<'r> {
         let sec = &self.graph.head;
         let mut st = State::new(sec);
         st.put_input(x);
+        if let Some(node) = fused_loss(sec) {
+            for n in 0..sec.nodes.len() - 1 {
+                let wanted = vec![true; sec.nodes[n].outputs.len()];
+                self.run_node(params, sec, &mut st, n, wanted)?;
+            }
+            let dx = self.fused_loss(params, sec, &mut st, node, vocab, grad_scale, losses)?;
+            return Ok((st, dx));
+        }
         self.forward_all(params, sec, &mut st)?;
         let logits = st.stash[sec.output]
             .as_mut()
@@ -422,6 +458,64 @@ impl<'r> Run<'r> {
         }
         let dlogits = st.stash[sec.output].take();
         Ok((st, dlogits))
+    }
+
+    /// Runs the head's fused loss `node`; returns the gradient of its input (with
+    /// `grad_scale`). Its inputs that no backward reads are freed.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_loss(
+        &self,
+        params: &mut [Param],
+        sec: &Section,
+        st: &mut State,
+        node: &Node,
+        vocab: usize,
+        grad_scale: Option<f32>,
+        losses: &mut Tensor,
+    ) -> Result<Option<Tensor>> {
+        let op = node.op.as_loss().ok_or_else(|| missing("a fused loss"))?;
+        let mut grads_in = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            let (shape, dtype) = st.shapes[v]
+                .clone()
+                .ok_or_else(|| missing(&sec.values[v].label))?;
+            grads_in.push(GradIn {
+                tensor: None,
+                shape,
+                dtype,
+                label: grad_label(&sec.values[v].label),
+            });
+        }
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                st.stash[v]
+                    .as_ref()
+                    .ok_or_else(|| missing(&sec.values[v].label))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut cx = crate::ops::LossCx {
+            backend: self.backend,
+            inputs,
+            params: params_mut(params, &node.params)?,
+            targets: self.targets,
+            vocab,
+            grad_scale,
+            losses,
+            grads_in,
+        };
+        op.loss(&mut cx)?;
+        let mut grads_in = cx.grads_in;
+        for &v in &node.inputs {
+            if !sec.saved(v) {
+                st.stash[v] = None;
+            }
+        }
+        if grad_scale.is_none() {
+            return Ok(None);
+        }
+        Ok(grads_in.first_mut().and_then(|g| g.tensor.take()))
     }
 
     /// Backward of `sec` from the gradient of its output; frees its values as it goes and
@@ -540,6 +634,11 @@ impl<'r> Run<'r> {
         }
         Ok(grads[0].take())
     }
+}
+
+/// The head's last node when it computes the loss itself ([`crate::ops::FusedLoss`]).
+fn fused_loss(sec: &Section) -> Option<&Node> {
+    sec.nodes.last().filter(|n| n.op.as_loss().is_some())
 }
 
 /// The label of a value's gradient: `h.3.d_qkv` for `h.3.qkv`.

@@ -8,7 +8,8 @@ use crate::checkpoint::Tags;
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
-    CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearGelu, LinearResidual,
+    CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy,
+    LinearGelu, LinearResidual, LossPath,
 };
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
@@ -190,6 +191,8 @@ impl Gpt2Config {
 #[derive(Debug)]
 pub struct Gpt2 {
     config: Gpt2Config,
+    loss: LossPath,
+    loss_chunk: Option<usize>,
     graph: Graph,
 }
 
@@ -197,7 +200,9 @@ impl Clone for Gpt2 {
     fn clone(&self) -> Self {
         Gpt2 {
             config: self.config.clone(),
-            graph: graph(&self.config),
+            loss: self.loss,
+            loss_chunk: self.loss_chunk,
+            graph: graph(&self.config, self.head()),
         }
     }
 }
@@ -205,15 +210,49 @@ impl Clone for Gpt2 {
 impl PartialEq for Gpt2 {
     fn eq(&self, other: &Self) -> bool {
         self.config == other.config
+            && self.loss == other.loss
+            && self.loss_chunk == other.loss_chunk
     }
 }
 
 impl Gpt2 {
-    /// A GPT-2 of the given shape (validated).
+    /// A GPT-2 of the given shape (validated), with the fused loss
+    /// ([`LinearCrossEntropy`], chunks chosen from the vocabulary).
     pub fn new(config: Gpt2Config) -> Result<Self> {
         config.validate()?;
-        let graph = graph(&config);
-        Ok(Gpt2 { config, graph })
+        let graph = graph(&config, Head::Fused(LinearCrossEntropy::default()));
+        Ok(Gpt2 {
+            config,
+            loss: LossPath::Fused,
+            loss_chunk: None,
+            graph,
+        })
+    }
+
+    /// The same model with its loss computed by `path`: the fused linear cross-entropy
+    /// in chunks of `chunk` positions (`None`: chosen from the vocabulary), or the
+    /// materialized logits (where `chunk` is ignored). A chunk of 0 is an error naming
+    /// `training.loss_chunk`.
+    pub fn with_loss(mut self, path: LossPath, chunk: Option<usize>) -> Result<Self> {
+        LinearCrossEntropy::new("training.loss_chunk", chunk)?;
+        self.loss = path;
+        self.loss_chunk = chunk;
+        self.graph = graph(&self.config, self.head());
+        Ok(self)
+    }
+
+    /// How the loss is computed, and the fused loss's configured chunk.
+    pub fn loss_path(&self) -> (LossPath, Option<usize>) {
+        (self.loss, self.loss_chunk)
+    }
+
+    fn head(&self) -> Head {
+        match self.loss {
+            LossPath::Fused => Head::Fused(LinearCrossEntropy {
+                chunk: self.loss_chunk,
+            }),
+            LossPath::Materialized => Head::Materialized,
+        }
     }
 
     /// The shape.
@@ -260,8 +299,9 @@ impl Gpt2 {
 /// GPT-2's graph: learned token and position embeddings; per layer a pre-norm attention
 /// block (layer norm, fused qkv projection, causal attention, output projection added to
 /// the residual) and a pre-norm MLP block (layer norm, projection with GELU, projection
-/// added to the residual); the final norm and the classifier tied to the token embedding.
-fn graph(c: &Gpt2Config) -> Graph {
+/// added to the residual); the final norm and the classifier tied to the token embedding,
+/// fused with the loss or producing the logits (`head_kind`).
+fn graph(c: &Gpt2Config, head_kind: Head) -> Graph {
     let names: HashMap<String, usize> = c
         .param_shapes()
         .into_iter()
@@ -363,21 +403,36 @@ fn graph(c: &Gpt2Config) -> Graph {
     let mut head = Section::new(Value::new("input", "ln_f.input", Tags::NONE));
     let out = head.value("out", "ln_f.out", Tags::NORM_OUT);
     let stats = head.value("stats", "ln_f.stats", Tags::NORM_STATS);
-    let logits = head.value("logits", "logits", Tags::NONE);
     head.node(
         LayerNorm { eps },
         &[0],
         &[out, stats],
         &[p("transformer.ln_f.weight"), p("transformer.ln_f.bias")],
     );
-    head.node(Classifier, &[out], &[logits], &[wte]);
-    head.output = logits;
+    match head_kind {
+        Head::Fused(loss) => {
+            head.node(loss, &[out], &[], &[wte]);
+            head.output = out;
+        }
+        Head::Materialized => {
+            let logits = head.value("logits", "logits", Tags::NONE);
+            head.node(Classifier, &[out], &[logits], &[wte]);
+            head.output = logits;
+        }
+    }
 
     Graph {
         embedding,
         layers,
         head,
     }
+}
+
+/// The end of the head: the fused loss, or the classifier's logits.
+#[derive(Clone, Copy, Debug)]
+enum Head {
+    Fused(LinearCrossEntropy),
+    Materialized,
 }
 
 impl Model for Gpt2 {

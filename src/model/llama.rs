@@ -17,8 +17,8 @@ use crate::checkpoint::Tags;
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
-    CausalAttention, Classifier, Linear, LinearResidual, RmsNorm, Rope as RopeOp, SwiGlu,
-    TokenEmbedding,
+    CausalAttention, Classifier, Linear, LinearCrossEntropy, LinearResidual, LossPath, RmsNorm,
+    Rope as RopeOp, SwiGlu, TokenEmbedding,
 };
 use crate::save::NamedTensor;
 use crate::tensor::Tensor;
@@ -128,6 +128,8 @@ impl LlamaConfig {
 #[derive(Debug)]
 pub struct Llama {
     config: LlamaConfig,
+    loss: LossPath,
+    loss_chunk: Option<usize>,
     graph: Graph,
 }
 
@@ -135,7 +137,9 @@ impl Clone for Llama {
     fn clone(&self) -> Self {
         Llama {
             config: self.config.clone(),
-            graph: graph(&self.config),
+            loss: self.loss,
+            loss_chunk: self.loss_chunk,
+            graph: graph(&self.config, self.fused_loss()),
         }
     }
 }
@@ -143,6 +147,8 @@ impl Clone for Llama {
 impl PartialEq for Llama {
     fn eq(&self, other: &Self) -> bool {
         self.config == other.config
+            && self.loss == other.loss
+            && self.loss_chunk == other.loss_chunk
     }
 }
 
@@ -167,8 +173,37 @@ impl Llama {
                 ));
             }
         }
-        let graph = graph(&config);
-        Ok(Llama { config, graph })
+        let graph = graph(&config, Some(LinearCrossEntropy::default()));
+        Ok(Llama {
+            config,
+            loss: LossPath::Fused,
+            loss_chunk: None,
+            graph,
+        })
+    }
+
+    /// The same model with its loss computed by `path`: the fused linear cross-entropy
+    /// in chunks of `chunk` positions (`None`: chosen from the vocabulary), or the
+    /// materialized logits (where `chunk` is ignored). A chunk of 0 is an error naming
+    /// `training.loss_chunk`.
+    pub fn with_loss(mut self, path: LossPath, chunk: Option<usize>) -> Result<Self> {
+        LinearCrossEntropy::new("training.loss_chunk", chunk)?;
+        self.loss = path;
+        self.loss_chunk = chunk;
+        self.graph = graph(&self.config, self.fused_loss());
+        Ok(self)
+    }
+
+    /// How the loss is computed, and the fused loss's configured chunk.
+    pub fn loss_path(&self) -> (LossPath, Option<usize>) {
+        (self.loss, self.loss_chunk)
+    }
+
+    /// The head's fused loss, `None` for the materialized logits.
+    fn fused_loss(&self) -> Option<LinearCrossEntropy> {
+        (self.loss == LossPath::Fused).then_some(LinearCrossEntropy {
+            chunk: self.loss_chunk,
+        })
     }
 
     /// The shape.
@@ -315,8 +350,9 @@ fn fused_parts(name: &str) -> Option<(&str, &'static [&'static str; 3])> {
 /// q/k/v projection, rotary embedding of q and k, causal grouped-query attention, output
 /// projection added to the residual) and a pre-norm MLP block (RMS norm, fused gate/up
 /// projection, SwiGLU, down projection added to the residual); the final norm and the
-/// classifier (the embedding when tied).
-fn graph(c: &LlamaConfig) -> Graph {
+/// classifier (the embedding when tied), fused with the loss (`fused_loss`) or producing the
+/// logits.
+fn graph(c: &LlamaConfig, fused_loss: Option<LinearCrossEntropy>) -> Graph {
     let names: HashMap<String, usize> = c
         .param_shapes()
         .into_iter()
@@ -425,7 +461,6 @@ fn graph(c: &LlamaConfig) -> Graph {
     let mut head = Section::new(Value::new("input", "norm.input", Tags::NONE));
     let out = head.value("out", "norm.out", Tags::NORM_OUT);
     let rstd = head.value("rstd", "norm.rstd", Tags::NORM_STATS);
-    let logits = head.value("logits", "logits", Tags::NONE);
     head.node(
         RmsNorm { eps },
         &[0],
@@ -437,8 +472,17 @@ fn graph(c: &LlamaConfig) -> Graph {
     } else {
         p("lm_head.weight")
     };
-    head.node(Classifier, &[out], &[logits], &[classifier]);
-    head.output = logits;
+    match fused_loss {
+        Some(loss) => {
+            head.node(loss, &[out], &[], &[classifier]);
+            head.output = out;
+        }
+        None => {
+            let logits = head.value("logits", "logits", Tags::NONE);
+            head.node(Classifier, &[out], &[logits], &[classifier]);
+            head.output = logits;
+        }
+    }
 
     Graph {
         embedding,

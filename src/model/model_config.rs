@@ -105,11 +105,24 @@ impl ModelConfig {
         Ok(ModelConfig::Llama(c))
     }
 
-    /// The model, with freshly declared parameters.
+    /// The model, with freshly declared parameters (and the fused loss).
     pub fn build(&self) -> Result<Box<dyn Model>> {
         Ok(match self {
             ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?),
             ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?),
+        })
+    }
+
+    /// The model with its loss computed by `path` in chunks of `chunk` positions (see
+    /// [`Gpt2::with_loss`]).
+    pub fn build_with_loss(
+        &self,
+        path: crate::ops::LossPath,
+        chunk: Option<usize>,
+    ) -> Result<Box<dyn Model>> {
+        Ok(match self {
+            ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?.with_loss(path, chunk)?),
+            ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?.with_loss(path, chunk)?),
         })
     }
 }

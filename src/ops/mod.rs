@@ -12,6 +12,7 @@ mod attention;
 mod classifier;
 mod embedding;
 mod linear;
+mod linear_cross_entropy;
 mod norm;
 mod rope;
 mod swiglu;
@@ -20,6 +21,7 @@ pub use attention::CausalAttention;
 pub use classifier::Classifier;
 pub use embedding::{LearnedEmbedding, TokenEmbedding};
 pub use linear::{Linear, LinearGelu, LinearResidual};
+pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
 pub use norm::{LayerNorm, RmsNorm};
 pub use rope::Rope;
 pub use swiglu::SwiGlu;
@@ -85,6 +87,53 @@ pub trait Op: Debug + Send + Sync {
     /// Accumulates the gradients of the inputs ([`BackwardCx::grads_in`]) and of the
     /// parameters from those of the outputs.
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()>;
+
+    /// The loss this node computes itself when it ends a graph's head (a classifier fused
+    /// with the cross-entropy, [`LinearCrossEntropy`]); `None`, the default, for a node
+    /// whose output is the logits the executor's cross-entropy reads.
+    fn as_loss(&self) -> Option<&dyn FusedLoss> {
+        None
+    }
+}
+
+/// A node that computes the loss from its inputs and parameters, without handing logits
+/// to the executor: the last node of a graph's head. The executor calls
+/// [`FusedLoss::loss`] where the materialized path runs the cross-entropy; the node's
+/// [`Op::backward`] then only passes on the input gradients `loss` wrote.
+pub trait FusedLoss {
+    /// Adds each position's loss to [`LossCx::losses`] and, with
+    /// [`LossCx::grad_scale`], writes the gradients of the inputs
+    /// ([`LossCx::grads_in`]) and accumulates those of the parameters.
+    fn loss(&self, cx: &mut LossCx<'_>) -> Result<()>;
+
+    /// The logits `[rows, vocab]` of every position of the inputs, for sampling and
+    /// [`crate::Model::logits`].
+    fn logits(
+        &self,
+        backend: &dyn Backend,
+        inputs: &[&Tensor],
+        weights: &[&Tensor],
+    ) -> Result<Tensor>;
+}
+
+/// What a [`FusedLoss`] works with.
+pub struct LossCx<'a> {
+    /// The backend every op runs on.
+    pub backend: &'a dyn Backend,
+    /// The node's inputs.
+    pub inputs: Vec<&'a Tensor>,
+    /// The node's parameters: weights and gradient buffers.
+    pub params: Vec<&'a mut Param>,
+    /// The target id of each position (row-major over the batch).
+    pub targets: &'a [u32],
+    /// Valid ids are below this; wider weights are padding.
+    pub vocab: usize,
+    /// The scale of the loss gradient; `None` computes the loss alone (evaluation).
+    pub grad_scale: Option<f32>,
+    /// Each position's loss is added here (f32, see [`Backend::cross_entropy`]).
+    pub losses: &'a mut Tensor,
+    /// The gradient of each input, written when `grad_scale` is set.
+    pub grads_in: Vec<GradIn>,
 }
 
 /// What a node's forward works with.

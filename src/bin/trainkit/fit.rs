@@ -3,9 +3,7 @@
 
 use std::path::Path;
 use trainkit::config::{Overrides, RunConfig};
-use trainkit::estimate::{
-    autofit, host_available_memory, predict_architecture, FitRequest, MicroBatch,
-};
+use trainkit::estimate::{autofit, host_available_memory, FitRequest, MicroBatch};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
 use trainkit::{AccumulationSchedule, Device, Error, Result};
 
@@ -137,8 +135,8 @@ pub fn write_report(
     measured_total: u64,
 ) -> Result<()> {
     let t = &cfg.training;
-    let prediction = predict_architecture(
-        &cfg.model.architecture(),
+    let prediction = trainkit::estimate::predict(
+        cfg.build_model()?,
         MicroBatch {
             batch_size: t.batch_size,
             seq_len: t.seq_len,

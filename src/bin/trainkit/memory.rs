@@ -551,7 +551,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!();
         println!(
             "trainkit's model, exact (what its ledger measures; activations include the \
-             B·T·V logits){}:",
+             fused loss's chunk of logits){}:",
             if args.optimizer_in_backward {
                 ", optimizer inside backward"
             } else {

@@ -83,6 +83,13 @@ pub struct TrainArgs {
     /// Activation recomputation: none, full or selective.
     #[arg(long)]
     recompute: Option<String>,
+    /// How the loss is computed: fused (the classifier product and the cross-entropy in
+    /// chunks of positions, the default) or materialized (the logits of every position).
+    #[arg(long)]
+    loss: Option<String>,
+    /// Positions per chunk of the fused loss (default: chosen from the vocabulary).
+    #[arg(long)]
+    loss_chunk: Option<usize>,
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -193,6 +200,8 @@ impl TrainArgs {
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
             precision: self.precision.clone(),
             recompute: self.recompute.clone(),
+            loss: self.loss.clone(),
+            loss_chunk: self.loss_chunk,
             seed: self.seed,
             n_layer: self.n_layer,
             n_head: self.n_head,
@@ -346,7 +355,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
         .shuffled(corpus.shuffle.then_some(t.seed));
     let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
-    let model = cfg.model.build()?;
+    let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
     println!(

@@ -44,6 +44,81 @@ pub(crate) fn check_bias_backward(dbias: &Tensor, dout: &Tensor) -> Result<()> {
     })
 }
 
+/// Checks `copy_rows`'s operands: the same width, and the rows named exist in both.
+pub(crate) fn check_copy_rows(
+    dst: &Tensor,
+    dst_row: usize,
+    src: &Tensor,
+    src_row: usize,
+    rows: usize,
+) -> Result<()> {
+    let ((dr, dc), (sr, sc)) = (dst.rows_cols(), src.rows_cols());
+    ensure(dc == sc, "copy_rows", || {
+        format!(
+            "`{}` {:?} and `{}` {:?} differ in width",
+            dst.label(),
+            dst.shape(),
+            src.label(),
+            src.shape()
+        )
+    })?;
+    let fits = |row: usize, have: usize| row.checked_add(rows).is_some_and(|end| end <= have);
+    ensure(fits(dst_row, dr) && fits(src_row, sr), "copy_rows", || {
+        format!(
+            "rows {src_row}..+{rows} of `{}` ({sr} rows) into rows {dst_row}..+{rows} of `{}` \
+             ({dr} rows) run past the end",
+            src.label(),
+            dst.label()
+        )
+    })
+}
+
+/// Rows of `src` into rows of `dst` (see `Backend::copy_rows`): `cast` on the rows, or
+/// `axpy` with `alpha = 1` when accumulating, so the CUDA backend runs those kernels.
+pub(super) fn copy_rows(
+    dst: &mut Tensor,
+    dst_row: usize,
+    src: &Tensor,
+    src_row: usize,
+    rows: usize,
+    accumulate: bool,
+) {
+    let cols = src.rows_cols().1;
+    let (d0, s0, n) = (dst_row * cols, src_row * cols, rows * cols);
+    match (dst.storage_mut(), src.storage(), accumulate) {
+        (Storage::F32(d), Storage::F32(s), false) => d[d0..d0 + n].copy_from_slice(&s[s0..s0 + n]),
+        (Storage::Bf16(d), Storage::Bf16(s), false) => {
+            d[d0..d0 + n].copy_from_slice(&s[s0..s0 + n])
+        }
+        (Storage::F32(d), Storage::F32(s), true) => {
+            axpy_chunk(&mut d[d0..d0 + n], 1.0, &s[s0..s0 + n])
+        }
+        (Storage::F32(d), Storage::Bf16(s), acc) => {
+            for (d, s) in d[d0..d0 + n].iter_mut().zip(&s[s0..s0 + n]) {
+                *d = if acc { *d + s.to_f32() } else { s.to_f32() };
+            }
+        }
+        (Storage::Bf16(d), Storage::F32(s), acc) => {
+            for (d, s) in d[d0..d0 + n].iter_mut().zip(&s[s0..s0 + n]) {
+                *d = bf16::from_f32(if acc { d.to_f32() + s } else { *s });
+            }
+        }
+        (Storage::Bf16(d), Storage::Bf16(s), true) => {
+            for (d, s) in d[d0..d0 + n].iter_mut().zip(&s[s0..s0 + n]) {
+                *d = bf16::from_f32(d.to_f32() + s.to_f32());
+            }
+        }
+        _ => {
+            let s = read(src)[s0..s0 + n].to_vec();
+            write(dst, true, |d| {
+                for (d, s) in d[d0..d0 + n].iter_mut().zip(&s) {
+                    *d = if accumulate { *d + s } else { *s };
+                }
+            });
+        }
+    }
+}
+
 pub(super) fn cast(dst: &mut Tensor, src: &Tensor) {
     match (dst.storage_mut(), src.storage()) {
         (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),

@@ -394,6 +394,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_rows_kernel(
+        &self,
+        dst: &mut Tensor,
+        dst_row: usize,
+        src: &Tensor,
+        src_row: usize,
+        rows: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        elementwise::copy_rows(dst, dst_row, src, src_row, rows, accumulate);
+        Ok(())
+    }
+
     fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
         elementwise::scale(x, alpha);
         Ok(())

@@ -379,6 +379,18 @@ impl Backend for CudaBackend {
         elementwise::axpy(self, y, alpha, x)
     }
 
+    fn copy_rows_kernel(
+        &self,
+        dst: &mut Tensor,
+        dst_row: usize,
+        src: &Tensor,
+        src_row: usize,
+        rows: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        elementwise::copy_rows(self, dst, dst_row, src, src_row, rows, accumulate)
+    }
+
     fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
         elementwise::scale(self, x, alpha)
     }

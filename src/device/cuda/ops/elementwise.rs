@@ -97,6 +97,41 @@ pub(crate) fn axpy(be: &CudaBackend, y: &mut Tensor, alpha: f32, x: &Tensor) -> 
     )
 }
 
+/// Rows of `src` into rows of `dst`: the `cast` kernel (or `axpy` with `alpha = 1` when
+/// accumulating) on the two row ranges, addressed by offsetting the tensors' pointers.
+pub(crate) fn copy_rows(
+    be: &CudaBackend,
+    dst: &mut Tensor,
+    dst_row: usize,
+    src: &Tensor,
+    src_row: usize,
+    rows: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let cols = src.rows_cols().1;
+    let n = rows * cols;
+    if n == 0 {
+        return Ok(());
+    }
+    let d = ptr(dst)? + (dst_row * cols * dst.dtype().size()) as u64;
+    let s = ptr(src)? + (src_row * cols * src.dtype().size()) as u64;
+    if accumulate {
+        be.launch(
+            &format!("axpy_{}_{}", dst.dtype(), src.dtype()),
+            be.grid(n),
+            BLOCK,
+            Args::new().ptr(d).f32(1.0).ptr(s).i64(n),
+        )
+    } else {
+        be.launch(
+            &format!("cast_{}_{}", dst.dtype(), src.dtype()),
+            be.grid(n),
+            BLOCK,
+            Args::new().ptr(d).ptr(s).i64(n),
+        )
+    }
+}
+
 pub(crate) fn scale(be: &CudaBackend, x: &mut Tensor, alpha: f32) -> Result<()> {
     let n = x.numel();
     if n == 0 {
