@@ -64,20 +64,30 @@ fn rotate(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads, sign: f3
     }
     let (d, half) = (heads.head_dim, heads.head_dim / 2);
     let rotated = heads.q_width() + heads.kv_width();
+    // The sine and cosine of every position's angles, once per call (every row of the
+    // batch at position p turns by the same angles).
+    let table: Vec<(f32, f32)> = (0..t)
+        .flat_map(|pos| {
+            inv_freq.iter().map(move |&f| {
+                let angle = pos as f32 * f;
+                (sign * angle.sin(), angle.cos())
+            })
+        })
+        .collect();
     let x = read(x);
     write(out, false, |o| {
         o.par_chunks_mut(w)
             .zip(x.par_chunks(w))
             .enumerate()
             .for_each(|(row, (o, x))| {
-                let pos = (row % t) as f32;
-                for (i, &f) in inv_freq.iter().enumerate() {
-                    let angle = pos * f;
-                    let (s, c) = (sign * angle.sin(), angle.cos());
-                    for h in (0..rotated).step_by(d) {
-                        let (x1, x2) = (x[h + i], x[h + i + half]);
-                        o[h + i] = x1 * c - x2 * s;
-                        o[h + i + half] = x2 * c + x1 * s;
+                let angles = &table[(row % t) * half..(row % t + 1) * half];
+                for h in (0..rotated).step_by(d) {
+                    let (o1, o2) = o[h..h + d].split_at_mut(half);
+                    let (x1, x2) = x[h..h + d].split_at(half);
+                    for i in 0..half {
+                        let (s, c) = angles[i];
+                        o1[i] = x1[i] * c - x2[i] * s;
+                        o2[i] = x2[i] * c + x1[i] * s;
                     }
                 }
                 o[rotated..].copy_from_slice(&x[rotated..]);
