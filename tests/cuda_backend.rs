@@ -1133,3 +1133,176 @@ fn an_allocation_beyond_the_gpu_is_a_clear_out_of_memory_error() {
         .unwrap();
     assert_eq!(gpu.to_f32(&t).unwrap(), vec![1.0, 2.0]);
 }
+
+/// The same bits on the CPU and on a CUDA backend.
+fn bitwise(what: &str, name: &str, cpu: &CpuBackend, cuda: &CudaBackend, p: &Pair) {
+    let want = cpu.to_f32(&p.cpu).unwrap();
+    let got = cuda.to_f32(&p.cuda).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&got) == bits(&want),
+        "{name}: {what} differs from the CPU"
+    );
+}
+
+/// Llama's ops (RMSNorm, rotary embeddings, SwiGLU) on CUDA against the CPU: RMSNorm and
+/// SwiGLU bit for bit (the CPU's sum order and `exp`), rope to f32 rounding (sinf and cosf
+/// against Rust's sin and cos).
+#[test]
+fn llama_ops_match_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(11);
+    for (name, cuda) in cuda_backends() {
+        for dt in DTYPES {
+            // RMSNorm over 1 and over 2 blocks of 128 rows, widths off the 16 lanes.
+            for (rows, c) in [(5usize, 24usize), (130, 40)] {
+                let what = format!("rmsnorm {rows}x{c} {dt}");
+                let x = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
+                let w = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
+                let mut y = out(&cpu, &cuda, &[rows, c], dt);
+                let mut r = out(&cpu, &cuda, &[rows], DType::F32);
+                cpu.rmsnorm(&mut y.cpu, &mut r.cpu, &x.cpu, &w.cpu, 1e-5)
+                    .unwrap();
+                cuda.rmsnorm(&mut y.cuda, &mut r.cuda, &x.cuda, &w.cuda, 1e-5)
+                    .unwrap();
+                bitwise(&what, name, &cpu, &cuda, &y);
+                bitwise(&format!("{what} rstd"), name, &cpu, &cuda, &r);
+                let d = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
+                let mut dx = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
+                let mut dw = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
+                cpu.rmsnorm_backward(&mut dx.cpu, &mut dw.cpu, &d.cpu, &x.cpu, &w.cpu, &r.cpu)
+                    .unwrap();
+                cuda.rmsnorm_backward(
+                    &mut dx.cuda,
+                    &mut dw.cuda,
+                    &d.cuda,
+                    &x.cuda,
+                    &w.cuda,
+                    &r.cuda,
+                )
+                .unwrap();
+                bitwise(&format!("{what} dx"), name, &cpu, &cuda, &dx);
+                bitwise(&format!("{what} dweight"), name, &cpu, &cuda, &dw);
+            }
+            // Rope with grouped and multi-query heads.
+            for (h, kv, hd) in [(4usize, 2usize, 8usize), (3, 1, 6), (2, 2, 4)] {
+                let heads = Heads {
+                    n_head: h,
+                    n_kv_head: kv,
+                    head_dim: hd,
+                };
+                let (b, t, w) = (2, 7, heads.qkv_width());
+                let what = format!("rope {heads:?} {dt}");
+                let inv: Vec<f32> = (0..hd / 2)
+                    .map(|i| 1.0 / 500f32.powf(2.0 * i as f32 / hd as f32))
+                    .collect();
+                let x = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, b * t * w, 1.0),
+                    &[b, t, w],
+                    dt,
+                );
+                let mut y = out(&cpu, &cuda, &[b, t, w], dt);
+                cpu.rope(&mut y.cpu, &x.cpu, &inv, heads).unwrap();
+                cuda.rope(&mut y.cuda, &x.cuda, &inv, heads).unwrap();
+                compare(&what, name, &cpu, &cuda, &y);
+                let mut dx = out(&cpu, &cuda, &[b, t, w], dt);
+                cpu.rope_backward(&mut dx.cpu, &x.cpu, &inv, heads).unwrap();
+                cuda.rope_backward(&mut dx.cuda, &x.cuda, &inv, heads)
+                    .unwrap();
+                compare(&format!("{what} backward"), name, &cpu, &cuda, &dx);
+            }
+            // SwiGLU, with gates far out in both tails.
+            let (rows, f) = (9usize, 37usize);
+            let what = format!("swiglu {rows}x{f} {dt}");
+            let gu = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, rows * 2 * f, 6.0),
+                &[rows, 2 * f],
+                dt,
+            );
+            let mut y = out(&cpu, &cuda, &[rows, f], dt);
+            cpu.swiglu(&mut y.cpu, &gu.cpu).unwrap();
+            cuda.swiglu(&mut y.cuda, &gu.cuda).unwrap();
+            bitwise(&what, name, &cpu, &cuda, &y);
+            let d = pair(&cpu, &cuda, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
+            let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
+            cpu.swiglu_backward(&mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
+            cuda.swiglu_backward(&mut dgu.cuda, &d.cuda, &gu.cuda)
+                .unwrap();
+            bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
+        }
+    }
+}
+
+/// A small Llama: grouped-query attention, rotary embeddings with llama3 scaling, SwiGLU,
+/// an untied head.
+fn tiny_llama() -> trainkit::Llama {
+    trainkit::Llama::new(trainkit::LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        initializer_range: 0.02,
+        rope: trainkit::model::Rope {
+            theta: 500.0,
+            scaling: trainkit::model::RopeScaling::Llama3 {
+                factor: 4.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 2.0,
+                original_max_position_embeddings: 16.0,
+            },
+        },
+    })
+    .unwrap()
+}
+
+/// Two steps of [`tiny_llama`] with selective recomputation, from the same seed.
+fn llama_two_steps<P: Precision + Default>(
+    backend: Arc<dyn Backend>,
+) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut t = Trainer::builder(tiny_llama(), backend, corpus_loader(20_000, 1, 2, 16))
+        .precision(P::default())
+        .checkpoint(trainkit::Selective)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (losses, grads(&t), values(&t))
+}
+
+#[test]
+fn a_llama_training_step_matches_the_cpu_in_both_precisions() {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let want32 = llama_two_steps::<trainkit::Fp32>(cpu.clone());
+    let want16 = llama_two_steps::<MixedBf16>(cpu.clone());
+    let fresh = Trainer::builder(tiny_llama(), cpu, corpus_loader(20_000, 1, 2, 16))
+        .build()
+        .unwrap();
+    let init = values(&fresh);
+    for (name, cuda) in cuda_backends() {
+        let got = llama_two_steps::<trainkit::Fp32>(cuda.clone());
+        check_run(
+            &format!("{name} llama fp32"),
+            &got,
+            &want32,
+            &init,
+            DType::F32,
+        );
+        let got = llama_two_steps::<MixedBf16>(cuda.clone());
+        check_run(
+            &format!("{name} llama bf16"),
+            &got,
+            &want16,
+            &init,
+            DType::Bf16,
+        );
+    }
+}

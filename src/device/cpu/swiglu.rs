@@ -1,7 +1,9 @@
 //! SwiGLU's gate (Llama's MLP) over a fused `[.., 2F]` projection whose first `F` columns
 //! are the gate and last `F` the up projection: `out = silu(gate) · up`, with
-//! `silu(g) = g·σ(g)`, into `[.., F]`.
+//! `silu(g) = g·σ(g)`, into `[.., F]`. `σ(g) = 1/(1 + e^(−g))` with `simd::exp` (the CUDA
+//! twin's `tk_exp`), so the rows vectorize and the kernels agree bit for bit.
 
+use super::simd::{self, simd_fn};
 use super::{ensure, read, write};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -11,9 +13,27 @@ use rayon::prelude::*;
 const ROWS: usize = 32;
 
 /// `σ(g)`.
-#[inline]
+#[inline(always)]
 fn sigmoid(g: f32) -> f32 {
-    1.0 / (1.0 + (-g).exp())
+    1.0 / (1.0 + simd::exp(-g))
+}
+
+simd_fn! {
+    fn forward_row(o: &mut [f32], g: &[f32], u: &[f32]) {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g * sigmoid(g) * u;
+        }
+    }
+}
+
+simd_fn! {
+    fn backward_row(dg: &mut [f32], du: &mut [f32], d: &[f32], g: &[f32], u: &[f32]) {
+        for i in 0..d.len() {
+            let s = sigmoid(g[i]);
+            dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+            du[i] = d[i] * g[i] * s;
+        }
+    }
 }
 
 /// Checks the operands (the contract every backend shares): `gate_up` has the rows of
@@ -68,9 +88,7 @@ pub(super) fn forward(out: &mut Tensor, gate_up: &Tensor) {
             .for_each(|(o, gu)| {
                 for (o, gu) in o.chunks_mut(f).zip(gu.chunks(2 * f)) {
                     let (g, u) = gu.split_at(f);
-                    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                        *o = g * sigmoid(g) * u;
-                    }
+                    forward_row(o, g, u);
                 }
             })
     });
@@ -91,11 +109,7 @@ pub(super) fn backward(dgate_up: &mut Tensor, dout: &Tensor, gate_up: &Tensor) {
                 for (o, (d, gu)) in o.chunks_mut(2 * f).zip(d.chunks(f).zip(gu.chunks(2 * f))) {
                     let (g, u) = gu.split_at(f);
                     let (dg, du) = o.split_at_mut(f);
-                    for i in 0..f {
-                        let s = sigmoid(g[i]);
-                        dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-                        du[i] = d[i] * g[i] * s;
-                    }
+                    backward_row(dg, du, d, g, u);
                 }
             })
     });

@@ -64,6 +64,9 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::adamw::KERNELS,
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,
+    ops::rmsnorm::KERNELS,
+    ops::rope::KERNELS,
+    ops::swiglu::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).
@@ -341,7 +344,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 68);
+        assert_eq!(seen.len(), 82);
     }
 
     #[test]

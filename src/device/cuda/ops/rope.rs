@@ -1,32 +1,85 @@
-//! rope on the GPU (kernels to come).
+//! Rotary position embedding of the queries and keys of a fused projection, forward and
+//! backward (the same kernel turning the other way).
+//!
+//! CPU twin: `src/device/cpu/rope.rs`. Kernels: `kernels/rope.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::CudaBackend;
-use crate::device::Heads;
-use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::device::{Backend, Heads};
+use crate::error::Result;
+use crate::memory::MemoryCategory;
+use crate::tensor::{DType, Tensor};
+
+/// The kernels of `kernels/rope.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "rope.cu",
+    source: include_str!("../../../../kernels/rope.cu"),
+    kernels: &["rope_f32", "rope_bf16"],
+};
+
+/// Turns the query and key heads of `x` into `out` by `sign` times each angle.
+fn rotate(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    x: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    sign: f32,
+    op: &'static str,
+) -> Result<()> {
+    let (t, w) = match *x.shape() {
+        [_, t, w] => (t, w),
+        _ => (0, 0),
+    };
+    let dt = x.dtype();
+    ensure_dtype(out, dt, op)?;
+    let rows = x.numel().checked_div(w).unwrap_or(0);
+    if rows * w == 0 {
+        return Ok(());
+    }
+    // The frequencies (D/2 values) go up with the call, a workspace tensor the ledger counts.
+    let freq = be.upload_kernel(
+        inv_freq,
+        &[inv_freq.len()],
+        DType::F32,
+        MemoryCategory::Workspace,
+        "rope.inv_freq",
+    )?;
+    be.launch(
+        &format!("rope_{dt}"),
+        be.grid(rows * w),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(out)?)
+            .ptr(ptr(x)?)
+            .ptr(ptr(&freq)?)
+            .i64(rows)
+            .i64(t)
+            .i64(w)
+            .i64(heads.q_width() + heads.kv_width())
+            .i64(heads.head_dim)
+            .f32(sign),
+    )
+}
 
 pub(crate) fn forward(
-    _be: &CudaBackend,
-    _out: &mut Tensor,
-    _x: &Tensor,
-    _inv_freq: &[f32],
-    _heads: Heads,
+    be: &CudaBackend,
+    out: &mut Tensor,
+    x: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
 ) -> Result<()> {
-    Err(Error::Backend {
-        backend: "cuda",
-        message: "rope has no CUDA kernel yet".into(),
-    })
+    rotate(be, out, x, inv_freq, heads, 1.0, "rope")
 }
 
 pub(crate) fn backward(
-    _be: &CudaBackend,
-    _dx: &mut Tensor,
-    _dout: &Tensor,
-    _inv_freq: &[f32],
-    _heads: Heads,
+    be: &CudaBackend,
+    dx: &mut Tensor,
+    dout: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
 ) -> Result<()> {
-    Err(Error::Backend {
-        backend: "cuda",
-        message: "rope has no CUDA kernel yet".into(),
-    })
+    rotate(be, dx, dout, inv_freq, heads, -1.0, "rope_backward")
 }

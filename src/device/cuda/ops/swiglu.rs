@@ -1,24 +1,67 @@
-//! swiglu on the GPU (kernels to come).
+//! SwiGLU's gate over a fused gate-and-up projection, and its backward.
+//!
+//! CPU twin: `src/device/cpu/swiglu.rs`. Kernels: `kernels/swiglu.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::CudaBackend;
-use crate::error::{Error, Result};
+use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use super::super::gpu::Args;
+use super::super::kernels::KernelFile;
+use crate::error::Result;
 use crate::tensor::Tensor;
 
-pub(crate) fn forward(_be: &CudaBackend, _out: &mut Tensor, _gate_up: &Tensor) -> Result<()> {
-    Err(Error::Backend {
-        backend: "cuda",
-        message: "swiglu has no CUDA kernel yet".into(),
-    })
+/// The kernels of `kernels/swiglu.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "swiglu.cu",
+    source: include_str!("../../../../kernels/swiglu.cu"),
+    kernels: &[
+        "swiglu_f32",
+        "swiglu_bf16",
+        "swiglu_backward_f32",
+        "swiglu_backward_bf16",
+    ],
+};
+
+pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+    let (rows, f) = out.rows_cols();
+    let dt = gate_up.dtype();
+    ensure_dtype(out, dt, "swiglu")?;
+    if rows * f == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("swiglu_{dt}"),
+        be.grid(rows * f),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(out)?)
+            .ptr(ptr(gate_up)?)
+            .i64(rows)
+            .i64(f),
+    )
 }
 
 pub(crate) fn backward(
-    _be: &CudaBackend,
-    _dgate_up: &mut Tensor,
-    _dout: &Tensor,
-    _gate_up: &Tensor,
+    be: &CudaBackend,
+    dgate_up: &mut Tensor,
+    dout: &Tensor,
+    gate_up: &Tensor,
 ) -> Result<()> {
-    Err(Error::Backend {
-        backend: "cuda",
-        message: "swiglu has no CUDA kernel yet".into(),
-    })
+    let (rows, f) = dout.rows_cols();
+    let dt = gate_up.dtype();
+    ensure_dtype(dgate_up, dt, "swiglu_backward")?;
+    if rows * f == 0 {
+        return Ok(());
+    }
+    let dout = be.as_dtype(dout, dt)?;
+    be.launch(
+        &format!("swiglu_backward_{dt}"),
+        be.grid(rows * f),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dgate_up)?)
+            .ptr(ptr(&dout)?)
+            .ptr(ptr(gate_up)?)
+            .i64(rows)
+            .i64(f),
+    )
 }

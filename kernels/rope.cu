@@ -1,0 +1,36 @@
+// Rotary position embedding (Hugging Face's rotate-half layout) of the queries and keys of
+// a fused projection. CPU twin: src/device/cpu/rope.rs.
+//
+// Layouts (trainkit::device::Heads): x and out are [rows, W], W = (H + 2·KV)·D, rows = B·T
+// with the position of row r being r % T; the first (H + KV)·D columns (queries, then
+// keys) are turned in heads of D, element i with element i + D/2 by the angle
+// pos · inv_freq[i]; the values are copied. `sign` is +1 (forward) or −1 (backward, the
+// transpose). inv_freq holds D/2 f32 values.
+//
+// The angle is pos · inv_freq[i] in f32 as on the CPU; sinf and cosf differ from Rust's
+// sin and cos in the last bit here and there, so the results agree to f32 rounding.
+
+template <typename T>
+__device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i64 t_len,
+                          i64 w, i64 rotated, i64 hd, float sign) {
+    const i64 half = hd / 2;
+    TK_FOR_EACH(idx, rows * w) {
+        const i64 col = idx % w, row = idx / w;
+        if (col >= rotated) {
+            store(out, idx, load(x, idx));
+            continue;
+        }
+        const i64 head = col - col % hd, e = col % hd, i = e % half;
+        const float angle = (float)(row % t_len) * inv_freq[i];
+        const float s = sign * sinf(angle), c = cosf(angle);
+        const float x1 = load(x, row * w + head + i), x2 = load(x, row * w + head + i + half);
+        store(out, idx, e < half ? x1 * c - x2 * s : x2 * c + x1 * s);
+    }
+}
+
+#define TK_ROPE(T, N)                                                                       \
+    extern "C" __global__ void rope_##N(T* out, const T* x, const float* inv_freq, i64 rows,\
+                                        i64 t_len, i64 w, i64 rotated, i64 hd, float sign) {\
+        rope_impl<T>(out, x, inv_freq, rows, t_len, w, rotated, hd, sign);                  \
+    }
+TK_DTYPES(TK_ROPE)
