@@ -77,6 +77,7 @@ fn tol(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
         DType::Bf16 => 1e-2,
+        DType::U8 => 0.0,
     }
 }
 

@@ -54,6 +54,24 @@ impl AdamWStep {
     }
 }
 
+/// The two block-wise quantized moments of one parameter, as [`Backend::adamw8bit`]
+/// reads and rewrites them: for each moment, one u8 code per element of the parameter and
+/// one f32 absolute maximum per block of [`QUANT_BLOCK`](crate::device::QUANT_BLOCK)
+/// elements (the last block may be shorter). The first moment uses the signed dynamic
+/// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
+/// maximum is 0 holds zeros whatever its codes.
+#[derive(Debug)]
+pub struct QuantizedMoments<'a> {
+    /// Codes of the first moment (u8, as many as the parameter's elements).
+    pub m: &'a mut Tensor,
+    /// Absolute maximum of the first moment per block (f32).
+    pub m_absmax: &'a mut Tensor,
+    /// Codes of the second moment (u8).
+    pub v: &'a mut Tensor,
+    /// Maximum of the second moment per block (f32).
+    pub v_absmax: &'a mut Tensor,
+}
+
 /// The seam between model code and hardware: a device's buffers and ops.
 ///
 /// Model and optimizer code is written once against this trait; `CpuBackend` is the
@@ -134,7 +152,7 @@ pub trait Backend: Debug + Send + Sync {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        cpu::elementwise::check_upload(data, shape, label)?;
+        cpu::elementwise::check_upload(data, shape, dtype, label)?;
         let op = self.ledger().op("upload", 0, label);
         op.finish(self.upload_kernel(data, shape, dtype, category, label))
     }
@@ -153,6 +171,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
     fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        cpu::ensure_float("cast", &[dst, src])?;
         cpu::elementwise::same_len(dst, src, "cast")?;
         let op = self.ledger().op("cast", 0, dst.label());
         op.finish(self.cast_kernel(dst, src))
@@ -160,12 +179,14 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Every element set to `value`.
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        cpu::ensure_float("fill", &[t])?;
         let op = self.ledger().op("fill", 0, t.label());
         op.finish(self.fill_kernel(t, value))
     }
 
     /// `out = a + b`, element-wise.
     fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        cpu::ensure_float("add", &[out, a, b])?;
         cpu::elementwise::same_len(out, a, "add")?;
         cpu::elementwise::same_len(out, b, "add")?;
         let flops = each(out.numel(), per_element::ADD);
@@ -175,6 +196,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `y += alpha * x`, element-wise.
     fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+        cpu::ensure_float("axpy", &[y, x])?;
         cpu::elementwise::same_len(y, x, "axpy")?;
         let flops = each(y.numel(), per_element::AXPY);
         let op = self.ledger().op("axpy", flops, y.label());
@@ -183,6 +205,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `x *= alpha`, element-wise.
     fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+        cpu::ensure_float("scale", &[x])?;
         let flops = each(x.numel(), per_element::SCALE);
         let op = self.ledger().op("scale", flops, x.label());
         op.finish(self.scale_kernel(x, alpha))
@@ -190,6 +213,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        cpu::ensure_float("sum_squares", &[x])?;
         let flops = each(x.numel(), per_element::SUM_SQUARES);
         let op = self.ledger().op("sum_squares", flops, x.label());
         op.finish(self.sum_squares_kernel(x))
@@ -201,6 +225,7 @@ pub trait Backend: Debug + Send + Sync {
     /// back to the host) records one `sum_squares` span labelled `gradients`; otherwise
     /// it is [`Backend::sum_squares`] tensor by tensor, a span each.
     fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        cpu::ensure_float("sum_squares", xs)?;
         let n: usize = xs.iter().map(|x| x.numel()).sum();
         let op = self.ledger().op(
             "sum_squares",
@@ -234,6 +259,7 @@ pub trait Backend: Debug + Send + Sync {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
+        cpu::ensure_float("matmul", &[out, a, b])?;
         cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
         let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
         let op = self.ledger().op("matmul", flops, out.label());
@@ -253,6 +279,7 @@ pub trait Backend: Debug + Send + Sync {
         b: &Tensor,
         bias: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("matmul_bias_gelu", &[out, pre, a, b, bias])?;
         cpu::matmul::dims(pre, a, b, Some(bias), false, false)?;
         cpu::elementwise::same_len(out, pre, "gelu")?;
         let flops = cpu::matmul::flops(pre, a, true, false)
@@ -269,6 +296,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+        cpu::ensure_float("bias_backward", &[dbias, dout])?;
         cpu::elementwise::check_bias_backward(dbias, dout)?;
         let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
         let op = self.ledger().op("bias_backward", flops, dbias.label());
@@ -283,6 +311,7 @@ pub trait Backend: Debug + Send + Sync {
         wte: &Tensor,
         wpe: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("embedding", &[out, wte, wpe])?;
         cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
         let flops = each(out.numel(), per_element::EMBEDDING);
         let op = self.ledger().op("embedding", flops, out.label());
@@ -297,6 +326,7 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
+        cpu::ensure_float("embedding_backward", &[dwte, dwpe, dout])?;
         cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe)?;
         let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
         let op = self.ledger().op("embedding_backward", flops, dwte.label());
@@ -315,6 +345,7 @@ pub trait Backend: Debug + Send + Sync {
         bias: &Tensor,
         eps: f32,
     ) -> Result<()> {
+        cpu::ensure_float("layernorm", &[out, stats, x, weight, bias])?;
         cpu::layernorm::check_forward(out, stats, x, weight, bias)?;
         let flops = each(x.numel(), per_element::LAYERNORM);
         let op = self.ledger().op("layernorm", flops, out.label());
@@ -333,6 +364,10 @@ pub trait Backend: Debug + Send + Sync {
         weight: &Tensor,
         stats: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float(
+            "layernorm_backward",
+            &[dx, dweight, dbias, dout, x, weight, stats],
+        )?;
         cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
         let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
         let op = self.ledger().op("layernorm_backward", flops, dx.label());
@@ -341,6 +376,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// GELU with the tanh approximation, element-wise.
     fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+        cpu::ensure_float("gelu", &[out, x])?;
         cpu::elementwise::same_len(out, x, "gelu")?;
         let flops = each(x.numel(), per_element::GELU);
         let op = self.ledger().op("gelu", flops, out.label());
@@ -349,6 +385,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dx = gelu'(x) · dout`.
     fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+        cpu::ensure_float("gelu_backward", &[dx, x, dout])?;
         cpu::elementwise::same_len(dx, x, "gelu_backward")?;
         cpu::elementwise::same_len(dx, dout, "gelu_backward")?;
         let flops = each(x.numel(), per_element::GELU_BACKWARD);
@@ -360,6 +397,7 @@ pub trait Backend: Debug + Send + Sync {
     /// 0 above the diagonal; `qkv` is `[B, T, 3C]` (q, k, v blocks, heads contiguous in
     /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
     fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
+        cpu::ensure_float("attention_scores", &[scores, qkv])?;
         attention::check_scores(scores, qkv, n_head)?;
         let flops = attention::AttentionFlops::new(qkv, n_head).scores;
         let op = self.ledger().op("attention_scores", flops, scores.label());
@@ -375,6 +413,7 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
+        cpu::ensure_float("attention_scores_backward", &[dqkv, dscores, qkv])?;
         attention::check_scores_backward(dqkv, dscores, qkv, n_head)?;
         let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
         let op = self
@@ -385,6 +424,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
     fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+        cpu::ensure_float("softmax_causal", &[probs, scores])?;
         attention::check_softmax(probs, scores)?;
         let flops = attention::softmax_flops(scores, per_element::SOFTMAX);
         let op = self.ledger().op("softmax_causal", flops, probs.label());
@@ -399,6 +439,7 @@ pub trait Backend: Debug + Send + Sync {
         dprobs: &Tensor,
         probs: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("softmax_causal_backward", &[dscores, dprobs, probs])?;
         attention::check_softmax_backward(dscores, dprobs, probs)?;
         let flops = attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
         let op = self
@@ -415,6 +456,7 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
+        cpu::ensure_float("attention_values", &[out, probs, qkv])?;
         attention::check_values(out, probs, qkv, n_head)?;
         let flops = attention::AttentionFlops::new(qkv, n_head).values;
         let op = self.ledger().op("attention_values", flops, out.label());
@@ -432,6 +474,10 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         n_head: usize,
     ) -> Result<()> {
+        cpu::ensure_float(
+            "attention_values_backward",
+            &[dprobs, dqkv, dout, probs, qkv],
+        )?;
         attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, n_head)?;
         let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
         let op = self
@@ -454,6 +500,7 @@ pub trait Backend: Debug + Send + Sync {
         grad_scale: Option<f32>,
         losses: &mut Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("cross_entropy", &[logits, losses])?;
         let (rows, _) = cpu::cross_entropy::check(logits, targets, vocab)?;
         cpu::cross_entropy::check_losses(losses, rows)?;
         let per = match grad_scale {
@@ -482,6 +529,7 @@ pub trait Backend: Debug + Send + Sync {
         max_norm: f32,
         loss_scale: f32,
     ) -> Result<()> {
+        cpu::ensure_float("grad_guard", grads)?;
         cpu::guard::check(record, losses)?;
         let n: usize = grads.iter().map(|g| g.numel()).sum();
         let flops = each(n, per_element::SUM_SQUARES);
@@ -518,6 +566,35 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.adamw_kernel(param, grad, m, v, hp, scale, compute))
     }
 
+    /// One AdamW update of `param` (f32) from `grad` with 8-bit moments: per block of
+    /// [`QUANT_BLOCK`](crate::device::QUANT_BLOCK) elements, the moments are dequantized,
+    /// updated in f32 exactly as [`Backend::adamw`] updates them (the value from the
+    /// unquantized new moments) and requantized to the nearest code with the block's new
+    /// absolute maximum, in one pass. `scale` and `compute` are as in [`Backend::adamw`]:
+    /// a multiplier that is not finite skips the update, leaving codes and maxima as they
+    /// were.
+    fn adamw8bit(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        cpu::adamw8bit::check(param, grad, &moments)?;
+        if let Some(s) = scale {
+            cpu::adamw::check_scale(s)?;
+        }
+        if let Some(c) = &compute {
+            cpu::ensure_float("adamw8bit", &[c])?;
+            cpu::elementwise::same_len(c, param, "adamw8bit")?;
+        }
+        let flops = each(param.numel(), per_element::ADAMW8BIT);
+        let op = self.ledger().op("adamw8bit", flops, param.label());
+        op.finish(self.adamw8bit_kernel(param, grad, moments, hp, scale, compute))
+    }
+
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
     /// elements of `outputs[0]`: each output is read and written, each input read, and
     /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
@@ -533,6 +610,10 @@ pub trait Backend: Debug + Send + Sync {
         inputs: &[&Tensor],
         scalars: &[f32],
     ) -> Result<()> {
+        cpu::ensure_float(kernel.name(), inputs)?;
+        for t in outputs.iter() {
+            cpu::ensure_float(kernel.name(), &[t])?;
+        }
         let n = super::custom::check(kernel, outputs, inputs)?;
         let label = outputs.first().map_or("", |t| t.label()).to_string();
         let flops = each(n, kernel.flops_per_element());
@@ -762,6 +843,20 @@ pub trait Backend: Debug + Send + Sync {
         grad: &Tensor,
         m: &mut Tensor,
         v: &mut Tensor,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::adamw8bit`]: `param` is f32, `grad` f32 or bf16 with as
+    /// many elements, the codes u8 with as many elements, the maxima f32 with one element
+    /// per block; `scale` is f32 with at least one element, `compute` has as many
+    /// elements as `param`.
+    fn adamw8bit_kernel(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
         hp: &AdamWStep,
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
