@@ -1,6 +1,7 @@
 //! Optimizers, learning-rate schedules and gradient clipping.
 
 mod adamw;
+mod adamw8bit;
 mod clip;
 mod guard;
 mod schedule;
@@ -8,6 +9,7 @@ mod sgd;
 
 pub use crate::model::{Param, UpdateParts};
 pub use adamw::AdamW;
+pub use adamw8bit::AdamW8bit;
 pub use clip::{clip_coefficient, global_grad_norm};
 pub use guard::{GradScale, StepRecord};
 pub use schedule::LrSchedule;
