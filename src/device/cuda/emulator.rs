@@ -2101,6 +2101,7 @@ extern "C" __global__ void traps(int* out) {
         }
         assert_eq!(emu.arity("gelu_f32"), Some(3));
         assert_eq!(emu.arity("adamw_bf16"), Some(14));
+        assert_eq!(emu.arity("adamw8bit_bf16"), Some(16));
     }
 
     #[test]
