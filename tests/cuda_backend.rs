@@ -798,7 +798,10 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
                         let after = [&p.cuda, &m.cuda, &ma.cuda, &v.cuda, &va.cuda]
                             .map(|t| bits(cuda.as_ref(), t))
                             .to_vec();
-                        assert_eq!(after, before_nan, "{name}: a NaN scale must skip the update");
+                        assert_eq!(
+                            after, before_nan,
+                            "{name}: a NaN scale must skip the update"
+                        );
                     }
                     for (what, t) in [
                         ("value", &p),
@@ -818,7 +821,11 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
                 let codes = cuda.to_f32(&m.cuda).unwrap();
                 let distinct: std::collections::BTreeSet<u32> =
                     codes.iter().map(|c| *c as u32).collect();
-                assert!(distinct.len() > 100, "{name}: only {} codes used", distinct.len());
+                assert!(
+                    distinct.len() > 100,
+                    "{name}: only {} codes used",
+                    distinct.len()
+                );
             }
         }
     }
