@@ -217,7 +217,7 @@ mod tests {
                 // The maximum comes back exactly when positive (1 is a code, -1 is not).
                 let back_max = back.iter().fold(0f32, |a, v| a.max(v.abs()));
                 assert!((back_max - absmax).abs() <= top_step * absmax);
-                let positive_max = values.iter().any(|v| *v == absmax);
+                let positive_max = values.contains(&absmax);
                 let back_top = back.iter().fold(0f32, |a, v| a.max(*v));
                 assert_eq!(back_top == absmax, positive_max);
             }

@@ -342,7 +342,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 68);
+        assert_eq!(seen.len(), 70);
     }
 
     #[test]
