@@ -9,15 +9,18 @@
 // loads the gradient, adds the rows in row order in f32 and rounds once, which is the
 // CPU's order and rounding. dwpe is the same with position p owning rows p, p + T, ...
 
-// out[row, c] = wte[tokens[row], c] + wpe[row % T, c]
+// out[row, c] = wte[tokens[row], c] + wpe[row % T, c], or wte[tokens[row], c] alone when
+// has_wpe is 0 (no position embeddings; wpe is not read).
 template <typename T>
 __device__ void embedding_impl(T* out, const unsigned* tokens, const T* wte, const T* wpe,
-                               i64 rows, i64 t_len, i64 c) {
+                               i64 rows, i64 t_len, i64 c, i64 has_wpe) {
     TK_FOR_EACH(i, rows * c) {
         i64 row = i / c, col = i % c;
         i64 tok = tokens[row];
         i64 pos = row % t_len;
-        store(out, i, load(wte, tok * c + col) + load(wpe, pos * c + col));
+        float v = load(wte, tok * c + col);
+        if (has_wpe) v = v + load(wpe, pos * c + col);
+        store(out, i, v);
     }
 }
 
@@ -56,8 +59,9 @@ __device__ void embedding_backward_wpe_impl(G* dwpe, const T* dout, i64 batch, i
 
 #define TK_EMBEDDING(T, N)                                                                  \
     extern "C" __global__ void embedding_##N(T* out, const unsigned* tokens, const T* wte,  \
-                                             const T* wpe, i64 rows, i64 t_len, i64 c) {    \
-        embedding_impl<T>(out, tokens, wte, wpe, rows, t_len, c);                           \
+                                             const T* wpe, i64 rows, i64 t_len, i64 c,      \
+                                             i64 has_wpe) {                                 \
+        embedding_impl<T>(out, tokens, wte, wpe, rows, t_len, c, has_wpe);                  \
     }
 TK_DTYPES(TK_EMBEDDING)
 

@@ -11,6 +11,7 @@ use common::{corpus_loader, randn, tensor, tiny_config};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
+use trainkit::device::Heads;
 use trainkit::{Backend, Blas, CpuBackend, Error, Gpt2, Rng, Trainer};
 
 /// A CBLAS `sgemm` for both layouts and all transposes, counting its calls, plus OpenBLAS's
@@ -198,19 +199,28 @@ fn attention_on_the_library_matches_the_builtin_one() {
         let qkv = tensor(be, &qkv, &[b, t, 3 * c]);
         let dout = tensor(be, &dout, &[b, t, c]);
         let mut scores = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
-        be.attention_scores(&mut scores, &qkv, h).unwrap();
+        be.attention_scores(&mut scores, &qkv, Heads::mha(h, c))
+            .unwrap();
         let mut probs = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
         be.softmax_causal(&mut probs, &scores).unwrap();
         let mut out = tensor(be, &vec![0.0; b * t * c], &[b, t, c]);
-        be.attention_values(&mut out, &probs, &qkv, h).unwrap();
+        be.attention_values(&mut out, &probs, &qkv, Heads::mha(h, c))
+            .unwrap();
         let mut dprobs = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
         let mut dqkv = tensor(be, &vec![0.0; b * t * 3 * c], &[b, t, 3 * c]);
-        be.attention_values_backward(&mut dprobs, &mut dqkv, &dout, &probs, &qkv, h)
-            .unwrap();
+        be.attention_values_backward(
+            &mut dprobs,
+            &mut dqkv,
+            &dout,
+            &probs,
+            &qkv,
+            Heads::mha(h, c),
+        )
+        .unwrap();
         let mut dscores = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
         be.softmax_causal_backward(&mut dscores, &dprobs, &probs)
             .unwrap();
-        be.attention_scores_backward(&mut dqkv, &dscores, &qkv, h)
+        be.attention_scores_backward(&mut dqkv, &dscores, &qkv, Heads::mha(h, c))
             .unwrap();
         results.push(
             [&scores, &out, &dprobs, &dqkv]

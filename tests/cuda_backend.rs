@@ -14,7 +14,7 @@ mod common;
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend};
-use trainkit::device::{AdamWStep, QuantizedMoments};
+use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -355,12 +355,24 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                 let wte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dt);
                 let wpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dt);
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, &wpe.cpu)
+                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, Some(&wpe.cpu))
                     .unwrap();
-                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, &wpe.cuda)
+                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, Some(&wpe.cuda))
                     .unwrap();
                 compare(
                     &format!("embedding b={b} t={t} {dt}"),
+                    name,
+                    &cpu,
+                    &cuda,
+                    &o,
+                );
+                // Without position embeddings (Llama): the token rows alone.
+                let mut o = out(&cpu, &cuda, &[b, t, c], dt);
+                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, None).unwrap();
+                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, None)
+                    .unwrap();
+                compare(
+                    &format!("embedding without positions b={b} t={t} {dt}"),
                     name,
                     &cpu,
                     &cuda,
@@ -376,10 +388,15 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                     );
                     let mut dwte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dg);
                     let mut dwpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dg);
-                    cpu.embedding_backward(&mut dwte.cpu, &mut dwpe.cpu, &dout.cpu, &tokens)
+                    cpu.embedding_backward(&mut dwte.cpu, Some(&mut dwpe.cpu), &dout.cpu, &tokens)
                         .unwrap();
-                    cuda.embedding_backward(&mut dwte.cuda, &mut dwpe.cuda, &dout.cuda, &tokens)
-                        .unwrap();
+                    cuda.embedding_backward(
+                        &mut dwte.cuda,
+                        Some(&mut dwpe.cuda),
+                        &dout.cuda,
+                        &tokens,
+                    )
+                    .unwrap();
                     compare(
                         &format!("embedding_backward dwte {dt}→{dg}"),
                         name,
@@ -482,33 +499,43 @@ fn attention_matches_the_cpu() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(5);
     for (name, cuda) in cuda_backends() {
-        for &(b, t, c, h) in &[
-            (1usize, 1usize, 4usize, 1usize),
-            (2, 5, 8, 2),
-            (1, 19, 32, 4),
+        // Multi-head, grouped-query and multi-query heads: (b, t, heads, kv heads, head dim).
+        for &(b, t, h, kv, hd) in &[
+            (1usize, 1usize, 1usize, 1usize, 4usize),
+            (2, 5, 2, 2, 4),
+            (1, 19, 4, 4, 8),
+            (2, 19, 4, 2, 8),
+            (1, 7, 4, 1, 6),
         ] {
+            let heads = Heads {
+                n_head: h,
+                n_kv_head: kv,
+                head_dim: hd,
+            };
+            let (c, w) = (heads.q_width(), heads.qkv_width());
             for dt in DTYPES {
-                let what = format!("b={b} t={t} c={c} h={h} {dt}");
+                let what = format!("b={b} t={t} {heads:?} {dt}");
                 let qkv = pair(
                     &cpu,
                     &cuda,
-                    &randn(&mut rng, b * t * 3 * c, 1.0),
-                    &[b, t, 3 * c],
+                    &randn(&mut rng, b * t * w, 1.0),
+                    &[b, t, w],
                     dt,
                 );
                 let sh = [b, h, t, t];
                 let mut s = out(&cpu, &cuda, &sh, dt);
-                cpu.attention_scores(&mut s.cpu, &qkv.cpu, h).unwrap();
-                cuda.attention_scores(&mut s.cuda, &qkv.cuda, h).unwrap();
+                cpu.attention_scores(&mut s.cpu, &qkv.cpu, heads).unwrap();
+                cuda.attention_scores(&mut s.cuda, &qkv.cuda, heads)
+                    .unwrap();
                 compare(&format!("attention_scores {what}"), name, &cpu, &cuda, &s);
                 let mut p = out(&cpu, &cuda, &sh, dt);
                 cpu.softmax_causal(&mut p.cpu, &s.cpu).unwrap();
                 cuda.softmax_causal(&mut p.cuda, &s.cuda).unwrap();
                 compare(&format!("softmax_causal {what}"), name, &cpu, &cuda, &p);
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.attention_values(&mut o.cpu, &p.cpu, &qkv.cpu, h)
+                cpu.attention_values(&mut o.cpu, &p.cpu, &qkv.cpu, heads)
                     .unwrap();
-                cuda.attention_values(&mut o.cuda, &p.cuda, &qkv.cuda, h)
+                cuda.attention_values(&mut o.cuda, &p.cuda, &qkv.cuda, heads)
                     .unwrap();
                 compare(&format!("attention_values {what}"), name, &cpu, &cuda, &o);
                 // Backward, on the same inputs for both.
@@ -520,14 +547,14 @@ fn attention_matches_the_cpu() {
                     dt,
                 );
                 let mut dp = out(&cpu, &cuda, &sh, dt);
-                let mut dqkv = out(&cpu, &cuda, &[b, t, 3 * c], dt);
+                let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
                 cpu.attention_values_backward(
                     &mut dp.cpu,
                     &mut dqkv.cpu,
                     &dout.cpu,
                     &p.cpu,
                     &qkv.cpu,
-                    h,
+                    heads,
                 )
                 .unwrap();
                 cuda.attention_values_backward(
@@ -536,7 +563,7 @@ fn attention_matches_the_cpu() {
                     &dout.cuda,
                     &p.cuda,
                     &qkv.cuda,
-                    h,
+                    heads,
                 )
                 .unwrap();
                 compare(
@@ -558,9 +585,9 @@ fn attention_matches_the_cpu() {
                     &cuda,
                     &ds,
                 );
-                cpu.attention_scores_backward(&mut dqkv.cpu, &ds.cpu, &qkv.cpu, h)
+                cpu.attention_scores_backward(&mut dqkv.cpu, &ds.cpu, &qkv.cpu, heads)
                     .unwrap();
-                cuda.attention_scores_backward(&mut dqkv.cuda, &ds.cuda, &qkv.cuda, h)
+                cuda.attention_scores_backward(&mut dqkv.cuda, &ds.cuda, &qkv.cuda, heads)
                     .unwrap();
                 // Now every block of dqkv is written: q and k here, v above.
                 compare(

@@ -238,7 +238,7 @@ impl ReluSquaredGpt {
                 );
                 s.node(
                     trainkit::ops::CausalAttention {
-                        n_head: config.n_head,
+                        heads: trainkit::device::Heads::mha(config.n_head, config.n_embd),
                     },
                     &[qkv],
                     &[probs, attn_out],

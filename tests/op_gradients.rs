@@ -4,6 +4,7 @@
 mod common;
 
 use common::{cpu, randn, tensor};
+use trainkit::device::Heads;
 use trainkit::{Backend, Rng, Tensor};
 
 /// Central finite differences of `loss` at `x` along a sample of coordinates, compared
@@ -238,12 +239,18 @@ fn attention_backward_matches_finite_differences() {
     // Scores alone.
     let scores_of = |v: &[f32]| {
         let mut s = zeros(&sq);
-        be.attention_scores(&mut s, &qkv_t(v), h).unwrap();
+        be.attention_scores(&mut s, &qkv_t(v), Heads::mha(h, c))
+            .unwrap();
         s
     };
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_scores_backward(&mut dqkv, &tensor(be, &w_scores, &sq), &qkv_t(&qkv), h)
-        .unwrap();
+    be.attention_scores_backward(
+        &mut dqkv,
+        &tensor(be, &w_scores, &sq),
+        &qkv_t(&qkv),
+        Heads::mha(h, c),
+    )
+    .unwrap();
     // The v block is not written by the scores backward: compare q and k only.
     let mut analytic = be.to_f32(&dqkv).unwrap();
     for row in analytic.chunks_mut(3 * c) {
@@ -272,7 +279,7 @@ fn attention_backward_matches_finite_differences() {
     let p_data = be.to_f32(&probs).unwrap();
     let values_of = |p: &[f32], v: &[f32]| {
         let mut out = zeros(&[b, t, c]);
-        be.attention_values(&mut out, &tensor(be, p, &sq), &qkv_t(v), h)
+        be.attention_values(&mut out, &tensor(be, p, &sq), &qkv_t(v), Heads::mha(h, c))
             .unwrap();
         weighted(be, &out, &w_out)
     };
@@ -284,7 +291,7 @@ fn attention_backward_matches_finite_differences() {
         &tensor(be, &w_out, &[b, t, c]),
         &probs,
         &qkv_t(&qkv),
-        h,
+        Heads::mha(h, c),
     )
     .unwrap();
     // dprobs is defined on the causal part only.
@@ -384,15 +391,20 @@ fn embedding_backward_matches_finite_differences() {
             &mut out,
             &tokens,
             &tensor(be, wte, &[v, c]),
-            &tensor(be, wpe, &[p, c]),
+            Some(&tensor(be, wpe, &[p, c])),
         )
         .unwrap();
         weighted(be, &out, &w)
     };
     let mut dwte = tensor(be, &vec![0.0; v * c], &[v, c]);
     let mut dwpe = tensor(be, &vec![0.0; p * c], &[p, c]);
-    be.embedding_backward(&mut dwte, &mut dwpe, &tensor(be, &w, &[b, t, c]), &tokens)
-        .unwrap();
+    be.embedding_backward(
+        &mut dwte,
+        Some(&mut dwpe),
+        &tensor(be, &w, &[b, t, c]),
+        &tokens,
+    )
+    .unwrap();
     check_gradient("embedding wte", &wte, &be.to_f32(&dwte).unwrap(), &|x| {
         forward(x, &wpe)
     });
@@ -440,11 +452,12 @@ fn attention_matches_naive_loops_on_long_sequences() {
     let zeros = |shape: &[usize]| tensor(be, &vec![0.0; shape.iter().product()], shape);
     let q_t = tensor(be, &qkv, &[b, t, 3 * c]);
     let mut s = zeros(&sq);
-    be.attention_scores(&mut s, &q_t, h).unwrap();
+    be.attention_scores(&mut s, &q_t, Heads::mha(h, c)).unwrap();
     let mut p = zeros(&sq);
     be.softmax_causal(&mut p, &s).unwrap();
     let mut out = zeros(&[b, t, c]);
-    be.attention_values(&mut out, &p, &q_t, h).unwrap();
+    be.attention_values(&mut out, &p, &q_t, Heads::mha(h, c))
+        .unwrap();
     let mut dp = zeros(&sq);
     let mut dqkv = zeros(&[b, t, 3 * c]);
     be.attention_values_backward(
@@ -453,10 +466,10 @@ fn attention_matches_naive_loops_on_long_sequences() {
         &tensor(be, &dout, &[b, t, c]),
         &p,
         &q_t,
-        h,
+        Heads::mha(h, c),
     )
     .unwrap();
-    be.attention_scores_backward(&mut dqkv, &tensor(be, &dsc, &sq), &q_t, h)
+    be.attention_scores_backward(&mut dqkv, &tensor(be, &dsc, &sq), &q_t, Heads::mha(h, c))
         .unwrap();
     let (s, p, out, dp, dqkv) = (
         be.to_f32(&s).unwrap(),
@@ -519,6 +532,86 @@ fn attention_matches_naive_loops_on_long_sequences() {
                     close(dqkv[(bi * t + i) * 3 * c + col], dq, "dq");
                     close(dqkv[(bi * t + i) * 3 * c + c + col], dk, "dk");
                     close(dqkv[(bi * t + i) * 3 * c + 2 * c + col], dv, "dv");
+                }
+            }
+        }
+    }
+}
+
+/// Grouped-query attention is multi-head attention with each key and value head repeated
+/// for the query heads sharing it (Hugging Face's `repeat_kv`): the same outputs and query
+/// gradients, and key and value gradients summed over each group.
+#[test]
+fn grouped_query_attention_is_multi_head_with_shared_heads() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(9);
+    let (b, t, d) = (2, 70, 3);
+    for (h, kv) in [(4, 2), (4, 1), (3, 3)] {
+        let g = Heads {
+            n_head: h,
+            n_kv_head: kv,
+            head_dim: d,
+        };
+        let m = Heads::mha(h, h * d);
+        let (wg, wm, c) = (g.qkv_width(), m.qkv_width(), g.q_width());
+        let qkv_g = randn(&mut rng, b * t * wg, 1.0);
+        let dout = randn(&mut rng, b * t * c, 1.0);
+        // The repeated layout: q as it is, head h's k and v from its group's head.
+        let mut qkv_m = vec![0f32; b * t * wm];
+        for row in 0..b * t {
+            let (src, dst) = (&qkv_g[row * wg..], &mut qkv_m[row * wm..]);
+            dst[..c].copy_from_slice(&src[..c]);
+            for hi in 0..h {
+                for e in 0..d {
+                    dst[m.k_col(hi) + e] = src[g.k_col(hi) + e];
+                    dst[m.v_col(hi) + e] = src[g.v_col(hi) + e];
+                }
+            }
+        }
+        let run = |qkv: &[f32], w: usize, heads: Heads| -> (Vec<f32>, Vec<f32>) {
+            let zeros = |shape: &[usize]| tensor(be, &vec![0.0; shape.iter().product()], shape);
+            let sq = [b, h, t, t];
+            let qkv = tensor(be, qkv, &[b, t, w]);
+            let mut s = zeros(&sq);
+            be.attention_scores(&mut s, &qkv, heads).unwrap();
+            let mut p = zeros(&sq);
+            be.softmax_causal(&mut p, &s).unwrap();
+            let mut out = zeros(&[b, t, c]);
+            be.attention_values(&mut out, &p, &qkv, heads).unwrap();
+            let (mut dp, mut ds) = (zeros(&sq), zeros(&sq));
+            let mut dqkv = zeros(&[b, t, w]);
+            let dout = tensor(be, &dout, &[b, t, c]);
+            be.attention_values_backward(&mut dp, &mut dqkv, &dout, &p, &qkv, heads)
+                .unwrap();
+            be.softmax_causal_backward(&mut ds, &dp, &p).unwrap();
+            be.attention_scores_backward(&mut dqkv, &ds, &qkv, heads)
+                .unwrap();
+            (be.to_f32(&out).unwrap(), be.to_f32(&dqkv).unwrap())
+        };
+        let (out_g, d_g) = run(&qkv_g, wg, g);
+        let (out_m, d_m) = run(&qkv_m, wm, m);
+        let close = |got: f32, want: f32, what: &str| {
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{h}/{kv} heads, {what}: {got} vs {want}"
+            );
+        };
+        for (o, w) in out_g.iter().zip(&out_m) {
+            close(*o, *w, "output");
+        }
+        for row in 0..b * t {
+            let (dg, dm) = (&d_g[row * wg..], &d_m[row * wm..]);
+            for i in 0..c {
+                close(dg[i], dm[i], "dq");
+            }
+            for kh in 0..kv {
+                for e in 0..d {
+                    let heads = kh * (h / kv)..(kh + 1) * (h / kv);
+                    let dk: f32 = heads.clone().map(|hi| dm[m.k_col(hi) + e]).sum();
+                    let dv: f32 = heads.map(|hi| dm[m.v_col(hi) + e]).sum();
+                    close(dg[g.k_col(kh * (h / kv)) + e], dk, "dk");
+                    close(dg[g.v_col(kh * (h / kv)) + e], dv, "dv");
                 }
             }
         }

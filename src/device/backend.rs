@@ -13,7 +13,7 @@
 //! nothing, so it records the same spans and FLOP counts as the CPU.
 
 use super::cpu::{self, attention, each, per_element};
-use super::{CustomKernel, Device};
+use super::{CustomKernel, Device, Heads};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
@@ -303,32 +303,46 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.bias_backward_kernel(dbias, dout))
     }
 
-    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`; `out` is `[B, T, C]`.
+    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`, or `wte[tokens[b, t]]` alone without
+    /// position embeddings (`wpe` `None`, as Llama); `out` is `[B, T, C]`.
     fn embedding(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
-        cpu::ensure_float("embedding", &[out, wte, wpe])?;
+        cpu::ensure_float("embedding", &[out, wte])?;
+        cpu::ensure_float("embedding", wpe.as_slice())?;
         cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
-        let flops = each(out.numel(), per_element::EMBEDDING);
+        let per = if wpe.is_some() {
+            per_element::EMBEDDING
+        } else {
+            0
+        };
+        let flops = each(out.numel(), per);
         let op = self.ledger().op("embedding", flops, out.label());
         op.finish(self.embedding_kernel(out, tokens, wte, wpe))
     }
 
-    /// `dwte[tokens[b, t]] += dout[b, t]` and `dwpe[t] += dout[b, t]`.
+    /// `dwte[tokens[b, t]] += dout[b, t]` and, with position embeddings,
+    /// `dwpe[t] += dout[b, t]`.
     fn embedding_backward(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
-        cpu::ensure_float("embedding_backward", &[dwte, dwpe, dout])?;
-        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe)?;
-        let flops = each(dout.numel(), per_element::EMBEDDING_BACKWARD);
+        cpu::ensure_float("embedding_backward", &[dwte, dout])?;
+        cpu::ensure_float("embedding_backward", dwpe.as_deref().as_slice())?;
+        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe.as_deref())?;
+        let per = if dwpe.is_some() {
+            per_element::EMBEDDING_BACKWARD
+        } else {
+            per_element::EMBEDDING_BACKWARD / 2
+        };
+        let flops = each(dout.numel(), per);
         let op = self.ledger().op("embedding_backward", flops, dwte.label());
         op.finish(self.embedding_backward_kernel(dwte, dwpe, dout, tokens))
     }
@@ -393,33 +407,123 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.gelu_backward_kernel(dx, x, dout))
     }
 
-    /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
-    /// 0 above the diagonal; `qkv` is `[B, T, 3C]` (q, k, v blocks, heads contiguous in
-    /// each), `scores` is `[B, H, T, T]`, scale = 1/sqrt(C/H).
-    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
-        cpu::ensure_float("attention_scores", &[scores, qkv])?;
-        attention::check_scores(scores, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores;
-        let op = self.ledger().op("attention_scores", flops, scores.label());
-        op.finish(self.attention_scores_kernel(scores, qkv, n_head))
+    /// RMS normalization of each row of `x`: `out = x · rstd · weight` with
+    /// `rstd = 1/√(mean(x²) + eps)` in f32, written to `rstd` (f32, one per row).
+    fn rmsnorm(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        cpu::ensure_float("rmsnorm", &[out, rstd, x, weight])?;
+        cpu::rmsnorm::check_forward(out, rstd, x, weight)?;
+        let flops = each(x.numel(), per_element::RMSNORM);
+        let op = self.ledger().op("rmsnorm", flops, out.label());
+        op.finish(self.rmsnorm_kernel(out, rstd, x, weight, eps))
     }
 
-    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`
-    /// (entries of `dscores` above the diagonal are ignored).
+    /// Backward of [`Backend::rmsnorm`]: accumulates into `dx` and `dweight`.
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
+        cpu::ensure_float("rmsnorm_backward", &[dx, dweight, dout, x, weight, rstd])?;
+        cpu::rmsnorm::check_backward(dx, dweight, dout, x, weight, rstd)?;
+        let flops = each(x.numel(), per_element::RMSNORM_BACKWARD);
+        let op = self.ledger().op("rmsnorm_backward", flops, dx.label());
+        op.finish(self.rmsnorm_backward_kernel(dx, dweight, dout, x, weight, rstd))
+    }
+
+    /// Rotary position embedding (Hugging Face's rotate-half layout) of the queries and
+    /// keys of a fused projection `x` (`[B, T, (H + 2·KV)·D]`, see [`Heads`]): in each
+    /// query and key head, elements `i` and `i + D/2` turn by `t · inv_freq[i]` at
+    /// position `t` of the row; the values are copied to `out` as they are.
+    fn rope(&self, out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) -> Result<()> {
+        cpu::ensure_float("rope", &[out, x])?;
+        cpu::rope::check("rope", out, x, inv_freq, heads)?;
+        let flops = rope_flops(x, heads);
+        let op = self.ledger().op("rope", flops, out.label());
+        op.finish(self.rope_kernel(out, x, inv_freq, heads))
+    }
+
+    /// Backward of [`Backend::rope`]: `dx` is `dout` turned back by the same angles
+    /// (overwritten).
+    fn rope_backward(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        cpu::ensure_float("rope_backward", &[dx, dout])?;
+        cpu::rope::check("rope_backward", dx, dout, inv_freq, heads)?;
+        let flops = rope_flops(dout, heads);
+        let op = self.ledger().op("rope_backward", flops, dx.label());
+        op.finish(self.rope_backward_kernel(dx, dout, inv_freq, heads))
+    }
+
+    /// SwiGLU's gate: `out = silu(gate) · up` where `gate_up` holds the gate in its first
+    /// `F` columns and the up projection in its last `F` (`out` is `[.., F]`).
+    fn swiglu(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        cpu::ensure_float("swiglu", &[out, gate_up])?;
+        cpu::swiglu::check("swiglu", out, gate_up, &[])?;
+        let flops = each(out.numel(), per_element::SWIGLU);
+        let op = self.ledger().op("swiglu", flops, out.label());
+        op.finish(self.swiglu_kernel(out, gate_up))
+    }
+
+    /// Backward of [`Backend::swiglu`]: writes the gate and up gradients side by side into
+    /// `dgate_up` (overwritten).
+    fn swiglu_backward(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()> {
+        cpu::ensure_float("swiglu_backward", &[dgate_up, dout, gate_up])?;
+        cpu::swiglu::check("swiglu_backward", dout, gate_up, &[dgate_up])?;
+        cpu::elementwise::same_len(dgate_up, gate_up, "swiglu_backward")?;
+        let flops = each(dout.numel(), per_element::SWIGLU_BACKWARD);
+        let op = self.ledger().op("swiglu_backward", flops, dgate_up.label());
+        op.finish(self.swiglu_backward_kernel(dgate_up, dout, gate_up))
+    }
+
+    /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
+    /// 0 above the diagonal, with query head `h` and the key head it shares; `qkv` is
+    /// `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says, `scores` is `[B, H, T, T]`,
+    /// scale = 1/sqrt(D).
+    fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+        cpu::ensure_float("attention_scores", &[scores, qkv])?;
+        attention::check_scores(scores, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).scores;
+        let op = self.ledger().op("attention_scores", flops, scores.label());
+        op.finish(self.attention_scores_kernel(scores, qkv, heads))
+    }
+
+    /// Backward of [`Backend::attention_scores`]: writes the q and k blocks of `dqkv`, each
+    /// key head's gradient summed over the query heads sharing it (entries of `dscores`
+    /// above the diagonal are ignored).
     fn attention_scores_backward(
         &self,
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
         cpu::ensure_float("attention_scores_backward", &[dqkv, dscores, qkv])?;
-        attention::check_scores_backward(dqkv, dscores, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).scores_backward;
+        attention::check_scores_backward(dqkv, dscores, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).scores_backward;
         let op = self
             .ledger()
             .op("attention_scores_backward", flops, dqkv.label());
-        op.finish(self.attention_scores_backward_kernel(dqkv, dscores, qkv, n_head))
+        op.finish(self.attention_scores_backward_kernel(dqkv, dscores, qkv, heads))
     }
 
     /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
@@ -448,19 +552,20 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.softmax_causal_backward_kernel(dscores, dprobs, probs))
     }
 
-    /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head h]`; `out` is `[B, T, C]`.
+    /// `out[b, t, head h] = Σ_j probs[b, h, t, j] · v[b, j, head of h]`; `out` is
+    /// `[B, T, H·D]`.
     fn attention_values(
         &self,
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
         cpu::ensure_float("attention_values", &[out, probs, qkv])?;
-        attention::check_values(out, probs, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).values;
+        attention::check_values(out, probs, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).values;
         let op = self.ledger().op("attention_values", flops, out.label());
-        op.finish(self.attention_values_kernel(out, probs, qkv, n_head))
+        op.finish(self.attention_values_kernel(out, probs, qkv, heads))
     }
 
     /// Backward of [`Backend::attention_values`]: writes `dprobs` (0 above the diagonal) and
@@ -472,18 +577,18 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
         cpu::ensure_float(
             "attention_values_backward",
             &[dprobs, dqkv, dout, probs, qkv],
         )?;
-        attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, n_head)?;
-        let flops = attention::AttentionFlops::new(qkv, n_head).values_backward;
+        attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, heads)?;
+        let flops = attention::AttentionFlops::new(qkv, heads).values_backward;
         let op = self
             .ledger()
             .op("attention_values_backward", flops, dprobs.label());
-        op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, n_head))
+        op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, heads))
     }
 
     /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
@@ -703,13 +808,14 @@ pub trait Backend: Debug + Send + Sync {
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
 
     /// The kernel of [`Backend::embedding`]: `out` is `[B, T, C]`, the tables are `C`
-    /// wide, every token is in the vocabulary and `wpe` has at least `T` rows.
+    /// wide, every token is in the vocabulary and `wpe`, when given, has at least `T`
+    /// rows.
     fn embedding_kernel(
         &self,
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::embedding_backward`], with the operands checked as for
@@ -717,7 +823,7 @@ pub trait Backend: Debug + Send + Sync {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()>;
@@ -755,13 +861,69 @@ pub trait Backend: Debug + Send + Sync {
     /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
 
-    /// The kernel of [`Backend::attention_scores`]: `qkv` is `[B, T, 3C]` with `C`
-    /// divisible by `n_head`, `scores` is `[B, H, T, T]`.
+    /// The kernel of [`Backend::rmsnorm`]: `out` is shaped as `x`, `rstd` is f32 with one
+    /// element per row, `weight` has `C` elements.
+    fn rmsnorm_kernel(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rmsnorm_backward`]: `dx` and `dout` are shaped as `x`,
+    /// `rstd` has one element per row, `weight` and `dweight` have `C` elements.
+    fn rmsnorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rope`]: `heads` are valid with an even head width, `x`
+    /// and `out` are `[B, T, (H + 2·KV)·D]`, `inv_freq` has `D/2` values.
+    fn rope_kernel(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::rope_backward`], with the operands of
+    /// [`Backend::rope_kernel`].
+    fn rope_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::swiglu`]: `gate_up` has the rows of `out` and twice its
+    /// columns.
+    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()>;
+
+    /// The kernel of [`Backend::swiglu_backward`]: `dgate_up` is shaped as `gate_up`,
+    /// which has the rows of `dout` and twice its columns.
+    fn swiglu_backward_kernel(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::attention_scores`]: `heads` are valid, `qkv` is
+    /// `[B, T, (H + 2·KV)·D]`, `scores` is `[B, H, T, T]`.
     fn attention_scores_kernel(
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::attention_scores_backward`]: `qkv` as for
@@ -772,7 +934,7 @@ pub trait Backend: Debug + Send + Sync {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::softmax_causal`]: `scores` is `[B, H, T, T]` and `probs`
@@ -795,7 +957,7 @@ pub trait Backend: Debug + Send + Sync {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::attention_values_backward`], with the shapes of
@@ -808,7 +970,7 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::cross_entropy`]: one target per row, each below `vocab`,
@@ -891,4 +1053,15 @@ pub trait Backend: Debug + Send + Sync {
             },
         )
     }
+}
+
+/// Floating-point operations of [`Backend::rope`] (or its backward) on `x`: 3 per rotated
+/// element (two products and a sum); the copied values count 0.
+fn rope_flops(x: &Tensor, heads: Heads) -> u64 {
+    let w = heads.qkv_width().max(1);
+    let rows = x.numel() / w;
+    each(
+        rows * (heads.q_width() + heads.kv_width()),
+        per_element::ROPE,
+    )
 }

@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
+use super::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -140,7 +140,7 @@ impl Backend for MetaBackend {
         _out: &mut Tensor,
         _tokens: &[u32],
         _wte: &Tensor,
-        _wpe: &Tensor,
+        _wpe: Option<&Tensor>,
     ) -> Result<()> {
         Ok(())
     }
@@ -148,7 +148,7 @@ impl Backend for MetaBackend {
     fn embedding_backward_kernel(
         &self,
         _dwte: &mut Tensor,
-        _dwpe: &mut Tensor,
+        _dwpe: Option<&mut Tensor>,
         _dout: &Tensor,
         _tokens: &[u32],
     ) -> Result<()> {
@@ -188,11 +188,67 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
+    fn rmsnorm_kernel(
+        &self,
+        _out: &mut Tensor,
+        _rstd: &mut Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _eps: f32,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rmsnorm_backward_kernel(
+        &self,
+        _dx: &mut Tensor,
+        _dweight: &mut Tensor,
+        _dout: &Tensor,
+        _x: &Tensor,
+        _weight: &Tensor,
+        _rstd: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rope_kernel(
+        &self,
+        _out: &mut Tensor,
+        _x: &Tensor,
+        _inv_freq: &[f32],
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn rope_backward_kernel(
+        &self,
+        _dx: &mut Tensor,
+        _dout: &Tensor,
+        _inv_freq: &[f32],
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn swiglu_kernel(&self, _out: &mut Tensor, _gate_up: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn swiglu_backward_kernel(
+        &self,
+        _dgate_up: &mut Tensor,
+        _dout: &Tensor,
+        _gate_up: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn attention_scores_kernel(
         &self,
         _scores: &mut Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -202,7 +258,7 @@ impl Backend for MetaBackend {
         _dqkv: &mut Tensor,
         _dscores: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -225,7 +281,7 @@ impl Backend for MetaBackend {
         _out: &mut Tensor,
         _probs: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }
@@ -237,7 +293,7 @@ impl Backend for MetaBackend {
         _dout: &Tensor,
         _probs: &Tensor,
         _qkv: &Tensor,
-        _n_head: usize,
+        _heads: Heads,
     ) -> Result<()> {
         Ok(())
     }

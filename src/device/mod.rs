@@ -4,12 +4,14 @@ mod backend;
 pub(crate) mod cpu;
 pub mod cuda;
 pub mod custom;
+mod heads;
 mod meta;
 
 pub use backend::{AdamWStep, Backend, QuantizedMoments};
 pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 pub use custom::CustomKernel;
+pub use heads::Heads;
 pub use meta::MetaBackend;
 
 use crate::error::Result;

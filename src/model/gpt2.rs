@@ -5,6 +5,7 @@ use super::exec;
 use super::graph::{Graph, Section, Value};
 use super::{Architecture, Batch, Init, Mlp, Model, Norm, ParamInit, Pass, PassStats};
 use crate::checkpoint::Tags;
+use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
     CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearGelu, LinearResidual,
@@ -323,7 +324,9 @@ fn graph(c: &Gpt2Config) -> Graph {
                 &[h("attn.c_attn.weight"), h("attn.c_attn.bias")],
             );
             s.node(
-                CausalAttention { n_head: c.n_head },
+                CausalAttention {
+                    heads: Heads::mha(c.n_head, c.n_embd),
+                },
                 &[qkv],
                 &[probs, attn_out],
                 &[],

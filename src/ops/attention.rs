@@ -1,21 +1,23 @@
 //! Causal self-attention over a fused q, k, v projection, with the probabilities
-//! materialized (`[B, H, T, T]`).
+//! materialized (`[B, H, T, T]`): multi-head, grouped-query and multi-query alike.
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
+use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 
-/// Multi-head causal attention: `out = softmax(q·kᵀ/√d, causal) · v` per head, from `qkv`
-/// `[B, T, 3C]` (q, k, v blocks, heads contiguous in each).
+/// Causal attention: `out = softmax(q·kᵀ/√D, causal) · v` per query head, with the key
+/// and value head it shares, from `qkv` `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says.
 ///
-/// Input: `qkv`. Outputs: `probs` (`[B, H, T, T]`, grows with T²) and `out` (`[B, T, C]`).
+/// Input: `qkv`. Outputs: `probs` (`[B, H, T, T]`, grows with T²) and `out`
+/// (`[B, T, H·D]`).
 /// The scores are a transient of the forward. Backward reads `qkv` and `probs`; a policy
 /// that drops the probabilities has them recomputed from `qkv` alone.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CausalAttention {
-    /// Attention heads.
-    pub n_head: usize,
+    /// The query, key and value heads.
+    pub heads: Heads,
 }
 
 impl Op for CausalAttention {
@@ -31,19 +33,34 @@ impl Op for CausalAttention {
         _batch: [usize; 2],
     ) -> Result<Vec<(Vec<usize>, DType)>> {
         let qkv = inputs[0];
-        let [b, t, c3] = *qkv.shape() else {
+        let h = self.heads;
+        h.check("attention")?;
+        let [b, t, w] = *qkv.shape() else {
             return Err(Error::shape(
                 "attention",
                 format!(
-                    "`{}` must be [B, T, 3C], it is {:?}",
+                    "`{}` must be [B, T, (H + 2·KV)·D], it is {:?}",
                     qkv.label(),
                     qkv.shape()
                 ),
             ));
         };
+        if w != h.qkv_width() {
+            return Err(Error::shape(
+                "attention",
+                format!(
+                    "`{}` has rows of {w}; {} query and {} key/value heads of {} need {}",
+                    qkv.label(),
+                    h.n_head,
+                    h.n_kv_head,
+                    h.head_dim,
+                    h.qkv_width()
+                ),
+            ));
+        }
         Ok(vec![
-            (vec![b, self.n_head, t, t], dtype),
-            (vec![b, t, c3 / 3], dtype),
+            (vec![b, h.n_head, t, t], dtype),
+            (vec![b, t, h.q_width()], dtype),
         ])
     }
 
@@ -61,7 +78,7 @@ impl Op for CausalAttention {
             let (shape, dtype) = &cx.shapes[0];
             let label = format!("{}.attn_scores", scope(&cx.labels[0]));
             let mut scores = be.empty(shape, *dtype, MemoryCategory::Activations, &label)?;
-            be.attention_scores(&mut scores, qkv, self.n_head)?;
+            be.attention_scores(&mut scores, qkv, self.heads)?;
             let mut probs = cx.alloc(0)?;
             be.softmax_causal(&mut probs, &scores)?;
             drop(scores);
@@ -69,7 +86,7 @@ impl Op for CausalAttention {
         }
         if cx.wanted[1] {
             let mut out = cx.alloc(1)?;
-            be.attention_values(&mut out, cx.output(0)?, qkv, self.n_head)?;
+            be.attention_values(&mut out, cx.output(0)?, qkv, self.heads)?;
             cx.outputs[1] = Some(out);
         }
         Ok(())
@@ -77,7 +94,7 @@ impl Op for CausalAttention {
 
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
-        let n_head = self.n_head;
+        let heads = self.heads;
         let datt = cx.take_grad_out(1)?;
         let qkv = cx.inputs[0].get()?;
         let probs = cx.outputs[0].get()?;
@@ -87,12 +104,12 @@ impl Op for CausalAttention {
         cx.grads_in[0].overwrite(be, |dqkv| {
             let act = |label: &str| be.empty(&shape, dtype, MemoryCategory::Activations, label);
             let mut dprobs = act(dprobs_label)?;
-            be.attention_values_backward(&mut dprobs, dqkv, &datt, probs, qkv, n_head)?;
+            be.attention_values_backward(&mut dprobs, dqkv, &datt, probs, qkv, heads)?;
             drop(datt);
             let mut dscores = act(&dscores_label)?;
             be.softmax_causal_backward(&mut dscores, &dprobs, probs)?;
             drop(dprobs);
-            be.attention_scores_backward(dqkv, &dscores, qkv, n_head)
+            be.attention_scores_backward(dqkv, &dscores, qkv, heads)
         })?;
         cx.outputs[0].release();
         cx.inputs[0].release();

@@ -37,7 +37,7 @@ impl Op for LearnedEmbedding {
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
         let mut out = cx.alloc(0)?;
         cx.backend
-            .embedding(&mut out, cx.tokens, cx.weights[0], cx.weights[1])?;
+            .embedding(&mut out, cx.tokens, cx.weights[0], Some(cx.weights[1]))?;
         cx.outputs[0] = Some(out);
         Ok(())
     }
@@ -49,6 +49,6 @@ impl Op for LearnedEmbedding {
         let (wte, wpe) = cx.params.split_at_mut(1);
         let dwte = wte[0].grad_mut(be)?;
         let dwpe = wpe[0].grad_mut(be)?;
-        be.embedding_backward(dwte, dwpe, &dout, cx.tokens)
+        be.embedding_backward(dwte, Some(dwpe), &dout, cx.tokens)
     }
 }

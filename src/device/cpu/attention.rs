@@ -1,62 +1,73 @@
 //! Causal multi-head attention in three materialized steps: scores, softmax, values.
 //!
-//! `qkv` is `[B, T, 3C]`: columns `[0, C)` hold q, `[C, 2C)` k and `[2C, 3C)` v, and head
-//! `h` owns columns `h·hs .. (h+1)·hs` of each block (hs = C / H). Scores and
-//! probabilities are `[B, H, T, T]` with zeros above the diagonal.
+//! `qkv` is `[B, T, (H + 2·KV)·D]` (see [`Heads`]): queries, then keys, then values, head
+//! after head; query head `h` reads key and value head `h / (H / KV)`. Scores and
+//! probabilities are `[B, H, T, T]` with zeros above the diagonal; the output is
+//! `[B, T, H·D]`.
 
 use super::blas::Blas;
 use super::matmul::{gemm_raw, Product};
 use super::simd::{self, simd_fn};
 use super::{btc, ensure, ensure_shape, read, write, SendPtr};
+use crate::device::Heads;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-/// The dimensions of an attention op: batch, sequence, width, heads, head size.
+/// The dimensions of an attention op: batch, sequence, the heads, and the widths of a
+/// `qkv` row (`w`) and an output row (`c`).
 pub(crate) struct Dims {
     pub(crate) b: usize,
     pub(crate) t: usize,
+    pub(crate) heads: Heads,
+    pub(crate) w: usize,
     pub(crate) c: usize,
-    pub(crate) h: usize,
-    pub(crate) hs: usize,
 }
 
 impl Dims {
-    /// The dimensions of a checked `[B, T, 3C]` `qkv` with `n_head` heads, read without
-    /// checking (zeros where the shape does not fit).
-    pub(crate) fn of(qkv: &Tensor, n_head: usize) -> Dims {
-        let (b, t, c) = match *qkv.shape() {
-            [b, t, c3] => (b, t, c3 / 3),
-            _ => (0, 0, 0),
+    /// The dimensions of a checked `qkv` with `heads`, read without checking (zeros where
+    /// the shape does not fit).
+    pub(crate) fn of(qkv: &Tensor, heads: Heads) -> Dims {
+        let (b, t) = match *qkv.shape() {
+            [b, t, _] => (b, t),
+            _ => (0, 0),
         };
         Dims {
             b,
             t,
-            c,
-            h: n_head,
-            hs: c.checked_div(n_head).unwrap_or(0),
+            heads,
+            w: heads.qkv_width(),
+            c: heads.q_width(),
         }
+    }
+
+    /// Query heads.
+    pub(crate) fn h(&self) -> usize {
+        self.heads.n_head
+    }
+
+    /// Head width.
+    pub(crate) fn hs(&self) -> usize {
+        self.heads.head_dim
     }
 }
 
-/// Checks a `[B, T, 3C]` `qkv` with `n_head` heads dividing `C`, and returns its
-/// dimensions.
-pub(crate) fn dims(qkv: &Tensor, n_head: usize, op: &'static str) -> Result<Dims> {
-    let (b, t, c3) = btc(qkv, op)?;
-    ensure(c3 % 3 == 0, op, || {
-        format!("`{}` last dimension {c3} is not 3·C", qkv.label())
+/// Checks a `[B, T, (H + 2·KV)·D]` `qkv` with valid `heads`, and returns its dimensions.
+pub(crate) fn dims(qkv: &Tensor, heads: Heads, op: &'static str) -> Result<Dims> {
+    heads.check(op)?;
+    let (_, _, w) = btc(qkv, op)?;
+    ensure(w == heads.qkv_width(), op, || {
+        format!(
+            "`{}` has rows of {w}; {} query and {} key/value heads of {} need (H + 2·KV)·D \
+             = {}",
+            qkv.label(),
+            heads.n_head,
+            heads.n_kv_head,
+            heads.head_dim,
+            heads.qkv_width()
+        )
     })?;
-    let c = c3 / 3;
-    ensure(n_head > 0 && c % n_head == 0, op, || {
-        format!("width {c} is not divisible by {n_head} heads")
-    })?;
-    Ok(Dims {
-        b,
-        t,
-        c,
-        h: n_head,
-        hs: c / n_head,
-    })
+    Ok(Dims::of(qkv, heads))
 }
 
 fn zero_upper(m: &mut [f32], t: usize) {
@@ -96,8 +107,8 @@ pub(crate) struct AttentionFlops {
 }
 
 impl AttentionFlops {
-    pub(crate) fn new(qkv: &Tensor, n_head: usize) -> AttentionFlops {
-        let Ok(d) = dims(qkv, n_head, "attention") else {
+    pub(crate) fn new(qkv: &Tensor, heads: Heads) -> AttentionFlops {
+        let Ok(d) = dims(qkv, heads, "attention") else {
             return AttentionFlops {
                 scores: 0,
                 scores_backward: 0,
@@ -106,7 +117,7 @@ impl AttentionFlops {
             };
         };
         let area = block_area(d.t);
-        let (bh, hs, t) = ((d.b * d.h) as u64, d.hs as u64, d.t as u64);
+        let (bh, hs, t) = ((d.b * d.h()) as u64, d.hs() as u64, d.t as u64);
         AttentionFlops {
             // S = scale · Q·Kᵀ on the blocks.
             scores: bh * area * (2 * hs + 1),
@@ -130,9 +141,9 @@ pub(crate) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
 }
 
 /// Checks `attention_scores`' operands (the contract every backend shares).
-pub(crate) fn check_scores(scores: &Tensor, qkv: &Tensor, n_head: usize) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_scores")?;
-    ensure_shape(scores, &[d.b, d.h, d.t, d.t], "attention_scores")
+pub(crate) fn check_scores(scores: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+    let d = dims(qkv, heads, "attention_scores")?;
+    ensure_shape(scores, &[d.b, d.h(), d.t, d.t], "attention_scores")
 }
 
 /// Checks `attention_scores_backward`'s operands (the contract every backend shares).
@@ -140,11 +151,15 @@ pub(crate) fn check_scores_backward(
     dqkv: &Tensor,
     dscores: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_scores_backward")?;
+    let d = dims(qkv, heads, "attention_scores_backward")?;
     ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
-    ensure_shape(dscores, &[d.b, d.h, d.t, d.t], "attention_scores_backward")
+    ensure_shape(
+        dscores,
+        &[d.b, d.h(), d.t, d.t],
+        "attention_scores_backward",
+    )
 }
 
 /// Checks `softmax_causal`'s operands (the contract every backend shares).
@@ -165,15 +180,10 @@ pub(crate) fn check_softmax_backward(
 }
 
 /// Checks `attention_values`' operands (the contract every backend shares).
-pub(crate) fn check_values(
-    out: &Tensor,
-    probs: &Tensor,
-    qkv: &Tensor,
-    n_head: usize,
-) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_values")?;
+pub(crate) fn check_values(out: &Tensor, probs: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+    let d = dims(qkv, heads, "attention_values")?;
     ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values")
+    ensure_shape(probs, &[d.b, d.h(), d.t, d.t], "attention_values")
 }
 
 /// Checks `attention_values_backward`'s operands (the contract every backend shares).
@@ -183,11 +193,11 @@ pub(crate) fn check_values_backward(
     dout: &Tensor,
     probs: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = dims(qkv, n_head, "attention_values_backward")?;
+    let d = dims(qkv, heads, "attention_values_backward")?;
     ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
-    ensure_shape(probs, &[d.b, d.h, d.t, d.t], "attention_values_backward")?;
+    ensure_shape(probs, &[d.b, d.h(), d.t, d.t], "attention_values_backward")?;
     ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
     ensure_shape(dqkv, qkv.shape(), "attention_values_backward")
 }
@@ -201,19 +211,19 @@ pub(super) fn scores(
     blas: Option<&Blas>,
     scores: &mut Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     if d.t == 0 {
         return Ok(());
     }
     let q = read(qkv);
-    let scale = 1.0 / (d.hs as f32).sqrt();
-    let (t, c3) = (d.t, 3 * d.c);
+    let scale = 1.0 / (d.hs() as f32).sqrt();
+    let (t, w) = (d.t, d.w);
     write(scores, false, |s| {
         s.par_chunks_mut(t * t).enumerate().for_each(|(bh, s)| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
-            let base = bi * t * c3 + hi * d.hs;
+            let (bi, hi) = (bh / d.h(), bh % d.h());
+            let row0 = bi * t * w;
             for (i0, rows) in blocks(t) {
                 // SAFETY: rows i0.. of q, keys 0..i0+rows of k, inside `q`; `s` is [T, T].
                 unsafe {
@@ -222,16 +232,16 @@ pub(super) fn scores(
                         Product {
                             m: rows,
                             n: i0 + rows,
-                            k: d.hs,
+                            k: d.hs(),
                             dst: s.as_mut_ptr().add(i0 * t),
                             dst_rs: t as isize,
                             accumulate: false,
-                            a: q.as_ptr().add(base + i0 * c3),
-                            a_rs: c3 as isize,
+                            a: q.as_ptr().add(row0 + heads.q_col(hi) + i0 * w),
+                            a_rs: w as isize,
                             a_cs: 1,
-                            b: q.as_ptr().add(base + d.c),
+                            b: q.as_ptr().add(row0 + heads.k_col(hi)),
                             b_rs: 1,
-                            b_cs: c3 as isize,
+                            b_cs: w as isize,
                             scale,
                         },
                         None,
@@ -245,75 +255,89 @@ pub(super) fn scores(
     Ok(())
 }
 
+/// Runs `f(bi, kv, first_head)` for every batch row and key/value head in parallel: the
+/// tasks of a grouped backward, each owning the key (or value) columns of its head and
+/// the query columns of the query heads sharing it.
+fn per_kv_head(d: &Dims, f: impl Fn(usize, usize, usize) + Sync + Send) {
+    let kv = d.heads.n_kv_head;
+    let group = d.heads.group();
+    (0..d.b * kv)
+        .into_par_iter()
+        .for_each(|task| f(task / kv, task % kv, (task % kv) * group));
+}
+
 pub(super) fn scores_backward(
     blas: Option<&Blas>,
     dqkv: &mut Tensor,
     dscores: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     if d.t == 0 {
         return Ok(());
     }
     let q = read(qkv);
     let ds = read(dscores);
-    let scale = 1.0 / (d.hs as f32).sqrt();
-    let (t, c3) = (d.t, 3 * d.c);
+    let scale = 1.0 / (d.hs() as f32).sqrt();
+    let (t, w, h) = (d.t, d.w, d.h());
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
-        (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
-            let base = bi * t * c3 + hi * d.hs;
-            // Scores above the diagonal are constant, so their gradient is ignored.
-            let mut s = ds[bh * t * t..(bh + 1) * t * t].to_vec();
-            zero_upper(&mut s, t);
-            for (i0, rows) in blocks(t) {
-                // SAFETY: each (bi, hi) writes its own q and k columns of dqkv, rows
-                // i0..i0+rows of each.
-                unsafe {
-                    // dQ[i] = scale · Σ_{j <= i} dS[i, j] · K[j]
-                    gemm_raw(
-                        blas,
-                        Product {
-                            m: rows,
-                            n: d.hs,
-                            k: i0 + rows,
-                            dst: out.get().add(base + i0 * c3),
-                            dst_rs: c3 as isize,
-                            accumulate: false,
-                            a: s.as_ptr().add(i0 * t),
-                            a_rs: t as isize,
-                            a_cs: 1,
-                            b: q.as_ptr().add(base + d.c),
-                            b_rs: c3 as isize,
-                            b_cs: 1,
-                            scale,
-                        },
-                        None,
-                        false,
-                    );
-                    // dK[j] = scale · Σ_{i >= j} dS[i, j] · Q[i]
-                    gemm_raw(
-                        blas,
-                        Product {
-                            m: rows,
-                            n: d.hs,
-                            k: t - i0,
-                            dst: out.get().add(base + d.c + i0 * c3),
-                            dst_rs: c3 as isize,
-                            accumulate: false,
-                            a: s.as_ptr().add(i0 * t + i0),
-                            a_rs: 1,
-                            a_cs: t as isize,
-                            b: q.as_ptr().add(base + i0 * c3),
-                            b_rs: c3 as isize,
-                            b_cs: 1,
-                            scale,
-                        },
-                        None,
-                        false,
-                    );
+        per_kv_head(&d, |bi, _, first| {
+            let row0 = bi * t * w;
+            for (g, hi) in (first..first + heads.group()).enumerate() {
+                let bh = bi * h + hi;
+                // Scores above the diagonal are constant, so their gradient is ignored.
+                let mut s = ds[bh * t * t..(bh + 1) * t * t].to_vec();
+                zero_upper(&mut s, t);
+                for (i0, rows) in blocks(t) {
+                    // SAFETY: each (bi, kv head) task writes the q columns of its query
+                    // heads and its own k columns of dqkv, rows i0..i0+rows of each.
+                    unsafe {
+                        // dQ[i] = scale · Σ_{j <= i} dS[i, j] · K[j]
+                        gemm_raw(
+                            blas,
+                            Product {
+                                m: rows,
+                                n: d.hs(),
+                                k: i0 + rows,
+                                dst: out.get().add(row0 + heads.q_col(hi) + i0 * w),
+                                dst_rs: w as isize,
+                                accumulate: false,
+                                a: s.as_ptr().add(i0 * t),
+                                a_rs: t as isize,
+                                a_cs: 1,
+                                b: q.as_ptr().add(row0 + heads.k_col(hi)),
+                                b_rs: w as isize,
+                                b_cs: 1,
+                                scale,
+                            },
+                            None,
+                            false,
+                        );
+                        // dK[j] (+)= scale · Σ_{i >= j} dS[i, j] · Q[i], summed over the
+                        // query heads of the group in order.
+                        gemm_raw(
+                            blas,
+                            Product {
+                                m: rows,
+                                n: d.hs(),
+                                k: t - i0,
+                                dst: out.get().add(row0 + heads.k_col(hi) + i0 * w),
+                                dst_rs: w as isize,
+                                accumulate: g > 0,
+                                a: s.as_ptr().add(i0 * t + i0),
+                                a_rs: 1,
+                                a_cs: t as isize,
+                                b: q.as_ptr().add(row0 + heads.q_col(hi) + i0 * w),
+                                b_rs: w as isize,
+                                b_cs: 1,
+                                scale,
+                            },
+                            None,
+                            false,
+                        );
+                    }
                 }
             }
         })
@@ -367,19 +391,19 @@ pub(super) fn values(
     out: &mut Tensor,
     probs: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     if d.t == 0 {
         return Ok(());
     }
     let q = read(qkv);
     let p = read(probs);
-    let (t, c3) = (d.t, 3 * d.c);
+    let (t, w, c) = (d.t, d.w, d.c);
     write(out, false, |o| {
         let optr = SendPtr(o.as_mut_ptr());
-        (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
+        (0..d.b * d.h()).into_par_iter().for_each(|bh| {
+            let (bi, hi) = (bh / d.h(), bh % d.h());
             for (i0, rows) in blocks(t) {
                 // SAFETY: each (bi, hi) writes its own head columns of out.
                 unsafe {
@@ -387,16 +411,16 @@ pub(super) fn values(
                         blas,
                         Product {
                             m: rows,
-                            n: d.hs,
+                            n: d.hs(),
                             k: i0 + rows,
-                            dst: optr.get().add((bi * t + i0) * d.c + hi * d.hs),
-                            dst_rs: d.c as isize,
+                            dst: optr.get().add((bi * t + i0) * c + heads.q_col(hi)),
+                            dst_rs: c as isize,
                             accumulate: false,
                             a: p.as_ptr().add(bh * t * t + i0 * t),
                             a_rs: t as isize,
                             a_cs: 1,
-                            b: q.as_ptr().add(bi * t * c3 + 2 * d.c + hi * d.hs),
-                            b_rs: c3 as isize,
+                            b: q.as_ptr().add(bi * t * w + heads.v_col(hi)),
+                            b_rs: w as isize,
                             b_cs: 1,
                             scale: 1.0,
                         },
@@ -417,19 +441,19 @@ pub(super) fn values_backward(
     dout: &Tensor,
     probs: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     if d.t == 0 {
         return Ok(());
     }
     let q = read(qkv);
     let p = read(probs);
     let g = read(dout);
-    let (t, c3) = (d.t, 3 * d.c);
+    let (t, w, c, h) = (d.t, d.w, d.c, d.h());
     write(dprobs, false, |dp| {
         dp.par_chunks_mut(t * t).enumerate().for_each(|(bh, dp)| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
+            let (bi, hi) = (bh / h, bh % h);
             for (i0, rows) in blocks(t) {
                 // SAFETY: dout rows i0.. and v rows 0..i0+rows of (bi, hi) lie inside
                 // their buffers.
@@ -440,16 +464,16 @@ pub(super) fn values_backward(
                         Product {
                             m: rows,
                             n: i0 + rows,
-                            k: d.hs,
+                            k: d.hs(),
                             dst: dp.as_mut_ptr().add(i0 * t),
                             dst_rs: t as isize,
                             accumulate: false,
-                            a: g.as_ptr().add((bi * t + i0) * d.c + hi * d.hs),
-                            a_rs: d.c as isize,
+                            a: g.as_ptr().add((bi * t + i0) * c + heads.q_col(hi)),
+                            a_rs: c as isize,
                             a_cs: 1,
-                            b: q.as_ptr().add(bi * t * c3 + 2 * d.c + hi * d.hs),
+                            b: q.as_ptr().add(bi * t * w + heads.v_col(hi)),
                             b_rs: 1,
-                            b_cs: c3 as isize,
+                            b_cs: w as isize,
                             scale: 1.0,
                         },
                         None,
@@ -462,32 +486,35 @@ pub(super) fn values_backward(
     });
     write(dqkv, true, |dq| {
         let out = SendPtr(dq.as_mut_ptr());
-        (0..d.b * d.h).into_par_iter().for_each(|bh| {
-            let (bi, hi) = (bh / d.h, bh % d.h);
-            for (j0, rows) in blocks(t) {
-                // SAFETY: each (bi, hi) writes its own v columns of dqkv.
-                unsafe {
-                    // dV[j] = Σ_{i >= j} P[i, j] · dout[i]
-                    gemm_raw(
-                        blas,
-                        Product {
-                            m: rows,
-                            n: d.hs,
-                            k: t - j0,
-                            dst: out.get().add((bi * t + j0) * c3 + 2 * d.c + hi * d.hs),
-                            dst_rs: c3 as isize,
-                            accumulate: false,
-                            a: p.as_ptr().add(bh * t * t + j0 * t + j0),
-                            a_rs: 1,
-                            a_cs: t as isize,
-                            b: g.as_ptr().add((bi * t + j0) * d.c + hi * d.hs),
-                            b_rs: d.c as isize,
-                            b_cs: 1,
-                            scale: 1.0,
-                        },
-                        None,
-                        false,
-                    );
+        per_kv_head(&d, |bi, _, first| {
+            for (gi, hi) in (first..first + heads.group()).enumerate() {
+                let bh = bi * h + hi;
+                for (j0, rows) in blocks(t) {
+                    // SAFETY: each (bi, kv head) task writes its own v columns of dqkv.
+                    unsafe {
+                        // dV[j] (+)= Σ_{i >= j} P[i, j] · dout[i], summed over the query
+                        // heads of the group in order.
+                        gemm_raw(
+                            blas,
+                            Product {
+                                m: rows,
+                                n: d.hs(),
+                                k: t - j0,
+                                dst: out.get().add((bi * t + j0) * w + heads.v_col(hi)),
+                                dst_rs: w as isize,
+                                accumulate: gi > 0,
+                                a: p.as_ptr().add(bh * t * t + j0 * t + j0),
+                                a_rs: 1,
+                                a_cs: t as isize,
+                                b: g.as_ptr().add((bi * t + j0) * c + heads.q_col(hi)),
+                                b_rs: c as isize,
+                                b_cs: 1,
+                                scale: 1.0,
+                            },
+                            None,
+                            false,
+                        );
+                    }
                 }
             }
         })
@@ -528,13 +555,13 @@ mod tests {
                 "qkv",
             )
             .unwrap();
-        let f = AttentionFlops::new(&qkv, 2);
+        let f = AttentionFlops::new(&qkv, Heads::mha(2, 8));
         assert_eq!(f.scores, 4 * 4516 * 9);
         assert_eq!(f.values, 4 * 2 * 4 * 4516);
         assert_eq!(f.values_backward, 2 * f.values);
         assert_eq!(f.scores_backward, 4 * 4 * (4 * 4516 + 140));
         // Heads that do not divide the width: the op refuses, nothing is counted.
-        assert_eq!(AttentionFlops::new(&qkv, 3).scores, 0);
+        assert_eq!(AttentionFlops::new(&qkv, Heads::mha(3, 8)).scores, 0);
     }
 }
 

@@ -13,19 +13,24 @@ pub(crate) fn check(
     x: &Tensor,
     tokens: &[u32],
     wte: &Tensor,
-    wpe: &Tensor,
+    wpe: Option<&Tensor>,
 ) -> Result<(usize, usize, usize, usize)> {
     let (b, t, c) = btc(x, op)?;
     let (v, cw) = wte.rows_cols();
-    let (p, cp) = wpe.rows_cols();
-    ensure(cw == c && cp == c, op, || {
-        format!("embedding width differs: activations {c}, wte {cw}, wpe {cp}")
+    ensure(cw == c, op, || {
+        format!("embedding width differs: activations {c}, wte {cw}")
     })?;
+    if let Some(wpe) = wpe {
+        let (p, cp) = wpe.rows_cols();
+        ensure(cp == c, op, || {
+            format!("embedding width differs: activations {c}, wpe {cp}")
+        })?;
+        ensure(t <= p, op, || {
+            format!("sequence length {t} exceeds the {p} positions of wpe")
+        })?;
+    }
     ensure(tokens.len() == b * t, op, || {
         format!("{} tokens for a [{b}, {t}] batch", tokens.len())
-    })?;
-    ensure(t <= p, op, || {
-        format!("sequence length {t} exceeds the {p} positions of wpe")
     })?;
     if let Some(bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
         return Err(Error::data(
@@ -44,27 +49,37 @@ fn time_width(x: &Tensor) -> (usize, usize) {
     }
 }
 
-pub(super) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: &Tensor) {
+pub(super) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Option<&Tensor>) {
     let (t, c) = time_width(out);
     if t * c == 0 {
         return;
     }
     let we = read(wte);
-    let pe = read(wpe);
+    let pe = wpe.map(read);
     write(out, false, |o| {
         o.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
             let tok = tokens[row] as usize;
-            let pos = row % t;
             let w = &we[tok * c..(tok + 1) * c];
-            let p = &pe[pos * c..(pos + 1) * c];
-            for i in 0..c {
-                o[i] = w[i] + p[i];
+            match &pe {
+                Some(pe) => {
+                    let pos = row % t;
+                    let p = &pe[pos * c..(pos + 1) * c];
+                    for i in 0..c {
+                        o[i] = w[i] + p[i];
+                    }
+                }
+                None => o.copy_from_slice(w),
             }
         })
     });
 }
 
-pub(super) fn backward(dwte: &mut Tensor, dwpe: &mut Tensor, dout: &Tensor, tokens: &[u32]) {
+pub(super) fn backward(
+    dwte: &mut Tensor,
+    dwpe: Option<&mut Tensor>,
+    dout: &Tensor,
+    tokens: &[u32],
+) {
     let (t, c) = time_width(dout);
     if t * c == 0 {
         return;
@@ -79,6 +94,7 @@ pub(super) fn backward(dwte: &mut Tensor, dwpe: &mut Tensor, dout: &Tensor, toke
             }
         }
     });
+    let Some(dwpe) = dwpe else { return };
     write(dwpe, true, |dp| {
         for (row, g) in d.chunks_exact(c).enumerate() {
             let pos = row % t;

@@ -19,9 +19,11 @@
 //! score for the scaling), 5 per causal entry for the softmax and 4 for its backward; per
 //! element, 1 for `add`, `scale`, `embedding` and `bias_backward`, 2 for `axpy`,
 //! `sum_squares` and `embedding_backward`, 8 for `layernorm`, 19 for its backward, 9 for
-//! `gelu`, 19 for its backward, 15 for `adamw`, 21 for `adamw8bit` (AdamW's 15, two
-//! products to dequantize, two maxima and two divisions to requantize; the comparisons of
-//! the code search are not counted), and per logit 4 for `cross_entropy`
+//! `gelu`, 19 for its backward, 4 for `rmsnorm`, 11 for its backward, 3 per rotated
+//! element for `rope` and its backward, 5 per output for `swiglu` and 11 for its backward,
+//! 15 for `adamw`, 21 for `adamw8bit` (AdamW's 15, two products to dequantize, two maxima
+//! and two divisions to requantize; the comparisons of the code search are not counted),
+//! and per logit 4 for `cross_entropy`
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
 pub(crate) mod adamw;
@@ -37,9 +39,12 @@ pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
 pub(crate) mod quantize;
+pub(crate) mod rmsnorm;
+pub(crate) mod rope;
 mod simd;
+pub(crate) mod swiglu;
 
-use super::{AdamWStep, Backend, Device, QuantizedMoments};
+use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -67,6 +72,11 @@ pub(crate) mod per_element {
     pub const LAYERNORM_BACKWARD: u64 = 19;
     pub const GELU: u64 = 9;
     pub const GELU_BACKWARD: u64 = 19;
+    pub const RMSNORM: u64 = 4;
+    pub const RMSNORM_BACKWARD: u64 = 11;
+    pub const ROPE: u64 = 3;
+    pub const SWIGLU: u64 = 5;
+    pub const SWIGLU_BACKWARD: u64 = 11;
     pub const ADAMW: u64 = 15;
     pub const ADAMW8BIT: u64 = 21;
     pub const CROSS_ENTROPY: u64 = 4;
@@ -453,7 +463,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
         embedding::forward(out, tokens, wte, wpe);
         Ok(())
@@ -462,7 +472,7 @@ impl Backend for CpuBackend {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
@@ -505,13 +515,73 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn rmsnorm_kernel(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        rmsnorm::forward(out, rstd, x, weight, eps)
+    }
+
+    fn rmsnorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
+        rmsnorm::backward(dx, dweight, dout, x, weight, rstd)
+    }
+
+    fn rope_kernel(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::forward(out, x, inv_freq, heads);
+        Ok(())
+    }
+
+    fn rope_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::backward(dx, dout, inv_freq, heads);
+        Ok(())
+    }
+
+    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        swiglu::forward(out, gate_up);
+        Ok(())
+    }
+
+    fn swiglu_backward_kernel(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()> {
+        swiglu::backward(dgate_up, dout, gate_up);
+        Ok(())
+    }
+
     fn attention_scores_kernel(
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores(self.blas(), scores, qkv, n_head)
+        attention::scores(self.blas(), scores, qkv, heads)
     }
 
     fn attention_scores_backward_kernel(
@@ -519,9 +589,9 @@ impl Backend for CpuBackend {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores_backward(self.blas(), dqkv, dscores, qkv, n_head)
+        attention::scores_backward(self.blas(), dqkv, dscores, qkv, heads)
     }
 
     fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
@@ -542,9 +612,9 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values(self.blas(), out, probs, qkv, n_head)
+        attention::values(self.blas(), out, probs, qkv, heads)
     }
 
     fn attention_values_backward_kernel(
@@ -554,9 +624,9 @@ impl Backend for CpuBackend {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, n_head)
+        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, heads)
     }
 
     fn cross_entropy_kernel(

@@ -20,10 +20,10 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
     adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm,
-    matmul, reductions,
+    matmul, reductions, rmsnorm, rope, swiglu,
 };
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
+use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -424,7 +424,7 @@ impl Backend for CudaBackend {
         out: &mut Tensor,
         tokens: &[u32],
         wte: &Tensor,
-        wpe: &Tensor,
+        wpe: Option<&Tensor>,
     ) -> Result<()> {
         embedding::forward(self, out, tokens, wte, wpe)
     }
@@ -432,7 +432,7 @@ impl Backend for CudaBackend {
     fn embedding_backward_kernel(
         &self,
         dwte: &mut Tensor,
-        dwpe: &mut Tensor,
+        dwpe: Option<&mut Tensor>,
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
@@ -472,13 +472,69 @@ impl Backend for CudaBackend {
         gelu::backward(self, dx, x, dout)
     }
 
+    fn rmsnorm_kernel(
+        &self,
+        out: &mut Tensor,
+        rstd: &mut Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        rmsnorm::forward(self, out, rstd, x, weight, eps)
+    }
+
+    fn rmsnorm_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dweight: &mut Tensor,
+        dout: &Tensor,
+        x: &Tensor,
+        weight: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<()> {
+        rmsnorm::backward(self, dx, dweight, dout, x, weight, rstd)
+    }
+
+    fn rope_kernel(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::forward(self, out, x, inv_freq, heads)
+    }
+
+    fn rope_backward_kernel(
+        &self,
+        dx: &mut Tensor,
+        dout: &Tensor,
+        inv_freq: &[f32],
+        heads: Heads,
+    ) -> Result<()> {
+        rope::backward(self, dx, dout, inv_freq, heads)
+    }
+
+    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        swiglu::forward(self, out, gate_up)
+    }
+
+    fn swiglu_backward_kernel(
+        &self,
+        dgate_up: &mut Tensor,
+        dout: &Tensor,
+        gate_up: &Tensor,
+    ) -> Result<()> {
+        swiglu::backward(self, dgate_up, dout, gate_up)
+    }
+
     fn attention_scores_kernel(
         &self,
         scores: &mut Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores(self, scores, qkv, n_head)
+        attention::scores(self, scores, qkv, heads)
     }
 
     fn attention_scores_backward_kernel(
@@ -486,9 +542,9 @@ impl Backend for CudaBackend {
         dqkv: &mut Tensor,
         dscores: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::scores_backward(self, dqkv, dscores, qkv, n_head)
+        attention::scores_backward(self, dqkv, dscores, qkv, heads)
     }
 
     fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
@@ -509,9 +565,9 @@ impl Backend for CudaBackend {
         out: &mut Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values(self, out, probs, qkv, n_head)
+        attention::values(self, out, probs, qkv, heads)
     }
 
     fn attention_values_backward_kernel(
@@ -521,9 +577,9 @@ impl Backend for CudaBackend {
         dout: &Tensor,
         probs: &Tensor,
         qkv: &Tensor,
-        n_head: usize,
+        heads: Heads,
     ) -> Result<()> {
-        attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, n_head)
+        attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, heads)
     }
 
     fn cross_entropy_kernel(

@@ -1456,25 +1456,30 @@ extern "C" __global__ void traps(int* out) {
         for tt in DTYPES {
             let wte = upload(&be, &wtes, &[v, c], tt);
             let wpe = upload(&be, &wpes, &[p, c], tt);
-            let mut out_cpu = zeros(&be, &[b, t, c], tt);
-            be.embedding(&mut out_cpu, &tokens, &wte, &wpe).unwrap();
-            let mut out = Buf::new(&vec![0.0; b * t * c], tt);
-            let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
-            let a = Args::new()
-                .buf(&mut out)
-                .ptr(&mut tokens)
-                .buf(&mut we)
-                .buf(&mut pe)
-                .arg((b * t) as i64)
-                .arg(t as i64)
-                .arg(c as i64);
-            launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
-            assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            // With position embeddings (GPT-2) and without (Llama).
+            for with_wpe in [true, false] {
+                let mut out_cpu = zeros(&be, &[b, t, c], tt);
+                be.embedding(&mut out_cpu, &tokens, &wte, with_wpe.then_some(&wpe))
+                    .unwrap();
+                let mut out = Buf::new(&vec![0.0; b * t * c], tt);
+                let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
+                let a = Args::new()
+                    .buf(&mut out)
+                    .ptr(&mut tokens)
+                    .buf(&mut we)
+                    .buf(&mut pe)
+                    .arg((b * t) as i64)
+                    .arg(t as i64)
+                    .arg(c as i64)
+                    .arg(with_wpe as i64);
+                launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
+                assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            }
             for g in DTYPES {
                 let dout = upload(&be, &douts, &[b, t, c], tt);
                 let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
                 let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);
-                be.embedding_backward(&mut dwte_cpu, &mut dwpe_cpu, &dout, &tokens)
+                be.embedding_backward(&mut dwte_cpu, Some(&mut dwpe_cpu), &dout, &tokens)
                     .unwrap();
                 let mut dout_buf = Buf::new(&douts, tt);
                 let (mut dwte, mut dwpe) = (Buf::new(&wtes, g), Buf::new(&wpes, g));
@@ -1525,27 +1530,50 @@ extern "C" __global__ void traps(int* out) {
     fn attention_kernels_match_the_cpu() {
         let Some(emu) = emulator() else { return };
         let be = CpuBackend::new();
-        let (b, t, c, h) = (2usize, 19usize, 12usize, 3usize);
-        let rows = b * h * t;
-        let scale = 1.0 / ((c / h) as f32).sqrt();
-        let qkvs = random(b * t * 3 * c, 1.0, 40);
-        let dprobs_in = random(rows * t, 1.0, 41);
-        let douts = random(b * t * c, 1.0, 42);
-        let dims = |a: Args| a.arg(b as i64).arg(t as i64).arg(c as i64).arg(h as i64);
-        for d in DTYPES {
+        // Multi-head, grouped-query and multi-query heads.
+        let layouts = [(3, 3, 4), (4, 2, 3), (4, 1, 5)].map(|(n_head, n_kv_head, head_dim)| {
+            crate::device::Heads {
+                n_head,
+                n_kv_head,
+                head_dim,
+            }
+        });
+        for (heads, d) in layouts
+            .into_iter()
+            .flat_map(|heads| DTYPES.map(|d| (heads, d)))
+        {
+            let (b, t, h) = (2usize, 19usize, heads.n_head);
+            let (c, w) = (heads.q_width(), heads.qkv_width());
+            let rows = b * h * t;
+            let scale = 1.0 / (heads.head_dim as f32).sqrt();
+            let qkvs = random(b * t * w, 1.0, 40);
+            let dprobs_in = random(rows * t, 1.0, 41);
+            let douts = random(b * t * c, 1.0, 42);
+            let dims = |a: Args| {
+                a.arg(b as i64)
+                    .arg(t as i64)
+                    .arg(h as i64)
+                    .arg(heads.n_kv_head as i64)
+                    .arg(heads.head_dim as i64)
+            };
             let sfx = suffix(d);
             // The products add in another order than the CPU's: equal to f32 rounding, or
             // to a bf16 step where stored in bf16.
             let tol = if d == DType::F32 { 1e-5 } else { 1e-2 };
-            let qkv = upload(&be, &qkvs, &[b, t, 3 * c], d);
+            let qkv = upload(&be, &qkvs, &[b, t, w], d);
             let mut scores_cpu = zeros(&be, &[b, h, t, t], d);
-            be.attention_scores(&mut scores_cpu, &qkv, h).unwrap();
+            be.attention_scores(&mut scores_cpu, &qkv, heads).unwrap();
             let mut qkv_buf = Buf::new(&qkvs, d);
             let mut scores = Buf::new(&vec![f32::NAN; rows * t], d);
             let a = dims(Args::new().buf(&mut scores).buf(&mut qkv_buf)).arg(scale);
             launch(emu, &format!("attention_scores_{sfx}"), 4, 128, 0, a).unwrap();
             let scores_want = be.to_f32(&scores_cpu).unwrap();
-            assert_close("scores", &scores.values(), &scores_want, tol);
+            assert_close(
+                &format!("{heads:?} scores"),
+                &scores.values(),
+                &scores_want,
+                tol,
+            );
 
             // The softmax and its backward from the CPU's scores: bit for bit.
             let mut probs_cpu = zeros(&be, &[b, h, t, t], d);
@@ -1578,27 +1606,27 @@ extern "C" __global__ void traps(int* out) {
 
             // Values and the backward products.
             let mut out_cpu = zeros(&be, &[b, t, c], d);
-            be.attention_values(&mut out_cpu, &probs_cpu, &qkv, h)
+            be.attention_values(&mut out_cpu, &probs_cpu, &qkv, heads)
                 .unwrap();
             let mut out = Buf::new(&vec![f32::NAN; b * t * c], d);
             let a = dims(Args::new().buf(&mut out).buf(&mut probs).buf(&mut qkv_buf));
             launch(emu, &format!("attention_values_{sfx}"), 2, 64, 0, a).unwrap();
             let out_want = be.to_f32(&out_cpu).unwrap();
-            assert_close("values", &out.values(), &out_want, tol);
+            assert_close(&format!("{heads:?} values"), &out.values(), &out_want, tol);
 
             let dout = upload(&be, &douts, &[b, t, c], d);
             let mut dprobs_cpu = zeros(&be, &[b, h, t, t], d);
-            let mut dqkv_cpu = zeros(&be, &[b, t, 3 * c], d);
+            let mut dqkv_cpu = zeros(&be, &[b, t, w], d);
             be.attention_values_backward(
                 &mut dprobs_cpu,
                 &mut dqkv_cpu,
                 &dout,
                 &probs_cpu,
                 &qkv,
-                h,
+                heads,
             )
             .unwrap();
-            be.attention_scores_backward(&mut dqkv_cpu, &dscores_cpu, &qkv, h)
+            be.attention_scores_backward(&mut dqkv_cpu, &dscores_cpu, &qkv, heads)
                 .unwrap();
             let mut dout_buf = Buf::new(&douts, d);
             let mut dp = Buf::new(&vec![f32::NAN; rows * t], d);
@@ -1611,8 +1639,8 @@ extern "C" __global__ void traps(int* out) {
             let k = format!("attention_values_backward_dprobs_{sfx}");
             launch(emu, &k, 2, 64, 0, a).unwrap();
             let dp_want = be.to_f32(&dprobs_cpu).unwrap();
-            assert_close("dprobs", &dp.values(), &dp_want, tol);
-            let mut dqkv = Buf::new(&vec![f32::NAN; b * t * 3 * c], d);
+            assert_close(&format!("{heads:?} dprobs"), &dp.values(), &dp_want, tol);
+            let mut dqkv = Buf::new(&vec![f32::NAN; b * t * w], d);
             let a = dims(
                 Args::new()
                     .buf(&mut dqkv)
@@ -1644,7 +1672,7 @@ extern "C" __global__ void traps(int* out) {
             )
             .unwrap();
             let dqkv_want = be.to_f32(&dqkv_cpu).unwrap();
-            assert_close("dqkv", &dqkv.values(), &dqkv_want, tol);
+            assert_close(&format!("{heads:?} dqkv"), &dqkv.values(), &dqkv_want, tol);
         }
     }
 

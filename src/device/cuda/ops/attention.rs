@@ -1,4 +1,4 @@
-//! Causal attention from the fused `[B, T, 3C]` projections: scores, the causal softmax and
+//! Causal attention from the fused `[B, T, (H + 2·KV)·D]` projections: scores, the causal softmax and
 //! the weighted values, each with its backward.
 //!
 //! CPU twin: `src/device/cpu/attention.rs`. Kernels: `kernels/attention.cu`, listed once in [`KERNELS`].
@@ -7,6 +7,7 @@ use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
 use crate::device::cpu::attention::{square_side, Dims};
+use crate::device::Heads;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -37,15 +38,15 @@ pub(crate) fn scores(
     be: &CudaBackend,
     scores: &mut Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     ensure_dtype(scores, qkv.dtype(), "attention_scores")?;
     let n = scores.numel();
     if n == 0 {
         return Ok(());
     }
-    let scale = 1.0 / (d.hs as f32).sqrt();
+    let scale = 1.0 / (d.hs() as f32).sqrt();
     be.launch(
         &format!("attention_scores_{}", qkv.dtype()),
         be.grid(n),
@@ -55,8 +56,9 @@ pub(crate) fn scores(
             .ptr(ptr(qkv)?)
             .i64(d.b)
             .i64(d.t)
-            .i64(d.c)
-            .i64(d.h)
+            .i64(heads.n_head)
+            .i64(heads.n_kv_head)
+            .i64(heads.head_dim)
             .f32(scale),
     )
 }
@@ -66,19 +68,19 @@ pub(crate) fn scores_backward(
     dqkv: &mut Tensor,
     dscores: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     let dt = qkv.dtype();
     ensure_dtype(dqkv, dt, "attention_scores_backward")?;
     if qkv.numel() == 0 {
         return Ok(());
     }
     let dscores = be.as_dtype(dscores, dt)?;
-    let scale = 1.0 / (d.hs as f32).sqrt();
+    let scale = 1.0 / (d.hs() as f32).sqrt();
     be.launch(
         &format!("attention_scores_backward_{dt}"),
-        be.grid(d.b * d.t * 2 * d.c),
+        be.grid(d.b * d.t * (heads.q_width() + heads.kv_width())),
         BLOCK,
         Args::new()
             .ptr(ptr(dqkv)?)
@@ -86,8 +88,9 @@ pub(crate) fn scores_backward(
             .ptr(ptr(qkv)?)
             .i64(d.b)
             .i64(d.t)
-            .i64(d.c)
-            .i64(d.h)
+            .i64(heads.n_head)
+            .i64(heads.n_kv_head)
+            .i64(heads.head_dim)
             .f32(scale),
     )
 }
@@ -143,9 +146,9 @@ pub(crate) fn values(
     out: &mut Tensor,
     probs: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     let dt = qkv.dtype();
     ensure_dtype(out, dt, "attention_values")?;
     if out.numel() == 0 {
@@ -162,8 +165,9 @@ pub(crate) fn values(
             .ptr(ptr(qkv)?)
             .i64(d.b)
             .i64(d.t)
-            .i64(d.c)
-            .i64(d.h),
+            .i64(heads.n_head)
+            .i64(heads.n_kv_head)
+            .i64(heads.head_dim),
     )
 }
 
@@ -174,9 +178,9 @@ pub(crate) fn values_backward(
     dout: &Tensor,
     probs: &Tensor,
     qkv: &Tensor,
-    n_head: usize,
+    heads: Heads,
 ) -> Result<()> {
-    let d = Dims::of(qkv, n_head);
+    let d = Dims::of(qkv, heads);
     let dt = qkv.dtype();
     ensure_dtype(dprobs, dt, "attention_values_backward")?;
     ensure_dtype(dqkv, dt, "attention_values_backward")?;
@@ -185,7 +189,13 @@ pub(crate) fn values_backward(
     }
     let dout = be.as_dtype(dout, dt)?;
     let probs = be.as_dtype(probs, dt)?;
-    let dims = |a: Args| a.i64(d.b).i64(d.t).i64(d.c).i64(d.h);
+    let dims = |a: Args| {
+        a.i64(d.b)
+            .i64(d.t)
+            .i64(heads.n_head)
+            .i64(heads.n_kv_head)
+            .i64(heads.head_dim)
+    };
     be.launch(
         &format!("attention_values_backward_dprobs_{dt}"),
         be.grid(dprobs.numel()),
@@ -199,7 +209,7 @@ pub(crate) fn values_backward(
     )?;
     be.launch(
         &format!("attention_values_backward_dv_{dt}"),
-        be.grid(d.b * d.t * d.c),
+        be.grid(d.b * d.t * heads.kv_width()),
         BLOCK,
         dims(
             Args::new()

@@ -36,7 +36,7 @@ pub(crate) fn forward(
     out: &mut Tensor,
     tokens: &[u32],
     wte: &Tensor,
-    wpe: &Tensor,
+    wpe: Option<&Tensor>,
 ) -> Result<()> {
     let (b, t, c) = btc(out);
     if b * t * c == 0 {
@@ -44,7 +44,9 @@ pub(crate) fn forward(
     }
     let dt = out.dtype();
     let wte = be.as_dtype(wte, dt)?;
-    let wpe = be.as_dtype(wpe, dt)?;
+    // Without position embeddings the kernel is told so and never reads its `wpe`.
+    let has_wpe = wpe.is_some();
+    let wpe = be.as_dtype(wpe.unwrap_or(&wte), dt)?;
     let toks = be.upload_u32(tokens, "embedding.tokens")?;
     be.launch(
         &format!("embedding_{dt}"),
@@ -57,7 +59,8 @@ pub(crate) fn forward(
             .ptr(ptr(&wpe)?)
             .i64(b * t)
             .i64(t)
-            .i64(c),
+            .i64(c)
+            .i64(has_wpe as usize),
     )
 }
 
@@ -72,7 +75,7 @@ fn btc(x: &Tensor) -> (usize, usize, usize) {
 pub(crate) fn backward(
     be: &CudaBackend,
     dwte: &mut Tensor,
-    dwpe: &mut Tensor,
+    dwpe: Option<&mut Tensor>,
     dout: &Tensor,
     tokens: &[u32],
 ) -> Result<()> {
@@ -98,6 +101,7 @@ pub(crate) fn backward(
             .i64(buckets.len())
             .i64(c),
     )?;
+    let Some(dwpe) = dwpe else { return Ok(()) };
     let dwpe_kernel = format!("embedding_backward_wpe_{}_{}", dout.dtype(), dwpe.dtype());
     let dwpe_ptr = ptr(dwpe)?;
     be.launch(

@@ -22,3 +22,6 @@ pub(crate) mod gelu;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 pub(crate) mod reductions;
+pub(crate) mod rmsnorm;
+pub(crate) mod rope;
+pub(crate) mod swiglu;
