@@ -37,7 +37,7 @@ pub use memory::{
     Timeline,
 };
 pub use model::{Gpt2, Gpt2Config, Llama, LlamaConfig, Model, ModelConfig};
-pub use optim::{AdamW, LrSchedule, Optimizer, Param, Sgd};
+pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, MixedBf16, Precision};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};
@@ -52,7 +52,7 @@ pub mod prelude {
     pub use crate::error::{Error, Result};
     pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker, Timeline};
     pub use crate::model::{Gpt2, Gpt2Config, Model};
-    pub use crate::optim::{AdamW, LrSchedule, Optimizer, Sgd};
+    pub use crate::optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Sgd};
     pub use crate::precision::{Fp32, MixedBf16, Precision};
     pub use crate::tensor::DType;
     pub use crate::trainer::{StepStats, Trainer, TrainerOptions};

@@ -16,6 +16,11 @@ pub enum DType {
     F32,
     /// bfloat16: f32's exponent range with 8 bits of mantissa.
     Bf16,
+    /// Unsigned bytes: codes, not numbers to compute with (the quantized moments of
+    /// [`crate::optim::AdamW8bit`]). They are uploaded, copied, read back as f32 (0 to
+    /// 255, exactly) and counted in the ledger at one byte each; the arithmetic ops
+    /// refuse them with an error naming the op.
+    U8,
 }
 
 impl DType {
@@ -24,16 +29,24 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::Bf16 => 2,
+            DType::U8 => 1,
         }
     }
 
-    /// Rounds an f32 value to this dtype's precision (round to nearest even), as stored.
+    /// Rounds an f32 value to this dtype's precision (round to nearest even), as stored;
+    /// for u8, to the nearest integer in 0..=255 (NaN to 0).
     #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
             DType::F32 => x,
             DType::Bf16 => bf16::from_f32(x).to_f32(),
+            DType::U8 => x.round_ties_even().clamp(0.0, 255.0) as u8 as f32,
         }
+    }
+
+    /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16).
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::U8)
     }
 }
 
@@ -42,6 +55,7 @@ impl std::fmt::Display for DType {
         f.write_str(match self {
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
+            DType::U8 => "u8",
         })
     }
 }
@@ -53,6 +67,8 @@ pub(crate) enum Storage {
     F32(Vec<f32>),
     /// Host memory, bf16 elements.
     Bf16(Vec<bf16>),
+    /// Host memory, u8 elements.
+    U8(Vec<u8>),
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
     Device(DeviceBuffer),
     /// No elements at all: the meta backend's tensors, which have a shape, a dtype and
@@ -65,6 +81,7 @@ impl Storage {
         match self {
             Storage::F32(v) => v.len(),
             Storage::Bf16(v) => v.len(),
+            Storage::U8(v) => v.len(),
             Storage::Device(d) => d.len(),
             Storage::Meta { len, .. } => *len,
         }
@@ -74,6 +91,7 @@ impl Storage {
         match self {
             Storage::F32(_) => DType::F32,
             Storage::Bf16(_) => DType::Bf16,
+            Storage::U8(_) => DType::U8,
             Storage::Device(d) => d.dtype(),
             Storage::Meta { dtype, .. } => *dtype,
         }

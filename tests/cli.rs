@@ -85,6 +85,10 @@ fn bad_input_is_a_one_line_error() {
             "none, full or selective",
         ),
         (
+            vec!["train", "--optimizer", "adam8"],
+            "adamw, adamw8bit, sgd",
+        ),
+        (
             vec!["train", "--lr-schedule", "linear"],
             "constant or cosine",
         ),
@@ -161,6 +165,7 @@ fn every_subcommand_documents_its_flags() {
                 "--lr-schedule",
                 "--warmup-steps",
                 "--weight-decay",
+                "--optimizer",
                 "--grad-clip",
                 "--precision",
                 "--recompute",
@@ -213,9 +218,29 @@ fn every_subcommand_documents_its_flags() {
 
 #[test]
 fn resume_through_the_cli_is_bitwise_exact() {
-    let dir = scratch("resume");
+    resume_through_the_cli(&[], "resume");
+}
+
+/// The same with `--optimizer adamw8bit`: the checkpoint holds u8 codes, the resumed run
+/// takes the optimizer from the saved config.
+#[test]
+fn resume_through_the_cli_is_bitwise_exact_with_adamw8bit() {
+    let dir = resume_through_the_cli(&["--optimizer", "adamw8bit"], "resume8");
+    let state = std::fs::read_to_string(dir.join("b/trainkit.toml")).unwrap();
+    assert!(state.contains("kind = \"adamw8bit\""), "{state}");
+    let bytes = std::fs::read(dir.join("b/trainer_state.safetensors")).unwrap();
+    let header = String::from_utf8_lossy(&bytes[..bytes.len().min(20_000)]).to_string();
+    assert!(
+        header.contains("exp_avg.codes") && header.contains("\"U8\""),
+        "{header}"
+    );
+}
+
+fn resume_through_the_cli(extra: &[&str], name: &str) -> std::path::PathBuf {
+    let dir = scratch(name);
     let (a, b) = (dir.join("a"), dir.join("b"));
-    let constant = ["--lr-schedule", "constant", "--lr", "1e-3"];
+    let mut constant = vec!["--lr-schedule", "constant", "--lr", "1e-3"];
+    constant.extend_from_slice(extra);
     let mut straight = tiny_run(&["--steps", "4", "--out", path(&a)]);
     straight.extend(constant.iter().map(|s| s.to_string()));
     run_ok(&straight);
@@ -239,6 +264,9 @@ fn resume_through_the_cli_is_bitwise_exact() {
     assert_eq!(weights(&a), weights(&b));
     let state = |d: &Path| std::fs::read_to_string(d.join("trainer_state.json")).unwrap();
     assert_eq!(state(&a), state(&b));
+    let tensors = |d: &Path| std::fs::read(d.join("trainer_state.safetensors")).unwrap();
+    assert_eq!(tensors(&a), tensors(&b));
+    dir
 }
 
 #[test]

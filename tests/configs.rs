@@ -36,6 +36,61 @@ fn the_memory_lean_config_recomputes_and_accumulates() {
     );
 }
 
+/// `[optimizer] kind = "adamw8bit"` reads with its settings, writes back the same, and
+/// `--optimizer` switches kinds keeping the settings they share.
+#[test]
+fn adamw8bit_config_round_trips_and_the_flag_switches_optimizers() {
+    use trainkit::config::Overrides;
+    use trainkit::{AdamW8bit, Optimizer};
+    let text =
+        "[optimizer]\nkind = \"adamw8bit\"\nlr = 0.001\nbeta2 = 0.99\nmin_8bit_size = 1024\n";
+    let c = RunConfig::from_toml(text).unwrap();
+    let json = serde_json::to_value(&c.optimizer).unwrap();
+    assert_eq!(json["kind"], "adamw8bit");
+    assert_eq!(json["min_8bit_size"], 1024);
+    let back = RunConfig::from_toml(&c.to_toml().unwrap()).unwrap();
+    assert_eq!(serde_json::to_value(&back.optimizer).unwrap(), json);
+    assert_eq!(c.optimizer.state_bytes_per_param(), 2);
+
+    // From the default AdamW (lr 2e-3): the settings carry over.
+    let mut c = RunConfig::default();
+    let o = Overrides {
+        optimizer: Some("adamw8bit".into()),
+        ..Overrides::default()
+    };
+    o.apply(&mut c).unwrap();
+    let json = serde_json::to_value(&c.optimizer).unwrap();
+    assert_eq!(json["kind"], "adamw8bit");
+    let want = AdamW8bit {
+        lr: 2e-3,
+        ..AdamW8bit::default()
+    };
+    assert_eq!(json, serde_json::to_value(&want as &dyn Optimizer).unwrap());
+    // --lr applies after the switch; sgd keeps lr and weight decay.
+    let o = Overrides {
+        optimizer: Some("sgd".into()),
+        lr: Some(0.5),
+        ..Overrides::default()
+    };
+    o.apply(&mut c).unwrap();
+    let json = serde_json::to_value(&c.optimizer).unwrap();
+    assert_eq!(
+        (json["kind"].as_str(), json["lr"].as_f64()),
+        (Some("sgd"), Some(0.5))
+    );
+    let err = Overrides {
+        optimizer: Some("adam8".into()),
+        ..Overrides::default()
+    }
+    .apply(&mut c)
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--optimizer") && err.contains("adamw, adamw8bit, sgd"),
+        "{err}"
+    );
+}
+
 #[test]
 fn config_errors_name_the_field_and_the_fix() {
     let bad = |text: &str| RunConfig::from_toml(text).unwrap_err().to_string();
@@ -46,7 +101,13 @@ fn config_errors_name_the_field_and_the_fix() {
     .contains("n_head"));
     assert!(bad("[training]\nbatch_size = 0\n").contains("batch_size"));
     assert!(bad("[training]\nseq_len = 999\n").contains("n_positions"));
-    assert!(bad("[optimizer]\nkind = \"lion\"\n").contains("lion"));
+    let unknown = bad("[optimizer]\nkind = \"lion\"\n");
+    assert!(
+        unknown.contains("lion") && unknown.contains("adamw8bit"),
+        "{unknown}"
+    );
+    let eight = bad("[optimizer]\nkind = \"adamw8bit\"\nmin_8bit = 10\n");
+    assert!(eight.contains("min_8bit"), "{eight}");
     assert!(bad("[data]\nsource = \"s3\"\n").contains("s3"));
     let vocab = bad("[data]\nsource = \"text\"\npath = \"x.txt\"\ntokenizer = \"gpt2\"\n");
     assert!(

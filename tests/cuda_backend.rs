@@ -14,8 +14,7 @@ mod common;
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend};
-use trainkit::device::AdamWStep;
-use trainkit::device::Heads;
+use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -78,6 +77,7 @@ fn tol(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
         DType::Bf16 => 1e-2,
+        DType::U8 => 0.0,
     }
 }
 
@@ -775,6 +775,128 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                     &cpu,
                     &cuda,
                     &w,
+                );
+            }
+        }
+    }
+}
+
+/// The 8-bit AdamW update gives the CPU's bits: values, codes, block maxima and the bf16
+/// compute copy, over several steps from zero state (so the codes are the kernel's own),
+/// with a partial last block, with and without a device scale, and a NaN scale that
+/// skips the update.
+#[test]
+fn adamw8bit_matches_the_cpu_bit_for_bit() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(8);
+    let bits = |b: &dyn Backend, t: &Tensor| -> Vec<u32> {
+        b.to_f32(t).unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for (name, cuda) in cuda_backends() {
+        for n in [300usize, 4096 + 77, 256 * 24] {
+            for dg in DTYPES {
+                let blocks = n.div_ceil(trainkit::device::QUANT_BLOCK);
+                let mut p = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], DType::F32);
+                let mut m = pair(&cpu, &cuda, &vec![0.0; n], &[n], DType::U8);
+                let mut v = pair(&cpu, &cuda, &vec![0.0; n], &[n], DType::U8);
+                let mut ma = pair(&cpu, &cuda, &vec![0.0; blocks], &[blocks], DType::F32);
+                let mut va = pair(&cpu, &cuda, &vec![0.0; blocks], &[blocks], DType::F32);
+                let mut w = out(&cpu, &cuda, &[n], DType::Bf16);
+                let scales = [
+                    pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
+                    pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
+                ];
+                let mut before_nan = vec![];
+                for step in 1..=5u64 {
+                    // Gradients of several magnitudes, so blocks use many decades.
+                    let g: Vec<f32> = randn(&mut rng, n, 0.1)
+                        .iter()
+                        .enumerate()
+                        .map(|(i, x)| x * 10f32.powi(-((i % 7) as i32)))
+                        .collect();
+                    let g = pair(&cpu, &cuda, &g, &[n], dg);
+                    let scale = match step {
+                        3 => Some(&scales[0]),
+                        4 => Some(&scales[1]),
+                        _ => None,
+                    };
+                    let hp = AdamWStep {
+                        lr: 1e-3,
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                        weight_decay: 0.1,
+                        step,
+                        grad_scale: 0.5,
+                    };
+                    if step == 4 {
+                        before_nan = [&p.cuda, &m.cuda, &ma.cuda, &v.cuda, &va.cuda]
+                            .map(|t| bits(cuda.as_ref(), t))
+                            .to_vec();
+                    }
+                    for (b, p, m, ma, v, va, g, w, s) in [
+                        (
+                            &cpu as &dyn Backend,
+                            &mut p.cpu,
+                            &mut m.cpu,
+                            &mut ma.cpu,
+                            &mut v.cpu,
+                            &mut va.cpu,
+                            &g.cpu,
+                            &mut w.cpu,
+                            scale.map(|s| &s.cpu),
+                        ),
+                        (
+                            cuda.as_ref() as &dyn Backend,
+                            &mut p.cuda,
+                            &mut m.cuda,
+                            &mut ma.cuda,
+                            &mut v.cuda,
+                            &mut va.cuda,
+                            &g.cuda,
+                            &mut w.cuda,
+                            scale.map(|s| &s.cuda),
+                        ),
+                    ] {
+                        let moments = QuantizedMoments {
+                            m,
+                            m_absmax: ma,
+                            v,
+                            v_absmax: va,
+                        };
+                        b.adamw8bit(p, g, moments, &hp, s, Some(w)).unwrap();
+                    }
+                    if step == 4 {
+                        let after = [&p.cuda, &m.cuda, &ma.cuda, &v.cuda, &va.cuda]
+                            .map(|t| bits(cuda.as_ref(), t))
+                            .to_vec();
+                        assert_eq!(
+                            after, before_nan,
+                            "{name}: a NaN scale must skip the update"
+                        );
+                    }
+                    for (what, t) in [
+                        ("value", &p),
+                        ("exp_avg codes", &m),
+                        ("exp_avg absmax", &ma),
+                        ("exp_avg_sq codes", &v),
+                        ("exp_avg_sq absmax", &va),
+                        ("compute copy", &w),
+                    ] {
+                        assert_eq!(
+                            bits(cuda.as_ref(), &t.cuda),
+                            bits(&cpu, &t.cpu),
+                            "{name}: adamw8bit {what}, n={n}, grad {dg}, step {step}"
+                        );
+                    }
+                }
+                let codes = cuda.to_f32(&m.cuda).unwrap();
+                let distinct: std::collections::BTreeSet<u32> =
+                    codes.iter().map(|c| *c as u32).collect();
+                assert!(
+                    distinct.len() > 100,
+                    "{name}: only {} codes used",
+                    distinct.len()
                 );
             }
         }

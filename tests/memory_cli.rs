@@ -184,6 +184,10 @@ fn bad_input_is_a_one_line_error() {
             "none, full or selective",
         ),
         (
+            vec!["--model", "gpt2", "--optimizer", "adam8"],
+            "adamw, adamw8bit, sgd",
+        ),
+        (
             vec!["--model", "llama-405b", "--seq-len", "18446744073709551615"],
             "64 bits",
         ),
@@ -219,6 +223,7 @@ fn help_documents_every_flag() {
         "--precision",
         "--fp32-grads",
         "--recompute",
+        "--optimizer",
         "--json",
         "--plot",
     ] {
@@ -278,4 +283,43 @@ fn gpt2_models_also_get_trainkits_exact_prediction() {
         "{llama}"
     );
     assert!(json(&["--params", "7B"])["trainkit_exact"].is_null());
+}
+
+/// `--optimizer adamw8bit`: 2 bytes of state per parameter by the formula, and in the
+/// exact figures the codes, one f32 maximum per block of 256 per moment and the f32
+/// moments of tensors under 4096 elements, about 2.03 bytes per parameter for GPT-2.
+#[test]
+fn adamw8bit_state_is_shown() {
+    let params = 124_439_808u64;
+    let v = json(&["--model", "gpt2", "--optimizer", "adamw8bit"]);
+    assert_eq!(v["inputs"]["optimizer"], "adamw8bit");
+    assert_eq!(v["bytes"]["optimizer_state"], 2 * params);
+    let exact = v["trainkit_exact"]["bytes"]["optimizer_state"]
+        .as_u64()
+        .unwrap();
+    let per_param = exact as f64 / params as f64;
+    assert!(
+        (2.03..2.06).contains(&per_param),
+        "{per_param} bytes per parameter"
+    );
+    let config = trainkit::Gpt2Config {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        n_positions: 1024,
+        vocab_size: 50257,
+        layer_norm_epsilon: 1e-5,
+    };
+    let opt = trainkit::AdamW8bit::default();
+    let want: u64 = config
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| opt.state_bytes(s.iter().product()))
+        .sum();
+    assert_eq!(exact, want);
+    let adamw = json(&["--model", "gpt2"]);
+    assert_eq!(adamw["bytes"]["optimizer_state"], 8 * params);
+    let (ok, out, err) = trainkit(&["--model", "gpt2", "--optimizer", "adamw8bit"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("adamw8bit"), "{out}");
 }

@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use trainkit::estimate::{predict, predict_gpt2, MemoryPrediction, MicroBatch};
 use trainkit::ops::LossPath;
 use trainkit::{
-    ActivationSite, AdamW, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MemoryCategory,
-    MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd, Tags, Trainer,
+    ActivationSite, AdamW, AdamW8bit, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config,
+    MemoryCategory, MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd, Tags,
+    Trainer,
 };
 
 /// Drops the MLP's wide activations of the last layer only.
@@ -201,6 +202,57 @@ fn other_shapes_optimizers_and_accumulation_are_predicted_exactly() {
             );
         }
     }
+}
+
+/// 8-bit AdamW: u8 codes (one byte each), f32 block maxima and the f32 moments of the
+/// small tensors, predicted byte for byte, in both precisions and with recompute.
+#[test]
+fn adamw8bit_is_predicted_exactly() {
+    let cases: [(Gpt2Config, usize, usize, usize); 2] = [
+        (config(2, 2, 32, 256), 2, 16, 1),
+        (config(1, 3, 24, 301), 1, 7, 2),
+    ];
+    for (c, b, t, k) in cases {
+        for precision in precisions() {
+            for policy in policies() {
+                check(
+                    &c,
+                    b,
+                    t,
+                    k,
+                    precision.clone(),
+                    policy,
+                    Box::new(AdamW8bit::default()),
+                );
+            }
+        }
+    }
+    // The state is the codes, the maxima and the small tensors' f32 moments.
+    let c = config(2, 2, 32, 256);
+    let numels: Vec<usize> = c
+        .param_shapes()
+        .iter()
+        .map(|(_, shape)| shape.iter().product())
+        .collect();
+    let opt = AdamW8bit::default();
+    let want: u64 = numels.iter().map(|n| opt.state_bytes(*n)).sum();
+    let p = predict_gpt2(
+        &c,
+        MicroBatch {
+            batch_size: 2,
+            seq_len: 16,
+        },
+        &Fp32,
+        &NoRecompute,
+        &opt,
+    )
+    .unwrap();
+    assert_eq!(p.peak.get(MemoryCategory::OptimizerState), want);
+    let adamw = 8 * numels.iter().sum::<usize>() as u64;
+    assert!(
+        want * 2 < adamw,
+        "{want} bytes of 8-bit state against {adamw}"
+    );
 }
 
 #[test]

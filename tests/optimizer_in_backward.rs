@@ -9,8 +9,8 @@ use common::{corpus_loader, cpu, tiny_config, trainkit};
 use trainkit::estimate::{predict_with, MicroBatch};
 use trainkit::ops::LossPath;
 use trainkit::{
-    AdamW, CheckpointPolicy, Constant, Error, Fp32, Full, Gpt2, MemoryCategory, MixedBf16,
-    NoRecompute, Precision, Trainer, TrainerOptions,
+    AdamW, AdamW8bit, CheckpointPolicy, Constant, Error, Fp32, Full, Gpt2, MemoryCategory,
+    MixedBf16, NoRecompute, Precision, Trainer, TrainerOptions,
 };
 
 fn options(in_backward: bool) -> TrainerOptions {
@@ -131,6 +131,55 @@ fn the_prediction_equals_the_ledger() {
             assert_eq!(s.memory.peak.get(c), p.peak.get(c), "{c}");
         }
         assert_eq!(s.memory.peak_total, p.peak_total);
+    }
+}
+
+/// 8-bit AdamW inside backward: the same bits as after backward, and the prediction
+/// equals the ledger.
+#[test]
+fn adamw8bit_inside_backward_is_bitwise_and_predicted() {
+    let build = |in_backward: bool| {
+        Trainer::builder(
+            Gpt2::new(tiny_config()).unwrap(),
+            cpu(),
+            corpus_loader(20_000, 11, 2, 32),
+        )
+        .optimizer(AdamW8bit::default())
+        .options(options(in_backward))
+        .build()
+        .unwrap()
+    };
+    let (mut after, mut inside) = (build(false), build(true));
+    let mut last = None;
+    for step in 1..=3 {
+        let (a, b) = (after.step().unwrap(), inside.step().unwrap());
+        assert_eq!(a.loss, b.loss, "step {step}");
+        last = Some(b);
+    }
+    for (p, q) in after.params().iter().zip(inside.params()) {
+        let be = after.backend();
+        assert_eq!(
+            be.to_f32(p.value()).unwrap(),
+            be.to_f32(q.value()).unwrap(),
+            "{}",
+            p.name()
+        );
+    }
+    let p = predict_with(
+        Box::new(Gpt2::new(tiny_config()).unwrap()),
+        MicroBatch {
+            batch_size: 2,
+            seq_len: 32,
+        },
+        &Fp32,
+        &NoRecompute,
+        &AdamW8bit::default(),
+        &options(true),
+    )
+    .unwrap();
+    let s = last.unwrap();
+    for c in MemoryCategory::ALL {
+        assert_eq!(s.memory.peak.get(c), p.peak.get(c), "{c}");
     }
 }
 

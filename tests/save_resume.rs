@@ -4,17 +4,28 @@ mod common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
-use trainkit::{Constant, Gpt2, MixedBf16, Precision, Trainer, TrainerOptions};
+use trainkit::{
+    AdamW, AdamW8bit, Constant, DType, Gpt2, MixedBf16, Optimizer, Precision, Trainer,
+    TrainerOptions,
+};
 
 fn trainer<P: Precision>(
     precision: P,
-) -> Trainer<P, trainkit::NoRecompute, trainkit::AdamW, Constant, trainkit::PeakTracker> {
+) -> Trainer<P, trainkit::NoRecompute, AdamW, Constant, trainkit::PeakTracker> {
+    trainer_with(precision, AdamW::default())
+}
+
+fn trainer_with<P: Precision, O: Optimizer>(
+    precision: P,
+    optimizer: O,
+) -> Trainer<P, trainkit::NoRecompute, O, Constant, trainkit::PeakTracker> {
     Trainer::builder(
         Gpt2::new(tiny_config()).unwrap(),
         cpu(),
         corpus_loader(4000, 7, 2, 16),
     )
     .precision(precision)
+    .optimizer(optimizer)
     .accumulation(Constant { micro_batches: 2 })
     .options(TrainerOptions {
         total_steps: 8,
@@ -27,7 +38,16 @@ fn trainer<P: Precision>(
 /// Training 2n steps equals training n, saving, resuming in a new trainer and training n:
 /// bitwise, in losses and in every weight.
 fn resume_is_exact<P: Precision + Clone>(precision: P, name: &str) {
+    resume_is_exact_with(precision, AdamW::default(), name);
+}
+
+fn resume_is_exact_with<P: Precision + Clone, O: Optimizer + Clone>(
+    precision: P,
+    optimizer: O,
+    name: &str,
+) {
     let n = 4;
+    let trainer = |p: P| trainer_with(p, optimizer.clone());
     let mut straight = trainer(precision.clone());
     let losses: Vec<f64> = (0..2 * n).map(|_| straight.step().unwrap().loss).collect();
 
@@ -54,6 +74,20 @@ fn resume_is_exact<P: Precision + Clone>(precision: P, name: &str) {
         per_param(&straight, |p| p.weight()),
         per_param(&resumed, |p| p.weight())
     );
+    // The optimizer state too, slot by slot, in its own dtype.
+    for (a, b) in straight.params().iter().zip(resumed.params()) {
+        let dtypes = |p: &trainkit::Param| p.state().iter().map(|t| t.dtype()).collect::<Vec<_>>();
+        assert_eq!(dtypes(a), dtypes(b), "{}", a.name());
+        for (x, y) in a.state().iter().zip(b.state()) {
+            let be = cpu();
+            assert_eq!(
+                be.to_f32(x).unwrap(),
+                be.to_f32(y).unwrap(),
+                "{}",
+                x.label()
+            );
+        }
+    }
     assert_eq!(
         std::fs::read_to_string(dir.join("trainkit.toml")).unwrap(),
         "# run config\n"
@@ -63,6 +97,23 @@ fn resume_is_exact<P: Precision + Clone>(precision: P, name: &str) {
 #[test]
 fn resume_is_bitwise_exact_in_fp32() {
     resume_is_exact(trainkit::Fp32, "fp32");
+}
+
+/// 8-bit moments (u8 codes and f32 block maxima, saved as they are) and the f32 moments
+/// of the small tensors resume bit for bit.
+#[test]
+fn resume_is_bitwise_exact_with_adamw8bit() {
+    resume_is_exact_with(trainkit::Fp32, AdamW8bit::default(), "adamw8bit");
+    resume_is_exact_with(
+        MixedBf16 { fp32_grads: false },
+        AdamW8bit::default(),
+        "adamw8bit-bf16",
+    );
+    let mut t = trainer_with(trainkit::Fp32, AdamW8bit::default());
+    t.step().unwrap();
+    let wte = t.params().iter().find(|p| p.numel() >= 4096).unwrap();
+    let kinds: Vec<DType> = wte.state().iter().map(|s| s.dtype()).collect();
+    assert_eq!(kinds, [DType::U8, DType::F32, DType::U8, DType::F32]);
 }
 
 #[test]

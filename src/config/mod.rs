@@ -116,7 +116,7 @@ pub struct RunConfig {
     /// Checkpoint policy (`kind = "none"`, `"full"` or `"selective"`).
     #[serde(default = "default_checkpoint")]
     pub checkpoint: Box<dyn CheckpointPolicy>,
-    /// Optimizer (`kind = "adamw"` or `"sgd"`).
+    /// Optimizer (`kind = "adamw"`, `"adamw8bit"` or `"sgd"`).
     #[serde(default = "default_optimizer")]
     pub optimizer: Box<dyn Optimizer>,
     /// Accumulation schedule (`kind = "constant"`, `"tokens_per_step"` or `"ramp"`).

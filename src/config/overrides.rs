@@ -41,6 +41,8 @@ pub struct Overrides {
     pub warmup_steps: Option<u64>,
     /// The optimizer's weight decay.
     pub weight_decay: Option<f32>,
+    /// `adamw`, `adamw8bit` or `sgd` (settings the two share are kept).
+    pub optimizer: Option<String>,
     /// Clipping threshold (0 = off).
     pub grad_clip: Option<f32>,
     /// Run the optimizer inside backward.
@@ -314,6 +316,10 @@ impl Overrides {
                     *warmup_steps = warmup
                 }
             }
+        }
+        if let Some(name) = &self.optimizer {
+            cfg.optimizer = crate::optim::switch_to(name, cfg.optimizer.as_ref())
+                .map_err(|e| e.for_field("--optimizer"))?;
         }
         if let Some(lr) = self.lr {
             if !(lr > 0.0 && lr.is_finite()) {

@@ -54,6 +54,24 @@ impl AdamWStep {
     }
 }
 
+/// The two block-wise quantized moments of one parameter, as [`Backend::adamw8bit`]
+/// reads and rewrites them: for each moment, one u8 code per element of the parameter and
+/// one f32 absolute maximum per block of [`QUANT_BLOCK`](crate::device::QUANT_BLOCK)
+/// elements (the last block may be shorter). The first moment uses the signed dynamic
+/// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
+/// maximum is 0 holds zeros whatever its codes.
+#[derive(Debug)]
+pub struct QuantizedMoments<'a> {
+    /// Codes of the first moment (u8, as many as the parameter's elements).
+    pub m: &'a mut Tensor,
+    /// Absolute maximum of the first moment per block (f32).
+    pub m_absmax: &'a mut Tensor,
+    /// Codes of the second moment (u8).
+    pub v: &'a mut Tensor,
+    /// Maximum of the second moment per block (f32).
+    pub v_absmax: &'a mut Tensor,
+}
+
 /// The seam between model code and hardware: a device's buffers and ops.
 ///
 /// Model and optimizer code is written once against this trait; `CpuBackend` is the
@@ -134,7 +152,7 @@ pub trait Backend: Debug + Send + Sync {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        cpu::elementwise::check_upload(data, shape, label)?;
+        cpu::elementwise::check_upload(data, shape, dtype, label)?;
         let op = self.ledger().op("upload", 0, label);
         op.finish(self.upload_kernel(data, shape, dtype, category, label))
     }
@@ -153,6 +171,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
     fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        cpu::ensure_float("cast", &[dst, src])?;
         cpu::elementwise::same_len(dst, src, "cast")?;
         let op = self.ledger().op("cast", 0, dst.label());
         op.finish(self.cast_kernel(dst, src))
@@ -160,12 +179,14 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Every element set to `value`.
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
+        cpu::ensure_float("fill", &[t])?;
         let op = self.ledger().op("fill", 0, t.label());
         op.finish(self.fill_kernel(t, value))
     }
 
     /// `out = a + b`, element-wise.
     fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        cpu::ensure_float("add", &[out, a, b])?;
         cpu::elementwise::same_len(out, a, "add")?;
         cpu::elementwise::same_len(out, b, "add")?;
         let flops = each(out.numel(), per_element::ADD);
@@ -175,6 +196,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `y += alpha * x`, element-wise.
     fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
+        cpu::ensure_float("axpy", &[y, x])?;
         cpu::elementwise::same_len(y, x, "axpy")?;
         let flops = each(y.numel(), per_element::AXPY);
         let op = self.ledger().op("axpy", flops, y.label());
@@ -207,6 +229,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `x *= alpha`, element-wise.
     fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
+        cpu::ensure_float("scale", &[x])?;
         let flops = each(x.numel(), per_element::SCALE);
         let op = self.ledger().op("scale", flops, x.label());
         op.finish(self.scale_kernel(x, alpha))
@@ -214,6 +237,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        cpu::ensure_float("sum_squares", &[x])?;
         let flops = each(x.numel(), per_element::SUM_SQUARES);
         let op = self.ledger().op("sum_squares", flops, x.label());
         op.finish(self.sum_squares_kernel(x))
@@ -225,6 +249,7 @@ pub trait Backend: Debug + Send + Sync {
     /// back to the host) records one `sum_squares` span labelled `gradients`; otherwise
     /// it is [`Backend::sum_squares`] tensor by tensor, a span each.
     fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        cpu::ensure_float("sum_squares", xs)?;
         let n: usize = xs.iter().map(|x| x.numel()).sum();
         let op = self.ledger().op(
             "sum_squares",
@@ -258,6 +283,7 @@ pub trait Backend: Debug + Send + Sync {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
+        cpu::ensure_float("matmul", &[out, a, b])?;
         cpu::matmul::dims(out, a, b, bias, trans_a, trans_b)?;
         let flops = cpu::matmul::flops(out, a, bias.is_some(), trans_a);
         let op = self.ledger().op("matmul", flops, out.label());
@@ -277,6 +303,7 @@ pub trait Backend: Debug + Send + Sync {
         b: &Tensor,
         bias: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("matmul_bias_gelu", &[out, pre, a, b, bias])?;
         cpu::matmul::dims(pre, a, b, Some(bias), false, false)?;
         cpu::elementwise::same_len(out, pre, "gelu")?;
         let flops = cpu::matmul::flops(pre, a, true, false)
@@ -293,6 +320,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
+        cpu::ensure_float("bias_backward", &[dbias, dout])?;
         cpu::elementwise::check_bias_backward(dbias, dout)?;
         let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
         let op = self.ledger().op("bias_backward", flops, dbias.label());
@@ -308,6 +336,8 @@ pub trait Backend: Debug + Send + Sync {
         wte: &Tensor,
         wpe: Option<&Tensor>,
     ) -> Result<()> {
+        cpu::ensure_float("embedding", &[out, wte])?;
+        cpu::ensure_float("embedding", wpe.as_slice())?;
         cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
         let per = if wpe.is_some() {
             per_element::EMBEDDING
@@ -328,6 +358,8 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         tokens: &[u32],
     ) -> Result<()> {
+        cpu::ensure_float("embedding_backward", &[dwte, dout])?;
+        cpu::ensure_float("embedding_backward", dwpe.as_deref().as_slice())?;
         cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe.as_deref())?;
         let per = if dwpe.is_some() {
             per_element::EMBEDDING_BACKWARD
@@ -351,6 +383,7 @@ pub trait Backend: Debug + Send + Sync {
         bias: &Tensor,
         eps: f32,
     ) -> Result<()> {
+        cpu::ensure_float("layernorm", &[out, stats, x, weight, bias])?;
         cpu::layernorm::check_forward(out, stats, x, weight, bias)?;
         let flops = each(x.numel(), per_element::LAYERNORM);
         let op = self.ledger().op("layernorm", flops, out.label());
@@ -369,6 +402,10 @@ pub trait Backend: Debug + Send + Sync {
         weight: &Tensor,
         stats: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float(
+            "layernorm_backward",
+            &[dx, dweight, dbias, dout, x, weight, stats],
+        )?;
         cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
         let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
         let op = self.ledger().op("layernorm_backward", flops, dx.label());
@@ -377,6 +414,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// GELU with the tanh approximation, element-wise.
     fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
+        cpu::ensure_float("gelu", &[out, x])?;
         cpu::elementwise::same_len(out, x, "gelu")?;
         let flops = each(x.numel(), per_element::GELU);
         let op = self.ledger().op("gelu", flops, out.label());
@@ -385,6 +423,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dx = gelu'(x) · dout`.
     fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
+        cpu::ensure_float("gelu_backward", &[dx, x, dout])?;
         cpu::elementwise::same_len(dx, x, "gelu_backward")?;
         cpu::elementwise::same_len(dx, dout, "gelu_backward")?;
         let flops = each(x.numel(), per_element::GELU_BACKWARD);
@@ -402,6 +441,7 @@ pub trait Backend: Debug + Send + Sync {
         weight: &Tensor,
         eps: f32,
     ) -> Result<()> {
+        cpu::ensure_float("rmsnorm", &[out, rstd, x, weight])?;
         cpu::rmsnorm::check_forward(out, rstd, x, weight)?;
         let flops = each(x.numel(), per_element::RMSNORM);
         let op = self.ledger().op("rmsnorm", flops, out.label());
@@ -418,6 +458,7 @@ pub trait Backend: Debug + Send + Sync {
         weight: &Tensor,
         rstd: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("rmsnorm_backward", &[dx, dweight, dout, x, weight, rstd])?;
         cpu::rmsnorm::check_backward(dx, dweight, dout, x, weight, rstd)?;
         let flops = each(x.numel(), per_element::RMSNORM_BACKWARD);
         let op = self.ledger().op("rmsnorm_backward", flops, dx.label());
@@ -429,6 +470,7 @@ pub trait Backend: Debug + Send + Sync {
     /// query and key head, elements `i` and `i + D/2` turn by `t · inv_freq[i]` at
     /// position `t` of the row; the values are copied to `out` as they are.
     fn rope(&self, out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) -> Result<()> {
+        cpu::ensure_float("rope", &[out, x])?;
         cpu::rope::check("rope", out, x, inv_freq, heads)?;
         let flops = rope_flops(x, heads);
         let op = self.ledger().op("rope", flops, out.label());
@@ -444,6 +486,7 @@ pub trait Backend: Debug + Send + Sync {
         inv_freq: &[f32],
         heads: Heads,
     ) -> Result<()> {
+        cpu::ensure_float("rope_backward", &[dx, dout])?;
         cpu::rope::check("rope_backward", dx, dout, inv_freq, heads)?;
         let flops = rope_flops(dout, heads);
         let op = self.ledger().op("rope_backward", flops, dx.label());
@@ -453,6 +496,7 @@ pub trait Backend: Debug + Send + Sync {
     /// SwiGLU's gate: `out = silu(gate) · up` where `gate_up` holds the gate in its first
     /// `F` columns and the up projection in its last `F` (`out` is `[.., F]`).
     fn swiglu(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+        cpu::ensure_float("swiglu", &[out, gate_up])?;
         cpu::swiglu::check("swiglu", out, gate_up, &[])?;
         let flops = each(out.numel(), per_element::SWIGLU);
         let op = self.ledger().op("swiglu", flops, out.label());
@@ -467,6 +511,7 @@ pub trait Backend: Debug + Send + Sync {
         dout: &Tensor,
         gate_up: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("swiglu_backward", &[dgate_up, dout, gate_up])?;
         cpu::swiglu::check("swiglu_backward", dout, gate_up, &[dgate_up])?;
         cpu::elementwise::same_len(dgate_up, gate_up, "swiglu_backward")?;
         let flops = each(dout.numel(), per_element::SWIGLU_BACKWARD);
@@ -479,6 +524,7 @@ pub trait Backend: Debug + Send + Sync {
     /// `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says, `scores` is `[B, H, T, T]`,
     /// scale = 1/sqrt(D).
     fn attention_scores(&self, scores: &mut Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+        cpu::ensure_float("attention_scores", &[scores, qkv])?;
         attention::check_scores(scores, qkv, heads)?;
         let flops = attention::AttentionFlops::new(qkv, heads).scores;
         let op = self.ledger().op("attention_scores", flops, scores.label());
@@ -495,6 +541,7 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         heads: Heads,
     ) -> Result<()> {
+        cpu::ensure_float("attention_scores_backward", &[dqkv, dscores, qkv])?;
         attention::check_scores_backward(dqkv, dscores, qkv, heads)?;
         let flops = attention::AttentionFlops::new(qkv, heads).scores_backward;
         let op = self
@@ -505,6 +552,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
     fn softmax_causal(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+        cpu::ensure_float("softmax_causal", &[probs, scores])?;
         attention::check_softmax(probs, scores)?;
         let flops = attention::softmax_flops(scores, per_element::SOFTMAX);
         let op = self.ledger().op("softmax_causal", flops, probs.label());
@@ -519,6 +567,7 @@ pub trait Backend: Debug + Send + Sync {
         dprobs: &Tensor,
         probs: &Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("softmax_causal_backward", &[dscores, dprobs, probs])?;
         attention::check_softmax_backward(dscores, dprobs, probs)?;
         let flops = attention::softmax_flops(probs, per_element::SOFTMAX_BACKWARD);
         let op = self
@@ -536,6 +585,7 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         heads: Heads,
     ) -> Result<()> {
+        cpu::ensure_float("attention_values", &[out, probs, qkv])?;
         attention::check_values(out, probs, qkv, heads)?;
         let flops = attention::AttentionFlops::new(qkv, heads).values;
         let op = self.ledger().op("attention_values", flops, out.label());
@@ -553,6 +603,10 @@ pub trait Backend: Debug + Send + Sync {
         qkv: &Tensor,
         heads: Heads,
     ) -> Result<()> {
+        cpu::ensure_float(
+            "attention_values_backward",
+            &[dprobs, dqkv, dout, probs, qkv],
+        )?;
         attention::check_values_backward(dprobs, dqkv, dout, probs, qkv, heads)?;
         let flops = attention::AttentionFlops::new(qkv, heads).values_backward;
         let op = self
@@ -575,6 +629,7 @@ pub trait Backend: Debug + Send + Sync {
         grad_scale: Option<f32>,
         losses: &mut Tensor,
     ) -> Result<()> {
+        cpu::ensure_float("cross_entropy", &[logits, losses])?;
         let (rows, _) = cpu::cross_entropy::check(logits, targets, vocab)?;
         cpu::cross_entropy::check_losses(losses, rows)?;
         let per = match grad_scale {
@@ -603,6 +658,7 @@ pub trait Backend: Debug + Send + Sync {
         max_norm: f32,
         loss_scale: f32,
     ) -> Result<()> {
+        cpu::ensure_float("grad_guard", grads)?;
         cpu::guard::check(record, losses)?;
         let n: usize = grads.iter().map(|g| g.numel()).sum();
         let flops = each(n, per_element::SUM_SQUARES);
@@ -639,6 +695,35 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.adamw_kernel(param, grad, m, v, hp, scale, compute))
     }
 
+    /// One AdamW update of `param` (f32) from `grad` with 8-bit moments: per block of
+    /// [`QUANT_BLOCK`](crate::device::QUANT_BLOCK) elements, the moments are dequantized,
+    /// updated in f32 exactly as [`Backend::adamw`] updates them (the value from the
+    /// unquantized new moments) and requantized to the nearest code with the block's new
+    /// absolute maximum, in one pass. `scale` and `compute` are as in [`Backend::adamw`]:
+    /// a multiplier that is not finite skips the update, leaving codes and maxima as they
+    /// were.
+    fn adamw8bit(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        cpu::adamw8bit::check(param, grad, &moments)?;
+        if let Some(s) = scale {
+            cpu::adamw::check_scale(s)?;
+        }
+        if let Some(c) = &compute {
+            cpu::ensure_float("adamw8bit", &[c])?;
+            cpu::elementwise::same_len(c, param, "adamw8bit")?;
+        }
+        let flops = each(param.numel(), per_element::ADAMW8BIT);
+        let op = self.ledger().op("adamw8bit", flops, param.label());
+        op.finish(self.adamw8bit_kernel(param, grad, moments, hp, scale, compute))
+    }
+
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
     /// elements of `outputs[0]`: each output is read and written, each input read, and
     /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
@@ -654,6 +739,10 @@ pub trait Backend: Debug + Send + Sync {
         inputs: &[&Tensor],
         scalars: &[f32],
     ) -> Result<()> {
+        cpu::ensure_float(kernel.name(), inputs)?;
+        for t in outputs.iter() {
+            cpu::ensure_float(kernel.name(), &[t])?;
+        }
         let n = super::custom::check(kernel, outputs, inputs)?;
         let label = outputs.first().map_or("", |t| t.label()).to_string();
         let flops = each(n, kernel.flops_per_element());
@@ -952,6 +1041,20 @@ pub trait Backend: Debug + Send + Sync {
         grad: &Tensor,
         m: &mut Tensor,
         v: &mut Tensor,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::adamw8bit`]: `param` is f32, `grad` f32 or bf16 with as
+    /// many elements, the codes u8 with as many elements, the maxima f32 with one element
+    /// per block; `scale` is f32 with at least one element, `compute` has as many
+    /// elements as `param`.
+    fn adamw8bit_kernel(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
         hp: &AdamWStep,
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,

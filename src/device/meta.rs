@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device, Heads};
+use super::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -338,6 +338,18 @@ impl Backend for MetaBackend {
         _grad: &Tensor,
         _m: &mut Tensor,
         _v: &mut Tensor,
+        _hp: &AdamWStep,
+        _scale: Option<&Tensor>,
+        _compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn adamw8bit_kernel(
+        &self,
+        _param: &mut Tensor,
+        _grad: &Tensor,
+        _moments: QuantizedMoments<'_>,
         _hp: &AdamWStep,
         _scale: Option<&Tensor>,
         _compute: Option<&mut Tensor>,

@@ -7,7 +7,8 @@ pub mod custom;
 mod heads;
 mod meta;
 
-pub use backend::{AdamWStep, Backend};
+pub use backend::{AdamWStep, Backend, QuantizedMoments};
+pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 pub use custom::CustomKernel;
 pub use heads::Heads;

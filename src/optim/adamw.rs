@@ -37,7 +37,7 @@ impl Default for AdamW {
 }
 
 impl AdamW {
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let checks = [
             (
                 "optimizer.lr",

@@ -1,6 +1,7 @@
 //! Optimizers, learning-rate schedules and gradient clipping.
 
 mod adamw;
+mod adamw8bit;
 mod clip;
 mod guard;
 mod schedule;
@@ -8,13 +9,14 @@ mod sgd;
 
 pub use crate::model::{Param, UpdateParts};
 pub use adamw::AdamW;
+pub use adamw8bit::AdamW8bit;
 pub use clip::{clip_coefficient, global_grad_norm};
 pub use guard::{GradScale, StepRecord};
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
 
 use crate::device::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use dyn_clone::DynClone;
 use std::fmt::Debug;
 
@@ -46,6 +48,49 @@ pub trait Optimizer: DynClone + Debug + Send + Sync {
 }
 
 dyn_clone::clone_trait_object!(Optimizer);
+
+/// The optimizer kinds [`named`] knows, as `--optimizer` takes them.
+pub const OPTIMIZER_NAMES: [&str; 3] = ["adamw", "adamw8bit", "sgd"];
+
+/// The optimizer an `--optimizer` value names, with its default settings: `adamw`
+/// ([`AdamW`]), `adamw8bit` ([`AdamW8bit`]) or `sgd` ([`Sgd`]).
+pub fn named(name: &str) -> Result<Box<dyn Optimizer>> {
+    match name {
+        "adamw" => Ok(Box::new(AdamW::default())),
+        "adamw8bit" => Ok(Box::new(AdamW8bit::default())),
+        "sgd" => Ok(Box::new(Sgd::default())),
+        other => Err(Error::config(
+            "optimizer",
+            format!(
+                "`{other}` is not an optimizer; use {}",
+                OPTIMIZER_NAMES.join(", ")
+            ),
+        )),
+    }
+}
+
+/// The optimizer `name` names ([`named`]), taking from `current` every setting the two
+/// share (switching `adamw` to `adamw8bit` keeps lr, betas, eps and weight decay;
+/// switching to `sgd` keeps lr and weight decay). `current` itself when it is already of
+/// that kind.
+pub fn switch_to(name: &str, current: &(dyn Optimizer + 'static)) -> Result<Box<dyn Optimizer>> {
+    let fresh = named(name)?;
+    let json = |o: &dyn Optimizer| serde_json::to_value(o).map_err(|e| Error::Serde(e.to_string()));
+    let (old, mut new) = (json(current)?, json(fresh.as_ref())?);
+    if old.get("kind") == new.get("kind") {
+        return Ok(dyn_clone::clone_box(current));
+    }
+    if let (Some(old), Some(new)) = (old.as_object(), new.as_object_mut()) {
+        for (key, value) in new.iter_mut() {
+            if key != "kind" {
+                if let Some(v) = old.get(key) {
+                    *value = v.clone();
+                }
+            }
+        }
+    }
+    serde_json::from_value(new).map_err(|e| Error::Serde(e.to_string()))
+}
 
 impl<'a> Optimizer for Box<dyn Optimizer + 'a> {
     fn learning_rate(&self) -> f32 {

@@ -12,6 +12,7 @@ mod tensors;
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
 pub use hf_config::{parse_hf_config, read_hf_config, write_hf_config, write_llama_config};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
+pub(crate) use tensors::{read_typed, write_typed};
 
 use crate::error::{Error, Result};
 use crate::model::{Llama, LlamaConfig, ModelConfig};

@@ -2,6 +2,7 @@
 
 use super::write_atomically;
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -26,15 +27,39 @@ pub fn write_safetensors(
     tensors: &[NamedTensor],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
+    let typed: Vec<(&NamedTensor, DType)> = tensors.iter().map(|t| (t, DType::F32)).collect();
+    write_typed(path, &typed, metadata)
+}
+
+/// Writes each tensor in its dtype: f32, bf16 (rounded to nearest even) or u8 (values
+/// that are integers 0 to 255, as [`DType::round`] keeps them).
+pub(crate) fn write_typed(
+    path: &Path,
+    tensors: &[(&NamedTensor, DType)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
-        .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .map(|(t, dtype)| match dtype {
+            DType::F32 => t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::Bf16 => t
+                .data
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::U8 => t.data.iter().map(|v| DType::U8.round(*v) as u8).collect(),
+        })
         .collect();
     let views = tensors
         .iter()
         .zip(&bytes)
-        .map(|(t, b)| {
-            TensorView::new(Dtype::F32, t.shape.clone(), b)
+        .map(|((t, dtype), b)| {
+            let file_dtype = match dtype {
+                DType::F32 => Dtype::F32,
+                DType::Bf16 => Dtype::BF16,
+                DType::U8 => Dtype::U8,
+            };
+            TensorView::new(file_dtype, t.shape.clone(), b)
                 .map(|v| (t.name.clone(), v))
                 .map_err(|e| Error::data(&t.name, format!("cannot be stored: {e}")))
         })
@@ -53,6 +78,20 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<NamedTensor>> {
 /// Decodes the bytes of a safetensors file (what [`read_safetensors`] does after reading
 /// it); `path` only names the file in errors.
 pub fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<NamedTensor>> {
+    Ok(parse_typed(path, bytes, false)?
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect())
+}
+
+/// Reads every tensor of a safetensors file with the dtype a tensor of trainkit keeps it
+/// in: u8 for u8 (optimizer codes), f32 for the rest.
+pub(crate) fn read_typed(path: &Path) -> Result<Vec<(NamedTensor, DType)>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    parse_typed(path, &bytes, true)
+}
+
+fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTensor, DType)>> {
     let what = path.display().to_string();
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
         Error::data(
@@ -60,12 +99,17 @@ pub fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<NamedTensor>> 
             format!("is not a readable safetensors file ({e}); was it truncated or overwritten?"),
         )
     })?;
-    let mut out: Vec<NamedTensor> = st
+    let mut out: Vec<(NamedTensor, DType)> = st
         .tensors()
         .into_iter()
         .map(|(name, view)| {
             let raw = view.data();
+            let mut dtype = DType::F32;
             let data = match view.dtype() {
+                Dtype::U8 if u8_ok => {
+                    dtype = DType::U8;
+                    raw.iter().map(|&c| f32::from(c)).collect()
+                }
                 Dtype::F32 => raw
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -88,13 +132,14 @@ pub fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<NamedTensor>> 
                     ))
                 }
             };
-            Ok(NamedTensor {
+            let t = NamedTensor {
                 name,
                 shape: view.shape().to_vec(),
                 data,
-            })
+            };
+            Ok((t, dtype))
         })
         .collect::<Result<_>>()?;
-    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.sort_by(|a, b| a.0.name.cmp(&b.0.name));
     Ok(out)
 }

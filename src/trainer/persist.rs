@@ -11,8 +11,8 @@ use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::save::{
-    read_model_dir, read_safetensors, write_safetensors, DirectoryWriter, ModelDir, NamedTensor,
-    RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+    read_model_dir, read_typed, write_safetensors, write_typed, DirectoryWriter, ModelDir,
+    NamedTensor, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -92,6 +92,7 @@ where
         write_safetensors(&w.path(WEIGHTS_FILE), &self.model_tensors()?, Some(meta))?;
 
         let mut state_tensors = Vec::new();
+        let mut state_dtypes = Vec::new();
         let mut optimizer_state = BTreeMap::new();
         for p in &self.params {
             let mut names = Vec::new();
@@ -106,11 +107,17 @@ where
                     shape: t.shape().to_vec(),
                     data: self.backend.to_f32(t)?,
                 });
+                // u8 codes are stored as bytes, floats as f32 (exact for both).
+                state_dtypes.push(match t.dtype() {
+                    DType::U8 => DType::U8,
+                    _ => DType::F32,
+                });
                 names.push(name);
             }
             optimizer_state.insert(p.name().to_string(), names);
         }
-        write_safetensors(&w.path(STATE_TENSORS_FILE), &state_tensors, None)?;
+        let typed: Vec<_> = state_tensors.iter().zip(state_dtypes).collect();
+        write_typed(&w.path(STATE_TENSORS_FILE), &typed, None)?;
         let json = |v: Result<serde_json::Value, serde_json::Error>| {
             v.map_err(|e| Error::Serde(format!("saving the trainer state: {e}")))
         };
@@ -238,10 +245,10 @@ where
         }
         let model = read_model_dir(dir)?;
         self.load_weights(&model)?;
-        let tensors: HashMap<String, NamedTensor> =
-            read_safetensors(&dir.join(STATE_TENSORS_FILE))?
+        let tensors: HashMap<String, (NamedTensor, DType)> =
+            read_typed(&dir.join(STATE_TENSORS_FILE))?
                 .into_iter()
-                .map(|t| (t.name.clone(), t))
+                .map(|t| (t.0.name.clone(), t))
                 .collect();
         let be = self.backend.as_ref();
         for p in &mut self.params {
@@ -251,19 +258,13 @@ where
             let slots = names
                 .iter()
                 .map(|n| {
-                    let t = tensors.get(n).ok_or_else(|| {
+                    let (t, dtype) = tensors.get(n).ok_or_else(|| {
                         Error::data(
                             STATE_TENSORS_FILE,
                             format!("is missing `{n}`; the checkpoint is incomplete"),
                         )
                     })?;
-                    be.upload(
-                        &t.data,
-                        &t.shape,
-                        DType::F32,
-                        MemoryCategory::OptimizerState,
-                        n,
-                    )
+                    be.upload(&t.data, &t.shape, *dtype, MemoryCategory::OptimizerState, n)
                 })
                 .collect::<Result<Vec<_>>>()?;
             p.set_state(slots);

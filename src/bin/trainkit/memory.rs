@@ -6,11 +6,12 @@ use trainkit::estimate::{
     Mlp, Norm, Preset, PRESETS,
 };
 use trainkit::memory::MemoryCategory;
-use trainkit::{AdamW, Error, Result};
+use trainkit::{Error, Result};
 
-/// How much memory training a model takes on one GPU with AdamW, by the Ultra-Scale
-/// Playbook's formulas: weights, gradients, master weights and optimizer state per
-/// parameter, and activations per token for each recompute policy.
+/// How much memory training a model takes on one GPU (with AdamW unless --optimizer says
+/// otherwise), by the Ultra-Scale Playbook's formulas: weights, gradients, master weights
+/// and optimizer state per parameter, and activations per token for each recompute
+/// policy.
 #[derive(clap::Args)]
 pub struct MemoryArgs {
     /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, smollm2-135m, smollm2-360m,
@@ -56,6 +57,11 @@ pub struct MemoryArgs {
     /// Activation recomputation: none, full or selective.
     #[arg(long, default_value = "none")]
     recompute: String,
+    /// adamw (8 bytes of state per parameter), adamw8bit (2 bytes of codes, plus 8 bytes
+    /// per block of 256 and f32 moments for tensors under 4096 elements in the exact
+    /// figures) or sgd (no state without momentum).
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
     /// trainkit's exact figures with the optimizer inside backward (each gradient freed
     /// once its parameter is updated; no clipping, one micro-batch).
     #[arg(long)]
@@ -342,7 +348,10 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         trainkit::checkpoint::named(&args.recompute).map_err(|e| e.for_field("--recompute"))?;
     let recompute_name = recompute.typetag_name();
     let precision_name = trainkit::precision::describe(precision);
-    let adamw = AdamW::default();
+    let optimizer =
+        trainkit::optim::named(&args.optimizer).map_err(|e| e.for_field("--optimizer"))?;
+    let optimizer = optimizer.as_ref();
+    let optimizer_name = optimizer.typetag_name();
     positive("--batch-size", Some(args.batch_size))?;
     positive("--seq-len", args.seq_len)?;
     let subject = subject(&args)?;
@@ -354,7 +363,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         ));
     }
     let seq_len = args.seq_len.unwrap_or(subject.default_seq_len);
-    let state = model_state_bytes(subject.params, precision, &adamw).map_err(as_flag)?;
+    let state = model_state_bytes(subject.params, precision, optimizer).map_err(as_flag)?;
     let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
     let shape = subject
         .arch
@@ -413,6 +422,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         args.batch_size,
         precision,
         recompute.as_ref(),
+        optimizer,
         args.optimizer_in_backward,
     )?;
 
@@ -466,6 +476,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "precision": args.precision,
                 "fp32_grads": args.fp32_grads,
                 "recompute": recompute_name,
+                "optimizer": optimizer_name,
             },
         });
         println!("{out}");
@@ -483,18 +494,18 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     }
     match shape {
         Some(_) => println!(
-            "training   {precision_name}, AdamW, recompute {recompute_name}, micro-batch {} × {seq_len} \
-             tokens",
+            "training   {precision_name}, {optimizer_name}, recompute {recompute_name}, micro-batch \
+             {} × {seq_len} tokens",
             args.batch_size
         ),
-        None => println!("training   {precision_name}, AdamW"),
+        None => println!("training   {precision_name}, {optimizer_name}"),
     }
     println!();
     println!(
         "{:<16} {:>11} {:>12} {:>12}",
         "category", "bytes/param", "GiB", "GB"
     );
-    let per_param = trainkit::estimate::bytes_per_param(precision, &adamw);
+    let per_param = trainkit::estimate::bytes_per_param(precision, optimizer);
     for c in STATE {
         println!(
             "{:<16} {:>11} {:>12} {:>12}",
@@ -589,6 +600,7 @@ fn trainkit_exact(
     batch_size: u64,
     precision: &dyn trainkit::Precision,
     recompute: &dyn trainkit::CheckpointPolicy,
+    optimizer: &dyn trainkit::Optimizer,
     optimizer_in_backward: bool,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(a) = subject.arch else {
@@ -627,7 +639,7 @@ fn trainkit_exact(
         },
         precision,
         recompute,
-        &AdamW::default(),
+        optimizer,
         &options,
     )
     .map(Some)

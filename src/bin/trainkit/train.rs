@@ -74,6 +74,10 @@ pub struct TrainArgs {
     /// Decoupled weight decay of the optimizer.
     #[arg(long)]
     weight_decay: Option<f32>,
+    /// adamw, adamw8bit (AdamW with 8-bit moments, about 2 bytes of state per parameter
+    /// instead of 8) or sgd; settings the config's optimizer shares with it are kept.
+    #[arg(long)]
+    optimizer: Option<String>,
     /// Global gradient-norm clipping threshold (0 = off).
     #[arg(long)]
     grad_clip: Option<f32>,
@@ -196,6 +200,7 @@ impl TrainArgs {
             lr_schedule: self.lr_schedule.clone(),
             warmup_steps: self.warmup_steps,
             weight_decay: self.weight_decay,
+            optimizer: self.optimizer.clone(),
             grad_clip: self.grad_clip,
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
             precision: self.precision.clone(),

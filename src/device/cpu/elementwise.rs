@@ -3,7 +3,7 @@
 use super::simd::simd_fn;
 use super::{ensure, read, write, CHUNK};
 use crate::error::Result;
-use crate::tensor::{Storage, Tensor};
+use crate::tensor::{DType, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -21,14 +21,25 @@ pub(crate) fn same_len(a: &Tensor, b: &Tensor, op: &'static str) -> Result<()> {
 }
 
 /// Checks `upload`'s operands: `shape` holds `data.len()` elements.
-pub(crate) fn check_upload(data: &[f32], shape: &[usize], label: &str) -> Result<()> {
+pub(crate) fn check_upload(data: &[f32], shape: &[usize], dtype: DType, label: &str) -> Result<()> {
     let numel: usize = shape.iter().product();
     ensure(data.len() == numel, "upload", || {
         format!(
             "`{label}`: shape {shape:?} holds {numel} elements but {} were given",
             data.len()
         )
-    })
+    })?;
+    if dtype == DType::U8 {
+        let bad = data.iter().position(|x| DType::U8.round(*x) != *x);
+        ensure(bad.is_none(), "upload", || {
+            let i = bad.unwrap_or(0);
+            format!(
+                "`{label}` is u8, but element {i} is {}: u8 holds integers 0 to 255",
+                data[i]
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Checks `bias_backward`'s operands: `dbias` has one element per column of `dout`.
@@ -150,7 +161,9 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
-        Storage::Device(_) | Storage::Meta { .. } => write(t, false, |v| v.fill(value)),
+        Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {
+            write(t, false, |v| v.fill(value))
+        }
     }
 }
 

@@ -21,10 +21,13 @@
 //! `sum_squares` and `embedding_backward`, 8 for `layernorm`, 19 for its backward, 9 for
 //! `gelu`, 19 for its backward, 4 for `rmsnorm`, 11 for its backward, 3 per rotated
 //! element for `rope` and its backward, 5 per output for `swiglu` and 11 for its backward,
-//! 15 for `adamw`, and per logit 4 for `cross_entropy`
+//! 15 for `adamw`, 21 for `adamw8bit` (AdamW's 15, two products to dequantize, two maxima
+//! and two divisions to requantize; the comparisons of the code search are not counted),
+//! and per logit 4 for `cross_entropy`
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
 pub(crate) mod adamw;
+pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 mod blas;
 pub(crate) mod cross_entropy;
@@ -35,12 +38,13 @@ pub(crate) mod guard;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
+pub(crate) mod quantize;
 pub(crate) mod rmsnorm;
 pub(crate) mod rope;
 mod simd;
 pub(crate) mod swiglu;
 
-use super::{AdamWStep, Backend, Device, Heads};
+use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -74,6 +78,7 @@ pub(crate) mod per_element {
     pub const SWIGLU: u64 = 5;
     pub const SWIGLU_BACKWARD: u64 = 11;
     pub const ADAMW: u64 = 15;
+    pub const ADAMW8BIT: u64 = 21;
     pub const CROSS_ENTROPY: u64 = 4;
     pub const CROSS_ENTROPY_GRAD: u64 = 5;
     pub const SOFTMAX: u64 = 5;
@@ -177,6 +182,7 @@ impl CpuBackend {
                 }
                 None => vec![bf16::ZERO; n],
             }),
+            DType::U8 => Storage::U8(vec![0; n]),
         };
         Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
             .with_pool(Arc::clone(&self.pool)))
@@ -196,6 +202,7 @@ pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
         ),
         Storage::Meta { len, .. } => Cow::Owned(vec![0.0; *len]),
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
+        Storage::U8(v) => Cow::Owned(v.iter().map(|&c| f32::from(c)).collect()),
         Storage::Bf16(v) => {
             let mut out = vec![0f32; v.len()];
             out.par_chunks_mut(CHUNK)
@@ -227,6 +234,18 @@ pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) ->
         }
         Storage::Meta { len, .. } => f(&mut vec![0.0; *len]),
         Storage::F32(v) => f(v.as_mut_slice()),
+        Storage::U8(v) => {
+            let mut tmp: Vec<f32> = if load {
+                v.iter().map(|&c| f32::from(c)).collect()
+            } else {
+                vec![0f32; v.len()]
+            };
+            let r = f(&mut tmp);
+            for (o, i) in v.iter_mut().zip(&tmp) {
+                *o = DType::U8.round(*i) as u8;
+            }
+            r
+        }
         Storage::Bf16(v) => {
             let mut tmp = vec![0f32; v.len()];
             if load {
@@ -270,6 +289,21 @@ pub(crate) fn ensure_shape(t: &Tensor, shape: &[usize], op: &'static str) -> Res
             shape
         )
     })
+}
+
+/// Fails unless every tensor of `ts` holds numbers (f32 or bf16): the arithmetic ops
+/// refuse u8 codes.
+pub(crate) fn ensure_float(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+    for t in ts {
+        ensure(t.dtype().is_float(), op, || {
+            format!(
+                "`{}` is {}, which holds codes, not numbers: {op} takes f32 or bf16 tensors",
+                t.label(),
+                t.dtype()
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Fails unless `t` is f32.
@@ -347,6 +381,7 @@ impl Backend for CpuBackend {
         let storage = match dtype {
             DType::F32 => Storage::F32(data.to_vec()),
             DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+            DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
         };
         Tensor::new(storage, shape, category, label, &self.ledger)
     }
@@ -359,6 +394,7 @@ impl Backend for CpuBackend {
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
+            Storage::U8(v) => Storage::U8(v.clone()),
             Storage::Meta { len, dtype } => Storage::Meta {
                 len: *len,
                 dtype: *dtype,
@@ -368,6 +404,7 @@ impl Backend for CpuBackend {
                 match d.dtype() {
                     DType::F32 => Storage::F32(v),
                     DType::Bf16 => Storage::Bf16(v.iter().map(|x| bf16::from_f32(*x)).collect()),
+                    DType::U8 => Storage::U8(v.iter().map(|x| DType::U8.round(*x) as u8).collect()),
                 }
             }
         };
@@ -639,6 +676,22 @@ impl Backend for CpuBackend {
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         adamw::adamw(param, grad, m, v, hp, scale)?;
+        if let Some(c) = compute {
+            elementwise::cast(c, param);
+        }
+        Ok(())
+    }
+
+    fn adamw8bit_kernel(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        adamw8bit::adamw8bit(param, grad, moments, hp, scale)?;
         if let Some(c) = compute {
             elementwise::cast(c, param);
         }

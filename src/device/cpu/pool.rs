@@ -60,7 +60,8 @@ impl BufferPool {
         let bytes = match &storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
-            Storage::Device(_) | Storage::Meta { .. } => return,
+            // Codes are few and long-lived (optimizer state): not worth caching.
+            Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => return,
         } as u64;
         if bytes == 0 {
             return;
@@ -74,7 +75,7 @@ impl BufferPool {
         match storage {
             Storage::F32(v) => c.f32.entry(v.len()).or_default().push(v),
             Storage::Bf16(v) => c.bf16.entry(v.len()).or_default().push(v),
-            Storage::Device(_) | Storage::Meta { .. } => {}
+            Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {}
         }
     }
 

@@ -19,11 +19,11 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
-    adamw, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm, matmul,
-    reductions, rmsnorm, rope, swiglu,
+    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm,
+    matmul, reductions, rmsnorm, rope, swiglu,
 };
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads};
+use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -627,6 +627,18 @@ impl Backend for CudaBackend {
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         adamw::adamw(self, param, grad, m, v, hp, scale, compute)
+    }
+
+    fn adamw8bit_kernel(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        moments: QuantizedMoments<'_>,
+        hp: &AdamWStep,
+        scale: Option<&Tensor>,
+        compute: Option<&mut Tensor>,
+    ) -> Result<()> {
+        adamw8bit::adamw8bit(self, param, grad, moments, hp, scale, compute)
     }
 
     fn custom_kernel(

@@ -987,6 +987,7 @@ extern "C" __global__ void traps(int* out) {
             let want_dx = be.to_f32(&dx).unwrap();
             // Two blocks of 128 threads: the grid-stride loops go round three times.
             let (got, got_dx) = match dtype {
+                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
                 DType::F32 => {
                     let (mut x, mut d) = (xs.clone(), dout.clone());
                     let mut out = vec![0f32; n];
@@ -1048,6 +1049,7 @@ extern "C" __global__ void traps(int* out) {
                 .sum_squares(&upload(&be, &xs, &[xs.len()], dtype))
                 .unwrap();
             let got = match dtype {
+                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
                 DType::F32 => emulated_sum_squares(emu, "sum_squares_partial_f32", &xs),
                 DType::Bf16 => emulated_sum_squares(emu, "sum_squares_partial_bf16", &to_bf16(&xs)),
             };
@@ -1266,6 +1268,7 @@ extern "C" __global__ void traps(int* out) {
         for dtype in [DType::F32, DType::Bf16] {
             let want = case.on_cpu(dtype);
             let got = match dtype {
+                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
                 DType::F32 => case.emulated(emu, "f32", |v| v.to_vec(), |v| v.to_vec()),
                 DType::Bf16 => case.emulated(emu, "bf16", to_bf16, widen),
             };
@@ -1310,6 +1313,7 @@ extern "C" __global__ void traps(int* out) {
     impl Buf {
         fn new(v: &[f32], dtype: DType) -> Buf {
             match dtype {
+                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
                 DType::F32 => Buf::F32(v.to_vec()),
                 DType::Bf16 => Buf::Bf16(to_bf16(v)),
             }
@@ -1336,6 +1340,7 @@ extern "C" __global__ void traps(int* out) {
 
     fn suffix(dtype: DType) -> &'static str {
         match dtype {
+            DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
         }
@@ -2124,6 +2129,7 @@ extern "C" __global__ void traps(int* out) {
         }
         assert_eq!(emu.arity("gelu_f32"), Some(3));
         assert_eq!(emu.arity("adamw_bf16"), Some(14));
+        assert_eq!(emu.arity("adamw8bit_bf16"), Some(16));
     }
 
     #[test]

@@ -51,11 +51,19 @@ pub(crate) enum MatrixType {
     Bf16,
 }
 
-impl From<DType> for MatrixType {
-    fn from(d: DType) -> Self {
+impl TryFrom<DType> for MatrixType {
+    type Error = crate::error::Error;
+
+    /// f32 and bf16; u8 codes are no operand of a product.
+    fn try_from(d: DType) -> Result<Self> {
         match d {
-            DType::F32 => MatrixType::F32,
-            DType::Bf16 => MatrixType::Bf16,
+            DType::F32 => Ok(MatrixType::F32),
+            DType::Bf16 => Ok(MatrixType::Bf16),
+            DType::U8 => Err(crate::error::Error::Backend {
+                backend: "cuda",
+                message: "a u8 tensor holds codes, not numbers: matmul takes f32 or bf16"
+                    .to_string(),
+            }),
         }
     }
 }
@@ -248,6 +256,7 @@ impl DeviceBuffer {
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
                 .collect(),
+            DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
         })
     }
 
@@ -260,6 +269,7 @@ impl DeviceBuffer {
                 .iter()
                 .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
                 .collect(),
+            DType::U8 => data.iter().map(|x| DType::U8.round(*x) as u8).collect(),
         };
         if raw.is_empty() {
             return Ok(());

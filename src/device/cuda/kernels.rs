@@ -62,6 +62,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::attention::KERNELS,
     ops::cross_entropy::KERNELS,
     ops::adamw::KERNELS,
+    ops::adamw8bit::KERNELS,
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,
     ops::rmsnorm::KERNELS,
@@ -344,7 +345,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 82);
+        assert_eq!(seen.len(), 84);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! CPU twin: `src/device/cpu/matmul.rs`.
 
 use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout};
+use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout, MatrixType};
 use super::elementwise::launch_cast;
 use crate::device::cpu::{self, ensure};
 use crate::error::Result;
@@ -87,14 +87,14 @@ pub(crate) fn gemm(
     // Row-major X[r, c] is column-major Xᵀ (r columns of c): out = op(a)·op(b) is
     // outᵀ = op(b)ᵀ·op(a)ᵀ, so cuBLASLt's A is our b and its B is our a, each with its
     // own transpose flag, and D is outᵀ, n × m.
-    let colmajor = |t: &Tensor| {
+    let colmajor = |t: &Tensor| -> Result<MatrixLayout> {
         let (r, c) = t.rows_cols();
-        MatrixLayout {
-            ty: t.dtype().into(),
+        Ok(MatrixLayout {
+            ty: MatrixType::try_from(t.dtype())?,
             rows: c as u64,
             cols: r as u64,
             ld: c as i64,
-        }
+        })
     };
     let (workspace, workspace_bytes) = gemm_workspace(be)?;
     let g = Gemm {
@@ -104,11 +104,11 @@ pub(crate) fn gemm(
         n: m as u64,
         k: k as u64,
         a: ptr(&b)?,
-        a_layout: colmajor(&b),
+        a_layout: colmajor(&b)?,
         b: ptr(&a)?,
-        b_layout: colmajor(&a),
+        b_layout: colmajor(&a)?,
         d: ptr(out)?,
-        d_layout: colmajor(out),
+        d_layout: colmajor(out)?,
         bias: match &bias {
             Some(t) => ptr(t)?,
             None => 0,

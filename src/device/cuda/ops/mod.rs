@@ -12,6 +12,7 @@
 //! written outside trainkit ([`crate::device::CustomKernel`]).
 
 pub(crate) mod adamw;
+pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod custom;
