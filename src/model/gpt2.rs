@@ -266,33 +266,7 @@ impl Gpt2 {
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
-        let (b, t) = (batch.batch_size, batch.seq_len);
-        if b == 0 || t == 0 {
-            return Err(Error::config(
-                "batch_size",
-                format!("a batch of {b} rows of {t} tokens is empty; both must be at least 1"),
-            ));
-        }
-        if t > self.config.n_positions {
-            return Err(Error::config(
-                "seq_len",
-                format!(
-                    "{t} exceeds the model's n_positions = {}; use at most {}",
-                    self.config.n_positions, self.config.n_positions
-                ),
-            ));
-        }
-        if batch.inputs.len() != b * t || batch.targets.len() != b * t {
-            return Err(Error::shape(
-                "batch",
-                format!(
-                    "{} inputs and {} targets for {b} rows of {t}",
-                    batch.inputs.len(),
-                    batch.targets.len()
-                ),
-            ));
-        }
-        Ok(())
+        batch.check(self.config.n_positions, "n_positions")
     }
 }
 

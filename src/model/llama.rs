@@ -217,33 +217,10 @@ impl Llama {
     }
 
     fn check_batch(&self, batch: &Batch) -> Result<()> {
-        let (b, t) = (batch.batch_size, batch.seq_len);
-        if b == 0 || t == 0 {
-            return Err(Error::config(
-                "batch_size",
-                format!("a batch of {b} rows of {t} tokens is empty; both must be at least 1"),
-            ));
-        }
-        let max = self.config.max_position_embeddings;
-        if t > max {
-            return Err(Error::config(
-                "seq_len",
-                format!(
-                    "{t} exceeds the model's max_position_embeddings = {max}; use at most {max}"
-                ),
-            ));
-        }
-        if batch.inputs.len() != b * t || batch.targets.len() != b * t {
-            return Err(Error::shape(
-                "batch",
-                format!(
-                    "{} inputs and {} targets for {b} rows of {t}",
-                    batch.inputs.len(),
-                    batch.targets.len()
-                ),
-            ));
-        }
-        Ok(())
+        batch.check(
+            self.config.max_position_embeddings,
+            "max_position_embeddings",
+        )
     }
 
     /// The parameters as Hugging Face names them: each fused projection split into its

@@ -110,6 +110,38 @@ impl Batch {
     pub fn tokens(&self) -> usize {
         self.batch_size * self.seq_len
     }
+
+    /// Fails unless the batch is non-empty, its rows fit a model whose context is
+    /// `context` (named `context_name` in the error, e.g. `n_positions`) and it holds as
+    /// many inputs and targets as its shape says.
+    pub fn check(&self, context: usize, context_name: &str) -> Result<()> {
+        let (b, t) = (self.batch_size, self.seq_len);
+        if b == 0 || t == 0 {
+            return Err(crate::Error::config(
+                "batch_size",
+                format!("a batch of {b} rows of {t} tokens is empty; both must be at least 1"),
+            ));
+        }
+        if t > context {
+            return Err(crate::Error::config(
+                "seq_len",
+                format!(
+                    "{t} exceeds the model's {context_name} = {context}; use at most {context}"
+                ),
+            ));
+        }
+        if self.inputs.len() != b * t || self.targets.len() != b * t {
+            return Err(crate::Error::shape(
+                "batch",
+                format!(
+                    "{} inputs and {} targets for {b} rows of {t}",
+                    self.inputs.len(),
+                    self.targets.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What one forward-and-backward pass reports.
