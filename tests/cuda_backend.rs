@@ -1174,6 +1174,7 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
                 max_bad_steps: t.max_bad_steps,
                 peak_flops: None,
                 optimizer_in_backward: t.optimizer_in_backward,
+                offload_activations: t.offload_activations,
             },
         )
         .unwrap();
