@@ -293,7 +293,7 @@ impl<'r> Run<'r> {
                 let wanted = vec![true; sec.nodes[n].outputs.len()];
                 probe.run_node(params, sec, &mut st, n, wanted)?;
                 node_flops[n] = flops() - before;
-                for v in 0..sec.values.len() {
+                for (v, slot) in index.iter_mut().enumerate() {
                     if v == sec.output || sec.settle_after(v) != Some(n) {
                         continue;
                     }
@@ -307,7 +307,7 @@ impl<'r> Run<'r> {
                         Some(p) => node_flops[p],
                         None => input_flops,
                     };
-                    index[v] = Some(sites.len());
+                    *slot = Some(sites.len());
                     sites.push(SiteCost {
                         site: ActivationSite {
                             layer: l,
