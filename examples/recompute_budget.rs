@@ -68,13 +68,21 @@ fn main() -> Result<()> {
         measure(&tokens, "full".into(), Box::new(Full), false)?,
         measure(&tokens, "selective".into(), Box::new(Selective), false)?,
     ];
-    let (lo, hi) = (rows[1].stats.stash.kept_bytes, rows[0].stats.stash.kept_bytes);
+    let (lo, hi) = (
+        rows[1].stats.stash.kept_bytes,
+        rows[0].stats.stash.kept_bytes,
+    );
     for quarter in [1, 2, 3] {
         let bytes = lo + (hi - lo) * quarter / 4;
         let name = format!("budget {}", format_bytes(bytes));
         rows.push(measure(&tokens, name, Box::new(Budget::new(bytes)), false)?);
     }
-    rows.push(measure(&tokens, "none".into(), Box::new(NoRecompute), true)?);
+    rows.push(measure(
+        &tokens,
+        "none".into(),
+        Box::new(NoRecompute),
+        true,
+    )?);
     rows.push(measure(&tokens, "full".into(), Box::new(Full), true)?);
     let base_flops = rows[0].stats.hardware_flops as f64;
     println!(

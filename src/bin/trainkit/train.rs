@@ -370,9 +370,14 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
     println!(
-        "device: {device}; precision {}; recompute {}; {} micro-batch rows × {} tokens",
+        "device: {device}; precision {}; recompute {}{}; {} micro-batch rows × {} tokens",
         kind(&cfg.precision)?,
         kind(&cfg.checkpoint)?,
+        if t.offload_activations {
+            ", kept activations offloaded to host memory"
+        } else {
+            ""
+        },
         t.batch_size,
         t.seq_len
     );
