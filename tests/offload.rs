@@ -65,16 +65,26 @@ fn options(offload: bool) -> TrainerOptions {
 type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<StepStats>);
 
 fn run(precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>, offload: bool) -> Run {
-    let mut t = Trainer::builder(
-        Gpt2::new(tiny_config()).unwrap(),
-        cpu(),
-        corpus_loader(20_000, 1, 2, 16),
+    run_model(
+        Box::new(Gpt2::new(tiny_config()).unwrap()),
+        precision,
+        policy,
+        offload,
     )
-    .precision(precision)
-    .checkpoint(policy)
-    .options(options(offload))
-    .build()
-    .unwrap();
+}
+
+fn run_model(
+    model: Box<dyn trainkit::Model>,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+    offload: bool,
+) -> Run {
+    let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .options(options(offload))
+        .build()
+        .unwrap();
     let stats = (0..2).map(|_| t.step().unwrap()).collect();
     (grads(&t), values(&t), stats)
 }
@@ -111,6 +121,72 @@ fn offloading_is_bitwise_equal_to_keeping_for_every_policy_and_precision() {
             }
         }
     }
+}
+
+#[test]
+fn offloading_a_llama_is_bitwise_equal_to_keeping() {
+    let llama = || {
+        let config = trainkit::config::small_llama();
+        Box::new(trainkit::Llama::new(config).unwrap()) as Box<dyn trainkit::Model>
+    };
+    for precision in precisions() {
+        for policy in policies() {
+            let what = format!("llama {policy:?} {precision:?}");
+            let (g0, v0, s0) = run_model(llama(), precision.clone(), policy.clone(), false);
+            let (g1, v1, s1) = run_model(llama(), precision.clone(), policy, true);
+            assert!(bits(&g1) == bits(&g0), "{what}: gradients differ");
+            assert!(bits(&v1) == bits(&v0), "{what}: updated weights differ");
+            assert_eq!(
+                s1[1].stash.offloaded_bytes, s0[1].stash.kept_bytes,
+                "{what}"
+            );
+            assert!(s1[1].memory.peak_total < s0[1].memory.peak_total, "{what}");
+        }
+    }
+}
+
+/// The memory_viz snapshot is the device's: host memory held for it has no address there;
+/// the event stream and the plot still show it.
+#[test]
+fn offloaded_bytes_stay_out_of_the_device_snapshot() {
+    let mut t = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(8_000, 1, 2, 16),
+    )
+    .checkpoint(NoRecompute)
+    .observer(trainkit::Timeline::new(2).unwrap())
+    .options(options(true))
+    .build()
+    .unwrap();
+    for _ in 0..2 {
+        t.step().unwrap();
+    }
+    let dir = common::scratch("offload-timeline");
+    let timeline = t.observer();
+    timeline.write_memory_viz(dir.join("viz.pickle")).unwrap();
+    timeline.write_json_lines(dir.join("events.jsonl")).unwrap();
+    timeline.write_svg(dir.join("memory.svg")).unwrap();
+    let has = |bytes: &[u8], s: &str| bytes.windows(s.len()).any(|w| w == s.as_bytes());
+    let viz = std::fs::read(dir.join("viz.pickle")).unwrap();
+    assert!(
+        has(&viz, "(activations)"),
+        "the snapshot names device buffers"
+    );
+    assert!(
+        !has(&viz, "(offloaded)"),
+        "host buffers in the device snapshot"
+    );
+    let events = std::fs::read(dir.join("events.jsonl")).unwrap();
+    assert!(
+        has(&events, "\"offloaded\""),
+        "the event stream shows host buffers"
+    );
+    let svg = std::fs::read(dir.join("memory.svg")).unwrap();
+    assert!(
+        has(&svg, ">offloaded<") || has(&svg, "offloaded"),
+        "the plot's legend"
+    );
 }
 
 #[test]

@@ -36,10 +36,10 @@ use crate::memory::{MemoryCategory, Phase};
 use crate::ops::{missing, BackwardCx, ForwardCx, GradIn, Saved};
 use crate::tensor::{DType, Tensor};
 
-/// Bytes the checkpoint policy kept and dropped during forward.
+/// Bytes the checkpoint policy kept, offloaded and dropped during forward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StashStats {
-    /// Activation bytes kept for backward.
+    /// Activation bytes kept on the device for backward.
     pub kept_bytes: u64,
     /// Activation bytes freed after forward, to be recomputed in backward.
     pub dropped_bytes: u64,
