@@ -27,7 +27,8 @@ pub mod trainer;
 
 pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
 pub use checkpoint::{
-    ActivationSite, CheckpointPolicy, Full, NoRecompute, Retention, Selective, Tags,
+    ActivationSite, Budget, CheckpointPolicy, Full, NoRecompute, Retention, Selective, SiteCost,
+    Tags,
 };
 pub use device::{Backend, Blas, CpuBackend, Device, MetaBackend};
 pub use error::{Error, Result};
@@ -46,7 +47,9 @@ pub use trainer::{SamplingOptions, StepStats, Trainer, TrainerOptions};
 /// Everything a training script needs, in one import.
 pub mod prelude {
     pub use crate::accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
-    pub use crate::checkpoint::{CheckpointPolicy, Full, NoRecompute, Retention, Selective, Tags};
+    pub use crate::checkpoint::{
+        Budget, CheckpointPolicy, Full, NoRecompute, Retention, Selective, Tags,
+    };
     pub use crate::data::{Batch, ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
     pub use crate::device::{Backend, Device};
     pub use crate::error::{Error, Result};

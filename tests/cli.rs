@@ -82,7 +82,7 @@ fn bad_input_is_a_one_line_error() {
         (vec!["train", "--precision", "fp16"], "fp32 or bf16"),
         (
             vec!["train", "--recompute", "some"],
-            "none, full or selective",
+            "none, full, selective or budget:SIZE",
         ),
         (
             vec!["train", "--optimizer", "adam8"],

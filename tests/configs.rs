@@ -36,6 +36,16 @@ fn the_memory_lean_config_recomputes_and_accumulates() {
     );
 }
 
+/// The budget-and-offload config says what its comment says, and trains.
+#[test]
+fn the_budget_offload_config_keeps_a_budget_offloaded() {
+    let c = load("budget-offload.toml");
+    let policy = serde_json::to_value(&c.checkpoint).unwrap();
+    assert_eq!(policy["kind"], "budget");
+    assert_eq!(policy["bytes"], 16 << 20);
+    assert!(c.training.offload_activations);
+}
+
 /// `[optimizer] kind = "adamw8bit"` reads with its settings, writes back the same, and
 /// `--optimizer` switches kinds keeping the settings they share.
 #[test]

@@ -1174,6 +1174,7 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
                 max_bad_steps: t.max_bad_steps,
                 peak_flops: None,
                 optimizer_in_backward: t.optimizer_in_backward,
+                offload_activations: t.offload_activations,
             },
         )
         .unwrap();
@@ -1426,5 +1427,75 @@ fn a_llama_training_step_matches_the_cpu_in_both_precisions() {
             &init,
             DType::Bf16,
         );
+    }
+}
+
+/// Two steps of the tiny GPT-2 with the activations the policy keeps offloaded (or not):
+/// losses, gradients, values, the offloaded peak and the host waits of the second step.
+type OffloadRun = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, u64, u64);
+
+fn offload_steps<P: Precision + Default>(
+    cuda: &Arc<CudaBackend>,
+    policy: Box<dyn CheckpointPolicy>,
+    offload: bool,
+) -> OffloadRun {
+    let backend: Arc<dyn Backend> = cuda.clone();
+    let model = Gpt2::new(tiny_config()).unwrap();
+    let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+        .precision(P::default())
+        .checkpoint(policy)
+        .options(trainkit::TrainerOptions {
+            offload_activations: offload,
+            ..trainkit::TrainerOptions::default()
+        })
+        .build()
+        .unwrap();
+    let first = t.step().unwrap().loss;
+    let before = cuda.host_waits();
+    let s = t.step().unwrap();
+    let waits = cuda.host_waits() - before;
+    (
+        vec![first, s.loss],
+        grads(&t),
+        values(&t),
+        s.memory.peak.get(MemoryCategory::Offloaded),
+        waits,
+    )
+}
+
+#[test]
+fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
+    // Backends of its own: host waits are counted per backend.
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    let policies: Vec<Box<dyn CheckpointPolicy>> = vec![
+        Box::new(NoRecompute),
+        Box::new(Full),
+        Box::new(trainkit::Budget::new(40_000)),
+    ];
+    for (name, cuda) in own {
+        for policy in &policies {
+            let what = format!("{name} {policy:?}");
+            // The emulator lands a copy back only when compute waits for it: a kernel that
+            // read a fetched activation too early would read the poison of its buffer.
+            let kept = offload_steps::<trainkit::Fp32>(&cuda, policy.clone(), false);
+            let off = offload_steps::<trainkit::Fp32>(&cuda, policy.clone(), true);
+            assert_eq!(off.0, kept.0, "{what} f32: losses");
+            assert_eq!(off.1, kept.1, "{what} f32: gradients");
+            assert_eq!(off.2, kept.2, "{what} f32: values");
+            assert_eq!(kept.3, 0, "{what}");
+            assert!(off.3 > 0, "{what}: nothing offloaded");
+            assert_eq!(off.4, kept.4, "{what}: offloading made the host wait");
+            let kept = offload_steps::<MixedBf16>(&cuda, policy.clone(), false);
+            let off = offload_steps::<MixedBf16>(&cuda, policy.clone(), true);
+            assert_eq!(off.0, kept.0, "{what} bf16: losses");
+            assert_eq!(off.1, kept.1, "{what} bf16: gradients");
+            assert_eq!(off.2, kept.2, "{what} bf16: values");
+        }
     }
 }

@@ -181,7 +181,7 @@ fn bad_input_is_a_one_line_error() {
         ),
         (
             vec!["--model", "gpt2", "--recompute", "some"],
-            "none, full or selective",
+            "none, full, selective or budget:SIZE",
         ),
         (
             vec!["--model", "gpt2", "--optimizer", "adam8"],

@@ -37,6 +37,7 @@ fn policies() -> Vec<Box<dyn CheckpointPolicy>> {
         Box::new(Full),
         Box::new(EveryOtherInput),
         Box::new(LastMlp),
+        Box::new(trainkit::Budget::new(50_000)),
     ]
 }
 

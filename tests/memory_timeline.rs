@@ -276,7 +276,7 @@ fn check_json_lines(path: &Path, events: &[MemoryEvent], snap: &LedgerSnapshot) 
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(parsed, events);
-    let mut live = [0i64; 6];
+    let mut live = [0i64; MemoryCategory::ALL.len()];
     for l in text.lines() {
         let v: Value = serde_json::from_str(l).unwrap();
         let sign = match v["event"].as_str().unwrap() {

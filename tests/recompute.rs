@@ -9,7 +9,7 @@ use common::{corpus_loader, cpu, grads, tiny_config, values, EveryOtherInput};
 use serde::{Deserialize, Serialize};
 use trainkit::checkpoint::{ActivationSite, Retention};
 use trainkit::ops::{AttentionPath, LossPath};
-use trainkit::{CheckpointPolicy, Full, Gpt2, NoRecompute, Selective, Trainer};
+use trainkit::{Budget, CheckpointPolicy, Full, Gpt2, NoRecompute, Selective, Trainer};
 
 /// Drops everything, layer inputs included: backward reruns from the embedding.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -76,6 +76,8 @@ fn policies_agree(attention: AttentionPath, loss: (LossPath, Option<usize>)) {
         ("selective", Box::new(Selective)),
         ("every_other_input", Box::new(EveryOtherInput)),
         ("drop_all", Box::new(DropAll)),
+        ("budget_0", Box::new(Budget::new(0))),
+        ("budget_40k", Box::new(Budget::new(40_000))),
     ];
     for (name, policy) in others {
         // Selective drops only what grows with T², which the fused attention never makes.

@@ -48,6 +48,10 @@ pub struct TrainingConfig {
     /// free the gradient (see [`crate::TrainerOptions::optimizer_in_backward`]); needs one
     /// micro-batch per step and `grad_clip = 0`.
     pub optimizer_in_backward: bool,
+    /// Move the activations the checkpoint policy keeps to host memory after forward and
+    /// bring them back for backward (see
+    /// [`crate::TrainerOptions::offload_activations`]); the policy must keep something.
+    pub offload_activations: bool,
     /// How the head computes the loss: `fused` (the classifier product and the
     /// cross-entropy in chunks of positions, no `[tokens, vocab]` logits; the default) or
     /// `materialized` (the logits of every position, the reference).
@@ -92,6 +96,7 @@ impl Default for TrainingConfig {
             init_from: None,
             max_bad_steps: 10,
             optimizer_in_backward: false,
+            offload_activations: false,
             loss: LossPath::Fused,
             loss_chunk: None,
             attention: AttentionPath::Fused,
@@ -118,7 +123,8 @@ pub struct RunConfig {
     /// Precision policy (`kind = "fp32"` or `"mixed_bf16"`).
     #[serde(default = "default_precision")]
     pub precision: Box<dyn Precision>,
-    /// Checkpoint policy (`kind = "none"`, `"full"` or `"selective"`).
+    /// Checkpoint policy (`kind = "none"`, `"full"`, `"selective"` or `"budget"` with
+    /// `bytes`).
     #[serde(default = "default_checkpoint")]
     pub checkpoint: Box<dyn CheckpointPolicy>,
     /// Optimizer (`kind = "adamw"`, `"adamw8bit"` or `"sgd"`).

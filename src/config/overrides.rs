@@ -49,8 +49,10 @@ pub struct Overrides {
     pub optimizer_in_backward: Option<bool>,
     /// `fp32` or `bf16`.
     pub precision: Option<String>,
-    /// `none`, `full` or `selective`.
+    /// `none`, `full`, `selective` or `budget:SIZE`.
     pub recompute: Option<String>,
+    /// Offload the activations the recompute policy keeps to host memory.
+    pub offload_activations: Option<bool>,
     /// `fused` or `materialized`.
     pub loss: Option<String>,
     /// Positions per chunk of the fused loss.
@@ -252,6 +254,7 @@ impl Overrides {
         set(&mut t.seq_len, self.seq_len);
         set(&mut t.grad_clip, self.grad_clip);
         set(&mut t.optimizer_in_backward, self.optimizer_in_backward);
+        set(&mut t.offload_activations, self.offload_activations);
         set(&mut t.seed, self.seed);
         set(&mut t.eval_every, self.eval_every);
         set(&mut cfg.output.out, self.out.clone().map(Some));

@@ -169,6 +169,25 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.copy_kernel(t, category, label))
     }
 
+    /// Moves `t` into host memory held for the device: the result has `t`'s shape, dtype,
+    /// elements and label, under [`MemoryCategory::Offloaded`], and `t` is freed. A GPU
+    /// backend copies on its own stream into page-locked memory, so compute goes on while
+    /// the copy runs; the CPU's copy is a separately accounted host buffer.
+    fn offload(&self, t: Tensor) -> Result<Tensor> {
+        let op = self.ledger().op("offload", 0, t.label());
+        op.finish(self.offload_kernel(t))
+    }
+
+    /// Brings a tensor [`Backend::offload`] moved to host memory back to the device, under
+    /// `category` (its label kept); the host copy is freed. A GPU backend starts the copy
+    /// on its own stream at once and makes compute wait for it only where the tensor is
+    /// first used, so a fetch issued early (the next layer's activations during this
+    /// layer's backward) overlaps with compute.
+    fn fetch(&self, t: Tensor, category: MemoryCategory) -> Result<Tensor> {
+        let op = self.ledger().op("fetch", 0, t.label());
+        op.finish(self.fetch_kernel(t, category))
+    }
+
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
     fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
         cpu::ensure_float("cast", &[dst, src])?;
@@ -814,6 +833,20 @@ pub trait Backend: Debug + Send + Sync {
 
     /// The kernel of [`Backend::copy`].
     fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor>;
+
+    /// The kernel of [`Backend::offload`]. The default copies into a new buffer of the
+    /// backend's own under [`MemoryCategory::Offloaded`] (host memory on the CPU).
+    fn offload_kernel(&self, t: Tensor) -> Result<Tensor> {
+        let label = t.label().to_string();
+        self.copy_kernel(&t, MemoryCategory::Offloaded, &label)
+    }
+
+    /// The kernel of [`Backend::fetch`]. The default copies into a new buffer under
+    /// `category`.
+    fn fetch_kernel(&self, t: Tensor, category: MemoryCategory) -> Result<Tensor> {
+        let label = t.label().to_string();
+        self.copy_kernel(&t, category, &label)
+    }
 
     /// The kernel of [`Backend::cast`]: `dst` and `src` have as many elements.
     fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()>;

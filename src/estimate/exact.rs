@@ -34,6 +34,8 @@ pub struct ActivationProfile {
     pub dropped_bytes: u64,
     /// Bytes recomputed during backward.
     pub recomputed_bytes: u64,
+    /// Bytes offloaded to host memory after forward (and fetched back in backward).
+    pub offloaded_bytes: u64,
 }
 
 /// trainkit's memory for one training setup, as the ledger will measure it.
@@ -185,6 +187,7 @@ pub fn predict_with(
             kept_bytes: later.stash.kept_bytes,
             dropped_bytes: later.stash.dropped_bytes,
             recomputed_bytes: later.stash.recomputed_bytes,
+            offloaded_bytes: later.stash.offloaded_bytes,
         },
     })
 }

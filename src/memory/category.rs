@@ -1,4 +1,5 @@
-//! What a buffer is for: the six categories of training memory.
+//! What a buffer is for: the seven categories of training memory (six on the device, one
+//! in host memory held for it).
 
 use serde::{Deserialize, Serialize};
 
@@ -18,18 +19,29 @@ pub enum MemoryCategory {
     Activations,
     /// Scratch space of ops (logits of the loss, reductions, ...).
     Workspace,
+    /// Host memory held for the device: activations offloaded between their forward and
+    /// their backward ([`crate::Retention::Offload`]). Reported beside the others but not
+    /// part of the device's total ([`CategoryBytes::total`]).
+    Offloaded,
 }
 
 impl MemoryCategory {
     /// All categories, in the order reports print them.
-    pub const ALL: [MemoryCategory; 6] = [
+    pub const ALL: [MemoryCategory; 7] = [
         MemoryCategory::Weights,
         MemoryCategory::MasterWeights,
         MemoryCategory::Gradients,
         MemoryCategory::OptimizerState,
         MemoryCategory::Activations,
         MemoryCategory::Workspace,
+        MemoryCategory::Offloaded,
     ];
+
+    /// Whether the category's buffers live in device memory (all but
+    /// [`MemoryCategory::Offloaded`], which is host memory).
+    pub fn on_device(self) -> bool {
+        self != MemoryCategory::Offloaded
+    }
 
     /// Position in [`MemoryCategory::ALL`].
     pub fn index(self) -> usize {
@@ -45,6 +57,7 @@ impl MemoryCategory {
             MemoryCategory::OptimizerState => "optimizer_state",
             MemoryCategory::Activations => "activations",
             MemoryCategory::Workspace => "workspace",
+            MemoryCategory::Offloaded => "offloaded",
         }
     }
 }
@@ -57,7 +70,7 @@ impl std::fmt::Display for MemoryCategory {
 
 /// Bytes per category, indexed by [`MemoryCategory::index`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CategoryBytes(pub [u64; 6]);
+pub struct CategoryBytes(pub [u64; 7]);
 
 impl CategoryBytes {
     /// Bytes of one category.
@@ -70,9 +83,18 @@ impl CategoryBytes {
         &mut self.0[category.index()]
     }
 
-    /// Sum over all categories.
+    /// Sum over the device's categories: every category but
+    /// [`MemoryCategory::Offloaded`], whose bytes are in host memory ([`Self::host`]).
     pub fn total(&self) -> u64 {
-        self.0.iter().sum()
+        self.iter()
+            .filter(|(c, _)| c.on_device())
+            .map(|(_, b)| b)
+            .sum()
+    }
+
+    /// Host memory held for the device: the [`MemoryCategory::Offloaded`] bytes.
+    pub fn host(&self) -> u64 {
+        self.get(MemoryCategory::Offloaded)
     }
 
     /// Element-wise maximum with `other`.

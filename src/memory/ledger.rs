@@ -400,6 +400,9 @@ impl Drop for OpSpan<'_> {
 
 fn refusal(s: &LedgerState, category: MemoryCategory, bytes: u64, label: &str) -> Option<Error> {
     let limit = s.limit?;
+    if !category.on_device() {
+        return None;
+    }
     let total = s.snapshot.live.total();
     if total + bytes <= limit {
         return None;

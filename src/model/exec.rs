@@ -12,6 +12,15 @@
 //! the embedding). A node's gradient for an input is written when it is the input's first
 //! reader in backward order and accumulated by later ones.
 //!
+//! Before the first layer runs, the policy may plan the whole pass
+//! ([`CheckpointPolicy::plan`]): the layers are run once on a [`MetaBackend`] (shapes and
+//! FLOPs, no data) to list every activation backward reads with its bytes and the FLOPs
+//! of recomputing it. An activation the policy offloads ([`Retention::Offload`]; with
+//! [`Pass::offload`], every one it keeps) is moved to host memory when forward is done
+//! with it and fetched back when backward reaches its layer; the layer before it is
+//! fetched at the same time, so a backend that copies on its own stream overlaps that
+//! copy with this layer's backward.
+//!
 //! A head may instead end in a node that computes the loss itself
 //! ([`crate::ops::FusedLoss`], the classifier fused with the cross-entropy): the executor
 //! then hands it the targets where it would run the cross-entropy, and backward starts
@@ -20,22 +29,24 @@
 
 use super::graph::{Graph, Node, Section};
 use super::{Batch, Param, Pass, PassStats};
-use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention};
-use crate::device::Backend;
-use crate::error::Result;
+use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, SiteCost};
+use crate::device::{Backend, MetaBackend};
+use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, Phase};
 use crate::ops::{missing, BackwardCx, ForwardCx, GradIn, Saved};
 use crate::tensor::{DType, Tensor};
 
-/// Bytes the checkpoint policy kept and dropped during forward.
+/// Bytes the checkpoint policy kept, offloaded and dropped during forward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StashStats {
-    /// Activation bytes kept for backward.
+    /// Activation bytes kept on the device for backward.
     pub kept_bytes: u64,
     /// Activation bytes freed after forward, to be recomputed in backward.
     pub dropped_bytes: u64,
     /// Activation bytes recomputed in backward.
     pub recomputed_bytes: u64,
+    /// Activation bytes moved to host memory after forward, and fetched back in backward.
+    pub offloaded_bytes: u64,
 }
 
 /// Forward, loss and backward of `graph` on `batch`: gradients accumulate into the
@@ -51,6 +62,8 @@ pub fn forward_backward(
 ) -> Result<PassStats> {
     let ledger = pass.backend.ledger().clone();
     let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
+    run.offload = pass.offload;
+    run.plan(pass.params)?;
     let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
 
     ledger.phase_begin(Phase::Embedding);
@@ -78,6 +91,10 @@ pub fn forward_backward(
 
     for l in (0..graph.layers.len()).rev() {
         ledger.phase_begin(Phase::Backward(l));
+        run.fetch_layer(&mut layers[l])?;
+        if l > 0 {
+            run.fetch_layer(&mut layers[l - 1])?;
+        }
         run.restore_input(pass.params, &mut layers, l)?;
         let mut st = std::mem::take(&mut layers[l]);
         dx = run
@@ -168,6 +185,8 @@ pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f
 #[derive(Debug, Default)]
 struct State {
     stash: Vec<Option<Tensor>>,
+    /// Values offloaded to host memory, waiting for backward.
+    host: Vec<Option<Tensor>>,
     shapes: Vec<Option<(Vec<usize>, DType)>>,
 }
 
@@ -175,8 +194,14 @@ impl State {
     fn new(sec: &Section) -> Self {
         State {
             stash: (0..sec.values.len()).map(|_| None).collect(),
+            host: (0..sec.values.len()).map(|_| None).collect(),
             shapes: vec![None; sec.values.len()],
         }
+    }
+
+    /// Whether value `v` is on the device or waiting in host memory.
+    fn holds(&self, v: usize) -> bool {
+        self.stash[v].is_some() || self.host[v].is_some()
     }
 
     fn put_input(&mut self, x: Tensor) {
@@ -206,6 +231,10 @@ struct Run<'r> {
     targets: &'r [u32],
     batch: [usize; 2],
     stats: StashStats,
+    /// Offload what the policy keeps ([`Pass::offload`]).
+    offload: bool,
+    /// The policy's plan, by layer and value, where it made one.
+    plan: Vec<Vec<Option<Retention>>>,
 }
 
 impl<'r> Run<'r> {
@@ -225,7 +254,114 @@ impl<'r> Run<'r> {
             targets: &batch.targets,
             batch: [batch.batch_size, batch.seq_len],
             stats: StashStats::default(),
+            offload: false,
+            plan: Vec::new(),
         }
+    }
+
+    /// Asks the policy for a plan of the whole pass ([`CheckpointPolicy::plan`]): runs the
+    /// embedding and the layers on a [`MetaBackend`] to list the activations backward
+    /// reads, in the order forward settles them, with their bytes and recompute FLOPs.
+    fn plan(&mut self, params: &[Param]) -> Result<()> {
+        let meta = MetaBackend::new();
+        let probe = Run {
+            graph: self.graph,
+            backend: &meta,
+            policy: self.policy,
+            dtype: self.dtype,
+            tokens: self.tokens,
+            targets: self.targets,
+            batch: self.batch,
+            stats: StashStats::default(),
+            offload: false,
+            plan: Vec::new(),
+        };
+        let flops = || meta.ledger().flops();
+        let before = flops();
+        let mut x = probe.embed(params)?;
+        let mut input_flops = flops() - before;
+        let n_layer = self.graph.layers.len();
+        let mut sites = Vec::new();
+        let mut at = Vec::with_capacity(n_layer);
+        for (l, sec) in self.graph.layers.iter().enumerate() {
+            let mut st = State::new(sec);
+            st.put_input(x);
+            let mut node_flops = vec![0u64; sec.nodes.len()];
+            let mut index = vec![None; sec.values.len()];
+            for n in 0..sec.nodes.len() {
+                let before = flops();
+                let wanted = vec![true; sec.nodes[n].outputs.len()];
+                probe.run_node(params, sec, &mut st, n, wanted)?;
+                node_flops[n] = flops() - before;
+                for (v, slot) in index.iter_mut().enumerate() {
+                    if v == sec.output || sec.settle_after(v) != Some(n) {
+                        continue;
+                    }
+                    let Some(t) = st.stash[v].take() else {
+                        continue;
+                    };
+                    if !sec.saved(v) {
+                        continue;
+                    }
+                    let recompute_flops = match sec.producer(v) {
+                        Some(p) => node_flops[p],
+                        None => input_flops,
+                    };
+                    *slot = Some(sites.len());
+                    sites.push(SiteCost {
+                        site: ActivationSite {
+                            layer: l,
+                            n_layer,
+                            name: sec.values[v].name,
+                            tags: sec.values[v].tags,
+                            bytes: t.bytes(),
+                        },
+                        recompute_flops,
+                    });
+                }
+            }
+            input_flops = node_flops.iter().sum();
+            x = st.stash[sec.output]
+                .take()
+                .ok_or_else(|| missing("a layer's output"))?;
+            at.push(index);
+        }
+        let Some(plan) = self.policy.plan(&sites) else {
+            return Ok(());
+        };
+        if plan.len() != sites.len() {
+            return Err(Error::config(
+                "checkpoint",
+                format!(
+                    "the `{}` policy planned {} activations, but the pass has {}; return one \
+                     Retention per site, in the order given",
+                    self.policy.typetag_name(),
+                    plan.len(),
+                    sites.len()
+                ),
+            ));
+        }
+        self.plan = at
+            .into_iter()
+            .map(|index| index.into_iter().map(|i| i.map(|i| plan[i])).collect())
+            .collect();
+        Ok(())
+    }
+
+    /// Brings every value of a layer that waits in host memory back to the device.
+    fn fetch_layer(&self, st: &mut State) -> Result<()> {
+        for v in 0..st.host.len() {
+            self.fetch(st, v)?;
+        }
+        Ok(())
+    }
+
+    /// Brings value `v` back from host memory, if it waits there.
+    fn fetch(&self, st: &mut State, v: usize) -> Result<()> {
+        if let Some(t) = st.host[v].take() {
+            st.stash[v] = Some(self.backend.fetch(t, MemoryCategory::Activations)?);
+        }
+        Ok(())
     }
 
     /// Runs node `n` for the `wanted` outputs; stores what it computed in empty slots and
@@ -341,7 +477,7 @@ impl<'r> Run<'r> {
             self.run_node(params, sec, st, n, wanted)?;
             for v in 0..sec.values.len() {
                 if v != sec.output && sec.settle_after(v) == Some(n) {
-                    self.settle(sec, st, l, v);
+                    self.settle(sec, st, l, v)?;
                 }
             }
         }
@@ -351,12 +487,14 @@ impl<'r> Run<'r> {
     }
 
     /// Forward is done with value `v` of layer `l`: freed if backward never reads it,
-    /// else kept or dropped as the policy says.
-    fn settle(&mut self, sec: &Section, st: &mut State, l: usize, v: usize) {
-        let Some(t) = &st.stash[v] else { return };
+    /// else kept, offloaded or dropped as the policy (or its plan) says.
+    fn settle(&mut self, sec: &Section, st: &mut State, l: usize, v: usize) -> Result<()> {
+        let Some(t) = &st.stash[v] else {
+            return Ok(());
+        };
         if !sec.saved(v) {
             st.stash[v] = None;
-            return;
+            return Ok(());
         }
         let value = &sec.values[v];
         let site = ActivationSite {
@@ -366,17 +504,30 @@ impl<'r> Run<'r> {
             tags: value.tags,
             bytes: t.bytes(),
         };
-        match self.policy.retain(&site) {
+        let planned = self.plan.get(l).and_then(|p| p.get(v).copied().flatten());
+        let retention = match planned.unwrap_or_else(|| self.policy.retain(&site)) {
+            Retention::Keep if self.offload => Retention::Offload,
+            r => r,
+        };
+        match retention {
             Retention::Keep => self.stats.kept_bytes += site.bytes,
             Retention::Recompute => {
                 self.stats.dropped_bytes += site.bytes;
                 st.stash[v] = None;
             }
+            Retention::Offload => {
+                if let Some(t) = st.stash[v].take() {
+                    self.stats.offloaded_bytes += site.bytes;
+                    st.host[v] = Some(self.backend.offload(t)?);
+                }
+            }
         }
+        Ok(())
     }
 
     /// Makes value `v` present, recomputing it (and what it needs) if dropped.
     fn ensure(&mut self, params: &[Param], sec: &Section, st: &mut State, v: usize) -> Result<()> {
+        self.fetch(st, v)?;
         if st.stash[v].is_some() {
             return Ok(());
         }
@@ -399,10 +550,11 @@ impl<'r> Run<'r> {
     /// the nearest kept input before it (or the embedding), keeping what they produce for
     /// their own backward.
     fn restore_input(&mut self, params: &[Param], layers: &mut [State], l: usize) -> Result<()> {
+        self.fetch(&mut layers[l], 0)?;
         if layers[l].stash[0].is_some() {
             return Ok(());
         }
-        let start = match (0..l).rev().find(|&j| layers[j].stash[0].is_some()) {
+        let start = match (0..l).rev().find(|&j| layers[j].holds(0)) {
             Some(j) => j,
             None => {
                 let x = self.embed(params)?;
@@ -629,7 +781,7 @@ impl<'r> Run<'r> {
                 }
             }
         }
-        for t in &mut st.stash {
+        for t in st.stash.iter_mut().chain(&mut st.host) {
             *t = None;
         }
         Ok(grads[0].take())

@@ -82,6 +82,9 @@ pub struct Pass<'a> {
     pub checkpoint: &'a dyn CheckpointPolicy,
     /// Dtype of activations (the precision's compute dtype).
     pub dtype: DType,
+    /// Offload to host memory every activation the policy keeps, fetching it back for
+    /// backward ([`crate::Retention::Offload`]).
+    pub offload: bool,
     /// Called during backward with each parameter as soon as its gradient is complete
     /// (no node left in backward reads it) and the step's per-position losses: the
     /// optimizer step inside backward. `None` leaves gradients to the end of the pass.

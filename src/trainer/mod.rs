@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
 
+mod offload;
 mod persist;
 mod sample;
 
@@ -46,6 +47,12 @@ pub struct TrainerOptions {
     /// clipping (`grad_clip = 0`). A parameter whose gradient (or the step's loss) is not
     /// finite keeps its values, and the step counts as skipped.
     pub optimizer_in_backward: bool,
+    /// Offloads every activation the checkpoint policy keeps to host memory after forward
+    /// and fetches it back before its backward ([`crate::Retention::Offload`]): the device
+    /// holds about one layer's kept activations instead of every layer's, the host holds
+    /// the rest (the ledger's [`MemoryCategory::Offloaded`]). The policy must keep
+    /// something: one that recomputes every activation is refused by [`Trainer::new`].
+    pub offload_activations: bool,
 }
 
 impl Default for TrainerOptions {
@@ -58,6 +65,7 @@ impl Default for TrainerOptions {
             max_bad_steps: 10,
             peak_flops: None,
             optimizer_in_backward: false,
+            offload_activations: false,
         }
     }
 }
@@ -341,6 +349,9 @@ where
                 ),
             ));
         }
+        if options.offload_activations {
+            offload::check(model.as_ref(), &data, &precision, &checkpoint)?;
+        }
         backend.ledger().set_recording(true);
         let mut rng = Rng::new(options.seed);
         let params = model
@@ -468,6 +479,7 @@ where
                 params: &mut self.params,
                 checkpoint: &self.checkpoint,
                 dtype: self.precision.compute_dtype(),
+                offload: self.options.offload_activations,
                 grad_ready: if in_backward { Some(&mut update) } else { None },
             };
             let s = self
@@ -476,6 +488,7 @@ where
             stash.kept_bytes += s.stash.kept_bytes;
             stash.dropped_bytes += s.stash.dropped_bytes;
             stash.recomputed_bytes += s.stash.recomputed_bytes;
+            stash.offloaded_bytes += s.stash.offloaded_bytes;
             ledger.phase_end(Phase::MicroBatch(j));
             self.flush_events();
         }
@@ -609,6 +622,7 @@ where
             params: &mut self.params,
             checkpoint: &self.checkpoint,
             dtype: self.precision.compute_dtype(),
+            offload: false,
             grad_ready: None,
         };
         self.model.loss(&mut pass, batch)

@@ -49,6 +49,7 @@ where
             params: &mut self.params,
             checkpoint: &self.checkpoint,
             dtype: self.precision.compute_dtype(),
+            offload: false,
             grad_ready: None,
         };
         let out = self.model.logits(&mut pass, &batch);

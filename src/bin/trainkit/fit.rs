@@ -135,7 +135,13 @@ pub fn write_report(
     measured_total: u64,
 ) -> Result<()> {
     let t = &cfg.training;
-    let prediction = trainkit::estimate::predict(
+    let options = trainkit::TrainerOptions {
+        grad_clip: t.grad_clip,
+        optimizer_in_backward: t.optimizer_in_backward,
+        offload_activations: t.offload_activations,
+        ..trainkit::TrainerOptions::default()
+    };
+    let prediction = trainkit::estimate::predict_with(
         cfg.build_model()?,
         MicroBatch {
             batch_size: t.batch_size,
@@ -144,6 +150,7 @@ pub fn write_report(
         cfg.precision.as_ref(),
         cfg.checkpoint.as_ref(),
         cfg.optimizer.as_ref(),
+        &options,
     )?;
     let k = global_batch(cfg)? / t.batch_size;
     let report = serde_json::json!({

@@ -54,9 +54,13 @@ pub struct MemoryArgs {
     /// With bf16: also accumulate gradients in f32 (4 more bytes per parameter).
     #[arg(long)]
     fp32_grads: bool,
-    /// Activation recomputation: none, full or selective.
+    /// Activation recomputation: none, full, selective or budget:SIZE (e.g. budget:2GiB).
     #[arg(long, default_value = "none")]
     recompute: String,
+    /// trainkit's exact figures with the activations the recompute policy keeps offloaded
+    /// to host memory, beside the same run without: what offloading saves on the device.
+    #[arg(long)]
+    offload_activations: bool,
     /// adamw (8 bytes of state per parameter), adamw8bit (2 bytes of codes, plus 8 bytes
     /// per block of 256 and f32 moments for tensors under 4096 elements in the exact
     /// figures) or sgd (no state without momentum).
@@ -416,15 +420,25 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         }
     }
 
-    let exact = trainkit_exact(
-        &subject,
-        seq_len,
-        args.batch_size,
-        precision,
-        recompute.as_ref(),
-        optimizer,
-        args.optimizer_in_backward,
-    )?;
+    let exact_with = |offload: bool| {
+        trainkit_exact(
+            &subject,
+            seq_len,
+            args.batch_size,
+            precision,
+            recompute.as_ref(),
+            optimizer,
+            args.optimizer_in_backward,
+            offload,
+        )
+    };
+    let exact = exact_with(args.offload_activations)?;
+    // With offloading, the same run without it: what offloading saves.
+    let kept = if args.offload_activations {
+        exact_with(false)?
+    } else {
+        None
+    };
 
     if args.json {
         let exact_json = exact.as_ref().map(|p| {
@@ -438,6 +452,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "activation_bytes": p.peak.get(MemoryCategory::Activations),
                 "peak_total_bytes": p.peak_total,
                 "optimizer_in_backward": args.optimizer_in_backward,
+                "offload_activations": args.offload_activations,
+                "offloaded_bytes": p.peak.get(MemoryCategory::Offloaded),
+                "peak_total_bytes_without_offload": kept.as_ref().map(|k| k.peak_total),
                 "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
             })
         });
@@ -528,6 +545,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             let formula = match recompute_name {
                 "none" => "L·s·b·(34h + 5·a·s)",
                 "selective" => "L·s·b·34h",
+                "budget" => "L·s·b·2h at least (the budget's choice: see the exact figures)",
                 _ => "L·s·b·2h",
             };
             let scale = if precision.compute_dtype().size() == 4 {
@@ -563,10 +581,11 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!(
             "trainkit's model, exact (what its ledger measures; activations include the \
              fused loss's chunk of logits){}:",
-            if args.optimizer_in_backward {
-                ", optimizer inside backward"
-            } else {
-                ""
+            match (args.optimizer_in_backward, args.offload_activations) {
+                (true, true) => ", optimizer inside backward, activations offloaded",
+                (true, false) => ", optimizer inside backward",
+                (false, true) => ", activations offloaded",
+                (false, false) => "",
             }
         );
         let parts: Vec<String> = MemoryCategory::ALL
@@ -582,6 +601,18 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 .peak_phase
                 .map_or("-".to_string(), |x| x.to_string())
         );
+        if let Some(k) = kept {
+            println!(
+                "  offloading saves {} GiB of device memory (peak {} GiB without it, {} GiB \
+                 with it; activations {} GiB → {} GiB) and holds {} GiB in host memory",
+                gib(k.peak_total.saturating_sub(p.peak_total)),
+                gib(k.peak_total),
+                gib(p.peak_total),
+                gib(k.peak.get(MemoryCategory::Activations)),
+                gib(p.peak.get(MemoryCategory::Activations)),
+                gib(p.peak.get(MemoryCategory::Offloaded)),
+            );
+        }
     }
     if subject.arch.is_some_and(|a| !a.is_gpt_like()) {
         println!(
@@ -594,6 +625,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
 /// dimensions), `None` for others or when the sequence exceeds a preset's context.
+#[allow(clippy::too_many_arguments)]
 fn trainkit_exact(
     subject: &Subject,
     seq_len: u64,
@@ -602,6 +634,7 @@ fn trainkit_exact(
     recompute: &dyn trainkit::CheckpointPolicy,
     optimizer: &dyn trainkit::Optimizer,
     optimizer_in_backward: bool,
+    offload_activations: bool,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(a) = subject.arch else {
         return Ok(None);
@@ -622,7 +655,7 @@ fn trainkit_exact(
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    let options = if optimizer_in_backward {
+    let mut options = if optimizer_in_backward {
         trainkit::TrainerOptions {
             grad_clip: 0.0,
             optimizer_in_backward: true,
@@ -631,6 +664,7 @@ fn trainkit_exact(
     } else {
         trainkit::TrainerOptions::default()
     };
+    options.offload_activations = offload_activations;
     trainkit::estimate::predict_with(
         model,
         MicroBatch {

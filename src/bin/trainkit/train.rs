@@ -84,9 +84,14 @@ pub struct TrainArgs {
     /// fp32, or bf16 (bf16 compute with f32 master weights).
     #[arg(long)]
     precision: Option<String>,
-    /// Activation recomputation: none, full or selective.
+    /// Activation recomputation: none, full, selective, or budget:SIZE (keep the
+    /// activations that save the most recompute per byte up to SIZE, e.g. budget:2GiB).
     #[arg(long)]
     recompute: Option<String>,
+    /// Move the activations the recompute policy keeps to host memory after forward and
+    /// bring them back for backward (under --recompute full, each layer's input).
+    #[arg(long)]
+    offload_activations: bool,
     /// How the loss is computed: fused (the classifier product and the cross-entropy in
     /// chunks of positions, the default) or materialized (the logits of every position).
     #[arg(long)]
@@ -207,6 +212,7 @@ impl TrainArgs {
             optimizer: self.optimizer.clone(),
             grad_clip: self.grad_clip,
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
+            offload_activations: self.offload_activations.then_some(true),
             precision: self.precision.clone(),
             recompute: self.recompute.clone(),
             loss: self.loss.clone(),
@@ -369,9 +375,14 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
     println!(
-        "device: {device}; precision {}; recompute {}; {} micro-batch rows × {} tokens",
+        "device: {device}; precision {}; recompute {}{}; {} micro-batch rows × {} tokens",
         kind(&cfg.precision)?,
         kind(&cfg.checkpoint)?,
+        if t.offload_activations {
+            ", kept activations offloaded to host memory"
+        } else {
+            ""
+        },
         t.batch_size,
         t.seq_len
     );
@@ -399,6 +410,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             max_bad_steps: t.max_bad_steps,
             peak_flops,
             optimizer_in_backward: t.optimizer_in_backward,
+            offload_activations: t.offload_activations,
         },
     )?;
     if let Some(dir) = &args.resume {

@@ -266,7 +266,10 @@ impl std::ops::Deref for Operand<'_> {
 /// backend.
 pub(super) fn ptr(t: &Tensor) -> Result<DevicePtr> {
     match t.storage() {
-        Storage::Device(d) => Ok(d.ptr()),
+        Storage::Device(d) => {
+            d.ready()?;
+            Ok(d.ptr())
+        }
         _ => Err(Error::Backend {
             backend: "cuda",
             message: format!(
@@ -360,6 +363,51 @@ impl Backend for CudaBackend {
         if t.bytes() > 0 {
             self.gpu.copy(ptr(&out)?, ptr(t)?, t.bytes() as usize)?;
         }
+        Ok(out)
+    }
+
+    fn offload_kernel(&self, t: Tensor) -> Result<Tensor> {
+        let Storage::Device(d) = t.storage() else {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: format!("`{}` lives in host memory, not on the GPU", t.label()),
+            });
+        };
+        if d.is_host() {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: format!("`{}` is offloaded already", t.label()),
+            });
+        }
+        let host = DeviceBuffer::alloc_host(&self.gpu, d.len(), d.dtype())?;
+        d.offload_into(&host)?;
+        let out = Tensor::new(
+            Storage::Device(host),
+            t.shape(),
+            MemoryCategory::Offloaded,
+            t.label(),
+            &self.ledger,
+        )?;
+        drop(t);
+        Ok(out)
+    }
+
+    fn fetch_kernel(&self, t: Tensor, category: MemoryCategory) -> Result<Tensor> {
+        let label = t.label().to_string();
+        let Storage::Device(h) = t.storage() else {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: format!("`{label}` lives in host memory, not on the GPU"),
+            });
+        };
+        if !h.is_host() {
+            return self.copy_kernel(&t, category, &label);
+        }
+        let out = self.alloc(t.shape(), t.dtype(), category, &label, false)?;
+        if let Storage::Device(d) = out.storage() {
+            h.fetch_into(d)?;
+        }
+        drop(t);
         Ok(out)
     }
 

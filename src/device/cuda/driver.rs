@@ -1,7 +1,8 @@
 //! The real GPU under the CUDA backend, through cudarc's driver, NVRTC and cuBLASLt
 //! bindings.
 //!
-//! One context and one stream per backend. Memory comes from the device's default
+//! One context and one stream per backend, and a second stream for copies to and from
+//! host memory (offloaded activations, [`super::pinned`]). Memory comes from the device's default
 //! stream-ordered pool (`cuMemAllocFromPoolAsync`) with its release threshold raised to
 //! the maximum, so freed memory stays in the pool and is reused instead of going back to
 //! the driver at every synchronization. Kernels are compiled by NVRTC for the device's own
@@ -10,9 +11,11 @@
 //! its heuristic once per shape and kept.
 
 use super::gpu::{
-    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType,
+    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, MatrixLayout, MatrixType,
+    Ticket,
 };
 use super::kernels::{find_include_dir, with_common, CompileOptions, KERNEL_FILES};
+use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
 use super::staging::Staging;
 use super::KernelCache;
@@ -53,9 +56,14 @@ pub(crate) struct DriverGpu {
     /// Page-locked slots that small uploads are copied through. The first field, so it is
     /// dropped first, after `drop` has synchronized the stream and while the context lives.
     staging: Mutex<Staging>,
+    /// Page-locked buffers of offloaded tensors; dropped, like `staging`, after `drop` has
+    /// synchronized both streams.
+    pinned: Mutex<Pinned>,
     info: CudaInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Copies to and from host memory, beside the compute stream.
+    copy: Arc<CudaStream>,
     pool: drv_sys::CUmemoryPool,
     modules: Vec<drv_sys::CUmodule>,
     functions: HashMap<&'static str, drv_sys::CUfunction>,
@@ -115,6 +123,9 @@ impl DriverGpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_error("creating a stream", e))?;
+        let copy = ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating the copy stream", e))?;
         // SAFETY: the context is current (CudaContext::new binds it); the pool handle comes
         // from the driver and the attribute value is a u64 as the attribute requires.
         let pool = unsafe {
@@ -130,6 +141,7 @@ impl DriverGpu {
             pool
         };
         let staging = Staging::new()?;
+        let pinned = Pinned::new()?;
         let include = find_include_dir()?;
         let (major, minor) = info.compute_capability;
         let options = CompileOptions::for_compute_capability(major, minor, include);
@@ -163,9 +175,11 @@ impl DriverGpu {
             .map_err(|e| driver_error("reading the multiprocessor count", e))?;
         Ok(DriverGpu {
             staging: Mutex::new(staging),
+            pinned: Mutex::new(pinned),
             info,
             ctx,
             stream,
+            copy,
             pool,
             modules,
             functions,
@@ -176,6 +190,10 @@ impl DriverGpu {
             max_blocks: (sms.max(1) as u32) * 8,
             waits: AtomicU64::new(0),
         })
+    }
+
+    fn pinned(&self) -> std::sync::MutexGuard<'_, Pinned> {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn bind(&self) -> Result<()> {
@@ -203,6 +221,7 @@ impl Drop for DriverGpu {
             return;
         }
         let _ = self.stream.synchronize();
+        let _ = self.copy.synchronize();
         // SAFETY: the handle and modules were created here and are not used after this.
         unsafe {
             let _ = lt::destroy_handle(self.lt);
@@ -458,6 +477,55 @@ impl Gpu for DriverGpu {
             .map_err(|e| driver_error("copying on the GPU", e))
     }
 
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr> {
+        self.bind()?;
+        self.pinned().alloc(bytes)
+    }
+
+    fn free_host(&self, ptr: HostPtr) {
+        self.pinned().release(ptr)
+    }
+
+    fn offload(&self, dst: HostPtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        self.bind()?;
+        let (compute, copy) = (self.stream.cu_stream(), self.copy.cu_stream());
+        // SAFETY: the caller's buffers hold `bytes` each; both streams are this context's.
+        unsafe { self.pinned().offload(dst, src, bytes, compute, copy) }
+    }
+
+    fn fetch(&self, dst: DevicePtr, src: HostPtr, bytes: usize) -> Result<Option<Ticket>> {
+        self.bind()?;
+        let (compute, copy) = (self.stream.cu_stream(), self.copy.cu_stream());
+        // SAFETY: as in `offload`.
+        unsafe { self.pinned().fetch(dst, src, bytes, compute, copy) }.map(Some)
+    }
+
+    fn wait_fetched(&self, ticket: Ticket) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the compute stream is this context's.
+        unsafe { self.pinned().wait(ticket, self.stream.cu_stream()) }
+    }
+
+    fn free_after_copy(&self, ptr: DevicePtr) {
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: `ptr` came from `alloc` and is freed once, after the copy that reads it.
+        if let Err(e) = unsafe { drv::free_async(ptr, self.copy.cu_stream()) } {
+            log::error!("freeing GPU memory at {ptr:#x} failed: {e}");
+        }
+    }
+
+    fn read_host(&self, dst: &mut [u8], src: HostPtr) -> Result<()> {
+        self.bind()?;
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.pinned().settle(src)?;
+        // SAFETY: the page-locked buffer at `src` holds at least `dst.len()` bytes and no
+        // copy writes it any more.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,
@@ -557,7 +625,10 @@ impl Gpu for DriverGpu {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.wait()
+        self.wait()?;
+        self.copy
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the copy stream", e))
     }
 
     fn host_waits(&self) -> u64 {

@@ -9,9 +9,11 @@
 //! CPU backend where no GPU is present, as in CI. It is slow, and it proves nothing about
 //! PTX code generation, timing or the real memory model: those need a GPU.
 
+use super::emulated_offload::EmulatedOffload;
 use super::emulator::KernelEmulator;
 use super::gpu::{
-    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, MatrixLayout, MatrixType,
+    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, MatrixLayout, MatrixType,
+    Ticket,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -45,6 +47,8 @@ pub(crate) struct EmulatedGpu {
     capacity: Option<u64>,
     /// Downloads and synchronizations so far.
     waits: AtomicU64,
+    /// Host buffers of offloaded tensors and the copies back not yet run.
+    offload: EmulatedOffload,
     /// Refuse products with the GELU epilogue, as a library without an algorithm for one
     /// would (to test the backend's fallback).
     pub(crate) refuse_gelu_epilogue: bool,
@@ -66,6 +70,7 @@ impl EmulatedGpu {
             pool: Mutex::new(Pool::default()),
             capacity,
             waits: AtomicU64::new(0),
+            offload: EmulatedOffload::default(),
             refuse_gelu_epilogue: false,
         })
     }
@@ -204,6 +209,40 @@ impl Gpu for EmulatedGpu {
         Ok(())
     }
 
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr> {
+        self.offload.alloc(bytes)
+    }
+
+    fn free_host(&self, ptr: HostPtr) {
+        self.offload.free(ptr)
+    }
+
+    fn offload(&self, dst: HostPtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's buffers hold at least `bytes` bytes each.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn fetch(&self, dst: DevicePtr, src: HostPtr, bytes: usize) -> Result<Option<Ticket>> {
+        Ok(Some(self.offload.fetch(dst, src, bytes)))
+    }
+
+    fn wait_fetched(&self, ticket: Ticket) -> Result<()> {
+        self.offload.wait(ticket);
+        Ok(())
+    }
+
+    fn free_after_copy(&self, ptr: DevicePtr) {
+        self.free(ptr)
+    }
+
+    fn read_host(&self, dst: &mut [u8], src: HostPtr) -> Result<()> {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the buffer at `src` holds at least `dst.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,
@@ -274,6 +313,7 @@ impl Gpu for EmulatedGpu {
 
     fn synchronize(&self) -> Result<()> {
         self.waits.fetch_add(1, Ordering::Relaxed);
+        self.offload.flush();
         Ok(())
     }
 

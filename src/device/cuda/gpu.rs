@@ -12,11 +12,19 @@ use crate::tensor::DType;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt::Debug;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A device address (a `CUdeviceptr`; a host address on the emulator). 0 is the null
 /// pointer, used for empty buffers.
 pub(crate) type DevicePtr = u64;
+
+/// An address in page-locked host memory (what [`Gpu::alloc_host`] returns).
+pub(crate) type HostPtr = u64;
+
+/// A copy to the device queued by [`Gpu::fetch`] that compute has not yet been made to
+/// wait for ([`Gpu::wait_fetched`]).
+pub(crate) type Ticket = u64;
 
 /// Why an allocation failed.
 #[derive(Debug)]
@@ -157,6 +165,36 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// Copies `bytes` from `src` to `dst` on the device.
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()>;
 
+    /// `bytes` of page-locked host memory for a tensor offloaded from the device (reused
+    /// once the copies queued on it are done).
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr>;
+
+    /// Returns page-locked memory from [`Gpu::alloc_host`]; it is reused only after the
+    /// copies queued on it have run.
+    fn free_host(&self, ptr: HostPtr);
+
+    /// Queues the copy of `bytes` from the device at `src` to the host at `dst` on the copy
+    /// stream, after the work queued so far on the compute stream; compute goes on.
+    fn offload(&self, dst: HostPtr, src: DevicePtr, bytes: usize) -> Result<()>;
+
+    /// Queues the copy of `bytes` from the host at `src` to the device at `dst` on the copy
+    /// stream. Returns the ticket compute must wait for before it reads `dst`
+    /// ([`Gpu::wait_fetched`]), or `None` when the copy is already done.
+    fn fetch(&self, dst: DevicePtr, src: HostPtr, bytes: usize) -> Result<Option<Ticket>>;
+
+    /// Makes the work queued on the compute stream from now on wait for the copy of
+    /// `ticket` (a wait on the device, not on the host: it costs time only when the copy
+    /// is late).
+    fn wait_fetched(&self, ticket: Ticket) -> Result<()>;
+
+    /// Returns device memory whose last reader is a copy queued by [`Gpu::offload`]
+    /// (stream-ordered after that copy, not after compute).
+    fn free_after_copy(&self, ptr: DevicePtr);
+
+    /// Copies page-locked host bytes at `src` into `dst`, once the copies queued on them
+    /// are done.
+    fn read_host(&self, dst: &mut [u8], src: HostPtr) -> Result<()>;
+
     /// Launches `kernel` on a 1-D grid of 1-D blocks.
     ///
     /// # Safety
@@ -196,12 +234,27 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     fn host_waits(&self) -> u64;
 }
 
-/// A device allocation holding `len` elements of `dtype`, returned on drop.
+/// Where a [`DeviceBuffer`]'s bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// Device memory.
+    Device,
+    /// Page-locked host memory held for the device (an offloaded tensor).
+    Host,
+}
+
+/// A device allocation holding `len` elements of `dtype`, returned on drop; or, for an
+/// offloaded tensor, page-locked host memory held for the device.
 pub(crate) struct DeviceBuffer {
     ptr: DevicePtr,
     len: usize,
     dtype: DType,
     gpu: Arc<dyn Gpu>,
+    place: Place,
+    /// The last reader is a copy to the host: freed after it, on the copy stream.
+    copied_out: AtomicBool,
+    /// A copy into this buffer compute has not waited for yet (its ticket + 1; 0: none).
+    pending: AtomicU64,
 }
 
 impl DeviceBuffer {
@@ -213,17 +266,72 @@ impl DeviceBuffer {
     ) -> std::result::Result<DeviceBuffer, AllocError> {
         let bytes = len * dtype.size();
         let ptr = if bytes == 0 { 0 } else { gpu.alloc(bytes)? };
-        Ok(DeviceBuffer {
+        Ok(DeviceBuffer::at(gpu, ptr, len, dtype, Place::Device))
+    }
+
+    /// Allocates `len` elements of `dtype` in page-locked host memory held for the device.
+    pub(crate) fn alloc_host(gpu: &Arc<dyn Gpu>, len: usize, dtype: DType) -> Result<DeviceBuffer> {
+        let bytes = len * dtype.size();
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            gpu.alloc_host(bytes)?
+        };
+        Ok(DeviceBuffer::at(gpu, ptr, len, dtype, Place::Host))
+    }
+
+    fn at(gpu: &Arc<dyn Gpu>, ptr: u64, len: usize, dtype: DType, place: Place) -> Self {
+        DeviceBuffer {
             ptr,
             len,
             dtype,
             gpu: Arc::clone(gpu),
-        })
+            place,
+            copied_out: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
+        }
     }
 
-    /// The device address of the first element.
+    /// The device address of the first element (a host address for a buffer in host
+    /// memory). Before reading it, compute waits for a pending copy ([`Self::ready`]).
     pub(crate) fn ptr(&self) -> DevicePtr {
         self.ptr
+    }
+
+    /// Whether the bytes are in page-locked host memory (an offloaded tensor).
+    pub(crate) fn is_host(&self) -> bool {
+        self.place == Place::Host
+    }
+
+    /// Makes compute wait for a copy into this buffer that is still pending.
+    pub(crate) fn ready(&self) -> Result<()> {
+        match self.pending.swap(0, Ordering::AcqRel) {
+            0 => Ok(()),
+            t => self.gpu.wait_fetched(t - 1),
+        }
+    }
+
+    /// Copies this device buffer into `host` (page-locked, as many bytes) on the copy
+    /// stream; this buffer is then freed after that copy rather than after compute.
+    pub(crate) fn offload_into(&self, host: &DeviceBuffer) -> Result<()> {
+        self.ready()?;
+        if self.bytes() > 0 {
+            self.gpu.offload(host.ptr, self.ptr, self.bytes())?;
+            self.copied_out.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Copies this host buffer into `dst` (device memory, as many bytes) on the copy
+    /// stream; compute waits for it where `dst` is first used.
+    pub(crate) fn fetch_into(&self, dst: &DeviceBuffer) -> Result<()> {
+        if self.bytes() == 0 {
+            return Ok(());
+        }
+        if let Some(t) = self.gpu.fetch(dst.ptr, self.ptr, self.bytes())? {
+            dst.pending.store(t + 1, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Number of elements.
@@ -244,8 +352,13 @@ impl DeviceBuffer {
     /// The elements as f32 (waits for queued work).
     pub(crate) fn to_f32(&self) -> Result<Vec<f32>> {
         let mut raw = vec![0u8; self.bytes()];
+        self.ready()?;
         if !raw.is_empty() {
-            self.gpu.download(&mut raw, self.ptr)?;
+            if self.is_host() {
+                self.gpu.read_host(&mut raw, self.ptr)?;
+            } else {
+                self.gpu.download(&mut raw, self.ptr)?;
+            }
         }
         Ok(match self.dtype {
             DType::F32 => raw
@@ -274,6 +387,7 @@ impl DeviceBuffer {
         if raw.is_empty() {
             return Ok(());
         }
+        self.ready()?;
         self.gpu.upload(self.ptr, &raw)
     }
 }
@@ -282,16 +396,28 @@ impl Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "DeviceBuffer({} × {} at {:#x})",
-            self.len, self.dtype, self.ptr
+            "DeviceBuffer({} × {} at {:#x}{})",
+            self.len,
+            self.dtype,
+            self.ptr,
+            if self.is_host() { ", host" } else { "" }
         )
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ptr != 0 {
-            self.gpu.free(self.ptr);
+        if self.ptr == 0 {
+            return;
+        }
+        // A copy still to land here must be ordered before the memory is reused.
+        if let Err(e) = self.ready() {
+            log::error!("waiting for a copy into {:#x} failed: {e}", self.ptr);
+        }
+        match self.place {
+            Place::Host => self.gpu.free_host(self.ptr),
+            Place::Device if *self.copied_out.get_mut() => self.gpu.free_after_copy(self.ptr),
+            Place::Device => self.gpu.free(self.ptr),
         }
     }
 }

@@ -14,10 +14,12 @@ mod backend;
 pub mod cache;
 mod driver;
 mod emulated;
+mod emulated_offload;
 pub mod emulator;
 mod gpu;
 pub mod kernels;
 mod ops;
+mod pinned;
 pub mod probe;
 mod staging;
 

@@ -129,7 +129,9 @@ fn snapshot(events: &[MemoryEvent]) -> Value {
                 bytes,
                 label,
                 ..
-            } => {
+            } if category.on_device() => {
+                // Host memory held for the device (offloaded activations) has no device
+                // address: the snapshot is the device's.
                 let offset = space.alloc(*bytes);
                 let f = frames(buffer_name(label, *category), walk.context());
                 trace.push(trace_entry("alloc", offset, *bytes, time_us(e), &f));

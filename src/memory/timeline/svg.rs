@@ -22,6 +22,7 @@ fn category_color(c: MemoryCategory) -> RGBColor {
         MemoryCategory::OptimizerState => RGBColor(225, 87, 89),
         MemoryCategory::Activations => RGBColor(89, 161, 79),
         MemoryCategory::Workspace => RGBColor(237, 201, 73),
+        MemoryCategory::Offloaded => RGBColor(186, 176, 172),
     }
 }
 
@@ -48,7 +49,10 @@ struct Layout {
     /// Step ends: (step, x).
     steps: Vec<(u64, f64)>,
     x_end: f64,
+    /// The device's peak total.
     peak: u64,
+    /// The most host memory held for the device at once (offloaded activations).
+    host_peak: u64,
 }
 
 fn layout(events: &[MemoryEvent], axis: TimelineAxis) -> Layout {
@@ -69,6 +73,7 @@ fn layout(events: &[MemoryEvent], axis: TimelineAxis) -> Layout {
     let mut steps = Vec::new();
     let mut x_end: f64 = 0.0;
     let mut peak = 0;
+    let mut host_peak = 0;
     for e in events {
         walk.apply(e);
         match e {
@@ -77,6 +82,7 @@ fn layout(events: &[MemoryEvent], axis: TimelineAxis) -> Layout {
                 let x = x_of(e, changes);
                 samples.push(Sample { x, live: walk.live });
                 peak = peak.max(walk.live.total());
+                host_peak = host_peak.max(walk.live.host());
             }
             MemoryEvent::PhaseBegin { phase, .. } => {
                 if let Some(g) = PhaseGroup::of(*phase) {
@@ -124,6 +130,7 @@ fn layout(events: &[MemoryEvent], axis: TimelineAxis) -> Layout {
         steps,
         x_end: if x_end > 0.0 { x_end } else { 1.0 },
         peak,
+        host_peak,
     }
 }
 
@@ -176,8 +183,8 @@ fn draw_error<E: std::error::Error>(e: E) -> Error {
 /// The plot of `events`.
 pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<String> {
     let l = layout(events, axis);
-    let (unit_name, per_unit) = unit(l.peak);
-    let top = (l.peak as f64 / per_unit).max(1e-9) * 1.2;
+    let (unit_name, per_unit) = unit(l.peak.max(l.host_peak));
+    let top = (l.peak.max(l.host_peak) as f64 / per_unit).max(1e-9) * 1.2;
     let ribbon = (top * 0.935, top * 0.985);
     let mut svg = String::new();
     {
@@ -215,13 +222,18 @@ pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<Strin
             .draw()
             .map_err(draw_error)?;
 
-        // The stacked areas, each a polygon between two cumulative step functions.
-        let cumulative: Vec<[f64; 7]> = l
+        // The stacked areas, each a polygon between two cumulative step functions: the
+        // device's categories (host memory held for it is not device memory).
+        let device: Vec<MemoryCategory> = MemoryCategory::ALL
+            .into_iter()
+            .filter(|c| c.on_device())
+            .collect();
+        let cumulative: Vec<Vec<f64>> = l
             .samples
             .iter()
             .map(|s| {
-                let mut c = [0.0; 7];
-                for (i, cat) in MemoryCategory::ALL.iter().enumerate() {
+                let mut c = vec![0.0; device.len() + 1];
+                for (i, cat) in device.iter().enumerate() {
                     c[i + 1] = c[i] + s.live.get(*cat) as f64 / per_unit;
                 }
                 c
@@ -240,13 +252,34 @@ pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<Strin
             }
             pts
         };
-        for (i, cat) in MemoryCategory::ALL.iter().enumerate() {
+        for (i, cat) in device.iter().enumerate() {
             let mut pts = edge(i + 1);
             pts.extend(edge(i).into_iter().rev());
             chart
                 .draw_series(std::iter::once(Polygon::new(
                     pts,
                     category_color(*cat).filled(),
+                )))
+                .map_err(draw_error)?;
+        }
+
+        // Host memory held for the device: a line over the stacked areas.
+        if l.host_peak > 0 {
+            let mut pts = Vec::with_capacity(2 * l.samples.len() + 1);
+            for (j, s) in l.samples.iter().enumerate() {
+                let y = |k: usize| l.samples[k].live.host() as f64 / per_unit;
+                if j > 0 {
+                    pts.push((s.x, y(j - 1)));
+                }
+                pts.push((s.x, y(j)));
+            }
+            if let Some(last) = l.samples.last() {
+                pts.push((l.x_end, last.live.host() as f64 / per_unit));
+            }
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    pts,
+                    category_color(MemoryCategory::Offloaded).stroke_width(3),
                 )))
                 .map_err(draw_error)?;
         }
@@ -293,7 +326,14 @@ pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<Strin
         legend_area
             .draw_text("memory", &text, (10, y - 24))
             .map_err(draw_error)?;
-        for cat in MemoryCategory::ALL.iter().rev() {
+        // Host memory first (drawn as a line), then the device's stack, top down.
+        item(
+            category_color(MemoryCategory::Offloaded),
+            MemoryCategory::Offloaded.name(),
+            y,
+        )?;
+        y += 22;
+        for cat in device.iter().rev() {
             item(category_color(*cat), cat.name(), y)?;
             y += 22;
         }

@@ -1,5 +1,10 @@
-//! `CheckpointPolicy`: which activations stay in memory for backward and which are
-//! recomputed, and the shipped policies (none, full and selective recomputation).
+//! `CheckpointPolicy`: which activations stay in memory for backward, which wait in host
+//! memory and which are recomputed, and the shipped policies (none, full, selective and
+//! byte-budget recomputation).
+
+mod budget;
+
+pub use budget::Budget;
 
 use dyn_clone::DynClone;
 use serde::{Deserialize, Serialize};
@@ -115,18 +120,62 @@ pub enum Retention {
     Keep,
     /// Freed at once and recomputed in backward from what was kept.
     Recompute,
+    /// Moved to host memory once forward is done with it (counted under
+    /// [`crate::MemoryCategory::Offloaded`], not in the device's peak) and brought back
+    /// before its backward: the bytes of [`Retention::Keep`] at the cost of two copies.
+    Offload,
 }
 
-/// Decides, for every activation forward produces, whether it is kept or recomputed.
+/// An activation with what dropping it would cost: what [`CheckpointPolicy::plan`] sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SiteCost {
+    /// The activation.
+    pub site: ActivationSite,
+    /// Floating-point operations of rerunning what produces it, as the ledger counts them:
+    /// the node that produced it, or for a layer's input the whole layer before it (the
+    /// embedding's ops for layer 0).
+    pub recompute_flops: u64,
+}
+
+impl SiteCost {
+    /// Recompute FLOPs saved per byte kept: what a byte of memory buys. A site of zero
+    /// bytes is worth keeping whatever it costs.
+    pub fn flops_per_byte(&self) -> f64 {
+        if self.site.bytes == 0 {
+            f64::INFINITY
+        } else {
+            self.recompute_flops as f64 / self.site.bytes as f64
+        }
+    }
+}
+
+/// Decides, for every activation forward produces, whether it is kept, offloaded or
+/// recomputed.
 ///
 /// Backward recomputes a dropped activation by running the smallest forward segment that
 /// produces it from what was kept; a dropped layer input is recomputed by running the
-/// layers from the nearest kept input before it (the embedding if none). So any policy is
-/// correct, and gradients are bitwise equal to keeping everything on the CPU in f32.
+/// layers from the nearest kept input before it (the embedding if none). An offloaded one
+/// is copied back. So any policy is correct, and gradients are bitwise equal to keeping
+/// everything on the CPU in f32.
+///
+/// A policy decides one site at a time ([`CheckpointPolicy::retain`]), or, when it needs
+/// the whole picture (a byte budget shared by every layer), all at once
+/// ([`CheckpointPolicy::plan`]).
 #[typetag::serde(tag = "kind")]
 pub trait CheckpointPolicy: DynClone + Debug + Send + Sync {
-    /// Keep or recompute the activation at `site`.
+    /// Keep, offload or recompute the activation at `site`.
     fn retain(&self, site: &ActivationSite) -> Retention;
+
+    /// Decides every activation of a forward pass at once, before the first layer runs:
+    /// `sites` lists each activation backward reads, layer by layer in forward order, with
+    /// its exact bytes and the FLOPs of recomputing it. Returns one [`Retention`] per site,
+    /// in that order, or `None` (the default) to be asked site by site through
+    /// [`CheckpointPolicy::retain`]. The executor calls it once per forward pass, so
+    /// the plan follows the batch's shape.
+    fn plan(&self, sites: &[SiteCost]) -> Option<Vec<Retention>> {
+        let _ = sites;
+        None
+    }
 }
 
 dyn_clone::clone_trait_object!(CheckpointPolicy);
@@ -134,6 +183,9 @@ dyn_clone::clone_trait_object!(CheckpointPolicy);
 impl<'a> CheckpointPolicy for Box<dyn CheckpointPolicy + 'a> {
     fn retain(&self, site: &ActivationSite) -> Retention {
         (**self).retain(site)
+    }
+    fn plan(&self, sites: &[SiteCost]) -> Option<Vec<Retention>> {
+        (**self).plan(sites)
     }
     #[doc(hidden)]
     fn typetag_name(&self) -> &'static str {
@@ -191,22 +243,37 @@ impl CheckpointPolicy for Selective {
     }
 }
 
-/// The shipped recompute policies, from the least recomputation (and the most memory) to
-/// the most: [`NoRecompute`], [`Selective`], [`Full`]. Autofit tries them in this order.
+/// The shipped recompute policies without a setting, from the least recomputation (and
+/// the most memory) to the most: [`NoRecompute`], [`Selective`], [`Full`]. Autofit tries
+/// them in this order.
 pub fn by_cost() -> Vec<Box<dyn CheckpointPolicy>> {
     vec![Box::new(NoRecompute), Box::new(Selective), Box::new(Full)]
 }
 
-/// The shipped policy `name` names (`none`, `selective` or `full`: its config `kind`, and
-/// the spelling of `--recompute`).
+/// The shipped policy `name` names: `none`, `selective` or `full` (its config `kind`), or
+/// `budget:SIZE` for a [`Budget`] of `SIZE` bytes (`budget:2GiB`, `budget:0`): the
+/// spelling of `--recompute`.
 pub fn named(name: &str) -> crate::error::Result<Box<dyn CheckpointPolicy>> {
+    if let Some(size) = name.strip_prefix("budget") {
+        let size = size.strip_prefix(':').filter(|s| !s.trim().is_empty());
+        let Some(size) = size else {
+            return Err(crate::error::Error::config(
+                "recompute",
+                format!("`{name}` needs a size: write budget:SIZE, e.g. budget:2GiB or budget:0"),
+            ));
+        };
+        return Ok(Box::new(Budget::parse(size)?));
+    }
     by_cost()
         .into_iter()
         .find(|p| p.typetag_name() == name)
         .ok_or_else(|| {
             crate::error::Error::config(
                 "recompute",
-                format!("`{name}` is not a recompute policy; use none, full or selective"),
+                format!(
+                    "`{name}` is not a recompute policy; use none, full, selective or \
+                     budget:SIZE (e.g. budget:2GiB)"
+                ),
             )
         })
 }
