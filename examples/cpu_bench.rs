@@ -8,12 +8,13 @@
 //! Matrix products run on the `gemm` crate, or on the CBLAS library `$TRAINKIT_BLAS`
 //! names (Intel MKL, OpenBLAS, BLIS).
 //!
-//! `cargo run --release --example cpu_bench` measures the three shapes of
-//! docs/benchmarks.md (a and b: GPT-2; c: a Llama with grouped-query attention);
-//! `-- --shape a` (or b, c) runs one. `-- --ops` also prints
+//! `cargo run --release --example cpu_bench` measures the four shapes of
+//! docs/benchmarks.md (a and b: GPT-2; c: a Llama with grouped-query attention; d: a
+//! GPT-2 on sequences of 2048); `-- --shape a` (or b, c, d) runs one. `-- --ops` also prints
 //! where the timed steps' time went, op by op (from the ledger's op spans).
-//! `-- --loss materialized` runs the materialized loss instead of the fused one, and
-//! `-- --loss-chunk N` sets the fused loss's positions per chunk.
+//! `-- --loss materialized` runs the materialized loss instead of the fused one,
+//! `-- --loss-chunk N` sets the fused loss's positions per chunk, and
+//! `-- --attention materialized` the materialized attention instead of the fused one.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -81,6 +82,19 @@ fn shapes() -> Vec<Shape> {
             batch: 16,
             seq: 256,
         },
+        Shape {
+            name: "d",
+            config: ModelConfig::Gpt2(Gpt2Config {
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 256,
+                n_positions: 2048,
+                vocab_size: 256,
+                layer_norm_epsilon: 1e-5,
+            }),
+            batch: 2,
+            seq: 2048,
+        },
     ]
 }
 
@@ -99,6 +113,10 @@ fn main() -> trainkit::Result<()> {
     let loss = match flag("--loss") {
         Some(name) => trainkit::ops::LossPath::parse("--loss", &name)?,
         None => trainkit::ops::LossPath::Fused,
+    };
+    let attention = match flag("--attention") {
+        Some(name) => trainkit::ops::AttentionPath::parse("--attention", &name)?,
+        None => trainkit::ops::AttentionPath::Fused,
     };
     let loss_chunk = match flag("--loss-chunk") {
         Some(n) => Some(
@@ -126,7 +144,7 @@ fn main() -> trainkit::Result<()> {
             .map(|_| rng.below(v) as u32)
             .collect();
         let data = DataLoader::new(tokens, s.batch, s.seq)?;
-        let model = s.config.build_with_loss(loss, loss_chunk)?;
+        let model = s.config.build_with(attention, loss, loss_chunk)?;
         let mut t = Trainer::builder(
             model,
             Arc::clone(&backend) as Arc<dyn trainkit::Backend>,

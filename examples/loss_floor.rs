@@ -1,8 +1,9 @@
-//! The loss floor: for GPT-2 124M and Llama 3.2 1B (bf16, batch 1) at sequence lengths
-//! up to 8192, the
-//! activation peak of the loss phase and of the whole step, with the fused linear
-//! cross-entropy and with the materialized logits, for each recompute policy. Exact
-//! figures from the meta backend (the trainer run with no data), as `trainkit memory`.
+//! Activations against the sequence length, and the loss floor: for GPT-2 124M and Llama
+//! 3.2 1B (bf16, batch 1) at sequence lengths up to 8192 and each recompute policy, the
+//! step's activation peak with the fused and with the materialized attention; then the
+//! activation peak of the loss phase and of the whole step with the fused linear
+//! cross-entropy and with the materialized logits. Exact figures from the meta backend
+//! (the trainer run with no data), as `trainkit memory`.
 //!
 //! `cargo run --release --example loss_floor`
 
@@ -10,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use trainkit::data::DataLoader;
 use trainkit::memory::{format_bytes, MemoryEvent, Phase};
-use trainkit::ops::LossPath;
+use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::prelude::*;
 use trainkit::MetaBackend;
 
@@ -62,52 +63,92 @@ impl MemoryObserver for LossPeak {
     }
 }
 
+/// One step's loss-phase and whole-step activation peaks (bf16, batch 1, the second step).
+fn measure(
+    family: &str,
+    t: usize,
+    policy: &dyn CheckpointPolicy,
+    attention: AttentionPath,
+    loss: LossPath,
+) -> Result<LossPeak> {
+    let model: Box<dyn Model> = if family == "gpt2-124m" {
+        let config = Gpt2Config {
+            n_positions: t,
+            ..Gpt2Config::gpt2_124m()
+        };
+        Box::new(
+            Gpt2::new(config)?
+                .with_attention(attention)
+                .with_loss(loss, None)?,
+        )
+    } else {
+        let llama = trainkit::estimate::preset("llama-3.2-1b")?.architecture;
+        let config = trainkit::LlamaConfig::from_architecture(&llama, t)?;
+        Box::new(
+            trainkit::Llama::new(config)?
+                .with_attention(attention)
+                .with_loss(loss, None)?,
+        )
+    };
+    let data = DataLoader::new(vec![0u32; t + 1], 1, t)?;
+    let backend: Arc<dyn Backend> = Arc::new(MetaBackend::new());
+    let mut trainer = Trainer::builder(model, backend, data)
+        .precision(MixedBf16 { fp32_grads: false })
+        .checkpoint(dyn_clone::clone_box(policy))
+        .observer(LossPeak::default())
+        .build()?;
+    trainer.step()?;
+    let s = trainer.step()?;
+    let o = trainer.observer().clone();
+    assert_eq!(o.peak, s.memory.peak.get(MemoryCategory::Activations));
+    Ok(o)
+}
+
 fn main() -> Result<()> {
     let policies: [(&str, Box<dyn CheckpointPolicy>); 3] = [
         ("none", Box::new(NoRecompute)),
         ("selective", Box::new(Selective)),
         ("full", Box::new(Full)),
     ];
+    let runs: Vec<(&str, usize)> = [1024, 2048, 4096, 8192]
+        .map(|t| ("gpt2-124m", t))
+        .into_iter()
+        .chain([1024, 2048, 4096, 8192].map(|t| ("llama-3.2-1b", t)))
+        .collect();
+    let bytes = |b: u64| format!("{} ({b})", format_bytes(b));
+
+    println!("Step activation peak, fused loss, by attention path:\n");
+    println!("| model | T | recompute | materialized attention | fused attention |");
+    println!("| --- | --- | --- | --- | --- |");
+    for &(family, t) in &runs {
+        for (name, policy) in &policies {
+            let peak = |a| measure(family, t, policy.as_ref(), a, LossPath::Fused);
+            let (m, f) = (
+                peak(AttentionPath::Materialized)?,
+                peak(AttentionPath::Fused)?,
+            );
+            println!(
+                "| {family} | {t} | {name} | {} | {} |",
+                bytes(m.peak),
+                bytes(f.peak)
+            );
+        }
+    }
+
+    println!("\nThe loss floor, fused attention, by loss path:\n");
     println!(
         "| model | T | recompute | loss | loss-phase peak | step activation peak | peak phase |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    let llama = trainkit::estimate::preset("llama-3.2-1b")?.architecture;
-    for (family, t) in [1024, 2048, 4096, 8192]
-        .map(|t| ("gpt2-124m", t))
-        .into_iter()
-        .chain([1024, 2048, 4096, 8192].map(|t| ("llama-3.2-1b", t)))
-    {
+    for &(family, t) in &runs {
         for (name, policy) in &policies {
             for path in [LossPath::Materialized, LossPath::Fused] {
-                let model: Box<dyn Model> = if family == "gpt2-124m" {
-                    let config = Gpt2Config {
-                        n_positions: t,
-                        ..Gpt2Config::gpt2_124m()
-                    };
-                    Box::new(Gpt2::new(config)?.with_loss(path, None)?)
-                } else {
-                    let config = trainkit::LlamaConfig::from_architecture(&llama, t)?;
-                    Box::new(trainkit::Llama::new(config)?.with_loss(path, None)?)
-                };
-                let data = DataLoader::new(vec![0u32; t + 1], 1, t)?;
-                let backend: Arc<dyn Backend> = Arc::new(MetaBackend::new());
-                let mut trainer = Trainer::builder(model, backend, data)
-                    .precision(MixedBf16 { fp32_grads: false })
-                    .checkpoint(policy.clone())
-                    .observer(LossPeak::default())
-                    .build()?;
-                trainer.step()?;
-                let s = trainer.step()?;
-                let o = trainer.observer();
-                assert_eq!(o.peak, s.memory.peak.get(MemoryCategory::Activations));
+                let o = measure(family, t, policy.as_ref(), AttentionPath::Fused, path)?;
                 let phase = o.peak_phase.map_or("-".to_string(), |p| p.to_string());
                 println!(
-                    "| {family} | {t} | {name} | {path} | {} ({}) | {} ({}) | {phase} |",
-                    format_bytes(o.loss_peak),
-                    o.loss_peak,
-                    format_bytes(o.peak),
-                    o.peak,
+                    "| {family} | {t} | {name} | {path} | {} | {} | {phase} |",
+                    bytes(o.loss_peak),
+                    bytes(o.peak),
                 );
             }
         }

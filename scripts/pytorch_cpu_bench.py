@@ -6,7 +6,7 @@ GPT2LMHeadModel (shapes a, b) or LlamaForCausalLM (shape c: grouped-query attent
 untied head) with the shapes of `cargo run --release --example cpu_bench`, random
 tokens, dropout off, 2 warm-up steps, then the median and the best of 7 timed steps.
 
-    python scripts/pytorch_cpu_bench.py [--shape a|b|c] [--attn sdpa|eager] [--threads N]
+    python scripts/pytorch_cpu_bench.py [--shape a|b|c|d] [--attn sdpa|eager] [--threads N]
 
 Needs torch and transformers (any recent versions; the figures in docs/benchmarks.md name
 theirs).
@@ -24,6 +24,7 @@ SHAPES = {
     "b": dict(n_layer=6, n_head=6, n_embd=384, vocab_size=256, batch=16, seq=256),
     "c": dict(n_layer=6, n_head=6, n_kv_head=2, n_embd=384, ffn=1024, vocab_size=256,
               batch=16, seq=256),
+    "d": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=256, batch=2, seq=2048),
 }
 
 

@@ -36,6 +36,9 @@ impl Tags {
     /// The MLP's wide hidden activations (`[B, T, ffn]`: before and after its activation
     /// function).
     pub const WIDE: Tags = Tags(1 << 8);
+    /// A softmax's per-row statistics (the fused attention's log-sum-exp, f32, linear in
+    /// the sequence length).
+    pub const SOFTMAX_STATS: Tags = Tags(1 << 9);
 
     /// These tags and those of `other` (`|` in a constant).
     pub const fn with(self, other: Tags) -> Tags {
@@ -54,7 +57,7 @@ impl Tags {
 
     /// The names of the tags set, e.g. `["attention", "quadratic"]`.
     pub fn names(self) -> Vec<&'static str> {
-        const NAMES: [(Tags, &str); 9] = [
+        const NAMES: [(Tags, &str); 10] = [
             (Tags::LAYER_INPUT, "layer_input"),
             (Tags::QUADRATIC, "quadratic"),
             (Tags::ATTENTION, "attention"),
@@ -64,6 +67,7 @@ impl Tags {
             (Tags::PROJECTION, "projection"),
             (Tags::RESIDUAL, "residual"),
             (Tags::WIDE, "wide"),
+            (Tags::SOFTMAX_STATS, "softmax_stats"),
         ];
         NAMES
             .iter()
@@ -170,7 +174,8 @@ impl CheckpointPolicy for Full {
 
 /// Selective recomputation: drops what grows with the square of the sequence length (the
 /// materialized attention probabilities, recomputed from `qkv` in backward); keeps the
-/// rest.
+/// rest. With the fused attention no such tensor exists (its log-sum-exp is linear in T
+/// and kept), so selective keeps everything, as no recomputation does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Selective;

@@ -4,13 +4,22 @@
 mod common;
 
 use common::{corpus_loader, cpu, tiny_config};
+use trainkit::ops::AttentionPath;
 use trainkit::{
     CheckpointPolicy, Full, Gpt2, Model, NoRecompute, Selective, StepStats, Trainer, TrainerOptions,
 };
 
 fn step(policy: Box<dyn CheckpointPolicy>, peak_flops: Option<f64>) -> StepStats {
+    step_with(policy, peak_flops, AttentionPath::Fused)
+}
+
+fn step_with(
+    policy: Box<dyn CheckpointPolicy>,
+    peak_flops: Option<f64>,
+    attention: AttentionPath,
+) -> StepStats {
     let mut t = Trainer::builder(
-        Gpt2::new(tiny_config()).unwrap(),
+        Gpt2::new(tiny_config()).unwrap().with_attention(attention),
         cpu(),
         corpus_loader(20_000, 2, 2, 32),
     )
@@ -52,9 +61,10 @@ fn mfu_and_hfu_divide_flops_by_time_and_peak() {
 
 #[test]
 fn hfu_counts_the_recomputed_forward_work() {
-    let none = step(Box::new(NoRecompute), None);
-    let sel = step(Box::new(Selective), None);
-    let full = step(Box::new(Full), None);
+    let materialized = AttentionPath::Materialized;
+    let none = step_with(Box::new(NoRecompute), None, materialized);
+    let sel = step_with(Box::new(Selective), None, materialized);
+    let full = step_with(Box::new(Full), None, materialized);
     assert_eq!(
         none.model_flops, full.model_flops,
         "MFU ignores recomputation"
@@ -71,4 +81,11 @@ fn hfu_counts_the_recomputed_forward_work() {
         sel_extra > 0 && sel_extra < full_extra,
         "{sel_extra} vs {full_extra}"
     );
+    // With the fused attention there is nothing quadratic to drop: selective reruns
+    // nothing, full still reruns each layer.
+    let none = step(Box::new(NoRecompute), None);
+    let sel = step(Box::new(Selective), None);
+    let full = step(Box::new(Full), None);
+    assert_eq!(sel.hardware_flops, none.hardware_flops);
+    assert!(full.hardware_flops - none.hardware_flops >= l * 16 * bt * ch * ch);
 }

@@ -3,6 +3,7 @@
 mod common;
 
 use common::{corpus_loader, cpu};
+use trainkit::ops::AttentionPath;
 use trainkit::{
     CheckpointPolicy, Full, Gpt2, Gpt2Config, MemoryCategory, NoRecompute, Selective, Trainer,
 };
@@ -21,8 +22,8 @@ fn config() -> Gpt2Config {
     }
 }
 
-fn activation_peak(policy: Box<dyn CheckpointPolicy>) -> (u64, u64, u64) {
-    let model = Gpt2::new(config()).unwrap();
+fn activation_peak(policy: Box<dyn CheckpointPolicy>, attention: AttentionPath) -> (u64, u64, u64) {
+    let model = Gpt2::new(config()).unwrap().with_attention(attention);
     let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
         .checkpoint(policy)
         .build()
@@ -37,20 +38,31 @@ fn activation_peak(policy: Box<dyn CheckpointPolicy>) -> (u64, u64, u64) {
 
 #[test]
 fn recompute_lowers_the_activation_peak_by_the_dropped_bytes() {
-    let (b, t, c, h, l) = (2u64, 16u64, 32u64, 2u64, 3u64);
+    let (b, t, h) = (2u64, 16u64, 2u64);
     let f = 4; // f32
-               // Selective drops the attention probabilities of every layer.
-    let probs = b * h * t * t * f;
+               // The materialized attention keeps its probabilities; selective drops them.
+    dropped_bytes_are_saved(AttentionPath::Materialized, b * h * t * t * f);
+    // The fused attention keeps one f32 log-sum-exp per row; selective keeps it.
+    dropped_bytes_are_saved(AttentionPath::Fused, b * h * t * 4);
+}
+
+/// Each policy lowers the activation peak by exactly the bytes it drops; `stats` is the
+/// attention's per-layer statistics (probabilities or log-sum-exp).
+fn dropped_bytes_are_saved(attention: AttentionPath, stats: u64) {
+    let (b, t, c, l) = (2u64, 16u64, 32u64, 3u64);
+    let f = 4; // f32
+    let materialized = attention == AttentionPath::Materialized;
+    let probs = if materialized { stats } else { 0 };
     // Full drops everything but each layer's input.
     let per_layer = 2 * (b * t * 2 * f) // ln1 and ln2 statistics
         + 5 * (b * t * c * f) // ln1_out, attn_out, residual, ln2_out, plus qkv below
         - (b * t * c * f)
         + b * t * 3 * c * f // qkv
-        + probs
+        + stats
         + 2 * (b * t * 4 * c * f); // fc_out, gelu_out
-    let (none, none_total, none_dropped) = activation_peak(Box::new(NoRecompute));
-    let (sel, sel_total, sel_dropped) = activation_peak(Box::new(Selective));
-    let (full, full_total, full_dropped) = activation_peak(Box::new(Full));
+    let (none, none_total, none_dropped) = activation_peak(Box::new(NoRecompute), attention);
+    let (sel, sel_total, sel_dropped) = activation_peak(Box::new(Selective), attention);
+    let (full, full_total, full_dropped) = activation_peak(Box::new(Full), attention);
     assert_eq!(none_dropped, 0);
     assert_eq!(sel_dropped, l * probs);
     assert_eq!(full_dropped, l * per_layer);
@@ -68,5 +80,6 @@ fn recompute_lowers_the_activation_peak_by_the_dropped_bytes() {
     // for every policy.
     assert_eq!(none_total, sel_total);
     assert_eq!(none_total, full_total);
-    assert!(full < sel && sel < none);
+    assert!(full < sel && sel <= none);
+    assert_eq!(sel < none, materialized);
 }

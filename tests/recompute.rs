@@ -1,13 +1,14 @@
 //! Recomputation changes memory, never results: every policy gives gradients and updates
-//! bitwise equal to keeping everything, in f32 on the CPU, on each loss path (the fused
-//! linear cross-entropy in one chunk and in several, and the materialized logits).
+//! bitwise equal to keeping everything, in f32 on the CPU, on each attention path (fused
+//! and materialized) and each loss path (the fused linear cross-entropy in one chunk and
+//! in several, and the materialized logits).
 
 mod common;
 
 use common::{corpus_loader, cpu, grads, tiny_config, values, EveryOtherInput};
 use serde::{Deserialize, Serialize};
 use trainkit::checkpoint::{ActivationSite, Retention};
-use trainkit::ops::LossPath;
+use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::{CheckpointPolicy, Full, Gpt2, NoRecompute, Selective, Trainer};
 
 /// Drops everything, layer inputs included: backward reruns from the embedding.
@@ -24,9 +25,14 @@ impl CheckpointPolicy for DropAll {
 /// Gradients, updated values, losses and recomputed bytes of a short run.
 type RunResult = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>, u64);
 
-fn run<C: CheckpointPolicy>(policy: C, loss: (LossPath, Option<usize>)) -> RunResult {
+fn run<C: CheckpointPolicy>(
+    policy: C,
+    attention: AttentionPath,
+    loss: (LossPath, Option<usize>),
+) -> RunResult {
     let model = Gpt2::new(tiny_config())
         .unwrap()
+        .with_attention(attention)
         .with_loss(loss.0, loss.1)
         .unwrap();
     let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
@@ -51,17 +57,19 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 
 #[test]
 fn every_policy_is_bitwise_equal_to_no_recompute() {
-    for loss in [
-        (LossPath::Fused, None),
-        (LossPath::Fused, Some(5)),
-        (LossPath::Materialized, None),
-    ] {
-        policies_agree(loss);
+    for attention in [AttentionPath::Fused, AttentionPath::Materialized] {
+        for loss in [
+            (LossPath::Fused, None),
+            (LossPath::Fused, Some(5)),
+            (LossPath::Materialized, None),
+        ] {
+            policies_agree(attention, loss);
+        }
     }
 }
 
-fn policies_agree(loss: (LossPath, Option<usize>)) {
-    let (g0, v0, l0, r0) = run(NoRecompute, loss);
+fn policies_agree(attention: AttentionPath, loss: (LossPath, Option<usize>)) {
+    let (g0, v0, l0, r0) = run(NoRecompute, attention, loss);
     assert_eq!(r0, 0, "keeping everything recomputes nothing");
     let others: Vec<(&str, Box<dyn CheckpointPolicy>)> = vec![
         ("full", Box::new(Full)),
@@ -70,9 +78,11 @@ fn policies_agree(loss: (LossPath, Option<usize>)) {
         ("drop_all", Box::new(DropAll)),
     ];
     for (name, policy) in others {
-        let (g, v, l, r) = run(policy, loss);
-        let name = format!("{name} ({loss:?})");
-        assert!(r > 0, "{name} recomputed something");
+        // Selective drops only what grows with T², which the fused attention never makes.
+        let drops = !(name == "selective" && attention == AttentionPath::Fused);
+        let (g, v, l, r) = run(policy, attention, loss);
+        let name = format!("{name} ({attention} attention, {loss:?})");
+        assert_eq!(r > 0, drops, "{name} recomputed {r} bytes");
         assert_eq!(l, l0, "{name}: losses");
         assert!(
             bits(&g) == bits(&g0),

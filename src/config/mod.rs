@@ -6,7 +6,7 @@ use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryObserver, PeakTracker};
 use crate::model::{Model, ModelConfig};
-use crate::ops::LossPath;
+use crate::ops::{AttentionPath, LossPath};
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::precision::{Fp32, Precision};
 use serde::{Deserialize, Serialize};
@@ -55,6 +55,10 @@ pub struct TrainingConfig {
     /// Positions per chunk of the fused loss; unset chooses from the vocabulary (chunk
     /// logits of about 64 MiB, at least 512 positions).
     pub loss_chunk: Option<usize>,
+    /// How attention is computed: `fused` (tiles with an online softmax, no `[B, H, T, T]`
+    /// tensor; the default) or `materialized` (the probabilities kept for backward, the
+    /// reference).
+    pub attention: AttentionPath,
 }
 
 /// Where a run writes: checkpoints and the JSON-lines log.
@@ -90,6 +94,7 @@ impl Default for TrainingConfig {
             optimizer_in_backward: false,
             loss: LossPath::Fused,
             loss_chunk: None,
+            attention: AttentionPath::Fused,
         }
     }
 }
@@ -200,10 +205,11 @@ impl RunConfig {
         toml::to_string_pretty(self).map_err(|e| Error::Serde(format!("config: {e}")))
     }
 
-    /// The model this run trains: `[model]` with `[training]`'s loss path and chunk.
+    /// The model this run trains: `[model]` with `[training]`'s attention, loss path and
+    /// chunk.
     pub fn build_model(&self) -> Result<Box<dyn Model>> {
-        self.model
-            .build_with_loss(self.training.loss, self.training.loss_chunk)
+        let t = &self.training;
+        self.model.build_with(t.attention, t.loss, t.loss_chunk)
     }
 
     /// Checks values that parse but cannot run.

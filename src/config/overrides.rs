@@ -55,6 +55,8 @@ pub struct Overrides {
     pub loss: Option<String>,
     /// Positions per chunk of the fused loss.
     pub loss_chunk: Option<usize>,
+    /// `fused` or `materialized` attention.
+    pub attention: Option<String>,
     /// Initialisation seed.
     pub seed: Option<u64>,
     /// Layers (a model from scratch).
@@ -275,6 +277,9 @@ impl Overrides {
         if let Some(c) = self.loss_chunk {
             crate::ops::LinearCrossEntropy::new("--loss-chunk", Some(c))?;
             cfg.training.loss_chunk = Some(c);
+        }
+        if let Some(a) = &self.attention {
+            cfg.training.attention = crate::ops::AttentionPath::parse("--attention", a)?;
         }
         let warmup_now = match cfg.training.lr_schedule {
             LrSchedule::Constant { warmup_steps } | LrSchedule::Cosine { warmup_steps, .. } => {

@@ -12,7 +12,7 @@
 //! (the CUDA backend's dtype rules, for example). The meta backend's kernels compute
 //! nothing, so it records the same spans and FLOP counts as the CPU.
 
-use super::cpu::{self, attention, each, per_element};
+use super::cpu::{self, attention, each, flash_attention, per_element};
 use super::{CustomKernel, Device, Heads};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
@@ -615,6 +615,49 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.attention_values_backward_kernel(dprobs, dqkv, dout, probs, qkv, heads))
     }
 
+    /// Fused causal attention: `out[b, t, head h] = Σ_{j <= t} softmax_j(scale · q_t ·
+    /// k_j) · v_j` with query head `h` and the key and value head it shares (`out`
+    /// `[B, T, H·D]`), and `lse[b, h, t]` (`[B, H, T]`, f32) the natural log of the
+    /// softmax's denominator, `ln Σ_{j <= t} exp(scale · q_t · k_j)`, scale = 1/sqrt(D).
+    /// Computed in tiles with an online softmax: no `[T, T]` tensor exists. Agrees with
+    /// [`Backend::attention_scores`], [`Backend::softmax_causal`] and
+    /// [`Backend::attention_values`] to rounding.
+    fn flash_attention(
+        &self,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()> {
+        cpu::ensure_float("flash_attention", &[out, qkv])?;
+        flash_attention::check(out, lse, qkv, heads)?;
+        let flops = flash_attention::FlashFlops::new(qkv, heads).forward;
+        let op = self.ledger().op("flash_attention", flops, out.label());
+        op.finish(self.flash_attention_kernel(out, lse, qkv, heads))
+    }
+
+    /// Backward of [`Backend::flash_attention`]: overwrites `dqkv` (shaped as `qkv`) with
+    /// the query, key and value gradients (each key and value head's summed over the query
+    /// heads sharing it), recomputing the probabilities tile by tile from `qkv` and `lse`,
+    /// with `rowsum(dout ∘ out)` for the softmax backward.
+    fn flash_attention_backward(
+        &self,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()> {
+        cpu::ensure_float("flash_attention_backward", &[dqkv, dout, out, qkv])?;
+        flash_attention::check_backward(dqkv, dout, out, lse, qkv, heads)?;
+        let flops = flash_attention::FlashFlops::new(qkv, heads).backward;
+        let op = self
+            .ledger()
+            .op("flash_attention_backward", flops, dqkv.label());
+        op.finish(self.flash_attention_backward_kernel(dqkv, dout, out, lse, qkv, heads))
+    }
+
     /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
     /// padding and ignored) against `targets`, in f32. Each row's loss is added to
     /// `losses[row]` (f32, at least `rows` elements), which stays on the device: a
@@ -1005,6 +1048,28 @@ pub trait Backend: Debug + Send + Sync {
         dqkv: &mut Tensor,
         dout: &Tensor,
         probs: &Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::flash_attention`]: `qkv` as for
+    /// [`Backend::attention_scores_kernel`], `out` `[B, T, H·D]`, `lse` `[B, H, T]` f32.
+    fn flash_attention_kernel(
+        &self,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()>;
+
+    /// The kernel of [`Backend::flash_attention_backward`], with the shapes of
+    /// [`Backend::flash_attention_kernel`] (`dout` shaped as `out`), `dqkv` as `qkv`.
+    fn flash_attention_backward_kernel(
+        &self,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
         qkv: &Tensor,
         heads: Heads,
     ) -> Result<()>;

@@ -310,6 +310,28 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
+    fn flash_attention_kernel(
+        &self,
+        _out: &mut Tensor,
+        _lse: &mut Tensor,
+        _qkv: &Tensor,
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    fn flash_attention_backward_kernel(
+        &self,
+        _dqkv: &mut Tensor,
+        _dout: &Tensor,
+        _out: &Tensor,
+        _lse: &Tensor,
+        _qkv: &Tensor,
+        _heads: Heads,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     fn cross_entropy_kernel(
         &self,
         _logits: &mut Tensor,

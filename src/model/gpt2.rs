@@ -2,14 +2,14 @@
 //! LayerNorm eps 1e-5, tied input and output embeddings, no dropout.
 
 use super::exec;
-use super::graph::{Graph, Section, Value};
+use super::graph::{attention_node, attention_stats, Graph, Section, Value};
 use super::{Architecture, Batch, Init, Mlp, Model, Norm, ParamInit, Pass, PassStats};
 use crate::checkpoint::Tags;
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
-    CausalAttention, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy,
-    LinearGelu, LinearResidual, LossPath,
+    AttentionPath, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy, LinearGelu,
+    LinearResidual, LossPath,
 };
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
@@ -193,6 +193,7 @@ pub struct Gpt2 {
     config: Gpt2Config,
     loss: LossPath,
     loss_chunk: Option<usize>,
+    attention: AttentionPath,
     graph: Graph,
 }
 
@@ -202,7 +203,8 @@ impl Clone for Gpt2 {
             config: self.config.clone(),
             loss: self.loss,
             loss_chunk: self.loss_chunk,
-            graph: graph(&self.config, self.head()),
+            attention: self.attention,
+            graph: graph(&self.config, self.head(), self.attention),
         }
     }
 }
@@ -212,21 +214,42 @@ impl PartialEq for Gpt2 {
         self.config == other.config
             && self.loss == other.loss
             && self.loss_chunk == other.loss_chunk
+            && self.attention == other.attention
     }
 }
 
 impl Gpt2 {
-    /// A GPT-2 of the given shape (validated), with the fused loss
-    /// ([`LinearCrossEntropy`], chunks chosen from the vocabulary).
+    /// A GPT-2 of the given shape (validated), with the fused attention
+    /// ([`crate::ops::FlashAttention`]) and the fused loss ([`LinearCrossEntropy`], chunks
+    /// chosen from the vocabulary).
     pub fn new(config: Gpt2Config) -> Result<Self> {
         config.validate()?;
-        let graph = graph(&config, Head::Fused(LinearCrossEntropy::default()));
+        let attention = AttentionPath::Fused;
+        let graph = graph(
+            &config,
+            Head::Fused(LinearCrossEntropy::default()),
+            attention,
+        );
         Ok(Gpt2 {
             config,
             loss: LossPath::Fused,
             loss_chunk: None,
+            attention,
             graph,
         })
+    }
+
+    /// The same model with its attention computed by `path`: fused (the default) or the
+    /// materialized `[B, H, T, T]` probabilities.
+    pub fn with_attention(mut self, path: AttentionPath) -> Self {
+        self.attention = path;
+        self.graph = graph(&self.config, self.head(), path);
+        self
+    }
+
+    /// How attention is computed.
+    pub fn attention_path(&self) -> AttentionPath {
+        self.attention
     }
 
     /// The same model with its loss computed by `path`: the fused linear cross-entropy
@@ -237,7 +260,7 @@ impl Gpt2 {
         LinearCrossEntropy::new("training.loss_chunk", chunk)?;
         self.loss = path;
         self.loss_chunk = chunk;
-        self.graph = graph(&self.config, self.head());
+        self.graph = graph(&self.config, self.head(), self.attention);
         Ok(self)
     }
 
@@ -274,8 +297,9 @@ impl Gpt2 {
 /// block (layer norm, fused qkv projection, causal attention, output projection added to
 /// the residual) and a pre-norm MLP block (layer norm, projection with GELU, projection
 /// added to the residual); the final norm and the classifier tied to the token embedding,
-/// fused with the loss or producing the logits (`head_kind`).
-fn graph(c: &Gpt2Config, head_kind: Head) -> Graph {
+/// fused with the loss or producing the logits (`head_kind`); attention fused or
+/// materialized (`attention`).
+fn graph(c: &Gpt2Config, head_kind: Head, attention: AttentionPath) -> Graph {
     let names: HashMap<String, usize> = c
         .param_shapes()
         .into_iter()
@@ -305,7 +329,7 @@ fn graph(c: &Gpt2Config, head_kind: Head) -> Graph {
             let ln1_out = s.value("ln1_out", label("ln1_out"), attn | Tags::NORM_OUT);
             let ln1_stats = s.value("ln1_stats", label("ln1_stats"), attn | Tags::NORM_STATS);
             let qkv = s.value("qkv", label("qkv"), attn | Tags::PROJECTION);
-            let probs = s.value("attn_probs", label("attn_probs"), attn | Tags::QUADRATIC);
+            let stats = attention_stats(&mut s, attention, &format!("h.{l}"));
             let attn_out = s.value("attn_out", label("attn_out"), attn);
             let residual = s.value("residual", label("residual"), Tags::RESIDUAL);
             let ln2_out = s.value("ln2_out", label("ln2_out"), mlp | Tags::NORM_OUT);
@@ -337,14 +361,8 @@ fn graph(c: &Gpt2Config, head_kind: Head) -> Graph {
                 &[qkv],
                 &[h("attn.c_attn.weight"), h("attn.c_attn.bias")],
             );
-            s.node(
-                CausalAttention {
-                    heads: Heads::mha(c.n_head, c.n_embd),
-                },
-                &[qkv],
-                &[probs, attn_out],
-                &[],
-            );
+            let heads = Heads::mha(c.n_head, c.n_embd);
+            attention_node(&mut s, attention, heads, qkv, stats, attn_out);
             s.node(
                 conv1d,
                 &[input, attn_out],

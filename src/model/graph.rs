@@ -2,7 +2,8 @@
 //! by handles.
 
 use crate::checkpoint::Tags;
-use crate::ops::Op;
+use crate::device::Heads;
+use crate::ops::{AttentionPath, CausalAttention, FlashAttention, Op};
 
 /// An activation of a section: its name, its ledger label and the tags a checkpoint
 /// policy matches.
@@ -136,4 +137,41 @@ pub struct Graph {
     pub layers: Vec<Section>,
     /// From the last layer's output to the logits.
     pub head: Section,
+}
+
+/// Adds to `s` the value of a layer's attention statistics for `path`, labelled in
+/// `scope` (e.g. `h.3`): the fused attention's log-sum-exp `attn_lse` (`[B, H, T]` f32,
+/// tagged softmax statistics) or the materialized probabilities `attn_probs`
+/// (`[B, H, T, T]`, tagged quadratic); both tagged attention.
+pub(crate) fn attention_stats(s: &mut Section, path: AttentionPath, scope: &str) -> usize {
+    match path {
+        AttentionPath::Fused => s.value(
+            "attn_lse",
+            format!("{scope}.attn_lse"),
+            Tags::ATTENTION | Tags::SOFTMAX_STATS,
+        ),
+        AttentionPath::Materialized => s.value(
+            "attn_probs",
+            format!("{scope}.attn_probs"),
+            Tags::ATTENTION | Tags::QUADRATIC,
+        ),
+    }
+}
+
+/// Adds to `s` the causal attention node of `path` over `qkv`, writing `stats` (from
+/// [`attention_stats`]) and the output `out`.
+pub(crate) fn attention_node(
+    s: &mut Section,
+    path: AttentionPath,
+    heads: Heads,
+    qkv: usize,
+    stats: usize,
+    out: usize,
+) {
+    match path {
+        AttentionPath::Fused => s.node(FlashAttention { heads }, &[qkv], &[stats, out], &[]),
+        AttentionPath::Materialized => {
+            s.node(CausalAttention { heads }, &[qkv], &[stats, out], &[])
+        }
+    }
 }

@@ -10,14 +10,14 @@
 //! ([`Llama::export_tensors`], [`Llama::import_tensors`]).
 
 use super::exec;
-use super::graph::{Graph, Section, Value};
+use super::graph::{attention_node, attention_stats, Graph, Section, Value};
 use super::{Architecture, Batch, Init, LlamaConfig, Mlp, Model, Norm, ParamInit, Pass};
 use super::{PassStats, Rope, RopeScaling};
 use crate::checkpoint::Tags;
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::{
-    CausalAttention, Classifier, Linear, LinearCrossEntropy, LinearResidual, LossPath, RmsNorm,
+    AttentionPath, Classifier, Linear, LinearCrossEntropy, LinearResidual, LossPath, RmsNorm,
     Rope as RopeOp, SwiGlu, TokenEmbedding,
 };
 use crate::save::NamedTensor;
@@ -130,6 +130,7 @@ pub struct Llama {
     config: LlamaConfig,
     loss: LossPath,
     loss_chunk: Option<usize>,
+    attention: AttentionPath,
     graph: Graph,
 }
 
@@ -139,7 +140,8 @@ impl Clone for Llama {
             config: self.config.clone(),
             loss: self.loss,
             loss_chunk: self.loss_chunk,
-            graph: graph(&self.config, self.fused_loss()),
+            attention: self.attention,
+            graph: graph(&self.config, self.fused_loss(), self.attention),
         }
     }
 }
@@ -149,6 +151,7 @@ impl PartialEq for Llama {
         self.config == other.config
             && self.loss == other.loss
             && self.loss_chunk == other.loss_chunk
+            && self.attention == other.attention
     }
 }
 
@@ -173,13 +176,28 @@ impl Llama {
                 ));
             }
         }
-        let graph = graph(&config, Some(LinearCrossEntropy::default()));
+        let attention = AttentionPath::Fused;
+        let graph = graph(&config, Some(LinearCrossEntropy::default()), attention);
         Ok(Llama {
             config,
             loss: LossPath::Fused,
             loss_chunk: None,
+            attention,
             graph,
         })
+    }
+
+    /// The same model with its attention computed by `path`: fused (the default) or the
+    /// materialized `[B, H, T, T]` probabilities.
+    pub fn with_attention(mut self, path: AttentionPath) -> Self {
+        self.attention = path;
+        self.graph = graph(&self.config, self.fused_loss(), path);
+        self
+    }
+
+    /// How attention is computed.
+    pub fn attention_path(&self) -> AttentionPath {
+        self.attention
     }
 
     /// The same model with its loss computed by `path`: the fused linear cross-entropy
@@ -190,7 +208,7 @@ impl Llama {
         LinearCrossEntropy::new("training.loss_chunk", chunk)?;
         self.loss = path;
         self.loss_chunk = chunk;
-        self.graph = graph(&self.config, self.fused_loss());
+        self.graph = graph(&self.config, self.fused_loss(), self.attention);
         Ok(self)
     }
 
@@ -329,7 +347,11 @@ fn fused_parts(name: &str) -> Option<(&str, &'static [&'static str; 3])> {
 /// projection, SwiGLU, down projection added to the residual); the final norm and the
 /// classifier (the embedding when tied), fused with the loss (`fused_loss`) or producing the
 /// logits.
-fn graph(c: &LlamaConfig, fused_loss: Option<LinearCrossEntropy>) -> Graph {
+fn graph(
+    c: &LlamaConfig,
+    fused_loss: Option<LinearCrossEntropy>,
+    attention: AttentionPath,
+) -> Graph {
     let names: HashMap<String, usize> = c
         .param_shapes()
         .into_iter()
@@ -366,7 +388,7 @@ fn graph(c: &LlamaConfig, fused_loss: Option<LinearCrossEntropy>) -> Graph {
             let ln1_rstd = s.value("ln1_rstd", label("ln1_rstd"), attn | Tags::NORM_STATS);
             let qkv_pre = s.value("qkv_pre", label("qkv_pre"), attn | Tags::PROJECTION);
             let qkv = s.value("qkv", label("qkv"), attn | Tags::PROJECTION);
-            let probs = s.value("attn_probs", label("attn_probs"), attn | Tags::QUADRATIC);
+            let stats = attention_stats(&mut s, attention, &format!("h.{l}"));
             let attn_out = s.value("attn_out", label("attn_out"), attn);
             let residual = s.value("residual", label("residual"), Tags::RESIDUAL);
             let ln2_out = s.value("ln2_out", label("ln2_out"), mlp | Tags::NORM_OUT);
@@ -404,7 +426,7 @@ fn graph(c: &LlamaConfig, fused_loss: Option<LinearCrossEntropy>) -> Graph {
                 &[qkv],
                 &[],
             );
-            s.node(CausalAttention { heads }, &[qkv], &[probs, attn_out], &[]);
+            attention_node(&mut s, attention, heads, qkv, stats, attn_out);
             s.node(
                 residual_proj,
                 &[input, attn_out],

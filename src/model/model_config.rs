@@ -114,15 +114,35 @@ impl ModelConfig {
     }
 
     /// The model with its loss computed by `path` in chunks of `chunk` positions (see
-    /// [`Gpt2::with_loss`]).
+    /// [`Gpt2::with_loss`]), and the fused attention.
     pub fn build_with_loss(
         &self,
         path: crate::ops::LossPath,
         chunk: Option<usize>,
     ) -> Result<Box<dyn Model>> {
+        self.build_with(crate::ops::AttentionPath::Fused, path, chunk)
+    }
+
+    /// The model with its attention computed by `attention` (see
+    /// [`Gpt2::with_attention`]) and its loss by `loss` in chunks of `chunk` positions
+    /// (see [`Gpt2::with_loss`]).
+    pub fn build_with(
+        &self,
+        attention: crate::ops::AttentionPath,
+        loss: crate::ops::LossPath,
+        chunk: Option<usize>,
+    ) -> Result<Box<dyn Model>> {
         Ok(match self {
-            ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?.with_loss(path, chunk)?),
-            ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?.with_loss(path, chunk)?),
+            ModelConfig::Gpt2(c) => Box::new(
+                Gpt2::new(c.clone())?
+                    .with_attention(attention)
+                    .with_loss(loss, chunk)?,
+            ),
+            ModelConfig::Llama(c) => Box::new(
+                Llama::new(c.clone())?
+                    .with_attention(attention)
+                    .with_loss(loss, chunk)?,
+            ),
         })
     }
 }

@@ -11,6 +11,7 @@
 mod attention;
 mod classifier;
 mod embedding;
+mod flash_attention;
 mod linear;
 mod linear_cross_entropy;
 mod norm;
@@ -20,6 +21,7 @@ mod swiglu;
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
 pub use embedding::{LearnedEmbedding, TokenEmbedding};
+pub use flash_attention::{AttentionPath, FlashAttention};
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
 pub use norm::{LayerNorm, RmsNorm};

@@ -94,6 +94,10 @@ pub struct TrainArgs {
     /// Positions per chunk of the fused loss (default: chosen from the vocabulary).
     #[arg(long)]
     loss_chunk: Option<usize>,
+    /// How attention is computed: fused (tiles with an online softmax, no [B, H, T, T]
+    /// tensor; the default) or materialized (the probabilities kept for backward).
+    #[arg(long)]
+    attention: Option<String>,
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -207,6 +211,7 @@ impl TrainArgs {
             recompute: self.recompute.clone(),
             loss: self.loss.clone(),
             loss_chunk: self.loss_chunk,
+            attention: self.attention.clone(),
             seed: self.seed,
             n_layer: self.n_layer,
             n_head: self.n_head,

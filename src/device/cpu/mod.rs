@@ -33,6 +33,7 @@ mod blas;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod flash_attention;
 pub(crate) mod gelu;
 pub(crate) mod guard;
 pub(crate) mod layernorm;
@@ -640,6 +641,28 @@ impl Backend for CpuBackend {
         heads: Heads,
     ) -> Result<()> {
         attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, heads)
+    }
+
+    fn flash_attention_kernel(
+        &self,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()> {
+        flash_attention::forward(self.blas(), out, lse, qkv, heads)
+    }
+
+    fn flash_attention_backward_kernel(
+        &self,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        qkv: &Tensor,
+        heads: Heads,
+    ) -> Result<()> {
+        flash_attention::backward(self.blas(), dqkv, dout, out, lse, qkv, heads)
     }
 
     fn cross_entropy_kernel(

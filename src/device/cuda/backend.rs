@@ -594,6 +594,34 @@ impl Backend for CudaBackend {
         attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, heads)
     }
 
+    fn flash_attention_kernel(
+        &self,
+        _out: &mut Tensor,
+        _lse: &mut Tensor,
+        _qkv: &Tensor,
+        _heads: Heads,
+    ) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: "cuda",
+            message: "flash_attention has no CUDA kernel yet: set `training.attention = \"materialized\"`".into(),
+        })
+    }
+
+    fn flash_attention_backward_kernel(
+        &self,
+        _dqkv: &mut Tensor,
+        _dout: &Tensor,
+        _out: &Tensor,
+        _lse: &Tensor,
+        _qkv: &Tensor,
+        _heads: Heads,
+    ) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: "cuda",
+            message: "flash_attention has no CUDA kernel yet: set `training.attention = \"materialized\"`".into(),
+        })
+    }
+
     fn cross_entropy_kernel(
         &self,
         logits: &mut Tensor,

@@ -1,0 +1,515 @@
+//! Fused causal attention: the forward in tiles with an online softmax, keeping only the
+//! output and one log-sum-exp per query row; the backward recomputes the probabilities
+//! tile by tile. No `[T, T]` tensor exists at any point.
+//!
+//! `qkv` is `[B, T, (H + 2·KV)·D]` (see [`Heads`]); the output is `[B, T, H·D]` and the
+//! log-sum-exp `[B, H, T]` (f32): `lse[b, h, i] = ln Σ_{j <= i} exp(scale · q_i · k_j)`,
+//! scale = 1/√D. The composed reference is the materialized attention of
+//! [`super::attention`]; the two agree to f32 rounding (`tests/flash_attention.rs`).
+//!
+//! Tiles: query blocks of 64 rows (those of the materialized products, so both count the
+//! same causal entries) against key tiles of [`KEY_TILE`] columns, each product a
+//! single-threaded call of the CPU's matrix product on a tile that stays in cache. Forward
+//! runs one task per (batch row, query head, query block); backward one task per
+//! (batch row, key/value head), which owns the key and value gradients of its head and the
+//! query gradients of the query heads sharing it, so nothing is written twice and the
+//! results never depend on the thread count.
+
+use super::attention::{blocks, dims, Dims};
+use super::blas::Blas;
+use super::matmul::{gemm_raw, Product};
+use super::simd::{self, simd_fn};
+use super::{ensure_f32, ensure_shape, read, write, SendPtr};
+use crate::device::Heads;
+use crate::error::Result;
+use crate::tensor::Tensor;
+use rayon::prelude::*;
+
+/// Keys per tile of the online softmax.
+pub(crate) const KEY_TILE: usize = 128;
+
+/// Query rows per block (the materialized products' row blocks).
+const QUERY_ROWS: usize = 64;
+
+/// Checks `flash_attention`'s operands (the contract every backend shares).
+pub(crate) fn check(out: &Tensor, lse: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
+    let op = "flash_attention";
+    let d = dims(qkv, heads, op)?;
+    ensure_shape(out, &[d.b, d.t, d.c], op)?;
+    ensure_shape(lse, &[d.b, d.h(), d.t], op)?;
+    ensure_f32(lse, op)
+}
+
+/// Checks `flash_attention_backward`'s operands (the contract every backend shares).
+pub(crate) fn check_backward(
+    dqkv: &Tensor,
+    dout: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    qkv: &Tensor,
+    heads: Heads,
+) -> Result<()> {
+    let op = "flash_attention_backward";
+    let d = dims(qkv, heads, op)?;
+    ensure_shape(dqkv, qkv.shape(), op)?;
+    ensure_shape(dout, &[d.b, d.t, d.c], op)?;
+    ensure_shape(out, &[d.b, d.t, d.c], op)?;
+    ensure_shape(lse, &[d.b, d.h(), d.t], op)?;
+    ensure_f32(lse, op)
+}
+
+/// Floating-point operations of the fused attention with these operands, over the causal
+/// entries its tiles compute (the materialized attention's block triangle): forward
+/// `4·D + 5` per entry (the scores, the online softmax, the weighted values), backward
+/// `10·D + 6` (the scores again, the value and probability gradients, the query and key
+/// gradients, the softmax backward), plus the output scaling and `rowsum(dO ∘ O)`. Zero
+/// for shapes the op refuses.
+pub(crate) struct FlashFlops {
+    pub forward: u64,
+    pub backward: u64,
+}
+
+impl FlashFlops {
+    pub(crate) fn new(qkv: &Tensor, heads: Heads) -> FlashFlops {
+        let Ok(d) = dims(qkv, heads, "flash_attention") else {
+            return FlashFlops {
+                forward: 0,
+                backward: 0,
+            };
+        };
+        let area = super::attention::block_area(d.t);
+        let (bh, hs, t) = ((d.b * d.h()) as u64, d.hs() as u64, d.t as u64);
+        FlashFlops {
+            forward: bh * (area * (4 * hs + 5) + t * (hs + 2)),
+            backward: bh * (area * (10 * hs + 6) + 2 * t * hs),
+        }
+    }
+}
+
+pub(super) fn forward(
+    blas: Option<&Blas>,
+    out: &mut Tensor,
+    lse: &mut Tensor,
+    qkv: &Tensor,
+    heads: Heads,
+) -> Result<()> {
+    let d = Dims::of(qkv, heads);
+    if d.t == 0 || d.b == 0 {
+        return Ok(());
+    }
+    let q = read(qkv);
+    let (t, hs) = (d.t, d.hs());
+    let n_blocks = t.div_ceil(QUERY_ROWS);
+    write(lse, false, |lse| {
+        let lse_ptr = SendPtr(lse.as_mut_ptr());
+        write(out, false, |o| {
+            let out_ptr = SendPtr(o.as_mut_ptr());
+            (0..d.b * d.h() * n_blocks).into_par_iter().for_each_init(
+                || Scratch::new(hs),
+                |scratch, task| {
+                    let (bh, qb) = (task / n_blocks, task % n_blocks);
+                    let i0 = qb * QUERY_ROWS;
+                    let rows = QUERY_ROWS.min(t - i0);
+                    // SAFETY: each task writes rows i0..i0+rows of its own head's columns
+                    // of `out` and of its own `lse` row; `q` covers every read.
+                    unsafe { forward_block(blas, &d, &q, bh, i0, rows, scratch, out_ptr, lse_ptr) }
+                },
+            )
+        })
+    });
+    Ok(())
+}
+
+/// Per-thread buffers of the forward: a score tile, the f32 output accumulator, and the
+/// running maximum and sum of each row.
+struct Scratch {
+    s: Vec<f32>,
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(hs: usize) -> Scratch {
+        Scratch {
+            s: vec![0.0; QUERY_ROWS * KEY_TILE],
+            acc: vec![0.0; QUERY_ROWS * hs],
+            max: vec![0.0; QUERY_ROWS],
+            sum: vec![0.0; QUERY_ROWS],
+        }
+    }
+}
+
+/// The forward of query rows `i0..i0 + rows` of head `bh` (batch row · H + head).
+///
+/// # Safety
+/// `out` must be the `[B, T, H·D]` output and `lse` the `[B, H, T]` log-sum-exp; no other
+/// task may write the same rows of the same head.
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward_block(
+    blas: Option<&Blas>,
+    d: &Dims,
+    q: &[f32],
+    bh: usize,
+    i0: usize,
+    rows: usize,
+    sc: &mut Scratch,
+    out: SendPtr<f32>,
+    lse: SendPtr<f32>,
+) {
+    let (t, w, c, hs, heads) = (d.t, d.w, d.c, d.hs(), d.heads);
+    let (bi, hi) = (bh / d.h(), bh % d.h());
+    let scale = 1.0 / (hs as f32).sqrt();
+    let base = q.as_ptr().add(bi * t * w);
+    sc.acc[..rows * hs].fill(0.0);
+    sc.max[..rows].fill(f32::NEG_INFINITY);
+    sc.sum[..rows].fill(0.0);
+    let kend = i0 + rows;
+    for j0 in (0..kend).step_by(KEY_TILE) {
+        let cols = KEY_TILE.min(kend - j0);
+        // S = scale · Q_i · K_jᵀ
+        gemm_raw(
+            blas,
+            Product {
+                m: rows,
+                n: cols,
+                k: hs,
+                dst: sc.s.as_mut_ptr(),
+                dst_rs: KEY_TILE as isize,
+                accumulate: false,
+                a: base.add(i0 * w + heads.q_col(hi)),
+                a_rs: w as isize,
+                a_cs: 1,
+                b: base.add(j0 * w + heads.k_col(hi)),
+                b_rs: 1,
+                b_cs: w as isize,
+                scale,
+            },
+            None,
+            false,
+        );
+        online_softmax(
+            &mut sc.s,
+            &mut sc.acc,
+            &mut sc.max,
+            &mut sc.sum,
+            [rows, cols, i0, j0, hs],
+        );
+        // O_i += P · V_j
+        gemm_raw(
+            blas,
+            Product {
+                m: rows,
+                n: hs,
+                k: cols,
+                dst: sc.acc.as_mut_ptr(),
+                dst_rs: hs as isize,
+                accumulate: true,
+                a: sc.s.as_ptr(),
+                a_rs: KEY_TILE as isize,
+                a_cs: 1,
+                b: base.add(j0 * w + heads.v_col(hi)),
+                b_rs: w as isize,
+                b_cs: 1,
+                scale: 1.0,
+            },
+            None,
+            false,
+        );
+    }
+    for r in 0..rows {
+        let inv = 1.0 / sc.sum[r];
+        let dst = std::slice::from_raw_parts_mut(
+            out.get().add((bi * t + i0 + r) * c + heads.q_col(hi)),
+            hs,
+        );
+        for (o, a) in dst.iter_mut().zip(&sc.acc[r * hs..(r + 1) * hs]) {
+            *o = a * inv;
+        }
+        *lse.get().add(bh * t + i0 + r) = sc.max[r] + sc.sum[r].ln();
+    }
+}
+
+simd_fn! {
+    /// One key tile of the online softmax over `rows` query rows (`dims` = rows, cols,
+    /// first query row, first key, head width): turns the scores `s` (rows of
+    /// [`KEY_TILE`]) into `exp(s - max)` with the causally masked entries 0, raises each
+    /// row's running maximum, and rescales its running sum and output accumulator to it.
+    fn online_softmax(
+        s: &mut [f32],
+        acc: &mut [f32],
+        max: &mut [f32],
+        sum: &mut [f32],
+        dims: [usize; 5],
+    ) {
+        let [rows, cols, i0, j0, hs] = dims;
+        for r in 0..rows {
+            let row = &mut s[r * KEY_TILE..r * KEY_TILE + cols];
+            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
+            if valid == 0 {
+                row.fill(0.0);
+                continue;
+            }
+            let m_new = max[r].max(simd::max(&row[..valid]));
+            let correction = if max[r] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                simd::exp(max[r] - m_new)
+            };
+            for x in row[..valid].iter_mut() {
+                *x = simd::exp(*x - m_new);
+            }
+            row[valid..].fill(0.0);
+            sum[r] = sum[r] * correction + simd::sum(&row[..valid]);
+            if correction != 1.0 {
+                for a in acc[r * hs..(r + 1) * hs].iter_mut() {
+                    *a *= correction;
+                }
+            }
+            max[r] = m_new;
+        }
+    }
+}
+
+pub(super) fn backward(
+    blas: Option<&Blas>,
+    dqkv: &mut Tensor,
+    dout: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    qkv: &Tensor,
+    heads: Heads,
+) -> Result<()> {
+    let d = Dims::of(qkv, heads);
+    if d.t == 0 || d.b == 0 {
+        return Ok(());
+    }
+    let q = read(qkv);
+    let g = read(dout);
+    let o = read(out);
+    let l = read(lse);
+    let kv = heads.n_kv_head;
+    write(dqkv, false, |dq| {
+        let dst = SendPtr(dq.as_mut_ptr());
+        (0..d.b * kv).into_par_iter().for_each(|task| {
+            let (bi, kvh) = (task / kv, task % kv);
+            let ins = BackwardInputs {
+                q: &q,
+                dout: &g,
+                out: &o,
+                lse: &l,
+            };
+            // SAFETY: each (batch row, key/value head) task writes the rows of batch row
+            // `bi` in its own key and value columns and in the query columns of the query
+            // heads sharing them.
+            unsafe { backward_group(blas, &d, &ins, bi, kvh, dst) }
+        })
+    });
+    Ok(())
+}
+
+/// The inputs of the backward, read as f32.
+struct BackwardInputs<'a> {
+    q: &'a [f32],
+    dout: &'a [f32],
+    out: &'a [f32],
+    lse: &'a [f32],
+}
+
+/// The backward of batch row `bi` for key/value head `kvh` and the query heads sharing it.
+///
+/// # Safety
+/// `dqkv` must be the `[B, T, (H + 2·KV)·D]` gradient; no other task may write batch row
+/// `bi`'s columns of this group.
+unsafe fn backward_group(
+    blas: Option<&Blas>,
+    d: &Dims,
+    x: &BackwardInputs<'_>,
+    bi: usize,
+    kvh: usize,
+    dqkv: SendPtr<f32>,
+) {
+    let (t, w, c, hs, heads) = (d.t, d.w, d.c, d.hs(), d.heads);
+    let scale = 1.0 / (hs as f32).sqrt();
+    let group = heads.group();
+    let base = x.q.as_ptr().add(bi * t * w);
+    let gbase = x.dout.as_ptr().add(bi * t * c);
+    let mut dk = vec![0f32; t * hs];
+    let mut dv = vec![0f32; t * hs];
+    let mut dqh = vec![0f32; t * hs];
+    let mut p = vec![0f32; QUERY_ROWS * KEY_TILE];
+    let mut dp = vec![0f32; QUERY_ROWS * KEY_TILE];
+    let mut delta = [0f32; QUERY_ROWS];
+    for hi in kvh * group..(kvh + 1) * group {
+        let bh = bi * d.h() + hi;
+        dqh.fill(0.0);
+        let (qc, kc, vc) = (heads.q_col(hi), heads.k_col(hi), heads.v_col(hi));
+        for (i0, rows) in blocks(t) {
+            for (r, dl) in delta[..rows].iter_mut().enumerate() {
+                let row = (bi * t + i0 + r) * c + qc;
+                *dl = simd::dot(&x.dout[row..row + hs], &x.out[row..row + hs]);
+            }
+            let lse = &x.lse[bh * t + i0..bh * t + i0 + rows];
+            let kend = i0 + rows;
+            for j0 in (0..kend).step_by(KEY_TILE) {
+                let cols = KEY_TILE.min(kend - j0);
+                let run = |m, n, k, dst, dst_rs, acc, a, a_rs, a_cs, b, b_rs, b_cs, scale| {
+                    gemm_raw(
+                        blas,
+                        Product {
+                            m,
+                            n,
+                            k,
+                            dst,
+                            dst_rs,
+                            accumulate: acc,
+                            a,
+                            a_rs,
+                            a_cs,
+                            b,
+                            b_rs,
+                            b_cs,
+                            scale,
+                        },
+                        None,
+                        false,
+                    )
+                };
+                let (tile, wi, ci) = (KEY_TILE as isize, w as isize, c as isize);
+                let hsi = hs as isize;
+                // S = scale · Q_i · K_jᵀ, then P = exp(S - lse) (0 above the diagonal).
+                let (qi, kj) = (base.add(i0 * w + qc), base.add(j0 * w + kc));
+                run(
+                    rows,
+                    cols,
+                    hs,
+                    p.as_mut_ptr(),
+                    tile,
+                    false,
+                    qi,
+                    wi,
+                    1,
+                    kj,
+                    1,
+                    wi,
+                    scale,
+                );
+                probabilities(&mut p, lse, [rows, cols, i0, j0]);
+                // dV_j += Pᵀ · dO_i
+                let gi = gbase.add(i0 * c + qc);
+                let dvj = dv.as_mut_ptr().add(j0 * hs);
+                run(
+                    cols,
+                    hs,
+                    rows,
+                    dvj,
+                    hsi,
+                    true,
+                    p.as_ptr(),
+                    1,
+                    tile,
+                    gi,
+                    ci,
+                    1,
+                    1.0,
+                );
+                // dP = dO_i · V_jᵀ, then dS = P ∘ (dP - rowsum(dO ∘ O)).
+                let vj = base.add(j0 * w + vc);
+                run(
+                    rows,
+                    cols,
+                    hs,
+                    dp.as_mut_ptr(),
+                    tile,
+                    false,
+                    gi,
+                    ci,
+                    1,
+                    vj,
+                    1,
+                    wi,
+                    1.0,
+                );
+                score_grads(&mut dp, &p, &delta, [rows, cols]);
+                // dQ_i += scale · dS · K_j
+                let dqi = dqh.as_mut_ptr().add(i0 * hs);
+                run(
+                    rows,
+                    hs,
+                    cols,
+                    dqi,
+                    hsi,
+                    true,
+                    dp.as_ptr(),
+                    tile,
+                    1,
+                    kj,
+                    wi,
+                    1,
+                    scale,
+                );
+                // dK_j += scale · dSᵀ · Q_i
+                let dkj = dk.as_mut_ptr().add(j0 * hs);
+                run(
+                    cols,
+                    hs,
+                    rows,
+                    dkj,
+                    hsi,
+                    true,
+                    dp.as_ptr(),
+                    1,
+                    tile,
+                    qi,
+                    wi,
+                    1,
+                    scale,
+                );
+            }
+        }
+        put_columns(dqkv, &dqh, bi * t * w + qc, t, w, hs);
+    }
+    put_columns(dqkv, &dk, bi * t * w + heads.k_col(kvh * group), t, w, hs);
+    put_columns(dqkv, &dv, bi * t * w + heads.v_col(kvh * group), t, w, hs);
+}
+
+/// Copies a `[t, hs]` buffer into `hs` columns of `t` rows of stride `w` from `at`.
+///
+/// # Safety
+/// The columns must lie inside the buffer `dst` points to.
+unsafe fn put_columns(dst: SendPtr<f32>, src: &[f32], at: usize, t: usize, w: usize, hs: usize) {
+    for (r, row) in src.chunks_exact(hs).take(t).enumerate() {
+        std::slice::from_raw_parts_mut(dst.get().add(at + r * w), hs).copy_from_slice(row);
+    }
+}
+
+simd_fn! {
+    /// `p = exp(s - lse)` in place on a tile of scores (rows of [`KEY_TILE`]), 0 above
+    /// the diagonal (`dims` = rows, cols, first query row, first key).
+    fn probabilities(p: &mut [f32], lse: &[f32], dims: [usize; 4]) {
+        let [rows, cols, i0, j0] = dims;
+        for r in 0..rows {
+            let row = &mut p[r * KEY_TILE..r * KEY_TILE + cols];
+            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
+            let l = lse[r];
+            for x in row[..valid].iter_mut() {
+                *x = simd::exp(*x - l);
+            }
+            row[valid..].fill(0.0);
+        }
+    }
+}
+
+simd_fn! {
+    /// `dp = p ∘ (dp - delta)` in place on a tile (rows of [`KEY_TILE`]): the score
+    /// gradients from the probability gradients.
+    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], dims: [usize; 2]) {
+        let [rows, cols] = dims;
+        for (r, &dl) in delta.iter().enumerate().take(rows) {
+            let at = r * KEY_TILE;
+            for (g, pv) in dp[at..at + cols].iter_mut().zip(&p[at..at + cols]) {
+                *g = pv * (*g - dl);
+            }
+        }
+    }
+}
