@@ -1,14 +1,14 @@
 //! Fused causal attention: the forward pass (the output and each query row's log-sum-exp)
 //! and its backward, tile by tile in shared memory, without a `[T, T]` buffer.
 //!
-//! Kernels: `kernels/flash_attention.cu`, listed once in [`KERNELS`]. The materialized
-//! path (`attention.rs`) computes the same function.
+//! CPU twin: `src/device/cpu/flash_attention.rs` (and its operand checks). Kernels:
+//! `kernels/flash_attention.cu`, listed once in [`KERNELS`].
 
 use super::super::backend::{ensure_dtype, ptr, CudaBackend};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
-use crate::device::cpu::attention::{dims, Dims};
-use crate::device::cpu::{ensure_f32, ensure_shape};
+use crate::device::cpu::attention::Dims;
+use crate::device::cpu::flash_attention::{check, check_backward};
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -39,17 +39,6 @@ const FORWARD_COLS: usize = 128;
 /// Output columns of a backward block (`FA_BWD_OC`).
 const BACKWARD_COLS: usize = 64;
 
-/// Checks `qkv` against `heads` and `out` (`[B, T, H·D]`, qkv's dtype) and `lse`
-/// (`[B, H, T]`, f32), and returns the dimensions.
-fn check(out: &Tensor, lse: &Tensor, qkv: &Tensor, heads: Heads, op: &'static str) -> Result<Dims> {
-    let d = dims(qkv, heads, op)?;
-    ensure_dtype(out, qkv.dtype(), op)?;
-    ensure_shape(out, &[d.b, d.t, heads.q_width()], op)?;
-    ensure_f32(lse, op)?;
-    ensure_shape(lse, &[d.b, heads.n_head, d.t], op)?;
-    Ok(d)
-}
-
 /// Blocks of a launch: `tiles` tiles of each of `b · heads` (batch, head) pairs, times the
 /// column chunks of a head of `hd` columns.
 fn blocks(d: &Dims, heads: usize, cols: usize, op: &'static str) -> Result<u32> {
@@ -76,7 +65,9 @@ pub(crate) fn forward(
     heads: Heads,
 ) -> Result<()> {
     const OP: &str = "flash_attention";
-    let d = check(out, lse, qkv, heads, OP)?;
+    check(out, lse, qkv, heads)?;
+    ensure_dtype(out, qkv.dtype(), OP)?;
+    let d = Dims::of(qkv, heads);
     if out.numel() == 0 {
         return Ok(());
     }
@@ -111,15 +102,15 @@ pub(crate) fn backward(
     heads: Heads,
 ) -> Result<()> {
     const OP: &str = "flash_attention_backward";
-    let d = check(out, lse, qkv, heads, OP)?;
+    check_backward(dqkv, dout, out, lse, qkv, heads)?;
+    let d = Dims::of(qkv, heads);
     let dt = qkv.dtype();
     ensure_dtype(dqkv, dt, OP)?;
-    ensure_shape(dqkv, qkv.shape(), OP)?;
-    ensure_shape(dout, out.shape(), OP)?;
     if qkv.numel() == 0 {
         return Ok(());
     }
     let dout = be.as_dtype(dout, dt)?;
+    let out = be.as_dtype(out, dt)?;
     let rows = d.b * d.t * heads.n_head;
     let delta = be.scratch(rows * 4, "flash_attention_backward.delta")?;
     be.launch(
@@ -129,7 +120,7 @@ pub(crate) fn backward(
         Args::new()
             .ptr(ptr(&delta)?)
             .ptr(ptr(&dout)?)
-            .ptr(ptr(out)?)
+            .ptr(ptr(&out)?)
             .i64(d.b)
             .i64(d.t)
             .i64(heads.n_head)
