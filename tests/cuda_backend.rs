@@ -684,10 +684,22 @@ fn flash_attention_matches_the_cpu() {
                     .unwrap();
                 cuda.flash_attention(&mut o.cuda, &mut lse.cuda, &qkv.cuda, heads)
                     .unwrap();
-                compare(&format!("flash_attention out {what}"), name, &cpu, &cuda, &o);
+                compare(
+                    &format!("flash_attention out {what}"),
+                    name,
+                    &cpu,
+                    &cuda,
+                    &o,
+                );
                 let want = cpu.to_f32(&lse.cpu).unwrap();
                 let got = cuda.to_f32(&lse.cuda).unwrap();
-                check(&format!("flash_attention lse {what}"), name, &got, &want, dt);
+                check(
+                    &format!("flash_attention lse {what}"),
+                    name,
+                    &got,
+                    &want,
+                    dt,
+                );
                 let dout = pair(
                     &cpu,
                     &cuda,

@@ -20,8 +20,7 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
     adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, flash_attention,
-    gelu, layernorm,
-    matmul, reductions, rmsnorm, rope, swiglu,
+    gelu, layernorm, matmul, reductions, rmsnorm, rope, swiglu,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};

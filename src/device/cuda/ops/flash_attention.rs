@@ -257,7 +257,11 @@ mod tests {
                     let dots: Vec<f64> = (0..=i)
                         .map(|j| {
                             let k = &x[(bi * t + j) * w + heads.k_col(hi)..][..hd];
-                            scale * q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                            scale
+                                * q.iter()
+                                    .zip(k)
+                                    .map(|(a, b)| *a as f64 * *b as f64)
+                                    .sum::<f64>()
                         })
                         .collect();
                     let m = dots.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
