@@ -10,7 +10,7 @@ use common::{corpus_loader, cpu, randn, tiny_config};
 use trainkit::device::Heads;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{Rope, RopeScaling};
-use trainkit::ops::AttentionPath;
+use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, Constant, DType, Fp32, Full, Gpt2, Gpt2Config, Llama,
     LlamaConfig, MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Rng, Selective, Tensor,
@@ -339,4 +339,31 @@ fn activation_peak_grows_linearly_with_the_fused_attention() {
     );
     assert!(fused <= 4.5, "fused: ×{fused:.2} from T 256 to 1024");
     assert!(materialized > 8.0, "materialized: ×{materialized:.2}");
+}
+
+/// GPT-2 124M in bf16 with full recomputation, B = 1, T = 1024: with the fused attention
+/// and the fused loss the exact activation peak is under 64 MB (the materialized
+/// attention and logits peaked at 126.5 MB).
+#[test]
+fn gpt2_124m_full_recompute_peaks_under_64_mb() {
+    let micro = MicroBatch {
+        batch_size: 1,
+        seq_len: 1024,
+    };
+    let peak = |attention, loss| {
+        let model = Gpt2::new(Gpt2Config::gpt2_124m())
+            .unwrap()
+            .with_attention(attention)
+            .with_loss(loss, None)
+            .unwrap();
+        let bf16 = MixedBf16 { fp32_grads: false };
+        predict(Box::new(model), micro, &bf16, &Full, &AdamW::default())
+            .unwrap()
+            .peak
+            .get(MemoryCategory::Activations)
+    };
+    let fused = peak(AttentionPath::Fused, LossPath::Fused);
+    assert!(fused < 64_000_000, "{fused} bytes");
+    let materialized = peak(AttentionPath::Materialized, LossPath::Materialized);
+    assert_eq!(materialized, 126_527_488);
 }

@@ -275,12 +275,12 @@ fn bad_settings_are_refused_by_name() {
 #[test]
 fn automatic_chunks_follow_the_vocabulary() {
     let auto = LinearCrossEntropy::default();
-    // GPT-2's 50257 ids in bf16: 64 MiB of logits is 667 rows, so 512.
-    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::Bf16), 512);
-    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::F32), 512);
-    // A 32000-id vocabulary in bf16: 1024 rows; Llama 3's 128256 ids: at least 512.
-    assert_eq!(auto.chunk_rows(1 << 20, 32000, DType::Bf16), 1024);
-    assert_eq!(auto.chunk_rows(1 << 20, 128256, DType::Bf16), 512);
+    // GPT-2's 50257 ids in bf16: 32 MiB of logits is 333 rows, so 256.
+    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::Bf16), 256);
+    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::F32), 256);
+    // A 32000-id vocabulary in bf16: 512 rows; Llama 3's 128256 ids: at least 256.
+    assert_eq!(auto.chunk_rows(1 << 20, 32000, DType::Bf16), 512);
+    assert_eq!(auto.chunk_rows(1 << 20, 128256, DType::Bf16), 256);
     // A byte vocabulary: the whole batch at once.
     assert_eq!(auto.chunk_rows(4096, 256, DType::F32), 4096);
     assert_eq!(

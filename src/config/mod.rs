@@ -53,7 +53,7 @@ pub struct TrainingConfig {
     /// `materialized` (the logits of every position, the reference).
     pub loss: LossPath,
     /// Positions per chunk of the fused loss; unset chooses from the vocabulary (chunk
-    /// logits of about 64 MiB, at least 512 positions).
+    /// logits of about 32 MiB, at least 256 positions).
     pub loss_chunk: Option<usize>,
     /// How attention is computed: `fused` (tiles with an online softmax, no `[B, H, T, T]`
     /// tensor; the default) or `materialized` (the probabilities kept for backward, the

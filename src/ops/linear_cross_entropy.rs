@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 /// The bytes a chunk's logits aim at when the chunk is chosen automatically: the rows of
 /// a chunk are `LOGITS_CHUNK_BYTES / (vocab · element size)`, rounded down to a multiple
-/// of 256 (the CPU's product tiles), and at least 512.
-pub const LOGITS_CHUNK_BYTES: usize = 64 << 20;
+/// of 256 (the CPU's product tiles), and at least 256.
+pub const LOGITS_CHUNK_BYTES: usize = 32 << 20;
 
 /// Automatic chunks are a multiple of this many rows (the CPU's product tiles).
 const CHUNK_ALIGN: usize = 256;
@@ -19,8 +19,10 @@ const CHUNK_ALIGN: usize = 256;
 /// Automatic chunks have at least this many rows: each chunk's three products read the
 /// whole classifier weight (and its gradient) once for `2·k` flops per element, and the
 /// CPU's products repack the weight at each call, so smaller chunks cost time (measured on
-/// a 50257-id head in f32: 128 rows +10% CPU time per step, 256 +1%, 512 none).
-const MIN_CHUNK: usize = 512;
+/// a 50257-id head in f32: 128 rows +10% CPU time per step, 256 +1%, 512 none). 256
+/// keeps the loss phase of GPT-2 124M (bf16, full recompute, T = 1024) under the layers'
+/// own activation peak, for about 1% of CPU time.
+const MIN_CHUNK: usize = 256;
 
 /// How a model's head computes the loss: the classifier's product fused with the
 /// cross-entropy in chunks ([`LinearCrossEntropy`], the default), or the `[tokens, vocab]`
@@ -102,7 +104,7 @@ impl LinearCrossEntropy {
 
     /// Positions per chunk for `rows` positions over a vocabulary of `vocab` (the
     /// weight's rows) in `dtype`: the configured chunk, else the rows whose logits take
-    /// about [`LOGITS_CHUNK_BYTES`] (a multiple of 256, at least 512); never more than
+    /// about [`LOGITS_CHUNK_BYTES`] (a multiple of 256, at least 256); never more than
     /// `rows`.
     pub fn chunk_rows(&self, rows: usize, vocab: usize, dtype: DType) -> usize {
         let chunk = self.chunk.unwrap_or_else(|| {

@@ -81,14 +81,14 @@ fn zero_upper(m: &mut [f32], t: usize) {
 const ROWS: usize = 64;
 
 /// `(first row, rows)` of each block of a `t`-row causal matrix.
-pub(crate) fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(ROWS)).map(move |i| (i * ROWS, ROWS.min(t - i * ROWS)))
 }
 
 /// Entries of a `t`-row causal matrix the blocked products compute: `Σ rows·(i0 + rows)`
 /// over the row blocks, the triangle in whole blocks (a little more than `t(t+1)/2`). The
 /// products that run down from the diagonal (`Σ rows·(t - i0)`) cover the same count.
-pub(crate) fn block_area(t: usize) -> u64 {
+fn block_area(t: usize) -> u64 {
     blocks(t)
         .map(|(i0, rows)| (rows * (i0 + rows)) as u64)
         .sum()

@@ -7,15 +7,15 @@
 //! scale = 1/√D. The composed reference is the materialized attention of
 //! [`super::attention`]; the two agree to f32 rounding (`tests/flash_attention.rs`).
 //!
-//! Tiles: query blocks of 64 rows (those of the materialized products, so both count the
-//! same causal entries) against key tiles of [`KEY_TILE`] columns, each product a
+//! Tiles: query blocks of 64 rows against key tiles of [`KEY_TILE`] columns (on GPT-2
+//! shapes, 64 × 256 and 128 × 256 tiles ran no faster), each product a
 //! single-threaded call of the CPU's matrix product on a tile that stays in cache. Forward
 //! runs one task per (batch row, query head, query block); backward one task per
 //! (batch row, key/value head), which owns the key and value gradients of its head and the
 //! query gradients of the query heads sharing it, so nothing is written twice and the
 //! results never depend on the thread count.
 
-use super::attention::{blocks, dims, Dims};
+use super::attention::{dims, Dims};
 use super::blas::Blas;
 use super::matmul::{gemm_raw, Product};
 use super::simd::{self, simd_fn};
@@ -28,8 +28,21 @@ use rayon::prelude::*;
 /// Keys per tile of the online softmax.
 pub(crate) const KEY_TILE: usize = 128;
 
-/// Query rows per block (the materialized products' row blocks).
+/// Query rows per block.
 const QUERY_ROWS: usize = 64;
+
+/// `(first row, rows)` of each query block of a `t`-row sequence.
+fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(QUERY_ROWS)).map(move |i| (i * QUERY_ROWS, QUERY_ROWS.min(t - i * QUERY_ROWS)))
+}
+
+/// Causal entries the tiles compute: each query block against every key up to its last
+/// row, `Σ rows·(i0 + rows)` (the triangle in whole blocks).
+fn tile_area(t: usize) -> u64 {
+    query_blocks(t)
+        .map(|(i0, rows)| (rows * (i0 + rows)) as u64)
+        .sum()
+}
 
 /// Checks `flash_attention`'s operands (the contract every backend shares).
 pub(crate) fn check(out: &Tensor, lse: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
@@ -77,7 +90,7 @@ impl FlashFlops {
                 backward: 0,
             };
         };
-        let area = super::attention::block_area(d.t);
+        let area = tile_area(d.t);
         let (bh, hs, t) = ((d.b * d.h()) as u64, d.hs() as u64, d.t as u64);
         FlashFlops {
             forward: bh * (area * (4 * hs + 5) + t * (hs + 2)),
@@ -344,7 +357,7 @@ unsafe fn backward_group(
         let bh = bi * d.h() + hi;
         dqh.fill(0.0);
         let (qc, kc, vc) = (heads.q_col(hi), heads.k_col(hi), heads.v_col(hi));
-        for (i0, rows) in blocks(t) {
+        for (i0, rows) in query_blocks(t) {
             for (r, dl) in delta[..rows].iter_mut().enumerate() {
                 let row = (bi * t + i0 + r) * c + qc;
                 *dl = simd::dot(&x.dout[row..row + hs], &x.out[row..row + hs]);
