@@ -39,8 +39,8 @@ const FORWARD_COLS: usize = 128;
 /// Output columns of a backward block (`FA_BWD_OC`).
 const BACKWARD_COLS: usize = 64;
 
-/// Blocks of a launch: `tiles` tiles of each of `b · heads` (batch, head) pairs, times the
-/// column chunks of a head of `hd` columns.
+/// Blocks of a launch: one per (batch row, head of `heads`, 64-row tile of the sequence,
+/// chunk of `cols` columns of a head).
 fn blocks(d: &Dims, heads: usize, cols: usize, op: &'static str) -> Result<u32> {
     let n = d.b * heads * d.t.div_ceil(TILE) * d.hs().div_ceil(cols);
     u32::try_from(n).map_err(|_| {
