@@ -1,6 +1,6 @@
 // Causal attention in three materialized steps: scores, softmax, values.
-// CPU twin: src/device/cpu/attention.rs. The fused kernel that never materializes
-// [B, H, T, T] is a separate family.
+// CPU twin: src/device/cpu/attention.rs. The fused kernels that never materialize
+// [B, H, T, T] are a separate family, flash_attention.cu.
 //
 // Layouts (trainkit::device::Heads): qkv is [B, T, W] with W = (H + 2·KV)·D: columns
 // [0, H·D) hold the queries, [H·D, (H+KV)·D) the keys, the rest the values, head after

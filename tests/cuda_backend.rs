@@ -647,6 +647,97 @@ fn attention_matches_the_cpu() {
     }
 }
 
+/// The fused attention (forward: output and log-sum-exp; backward: all of dqkv) against
+/// the CPU's, for multi-head, grouped-query and multi-query heads, head widths from 16 to
+/// 128 and sequences that do not fill a tile.
+#[test]
+fn flash_attention_matches_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(11);
+    for (name, cuda) in cuda_backends() {
+        // (b, t, heads, kv heads, head dim).
+        for &(b, t, h, kv, hd) in &[
+            (2usize, 70usize, 2usize, 2usize, 16usize),
+            (1, 67, 4, 2, 64),
+            (1, 33, 4, 1, 128),
+            (2, 19, 4, 1, 32),
+            (1, 1, 1, 1, 8),
+        ] {
+            let heads = Heads {
+                n_head: h,
+                n_kv_head: kv,
+                head_dim: hd,
+            };
+            let (c, w) = (heads.q_width(), heads.qkv_width());
+            for dt in DTYPES {
+                let what = format!("b={b} t={t} {heads:?} {dt}");
+                let qkv = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, b * t * w, 1.0),
+                    &[b, t, w],
+                    dt,
+                );
+                let mut o = out(&cpu, &cuda, &[b, t, c], dt);
+                let mut lse = out(&cpu, &cuda, &[b, h, t], DType::F32);
+                cpu.flash_attention(&mut o.cpu, &mut lse.cpu, &qkv.cpu, heads)
+                    .unwrap();
+                cuda.flash_attention(&mut o.cuda, &mut lse.cuda, &qkv.cuda, heads)
+                    .unwrap();
+                compare(
+                    &format!("flash_attention out {what}"),
+                    name,
+                    &cpu,
+                    &cuda,
+                    &o,
+                );
+                let want = cpu.to_f32(&lse.cpu).unwrap();
+                let got = cuda.to_f32(&lse.cuda).unwrap();
+                check(
+                    &format!("flash_attention lse {what}"),
+                    name,
+                    &got,
+                    &want,
+                    dt,
+                );
+                let dout = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, b * t * c, 1.0),
+                    &[b, t, c],
+                    dt,
+                );
+                let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
+                cpu.flash_attention_backward(
+                    &mut dqkv.cpu,
+                    &dout.cpu,
+                    &o.cpu,
+                    &lse.cpu,
+                    &qkv.cpu,
+                    heads,
+                )
+                .unwrap();
+                cuda.flash_attention_backward(
+                    &mut dqkv.cuda,
+                    &dout.cuda,
+                    &o.cuda,
+                    &lse.cuda,
+                    &qkv.cuda,
+                    heads,
+                )
+                .unwrap();
+                compare(
+                    &format!("flash_attention_backward dqkv {what}"),
+                    name,
+                    &cpu,
+                    &cuda,
+                    &dqkv,
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn cross_entropy_and_adamw_match_the_cpu() {
     let cpu = CpuBackend::new();

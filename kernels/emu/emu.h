@@ -322,4 +322,54 @@ constexpr unsigned arity(void (*)(Args...)) {
 
 }  // namespace tk_emu
 
+// ---------------------------------------------------------------------------------------
+// Tensor cores: PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, D = A·B + C for
+// a 16x16 A, a 16x8 B and a 16x8 C and D, in the instruction's own fragment layout, so a
+// kernel that packs its fragments wrongly gets wrong results here too. Lane 4·g + t holds
+// A's registers {(g, 2t..2t+1), (g+8, 2t..2t+1), (g, 2t+8..2t+9), (g+8, 2t+8..2t+9)}
+// (row, columns; the lower column in the low half), B's {(2t..2t+1, g), (2t+8..2t+9, g)}
+// (rows, column) and C's and D's {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}. Every lane
+// of the warp must take part (a full-warp __syncwarp). The products of bf16 values are
+// exact in f32; they are added to C in k order with f32 rounding (the device's order and
+// intermediate precision are its own, so results agree with it to rounding).
+
+namespace tk_emu {
+
+inline void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b,
+                              const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    struct Fragments {
+        unsigned a[4];
+        unsigned b[2];
+    };
+    // One warp's fragments; the fibers of a block share the OS thread.
+    static thread_local Fragments lanes[32][32];
+    const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned warp = (tid / 32) % 32, lane = tid % 32;
+    for (int i = 0; i < 4; ++i) lanes[warp][lane].a[i] = a[i];
+    for (int i = 0; i < 2; ++i) lanes[warp][lane].b[i] = b[i];
+    warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
+    auto half = [](unsigned reg, int k) {
+        return __bfloat162float(__ushort_as_bfloat16((unsigned short)(reg >> (16 * (k & 1)))));
+    };
+    const int g = (int)lane >> 2, t = (int)lane & 3;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+        float acc = d[i];
+        for (int k = 0; k < 16; ++k) {
+            const Fragments& fa = lanes[warp][(r & 7) * 4 + ((k & 7) >> 1)];
+            const Fragments& fb = lanes[warp][n * 4 + ((k & 7) >> 1)];
+            const float x = half(fa.a[(r >> 3) + 2 * (k >> 3)], k);
+            const float y = half(fb.b[k >> 3], k);
+            acc = acc + x * y;
+        }
+        out[i] = acc;
+    }
+    // Nobody reuses the exchange before every lane has read it.
+    warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+}  // namespace tk_emu
+
 #endif  // TRAINKIT_EMU_H

@@ -19,8 +19,8 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::ops::{
-    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, gelu, layernorm,
-    matmul, reductions, rmsnorm, rope, swiglu,
+    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, flash_attention,
+    gelu, layernorm, matmul, reductions, rmsnorm, rope, swiglu,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
@@ -644,30 +644,24 @@ impl Backend for CudaBackend {
 
     fn flash_attention_kernel(
         &self,
-        _out: &mut Tensor,
-        _lse: &mut Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
+        out: &mut Tensor,
+        lse: &mut Tensor,
+        qkv: &Tensor,
+        heads: Heads,
     ) -> Result<()> {
-        Err(crate::error::Error::Backend {
-            backend: "cuda",
-            message: "flash_attention has no CUDA kernel yet: set `training.attention = \"materialized\"`".into(),
-        })
+        flash_attention::forward(self, out, lse, qkv, heads)
     }
 
     fn flash_attention_backward_kernel(
         &self,
-        _dqkv: &mut Tensor,
-        _dout: &Tensor,
-        _out: &Tensor,
-        _lse: &Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
+        dqkv: &mut Tensor,
+        dout: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        qkv: &Tensor,
+        heads: Heads,
     ) -> Result<()> {
-        Err(crate::error::Error::Backend {
-            backend: "cuda",
-            message: "flash_attention has no CUDA kernel yet: set `training.attention = \"materialized\"`".into(),
-        })
+        flash_attention::backward(self, dqkv, dout, out, lse, qkv, heads)
     }
 
     fn cross_entropy_kernel(

@@ -60,6 +60,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::layernorm::KERNELS,
     ops::gelu::KERNELS,
     ops::attention::KERNELS,
+    ops::flash_attention::KERNELS,
     ops::cross_entropy::KERNELS,
     ops::adamw::KERNELS,
     ops::adamw8bit::KERNELS,
@@ -345,7 +346,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 84);
+        assert_eq!(seen.len(), 92);
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub(crate) mod cross_entropy;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod flash_attention;
 pub(crate) mod gelu;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
