@@ -21,6 +21,7 @@ pub use param::{Param, UpdateParts};
 use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
+use crate::ops::{AttentionPath, LossPath};
 use crate::rng::Rng;
 use crate::save::NamedTensor;
 use crate::tensor::{DType, Tensor};
@@ -276,10 +277,22 @@ impl Model for Box<dyn Model> {
 /// positions, with a context of `context`). Other shapes are refused with an error naming
 /// what differs.
 pub fn build(arch: &Architecture, context: usize) -> Result<Box<dyn Model>> {
+    build_with(arch, context, AttentionPath::Fused, LossPath::Fused)
+}
+
+/// [`build`], with the attention computed by `attention` and the loss by `loss` (the
+/// fused loss's chunk chosen from the vocabulary).
+pub fn build_with(
+    arch: &Architecture,
+    context: usize,
+    attention: AttentionPath,
+    loss: LossPath,
+) -> Result<Box<dyn Model>> {
     if arch.mlp == Mlp::SwiGlu || arch.norm == Norm::RmsNorm {
-        return Ok(Box::new(Llama::new(LlamaConfig::from_architecture(
-            arch, context,
-        )?)?));
+        let config = LlamaConfig::from_architecture(arch, context)?;
+        let model = Llama::new(config)?.with_attention(attention);
+        return Ok(Box::new(model.with_loss(loss, None)?));
     }
-    Ok(Box::new(Gpt2::new(Gpt2Config::from_architecture(arch)?)?))
+    let model = Gpt2::new(Gpt2Config::from_architecture(arch)?)?.with_attention(attention);
+    Ok(Box::new(model.with_loss(loss, None)?))
 }

@@ -70,6 +70,14 @@ pub struct MemoryArgs {
     /// once its parameter is updated; no clipping, one micro-batch).
     #[arg(long)]
     optimizer_in_backward: bool,
+    /// trainkit's exact figures with this attention: fused (the default; no [B, H, T, T]
+    /// tensor) or materialized.
+    #[arg(long, default_value = "fused")]
+    attention: String,
+    /// trainkit's exact figures with this loss: fused (the default; chunks of logits) or
+    /// materialized (every position's logits).
+    #[arg(long, default_value = "fused")]
+    loss: String,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -420,6 +428,10 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         }
     }
 
+    let paths = (
+        trainkit::ops::AttentionPath::parse("--attention", &args.attention)?,
+        trainkit::ops::LossPath::parse("--loss", &args.loss)?,
+    );
     let exact_with = |offload: bool| {
         trainkit_exact(
             &subject,
@@ -430,6 +442,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer,
             args.optimizer_in_backward,
             offload,
+            paths,
         )
     };
     let exact = exact_with(args.offload_activations)?;
@@ -635,6 +648,7 @@ fn trainkit_exact(
     optimizer: &dyn trainkit::Optimizer,
     optimizer_in_backward: bool,
     offload_activations: bool,
+    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
 ) -> Result<Option<MemoryPrediction>> {
     let Some(a) = subject.arch else {
         return Ok(None);
@@ -651,7 +665,8 @@ fn trainkit_exact(
     }
     // Exact figures for the architectures trainkit builds; the formulas alone for others.
     let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(model) = trainkit::model::build(&Architecture { positions, ..a }, context) else {
+    let arch = Architecture { positions, ..a };
+    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss) else {
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
