@@ -6,7 +6,8 @@ mod common;
 
 use common::{corpus_loader, cpu};
 use trainkit::checkpoint::{by_cost, named};
-use trainkit::estimate::{autofit, parse_bytes, predict_architecture, FitRequest, MicroBatch};
+use trainkit::estimate::{autofit, parse_bytes, predict, FitRequest, MicroBatch};
+use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::{AdamW, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, Precision, Trainer};
 
 fn config() -> Gpt2Config {
@@ -33,6 +34,8 @@ fn request<'a>(
         budget,
         precision,
         optimizer,
+        attention: AttentionPath::Fused,
+        loss: LossPath::Fused,
     }
 }
 
@@ -46,8 +49,9 @@ fn rank(kind: &str) -> usize {
 
 /// The peak of a setup over every step, as autofit counts it.
 fn peak(req: &FitRequest<'_>, micro: usize, recompute: &str) -> u64 {
-    let p = predict_architecture(
-        &req.model,
+    let model = trainkit::model::build_with(&req.model, req.seq_len, req.attention, req.loss);
+    let p = predict(
+        model.unwrap(),
         MicroBatch {
             batch_size: micro,
             seq_len: req.seq_len,
@@ -155,4 +159,27 @@ fn when_nothing_fits_the_error_says_what_would() {
     let tiny = request(&c, &Fp32, &opt, parse_bytes("1KiB").unwrap());
     let e = autofit(&tiny).unwrap_err().to_string();
     assert!(e.contains("model state alone"), "{e}");
+}
+
+/// Autofit plans the model the run trains: with the materialized attention and logits
+/// its choice's memory is that model's exact prediction, larger than the fused one's.
+#[test]
+fn autofit_plans_on_the_runs_attention_and_loss_paths() {
+    let c = config();
+    let adamw = AdamW::default();
+    let fused = request(&c, &Fp32, &adamw, 1 << 40);
+    let materialized = FitRequest {
+        attention: AttentionPath::Materialized,
+        loss: LossPath::Materialized,
+        ..fused
+    };
+    let (f, m) = (autofit(&fused).unwrap(), autofit(&materialized).unwrap());
+    // An unbounded budget: one micro-batch of all rows, no recompute, on both paths.
+    assert_eq!(f.choice.micro_batch, m.choice.micro_batch);
+    assert_eq!(
+        m.choice.peak,
+        peak(&materialized, m.choice.micro_batch, "none")
+    );
+    assert_eq!(f.choice.peak, peak(&fused, f.choice.micro_batch, "none"));
+    assert!(m.choice.peak > f.choice.peak);
 }

@@ -1,11 +1,12 @@
 //! Autofit: the micro-batch size, accumulation steps and recompute policy that fit a
 //! memory budget, chosen with the exact memory model.
 
-use super::exact::{predict_architecture, MemoryPrediction, MicroBatch};
+use super::exact::{predict, MemoryPrediction, MicroBatch};
 use crate::checkpoint::{by_cost, CheckpointPolicy, Full, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
 use crate::model::Architecture;
+use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
 use crate::precision::{MixedBf16, Precision};
 
@@ -24,6 +25,22 @@ pub struct FitRequest<'a> {
     pub precision: &'a dyn Precision,
     /// The optimizer, kept as given.
     pub optimizer: &'a dyn Optimizer,
+    /// How the model computes attention (the run's `training.attention`).
+    pub attention: AttentionPath,
+    /// How the model computes the loss (the run's `training.loss`; the fused loss's
+    /// chunk chosen from the vocabulary).
+    pub loss: LossPath,
+}
+
+/// The exact memory of one micro-batch of `req`'s model, on its attention and loss paths.
+fn predict_request(
+    req: &FitRequest<'_>,
+    micro: MicroBatch,
+    precision: &dyn Precision,
+    recompute: &dyn CheckpointPolicy,
+) -> Result<MemoryPrediction> {
+    let model = crate::model::build_with(&req.model, micro.seq_len, req.attention, req.loss)?;
+    predict(model, micro, precision, recompute, req.optimizer)
 }
 
 /// One setup autofit considered.
@@ -112,15 +129,14 @@ fn candidate(
     micro_batch: usize,
     recompute: &(dyn CheckpointPolicy + 'static),
 ) -> Result<FitCandidate> {
-    let prediction = predict_architecture(
-        &req.model,
+    let prediction = predict_request(
+        req,
         MicroBatch {
             batch_size: micro_batch,
             seq_len: req.seq_len,
         },
         req.precision,
         recompute,
-        req.optimizer,
     )?;
     let micro_batches = req.global_batch / micro_batch;
     Ok(FitCandidate {
@@ -190,15 +206,14 @@ fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
     let mut fixes = vec![format!("a budget of at least {}", format_bytes(least.peak))];
     if req.precision.compute_dtype() != crate::tensor::DType::Bf16 {
         let mixed = MixedBf16 { fp32_grads: false };
-        let p = predict_architecture(
-            &req.model,
+        let p = predict_request(
+            req,
             MicroBatch {
                 batch_size: 1,
                 seq_len: req.seq_len,
             },
             &mixed,
             &Full,
-            req.optimizer,
         )?;
         let peak = p.peak_total.max(p.first_step_peak_total(req.global_batch));
         if peak <= req.budget {

@@ -58,6 +58,8 @@ fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64) -> FitRequest<'a>
         budget,
         precision: cfg.precision.as_ref(),
         optimizer: cfg.optimizer.as_ref(),
+        attention: cfg.training.attention,
+        loss: cfg.training.loss,
     }
 }
 
