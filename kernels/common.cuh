@@ -3,8 +3,8 @@
 // of trainkit's own at run time).
 //
 // Conventions, the same as the CPU backend in src/device/cpu/:
-// - arithmetic is f32; a bf16 value is widened exactly when loaded and rounded to nearest
-//   even only when stored (`store`), at the points where the CPU twin rounds;
+// - arithmetic is f32; a bf16 or f16 value is widened exactly when loaded and rounded to
+//   nearest even only when stored (`store`), at the points where the CPU twin rounds;
 // - NVRTC compiles with --fmad=false, so `a * b + c` is two roundings as in Rust; a kernel
 //   that wants a fused multiply-add says so with fmaf;
 // - reductions that the CPU runs in 16 interleaved lanes (src/device/cpu/simd.rs) run on
@@ -12,8 +12,10 @@
 //   the lanes are combined pairwise at distances 8, 4, 2, 1, which is the CPU's order, so
 //   these sums are bitwise equal to the CPU's.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 typedef __nv_bfloat16 bf16;
+typedef __half f16;
 typedef long long i64;
 
 // ---------------------------------------------------------------------------------------
@@ -23,6 +25,8 @@ __device__ __forceinline__ float load(const float* p, i64 i) { return p[i]; }
 __device__ __forceinline__ float load(const bf16* p, i64 i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void store(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(bf16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ float load(const f16* p, i64 i) { return __half2float(p[i]); }
+__device__ __forceinline__ void store(f16* p, i64 i, float v) { p[i] = __float2half_rn(v); }
 
 // ---------------------------------------------------------------------------------------
 // Grid-stride loops.
@@ -108,4 +112,4 @@ __device__ __forceinline__ float tk_exp(float x) {
 // every dtype combination a fixed name, `NAME_<dtype>[_<dtype>...]`, that the Rust side
 // loads.
 
-#define TK_DTYPES(X) X(float, f32) X(bf16, bf16)
+#define TK_DTYPES(X) X(float, f32) X(bf16, bf16) X(f16, f16)

@@ -72,6 +72,9 @@ TK_CAST(float, f32, float, f32)
 TK_CAST(float, f32, bf16, bf16)
 TK_CAST(bf16, bf16, float, f32)
 TK_CAST(bf16, bf16, bf16, bf16)
+TK_CAST(float, f32, f16, f16)
+TK_CAST(f16, f16, float, f32)
+TK_CAST(f16, f16, f16, f16)
 
 #define TK_ONE_DTYPE(T, N)                                                                  \
     extern "C" __global__ void fill_##N(T* x, float value, i64 n) { fill_impl<T>(x, value, n); } \
@@ -96,6 +99,9 @@ TK_AXPY(float, f32, float, f32)
 TK_AXPY(float, f32, bf16, bf16)
 TK_AXPY(bf16, bf16, float, f32)
 TK_AXPY(bf16, bf16, bf16, bf16)
+TK_AXPY(float, f32, f16, f16)
+TK_AXPY(f16, f16, float, f32)
+TK_AXPY(f16, f16, f16, f16)
 
 #define TK_ADD(O, ON, A, AN, B, BN)                                                         \
     extern "C" __global__ void add_##ON##_##AN##_##BN(O* out, const A* a, const B* b,       \
@@ -110,3 +116,10 @@ TK_ADD(bf16, bf16, float, f32, float, f32)
 TK_ADD(bf16, bf16, float, f32, bf16, bf16)
 TK_ADD(bf16, bf16, bf16, bf16, float, f32)
 TK_ADD(bf16, bf16, bf16, bf16, bf16, bf16)
+TK_ADD(float, f32, float, f32, f16, f16)
+TK_ADD(float, f32, f16, f16, float, f32)
+TK_ADD(float, f32, f16, f16, f16, f16)
+TK_ADD(f16, f16, float, f32, float, f32)
+TK_ADD(f16, f16, float, f32, f16, f16)
+TK_ADD(f16, f16, f16, f16, float, f32)
+TK_ADD(f16, f16, f16, f16, f16, f16)

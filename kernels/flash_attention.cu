@@ -16,12 +16,12 @@
 //
 // Products. Every product is a sequence of 16x8x16 tile products, C[16x8] += A[16x16] ·
 // B[16x8], whose accumulators each lane holds in the fragment layout of PTX's
-// mma.m16n8k16 (lane = 4·g + t: rows g and g + 8, columns 2t and 2t + 1). In bf16 on
-// sm_80 and later the tile product is that tensor-core instruction (bf16 operands, f32
+// mma.m16n8k16 (lane = 4·g + t: rows g and g + 8, columns 2t and 2t + 1). In bf16 or f16
+// on sm_80 and later the tile product is that tensor-core instruction (16-bit operands, f32
 // accumulation); otherwise (f32, older devices) each lane computes its four elements with
 // fused multiply-adds in index order. In f32 the scores are then the materialized
 // kernels' dot products bit for bit. The probabilities and their gradients enter the
-// second products in the dtype of qkv (rounded to bf16 for the tensor cores).
+// second products in the dtype of qkv (rounded to bf16 or f16 for the tensor cores).
 //
 // Backward: `flash_attention_backward_delta` computes delta_i = Σ_d dout_i · out_i;
 // `flash_attention_backward_dkv` runs over key tiles (dK and dV summed over the group's
@@ -44,17 +44,23 @@
 #define FA_HAS_MMA 0
 #endif
 
+// Whether T is a 16-bit float the tensor cores take (bf16, f16).
 template <typename T>
-struct fa_is_bf16 {
+struct fa_is_half {
     static constexpr bool value = false;
 };
 template <>
-struct fa_is_bf16<bf16> {
+struct fa_is_half<bf16> {
+    static constexpr bool value = true;
+};
+template <>
+struct fa_is_half<f16> {
     static constexpr bool value = true;
 };
 
 __device__ __forceinline__ float fa_widen(float v) { return v; }
 __device__ __forceinline__ float fa_widen(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float fa_widen(f16 v) { return __half2float(v); }
 
 template <typename T>
 __device__ __forceinline__ T fa_narrow(float v);
@@ -62,10 +68,16 @@ template <>
 __device__ __forceinline__ float fa_narrow<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ bf16 fa_narrow<bf16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ f16 fa_narrow<f16>(float v) { return __float2half_rn(v); }
 
-// Two bf16 in one 32-bit register, `lo` in the low half (PTX's packing of fragments).
+// Two 16-bit values in one 32-bit register, `lo` in the low half (PTX's packing of
+// fragments).
 __device__ __forceinline__ unsigned fa_pack(bf16 lo, bf16 hi) {
     return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+}
+__device__ __forceinline__ unsigned fa_pack(f16 lo, f16 hi) {
+    return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
 }
 
 // d[0..4] += A · B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.
@@ -83,6 +95,22 @@ __device__ __forceinline__ void fa_mma_bf16(float* d, const unsigned* a, const u
 #endif
 }
 
+// The same with f16 operands: mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32.
+__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, f16) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::mma_m16n8k16_f16(d, a, b);
+#elif FA_HAS_MMA
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
+    fa_mma_bf16(d, a, b);
+}
+
 // One 16x8x16 tile product of a warp: c (this lane's four accumulators) += A · B with
 // A(r, k) = a[r·ars + k·aks] and B(k, n) = b[k·bks + n·bns], r, k < 16, n < 8. Every lane
 // of the warp calls it with the same operands.
@@ -91,7 +119,7 @@ __device__ __forceinline__ void fa_tile(float* c, const T* a, int ars, int aks, 
                                         int bks, int bns) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if FA_HAS_MMA
-    if constexpr (fa_is_bf16<T>::value) {
+    if constexpr (fa_is_half<T>::value) {
         unsigned ra[4], rb[2];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -103,7 +131,7 @@ __device__ __forceinline__ void fa_tile(float* c, const T* a, int ars, int aks, 
             const int k = 2 * t + 8 * i;
             rb[i] = fa_pack(b[k * bks + g * bns], b[(k + 1) * bks + g * bns]);
         }
-        fa_mma_bf16(c, ra, rb);
+        fa_mma(c, ra, rb, T());
     } else
 #endif
     {

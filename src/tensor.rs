@@ -4,7 +4,7 @@ use crate::device::cpu::BufferPool;
 use crate::device::cuda::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
-use half::bf16;
+use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -16,6 +16,9 @@ pub enum DType {
     F32,
     /// bfloat16: f32's exponent range with 8 bits of mantissa.
     Bf16,
+    /// IEEE half precision: 11 bits of mantissa, values up to 65504, subnormals down to
+    /// 2⁻²⁴ (the compute dtype of [`crate::precision::MixedFp16`]).
+    F16,
     /// Unsigned bytes: codes, not numbers to compute with (the quantized moments of
     /// [`crate::optim::AdamW8bit`]). They are uploaded, copied, read back as f32 (0 to
     /// 255, exactly) and counted in the ledger at one byte each; the arithmetic ops
@@ -29,6 +32,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::Bf16 => 2,
+            DType::F16 => 2,
             DType::U8 => 1,
         }
     }
@@ -40,11 +44,12 @@ impl DType {
         match self {
             DType::F32 => x,
             DType::Bf16 => bf16::from_f32(x).to_f32(),
+            DType::F16 => f16::from_f32(x).to_f32(),
             DType::U8 => x.round_ties_even().clamp(0.0, 255.0) as u8 as f32,
         }
     }
 
-    /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16).
+    /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16, f16).
     pub fn is_float(self) -> bool {
         !matches!(self, DType::U8)
     }
@@ -55,6 +60,7 @@ impl std::fmt::Display for DType {
         f.write_str(match self {
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
+            DType::F16 => "f16",
             DType::U8 => "u8",
         })
     }
@@ -67,6 +73,8 @@ pub(crate) enum Storage {
     F32(Vec<f32>),
     /// Host memory, bf16 elements.
     Bf16(Vec<bf16>),
+    /// Host memory, f16 elements.
+    F16(Vec<f16>),
     /// Host memory, u8 elements.
     U8(Vec<u8>),
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
@@ -81,6 +89,7 @@ impl Storage {
         match self {
             Storage::F32(v) => v.len(),
             Storage::Bf16(v) => v.len(),
+            Storage::F16(v) => v.len(),
             Storage::U8(v) => v.len(),
             Storage::Device(d) => d.len(),
             Storage::Meta { len, .. } => *len,
@@ -91,6 +100,7 @@ impl Storage {
         match self {
             Storage::F32(_) => DType::F32,
             Storage::Bf16(_) => DType::Bf16,
+            Storage::F16(_) => DType::F16,
             Storage::U8(_) => DType::U8,
             Storage::Device(d) => d.dtype(),
             Storage::Meta { dtype, .. } => *dtype,

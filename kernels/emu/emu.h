@@ -36,6 +36,7 @@
 #include <utility>
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 // ---------------------------------------------------------------------------------------
 // Qualifiers.
@@ -323,20 +324,22 @@ constexpr unsigned arity(void (*)(Args...)) {
 }  // namespace tk_emu
 
 // ---------------------------------------------------------------------------------------
-// Tensor cores: PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, D = A·B + C for
+// Tensor cores: PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (and .f16), D = A·B + C for
 // a 16x16 A, a 16x8 B and a 16x8 C and D, in the instruction's own fragment layout, so a
 // kernel that packs its fragments wrongly gets wrong results here too. Lane 4·g + t holds
 // A's registers {(g, 2t..2t+1), (g+8, 2t..2t+1), (g, 2t+8..2t+9), (g+8, 2t+8..2t+9)}
 // (row, columns; the lower column in the low half), B's {(2t..2t+1, g), (2t+8..2t+9, g)}
 // (rows, column) and C's and D's {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}. Every lane
-// of the warp must take part (a full-warp __syncwarp). The products of bf16 values are
-// exact in f32; they are added to C in k order with f32 rounding (the device's order and
+// of the warp must take part (a full-warp __syncwarp). The products of bf16 (or f16)
+// values are exact in f32; they are added to C in k order with f32 rounding (the device's order and
 // intermediate precision are its own, so results agree with it to rounding).
 
 namespace tk_emu {
 
-inline void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b,
-                              const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+// One warp's mma.m16n8k16 with f32 accumulators, its 16-bit operands widened by `widen`.
+template <typename Widen>
+inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, Widen widen,
+                         const char* file, int line) {
     struct Fragments {
         unsigned a[4];
         unsigned b[2];
@@ -348,8 +351,8 @@ inline void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b,
     for (int i = 0; i < 4; ++i) lanes[warp][lane].a[i] = a[i];
     for (int i = 0; i < 2; ++i) lanes[warp][lane].b[i] = b[i];
     warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
-    auto half = [](unsigned reg, int k) {
-        return __bfloat162float(__ushort_as_bfloat16((unsigned short)(reg >> (16 * (k & 1)))));
+    auto half = [&](unsigned reg, int k) {
+        return widen((unsigned short)(reg >> (16 * (k & 1))));
     };
     const int g = (int)lane >> 2, t = (int)lane & 3;
     float out[4];
@@ -368,6 +371,22 @@ inline void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b,
     // Nobody reuses the exchange before every lane has read it.
     warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
     for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.
+inline void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b,
+                              const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    mma_m16n8k16(
+        d, a, b, [](unsigned short h) { return __bfloat162float(__ushort_as_bfloat16(h)); },
+        file, line);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32.
+inline void mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b,
+                             const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    mma_m16n8k16(
+        d, a, b, [](unsigned short h) { return __half2float(__ushort_as_half(h)); }, file,
+        line);
 }
 
 }  // namespace tk_emu

@@ -120,7 +120,7 @@ pub struct RunConfig {
     /// Checkpoints and logs.
     #[serde(default)]
     pub output: OutputConfig,
-    /// Precision policy (`kind = "fp32"` or `"mixed_bf16"`).
+    /// Precision policy (`kind = "fp32"`, `"mixed_bf16"` or `"mixed_fp16"`).
     #[serde(default = "default_precision")]
     pub precision: Box<dyn Precision>,
     /// Checkpoint policy (`kind = "none"`, `"full"`, `"selective"` or `"budget"` with

@@ -319,7 +319,13 @@ mod tests {
                 .typetag_name(),
             "fp32"
         );
-        assert!(crate::precision::named("fp16", false).is_err());
+        assert_eq!(
+            crate::precision::named("fp16", false)
+                .unwrap()
+                .typetag_name(),
+            "mixed_fp16"
+        );
+        assert!(crate::precision::named("f16", false).is_err());
         assert_eq!(
             crate::precision::named("bf16", false)
                 .unwrap()

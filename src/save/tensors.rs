@@ -47,6 +47,11 @@ pub(crate) fn write_typed(
                 .iter()
                 .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
                 .collect(),
+            DType::F16 => t
+                .data
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
             DType::U8 => t.data.iter().map(|v| DType::U8.round(*v) as u8).collect(),
         })
         .collect();
@@ -57,6 +62,7 @@ pub(crate) fn write_typed(
             let file_dtype = match dtype {
                 DType::F32 => Dtype::F32,
                 DType::Bf16 => Dtype::BF16,
+                DType::F16 => Dtype::F16,
                 DType::U8 => Dtype::U8,
             };
             TensorView::new(file_dtype, t.shape.clone(), b)

@@ -106,6 +106,10 @@ pub struct StepStats {
     pub tokens_per_s: f64,
     /// Whether the update was skipped because the loss or gradients were not finite.
     pub skipped: bool,
+    /// The factor the step's loss was multiplied by before backward (1 without loss
+    /// scaling; under [`crate::MixedFp16`], the dynamic scale of this step).
+    #[serde(default = "one")]
+    pub loss_scale: f32,
     /// Peak bytes per category during the step.
     pub memory: StepMemory,
     /// The model's FLOPs for the step's tokens by llm.c's count, `6N + 6·L·h·T` per
@@ -123,6 +127,10 @@ pub struct StepStats {
     /// micro-batches).
     #[serde(skip)]
     pub stash: StashStats,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 /// Trains a model: the loop of forward, backward, accumulation, clipping and update,
@@ -349,6 +357,7 @@ where
                 ),
             ));
         }
+        precision.validate()?;
         if options.offload_activations {
             offload::check(model.as_ref(), &data, &precision, &checkpoint)?;
         }
@@ -538,9 +547,20 @@ where
         let loss = r.loss_sum as f64 / (tokens_per_micro * k as u64) as f64;
         let grad_norm = r.grad_norm as f64;
         let finite = r.finite();
+        // An overflow of the scaled gradients with a finite loss is the loss scale's to
+        // answer (it shrinks), not a sign of divergence.
+        let overflow = !finite && loss.is_finite() && self.precision.overflow_expected();
         self.precision.update_loss_scale(finite);
         if finite {
             self.bad_streak = 0;
+        } else if overflow {
+            self.skipped_steps += 1;
+            log::info!(
+                "step {}: gradients overflowed at loss scale {loss_scale}; update skipped, \
+                 loss scale now {}",
+                self.step + 1,
+                self.precision.loss_scale()
+            );
         } else {
             self.skipped_steps += 1;
             self.bad_streak += 1;
@@ -588,6 +608,7 @@ where
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-12),
             skipped: !finite,
+            loss_scale,
             memory: StepMemory {
                 peak: snap.peak,
                 peak_total: snap.peak_total,

@@ -50,6 +50,9 @@ struct TrainerState {
     /// `trainer_state.safetensors`, in slot order.
     optimizer_state: BTreeMap<String, Vec<String>>,
     precision: serde_json::Value,
+    /// The precision's running state (a dynamic loss scale and its counters), if any.
+    #[serde(default)]
+    precision_state: Option<serde_json::Value>,
     checkpoint: serde_json::Value,
     optimizer: serde_json::Value,
     accumulation: serde_json::Value,
@@ -135,6 +138,7 @@ where
             rng: self.rng.clone(),
             optimizer_state,
             precision: json(serde_json::to_value(&self.precision as &dyn Precision))?,
+            precision_state: self.precision.state(),
             checkpoint: json(serde_json::to_value(
                 &self.checkpoint as &dyn CheckpointPolicy,
             ))?,
@@ -272,6 +276,9 @@ where
         match state.data_cursor {
             Some(cursor) => self.data.set_cursor(cursor)?,
             None => self.data.set_position(state.data_position)?,
+        }
+        if let Some(s) = &state.precision_state {
+            self.precision.load_state(s)?;
         }
         self.step = state.step;
         self.tokens_seen = state.tokens_seen;

@@ -81,7 +81,11 @@ impl Progress {
                 s.grad_norm,
                 s.tokens_per_s,
                 s.seconds * 1e3,
-                if s.skipped { " | update skipped (not finite)" } else { "" }
+                match (s.skipped, s.loss_scale != 1.0) {
+                    (true, true) => format!(" | update skipped (not finite at loss scale {})", s.loss_scale),
+                    (true, false) => " | update skipped (not finite)".to_string(),
+                    (false, _) => String::new(),
+                }
             ),
         }
         if let Some((file, path)) = &mut self.log {
@@ -99,6 +103,7 @@ impl Progress {
                 "seconds": s.seconds,
                 "tokens_per_s": s.tokens_per_s,
                 "skipped": s.skipped,
+                "loss_scale": s.loss_scale,
                 "model_flops": s.model_flops,
                 "hardware_flops": s.hardware_flops,
                 "model_flops_per_s": s.model_flops / seconds,

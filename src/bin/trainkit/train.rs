@@ -81,7 +81,8 @@ pub struct TrainArgs {
     /// Global gradient-norm clipping threshold (0 = off).
     #[arg(long)]
     grad_clip: Option<f32>,
-    /// fp32, or bf16 (bf16 compute with f32 master weights).
+    /// fp32, bf16 (bf16 compute with f32 master weights) or fp16 (fp16 compute with f32
+    /// master weights and gradients, and a dynamic loss scale).
     #[arg(long)]
     precision: Option<String>,
     /// Activation recomputation: none, full, selective, or budget:SIZE (keep the

@@ -161,7 +161,7 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
-        Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {
+        Storage::F16(_) | Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {
             write(t, false, |v| v.fill(value))
         }
     }

@@ -50,7 +50,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
 pub use blas::{Blas, BLAS_ENV};
-use half::bf16;
+use half::{bf16, f16};
 pub(crate) use pool::BufferPool;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -183,6 +183,15 @@ impl CpuBackend {
                 }
                 None => vec![bf16::ZERO; n],
             }),
+            DType::F16 => Storage::F16(match self.pool.take_f16(n) {
+                Some(mut v) => {
+                    if zero {
+                        v.fill(f16::ZERO);
+                    }
+                    v
+                }
+                None => vec![f16::ZERO; n],
+            }),
             DType::U8 => Storage::U8(vec![0; n]),
         };
         Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
@@ -204,18 +213,47 @@ pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
         Storage::Meta { len, .. } => Cow::Owned(vec![0.0; *len]),
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
         Storage::U8(v) => Cow::Owned(v.iter().map(|&c| f32::from(c)).collect()),
-        Storage::Bf16(v) => {
-            let mut out = vec![0f32; v.len()];
-            out.par_chunks_mut(CHUNK)
-                .zip(v.par_chunks(CHUNK))
-                .for_each(|(o, i)| {
-                    for (o, i) in o.iter_mut().zip(i) {
-                        *o = i.to_f32();
-                    }
-                });
-            Cow::Owned(out)
-        }
+        Storage::Bf16(v) => Cow::Owned(widen(v, bf16::to_f32)),
+        Storage::F16(v) => Cow::Owned(widen(v, f16::to_f32)),
     }
+}
+
+/// `v` widened to f32 in parallel chunks.
+fn widen<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(v.par_chunks(CHUNK))
+        .for_each(|(o, i)| {
+            for (o, i) in o.iter_mut().zip(i) {
+                *o = f(*i);
+            }
+        });
+    out
+}
+
+/// Runs `f` on `v` widened to f32 (zeros unless `load`) and narrows the result back with
+/// `narrow` (rounding to nearest even).
+fn through_f32<T: Copy + Send + Sync, R>(
+    v: &mut [T],
+    load: bool,
+    widen_one: impl Fn(T) -> f32 + Sync,
+    narrow: impl Fn(f32) -> T + Sync,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    let mut tmp = if load {
+        widen(v, widen_one)
+    } else {
+        vec![0f32; v.len()]
+    };
+    let r = f(&mut tmp);
+    v.par_chunks_mut(CHUNK)
+        .zip(tmp.par_chunks(CHUNK))
+        .for_each(|(o, i)| {
+            for (o, i) in o.iter_mut().zip(i) {
+                *o = narrow(*i);
+            }
+        });
+    r
 }
 
 /// Runs `f` on the elements of `t` as f32 and stores the result in `t`'s dtype.
@@ -247,27 +285,8 @@ pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) ->
             }
             r
         }
-        Storage::Bf16(v) => {
-            let mut tmp = vec![0f32; v.len()];
-            if load {
-                tmp.par_chunks_mut(CHUNK)
-                    .zip(v.par_chunks(CHUNK))
-                    .for_each(|(o, i)| {
-                        for (o, i) in o.iter_mut().zip(i) {
-                            *o = i.to_f32();
-                        }
-                    });
-            }
-            let r = f(&mut tmp);
-            v.par_chunks_mut(CHUNK)
-                .zip(tmp.par_chunks(CHUNK))
-                .for_each(|(o, i)| {
-                    for (o, i) in o.iter_mut().zip(i) {
-                        *o = bf16::from_f32(*i);
-                    }
-                });
-            r
-        }
+        Storage::Bf16(v) => through_f32(v, load, bf16::to_f32, bf16::from_f32, f),
+        Storage::F16(v) => through_f32(v, load, f16::to_f32, f16::from_f32, f),
     }
 }
 
@@ -382,6 +401,7 @@ impl Backend for CpuBackend {
         let storage = match dtype {
             DType::F32 => Storage::F32(data.to_vec()),
             DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+            DType::F16 => Storage::F16(data.iter().map(|x| f16::from_f32(*x)).collect()),
             DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
         };
         Tensor::new(storage, shape, category, label, &self.ledger)
@@ -395,6 +415,7 @@ impl Backend for CpuBackend {
         let storage = match t.storage() {
             Storage::F32(v) => Storage::F32(v.clone()),
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
+            Storage::F16(v) => Storage::F16(v.clone()),
             Storage::U8(v) => Storage::U8(v.clone()),
             Storage::Meta { len, dtype } => Storage::Meta {
                 len: *len,
@@ -405,6 +426,7 @@ impl Backend for CpuBackend {
                 match d.dtype() {
                     DType::F32 => Storage::F32(v),
                     DType::Bf16 => Storage::Bf16(v.iter().map(|x| bf16::from_f32(*x)).collect()),
+                    DType::F16 => Storage::F16(v.iter().map(|x| f16::from_f32(*x)).collect()),
                     DType::U8 => Storage::U8(v.iter().map(|x| DType::U8.round(*x) as u8).collect()),
                 }
             }

@@ -7,7 +7,7 @@
 
 use crate::memory::Ledger;
 use crate::tensor::Storage;
-use half::bf16;
+use half::{bf16, f16};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -15,6 +15,7 @@ use std::sync::Mutex;
 struct Cached {
     f32: HashMap<usize, Vec<Vec<f32>>>,
     bf16: HashMap<usize, Vec<Vec<bf16>>>,
+    f16: HashMap<usize, Vec<Vec<f16>>>,
     bytes: u64,
 }
 
@@ -54,12 +55,21 @@ impl BufferPool {
         Some(v)
     }
 
+    /// A cached f16 buffer of `n` elements (stale contents), if one is free.
+    pub(crate) fn take_f16(&self, n: usize) -> Option<Vec<f16>> {
+        let mut c = self.lock();
+        let v = c.f16.get_mut(&n)?.pop()?;
+        c.bytes -= (n * 2) as u64;
+        Some(v)
+    }
+
     /// Keeps a freed tensor's storage for reuse, unless that would cache more bytes than
     /// the ledger's peak.
     pub(crate) fn put(&self, storage: Storage) {
         let bytes = match &storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
+            Storage::F16(v) => v.len() * 2,
             // Codes are few and long-lived (optimizer state): not worth caching.
             Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => return,
         } as u64;
@@ -75,6 +85,7 @@ impl BufferPool {
         match storage {
             Storage::F32(v) => c.f32.entry(v.len()).or_default().push(v),
             Storage::Bf16(v) => c.bf16.entry(v.len()).or_default().push(v),
+            Storage::F16(v) => c.f16.entry(v.len()).or_default().push(v),
             Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {}
         }
     }

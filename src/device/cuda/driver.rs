@@ -240,6 +240,7 @@ fn data_type(t: MatrixType) -> lt_sys::cudaDataType {
     match t {
         MatrixType::F32 => lt_sys::cudaDataType::CUDA_R_32F,
         MatrixType::Bf16 => lt_sys::cudaDataType::CUDA_R_16BF,
+        MatrixType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
     }
 }
 

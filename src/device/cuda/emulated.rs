@@ -103,6 +103,7 @@ unsafe fn load(ty: MatrixType, base: DevicePtr, i: usize) -> f32 {
     match ty {
         MatrixType::F32 => *(base as *const f32).add(i),
         MatrixType::Bf16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+        MatrixType::F16 => half::f16::from_bits(*(base as *const u16).add(i)).to_f32(),
     }
 }
 
@@ -114,6 +115,7 @@ unsafe fn store(ty: MatrixType, base: DevicePtr, i: usize, v: f32) {
     match ty {
         MatrixType::F32 => *(base as *mut f32).add(i) = v,
         MatrixType::Bf16 => *(base as *mut u16).add(i) = half::bf16::from_f32(v).to_bits(),
+        MatrixType::F16 => *(base as *mut u16).add(i) = half::f16::from_f32(v).to_bits(),
     }
 }
 

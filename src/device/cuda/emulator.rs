@@ -37,6 +37,8 @@ pub const CXX_ENV: &str = "CXX";
 const EMU_HEADER: &str = include_str!("../../../kernels/emu/emu.h");
 /// The host stand-in for CUDA's `cuda_bf16.h`.
 const BF16_HEADER: &str = include_str!("../../../kernels/emu/cuda_bf16.h");
+/// The host stand-in for CUDA's `cuda_fp16.h`.
+const FP16_HEADER: &str = include_str!("../../../kernels/emu/cuda_fp16.h");
 /// The scheduler: fibers, barriers, warp collectives.
 const RUNTIME_SOURCE: &str = include_str!("../../../kernels/emu/emu.cpp");
 
@@ -516,6 +518,7 @@ fn compile_library(
     let mut files: Vec<(String, &str)> = vec![
         ("emu.h".to_string(), EMU_HEADER),
         ("cuda_bf16.h".to_string(), BF16_HEADER),
+        ("cuda_fp16.h".to_string(), FP16_HEADER),
         ("emu.cpp".to_string(), RUNTIME_SOURCE),
     ];
     files.extend(units.iter().map(|(n, s)| (n.clone(), s.as_str())));
@@ -925,6 +928,14 @@ extern "C" __global__ void traps(int* out) {
         v.iter().map(|x| x.to_f32()).collect()
     }
 
+    fn to_f16(v: &[f32]) -> Vec<half::f16> {
+        v.iter().map(|&x| half::f16::from_f32(x)).collect()
+    }
+
+    fn widen_f16(v: &[half::f16]) -> Vec<f32> {
+        v.iter().map(|x| x.to_f32()).collect()
+    }
+
     fn upload(be: &CpuBackend, v: &[f32], shape: &[usize], dtype: DType) -> Tensor {
         be.upload(v, shape, dtype, MemoryCategory::Activations, "t")
             .unwrap()
@@ -976,7 +987,7 @@ extern "C" __global__ void traps(int* out) {
         let xs = gelu_inputs();
         let dout = random(xs.len(), 1.0, 2);
         let n = xs.len();
-        for dtype in [DType::F32, DType::Bf16] {
+        for dtype in DTYPES {
             let x = upload(&be, &xs, &[n], dtype);
             let d = upload(&be, &dout, &[n], dtype);
             let mut out = zeros(&be, &[n], dtype);
@@ -986,37 +997,19 @@ extern "C" __global__ void traps(int* out) {
             be.gelu_backward(&mut dx, &x, &d).unwrap();
             let want_dx = be.to_f32(&dx).unwrap();
             // Two blocks of 128 threads: the grid-stride loops go round three times.
-            let (got, got_dx) = match dtype {
-                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
-                DType::F32 => {
-                    let (mut x, mut d) = (xs.clone(), dout.clone());
-                    let mut out = vec![0f32; n];
-                    let mut dx = vec![0f32; n];
-                    let a = Args::new().ptr(&mut out).ptr(&mut x).arg(n as i64);
-                    launch(emu, "gelu_f32", 2, 128, 0, a).unwrap();
-                    let a = Args::new()
-                        .ptr(&mut dx)
-                        .ptr(&mut x)
-                        .ptr(&mut d)
-                        .arg(n as i64);
-                    launch(emu, "gelu_backward_f32", 2, 128, 0, a).unwrap();
-                    (out, dx)
-                }
-                DType::Bf16 => {
-                    let (mut x, mut d) = (to_bf16(&xs), to_bf16(&dout));
-                    let mut out = vec![bf16::ZERO; n];
-                    let mut dx = vec![bf16::ZERO; n];
-                    let a = Args::new().ptr(&mut out).ptr(&mut x).arg(n as i64);
-                    launch(emu, "gelu_bf16", 2, 128, 0, a).unwrap();
-                    let a = Args::new()
-                        .ptr(&mut dx)
-                        .ptr(&mut x)
-                        .ptr(&mut d)
-                        .arg(n as i64);
-                    launch(emu, "gelu_backward_bf16", 2, 128, 0, a).unwrap();
-                    (widen(&out), widen(&dx))
-                }
-            };
+            let t = suffix(dtype);
+            let (mut x, mut d) = (Buf::new(&xs, dtype), Buf::new(&dout, dtype));
+            let mut out = Buf::new(&vec![0.0; n], dtype);
+            let mut dx = Buf::new(&vec![0.0; n], dtype);
+            let a = Args::new().buf(&mut out).buf(&mut x).arg(n as i64);
+            launch(emu, &format!("gelu_{t}"), 2, 128, 0, a).unwrap();
+            let a = Args::new()
+                .buf(&mut dx)
+                .buf(&mut x)
+                .buf(&mut d)
+                .arg(n as i64);
+            launch(emu, &format!("gelu_backward_{t}"), 2, 128, 0, a).unwrap();
+            let (got, got_dx) = (out.values(), dx.values());
             assert_bitwise(&format!("gelu {dtype:?}"), &got, &want);
             assert_bitwise(&format!("gelu_backward {dtype:?}"), &got_dx, &want_dx);
         }
@@ -1044,14 +1037,15 @@ extern "C" __global__ void traps(int* out) {
         let Some(emu) = emulator() else { return };
         let be = CpuBackend::new();
         let xs = random(10_007, 3.0, 3);
-        for dtype in [DType::F32, DType::Bf16] {
+        for dtype in DTYPES {
             let want = be
                 .sum_squares(&upload(&be, &xs, &[xs.len()], dtype))
                 .unwrap();
             let got = match dtype {
-                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
+                DType::U8 => unreachable!("the kernels under test take f32, bf16 or f16"),
                 DType::F32 => emulated_sum_squares(emu, "sum_squares_partial_f32", &xs),
                 DType::Bf16 => emulated_sum_squares(emu, "sum_squares_partial_bf16", &to_bf16(&xs)),
+                DType::F16 => emulated_sum_squares(emu, "sum_squares_partial_f16", &to_f16(&xs)),
             };
             let rel = ((got - want) / want).abs();
             assert!(
@@ -1265,12 +1259,13 @@ extern "C" __global__ void traps(int* out) {
             dw: random(c, 0.1, 9),
             db: random(c, 0.1, 10),
         };
-        for dtype in [DType::F32, DType::Bf16] {
+        for dtype in DTYPES {
             let want = case.on_cpu(dtype);
             let got = match dtype {
-                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
+                DType::U8 => unreachable!("the kernels under test take f32, bf16 or f16"),
                 DType::F32 => case.emulated(emu, "f32", |v| v.to_vec(), |v| v.to_vec()),
                 DType::Bf16 => case.emulated(emu, "bf16", to_bf16, widen),
+                DType::F16 => case.emulated(emu, "f16", to_f16, widen_f16),
             };
             for (name, (g, w)) in ["out", "stats", "dx", "dweight", "dbias"]
                 .iter()
@@ -1304,30 +1299,34 @@ extern "C" __global__ void traps(int* out) {
         assert_bitwise("softmax_causal_f32", &p, &want);
     }
 
-    /// A device buffer of either dtype, as the kernels see it.
+    /// A device buffer of any float dtype, as the kernels see it.
     enum Buf {
         F32(Vec<f32>),
         Bf16(Vec<bf16>),
+        F16(Vec<half::f16>),
     }
 
     impl Buf {
         fn new(v: &[f32], dtype: DType) -> Buf {
             match dtype {
-                DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
+                DType::U8 => unreachable!("the kernels under test take f32, bf16 or f16"),
                 DType::F32 => Buf::F32(v.to_vec()),
                 DType::Bf16 => Buf::Bf16(to_bf16(v)),
+                DType::F16 => Buf::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect()),
             }
         }
         fn ptr(&mut self) -> *mut c_void {
             match self {
                 Buf::F32(v) => v.as_mut_ptr().cast(),
                 Buf::Bf16(v) => v.as_mut_ptr().cast(),
+                Buf::F16(v) => v.as_mut_ptr().cast(),
             }
         }
         fn values(&self) -> Vec<f32> {
             match self {
                 Buf::F32(v) => v.clone(),
                 Buf::Bf16(v) => widen(v),
+                Buf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             }
         }
     }
@@ -1340,13 +1339,19 @@ extern "C" __global__ void traps(int* out) {
 
     fn suffix(dtype: DType) -> &'static str {
         match dtype {
-            DType::U8 => unreachable!("the kernels under test take f32 or bf16"),
+            DType::U8 => unreachable!("the kernels under test take f32, bf16 or f16"),
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
+            DType::F16 => "f16",
         }
     }
 
-    const DTYPES: [DType; 2] = [DType::F32, DType::Bf16];
+    const DTYPES: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
+
+    /// Whether kernels exist for this mix of dtypes: bf16 and f16 never meet in one.
+    fn instantiated(dtypes: &[DType]) -> bool {
+        !(dtypes.contains(&DType::Bf16) && dtypes.contains(&DType::F16))
+    }
 
     #[test]
     fn elementwise_kernels_match_the_cpu_bit_for_bit() {
@@ -1357,6 +1362,9 @@ extern "C" __global__ void traps(int* out) {
         let ln = n as i64;
         for d in DTYPES {
             for s in DTYPES {
+                if !instantiated(&[d, s]) {
+                    continue;
+                }
                 let src = upload(&be, &xs, &[n], s);
                 let mut dst = zeros(&be, &[n], d);
                 be.cast(&mut dst, &src).unwrap();
@@ -1391,6 +1399,9 @@ extern "C" __global__ void traps(int* out) {
                 assert_bitwise("axpy", &y.values(), &be.to_f32(&y_cpu).unwrap());
 
                 for b in DTYPES {
+                    if !instantiated(&[d, s, b]) {
+                        continue;
+                    }
                     let bt = upload(&be, &zs, &[n], b);
                     let mut out_cpu = zeros(&be, &[n], d);
                     be.add(&mut out_cpu, &src, &bt).unwrap();
@@ -1476,6 +1487,9 @@ extern "C" __global__ void traps(int* out) {
                 assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
             }
             for g in DTYPES {
+                if !instantiated(&[tt, g]) {
+                    continue;
+                }
                 let dout = upload(&be, &douts, &[b, t, c], tt);
                 let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
                 let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);

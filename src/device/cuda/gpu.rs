@@ -57,19 +57,22 @@ pub(crate) enum MatrixType {
     F32,
     /// bf16.
     Bf16,
+    /// f16.
+    F16,
 }
 
 impl TryFrom<DType> for MatrixType {
     type Error = crate::error::Error;
 
-    /// f32 and bf16; u8 codes are no operand of a product.
+    /// f32, bf16 and f16; u8 codes are no operand of a product.
     fn try_from(d: DType) -> Result<Self> {
         match d {
             DType::F32 => Ok(MatrixType::F32),
             DType::Bf16 => Ok(MatrixType::Bf16),
+            DType::F16 => Ok(MatrixType::F16),
             DType::U8 => Err(crate::error::Error::Backend {
                 backend: "cuda",
-                message: "a u8 tensor holds codes, not numbers: matmul takes f32 or bf16"
+                message: "a u8 tensor holds codes, not numbers: matmul takes f32, bf16 or f16"
                     .to_string(),
             }),
         }
@@ -369,6 +372,10 @@ impl DeviceBuffer {
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
                 .collect(),
+            DType::F16 => raw
+                .chunks_exact(2)
+                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect(),
             DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
         })
     }
@@ -381,6 +388,10 @@ impl DeviceBuffer {
             DType::Bf16 => data
                 .iter()
                 .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+                .collect(),
+            DType::F16 => data
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
                 .collect(),
             DType::U8 => data.iter().map(|x| DType::U8.round(*x) as u8).collect(),
         };

@@ -16,7 +16,7 @@ use crate::tensor::{DType, Tensor};
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw.cu",
     source: include_str!("../../../../kernels/adamw.cu"),
-    kernels: &["adamw_f32", "adamw_bf16"],
+    kernels: &["adamw_f32", "adamw_bf16", "adamw_f16"],
 };
 
 #[allow(clippy::too_many_arguments)]

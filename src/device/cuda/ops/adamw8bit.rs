@@ -17,7 +17,7 @@ use crate::tensor::{DType, Tensor};
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw8bit.cu",
     source: include_str!("../../../../kernels/adamw8bit.cu"),
-    kernels: &["adamw8bit_f32", "adamw8bit_bf16"],
+    kernels: &["adamw8bit_f32", "adamw8bit_bf16", "adamw8bit_f16"],
 };
 
 pub(crate) fn adamw8bit(

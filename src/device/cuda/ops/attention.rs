@@ -31,6 +31,13 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "attention_values_backward_dprobs_bf16",
         "attention_values_backward_dv_f32",
         "attention_values_backward_dv_bf16",
+        "attention_scores_f16",
+        "attention_scores_backward_f16",
+        "softmax_causal_f16",
+        "softmax_causal_backward_f16",
+        "attention_values_f16",
+        "attention_values_backward_dprobs_f16",
+        "attention_values_backward_dv_f16",
     ],
 };
 

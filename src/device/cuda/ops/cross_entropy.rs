@@ -14,7 +14,11 @@ use crate::tensor::Tensor;
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "cross_entropy.cu",
     source: include_str!("../../../../kernels/cross_entropy.cu"),
-    kernels: &["cross_entropy_f32", "cross_entropy_bf16"],
+    kernels: &[
+        "cross_entropy_f32",
+        "cross_entropy_bf16",
+        "cross_entropy_f16",
+    ],
 };
 
 pub(crate) fn cross_entropy(

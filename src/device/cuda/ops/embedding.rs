@@ -28,6 +28,13 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "embedding_backward_wpe_bf16_f32",
         "embedding_backward_wpe_f32_bf16",
         "embedding_backward_wpe_bf16_bf16",
+        "embedding_f16",
+        "embedding_backward_wte_f16_f32",
+        "embedding_backward_wte_f32_f16",
+        "embedding_backward_wte_f16_f16",
+        "embedding_backward_wpe_f16_f32",
+        "embedding_backward_wpe_f32_f16",
+        "embedding_backward_wpe_f16_f16",
     ],
 };
 

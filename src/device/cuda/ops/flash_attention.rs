@@ -27,6 +27,10 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "flash_attention_backward_dkv_bf16",
         "flash_attention_backward_dq_f32",
         "flash_attention_backward_dq_bf16",
+        "flash_attention_forward_f16",
+        "flash_attention_backward_delta_f16",
+        "flash_attention_backward_dkv_f16",
+        "flash_attention_backward_dq_f16",
     ],
 };
 

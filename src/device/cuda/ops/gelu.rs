@@ -18,6 +18,8 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "gelu_bf16",
         "gelu_backward_f32",
         "gelu_backward_bf16",
+        "gelu_f16",
+        "gelu_backward_f16",
     ],
 };
 

@@ -24,6 +24,10 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "layernorm_backward_params_bf16",
         "layernorm_backward_params_finish_f32",
         "layernorm_backward_params_finish_bf16",
+        "layernorm_f16",
+        "layernorm_backward_dx_f16",
+        "layernorm_backward_params_f16",
+        "layernorm_backward_params_finish_f16",
     ],
 };
 

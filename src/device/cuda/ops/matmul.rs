@@ -57,8 +57,8 @@ pub(crate) fn gemm(
     let operand = operand_dtype(a, b);
     let a = be.as_dtype(a, operand)?;
     let b = be.as_dtype(b, operand)?;
-    if operand == DType::F32 && out.dtype() == DType::Bf16 {
-        // f32 operands into bf16: the product in f32, then added or cast.
+    if operand == DType::F32 && out.dtype() != DType::F32 {
+        // f32 operands into bf16 or f16: the product in f32, then added or cast.
         let mut tmp = be.alloc(
             out.shape(),
             DType::F32,
@@ -70,8 +70,9 @@ pub(crate) fn gemm(
         return if accumulate {
             let n_el = out.numel();
             let o = ptr(out)?;
+            let t = out.dtype();
             be.launch(
-                "add_bf16_bf16_f32",
+                &format!("add_{t}_{t}_f32"),
                 be.grid(n_el),
                 BLOCK,
                 Args::new().ptr(o).ptr(o).ptr(ptr(&tmp)?).i64(n_el),
@@ -145,7 +146,7 @@ pub(crate) fn matmul_bias_gelu(
     let (_, cols) = pre.rows_cols();
     let fused = out.dtype() == pre.dtype()
         && out.shape() == pre.shape()
-        && !(operand == DType::F32 && pre.dtype() == DType::Bf16)
+        && !(operand == DType::F32 && pre.dtype() != DType::F32)
         && cols % 8 == 0
         && be.gelu_epilogue.load(Ordering::Relaxed);
     if fused {

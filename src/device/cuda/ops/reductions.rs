@@ -20,6 +20,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "sum_squares_partial_bf16",
         "sum_squares_finish",
         "grad_guard",
+        "sum_squares_partial_f16",
     ],
 };
 

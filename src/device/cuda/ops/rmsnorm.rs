@@ -24,6 +24,10 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "rmsnorm_backward_params_bf16",
         "rmsnorm_backward_params_finish_f32",
         "rmsnorm_backward_params_finish_bf16",
+        "rmsnorm_f16",
+        "rmsnorm_backward_dx_f16",
+        "rmsnorm_backward_params_f16",
+        "rmsnorm_backward_params_finish_f16",
     ],
 };
 

@@ -16,7 +16,7 @@ use crate::tensor::{DType, Tensor};
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "rope.cu",
     source: include_str!("../../../../kernels/rope.cu"),
-    kernels: &["rope_f32", "rope_bf16"],
+    kernels: &["rope_f32", "rope_bf16", "rope_f16"],
 };
 
 /// Turns the query and key heads of `x` into `out` by `sign` times each angle.

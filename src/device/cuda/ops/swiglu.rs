@@ -18,6 +18,8 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "swiglu_bf16",
         "swiglu_backward_f32",
         "swiglu_backward_bf16",
+        "swiglu_f16",
+        "swiglu_backward_f16",
     ],
 };
 

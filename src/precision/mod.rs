@@ -1,0 +1,257 @@
+//! `Precision`: which dtypes hold weights, activations and gradients, and loss scaling.
+
+mod loss_scale;
+
+pub use loss_scale::{LossScale, LossScaleState};
+
+use crate::tensor::DType;
+use dyn_clone::DynClone;
+use serde::{Deserialize, Serialize};
+use std::fmt::Debug;
+
+/// Chooses the dtypes of training.
+///
+/// The trainer asks it the compute dtype (weights read by forward and backward, and
+/// activations), whether a separate f32 master copy of the weights exists, and the dtype
+/// gradients accumulate in. The loss-scale hooks let a precision scale the loss before
+/// backward and react to non-finite gradients (identity for f32 and bf16).
+#[typetag::serde(tag = "kind")]
+pub trait Precision: DynClone + Debug + Send + Sync {
+    /// Dtype of the weights used in forward and backward, and of activations.
+    fn compute_dtype(&self) -> DType;
+
+    /// Whether an f32 master copy of the weights is kept apart from the compute weights.
+    /// When false, the compute weights are f32 and the optimizer updates them in place.
+    fn master_weights(&self) -> bool;
+
+    /// Dtype gradients are accumulated in across micro-batches.
+    fn grad_dtype(&self) -> DType;
+
+    /// Factor the loss is multiplied by before backward (1 without loss scaling).
+    fn loss_scale(&self) -> f32 {
+        1.0
+    }
+
+    /// Called after each step's gradients are checked; `finite` is false when any was not.
+    fn update_loss_scale(&mut self, finite: bool) {
+        let _ = finite;
+    }
+
+    /// Fails, naming the setting and its valid range, when the precision's settings cannot
+    /// work; [`crate::Trainer::new`] calls it before the first step.
+    fn validate(&self) -> crate::error::Result<()> {
+        Ok(())
+    }
+
+    /// Whether a step skipped for non-finite gradients under this precision is the loss
+    /// scale's doing (an overflow the scale answers by shrinking) rather than a sign of
+    /// divergence. The trainer does not count such steps towards
+    /// [`crate::TrainerOptions::max_bad_steps`]. False by default.
+    fn overflow_expected(&self) -> bool {
+        false
+    }
+
+    /// The state a resume must restore beside the configuration (a dynamic loss scale and
+    /// its counters), saved in the trainer state; `None` when there is none.
+    fn state(&self) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// Restores what [`Precision::state`] returned.
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+        let _ = state;
+        Ok(())
+    }
+}
+
+dyn_clone::clone_trait_object!(Precision);
+
+impl<'a> Precision for Box<dyn Precision + 'a> {
+    fn compute_dtype(&self) -> DType {
+        (**self).compute_dtype()
+    }
+    fn master_weights(&self) -> bool {
+        (**self).master_weights()
+    }
+    fn grad_dtype(&self) -> DType {
+        (**self).grad_dtype()
+    }
+    fn loss_scale(&self) -> f32 {
+        (**self).loss_scale()
+    }
+    fn update_loss_scale(&mut self, finite: bool) {
+        (**self).update_loss_scale(finite)
+    }
+    fn validate(&self) -> crate::error::Result<()> {
+        (**self).validate()
+    }
+    fn overflow_expected(&self) -> bool {
+        (**self).overflow_expected()
+    }
+    fn state(&self) -> Option<serde_json::Value> {
+        (**self).state()
+    }
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+        (**self).load_state(state)
+    }
+    #[doc(hidden)]
+    fn typetag_name(&self) -> &'static str {
+        (**self).typetag_name()
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
+}
+
+/// Everything in f32: weights, activations, gradients, optimizer state (16 bytes per
+/// parameter with Adam).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp32;
+
+#[typetag::serde(name = "fp32")]
+impl Precision for Fp32 {
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn master_weights(&self) -> bool {
+        false
+    }
+    fn grad_dtype(&self) -> DType {
+        DType::F32
+    }
+}
+
+/// bf16 compute with f32 master weights: weights are cast to bf16 for forward and
+/// backward, activations are bf16, matmuls accumulate in f32, norms, softmax and the loss
+/// are computed in f32, gradients accumulate in f32 (`fp32_grads`) or bf16, and the
+/// optimizer updates the f32 master copy, which is then cast back to bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixedBf16 {
+    /// Accumulate gradients in f32 (true) or bf16 (false).
+    #[serde(default = "default_true")]
+    pub fp32_grads: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for MixedBf16 {
+    fn default() -> Self {
+        MixedBf16 { fp32_grads: true }
+    }
+}
+
+#[typetag::serde(name = "mixed_bf16")]
+impl Precision for MixedBf16 {
+    fn compute_dtype(&self) -> DType {
+        DType::Bf16
+    }
+    fn master_weights(&self) -> bool {
+        true
+    }
+    fn grad_dtype(&self) -> DType {
+        if self.fp32_grads {
+            DType::F32
+        } else {
+            DType::Bf16
+        }
+    }
+}
+
+/// The precision a `--precision` value names: `fp32` ([`Fp32`]), `bf16`
+/// ([`MixedBf16`], with f32 gradient accumulation when `fp32_grads`) or `fp16`
+/// ([`MixedFp16`] with GradScaler's defaults; its gradients are always f32).
+pub fn named(name: &str, fp32_grads: bool) -> crate::error::Result<Box<dyn Precision>> {
+    match name {
+        "fp32" => Ok(Box::new(Fp32)),
+        "bf16" => Ok(Box::new(MixedBf16 { fp32_grads })),
+        "fp16" => Ok(Box::new(MixedFp16::default())),
+        other => Err(crate::error::Error::config(
+            "precision",
+            format!("`{other}` is not a precision; use fp32, bf16 or fp16"),
+        )),
+    }
+}
+
+/// A short description: `fp32`, `bf16 mixed`, `bf16 mixed, f32 gradient accumulation`, or
+/// the policy's `kind` for others.
+pub fn describe(precision: &dyn Precision) -> String {
+    use crate::tensor::DType;
+    match (
+        precision.compute_dtype(),
+        precision.master_weights(),
+        precision.grad_dtype(),
+    ) {
+        (DType::F32, false, _) => "fp32".to_string(),
+        (DType::Bf16, true, DType::Bf16) => "bf16 mixed".to_string(),
+        (DType::Bf16, true, DType::F32) => "bf16 mixed, f32 gradient accumulation".to_string(),
+        (DType::F16, true, DType::F32) => {
+            format!("fp16 mixed, dynamic loss scale {}", precision.loss_scale())
+        }
+        _ => precision.typetag_name().to_string(),
+    }
+}
+
+/// fp16 compute with f32 master weights and gradients, and a dynamic loss scale.
+///
+/// Weights are cast to fp16 for forward and backward and activations are fp16, as under
+/// [`MixedBf16`]; matmuls accumulate in f32, norms, softmax and the loss are computed in
+/// f32, and gradients accumulate in f32. fp16 keeps 10 bits of mantissa (bf16 keeps 7) but
+/// only 5 of exponent: its largest value is 65504 and values below 2⁻²⁴ flush to zero, so
+/// the loss is multiplied by a scale before backward to lift small gradients out of the
+/// underflow range, and the gradients are divided by it before clipping and the update.
+///
+/// The scale follows [`LossScale`]: PyTorch GradScaler's semantics by default (start at
+/// 65536, ×2 after 2000 steps in a row with finite gradients, ×0.5 and the step skipped
+/// when any gradient is inf or NaN), with Megatron-LM's hysteresis and minimum scale as
+/// options. The scale and its counters are part of the trainer state, so a resume is
+/// exact, and each step's scale is logged (`loss_scale` in `--log-json`).
+///
+/// In a config, the loss scale's settings sit beside the kind:
+/// `precision = { kind = "mixed_fp16", init_scale = 65536, hysteresis = 2, min_scale = 1 }`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MixedFp16 {
+    /// The loss scale's settings and, while training, its current value.
+    pub scale: LossScale,
+}
+
+#[typetag::serde(name = "mixed_fp16")]
+impl Precision for MixedFp16 {
+    fn compute_dtype(&self) -> DType {
+        DType::F16
+    }
+    fn master_weights(&self) -> bool {
+        true
+    }
+    fn grad_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn loss_scale(&self) -> f32 {
+        self.scale.current()
+    }
+    fn update_loss_scale(&mut self, finite: bool) {
+        self.scale.update(finite)
+    }
+    fn validate(&self) -> crate::error::Result<()> {
+        self.scale.validate()
+    }
+    fn overflow_expected(&self) -> bool {
+        // Below a scale of 1 the scaling no longer explains an overflow.
+        self.scale.current() > 1.0
+    }
+    fn state(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(self.scale.state()).ok()
+    }
+    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+        let s: LossScaleState = serde_json::from_value(state.clone()).map_err(|e| {
+            crate::error::Error::data(
+                "trainer state",
+                format!("`precision_state` is not a loss-scale state ({e}); was the checkpoint saved with --precision fp16?"),
+            )
+        })?;
+        self.scale.restore(s)
+    }
+}
