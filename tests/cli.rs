@@ -602,3 +602,36 @@ fn llama_trains_resumes_bitwise_evaluates_and_samples() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--precision fp16` trains with a dynamic loss scale that `--log-json` reports per step;
+/// fp32 logs a scale of 1.
+#[test]
+fn fp16_runs_log_their_loss_scale() {
+    let dir = scratch("fp16-log");
+    for (precision, scale) in [("fp16", 65536.0), ("fp32", 1.0)] {
+        let log = dir.join(format!("{precision}.jsonl"));
+        let out = run_ok(&tiny_run(&[
+            "--steps",
+            "2",
+            "--precision",
+            precision,
+            "--log-json",
+            path(&log),
+        ]));
+        if precision == "fp16" {
+            assert!(out.contains("precision mixed_fp16"), "{out}");
+        }
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        for l in &lines {
+            assert_eq!(l["loss_scale"].as_f64(), Some(scale), "{l}");
+            assert_eq!(l["skipped"], false, "{l}");
+        }
+    }
+    let (ok, _, err) = trainkit(&["train", "--precision", "f16", "--steps", "1"]);
+    assert!(!ok && err.contains("fp32, bf16 or fp16"), "{err}");
+}

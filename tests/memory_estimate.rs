@@ -10,8 +10,8 @@ use trainkit::estimate::{predict, predict_gpt2, MemoryPrediction, MicroBatch};
 use trainkit::ops::LossPath;
 use trainkit::{
     ActivationSite, AdamW, AdamW8bit, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config,
-    MemoryCategory, MixedBf16, NoRecompute, Optimizer, Precision, Retention, Selective, Sgd, Tags,
-    Trainer,
+    MemoryCategory, MixedBf16, MixedFp16, NoRecompute, Optimizer, Precision, Retention, Selective,
+    Sgd, Tags, Trainer,
 };
 
 /// Drops the MLP's wide activations of the last layer only.
@@ -46,6 +46,7 @@ fn precisions() -> Vec<Box<dyn Precision>> {
         Box::new(Fp32),
         Box::new(MixedBf16 { fp32_grads: true }),
         Box::new(MixedBf16 { fp32_grads: false }),
+        Box::new(MixedFp16::default()),
     ]
 }
 

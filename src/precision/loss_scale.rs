@@ -4,10 +4,10 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// The settings of a dynamic loss scale, and its state while training.
+/// The settings of a dynamic loss scale; [`LossScaleState`] is where it stands.
 ///
-/// Each step multiplies the loss by [`LossScale::current`]. After the step's gradients are
-/// checked, [`LossScale::update`]:
+/// Each step multiplies the loss by the state's scale. After the step's gradients are
+/// checked, [`LossScale::next`]:
 /// - when every gradient was finite, counts the step; after `growth_interval` such steps in
 ///   a row the scale is multiplied by `growth_factor`;
 /// - when any was inf or NaN (the step's update is skipped by the trainer), resets that
@@ -33,9 +33,6 @@ pub struct LossScale {
     pub hysteresis: u32,
     /// The smallest scale a backoff may reach (0: no minimum).
     pub min_scale: f32,
-    /// The running state; `None` until the first update (the scale is then `init_scale`).
-    #[serde(skip)]
-    state: Option<LossScaleState>,
 }
 
 /// What a [`LossScale`] changes while training: the scale and its two counters, saved in
@@ -60,7 +57,6 @@ impl Default for LossScale {
             growth_interval: 2000,
             hysteresis: 1,
             min_scale: 0.0,
-            state: None,
         }
     }
 }
@@ -123,23 +119,17 @@ impl LossScale {
         Ok(())
     }
 
-    /// The state now: the initial one before any update.
-    pub fn state(&self) -> LossScaleState {
-        self.state.unwrap_or(LossScaleState {
+    /// The state of the first step.
+    pub fn initial(&self) -> LossScaleState {
+        LossScaleState {
             scale: self.init_scale,
             growth_tracker: 0,
             hysteresis_left: self.hysteresis,
-        })
+        }
     }
 
-    /// The scale the next step multiplies its loss by.
-    pub fn current(&self) -> f32 {
-        self.state().scale
-    }
-
-    /// Advances the state after a step whose gradients were all finite (`finite`) or not.
-    pub fn update(&mut self, finite: bool) {
-        let mut s = self.state();
+    /// The state after a step whose gradients were all finite (`finite`) or not.
+    pub fn next(&self, mut s: LossScaleState, finite: bool) -> LossScaleState {
         if finite {
             s.growth_tracker += 1;
             if s.growth_tracker >= self.growth_interval {
@@ -159,21 +149,198 @@ impl LossScale {
                 s.hysteresis_left = self.hysteresis;
             }
         }
-        self.state = Some(s);
+        s
     }
+}
 
-    /// Restores a saved state (a resume).
-    pub fn restore(&mut self, state: LossScaleState) -> Result<()> {
-        if !(state.scale.is_finite() && state.scale > 0.0) {
-            return Err(Error::data(
+impl LossScaleState {
+    /// Fails unless the state can be resumed from (a finite scale > 0).
+    pub fn check(&self) -> Result<()> {
+        if self.scale.is_finite() && self.scale > 0.0 {
+            Ok(())
+        } else {
+            Err(Error::data(
                 "trainer state",
                 format!(
                     "the saved loss scale {} is not a finite scale > 0; the checkpoint is damaged",
-                    state.scale
+                    self.scale
                 ),
-            ));
+            ))
         }
-        self.state = Some(state);
-        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loss scale's settings and where it stands.
+    struct Scaler {
+        settings: LossScale,
+        state: LossScaleState,
+    }
+
+    impl Scaler {
+        fn new(settings: LossScale) -> Scaler {
+            let state = settings.initial();
+            Scaler { settings, state }
+        }
+        fn update(&mut self, finite: bool) {
+            self.state = self.settings.next(self.state, finite);
+        }
+        fn current(&self) -> f32 {
+            self.state.scale
+        }
+        fn state(&self) -> LossScaleState {
+            self.state
+        }
+    }
+
+    fn run(scale: &mut Scaler, steps: &[bool]) -> Vec<f32> {
+        steps
+            .iter()
+            .map(|&finite| {
+                scale.update(finite);
+                scale.current()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gradscaler_defaults_grow_after_2000_finite_steps_and_halve_on_each_overflow() {
+        let mut s = Scaler::new(LossScale::default());
+        assert_eq!(s.current(), 65536.0);
+        let scales = run(&mut s, &vec![true; 1999]);
+        assert!(scales.iter().all(|&x| x == 65536.0));
+        s.update(true);
+        assert_eq!(s.current(), 131072.0);
+        assert_eq!(s.state().growth_tracker, 0);
+        // Two overflows halve twice; the count of finite steps starts over.
+        assert_eq!(
+            run(&mut s, &[true, false, false]),
+            [131072.0, 65536.0, 32768.0]
+        );
+        assert_eq!(s.state().growth_tracker, 0);
+        run(&mut s, &vec![true; 1999]);
+        assert_eq!(s.current(), 32768.0);
+        s.update(true);
+        assert_eq!(s.current(), 65536.0);
+    }
+
+    #[test]
+    fn hysteresis_and_the_minimum_follow_megatron() {
+        let mut s = Scaler::new(LossScale {
+            init_scale: 8.0,
+            growth_interval: 3,
+            hysteresis: 2,
+            min_scale: 2.0,
+            ..LossScale::default()
+        });
+        // The first overflow spends the hysteresis, the second backs off and refills it.
+        assert_eq!(
+            run(&mut s, &[false, false, false, false, false, false]),
+            [8.0, 4.0, 4.0, 2.0, 2.0, 2.0]
+        );
+        // Growth refills the hysteresis too.
+        assert_eq!(run(&mut s, &[true, true, true]), [2.0, 2.0, 4.0]);
+        assert_eq!(s.state().hysteresis_left, 2);
+        assert_eq!(run(&mut s, &[false, true, false]), [4.0, 4.0, 2.0]);
+    }
+
+    #[test]
+    fn unit_factors_keep_a_static_scale_and_growth_stops_before_f32_overflows() {
+        let mut s = Scaler::new(LossScale {
+            init_scale: 1024.0,
+            growth_factor: 1.0,
+            backoff_factor: 1.0,
+            growth_interval: 1,
+            ..LossScale::default()
+        });
+        assert_eq!(run(&mut s, &[true, false, true, false]), [1024.0; 4]);
+        let mut s = Scaler::new(LossScale {
+            init_scale: f32::MAX,
+            growth_interval: 1,
+            ..LossScale::default()
+        });
+        s.update(true);
+        assert_eq!(s.current(), f32::MAX);
+    }
+
+    #[test]
+    fn bad_settings_name_the_field_and_a_saved_state_round_trips() {
+        for (bad, field) in [
+            (
+                LossScale {
+                    init_scale: 0.0,
+                    ..LossScale::default()
+                },
+                "init_scale",
+            ),
+            (
+                LossScale {
+                    init_scale: f32::INFINITY,
+                    ..LossScale::default()
+                },
+                "init_scale",
+            ),
+            (
+                LossScale {
+                    growth_factor: 0.5,
+                    ..LossScale::default()
+                },
+                "growth_factor",
+            ),
+            (
+                LossScale {
+                    backoff_factor: 1.5,
+                    ..LossScale::default()
+                },
+                "backoff_factor",
+            ),
+            (
+                LossScale {
+                    backoff_factor: 0.0,
+                    ..LossScale::default()
+                },
+                "backoff_factor",
+            ),
+            (
+                LossScale {
+                    growth_interval: 0,
+                    ..LossScale::default()
+                },
+                "growth_interval",
+            ),
+            (
+                LossScale {
+                    hysteresis: 0,
+                    ..LossScale::default()
+                },
+                "hysteresis",
+            ),
+            (
+                LossScale {
+                    min_scale: 1e9,
+                    ..LossScale::default()
+                },
+                "min_scale",
+            ),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{field}: {e}");
+        }
+        LossScale::default().validate().unwrap();
+        let mut s = Scaler::new(LossScale::default());
+        run(&mut s, &[false, true, true]);
+        let saved = s.state();
+        saved.check().unwrap();
+        let json = serde_json::to_value(saved).unwrap();
+        assert_eq!(
+            serde_json::from_value::<LossScaleState>(json).unwrap(),
+            saved
+        );
+        for scale in [f32::NAN, 0.0, f32::INFINITY] {
+            assert!(LossScaleState { scale, ..saved }.check().is_err());
+        }
     }
 }

@@ -214,8 +214,23 @@ pub fn describe(precision: &dyn Precision) -> String {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct MixedFp16 {
-    /// The loss scale's settings and, while training, its current value.
+    /// The loss scale's settings.
     pub scale: LossScale,
+    /// Where the scale stands; `None` before the first step (the initial state).
+    #[serde(skip)]
+    state: Option<LossScaleState>,
+}
+
+impl MixedFp16 {
+    /// fp16 mixed precision with these loss-scale settings.
+    pub fn new(scale: LossScale) -> MixedFp16 {
+        MixedFp16 { scale, state: None }
+    }
+
+    /// Where the loss scale stands: the scale of the next step and its counters.
+    pub fn scale_state(&self) -> LossScaleState {
+        self.state.unwrap_or_else(|| self.scale.initial())
+    }
 }
 
 #[typetag::serde(name = "mixed_fp16")]
@@ -230,20 +245,20 @@ impl Precision for MixedFp16 {
         DType::F32
     }
     fn loss_scale(&self) -> f32 {
-        self.scale.current()
+        self.scale_state().scale
     }
     fn update_loss_scale(&mut self, finite: bool) {
-        self.scale.update(finite)
+        self.state = Some(self.scale.next(self.scale_state(), finite));
     }
     fn validate(&self) -> crate::error::Result<()> {
         self.scale.validate()
     }
     fn overflow_expected(&self) -> bool {
         // Below a scale of 1 the scaling no longer explains an overflow.
-        self.scale.current() > 1.0
+        self.loss_scale() > 1.0
     }
     fn state(&self) -> Option<serde_json::Value> {
-        serde_json::to_value(self.scale.state()).ok()
+        serde_json::to_value(self.scale_state()).ok()
     }
     fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
         let s: LossScaleState = serde_json::from_value(state.clone()).map_err(|e| {
@@ -252,6 +267,8 @@ impl Precision for MixedFp16 {
                 format!("`precision_state` is not a loss-scale state ({e}); was the checkpoint saved with --precision fp16?"),
             )
         })?;
-        self.scale.restore(s)
+        s.check()?;
+        self.state = Some(s);
+        Ok(())
     }
 }
