@@ -38,6 +38,32 @@ fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(QUERY_ROWS)).map(move |i| (i * QUERY_ROWS, QUERY_ROWS.min(t - i * QUERY_ROWS)))
 }
 
+/// Query rows per piece of a tile that crosses the diagonal.
+const DIAGONAL_ROWS: usize = 64;
+
+/// The pieces of the products of query rows `i0..i0 + rows` against key tile
+/// `j0..j0 + cols`, as `(first row in the block, rows, columns)`: the whole tile when every
+/// row sees every key, else pieces of [`DIAGONAL_ROWS`] rows each against the keys up to its
+/// last row, so the products skip most of the masked half of a diagonal tile.
+fn pieces(
+    i0: usize,
+    rows: usize,
+    j0: usize,
+    cols: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let whole = j0 + cols <= i0 + 1;
+    let step = if whole { rows.max(1) } else { DIAGONAL_ROWS };
+    (0..rows).step_by(step).map(move |r0| {
+        let rn = step.min(rows - r0);
+        let cn = if whole {
+            cols
+        } else {
+            cols.min(i0 + r0 + rn - j0)
+        };
+        (r0, rn, cn)
+    })
+}
+
 /// Causal entries the tiles compute: each query block against every key up to its last
 /// row, `Σ rows·(i0 + rows)` (the triangle in whole blocks).
 fn tile_area(t: usize) -> u64 {
@@ -183,26 +209,28 @@ unsafe fn forward_block(
     for j0 in (0..kend).step_by(KEY_TILE) {
         let cols = KEY_TILE.min(kend - j0);
         // S = scale · Q_i · K_jᵀ
-        gemm_raw(
-            blas,
-            Product {
-                m: rows,
-                n: cols,
-                k: hs,
-                dst: sc.s.as_mut_ptr(),
-                dst_rs: KEY_TILE as isize,
-                accumulate: false,
-                a: base.add(i0 * w + heads.q_col(hi)),
-                a_rs: w as isize,
-                a_cs: 1,
-                b: base.add(j0 * w + heads.k_col(hi)),
-                b_rs: 1,
-                b_cs: w as isize,
-                scale,
-            },
-            None,
-            false,
-        );
+        for (r0, rn, cn) in pieces(i0, rows, j0, cols) {
+            gemm_raw(
+                blas,
+                Product {
+                    m: rn,
+                    n: cn,
+                    k: hs,
+                    dst: sc.s.as_mut_ptr().add(r0 * KEY_TILE),
+                    dst_rs: KEY_TILE as isize,
+                    accumulate: false,
+                    a: base.add((i0 + r0) * w + heads.q_col(hi)),
+                    a_rs: w as isize,
+                    a_cs: 1,
+                    b: base.add(j0 * w + heads.k_col(hi)),
+                    b_rs: 1,
+                    b_cs: w as isize,
+                    scale,
+                },
+                None,
+                false,
+            );
+        }
         online_softmax(
             &mut sc.s,
             &mut sc.acc,
@@ -211,26 +239,28 @@ unsafe fn forward_block(
             [rows, cols, i0, j0, hs],
         );
         // O_i += P · V_j
-        gemm_raw(
-            blas,
-            Product {
-                m: rows,
-                n: hs,
-                k: cols,
-                dst: sc.acc.as_mut_ptr(),
-                dst_rs: hs as isize,
-                accumulate: true,
-                a: sc.s.as_ptr(),
-                a_rs: KEY_TILE as isize,
-                a_cs: 1,
-                b: base.add(j0 * w + heads.v_col(hi)),
-                b_rs: w as isize,
-                b_cs: 1,
-                scale: 1.0,
-            },
-            None,
-            false,
-        );
+        for (r0, rn, cn) in pieces(i0, rows, j0, cols) {
+            gemm_raw(
+                blas,
+                Product {
+                    m: rn,
+                    n: hs,
+                    k: cn,
+                    dst: sc.acc.as_mut_ptr().add(r0 * hs),
+                    dst_rs: hs as isize,
+                    accumulate: true,
+                    a: sc.s.as_ptr().add(r0 * KEY_TILE),
+                    a_rs: KEY_TILE as isize,
+                    a_cs: 1,
+                    b: base.add(j0 * w + heads.v_col(hi)),
+                    b_rs: w as isize,
+                    b_cs: 1,
+                    scale: 1.0,
+                },
+                None,
+                false,
+            );
+        }
     }
     for r in 0..rows {
         let inv = 1.0 / sc.sum[r];
@@ -394,92 +424,100 @@ unsafe fn backward_group(
                 let hsi = hs as isize;
                 // S = scale · Q_i · K_jᵀ, then P = exp(S - lse) (0 above the diagonal).
                 let (qi, kj) = (base.add(i0 * w + qc), base.add(j0 * w + kc));
-                run(
-                    rows,
-                    cols,
-                    hs,
-                    p.as_mut_ptr(),
-                    tile,
-                    false,
-                    qi,
-                    wi,
-                    1,
-                    kj,
-                    1,
-                    wi,
-                    scale,
-                );
-                probabilities(&mut p, lse, [rows, cols, i0, j0]);
-                // dV_j += Pᵀ · dO_i
                 let gi = gbase.add(i0 * c + qc);
-                let dvj = dv.as_mut_ptr().add(j0 * hs);
-                run(
-                    cols,
-                    hs,
-                    rows,
-                    dvj,
-                    hsi,
-                    true,
-                    p.as_ptr(),
-                    1,
-                    tile,
-                    gi,
-                    ci,
-                    1,
-                    1.0,
-                );
-                // dP = dO_i · V_jᵀ, then dS = P ∘ (dP - rowsum(dO ∘ O)).
                 let vj = base.add(j0 * w + vc);
-                run(
-                    rows,
-                    cols,
-                    hs,
-                    dp.as_mut_ptr(),
-                    tile,
-                    false,
-                    gi,
-                    ci,
-                    1,
-                    vj,
-                    1,
-                    wi,
-                    1.0,
-                );
-                score_grads(&mut dp, &p, &delta, [rows, cols]);
-                // dQ_i += scale · dS · K_j
-                let dqi = dqh.as_mut_ptr().add(i0 * hs);
-                run(
-                    rows,
-                    hs,
-                    cols,
-                    dqi,
-                    hsi,
-                    true,
-                    dp.as_ptr(),
-                    tile,
-                    1,
-                    kj,
-                    wi,
-                    1,
-                    scale,
-                );
-                // dK_j += scale · dSᵀ · Q_i
+                let parts: Vec<_> = pieces(i0, rows, j0, cols).collect();
+                for &(r0, rn, cn) in &parts {
+                    let at = (r0 * KEY_TILE) as isize;
+                    run(
+                        rn,
+                        cn,
+                        hs,
+                        p.as_mut_ptr().offset(at),
+                        tile,
+                        false,
+                        qi.add(r0 * w),
+                        wi,
+                        1,
+                        kj,
+                        1,
+                        wi,
+                        scale,
+                    );
+                    // dP = dO_i · V_jᵀ
+                    run(
+                        rn,
+                        cn,
+                        hs,
+                        dp.as_mut_ptr().offset(at),
+                        tile,
+                        false,
+                        gi.add(r0 * c),
+                        ci,
+                        1,
+                        vj,
+                        1,
+                        wi,
+                        1.0,
+                    );
+                }
+                probabilities(&mut p, lse, [rows, cols, i0, j0]);
+                // dS = P ∘ (dP - rowsum(dO ∘ O)), 0 above the diagonal.
+                score_grads(&mut dp, &p, &delta, [rows, cols, i0, j0]);
+                let dvj = dv.as_mut_ptr().add(j0 * hs);
                 let dkj = dk.as_mut_ptr().add(j0 * hs);
-                run(
-                    cols,
-                    hs,
-                    rows,
-                    dkj,
-                    hsi,
-                    true,
-                    dp.as_ptr(),
-                    1,
-                    tile,
-                    qi,
-                    wi,
-                    1,
-                    scale,
-                );
+                let dqi = dqh.as_mut_ptr().add(i0 * hs);
+                for &(r0, rn, cn) in &parts {
+                    let at = (r0 * KEY_TILE) as isize;
+                    // dV_j += Pᵀ · dO_i
+                    run(
+                        cn,
+                        hs,
+                        rn,
+                        dvj,
+                        hsi,
+                        true,
+                        p.as_ptr().offset(at),
+                        1,
+                        tile,
+                        gi.add(r0 * c),
+                        ci,
+                        1,
+                        1.0,
+                    );
+                    // dQ_i += scale · dS · K_j
+                    run(
+                        rn,
+                        hs,
+                        cn,
+                        dqi.add(r0 * hs),
+                        hsi,
+                        true,
+                        dp.as_ptr().offset(at),
+                        tile,
+                        1,
+                        kj,
+                        wi,
+                        1,
+                        scale,
+                    );
+                    // dK_j += scale · dSᵀ · Q_i
+                    run(
+                        cn,
+                        hs,
+                        rn,
+                        dkj,
+                        hsi,
+                        true,
+                        dp.as_ptr().offset(at),
+                        1,
+                        tile,
+                        qi.add(r0 * w),
+                        wi,
+                        1,
+                        scale,
+                    );
+                }
             }
         }
         put_columns(dqkv, &dqh, bi * t * w + qc, t, w, hs);
@@ -517,14 +555,17 @@ simd_fn! {
 
 simd_fn! {
     /// `dp = p ∘ (dp - delta)` in place on a tile (rows of [`KEY_TILE`]): the score
-    /// gradients from the probability gradients.
-    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], dims: [usize; 2]) {
-        let [rows, cols] = dims;
+    /// gradients from the probability gradients, 0 above the diagonal (`dims` = rows,
+    /// cols, first query row, first key), where `dp` was not computed.
+    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], dims: [usize; 4]) {
+        let [rows, cols, i0, j0] = dims;
         for (r, &dl) in delta.iter().enumerate().take(rows) {
             let at = r * KEY_TILE;
-            for (g, pv) in dp[at..at + cols].iter_mut().zip(&p[at..at + cols]) {
+            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
+            for (g, pv) in dp[at..at + valid].iter_mut().zip(&p[at..at + valid]) {
                 *g = pv * (*g - dl);
             }
+            dp[at + valid..at + cols].fill(0.0);
         }
     }
 }
