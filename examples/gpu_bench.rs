@@ -1,6 +1,7 @@
 //! GPU throughput and memory of a full training step (forward, backward, AdamW) for
-//! GPT-2 124M at sequence length 1024, in FP32 and in mixed bf16: the median and the best
-//! of the timed steps after warm-up, the ledger's peak and the pool's.
+//! GPT-2 124M at sequence length 1024, in FP32, mixed bf16 and mixed fp16 (with its dynamic
+//! loss scale): the median and the best of the timed steps after warm-up, the ledger's peak
+//! and the pool's, and under fp16 the steps the scale skipped.
 //!
 //! `cargo run --release --example gpu_bench` on a machine with an NVIDIA GPU (driver 580
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
@@ -12,8 +13,8 @@ use trainkit::data::DataLoader;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::memory::format_bytes;
 use trainkit::{
-    Backend, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MixedBf16, NoRecompute, Precision,
-    Rng, Selective, Trainer,
+    Backend, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MixedBf16, MixedFp16, NoRecompute,
+    Precision, Rng, Selective, Trainer,
 };
 
 struct Args {
@@ -73,12 +74,14 @@ fn run<P: Precision + Default>(
     let mut secs = vec![];
     let mut peak = 0;
     let mut pool_peak = 0;
+    let mut skipped = 0;
     for _ in 0..a.steps {
         let start = Instant::now();
         let s = t.step()?;
         backend.synchronize()?;
         secs.push(start.elapsed().as_secs_f64());
         peak = peak.max(s.memory.peak_total);
+        skipped += s.skipped as usize;
         if let Some(d) = s.memory.device {
             pool_peak = pool_peak.max(d.pool_reserved_peak);
         }
@@ -87,13 +90,14 @@ fn run<P: Precision + Default>(
     let tok = (a.batch * seq) as f64;
     println!(
         "{name}: batch {} × {seq}, recompute {}: median {:.0} tokens/s, best {:.0} tokens/s; \
-         ledger peak {}, pool peak {}",
+         ledger peak {}, pool peak {}; {skipped} of the timed steps skipped, loss scale {}",
         a.batch,
         a.recompute,
         tok / secs[secs.len() / 2],
         tok / secs[0],
         format_bytes(peak),
-        format_bytes(pool_peak)
+        format_bytes(pool_peak),
+        t.precision().loss_scale()
     );
     Ok(())
 }
@@ -126,6 +130,7 @@ fn main() -> trainkit::Result<()> {
         policy(&a.recompute),
         &a,
     )?;
-    run::<MixedBf16>("bf16 mixed", backend, policy(&a.recompute), &a)?;
+    run::<MixedBf16>("bf16 mixed", backend.clone(), policy(&a.recompute), &a)?;
+    run::<MixedFp16>("fp16 mixed", backend, policy(&a.recompute), &a)?;
     Ok(())
 }

@@ -11,7 +11,7 @@
 #              every op against its CPU twin in both precisions, a training step, every
 #              recompute policy, one host wait per step, out of memory beyond the device,
 #              the default run's first 50 steps against the CPU
-#   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32 and mixed bf16)
+#   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16)
 #   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
 #   reference  the PyTorch reference on the same token file and batch, eager then
 #              torch.compile (needs python3 with torch and transformers)
@@ -224,9 +224,10 @@ figures_cargo_test() {
 }
 
 figures_gpu_bench() {
-  # "fp32: batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s; ledger peak X, pool peak Y"
-  local pattern='^(fp32[^:]*|bf16 mixed): .*median ([0-9]+) tokens/s, best ([0-9]+) tokens/s;'
-  pattern+=' ledger peak ([^,]+), pool peak (.+)$'
+  # "fp32: batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s; ledger peak X,
+  # pool peak Y; K of the timed steps skipped, loss scale S"
+  local pattern='^(fp32[^:]*|bf16 mixed|fp16 mixed): .*median ([0-9]+) tokens/s, best ([0-9]+) tokens/s;'
+  pattern+=' ledger peak ([^,]+), pool peak ([^;]+)(;.*)?$'
   sed -n -E "s#$pattern#\\1|\\2|\\3|\\4|\\5#p" "$1" |
     while IFS='|' read -r what median best ledger pool; do
       key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
