@@ -236,8 +236,8 @@ impl FitPlan {
         let u = &self.unconstrained;
         if u.peak > self.budget {
             lines.push(format!(
-                "  the whole batch of {} rows at once, without any of the techniques, would need {}",
-                u.micro_batch,
+                "  the whole batch of {} at once, without any of the techniques, would need {}",
+                rows(u.micro_batch),
                 format_bytes(u.peak)
             ));
         }
@@ -269,13 +269,13 @@ impl FitPlan {
             lines.push(match (&row.outcome, left_out) {
                 (_, Some((_, why))) => format!("    {:<22} not considered: {why}", t.name()),
                 (Ok(r), None) => format!(
-                    "    {:<22} peak {}, {}{used}{}",
+                    "    {:<22} peak {}, {}{}{used}",
                     t.name(),
                     format_bytes(r.peak),
                     saving_text(s.baseline.peak, r.peak),
                     if t == Technique::Offload && chooses {
-                        " (what no recomputation keeps; autofit offloads only what full \
-                         recomputation keeps)"
+                        " offloading what no recomputation keeps (autofit offloads only \
+                         what full recomputation keeps)"
                     } else {
                         ""
                     }
@@ -303,6 +303,15 @@ fn saving_text(baseline: u64, peak: u64) -> String {
         format!("saves {}", format_bytes(baseline - peak))
     } else {
         format!("costs {} more", format_bytes(peak - baseline))
+    }
+}
+
+/// `1 row`, `8 rows`.
+fn rows(n: usize) -> String {
+    if n == 1 {
+        "1 row".to_string()
+    } else {
+        format!("{n} rows")
     }
 }
 
@@ -382,13 +391,19 @@ fn chooses_recompute(req: &FitRequest<'_>) -> bool {
 
 /// Why autofit may not add `t` to `req`'s setup, or `None` when it may.
 fn why_not(req: &FitRequest<'_>, t: Technique) -> Option<String> {
-    if !req.techniques.contains(t) {
+    let why = incompatible(req, t);
+    if why.is_none() && !req.techniques.contains(t) {
         return Some(
             "not among the techniques autofit may use (--autofit-techniques, less those a \
              flag on the command line fixes)"
                 .into(),
         );
     }
+    why
+}
+
+/// Why the rest of `req` rules out adding `t`, or `None`.
+fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
     match t {
         Technique::Accumulation if req.optimizer_in_backward => {
             Some("the run updates inside backward, which needs one micro-batch per step".into())
@@ -769,8 +784,8 @@ pub struct TechniqueSavings {
     /// One row per technique, in cost order.
     pub rows: Vec<TechniqueSaving>,
     /// Every technique that combines at once: full recomputation, 8-bit state, the
-    /// optimizer inside backward, offloading and bf16, where each applies (one
-    /// micro-batch).
+    /// optimizer inside backward and offloading where each applies, and bf16 where it
+    /// applies and lowers the peak (one micro-batch).
     pub all: FitCandidate,
 }
 
@@ -779,7 +794,7 @@ pub struct TechniqueSavings {
 /// one row per technique of [`Technique::ALL`] with that technique added — accumulation
 /// as micro-batches of one row, a byte budget of half what no recomputation keeps,
 /// offloading under the setup's own policy — or why it cannot be, and a row with all of
-/// them that combine. Unlike autofit, it shows the optimizer inside backward whatever
+/// them that combine (bf16 only where it lowers that row's peak). Unlike autofit, it shows the optimizer inside backward whatever
 /// `req.grad_clip` (that row runs without clipping), and ignores `req.budget`.
 pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
     let no_clip = FitRequest {
@@ -835,24 +850,34 @@ pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
         });
     }
     let mut all = base.clone();
-    let full_applies = rows
-        .iter()
-        .any(|r| r.technique == Technique::Full && r.outcome.is_ok());
+    let applies = |t: Technique| rows.iter().any(|r| r.technique == t && r.outcome.is_ok());
     for t in [
         Technique::Full,
         Technique::Adamw8bit,
         Technique::OptimizerInBackward,
         Technique::Offload,
-        Technique::Bf16,
     ] {
-        let applies = rows.iter().any(|r| r.technique == t && r.outcome.is_ok());
         // Offloading joins full recomputation even where the setup's own policy would
         // keep nothing to offload.
-        if applies || (t == Technique::Offload && full_applies && why_not(req, t).is_none()) {
+        let offloads_full =
+            t == Technique::Offload && applies(Technique::Full) && why_not(req, t).is_none();
+        if applies(t) || offloads_full {
             all = all.with(t)?;
         }
     }
-    let all = evaluate(req, &all, req.global_batch)?;
+    let mut all = evaluate(req, &all, req.global_batch)?;
+    if applies(Technique::Bf16) {
+        // bf16 adds 2 bytes per parameter of weights beside the master copy: with little
+        // else left it can cost more than it saves.
+        let bf16 = evaluate(
+            req,
+            &Spec::of(&all).with(Technique::Bf16)?,
+            req.global_batch,
+        )?;
+        if bf16.peak < all.peak {
+            all = bf16;
+        }
+    }
     Ok(TechniqueSavings {
         baseline,
         rows,
