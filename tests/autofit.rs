@@ -1,14 +1,22 @@
-//! Autofit chooses the least recomputation, then the fewest micro-batches, that fit a
-//! budget; a run with its choice stays within the budget; when nothing fits it says what
-//! would.
+//! Autofit chooses the cheapest setup that fits a budget: with micro-batch, accumulation
+//! and recompute alone, the least recomputation, then the fewest micro-batches; with every
+//! technique, a technique only when no combination of cheaper ones fits. A run with its
+//! choice stays within the budget, and its exact prediction equals the ledger; when
+//! nothing fits it says what would.
 
 mod common;
 
 use common::{corpus_loader, cpu};
 use trainkit::checkpoint::{by_cost, named};
-use trainkit::estimate::{autofit, parse_bytes, predict, FitRequest, MicroBatch};
+use trainkit::estimate::{
+    autofit, parse_bytes, predict, predict_with, technique_savings, FitCandidate, FitRequest,
+    MicroBatch, Technique, Techniques,
+};
 use trainkit::ops::{AttentionPath, LossPath};
-use trainkit::{AdamW, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, Precision, Trainer};
+use trainkit::{
+    AdamW, CheckpointPolicy, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, NoRecompute,
+    Optimizer, PeakTracker, Precision, Trainer, TrainerOptions,
+};
 
 fn config() -> Gpt2Config {
     Gpt2Config {
@@ -21,21 +29,17 @@ fn config() -> Gpt2Config {
     }
 }
 
+/// A request for micro-batch, accumulation and the recompute policies alone: autofit's
+/// choices before it knew the other techniques.
 fn request<'a>(
     config: &'a Gpt2Config,
-    precision: &'a dyn Precision,
+    precision: &'a (dyn Precision + 'static),
     optimizer: &'a AdamW,
     budget: u64,
 ) -> FitRequest<'a> {
     FitRequest {
-        model: config.architecture(),
-        seq_len: 64,
-        global_batch: 8,
-        budget,
-        precision,
-        optimizer,
-        attention: AttentionPath::Fused,
-        loss: LossPath::Fused,
+        techniques: Techniques::BATCH_AND_RECOMPUTE,
+        ..FitRequest::new(config.architecture(), 64, 8, budget, precision, optimizer)
     }
 }
 
@@ -182,4 +186,278 @@ fn autofit_plans_on_the_runs_attention_and_loss_paths() {
     );
     assert_eq!(f.choice.peak, peak(&fused, f.choice.micro_batch, "none"));
     assert!(m.choice.peak > f.choice.peak);
+}
+
+/// A request with every technique on the small model, a global batch of `global` rows and
+/// no clipping, so that the optimizer may run inside backward.
+fn every_technique<'a>(
+    config: &'a Gpt2Config,
+    precision: &'a (dyn Precision + 'static),
+    optimizer: &'a AdamW,
+    global: usize,
+    budget: u64,
+) -> FitRequest<'a> {
+    FitRequest {
+        grad_clip: 0.0,
+        ..FitRequest::new(
+            config.architecture(),
+            64,
+            global,
+            budget,
+            precision,
+            optimizer,
+        )
+    }
+}
+
+/// The peak over any step of a setup, predicted on its own.
+#[allow(clippy::too_many_arguments)]
+fn setup_peak(
+    req: &FitRequest<'_>,
+    micro: usize,
+    precision: &dyn Precision,
+    recompute: &dyn CheckpointPolicy,
+    optimizer: &dyn Optimizer,
+    in_backward: bool,
+    offload: bool,
+) -> u64 {
+    let model = trainkit::model::build_with(&req.model, req.seq_len, req.attention, req.loss);
+    let options = TrainerOptions {
+        grad_clip: 0.0,
+        optimizer_in_backward: in_backward,
+        offload_activations: offload,
+        ..TrainerOptions::default()
+    };
+    let p = predict_with(
+        model.unwrap(),
+        MicroBatch {
+            batch_size: micro,
+            seq_len: req.seq_len,
+        },
+        precision,
+        recompute,
+        optimizer,
+        &options,
+    )
+    .unwrap();
+    p.peak_total
+        .max(p.first_step_peak_total(req.global_batch / micro))
+}
+
+/// The least peak of `c` without the technique `t`: at micro-batches of one row (the whole
+/// batch inside backward), the rest of its setup unchanged.
+fn least_without(req: &FitRequest<'_>, c: &FitCandidate, t: Technique) -> u64 {
+    let precision = match t {
+        Technique::Bf16 => dyn_clone::clone_box(req.precision),
+        _ => c.precision.clone(),
+    };
+    let optimizer = match t {
+        Technique::Adamw8bit => dyn_clone::clone_box(req.optimizer),
+        _ => c.optimizer.clone(),
+    };
+    let recompute: Box<dyn CheckpointPolicy> = if t.is_recompute() {
+        Box::new(NoRecompute)
+    } else {
+        c.recompute.clone()
+    };
+    let in_backward = c.optimizer_in_backward && t != Technique::OptimizerInBackward;
+    let offload = c.offload_activations && t != Technique::Offload;
+    let micro = if in_backward { req.global_batch } else { 1 };
+    setup_peak(
+        req,
+        micro,
+        precision.as_ref(),
+        recompute.as_ref(),
+        optimizer.as_ref(),
+        in_backward,
+        offload,
+    )
+}
+
+/// From roomy to the tightest budget, every technique autofit adds is needed: its choice
+/// fits, its peak is its setup's exact peak, and without any one of its techniques (where
+/// what is left is a combination autofit may take) even the most micro-batches do not
+/// fit. Over the sweep it takes each technique beyond batch and recompute.
+#[test]
+fn every_technique_is_taken_only_when_the_cheaper_ones_do_not_fit() {
+    let (c, opt) = (config(), AdamW::default());
+    let mut seen = Techniques::NONE;
+    for (precision, global) in [
+        (&Fp32 as &(dyn Precision + 'static), 4),
+        (&Fp32, 2),
+        (&Fp32, 1),
+        (&MixedBf16 { fp32_grads: true }, 2),
+    ] {
+        let roomy = every_technique(&c, precision, &opt, global, u64::MAX);
+        let tightest = technique_savings(&roomy).unwrap().all.peak;
+        let most = autofit(&roomy).unwrap().unconstrained.peak;
+        for i in 0..=24u64 {
+            let budget = tightest + (most - tightest) * (24 - i) / 24;
+            let req = FitRequest { budget, ..roomy };
+            let plan = autofit(&req).unwrap();
+            let ch = &plan.choice;
+            assert!(ch.peak <= budget);
+            assert_eq!(ch.micro_batch * ch.micro_batches, global);
+            assert_eq!(
+                ch.peak,
+                setup_peak(
+                    &req,
+                    ch.micro_batch,
+                    ch.precision.as_ref(),
+                    ch.recompute.as_ref(),
+                    ch.optimizer.as_ref(),
+                    ch.optimizer_in_backward,
+                    ch.offload_activations,
+                )
+            );
+            for t in ch.techniques.iter() {
+                // Offloading joins full recomputation only; accumulation is sized within.
+                let offloads_full = t == Technique::Full && ch.offload_activations;
+                if t == Technique::Accumulation || offloads_full {
+                    continue;
+                }
+                let without = least_without(&req, ch, t);
+                assert!(
+                    without > budget,
+                    "{} fits {budget} without {t}: {without}",
+                    ch.describe()
+                );
+            }
+            // Every combination tried before the choice was cheaper and did not fit.
+            let (last, before) = plan.tried.split_last().unwrap();
+            assert_eq!(
+                last.techniques,
+                ch.techniques.without(Technique::Accumulation)
+            );
+            for a in before {
+                assert!(a.fit.is_none() && a.least.peak > budget);
+                assert!(a.techniques.cost() < last.techniques.cost());
+            }
+            seen = Techniques::from_iter(seen.iter().chain(ch.techniques.iter()));
+            let text = plan.explain().join("\n");
+            assert!(text.contains(&ch.describe()), "{text}");
+        }
+    }
+    for t in [
+        Technique::Accumulation,
+        Technique::Adamw8bit,
+        Technique::OptimizerInBackward,
+        Technique::Budget,
+        Technique::Full,
+        Technique::Offload,
+        Technique::Bf16,
+    ] {
+        assert!(seen.contains(t), "{t} never chosen; seen {seen}");
+    }
+}
+
+/// A plan with the new techniques runs as planned: the trainer set up with the choice's
+/// precision, policy, optimizer and settings records, step after step, the exact
+/// prediction byte for byte in every category (offloaded host bytes included), and never
+/// more than the budget.
+#[test]
+fn the_prediction_of_a_plan_with_every_technique_equals_the_ledger() {
+    let (c, opt) = (config(), AdamW::default());
+    let mut checked = Techniques::NONE;
+    for (precision, global) in [
+        (&Fp32 as &(dyn Precision + 'static), 1),
+        (&Fp32, 2),
+        (&MixedBf16 { fp32_grads: false }, 2),
+    ] {
+        let roomy = every_technique(&c, precision, &opt, global, u64::MAX);
+        let tightest = technique_savings(&roomy).unwrap().all.peak;
+        let most = autofit(&roomy).unwrap().unconstrained.peak;
+        for budget in [tightest, tightest + (most - tightest) / 8] {
+            let plan = autofit(&FitRequest { budget, ..roomy }).unwrap();
+            let ch = plan.choice;
+            checked = Techniques::from_iter(checked.iter().chain(ch.techniques.iter()));
+            let be = cpu();
+            be.ledger().set_limit(Some(budget));
+            let mut t = Trainer::new(
+                Box::new(Gpt2::new(c.clone()).unwrap()),
+                be,
+                corpus_loader(20_000, 3, ch.micro_batch, 64),
+                ch.precision.clone(),
+                ch.recompute.clone(),
+                ch.optimizer.clone(),
+                Constant::new(ch.micro_batches),
+                PeakTracker::new(),
+                TrainerOptions {
+                    grad_clip: 0.0,
+                    optimizer_in_backward: ch.optimizer_in_backward,
+                    offload_activations: ch.offload_activations,
+                    ..TrainerOptions::default()
+                },
+            )
+            .unwrap();
+            let mut highest = 0;
+            for step in 1..=3 {
+                let s = t.step().unwrap();
+                highest = highest.max(s.memory.peak_total);
+                if step > 1 {
+                    assert_eq!(s.memory.peak, ch.prediction.peak, "{}", ch.describe());
+                    assert_eq!(s.memory.peak_total, ch.prediction.peak_total);
+                }
+            }
+            assert_eq!(highest, ch.peak, "{}", ch.describe());
+            assert!(highest <= budget);
+        }
+    }
+    for t in [
+        Technique::Adamw8bit,
+        Technique::OptimizerInBackward,
+        Technique::Full,
+        Technique::Offload,
+        Technique::Bf16,
+    ] {
+        assert!(checked.contains(t), "no plan used {t}: {checked}");
+    }
+}
+
+/// What the request fixes stays: a precision that is bf16 already, an optimizer without
+/// 8-bit state, clipping (no optimizer inside backward), a recompute policy when autofit
+/// may choose none; each left-out technique is explained.
+#[test]
+fn autofit_keeps_what_the_request_fixes_and_says_why() {
+    let c = config();
+    let sgd = trainkit::Sgd::default();
+    let bf16 = MixedBf16 { fp32_grads: false };
+    let clipped = FitRequest {
+        techniques: Techniques::ALL
+            .without(Technique::Selective)
+            .without(Technique::Budget)
+            .without(Technique::Full),
+        recompute: &trainkit::Full,
+        ..FitRequest::new(c.architecture(), 64, 4, 0, &bf16, &sgd)
+    };
+    let roomy = autofit(&FitRequest {
+        budget: u64::MAX,
+        ..clipped
+    })
+    .unwrap();
+    assert_eq!(roomy.choice.recompute.typetag_name(), "full");
+    let tightest = technique_savings(&clipped).unwrap().all.peak;
+    let plan = autofit(&FitRequest {
+        budget: tightest,
+        ..clipped
+    })
+    .unwrap();
+    let ch = &plan.choice;
+    assert_eq!(ch.recompute.typetag_name(), "full");
+    assert_eq!(ch.optimizer.typetag_name(), "sgd");
+    assert_eq!(ch.precision.typetag_name(), "mixed_bf16");
+    assert!(!ch.optimizer_in_backward);
+    let why = |t: Technique| {
+        plan.left_out
+            .iter()
+            .find(|(l, _)| *l == t)
+            .map(|(_, w)| w.clone())
+            .unwrap_or_else(|| panic!("{t} not left out"))
+    };
+    assert!(why(Technique::Adamw8bit).contains("sgd"));
+    assert!(why(Technique::OptimizerInBackward).contains("--grad-clip 0"));
+    assert!(why(Technique::Bf16).contains("bf16"));
+    assert!(why(Technique::Full).contains("--autofit-techniques"));
+    let text = plan.explain().join("\n");
+    assert!(text.contains("not considered"), "{text}");
 }

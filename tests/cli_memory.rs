@@ -1,4 +1,6 @@
 //! `trainkit train`'s memory flags as a user runs them: the report, the budget, autofit.
+//! Autofit's choice is the run's: every technique it takes is applied, and the run's
+//! memory report then agrees with the exact prediction.
 
 mod common;
 
@@ -103,7 +105,7 @@ fn autofit_fits_the_budget_and_an_oversized_run_says_what_would_fit() {
     let micro: usize = words[2].parse().unwrap();
     let k: usize = words[4].parse().unwrap();
     assert_eq!(micro * k, 8, "{line}");
-    let recompute = words[7].trim_end_matches(':');
+    let recompute = words[7].trim_end_matches([':', ',']);
     let peak = measured_peak(&[
         "--batch-size",
         &micro.to_string(),
@@ -135,10 +137,114 @@ fn memory_flags_refuse_bad_values_in_one_line() {
             &["--autofit", "--memory-budget", "1KiB"][..],
             "what would fit",
         ),
+        (
+            &[
+                "--autofit",
+                "--memory-budget",
+                "1GiB",
+                "--autofit-techniques",
+                "full,fast",
+            ][..],
+            "--autofit-techniques",
+        ),
+        (&["--autofit-techniques", "all"][..], "--autofit"),
     ] {
         let (ok, _, err) = trainkit(args);
         assert!(!ok, "{args:?}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+/// The tightest budget autofit can fit with `extra`, from its out-of-memory message
+/// ("a budget of at least 8.79 MiB"), rounded up to the next 0.01 MiB.
+fn tightest_budget(extra: &[&str]) -> String {
+    let mut args = extra.to_vec();
+    args.extend_from_slice(&["--autofit", "--memory-budget", "1KiB"]);
+    let (ok, _, err) = trainkit(&args);
+    assert!(!ok);
+    let at_least = err
+        .split("a budget of at least ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{err}"));
+    let mut words = at_least.split_whitespace();
+    let value: f64 = words.next().unwrap().parse().unwrap();
+    let unit = words.next().unwrap().trim_end_matches([',', ';']);
+    format!("{:.2}{unit}", value + 0.01)
+}
+
+#[test]
+fn autofit_applies_every_technique_it_chooses_and_the_report_agrees() {
+    let dir = scratch("autofit-all");
+    let report = dir.join("memory.json");
+    let run = ["--steps", "2", "--batch-size", "4", "--grad-clip", "0"];
+    let budget = tightest_budget(&run);
+    let mut args = run.to_vec();
+    args.extend_from_slice(&[
+        "--autofit",
+        "--memory-budget",
+        &budget,
+        "--memory-report",
+        report.to_str().unwrap(),
+    ]);
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with("autofit:")).unwrap();
+    let device = out.lines().find(|l| l.starts_with("device:")).unwrap();
+    // At the tightest budget autofit needs more than batch and recompute; each technique
+    // it names is the run's.
+    let mut applied = 0;
+    for (technique, shown) in [
+        ("adamw8bit", "optimizer adamw8bit"),
+        ("optimizer-in-backward", "inside backward"),
+        ("offload", "offloaded to host memory"),
+        ("bf16", "precision mixed_bf16"),
+        ("budget:", "recompute budget:"),
+    ] {
+        if line.contains(technique) {
+            assert!(device.contains(shown), "{line}\n{device}");
+            applied += 1;
+        }
+    }
+    assert!(applied >= 2, "{line}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["measured"], r["predicted"], "{r}");
+    assert_eq!(r["peak_total"]["measured"], r["peak_total"]["predicted"]);
+    let measured = r["peak_total"]["measured"].as_u64().unwrap();
+    assert!(measured <= trainkit::estimate::parse_bytes(&budget).unwrap());
+}
+
+/// A flag given on the command line stays as given; the explanation says so.
+#[test]
+fn autofit_keeps_the_flags_given() {
+    let run = [
+        "--steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--grad-clip",
+        "0",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "adamw",
+        "--recompute",
+        "none",
+    ];
+    let budget = tightest_budget(&run);
+    let mut args = run.to_vec();
+    args.extend_from_slice(&["--autofit", "--memory-budget", &budget, "--print-config"]);
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with("autofit:")).unwrap();
+    let setup = line.split(": peak").next().unwrap();
+    assert!(setup.contains("recompute none"), "{line}");
+    for absent in ["adamw8bit", "bf16", "full", "budget"] {
+        assert!(!setup.contains(absent), "{line}");
+    }
+    assert!(
+        out.contains("bf16                   not considered"),
+        "{out}"
+    );
 }

@@ -228,6 +228,7 @@ fn help_documents_every_flag() {
         "--loss",
         "--json",
         "--plot",
+        "--techniques",
     ] {
         assert!(out.contains(flag), "{flag}: {out}");
     }
@@ -363,4 +364,87 @@ fn adamw8bit_state_is_shown() {
     let (ok, out, err) = trainkit(&["--model", "gpt2", "--optimizer", "adamw8bit"]);
     assert!(ok, "{err}");
     assert!(out.contains("adamw8bit"), "{out}");
+}
+
+/// `--techniques` adds one technique at a time to the setup the other flags describe:
+/// each row is that setup's exact peak, the same as the flag that turns the technique on.
+#[test]
+fn techniques_shows_what_each_saves_as_its_own_flags_would() {
+    let base = ["--model", "gpt2", "--batch-size", "2", "--seq-len", "512"];
+    let with = |extra: &[&str]| -> u64 {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        json(&args)["trainkit_exact"]["peak_total_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let mut args = base.to_vec();
+    args.push("--techniques");
+    let v = json(&args);
+    let t = &v["techniques"];
+    let baseline = t["baseline"]["peak_total_bytes"].as_u64().unwrap();
+    assert_eq!(baseline, with(&[]));
+    let row = |name: &str| {
+        t["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["technique"] == name)
+            .unwrap_or_else(|| panic!("no {name} row: {t}"))
+            .clone()
+    };
+    for (name, flags) in [
+        ("adamw8bit", &["--optimizer", "adamw8bit"][..]),
+        ("optimizer-in-backward", &["--optimizer-in-backward"][..]),
+        ("full", &["--recompute", "full"][..]),
+        ("offload", &["--offload-activations"][..]),
+        ("accumulation", &["--batch-size", "1"][..]),
+    ] {
+        let r = row(name);
+        let peak = r["peak_total_bytes"].as_u64().unwrap();
+        if name != "accumulation" {
+            assert_eq!(peak, with(flags), "{name}");
+        }
+        assert_eq!(
+            r["saving_bytes"].as_i64().unwrap(),
+            baseline as i64 - peak as i64
+        );
+        assert!(peak < baseline, "{name}: {peak} of {baseline}");
+    }
+    assert!(row("offload")["offloaded_bytes"].as_u64().unwrap() > 0);
+    assert!(row("budget")["flags"]
+        .as_str()
+        .unwrap()
+        .contains("--recompute budget:"));
+    // Already bf16, and no T² tensor under the fused attention: said, not computed.
+    assert!(row("bf16")["not_applicable"]
+        .as_str()
+        .unwrap()
+        .contains("bf16"));
+    assert!(row("selective")["not_applicable"].is_string());
+    let all = t["all"]["peak_total_bytes"].as_u64().unwrap();
+    assert!(all < row("full")["peak_total_bytes"].as_u64().unwrap());
+
+    let (ok, out, err) = trainkit(&["--model", "gpt2", "--precision", "fp32", "--techniques"]);
+    assert!(ok, "{err}");
+    for name in [
+        "baseline",
+        "accumulation",
+        "selective",
+        "adamw8bit",
+        "optimizer-in-backward",
+        "budget",
+        "full",
+        "offload",
+        "bf16",
+        "all that combine",
+    ] {
+        assert!(
+            out.lines().any(|l| l.trim_start().starts_with(name)),
+            "{name}: {out}"
+        );
+    }
+    let (ok, _, err) = trainkit(&["--params", "7B", "--techniques"]);
+    assert!(!ok);
+    assert!(err.contains("--techniques"), "{err}");
 }

@@ -199,17 +199,38 @@ fn what_cannot_work_is_refused_by_name() {
         panic!("clipping with the optimizer inside backward should be refused");
     };
     assert!(message.contains("--grad-clip 0"), "{message}");
-    let mut accumulating = Trainer::builder(
+    // Accumulation is refused when the trainer is built, before the first step.
+    let accumulating = Trainer::builder(
         Gpt2::new(tiny_config()).unwrap(),
         cpu(),
         corpus_loader(20_000, 11, 2, 32),
     )
     .accumulation(Constant::new(2))
     .options(options(true))
-    .build()
-    .unwrap();
-    let e = accumulating.step().unwrap_err().to_string();
-    assert!(e.contains("--grad-accum 1"), "{e}");
+    .build();
+    let Err(e) = accumulating.map(|_| ()) else {
+        panic!("accumulating with the optimizer inside backward should be refused");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("--grad-accum 1") && e.contains("--optimizer-in-backward"),
+        "{e}"
+    );
+    let (ok, out, err) = trainkit(&[
+        "train",
+        "--optimizer-in-backward",
+        "--grad-clip",
+        "0",
+        "--grad-accum",
+        "2",
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("--grad-accum 1"), "{err}");
+    assert!(!out.contains("step "), "{out}");
 
     let (ok, _, err) = trainkit(&["train", "--optimizer-in-backward", "--steps", "1"]);
     assert!(!ok);

@@ -1,14 +1,18 @@
-//! Autofit: the micro-batch size, accumulation steps and recompute policy that fit a
-//! memory budget, chosen with the exact memory model.
+//! Autofit: the cheapest setup that fits a memory budget, chosen with the exact memory
+//! model among micro-batch and accumulation, recomputation (selective, a byte budget,
+//! full), 8-bit AdamW state, the optimizer inside backward, activation offloading and
+//! bf16 precision, in the cost order of [`Technique`].
 
-use super::exact::{predict, MemoryPrediction, MicroBatch};
-use crate::checkpoint::{by_cost, CheckpointPolicy, Full, NoRecompute};
+use super::exact::{predict_with, MemoryPrediction, MicroBatch};
+use super::techniques::{Technique, Techniques};
+use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
 use crate::model::Architecture;
 use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
 use crate::precision::{MixedBf16, Precision};
+use crate::trainer::TrainerOptions;
 
 /// What autofit is asked to fit.
 #[derive(Clone, Copy, Debug)]
@@ -19,99 +23,295 @@ pub struct FitRequest<'a> {
     pub seq_len: usize,
     /// Rows per optimizer step: micro-batch size × accumulation steps.
     pub global_batch: usize,
-    /// Bytes the run may use at its peak.
+    /// Device bytes the run may use at its peak.
     pub budget: u64,
-    /// The precision, kept as given.
-    pub precision: &'a dyn Precision,
-    /// The optimizer, kept as given.
-    pub optimizer: &'a dyn Optimizer,
+    /// The run's precision: kept, unless autofit may use [`Technique::Bf16`] and it is
+    /// fp32.
+    pub precision: &'a (dyn Precision + 'static),
+    /// The run's optimizer: kept, unless autofit may use [`Technique::Adamw8bit`] and it
+    /// is AdamW (whose settings the 8-bit one then takes).
+    pub optimizer: &'a (dyn Optimizer + 'static),
+    /// The run's recompute policy: kept when autofit may use none of
+    /// [`Technique::Selective`], [`Technique::Budget`] and [`Technique::Full`]; otherwise
+    /// autofit starts from no recomputation and chooses.
+    pub recompute: &'a (dyn CheckpointPolicy + 'static),
     /// How the model computes attention (the run's `training.attention`).
     pub attention: AttentionPath,
     /// How the model computes the loss (the run's `training.loss`; the fused loss's
     /// chunk chosen from the vocabulary).
     pub loss: LossPath,
+    /// The techniques autofit may use; of these it uses those the rest of the request
+    /// allows ([`FitPlan::left_out`] says why it leaves any out).
+    pub techniques: Techniques,
+    /// The run's global-norm clipping threshold (0 = off). The optimizer inside backward
+    /// cannot clip by the global norm, so autofit uses it only when this is 0.
+    pub grad_clip: f32,
+    /// The run updates inside backward already: kept on (one micro-batch per step).
+    pub optimizer_in_backward: bool,
+    /// The run offloads its kept activations already: kept on.
+    pub offload_activations: bool,
+    /// Host memory the offloaded activations may take (`None`: not checked).
+    pub host_budget: Option<u64>,
 }
 
-/// The exact memory of one micro-batch of `req`'s model, on its attention and loss paths.
-fn predict_request(
-    req: &FitRequest<'_>,
-    micro: MicroBatch,
-    precision: &dyn Precision,
-    recompute: &dyn CheckpointPolicy,
-) -> Result<MemoryPrediction> {
-    let model = crate::model::build_with(&req.model, micro.seq_len, req.attention, req.loss)?;
-    predict(model, micro, precision, recompute, req.optimizer)
+impl<'a> FitRequest<'a> {
+    /// A request with the defaults of a run: fused attention and loss, no recomputation,
+    /// clipping at [`TrainerOptions::default`]'s threshold, neither the optimizer inside
+    /// backward nor offloading, every technique allowed, host memory unchecked.
+    pub fn new(
+        model: Architecture,
+        seq_len: usize,
+        global_batch: usize,
+        budget: u64,
+        precision: &'a (dyn Precision + 'static),
+        optimizer: &'a (dyn Optimizer + 'static),
+    ) -> Self {
+        FitRequest {
+            model,
+            seq_len,
+            global_batch,
+            budget,
+            precision,
+            optimizer,
+            recompute: &NoRecompute,
+            attention: AttentionPath::Fused,
+            loss: LossPath::Fused,
+            techniques: Techniques::ALL,
+            grad_clip: TrainerOptions::default().grad_clip,
+            optimizer_in_backward: false,
+            offload_activations: false,
+            host_budget: None,
+        }
+    }
 }
 
-/// One setup autofit considered.
+/// One setup autofit considered, with its exact memory.
 #[derive(Clone, Debug)]
 pub struct FitCandidate {
     /// Rows per micro-batch.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
     pub micro_batches: usize,
+    /// The precision.
+    pub precision: Box<dyn Precision>,
     /// The recompute policy.
     pub recompute: Box<dyn CheckpointPolicy>,
+    /// The optimizer.
+    pub optimizer: Box<dyn Optimizer>,
+    /// Whether the optimizer runs inside backward.
+    pub optimizer_in_backward: bool,
+    /// Whether the kept activations are offloaded to host memory.
+    pub offload_activations: bool,
+    /// The techniques of this setup that the request did not have already.
+    pub techniques: Techniques,
     /// Its exact memory.
     pub prediction: MemoryPrediction,
-    /// The peak over any step (the first step included).
+    /// The device peak over any step (the first step included).
     pub peak: u64,
 }
 
-/// Autofit's choice, with what it tried.
+impl FitCandidate {
+    /// Host memory its offloaded activations take.
+    pub fn host_bytes(&self) -> u64 {
+        self.prediction.peak.get(MemoryCategory::Offloaded)
+    }
+
+    /// `micro-batch 2 × 4 micro-batches, recompute full, adamw8bit, offload`: the shape and
+    /// the policy, then the other techniques autofit added.
+    pub fn describe(&self) -> String {
+        let policy = policy_name(self.recompute.as_ref());
+        let mut text = format!(
+            "micro-batch {} × {}, recompute {policy}",
+            self.micro_batch,
+            micro_batches(self.micro_batches),
+        );
+        if let Some(bytes) = policy.strip_prefix("budget:").and_then(|b| b.parse().ok()) {
+            text.push_str(&format!(" ({})", format_bytes(bytes)));
+        }
+        for t in self
+            .techniques
+            .iter()
+            .filter(|t| !t.is_recompute() && *t != Technique::Accumulation)
+        {
+            text.push_str(", ");
+            text.push_str(t.name());
+        }
+        text
+    }
+
+    /// The `trainkit train` flags of this setup: `--batch-size 2 --grad-accum 4
+    /// --recompute full`, then one flag for each other technique autofit added
+    /// (`--optimizer adamw8bit`, `--optimizer-in-backward`, `--offload-activations`,
+    /// `--precision bf16`).
+    pub fn flags(&self) -> String {
+        let mut flags = format!(
+            "--batch-size {} --grad-accum {} --recompute {}",
+            self.micro_batch,
+            self.micro_batches,
+            policy_name(self.recompute.as_ref())
+        );
+        for (t, flag) in [
+            (Technique::Adamw8bit, " --optimizer adamw8bit"),
+            (Technique::OptimizerInBackward, " --optimizer-in-backward"),
+            (Technique::Offload, " --offload-activations"),
+            (Technique::Bf16, " --precision bf16"),
+        ] {
+            if self.techniques.contains(t) {
+                flags.push_str(flag);
+            }
+        }
+        flags
+    }
+}
+
+/// A recompute policy as `--recompute` spells it: `none`, `selective`, `full`,
+/// `budget:BYTES`, or a policy's `kind`.
+pub fn policy_name(policy: &dyn CheckpointPolicy) -> String {
+    let kind = policy.typetag_name();
+    if kind == "budget" {
+        if let Some(bytes) = serde_json::to_value(policy)
+            .ok()
+            .and_then(|v| v.get("bytes").and_then(|b| b.as_u64()))
+        {
+            return format!("budget:{bytes}");
+        }
+    }
+    kind.to_string()
+}
+
+/// One combination of techniques autofit tried, in its cost order.
+#[derive(Clone, Debug)]
+pub struct FitAttempt {
+    /// The techniques added to the request's setup.
+    pub techniques: Techniques,
+    /// The fewest micro-batches with which it fits, if any does.
+    pub fit: Option<FitCandidate>,
+    /// The setup with the most micro-batches it may take: the least memory it can do.
+    pub least: FitCandidate,
+}
+
+/// Autofit's choice, with what it tried and why.
 #[derive(Clone, Debug)]
 pub struct FitPlan {
     /// The chosen setup.
     pub choice: FitCandidate,
     /// The budget it fits.
     pub budget: u64,
-    /// For each policy, the largest micro-batch that fits (or `None`), in the order of
-    /// [`by_cost`].
-    pub per_policy: Vec<(Box<dyn CheckpointPolicy>, Option<FitCandidate>)>,
-    /// The setup without accumulation nor recomputation, for the explanation.
+    /// Every combination tried, cheapest first; the last is the choice's.
+    pub tried: Vec<FitAttempt>,
+    /// The techniques autofit did not consider, each with the reason.
+    pub left_out: Vec<(Technique, String)>,
+    /// The whole global batch in one micro-batch with none of the techniques.
     pub unconstrained: FitCandidate,
+    /// What each technique saves on its own at the choice's micro-batch size.
+    pub savings: TechniqueSavings,
+}
+
+/// The cost order as a line: `accumulation < selective < ... < bf16`.
+fn cost_order() -> String {
+    Technique::ALL
+        .iter()
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(" < ")
 }
 
 impl FitPlan {
-    /// Lines explaining the choice.
+    /// Lines explaining the choice: the setup and its peak, the cost order, what each
+    /// technique saves on its own, and what was tried before.
     pub fn explain(&self) -> Vec<String> {
         let c = &self.choice;
         let mut lines = vec![format!(
-            "autofit: micro-batch {} × {}, recompute {}: peak {} of a {} budget",
-            c.micro_batch,
-            micro_batches(c.micro_batches),
-            c.recompute.typetag_name(),
+            "autofit: {}: peak {} of a {} budget",
+            c.describe(),
             format_bytes(c.peak),
             format_bytes(self.budget)
         )];
+        if c.host_bytes() > 0 {
+            lines.push(format!(
+                "  host memory for the offloaded activations: {}",
+                format_bytes(c.host_bytes())
+            ));
+        }
         let u = &self.unconstrained;
         if u.peak > self.budget {
             lines.push(format!(
-                "  the whole batch of {} rows at once without recompute would need {}",
-                u.micro_batch,
+                "  the whole batch of {} at once, without any of the techniques, would need {}",
+                rows(u.micro_batch),
                 format_bytes(u.peak)
             ));
         }
-        for (policy, best) in &self.per_policy {
-            lines.push(match best {
-                Some(b) => format!(
-                    "  recompute {:<9} largest micro-batch that fits: {} ({}, peak {}, activations {})",
-                    policy.typetag_name(),
-                    b.micro_batch,
-                    micro_batches(b.micro_batches),
-                    format_bytes(b.peak),
-                    format_bytes(b.prediction.activations.peak)
+        lines.push(format!(
+            "  cost order, cheapest in time first: {}; a technique is used only when no \
+             combination of cheaper ones fits, and within a combination the fewest \
+             micro-batches",
+            cost_order()
+        ));
+        let s = &self.savings;
+        // Autofit offloads under full recomputation whenever it may choose full.
+        let chooses = !self.left_out.iter().any(|(t, _)| *t == Technique::Full);
+        lines.push(format!(
+            "  each technique alone at micro-batch {} (peak {} without any):",
+            s.baseline.micro_batch,
+            format_bytes(s.baseline.peak)
+        ));
+        for row in &s.rows {
+            let t = row.technique;
+            if t == Technique::Accumulation {
+                continue;
+            }
+            let used = if c.techniques.contains(t) {
+                "  (used)"
+            } else {
+                ""
+            };
+            let left_out = self.left_out.iter().find(|(l, _)| *l == t);
+            lines.push(match (&row.outcome, left_out) {
+                (_, Some((_, why))) => format!("    {:<22} not considered: {why}", t.name()),
+                (Ok(r), None) => format!(
+                    "    {:<22} peak {}, {}{}{used}",
+                    t.name(),
+                    format_bytes(r.peak),
+                    saving_text(s.baseline.peak, r.peak),
+                    if t == Technique::Offload && chooses {
+                        " offloading what no recomputation keeps (autofit offloads only \
+                         what full recomputation keeps)"
+                    } else {
+                        ""
+                    }
                 ),
-                None => format!(
-                    "  recompute {:<9} does not fit even with micro-batch 1",
-                    policy.typetag_name()
-                ),
+                (Err(why), None) => format!("    {:<22} {why}", t.name()),
             });
         }
-        lines.push(
-            "  rule: the least recomputation first, then the fewest micro-batches".to_string(),
-        );
+        let before = &self.tried[..self.tried.len().saturating_sub(1)];
+        if let Some(closest) = before.iter().map(|a| &a.least).min_by_key(|l| l.peak) {
+            lines.push(format!(
+                "  {} cheaper combination{} did not fit; the closest: {} at {}",
+                before.len(),
+                if before.len() == 1 { "" } else { "s" },
+                closest.describe(),
+                format_bytes(closest.peak)
+            ));
+        }
         lines
+    }
+}
+
+/// `saves 1.20 GiB` or `costs 3.00 MiB more`.
+fn saving_text(baseline: u64, peak: u64) -> String {
+    if peak <= baseline {
+        format!("saves {}", format_bytes(baseline - peak))
+    } else {
+        format!("costs {} more", format_bytes(peak - baseline))
+    }
+}
+
+/// `1 row`, `8 rows`.
+fn rows(n: usize) -> String {
+    if n == 1 {
+        "1 row".to_string()
+    } else {
+        format!("{n} rows")
     }
 }
 
@@ -124,25 +324,216 @@ fn micro_batches(n: usize) -> String {
     }
 }
 
-fn candidate(
-    req: &FitRequest<'_>,
-    micro_batch: usize,
-    recompute: &(dyn CheckpointPolicy + 'static),
-) -> Result<FitCandidate> {
-    let prediction = predict_request(
-        req,
+/// One setup to predict: everything but the micro-batch size.
+#[derive(Clone, Debug)]
+struct Spec {
+    techniques: Techniques,
+    precision: Box<dyn Precision>,
+    recompute: Box<dyn CheckpointPolicy>,
+    optimizer: Box<dyn Optimizer>,
+    in_backward: bool,
+    offload: bool,
+}
+
+impl Spec {
+    /// The request's own setup; its recompute policy too when `keep_recompute`, else none.
+    fn base(req: &FitRequest<'_>, keep_recompute: bool) -> Spec {
+        Spec {
+            techniques: Techniques::NONE,
+            precision: dyn_clone::clone_box(req.precision),
+            recompute: if keep_recompute {
+                dyn_clone::clone_box(req.recompute)
+            } else {
+                Box::new(NoRecompute)
+            },
+            optimizer: dyn_clone::clone_box(req.optimizer),
+            in_backward: req.optimizer_in_backward,
+            offload: req.offload_activations,
+        }
+    }
+
+    /// The setup of `c`.
+    fn of(c: &FitCandidate) -> Spec {
+        Spec {
+            techniques: c.techniques,
+            precision: c.precision.clone(),
+            recompute: c.recompute.clone(),
+            optimizer: c.optimizer.clone(),
+            in_backward: c.optimizer_in_backward,
+            offload: c.offload_activations,
+        }
+    }
+
+    /// This setup with `t` added (a budget of 0 bytes until [`at`] sizes it).
+    fn with(&self, t: Technique) -> Result<Spec> {
+        let mut s = self.clone();
+        s.techniques = s.techniques.with(t);
+        match t {
+            Technique::Accumulation => {}
+            Technique::Selective => s.recompute = Box::new(Selective),
+            Technique::Budget => s.recompute = Box::new(Budget::new(0)),
+            Technique::Full => s.recompute = Box::new(Full),
+            Technique::Adamw8bit => {
+                s.optimizer = crate::optim::switch_to("adamw8bit", self.optimizer.as_ref())?
+            }
+            Technique::OptimizerInBackward => s.in_backward = true,
+            Technique::Offload => s.offload = true,
+            Technique::Bf16 => s.precision = Box::new(MixedBf16 { fp32_grads: false }),
+        }
+        Ok(s)
+    }
+}
+
+/// Whether autofit chooses the recompute policy (rather than keeping the request's).
+fn chooses_recompute(req: &FitRequest<'_>) -> bool {
+    req.techniques.iter().any(Technique::is_recompute)
+}
+
+/// Why autofit may not add `t` to `req`'s setup, or `None` when it may.
+fn why_not(req: &FitRequest<'_>, t: Technique) -> Option<String> {
+    let why = incompatible(req, t);
+    if why.is_none() && !req.techniques.contains(t) {
+        return Some(
+            "not among the techniques autofit may use (--autofit-techniques, less those a \
+             flag on the command line fixes)"
+                .into(),
+        );
+    }
+    why
+}
+
+/// Why the rest of `req` rules out adding `t`, or `None`.
+fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
+    match t {
+        Technique::Accumulation if req.optimizer_in_backward => {
+            Some("the run updates inside backward, which needs one micro-batch per step".into())
+        }
+        Technique::Accumulation if req.global_batch == 1 => {
+            Some("a global batch of one row cannot be split".into())
+        }
+        Technique::Selective if req.attention == AttentionPath::Fused => Some(
+            "the fused attention keeps no T² tensor to drop, so selective keeps what no \
+             recomputation keeps"
+                .into(),
+        ),
+        Technique::Adamw8bit => match req.optimizer.typetag_name() {
+            "adamw" => None,
+            "adamw8bit" => Some("the run's optimizer has 8-bit state already".into()),
+            other => Some(format!(
+                "8-bit state is AdamW's, and the run's optimizer is {other}"
+            )),
+        },
+        Technique::OptimizerInBackward if req.optimizer_in_backward => {
+            Some("on already (the run's own setting)".into())
+        }
+        Technique::OptimizerInBackward if req.grad_clip != 0.0 => Some(format!(
+            "the run clips gradients by their global norm (grad_clip {}), which needs every \
+             gradient at once; --grad-clip 0 lets autofit use it",
+            req.grad_clip
+        )),
+        Technique::Offload if req.offload_activations => {
+            Some("on already (the run's own setting)".into())
+        }
+        Technique::Bf16 if req.precision.typetag_name() != "fp32" => Some(format!(
+            "the run's precision is {} already",
+            crate::precision::describe(req.precision)
+        )),
+        _ => None,
+    }
+}
+
+/// The techniques autofit may add to `req`, and why it leaves out the others.
+fn usable(req: &FitRequest<'_>) -> (Techniques, Vec<(Technique, String)>) {
+    let mut usable = Techniques::NONE;
+    let mut left_out = Vec::new();
+    for t in Technique::ALL {
+        match why_not(req, t) {
+            None => usable = usable.with(t),
+            Some(why) => left_out.push((t, why)),
+        }
+    }
+    (usable, left_out)
+}
+
+/// Every combination of the usable techniques, cheapest first. A combination holds one
+/// recompute policy at most; offloading joins only the policy that keeps the least of
+/// those autofit may choose (full recomputation's layer inputs), or the request's own.
+fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
+    let base = Spec::base(req, !chooses_recompute(req));
+    let mut policies: Vec<Option<Technique>> = vec![None];
+    policies.extend(
+        [Technique::Selective, Technique::Budget, Technique::Full]
+            .into_iter()
+            .filter(|t| usable.contains(*t))
+            .map(Some),
+    );
+    let keeps_least = *policies.last().unwrap_or(&None);
+    let toggles: Vec<Technique> = [
+        Technique::Adamw8bit,
+        Technique::OptimizerInBackward,
+        Technique::Offload,
+        Technique::Bf16,
+    ]
+    .into_iter()
+    .filter(|t| usable.contains(*t))
+    .collect();
+    let mut specs = Vec::new();
+    for policy in &policies {
+        for mask in 0..1u32 << toggles.len() {
+            let on: Vec<Technique> = toggles
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .map(|(_, t)| *t)
+                .collect();
+            if on.contains(&Technique::Offload) && *policy != keeps_least {
+                continue;
+            }
+            let mut spec = base.clone();
+            for t in policy.iter().chain(on.iter()) {
+                spec = spec.with(*t)?;
+            }
+            specs.push(spec);
+        }
+    }
+    specs.sort_by_key(|s| s.techniques.cost());
+    Ok(specs)
+}
+
+/// The exact memory of `spec` with micro-batches of `micro_batch` rows.
+fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<FitCandidate> {
+    let model = crate::model::build_with(&req.model, req.seq_len, req.attention, req.loss)?;
+    let options = TrainerOptions {
+        grad_clip: req.grad_clip,
+        optimizer_in_backward: spec.in_backward,
+        offload_activations: spec.offload,
+        ..TrainerOptions::default()
+    };
+    let prediction = predict_with(
+        model,
         MicroBatch {
             batch_size: micro_batch,
             seq_len: req.seq_len,
         },
-        req.precision,
-        recompute,
+        spec.precision.as_ref(),
+        spec.recompute.as_ref(),
+        spec.optimizer.as_ref(),
+        &options,
     )?;
-    let micro_batches = req.global_batch / micro_batch;
+    let micro_batches = req.global_batch / micro_batch.max(1);
+    let mut techniques = spec.techniques;
+    if micro_batches > 1 {
+        techniques = techniques.with(Technique::Accumulation);
+    }
     Ok(FitCandidate {
         micro_batch,
         micro_batches,
-        recompute: dyn_clone::clone_box(recompute),
+        precision: spec.precision.clone(),
+        recompute: spec.recompute.clone(),
+        optimizer: spec.optimizer.clone(),
+        optimizer_in_backward: spec.in_backward,
+        offload_activations: spec.offload,
+        techniques,
         peak: prediction
             .peak_total
             .max(prediction.first_step_peak_total(micro_batches)),
@@ -150,81 +541,208 @@ fn candidate(
     })
 }
 
-/// Chooses the micro-batch size (a divisor of the global batch), the accumulation steps
-/// and the recompute policy that fit `req.budget`: the least recomputation first, then
-/// the fewest micro-batches.
+/// Whether `c` fits the request's device budget and, with offloading, its host budget.
+fn fits(req: &FitRequest<'_>, c: &FitCandidate) -> bool {
+    c.peak <= req.budget && req.host_budget.map_or(true, |h| c.host_bytes() <= h)
+}
+
+/// Steps of a byte budget between keeping nothing but layer inputs and keeping everything.
+const BUDGET_STEPS: u64 = 256;
+
+/// `spec` at `micro_batch`; for a byte budget, the largest budget (in 256ths of what no
+/// recomputation keeps, at least one) that fits, or one 256th when none does.
+fn at(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<FitCandidate> {
+    if !spec.techniques.contains(Technique::Budget) {
+        return evaluate(req, spec, micro_batch);
+    }
+    let mut none = spec.clone();
+    none.recompute = Box::new(NoRecompute);
+    let a = evaluate(req, &none, micro_batch)?.prediction.activations;
+    let all = a.kept_bytes + a.offloaded_bytes;
+    let with = |steps: u64| {
+        let mut s = spec.clone();
+        let bytes = (all as u128 * steps as u128 / BUDGET_STEPS as u128) as u64;
+        s.recompute = Box::new(Budget::new(bytes));
+        evaluate(req, &s, micro_batch)
+    };
+    let mut best = with(1)?;
+    if !fits(req, &best) {
+        return Ok(best);
+    }
+    // `lo` fits; `hi` (every byte: no recomputation) is not a budget's to choose.
+    let (mut lo, mut hi) = (1, BUDGET_STEPS);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        let c = with(mid)?;
+        if fits(req, &c) {
+            lo = mid;
+            best = c;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(best)
+}
+
+/// The largest of `sizes` (largest first) at which `spec` fits, and `spec` at the
+/// smallest of them.
+fn search(
+    req: &FitRequest<'_>,
+    spec: &Spec,
+    sizes: &[usize],
+) -> Result<(Option<FitCandidate>, FitCandidate)> {
+    let sizes = if spec.in_backward { &sizes[..1] } else { sizes };
+    let last = sizes.len() - 1;
+    let least = at(req, spec, sizes[last])?;
+    if !fits(req, &least) {
+        return Ok((None, least));
+    }
+    // Memory grows with the micro-batch: the first size that fits, by bisection.
+    let (mut lo, mut hi, mut best) = (0, last, least.clone());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let c = at(req, spec, sizes[mid])?;
+        if fits(req, &c) {
+            hi = mid;
+            best = c;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok((Some(best), least))
+}
+
+/// Chooses the cheapest setup that fits `req.budget`: the first combination of techniques
+/// in cost order ([`Technique`]; a technique is used only when no combination of the
+/// cheaper ones fits) with which some micro-batch size (a divisor of the global batch)
+/// fits, and with it the fewest micro-batches. A byte budget takes the most bytes that
+/// fit.
 ///
 /// When nothing fits, the error says what would: the budget needed, and where it helps,
-/// mixed precision or the longest sequence that fits.
+/// techniques autofit was not allowed, mixed precision or the longest sequence that fits.
 pub fn autofit(req: &FitRequest<'_>) -> Result<FitPlan> {
     if req.global_batch == 0 {
         return Err(Error::config("global_batch", "must be at least 1 row"));
     }
-    let divisors: Vec<usize> = (1..=req.global_batch)
-        .rev()
-        .filter(|d| req.global_batch % d == 0)
-        .collect();
-    let mut per_policy = Vec::new();
-    for recompute in by_cost() {
-        // Memory grows with the micro-batch: find the largest divisor that fits.
-        let mut best = None;
-        for &m in &divisors {
-            let c = candidate(req, m, recompute.as_ref())?;
-            if c.peak <= req.budget {
-                best = Some(c);
-                break;
-            }
-        }
-        per_policy.push((recompute, best));
-    }
-    let unconstrained = candidate(req, req.global_batch, &NoRecompute)?;
-    match per_policy.iter().find_map(|(_, b)| b.clone()) {
-        Some(choice) => Ok(FitPlan {
+    let (usable, left_out) = usable(req);
+    let sizes: Vec<usize> = if usable.contains(Technique::Accumulation) {
+        (1..=req.global_batch)
+            .rev()
+            .filter(|d| req.global_batch % d == 0)
+            .collect()
+    } else {
+        vec![req.global_batch]
+    };
+    let mut tried = Vec::new();
+    for spec in combinations(req, usable)? {
+        let (fit, least) = search(req, &spec, &sizes)?;
+        tried.push(FitAttempt {
+            techniques: spec.techniques,
+            fit: fit.clone(),
+            least,
+        });
+        let Some(choice) = fit else {
+            continue;
+        };
+        let keep = !chooses_recompute(req);
+        let base = Spec::base(req, keep);
+        let unconstrained = evaluate(req, &base, req.global_batch)?;
+        let at_choice = FitRequest {
+            global_batch: choice.micro_batch,
+            recompute: base.recompute.as_ref(),
+            ..*req
+        };
+        let savings = technique_savings(&at_choice)?;
+        return Ok(FitPlan {
             choice,
             budget: req.budget,
-            per_policy,
+            tried,
+            left_out,
             unconstrained,
-        }),
-        None => Err(Error::OutOfMemory {
-            message: what_would_fit(req)?,
-        }),
+            savings,
+        });
     }
+    Err(Error::OutOfMemory {
+        message: what_would_fit(req, &tried)?,
+    })
 }
 
 /// The message of a run that cannot fit: what it needs and what would fit.
-fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
-    let least = candidate(req, 1, &Full)?;
+fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> {
+    let least = tried
+        .iter()
+        .map(|a| &a.least)
+        .min_by_key(|c| c.peak)
+        .ok_or_else(|| Error::config("autofit", "no setup to try"))?;
     let state = least.prediction.model_state_bytes();
     let mut msg = format!(
-        "nothing fits {}: even micro-batch 1 with full recompute peaks at {} (model state {}, \
-         activations {})",
+        "nothing fits {}: of the setups autofit may choose, {} needs the least, {} (model \
+         state {}, activations {})",
         format_bytes(req.budget),
+        least.describe(),
         format_bytes(least.peak),
         format_bytes(state),
         format_bytes(least.prediction.peak.get(MemoryCategory::Activations))
     );
+    if least.peak <= req.budget {
+        // It fits the device but not the host.
+        msg.push_str(&format!(
+            ", and {} of offloaded activations, more than the host's {}",
+            format_bytes(least.host_bytes()),
+            format_bytes(req.host_budget.unwrap_or(0))
+        ));
+    }
     let mut fixes = vec![format!("a budget of at least {}", format_bytes(least.peak))];
-    if req.precision.compute_dtype() != crate::tensor::DType::Bf16 {
-        let mixed = MixedBf16 { fp32_grads: false };
-        let p = predict_request(
-            req,
-            MicroBatch {
-                batch_size: 1,
-                seq_len: req.seq_len,
-            },
-            &mixed,
-            &Full,
-        )?;
-        let peak = p.peak_total.max(p.first_step_peak_total(req.global_batch));
-        if peak <= req.budget {
+    // Techniques the request did not allow, all at once where they combine.
+    let all = FitRequest {
+        techniques: Techniques::ALL,
+        ..*req
+    };
+    let (more, _) = usable(&all);
+    let (allowed, _) = usable(req);
+    let extra: Techniques = more.iter().filter(|t| !allowed.contains(*t)).collect();
+    if !extra.is_empty() {
+        let mut spec = Spec::base(&all, false);
+        for t in [
+            Technique::Full,
+            Technique::Adamw8bit,
+            Technique::Offload,
+            Technique::Bf16,
+        ] {
+            if more.contains(t) {
+                spec = spec.with(t)?;
+            }
+        }
+        let micro = if more.contains(Technique::Accumulation) {
+            1
+        } else {
+            req.global_batch
+        };
+        let c = evaluate(&all, &spec, micro)?;
+        if fits(req, &c) {
+            fixes.push(format!(
+                "letting autofit use {extra} (--autofit-techniques all; {}: peak {})",
+                c.describe(),
+                format_bytes(c.peak)
+            ));
+        }
+    }
+    if req.precision.compute_dtype() != crate::tensor::DType::Bf16
+        && !allowed.contains(Technique::Bf16)
+    {
+        let mut spec = Spec::of(least);
+        spec.precision = Box::new(MixedBf16 { fp32_grads: false });
+        let c = evaluate(req, &spec, least.micro_batch)?;
+        if fits(req, &c) {
             fixes.push(format!(
                 "--precision bf16 (bf16 gradients: peak {})",
-                format_bytes(peak)
+                format_bytes(c.peak)
             ));
         }
     }
     if state < req.budget {
-        // The longest sequence that fits with micro-batch 1 and full recompute.
+        // The longest sequence that fits with the least setup.
+        let spec = Spec::of(least);
         let (mut lo, mut hi) = (0usize, req.seq_len);
         while lo + 1 < hi {
             let mid = (lo + hi) / 2;
@@ -232,7 +750,7 @@ fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
                 seq_len: mid,
                 ..*req
             };
-            if candidate(&shorter, 1, &Full)?.peak <= req.budget {
+            if fits(req, &at(&shorter, &spec, least.micro_batch)?) {
                 lo = mid;
             } else {
                 hi = mid;
@@ -247,4 +765,122 @@ fn what_would_fit(req: &FitRequest<'_>) -> Result<String> {
     }
     msg.push_str(&format!("; what would fit: {}", fixes.join(", or ")));
     Ok(msg)
+}
+
+/// What one technique does on its own.
+#[derive(Clone, Debug)]
+pub struct TechniqueSaving {
+    /// The technique.
+    pub technique: Technique,
+    /// The baseline with the technique added, or why it cannot be added.
+    pub outcome: std::result::Result<FitCandidate, String>,
+}
+
+/// What each technique saves on its own for one setup ([`technique_savings`]).
+#[derive(Clone, Debug)]
+pub struct TechniqueSavings {
+    /// The setup as the request gives it, in one micro-batch of the global batch.
+    pub baseline: FitCandidate,
+    /// One row per technique, in cost order.
+    pub rows: Vec<TechniqueSaving>,
+    /// Every technique that combines at once: full recomputation, 8-bit state, the
+    /// optimizer inside backward and offloading where each applies, and bf16 where it
+    /// applies and lowers the peak (one micro-batch).
+    pub all: FitCandidate,
+}
+
+/// What each technique saves on its own for `req`'s setup as given (its precision,
+/// optimizer, recompute policy, settings, and the global batch in one micro-batch):
+/// one row per technique of [`Technique::ALL`] with that technique added — accumulation
+/// as micro-batches of one row, a byte budget of half what no recomputation keeps,
+/// offloading under the setup's own policy — or why it cannot be, and a row with all of
+/// them that combine (bf16 only where it lowers that row's peak). Unlike autofit, it shows the optimizer inside backward whatever
+/// `req.grad_clip` (that row runs without clipping), and ignores `req.budget`.
+pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
+    let no_clip = FitRequest {
+        grad_clip: 0.0,
+        ..*req
+    };
+    let req = &no_clip;
+    let base = Spec::base(req, true);
+    let baseline = evaluate(req, &base, req.global_batch)?;
+    let base_kind = req.recompute.typetag_name();
+    let mut rows = Vec::new();
+    for t in Technique::ALL {
+        let policy_kind = match t {
+            Technique::Selective => Some("selective"),
+            Technique::Budget => Some("budget"),
+            Technique::Full => Some("full"),
+            _ => None,
+        };
+        let outcome = if policy_kind == Some(base_kind) {
+            Err(format!("the setup's policy already ({base_kind})"))
+        } else if let Some(why) = why_not(req, t) {
+            Err(why)
+        } else {
+            match t {
+                Technique::Accumulation => evaluate(req, &base, 1).map(Ok)?,
+                Technique::Budget => {
+                    let a = baseline.prediction.activations;
+                    let mut none = base.clone();
+                    none.recompute = Box::new(NoRecompute);
+                    let kept = if base_kind == "none" {
+                        a.kept_bytes + a.offloaded_bytes
+                    } else {
+                        let n = evaluate(req, &none, req.global_batch)?
+                            .prediction
+                            .activations;
+                        n.kept_bytes + n.offloaded_bytes
+                    };
+                    let mut spec = base.with(t)?;
+                    spec.recompute = Box::new(Budget::new(kept / 2));
+                    evaluate(req, &spec, req.global_batch).map(Ok)?
+                }
+                _ => match evaluate(req, &base.with(t)?, req.global_batch) {
+                    Ok(c) => Ok(c),
+                    // Offloading under a policy that keeps nothing.
+                    Err(Error::Config { message, .. }) if t == Technique::Offload => Err(message),
+                    Err(e) => return Err(e),
+                },
+            }
+        };
+        rows.push(TechniqueSaving {
+            technique: t,
+            outcome,
+        });
+    }
+    let mut all = base.clone();
+    let applies = |t: Technique| rows.iter().any(|r| r.technique == t && r.outcome.is_ok());
+    for t in [
+        Technique::Full,
+        Technique::Adamw8bit,
+        Technique::OptimizerInBackward,
+        Technique::Offload,
+    ] {
+        // Offloading joins full recomputation even where the setup's own policy would
+        // keep nothing to offload.
+        let offloads_full =
+            t == Technique::Offload && applies(Technique::Full) && why_not(req, t).is_none();
+        if applies(t) || offloads_full {
+            all = all.with(t)?;
+        }
+    }
+    let mut all = evaluate(req, &all, req.global_batch)?;
+    if applies(Technique::Bf16) {
+        // bf16 adds 2 bytes per parameter of weights beside the master copy: with little
+        // else left it can cost more than it saves.
+        let bf16 = evaluate(
+            req,
+            &Spec::of(&all).with(Technique::Bf16)?,
+            req.global_batch,
+        )?;
+        if bf16.peak < all.peak {
+            all = bf16;
+        }
+    }
+    Ok(TechniqueSavings {
+        baseline,
+        rows,
+        all,
+    })
 }

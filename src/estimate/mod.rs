@@ -1,7 +1,8 @@
 //! Memory and compute estimates: the Ultra-Scale Playbook's formulas for parameters,
 //! model state and activations, named model presets, FLOPs per token and GPU peaks for
 //! MFU, the activation-versus-sequence-length figure; and trainkit's exact model of its
-//! own training memory, with autofit, which uses it to choose a setup that fits a budget.
+//! own training memory, with autofit, which uses it to choose the cheapest setup that fits a
+//! budget, and what each memory technique saves.
 //!
 //! ```
 //! use trainkit::estimate::preset;
@@ -27,9 +28,13 @@ pub mod flops;
 pub mod formulas;
 pub mod plot;
 pub mod presets;
+mod techniques;
 
 pub use crate::model::{Architecture, Mlp, Norm};
-pub use autofit::{autofit, FitCandidate, FitPlan, FitRequest};
+pub use autofit::{
+    autofit, policy_name, technique_savings, FitAttempt, FitCandidate, FitPlan, FitRequest,
+    TechniqueSaving, TechniqueSavings,
+};
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{
     predict, predict_architecture, predict_gpt2, predict_with, ActivationProfile, MemoryPrediction,
@@ -42,3 +47,4 @@ pub use formulas::{
 };
 pub use plot::ActivationSweep;
 pub use presets::{find_preset, preset, preset_names, Preset, PRESETS};
+pub use techniques::{Technique, Techniques};

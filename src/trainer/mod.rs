@@ -70,6 +70,20 @@ impl Default for TrainerOptions {
     }
 }
 
+/// The error of a step that would accumulate `k` micro-batches with the optimizer inside
+/// backward.
+fn in_backward_accumulates(step: u64, k: usize) -> Error {
+    Error::config(
+        "optimizer_in_backward",
+        format!(
+            "step {step} accumulates {k} micro-batches, but updating each parameter inside \
+             backward (--optimizer-in-backward, training.optimizer_in_backward) needs its \
+             whole gradient from one; use one micro-batch per step (--grad-accum 1) or drop \
+             --optimizer-in-backward"
+        ),
+    )
+}
+
 /// Peak memory of one step, from the ledger.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepMemory {
@@ -358,6 +372,18 @@ where
             ));
         }
         precision.validate()?;
+        if options.optimizer_in_backward {
+            // The first step's accumulation, refused here rather than at the step; a
+            // schedule that grows later is refused at the step that grows.
+            let k = accumulation.micro_batches(&AccumulationContext {
+                step: 0,
+                tokens_seen: 0,
+                tokens_per_micro_batch: (data.batch_size() * data.seq_len()) as u64,
+            })?;
+            if k > 1 {
+                return Err(in_backward_accumulates(1, k));
+            }
+        }
         if options.offload_activations {
             offload::check(model.as_ref(), &data, &precision, &checkpoint)?;
         }
@@ -418,15 +444,7 @@ where
             ));
         }
         if self.options.optimizer_in_backward && k > 1 {
-            return Err(Error::config(
-                "optimizer_in_backward",
-                format!(
-                    "step {} accumulates {k} micro-batches, but updating each parameter \
-                     inside backward needs its whole gradient from one; use one micro-batch \
-                     per step (--grad-accum 1) or drop --optimizer-in-backward",
-                    self.step + 1
-                ),
-            ));
+            return Err(in_backward_accumulates(self.step + 1, k));
         }
         for p in &mut self.params {
             p.zero_grad(be)?;

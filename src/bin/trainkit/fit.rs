@@ -2,10 +2,10 @@
 //! the memory report.
 
 use std::path::Path;
-use trainkit::config::{Overrides, RunConfig};
-use trainkit::estimate::{autofit, host_available_memory, FitRequest, MicroBatch};
+use trainkit::config::RunConfig;
+use trainkit::estimate::{autofit, host_available_memory, FitRequest, MicroBatch, Techniques};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
-use trainkit::{AccumulationSchedule, Device, Error, Result};
+use trainkit::{AccumulationSchedule, Constant, Device, Error, Result};
 
 /// Rows per optimizer step in `cfg`: micro-batch rows × the first step's micro-batches.
 pub fn global_batch(cfg: &RunConfig) -> Result<usize> {
@@ -50,34 +50,60 @@ pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
     }
 }
 
-fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64) -> FitRequest<'a> {
+/// What `trainkit train` lets autofit change: the techniques of `--autofit-techniques`
+/// (all by default), less those a flag on the command line fixes.
+#[derive(Clone, Copy, Debug)]
+pub struct FitScope {
+    /// The techniques autofit may use.
+    pub techniques: Techniques,
+    /// Host memory offloaded activations may take.
+    pub host_budget: Option<u64>,
+}
+
+fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) -> FitRequest<'a> {
+    let t = &cfg.training;
     FitRequest {
-        model: cfg.model.architecture(),
-        seq_len: cfg.training.seq_len,
-        global_batch: global,
-        budget,
-        precision: cfg.precision.as_ref(),
-        optimizer: cfg.optimizer.as_ref(),
-        attention: cfg.training.attention,
-        loss: cfg.training.loss,
+        recompute: cfg.checkpoint.as_ref(),
+        attention: t.attention,
+        loss: t.loss,
+        techniques: scope.techniques,
+        grad_clip: t.grad_clip,
+        optimizer_in_backward: t.optimizer_in_backward,
+        offload_activations: t.offload_activations,
+        host_budget: scope.host_budget,
+        ..FitRequest::new(
+            cfg.model.architecture(),
+            t.seq_len,
+            global,
+            budget,
+            cfg.precision.as_ref(),
+            cfg.optimizer.as_ref(),
+        )
     }
 }
 
-/// Chooses micro-batch, accumulation and recompute for `budget` and writes them into
-/// `cfg`; prints the explanation.
-pub fn apply_autofit(cfg: &mut RunConfig, global: usize, budget: u64) -> Result<()> {
-    let plan = autofit(&request(cfg, global, budget))?;
+/// Chooses the cheapest setup that fits `budget` (micro-batch, accumulation, recompute,
+/// 8-bit state, the optimizer inside backward, offloading, precision: those `scope`
+/// allows), prints the explanation and writes the choice into `cfg`.
+pub fn apply_autofit(
+    cfg: &mut RunConfig,
+    global: usize,
+    budget: u64,
+    scope: FitScope,
+) -> Result<()> {
+    let plan = autofit(&request(cfg, global, budget, scope))?;
     for line in plan.explain() {
         println!("{line}");
     }
     let c = plan.choice;
-    Overrides {
-        batch_size: Some(c.micro_batch),
-        grad_accum: Some(c.micro_batches),
-        recompute: Some(c.recompute.typetag_name().to_string()),
-        ..Overrides::default()
-    }
-    .apply(cfg)
+    cfg.training.batch_size = c.micro_batch;
+    cfg.accumulation = Box::new(Constant::new(c.micro_batches));
+    cfg.checkpoint = c.recompute;
+    cfg.precision = c.precision;
+    cfg.optimizer = c.optimizer;
+    cfg.training.optimizer_in_backward = c.optimizer_in_backward;
+    cfg.training.offload_activations = c.offload_activations;
+    cfg.validate()
 }
 
 /// The budget a GPU run's out-of-memory advice aims at when no `--memory-budget` was
@@ -96,19 +122,16 @@ pub fn device_budget(device: Device) -> Option<u64> {
 }
 
 /// An out-of-memory error with what would fit the budget appended.
-pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>) -> Error {
+pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>, scope: FitScope) -> Error {
     let (Error::OutOfMemory { message }, Some(budget)) = (&err, budget) else {
         return err;
     };
-    let advice = match global_batch(cfg).and_then(|g| autofit(&request(cfg, g, budget))) {
+    let advice = match global_batch(cfg).and_then(|g| autofit(&request(cfg, g, budget, scope))) {
         Ok(plan) => {
             let c = plan.choice;
             format!(
-                "what would fit: --batch-size {} --grad-accum {} --recompute {} (peak {}), \
-                 or pass --autofit",
-                c.micro_batch,
-                c.micro_batches,
-                c.recompute.typetag_name(),
+                "what would fit: {} (peak {}), or pass --autofit",
+                c.flags(),
                 format_bytes(c.peak)
             )
         }

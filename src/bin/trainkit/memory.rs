@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 use trainkit::estimate::{
-    model_state_bytes, preset_names, ActivationSweep, Architecture, MemoryPrediction, MicroBatch,
-    Mlp, Norm, Preset, PRESETS,
+    model_state_bytes, preset_names, technique_savings, ActivationSweep, Architecture,
+    FitCandidate, FitRequest, MemoryPrediction, MicroBatch, Mlp, Norm, Preset, TechniqueSavings,
+    PRESETS,
 };
 use trainkit::memory::MemoryCategory;
 use trainkit::{Error, Result};
@@ -78,6 +79,12 @@ pub struct MemoryArgs {
     /// materialized (every position's logits).
     #[arg(long, default_value = "fused")]
     loss: String,
+    /// Also show what each memory technique saves on its own for this model, batch and
+    /// sequence (trainkit's exact figures): the setup the other flags describe with
+    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload or
+    /// bf16 added, and with all that combine.
+    #[arg(long)]
+    techniques: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -446,6 +453,35 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         )
     };
     let exact = exact_with(args.offload_activations)?;
+    let savings = if args.techniques {
+        let arch = exact_arch(&subject, seq_len).ok_or_else(|| {
+            flag_error(
+                "--techniques",
+                "needs the exact figures: a model with dimensions (--model NAME, or --layers, \
+                 --hidden, --heads and --vocab) and a --seq-len within a GPT-2's context",
+            )
+        })?;
+        let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let req = FitRequest {
+            recompute: recompute.as_ref(),
+            attention: paths.0,
+            loss: paths.1,
+            grad_clip: 0.0,
+            optimizer_in_backward: args.optimizer_in_backward,
+            offload_activations: args.offload_activations,
+            ..FitRequest::new(
+                arch,
+                usize_of(seq_len),
+                usize_of(args.batch_size),
+                u64::MAX,
+                precision,
+                optimizer,
+            )
+        };
+        Some(technique_savings(&req).map_err(as_flag)?)
+    } else {
+        None
+    };
     // With offloading, the same run without it: what offloading saves.
     let kept = if args.offload_activations {
         exact_with(false)?
@@ -492,6 +528,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             "activation_bytes_by_recompute": by_policy,
             "total_bytes": total,
             "trainkit_exact": exact_json,
+            "techniques": savings.as_ref().map(savings_json),
             "inputs": {
                 "model": subject.name,
                 "params": args.params,
@@ -627,6 +664,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             );
         }
     }
+    if let Some(s) = &savings {
+        print_savings(s);
+    }
     if subject.arch.is_some_and(|a| !a.is_gpt_like()) {
         println!(
             "note: the activation formula is for the playbook's GPT-style layer (multi-head \
@@ -634,6 +674,104 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `1.25` GiB, `-0.50` when it costs memory.
+fn signed_gib(baseline: u64, peak: u64) -> String {
+    format!(
+        "{:.2}",
+        (baseline as f64 - peak as f64) / (1u64 << 30) as f64
+    )
+}
+
+/// The table of what each technique saves.
+fn print_savings(s: &TechniqueSavings) {
+    let b = &s.baseline;
+    println!();
+    println!(
+        "what each technique saves on its own (trainkit's exact figures, the setup above \
+         with one technique added; saves = baseline peak - peak):"
+    );
+    println!(
+        "  {:<22} {:>9} {:>9} {:>9}  setup",
+        "technique", "peak GiB", "saves GiB", "host GiB"
+    );
+    let row = |name: &str, c: &FitCandidate| {
+        println!(
+            "  {:<22} {:>9} {:>9} {:>9}  {}",
+            name,
+            gib(c.peak),
+            signed_gib(b.peak, c.peak),
+            gib(c.host_bytes()),
+            c.describe()
+        )
+    };
+    row("baseline", b);
+    for r in &s.rows {
+        match &r.outcome {
+            Ok(c) => row(r.technique.name(), c),
+            Err(why) => println!(
+                "  {:<22} {:>9} {:>9} {:>9}  {why}",
+                r.technique.name(),
+                "-",
+                "-",
+                "-"
+            ),
+        }
+    }
+    row("all that combine", &s.all);
+}
+
+/// One setup of the techniques table as JSON.
+fn candidate_json(baseline: u64, c: &FitCandidate) -> serde_json::Value {
+    serde_json::json!({
+        "peak_total_bytes": c.peak,
+        "saving_bytes": baseline as i128 - c.peak as i128,
+        "offloaded_bytes": c.host_bytes(),
+        "setup": c.describe(),
+        "flags": c.flags(),
+    })
+}
+
+/// The techniques table as JSON: `baseline`, one row per technique (`not_applicable` with
+/// the reason where it cannot be added), and `all`.
+fn savings_json(s: &TechniqueSavings) -> serde_json::Value {
+    let base = s.baseline.peak;
+    let rows: Vec<serde_json::Value> = s
+        .rows
+        .iter()
+        .map(|r| {
+            let mut v = match &r.outcome {
+                Ok(c) => candidate_json(base, c),
+                Err(why) => serde_json::json!({ "not_applicable": why }),
+            };
+            v["technique"] = r.technique.name().into();
+            v
+        })
+        .collect();
+    serde_json::json!({
+        "baseline": candidate_json(base, &s.baseline),
+        "rows": rows,
+        "all": candidate_json(base, &s.all),
+    })
+}
+
+/// The architecture trainkit's exact figures build for `subject` at `seq_len` (raw GPT-style
+/// dimensions get a position table of `seq_len` rows), `None` without dimensions or when
+/// the sequence exceeds a GPT-2 preset's context.
+fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
+    let a = subject.arch?;
+    // Rotary models (Llama) have no position table: any length up to the context.
+    let rotary = a.positions == 0 && a.norm == trainkit::model::Norm::RmsNorm;
+    let positions = if subject.name.is_some() || rotary {
+        a.positions
+    } else {
+        seq_len
+    };
+    if seq_len > positions && !rotary {
+        return None;
+    }
+    Some(Architecture { positions, ..a })
 }
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
@@ -650,22 +788,11 @@ fn trainkit_exact(
     offload_activations: bool,
     (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
 ) -> Result<Option<MemoryPrediction>> {
-    let Some(a) = subject.arch else {
+    let Some(arch) = exact_arch(subject, seq_len) else {
         return Ok(None);
     };
-    // Rotary models (Llama) have no position table: any length up to the context.
-    let rotary = a.positions == 0 && a.norm == trainkit::model::Norm::RmsNorm;
-    let positions = if subject.name.is_some() || rotary {
-        a.positions
-    } else {
-        seq_len
-    };
-    if seq_len > positions && !rotary {
-        return Ok(None);
-    }
     // Exact figures for the architectures trainkit builds; the formulas alone for others.
     let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let arch = Architecture { positions, ..a };
     let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss) else {
         return Ok(None);
     };

@@ -160,10 +160,17 @@ pub struct TrainArgs {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
-    /// Choose --batch-size, --grad-accum and --recompute that fit the memory budget
-    /// (--memory-budget, else the device's free memory) for the global batch.
+    /// Choose the cheapest setup that fits the memory budget (--memory-budget, else the
+    /// device's free memory) for the global batch: --batch-size and --grad-accum, then in
+    /// cost order --recompute, 8-bit AdamW state, the optimizer inside backward,
+    /// --offload-activations and bf16; a flag given on the command line stays as given.
     #[arg(long)]
     autofit: bool,
+    /// The techniques --autofit may use: all (the default), or a comma-separated list of
+    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
+    /// bf16.
+    #[arg(long, value_name = "LIST")]
+    autofit_techniques: Option<String>,
     /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
     /// hard cap (an allocation beyond it fails and says what would fit).
     #[arg(long)]
@@ -327,6 +334,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         None => None,
     };
     let device = crate::device(args.device())?;
+    let scope = fit_scope(&args)?;
     if args.autofit {
         let global = match args.global_batch {
             Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
@@ -334,12 +342,20 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             None => fit::global_batch(&cfg)?,
         };
         let budget = fit::budget(memory_budget, device)?;
-        fit::apply_autofit(&mut cfg, global, budget)?;
-    } else if args.global_batch.is_some() {
-        return Err(Error::config(
-            "--global-batch",
-            "is what --autofit keeps; without --autofit set --batch-size and --grad-accum",
-        ));
+        fit::apply_autofit(&mut cfg, global, budget, scope)?;
+    } else {
+        for (flag, given) in [
+            ("--global-batch", args.global_batch.is_some()),
+            ("--autofit-techniques", args.autofit_techniques.is_some()),
+        ] {
+            if given {
+                return Err(Error::config(
+                    flag,
+                    "applies to --autofit; without --autofit set --batch-size, --grad-accum \
+                     and the memory flags yourself",
+                ));
+            }
+        }
     }
     if args.print_config {
         print!("{}", cfg.to_toml()?);
@@ -376,11 +392,18 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
     println!(
-        "device: {device}; precision {}; recompute {}{}; {} micro-batch rows × {} tokens",
+        "device: {device}; precision {}; recompute {}{}; optimizer {}{}; {} micro-batch rows × \
+         {} tokens",
         kind(&cfg.precision)?,
-        kind(&cfg.checkpoint)?,
+        trainkit::estimate::policy_name(cfg.checkpoint.as_ref()),
         if t.offload_activations {
             ", kept activations offloaded to host memory"
+        } else {
+            ""
+        },
+        kind(&cfg.optimizer)?,
+        if t.optimizer_in_backward {
+            " inside backward"
         } else {
             ""
         },
@@ -457,7 +480,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             Err(e @ Error::OutOfMemory { .. }) => {
                 progress.finish();
                 let budget = memory_budget.or_else(|| fit::device_budget(device));
-                return Err(fit::explain_oom(e, &cfg, budget));
+                return Err(fit::explain_oom(e, &cfg, budget, scope));
             }
             Err(e @ Error::Diverged { .. }) => {
                 progress.finish();
@@ -539,6 +562,33 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         None => println!("not saved (pass --out DIR to keep the model)"),
     }
     Ok(())
+}
+
+/// What autofit may change: `--autofit-techniques` (all by default), less what a flag on
+/// the command line fixes (`--precision`: bf16; `--optimizer`: 8-bit state;
+/// `--recompute`: every recompute policy); offloaded activations within the host's
+/// available memory.
+fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
+    use trainkit::estimate::{Technique, Techniques};
+    let mut techniques = match &args.autofit_techniques {
+        Some(list) => Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?,
+        None => Techniques::ALL,
+    };
+    if args.precision.is_some() {
+        techniques = techniques.without(Technique::Bf16);
+    }
+    if args.optimizer.is_some() {
+        techniques = techniques.without(Technique::Adamw8bit);
+    }
+    if args.recompute.is_some() {
+        for t in [Technique::Selective, Technique::Budget, Technique::Full] {
+            techniques = techniques.without(t);
+        }
+    }
+    Ok(fit::FitScope {
+        techniques,
+        host_budget: trainkit::estimate::host_available_memory(),
+    })
 }
 
 /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
