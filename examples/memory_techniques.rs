@@ -37,7 +37,7 @@ struct Row {
 }
 
 fn predict_row(arch: &Architecture, row: &Row) -> Result<MemoryPrediction> {
-    let model = trainkit::model::build_with(arch, 4096, AttentionPath::Fused, row.loss)?;
+    let model = trainkit::model::build_with(arch, 4096, AttentionPath::Fused, row.loss, None)?;
     let options = TrainerOptions {
         grad_clip: 0.0,
         optimizer_in_backward: row.in_backward,

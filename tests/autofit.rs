@@ -53,7 +53,13 @@ fn rank(kind: &str) -> usize {
 
 /// The peak of a setup over every step, as autofit counts it.
 fn peak(req: &FitRequest<'_>, micro: usize, recompute: &str) -> u64 {
-    let model = trainkit::model::build_with(&req.model, req.seq_len, req.attention, req.loss);
+    let model = trainkit::model::build_with(
+        &req.model,
+        req.seq_len,
+        req.attention,
+        req.loss,
+        req.loss_chunk,
+    );
     let p = predict(
         model.unwrap(),
         MicroBatch {
@@ -186,6 +192,23 @@ fn autofit_plans_on_the_runs_attention_and_loss_paths() {
     );
     assert_eq!(f.choice.peak, peak(&fused, f.choice.micro_batch, "none"));
     assert!(m.choice.peak > f.choice.peak);
+    // The run's loss chunk: 8 positions hold fewer logits than the automatic chunk (every
+    // position of this small vocabulary at once).
+    let chunked = FitRequest {
+        loss_chunk: Some(8),
+        ..fused
+    };
+    let ch = autofit(&chunked).unwrap();
+    assert_eq!(
+        ch.choice.peak,
+        peak(&chunked, ch.choice.micro_batch, "none")
+    );
+    assert!(
+        ch.choice.peak < f.choice.peak,
+        "{} vs {}",
+        ch.choice.peak,
+        f.choice.peak
+    );
 }
 
 /// A request with every technique on the small model, a global batch of `global` rows and
@@ -221,7 +244,13 @@ fn setup_peak(
     in_backward: bool,
     offload: bool,
 ) -> u64 {
-    let model = trainkit::model::build_with(&req.model, req.seq_len, req.attention, req.loss);
+    let model = trainkit::model::build_with(
+        &req.model,
+        req.seq_len,
+        req.attention,
+        req.loss,
+        req.loss_chunk,
+    );
     let options = TrainerOptions {
         grad_clip: 0.0,
         optimizer_in_backward: in_backward,

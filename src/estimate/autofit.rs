@@ -37,9 +37,11 @@ pub struct FitRequest<'a> {
     pub recompute: &'a (dyn CheckpointPolicy + 'static),
     /// How the model computes attention (the run's `training.attention`).
     pub attention: AttentionPath,
-    /// How the model computes the loss (the run's `training.loss`; the fused loss's
-    /// chunk chosen from the vocabulary).
+    /// How the model computes the loss (the run's `training.loss`).
     pub loss: LossPath,
+    /// Positions per chunk of the fused loss (the run's `training.loss_chunk`; `None`:
+    /// chosen from the vocabulary).
+    pub loss_chunk: Option<usize>,
     /// The techniques autofit may use; of these it uses those the rest of the request
     /// allows ([`FitPlan::left_out`] says why it leaves any out).
     pub techniques: Techniques,
@@ -76,6 +78,7 @@ impl<'a> FitRequest<'a> {
             recompute: &NoRecompute,
             attention: AttentionPath::Fused,
             loss: LossPath::Fused,
+            loss_chunk: None,
             techniques: Techniques::ALL,
             grad_clip: TrainerOptions::default().grad_clip,
             optimizer_in_backward: false,
@@ -502,7 +505,13 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
 
 /// The exact memory of `spec` with micro-batches of `micro_batch` rows.
 fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<FitCandidate> {
-    let model = crate::model::build_with(&req.model, req.seq_len, req.attention, req.loss)?;
+    let model = crate::model::build_with(
+        &req.model,
+        req.seq_len,
+        req.attention,
+        req.loss,
+        req.loss_chunk,
+    )?;
     let options = TrainerOptions {
         grad_clip: req.grad_clip,
         optimizer_in_backward: spec.in_backward,

@@ -277,22 +277,23 @@ impl Model for Box<dyn Model> {
 /// positions, with a context of `context`). Other shapes are refused with an error naming
 /// what differs.
 pub fn build(arch: &Architecture, context: usize) -> Result<Box<dyn Model>> {
-    build_with(arch, context, AttentionPath::Fused, LossPath::Fused)
+    build_with(arch, context, AttentionPath::Fused, LossPath::Fused, None)
 }
 
-/// [`build`], with the attention computed by `attention` and the loss by `loss` (the
-/// fused loss's chunk chosen from the vocabulary).
+/// [`build`], with the attention computed by `attention` and the loss by `loss`, the
+/// fused loss in chunks of `loss_chunk` positions (`None`: chosen from the vocabulary).
 pub fn build_with(
     arch: &Architecture,
     context: usize,
     attention: AttentionPath,
     loss: LossPath,
+    loss_chunk: Option<usize>,
 ) -> Result<Box<dyn Model>> {
     if arch.mlp == Mlp::SwiGlu || arch.norm == Norm::RmsNorm {
         let config = LlamaConfig::from_architecture(arch, context)?;
         let model = Llama::new(config)?.with_attention(attention);
-        return Ok(Box::new(model.with_loss(loss, None)?));
+        return Ok(Box::new(model.with_loss(loss, loss_chunk)?));
     }
     let model = Gpt2::new(Gpt2Config::from_architecture(arch)?)?.with_attention(attention);
-    Ok(Box::new(model.with_loss(loss, None)?))
+    Ok(Box::new(model.with_loss(loss, loss_chunk)?))
 }

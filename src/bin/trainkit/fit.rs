@@ -66,6 +66,7 @@ fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) 
         recompute: cfg.checkpoint.as_ref(),
         attention: t.attention,
         loss: t.loss,
+        loss_chunk: t.loss_chunk,
         techniques: scope.techniques,
         grad_clip: t.grad_clip,
         optimizer_in_backward: t.optimizer_in_backward,

@@ -793,7 +793,7 @@ fn trainkit_exact(
     };
     // Exact figures for the architectures trainkit builds; the formulas alone for others.
     let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss) else {
+    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
