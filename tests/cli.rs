@@ -79,7 +79,7 @@ fn bad_input_is_a_one_line_error() {
         (vec!["train", "--config", path(&unknown)], "stepz"),
         (vec!["train", "--config", path(&heads)], "n_head"),
         (vec!["train", "--config", path(&kind)], "sometimes"),
-        (vec!["train", "--precision", "fp16"], "fp32 or bf16"),
+        (vec!["train", "--precision", "fp8"], "fp32, bf16 or fp16"),
         (
             vec!["train", "--recompute", "some"],
             "none, full, selective or budget:SIZE",

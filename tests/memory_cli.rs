@@ -176,8 +176,8 @@ fn bad_input_is_a_one_line_error() {
         (vec!["--model", "gpt2", "--seq-len", "0"], "--seq-len"),
         (vec!["--model", "gpt2", "--batch-size", "0"], "--batch-size"),
         (
-            vec!["--model", "gpt2", "--precision", "fp16"],
-            "fp32 or bf16",
+            vec!["--model", "gpt2", "--precision", "fp8"],
+            "fp32, bf16 or fp16",
         ),
         (
             vec!["--model", "gpt2", "--recompute", "some"],
