@@ -46,6 +46,22 @@ fn the_budget_offload_config_keeps_a_budget_offloaded() {
     assert!(c.training.offload_activations);
 }
 
+/// The fp16 config carries Megatron-LM's loss-scale settings and round-trips.
+#[test]
+fn the_fp16_config_scales_the_loss_as_megatron_does() {
+    let c = load("fp16-megatron.toml");
+    let json = serde_json::to_value(&c.precision).unwrap();
+    assert_eq!(json["kind"], "mixed_fp16");
+    assert_eq!(json["hysteresis"], 2);
+    assert_eq!(json["min_scale"], 1.0);
+    assert_eq!(json["growth_interval"], 1000);
+    assert_eq!(c.precision.compute_dtype(), trainkit::DType::F16);
+    assert_eq!(c.precision.loss_scale(), 65536.0);
+    c.precision.validate().unwrap();
+    let back = RunConfig::from_toml(&c.to_toml().unwrap()).unwrap();
+    assert_eq!(serde_json::to_value(&back.precision).unwrap(), json);
+}
+
 /// `[optimizer] kind = "adamw8bit"` reads with its settings, writes back the same, and
 /// `--optimizer` switches kinds keeping the settings they share.
 #[test]
