@@ -1,11 +1,12 @@
 // The AdamW update, PyTorch semantics, one fused pass per parameter tensor.
 // CPU twin: src/device/cpu/adamw.rs.
 //
-// Reads the f32 master value, the gradient (f32 or bf16: the kernel's suffix) and the f32
+// Kernels `adamw_{G}_{C}`: G the gradient's dtype, C the compute copy's (bf16 or f16).
+// Reads the f32 master value, the gradient and the f32
 // moments, and, when `scale` is not null, a device multiplier of the gradient (the step's
 // clipping coefficient over its loss scale, from `grad_guard`): when that is not finite
-// the step's loss or gradient norm was not, and the kernel writes nothing at all; writes the value and the moments and, when `compute` is not null, the bf16
-// compute copy of the weight in the same pass (the cast the precision would run next,
+// the step's loss or gradient norm was not, and the kernel writes nothing at all; writes the
+// value and the moments and, when `compute` is not null, the 16-bit compute copy of the weight in the same pass (the cast the precision would run next,
 // rounded to nearest even as `cast` rounds).
 //
 // The host computes the per-step constants as the CPU twin does, in f64 as PyTorch does:
@@ -18,9 +19,9 @@
 //   p = p · decay − step_size · m / (sqrt(v) / bc2_sqrt + eps)
 // With --fmad=false and IEEE division and square root this is bitwise the CPU's update.
 
-template <typename G>
+template <typename G, typename C>
 __device__ void adamw_impl(float* param, const G* grad, float* m, float* v,
-                           const float* scale, bf16* compute, i64 n, float beta1, float beta2,
+                           const float* scale, C* compute, i64 n, float beta1, float beta2,
                            float eps, float grad_scale, float step_size, float bc2_sqrt,
                            float decay) {
     if (scale != nullptr) {
@@ -41,13 +42,15 @@ __device__ void adamw_impl(float* param, const G* grad, float* m, float* v,
     }
 }
 
-#define TK_ADAMW(G, N)                                                                      \
-    extern "C" __global__ void adamw_##N(float* param, const G* grad, float* m, float* v,   \
-                                         const float* scale, bf16* compute, i64 n,          \
-                                         float beta1, float beta2, float eps,               \
-                                         float grad_scale, float step_size, float bc2_sqrt, \
-                                         float decay) {                                     \
-        adamw_impl<G>(param, grad, m, v, scale, compute, n, beta1, beta2, eps, grad_scale,  \
-                      step_size, bc2_sqrt, decay);                                          \
+#define TK_ADAMW(G, GN, C, CN)                                                              \
+    extern "C" __global__ void adamw_##GN##_##CN(                                           \
+        float* param, const G* grad, float* m, float* v, const float* scale, C* compute,    \
+        i64 n, float beta1, float beta2, float eps, float grad_scale, float step_size,      \
+        float bc2_sqrt, float decay) {                                                      \
+        adamw_impl<G, C>(param, grad, m, v, scale, compute, n, beta1, beta2, eps,          \
+                         grad_scale, step_size, bc2_sqrt, decay);                           \
     }
-TK_DTYPES(TK_ADAMW)
+TK_ADAMW(float, f32, bf16, bf16)
+TK_ADAMW(float, f32, f16, f16)
+TK_ADAMW(bf16, bf16, bf16, bf16)
+TK_ADAMW(f16, f16, f16, f16)

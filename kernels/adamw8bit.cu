@@ -14,7 +14,8 @@
 // depend on the order, and every thread starts from max(0, |x|) as the CPU starts from
 // 0), and each moment is requantized to its nearest code by the CPU's binary search.
 // `scale` (when not null) multiplies the gradient and, when not finite, skips the
-// update; `compute` (when not null) receives the bf16 copy of the updated value.
+// update; `compute` (when not null) receives the bf16 or f16 copy of the updated value
+// (kernels `adamw8bit_{G}_{C}`, as `adamw_{G}_{C}`).
 
 typedef unsigned char u8;
 
@@ -70,10 +71,10 @@ __device__ float block_max(float* shared, float x) {
     return r;
 }
 
-template <typename G>
+template <typename G, typename C>
 __device__ void adamw8bit_impl(float* param, const G* grad, u8* m_codes, float* m_absmax,
                                u8* v_codes, float* v_absmax, const float* scale,
-                               bf16* compute, i64 n, float beta1, float beta2, float eps,
+                               C* compute, i64 n, float beta1, float beta2, float eps,
                                float grad_scale, float step_size, float bc2_sqrt,
                                float decay) {
     if (scale != nullptr) {
@@ -115,14 +116,16 @@ __device__ void adamw8bit_impl(float* param, const G* grad, u8* m_codes, float* 
     }
 }
 
-#define TK_ADAMW8BIT(G, N)                                                                  \
-    extern "C" __global__ void adamw8bit_##N(                                              \
+#define TK_ADAMW8BIT(G, GN, C, CN)                                                           \
+    extern "C" __global__ void adamw8bit_##GN##_##CN(                                      \
         float* param, const G* grad, u8* m_codes, float* m_absmax, u8* v_codes,            \
-        float* v_absmax, const float* scale, bf16* compute, i64 n, float beta1,            \
-        float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt,         \
-        float decay) {                                                                      \
-        adamw8bit_impl<G>(param, grad, m_codes, m_absmax, v_codes, v_absmax, scale,        \
-                          compute, n, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt, \
-                          decay);                                                           \
+        float* v_absmax, const float* scale, C* compute, i64 n, float beta1, float beta2,   \
+        float eps, float grad_scale, float step_size, float bc2_sqrt, float decay) {        \
+        adamw8bit_impl<G, C>(param, grad, m_codes, m_absmax, v_codes, v_absmax, scale,     \
+                             compute, n, beta1, beta2, eps, grad_scale, step_size,          \
+                             bc2_sqrt, decay);                                              \
     }
-TK_DTYPES(TK_ADAMW8BIT)
+TK_ADAMW8BIT(float, f32, bf16, bf16)
+TK_ADAMW8BIT(float, f32, f16, f16)
+TK_ADAMW8BIT(bf16, bf16, bf16, bf16)
+TK_ADAMW8BIT(f16, f16, f16, f16)

@@ -1757,7 +1757,13 @@ extern "C" __global__ void traps(int* out) {
         };
         // The host's constants, as every backend computes them.
         let (step_size, bc2_sqrt, decay) = hp.constants();
-        for g in DTYPES {
+        let kernels = [
+            (DType::F32, DType::Bf16),
+            (DType::F32, DType::F16),
+            (DType::Bf16, DType::Bf16),
+            (DType::F16, DType::F16),
+        ];
+        for (g, c) in kernels {
             let mut p_cpu = upload(&be, &ps, &[n], DType::F32);
             let mut m_cpu = upload(&be, &ms, &[n], DType::F32);
             let mut v_cpu = upload(&be, &vs, &[n], DType::F32);
@@ -1786,9 +1792,9 @@ extern "C" __global__ void traps(int* out) {
                 let skipped = scale.is_some_and(|s| !s.is_finite());
                 let (mut p, mut m, mut v) = (ps.clone(), ms.clone(), vs.clone());
                 let mut grad_buf = Buf::new(&gs, g);
-                let mut compute = vec![bf16::NAN; n];
+                let mut compute = Buf::new(&vec![f32::NAN; n], c);
                 let copy = if with_copy {
-                    compute.as_mut_ptr()
+                    compute.ptr()
                 } else {
                     std::ptr::null_mut()
                 };
@@ -1813,21 +1819,23 @@ extern "C" __global__ void traps(int* out) {
                     .arg(step_size)
                     .arg(bc2_sqrt)
                     .arg(decay);
-                launch(emu, &format!("adamw_{}", suffix(g)), 2, 128, 0, a).unwrap();
+                let k = format!("adamw_{}_{}", suffix(g), suffix(c));
+                launch(emu, &k, 2, 128, 0, a).unwrap();
                 if skipped {
                     assert_bitwise("skipped param", &p, &ps);
                     assert_bitwise("skipped m", &m, &ms);
                     assert_bitwise("skipped v", &v, &vs);
-                    assert!(compute.iter().all(|x| x.is_nan()));
+                    assert!(compute.values().iter().all(|x| x.is_nan()));
                     continue;
                 }
                 assert_bitwise("param", &p, &want_p);
                 assert_bitwise("m", &m, &be.to_f32(&m_cpu).unwrap());
                 assert_bitwise("v", &v, &be.to_f32(&v_cpu).unwrap());
                 if with_copy {
-                    assert_bitwise("compute copy", &widen(&compute), &widen(&to_bf16(&want_p)));
+                    let want: Vec<f32> = want_p.iter().map(|&x| c.round(x)).collect();
+                    assert_bitwise(&format!("{k} compute copy"), &compute.values(), &want);
                 } else {
-                    assert!(compute.iter().all(|x| x.is_nan()));
+                    assert!(compute.values().iter().all(|x| x.is_nan()));
                 }
             }
         }
@@ -2142,8 +2150,8 @@ extern "C" __global__ void traps(int* out) {
             }
         }
         assert_eq!(emu.arity("gelu_f32"), Some(3));
-        assert_eq!(emu.arity("adamw_bf16"), Some(14));
-        assert_eq!(emu.arity("adamw8bit_bf16"), Some(16));
+        assert_eq!(emu.arity("adamw_bf16_bf16"), Some(14));
+        assert_eq!(emu.arity("adamw8bit_f32_f16"), Some(16));
     }
 
     #[test]

@@ -349,7 +349,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(seen.len(), 144);
+        assert_eq!(seen.len(), 146);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The fused AdamW update (PyTorch semantics), reading the step's gradient multiplier on
-//! the device and writing the bf16 compute copy in the same pass.
+//! the device and writing the bf16 or f16 compute copy in the same pass.
 //!
 //! CPU twin: `src/device/cpu/adamw.rs`. Kernels: `kernels/adamw.cu`, listed once in [`KERNELS`].
 
@@ -16,8 +16,32 @@ use crate::tensor::{DType, Tensor};
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw.cu",
     source: include_str!("../../../../kernels/adamw.cu"),
-    kernels: &["adamw_f32", "adamw_bf16", "adamw_f16"],
+    kernels: &[
+        "adamw_f32_bf16",
+        "adamw_f32_f16",
+        "adamw_bf16_bf16",
+        "adamw_f16_f16",
+    ],
 };
+
+/// The kernel suffix `{G}_{C}` for a gradient of dtype `grad` and the device pointer of the
+/// compute copy the kernel writes in its pass (0 for none), or, for a copy no kernel
+/// writes (f32, or a 16-bit dtype other than a 16-bit gradient's), the copy to cast after.
+pub(crate) fn compute_copy(
+    grad: DType,
+    compute: Option<&mut Tensor>,
+) -> Result<(String, u64, Option<&mut Tensor>)> {
+    let half = |d: DType| matches!(d, DType::Bf16 | DType::F16);
+    Ok(match compute {
+        Some(c) if half(c.dtype()) && (grad == DType::F32 || grad == c.dtype()) => {
+            (format!("{grad}_{}", c.dtype()), ptr(c)?, None)
+        }
+        other => {
+            let c = if half(grad) { grad } else { DType::Bf16 };
+            (format!("{grad}_{c}"), 0, other)
+        }
+    })
+}
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw(
@@ -38,14 +62,11 @@ pub(crate) fn adamw(
     if n == 0 {
         return Ok(());
     }
-    // The kernel writes a bf16 compute copy in its pass; another dtype is cast after.
-    let (fused, after) = match compute {
-        Some(c) if c.dtype() == DType::Bf16 => (ptr(c)?, None),
-        other => (0, other),
-    };
+    // The kernel writes a 16-bit compute copy in its pass; another is cast after.
+    let (suffix, fused, after) = compute_copy(grad.dtype(), compute)?;
     let (step_size, bc2_sqrt, decay) = hp.constants();
     be.launch(
-        &format!("adamw_{}", grad.dtype()),
+        &format!("adamw_{suffix}"),
         be.grid(n),
         BLOCK,
         Args::new()

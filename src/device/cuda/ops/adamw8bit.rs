@@ -10,14 +10,19 @@ use super::super::kernels::KernelFile;
 use super::elementwise::launch_cast;
 use crate::device::{AdamWStep, QuantizedMoments, QUANT_BLOCK};
 use crate::error::Result;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 /// The kernels of `kernels/adamw8bit.cu`, named once: the backend launches these names,
 /// NVRTC and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw8bit.cu",
     source: include_str!("../../../../kernels/adamw8bit.cu"),
-    kernels: &["adamw8bit_f32", "adamw8bit_bf16", "adamw8bit_f16"],
+    kernels: &[
+        "adamw8bit_f32_bf16",
+        "adamw8bit_f32_f16",
+        "adamw8bit_bf16_bf16",
+        "adamw8bit_f16_f16",
+    ],
 };
 
 pub(crate) fn adamw8bit(
@@ -39,14 +44,11 @@ pub(crate) fn adamw8bit(
     if n == 0 {
         return Ok(());
     }
-    // The kernel writes a bf16 compute copy in its pass; another dtype is cast after.
-    let (fused, after) = match compute {
-        Some(c) if c.dtype() == DType::Bf16 => (ptr(c)?, None),
-        other => (0, other),
-    };
+    // The kernel writes a 16-bit compute copy in its pass; another is cast after.
+    let (suffix, fused, after) = super::adamw::compute_copy(grad.dtype(), compute)?;
     let (step_size, bc2_sqrt, decay) = hp.constants();
     be.launch(
-        &format!("adamw8bit_{}", grad.dtype()),
+        &format!("adamw8bit_{suffix}"),
         be.grid(n),
         BLOCK,
         Args::new()
