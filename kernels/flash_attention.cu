@@ -80,10 +80,10 @@ __device__ __forceinline__ unsigned fa_pack(f16 lo, f16 hi) {
     return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
 }
 
-// d[0..4] += A · B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.
-// The emulator runs its host model of the instruction (kernels/emu/emu.h), which takes the
-// same fragments in the same layout.
-__device__ __forceinline__ void fa_mma_bf16(float* d, const unsigned* a, const unsigned* b) {
+// d[0..4] += A · B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
+// the operands' type chosen by the last argument. The emulator runs its host model of the
+// instruction (kernels/emu/emu.h), which takes the same fragments in the same layout.
+__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
 #if defined(TRAINKIT_EMU_H)
     ::tk_emu::mma_m16n8k16_bf16(d, a, b);
 #elif FA_HAS_MMA
@@ -94,8 +94,6 @@ __device__ __forceinline__ void fa_mma_bf16(float* d, const unsigned* a, const u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
-
-// The same with f16 operands: mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32.
 __device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, f16) {
 #if defined(TRAINKIT_EMU_H)
     ::tk_emu::mma_m16n8k16_f16(d, a, b);
@@ -106,9 +104,6 @@ __device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsign
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
-}
-__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
-    fa_mma_bf16(d, a, b);
 }
 
 // One 16x8x16 tile product of a warp: c (this lane's four accumulators) += A · B with
@@ -175,6 +170,24 @@ __device__ __forceinline__ float fa_quad_sum(float v) {
 // columns), the longest query tiles first. out_i = Σ_j p_ij v_j / l_i with
 // p_ij = exp(s_ij − m_i), m_i and l_i the running maximum and sum, and lse_i = m_i + ln l_i
 // (written by the blocks of the first column chunk).
+// Where a block works: blockIdx.x read as (batch row, head, tile, column chunk), the chunk
+// varying fastest. `tile` counts from 0; the query-tile kernels run it from the last.
+struct FaBlock {
+    i64 b, h, tile, chunk;
+};
+
+__device__ __forceinline__ FaBlock fa_block(i64 chunks, i64 tiles, i64 heads) {
+    i64 blk = blockIdx.x;
+    FaBlock at;
+    at.chunk = blk % chunks;
+    blk /= chunks;
+    at.tile = blk % tiles;
+    blk /= tiles;
+    at.h = blk % heads;
+    at.b = blk / heads;
+    return at;
+}
+
 template <typename T>
 __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i64 batch,
                                              i64 t_len, i64 n_head, i64 n_kv, i64 hd,
@@ -185,12 +198,8 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
     __shared__ T ps[FA_BQ * FA_PP];
     const i64 w = (n_head + 2 * n_kv) * hd, group = n_head / n_kv;
     const i64 q_tiles = (t_len + FA_BQ - 1) / FA_BQ, chunks = (hd + FA_FWD_OC - 1) / FA_FWD_OC;
-    i64 blk = blockIdx.x;
-    const i64 chunk = blk % chunks;
-    blk /= chunks;
-    const i64 qt = q_tiles - 1 - blk % q_tiles;
-    blk /= q_tiles;
-    const i64 h = blk % n_head, b = blk / n_head;
+    const FaBlock at = fa_block(chunks, q_tiles, n_head);
+    const i64 chunk = at.chunk, qt = q_tiles - 1 - at.tile, h = at.h, b = at.b;
     if (b >= batch) return;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -334,12 +343,8 @@ __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const 
     __shared__ float delta_s[FA_BS];
     const i64 w = (n_head + 2 * n_kv) * hd, group = n_head / n_kv, c = n_head * hd;
     const i64 k_tiles = (t_len + FA_BQ - 1) / FA_BQ, chunks = (hd + FA_BWD_OC - 1) / FA_BWD_OC;
-    i64 blk = blockIdx.x;
-    const i64 chunk = blk % chunks;
-    blk /= chunks;
-    const i64 kt = blk % k_tiles;
-    blk /= k_tiles;
-    const i64 kvh = blk % n_kv, b = blk / n_kv;
+    const FaBlock at = fa_block(chunks, k_tiles, n_kv);
+    const i64 chunk = at.chunk, kt = at.tile, kvh = at.h, b = at.b;
     if (b >= batch) return;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -454,12 +459,8 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
     __shared__ T dss[FA_BQ * FA_SP];
     const i64 w = (n_head + 2 * n_kv) * hd, group = n_head / n_kv, c = n_head * hd;
     const i64 q_tiles = (t_len + FA_BQ - 1) / FA_BQ, chunks = (hd + FA_BWD_OC - 1) / FA_BWD_OC;
-    i64 blk = blockIdx.x;
-    const i64 chunk = blk % chunks;
-    blk /= chunks;
-    const i64 qt = q_tiles - 1 - blk % q_tiles;
-    blk /= q_tiles;
-    const i64 h = blk % n_head, b = blk / n_head;
+    const FaBlock at = fa_block(chunks, q_tiles, n_head);
+    const i64 chunk = at.chunk, qt = q_tiles - 1 - at.tile, h = at.h, b = at.b;
     if (b >= batch) return;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
