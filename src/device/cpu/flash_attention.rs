@@ -426,8 +426,7 @@ unsafe fn backward_group(
                 let (qi, kj) = (base.add(i0 * w + qc), base.add(j0 * w + kc));
                 let gi = gbase.add(i0 * c + qc);
                 let vj = base.add(j0 * w + vc);
-                let parts: Vec<_> = pieces(i0, rows, j0, cols).collect();
-                for &(r0, rn, cn) in &parts {
+                for (r0, rn, cn) in pieces(i0, rows, j0, cols) {
                     let at = (r0 * KEY_TILE) as isize;
                     run(
                         rn,
@@ -467,7 +466,7 @@ unsafe fn backward_group(
                 let dvj = dv.as_mut_ptr().add(j0 * hs);
                 let dkj = dk.as_mut_ptr().add(j0 * hs);
                 let dqi = dqh.as_mut_ptr().add(i0 * hs);
-                for &(r0, rn, cn) in &parts {
+                for (r0, rn, cn) in pieces(i0, rows, j0, cols) {
                     let at = (r0 * KEY_TILE) as isize;
                     // dV_j += Pᵀ · dO_i
                     run(

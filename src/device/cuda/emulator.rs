@@ -1312,7 +1312,7 @@ extern "C" __global__ void traps(int* out) {
                 DType::U8 => unreachable!("the kernels under test take f32, bf16 or f16"),
                 DType::F32 => Buf::F32(v.to_vec()),
                 DType::Bf16 => Buf::Bf16(to_bf16(v)),
-                DType::F16 => Buf::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect()),
+                DType::F16 => Buf::F16(to_f16(v)),
             }
         }
         fn ptr(&mut self) -> *mut c_void {
@@ -1326,7 +1326,7 @@ extern "C" __global__ void traps(int* out) {
             match self {
                 Buf::F32(v) => v.clone(),
                 Buf::Bf16(v) => widen(v),
-                Buf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                Buf::F16(v) => widen_f16(v),
             }
         }
     }
