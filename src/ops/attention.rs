@@ -2,8 +2,9 @@
 //! materialized (`[B, H, T, T]`): multi-head, grouped-query and multi-query alike.
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
+use crate::device::cpu::attention::{dims, Dims};
 use crate::device::Heads;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 
@@ -32,32 +33,8 @@ impl Op for CausalAttention {
         dtype: DType,
         _batch: [usize; 2],
     ) -> Result<Vec<(Vec<usize>, DType)>> {
-        let qkv = inputs[0];
         let h = self.heads;
-        h.check("attention")?;
-        let [b, t, w] = *qkv.shape() else {
-            return Err(Error::shape(
-                "attention",
-                format!(
-                    "`{}` must be [B, T, (H + 2·KV)·D], it is {:?}",
-                    qkv.label(),
-                    qkv.shape()
-                ),
-            ));
-        };
-        if w != h.qkv_width() {
-            return Err(Error::shape(
-                "attention",
-                format!(
-                    "`{}` has rows of {w}; {} query and {} key/value heads of {} need {}",
-                    qkv.label(),
-                    h.n_head,
-                    h.n_kv_head,
-                    h.head_dim,
-                    h.qkv_width()
-                ),
-            ));
-        }
+        let Dims { b, t, .. } = dims(inputs[0], h, "attention")?;
         Ok(vec![
             (vec![b, h.n_head, t, t], dtype),
             (vec![b, t, h.q_width()], dtype),

@@ -2,6 +2,7 @@
 //! `[B, H, T, T]` tensor; and the choice between it and the materialized attention.
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
+use crate::device::cpu::attention::{dims, Dims};
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -76,32 +77,8 @@ impl Op for FlashAttention {
         dtype: DType,
         _batch: [usize; 2],
     ) -> Result<Vec<(Vec<usize>, DType)>> {
-        let qkv = inputs[0];
         let h = self.heads;
-        h.check("flash_attention")?;
-        let [b, t, w] = *qkv.shape() else {
-            return Err(Error::shape(
-                "flash_attention",
-                format!(
-                    "`{}` must be [B, T, (H + 2·KV)·D], it is {:?}",
-                    qkv.label(),
-                    qkv.shape()
-                ),
-            ));
-        };
-        if w != h.qkv_width() {
-            return Err(Error::shape(
-                "flash_attention",
-                format!(
-                    "`{}` has rows of {w}; {} query and {} key/value heads of {} need {}",
-                    qkv.label(),
-                    h.n_head,
-                    h.n_kv_head,
-                    h.head_dim,
-                    h.qkv_width()
-                ),
-            ));
-        }
+        let Dims { b, t, .. } = dims(inputs[0], h, "flash_attention")?;
         Ok(vec![
             (vec![b, h.n_head, t], DType::F32),
             (vec![b, t, h.q_width()], dtype),

@@ -8,9 +8,9 @@
 use super::blas::Blas;
 use super::matmul::{gemm_raw, Product};
 use super::simd::{self, simd_fn};
-use super::{btc, ensure, ensure_shape, read, write, SendPtr};
+use super::{ensure, ensure_shape, read, write, SendPtr};
 use crate::device::Heads;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -55,7 +55,16 @@ impl Dims {
 /// Checks a `[B, T, (H + 2·KV)·D]` `qkv` with valid `heads`, and returns its dimensions.
 pub(crate) fn dims(qkv: &Tensor, heads: Heads, op: &'static str) -> Result<Dims> {
     heads.check(op)?;
-    let (_, _, w) = btc(qkv, op)?;
+    let [_, _, w] = *qkv.shape() else {
+        return Err(Error::shape(
+            op,
+            format!(
+                "`{}` must be [B, T, (H + 2·KV)·D], it is {:?}",
+                qkv.label(),
+                qkv.shape()
+            ),
+        ));
+    };
     ensure(w == heads.qkv_width(), op, || {
         format!(
             "`{}` has rows of {w}; {} query and {} key/value heads of {} need (H + 2·KV)·D \
