@@ -218,6 +218,17 @@ pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
     }
 }
 
+/// Host storage of `dtype` holding `data`, each value rounded to the dtype (f32 data
+/// already owned is kept as it is).
+fn host_storage(data: Cow<'_, [f32]>, dtype: DType) -> Storage {
+    match dtype {
+        DType::F32 => Storage::F32(data.into_owned()),
+        DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
+        DType::F16 => Storage::F16(data.iter().map(|x| f16::from_f32(*x)).collect()),
+        DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
+    }
+}
+
 /// `v` widened to f32 in parallel chunks.
 fn widen<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; v.len()];
@@ -398,13 +409,13 @@ impl Backend for CpuBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        let storage = match dtype {
-            DType::F32 => Storage::F32(data.to_vec()),
-            DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
-            DType::F16 => Storage::F16(data.iter().map(|x| f16::from_f32(*x)).collect()),
-            DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
-        };
-        Tensor::new(storage, shape, category, label, &self.ledger)
+        Tensor::new(
+            host_storage(Cow::Borrowed(data), dtype),
+            shape,
+            category,
+            label,
+            &self.ledger,
+        )
     }
 
     fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
@@ -421,15 +432,7 @@ impl Backend for CpuBackend {
                 len: *len,
                 dtype: *dtype,
             },
-            Storage::Device(d) => {
-                let v = d.to_f32()?;
-                match d.dtype() {
-                    DType::F32 => Storage::F32(v),
-                    DType::Bf16 => Storage::Bf16(v.iter().map(|x| bf16::from_f32(*x)).collect()),
-                    DType::F16 => Storage::F16(v.iter().map(|x| f16::from_f32(*x)).collect()),
-                    DType::U8 => Storage::U8(v.iter().map(|x| DType::U8.round(*x) as u8).collect()),
-                }
-            }
+            Storage::Device(d) => host_storage(Cow::Owned(d.to_f32()?), d.dtype()),
         };
         Tensor::new(storage, t.shape(), category, label, &self.ledger)
     }
