@@ -49,6 +49,42 @@ impl DType {
         }
     }
 
+    /// `values` rounded to this dtype as little-endian elements: safetensors' layout and
+    /// the device's.
+    pub(crate) fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::Bf16 => values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::U8 => values.iter().map(|v| DType::U8.round(*v) as u8).collect(),
+        }
+    }
+
+    /// Little-endian elements of this dtype, widened to f32 (exactly).
+    pub(crate) fn decode(self, raw: &[u8]) -> Vec<f32> {
+        match self {
+            DType::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::Bf16 => raw
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => raw
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
+        }
+    }
+
     /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16, f16).
     pub fn is_float(self) -> bool {
         !matches!(self, DType::U8)

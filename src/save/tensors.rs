@@ -3,7 +3,6 @@
 use super::write_atomically;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
@@ -31,7 +30,7 @@ pub fn write_safetensors(
     write_typed(path, &typed, metadata)
 }
 
-/// Writes each tensor in its dtype: f32, bf16 (rounded to nearest even) or u8 (values
+/// Writes each tensor in its dtype: f32, bf16 or f16 (rounded to nearest even) or u8 (values
 /// that are integers 0 to 255, as [`DType::round`] keeps them).
 pub(crate) fn write_typed(
     path: &Path,
@@ -40,20 +39,7 @@ pub(crate) fn write_typed(
 ) -> Result<()> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
-        .map(|(t, dtype)| match dtype {
-            DType::F32 => t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::Bf16 => t
-                .data
-                .iter()
-                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-            DType::F16 => t
-                .data
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            DType::U8 => t.data.iter().map(|v| DType::U8.round(*v) as u8).collect(),
-        })
+        .map(|(t, dtype)| dtype.encode(&t.data))
         .collect();
     let views = tensors
         .iter()
@@ -110,24 +96,11 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
         .into_iter()
         .map(|(name, view)| {
             let raw = view.data();
-            let mut dtype = DType::F32;
-            let data = match view.dtype() {
-                Dtype::U8 if u8_ok => {
-                    dtype = DType::U8;
-                    raw.iter().map(|&c| f32::from(c)).collect()
-                }
-                Dtype::F32 => raw
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                Dtype::BF16 => raw
-                    .chunks_exact(2)
-                    .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                Dtype::F16 => raw
-                    .chunks_exact(2)
-                    .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
+            let file_dtype = match view.dtype() {
+                Dtype::U8 if u8_ok => DType::U8,
+                Dtype::F32 => DType::F32,
+                Dtype::BF16 => DType::Bf16,
+                Dtype::F16 => DType::F16,
                 other => {
                     return Err(Error::data(
                         &what,
@@ -137,6 +110,13 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
                         ),
                     ))
                 }
+            };
+            let data = file_dtype.decode(raw);
+            // Floats come back as f32; u8 codes stay codes.
+            let dtype = if file_dtype == DType::U8 {
+                DType::U8
+            } else {
+                DType::F32
             };
             let t = NamedTensor {
                 name,

@@ -363,38 +363,13 @@ impl DeviceBuffer {
                 self.gpu.download(&mut raw, self.ptr)?;
             }
         }
-        Ok(match self.dtype {
-            DType::F32 => raw
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            DType::Bf16 => raw
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
-            DType::F16 => raw
-                .chunks_exact(2)
-                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
-            DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
-        })
+        Ok(self.dtype.decode(&raw))
     }
 
     /// Overwrites the elements with `data`, rounded to the buffer's dtype.
     pub(crate) fn write_f32(&self, data: &[f32]) -> Result<()> {
         debug_assert_eq!(data.len(), self.len);
-        let raw: Vec<u8> = match self.dtype {
-            DType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            DType::Bf16 => data
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
-            DType::F16 => data
-                .iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
-                .collect(),
-            DType::U8 => data.iter().map(|x| DType::U8.round(*x) as u8).collect(),
-        };
+        let raw = self.dtype.encode(data);
         if raw.is_empty() {
             return Ok(());
         }
