@@ -16,14 +16,12 @@
 //! `-- --loss-chunk N` sets the fused loss's positions per chunk, and
 //! `-- --attention materialized` the materialized attention instead of the fused one.
 
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
-use trainkit::memory::MemoryEvent;
+use trainkit::memory::OpProfile;
 use trainkit::model::{Rope, RopeScaling};
-use trainkit::{CpuBackend, Gpt2Config, LlamaConfig, MemoryObserver, ModelConfig, Rng, Trainer};
+use trainkit::{CpuBackend, Gpt2Config, LlamaConfig, ModelConfig, Rng, Trainer};
 
 struct Shape {
     name: &'static str,
@@ -190,71 +188,13 @@ fn main() -> trainkit::Result<()> {
             faults / timed as i64
         );
         if ops {
-            t.observer().since(&before_timed).print(secs.iter().sum());
-        }
-    }
-    Ok(())
-}
-
-/// An observer that sums time, flops and calls per op name.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-struct OpProfile {
-    by_op: BTreeMap<String, (u64, u64, u64)>,
-}
-
-#[typetag::serde(name = "op_profile")]
-impl MemoryObserver for OpProfile {
-    fn on_event(&mut self, event: &MemoryEvent) {
-        if let MemoryEvent::Op {
-            name,
-            flops,
-            duration_us,
-            ..
-        } = event
-        {
-            let entry = self.by_op.entry(name.to_string()).or_default();
-            entry.0 += duration_us;
-            entry.1 += flops;
-            entry.2 += 1;
-        }
-    }
-}
-
-impl OpProfile {
-    /// What was added since `earlier`, a clone of this observer.
-    fn since(&self, earlier: &OpProfile) -> OpProfile {
-        let mut by_op = self.by_op.clone();
-        for (name, (us, flops, calls)) in &earlier.by_op {
-            if let Some(e) = by_op.get_mut(name) {
-                *e = (e.0 - us, e.1 - flops, e.2 - calls);
-            }
-        }
-        OpProfile { by_op }
-    }
-
-    fn print(&self, wall_secs: f64) {
-        let mut rows: Vec<_> = self.by_op.iter().collect();
-        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .0));
-        let total_us: u64 = rows.iter().map(|r| r.1 .0).sum();
-        println!(
-            "  ops: {:.0}% of the wall time inside op spans",
-            100.0 * total_us as f64 * 1e-6 / wall_secs
-        );
-        for (name, (us, flops, calls)) in rows {
-            let secs = *us as f64 * 1e-6;
-            println!(
-                "    {name:<28} {:>5.1}% {:>8.1} ms {:>6} calls {:>7.1} GFLOP/s",
-                100.0 * secs / wall_secs,
-                secs * 1e3,
-                calls,
-                if secs > 0.0 {
-                    *flops as f64 / secs * 1e-9
-                } else {
-                    0.0
-                }
+            print!(
+                "{}",
+                t.observer().since(&before_timed).table(secs.iter().sum())
             );
         }
     }
+    Ok(())
 }
 
 /// The process's CPU time (user and system, all threads) and minor page faults so far.

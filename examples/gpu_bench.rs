@@ -5,13 +5,19 @@
 //!
 //! `cargo run --release --example gpu_bench` on a machine with an NVIDIA GPU (driver 580
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
-//! `-- --batch 8 --steps 10 --warmup 3 --recompute none|selective|full --tf32`.
+//! `-- --batch 8 --steps 10 --warmup 3 --recompute none|selective|full --tf32
+//! --precision all|fp32|bf16|fp16 --ops`.
+//!
+//! `--ops` profiles instead: the backend waits for the GPU at both ends of every op
+//! (`CudaOptions::sync_ops`), and after the timed steps each precision prints where the
+//! device's time went, op by op (time, calls, GFLOP/s). Its tokens/s are those of the
+//! synchronized steps, slower than a plain run's.
 
 use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::memory::format_bytes;
+use trainkit::memory::{format_bytes, OpProfile};
 use trainkit::{
     Backend, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MixedBf16, MixedFp16, NoRecompute,
     Precision, Rng, Selective, Trainer,
@@ -23,6 +29,8 @@ struct Args {
     warmup: usize,
     recompute: String,
     tf32: bool,
+    precision: String,
+    ops: bool,
 }
 
 fn args() -> Args {
@@ -46,6 +54,8 @@ fn args() -> Args {
         warmup: num("--warmup", 3),
         recompute: get("--recompute").unwrap_or_else(|| "none".into()),
         tf32: a.iter().any(|x| x == "--tf32"),
+        precision: get("--precision").unwrap_or_else(|| "all".into()),
+        ops: a.iter().any(|x| x == "--ops"),
     }
 }
 
@@ -67,10 +77,13 @@ fn run<P: Precision + Default>(
     let mut t = Trainer::builder(model, be, data)
         .precision(P::default())
         .checkpoint(policy)
+        .observer(OpProfile::default())
         .build()?;
     for _ in 0..a.warmup {
         t.step()?;
     }
+    backend.synchronize()?;
+    let before_timed = t.observer().clone();
     let mut secs = vec![];
     let mut peak = 0;
     let mut pool_peak = 0;
@@ -99,6 +112,12 @@ fn run<P: Precision + Default>(
         format_bytes(pool_peak),
         t.precision().loss_scale()
     );
+    if a.ops {
+        print!(
+            "{}",
+            t.observer().since(&before_timed).table(secs.iter().sum())
+        );
+    }
     Ok(())
 }
 
@@ -122,15 +141,35 @@ fn main() -> trainkit::Result<()> {
     println!("device: {info}");
     let backend = Arc::new(CudaBackend::with_options(
         info.ordinal,
-        CudaOptions { allow_tf32: a.tf32 },
+        CudaOptions {
+            allow_tf32: a.tf32,
+            sync_ops: a.ops,
+        },
     )?);
-    run::<Fp32>(
-        if a.tf32 { "fp32 (tf32 on)" } else { "fp32" },
-        backend.clone(),
-        policy(&a.recompute),
-        &a,
-    )?;
-    run::<MixedBf16>("bf16 mixed", backend.clone(), policy(&a.recompute), &a)?;
-    run::<MixedFp16>("fp16 mixed", backend, policy(&a.recompute), &a)?;
+    if a.ops {
+        println!("profiling: every op waits for the GPU at both ends (slower steps)");
+    }
+    let all = a.precision == "all";
+    if !all && !["fp32", "bf16", "fp16"].contains(&a.precision.as_str()) {
+        println!(
+            "--precision takes all, fp32, bf16 or fp16, not `{}`",
+            a.precision
+        );
+        std::process::exit(2);
+    }
+    if all || a.precision == "fp32" {
+        run::<Fp32>(
+            if a.tf32 { "fp32 (tf32 on)" } else { "fp32" },
+            backend.clone(),
+            policy(&a.recompute),
+            &a,
+        )?;
+    }
+    if all || a.precision == "bf16" {
+        run::<MixedBf16>("bf16 mixed", backend.clone(), policy(&a.recompute), &a)?;
+    }
+    if all || a.precision == "fp16" {
+        run::<MixedFp16>("fp16 mixed", backend, policy(&a.recompute), &a)?;
+    }
     Ok(())
 }

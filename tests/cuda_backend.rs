@@ -13,7 +13,7 @@ mod common;
 
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
-use trainkit::device::cuda::{probe, CudaBackend};
+use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
@@ -1191,6 +1191,70 @@ fn a_training_step_waits_for_the_gpu_once() {
                 "{name}: step {step} waited for the device {waits} times; only the loss read may"
             );
         }
+    }
+}
+
+/// `sync_ops` (profiling): every op span waits for the device at both ends, so the op
+/// profile times the device's work; the numbers are those of an unsynchronized run.
+#[test]
+fn sync_ops_waits_at_every_op_and_changes_no_number() {
+    let mut own = vec![];
+    if emulated().is_some() {
+        let plain = CudaBackend::emulated().unwrap();
+        let synced = CudaBackend::emulated_with(
+            None,
+            CudaOptions {
+                sync_ops: true,
+                ..CudaOptions::default()
+            },
+        )
+        .unwrap();
+        own.push(("emulator", Arc::new(plain), Arc::new(synced)));
+    }
+    if gpu().is_some() {
+        let synced = CudaOptions {
+            sync_ops: true,
+            ..CudaOptions::default()
+        };
+        own.push((
+            "gpu",
+            Arc::new(CudaBackend::new(0).unwrap()),
+            Arc::new(CudaBackend::with_options(0, synced).unwrap()),
+        ));
+    }
+    for (name, plain, synced) in own {
+        let mut runs = vec![];
+        for cuda in [&plain, &synced] {
+            let backend: Arc<dyn Backend> = cuda.clone();
+            let model = Gpt2::new(tiny_config()).unwrap();
+            let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+                .precision(MixedBf16::default())
+                .observer(trainkit::memory::OpProfile::default())
+                .build()
+                .unwrap();
+            t.step().unwrap();
+            let (before, profile) = (cuda.host_waits(), t.observer().clone());
+            let s = t.step().unwrap();
+            let waits = cuda.host_waits() - before;
+            let ops = t.observer().since(&profile);
+            let calls: u64 = ops.by_time().iter().map(|(_, o)| o.calls).sum();
+            runs.push((s.loss, values(&t), waits, calls));
+        }
+        let (plain, synced) = (&runs[0], &runs[1]);
+        assert_eq!(
+            plain.0.to_bits(),
+            synced.0.to_bits(),
+            "{name}: the loss changed"
+        );
+        assert!(plain.1 == synced.1, "{name}: the weights changed");
+        assert_eq!(plain.2, 1, "{name}: an unsynchronized step waits once");
+        assert!(synced.3 > 20, "{name}: {} ops profiled", synced.3);
+        assert!(
+            synced.2 > 2 * synced.3,
+            "{name}: {} waits for {} ops; each op waits at both ends",
+            synced.2,
+            synced.3
+        );
     }
 }
 

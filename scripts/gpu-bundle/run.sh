@@ -11,7 +11,8 @@
 #              every op against its CPU twin in both precisions, a training step, every
 #              recompute policy, one host wait per step, out of memory beyond the device,
 #              the default run's first 50 steps against the CPU
-#   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16)
+#   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16),
+#              then bf16 again with every op timed on the device (where the time goes)
 #   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
 #   reference  the PyTorch reference on the same token file and batch, eager then
 #              torch.compile (needs python3 with torch and transformers)
@@ -233,6 +234,17 @@ figures_gpu_bench() {
       key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
       printf '%s_tokens_per_s_median=%s;%s_tokens_per_s_best=%s;%s_ledger_peak=%s;%s_pool_peak=%s;' \
         "$key" "$median" "$key" "$best" "$key" "$ledger" "$key" "$pool"
+    done
+  return 0
+}
+
+figures_gpu_ops() {
+  # "    flash_attention_backward      12.3%     45.6 ms     36 calls   123456.7 GFLOP/s": the
+  # ten ops that took the most device time, as op_<name>_pct and op_<name>_gflops.
+  sed -n -E 's#^    ([a-z0-9_]+) +([0-9.]+)% +([0-9.]+) ms +([0-9]+) calls +([0-9.]+) GFLOP/s$#\1|\2|\5#p' "$1" |
+    head -n 10 |
+    while IFS='|' read -r op pct gflops; do
+      printf 'op_%s_pct=%s;op_%s_gflops=%s;' "$op" "$pct" "$op" "$gflops"
     done
   return 0
 }
@@ -462,6 +474,9 @@ phase_bench() {
   if grep -q 'gpu_bench needs a GPU' "$report/logs/gpu_bench.log"; then
     amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/gpu_bench.log")"
   fi
+  # Where the device's time goes, op by op (every op waits for the GPU: slower steps).
+  run_step gpu_bench_ops 300 figures_gpu_ops "$bin/gpu_bench" --batch "$batch" \
+    --precision bf16 --ops --warmup 2 --steps 3
 }
 
 phase_train() {

@@ -55,6 +55,10 @@ struct LedgerState {
     limit: Option<u64>,
 }
 
+/// A wait for the device's queued work, run at both ends of every recorded op span while
+/// set (see [`Ledger::set_op_fence`]).
+pub type OpFence = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
 #[derive(Debug)]
 struct Shared {
     state: Mutex<LedgerState>,
@@ -62,6 +66,23 @@ struct Shared {
     recording: AtomicBool,
     /// Executed floating-point operations since the last reset; ops add without the lock.
     flops: AtomicU64,
+    /// Whether `fence` holds a fence (read without its lock by every op).
+    fenced: AtomicBool,
+    fence: Mutex<Fence>,
+}
+
+/// The op fence, if any (a closure has no `Debug` of its own).
+#[derive(Default)]
+struct Fence(Option<OpFence>);
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Fence(set)"
+        } else {
+            "Fence(none)"
+        })
+    }
 }
 
 /// Exact accounting of every buffer a backend allocates. Cheap to clone (shared state).
@@ -97,6 +118,8 @@ impl Ledger {
                 }),
                 recording: AtomicBool::new(false),
                 flops: AtomicU64::new(0),
+                fenced: AtomicBool::new(false),
+                fence: Mutex::new(Fence::default()),
             }),
             start: Instant::now(),
         }
@@ -113,6 +136,27 @@ impl Ledger {
 
     fn recording(&self) -> bool {
         self.shared.recording.load(Ordering::Relaxed)
+    }
+
+    /// Sets (or, with `None`, removes) the op fence: a wait for the device that every op
+    /// span runs when it opens and when it closes while the ledger records, so that
+    /// [`MemoryEvent::Op`]'s duration is the device's time for the op, not the host's time
+    /// to queue it. A GPU backend passes its stream's synchronize (see
+    /// `CudaOptions::sync_ops`). For profiling only: it stops the host from running ahead
+    /// of the device, so whole steps run slower.
+    pub fn set_op_fence(&self, fence: Option<OpFence>) {
+        let mut f = self.shared.fence.lock().unwrap_or_else(|e| e.into_inner());
+        self.shared.fenced.store(fence.is_some(), Ordering::Relaxed);
+        f.0 = fence;
+    }
+
+    /// The op fence, when one is set and the ledger records.
+    fn fence(&self) -> Option<OpFence> {
+        if !self.shared.fenced.load(Ordering::Relaxed) || !self.recording() {
+            return None;
+        }
+        let f = self.shared.fence.lock().unwrap_or_else(|e| e.into_inner());
+        f.0.clone()
     }
 
     /// Starts or stops keeping the event stream (accounting itself never stops).
@@ -231,11 +275,23 @@ impl Ledger {
     /// [`Ledger::flops`], and, while recording, a [`MemoryEvent::Op`] with its start and
     /// duration joins the event stream. When not recording an op costs two atomic
     /// operations and allocates nothing.
+    ///
+    /// With an op fence set ([`Ledger::set_op_fence`]) the span waits for the device when
+    /// it opens and when it closes, so its duration is the device's time for the op.
     pub fn op(&self, name: &'static str, flops: u64, label: &str) -> OpSpan<'_> {
-        let recorded = self.recording().then(|| Recorded {
-            label: label.to_string(),
-            start: Instant::now(),
-            time_us: self.now_us(),
+        let recorded = self.recording().then(|| {
+            let fence = self.fence();
+            if let Some(f) = &fence {
+                // A failed wait reports the device's error again at the next op or read;
+                // the span only times.
+                let _ = f();
+            }
+            Recorded {
+                label: label.to_string(),
+                start: Instant::now(),
+                time_us: self.now_us(),
+                fence: fence.map(|f| Fence(Some(f))),
+            }
         });
         OpSpan {
             ledger: self,
@@ -342,6 +398,8 @@ struct Recorded {
     label: String,
     start: Instant,
     time_us: u64,
+    /// The op fence to run before the span's end is read.
+    fence: Option<Fence>,
 }
 
 /// The span of one backend op, from [`Ledger::op`]; it ends when dropped.
@@ -357,10 +415,26 @@ pub struct OpSpan<'a> {
 impl OpSpan<'_> {
     /// Ends the span with the op's result: an op that failed executed nothing, so on `Err`
     /// neither its flops nor its event are recorded. Returns `result`.
+    ///
+    /// With an op fence, the span waits for the device before it ends, and a failed wait
+    /// is returned as the op's error.
     pub fn finish<R>(mut self, result: Result<R>) -> Result<R> {
         if result.is_err() {
             self.flops = 0;
             self.recorded = None;
+            return result;
+        }
+        let fence = self
+            .recorded
+            .as_mut()
+            .and_then(|r| r.fence.take())
+            .and_then(|f| f.0);
+        if let Some(f) = fence {
+            if let Err(e) = f() {
+                self.flops = 0;
+                self.recorded = None;
+                return Err(e);
+            }
         }
         result
     }
@@ -382,7 +456,11 @@ impl Drop for OpSpan<'_> {
                 .flops
                 .fetch_add(self.flops, Ordering::Relaxed);
         }
-        if let Some(r) = self.recorded.take() {
+        if let Some(mut r) = self.recorded.take() {
+            if let Some(f) = r.fence.take().and_then(|f| f.0) {
+                // Reported again by the next op or read; a drop cannot return it.
+                let _ = f();
+            }
             let duration_us = r.start.elapsed().as_micros() as u64;
             let mut s = self.ledger.lock();
             if self.ledger.recording() {
@@ -514,5 +592,46 @@ mod tests {
         assert_eq!(l.snapshot().flops, 15);
         l.reset_peaks();
         assert_eq!(l.snapshot().flops, 0);
+    }
+
+    /// The op fence runs when a recorded span opens and when it closes, never while the
+    /// ledger does not record, and a failed wait becomes the op's error.
+    #[test]
+    fn the_op_fence_waits_at_both_ends_of_a_recorded_span() {
+        let l = Ledger::new();
+        let waits = Arc::new(AtomicU64::new(0));
+        let fail = Arc::new(AtomicBool::new(false));
+        let (w, f) = (Arc::clone(&waits), Arc::clone(&fail));
+        l.set_op_fence(Some(Arc::new(move || {
+            w.fetch_add(1, Ordering::Relaxed);
+            if f.load(Ordering::Relaxed) {
+                Err(Error::shape("wait", "device fault"))
+            } else {
+                Ok(())
+            }
+        })));
+        l.op("gelu", 5, "a").finish(Ok(())).unwrap();
+        assert_eq!(waits.load(Ordering::Relaxed), 0, "not recording: no waits");
+        l.set_recording(true);
+        l.op("gelu", 5, "a").finish(Ok(())).unwrap();
+        assert_eq!(waits.load(Ordering::Relaxed), 2);
+        drop(l.op("gelu", 5, "b"));
+        assert_eq!(waits.load(Ordering::Relaxed), 4, "a dropped span waits too");
+        l.op("gelu", 5, "c").cancel();
+        assert_eq!(
+            waits.load(Ordering::Relaxed),
+            5,
+            "a cancelled span ran nothing"
+        );
+        fail.store(true, Ordering::Relaxed);
+        assert!(l.op("gelu", 5, "d").finish(Ok(())).is_err());
+        assert_eq!(
+            l.drain_events().len(),
+            2,
+            "the failed and cancelled spans are not events"
+        );
+        l.set_op_fence(None);
+        l.op("gelu", 5, "e").finish(Ok(())).unwrap();
+        assert_eq!(waits.load(Ordering::Relaxed), 7);
     }
 }

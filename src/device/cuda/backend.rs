@@ -10,7 +10,8 @@
 //! `synchronize` wait. A training step's losses, gradient norm and skip decision stay on
 //! the device (`cross_entropy` adds to a device tensor, `grad_guard` and `adamw` read
 //! it), so a step waits once, for its logged loss. Op spans therefore time the host's
-//! side of a launch, not the kernel.
+//! side of a launch, not the kernel, unless [`CudaOptions::sync_ops`] makes each span wait
+//! for the device at both ends (for profiling).
 //!
 //! Temporary buffers (the two-pass reductions' partial sums, uploaded token ids, casts of
 //! operands, cuBLASLt's workspace) are tensors in the ledger's `Workspace` category, so
@@ -43,6 +44,10 @@ pub struct CudaOptions {
     /// Let f32 products use TF32 tensor cores (faster, about 10 mantissa bits). Off by
     /// default, so `Fp32` training is f32 throughout.
     pub allow_tf32: bool,
+    /// Wait for the GPU at both ends of every op span, so that each op's recorded duration
+    /// (and an [`OpProfile`](crate::memory::OpProfile)) is the device's time for the op
+    /// rather than the host's time to queue it. For profiling: whole steps run slower.
+    pub sync_ops: bool,
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on
@@ -88,18 +93,25 @@ impl CudaBackend {
     /// The emulated backend with a device memory size of `capacity` bytes (allocations
     /// beyond it fail as they would on a full GPU).
     pub fn emulated_with_capacity(capacity: Option<u64>) -> Result<CudaBackend> {
+        Self::emulated_with(capacity, CudaOptions::default())
+    }
+
+    /// The emulated backend with a device memory size of `capacity` bytes (as
+    /// [`CudaBackend::emulated_with_capacity`]) and the given settings.
+    pub fn emulated_with(capacity: Option<u64>, options: CudaOptions) -> Result<CudaBackend> {
         let gpu = EmulatedGpu::new(capacity)?;
-        Ok(Self::on(
-            Arc::new(gpu),
-            Device::Cuda(0),
-            CudaOptions::default(),
-        ))
+        Ok(Self::on(Arc::new(gpu), Device::Cuda(0), options))
     }
 
     fn on(gpu: Arc<dyn Gpu>, device: Device, options: CudaOptions) -> CudaBackend {
+        let ledger = Ledger::new();
+        if options.sync_ops {
+            let g = Arc::clone(&gpu);
+            ledger.set_op_fence(Some(Arc::new(move || g.synchronize())));
+        }
         CudaBackend {
             gpu,
-            ledger: Ledger::new(),
+            ledger,
             device,
             options,
             gemm_workspace: Mutex::new(None),
