@@ -262,89 +262,114 @@ impl Drop for Descriptors {
     }
 }
 
-impl DriverGpu {
-    fn descriptors(&self, g: &Gemm) -> Result<Descriptors> {
-        let compute = if g.allow_tf32 && g.a_layout.ty == MatrixType::F32 {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
-        let desc = lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F)
-            .map_err(|e| blas_error("creating a matmul descriptor", e))?;
-        let layout = |l: &MatrixLayout| {
-            lt::create_matrix_layout(data_type(l.ty), l.rows, l.cols, l.ld)
-                .map_err(|e| blas_error("creating a matrix layout", e))
-        };
-        let mut d = Descriptors {
-            desc,
-            layouts: [std::ptr::null_mut(); 3],
-        };
-        d.layouts[0] = layout(&g.a_layout)?;
-        d.layouts[1] = layout(&g.b_layout)?;
-        d.layouts[2] = layout(&g.d_layout)?;
-        // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
-        let op = |t: bool| t as i32;
-        let set = |attr: lt_sys::cublasLtMatmulDescAttributes_t, ptr: *const c_void, size| {
-            // SAFETY: each value below has the size and type its attribute documents.
-            unsafe { lt::set_matmul_desc_attribute(desc, attr, ptr, size) }
-                .map_err(|e| blas_error("setting a matmul attribute", e))
-        };
-        use lt_sys::cublasLtMatmulDescAttributes_t as A;
-        let (ta, tb) = (op(g.trans_a), op(g.trans_b));
+/// The cuBLASLt matmul descriptor and the three matrix layouts of `g`: compute type, the
+/// operands' transposes, the epilogue (bias, GELU with its auxiliary output) and the
+/// epilogue's pointers. Host calls only: no device or handle is needed.
+fn descriptors(g: &Gemm) -> Result<Descriptors> {
+    let compute = if g.allow_tf32 && g.a_layout.ty == MatrixType::F32 {
+        lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+    } else {
+        lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    };
+    let desc = lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F)
+        .map_err(|e| blas_error("creating a matmul descriptor", e))?;
+    let layout = |l: &MatrixLayout| {
+        lt::create_matrix_layout(data_type(l.ty), l.rows, l.cols, l.ld)
+            .map_err(|e| blas_error("creating a matrix layout", e))
+    };
+    let mut d = Descriptors {
+        desc,
+        layouts: [std::ptr::null_mut(); 3],
+    };
+    d.layouts[0] = layout(&g.a_layout)?;
+    d.layouts[1] = layout(&g.b_layout)?;
+    d.layouts[2] = layout(&g.d_layout)?;
+    // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
+    let op = |t: bool| t as i32;
+    let set = |attr: lt_sys::cublasLtMatmulDescAttributes_t, ptr: *const c_void, size| {
+        // SAFETY: each value below has the size and type its attribute documents.
+        unsafe { lt::set_matmul_desc_attribute(desc, attr, ptr, size) }
+            .map_err(|e| blas_error("setting a matmul attribute", e))
+    };
+    use lt_sys::cublasLtMatmulDescAttributes_t as A;
+    let (ta, tb) = (op(g.trans_a), op(g.trans_b));
+    set(
+        A::CUBLASLT_MATMUL_DESC_TRANSA,
+        &ta as *const _ as *const c_void,
+        std::mem::size_of_val(&ta),
+    )?;
+    set(
+        A::CUBLASLT_MATMUL_DESC_TRANSB,
+        &tb as *const _ as *const c_void,
+        std::mem::size_of_val(&tb),
+    )?;
+    use lt_sys::cublasLtEpilogue_t as E;
+    let epilogue = match (g.bias != 0, g.gelu_aux != 0) {
+        (false, false) => None,
+        (true, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
+        (false, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
+        (true, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+    };
+    if let Some(epilogue) = epilogue {
         set(
-            A::CUBLASLT_MATMUL_DESC_TRANSA,
-            &ta as *const _ as *const c_void,
-            std::mem::size_of_val(&ta),
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            &epilogue as *const _ as *const c_void,
+            std::mem::size_of_val(&epilogue),
         )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSB,
-            &tb as *const _ as *const c_void,
-            std::mem::size_of_val(&tb),
-        )?;
-        use lt_sys::cublasLtEpilogue_t as E;
-        let epilogue = match (g.bias != 0, g.gelu_aux != 0) {
-            (false, false) => None,
-            (true, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
-            (false, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
-            (true, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
-        };
-        if let Some(epilogue) = epilogue {
-            set(
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                &epilogue as *const _ as *const c_void,
-                std::mem::size_of_val(&epilogue),
-            )?;
-        }
-        if g.gelu_aux != 0 {
-            // The pre-GELU values, in D's type and layout (ld a multiple of 8).
-            set(
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                &g.gelu_aux as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
-            )?;
-            let ld: i64 = g.d_layout.ld;
-            set(
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-                &ld as *const i64 as *const c_void,
-                std::mem::size_of::<i64>(),
-            )?;
-        }
-        if g.bias != 0 {
-            let bias_type = data_type(g.d_layout.ty);
-            set(
-                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                &bias_type as *const _ as *const c_void,
-                std::mem::size_of_val(&bias_type),
-            )?;
-            set(
-                A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &g.bias as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
-            )?;
-        }
-        Ok(d)
     }
+    if g.gelu_aux != 0 {
+        // The pre-GELU values, in D's type and layout (ld a multiple of 8).
+        set(
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &g.gelu_aux as *const u64 as *const c_void,
+            std::mem::size_of::<u64>(),
+        )?;
+        let ld: i64 = g.d_layout.ld;
+        set(
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+            &ld as *const i64 as *const c_void,
+            std::mem::size_of::<i64>(),
+        )?;
+    }
+    if g.bias != 0 {
+        let bias_type = data_type(g.d_layout.ty);
+        set(
+            A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+            &bias_type as *const _ as *const c_void,
+            std::mem::size_of_val(&bias_type),
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            &g.bias as *const u64 as *const c_void,
+            std::mem::size_of::<u64>(),
+        )?;
+    }
+    Ok(d)
+}
 
+/// A matmul preference allowing `workspace` bytes of scratch memory (destroyed by the
+/// caller with `lt::destroy_matmul_pref`).
+fn preference(workspace: usize) -> Result<lt_sys::cublasLtMatmulPreference_t> {
+    let pref = lt::create_matmul_pref().map_err(|e| blas_error("creating preferences", e))?;
+    let bytes = workspace as u64;
+    // SAFETY: the preference was just created; the value is the documented u64.
+    let set = unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &bytes as *const u64 as *const c_void,
+            std::mem::size_of::<u64>(),
+        )
+    };
+    if let Err(e) = set {
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        return Err(blas_error("setting the workspace preference", e));
+    }
+    Ok(pref)
+}
+
+impl DriverGpu {
     fn algorithm(
         &self,
         g: &Gemm,
@@ -365,33 +390,28 @@ impl DriverGpu {
         if let Some(a) = algos.get(&key) {
             return Ok(*a);
         }
-        let pref = lt::create_matmul_pref().map_err(|e| blas_error("creating preferences", e))?;
-        let bytes = workspace as u64;
-        // SAFETY: the preference was just created; the value is the documented u64.
+        let pref = preference(workspace)?;
+        // SAFETY: the handle, descriptors and preference are live; the preference is
+        // destroyed once, after the query.
         let heuristic = unsafe {
-            let set = lt::set_matmul_pref_attribute(
+            let found = lt::get_matmul_algo_heuristic(
+                self.lt,
+                d.desc,
+                d.layouts[0],
+                d.layouts[1],
+                d.layouts[2],
+                d.layouts[2],
                 pref,
-                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &bytes as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
             );
-            let found = set.and_then(|()| {
-                lt::get_matmul_algo_heuristic(
-                    self.lt,
-                    d.desc,
-                    d.layouts[0],
-                    d.layouts[1],
-                    d.layouts[2],
-                    d.layouts[2],
-                    pref,
-                )
-            });
             let _ = lt::destroy_matmul_pref(pref);
             found
         }
         .map_err(|e| {
             blas_error(
-                &format!("finding an algorithm for {:?} × {:?} → {:?}", g.a_layout, g.b_layout, g.d_layout),
+                &format!(
+                    "finding an algorithm for {:?} × {:?} → {:?}",
+                    g.a_layout, g.b_layout, g.d_layout
+                ),
                 e,
             )
         })?;
@@ -602,7 +622,7 @@ impl Gpu for DriverGpu {
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
         self.bind()?;
         let (workspace, workspace_bytes) = (g.workspace, g.workspace_bytes);
-        let d = self.descriptors(g)?;
+        let d = descriptors(g)?;
         let algo = self.algorithm(g, &d, workspace_bytes)?;
         lt::matmul(
             self.lt,
@@ -661,6 +681,84 @@ impl Gpu for DriverGpu {
                 drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
                 &mut zero as *mut u64 as *mut c_void,
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cuBLASLt itself, where its library loads (a CUDA toolkit, or the `nvidia-cublas`
+    /// wheel on `LD_LIBRARY_PATH`: no GPU needed), accepts every descriptor attribute the
+    /// backend sets, with the size and value of each: the check that the emulator, which
+    /// models the product and not the library's interface, cannot make. cuBLASLt refuses
+    /// an attribute of the wrong size (`CUBLAS_STATUS_INVALID_VALUE`). Skipped, and said,
+    /// where the library is missing, unless `TRAINKIT_REQUIRE_CUBLASLT` is set.
+    #[test]
+    fn cublaslt_accepts_every_descriptor_the_backend_builds() {
+        // SAFETY: only tries to dlopen the library by its usual names.
+        if !unsafe { lt_sys::is_culib_present() } {
+            if std::env::var_os("TRAINKIT_REQUIRE_CUBLASLT").is_some() {
+                panic!("cuBLASLt is required (TRAINKIT_REQUIRE_CUBLASLT) but did not load");
+            }
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "cuBLASLt descriptor check SKIPPED: libcublasLt.so.13 did not load"
+            );
+            return;
+        }
+        let layout = |ty, rows, cols| MatrixLayout {
+            ty,
+            rows,
+            cols,
+            ld: rows as i64,
+        };
+        let types = [MatrixType::F32, MatrixType::Bf16, MatrixType::F16];
+        let mut built = 0;
+        for operand in types {
+            for out in [operand, MatrixType::F32] {
+                for (bias, gelu_aux) in [(0, 0), (0x2000, 0), (0, 0x3000), (0x2000, 0x3000)] {
+                    for (trans_a, trans_b) in [(false, false), (true, false), (false, true)] {
+                        for allow_tf32 in [false, true] {
+                            let (m, n, k) = (64, 48, 32);
+                            let (ar, ac) = if trans_a { (k, m) } else { (m, k) };
+                            let (br, bc) = if trans_b { (n, k) } else { (k, n) };
+                            let g = Gemm {
+                                trans_a,
+                                trans_b,
+                                m,
+                                n,
+                                k,
+                                a: 0x1000,
+                                a_layout: layout(operand, ar, ac),
+                                b: 0x1000,
+                                b_layout: layout(operand, br, bc),
+                                d: 0x1000,
+                                d_layout: layout(out, m, n),
+                                bias,
+                                gelu_aux,
+                                alpha: 1.0,
+                                beta: 0.0,
+                                allow_tf32,
+                                workspace: 0,
+                                workspace_bytes: 0,
+                            };
+                            if let Err(e) = descriptors(&g) {
+                                panic!("cuBLASLt refused the descriptors of {g:?}: {e}");
+                            }
+                            built += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(built, 3 * 2 * 4 * 3 * 2);
+        for bytes in [0, gemm_workspace_bytes(8), gemm_workspace_bytes(9)] {
+            let pref = preference(bytes).unwrap_or_else(|e| panic!("{bytes} bytes: {e}"));
+            // SAFETY: created above, destroyed once.
+            unsafe { lt::destroy_matmul_pref(pref) }.unwrap();
         }
     }
 }
