@@ -1,6 +1,9 @@
 //! Every CUDA kernel file compiles with NVRTC, for Hopper (sm_90) and Ampere (sm_80), to
 //! PTX that defines exactly the kernels `KERNEL_FILES` lists, at a PTX version the CUDA
-//! 13.0 driver (580) loads.
+//! 13.0 driver (580) loads; and that PTX assembles (ptxas, inside NVRTC) to machine code
+//! whose every kernel fits a block's static shared memory (48 KiB). Each file's most
+//! register-hungry kernel and every kernel that spills registers are printed: a spill is
+//! ptxas's trade for occupancy, a thing to look at when tuning, not an error.
 //!
 //! Needs no GPU: only libnvrtc and the CUDA headers (the pip wheels
 //! `nvidia-cuda-nvrtc==13.0.*` and `nvidia-cuda-runtime==13.0.*` are enough; `.ci/run`
@@ -12,12 +15,16 @@ use std::io::Write;
 use std::path::PathBuf;
 use trainkit::device::cuda::cache::{CacheOutcome, KernelCache};
 use trainkit::device::cuda::kernels::{
-    self, compile, find_include_dir, nvrtc_version, ptx_entries, ptx_version, CompileOptions,
-    KERNEL_FILES,
+    self, assemble, compile, find_include_dir, nvrtc_version, ptx_entries, ptx_version,
+    CompileOptions, KERNEL_FILES,
 };
 
 /// The newest PTX ISA the 580 driver (CUDA 13.0) loads.
 const MAX_PTX: (u32, u32) = (9, 0);
+
+/// Static shared memory a block may declare (more needs dynamic shared memory and an
+/// opt-in attribute).
+const MAX_STATIC_SHARED: u64 = 48 << 10;
 
 /// Architectures every kernel must compile for.
 const ARCHS: [&str; 2] = ["sm_90", "sm_80"];
@@ -61,14 +68,42 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
         let mut versions = BTreeSet::new();
         for file in KERNEL_FILES {
             let start = std::time::Instant::now();
-            let ptx = match compile(&file.full_source(), &options) {
-                Ok(ptx) => ptx,
+            let assembly = match assemble(&file.full_source(), &options) {
+                Ok(a) => a,
                 Err(e) => {
                     failures.push(format!("{} for {arch}: {e}", file.name));
                     continue;
                 }
             };
-            let entries: BTreeSet<String> = ptx_entries(&ptx).into_iter().collect();
+            let ptx = &assembly.ptx;
+            if !assembly.cubin.starts_with(b"\x7fELF") {
+                failures.push(format!("{} for {arch}: ptxas gave no ELF", file.name));
+            }
+            let listed: BTreeSet<&str> = file.kernels.iter().copied().collect();
+            let assembled: BTreeSet<&str> =
+                assembly.kernels.iter().map(|k| k.name.as_str()).collect();
+            if listed != assembled {
+                failures.push(format!(
+                    "{} for {arch}: ptxas assembled {assembled:?}, KERNEL_FILES lists {listed:?}",
+                    file.name
+                ));
+            }
+            for k in &assembly.kernels {
+                if k.spill_stores > 0 || k.spill_loads > 0 {
+                    say(&format!(
+                        "  {arch} {}: `{}` spills {} bytes (stores) and {} (loads) at {} \
+                         registers",
+                        file.name, k.name, k.spill_stores, k.spill_loads, k.registers
+                    ));
+                }
+                if k.shared_bytes > MAX_STATIC_SHARED {
+                    failures.push(format!(
+                        "{} for {arch}: `{}` declares {} bytes of shared memory, over {}",
+                        file.name, k.name, k.shared_bytes, MAX_STATIC_SHARED
+                    ));
+                }
+            }
+            let entries: BTreeSet<String> = ptx_entries(ptx).into_iter().collect();
             let listed: BTreeSet<String> = file.kernels.iter().map(|k| k.to_string()).collect();
             for missing in listed.difference(&entries) {
                 failures.push(format!("{} for {arch}: no `.entry {missing}`", file.name));
@@ -79,7 +114,7 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
                     file.name
                 ));
             }
-            match ptx_version(&ptx) {
+            match ptx_version(ptx) {
                 Some(v) if v <= MAX_PTX => {
                     versions.insert(format!("{}.{}", v.0, v.1));
                 }
@@ -95,11 +130,16 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
                 ));
             }
             kernels += entries.len();
+            let most = assembly.kernels.iter().max_by_key(|k| k.registers);
             say(&format!(
-                "  {arch} {:<17} {:>2} kernels  {:>5.2} s",
+                "  {arch} {:<17} {:>2} kernels  {:>5.2} s  most registers: {}",
                 file.name,
                 entries.len(),
-                start.elapsed().as_secs_f64()
+                start.elapsed().as_secs_f64(),
+                most.map_or("-".into(), |k| format!(
+                    "{} ({}, {} B shared)",
+                    k.registers, k.name, k.shared_bytes
+                ))
             ));
         }
         say(&format!(

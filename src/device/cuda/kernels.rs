@@ -204,6 +204,129 @@ pub fn compile(source: &str, options: &CompileOptions) -> Result<String> {
     }
 }
 
+/// One kernel's resources as ptxas assigned them for an architecture.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelResources {
+    /// The kernel (`.entry`) name.
+    pub name: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Static shared memory per block, in bytes.
+    pub shared_bytes: u64,
+    /// Stack frame per thread, in bytes (local arrays and spills).
+    pub stack_bytes: u64,
+    /// Bytes of registers spilled to local memory, stored and loaded.
+    pub spill_stores: u64,
+    /// See `spill_stores`.
+    pub spill_loads: u64,
+}
+
+/// A kernel file compiled through ptxas to machine code: the PTX, the CUBIN and each
+/// kernel's resources.
+#[derive(Clone, Debug)]
+pub struct Assembly {
+    /// The PTX (what the backend loads, and the driver assembles on the GPU).
+    pub ptx: String,
+    /// The machine code for the architecture.
+    pub cubin: Vec<u8>,
+    /// Per kernel, as ptxas reported them.
+    pub kernels: Vec<KernelResources>,
+}
+
+/// Compiles one CUDA C source as [`compile`] does, then through ptxas to machine code for
+/// `options.arch`, with ptxas's report of each kernel's registers, shared memory, stack
+/// and spills. Needs no GPU: it is what the driver does to the PTX when it loads it, so a
+/// kernel that assembles here also assembles on the device (same CUDA release), and its
+/// resources can be checked before it runs.
+pub fn assemble(source: &str, options: &CompileOptions) -> Result<Assembly> {
+    use cudarc::nvrtc::{result, sys};
+    options.check_arch()?;
+    if source.contains('\0') {
+        return Err(backend_error("a kernel source contains a NUL byte"));
+    }
+    ensure_nvrtc()?;
+    let src = std::ffi::CString::new(source).expect("NUL bytes refused above");
+    let prog = result::create_program(&src, None)
+        .map_err(|e| backend_error(format!("NVRTC failed: {e:?}")))?;
+    let mut flags = options.flags();
+    flags.push("--ptxas-options=--verbose".to_string());
+    // SAFETY: `prog` was created above and is destroyed once, below, on every path.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &flags);
+        let log = result::get_program_log(prog)
+            .map(|l| {
+                let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .unwrap_or_default();
+        let out = match compiled {
+            Err(e) => Err(backend_error(format!(
+                "NVRTC could not compile for {} ({e:?}):\n{}",
+                options.arch,
+                log.trim_end()
+            ))),
+            Ok(()) => {
+                let ptx = result::get_ptx(prog).map(|p| {
+                    let bytes: Vec<u8> =
+                        p.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                    String::from_utf8_lossy(&bytes).into_owned()
+                });
+                let mut size = 0usize;
+                let cubin = sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .and_then(|()| {
+                        let mut cubin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                            .result()
+                            .map(|()| cubin)
+                    });
+                match (ptx, cubin) {
+                    (Ok(ptx), Ok(cubin)) => Ok(Assembly {
+                        ptx,
+                        cubin,
+                        kernels: ptxas_resources(&log),
+                    }),
+                    (Err(e), _) | (_, Err(e)) => {
+                        Err(backend_error(format!("NVRTC gave no code: {e:?}")))
+                    }
+                }
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    };
+    out
+}
+
+/// Each kernel's resources from ptxas's `--verbose` report, in the order it reports them.
+pub fn ptxas_resources(log: &str) -> Vec<KernelResources> {
+    let mut kernels: Vec<KernelResources> = Vec::new();
+    // The number before `unit` in `text` (e.g. `18432 bytes smem`).
+    let number_before = |text: &str, unit: &str| -> Option<u64> {
+        let at = text.find(unit)?;
+        text[..at].split_whitespace().last()?.parse().ok()
+    };
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default();
+            kernels.push(KernelResources {
+                name: name.to_string(),
+                ..KernelResources::default()
+            });
+        } else if let Some(k) = kernels.last_mut() {
+            if line.contains("bytes stack frame") {
+                k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                k.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                k.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("Used ") && line.contains(" registers") {
+                k.registers = number_before(line, " registers").unwrap_or(0) as u32;
+                k.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    kernels
+}
+
 /// The `.version` of a PTX module, `(major, minor)`: a driver loads PTX up to the version
 /// its CUDA release knows (9.0 for the 580 drivers of CUDA 13.0).
 pub fn ptx_version(ptx: &str) -> Option<(u32, u32)> {
@@ -326,6 +449,39 @@ fn python_site_packages() -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ptxas_reports_are_read_per_kernel() {
+        let log = "ptxas info    : 3 bytes gmem
+ptxas info    : Compiling entry function 'flash_attention_backward_dkv_f32' for 'sm_80'
+ptxas info    : Function properties for flash_attention_backward_dkv_f32
+ptxas         .     32 bytes stack frame, 32 bytes spill stores, 28 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 32 bytes cumulative stack size, 46336 bytes smem, 436 bytes cmem[0]
+ptxas info    : Compile time = 151.717 ms
+ptxas info    : Compiling entry function 'gelu_f32' for 'sm_80'
+ptxas info    : Function properties for gelu_f32
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
+";
+        assert_eq!(
+            ptxas_resources(log),
+            vec![
+                KernelResources {
+                    name: "flash_attention_backward_dkv_f32".into(),
+                    registers: 168,
+                    shared_bytes: 46336,
+                    stack_bytes: 32,
+                    spill_stores: 32,
+                    spill_loads: 28,
+                },
+                KernelResources {
+                    name: "gelu_f32".into(),
+                    registers: 30,
+                    ..KernelResources::default()
+                },
+            ]
+        );
+    }
     use std::collections::{HashMap, HashSet};
 
     #[test]
