@@ -151,6 +151,53 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
+/// The body of kernel `name` in a PTX module: from its `.entry` to the next one.
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no `.entry {name}`"));
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").map_or(rest.len(), |i| i);
+    &rest[..end]
+}
+
+/// The fused attention's 16-bit kernels multiply on the tensor cores (`mma.sync` with bf16
+/// or f16 operands and f32 accumulators) on sm_80 and sm_90, not in the SIMT fallback
+/// that the f32 kernels use.
+#[test]
+fn the_16_bit_attention_kernels_use_the_tensor_cores() {
+    let Some((include, _)) = nvrtc_or_skip() else {
+        return;
+    };
+    let file = KERNEL_FILES
+        .iter()
+        .find(|f| f.name == "flash_attention.cu")
+        .expect("the fused attention's kernel file");
+    for arch in ARCHS {
+        let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include)).unwrap();
+        for kernel in ["forward", "backward_dkv", "backward_dq"] {
+            for (dtype, mma) in [
+                (
+                    "bf16",
+                    Some("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+                ),
+                (
+                    "f16",
+                    Some("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+                ),
+                ("f32", None),
+            ] {
+                let name = format!("flash_attention_{kernel}_{dtype}");
+                let body = entry_body(&ptx, &name);
+                match mma {
+                    Some(mma) => assert!(body.contains(mma), "{arch}: `{name}` has no `{mma}`"),
+                    None => assert!(!body.contains("mma.sync"), "{arch}: `{name}` uses mma"),
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn compiled_ptx_is_served_from_the_cache_the_second_time() {
     let Some((include, version)) = nvrtc_or_skip() else {
