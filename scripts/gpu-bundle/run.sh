@@ -18,6 +18,9 @@
 #              torch.compile (needs python3 with torch and transformers)
 #   llmc       llm.c's train_gpt2cu (when the bundle holds its source), built with nvcc
 #              and run on the same token file and batch
+#   ncu        (only when named) Nsight Compute on one bf16 step of gpt2 124M: speed of
+#              light, occupancy and launch statistics of trainkit's own kernels (the fused
+#              attention, layer norm, GELU, cross-entropy, AdamW, ...), as CSV in logs/
 #
 # Every step's output is shown and kept in logs/; the report (report.txt, report.json:
 # each step's name, command, status pass/fail/skipped, seconds and the figures read from
@@ -44,14 +47,16 @@ batch="${BATCH:-8}"
 seq=1024
 
 all_phases=(tests bench train reference llmc)
+# Run only when named: they cost device time and answer tuning questions, not pass/fail.
+extra_phases=(ncu)
 if [ "$#" -eq 0 ]; then
   phases=("${all_phases[@]}")
 else
   phases=("$@")
   for p in "${phases[@]}"; do
-    case " ${all_phases[*]} " in
+    case " ${all_phases[*]} ${extra_phases[*]} " in
       *" $p "*) ;;
-      *) echo "unknown phase '$p': use ${all_phases[*]}" >&2; exit 2 ;;
+      *) echo "unknown phase '$p': use ${all_phases[*]} ${extra_phases[*]}" >&2; exit 2 ;;
     esac
   done
 fi
@@ -561,6 +566,27 @@ phase_llmc() {
   run_step llmc_train 300 figures_llmc "$build/train_gpt2cu" -i "$data" -j "$val" \
     -e d12 -b "$batch" -t "$seq" -d "$((batch * seq))" -x "$steps" -l 0.0006 -u 0 -q 1.0 \
     -c 0.1 -v 1000 -m 4 -s 0 -h 0 -y 0
+}
+
+phase_ncu() {
+  if [ -n "$no_gpu" ]; then
+    skip ncu "ncu ... gpu_bench" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local ncu
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n1 || true)"
+  if [ -z "$ncu" ]; then
+    skip ncu "ncu ... gpu_bench" "Nsight Compute (ncu) was not found"
+    return 0
+  fi
+  # trainkit's own kernels (cuBLASLt's products are NVIDIA's): the first 120 launches
+  # whose names match, from the first step's forward into its backward; the clocks are
+  # left as the GPU sets them. NCU_LAUNCHES and NCU_KERNELS change the count and the names.
+  run_step ncu 540 - "$ncu" --clock-control none --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats \
+    -k "regex:^(${NCU_KERNELS:-flash_attention|layernorm|gelu|cross_entropy|embedding|bias_backward|adamw})" \
+    --launch-count "${NCU_LAUNCHES:-120}" \
+    "$bin/gpu_bench" --batch "$batch" --precision bf16 --warmup 0 --steps 1
 }
 
 for p in "${phases[@]}"; do
