@@ -1258,6 +1258,26 @@ fn sync_ops_waits_at_every_op_and_changes_no_number() {
     }
 }
 
+/// `device::op_fence` waits for the backend it was made from (one host wait per call), and
+/// does nothing once that backend is gone (it holds it weakly).
+#[test]
+fn an_op_fence_waits_for_its_backend_and_outlives_it() {
+    if emulated().is_none() {
+        return;
+    }
+    let cuda = Arc::new(CudaBackend::emulated().unwrap());
+    let backend: Arc<dyn Backend> = cuda.clone();
+    let fence = trainkit::device::op_fence(&backend);
+    let before = cuda.host_waits();
+    fence().unwrap();
+    fence().unwrap();
+    assert_eq!(cuda.host_waits() - before, 2);
+    backend.ledger().set_op_fence(Some(fence.clone()));
+    drop(backend);
+    drop(cuda);
+    fence().unwrap();
+}
+
 #[test]
 fn the_gradient_guard_matches_the_cpu() {
     let cpu = CpuBackend::new();

@@ -18,6 +18,16 @@ use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
+/// An op fence ([`crate::memory::Ledger::set_op_fence`]) that waits for `backend`'s queued
+/// work: with it set on the backend's ledger, each recorded op span times the device's work
+/// for the op (a no-op wait on the CPU, whose ops finish before they return). The fence
+/// holds the backend weakly (the backend owns the ledger that holds the fence), and does
+/// nothing once the backend is gone.
+pub fn op_fence(backend: &Arc<dyn Backend>) -> crate::memory::OpFence {
+    let weak = Arc::downgrade(backend);
+    Arc::new(move || weak.upgrade().map_or(Ok(()), |b| b.synchronize()))
+}
+
 /// Where training runs, chosen at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

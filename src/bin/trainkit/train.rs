@@ -417,6 +417,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             (cfg.model.vocab_size() as f64).ln()
         );
     }
+    let (observer, timeline_steps) = observer(&cfg, &args)?;
     let mut trainer = Trainer::new(
         model,
         Arc::clone(&backend),
@@ -425,7 +426,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         cfg.checkpoint.clone(),
         cfg.optimizer.clone(),
         cfg.accumulation.clone(),
-        observer(&cfg, &args)?,
+        observer,
         TrainerOptions {
             grad_clip: t.grad_clip,
             lr_schedule: t.lr_schedule,
@@ -465,6 +466,17 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         }
         return Ok(());
     }
+    // A GPU queues work without waiting, so its op spans would time the launches: while
+    // the timeline records, every op waits for the device at both ends, and trace.json
+    // shows each op's device time. The steps after it run unsynchronized.
+    let mut fenced_until = None;
+    if let (Some(n), true) = (timeline_steps, device != trainkit::Device::Cpu) {
+        backend
+            .ledger()
+            .set_op_fence(Some(trainkit::device::op_fence(&backend)));
+        fenced_until = Some(trainer.steps_done() + n);
+        println!("timeline: each op of the recorded steps waits for the device (slower steps)");
+    }
     let mut progress = Progress::new(
         trainer.steps_done(),
         t.steps,
@@ -496,6 +508,10 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             }
             Err(e) => return Err(e),
         };
+        if fenced_until.is_some_and(|until| trainer.steps_done() >= until) {
+            backend.ledger().set_op_fence(None);
+            fenced_until = None;
+        }
         first_loss.get_or_insert(s.loss);
         last_loss = s.loss;
         peaks.max_with(&s.memory.peak);
@@ -632,10 +648,11 @@ fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
     }
 }
 
-/// The config's observer, joined by a timeline writing into `--timeline DIR`.
-fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<Box<dyn MemoryObserver>> {
+/// The config's observer, joined by a timeline writing into `--timeline DIR`, and the
+/// number of steps the timeline records (`None` without one).
+fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<(Box<dyn MemoryObserver>, Option<u64>)> {
     let Some(dir) = &args.timeline else {
-        return Ok(cfg.observer.clone());
+        return Ok((cfg.observer.clone(), None));
     };
     // A run shorter than --timeline-steps still writes its files: record the steps it runs.
     let done = args.resume.as_deref().map_or(0, resumed_step);
@@ -652,9 +669,10 @@ fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<Box<dyn MemoryObserver>
          opens at https://pytorch.org/memory_viz, trace.json at https://ui.perfetto.dev)",
         dir.display()
     );
-    Ok(Box::new(Observers {
+    let observer = Box::new(Observers {
         observers: vec![cfg.observer.clone(), Box::new(timeline)],
-    }))
+    });
+    Ok((observer, Some(steps)))
 }
 
 /// The step a checkpoint directory was saved at (0 when it cannot tell; resuming then
