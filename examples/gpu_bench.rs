@@ -33,30 +33,43 @@ struct Args {
     ops: bool,
 }
 
-fn args() -> Args {
+fn args() -> trainkit::Result<Args> {
     let a: Vec<String> = std::env::args().collect();
     let get = |flag: &str| {
         a.iter()
             .position(|x| x == flag)
             .and_then(|i| a.get(i + 1).cloned())
     };
-    let num = |flag: &str, default: usize| {
-        get(flag)
-            .map(|v| {
-                v.parse()
-                    .unwrap_or_else(|_| panic!("{flag} takes a number"))
-            })
-            .unwrap_or(default)
+    let num = |flag: &str, default: usize, least: usize| match get(flag) {
+        None => Ok(default),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if n >= least => Ok(n),
+            _ => Err(trainkit::Error::config(
+                flag,
+                format!("takes a whole number of at least {least}, not `{v}`"),
+            )),
+        },
     };
-    Args {
-        batch: num("--batch", 8),
-        steps: num("--steps", 10),
-        warmup: num("--warmup", 3),
-        recompute: get("--recompute").unwrap_or_else(|| "none".into()),
+    let one_of = |flag: &str, default: &str, allowed: &[&str]| {
+        let v = get(flag).unwrap_or_else(|| default.into());
+        if allowed.contains(&v.as_str()) {
+            Ok(v)
+        } else {
+            Err(trainkit::Error::config(
+                flag,
+                format!("takes one of {}, not `{v}`", allowed.join(", ")),
+            ))
+        }
+    };
+    Ok(Args {
+        batch: num("--batch", 8, 1)?,
+        steps: num("--steps", 10, 1)?,
+        warmup: num("--warmup", 3, 0)?,
+        recompute: one_of("--recompute", "none", &["none", "selective", "full"])?,
         tf32: a.iter().any(|x| x == "--tf32"),
-        precision: get("--precision").unwrap_or_else(|| "all".into()),
+        precision: one_of("--precision", "all", &["all", "fp32", "bf16", "fp16"])?,
         ops: a.iter().any(|x| x == "--ops"),
-    }
+    })
 }
 
 fn run<P: Precision + Default>(
@@ -129,8 +142,15 @@ fn policy(name: &str) -> Box<dyn CheckpointPolicy> {
     }
 }
 
-fn main() -> trainkit::Result<()> {
-    let a = args();
+fn main() {
+    if let Err(e) = bench() {
+        eprintln!("gpu_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn bench() -> trainkit::Result<()> {
+    let a = args()?;
     let info = match probe() {
         Ok(info) => info,
         Err(reason) => {
