@@ -1,12 +1,15 @@
-//! GPU throughput and memory of a full training step (forward, backward, AdamW) for
-//! GPT-2 124M at sequence length 1024, in FP32, mixed bf16 and mixed fp16 (with its dynamic
-//! loss scale): the median and the best of the timed steps after warm-up, the ledger's peak
-//! and the pool's, and under fp16 the steps the scale skipped.
+//! GPU throughput and memory of a full training step (forward, backward, AdamW) for a
+//! preset model (GPT-2 124M by default) at sequence length 1024, in FP32, mixed bf16 and
+//! mixed fp16 (with its dynamic loss scale): the median and the best of the timed steps
+//! after warm-up, the ledger's peak and the pool's, under fp16 the steps the scale
+//! skipped, and the model FLOP/s of the median step (the model's `flops_per_token`: 6N +
+//! 6·L·h·T for GPT-2) with the MFU when `--peak-tflops` is given.
 //!
 //! `cargo run --release --example gpu_bench` on a machine with an NVIDIA GPU (driver 580
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
-//! `-- --batch 8 --steps 10 --warmup 3 --recompute none|selective|full --tf32
-//! --precision all|fp32|bf16|fp16 --ops`.
+//! `-- --model gpt2|gpt2-xl|llama-3.2-1b|... --batch 8 --seq 1024 --steps 10 --warmup 3
+//! --recompute none|selective|full --tf32 --precision all|fp32|bf16|fp16 --ops
+//! --peak-tflops 989`.
 //!
 //! `--ops` profiles instead: the backend waits for the GPU at both ends of every op
 //! (`CudaOptions::sync_ops`), and after the timed steps each precision prints where the
@@ -19,11 +22,14 @@ use trainkit::data::DataLoader;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::memory::{format_bytes, OpProfile};
 use trainkit::{
-    Backend, CheckpointPolicy, Fp32, Full, Gpt2, Gpt2Config, MixedBf16, MixedFp16, NoRecompute,
+    Backend, CheckpointPolicy, Fp32, Full, MixedBf16, MixedFp16, ModelConfig, NoRecompute,
     Precision, Rng, Selective, Trainer,
 };
 
 struct Args {
+    model: String,
+    seq: usize,
+    peak_tflops: Option<f64>,
     batch: usize,
     steps: usize,
     warmup: usize,
@@ -61,7 +67,22 @@ fn args() -> trainkit::Result<Args> {
             ))
         }
     };
+    let peak_tflops = match get("--peak-tflops") {
+        None => None,
+        Some(v) => match v.parse::<f64>() {
+            Ok(p) if p.is_finite() && p > 0.0 => Some(p),
+            _ => {
+                return Err(trainkit::Error::config(
+                    "--peak-tflops",
+                    format!("takes the device's peak TFLOP/s (e.g. 989), not `{v}`"),
+                ))
+            }
+        },
+    };
     Ok(Args {
+        model: get("--model").unwrap_or_else(|| "gpt2".into()),
+        seq: num("--seq", 1024, 1)?,
+        peak_tflops,
         batch: num("--batch", 8, 1)?,
         steps: num("--steps", 10, 1)?,
         warmup: num("--warmup", 3, 0)?,
@@ -78,14 +99,16 @@ fn run<P: Precision + Default>(
     policy: Box<dyn CheckpointPolicy>,
     a: &Args,
 ) -> trainkit::Result<()> {
-    let config = Gpt2Config::gpt2_124m();
-    let seq = 1024;
+    let config = ModelConfig::preset(&a.model)?;
+    let seq = a.seq;
+    let vocab = config.vocab_size();
     let mut rng = Rng::new(0);
     let tokens: Vec<u32> = (0..a.batch * seq * (a.warmup + a.steps + 1) + 1)
-        .map(|_| rng.below(50257) as u32)
+        .map(|_| rng.below(vocab) as u32)
         .collect();
     let data = DataLoader::new(tokens, a.batch, seq)?;
-    let model = Gpt2::new(config)?;
+    let model = config.build()?;
+    let flops_per_token = model.flops_per_token(seq);
     let be: Arc<dyn Backend> = backend.clone();
     let mut t = Trainer::builder(model, be, data)
         .precision(P::default())
@@ -114,12 +137,18 @@ fn run<P: Precision + Default>(
     }
     secs.sort_by(f64::total_cmp);
     let tok = (a.batch * seq) as f64;
+    let median = tok / secs[secs.len() / 2];
+    let tflops = median * flops_per_token * 1e-12;
+    let mfu = a.peak_tflops.map_or(String::new(), |p| {
+        format!(", MFU {:.1}%", 100.0 * tflops / p)
+    });
     println!(
-        "{name}: batch {} × {seq}, recompute {}: median {:.0} tokens/s, best {:.0} tokens/s; \
-         ledger peak {}, pool peak {}; {skipped} of the timed steps skipped, loss scale {}",
+        "{name}: {}, batch {} × {seq}, recompute {}: median {median:.0} tokens/s, best {:.0} \
+         tokens/s; ledger peak {}, pool peak {}; {skipped} of the timed steps skipped, loss \
+         scale {}; model {tflops:.1} TFLOP/s{mfu}",
+        a.model,
         a.batch,
         a.recompute,
-        tok / secs[secs.len() / 2],
         tok / secs[0],
         format_bytes(peak),
         format_bytes(pool_peak),

@@ -1,4 +1,5 @@
-"""PyTorch reference for trainkit's GPU figures: GPT-2 124M at sequence length 1024.
+"""PyTorch reference for trainkit's GPU figures: GPT-2 124M at sequence length 1024 (or
+GPT-2 XL, or a Llama 3.2 1B shape, with `--model`).
 
 A full training step -- bf16 autocast forward, f32 cross-entropy, backward, global-norm
 clipping at 1.0, fused AdamW (lr 6e-4 constant, betas (0.9, 0.95), eps 1e-8, weight decay
@@ -10,6 +11,12 @@ it: batch j, row r is the window tokens[(j*B + r)*T : (j*B + r)*T + T + 1], in o
 
     python pytorch_gpt2.py --data tokens.bin [--mode eager|compile] [--batch 8]
         [--seq 1024] [--steps 50] [--warmup 3] [--json result.json]
+        [--model gpt2|gpt2-medium|gpt2-large|gpt2-xl|llama-3.2-1b] [--recompute none|full]
+
+`--model llama-3.2-1b` builds LlamaForCausalLM with Llama 3.2 1B's published shape (16
+layers, 2048 wide, 32 query and 8 key/value heads, SwiGLU 8192, vocabulary 128256, tied
+embeddings, rope theta 500000 with llama3 scaling), randomly initialised. `--recompute
+full` turns on the model's gradient checkpointing (every layer recomputed in backward).
 
 Prints one line per step, then a summary and a line `RESULT {json}` with the figures:
 tokens/s (median and best of the timed steps, i.e. the steps after --warmup), peak memory
@@ -32,7 +39,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+GPT2_SHAPES = {
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
 
 TOKEN_FILE_MAGIC = 20240520
 HEADER_INTS = 256
@@ -66,6 +80,39 @@ class Batches:
         window = self.tokens[self.pos : self.pos + n + 1]
         self.pos += n
         return window[:-1].view(self.batch, self.seq), window[1:].view(self.batch, self.seq)
+
+
+def llama_config(tiny):
+    """Llama 3.2 1B's published shape (or a 2-layer one with `tiny`)."""
+    layers, width, heads, kv, ffn = (2, 64, 4, 2, 128) if tiny else (16, 2048, 32, 8, 8192)
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=width,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    # transformers 5 keeps the rotary settings in `rope_parameters`, 4.x in `rope_theta`
+    # and `rope_scaling`.
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = rope
+    else:
+        config.rope_theta = rope.pop("rope_theta")
+        config.rope_scaling = rope
+    return config
 
 
 def allow_every_sdpa_kernel(allow):
@@ -105,6 +152,10 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, for a try")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument(
+        "--model", choices=[*GPT2_SHAPES, "llama-3.2-1b"], default="gpt2", help="the shape"
+    )
+    parser.add_argument("--recompute", choices=["none", "full"], default="none")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         sys.exit("--steps must exceed --warmup (the timed steps come after the warm-up)")
@@ -113,21 +164,28 @@ def main():
 
     torch.manual_seed(args.seed)
     device = args.device
-    shape = dict(n_layer=2, n_head=2, n_embd=64) if args.tiny else {}
-    config = GPT2Config(
-        n_layer=shape.get("n_layer", 12),
-        n_head=shape.get("n_head", 12),
-        n_embd=shape.get("n_embd", 768),
-        vocab_size=50257,
-        n_positions=args.seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu_new",
-        layer_norm_epsilon=1e-5,
-        attn_implementation="sdpa",
-    )
-    model = GPT2LMHeadModel(config).to(device).train()
+    if args.model == "llama-3.2-1b":
+        model = LlamaForCausalLM(llama_config(args.tiny)).to(device).train()
+        family = "Llama 3.2 1B shape"
+    else:
+        n_layer, n_head, n_embd = (2, 2, 64) if args.tiny else GPT2_SHAPES[args.model]
+        config = GPT2Config(
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            vocab_size=50257,
+            n_positions=args.seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            attn_implementation="sdpa",
+        )
+        model = GPT2LMHeadModel(config).to(device).train()
+        family = f"GPT-2 ({args.model})"
+    if args.recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = sum(p.numel() for p in model.parameters())
     attention = use_flash_only(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -147,9 +205,9 @@ def main():
     data = Batches(read_tokens(args.data), args.batch, args.seq)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
-        f"torch {torch.__version__}, {gpu}, GPT-2 {params / 1e6:.1f}M parameters, "
-        f"{args.mode}, batch {args.batch} x {args.seq}, bf16 autocast, {attention}, "
-        f"AdamW fused={fused}",
+        f"torch {torch.__version__}, {gpu}, {family}, {params / 1e6:.1f}M parameters, "
+        f"{args.mode}, batch {args.batch} x {args.seq}, recompute {args.recompute}, "
+        f"bf16 autocast, {attention}, AdamW fused={fused}",
         flush=True,
     )
 
@@ -200,6 +258,8 @@ def main():
     result = {
         "framework": "pytorch",
         "mode": args.mode,
+        "model": args.model,
+        "recompute": args.recompute,
         "torch": torch.__version__,
         "device": gpu,
         "parameters": params,

@@ -18,6 +18,9 @@
 #              torch.compile (needs python3 with torch and transformers)
 #   llmc       llm.c's train_gpt2cu (when the bundle holds its source), built with nvcc
 #              and run on the same token file and batch
+#   xl         GPT-2 XL (1.5B), bf16: trainkit without recomputation and with full
+#              recomputation, PyTorch eager and torch.compile without, eager with full
+#   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile
 #   ncu        (only when named) Nsight Compute on one bf16 step of gpt2 124M: speed of
 #              light, occupancy and launch statistics of trainkit's own kernels (the fused
 #              attention, layer norm, GELU, cross-entropy, AdamW, ...), as CSV in logs/
@@ -46,7 +49,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench train reference llmc)
+all_phases=(tests bench train reference llmc xl llama)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(ncu)
 if [ "$#" -eq 0 ]; then
@@ -230,15 +233,20 @@ figures_cargo_test() {
 }
 
 figures_gpu_bench() {
-  # "fp32: batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s; ledger peak X,
-  # pool peak Y; K of the timed steps skipped, loss scale S"
+  # "bf16 mixed: gpt2, batch 8 × 1024, recompute none: median N tokens/s, best N tokens/s;
+  # ledger peak X, pool peak Y; K of the timed steps skipped, loss scale S; model T TFLOP/s,
+  # MFU P%"
   local pattern='^(fp32[^:]*|bf16 mixed|fp16 mixed): .*median ([0-9]+) tokens/s, best ([0-9]+) tokens/s;'
   pattern+=' ledger peak ([^,]+), pool peak ([^;]+)(;.*)?$'
-  sed -n -E "s#$pattern#\\1|\\2|\\3|\\4|\\5#p" "$1" |
-    while IFS='|' read -r what median best ledger pool; do
+  sed -n -E "s#$pattern#\\1|\\2|\\3|\\4|\\5|\\6#p" "$1" |
+    while IFS='|' read -r what median best ledger pool rest; do
       key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
       printf '%s_tokens_per_s_median=%s;%s_tokens_per_s_best=%s;%s_ledger_peak=%s;%s_pool_peak=%s;' \
         "$key" "$median" "$key" "$best" "$key" "$ledger" "$key" "$pool"
+      tflops="$(sed -n -E 's#.*model ([0-9.]+) TFLOP/s.*#\1#p' <<<"$rest")"
+      mfu="$(sed -n -E 's#.*MFU ([0-9.]+)%.*#\1#p' <<<"$rest")"
+      [ -n "$tflops" ] && printf '%s_model_tflops=%s;' "$key" "$tflops"
+      [ -n "$mfu" ] && printf '%s_mfu_percent=%s;' "$key" "$mfu"
     done
   return 0
 }
@@ -321,11 +329,21 @@ libc="$(ldd --version 2>&1 | head -n1 || true)"
 say "this machine: $(uname -sm), ${libc:-glibc unknown}"
 
 section "GPU"
-gpu=""
+gpu="" peak_tflops=""
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$work/gpus" 2>&1 && grep -q '^GPU ' "$work/gpus"; then
   gpu="$(head -n1 "$work/gpus")"
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || true
   no_gpu=""
+  # Dense bf16 peak for the MFU figures: H100 SXM (80GB HBM3) and H200 989 TFLOP/s, H100
+  # PCIe 756, A100 312; otherwise none (tokens/s and model TFLOP/s only). PEAK_TFLOPS sets it.
+  case "$gpu" in
+    *H200*|*"H100 80GB HBM3"*|*"H100 SXM"*) peak_tflops=989 ;;
+    *"H100 PCIe"*) peak_tflops=756 ;;
+    *A100*) peak_tflops=312 ;;
+    *) peak_tflops="" ;;
+  esac
+  peak_tflops="${PEAK_TFLOPS:-$peak_tflops}"
+  say "bf16 dense peak for MFU: ${peak_tflops:-unknown} TFLOP/s"
 else
   if command -v nvidia-smi >/dev/null 2>&1; then
     no_gpu="no NVIDIA GPU answers here (nvidia-smi: $(head -c 200 "$work/gpus" | tr '\n' ' '))"
@@ -475,7 +493,8 @@ phase_bench() {
     skip gpu_bench "$bin/gpu_bench" "GPU checks skipped: $no_gpu"
     return 0
   fi
-  run_step gpu_bench 420 figures_gpu_bench "$bin/gpu_bench" --batch "$batch"
+  run_step gpu_bench 420 figures_gpu_bench "$bin/gpu_bench" --batch "$batch" \
+    ${peak_tflops:+--peak-tflops "$peak_tflops"}
   if grep -q 'gpu_bench needs a GPU' "$report/logs/gpu_bench.log"; then
     amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/gpu_bench.log")"
   fi
@@ -500,7 +519,8 @@ phase_train() {
     --config "$here/gpt2-124m.toml" --data "$data" --steps "$steps" --batch-size "$batch" \
     --seq-len "$seq" --grad-accum 1 --recompute none --precision bf16 \
     --lr-schedule constant --warmup-steps 0 --eval-every 0 --save-every 0 \
-    --device cuda --log-json "$work/train-log.jsonl"
+    --device cuda --log-json "$work/train-log.jsonl" \
+    ${peak_tflops:+--peak-tflops "$peak_tflops"}
   cp "$work/train-log.jsonl" "$report/logs/trainkit_train_gpu.jsonl" 2>/dev/null || true
 }
 
@@ -566,6 +586,47 @@ phase_llmc() {
   run_step llmc_train 300 figures_llmc "$build/train_gpt2cu" -i "$data" -j "$val" \
     -e d12 -b "$batch" -t "$seq" -d "$((batch * seq))" -x "$steps" -l 0.0006 -u 0 -q 1.0 \
     -c 0.1 -v 1000 -m 4 -s 0 -h 0 -y 0
+}
+
+# large_step MODEL RECOMPUTE MODES...: gpu_bench (bf16) on MODEL, then the PyTorch
+# reference in each of MODES (eager, compile; none for trainkit alone), all on batch × 1024
+# tokens a step. Step names end in the model and the recompute policy.
+large_step() {
+  local model="$1" recompute="$2" mode name
+  shift 2
+  name="$(tr -c 'a-z0-9\n' '_' <<<"$model")_$recompute"
+  if [ -n "$no_gpu" ]; then
+    skip "gpu_bench_$name" "$bin/gpu_bench --model $model" "GPU checks skipped: $no_gpu"
+  else
+    run_step "gpu_bench_$name" 300 figures_gpu_bench "$bin/gpu_bench" --model "$model" \
+      --precision bf16 --recompute "$recompute" --batch "$batch" --warmup 2 --steps 5 \
+      ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  fi
+  local script="$here/reference/pytorch_gpt2.py" why=""
+  if [ -n "$no_gpu" ]; then
+    why="GPU checks skipped: $no_gpu"
+  elif ! py -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    why="$python with torch (CUDA available) and transformers is missing: $python_torch"
+  fi
+  for mode in "$@"; do
+    if [ -n "$why" ]; then
+      skip "pytorch_${mode}_$name" "$python $script --model $model --mode $mode" "$why"
+      continue
+    fi
+    run_step "pytorch_${mode}_$name" 420 figures_pytorch env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$script" --data "$data" --model "$model" --recompute "$recompute" \
+      --mode "$mode" --batch "$batch" --seq "$seq" --steps 10 --warmup 3 \
+      --json "$report/logs/pytorch_${mode}_$name.json"
+  done
+}
+
+phase_xl() {
+  large_step gpt2-xl none eager compile
+  large_step gpt2-xl full eager
+}
+
+phase_llama() {
+  large_step llama-3.2-1b none eager compile
 }
 
 phase_ncu() {
