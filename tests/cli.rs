@@ -635,3 +635,22 @@ fn fp16_runs_log_their_loss_scale() {
     let (ok, _, err) = trainkit(&["train", "--precision", "f16", "--steps", "1"]);
     assert!(!ok && err.contains("fp32, bf16 or fp16"), "{err}");
 }
+
+/// `--profile-ops` prints where the time of the steps after the first went, op by op, with
+/// the product among them; a run of one step says there is nothing to show.
+#[test]
+fn profile_ops_prints_the_time_per_op() {
+    let out = run_ok(&tiny_run(&["--steps", "3", "--profile-ops"]));
+    let table = out
+        .split("op profile of the steps after the first:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no op profile in: {out}"));
+    assert!(table.contains("of the wall time inside op spans"), "{table}");
+    let matmul = table
+        .lines()
+        .find(|l| l.trim_start().starts_with("matmul "))
+        .unwrap_or_else(|| panic!("no matmul row: {table}"));
+    assert!(matmul.contains("GFLOP/s") && matmul.contains("calls"), "{matmul}");
+    let out = run_ok(&tiny_run(&["--steps", "1", "--profile-ops"]));
+    assert!(out.contains("one step only"), "{out}");
+}

@@ -193,6 +193,11 @@ pub struct TrainArgs {
     /// Optimizer steps the --timeline records.
     #[arg(long, value_name = "N", default_value_t = Timeline::DEFAULT_STEPS)]
     timeline_steps: u64,
+    /// At the end, print where the time of the steps after the first went, op by op
+    /// (time, share, calls, GFLOP/s). On a GPU every op then waits for the device, so each
+    /// op's time is the device's, and steps run slower.
+    #[arg(long)]
+    profile_ops: bool,
 }
 
 impl TrainArgs {
@@ -418,6 +423,13 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         );
     }
     let (observer, timeline_steps) = observer(&cfg, &args)?;
+    let profile = args.profile_ops.then(SharedOpProfile::default);
+    let observer: Box<dyn MemoryObserver> = match &profile {
+        Some(p) => Box::new(Observers {
+            observers: vec![observer, Box::new(p.clone())],
+        }),
+        None => observer,
+    };
     let mut trainer = Trainer::new(
         model,
         Arc::clone(&backend),
@@ -470,7 +482,12 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     // the timeline records, every op waits for the device at both ends, and trace.json
     // shows each op's device time. The steps after it run unsynchronized.
     let mut fenced_until = None;
-    if let (Some(n), true) = (timeline_steps, device != trainkit::Device::Cpu) {
+    if profile.is_some() && device != trainkit::Device::Cpu {
+        backend
+            .ledger()
+            .set_op_fence(Some(trainkit::device::op_fence(&backend)));
+        println!("--profile-ops: every op waits for the device (slower steps)");
+    } else if let (Some(n), true) = (timeline_steps, device != trainkit::Device::Cpu) {
         backend
             .ledger()
             .set_op_fence(Some(trainkit::device::op_fence(&backend)));
@@ -486,6 +503,8 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let mut last_loss = f64::NAN;
     let mut peaks = CategoryBytes::default();
     let mut peak_total = 0;
+    // The op profile leaves the first step out (kernel compilation, first allocations).
+    let mut profiled: Option<(trainkit::memory::OpProfile, std::time::Instant)> = None;
     while trainer.steps_done() < t.steps {
         let s = match trainer.step() {
             Ok(s) => s,
@@ -511,6 +530,9 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         if fenced_until.is_some_and(|until| trainer.steps_done() >= until) {
             backend.ledger().set_op_fence(None);
             fenced_until = None;
+        }
+        if let (Some(p), None) = (&profile, &profiled) {
+            profiled = Some((p.snapshot(), std::time::Instant::now()));
         }
         first_loss.get_or_insert(s.loss);
         last_loss = s.loss;
@@ -544,6 +566,20 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         }
     }
     progress.finish();
+    if let Some(p) = &profile {
+        match &profiled {
+            Some((first, since)) if trainer.steps_done() > 0 => {
+                let ops = p.snapshot().since(first);
+                if ops.total_micros() == 0 {
+                    println!("op profile: one step only (the first is left out); run more steps");
+                } else {
+                    println!("op profile of the steps after the first:");
+                    print!("{}", ops.table(since.elapsed().as_secs_f64()));
+                }
+            }
+            _ => println!("op profile: no step ran"),
+        }
+    }
     if let Some(path) = &args.memory_report {
         fit::write_report(path, &cfg, &peaks, peak_total)?;
         println!("memory report: {}", path.display());
@@ -646,6 +682,35 @@ fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
             }
         }
     }
+}
+
+/// An op profile the trainer's observer feeds and the command reads at the end.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+struct SharedOpProfile {
+    #[serde(skip)]
+    profile: Arc<std::sync::Mutex<trainkit::memory::OpProfile>>,
+}
+
+impl SharedOpProfile {
+    /// The profile so far.
+    fn snapshot(&self) -> trainkit::memory::OpProfile {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+#[typetag::serialize(name = "shared_op_profile")]
+impl MemoryObserver for SharedOpProfile {
+    fn on_event(&mut self, event: &trainkit::memory::MemoryEvent) {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .on_event(event);
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
 }
 
 /// The config's observer, joined by a timeline writing into `--timeline DIR`, and the
