@@ -645,12 +645,18 @@ fn profile_ops_prints_the_time_per_op() {
         .split("op profile of the steps after the first:")
         .nth(1)
         .unwrap_or_else(|| panic!("no op profile in: {out}"));
-    assert!(table.contains("of the wall time inside op spans"), "{table}");
+    assert!(
+        table.contains("of the wall time inside op spans"),
+        "{table}"
+    );
     let matmul = table
         .lines()
         .find(|l| l.trim_start().starts_with("matmul "))
         .unwrap_or_else(|| panic!("no matmul row: {table}"));
-    assert!(matmul.contains("GFLOP/s") && matmul.contains("calls"), "{matmul}");
+    assert!(
+        matmul.contains("GFLOP/s") && matmul.contains("calls"),
+        "{matmul}"
+    );
     let out = run_ok(&tiny_run(&["--steps", "1", "--profile-ops"]));
     assert!(out.contains("one step only"), "{out}");
 }

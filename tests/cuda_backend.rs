@@ -384,6 +384,72 @@ fn the_fused_bias_and_gelu_product_matches_the_cpu() {
     }
 }
 
+/// A linear layer's weight and bias gradients (`weight_bias_grad`: on CUDA one product
+/// with cuBLASLt's bias-gradient epilogue where the dtypes allow, else two ops) match the
+/// CPU's, for both weight layouts, accumulating into gradients that already hold values.
+#[test]
+fn weight_and_bias_gradients_match_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(21);
+    // (operand dtype, gradient dtype): the last takes the two-op form.
+    let kinds = [
+        (DType::F32, DType::F32),
+        (DType::Bf16, DType::F32),
+        (DType::Bf16, DType::Bf16),
+        (DType::F16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::F32, DType::Bf16),
+    ];
+    for (name, cuda) in cuda_backends() {
+        for &(rows, din, dout) in &[(33usize, 24usize, 40usize), (130, 64, 48), (7, 9, 5)] {
+            for (dx, dg) in kinds {
+                for transposed in [false, true] {
+                    let x = pair(
+                        &cpu,
+                        &cuda,
+                        &randn(&mut rng, rows * din, 1.0),
+                        &[rows, din],
+                        dx,
+                    );
+                    let dy = pair(
+                        &cpu,
+                        &cuda,
+                        &randn(&mut rng, rows * dout, 1.0),
+                        &[rows, dout],
+                        dx,
+                    );
+                    let w_shape = if transposed { [dout, din] } else { [din, dout] };
+                    let mut dw = pair(&cpu, &cuda, &randn(&mut rng, din * dout, 1.0), &w_shape, dg);
+                    let mut db = pair(&cpu, &cuda, &randn(&mut rng, dout, 1.0), &[dout], dg);
+                    cpu.weight_bias_grad(&mut dw.cpu, &mut db.cpu, &x.cpu, &dy.cpu, transposed)
+                        .unwrap();
+                    cuda.weight_bias_grad(
+                        &mut dw.cuda,
+                        &mut db.cuda,
+                        &x.cuda,
+                        &dy.cuda,
+                        transposed,
+                    )
+                    .unwrap();
+                    let what = format!(
+                        "weight_bias_grad {rows}x{din}x{dout} {dx}→{dg} transposed {transposed}"
+                    );
+                    let dt = if dx != DType::F32 || dg != DType::F32 {
+                        DType::Bf16
+                    } else {
+                        DType::F32
+                    };
+                    for (part, p) in [("dW", &dw), ("db", &db)] {
+                        let want = cpu.to_f32(&p.cpu).unwrap();
+                        let got = cuda.to_f32(&p.cuda).unwrap();
+                        check(&format!("{what} {part}"), name, &got, &want, dt);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn bias_backward_and_embeddings_match_the_cpu() {
     let cpu = CpuBackend::new();

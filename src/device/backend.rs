@@ -346,6 +346,36 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.bias_backward_kernel(dbias, dout))
     }
 
+    /// A linear layer's parameter gradients from its input `x` and output gradient `dy`:
+    /// `dw += xᵀ · dy` (weights stored `[in, out]`), or `dw += dyᵀ · x` with `transposed`
+    /// (stored `[out, in]`), and `dbias += column sums of dy`. When the backend's
+    /// [`Backend::weight_bias_grad_kernel`] fuses the two (a GPU sums `dy` in the product's
+    /// epilogue, a pass over `dy` fewer) this is one `weight_bias_grad` span carrying the
+    /// flops of both; otherwise it runs [`Backend::matmul`] then [`Backend::bias_backward`].
+    fn weight_bias_grad(
+        &self,
+        dw: &mut Tensor,
+        dbias: &mut Tensor,
+        x: &Tensor,
+        dy: &Tensor,
+        transposed: bool,
+    ) -> Result<()> {
+        cpu::ensure_float("weight_bias_grad", &[dw, dbias, x, dy])?;
+        let (a, b) = if transposed { (dy, x) } else { (x, dy) };
+        cpu::matmul::dims(dw, a, b, None, true, false)?;
+        cpu::elementwise::check_bias_backward(dbias, dy)?;
+        let flops = cpu::matmul::flops(dw, a, false, true)
+            .saturating_add(each(dy.numel(), per_element::BIAS_BACKWARD));
+        let op = self.ledger().op("weight_bias_grad", flops, dw.label());
+        match self.weight_bias_grad_kernel(dw, dbias, x, dy, transposed) {
+            Ok(true) => return op.finish(Ok(())),
+            Ok(false) => op.cancel(),
+            Err(e) => return op.finish(Err(e)),
+        }
+        self.matmul(dw, a, b, None, true, false, true)?;
+        self.bias_backward(dbias, dy)
+    }
+
     /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`, or `wte[tokens[b, t]]` alone without
     /// position embeddings (`wpe` `None`, as Llama); `out` is `[B, T, C]`.
     fn embedding(
@@ -912,6 +942,21 @@ pub trait Backend: Debug + Send + Sync {
         bias: &Tensor,
     ) -> Result<bool> {
         let _ = (out, pre, a, b, bias);
+        Ok(false)
+    }
+
+    /// The fused kernel of [`Backend::weight_bias_grad`], on checked operands: `Ok(true)`
+    /// when it wrote both gradients, `Ok(false)` (having written nothing) to let the trait
+    /// run the product and the bias gradient as two ops. The default declines.
+    fn weight_bias_grad_kernel(
+        &self,
+        dw: &mut Tensor,
+        dbias: &mut Tensor,
+        x: &Tensor,
+        dy: &Tensor,
+        transposed: bool,
+    ) -> Result<bool> {
+        let _ = (dw, dbias, x, dy, transposed);
         Ok(false)
     }
 

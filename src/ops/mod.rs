@@ -317,7 +317,7 @@ impl BackwardCx<'_> {
 }
 
 /// `dx = dy · op(W)ᵀ` into `dx` (accumulating when it already holds a gradient), then
-/// `dW += op(x)ᵀ · dy` and `db += Σ dy`: the backward of `y = x · op(W) + b`, where
+/// `dW += op(x)ᵀ · dy` and `db += Σ dy` (one [`Backend::weight_bias_grad`]): the backward of `y = x · op(W) + b`, where
 /// `transposed` means `op(W) = Wᵀ` (weights stored `[out, in]`).
 pub(crate) fn linear_backward(
     backend: &dyn Backend,
@@ -339,15 +339,15 @@ pub(crate) fn linear_backward(
             !fresh,
         )?;
     }
-    if transposed {
-        backend.matmul(params[0].grad_mut(backend)?, dy, x, None, true, false, true)?;
-    } else {
-        backend.matmul(params[0].grad_mut(backend)?, x, dy, None, true, false, true)?;
+    match params {
+        [w, b, ..] => {
+            let dw = w.grad_mut(backend)?;
+            backend.weight_bias_grad(dw, b.grad_mut(backend)?, x, dy, transposed)
+        }
+        [w] if transposed => backend.matmul(w.grad_mut(backend)?, dy, x, None, true, false, true),
+        [w] => backend.matmul(w.grad_mut(backend)?, x, dy, None, true, false, true),
+        [] => Err(missing("the weight of a linear layer")),
     }
-    if params.len() > 1 {
-        backend.bias_backward(params[1].grad_mut(backend)?, dy)?;
-    }
-    Ok(())
 }
 
 /// The error of a value, input or gradient the graph should hold but does not: a graph

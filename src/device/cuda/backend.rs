@@ -48,6 +48,11 @@ pub struct CudaOptions {
     /// (and an [`OpProfile`](crate::memory::OpProfile)) is the device's time for the op
     /// rather than the host's time to queue it. For profiling: whole steps run slower.
     pub sync_ops: bool,
+    /// Compute a linear layer's bias gradient with trainkit's own column-sum kernel after
+    /// the weight gradient's product, instead of in that product's cuBLASLt epilogue
+    /// (`BGRADA`/`BGRADB`, which saves a pass over the output gradient): for comparing the
+    /// two. Off by default.
+    pub plain_bias_grad: bool,
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on
@@ -61,6 +66,9 @@ pub struct CudaBackend {
     /// Cleared when cuBLASLt fails a product with the GELU epilogue: from then on the
     /// product and the GELU run as two ops.
     pub(super) gelu_epilogue: AtomicBool,
+    /// Cleared when cuBLASLt fails a product with a bias-gradient epilogue (or set off by
+    /// [`CudaOptions::plain_bias_grad`]): the weight and bias gradients then run as two ops.
+    pub(super) bias_grad_epilogue: AtomicBool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -116,6 +124,7 @@ impl CudaBackend {
             options,
             gemm_workspace: Mutex::new(None),
             gelu_epilogue: AtomicBool::new(true),
+            bias_grad_epilogue: AtomicBool::new(!options.plain_bias_grad),
         }
     }
 
@@ -473,7 +482,17 @@ impl Backend for CudaBackend {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
-        matmul::gemm(self, out, a, b, bias, trans_a, trans_b, accumulate, 0)
+        matmul::gemm(
+            self,
+            out,
+            a,
+            b,
+            bias,
+            trans_a,
+            trans_b,
+            accumulate,
+            matmul::Epilogue::default(),
+        )
     }
 
     fn matmul_bias_gelu_kernel(
@@ -485,6 +504,17 @@ impl Backend for CudaBackend {
         bias: &Tensor,
     ) -> Result<bool> {
         matmul::matmul_bias_gelu(self, out, pre, a, b, bias)
+    }
+
+    fn weight_bias_grad_kernel(
+        &self,
+        dw: &mut Tensor,
+        dbias: &mut Tensor,
+        x: &Tensor,
+        dy: &Tensor,
+        transposed: bool,
+    ) -> Result<bool> {
+        matmul::weight_bias_grad(self, dw, dbias, x, dy, transposed)
     }
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
@@ -776,6 +806,76 @@ mod tests {
                 assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
             }
             assert!(!be.gelu_epilogue.load(std::sync::atomic::Ordering::Relaxed));
+        }
+    }
+
+    /// A linear layer's weight and bias gradients in one product (cuBLASLt's bias-gradient
+    /// epilogue) match the CPU's two ops, for both weight layouts, accumulating into
+    /// gradients that already hold values; and with the epilogue refused by the library,
+    /// or turned off by `plain_bias_grad`, the two ops run instead, with the same values.
+    #[test]
+    fn weight_and_bias_gradients_take_the_epilogue_or_fall_back_to_two_ops() {
+        let make = |refuse: bool, plain: bool| -> Option<CudaBackend> {
+            let mut gpu = match EmulatedGpu::new(None) {
+                Ok(gpu) => gpu,
+                Err(e) if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() => {
+                    panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}")
+                }
+                Err(_) => return None,
+            };
+            gpu.refuse_bias_grad_epilogue = refuse;
+            let options = CudaOptions {
+                plain_bias_grad: plain,
+                ..CudaOptions::default()
+            };
+            Some(CudaBackend::on(Arc::new(gpu), Device::Cuda(0), options))
+        };
+        let cpu = CpuBackend::new();
+        let (rows, din, dout) = (37usize, 12usize, 20usize);
+        let x: Vec<f32> = (0..rows * din).map(|i| (i as f32 * 0.37).sin()).collect();
+        let dy: Vec<f32> = (0..rows * dout).map(|i| (i as f32 * 0.11).cos()).collect();
+        let dw0: Vec<f32> = (0..din * dout).map(|i| i as f32 * 0.01 - 0.5).collect();
+        let db0: Vec<f32> = (0..dout).map(|i| i as f32 * 0.05 - 0.3).collect();
+        let run = |be: &dyn Backend, transposed: bool| {
+            let up = |v: &[f32], s: &[usize]| {
+                be.upload(v, s, DType::F32, MemoryCategory::Activations, "x")
+                    .unwrap()
+            };
+            let w_shape = if transposed { [dout, din] } else { [din, dout] };
+            let (x, dy) = (up(&x, &[rows, din]), up(&dy, &[rows, dout]));
+            let (mut dw, mut db) = (up(&dw0, &w_shape), up(&db0, &[dout]));
+            be.ledger().set_recording(true);
+            be.weight_bias_grad(&mut dw, &mut db, &x, &dy, transposed)
+                .unwrap();
+            let fused = be.ledger().drain_events().iter().any(|e| {
+                matches!(e, crate::memory::MemoryEvent::Op { name, .. } if name == "weight_bias_grad")
+            });
+            (be.to_f32(&dw).unwrap(), be.to_f32(&db).unwrap(), fused)
+        };
+        for transposed in [false, true] {
+            let want = run(&cpu, transposed);
+            assert!(!want.2, "the CPU runs two ops");
+            for (refuse, plain, fused) in [
+                (false, false, true),
+                (true, false, false),
+                (false, true, false),
+            ] {
+                let Some(be) = make(refuse, plain) else {
+                    return;
+                };
+                for _ in 0..2 {
+                    let got = run(&be, transposed);
+                    for (g, w) in got.0.iter().chain(&got.1).zip(want.0.iter().chain(&want.1)) {
+                        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+                    }
+                    assert_eq!(got.2, fused, "refused {refuse}, plain {plain}");
+                    assert_eq!(
+                        be.bias_grad_epilogue
+                            .load(std::sync::atomic::Ordering::Relaxed),
+                        fused
+                    );
+                }
+            }
         }
     }
 }

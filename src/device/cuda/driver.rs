@@ -99,6 +99,8 @@ struct GemmKey {
     d: MatrixLayout,
     bias: bool,
     gelu: bool,
+    /// 0: no bias gradient; 1: of A; 2: of B.
+    bias_grad: u8,
     tf32: bool,
 }
 
@@ -304,11 +306,21 @@ fn descriptors(g: &Gemm) -> Result<Descriptors> {
         std::mem::size_of_val(&tb),
     )?;
     use lt_sys::cublasLtEpilogue_t as E;
-    let epilogue = match (g.bias != 0, g.gelu_aux != 0) {
-        (false, false) => None,
-        (true, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
-        (false, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
-        (true, true) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+    let epilogue = match (g.bias != 0, g.gelu_aux != 0, g.bias_grad != 0) {
+        (false, false, false) => None,
+        (true, false, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
+        (false, true, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
+        (true, true, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        (false, false, true) if g.bias_grad_of_b => Some(E::CUBLASLT_EPILOGUE_BGRADB),
+        (false, false, true) => Some(E::CUBLASLT_EPILOGUE_BGRADA),
+        _ => {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: "a product asked for a bias gradient together with a bias or GELU \
+                          epilogue, which cuBLASLt does not combine"
+                    .into(),
+            })
+        }
     };
     if let Some(epilogue) = epilogue {
         set(
@@ -331,7 +343,9 @@ fn descriptors(g: &Gemm) -> Result<Descriptors> {
             std::mem::size_of::<i64>(),
         )?;
     }
-    if g.bias != 0 {
+    // The bias, or the bias gradient the epilogue writes: one vector, in D's type.
+    let bias = if g.bias != 0 { g.bias } else { g.bias_grad };
+    if bias != 0 {
         let bias_type = data_type(g.d_layout.ty);
         set(
             A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
@@ -340,7 +354,7 @@ fn descriptors(g: &Gemm) -> Result<Descriptors> {
         )?;
         set(
             A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            &g.bias as *const u64 as *const c_void,
+            &bias as *const u64 as *const c_void,
             std::mem::size_of::<u64>(),
         )?;
     }
@@ -384,6 +398,11 @@ impl DriverGpu {
             d: g.d_layout,
             bias: g.bias != 0,
             gelu: g.gelu_aux != 0,
+            bias_grad: match (g.bias_grad != 0, g.bias_grad_of_b) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => 2,
+            },
             tf32: g.allow_tf32,
         };
         let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());
@@ -719,7 +738,14 @@ mod tests {
         let mut built = 0;
         for operand in types {
             for out in [operand, MatrixType::F32] {
-                for (bias, gelu_aux) in [(0, 0), (0x2000, 0), (0, 0x3000), (0x2000, 0x3000)] {
+                for (bias, gelu_aux, bias_grad, bias_grad_of_b) in [
+                    (0, 0, 0, false),
+                    (0x2000, 0, 0, false),
+                    (0, 0x3000, 0, false),
+                    (0x2000, 0x3000, 0, false),
+                    (0, 0, 0x4000, false),
+                    (0, 0, 0x4000, true),
+                ] {
                     for (trans_a, trans_b) in [(false, false), (true, false), (false, true)] {
                         for allow_tf32 in [false, true] {
                             let (m, n, k) = (64, 48, 32);
@@ -739,6 +765,8 @@ mod tests {
                                 d_layout: layout(out, m, n),
                                 bias,
                                 gelu_aux,
+                                bias_grad,
+                                bias_grad_of_b,
                                 alpha: 1.0,
                                 beta: 0.0,
                                 allow_tf32,
@@ -754,7 +782,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(built, 3 * 2 * 4 * 3 * 2);
+        assert_eq!(built, 3 * 2 * 6 * 3 * 2);
         for bytes in [0, gemm_workspace_bytes(8), gemm_workspace_bytes(9)] {
             let pref = preference(bytes).unwrap_or_else(|e| panic!("{bytes} bytes: {e}"));
             // SAFETY: created above, destroyed once.

@@ -52,6 +52,9 @@ pub(crate) struct EmulatedGpu {
     /// Refuse products with the GELU epilogue, as a library without an algorithm for one
     /// would (to test the backend's fallback).
     pub(crate) refuse_gelu_epilogue: bool,
+    /// Refuse products with a bias-gradient epilogue, as a library without an algorithm
+    /// for one would.
+    pub(crate) refuse_bias_grad_epilogue: bool,
 }
 
 impl std::fmt::Debug for EmulatedGpu {
@@ -72,6 +75,7 @@ impl EmulatedGpu {
             waits: AtomicU64::new(0),
             offload: EmulatedOffload::default(),
             refuse_gelu_epilogue: false,
+            refuse_bias_grad_epilogue: false,
         })
     }
 
@@ -277,6 +281,12 @@ impl Gpu for EmulatedGpu {
                 message: "no algorithm for the GELU epilogue (refused on request)".into(),
             });
         }
+        if g.bias_grad != 0 && self.refuse_bias_grad_epilogue {
+            return Err(Error::Backend {
+                backend: "cuda-emulator",
+                message: "no algorithm for the bias-gradient epilogue (refused on request)".into(),
+            });
+        }
         let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
         let ldd = g.d_layout.ld as usize;
         let bias_ty = g.d_layout.ty;
@@ -310,6 +320,26 @@ impl Gpu for EmulatedGpu {
                 }
             }
         });
+        if g.bias_grad != 0 {
+            // BGRADA: Σ_l op(A)[i, l] for each row i of D; BGRADB: Σ_l op(B)[l, j] for each
+            // column j. Summed in f32, written in D's type.
+            let len = if g.bias_grad_of_b { n } else { m };
+            for idx in 0..len {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    // SAFETY: as above.
+                    acc += unsafe {
+                        if g.bias_grad_of_b {
+                            op_element(&g.b_layout, g.b, g.trans_b, l, idx)
+                        } else {
+                            op_element(&g.a_layout, g.a, g.trans_a, idx, l)
+                        }
+                    };
+                }
+                // SAFETY: the bias gradient holds one element per row (or column) of D.
+                unsafe { store(g.d_layout.ty, g.bias_grad, idx, acc) };
+            }
+        }
         Ok(())
     }
 

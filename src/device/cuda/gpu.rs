@@ -97,7 +97,8 @@ pub(crate) struct MatrixLayout {
 /// C and D the same buffer. `op(A)` is `m × k`, `op(B)` is `k × n`, D is `m × n`; the bias
 /// (one value per row of D, D's element type) is added by the epilogue. With `gelu_aux`,
 /// the epilogue also applies GELU (tanh approximation): the value before it is stored at
-/// `gelu_aux` (D's type and layout) and D receives GELU of it.
+/// `gelu_aux` (D's type and layout) and D receives GELU of it. With `bias_grad`, the
+/// epilogue also writes the sums of one operand over k (a linear layer's bias gradient).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
     /// Transpose A.
@@ -126,6 +127,13 @@ pub(crate) struct Gemm {
     pub bias: DevicePtr,
     /// Where the pre-GELU values go when the epilogue applies GELU, or 0 for no GELU.
     pub gelu_aux: DevicePtr,
+    /// Where the epilogue writes a bias gradient, or 0 for none: the sums over k of op(A),
+    /// one per row of D (`BGRADA`), or with `bias_grad_of_b` of op(B), one per column of D
+    /// (`BGRADB`), in D's element type. Written, not added to; D itself is still
+    /// `alpha · op(A) · op(B) + beta · C`. Not with `bias` or `gelu_aux`.
+    pub bias_grad: DevicePtr,
+    /// Which operand `bias_grad` sums: false A, true B.
+    pub bias_grad_of_b: bool,
     /// Multiplies the product.
     pub alpha: f32,
     /// Multiplies C (0: D is overwritten, 1: accumulate).

@@ -7,7 +7,7 @@ use super::super::backend::{ptr, CudaBackend, BLOCK};
 use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout, MatrixType};
 use super::elementwise::launch_cast;
 use crate::device::cpu::{self, ensure};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 use std::sync::atomic::Ordering;
@@ -26,9 +26,22 @@ pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {
     Ok((ptr(t)?, bytes))
 }
 
-/// The product of [`Backend::matmul_kernel`] on checked operands, with `gelu_aux` the
-/// address of the pre-GELU values when the epilogue applies GELU (0: no GELU; the caller
-/// checks the fused form applies).
+/// What a product's epilogue does beyond `op(a)·op(b)`: none of these, or one of them (the
+/// GELU with its bias).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Epilogue {
+    /// The address of the pre-GELU values when the epilogue applies GELU (0: no GELU).
+    pub gelu_aux: DevicePtr,
+    /// Where the epilogue writes the sums of one operand over the product's inner
+    /// dimension (0: none), in `out`'s dtype: of `op(b)`, one per column of `out`, or with
+    /// `bias_grad_of_a` of `op(a)`, one per row of `out`.
+    pub bias_grad: DevicePtr,
+    /// See `bias_grad`.
+    pub bias_grad_of_a: bool,
+}
+
+/// The product of [`Backend::matmul_kernel`] on checked operands, with `epilogue`'s extras
+/// (the caller checks the fused form applies).
 ///
 /// [`Backend::matmul_kernel`]: crate::device::Backend::matmul_kernel
 #[allow(clippy::too_many_arguments)]
@@ -41,7 +54,7 @@ pub(crate) fn gemm(
     trans_a: bool,
     trans_b: bool,
     accumulate: bool,
-    gelu_aux: DevicePtr,
+    epilogue: Epilogue,
 ) -> Result<()> {
     let (m, n, k) = cpu::matmul::shape(a, b, trans_a, trans_b);
     if m == 0 || n == 0 {
@@ -66,7 +79,15 @@ pub(crate) fn gemm(
             &format!("{}.f32", out.label()),
             false,
         )?;
-        gemm(be, &mut tmp, &a, &b, bias, trans_a, trans_b, false, 0)?;
+        if epilogue.bias_grad != 0 {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: "a bias-gradient epilogue needs operands of one dtype".into(),
+            });
+        }
+        gemm(
+            be, &mut tmp, &a, &b, bias, trans_a, trans_b, false, epilogue,
+        )?;
         return if accumulate {
             let n_el = out.numel();
             let o = ptr(out)?;
@@ -114,7 +135,10 @@ pub(crate) fn gemm(
             Some(t) => ptr(t)?,
             None => 0,
         },
-        gelu_aux,
+        gelu_aux: epilogue.gelu_aux,
+        // cuBLASLt's A is our b and its B our a.
+        bias_grad: epilogue.bias_grad,
+        bias_grad_of_b: epilogue.bias_grad_of_a,
         alpha: 1.0,
         beta: if accumulate { 1.0 } else { 0.0 },
         allow_tf32: be.options.allow_tf32,
@@ -151,7 +175,11 @@ pub(crate) fn matmul_bias_gelu(
         && be.gelu_epilogue.load(Ordering::Relaxed);
     if fused {
         let aux = ptr(pre)?;
-        match gemm(be, out, a, b, Some(bias), false, false, false, aux) {
+        let epilogue = Epilogue {
+            gelu_aux: aux,
+            ..Epilogue::default()
+        };
+        match gemm(be, out, a, b, Some(bias), false, false, false, epilogue) {
             Ok(()) => return Ok(true),
             // Nothing was written: say so once and run the two ops, which report the
             // error again if it was not the epilogue's.
@@ -177,4 +205,67 @@ fn operand_dtype(a: &Tensor, b: &Tensor) -> DType {
     } else {
         DType::F32
     }
+}
+
+/// [`Backend::weight_bias_grad_kernel`]: the weight gradient's product with cuBLASLt's
+/// bias-gradient epilogue (`BGRADA` when `dy` is cuBLASLt's A, `BGRADB` when it is its B),
+/// which sums `dy` over the rows while it multiplies, into a workspace vector that is then
+/// added to `dbias`. `Ok(false)` when the fused form does not apply (operands of two
+/// dtypes, gradients of two dtypes) or the library refused it: nothing was written, and
+/// the trait runs the product and the bias gradient as two ops.
+///
+/// [`Backend::weight_bias_grad_kernel`]: crate::device::Backend::weight_bias_grad_kernel
+pub(crate) fn weight_bias_grad(
+    be: &CudaBackend,
+    dw: &mut Tensor,
+    dbias: &mut Tensor,
+    x: &Tensor,
+    dy: &Tensor,
+    transposed: bool,
+) -> Result<bool> {
+    let fused = x.dtype() == dy.dtype()
+        && dbias.dtype() == dw.dtype()
+        && !(x.dtype() == DType::F32 && dw.dtype() != DType::F32)
+        && dw.numel() > 0
+        && dy.numel() > 0
+        && be.bias_grad_epilogue.load(Ordering::Relaxed);
+    if !fused {
+        return Ok(false);
+    }
+    let n = dbias.numel();
+    let sums = be.alloc(
+        &[n],
+        dbias.dtype(),
+        MemoryCategory::Workspace,
+        &format!("{}.sums", dbias.label()),
+        false,
+    )?;
+    // dW = op(a)·b with a = x (dy = b: its column sums) or, for weights stored [out, in],
+    // a = dy (op(a) = dyᵀ: its row sums).
+    let (a, b) = if transposed { (dy, x) } else { (x, dy) };
+    let epilogue = Epilogue {
+        bias_grad: ptr(&sums)?,
+        bias_grad_of_a: transposed,
+        ..Epilogue::default()
+    };
+    if let Err(e) = gemm(be, dw, a, b, None, true, false, true, epilogue) {
+        // Nothing was written: say so once and run the two ops, which report the error
+        // again if it was not the epilogue's.
+        if be.bias_grad_epilogue.swap(false, Ordering::Relaxed) {
+            log::warn!(
+                "cuBLASLt ran no product with the bias-gradient epilogue ({e}); weight and \
+                 bias gradients now run as two ops"
+            );
+        }
+        return Ok(false);
+    }
+    let t = dbias.dtype();
+    let d = ptr(dbias)?;
+    be.launch(
+        &format!("add_{t}_{t}_{t}"),
+        be.grid(n),
+        BLOCK,
+        Args::new().ptr(d).ptr(d).ptr(ptr(&sums)?).i64(n),
+    )?;
+    Ok(true)
 }
