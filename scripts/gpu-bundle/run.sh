@@ -22,6 +22,9 @@
 #   xl         GPT-2 XL (1.5B), bf16: trainkit without recomputation and with full
 #              recomputation, PyTorch eager and torch.compile without, eager with full
 #   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile
+#   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
+#              global access in bounds) on each op's parity test, racecheck (no shared-
+#              memory race) on the fused attention's and the norms'
 #   ncu        (only when named) Nsight Compute on one bf16 step of gpt2 124M: speed of
 #              light, occupancy and launch statistics of trainkit's own kernels (the fused
 #              attention, layer norm, GELU, cross-entropy, AdamW, ...), as CSV in logs/
@@ -52,7 +55,7 @@ seq=1024
 
 all_phases=(tests bench train reference llmc xl llama)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
-extra_phases=(ncu)
+extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
   phases=("${all_phases[@]}")
 else
@@ -631,6 +634,34 @@ phase_xl() {
 
 phase_llama() {
   large_step llama-3.2-1b none eager compile
+}
+
+phase_sanitize() {
+  if [ -n "$no_gpu" ]; then
+    skip sanitize_memcheck "compute-sanitizer ... cuda_backend" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local sanitizer
+  sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
+    /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -n1 || true)"
+  if [ -z "$sanitizer" ]; then
+    skip sanitize_memcheck "compute-sanitizer ... cuda_backend" "compute-sanitizer was not found"
+    return 0
+  fi
+  # The op-by-op parity tests (small shapes; the training runs would take too long under
+  # the tools). A report of any error fails the step.
+  local ops=(matmul_matches_the_cpu_in_every_layout layernorm_and_gelu_match_the_cpu
+    attention_matches_the_cpu flash_attention_matches_the_cpu
+    cross_entropy_and_adamw_match_the_cpu adamw8bit_matches_the_cpu_bit_for_bit
+    elementwise_ops_match_the_cpu bias_backward_and_embeddings_match_the_cpu
+    weight_and_bias_gradients_match_the_cpu the_fused_bias_and_gelu_product_matches_the_cpu
+    the_fused_loss_in_chunks_matches_the_cpu the_gradient_guard_matches_the_cpu
+    llama_ops_match_the_cpu copy_rows_matches_the_cpu)
+  run_step sanitize_memcheck 540 figures_cargo_test "$sanitizer" --tool memcheck \
+    --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact "${ops[@]}"
+  run_step sanitize_racecheck 540 figures_cargo_test "$sanitizer" --tool racecheck \
+    --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact \
+    flash_attention_matches_the_cpu layernorm_and_gelu_match_the_cpu llama_ops_match_the_cpu
 }
 
 phase_ncu() {
