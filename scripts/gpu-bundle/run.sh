@@ -144,12 +144,58 @@ json_str() {
   printf '"%s"' "$(printf '%s' "$s" | tr -d '\000-\010\013\014\016-\037')"
 }
 
+# json_number VALUE: VALUE as a JSON number, or null when it is empty.
+json_number() {
+  if [ -n "$1" ]; then json_value "$1"; else printf null; fi
+}
+
 json_value() {
   if [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]]; then printf '%s' "$1"; else json_str "$1"; fi
 }
 
 # write_report: report.txt and report.json from the steps recorded so far (rewritten after
 # every step, so that a run stopped from outside still leaves its report). Sets $failed.
+# fig STEP KEY: the figure KEY of step STEP (nothing when the step or the figure is absent).
+fig() {
+  local i kv kvs
+  for i in "${!names[@]}"; do
+    [ "${names[$i]}" = "$1" ] || continue
+    IFS=';' read -r -a kvs <<<"${figures[$i]}"
+    for kv in "${kvs[@]}"; do
+      if [ "${kv%%=*}" = "$2" ]; then printf '%s' "${kv#*=}"; return 0; fi
+    done
+  done
+  return 0
+}
+
+# comparisons: one line per model, "label|trainkit tokens/s|references as name=tokens/s,...|
+# ratio to the fastest reference", for the report (nothing for a model with no figures).
+comparisons() {
+  local label tk refs best ratio r value spec step key ref_steps
+  for spec in "GPT-2 124M bf16|gpu_bench|bf16|pytorch_eager pytorch_compile llmc_train" \
+    "GPT-2 XL bf16, no recompute|gpu_bench_gpt2_xl_none|bf16|pytorch_eager_gpt2_xl_none pytorch_compile_gpt2_xl_none" \
+    "GPT-2 XL bf16, full recompute|gpu_bench_gpt2_xl_full|bf16|pytorch_eager_gpt2_xl_full" \
+    "Llama 3.2 1B bf16|gpu_bench_llama_3_2_1b_none|bf16|pytorch_eager_llama_3_2_1b_none pytorch_compile_llama_3_2_1b_none"; do
+    IFS='|' read -r label step key ref_steps <<<"$spec"
+    tk="$(fig "$step" "${key}_tokens_per_s_median")"
+    refs="" best=""
+    for r in $ref_steps; do
+      value="$(fig "$r" tokens_per_s_median)"
+      [ -n "$value" ] || continue
+      refs+="${refs:+,}$r=$value"
+      if [ -z "$best" ] || awk -v a="$value" -v b="$best" 'BEGIN { exit !(a > b) }'; then
+        best="$value"
+      fi
+    done
+    [ -n "$tk" ] || [ -n "$refs" ] || continue
+    ratio=""
+    if [ -n "$tk" ] && [ -n "$best" ]; then
+      ratio="$(awk -v a="$tk" -v b="$best" 'BEGIN { printf "%.3f", a / b }')"
+    fi
+    printf '%s|%s|%s|%s\n' "$label" "$tk" "$refs" "$ratio"
+  done
+}
+
 write_report() {
   local passed=0 skipped=0 verdict s i p sep kv pairs now
   failed=0
@@ -180,6 +226,15 @@ write_report() {
         tr ';' '\n' <<<"${figures[$i]}" | sed '/^$/d; s/^/    /; s/=/: /'
       fi
     done
+    local rows
+    rows="$(comparisons)"
+    if [ -n "$rows" ]; then
+      say ""
+      say "side by side (median tokens/s; trainkit from gpu_bench; target: at least 1.1x the fastest reference on GPT-2 124M):"
+      while IFS='|' read -r label tk refs ratio; do
+        say "  $label: trainkit ${tk:-none}; ${refs:-no reference}; trainkit / fastest reference: ${ratio:-n/a}"
+      done <<<"$rows"
+    fi
     say ""
     say "$verdict: $passed passed, $failed failed, $skipped skipped"
     if [ -n "$no_gpu" ]; then say "GPU checks skipped: $no_gpu"; fi
@@ -199,7 +254,16 @@ write_report() {
     printf '  "phases": ['
     sep=""
     for p in "${phases[@]}"; do printf '%s%s' "$sep" "$(json_str "$p")"; sep=", "; done
-    printf '],\n  "steps": [\n'
+    printf '],\n  "comparisons": ['
+    sep=""
+    while IFS='|' read -r label tk refs ratio; do
+      [ -n "$label" ] || continue
+      printf '%s\n    {"model": %s, "trainkit_tokens_per_s": %s, "references": %s, "ratio_to_fastest": %s}' \
+        "$sep" "$(json_str "$label")" "$(json_number "$tk")" "$(json_str "$refs")" \
+        "$(json_number "$ratio")"
+      sep=","
+    done <<<"$(comparisons)"
+    printf '\n  ],\n  "steps": [\n'
     for i in "${!names[@]}"; do
       printf '    {"name": %s, "command": %s, "status": %s, ' "$(json_str "${names[$i]}")" \
         "$(json_str "${commands[$i]}")" "$(json_str "${statuses[$i]}")"
