@@ -68,20 +68,16 @@ struct Shared {
     flops: AtomicU64,
     /// Whether `fence` holds a fence (read without its lock by every op).
     fenced: AtomicBool,
-    fence: Mutex<Fence>,
+    fence: Mutex<Option<Fence>>,
 }
 
-/// The op fence, if any (a closure has no `Debug` of its own).
-#[derive(Default)]
-struct Fence(Option<OpFence>);
+/// An op fence with a `Debug` of its own (a closure has none).
+#[derive(Clone)]
+struct Fence(OpFence);
 
 impl std::fmt::Debug for Fence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "Fence(set)"
-        } else {
-            "Fence(none)"
-        })
+        f.write_str("Fence")
     }
 }
 
@@ -119,7 +115,7 @@ impl Ledger {
                 recording: AtomicBool::new(false),
                 flops: AtomicU64::new(0),
                 fenced: AtomicBool::new(false),
-                fence: Mutex::new(Fence::default()),
+                fence: Mutex::new(None),
             }),
             start: Instant::now(),
         }
@@ -147,16 +143,16 @@ impl Ledger {
     pub fn set_op_fence(&self, fence: Option<OpFence>) {
         let mut f = self.shared.fence.lock().unwrap_or_else(|e| e.into_inner());
         self.shared.fenced.store(fence.is_some(), Ordering::Relaxed);
-        f.0 = fence;
+        *f = fence.map(Fence);
     }
 
     /// The op fence, when one is set and the ledger records.
-    fn fence(&self) -> Option<OpFence> {
+    fn fence(&self) -> Option<Fence> {
         if !self.shared.fenced.load(Ordering::Relaxed) || !self.recording() {
             return None;
         }
         let f = self.shared.fence.lock().unwrap_or_else(|e| e.into_inner());
-        f.0.clone()
+        f.clone()
     }
 
     /// Starts or stops keeping the event stream (accounting itself never stops).
@@ -284,13 +280,13 @@ impl Ledger {
             if let Some(f) = &fence {
                 // A failed wait reports the device's error again at the next op or read;
                 // the span only times.
-                let _ = f();
+                let _ = (f.0)();
             }
             Recorded {
                 label: label.to_string(),
                 start: Instant::now(),
                 time_us: self.now_us(),
-                fence: fence.map(|f| Fence(Some(f))),
+                fence,
             }
         });
         OpSpan {
@@ -424,13 +420,9 @@ impl OpSpan<'_> {
             self.recorded = None;
             return result;
         }
-        let fence = self
-            .recorded
-            .as_mut()
-            .and_then(|r| r.fence.take())
-            .and_then(|f| f.0);
+        let fence = self.recorded.as_mut().and_then(|r| r.fence.take());
         if let Some(f) = fence {
-            if let Err(e) = f() {
+            if let Err(e) = (f.0)() {
                 self.flops = 0;
                 self.recorded = None;
                 return Err(e);
@@ -457,9 +449,9 @@ impl Drop for OpSpan<'_> {
                 .fetch_add(self.flops, Ordering::Relaxed);
         }
         if let Some(mut r) = self.recorded.take() {
-            if let Some(f) = r.fence.take().and_then(|f| f.0) {
+            if let Some(f) = r.fence.take() {
                 // Reported again by the next op or read; a drop cannot return it.
-                let _ = f();
+                let _ = (f.0)();
             }
             let duration_us = r.start.elapsed().as_micros() as u64;
             let mut s = self.ledger.lock();

@@ -254,10 +254,7 @@ pub fn assemble(source: &str, options: &CompileOptions) -> Result<Assembly> {
     let out = unsafe {
         let compiled = result::compile_program(prog, &flags);
         let log = result::get_program_log(prog)
-            .map(|l| {
-                let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
+            .map(|l| c_text(&l))
             .unwrap_or_default();
         let out = match compiled {
             Err(e) => Err(backend_error(format!(
@@ -266,11 +263,7 @@ pub fn assemble(source: &str, options: &CompileOptions) -> Result<Assembly> {
                 log.trim_end()
             ))),
             Ok(()) => {
-                let ptx = result::get_ptx(prog).map(|p| {
-                    let bytes: Vec<u8> =
-                        p.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-                    String::from_utf8_lossy(&bytes).into_owned()
-                });
+                let ptx = result::get_ptx(prog).map(|p| c_text(&p));
                 let mut size = 0usize;
                 let cubin = sys::nvrtcGetCUBINSize(prog, &mut size)
                     .result()
@@ -296,6 +289,16 @@ pub fn assemble(source: &str, options: &CompileOptions) -> Result<Assembly> {
         out
     };
     out
+}
+
+/// The text of a NUL-terminated C string buffer from NVRTC.
+fn c_text(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&c| c != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// Each kernel's resources from ptxas's `--verbose` report, in the order it reports them.
