@@ -102,6 +102,8 @@ struct GemmKey {
     /// 0: no bias gradient; 1: of A; 2: of B.
     bias_grad: u8,
     tf32: bool,
+    /// The alignments of A, B, C and D the algorithm may assume.
+    align: [u32; 4],
 }
 
 impl DriverGpu {
@@ -361,24 +363,53 @@ fn descriptors(g: &Gemm) -> Result<Descriptors> {
     Ok(d)
 }
 
-/// A matmul preference allowing `workspace` bytes of scratch memory (destroyed by the
-/// caller with `lt::destroy_matmul_pref`).
-fn preference(workspace: usize) -> Result<lt_sys::cublasLtMatmulPreference_t> {
+/// The largest power of two, up to 256, that divides the address `ptr`: the alignment
+/// cuBLASLt may assume of the matrix there (256, cuBLASLt's default, for an unused 0).
+fn alignment(ptr: DevicePtr) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        1 << ptr.trailing_zeros().min(8)
+    }
+}
+
+/// A matmul preference allowing `workspace` bytes of scratch memory and matrices A, B, C
+/// and D aligned to `align` bytes each (so the heuristic picks no algorithm that needs
+/// more than the pointers have). Destroyed by the caller with `lt::destroy_matmul_pref`.
+fn preference(workspace: usize, align: [u32; 4]) -> Result<lt_sys::cublasLtMatmulPreference_t> {
+    use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
     let pref = lt::create_matmul_pref().map_err(|e| blas_error("creating preferences", e))?;
     let bytes = workspace as u64;
-    // SAFETY: the preference was just created; the value is the documented u64.
+    // SAFETY: the preference was just created; each value has its attribute's documented
+    // type (u64 for the workspace, u32 for the alignments).
     let set = unsafe {
         lt::set_matmul_pref_attribute(
             pref,
-            lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             &bytes as *const u64 as *const c_void,
             std::mem::size_of::<u64>(),
         )
+        .and_then(|()| {
+            let attrs = [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ];
+            attrs.iter().zip(&align).try_for_each(|(&attr, a)| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    attr,
+                    a as *const u32 as *const c_void,
+                    std::mem::size_of::<u32>(),
+                )
+            })
+        })
     };
     if let Err(e) = set {
         // SAFETY: created above, destroyed once.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        return Err(blas_error("setting the workspace preference", e));
+        return Err(blas_error("setting the matmul preferences", e));
     }
     Ok(pref)
 }
@@ -404,12 +435,18 @@ impl DriverGpu {
                 (true, true) => 2,
             },
             tf32: g.allow_tf32,
+            align: [
+                alignment(g.a),
+                alignment(g.b),
+                alignment(g.d),
+                alignment(g.d),
+            ],
         };
         let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(a) = algos.get(&key) {
             return Ok(*a);
         }
-        let pref = preference(workspace)?;
+        let pref = preference(workspace, key.align)?;
         // SAFETY: the handle, descriptors and preference are live; the preference is
         // destroyed once, after the query.
         let heuristic = unsafe {
@@ -783,10 +820,24 @@ mod tests {
             }
         }
         assert_eq!(built, 3 * 2 * 6 * 3 * 2);
-        for bytes in [0, gemm_workspace_bytes(8), gemm_workspace_bytes(9)] {
-            let pref = preference(bytes).unwrap_or_else(|e| panic!("{bytes} bytes: {e}"));
+        for (bytes, align) in [
+            (0, [256; 4]),
+            (gemm_workspace_bytes(8), [16, 2, 4, 8]),
+            (gemm_workspace_bytes(9), [256, 128, 64, 32]),
+        ] {
+            let pref = preference(bytes, align)
+                .unwrap_or_else(|e| panic!("{bytes} bytes, alignments {align:?}: {e}"));
             // SAFETY: created above, destroyed once.
             unsafe { lt::destroy_matmul_pref(pref) }.unwrap();
         }
+    }
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_dividing_the_address_up_to_256() {
+        assert_eq!(alignment(0), 256);
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x7f00_0000_0080), 128);
+        assert_eq!(alignment(0x7f00_0000_0006), 2);
+        assert_eq!(alignment(0x7f00_0000_0001), 1);
     }
 }
