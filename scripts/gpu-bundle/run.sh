@@ -556,21 +556,30 @@ phase_tests() {
   fi
 }
 
+# gpu_bench_step NAME TIMEOUT FIGURE_FUNCTION ARGS...: gpu_bench with ARGS as step NAME.
+# gpu_bench says it needs a GPU and exits 0 where none answers; here a GPU is, so that
+# fails the step.
+gpu_bench_step() {
+  local name="$1" limit="$2" figures_fn="$3"
+  shift 3
+  run_step "$name" "$limit" "$figures_fn" "$bin/gpu_bench" "$@"
+  if grep -q 'gpu_bench needs a GPU' "$report/logs/$name.log"; then
+    amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/$name.log")"
+  fi
+}
+
 phase_bench() {
   if [ -n "$no_gpu" ]; then
     skip gpu_bench "$bin/gpu_bench" "GPU checks skipped: $no_gpu"
     return 0
   fi
-  run_step gpu_bench 420 figures_gpu_bench "$bin/gpu_bench" --batch "$batch" \
+  gpu_bench_step gpu_bench 420 figures_gpu_bench --batch "$batch" \
     ${peak_tflops:+--peak-tflops "$peak_tflops"}
-  if grep -q 'gpu_bench needs a GPU' "$report/logs/gpu_bench.log"; then
-    amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/gpu_bench.log")"
-  fi
   # The bias gradients by trainkit's own kernel instead of the cuBLASLt epilogue, to compare.
-  run_step gpu_bench_plain_bias_grad 300 figures_gpu_bench "$bin/gpu_bench" --batch "$batch" \
+  gpu_bench_step gpu_bench_plain_bias_grad 300 figures_gpu_bench --batch "$batch" \
     --precision bf16 --plain-bias-grad ${peak_tflops:+--peak-tflops "$peak_tflops"}
   # Where the device's time goes, op by op (every op waits for the GPU: slower steps).
-  run_step gpu_bench_ops 300 figures_gpu_ops "$bin/gpu_bench" --batch "$batch" \
+  gpu_bench_step gpu_bench_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --ops --warmup 2 --steps 3
 }
 
@@ -669,7 +678,7 @@ large_step() {
   if [ -n "$no_gpu" ]; then
     skip "gpu_bench_$name" "$bin/gpu_bench --model $model" "GPU checks skipped: $no_gpu"
   else
-    run_step "gpu_bench_$name" 300 figures_gpu_bench "$bin/gpu_bench" --model "$model" \
+    gpu_bench_step "gpu_bench_$name" 300 figures_gpu_bench --model "$model" \
       --precision bf16 --recompute "$recompute" --batch "$batch" --warmup 2 --steps 5 \
       ${peak_tflops:+--peak-tflops "$peak_tflops"}
   fi
@@ -723,9 +732,18 @@ phase_sanitize() {
     llama_ops_match_the_cpu copy_rows_matches_the_cpu)
   run_step sanitize_memcheck 540 figures_cargo_test "$sanitizer" --tool memcheck \
     --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact "${ops[@]}"
+  used_the_gpu sanitize_memcheck
   run_step sanitize_racecheck 540 figures_cargo_test "$sanitizer" --tool racecheck \
     --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact \
     flash_attention_matches_the_cpu layernorm_and_gelu_match_the_cpu llama_ops_match_the_cpu
+  used_the_gpu sanitize_racecheck
+}
+
+# used_the_gpu NAME: fails step NAME (the last one) when its tests skipped the GPU.
+used_the_gpu() {
+  if grep -q 'GPU checks SKIPPED' "$report/logs/$1.log"; then
+    amend_last fail "a GPU is here, but the tests did not use it: $(grep -m1 -o 'GPU checks SKIPPED.*' "$report/logs/$1.log")"
+  fi
 }
 
 phase_ncu() {
@@ -747,6 +765,9 @@ phase_ncu() {
     -k "regex:^(${NCU_KERNELS:-flash_attention|layernorm|gelu|cross_entropy|embedding|bias_backward|adamw})" \
     --launch-count "${NCU_LAUNCHES:-120}" \
     "$bin/gpu_bench" --batch "$batch" --precision bf16 --warmup 0 --steps 1
+  if grep -q 'gpu_bench needs a GPU' "$report/logs/ncu.log"; then
+    amend_last fail "a GPU is here, but $(grep -m1 -o 'gpu_bench needs a GPU.*' "$report/logs/ncu.log")"
+  fi
 }
 
 for p in "${phases[@]}"; do
