@@ -9,10 +9,11 @@
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
 //! `-- --model gpt2|gpt2-xl|llama-3.2-1b|... --batch 8 --seq 1024 --steps 10 --warmup 3
 //! --recompute none|selective|full --tf32 --precision all|fp32|bf16|fp16 --ops
-//! --peak-tflops 989 --plain-bias-grad`.
+//! --peak-tflops 989 --bias-grad-epilogue`.
 //!
-//! `--plain-bias-grad` computes bias gradients with trainkit's column-sum kernel instead
-//! of the weight gradient's cuBLASLt epilogue (`CudaOptions::plain_bias_grad`), to compare.
+//! `--bias-grad-epilogue` computes bias gradients in the weight gradient's cuBLASLt
+//! epilogue instead of trainkit's column-sum kernel (`CudaOptions::bias_grad_epilogue`),
+//! to compare.
 //!
 //! `--ops` profiles instead: the backend waits for the GPU at both ends of every op
 //! (`CudaOptions::sync_ops`), and after the timed steps each precision prints where the
@@ -40,7 +41,7 @@ struct Args {
     tf32: bool,
     precision: String,
     ops: bool,
-    plain_bias_grad: bool,
+    bias_grad_epilogue: bool,
 }
 
 fn args() -> trainkit::Result<Args> {
@@ -94,7 +95,7 @@ fn args() -> trainkit::Result<Args> {
         tf32: a.iter().any(|x| x == "--tf32"),
         precision: one_of("--precision", "all", &["all", "fp32", "bf16", "fp16"])?,
         ops: a.iter().any(|x| x == "--ops"),
-        plain_bias_grad: a.iter().any(|x| x == "--plain-bias-grad"),
+        bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
     })
 }
 
@@ -198,14 +199,14 @@ fn bench() -> trainkit::Result<()> {
         CudaOptions {
             allow_tf32: a.tf32,
             sync_ops: a.ops,
-            plain_bias_grad: a.plain_bias_grad,
+            bias_grad_epilogue: a.bias_grad_epilogue,
         },
     )?);
     if a.ops {
         println!("profiling: every op waits for the GPU at both ends (slower steps)");
     }
-    if a.plain_bias_grad {
-        println!("bias gradients: trainkit's column-sum kernel (no cuBLASLt epilogue)");
+    if a.bias_grad_epilogue {
+        println!("bias gradients: in the weight gradient's cuBLASLt epilogue");
     }
     let all = a.precision == "all";
     if !all && !["fp32", "bf16", "fp16"].contains(&a.precision.as_str()) {

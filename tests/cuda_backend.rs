@@ -384,9 +384,10 @@ fn the_fused_bias_and_gelu_product_matches_the_cpu() {
     }
 }
 
-/// A linear layer's weight and bias gradients (`weight_bias_grad`: on CUDA one product
-/// with cuBLASLt's bias-gradient epilogue where the dtypes allow, else two ops) match the
-/// CPU's, for both weight layouts, accumulating into gradients that already hold values.
+/// A linear layer's weight and bias gradients (`weight_bias_grad`: on CUDA two ops by
+/// default, or with `bias_grad_epilogue` one product with cuBLASLt's bias-gradient
+/// epilogue where the dtypes allow) match the CPU's, for both weight layouts, accumulating
+/// into gradients that already hold values.
 #[test]
 fn weight_and_bias_gradients_match_the_cpu() {
     let cpu = CpuBackend::new();
@@ -400,7 +401,24 @@ fn weight_and_bias_gradients_match_the_cpu() {
         (DType::F16, DType::F16),
         (DType::F32, DType::Bf16),
     ];
-    for (name, cuda) in cuda_backends() {
+    let epilogue = CudaOptions {
+        bias_grad_epilogue: true,
+        ..CudaOptions::default()
+    };
+    let mut backends: Vec<(String, Arc<CudaBackend>)> = cuda_backends()
+        .into_iter()
+        .map(|(name, b)| (name.to_string(), b))
+        .collect();
+    if emulated().is_some() {
+        let b = CudaBackend::emulated_with(None, epilogue).unwrap();
+        backends.push(("emulator, bias-gradient epilogue".into(), Arc::new(b)));
+    }
+    if gpu().is_some() {
+        let b = CudaBackend::with_options(0, epilogue).unwrap();
+        backends.push(("gpu, bias-gradient epilogue".into(), Arc::new(b)));
+    }
+    for (name, cuda) in backends {
+        let name = name.as_str();
         for &(rows, din, dout) in &[(33usize, 24usize, 40usize), (130, 64, 48), (7, 9, 5)] {
             for (dx, dg) in kinds {
                 for transposed in [false, true] {

@@ -12,8 +12,8 @@
 #              recompute policy, one host wait per step, out of memory beyond the device,
 #              the default run's first 50 steps against the CPU
 #   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16),
-#              then bf16 with the bias gradients by trainkit's own kernel instead of the
-#              cuBLASLt epilogue, then bf16 again with every op timed on the device
+#              then bf16 with the bias gradients in the cuBLASLt epilogue instead of
+#              trainkit's own kernel, then bf16 again with every op timed on the device
 #   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
 #   reference  the PyTorch reference on the same token file and batch, eager then
 #              torch.compile (needs python3 with torch and transformers)
@@ -575,9 +575,10 @@ phase_bench() {
   fi
   gpu_bench_step gpu_bench 420 figures_gpu_bench --batch "$batch" \
     ${peak_tflops:+--peak-tflops "$peak_tflops"}
-  # The bias gradients by trainkit's own kernel instead of the cuBLASLt epilogue, to compare.
-  gpu_bench_step gpu_bench_plain_bias_grad 300 figures_gpu_bench --batch "$batch" \
-    --precision bf16 --plain-bias-grad ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  # The bias gradients in the weight gradients' cuBLASLt epilogue instead of trainkit's own
+  # kernel, to compare.
+  gpu_bench_step gpu_bench_bias_grad_epilogue 300 figures_gpu_bench --batch "$batch" \
+    --precision bf16 --bias-grad-epilogue ${peak_tflops:+--peak-tflops "$peak_tflops"}
   # Where the device's time goes, op by op (every op waits for the GPU: slower steps).
   gpu_bench_step gpu_bench_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --ops --warmup 2 --steps 3

@@ -48,11 +48,12 @@ pub struct CudaOptions {
     /// (and an [`OpProfile`](crate::memory::OpProfile)) is the device's time for the op
     /// rather than the host's time to queue it. For profiling: whole steps run slower.
     pub sync_ops: bool,
-    /// Compute a linear layer's bias gradient with trainkit's own column-sum kernel after
-    /// the weight gradient's product, instead of in that product's cuBLASLt epilogue
-    /// (`BGRADA`/`BGRADB`, which saves a pass over the output gradient): for comparing the
-    /// two. Off by default.
-    pub plain_bias_grad: bool,
+    /// Compute a linear layer's bias gradient in the weight gradient's cuBLASLt product
+    /// (the `BGRADA`/`BGRADB` epilogue, a pass over the output gradient fewer) instead of
+    /// with trainkit's column-sum kernel after it. Off by default, as in llm.c, which wires
+    /// the same epilogue but sums with a kernel of its own: which is faster is for a GPU
+    /// to measure (`gpu_bench --bias-grad-epilogue`).
+    pub bias_grad_epilogue: bool,
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on
@@ -66,8 +67,8 @@ pub struct CudaBackend {
     /// Cleared when cuBLASLt fails a product with the GELU epilogue: from then on the
     /// product and the GELU run as two ops.
     pub(super) gelu_epilogue: AtomicBool,
-    /// Cleared when cuBLASLt fails a product with a bias-gradient epilogue (or set off by
-    /// [`CudaOptions::plain_bias_grad`]): the weight and bias gradients then run as two ops.
+    /// Set by [`CudaOptions::bias_grad_epilogue`]; cleared when cuBLASLt fails a product
+    /// with a bias-gradient epilogue: the weight and bias gradients then run as two ops.
     pub(super) bias_grad_epilogue: AtomicBool,
 }
 
@@ -124,7 +125,7 @@ impl CudaBackend {
             options,
             gemm_workspace: Mutex::new(None),
             gelu_epilogue: AtomicBool::new(true),
-            bias_grad_epilogue: AtomicBool::new(!options.plain_bias_grad),
+            bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
         }
     }
 
@@ -812,10 +813,10 @@ mod tests {
     /// A linear layer's weight and bias gradients in one product (cuBLASLt's bias-gradient
     /// epilogue) match the CPU's two ops, for both weight layouts, accumulating into
     /// gradients that already hold values; and with the epilogue refused by the library,
-    /// or turned off by `plain_bias_grad`, the two ops run instead, with the same values.
+    /// or not asked for (the default), the two ops run instead, with the same values.
     #[test]
     fn weight_and_bias_gradients_take_the_epilogue_or_fall_back_to_two_ops() {
-        let make = |refuse: bool, plain: bool| -> Option<CudaBackend> {
+        let make = |refuse: bool, epilogue: bool| -> Option<CudaBackend> {
             let mut gpu = match EmulatedGpu::new(None) {
                 Ok(gpu) => gpu,
                 Err(e) if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() => {
@@ -825,7 +826,7 @@ mod tests {
             };
             gpu.refuse_bias_grad_epilogue = refuse;
             let options = CudaOptions {
-                plain_bias_grad: plain,
+                bias_grad_epilogue: epilogue,
                 ..CudaOptions::default()
             };
             Some(CudaBackend::on(Arc::new(gpu), Device::Cuda(0), options))
@@ -855,12 +856,12 @@ mod tests {
         for transposed in [false, true] {
             let want = run(&cpu, transposed);
             assert!(!want.2, "the CPU runs two ops");
-            for (refuse, plain, fused) in [
-                (false, false, true),
-                (true, false, false),
-                (false, true, false),
+            for (refuse, epilogue, fused) in [
+                (false, true, true),
+                (true, true, false),
+                (false, false, false),
             ] {
-                let Some(be) = make(refuse, plain) else {
+                let Some(be) = make(refuse, epilogue) else {
                     return;
                 };
                 for _ in 0..2 {
@@ -868,7 +869,7 @@ mod tests {
                     for (g, w) in got.0.iter().chain(&got.1).zip(want.0.iter().chain(&want.1)) {
                         assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
                     }
-                    assert_eq!(got.2, fused, "refused {refuse}, plain {plain}");
+                    assert_eq!(got.2, fused, "refused {refuse}, epilogue {epilogue}");
                     assert_eq!(
                         be.bias_grad_epilogue
                             .load(std::sync::atomic::Ordering::Relaxed),
