@@ -275,10 +275,8 @@ pub trait Backend: Debug + Send + Sync {
             each(n, per_element::SUM_SQUARES),
             "gradients",
         );
-        match self.sum_squares_all_kernel(xs) {
-            Ok(Some(sum)) => return op.finish(Ok(sum)),
-            Ok(None) => op.cancel(),
-            Err(e) => return op.finish(Err(e)),
+        if let Some(done) = op.finish_fused(self.sum_squares_all_kernel(xs)) {
+            return done;
         }
         let mut sum = 0f64;
         for x in xs {
@@ -328,10 +326,11 @@ pub trait Backend: Debug + Send + Sync {
         let flops = cpu::matmul::flops(pre, a, true, false)
             .saturating_add(each(out.numel(), per_element::GELU));
         let op = self.ledger().op("matmul_bias_gelu", flops, out.label());
-        match self.matmul_bias_gelu_kernel(out, pre, a, b, bias) {
-            Ok(true) => return op.finish(Ok(())),
-            Ok(false) => op.cancel(),
-            Err(e) => return op.finish(Err(e)),
+        if let Some(done) = op.finish_fused(
+            self.matmul_bias_gelu_kernel(out, pre, a, b, bias)
+                .map(|ran| ran.then_some(())),
+        ) {
+            return done;
         }
         self.matmul(pre, a, b, Some(bias), false, false, false)?;
         self.gelu(out, pre)
@@ -367,10 +366,11 @@ pub trait Backend: Debug + Send + Sync {
         let flops = cpu::matmul::flops(dw, a, false, true)
             .saturating_add(each(dy.numel(), per_element::BIAS_BACKWARD));
         let op = self.ledger().op("weight_bias_grad", flops, dw.label());
-        match self.weight_bias_grad_kernel(dw, dbias, x, dy, transposed) {
-            Ok(true) => return op.finish(Ok(())),
-            Ok(false) => op.cancel(),
-            Err(e) => return op.finish(Err(e)),
+        if let Some(done) = op.finish_fused(
+            self.weight_bias_grad_kernel(dw, dbias, x, dy, transposed)
+                .map(|ran| ran.then_some(())),
+        ) {
+            return done;
         }
         self.matmul(dw, a, b, None, true, false, true)?;
         self.bias_backward(dbias, dy)

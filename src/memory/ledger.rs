@@ -431,6 +431,21 @@ impl OpSpan<'_> {
         result
     }
 
+    /// Ends the span with a fused kernel's answer (`Ok(Some(r))`: it ran; `Ok(None)`: it
+    /// declined, having written nothing): `Some` with the op's result when it ran or
+    /// failed, `None` with the span [cancelled](Self::cancel) when it declined, and the
+    /// caller runs the op's parts as ops of their own.
+    pub fn finish_fused<R>(self, ran: Result<Option<R>>) -> Option<Result<R>> {
+        match ran {
+            Ok(Some(r)) => Some(self.finish(Ok(r))),
+            Ok(None) => {
+                self.cancel();
+                None
+            }
+            Err(e) => Some(self.finish(Err(e))),
+        }
+    }
+
     /// Ends the span without recording it (neither flops nor an event): the op ran
     /// nothing under this span, as when a fused form is declined and its parts run as
     /// ops of their own.
@@ -584,6 +599,28 @@ mod tests {
         assert_eq!(l.snapshot().flops, 15);
         l.reset_peaks();
         assert_eq!(l.snapshot().flops, 0);
+    }
+
+    /// A fused kernel that ran ends its span with its result; one that declined cancels
+    /// the span (its parts record their own), and one that failed records nothing.
+    #[test]
+    fn finish_fused_records_only_a_fused_kernel_that_ran() {
+        let l = Ledger::new();
+        l.set_recording(true);
+        let ran = l.op("fused", 7, "a").finish_fused(Ok(Some(2.5)));
+        assert!(matches!(ran, Some(Ok(r)) if r == 2.5));
+        assert!(l
+            .op("fused", 11, "b")
+            .finish_fused::<()>(Ok(None))
+            .is_none());
+        let failed = l
+            .op("fused", 13, "c")
+            .finish_fused::<()>(Err(Error::shape("fused", "mismatch")));
+        assert!(matches!(failed, Some(Err(_))));
+        assert_eq!(l.flops(), 7);
+        let events = l.drain_events();
+        assert_eq!(events.len(), 1);
+        assert!(matches!(&events[0], MemoryEvent::Op { label, .. } if label == "a"));
     }
 
     /// The op fence runs when a recorded span opens and when it closes, never while the
