@@ -15,6 +15,7 @@ use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
+use trainkit::ops::rmsnorm;
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -1578,18 +1579,17 @@ fn llama_ops_match_the_cpu() {
                 let w = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
                 let mut y = out(&cpu, &cuda, &[rows, c], dt);
                 let mut r = out(&cpu, &cuda, &[rows], DType::F32);
-                cpu.rmsnorm(&mut y.cpu, &mut r.cpu, &x.cpu, &w.cpu, 1e-5)
-                    .unwrap();
-                cuda.rmsnorm(&mut y.cuda, &mut r.cuda, &x.cuda, &w.cuda, 1e-5)
-                    .unwrap();
+                rmsnorm::forward(&cpu, &mut y.cpu, &mut r.cpu, &x.cpu, &w.cpu, 1e-5).unwrap();
+                rmsnorm::forward(&*cuda, &mut y.cuda, &mut r.cuda, &x.cuda, &w.cuda, 1e-5).unwrap();
                 bitwise(&what, name, &cpu, &cuda, &y);
                 bitwise(&format!("{what} rstd"), name, &cpu, &cuda, &r);
                 let d = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
                 let mut dx = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
                 let mut dw = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
-                cpu.rmsnorm_backward(&mut dx.cpu, &mut dw.cpu, &d.cpu, &x.cpu, &w.cpu, &r.cpu)
-                    .unwrap();
-                cuda.rmsnorm_backward(
+                let (dxc, dwc) = (&mut dx.cpu, &mut dw.cpu);
+                rmsnorm::backward(&cpu, dxc, dwc, &d.cpu, &x.cpu, &w.cpu, &r.cpu).unwrap();
+                rmsnorm::backward(
+                    &*cuda,
                     &mut dx.cuda,
                     &mut dw.cuda,
                     &d.cuda,

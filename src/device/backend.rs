@@ -13,7 +13,7 @@
 //! nothing, so it records the same spans and FLOP counts as the CPU.
 
 use super::cpu::{self, attention, each, flash_attention, per_element};
-use super::{CustomKernel, Device, Heads};
+use super::{CustomKernel, Device, Heads, OpKernel};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
@@ -117,6 +117,23 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Starts a new high-water mark of [`Backend::device_memory`] (no-op on the CPU).
     fn reset_device_peak(&self) {}
+
+    /// Runs one call of an op family's kernel (the op wrapper, written once for every op):
+    /// checks the operands ([`OpKernel::check`]), opens the op's ledger span with its
+    /// name, the label of the tensor it writes and its FLOPs, dispatches the call to this
+    /// backend ([`Backend::dispatch`]) and ends the span with the result, so a failed call
+    /// records neither its flops nor its event.
+    fn run(&self, call: &mut dyn OpKernel) -> Result<()> {
+        call.check()?;
+        let op = self.ledger().op(call.name(), call.flops(), call.label());
+        op.finish(self.dispatch(call))
+    }
+
+    /// The kernel door: runs a checked call on this backend, inside its ledger span
+    /// ([`Backend::run`] is the way in). The CPU backend runs [`OpKernel::cpu`], the CUDA
+    /// backend [`OpKernel::cuda`], and the meta backend, whose tensors hold no data,
+    /// nothing.
+    fn dispatch(&self, call: &mut dyn OpKernel) -> Result<()>;
 
     /// A zero-filled tensor.
     fn zeros(
@@ -478,40 +495,6 @@ pub trait Backend: Debug + Send + Sync {
         let flops = each(x.numel(), per_element::GELU_BACKWARD);
         let op = self.ledger().op("gelu_backward", flops, dx.label());
         op.finish(self.gelu_backward_kernel(dx, x, dout))
-    }
-
-    /// RMS normalization of each row of `x`: `out = x · rstd · weight` with
-    /// `rstd = 1/√(mean(x²) + eps)` in f32, written to `rstd` (f32, one per row).
-    fn rmsnorm(
-        &self,
-        out: &mut Tensor,
-        rstd: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        cpu::ensure_float("rmsnorm", &[out, rstd, x, weight])?;
-        cpu::rmsnorm::check_forward(out, rstd, x, weight)?;
-        let flops = each(x.numel(), per_element::RMSNORM);
-        let op = self.ledger().op("rmsnorm", flops, out.label());
-        op.finish(self.rmsnorm_kernel(out, rstd, x, weight, eps))
-    }
-
-    /// Backward of [`Backend::rmsnorm`]: accumulates into `dx` and `dweight`.
-    fn rmsnorm_backward(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        rstd: &Tensor,
-    ) -> Result<()> {
-        cpu::ensure_float("rmsnorm_backward", &[dx, dweight, dout, x, weight, rstd])?;
-        cpu::rmsnorm::check_backward(dx, dweight, dout, x, weight, rstd)?;
-        let flops = each(x.numel(), per_element::RMSNORM_BACKWARD);
-        let op = self.ledger().op("rmsnorm_backward", flops, dx.label());
-        op.finish(self.rmsnorm_backward_kernel(dx, dweight, dout, x, weight, rstd))
     }
 
     /// Rotary position embedding (Hugging Face's rotate-half layout) of the queries and
@@ -1017,29 +1000,6 @@ pub trait Backend: Debug + Send + Sync {
 
     /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::rmsnorm`]: `out` is shaped as `x`, `rstd` is f32 with one
-    /// element per row, `weight` has `C` elements.
-    fn rmsnorm_kernel(
-        &self,
-        out: &mut Tensor,
-        rstd: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        eps: f32,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::rmsnorm_backward`]: `dx` and `dout` are shaped as `x`,
-    /// `rstd` has one element per row, `weight` and `dweight` have `C` elements.
-    fn rmsnorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        rstd: &Tensor,
-    ) -> Result<()>;
 
     /// The kernel of [`Backend::rope`]: `heads` are valid with an even head width, `x`
     /// and `out` are `[B, T, (H + 2·KV)·D]`, `inv_freq` has `D/2` values.

@@ -65,6 +65,10 @@ impl Backend for MetaBackend {
         false
     }
 
+    fn dispatch(&self, _call: &mut dyn crate::device::OpKernel) -> Result<()> {
+        Ok(())
+    }
+
     fn zeros(
         &self,
         shape: &[usize],
@@ -197,29 +201,6 @@ impl Backend for MetaBackend {
     }
 
     fn gelu_backward_kernel(&self, _dx: &mut Tensor, _x: &Tensor, _dout: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn rmsnorm_kernel(
-        &self,
-        _out: &mut Tensor,
-        _rstd: &mut Tensor,
-        _x: &Tensor,
-        _weight: &Tensor,
-        _eps: f32,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn rmsnorm_backward_kernel(
-        &self,
-        _dx: &mut Tensor,
-        _dweight: &mut Tensor,
-        _dout: &Tensor,
-        _x: &Tensor,
-        _weight: &Tensor,
-        _rstd: &Tensor,
-    ) -> Result<()> {
         Ok(())
     }
 

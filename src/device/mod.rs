@@ -1,17 +1,20 @@
 //! Devices and backends: the runtime choice of where training runs.
 
 mod backend;
-pub(crate) mod cpu;
+pub mod cpu;
 pub mod cuda;
 pub mod custom;
 mod heads;
+mod kernel;
 mod meta;
 
 pub use backend::{AdamWStep, Backend, QuantizedMoments};
 pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
+pub use cuda::CudaBackend;
 pub use custom::CustomKernel;
 pub use heads::Heads;
+pub use kernel::{ensure_same_shape, OpKernel};
 pub use meta::MetaBackend;
 
 use crate::error::Result;

@@ -15,6 +15,7 @@ mod flash_attention;
 mod linear;
 mod linear_cross_entropy;
 mod norm;
+pub mod rmsnorm;
 mod rope;
 mod swiglu;
 
@@ -24,7 +25,8 @@ pub use embedding::{LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
-pub use norm::{LayerNorm, RmsNorm};
+pub use norm::LayerNorm;
+pub use rmsnorm::RmsNorm;
 pub use rope::Rope;
 pub use swiglu::SwiGlu;
 

@@ -1,5 +1,4 @@
-//! Normalizations: layer norm with a gain and a bias (GPT-2's) and RMS norm with a gain
-//! (Llama's).
+//! Layer normalization with a gain and a bias (GPT-2's).
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::error::Result;
@@ -73,72 +72,6 @@ impl Op for LayerNorm {
             dx,
             dweight,
             dbias,
-            &dout,
-            cx.inputs[0].get()?,
-            weight,
-            cx.outputs[1].get()?,
-        )?;
-        cx.inputs[0].release();
-        cx.outputs[1].release();
-        drop(dout);
-        Ok(())
-    }
-}
-
-/// `out = x · rstd · weight` over each row, with `rstd = 1/√(mean(x²) + eps)` in f32
-/// (Llama's norm).
-///
-/// Input: `x`. Parameter: weight. Outputs: `out` (the compute dtype) and `rstd` (`[rows]`
-/// f32). Backward reads `x` and `rstd`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RmsNorm {
-    /// Added to the mean square.
-    pub eps: f32,
-}
-
-impl Op for RmsNorm {
-    fn name(&self) -> &'static str {
-        "rmsnorm"
-    }
-
-    fn output_shapes(
-        &self,
-        inputs: &[&Tensor],
-        _weights: &[&Tensor],
-        dtype: DType,
-        _batch: [usize; 2],
-    ) -> Result<Vec<(Vec<usize>, DType)>> {
-        let x = inputs[0];
-        let (rows, _) = x.rows_cols();
-        Ok(vec![(x.shape().to_vec(), dtype), (vec![rows], DType::F32)])
-    }
-
-    fn saves(&self) -> Saves {
-        Saves {
-            inputs: 0b1,
-            outputs: 0b10,
-        }
-    }
-
-    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
-        let x = cx.input(0)?;
-        let mut out = cx.alloc(0)?;
-        let mut rstd = cx.alloc(1)?;
-        cx.backend
-            .rmsnorm(&mut out, &mut rstd, x, cx.weights[0], self.eps)?;
-        cx.outputs[0] = Some(out);
-        cx.outputs[1] = Some(rstd);
-        Ok(())
-    }
-
-    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
-        let be = cx.backend;
-        let dout = cx.take_grad_out(0)?;
-        let dx = cx.grads_in[0].accumulate(be)?;
-        let (weight, dweight) = cx.params[0].weight_and_grad(be)?;
-        be.rmsnorm_backward(
-            dx,
-            dweight,
             &dout,
             cx.inputs[0].get()?,
             weight,

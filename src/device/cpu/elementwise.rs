@@ -202,7 +202,7 @@ pub(super) fn sum_squares(x: &Tensor) -> f64 {
 
 /// Rows per block of a column reduction; blocks are summed in order, so results do not
 /// depend on the thread count.
-pub(super) const ROW_BLOCK: usize = 128;
+pub(crate) const ROW_BLOCK: usize = 128;
 
 /// Column sums of a `[rows, cols]` matrix in f32, in a fixed order.
 pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {

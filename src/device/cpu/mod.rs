@@ -40,9 +40,8 @@ pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
 pub(crate) mod quantize;
-pub(crate) mod rmsnorm;
 pub(crate) mod rope;
-mod simd;
+pub(crate) mod simd;
 pub(crate) mod swiglu;
 
 use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
@@ -73,8 +72,6 @@ pub(crate) mod per_element {
     pub const LAYERNORM_BACKWARD: u64 = 19;
     pub const GELU: u64 = 9;
     pub const GELU_BACKWARD: u64 = 19;
-    pub const RMSNORM: u64 = 4;
-    pub const RMSNORM_BACKWARD: u64 = 11;
     pub const ROPE: u64 = 3;
     pub const SWIGLU: u64 = 5;
     pub const SWIGLU_BACKWARD: u64 = 11;
@@ -204,7 +201,7 @@ impl CpuBackend {
 /// A tensor of the CUDA backend is copied from the device (slow, and only for mixing
 /// backends in tests); a device failure during that copy panics, as there is no way to
 /// return it here.
-pub(crate) fn read(t: &Tensor) -> Cow<'_, [f32]> {
+pub fn read(t: &Tensor) -> Cow<'_, [f32]> {
     match t.storage() {
         Storage::Device(d) => Cow::Owned(
             d.to_f32()
@@ -269,7 +266,7 @@ fn through_f32<T: Copy + Send + Sync, R>(
 
 /// Runs `f` on the elements of `t` as f32 and stores the result in `t`'s dtype.
 /// With `load`, `f` sees the current contents (for accumulation); otherwise zeros.
-pub(crate) fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
+pub fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> R {
     match t.storage_mut() {
         Storage::Device(d) => {
             let fail = |e: Error| -> ! { panic!("writing a tensor on the GPU failed: {e}") };
@@ -379,6 +376,10 @@ impl Backend for CpuBackend {
 
     fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    fn dispatch(&self, call: &mut dyn super::OpKernel) -> Result<()> {
+        call.cpu(self)
     }
 
     fn zeros(
@@ -552,29 +553,6 @@ impl Backend for CpuBackend {
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
         gelu::backward(dx, x, dout);
         Ok(())
-    }
-
-    fn rmsnorm_kernel(
-        &self,
-        out: &mut Tensor,
-        rstd: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        rmsnorm::forward(out, rstd, x, weight, eps)
-    }
-
-    fn rmsnorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        rstd: &Tensor,
-    ) -> Result<()> {
-        rmsnorm::backward(dx, dweight, dout, x, weight, rstd)
     }
 
     fn rope_kernel(

@@ -19,9 +19,10 @@
 
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
+use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{
     adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, flash_attention,
-    gelu, layernorm, matmul, reductions, rmsnorm, rope, swiglu,
+    gelu, layernorm, matmul, reductions, rope, swiglu,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
@@ -32,11 +33,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 /// Threads per block of every kernel but `sum_squares_finish` (32).
-pub(super) const BLOCK: u32 = 256;
+pub const BLOCK: u32 = 256;
 /// Rows per block of the half-warp-per-row kernels (16 lanes a row).
-pub(super) const ROWS_PER_BLOCK: usize = BLOCK as usize / 16;
+pub const ROWS_PER_BLOCK: usize = BLOCK as usize / 16;
 /// Rows per partial sum of the two-pass parameter gradients (the kernels' ROW_BLOCK).
-pub(super) const ROW_BLOCK: usize = 128;
+pub(crate) const ROW_BLOCK: usize = 128;
 
 /// Settings of a CUDA backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -210,8 +211,9 @@ impl CudaBackend {
         }
     }
 
-    /// A workspace tensor of `bytes` (rounded up to whole f32s), contents unspecified.
-    pub(super) fn scratch(&self, bytes: usize, label: &str) -> Result<Tensor> {
+    /// A workspace tensor of `bytes` (rounded up to whole f32s), contents unspecified:
+    /// temporary buffers of a kernel call, counted by the ledger.
+    pub fn scratch(&self, bytes: usize, label: &str) -> Result<Tensor> {
         self.alloc(
             &[bytes.div_ceil(4)],
             DType::F32,
@@ -232,7 +234,7 @@ impl CudaBackend {
     }
 
     /// `t` as `dtype`: `t` itself, or a cast copy in the workspace.
-    pub(super) fn as_dtype<'a>(&self, t: &'a Tensor, dtype: DType) -> Result<Operand<'a>> {
+    pub fn as_dtype<'a>(&self, t: &'a Tensor, dtype: DType) -> Result<Operand<'a>> {
         if t.dtype() == dtype {
             return Ok(Operand::Borrowed(t));
         }
@@ -247,19 +249,63 @@ impl CudaBackend {
         Ok(Operand::Owned(c))
     }
 
-    /// Blocks for a grid-stride loop over `n` elements.
-    pub(super) fn grid(&self, n: usize) -> u32 {
+    /// Blocks (of [`BLOCK`] threads) for a grid-stride loop over `n` elements.
+    pub fn grid(&self, n: usize) -> u32 {
         n.div_ceil(BLOCK as usize)
             .clamp(1, self.gpu.max_blocks() as usize) as u32
     }
 
-    /// Blocks for a half-warp-per-row kernel over `rows` rows.
-    pub(super) fn grid_rows(&self, rows: usize) -> u32 {
+    /// Blocks (of [`BLOCK`] threads) for a half-warp-per-row kernel over `rows` rows.
+    pub fn grid_rows(&self, rows: usize) -> u32 {
         rows.div_ceil(ROWS_PER_BLOCK)
             .clamp(1, self.gpu.max_blocks() as usize * 4) as u32
     }
 
-    pub(super) fn launch(&self, kernel: &str, grid: u32, block: u32, mut args: Args) -> Result<()> {
+    /// Makes the kernels of `file` (CUDA C written outside trainkit) launchable by
+    /// [`CudaBackend::launch_kernel`]: on a GPU, compiled by NVRTC for the device (with
+    /// `kernels/common.cuh` prepended, and the kernel cache on disk) and loaded the first
+    /// time, a no-op after; on the emulator, built for the host by the C++ compiler. The
+    /// same file name with another source, or a kernel name that trainkit or another file
+    /// defines, is an error.
+    pub fn load_kernels(&self, file: &KernelFile) -> Result<()> {
+        if let Some((name, own)) = file.kernels.iter().find_map(|k| {
+            KERNEL_FILES
+                .iter()
+                .find(|f| f.kernels.contains(k))
+                .map(|f| (k, f))
+        }) {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: format!(
+                    "the kernel `{name}` of `{}` has the name of trainkit's own (in kernels/{}): \
+                     give yours another",
+                    file.name, own.name
+                ),
+            });
+        }
+        self.gpu.load_file(file.name, file.source, file.kernels)
+    }
+
+    /// Launches `kernel` (one of trainkit's, or of a file loaded with
+    /// [`CudaBackend::load_kernels`]) on `grid` blocks of `block` threads, on the backend's
+    /// stream; the work is queued, not waited for.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type (a device
+    /// pointer per pointer, `i64` for `long long`, ...), and every pointer must address a
+    /// buffer large enough for every access the kernel makes with this launch shape: the
+    /// kernel runs unchecked on the device (or as native code on the emulator).
+    pub unsafe fn launch_kernel(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: Args,
+    ) -> Result<()> {
+        self.launch(kernel, grid, block, args)
+    }
+
+    pub(crate) fn launch(&self, kernel: &str, grid: u32, block: u32, mut args: Args) -> Result<()> {
         let mut params = args.params();
         // SAFETY: every call site passes the kernel's arguments in its declared order and
         // types (see kernels/*.cu), with device pointers to buffers whose sizes the op
@@ -268,9 +314,13 @@ impl CudaBackend {
     }
 }
 
-/// An operand in the dtype an op needs: the caller's tensor or a converted copy.
-pub(super) enum Operand<'a> {
+/// An operand in the dtype an op needs: the caller's tensor or a converted copy
+/// ([`CudaBackend::as_dtype`]).
+#[derive(Debug)]
+pub enum Operand<'a> {
+    /// The caller's tensor, already in the dtype.
     Borrowed(&'a Tensor),
+    /// A cast copy in the workspace.
     Owned(Tensor),
 }
 
@@ -284,9 +334,9 @@ impl std::ops::Deref for Operand<'_> {
     }
 }
 
-/// The device address of `t`'s first element, or an error for a tensor of another
-/// backend.
-pub(super) fn ptr(t: &Tensor) -> Result<DevicePtr> {
+/// The device address of `t`'s first element (a kernel argument, [`Args::ptr`]), or an
+/// error for a tensor of another backend.
+pub fn ptr(t: &Tensor) -> Result<DevicePtr> {
     match t.storage() {
         Storage::Device(d) => {
             d.ready()?;
@@ -304,7 +354,7 @@ pub(super) fn ptr(t: &Tensor) -> Result<DevicePtr> {
 }
 
 /// Fails unless `t` has `dtype`.
-pub(super) fn ensure_dtype(t: &Tensor, dtype: DType, op: &'static str) -> Result<()> {
+pub(crate) fn ensure_dtype(t: &Tensor, dtype: DType, op: &'static str) -> Result<()> {
     ensure(t.dtype() == dtype, op, || {
         format!("`{}` must be {dtype}, it is {}", t.label(), t.dtype())
     })
@@ -333,6 +383,10 @@ impl Backend for CudaBackend {
 
     fn reset_device_peak(&self) {
         self.gpu.reset_peak()
+    }
+
+    fn dispatch(&self, call: &mut dyn crate::device::OpKernel) -> Result<()> {
+        call.cuda(self)
     }
 
     fn zeros(
@@ -573,29 +627,6 @@ impl Backend for CudaBackend {
 
     fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
         gelu::backward(self, dx, x, dout)
-    }
-
-    fn rmsnorm_kernel(
-        &self,
-        out: &mut Tensor,
-        rstd: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        rmsnorm::forward(self, out, rstd, x, weight, eps)
-    }
-
-    fn rmsnorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        rstd: &Tensor,
-    ) -> Result<()> {
-        rmsnorm::backward(self, dx, dweight, dout, x, weight, rstd)
     }
 
     fn rope_kernel(

@@ -11,7 +11,7 @@
 //! its heuristic once per shape and kept.
 
 use super::gpu::{
-    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, MatrixLayout, MatrixType,
+    AllocError, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout, MatrixType,
     Ticket,
 };
 use super::kernels::{find_include_dir, with_common, CompileOptions, KERNEL_FILES};
@@ -69,8 +69,8 @@ pub(crate) struct DriverGpu {
     functions: HashMap<&'static str, drv_sys::CUfunction>,
     /// NVRTC's options for this device (kernels written outside trainkit compile later).
     options: CompileOptions,
-    /// Kernels written outside trainkit, loaded on first use: module and function.
-    custom: CustomKernels<(drv_sys::CUmodule, drv_sys::CUfunction)>,
+    /// Kernel files written outside trainkit, loaded on first use: modules and functions.
+    custom: LoadedFiles<drv_sys::CUmodule, drv_sys::CUfunction>,
     lt: lt_sys::cublasLtHandle_t,
     algos: Mutex<HashMap<GemmKey, lt_sys::cublasLtMatmulAlgo_t>>,
     max_blocks: u32,
@@ -188,7 +188,7 @@ impl DriverGpu {
             modules,
             functions,
             options,
-            custom: CustomKernels::new(),
+            custom: LoadedFiles::new(),
             lt,
             algos: Mutex::new(HashMap::new()),
             max_blocks: (sms.max(1) as u32) * 8,
@@ -232,7 +232,7 @@ impl Drop for DriverGpu {
             for &m in &self.modules {
                 let _ = drv::module::unload(m);
             }
-            for (m, _) in self.custom.take_all() {
+            for m in self.custom.take_all() {
                 let _ = drv::module::unload(m);
             }
         }
@@ -613,15 +613,10 @@ impl Gpu for DriverGpu {
         self.bind()?;
         let f = match self.functions.get(kernel) {
             Some(&f) => f,
-            None => {
-                self.custom
-                    .get(kernel)
-                    .ok_or_else(|| Error::Backend {
-                        backend: "cuda",
-                        message: format!("no kernel named {kernel}"),
-                    })?
-                    .1
-            }
+            None => self.custom.get(kernel).ok_or_else(|| Error::Backend {
+                backend: "cuda",
+                message: format!("no kernel named {kernel}"),
+            })?,
         };
         drv::launch_kernel(
             f,
@@ -634,16 +629,15 @@ impl Gpu for DriverGpu {
         .map_err(|e| driver_error(&format!("launching {kernel}"), e))
     }
 
-    fn load_custom(&self, name: &str, source: &str) -> Result<()> {
-        self.custom.get_or_load(name, source, || {
+    fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()> {
+        self.custom.get_or_load(file, source, kernels, || {
             self.bind()?;
-            let file = format!("{name}.cu");
-            let full = with_common(&file, source);
+            let full = with_common(file, source);
             let ptx = match KernelCache::in_default_dir() {
                 Some(cache) => {
                     let nvrtc = super::nvrtc_version()?;
                     cache
-                        .get_or_compile(&file, &full, &self.options, nvrtc, super::compile)?
+                        .get_or_compile(file, &full, &self.options, nvrtc, super::compile)?
                         .0
                 }
                 None => super::compile(&full, &self.options)?,
@@ -652,26 +646,35 @@ impl Gpu for DriverGpu {
                 backend: "cuda",
                 message: format!("the PTX of {file} contains a NUL byte"),
             })?;
-            let cname = CString::new(name).map_err(|_| Error::Backend {
-                backend: "cuda",
-                message: format!("the kernel name `{name}` contains a NUL byte"),
-            })?;
             // SAFETY: the image is a NUL-terminated PTX string; the context is current.
             let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
                 .map_err(|e| driver_error(&format!("loading the PTX of {file}"), e))?;
-            // SAFETY: the module was just loaded; it is kept with the function, and unloaded
-            // here when the function is missing.
-            match unsafe { drv::module::get_function(module, cname) } {
-                Ok(f) => Ok((module, f)),
-                Err(e) => {
-                    // SAFETY: loaded above, used by nothing else.
-                    let _ = unsafe { drv::module::unload(module) };
-                    Err(driver_error(
-                        &format!("finding kernel {name} in {file} (is it `extern \"C\"`?)"),
-                        e,
-                    ))
+            let mut functions = Vec::with_capacity(kernels.len());
+            for &name in kernels {
+                let found = CString::new(name)
+                    .map_err(|_| Error::Backend {
+                        backend: "cuda",
+                        message: format!("the kernel name `{name}` contains a NUL byte"),
+                    })
+                    .and_then(|cname| {
+                        // SAFETY: the module was just loaded and is kept with the file.
+                        unsafe { drv::module::get_function(module, cname) }.map_err(|e| {
+                            driver_error(
+                                &format!("finding kernel {name} in {file} (is it `extern \"C\"`?)"),
+                                e,
+                            )
+                        })
+                    });
+                match found {
+                    Ok(f) => functions.push(f),
+                    Err(e) => {
+                        // SAFETY: loaded above, used by nothing else.
+                        let _ = unsafe { drv::module::unload(module) };
+                        return Err(e);
+                    }
                 }
             }
+            Ok((module, functions))
         })
     }
 

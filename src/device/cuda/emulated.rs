@@ -12,7 +12,7 @@
 use super::emulated_offload::EmulatedOffload;
 use super::emulator::KernelEmulator;
 use super::gpu::{
-    AllocError, CustomKernels, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, MatrixLayout, MatrixType,
+    AllocError, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout, MatrixType,
     Ticket,
 };
 use crate::error::{Error, Result};
@@ -41,7 +41,7 @@ struct Pool {
 pub(crate) struct EmulatedGpu {
     kernels: KernelEmulator,
     /// Kernels written outside trainkit, each built into a library of its own on first use.
-    custom: CustomKernels<Arc<KernelEmulator>>,
+    custom: LoadedFiles<Arc<KernelEmulator>, Arc<KernelEmulator>>,
     pool: Mutex<Pool>,
     /// Refuse allocations beyond this many live bytes (to test out-of-memory handling).
     capacity: Option<u64>,
@@ -69,7 +69,7 @@ impl EmulatedGpu {
     pub(crate) fn new(capacity: Option<u64>) -> Result<EmulatedGpu> {
         Ok(EmulatedGpu {
             kernels: KernelEmulator::new()?,
-            custom: CustomKernels::new(),
+            custom: LoadedFiles::new(),
             pool: Mutex::new(Pool::default()),
             capacity,
             waits: AtomicU64::new(0),
@@ -267,10 +267,11 @@ impl Gpu for EmulatedGpu {
         }
     }
 
-    fn load_custom(&self, name: &str, source: &str) -> Result<()> {
-        self.custom.get_or_load(name, source, || {
-            let full = super::kernels::with_common(&format!("{name}.cu"), source);
-            Ok(Arc::new(KernelEmulator::build_custom(name, full)?))
+    fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()> {
+        self.custom.get_or_load(file, source, kernels, || {
+            let full = super::kernels::with_common(file, source);
+            let emu = Arc::new(KernelEmulator::build_file(file, full, kernels)?);
+            Ok((Arc::clone(&emu), vec![emu; kernels.len()]))
         })
     }
 

@@ -224,15 +224,20 @@ impl KernelEmulator {
         Self::build_in(&default_dir())
     }
 
-    /// A library of one kernel written outside trainkit: `kernel`, defined by `source` (as
-    /// NVRTC gets it, the common prelude included), built like trainkit's own (the same
-    /// compiler, flags and cache directory) into a library of its own.
-    pub(crate) fn build_custom(kernel: &str, source: String) -> Result<KernelEmulator> {
+    /// A library of one kernel file written outside trainkit: `file`, whose text is
+    /// `source` (as NVRTC gets it, the common prelude included) defining `kernels`, built
+    /// like trainkit's own (the same compiler, flags and cache directory) into a library
+    /// of its own.
+    pub(crate) fn build_file(
+        file: &str,
+        source: String,
+        kernels: &[&str],
+    ) -> Result<KernelEmulator> {
         let compiler = Compiler::from_env()?;
         let unit = KernelSource {
-            name: format!("{kernel}.cu"),
+            name: file.to_string(),
             source,
-            kernels: vec![kernel.to_string()],
+            kernels: kernels.iter().map(|k| k.to_string()).collect(),
         };
         build(&default_dir(), &compiler, &[unit])
     }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 /// A device address (a `CUdeviceptr`; a host address on the emulator). 0 is the null
 /// pointer, used for empty buffers.
-pub(crate) type DevicePtr = u64;
+pub type DevicePtr = u64;
 
 /// An address in page-locked host memory (what [`Gpu::alloc_host`] returns).
 pub(crate) type HostPtr = u64;
@@ -220,10 +220,11 @@ pub(crate) trait Gpu: Debug + Send + Sync {
         params: &mut [*mut c_void],
     ) -> Result<()>;
 
-    /// Makes the kernel `name`, defined by `source` (a kernel written outside trainkit,
-    /// without the common prelude), launchable by [`Gpu::launch`]: compiled on first use,
-    /// then kept. The same name with another source is an error.
-    fn load_custom(&self, name: &str, source: &str) -> Result<()>;
+    /// Makes the kernels of file `file` (CUDA C written outside trainkit, `source`,
+    /// without the common prelude, defining `kernels`) launchable by [`Gpu::launch`]:
+    /// compiled on first use, then kept. The same file name with another source, or a
+    /// kernel name another file defines, is an error.
+    fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()>;
 
     /// Runs one matrix product.
     ///
@@ -418,39 +419,39 @@ impl Drop for DeviceBuffer {
 
 /// Kernel arguments in cuLaunchKernel's form: each value in its own 8-byte slot, and a
 /// pointer to each slot.
-#[derive(Default)]
-pub(crate) struct Args {
+#[derive(Debug, Default)]
+pub struct Args {
     slots: Vec<u64>,
 }
 
 impl Args {
     /// No arguments yet.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Args {
             slots: Vec::with_capacity(16),
         }
     }
 
     /// A device pointer.
-    pub(crate) fn ptr(mut self, p: DevicePtr) -> Self {
+    pub fn ptr(mut self, p: DevicePtr) -> Self {
         self.slots.push(p);
         self
     }
 
     /// A 64-bit integer (`i64` in the kernels).
-    pub(crate) fn i64(mut self, v: usize) -> Self {
+    pub fn i64(mut self, v: usize) -> Self {
         self.slots.push(v as i64 as u64);
         self
     }
 
     /// An `int`.
-    pub(crate) fn i32(mut self, v: i32) -> Self {
+    pub fn i32(mut self, v: i32) -> Self {
         self.slots.push(v as u32 as u64);
         self
     }
 
     /// A `float`.
-    pub(crate) fn f32(mut self, v: f32) -> Self {
+    pub fn f32(mut self, v: f32) -> Self {
         self.slots.push(v.to_bits() as u64);
         self
     }
@@ -466,60 +467,92 @@ impl Args {
     }
 }
 
-/// The kernels written outside trainkit that a device has loaded ([`Gpu::load_custom`]),
-/// by name, each with its source and the device's handle `T` for it.
-pub(crate) struct CustomKernels<T> {
-    loaded: Mutex<HashMap<String, (String, T)>>,
+/// The kernel files written outside trainkit that a device has loaded
+/// ([`Gpu::load_file`]): each file with its source and the device's handle `M` for it
+/// (a module), and each of its kernels with the handle `F` to launch it by.
+pub(crate) struct LoadedFiles<M, F> {
+    loaded: Mutex<Loaded<M, F>>,
 }
 
-impl<T: Clone> CustomKernels<T> {
+struct Loaded<M, F> {
+    files: HashMap<String, (String, M)>,
+    kernels: HashMap<String, (String, F)>,
+}
+
+impl<M, F: Clone> LoadedFiles<M, F> {
     /// None loaded yet.
     pub(crate) fn new() -> Self {
-        CustomKernels {
-            loaded: Mutex::new(HashMap::new()),
+        LoadedFiles {
+            loaded: Mutex::new(Loaded {
+                files: HashMap::new(),
+                kernels: HashMap::new(),
+            }),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, T)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Loaded<M, F>> {
         self.loaded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The handle of kernel `name`, if loaded.
-    pub(crate) fn get(&self, name: &str) -> Option<T> {
-        self.lock().get(name).map(|(_, h)| h.clone())
+    pub(crate) fn get(&self, name: &str) -> Option<F> {
+        self.lock().kernels.get(name).map(|(_, h)| h.clone())
     }
 
-    /// Loads `name` from `source` with `load` unless it is loaded already; the same name
-    /// with another source is an error.
+    /// Loads file `file` (text `source`, defining `kernels`) with `load`, which returns
+    /// the file's handle and one handle per kernel in the order of `kernels`, unless it is
+    /// loaded already. The same file name with another source, or a kernel name another
+    /// file defines, is an error.
     pub(crate) fn get_or_load(
         &self,
-        name: &str,
+        file: &str,
         source: &str,
-        load: impl FnOnce() -> Result<T>,
+        kernels: &[&str],
+        load: impl FnOnce() -> Result<(M, Vec<F>)>,
     ) -> Result<()> {
         let mut loaded = self.lock();
-        match loaded.get(name) {
-            Some((known, _)) if known == source => Ok(()),
-            Some(_) => Err(crate::error::Error::Backend {
-                backend: "cuda",
-                message: format!(
-                    "two custom kernels are named `{name}` with different sources: give each \
-                     kernel a name of its own"
-                ),
-            }),
-            None => {
-                let handle = load()?;
-                loaded.insert(name.to_string(), (source.to_string(), handle));
+        let clash = |message: String| crate::error::Error::Backend {
+            backend: "cuda",
+            message,
+        };
+        if let Some((known, _)) = loaded.files.get(file) {
+            return if known == source {
                 Ok(())
-            }
+            } else {
+                Err(clash(format!(
+                    "two kernel files are named `{file}` with different sources: give each \
+                     file a name of its own"
+                )))
+            };
         }
+        if let Some((name, (other, _))) = kernels
+            .iter()
+            .find_map(|k| loaded.kernels.get(*k).map(|e| (k, e)))
+        {
+            return Err(clash(format!(
+                "the kernel `{name}` of `{file}` is defined by `{other}` already: give each \
+                 kernel a name of its own"
+            )));
+        }
+        let (module, handles) = load()?;
+        for (name, handle) in kernels.iter().zip(handles) {
+            loaded
+                .kernels
+                .insert(name.to_string(), (file.to_string(), handle));
+        }
+        loaded
+            .files
+            .insert(file.to_string(), (source.to_string(), module));
+        Ok(())
     }
 
-    /// Every handle, emptying the set (to release them).
-    pub(crate) fn take_all(&self) -> Vec<T> {
-        std::mem::take(&mut *self.lock())
+    /// Every file's handle, emptying the set (to release them).
+    pub(crate) fn take_all(&self) -> Vec<M> {
+        let mut loaded = self.lock();
+        loaded.kernels.clear();
+        std::mem::take(&mut loaded.files)
             .into_values()
-            .map(|(_, h)| h)
+            .map(|(_, m)| m)
             .collect()
     }
 }

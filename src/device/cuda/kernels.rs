@@ -66,7 +66,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::adamw8bit::KERNELS,
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,
-    ops::rmsnorm::KERNELS,
+    crate::ops::rmsnorm::cuda::KERNELS,
     ops::rope::KERNELS,
     ops::swiglu::KERNELS,
 ];

@@ -10,7 +10,7 @@
 //! of letting cudarc panic. [`CudaBackend`] is the [`Backend`](super::Backend); it runs
 //! on a GPU, or on the CUDA emulator where there is none (for tests).
 
-mod backend;
+pub(crate) mod backend;
 pub mod cache;
 mod driver;
 mod emulated;
@@ -23,11 +23,11 @@ mod pinned;
 pub mod probe;
 mod staging;
 
-pub use backend::{CudaBackend, CudaOptions};
+pub use backend::{ptr as device_ptr, CudaBackend, CudaOptions, Operand, BLOCK, ROWS_PER_BLOCK};
 pub use cache::{CacheOutcome, KernelCache};
 pub use emulator::KernelEmulator;
 pub(crate) use gpu::DeviceBuffer;
-pub use gpu::GpuMemory;
+pub use gpu::{Args, DevicePtr, GpuMemory};
 pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, KernelFile, KERNEL_FILES,
 };

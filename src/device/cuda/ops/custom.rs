@@ -22,7 +22,8 @@ pub(crate) fn custom(
 ) -> Result<()> {
     let n = outputs.first().map_or(0, |t| t.numel());
     let name = kernel.name();
-    be.gpu.load_custom(name, kernel.source())?;
+    be.gpu
+        .load_file(&format!("{name}.cu"), kernel.source(), &[name])?;
     if n == 0 {
         return Ok(());
     }

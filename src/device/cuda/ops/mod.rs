@@ -23,6 +23,5 @@ pub(crate) mod gelu;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 pub(crate) mod reductions;
-pub(crate) mod rmsnorm;
 pub(crate) mod rope;
 pub(crate) mod swiglu;

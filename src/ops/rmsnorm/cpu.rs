@@ -1,63 +1,18 @@
-//! RMS normalization (Llama's norm): `out = x · rstd · weight` over each row, with
-//! `rstd = 1/√(mean(x²) + eps)` in f32, saved as `[rows]` f32 for backward.
+//! RMS normalization on the CPU, the reference of `kernels/rmsnorm.cu`.
 //!
 //! Sums run in the 16 interleaved lanes of `simd` (the CUDA twin, `kernels/rmsnorm.cu`,
 //! adds on a half-warp in the same order), and the weight gradient is summed per block of
 //! `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
 
-use super::elementwise::ROW_BLOCK;
-use super::simd::{self, simd_fn};
-use super::{ensure, ensure_f32, ensure_shape, read, write};
+use crate::device::cpu::elementwise::ROW_BLOCK;
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-/// Checks `rmsnorm`'s operands (the contract every backend shares) and returns
-/// `(rows, C)`.
-pub(crate) fn check_forward(
-    out: &Tensor,
-    rstd: &Tensor,
-    x: &Tensor,
-    weight: &Tensor,
-) -> Result<(usize, usize)> {
-    let (rows, c) = x.rows_cols();
-    ensure_shape(out, x.shape(), "rmsnorm")?;
-    ensure_shape(rstd, &[rows], "rmsnorm")?;
-    ensure_f32(rstd, "rmsnorm")?;
-    ensure(weight.numel() == c, "rmsnorm", || {
-        format!(
-            "weight `{}` has {} elements for rows of {c}",
-            weight.label(),
-            weight.numel()
-        )
-    })?;
-    Ok((rows, c))
-}
-
-/// Checks `rmsnorm_backward`'s operands (the contract every backend shares) and returns
-/// `(rows, C)`.
-pub(crate) fn check_backward(
-    dx: &Tensor,
-    dweight: &Tensor,
-    dout: &Tensor,
-    x: &Tensor,
-    weight: &Tensor,
-    rstd: &Tensor,
-) -> Result<(usize, usize)> {
-    let (rows, c) = x.rows_cols();
-    ensure_shape(dx, x.shape(), "rmsnorm_backward")?;
-    ensure_shape(dout, x.shape(), "rmsnorm_backward")?;
-    ensure_shape(rstd, &[rows], "rmsnorm_backward")?;
-    ensure(
-        weight.numel() == c && dweight.numel() == c,
-        "rmsnorm_backward",
-        || format!("weight and dweight must have {c} elements"),
-    )?;
-    Ok((rows, c))
-}
-
 /// The forward, on checked operands.
-pub(super) fn forward(
+pub(crate) fn forward(
     out: &mut Tensor,
     rstd: &mut Tensor,
     x: &Tensor,
@@ -82,7 +37,7 @@ pub(super) fn forward(
 
 /// The backward, on checked operands: `dx += rstd·(w·dy − x·rstd²·mean(w·dy·x))` per row,
 /// `dweight += Σ_rows dy·x·rstd`.
-pub(super) fn backward(
+pub(crate) fn backward(
     dx: &mut Tensor,
     dweight: &mut Tensor,
     dout: &Tensor,
@@ -162,6 +117,7 @@ simd_fn! {
 mod tests {
     use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
+    use crate::ops::rmsnorm;
     use crate::tensor::DType;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -181,11 +137,10 @@ mod tests {
         let (x, w, d) = (up(&xs, &[rows, c]), up(&ws, &[c]), up(&ds, &[rows, c]));
         let mut out = up(&vec![0.0; rows * c], &[rows, c]);
         let mut rstd = up(&vec![0.0; rows], &[rows]);
-        be.rmsnorm(&mut out, &mut rstd, &x, &w, eps).unwrap();
+        rmsnorm::forward(&be, &mut out, &mut rstd, &x, &w, eps).unwrap();
         let mut dx = up(&vec![0.0; rows * c], &[rows, c]);
         let mut dw = up(&vec![0.0; c], &[c]);
-        be.rmsnorm_backward(&mut dx, &mut dw, &d, &x, &w, &rstd)
-            .unwrap();
+        rmsnorm::backward(&be, &mut dx, &mut dw, &d, &x, &w, &rstd).unwrap();
         let (dx, dw) = (be.to_f32(&dx).unwrap(), be.to_f32(&dw).unwrap());
         // L = Σ d · rmsnorm(x, w), in f64.
         let loss = |xs: &[f32], ws: &[f32]| -> f64 {

@@ -1,12 +1,12 @@
-//! RMS normalization and its backward (dx per row; the weight gradient in two passes over
-//! blocks of 128 rows).
+//! RMS normalization on the GPU: the forward, and the backward (dx per row; the weight
+//! gradient in two passes over blocks of 128 rows).
 //!
-//! CPU twin: `src/device/cpu/rmsnorm.rs`. Kernels: `kernels/rmsnorm.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/rmsnorm.cu`, listed once in
+//! [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK, ROW_BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
 use crate::device::cpu::ensure_f32;
+use crate::device::cuda::backend::{ensure_dtype, ROW_BLOCK};
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -14,7 +14,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "rmsnorm.cu",
-    source: include_str!("../../../../kernels/rmsnorm.cu"),
+    source: include_str!("../../../kernels/rmsnorm.cu"),
     kernels: &[
         "rmsnorm_f32",
         "rmsnorm_bf16",
