@@ -15,7 +15,12 @@ use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
+use trainkit::ops::embedding;
+use trainkit::ops::gelu;
+use trainkit::ops::layernorm;
 use trainkit::ops::rmsnorm;
+use trainkit::ops::rope;
+use trainkit::ops::swiglu;
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -510,9 +515,8 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                 let wte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dt);
                 let wpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dt);
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, Some(&wpe.cpu))
-                    .unwrap();
-                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, Some(&wpe.cuda))
+                embedding::forward(&cpu, &mut o.cpu, &tokens, &wte.cpu, Some(&wpe.cpu)).unwrap();
+                embedding::forward(&*cuda, &mut o.cuda, &tokens, &wte.cuda, Some(&wpe.cuda))
                     .unwrap();
                 compare(
                     &format!("embedding b={b} t={t} {dt}"),
@@ -523,9 +527,8 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                 );
                 // Without position embeddings (Llama): the token rows alone.
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.embedding(&mut o.cpu, &tokens, &wte.cpu, None).unwrap();
-                cuda.embedding(&mut o.cuda, &tokens, &wte.cuda, None)
-                    .unwrap();
+                embedding::forward(&cpu, &mut o.cpu, &tokens, &wte.cpu, None).unwrap();
+                embedding::forward(&*cuda, &mut o.cuda, &tokens, &wte.cuda, None).unwrap();
                 compare(
                     &format!("embedding without positions b={b} t={t} {dt}"),
                     name,
@@ -546,9 +549,16 @@ fn bias_backward_and_embeddings_match_the_cpu() {
                     );
                     let mut dwte = pair(&cpu, &cuda, &randn(&mut rng, v * c, 1.0), &[v, c], dg);
                     let mut dwpe = pair(&cpu, &cuda, &randn(&mut rng, p * c, 1.0), &[p, c], dg);
-                    cpu.embedding_backward(&mut dwte.cpu, Some(&mut dwpe.cpu), &dout.cpu, &tokens)
-                        .unwrap();
-                    cuda.embedding_backward(
+                    embedding::backward(
+                        &cpu,
+                        &mut dwte.cpu,
+                        Some(&mut dwpe.cpu),
+                        &dout.cpu,
+                        &tokens,
+                    )
+                    .unwrap();
+                    embedding::backward(
+                        &*cuda,
                         &mut dwte.cuda,
                         Some(&mut dwpe.cuda),
                         &dout.cuda,
@@ -587,9 +597,18 @@ fn layernorm_and_gelu_match_the_cpu() {
                 let bias = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
                 let mut o = out(&cpu, &cuda, &[rows, c], dt);
                 let mut st = out(&cpu, &cuda, &[rows, 2], DType::F32);
-                cpu.layernorm(&mut o.cpu, &mut st.cpu, &x.cpu, &w.cpu, &bias.cpu, 1e-5)
-                    .unwrap();
-                cuda.layernorm(
+                layernorm::forward(
+                    &cpu,
+                    &mut o.cpu,
+                    &mut st.cpu,
+                    &x.cpu,
+                    &w.cpu,
+                    &bias.cpu,
+                    1e-5,
+                )
+                .unwrap();
+                layernorm::forward(
+                    &*cuda,
                     &mut o.cuda,
                     &mut st.cuda,
                     &x.cuda,
@@ -614,7 +633,8 @@ fn layernorm_and_gelu_match_the_cpu() {
                     let mut dx = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
                     let mut dw = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dg);
                     let mut db = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dg);
-                    cpu.layernorm_backward(
+                    layernorm::backward(
+                        &cpu,
                         &mut dx.cpu,
                         &mut dw.cpu,
                         &mut db.cpu,
@@ -624,7 +644,8 @@ fn layernorm_and_gelu_match_the_cpu() {
                         &st.cpu,
                     )
                     .unwrap();
-                    cuda.layernorm_backward(
+                    layernorm::backward(
+                        &*cuda,
                         &mut dx.cuda,
                         &mut dw.cuda,
                         &mut db.cuda,
@@ -641,14 +662,13 @@ fn layernorm_and_gelu_match_the_cpu() {
                 }
                 let n = rows * c;
                 let mut g = out(&cpu, &cuda, &[rows, c], dt);
-                cpu.gelu(&mut g.cpu, &x.cpu).unwrap();
-                cuda.gelu(&mut g.cuda, &x.cuda).unwrap();
+                gelu::forward(&cpu, &mut g.cpu, &x.cpu).unwrap();
+                gelu::forward(&*cuda, &mut g.cuda, &x.cuda).unwrap();
                 compare(&format!("gelu n={n} {dt}"), name, &cpu, &cuda, &g);
                 let dout = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[rows, c], dt);
                 let mut dx = out(&cpu, &cuda, &[rows, c], dt);
-                cpu.gelu_backward(&mut dx.cpu, &x.cpu, &dout.cpu).unwrap();
-                cuda.gelu_backward(&mut dx.cuda, &x.cuda, &dout.cuda)
-                    .unwrap();
+                gelu::backward(&cpu, &mut dx.cpu, &x.cpu, &dout.cpu).unwrap();
+                gelu::backward(&*cuda, &mut dx.cuda, &x.cuda, &dout.cuda).unwrap();
                 compare(&format!("gelu_backward n={n} {dt}"), name, &cpu, &cuda, &dx);
             }
         }
@@ -1621,13 +1641,12 @@ fn llama_ops_match_the_cpu() {
                     dt,
                 );
                 let mut y = out(&cpu, &cuda, &[b, t, w], dt);
-                cpu.rope(&mut y.cpu, &x.cpu, &inv, heads).unwrap();
-                cuda.rope(&mut y.cuda, &x.cuda, &inv, heads).unwrap();
+                rope::forward(&cpu, &mut y.cpu, &x.cpu, &inv, heads).unwrap();
+                rope::forward(&*cuda, &mut y.cuda, &x.cuda, &inv, heads).unwrap();
                 compare(&what, name, &cpu, &cuda, &y);
                 let mut dx = out(&cpu, &cuda, &[b, t, w], dt);
-                cpu.rope_backward(&mut dx.cpu, &x.cpu, &inv, heads).unwrap();
-                cuda.rope_backward(&mut dx.cuda, &x.cuda, &inv, heads)
-                    .unwrap();
+                rope::backward(&cpu, &mut dx.cpu, &x.cpu, &inv, heads).unwrap();
+                rope::backward(&*cuda, &mut dx.cuda, &x.cuda, &inv, heads).unwrap();
                 compare(&format!("{what} backward"), name, &cpu, &cuda, &dx);
             }
             // SwiGLU, with gates far out in both tails.
@@ -1641,14 +1660,13 @@ fn llama_ops_match_the_cpu() {
                 dt,
             );
             let mut y = out(&cpu, &cuda, &[rows, f], dt);
-            cpu.swiglu(&mut y.cpu, &gu.cpu).unwrap();
-            cuda.swiglu(&mut y.cuda, &gu.cuda).unwrap();
+            swiglu::forward(&cpu, &mut y.cpu, &gu.cpu).unwrap();
+            swiglu::forward(&*cuda, &mut y.cuda, &gu.cuda).unwrap();
             bitwise(&what, name, &cpu, &cuda, &y);
             let d = pair(&cpu, &cuda, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
             let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
-            cpu.swiglu_backward(&mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
-            cuda.swiglu_backward(&mut dgu.cuda, &d.cuda, &gu.cuda)
-                .unwrap();
+            swiglu::backward(&cpu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
+            swiglu::backward(&*cuda, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
             bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
         }
     }

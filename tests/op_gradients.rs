@@ -5,6 +5,9 @@ mod common;
 
 use common::{cpu, randn, tensor};
 use trainkit::device::Heads;
+use trainkit::ops::embedding;
+use trainkit::ops::gelu;
+use trainkit::ops::layernorm;
 use trainkit::{Backend, Rng, Tensor};
 
 /// Central finite differences of `loss` at `x` along a sample of coordinates, compared
@@ -168,7 +171,8 @@ fn layernorm_backward_matches_finite_differences() {
     let forward = |x: &[f32], g: &[f32], bb: &[f32]| {
         let mut out = tensor(be, &vec![0.0; rows * c], &[rows, c]);
         let mut st = tensor(be, &vec![0.0; rows * 2], &[rows, 2]);
-        be.layernorm(
+        layernorm::forward(
+            be,
             &mut out,
             &mut st,
             &tensor(be, x, &[rows, c]),
@@ -183,7 +187,8 @@ fn layernorm_backward_matches_finite_differences() {
     let mut dx = tensor(be, &vec![0.0; rows * c], &[rows, c]);
     let mut dg = tensor(be, &vec![0.0; c], &[c]);
     let mut db = tensor(be, &vec![0.0; c], &[c]);
-    be.layernorm_backward(
+    layernorm::backward(
+        be,
         &mut dx,
         &mut dg,
         &mut db,
@@ -214,12 +219,11 @@ fn gelu_backward_matches_finite_differences() {
     let w = randn(&mut rng, n, 1.0);
     let forward = |x: &[f32]| {
         let mut out = tensor(be, &vec![0.0; n], &[n]);
-        be.gelu(&mut out, &tensor(be, x, &[n])).unwrap();
+        gelu::forward(be, &mut out, &tensor(be, x, &[n])).unwrap();
         weighted(be, &out, &w)
     };
     let mut dx = tensor(be, &vec![0.0; n], &[n]);
-    be.gelu_backward(&mut dx, &tensor(be, &x, &[n]), &tensor(be, &w, &[n]))
-        .unwrap();
+    gelu::backward(be, &mut dx, &tensor(be, &x, &[n]), &tensor(be, &w, &[n])).unwrap();
     check_gradient("gelu", &x, &be.to_f32(&dx).unwrap(), &forward);
 }
 
@@ -387,7 +391,8 @@ fn embedding_backward_matches_finite_differences() {
     let w = randn(&mut rng, b * t * c, 1.0);
     let forward = |wte: &[f32], wpe: &[f32]| {
         let mut out = tensor(be, &vec![0.0; b * t * c], &[b, t, c]);
-        be.embedding(
+        embedding::forward(
+            be,
             &mut out,
             &tokens,
             &tensor(be, wte, &[v, c]),
@@ -398,7 +403,8 @@ fn embedding_backward_matches_finite_differences() {
     };
     let mut dwte = tensor(be, &vec![0.0; v * c], &[v, c]);
     let mut dwpe = tensor(be, &vec![0.0; p * c], &[p, c]);
-    be.embedding_backward(
+    embedding::backward(
+        be,
         &mut dwte,
         Some(&mut dwpe),
         &tensor(be, &w, &[b, t, c]),

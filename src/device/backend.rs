@@ -341,7 +341,7 @@ pub trait Backend: Debug + Send + Sync {
         cpu::matmul::dims(pre, a, b, Some(bias), false, false)?;
         cpu::elementwise::same_len(out, pre, "gelu")?;
         let flops = cpu::matmul::flops(pre, a, true, false)
-            .saturating_add(each(out.numel(), per_element::GELU));
+            .saturating_add(each(out.numel(), crate::ops::gelu::FLOPS));
         let op = self.ledger().op("matmul_bias_gelu", flops, out.label());
         if let Some(done) = op.finish_fused(
             self.matmul_bias_gelu_kernel(out, pre, a, b, bias)
@@ -350,7 +350,7 @@ pub trait Backend: Debug + Send + Sync {
             return done;
         }
         self.matmul(pre, a, b, Some(bias), false, false, false)?;
-        self.gelu(out, pre)
+        crate::ops::gelu::forward(self, out, pre)
     }
 
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
@@ -391,164 +391,6 @@ pub trait Backend: Debug + Send + Sync {
         }
         self.matmul(dw, a, b, None, true, false, true)?;
         self.bias_backward(dbias, dy)
-    }
-
-    /// `out[b, t] = wte[tokens[b, t]] + wpe[t]`, or `wte[tokens[b, t]]` alone without
-    /// position embeddings (`wpe` `None`, as Llama); `out` is `[B, T, C]`.
-    fn embedding(
-        &self,
-        out: &mut Tensor,
-        tokens: &[u32],
-        wte: &Tensor,
-        wpe: Option<&Tensor>,
-    ) -> Result<()> {
-        cpu::ensure_float("embedding", &[out, wte])?;
-        cpu::ensure_float("embedding", wpe.as_slice())?;
-        cpu::embedding::check("embedding", out, tokens, wte, wpe)?;
-        let per = if wpe.is_some() {
-            per_element::EMBEDDING
-        } else {
-            0
-        };
-        let flops = each(out.numel(), per);
-        let op = self.ledger().op("embedding", flops, out.label());
-        op.finish(self.embedding_kernel(out, tokens, wte, wpe))
-    }
-
-    /// `dwte[tokens[b, t]] += dout[b, t]` and, with position embeddings,
-    /// `dwpe[t] += dout[b, t]`.
-    fn embedding_backward(
-        &self,
-        dwte: &mut Tensor,
-        dwpe: Option<&mut Tensor>,
-        dout: &Tensor,
-        tokens: &[u32],
-    ) -> Result<()> {
-        cpu::ensure_float("embedding_backward", &[dwte, dout])?;
-        cpu::ensure_float("embedding_backward", dwpe.as_deref().as_slice())?;
-        cpu::embedding::check("embedding_backward", dout, tokens, dwte, dwpe.as_deref())?;
-        let per = if dwpe.is_some() {
-            per_element::EMBEDDING_BACKWARD
-        } else {
-            per_element::EMBEDDING_BACKWARD / 2
-        };
-        let flops = each(dout.numel(), per);
-        let op = self.ledger().op("embedding_backward", flops, dwte.label());
-        op.finish(self.embedding_backward_kernel(dwte, dwpe, dout, tokens))
-    }
-
-    /// Layer normalization of each row of `x`: `out = (x - mean) · rstd · weight + bias`,
-    /// statistics in f32, written to `stats` as `[rows, 2]` = (mean, rstd).
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm(
-        &self,
-        out: &mut Tensor,
-        stats: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        cpu::ensure_float("layernorm", &[out, stats, x, weight, bias])?;
-        cpu::layernorm::check_forward(out, stats, x, weight, bias)?;
-        let flops = each(x.numel(), per_element::LAYERNORM);
-        let op = self.ledger().op("layernorm", flops, out.label());
-        op.finish(self.layernorm_kernel(out, stats, x, weight, bias, eps))
-    }
-
-    /// Backward of [`Backend::layernorm`]: accumulates into `dx`, `dweight` and `dbias`.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_backward(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dbias: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()> {
-        cpu::ensure_float(
-            "layernorm_backward",
-            &[dx, dweight, dbias, dout, x, weight, stats],
-        )?;
-        cpu::layernorm::check_backward(dx, dweight, dbias, dout, x, weight, stats)?;
-        let flops = each(x.numel(), per_element::LAYERNORM_BACKWARD);
-        let op = self.ledger().op("layernorm_backward", flops, dx.label());
-        op.finish(self.layernorm_backward_kernel(dx, dweight, dbias, dout, x, weight, stats))
-    }
-
-    /// GELU with the tanh approximation, element-wise.
-    fn gelu(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        cpu::ensure_float("gelu", &[out, x])?;
-        cpu::elementwise::same_len(out, x, "gelu")?;
-        let flops = each(x.numel(), per_element::GELU);
-        let op = self.ledger().op("gelu", flops, out.label());
-        op.finish(self.gelu_kernel(out, x))
-    }
-
-    /// `dx = gelu'(x) · dout`.
-    fn gelu_backward(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        cpu::ensure_float("gelu_backward", &[dx, x, dout])?;
-        cpu::elementwise::same_len(dx, x, "gelu_backward")?;
-        cpu::elementwise::same_len(dx, dout, "gelu_backward")?;
-        let flops = each(x.numel(), per_element::GELU_BACKWARD);
-        let op = self.ledger().op("gelu_backward", flops, dx.label());
-        op.finish(self.gelu_backward_kernel(dx, x, dout))
-    }
-
-    /// Rotary position embedding (Hugging Face's rotate-half layout) of the queries and
-    /// keys of a fused projection `x` (`[B, T, (H + 2·KV)·D]`, see [`Heads`]): in each
-    /// query and key head, elements `i` and `i + D/2` turn by `t · inv_freq[i]` at
-    /// position `t` of the row; the values are copied to `out` as they are.
-    fn rope(&self, out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) -> Result<()> {
-        cpu::ensure_float("rope", &[out, x])?;
-        cpu::rope::check("rope", out, x, inv_freq, heads)?;
-        let flops = rope_flops(x, heads);
-        let op = self.ledger().op("rope", flops, out.label());
-        op.finish(self.rope_kernel(out, x, inv_freq, heads))
-    }
-
-    /// Backward of [`Backend::rope`]: `dx` is `dout` turned back by the same angles
-    /// (overwritten).
-    fn rope_backward(
-        &self,
-        dx: &mut Tensor,
-        dout: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()> {
-        cpu::ensure_float("rope_backward", &[dx, dout])?;
-        cpu::rope::check("rope_backward", dx, dout, inv_freq, heads)?;
-        let flops = rope_flops(dout, heads);
-        let op = self.ledger().op("rope_backward", flops, dx.label());
-        op.finish(self.rope_backward_kernel(dx, dout, inv_freq, heads))
-    }
-
-    /// SwiGLU's gate: `out = silu(gate) · up` where `gate_up` holds the gate in its first
-    /// `F` columns and the up projection in its last `F` (`out` is `[.., F]`).
-    fn swiglu(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
-        cpu::ensure_float("swiglu", &[out, gate_up])?;
-        cpu::swiglu::check("swiglu", out, gate_up, &[])?;
-        let flops = each(out.numel(), per_element::SWIGLU);
-        let op = self.ledger().op("swiglu", flops, out.label());
-        op.finish(self.swiglu_kernel(out, gate_up))
-    }
-
-    /// Backward of [`Backend::swiglu`]: writes the gate and up gradients side by side into
-    /// `dgate_up` (overwritten).
-    fn swiglu_backward(
-        &self,
-        dgate_up: &mut Tensor,
-        dout: &Tensor,
-        gate_up: &Tensor,
-    ) -> Result<()> {
-        cpu::ensure_float("swiglu_backward", &[dgate_up, dout, gate_up])?;
-        cpu::swiglu::check("swiglu_backward", dout, gate_up, &[dgate_up])?;
-        cpu::elementwise::same_len(dgate_up, gate_up, "swiglu_backward")?;
-        let flops = each(dout.numel(), per_element::SWIGLU_BACKWARD);
-        let op = self.ledger().op("swiglu_backward", flops, dgate_up.label());
-        op.finish(self.swiglu_backward_kernel(dgate_up, dout, gate_up))
     }
 
     /// Causal attention scores: `scores[b, h, i, j] = scale · q_i · k_j` for `j <= i`, and
@@ -947,93 +789,6 @@ pub trait Backend: Debug + Send + Sync {
     /// `dout`.
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
 
-    /// The kernel of [`Backend::embedding`]: `out` is `[B, T, C]`, the tables are `C`
-    /// wide, every token is in the vocabulary and `wpe`, when given, has at least `T`
-    /// rows.
-    fn embedding_kernel(
-        &self,
-        out: &mut Tensor,
-        tokens: &[u32],
-        wte: &Tensor,
-        wpe: Option<&Tensor>,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::embedding_backward`], with the operands checked as for
-    /// [`Backend::embedding_kernel`] (`dout` in the place of `out`).
-    fn embedding_backward_kernel(
-        &self,
-        dwte: &mut Tensor,
-        dwpe: Option<&mut Tensor>,
-        dout: &Tensor,
-        tokens: &[u32],
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::layernorm`]: `out` is shaped as `x`, `stats` is f32
-    /// `[rows, 2]`, `weight` and `bias` have `C` elements.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_kernel(
-        &self,
-        out: &mut Tensor,
-        stats: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        eps: f32,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::layernorm_backward`]: `dx` and `dout` are shaped as `x`,
-    /// `stats` is `[rows, 2]`, the parameters and their gradients have `C` elements.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dbias: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::gelu`]: `out` and `x` have as many elements.
-    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::gelu_backward`]: the three tensors have as many elements.
-    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::rope`]: `heads` are valid with an even head width, `x`
-    /// and `out` are `[B, T, (H + 2·KV)·D]`, `inv_freq` has `D/2` values.
-    fn rope_kernel(
-        &self,
-        out: &mut Tensor,
-        x: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::rope_backward`], with the operands of
-    /// [`Backend::rope_kernel`].
-    fn rope_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dout: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::swiglu`]: `gate_up` has the rows of `out` and twice its
-    /// columns.
-    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::swiglu_backward`]: `dgate_up` is shaped as `gate_up`,
-    /// which has the rows of `dout` and twice its columns.
-    fn swiglu_backward_kernel(
-        &self,
-        dgate_up: &mut Tensor,
-        dout: &Tensor,
-        gate_up: &Tensor,
-    ) -> Result<()>;
-
     /// The kernel of [`Backend::attention_scores`]: `heads` are valid, `qkv` is
     /// `[B, T, (H + 2·KV)·D]`, `scores` is `[B, H, T, T]`.
     fn attention_scores_kernel(
@@ -1192,15 +947,4 @@ pub trait Backend: Debug + Send + Sync {
             },
         )
     }
-}
-
-/// Floating-point operations of [`Backend::rope`] (or its backward) on `x`: 3 per rotated
-/// element (two products and a sum); the copied values count 0.
-fn rope_flops(x: &Tensor, heads: Heads) -> u64 {
-    let w = heads.qkv_width().max(1);
-    let rows = x.numel() / w;
-    each(
-        rows * (heads.q_width() + heads.kv_width()),
-        per_element::ROPE,
-    )
 }

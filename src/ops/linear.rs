@@ -1,5 +1,6 @@
 //! Linear projections: plain, with a residual added, and with a GELU after them.
 
+use super::gelu;
 use super::{linear_backward, BackwardCx, ForwardCx, Op, Saves};
 use crate::error::Result;
 use crate::memory::MemoryCategory;
@@ -198,7 +199,7 @@ impl Op for LinearGelu {
         if want_out && !want_pre {
             if let Some(pre) = cx.present[0] {
                 let mut out = cx.alloc(1)?;
-                be.gelu(&mut out, pre)?;
+                gelu::forward(be, &mut out, pre)?;
                 cx.outputs[1] = Some(out);
                 return Ok(());
             }
@@ -210,7 +211,7 @@ impl Op for LinearGelu {
             let pre = project(cx, 0, x, true, self.transposed)?;
             if want_out {
                 let mut out = cx.alloc(1)?;
-                be.gelu(&mut out, &pre)?;
+                gelu::forward(be, &mut out, &pre)?;
                 cx.outputs[1] = Some(out);
             }
             cx.outputs[0] = Some(pre);
@@ -235,7 +236,7 @@ impl Op for LinearGelu {
             MemoryCategory::Activations,
             &cx.grad_labels_out[0],
         )?;
-        be.gelu_backward(&mut dpre, pre, &dout)?;
+        gelu::backward(be, &mut dpre, pre, &dout)?;
         cx.outputs[0].release();
         drop(dout);
         linear_backward(

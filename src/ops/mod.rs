@@ -10,22 +10,23 @@
 
 mod attention;
 mod classifier;
-mod embedding;
+pub mod embedding;
 mod flash_attention;
+pub mod gelu;
+pub mod layernorm;
 mod linear;
 mod linear_cross_entropy;
-mod norm;
 pub mod rmsnorm;
-mod rope;
-mod swiglu;
+pub mod rope;
+pub mod swiglu;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
 pub use embedding::{LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
+pub use layernorm::LayerNorm;
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
-pub use norm::LayerNorm;
 pub use rmsnorm::RmsNorm;
 pub use rope::Rope;
 pub use swiglu::SwiGlu;
@@ -35,7 +36,14 @@ use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::model::Param;
 use crate::tensor::{DType, Tensor};
+use std::any::Any;
 use std::fmt::Debug;
+
+/// `op` as the concrete op type `T`, if it is one: how an [`crate::model::OpOverride`]
+/// finds the settings of the op it replaces.
+pub fn downcast<T: Op>(op: &dyn Op) -> Option<&T> {
+    (op as &dyn Any).downcast_ref::<T>()
+}
 
 /// Which inputs and outputs of a node its backward reads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -62,7 +70,7 @@ impl Saves {
 ///
 /// Inputs and outputs are activations (values of the graph, positional); parameters are
 /// handles into the model's parameter list, in the order the op documents.
-pub trait Op: Debug + Send + Sync {
+pub trait Op: Any + Debug + Send + Sync {
     /// The op's name in errors, e.g. `layernorm`.
     fn name(&self) -> &'static str;
 

@@ -32,17 +32,12 @@ pub(crate) mod attention;
 mod blas;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
-pub(crate) mod embedding;
 pub(crate) mod flash_attention;
-pub(crate) mod gelu;
 pub(crate) mod guard;
-pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
 pub(crate) mod quantize;
-pub(crate) mod rope;
 pub(crate) mod simd;
-pub(crate) mod swiglu;
 
 use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
 use crate::error::{Error, Result};
@@ -56,7 +51,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Elements per parallel chunk of element-wise work.
-const CHUNK: usize = 1 << 14;
+pub(crate) const CHUNK: usize = 1 << 14;
 
 /// Floating-point operations per element of the element-wise kernels (see the module
 /// documentation).
@@ -66,15 +61,6 @@ pub(crate) mod per_element {
     pub const SCALE: u64 = 1;
     pub const SUM_SQUARES: u64 = 2;
     pub const BIAS_BACKWARD: u64 = 1;
-    pub const EMBEDDING: u64 = 1;
-    pub const EMBEDDING_BACKWARD: u64 = 2;
-    pub const LAYERNORM: u64 = 8;
-    pub const LAYERNORM_BACKWARD: u64 = 19;
-    pub const GELU: u64 = 9;
-    pub const GELU_BACKWARD: u64 = 19;
-    pub const ROPE: u64 = 3;
-    pub const SWIGLU: u64 = 5;
-    pub const SWIGLU_BACKWARD: u64 = 11;
     pub const ADAMW: u64 = 15;
     pub const ADAMW8BIT: u64 = 21;
     pub const CROSS_ENTROPY: u64 = 4;
@@ -495,100 +481,6 @@ impl Backend for CpuBackend {
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(dbias, dout);
-        Ok(())
-    }
-
-    fn embedding_kernel(
-        &self,
-        out: &mut Tensor,
-        tokens: &[u32],
-        wte: &Tensor,
-        wpe: Option<&Tensor>,
-    ) -> Result<()> {
-        embedding::forward(out, tokens, wte, wpe);
-        Ok(())
-    }
-
-    fn embedding_backward_kernel(
-        &self,
-        dwte: &mut Tensor,
-        dwpe: Option<&mut Tensor>,
-        dout: &Tensor,
-        tokens: &[u32],
-    ) -> Result<()> {
-        embedding::backward(dwte, dwpe, dout, tokens);
-        Ok(())
-    }
-
-    fn layernorm_kernel(
-        &self,
-        out: &mut Tensor,
-        stats: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        layernorm::forward(out, stats, x, weight, bias, eps)
-    }
-
-    fn layernorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dbias: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()> {
-        layernorm::backward(dx, dweight, dbias, dout, x, weight, stats)
-    }
-
-    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        gelu::forward(out, x);
-        Ok(())
-    }
-
-    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        gelu::backward(dx, x, dout);
-        Ok(())
-    }
-
-    fn rope_kernel(
-        &self,
-        out: &mut Tensor,
-        x: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()> {
-        rope::forward(out, x, inv_freq, heads);
-        Ok(())
-    }
-
-    fn rope_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dout: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()> {
-        rope::backward(dx, dout, inv_freq, heads);
-        Ok(())
-    }
-
-    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
-        swiglu::forward(out, gate_up);
-        Ok(())
-    }
-
-    fn swiglu_backward_kernel(
-        &self,
-        dgate_up: &mut Tensor,
-        dout: &Tensor,
-        gate_up: &Tensor,
-    ) -> Result<()> {
-        swiglu::backward(dgate_up, dout, gate_up);
         Ok(())
     }
 

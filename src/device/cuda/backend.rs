@@ -21,8 +21,8 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{
-    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, flash_attention,
-    gelu, layernorm, matmul, reductions, rope, swiglu,
+    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, flash_attention, matmul,
+    reductions,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
@@ -224,7 +224,7 @@ impl CudaBackend {
     }
 
     /// `values` on the device, in a workspace tensor.
-    pub(super) fn upload_u32(&self, values: &[u32], label: &str) -> Result<Tensor> {
+    pub(crate) fn upload_u32(&self, values: &[u32], label: &str) -> Result<Tensor> {
         let t = self.scratch(values.len() * 4, label)?;
         if !values.is_empty() {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -574,92 +574,6 @@ impl Backend for CudaBackend {
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(self, dbias, dout)
-    }
-
-    fn embedding_kernel(
-        &self,
-        out: &mut Tensor,
-        tokens: &[u32],
-        wte: &Tensor,
-        wpe: Option<&Tensor>,
-    ) -> Result<()> {
-        embedding::forward(self, out, tokens, wte, wpe)
-    }
-
-    fn embedding_backward_kernel(
-        &self,
-        dwte: &mut Tensor,
-        dwpe: Option<&mut Tensor>,
-        dout: &Tensor,
-        tokens: &[u32],
-    ) -> Result<()> {
-        embedding::backward(self, dwte, dwpe, dout, tokens)
-    }
-
-    fn layernorm_kernel(
-        &self,
-        out: &mut Tensor,
-        stats: &mut Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        bias: &Tensor,
-        eps: f32,
-    ) -> Result<()> {
-        layernorm::forward(self, out, stats, x, weight, bias, eps)
-    }
-
-    fn layernorm_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dweight: &mut Tensor,
-        dbias: &mut Tensor,
-        dout: &Tensor,
-        x: &Tensor,
-        weight: &Tensor,
-        stats: &Tensor,
-    ) -> Result<()> {
-        layernorm::backward(self, dx, dweight, dbias, dout, x, weight, stats)
-    }
-
-    fn gelu_kernel(&self, out: &mut Tensor, x: &Tensor) -> Result<()> {
-        gelu::forward(self, out, x)
-    }
-
-    fn gelu_backward_kernel(&self, dx: &mut Tensor, x: &Tensor, dout: &Tensor) -> Result<()> {
-        gelu::backward(self, dx, x, dout)
-    }
-
-    fn rope_kernel(
-        &self,
-        out: &mut Tensor,
-        x: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()> {
-        rope::forward(self, out, x, inv_freq, heads)
-    }
-
-    fn rope_backward_kernel(
-        &self,
-        dx: &mut Tensor,
-        dout: &Tensor,
-        inv_freq: &[f32],
-        heads: Heads,
-    ) -> Result<()> {
-        rope::backward(self, dx, dout, inv_freq, heads)
-    }
-
-    fn swiglu_kernel(&self, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
-        swiglu::forward(self, out, gate_up)
-    }
-
-    fn swiglu_backward_kernel(
-        &self,
-        dgate_up: &mut Tensor,
-        dout: &Tensor,
-        gate_up: &Tensor,
-    ) -> Result<()> {
-        swiglu::backward(self, dgate_up, dout, gate_up)
     }
 
     fn attention_scores_kernel(

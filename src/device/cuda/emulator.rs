@@ -689,6 +689,9 @@ mod tests {
     use crate::device::cuda::kernels::COMMON_SOURCE;
     use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
+    use crate::ops::embedding;
+    use crate::ops::gelu;
+    use crate::ops::layernorm;
     use crate::tensor::{DType, Tensor};
     use crate::Rng;
     use half::bf16;
@@ -996,10 +999,10 @@ extern "C" __global__ void traps(int* out) {
             let x = upload(&be, &xs, &[n], dtype);
             let d = upload(&be, &dout, &[n], dtype);
             let mut out = zeros(&be, &[n], dtype);
-            be.gelu(&mut out, &x).unwrap();
+            gelu::forward(&be, &mut out, &x).unwrap();
             let want = be.to_f32(&out).unwrap();
             let mut dx = zeros(&be, &[n], dtype);
-            be.gelu_backward(&mut dx, &x, &d).unwrap();
+            gelu::backward(&be, &mut dx, &x, &d).unwrap();
             let want_dx = be.to_f32(&dx).unwrap();
             // Two blocks of 128 threads: the grid-stride loops go round three times.
             let t = suffix(dtype);
@@ -1167,14 +1170,12 @@ extern "C" __global__ void traps(int* out) {
             let b = upload(&be, &self.b, &[c], dtype);
             let mut out = zeros(&be, &[rows, c], dtype);
             let mut stats = zeros(&be, &[rows, 2], DType::F32);
-            be.layernorm(&mut out, &mut stats, &x, &w, &b, self.eps)
-                .unwrap();
+            layernorm::forward(&be, &mut out, &mut stats, &x, &w, &b, self.eps).unwrap();
             let dout = upload(&be, &self.dout, &[rows, c], dtype);
             let mut dx = upload(&be, &self.dx, &[rows, c], dtype);
             let mut dw = upload(&be, &self.dw, &[c], dtype);
             let mut db = upload(&be, &self.db, &[c], dtype);
-            be.layernorm_backward(&mut dx, &mut dw, &mut db, &dout, &x, &w, &stats)
-                .unwrap();
+            layernorm::backward(&be, &mut dx, &mut dw, &mut db, &dout, &x, &w, &stats).unwrap();
             [&out, &stats, &dx, &dw, &db]
                 .iter()
                 .map(|t| be.to_f32(t).unwrap())
@@ -1475,7 +1476,7 @@ extern "C" __global__ void traps(int* out) {
             // With position embeddings (GPT-2) and without (Llama).
             for with_wpe in [true, false] {
                 let mut out_cpu = zeros(&be, &[b, t, c], tt);
-                be.embedding(&mut out_cpu, &tokens, &wte, with_wpe.then_some(&wpe))
+                embedding::forward(&be, &mut out_cpu, &tokens, &wte, with_wpe.then_some(&wpe))
                     .unwrap();
                 let mut out = Buf::new(&vec![0.0; b * t * c], tt);
                 let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
@@ -1498,7 +1499,7 @@ extern "C" __global__ void traps(int* out) {
                 let dout = upload(&be, &douts, &[b, t, c], tt);
                 let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
                 let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);
-                be.embedding_backward(&mut dwte_cpu, Some(&mut dwpe_cpu), &dout, &tokens)
+                embedding::backward(&be, &mut dwte_cpu, Some(&mut dwpe_cpu), &dout, &tokens)
                     .unwrap();
                 let mut dout_buf = Buf::new(&douts, tt);
                 let (mut dwte, mut dwpe) = (Buf::new(&wtes, g), Buf::new(&wpes, g));

@@ -56,9 +56,9 @@ pub fn custom_full_source(kernel: &dyn CustomKernel) -> String {
 /// declares its file and kernel names once, beside the code that launches them
 /// (`KERNELS` in `src/device/cuda/ops/<family>.rs`).
 pub const KERNEL_FILES: &[KernelFile] = &[
-    ops::embedding::KERNELS,
-    ops::layernorm::KERNELS,
-    ops::gelu::KERNELS,
+    crate::ops::embedding::cuda::KERNELS,
+    crate::ops::layernorm::cuda::KERNELS,
+    crate::ops::gelu::cuda::KERNELS,
     ops::attention::KERNELS,
     ops::flash_attention::KERNELS,
     ops::cross_entropy::KERNELS,
@@ -67,8 +67,8 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,
     crate::ops::rmsnorm::cuda::KERNELS,
-    ops::rope::KERNELS,
-    ops::swiglu::KERNELS,
+    crate::ops::rope::cuda::KERNELS,
+    crate::ops::swiglu::cuda::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).

@@ -23,6 +23,7 @@ mod pinned;
 pub mod probe;
 mod staging;
 
+pub use crate::ops::embedding::TokenBuckets;
 pub use backend::{ptr as device_ptr, CudaBackend, CudaOptions, Operand, BLOCK, ROWS_PER_BLOCK};
 pub use cache::{CacheOutcome, KernelCache};
 pub use emulator::KernelEmulator;
@@ -31,5 +32,4 @@ pub use gpu::{Args, DevicePtr, GpuMemory};
 pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, KernelFile, KERNEL_FILES,
 };
-pub use ops::embedding::TokenBuckets;
 pub use probe::{probe, CudaInfo};

@@ -21,7 +21,7 @@ const FLOPS_BACKWARD: u64 = 11;
 /// Normalizes each row of `x` into `out` (the compute dtype) and writes each row's
 /// reciprocal RMS to `rstd` (`[rows]` f32).
 pub fn forward(
-    be: &dyn Backend,
+    be: &(impl Backend + ?Sized),
     out: &mut Tensor,
     rstd: &mut Tensor,
     x: &Tensor,
@@ -39,7 +39,7 @@ pub fn forward(
 
 /// Backward of [`forward`]: accumulates into `dx` and `dweight`.
 pub fn backward(
-    be: &dyn Backend,
+    be: &(impl Backend + ?Sized),
     dx: &mut Tensor,
     dweight: &mut Tensor,
     dout: &Tensor,

@@ -4,53 +4,11 @@
 //! `t · inv_freq[i]` of the token's position `t` (`0..T` in each row of the batch); the
 //! values are copied as they are.
 
-use super::{btc, ensure, read, write};
+use crate::device::cpu::{read, write};
 use crate::device::Heads;
-use crate::error::Result;
+
 use crate::tensor::Tensor;
 use rayon::prelude::*;
-
-/// Checks the operands (the contract every backend shares): `x` and `out` alike, shaped
-/// `[B, T, (H + 2·KV)·D]` for valid `heads` of even width, one frequency per pair.
-pub(crate) fn check(
-    op: &'static str,
-    out: &Tensor,
-    x: &Tensor,
-    inv_freq: &[f32],
-    heads: Heads,
-) -> Result<()> {
-    heads.check(op)?;
-    let (_, _, w) = btc(x, op)?;
-    ensure(out.shape() == x.shape(), op, || {
-        format!(
-            "`{}` {:?} and `{}` {:?} differ",
-            out.label(),
-            out.shape(),
-            x.label(),
-            x.shape()
-        )
-    })?;
-    ensure(w == heads.qkv_width(), op, || {
-        format!(
-            "`{}` has rows of {w}; {} query and {} key/value heads of {} need {}",
-            x.label(),
-            heads.n_head,
-            heads.n_kv_head,
-            heads.head_dim,
-            heads.qkv_width()
-        )
-    })?;
-    ensure(heads.head_dim % 2 == 0, op, || {
-        format!("head width {} must be even to rotate pairs", heads.head_dim)
-    })?;
-    ensure(inv_freq.len() == heads.head_dim / 2, op, || {
-        format!(
-            "{} frequencies for heads of {} (one per pair)",
-            inv_freq.len(),
-            heads.head_dim
-        )
-    })
-}
 
 /// Rotates each pair by `+angle` (forward) or `−angle` (backward: the transpose), on
 /// checked operands.
@@ -96,12 +54,12 @@ fn rotate(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads, sign: f3
 }
 
 /// The forward, on checked operands.
-pub(super) fn forward(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) {
+pub(crate) fn forward(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) {
     rotate(out, x, inv_freq, heads, 1.0)
 }
 
 /// The backward (the rotation by the opposite angles), on checked operands.
-pub(super) fn backward(dx: &mut Tensor, dout: &Tensor, inv_freq: &[f32], heads: Heads) {
+pub(crate) fn backward(dx: &mut Tensor, dout: &Tensor, inv_freq: &[f32], heads: Heads) {
     rotate(dx, dout, inv_freq, heads, -1.0)
 }
 
@@ -110,6 +68,7 @@ mod tests {
     use crate::device::{Backend, CpuBackend, Heads};
     use crate::memory::MemoryCategory;
     use crate::model::{Rope, RopeScaling};
+    use crate::ops::rope;
     use crate::tensor::DType;
 
     #[test]
@@ -135,9 +94,9 @@ mod tests {
         };
         let (x, dd) = (up(&xs), up(&ds));
         let mut y = up(&vec![0.0; n]);
-        be.rope(&mut y, &x, &inv, heads).unwrap();
+        rope::forward(&be, &mut y, &x, &inv, heads).unwrap();
         let mut dx = up(&vec![0.0; n]);
-        be.rope_backward(&mut dx, &dd, &inv, heads).unwrap();
+        rope::backward(&be, &mut dx, &dd, &inv, heads).unwrap();
         let (y, dx) = (be.to_f32(&y).unwrap(), be.to_f32(&dx).unwrap());
         // q·cos + rotate_half(q)·sin, rotate_half(q) = [−q2, q1], in f64, on the 3 query
         // heads and the key head; the value head is copied.

@@ -1,45 +1,9 @@
 //! Token and position embeddings.
 
-use super::{btc, ensure, read, write};
-use crate::error::{Error, Result};
+use crate::device::cpu::{read, write};
+
 use crate::tensor::Tensor;
 use rayon::prelude::*;
-
-/// Checks the operands of `embedding` (`x` the output) and `embedding_backward` (`x`
-/// the output's gradient), the contract every backend shares, and returns
-/// `(B, T, C, vocab)`.
-pub(crate) fn check(
-    op: &'static str,
-    x: &Tensor,
-    tokens: &[u32],
-    wte: &Tensor,
-    wpe: Option<&Tensor>,
-) -> Result<(usize, usize, usize, usize)> {
-    let (b, t, c) = btc(x, op)?;
-    let (v, cw) = wte.rows_cols();
-    ensure(cw == c, op, || {
-        format!("embedding width differs: activations {c}, wte {cw}")
-    })?;
-    if let Some(wpe) = wpe {
-        let (p, cp) = wpe.rows_cols();
-        ensure(cp == c, op, || {
-            format!("embedding width differs: activations {c}, wpe {cp}")
-        })?;
-        ensure(t <= p, op, || {
-            format!("sequence length {t} exceeds the {p} positions of wpe")
-        })?;
-    }
-    ensure(tokens.len() == b * t, op, || {
-        format!("{} tokens for a [{b}, {t}] batch", tokens.len())
-    })?;
-    if let Some(bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
-        return Err(Error::data(
-            "tokens",
-            format!("token id {bad} is beyond the vocabulary of {v}; use a tokenizer that matches the model's vocab_size"),
-        ));
-    }
-    Ok((b, t, c, v))
-}
 
 /// `(T, C)` of a checked `[B, T, C]` tensor.
 fn time_width(x: &Tensor) -> (usize, usize) {
@@ -49,7 +13,7 @@ fn time_width(x: &Tensor) -> (usize, usize) {
     }
 }
 
-pub(super) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Option<&Tensor>) {
+pub(crate) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Option<&Tensor>) {
     let (t, c) = time_width(out);
     if t * c == 0 {
         return;
@@ -74,7 +38,7 @@ pub(super) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Optio
     });
 }
 
-pub(super) fn backward(
+pub(crate) fn backward(
     dwte: &mut Tensor,
     dwpe: Option<&mut Tensor>,
     dout: &Tensor,

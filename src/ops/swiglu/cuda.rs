@@ -1,10 +1,10 @@
 //! SwiGLU's gate over a fused gate-and-up projection, and its backward.
 //!
-//! CPU twin: `src/device/cpu/swiglu.rs`. Kernels: `kernels/swiglu.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/swiglu.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -12,7 +12,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "swiglu.cu",
-    source: include_str!("../../../../kernels/swiglu.cu"),
+    source: include_str!("../../../kernels/swiglu.cu"),
     kernels: &[
         "swiglu_f32",
         "swiglu_bf16",

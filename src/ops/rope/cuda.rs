@@ -1,11 +1,11 @@
 //! Rotary position embedding of the queries and keys of a fused projection, forward and
 //! backward (the same kernel turning the other way).
 //!
-//! CPU twin: `src/device/cpu/rope.rs`. Kernels: `kernels/rope.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/rope.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
 use crate::device::{Backend, Heads};
 use crate::error::Result;
 use crate::memory::MemoryCategory;
@@ -15,7 +15,7 @@ use crate::tensor::{DType, Tensor};
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "rope.cu",
-    source: include_str!("../../../../kernels/rope.cu"),
+    source: include_str!("../../../kernels/rope.cu"),
     kernels: &["rope_f32", "rope_bf16", "rope_f16"],
 };
 

@@ -3,9 +3,9 @@
 //! `silu(g) = g·σ(g)`, into `[.., F]`. `σ(g) = 1/(1 + e^(−g))` with `simd::exp` (the CUDA
 //! twin's `tk_exp`), so the rows vectorize and the kernels agree bit for bit.
 
-use super::simd::{self, simd_fn};
-use super::{ensure, read, write};
-use crate::error::Result;
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write};
+
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -36,47 +36,8 @@ simd_fn! {
     }
 }
 
-/// Checks the operands (the contract every backend shares): `gate_up` has the rows of
-/// `out` and twice its columns, and `others` are shaped as `out` or as `gate_up` (their
-/// element counts are compared). Returns `F`.
-pub(crate) fn check(
-    op: &'static str,
-    out: &Tensor,
-    gate_up: &Tensor,
-    others: &[&Tensor],
-) -> Result<usize> {
-    let (rows, f) = out.rows_cols();
-    let (rows2, f2) = gate_up.rows_cols();
-    ensure(rows == rows2 && f2 == 2 * f, op, || {
-        format!(
-            "`{}` {:?} must hold the gate and up projections of `{}` {:?} side by side \
-             ([.., 2F] for [.., F])",
-            gate_up.label(),
-            gate_up.shape(),
-            out.label(),
-            out.shape()
-        )
-    })?;
-    for t in others {
-        ensure(
-            t.numel() == out.numel() || t.numel() == gate_up.numel(),
-            op,
-            || {
-                format!(
-                    "`{}` {:?} matches neither `{}` nor `{}`",
-                    t.label(),
-                    t.shape(),
-                    out.label(),
-                    gate_up.label()
-                )
-            },
-        )?;
-    }
-    Ok(f)
-}
-
 /// The forward, on checked operands.
-pub(super) fn forward(out: &mut Tensor, gate_up: &Tensor) {
+pub(crate) fn forward(out: &mut Tensor, gate_up: &Tensor) {
     let f = out.rows_cols().1;
     if f == 0 {
         return;
@@ -96,7 +57,7 @@ pub(super) fn forward(out: &mut Tensor, gate_up: &Tensor) {
 
 /// The backward, on checked operands, overwriting `dgate_up`:
 /// `dgate = dout·up·σ(g)·(1 + g·(1 − σ(g)))`, `dup = dout·silu(g)`.
-pub(super) fn backward(dgate_up: &mut Tensor, dout: &Tensor, gate_up: &Tensor) {
+pub(crate) fn backward(dgate_up: &mut Tensor, dout: &Tensor, gate_up: &Tensor) {
     let f = dout.rows_cols().1;
     if f == 0 {
         return;
@@ -119,6 +80,7 @@ pub(super) fn backward(dgate_up: &mut Tensor, dout: &Tensor, gate_up: &Tensor) {
 mod tests {
     use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
+    use crate::ops::swiglu;
     use crate::tensor::DType;
 
     #[test]
@@ -136,10 +98,10 @@ mod tests {
         };
         let (gu, d) = (up(&gus, 2 * f), up(&ds, f));
         let mut dgu = up(&vec![0.0; 2 * n], 2 * f);
-        be.swiglu_backward(&mut dgu, &d, &gu).unwrap();
+        swiglu::backward(&be, &mut dgu, &d, &gu).unwrap();
         let dgu = be.to_f32(&dgu).unwrap();
         let mut out = up(&vec![0.0; n], f);
-        be.swiglu(&mut out, &gu).unwrap();
+        swiglu::forward(&be, &mut out, &gu).unwrap();
         let out = be.to_f32(&out).unwrap();
         let silu_mul = |g: f64, u: f64| g / (1.0 + (-g).exp()) * u;
         let h = 1e-3;

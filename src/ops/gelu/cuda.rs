@@ -1,10 +1,10 @@
 //! GELU (tanh approximation) and its backward.
 //!
-//! CPU twin: `src/device/cpu/gelu.rs`. Kernels: `kernels/gelu.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/gelu.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -12,7 +12,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "gelu.cu",
-    source: include_str!("../../../../kernels/gelu.cu"),
+    source: include_str!("../../../kernels/gelu.cu"),
     kernels: &[
         "gelu_f32",
         "gelu_bf16",

@@ -4,11 +4,11 @@
 //! adds that token's rows in row order. The token ids are on the host, so the rows are
 //! grouped there, once per batch, into [`TokenBuckets`], which the backend uploads.
 //!
-//! CPU twin: `src/device/cpu/embedding.rs`. Kernels: `kernels/embedding.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/embedding.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
+use crate::device::cuda::backend::{ptr, CudaBackend, BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -16,7 +16,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "embedding.cu",
-    source: include_str!("../../../../kernels/embedding.cu"),
+    source: include_str!("../../../kernels/embedding.cu"),
     kernels: &[
         "embedding_f32",
         "embedding_bf16",

@@ -1,12 +1,12 @@
 //! Layer normalization and its backward (dx per row; the parameter gradients in two
 //! passes over blocks of 128 rows).
 //!
-//! CPU twin: `src/device/cpu/layernorm.rs`. Kernels: `kernels/layernorm.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/layernorm.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK, ROW_BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
 use crate::device::cpu::ensure_f32;
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK, ROW_BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -14,7 +14,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "layernorm.cu",
-    source: include_str!("../../../../kernels/layernorm.cu"),
+    source: include_str!("../../../kernels/layernorm.cu"),
     kernels: &[
         "layernorm_f32",
         "layernorm_bf16",

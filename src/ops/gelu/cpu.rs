@@ -1,7 +1,7 @@
 //! GELU with the tanh approximation (GPT-2's `gelu_new`).
 
-use super::simd::{self, simd_fn};
-use super::{read, write, CHUNK};
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write, CHUNK};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -26,7 +26,7 @@ pub(crate) fn gelu_grad(x: f32) -> f32 {
     s + 2.0 * x * s * (1.0 - s) * du
 }
 
-pub(super) fn forward(out: &mut Tensor, x: &Tensor) {
+pub(crate) fn forward(out: &mut Tensor, x: &Tensor) {
     let x = read(x);
     write(out, false, |o| {
         o.par_chunks_mut(CHUNK)
@@ -35,7 +35,7 @@ pub(super) fn forward(out: &mut Tensor, x: &Tensor) {
     });
 }
 
-pub(super) fn backward(dx: &mut Tensor, x: &Tensor, dout: &Tensor) {
+pub(crate) fn backward(dx: &mut Tensor, x: &Tensor, dout: &Tensor) {
     let x = read(x);
     let d = read(dout);
     write(dx, false, |o| {

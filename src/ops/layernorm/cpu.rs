@@ -1,57 +1,13 @@
 //! Layer normalization over the last dimension, statistics in f32.
 
-use super::elementwise::ROW_BLOCK;
-use super::simd::{self, simd_fn};
-use super::{ensure, ensure_f32, ensure_shape, read, write};
+use crate::device::cpu::elementwise::ROW_BLOCK;
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write};
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
 use rayon::prelude::*;
 
-/// Checks `layernorm`'s operands (the contract every backend shares) and returns
-/// `(rows, C)`.
-pub(crate) fn check_forward(
-    out: &Tensor,
-    stats: &Tensor,
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-) -> Result<(usize, usize)> {
-    let (rows, c) = x.rows_cols();
-    ensure_shape(out, x.shape(), "layernorm")?;
-    ensure_shape(stats, &[rows, 2], "layernorm")?;
-    ensure_f32(stats, "layernorm")?;
-    ensure(
-        weight.numel() == c && bias.numel() == c,
-        "layernorm",
-        || format!("weight and bias must have {c} elements"),
-    )?;
-    Ok((rows, c))
-}
-
-/// Checks `layernorm_backward`'s operands (the contract every backend shares) and
-/// returns `(rows, C)`.
-pub(crate) fn check_backward(
-    dx: &Tensor,
-    dweight: &Tensor,
-    dbias: &Tensor,
-    dout: &Tensor,
-    x: &Tensor,
-    weight: &Tensor,
-    stats: &Tensor,
-) -> Result<(usize, usize)> {
-    let (rows, c) = x.rows_cols();
-    ensure_shape(dx, x.shape(), "layernorm_backward")?;
-    ensure_shape(dout, x.shape(), "layernorm_backward")?;
-    ensure_shape(stats, &[rows, 2], "layernorm_backward")?;
-    ensure(
-        weight.numel() == c && dweight.numel() == c && dbias.numel() == c,
-        "layernorm_backward",
-        || format!("weight, dweight and dbias must have {c} elements"),
-    )?;
-    Ok((rows, c))
-}
-
-pub(super) fn forward(
+pub(crate) fn forward(
     out: &mut Tensor,
     stats: &mut Tensor,
     x: &Tensor,
@@ -80,7 +36,7 @@ pub(super) fn forward(
     Ok(())
 }
 
-pub(super) fn backward(
+pub(crate) fn backward(
     dx: &mut Tensor,
     dweight: &mut Tensor,
     dbias: &mut Tensor,
