@@ -552,7 +552,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
 
 /// Whether `c` fits the request's device budget and, with offloading, its host budget.
 fn fits(req: &FitRequest<'_>, c: &FitCandidate) -> bool {
-    c.peak <= req.budget && req.host_budget.map_or(true, |h| c.host_bytes() <= h)
+    c.peak <= req.budget && req.host_budget.is_none_or(|h| c.host_bytes() <= h)
 }
 
 /// Steps of a byte budget between keeping nothing but layer inputs and keeping everything.

@@ -2,7 +2,9 @@
 //! LayerNorm eps 1e-5, tied input and output embeddings, no dropout.
 
 use super::exec;
-use super::graph::{attention_node, attention_stats, Graph, Section, Value};
+use super::graph::{
+    attention_node, attention_stats, overridden, Graph, OpOverride, Section, Value,
+};
 use super::{Architecture, Batch, Init, Mlp, Model, Norm, ParamInit, Pass, PassStats};
 use crate::checkpoint::Tags;
 use crate::device::Heads;
@@ -14,6 +16,7 @@ use crate::ops::{
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// GPT-2's shape, with the field names of Hugging Face's `GPT2Config`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -194,6 +197,7 @@ pub struct Gpt2 {
     loss: LossPath,
     loss_chunk: Option<usize>,
     attention: AttentionPath,
+    overrides: Vec<Arc<dyn OpOverride>>,
     graph: Graph,
 }
 
@@ -204,7 +208,8 @@ impl Clone for Gpt2 {
             loss: self.loss,
             loss_chunk: self.loss_chunk,
             attention: self.attention,
-            graph: graph(&self.config, self.head(), self.attention),
+            overrides: self.overrides.clone(),
+            graph: self.build_graph(),
         }
     }
 }
@@ -215,6 +220,12 @@ impl PartialEq for Gpt2 {
             && self.loss == other.loss
             && self.loss_chunk == other.loss_chunk
             && self.attention == other.attention
+            && self.overrides.len() == other.overrides.len()
+            && self
+                .overrides
+                .iter()
+                .zip(&other.overrides)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
     }
 }
 
@@ -235,6 +246,7 @@ impl Gpt2 {
             loss: LossPath::Fused,
             loss_chunk: None,
             attention,
+            overrides: Vec::new(),
             graph,
         })
     }
@@ -243,13 +255,30 @@ impl Gpt2 {
     /// materialized `[B, H, T, T]` probabilities.
     pub fn with_attention(mut self, path: AttentionPath) -> Self {
         self.attention = path;
-        self.graph = graph(&self.config, self.head(), path);
+        self.graph = self.build_graph();
         self
     }
 
     /// How attention is computed.
     pub fn attention_path(&self) -> AttentionPath {
         self.attention
+    }
+
+    /// The same model with some of its op nodes replaced by `o` (see [`OpOverride`]): a
+    /// fused op or a variant of your own, run in place of trainkit's. The model keeps the
+    /// override and applies it whenever it rebuilds its graph.
+    pub fn with_override(mut self, o: impl OpOverride + 'static) -> Self {
+        self.overrides.push(Arc::new(o));
+        self.graph = self.build_graph();
+        self
+    }
+
+    /// The graph of this model's config, attention and loss paths, with its overrides.
+    fn build_graph(&self) -> Graph {
+        overridden(
+            graph(&self.config, self.head(), self.attention),
+            &self.overrides,
+        )
     }
 
     /// The same model with its loss computed by `path`: the fused linear cross-entropy
@@ -260,7 +289,7 @@ impl Gpt2 {
         LinearCrossEntropy::new("training.loss_chunk", chunk)?;
         self.loss = path;
         self.loss_chunk = chunk;
-        self.graph = graph(&self.config, self.head(), self.attention);
+        self.graph = self.build_graph();
         Ok(self)
     }
 

@@ -4,6 +4,8 @@
 use crate::checkpoint::Tags;
 use crate::device::Heads;
 use crate::ops::{AttentionPath, CausalAttention, FlashAttention, Op};
+use std::fmt::Debug;
+use std::sync::Arc;
 
 /// An activation of a section: its name, its ledger label and the tags a checkpoint
 /// policy matches.
@@ -137,6 +139,69 @@ pub struct Graph {
     pub layers: Vec<Section>,
     /// From the last layer's output to the logits.
     pub head: Section,
+}
+
+impl Graph {
+    /// Every section, in forward order: the embedding, the layers, the head.
+    pub fn sections_mut(&mut self) -> impl Iterator<Item = &mut Section> {
+        std::iter::once(&mut self.embedding)
+            .chain(self.layers.iter_mut())
+            .chain(std::iter::once(&mut self.head))
+    }
+
+    /// Replaces, in every section, each node's op for which `o` gives a replacement
+    /// (which reads and writes the same values and uses the same parameters). Returns how
+    /// many nodes it replaced.
+    pub fn apply(&mut self, o: &dyn OpOverride) -> usize {
+        let mut replaced = 0;
+        for section in self.sections_mut() {
+            for node in &mut section.nodes {
+                if let Some(op) = o.replace(node.op.as_ref()) {
+                    node.op = op;
+                    replaced += 1;
+                }
+            }
+        }
+        replaced
+    }
+}
+
+/// A public hook on a model family's graph: replaces some of its op nodes with ops of
+/// your own (a fused kernel, a variant of a norm) without retyping the model. Given each
+/// node's op, [`OpOverride::replace`] returns the op to run instead, or `None` to keep it;
+/// the replacement must read and write the same values and use the same parameters, in
+/// the same order. Find an op's settings with [`downcast`](crate::ops::downcast):
+///
+/// ```
+/// use trainkit::model::OpOverride;
+/// use trainkit::ops::{downcast, Op, RmsNorm};
+///
+/// /// Every RMS norm of the model with a larger epsilon.
+/// #[derive(Debug)]
+/// struct WiderEps;
+///
+/// impl OpOverride for WiderEps {
+///     fn replace(&self, op: &dyn Op) -> Option<Box<dyn Op>> {
+///         let norm = downcast::<RmsNorm>(op)?;
+///         Some(Box::new(RmsNorm { eps: norm.eps * 10.0 }))
+///     }
+/// }
+/// ```
+///
+/// Models keep their overrides ([`crate::Llama::with_override`],
+/// [`crate::Gpt2::with_override`]) and apply them whenever they rebuild their graph
+/// (a clone, another attention or loss path).
+pub trait OpOverride: Debug + Send + Sync {
+    /// The op to run instead of `op`, or `None` to keep `op`.
+    fn replace(&self, op: &dyn Op) -> Option<Box<dyn Op>>;
+}
+
+/// `graph` with every override of `overrides` applied, in order.
+pub(crate) fn overridden(mut graph: Graph, overrides: &[Arc<dyn OpOverride>]) -> Graph {
+    for o in overrides {
+        graph.apply(o.as_ref());
+    }
+    graph
 }
 
 /// Adds to `s` the value of a layer's attention statistics for `path`, labelled in

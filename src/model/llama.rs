@@ -10,7 +10,9 @@
 //! ([`Llama::export_tensors`], [`Llama::import_tensors`]).
 
 use super::exec;
-use super::graph::{attention_node, attention_stats, Graph, Section, Value};
+use super::graph::{
+    attention_node, attention_stats, overridden, Graph, OpOverride, Section, Value,
+};
 use super::{Architecture, Batch, Init, LlamaConfig, Mlp, Model, Norm, ParamInit, Pass};
 use super::{PassStats, Rope, RopeScaling};
 use crate::checkpoint::Tags;
@@ -23,6 +25,7 @@ use crate::ops::{
 use crate::save::NamedTensor;
 use crate::tensor::Tensor;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// The fused projections and the Hugging Face tensors they hold, in row order.
 const FUSED: [(&str, [&str; 3]); 2] = [
@@ -131,6 +134,7 @@ pub struct Llama {
     loss: LossPath,
     loss_chunk: Option<usize>,
     attention: AttentionPath,
+    overrides: Vec<Arc<dyn OpOverride>>,
     graph: Graph,
 }
 
@@ -141,7 +145,8 @@ impl Clone for Llama {
             loss: self.loss,
             loss_chunk: self.loss_chunk,
             attention: self.attention,
-            graph: graph(&self.config, self.fused_loss(), self.attention),
+            overrides: self.overrides.clone(),
+            graph: self.build_graph(),
         }
     }
 }
@@ -152,6 +157,12 @@ impl PartialEq for Llama {
             && self.loss == other.loss
             && self.loss_chunk == other.loss_chunk
             && self.attention == other.attention
+            && self.overrides.len() == other.overrides.len()
+            && self
+                .overrides
+                .iter()
+                .zip(&other.overrides)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
     }
 }
 
@@ -183,6 +194,7 @@ impl Llama {
             loss: LossPath::Fused,
             loss_chunk: None,
             attention,
+            overrides: Vec::new(),
             graph,
         })
     }
@@ -191,13 +203,30 @@ impl Llama {
     /// materialized `[B, H, T, T]` probabilities.
     pub fn with_attention(mut self, path: AttentionPath) -> Self {
         self.attention = path;
-        self.graph = graph(&self.config, self.fused_loss(), path);
+        self.graph = self.build_graph();
         self
     }
 
     /// How attention is computed.
     pub fn attention_path(&self) -> AttentionPath {
         self.attention
+    }
+
+    /// The same model with some of its op nodes replaced by `o` (see [`OpOverride`]): a
+    /// fused op or a variant of your own, run in place of trainkit's. The model keeps the
+    /// override and applies it whenever it rebuilds its graph.
+    pub fn with_override(mut self, o: impl OpOverride + 'static) -> Self {
+        self.overrides.push(Arc::new(o));
+        self.graph = self.build_graph();
+        self
+    }
+
+    /// The graph of this model's config, attention and loss paths, with its overrides.
+    fn build_graph(&self) -> Graph {
+        overridden(
+            graph(&self.config, self.fused_loss(), self.attention),
+            &self.overrides,
+        )
     }
 
     /// The same model with its loss computed by `path`: the fused linear cross-entropy
@@ -208,7 +237,7 @@ impl Llama {
         LinearCrossEntropy::new("training.loss_chunk", chunk)?;
         self.loss = path;
         self.loss_chunk = chunk;
-        self.graph = graph(&self.config, self.fused_loss(), self.attention);
+        self.graph = self.build_graph();
         Ok(self)
     }
 

@@ -12,7 +12,7 @@ mod param;
 pub use architecture::{Architecture, Mlp, Norm};
 pub use exec::StashStats;
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use graph::{Graph, Node, Section, Value};
+pub use graph::{Graph, Node, OpOverride, Section, Value};
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
