@@ -8,10 +8,10 @@
 //! with [`ForwardCx::wanted`] set to that output. A new op is a new type implementing
 //! [`Op`]; nothing else changes.
 
-mod attention;
+pub mod attention;
 mod classifier;
 mod embedding;
-mod flash_attention;
+pub mod flash_attention;
 mod linear;
 mod linear_cross_entropy;
 mod norm;

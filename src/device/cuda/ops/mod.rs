@@ -13,12 +13,10 @@
 
 pub(crate) mod adamw;
 pub(crate) mod adamw8bit;
-pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
-pub(crate) mod flash_attention;
 pub(crate) mod gelu;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
