@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use trainkit::device::Heads;
+use trainkit::ops::attention;
 use trainkit::{Backend, Blas, CpuBackend, Error, Gpt2, Rng, Trainer};
 
 /// A CBLAS `sgemm` for both layouts and all transposes, counting its calls, plus OpenBLAS's
@@ -199,16 +200,15 @@ fn attention_on_the_library_matches_the_builtin_one() {
         let qkv = tensor(be, &qkv, &[b, t, 3 * c]);
         let dout = tensor(be, &dout, &[b, t, c]);
         let mut scores = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
-        be.attention_scores(&mut scores, &qkv, Heads::mha(h, c))
-            .unwrap();
+        attention::scores(be, &mut scores, &qkv, Heads::mha(h, c)).unwrap();
         let mut probs = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
-        be.softmax_causal(&mut probs, &scores).unwrap();
+        attention::softmax(be, &mut probs, &scores).unwrap();
         let mut out = tensor(be, &vec![0.0; b * t * c], &[b, t, c]);
-        be.attention_values(&mut out, &probs, &qkv, Heads::mha(h, c))
-            .unwrap();
+        attention::values(be, &mut out, &probs, &qkv, Heads::mha(h, c)).unwrap();
         let mut dprobs = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
         let mut dqkv = tensor(be, &vec![0.0; b * t * 3 * c], &[b, t, 3 * c]);
-        be.attention_values_backward(
+        attention::values_backward(
+            be,
             &mut dprobs,
             &mut dqkv,
             &dout,
@@ -218,10 +218,8 @@ fn attention_on_the_library_matches_the_builtin_one() {
         )
         .unwrap();
         let mut dscores = tensor(be, &vec![0.0; b * h * t * t], &[b, h, t, t]);
-        be.softmax_causal_backward(&mut dscores, &dprobs, &probs)
-            .unwrap();
-        be.attention_scores_backward(&mut dqkv, &dscores, &qkv, Heads::mha(h, c))
-            .unwrap();
+        attention::softmax_backward(be, &mut dscores, &dprobs, &probs).unwrap();
+        attention::scores_backward(be, &mut dqkv, &dscores, &qkv, Heads::mha(h, c)).unwrap();
         results.push(
             [&scores, &out, &dprobs, &dqkv]
                 .iter()

@@ -15,12 +15,9 @@ use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
-use trainkit::ops::embedding;
-use trainkit::ops::gelu;
-use trainkit::ops::layernorm;
-use trainkit::ops::rmsnorm;
-use trainkit::ops::rope;
-use trainkit::ops::swiglu;
+use trainkit::ops::{
+    attention, embedding, flash_attention, gelu, layernorm, rmsnorm, rope, swiglu,
+};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -705,19 +702,16 @@ fn attention_matches_the_cpu() {
                 );
                 let sh = [b, h, t, t];
                 let mut s = out(&cpu, &cuda, &sh, dt);
-                cpu.attention_scores(&mut s.cpu, &qkv.cpu, heads).unwrap();
-                cuda.attention_scores(&mut s.cuda, &qkv.cuda, heads)
-                    .unwrap();
+                attention::scores(&cpu, &mut s.cpu, &qkv.cpu, heads).unwrap();
+                attention::scores(&*cuda, &mut s.cuda, &qkv.cuda, heads).unwrap();
                 compare(&format!("attention_scores {what}"), name, &cpu, &cuda, &s);
                 let mut p = out(&cpu, &cuda, &sh, dt);
-                cpu.softmax_causal(&mut p.cpu, &s.cpu).unwrap();
-                cuda.softmax_causal(&mut p.cuda, &s.cuda).unwrap();
+                attention::softmax(&cpu, &mut p.cpu, &s.cpu).unwrap();
+                attention::softmax(&*cuda, &mut p.cuda, &s.cuda).unwrap();
                 compare(&format!("softmax_causal {what}"), name, &cpu, &cuda, &p);
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                cpu.attention_values(&mut o.cpu, &p.cpu, &qkv.cpu, heads)
-                    .unwrap();
-                cuda.attention_values(&mut o.cuda, &p.cuda, &qkv.cuda, heads)
-                    .unwrap();
+                attention::values(&cpu, &mut o.cpu, &p.cpu, &qkv.cpu, heads).unwrap();
+                attention::values(&*cuda, &mut o.cuda, &p.cuda, &qkv.cuda, heads).unwrap();
                 compare(&format!("attention_values {what}"), name, &cpu, &cuda, &o);
                 // Backward, on the same inputs for both.
                 let dout = pair(
@@ -729,7 +723,8 @@ fn attention_matches_the_cpu() {
                 );
                 let mut dp = out(&cpu, &cuda, &sh, dt);
                 let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
-                cpu.attention_values_backward(
+                attention::values_backward(
+                    &cpu,
                     &mut dp.cpu,
                     &mut dqkv.cpu,
                     &dout.cpu,
@@ -738,7 +733,8 @@ fn attention_matches_the_cpu() {
                     heads,
                 )
                 .unwrap();
-                cuda.attention_values_backward(
+                attention::values_backward(
+                    &*cuda,
                     &mut dp.cuda,
                     &mut dqkv.cuda,
                     &dout.cuda,
@@ -755,10 +751,8 @@ fn attention_matches_the_cpu() {
                     &dp,
                 );
                 let mut ds = out(&cpu, &cuda, &sh, dt);
-                cpu.softmax_causal_backward(&mut ds.cpu, &dp.cpu, &p.cpu)
-                    .unwrap();
-                cuda.softmax_causal_backward(&mut ds.cuda, &dp.cuda, &p.cuda)
-                    .unwrap();
+                attention::softmax_backward(&cpu, &mut ds.cpu, &dp.cpu, &p.cpu).unwrap();
+                attention::softmax_backward(&*cuda, &mut ds.cuda, &dp.cuda, &p.cuda).unwrap();
                 compare(
                     &format!("softmax_causal_backward {what}"),
                     name,
@@ -766,9 +760,8 @@ fn attention_matches_the_cpu() {
                     &cuda,
                     &ds,
                 );
-                cpu.attention_scores_backward(&mut dqkv.cpu, &ds.cpu, &qkv.cpu, heads)
-                    .unwrap();
-                cuda.attention_scores_backward(&mut dqkv.cuda, &ds.cuda, &qkv.cuda, heads)
+                attention::scores_backward(&cpu, &mut dqkv.cpu, &ds.cpu, &qkv.cpu, heads).unwrap();
+                attention::scores_backward(&*cuda, &mut dqkv.cuda, &ds.cuda, &qkv.cuda, heads)
                     .unwrap();
                 // Now every block of dqkv is written: q and k here, v above.
                 compare(
@@ -816,9 +809,8 @@ fn flash_attention_matches_the_cpu() {
                 );
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
                 let mut lse = out(&cpu, &cuda, &[b, h, t], DType::F32);
-                cpu.flash_attention(&mut o.cpu, &mut lse.cpu, &qkv.cpu, heads)
-                    .unwrap();
-                cuda.flash_attention(&mut o.cuda, &mut lse.cuda, &qkv.cuda, heads)
+                flash_attention::forward(&cpu, &mut o.cpu, &mut lse.cpu, &qkv.cpu, heads).unwrap();
+                flash_attention::forward(&*cuda, &mut o.cuda, &mut lse.cuda, &qkv.cuda, heads)
                     .unwrap();
                 compare(
                     &format!("flash_attention out {what}"),
@@ -844,7 +836,8 @@ fn flash_attention_matches_the_cpu() {
                     dt,
                 );
                 let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
-                cpu.flash_attention_backward(
+                flash_attention::backward(
+                    &cpu,
                     &mut dqkv.cpu,
                     &dout.cpu,
                     &o.cpu,
@@ -853,7 +846,8 @@ fn flash_attention_matches_the_cpu() {
                     heads,
                 )
                 .unwrap();
-                cuda.flash_attention_backward(
+                flash_attention::backward(
+                    &*cuda,
                     &mut dqkv.cuda,
                     &dout.cuda,
                     &o.cuda,

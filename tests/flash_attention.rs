@@ -10,7 +10,7 @@ use common::{corpus_loader, cpu, randn, tiny_config};
 use trainkit::device::Heads;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{Rope, RopeScaling};
-use trainkit::ops::{AttentionPath, LossPath};
+use trainkit::ops::{attention, flash_attention, AttentionPath, LossPath};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, Constant, DType, Fp32, Full, Gpt2, Gpt2Config, Llama,
     LlamaConfig, MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Rng, Selective, Tensor,
@@ -41,18 +41,16 @@ fn materialized(
     let dt = qkv.dtype();
     let sq = [b, heads.n_head, t, t];
     let mut s = zeros(be, &sq, dt);
-    be.attention_scores(&mut s, qkv, heads).unwrap();
+    attention::scores(be, &mut s, qkv, heads).unwrap();
     let mut p = zeros(be, &sq, dt);
-    be.softmax_causal(&mut p, &s).unwrap();
+    attention::softmax(be, &mut p, &s).unwrap();
     let mut out = zeros(be, &[b, t, heads.q_width()], dt);
-    be.attention_values(&mut out, &p, qkv, heads).unwrap();
+    attention::values(be, &mut out, &p, qkv, heads).unwrap();
     let (mut dp, mut ds) = (zeros(be, &sq, dt), zeros(be, &sq, dt));
     let mut dqkv = zeros(be, qkv.shape(), dt);
-    be.attention_values_backward(&mut dp, &mut dqkv, dout, &p, qkv, heads)
-        .unwrap();
-    be.softmax_causal_backward(&mut ds, &dp, &p).unwrap();
-    be.attention_scores_backward(&mut dqkv, &ds, qkv, heads)
-        .unwrap();
+    attention::values_backward(be, &mut dp, &mut dqkv, dout, &p, qkv, heads).unwrap();
+    attention::softmax_backward(be, &mut ds, &dp, &p).unwrap();
+    attention::scores_backward(be, &mut dqkv, &ds, qkv, heads).unwrap();
     // The log-sum-exp of the f32 scores, from the inputs (the materialized scores of a
     // bf16 run are rounded).
     let q = be.to_f32(qkv).unwrap();
@@ -94,11 +92,10 @@ fn fused(
     let dt = qkv.dtype();
     let mut out = zeros(be, &[b, t, heads.q_width()], dt);
     let mut lse = zeros(be, &[b, heads.n_head, t], DType::F32);
-    be.flash_attention(&mut out, &mut lse, qkv, heads).unwrap();
+    flash_attention::forward(be, &mut out, &mut lse, qkv, heads).unwrap();
     // Poisoned, to show every element is written.
     let mut dqkv = upload(be, &vec![f32::NAN; qkv.numel()], qkv.shape(), dt);
-    be.flash_attention_backward(&mut dqkv, dout, &out, &lse, qkv, heads)
-        .unwrap();
+    flash_attention::backward(be, &mut dqkv, dout, &out, &lse, qkv, heads).unwrap();
     (
         be.to_f32(&out).unwrap(),
         be.to_f32(&lse).unwrap(),
@@ -204,23 +201,17 @@ fn fused_attention_is_deterministic_and_refuses_bad_operands() {
     // An lse that is not f32, or shaped for another T; heads that do not fit.
     let mut out = zeros(be, &[b, t, heads.q_width()], DType::F32);
     let mut lse = zeros(be, &[b, 4, t], DType::Bf16);
-    let e = be
-        .flash_attention(&mut out, &mut lse, &qkv, heads)
-        .unwrap_err();
+    let e = flash_attention::forward(be, &mut out, &mut lse, &qkv, heads).unwrap_err();
     assert!(e.to_string().contains("must be f32"), "{e}");
     let mut lse = zeros(be, &[b, 4, t - 1], DType::F32);
-    let e = be
-        .flash_attention(&mut out, &mut lse, &qkv, heads)
-        .unwrap_err();
+    let e = flash_attention::forward(be, &mut out, &mut lse, &qkv, heads).unwrap_err();
     assert!(e.to_string().contains("expected [2, 4, 150]"), "{e}");
     let bad = Heads {
         n_head: 3,
         n_kv_head: 2,
         head_dim: 16,
     };
-    let e = be
-        .flash_attention(&mut out, &mut lse, &qkv, bad)
-        .unwrap_err();
+    let e = flash_attention::forward(be, &mut out, &mut lse, &qkv, bad).unwrap_err();
     assert!(e.to_string().contains("flash_attention"), "{e}");
 }
 

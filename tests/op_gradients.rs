@@ -5,9 +5,7 @@ mod common;
 
 use common::{cpu, randn, tensor};
 use trainkit::device::Heads;
-use trainkit::ops::embedding;
-use trainkit::ops::gelu;
-use trainkit::ops::layernorm;
+use trainkit::ops::{attention, embedding, gelu, layernorm};
 use trainkit::{Backend, Rng, Tensor};
 
 /// Central finite differences of `loss` at `x` along a sample of coordinates, compared
@@ -243,12 +241,12 @@ fn attention_backward_matches_finite_differences() {
     // Scores alone.
     let scores_of = |v: &[f32]| {
         let mut s = zeros(&sq);
-        be.attention_scores(&mut s, &qkv_t(v), Heads::mha(h, c))
-            .unwrap();
+        attention::scores(be, &mut s, &qkv_t(v), Heads::mha(h, c)).unwrap();
         s
     };
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_scores_backward(
+    attention::scores_backward(
+        be,
         &mut dqkv,
         &tensor(be, &w_scores, &sq),
         &qkv_t(&qkv),
@@ -268,13 +266,12 @@ fn attention_backward_matches_finite_differences() {
     let scores = randn(&mut rng, b * h * t * t, 1.0);
     let softmax_of = |s: &[f32]| {
         let mut p = zeros(&sq);
-        be.softmax_causal(&mut p, &tensor(be, s, &sq)).unwrap();
+        attention::softmax(be, &mut p, &tensor(be, s, &sq)).unwrap();
         p
     };
     let probs = softmax_of(&scores);
     let mut ds = zeros(&sq);
-    be.softmax_causal_backward(&mut ds, &tensor(be, &w_scores, &sq), &probs)
-        .unwrap();
+    attention::softmax_backward(be, &mut ds, &tensor(be, &w_scores, &sq), &probs).unwrap();
     check_gradient("softmax_causal", &scores, &be.to_f32(&ds).unwrap(), &|s| {
         weighted(be, &softmax_of(s), &w_scores)
     });
@@ -283,13 +280,20 @@ fn attention_backward_matches_finite_differences() {
     let p_data = be.to_f32(&probs).unwrap();
     let values_of = |p: &[f32], v: &[f32]| {
         let mut out = zeros(&[b, t, c]);
-        be.attention_values(&mut out, &tensor(be, p, &sq), &qkv_t(v), Heads::mha(h, c))
-            .unwrap();
+        attention::values(
+            be,
+            &mut out,
+            &tensor(be, p, &sq),
+            &qkv_t(v),
+            Heads::mha(h, c),
+        )
+        .unwrap();
         weighted(be, &out, &w_out)
     };
     let mut dp = zeros(&sq);
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_values_backward(
+    attention::values_backward(
+        be,
         &mut dp,
         &mut dqkv,
         &tensor(be, &w_out, &[b, t, c]),
@@ -458,15 +462,15 @@ fn attention_matches_naive_loops_on_long_sequences() {
     let zeros = |shape: &[usize]| tensor(be, &vec![0.0; shape.iter().product()], shape);
     let q_t = tensor(be, &qkv, &[b, t, 3 * c]);
     let mut s = zeros(&sq);
-    be.attention_scores(&mut s, &q_t, Heads::mha(h, c)).unwrap();
+    attention::scores(be, &mut s, &q_t, Heads::mha(h, c)).unwrap();
     let mut p = zeros(&sq);
-    be.softmax_causal(&mut p, &s).unwrap();
+    attention::softmax(be, &mut p, &s).unwrap();
     let mut out = zeros(&[b, t, c]);
-    be.attention_values(&mut out, &p, &q_t, Heads::mha(h, c))
-        .unwrap();
+    attention::values(be, &mut out, &p, &q_t, Heads::mha(h, c)).unwrap();
     let mut dp = zeros(&sq);
     let mut dqkv = zeros(&[b, t, 3 * c]);
-    be.attention_values_backward(
+    attention::values_backward(
+        be,
         &mut dp,
         &mut dqkv,
         &tensor(be, &dout, &[b, t, c]),
@@ -475,8 +479,14 @@ fn attention_matches_naive_loops_on_long_sequences() {
         Heads::mha(h, c),
     )
     .unwrap();
-    be.attention_scores_backward(&mut dqkv, &tensor(be, &dsc, &sq), &q_t, Heads::mha(h, c))
-        .unwrap();
+    attention::scores_backward(
+        be,
+        &mut dqkv,
+        &tensor(be, &dsc, &sq),
+        &q_t,
+        Heads::mha(h, c),
+    )
+    .unwrap();
     let (s, p, out, dp, dqkv) = (
         be.to_f32(&s).unwrap(),
         be.to_f32(&p).unwrap(),
@@ -580,19 +590,17 @@ fn grouped_query_attention_is_multi_head_with_shared_heads() {
             let sq = [b, h, t, t];
             let qkv = tensor(be, qkv, &[b, t, w]);
             let mut s = zeros(&sq);
-            be.attention_scores(&mut s, &qkv, heads).unwrap();
+            attention::scores(be, &mut s, &qkv, heads).unwrap();
             let mut p = zeros(&sq);
-            be.softmax_causal(&mut p, &s).unwrap();
+            attention::softmax(be, &mut p, &s).unwrap();
             let mut out = zeros(&[b, t, c]);
-            be.attention_values(&mut out, &p, &qkv, heads).unwrap();
+            attention::values(be, &mut out, &p, &qkv, heads).unwrap();
             let (mut dp, mut ds) = (zeros(&sq), zeros(&sq));
             let mut dqkv = zeros(&[b, t, w]);
             let dout = tensor(be, &dout, &[b, t, c]);
-            be.attention_values_backward(&mut dp, &mut dqkv, &dout, &p, &qkv, heads)
-                .unwrap();
-            be.softmax_causal_backward(&mut ds, &dp, &p).unwrap();
-            be.attention_scores_backward(&mut dqkv, &ds, &qkv, heads)
-                .unwrap();
+            attention::values_backward(be, &mut dp, &mut dqkv, &dout, &p, &qkv, heads).unwrap();
+            attention::softmax_backward(be, &mut ds, &dp, &p).unwrap();
+            attention::scores_backward(be, &mut dqkv, &ds, &qkv, heads).unwrap();
             (be.to_f32(&out).unwrap(), be.to_f32(&dqkv).unwrap())
         };
         let (out_g, d_g) = run(&qkv_g, wg, g);

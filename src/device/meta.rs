@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
+use super::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -148,82 +148,6 @@ impl Backend for MetaBackend {
     }
 
     fn bias_backward_kernel(&self, _dbias: &mut Tensor, _dout: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn attention_scores_kernel(
-        &self,
-        _scores: &mut Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn attention_scores_backward_kernel(
-        &self,
-        _dqkv: &mut Tensor,
-        _dscores: &Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn softmax_causal_kernel(&self, _probs: &mut Tensor, _scores: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn softmax_causal_backward_kernel(
-        &self,
-        _dscores: &mut Tensor,
-        _dprobs: &Tensor,
-        _probs: &Tensor,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn attention_values_kernel(
-        &self,
-        _out: &mut Tensor,
-        _probs: &Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn attention_values_backward_kernel(
-        &self,
-        _dprobs: &mut Tensor,
-        _dqkv: &mut Tensor,
-        _dout: &Tensor,
-        _probs: &Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn flash_attention_kernel(
-        &self,
-        _out: &mut Tensor,
-        _lse: &mut Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn flash_attention_backward_kernel(
-        &self,
-        _dqkv: &mut Tensor,
-        _dout: &Tensor,
-        _out: &Tensor,
-        _lse: &Tensor,
-        _qkv: &Tensor,
-        _heads: Heads,
-    ) -> Result<()> {
         Ok(())
     }
 

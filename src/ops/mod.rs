@@ -8,10 +8,10 @@
 //! with [`ForwardCx::wanted`] set to that output. A new op is a new type implementing
 //! [`Op`]; nothing else changes.
 
-mod attention;
+pub mod attention;
 mod classifier;
 pub mod embedding;
-mod flash_attention;
+pub mod flash_attention;
 pub mod gelu;
 pub mod layernorm;
 mod linear;

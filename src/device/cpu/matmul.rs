@@ -13,7 +13,7 @@ use rayon::prelude::*;
 /// element `(p, j)` at `b[p·b_rs + j·b_cs]`, and `dst` is `[m, n]` with row stride
 /// `dst_rs` and column stride 1.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Product {
+pub(crate) struct Product {
     pub m: usize,
     pub n: usize,
     pub k: usize,
@@ -58,7 +58,7 @@ impl Product {
 ///
 /// # Safety
 /// The pointers must cover the described matrices.
-pub(super) unsafe fn gemm_raw(
+pub(crate) unsafe fn gemm_raw(
     blas: Option<&Blas>,
     p: Product,
     bias: Option<&[f32]>,

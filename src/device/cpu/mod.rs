@@ -28,18 +28,16 @@
 
 pub(crate) mod adamw;
 pub(crate) mod adamw8bit;
-pub(crate) mod attention;
 mod blas;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
-pub(crate) mod flash_attention;
 pub(crate) mod guard;
 pub(crate) mod matmul;
 mod pool;
 pub(crate) mod quantize;
 pub(crate) mod simd;
 
-use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
+use super::{AdamWStep, Backend, Device, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -65,8 +63,6 @@ pub(crate) mod per_element {
     pub const ADAMW8BIT: u64 = 21;
     pub const CROSS_ENTROPY: u64 = 4;
     pub const CROSS_ENTROPY_GRAD: u64 = 5;
-    pub const SOFTMAX: u64 = 5;
-    pub const SOFTMAX_BACKWARD: u64 = 4;
 }
 
 /// `per` operations on each of `n` elements.
@@ -482,82 +478,6 @@ impl Backend for CpuBackend {
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(dbias, dout);
         Ok(())
-    }
-
-    fn attention_scores_kernel(
-        &self,
-        scores: &mut Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::scores(self.blas(), scores, qkv, heads)
-    }
-
-    fn attention_scores_backward_kernel(
-        &self,
-        dqkv: &mut Tensor,
-        dscores: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::scores_backward(self.blas(), dqkv, dscores, qkv, heads)
-    }
-
-    fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-        attention::softmax(probs, scores)
-    }
-
-    fn softmax_causal_backward_kernel(
-        &self,
-        dscores: &mut Tensor,
-        dprobs: &Tensor,
-        probs: &Tensor,
-    ) -> Result<()> {
-        attention::softmax_backward(dscores, dprobs, probs)
-    }
-
-    fn attention_values_kernel(
-        &self,
-        out: &mut Tensor,
-        probs: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::values(self.blas(), out, probs, qkv, heads)
-    }
-
-    fn attention_values_backward_kernel(
-        &self,
-        dprobs: &mut Tensor,
-        dqkv: &mut Tensor,
-        dout: &Tensor,
-        probs: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::values_backward(self.blas(), dprobs, dqkv, dout, probs, qkv, heads)
-    }
-
-    fn flash_attention_kernel(
-        &self,
-        out: &mut Tensor,
-        lse: &mut Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        flash_attention::forward(self.blas(), out, lse, qkv, heads)
-    }
-
-    fn flash_attention_backward_kernel(
-        &self,
-        dqkv: &mut Tensor,
-        dout: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        flash_attention::backward(self.blas(), dqkv, dout, out, lse, qkv, heads)
     }
 
     fn cross_entropy_kernel(

@@ -20,12 +20,9 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
-use super::ops::{
-    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, flash_attention, matmul,
-    reductions,
-};
+use super::ops::{adamw, adamw8bit, cross_entropy, custom, elementwise, matmul, reductions};
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
+use crate::device::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -574,82 +571,6 @@ impl Backend for CudaBackend {
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(self, dbias, dout)
-    }
-
-    fn attention_scores_kernel(
-        &self,
-        scores: &mut Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::scores(self, scores, qkv, heads)
-    }
-
-    fn attention_scores_backward_kernel(
-        &self,
-        dqkv: &mut Tensor,
-        dscores: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::scores_backward(self, dqkv, dscores, qkv, heads)
-    }
-
-    fn softmax_causal_kernel(&self, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-        attention::softmax(self, probs, scores)
-    }
-
-    fn softmax_causal_backward_kernel(
-        &self,
-        dscores: &mut Tensor,
-        dprobs: &Tensor,
-        probs: &Tensor,
-    ) -> Result<()> {
-        attention::softmax_backward(self, dscores, dprobs, probs)
-    }
-
-    fn attention_values_kernel(
-        &self,
-        out: &mut Tensor,
-        probs: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::values(self, out, probs, qkv, heads)
-    }
-
-    fn attention_values_backward_kernel(
-        &self,
-        dprobs: &mut Tensor,
-        dqkv: &mut Tensor,
-        dout: &Tensor,
-        probs: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        attention::values_backward(self, dprobs, dqkv, dout, probs, qkv, heads)
-    }
-
-    fn flash_attention_kernel(
-        &self,
-        out: &mut Tensor,
-        lse: &mut Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        flash_attention::forward(self, out, lse, qkv, heads)
-    }
-
-    fn flash_attention_backward_kernel(
-        &self,
-        dqkv: &mut Tensor,
-        dout: &Tensor,
-        out: &Tensor,
-        lse: &Tensor,
-        qkv: &Tensor,
-        heads: Heads,
-    ) -> Result<()> {
-        flash_attention::backward(self, dqkv, dout, out, lse, qkv, heads)
     }
 
     fn cross_entropy_kernel(

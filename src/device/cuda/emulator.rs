@@ -689,9 +689,7 @@ mod tests {
     use crate::device::cuda::kernels::COMMON_SOURCE;
     use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
-    use crate::ops::embedding;
-    use crate::ops::gelu;
-    use crate::ops::layernorm;
+    use crate::ops::{attention, embedding, gelu, layernorm};
     use crate::tensor::{DType, Tensor};
     use crate::Rng;
     use half::bf16;
@@ -1292,7 +1290,7 @@ extern "C" __global__ void traps(int* out) {
         let scores = random(b * h * t * t, 2.0, 11);
         let x = upload(&be, &scores, &shape, DType::F32);
         let mut probs = zeros(&be, &shape, DType::F32);
-        be.softmax_causal(&mut probs, &x).unwrap();
+        attention::softmax(&be, &mut probs, &x).unwrap();
         let want = be.to_f32(&probs).unwrap();
         let mut s = scores.clone();
         let mut p = vec![f32::NAN; s.len()];
@@ -1582,7 +1580,7 @@ extern "C" __global__ void traps(int* out) {
             let tol = if d == DType::F32 { 1e-5 } else { 1e-2 };
             let qkv = upload(&be, &qkvs, &[b, t, w], d);
             let mut scores_cpu = zeros(&be, &[b, h, t, t], d);
-            be.attention_scores(&mut scores_cpu, &qkv, heads).unwrap();
+            attention::scores(&be, &mut scores_cpu, &qkv, heads).unwrap();
             let mut qkv_buf = Buf::new(&qkvs, d);
             let mut scores = Buf::new(&vec![f32::NAN; rows * t], d);
             let a = dims(Args::new().buf(&mut scores).buf(&mut qkv_buf)).arg(scale);
@@ -1597,7 +1595,7 @@ extern "C" __global__ void traps(int* out) {
 
             // The softmax and its backward from the CPU's scores: bit for bit.
             let mut probs_cpu = zeros(&be, &[b, h, t, t], d);
-            be.softmax_causal(&mut probs_cpu, &scores_cpu).unwrap();
+            attention::softmax(&be, &mut probs_cpu, &scores_cpu).unwrap();
             let mut scores = Buf::new(&scores_want, d);
             let mut probs = Buf::new(&vec![f32::NAN; rows * t], d);
             let a = Args::new()
@@ -1610,8 +1608,7 @@ extern "C" __global__ void traps(int* out) {
             assert_bitwise("probs", &probs.values(), &probs_want);
             let dprobs = upload(&be, &dprobs_in, &[b, h, t, t], d);
             let mut dscores_cpu = zeros(&be, &[b, h, t, t], d);
-            be.softmax_causal_backward(&mut dscores_cpu, &dprobs, &probs_cpu)
-                .unwrap();
+            attention::softmax_backward(&be, &mut dscores_cpu, &dprobs, &probs_cpu).unwrap();
             let mut dprobs_buf = Buf::new(&dprobs_in, d);
             let mut dscores = Buf::new(&vec![f32::NAN; rows * t], d);
             let a = Args::new()
@@ -1626,8 +1623,7 @@ extern "C" __global__ void traps(int* out) {
 
             // Values and the backward products.
             let mut out_cpu = zeros(&be, &[b, t, c], d);
-            be.attention_values(&mut out_cpu, &probs_cpu, &qkv, heads)
-                .unwrap();
+            attention::values(&be, &mut out_cpu, &probs_cpu, &qkv, heads).unwrap();
             let mut out = Buf::new(&vec![f32::NAN; b * t * c], d);
             let a = dims(Args::new().buf(&mut out).buf(&mut probs).buf(&mut qkv_buf));
             launch(emu, &format!("attention_values_{sfx}"), 2, 64, 0, a).unwrap();
@@ -1637,7 +1633,8 @@ extern "C" __global__ void traps(int* out) {
             let dout = upload(&be, &douts, &[b, t, c], d);
             let mut dprobs_cpu = zeros(&be, &[b, h, t, t], d);
             let mut dqkv_cpu = zeros(&be, &[b, t, w], d);
-            be.attention_values_backward(
+            attention::values_backward(
+                &be,
                 &mut dprobs_cpu,
                 &mut dqkv_cpu,
                 &dout,
@@ -1646,8 +1643,7 @@ extern "C" __global__ void traps(int* out) {
                 heads,
             )
             .unwrap();
-            be.attention_scores_backward(&mut dqkv_cpu, &dscores_cpu, &qkv, heads)
-                .unwrap();
+            attention::scores_backward(&be, &mut dqkv_cpu, &dscores_cpu, &qkv, heads).unwrap();
             let mut dout_buf = Buf::new(&douts, d);
             let mut dp = Buf::new(&vec![f32::NAN; rows * t], d);
             let a = dims(

@@ -13,10 +13,8 @@
 
 pub(crate) mod adamw;
 pub(crate) mod adamw8bit;
-pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
-pub(crate) mod flash_attention;
 pub(crate) mod matmul;
 pub(crate) mod reductions;

@@ -1,83 +1,17 @@
-//! Causal multi-head attention in three materialized steps: scores, softmax, values.
+//! Causal attention on the CPU in three materialized steps (scores, softmax, values), the
+//! reference of `kernels/attention.cu`.
 //!
-//! `qkv` is `[B, T, (H + 2·KV)·D]` (see [`Heads`]): queries, then keys, then values, head
-//! after head; query head `h` reads key and value head `h / (H / KV)`. Scores and
-//! probabilities are `[B, H, T, T]` with zeros above the diagonal; the output is
-//! `[B, T, H·D]`.
+//! The products run over row blocks of the causal triangle ([`block_area`] entries, which
+//! the family's FLOP counts follow); the softmax sums in the 16 interleaved lanes of `simd`.
 
-use super::blas::Blas;
-use super::matmul::{gemm_raw, Product};
-use super::simd::{self, simd_fn};
-use super::{ensure, ensure_shape, read, write, SendPtr};
+use super::{square_side, Dims};
+use crate::device::cpu::matmul::{gemm_raw, Product};
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write, Blas, SendPtr};
 use crate::device::Heads;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
-
-/// The dimensions of an attention op: batch, sequence, the heads, and the widths of a
-/// `qkv` row (`w`) and an output row (`c`).
-pub(crate) struct Dims {
-    pub(crate) b: usize,
-    pub(crate) t: usize,
-    pub(crate) heads: Heads,
-    pub(crate) w: usize,
-    pub(crate) c: usize,
-}
-
-impl Dims {
-    /// The dimensions of a checked `qkv` with `heads`, read without checking (zeros where
-    /// the shape does not fit).
-    pub(crate) fn of(qkv: &Tensor, heads: Heads) -> Dims {
-        let (b, t) = match *qkv.shape() {
-            [b, t, _] => (b, t),
-            _ => (0, 0),
-        };
-        Dims {
-            b,
-            t,
-            heads,
-            w: heads.qkv_width(),
-            c: heads.q_width(),
-        }
-    }
-
-    /// Query heads.
-    pub(crate) fn h(&self) -> usize {
-        self.heads.n_head
-    }
-
-    /// Head width.
-    pub(crate) fn hs(&self) -> usize {
-        self.heads.head_dim
-    }
-}
-
-/// Checks a `[B, T, (H + 2·KV)·D]` `qkv` with valid `heads`, and returns its dimensions.
-pub(crate) fn dims(qkv: &Tensor, heads: Heads, op: &'static str) -> Result<Dims> {
-    heads.check(op)?;
-    let [_, _, w] = *qkv.shape() else {
-        return Err(Error::shape(
-            op,
-            format!(
-                "`{}` must be [B, T, (H + 2·KV)·D], it is {:?}",
-                qkv.label(),
-                qkv.shape()
-            ),
-        ));
-    };
-    ensure(w == heads.qkv_width(), op, || {
-        format!(
-            "`{}` has rows of {w}; {} query and {} key/value heads of {} need (H + 2·KV)·D \
-             = {}",
-            qkv.label(),
-            heads.n_head,
-            heads.n_kv_head,
-            heads.head_dim,
-            heads.qkv_width()
-        )
-    })?;
-    Ok(Dims::of(qkv, heads))
-}
 
 fn zero_upper(m: &mut [f32], t: usize) {
     for i in 0..t {
@@ -97,126 +31,13 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 /// Entries of a `t`-row causal matrix the blocked products compute: `Σ rows·(i0 + rows)`
 /// over the row blocks, the triangle in whole blocks (a little more than `t(t+1)/2`). The
 /// products that run down from the diagonal (`Σ rows·(t - i0)`) cover the same count.
-fn block_area(t: usize) -> u64 {
+pub(super) fn block_area(t: usize) -> u64 {
     blocks(t)
         .map(|(i0, rows)| (rows * (i0 + rows)) as u64)
         .sum()
 }
 
-/// Floating-point operations of each attention op with these operands, as the kernels
-/// here execute them: products over whole row blocks of the causal triangle (2 per
-/// multiply-add, plus 1 per output for the score scaling), 5 per causal entry for the
-/// softmax (max, subtract, exp, sum, normalise) and 4 for its backward. Zero for shapes
-/// the ops refuse.
-pub(crate) struct AttentionFlops {
-    pub scores: u64,
-    pub scores_backward: u64,
-    pub values: u64,
-    pub values_backward: u64,
-}
-
-impl AttentionFlops {
-    pub(crate) fn new(qkv: &Tensor, heads: Heads) -> AttentionFlops {
-        let Ok(d) = dims(qkv, heads, "attention") else {
-            return AttentionFlops {
-                scores: 0,
-                scores_backward: 0,
-                values: 0,
-                values_backward: 0,
-            };
-        };
-        let area = block_area(d.t);
-        let (bh, hs, t) = ((d.b * d.h()) as u64, d.hs() as u64, d.t as u64);
-        AttentionFlops {
-            // S = scale · Q·Kᵀ on the blocks.
-            scores: bh * area * (2 * hs + 1),
-            // dQ = scale · dS·K and dK = scale · dSᵀ·Q.
-            scores_backward: bh * hs * (4 * area + 2 * t),
-            // O = P·V.
-            values: bh * 2 * hs * area,
-            // dP = dO·Vᵀ and dV = Pᵀ·dO.
-            values_backward: bh * 4 * hs * area,
-        }
-    }
-}
-
-/// Floating-point operations of the causal softmax (`per_entry` 5) or its backward (4)
-/// over `[B, H, T, T]` `probs`: the triangle `j <= i` only. Zero for other shapes.
-pub(crate) fn softmax_flops(probs: &Tensor, per_entry: u64) -> u64 {
-    match *probs.shape() {
-        [b, h, t, t2] if t == t2 => (b * h) as u64 * (t * (t + 1) / 2) as u64 * per_entry,
-        _ => 0,
-    }
-}
-
-/// Checks `attention_scores`' operands (the contract every backend shares).
-pub(crate) fn check_scores(scores: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
-    let d = dims(qkv, heads, "attention_scores")?;
-    ensure_shape(scores, &[d.b, d.h(), d.t, d.t], "attention_scores")
-}
-
-/// Checks `attention_scores_backward`'s operands (the contract every backend shares).
-pub(crate) fn check_scores_backward(
-    dqkv: &Tensor,
-    dscores: &Tensor,
-    qkv: &Tensor,
-    heads: Heads,
-) -> Result<()> {
-    let d = dims(qkv, heads, "attention_scores_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_scores_backward")?;
-    ensure_shape(
-        dscores,
-        &[d.b, d.h(), d.t, d.t],
-        "attention_scores_backward",
-    )
-}
-
-/// Checks `softmax_causal`'s operands (the contract every backend shares).
-pub(crate) fn check_softmax(probs: &Tensor, scores: &Tensor) -> Result<()> {
-    square_rows(scores, "softmax_causal")?;
-    ensure_shape(probs, scores.shape(), "softmax_causal")
-}
-
-/// Checks `softmax_causal_backward`'s operands (the contract every backend shares).
-pub(crate) fn check_softmax_backward(
-    dscores: &Tensor,
-    dprobs: &Tensor,
-    probs: &Tensor,
-) -> Result<()> {
-    square_rows(probs, "softmax_causal_backward")?;
-    ensure_shape(dscores, probs.shape(), "softmax_causal_backward")?;
-    ensure_shape(dprobs, probs.shape(), "softmax_causal_backward")
-}
-
-/// Checks `attention_values`' operands (the contract every backend shares).
-pub(crate) fn check_values(out: &Tensor, probs: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
-    let d = dims(qkv, heads, "attention_values")?;
-    ensure_shape(out, &[d.b, d.t, d.c], "attention_values")?;
-    ensure_shape(probs, &[d.b, d.h(), d.t, d.t], "attention_values")
-}
-
-/// Checks `attention_values_backward`'s operands (the contract every backend shares).
-pub(crate) fn check_values_backward(
-    dprobs: &Tensor,
-    dqkv: &Tensor,
-    dout: &Tensor,
-    probs: &Tensor,
-    qkv: &Tensor,
-    heads: Heads,
-) -> Result<()> {
-    let d = dims(qkv, heads, "attention_values_backward")?;
-    ensure_shape(dout, &[d.b, d.t, d.c], "attention_values_backward")?;
-    ensure_shape(probs, &[d.b, d.h(), d.t, d.t], "attention_values_backward")?;
-    ensure_shape(dprobs, probs.shape(), "attention_values_backward")?;
-    ensure_shape(dqkv, qkv.shape(), "attention_values_backward")
-}
-
-/// `T` of checked `[B, H, T, T]` scores or probabilities.
-pub(crate) fn square_side(t: &Tensor) -> usize {
-    t.shape().last().copied().unwrap_or(0)
-}
-
-pub(super) fn scores(
+pub(crate) fn scores(
     blas: Option<&Blas>,
     scores: &mut Tensor,
     qkv: &Tensor,
@@ -275,7 +96,7 @@ fn per_kv_head(d: &Dims, f: impl Fn(usize, usize, usize) + Sync + Send) {
         .for_each(|task| f(task / kv, task % kv, (task % kv) * group));
 }
 
-pub(super) fn scores_backward(
+pub(crate) fn scores_backward(
     blas: Option<&Blas>,
     dqkv: &mut Tensor,
     dscores: &Tensor,
@@ -354,15 +175,7 @@ pub(super) fn scores_backward(
     Ok(())
 }
 
-pub(crate) fn square_rows(t: &Tensor, op: &'static str) -> Result<usize> {
-    let s = t.shape();
-    ensure(s.len() == 4 && s[2] == s[3], op, || {
-        format!("`{}` must be [B, H, T, T], it is {s:?}", t.label())
-    })?;
-    Ok(s[3])
-}
-
-pub(super) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+pub(crate) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
     let t = square_side(scores);
     if t == 0 {
         return Ok(());
@@ -376,7 +189,7 @@ pub(super) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn softmax_backward(
+pub(crate) fn softmax_backward(
     dscores: &mut Tensor,
     dprobs: &Tensor,
     probs: &Tensor,
@@ -395,7 +208,7 @@ pub(super) fn softmax_backward(
     Ok(())
 }
 
-pub(super) fn values(
+pub(crate) fn values(
     blas: Option<&Blas>,
     out: &mut Tensor,
     probs: &Tensor,
@@ -443,7 +256,7 @@ pub(super) fn values(
     Ok(())
 }
 
-pub(super) fn values_backward(
+pub(crate) fn values_backward(
     blas: Option<&Blas>,
     dprobs: &mut Tensor,
     dqkv: &mut Tensor,
@@ -549,28 +362,6 @@ mod tests {
             let down: u64 = blocks(t).map(|(i0, rows)| (rows * (t - i0)) as u64).sum();
             assert_eq!(down, block_area(t), "t = {t}");
         }
-    }
-
-    #[test]
-    fn attention_flops_follow_the_blocks() {
-        let be = crate::CpuBackend::new();
-        use crate::Backend;
-        // B 2, T 70, C 8, 2 heads of 4.
-        let qkv = be
-            .zeros(
-                &[2, 70, 24],
-                crate::DType::F32,
-                crate::MemoryCategory::Activations,
-                "qkv",
-            )
-            .unwrap();
-        let f = AttentionFlops::new(&qkv, Heads::mha(2, 8));
-        assert_eq!(f.scores, 4 * 4516 * 9);
-        assert_eq!(f.values, 4 * 2 * 4 * 4516);
-        assert_eq!(f.values_backward, 2 * f.values);
-        assert_eq!(f.scores_backward, 4 * 4 * (4 * 4516 + 140));
-        // Heads that do not divide the width: the op refuses, nothing is counted.
-        assert_eq!(AttentionFlops::new(&qkv, Heads::mha(3, 8)).scores, 0);
     }
 }
 

@@ -1,23 +1,22 @@
-//! Fused causal attention: the forward pass (the output and each query row's log-sum-exp)
-//! and its backward, tile by tile in shared memory, without a `[T, T]` buffer.
+//! Fused causal attention on the GPU: the forward pass (the output and each query row's
+//! log-sum-exp) and its backward, tile by tile in shared memory, without a `[T, T]` buffer.
 //!
-//! CPU twin: `src/device/cpu/flash_attention.rs` (and its operand checks). Kernels:
+//! CPU twin: `cpu.rs` beside this file (the operand checks are in `mod.rs`). Kernels:
 //! `kernels/flash_attention.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
-use crate::device::cpu::attention::Dims;
-use crate::device::cpu::flash_attention::{check, check_backward};
+use super::{check, check_backward};
+use crate::device::cuda::backend::ensure_dtype;
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
 use crate::device::Heads;
 use crate::error::{Error, Result};
+use crate::ops::attention::Dims;
 use crate::tensor::Tensor;
 
 /// The kernels of `kernels/flash_attention.cu`, named once: the backend launches these
 /// names, NVRTC and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "flash_attention.cu",
-    source: include_str!("../../../../kernels/flash_attention.cu"),
+    source: include_str!("../../../kernels/flash_attention.cu"),
     kernels: &[
         "flash_attention_forward_f32",
         "flash_attention_forward_bf16",
@@ -120,7 +119,7 @@ pub(crate) fn backward(
     be.launch(
         &format!("flash_attention_backward_delta_{dt}"),
         be.grid_rows(rows),
-        super::super::backend::BLOCK,
+        BLOCK,
         Args::new()
             .ptr(ptr(&delta)?)
             .ptr(ptr(&dout)?)
@@ -163,6 +162,7 @@ mod tests {
     use super::*;
     use crate::device::Backend;
     use crate::memory::MemoryCategory;
+    use crate::ops::attention;
     use crate::tensor::DType;
 
     /// The emulated backend, or `None` where the emulator cannot be built (a failure when
@@ -224,18 +224,15 @@ mod tests {
         let sq = [b, h, t, t];
         let (mut scores, mut probs) = (nan(&sq, dt), nan(&sq, dt));
         let mut want_out = nan(&[b, t, c], dt);
-        be.attention_scores(&mut scores, &qkv, heads).unwrap();
-        be.softmax_causal(&mut probs, &scores).unwrap();
-        be.attention_values(&mut want_out, &probs, &qkv, heads)
-            .unwrap();
+        attention::scores(be, &mut scores, &qkv, heads).unwrap();
+        attention::softmax(be, &mut probs, &scores).unwrap();
+        attention::values(be, &mut want_out, &probs, &qkv, heads).unwrap();
         let (mut dprobs, mut dscores) = (nan(&sq, dt), nan(&sq, dt));
         let mut want_dqkv = nan(&[b, t, w], dt);
-        be.attention_values_backward(&mut dprobs, &mut want_dqkv, &dout, &probs, &qkv, heads)
+        attention::values_backward(be, &mut dprobs, &mut want_dqkv, &dout, &probs, &qkv, heads)
             .unwrap();
-        be.softmax_causal_backward(&mut dscores, &dprobs, &probs)
-            .unwrap();
-        be.attention_scores_backward(&mut want_dqkv, &dscores, &qkv, heads)
-            .unwrap();
+        attention::softmax_backward(be, &mut dscores, &dprobs, &probs).unwrap();
+        attention::scores_backward(be, &mut want_dqkv, &dscores, &qkv, heads).unwrap();
 
         // Fused.
         let mut out = nan(&[b, t, c], dt);

@@ -1,12 +1,12 @@
-//! Causal attention from the fused `[B, T, (H + 2·KV)·D]` projections: scores, the causal softmax and
-//! the weighted values, each with its backward.
+//! Causal attention on the GPU from the fused `[B, T, (H + 2·KV)·D]` projections: scores, the
+//! causal softmax and the weighted values, each with its backward.
 //!
-//! CPU twin: `src/device/cpu/attention.rs`. Kernels: `kernels/attention.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/attention.cu`, listed once in
+//! [`KERNELS`].
 
-use super::super::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
-use crate::device::cpu::attention::{square_side, Dims};
+use super::{square_side, Dims};
+use crate::device::cuda::backend::ensure_dtype;
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
 use crate::device::Heads;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -15,7 +15,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "attention.cu",
-    source: include_str!("../../../../kernels/attention.cu"),
+    source: include_str!("../../../kernels/attention.cu"),
     kernels: &[
         "attention_scores_f32",
         "attention_scores_bf16",

@@ -1,11 +1,12 @@
-//! Fused causal attention: the forward in tiles with an online softmax, keeping only the
-//! output and one log-sum-exp per query row; the backward recomputes the probabilities
-//! tile by tile. No `[T, T]` tensor exists at any point.
+//! Fused causal attention on the CPU, the reference of `kernels/flash_attention.cu`: the
+//! forward in tiles with an online softmax, keeping only the output and one log-sum-exp
+//! per query row; the backward recomputes the probabilities tile by tile. No `[T, T]`
+//! tensor exists at any point.
 //!
 //! `qkv` is `[B, T, (H + 2·KV)·D]` (see [`Heads`]); the output is `[B, T, H·D]` and the
 //! log-sum-exp `[B, H, T]` (f32): `lse[b, h, i] = ln Σ_{j <= i} exp(scale · q_i · k_j)`,
 //! scale = 1/√D. The composed reference is the materialized attention of
-//! [`super::attention`]; the two agree to f32 rounding (`tests/flash_attention.rs`).
+//! [`crate::ops::attention`]; the two agree to f32 rounding (`tests/flash_attention.rs`).
 //!
 //! Tiles: query blocks of 256 rows against key tiles of 256 columns (on the CPU
 //! benchmark's shape (d), T = 2048, the fused attention took 18% less time than with
@@ -17,13 +18,12 @@
 //! query gradients of the query heads sharing it, so nothing is written twice and the
 //! results never depend on the thread count.
 
-use super::attention::{dims, Dims};
-use super::blas::Blas;
-use super::matmul::{gemm_raw, Product};
-use super::simd::{self, simd_fn};
-use super::{ensure_f32, ensure_shape, read, write, SendPtr};
+use crate::device::cpu::matmul::{gemm_raw, Product};
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write, Blas, SendPtr};
 use crate::device::Heads;
 use crate::error::Result;
+use crate::ops::attention::Dims;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -66,68 +66,13 @@ fn pieces(
 
 /// Causal entries the tiles compute: each query block against every key up to its last
 /// row, `Σ rows·(i0 + rows)` (the triangle in whole blocks).
-fn tile_area(t: usize) -> u64 {
+pub(super) fn tile_area(t: usize) -> u64 {
     query_blocks(t)
         .map(|(i0, rows)| (rows * (i0 + rows)) as u64)
         .sum()
 }
 
-/// Checks `flash_attention`'s operands (the contract every backend shares).
-pub(crate) fn check(out: &Tensor, lse: &Tensor, qkv: &Tensor, heads: Heads) -> Result<()> {
-    let op = "flash_attention";
-    let d = dims(qkv, heads, op)?;
-    ensure_shape(out, &[d.b, d.t, d.c], op)?;
-    ensure_shape(lse, &[d.b, d.h(), d.t], op)?;
-    ensure_f32(lse, op)
-}
-
-/// Checks `flash_attention_backward`'s operands (the contract every backend shares).
-pub(crate) fn check_backward(
-    dqkv: &Tensor,
-    dout: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    qkv: &Tensor,
-    heads: Heads,
-) -> Result<()> {
-    let op = "flash_attention_backward";
-    let d = dims(qkv, heads, op)?;
-    ensure_shape(dqkv, qkv.shape(), op)?;
-    ensure_shape(dout, &[d.b, d.t, d.c], op)?;
-    ensure_shape(out, &[d.b, d.t, d.c], op)?;
-    ensure_shape(lse, &[d.b, d.h(), d.t], op)?;
-    ensure_f32(lse, op)
-}
-
-/// Floating-point operations of the fused attention with these operands, over the causal
-/// entries its tiles compute (the materialized attention's block triangle): forward
-/// `4·D + 5` per entry (the scores, the online softmax, the weighted values), backward
-/// `10·D + 6` (the scores again, the value and probability gradients, the query and key
-/// gradients, the softmax backward), plus the output scaling and `rowsum(dO ∘ O)`. Zero
-/// for shapes the op refuses.
-pub(crate) struct FlashFlops {
-    pub forward: u64,
-    pub backward: u64,
-}
-
-impl FlashFlops {
-    pub(crate) fn new(qkv: &Tensor, heads: Heads) -> FlashFlops {
-        let Ok(d) = dims(qkv, heads, "flash_attention") else {
-            return FlashFlops {
-                forward: 0,
-                backward: 0,
-            };
-        };
-        let area = tile_area(d.t);
-        let (bh, hs, t) = ((d.b * d.h()) as u64, d.hs() as u64, d.t as u64);
-        FlashFlops {
-            forward: bh * (area * (4 * hs + 5) + t * (hs + 2)),
-            backward: bh * (area * (10 * hs + 6) + 2 * t * hs),
-        }
-    }
-}
-
-pub(super) fn forward(
+pub(crate) fn forward(
     blas: Option<&Blas>,
     out: &mut Tensor,
     lse: &mut Tensor,
@@ -316,7 +261,7 @@ simd_fn! {
     }
 }
 
-pub(super) fn backward(
+pub(crate) fn backward(
     blas: Option<&Blas>,
     dqkv: &mut Tensor,
     dout: &Tensor,
