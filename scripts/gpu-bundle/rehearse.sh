@@ -17,6 +17,7 @@ if [ ! -x "$bundle/run.sh" ]; then
 fi
 phases=(tests bench train reference llmc xl llama sanitize ncu)
 out="$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-rehearsal.XXXXXX")"
+mkdir -p "$out/plain" "$out/pretend"  # run.sh writes into $OUT only when it is a directory
 clean_env=(env -u TRAINKIT_REQUIRE_NVRTC -u TRAINKIT_REQUIRE_EMULATOR -u TRAINKIT_REQUIRE_CUBLASLT STEPS=3)
 status=0
 

@@ -31,7 +31,9 @@
 #
 # Every step's output is shown and kept in logs/; the report (report.txt, report.json:
 # each step's name, command, status pass/fail/skipped, seconds and the figures read from
-# its output) goes to $OUT when set, else to a new folder it names. A failing step is
+# its output) and every other file the run writes go to $OUT when it names a directory,
+# else to a new temporary folder (mktemp -d), never beside the script; the steps run in
+# that folder, and the run prints where it is at its start and its end. A failing step is
 # recorded and the rest still run. Without a GPU the GPU steps are reported as skipped,
 # with the reason. Exit status: 0 when no step failed, 1 otherwise.
 #
@@ -68,11 +70,30 @@ else
   done
 fi
 
-# The report folder: $OUT, else a new folder in the current directory.
-if [ -n "${OUT:-}" ]; then
+# The paths given in the environment, made absolute: the steps run in the report folder.
+absolute() {
+  case "$1" in
+    "" | /*) printf '%s' "$1" ;;
+    *) if [ -d "$1" ]; then (cd "$1" && pwd); elif [ -e "$1" ]; then
+         printf '%s/%s' "$(cd "$(dirname "$1")" && pwd)" "$(basename "$1")"
+       else printf '%s' "$1"; fi ;;
+  esac
+}
+[ -n "${CUDA_HOME:-}" ] && CUDA_HOME="$(absolute "$CUDA_HOME")"
+[ -n "${CUDA_PATH:-}" ] && CUDA_PATH="$(absolute "$CUDA_PATH")"
+[ -n "${TRAINKIT_CUDA_WHEELS:-}" ] && TRAINKIT_CUDA_WHEELS="$(absolute "$TRAINKIT_CUDA_WHEELS")"
+[ -n "${TRAINKIT_CUDA_INCLUDE:-}" ] && TRAINKIT_CUDA_INCLUDE="$(absolute "$TRAINKIT_CUDA_INCLUDE")"
+case "$python" in */*) python="$(absolute "$python")" ;; esac
+
+# The report folder: $OUT when it is a directory, else a new temporary folder; never the
+# bundle's folder or the current directory.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   report="$OUT"
 else
-  report="$PWD/gpu-bundle-report-$(date +%Y%m%d-%H%M%S)"
+  if [ -n "${OUT:-}" ]; then
+    echo "note: OUT=$OUT is not a directory; the report goes to a new temporary folder" >&2
+  fi
+  report="$(mktemp -d "${TMPDIR:-/tmp}/trainkit-gpu-report.XXXXXX")"
 fi
 mkdir -p "$report/logs"
 report="$(cd "$report" && pwd)"
@@ -488,9 +509,20 @@ if [ -n "$header" ]; then
 else
   say "cuda_bf16.h: NOT FOUND (looked in: ${inc_dirs[*]:-nothing})"
 fi
-# The CUDA driver library comes with the driver, from the loader's usual places.
-driver_lib="$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / { print $NF; exit }')"
-say "libcuda.so.1 (driver): ${driver_lib:-not in the loader cache}"
+# The CUDA driver library comes with the driver, from the loader's usual places; where it
+# is only informs (the loader finds it without ldconfig). ldconfig is often in /sbin, which
+# a user's PATH may lack.
+ldconfig_bin="$(command -v ldconfig 2>/dev/null || true)"
+for l in /sbin/ldconfig /usr/sbin/ldconfig; do
+  if [ -z "$ldconfig_bin" ] && [ -x "$l" ]; then ldconfig_bin="$l"; fi
+done
+if [ -n "$ldconfig_bin" ]; then
+  driver_lib="$("$ldconfig_bin" -p 2>/dev/null | awk '!f && /libcuda\.so\.1 / { print $NF; f = 1 }' || true)"
+  say "libcuda.so.1 (driver): ${driver_lib:-not in the loader cache}"
+else
+  driver_lib=""
+  say "libcuda.so.1 (driver): not looked up (no ldconfig on PATH, in /sbin or /usr/sbin)"
+fi
 path=""
 for d in "${found_dirs[@]}"; do
   case ":$path:" in *":$d:"*) ;; *) path="${path:+$path:}$d" ;; esac
@@ -771,6 +803,8 @@ phase_ncu() {
   fi
 }
 
+# The steps run in the report folder, so that anything they write lands there.
+cd "$report"
 for p in "${phases[@]}"; do
   section "phase: $p"
   "phase_$p"
@@ -779,4 +813,5 @@ done
 write_report
 section "report ($report/report.txt, report.json)"
 cat "$report/report.txt"
+say "report written to $report (report.txt, report.json, logs/)"
 [ "$failed" -eq 0 ]
