@@ -517,15 +517,12 @@ pub trait Backend: Debug + Send + Sync {
         inputs: &[&Tensor],
         scalars: &[f32],
     ) -> Result<()> {
-        cpu::ensure_float(kernel.name(), inputs)?;
-        for t in outputs.iter() {
-            cpu::ensure_float(kernel.name(), &[t])?;
-        }
-        let n = super::custom::check(kernel, outputs, inputs)?;
-        let label = outputs.first().map_or("", |t| t.label()).to_string();
-        let flops = each(n, kernel.flops_per_element());
-        let op = self.ledger().op(kernel.name(), flops, &label);
-        op.finish(self.custom_kernel(kernel, outputs, inputs, scalars))
+        self.run(&mut super::custom::Call {
+            kernel,
+            outputs,
+            inputs,
+            scalars,
+        })
     }
 
     // ---- Kernels: what a backend implements. ----
@@ -700,34 +697,4 @@ pub trait Backend: Debug + Send + Sync {
         scale: Option<&Tensor>,
         compute: Option<&mut Tensor>,
     ) -> Result<()>;
-
-    /// The kernel of [`Backend::custom`]: the kernel's name is usable and there is at
-    /// least one output, all outputs with as many elements. This default runs the CPU
-    /// twin on host copies read with [`Backend::to_f32_kernel`] and written back with
-    /// [`Backend::upload_kernel`] and [`Backend::cast_kernel`].
-    fn custom_kernel(
-        &self,
-        kernel: &dyn CustomKernel,
-        outputs: &mut [&mut Tensor],
-        inputs: &[&Tensor],
-        scalars: &[f32],
-    ) -> Result<()> {
-        super::custom::run_on_host(
-            kernel,
-            outputs,
-            inputs,
-            scalars,
-            &|t| self.to_f32_kernel(t),
-            &|t, v| {
-                let tmp = self.upload_kernel(
-                    v,
-                    t.shape(),
-                    t.dtype(),
-                    MemoryCategory::Workspace,
-                    t.label(),
-                )?;
-                self.cast_kernel(t, &tmp)
-            },
-        )
-    }
 }

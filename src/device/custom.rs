@@ -26,7 +26,10 @@
 //! gradient multiplier, [`crate::optim::GradScale`]): the kernel must index each within
 //! its length, as the CPU twin's slices are.
 
+use super::cpu::{each, ensure_float, read, write, CpuBackend};
 use super::cuda::kernels::KERNEL_FILES;
+use super::cuda::CudaBackend;
+use super::OpKernel;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use std::fmt::Debug;
@@ -150,6 +153,60 @@ pub(crate) fn run_on_host(
         write(t, v)?;
     }
     Ok(())
+}
+
+/// One call of a [`CustomKernel`] through the kernel door ([`Backend::run`]): the
+/// operands' check, the FLOPs of [`CustomKernel::flops_per_element`], the CPU twin on
+/// host copies, or the CUDA source compiled and launched element-wise.
+///
+/// [`Backend::run`]: super::Backend::run
+pub(crate) struct Call<'a, 'o> {
+    pub(crate) kernel: &'a dyn CustomKernel,
+    pub(crate) outputs: &'a mut [&'o mut Tensor],
+    pub(crate) inputs: &'a [&'a Tensor],
+    pub(crate) scalars: &'a [f32],
+}
+
+impl OpKernel for Call<'_, '_> {
+    fn name(&self) -> &'static str {
+        self.kernel.name()
+    }
+
+    fn label(&self) -> &str {
+        self.outputs.first().map_or("", |t| t.label())
+    }
+
+    fn check(&self) -> Result<()> {
+        let name = self.kernel.name();
+        ensure_float(name, self.inputs)?;
+        for t in self.outputs.iter() {
+            ensure_float(name, &[t])?;
+        }
+        check(self.kernel, self.outputs, self.inputs).map(drop)
+    }
+
+    fn flops(&self) -> u64 {
+        let n = self.outputs.first().map_or(0, |t| t.numel());
+        each(n, self.kernel.flops_per_element())
+    }
+
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        run_on_host(
+            self.kernel,
+            self.outputs,
+            self.inputs,
+            self.scalars,
+            &|t| Ok(read(t).into_owned()),
+            &|t, v| {
+                write(t, false, |out| out.copy_from_slice(v));
+                Ok(())
+            },
+        )
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        super::cuda::ops::custom::custom(be, self.kernel, self.outputs, self.inputs, self.scalars)
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
+use super::{AdamWStep, Backend, Device, QuantizedMoments};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -194,16 +194,6 @@ impl Backend for MetaBackend {
         _hp: &AdamWStep,
         _scale: Option<&Tensor>,
         _compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn custom_kernel(
-        &self,
-        _kernel: &dyn CustomKernel,
-        _outputs: &mut [&mut Tensor],
-        _inputs: &[&Tensor],
-        _scalars: &[f32],
     ) -> Result<()> {
         Ok(())
     }

@@ -9,6 +9,34 @@ use std::path::Path;
 /// GPT-2's `<|endoftext|>` id.
 const EOT: u32 = 50256;
 
+/// Every `model_type` trainkit reads from a `config.json`, with the models it covers:
+/// [`super::read_model_config`] reads `llama` as a Llama and anything else as GPT-2,
+/// which [`parse_hf_config`] accepts only as `gpt2` (or with no `model_type`). A new
+/// family belongs here and in that dispatch.
+const MODEL_TYPES: &[(&str, &str)] = &[("gpt2", "GPT-2"), ("llama", "Llama, SmolLM2, TinyLlama")];
+
+/// The error text for a `config.json` whose `model_type` is `t`, naming every entry of
+/// [`MODEL_TYPES`].
+fn model_type_error(t: &str) -> String {
+    let names: Vec<String> = MODEL_TYPES
+        .iter()
+        .map(|(ty, models)| format!("`{ty}` ({models})"))
+        .collect();
+    let list = match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
+    };
+    if MODEL_TYPES.iter().any(|(ty, _)| *ty == t) {
+        // An accepted type other than `gpt2` reached the GPT-2 reader directly.
+        format!(
+            "`model_type` is `{t}`, not GPT-2 (`gpt2`); read it with \
+             `read_model_config` (trainkit reads the model types {list})"
+        )
+    } else {
+        format!("`model_type` is `{t}`; trainkit reads the model types {list}")
+    }
+}
+
 /// Writes `config` as a transformers `GPT2Config` (`GPT2LMHeadModel`, tied head, tanh
 /// GELU, no dropout).
 pub fn write_hf_config(path: &Path, config: &Gpt2Config) -> Result<()> {
@@ -115,10 +143,7 @@ pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
     };
     if let Some(t) = v.get("model_type").and_then(Value::as_str) {
         if t != "gpt2" {
-            return Err(Error::data(
-                &what,
-                format!("`model_type` is `{t}`; trainkit reads GPT-2 (`gpt2`) models"),
-            ));
+            return Err(Error::data(&what, model_type_error(t)));
         }
     }
     if let Some(act) = v.get("activation_function").and_then(Value::as_str) {
@@ -157,4 +182,31 @@ pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
         .validate()
         .map_err(|e| Error::data(&what, format!("describes an impossible model: {e}")))?;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_model_type_names_every_accepted_type() {
+        for t in ["bert", "mistral", "llama"] {
+            let text = format!(r#"{{"model_type": "{t}", "n_layer": 1}}"#);
+            let err = parse_hf_config(Path::new("config.json"), &text)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("`model_type` is `{t}`")), "{err}");
+            for (ty, _) in MODEL_TYPES {
+                assert!(err.contains(&format!("`{ty}`")), "{err} lacks {ty}");
+            }
+        }
+        let msg = model_type_error("bert");
+        for ty in ["gpt2", "llama"] {
+            assert!(msg.contains(&format!("`{ty}`")), "{msg} lacks {ty}");
+        }
+        assert!(
+            msg.contains("SmolLM2") && msg.contains("TinyLlama"),
+            "{msg}"
+        );
+    }
 }

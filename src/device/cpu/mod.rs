@@ -535,24 +535,4 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
-    fn custom_kernel(
-        &self,
-        kernel: &dyn super::CustomKernel,
-        outputs: &mut [&mut Tensor],
-        inputs: &[&Tensor],
-        scalars: &[f32],
-    ) -> Result<()> {
-        super::custom::run_on_host(
-            kernel,
-            outputs,
-            inputs,
-            scalars,
-            &|t| Ok(read(t).into_owned()),
-            &|t, v| {
-                write(t, false, |out| out.copy_from_slice(v));
-                Ok(())
-            },
-        )
-    }
 }

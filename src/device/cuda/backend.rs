@@ -20,9 +20,9 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
-use super::ops::{adamw, adamw8bit, cross_entropy, custom, elementwise, matmul, reductions};
+use super::ops::{adamw, adamw8bit, cross_entropy, elementwise, matmul, reductions};
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device, QuantizedMoments};
+use crate::device::{AdamWStep, Backend, Device, QuantizedMoments};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -618,16 +618,6 @@ impl Backend for CudaBackend {
         compute: Option<&mut Tensor>,
     ) -> Result<()> {
         adamw8bit::adamw8bit(self, param, grad, moments, hp, scale, compute)
-    }
-
-    fn custom_kernel(
-        &self,
-        kernel: &dyn CustomKernel,
-        outputs: &mut [&mut Tensor],
-        inputs: &[&Tensor],
-        scalars: &[f32],
-    ) -> Result<()> {
-        custom::custom(self, kernel, outputs, inputs, scalars)
     }
 }
 
