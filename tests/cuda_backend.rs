@@ -15,7 +15,7 @@ use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
-use trainkit::ops::rmsnorm;
+use trainkit::ops::{cross_entropy, rmsnorm};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -873,10 +873,24 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                     // The row losses are added to what the tensor holds.
                     let before: Vec<f32> = randn(&mut rng, rows, 1.0);
                     let mut losses = pair(&cpu, &cuda, &before, &[rows], DType::F32);
-                    cpu.cross_entropy(&mut l.cpu, &targets, vocab, grad, &mut losses.cpu)
-                        .unwrap();
-                    cuda.cross_entropy(&mut l.cuda, &targets, vocab, grad, &mut losses.cuda)
-                        .unwrap();
+                    cross_entropy::forward(
+                        &cpu,
+                        &mut l.cpu,
+                        &targets,
+                        vocab,
+                        grad,
+                        &mut losses.cpu,
+                    )
+                    .unwrap();
+                    cross_entropy::forward(
+                        &*cuda,
+                        &mut l.cuda,
+                        &targets,
+                        vocab,
+                        grad,
+                        &mut losses.cuda,
+                    )
+                    .unwrap();
                     compare(
                         &format!("cross_entropy losses {rows}x{vp} {dt} grad={grad:?}"),
                         name,

@@ -690,32 +690,6 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.flash_attention_backward_kernel(dqkv, dout, out, lse, qkv, heads))
     }
 
-    /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
-    /// padding and ignored) against `targets`, in f32. Each row's loss is added to
-    /// `losses[row]` (f32, at least `rows` elements), which stays on the device: a
-    /// training step reads its losses once, at its end. With `grad_scale`, `logits` is
-    /// overwritten by its gradient `grad_scale · (softmax - onehot)` (0 on padding
-    /// columns).
-    fn cross_entropy(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<()> {
-        cpu::ensure_float("cross_entropy", &[logits, losses])?;
-        let (rows, _) = cpu::cross_entropy::check(logits, targets, vocab)?;
-        cpu::cross_entropy::check_losses(losses, rows)?;
-        let per = match grad_scale {
-            Some(_) => per_element::CROSS_ENTROPY_GRAD,
-            None => per_element::CROSS_ENTROPY,
-        };
-        let flops = each(targets.len().saturating_mul(vocab), per);
-        let op = self.ledger().op("cross_entropy", flops, logits.label());
-        op.finish(self.cross_entropy_kernel(logits, targets, vocab, grad_scale, losses))
-    }
-
     /// The end of a step's backward, on the device: writes the step's [`StepRecord`] to
     /// `record` (f32, 3 elements) from the gradients `grads` (scaled by `loss_scale`)
     /// and the per-row losses `losses`. The squared norm and the loss sum are accumulated
@@ -1110,17 +1084,6 @@ pub trait Backend: Debug + Send + Sync {
         lse: &Tensor,
         qkv: &Tensor,
         heads: Heads,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::cross_entropy`]: one target per row, each below `vocab`,
-    /// `vocab` within the logits' width, `losses` f32 with at least a slot per row.
-    fn cross_entropy_kernel(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::grad_guard`]: `record` is f32 with 3 elements, `losses`

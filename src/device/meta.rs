@@ -313,17 +313,6 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
-    fn cross_entropy_kernel(
-        &self,
-        _logits: &mut Tensor,
-        _targets: &[u32],
-        _vocab: usize,
-        _grad_scale: Option<f32>,
-        _losses: &mut Tensor,
-    ) -> Result<()> {
-        Ok(())
-    }
-
     fn grad_guard_kernel(
         &self,
         _record: &mut Tensor,

@@ -7,7 +7,7 @@
 //!
 //! The operand checks of every op (the contract every backend shares) live here, beside
 //! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
-//! `cross_entropy::check`, `adamw::check`, `guard::check`, the `attention::check_*` and
+//! `adamw::check`, `guard::check`, the `attention::check_*` and
 //! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
 //! ledger span, then call this backend's kernel methods, which neither check nor record.
 //!
@@ -30,7 +30,6 @@ pub(crate) mod adamw;
 pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 mod blas;
-pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod flash_attention;
@@ -77,8 +76,6 @@ pub(crate) mod per_element {
     pub const SWIGLU_BACKWARD: u64 = 11;
     pub const ADAMW: u64 = 15;
     pub const ADAMW8BIT: u64 = 21;
-    pub const CROSS_ENTROPY: u64 = 4;
-    pub const CROSS_ENTROPY_GRAD: u64 = 5;
     pub const SOFTMAX: u64 = 5;
     pub const SOFTMAX_BACKWARD: u64 = 4;
 }
@@ -666,17 +663,6 @@ impl Backend for CpuBackend {
         heads: Heads,
     ) -> Result<()> {
         flash_attention::backward(self.blas(), dqkv, dout, out, lse, qkv, heads)
-    }
-
-    fn cross_entropy_kernel(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<()> {
-        cross_entropy::cross_entropy(logits, targets, vocab, grad_scale, losses)
     }
 
     fn grad_guard_kernel(

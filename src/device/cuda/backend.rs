@@ -21,8 +21,8 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{
-    adamw, adamw8bit, attention, cross_entropy, custom, elementwise, embedding, flash_attention,
-    gelu, layernorm, matmul, reductions, rope, swiglu,
+    adamw, adamw8bit, attention, custom, elementwise, embedding, flash_attention, gelu, layernorm,
+    matmul, reductions, rope, swiglu,
 };
 use crate::device::cpu::ensure;
 use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
@@ -224,7 +224,7 @@ impl CudaBackend {
     }
 
     /// `values` on the device, in a workspace tensor.
-    pub(super) fn upload_u32(&self, values: &[u32], label: &str) -> Result<Tensor> {
+    pub(crate) fn upload_u32(&self, values: &[u32], label: &str) -> Result<Tensor> {
         let t = self.scratch(values.len() * 4, label)?;
         if !values.is_empty() {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -736,17 +736,6 @@ impl Backend for CudaBackend {
         heads: Heads,
     ) -> Result<()> {
         flash_attention::backward(self, dqkv, dout, out, lse, qkv, heads)
-    }
-
-    fn cross_entropy_kernel(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<()> {
-        cross_entropy::cross_entropy(self, logits, targets, vocab, grad_scale, losses)
     }
 
     fn grad_guard_kernel(

@@ -61,7 +61,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::gelu::KERNELS,
     ops::attention::KERNELS,
     ops::flash_attention::KERNELS,
-    ops::cross_entropy::KERNELS,
+    crate::ops::cross_entropy::cuda::KERNELS,
     ops::adamw::KERNELS,
     ops::adamw8bit::KERNELS,
     ops::elementwise::KERNELS,

@@ -14,7 +14,6 @@
 pub(crate) mod adamw;
 pub(crate) mod adamw8bit;
 pub(crate) mod attention;
-pub(crate) mod cross_entropy;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
