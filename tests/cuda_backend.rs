@@ -14,8 +14,9 @@ mod common;
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
+use trainkit::device::Heads;
 use trainkit::ops::{cross_entropy, rmsnorm};
+use trainkit::optim::{adamw, adamw8bit, AdamWStep, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -938,7 +939,8 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         step,
                         grad_scale: 0.5,
                     };
-                    cpu.adamw(
+                    adamw::update(
+                        &cpu,
                         &mut p.cpu,
                         &g.cpu,
                         &mut m.cpu,
@@ -948,7 +950,8 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         Some(&mut w.cpu),
                     )
                     .unwrap();
-                    cuda.adamw(
+                    adamw::update(
+                        &*cuda,
                         &mut p.cuda,
                         &g.cuda,
                         &mut m.cuda,
@@ -1085,7 +1088,7 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
                             v,
                             v_absmax: va,
                         };
-                        b.adamw8bit(p, g, moments, &hp, s, Some(w)).unwrap();
+                        adamw8bit::update(b, p, g, moments, &hp, s, Some(w)).unwrap();
                     }
                     if step == 4 {
                         let after = [&p.cuda, &m.cuda, &ma.cuda, &v.cuda, &va.cuda]

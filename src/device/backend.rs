@@ -19,59 +19,6 @@ use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
 use std::fmt::Debug;
 
-/// Hyper-parameters of one fused AdamW update (PyTorch semantics).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWStep {
-    /// Learning rate of this step.
-    pub lr: f32,
-    /// First-moment decay.
-    pub beta1: f32,
-    /// Second-moment decay.
-    pub beta2: f32,
-    /// Added to the bias-corrected root of the second moment.
-    pub eps: f32,
-    /// Decoupled weight decay (0 for tensors that take none).
-    pub weight_decay: f32,
-    /// 1-based step count, for bias correction.
-    pub step: u64,
-    /// Multiplies the gradient before use (global-norm clipping, loss-scale removal).
-    pub grad_scale: f32,
-}
-
-impl AdamWStep {
-    /// The per-step constants of the update, computed on the host as PyTorch does (bias
-    /// corrections in f64): `(step_size, bc2_sqrt, decay)` with
-    /// `step_size = lr / (1 − beta1^step)`, `bc2_sqrt = sqrt(1 − beta2^step)` and
-    /// `decay = 1 − lr · weight_decay`. Every backend uses these exact values.
-    pub fn constants(&self) -> (f32, f32, f32) {
-        let exponent = self.step.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - (self.beta1 as f64).powi(exponent);
-        let bc2 = 1.0 - (self.beta2 as f64).powi(exponent);
-        let step_size = (self.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let decay = 1.0 - self.lr * self.weight_decay;
-        (step_size, bc2_sqrt, decay)
-    }
-}
-
-/// The two block-wise quantized moments of one parameter, as [`Backend::adamw8bit`]
-/// reads and rewrites them: for each moment, one u8 code per element of the parameter and
-/// one f32 absolute maximum per block of [`QUANT_BLOCK`](crate::device::QUANT_BLOCK)
-/// elements (the last block may be shorter). The first moment uses the signed dynamic
-/// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
-/// maximum is 0 holds zeros whatever its codes.
-#[derive(Debug)]
-pub struct QuantizedMoments<'a> {
-    /// Codes of the first moment (u8, as many as the parameter's elements).
-    pub m: &'a mut Tensor,
-    /// Absolute maximum of the first moment per block (f32).
-    pub m_absmax: &'a mut Tensor,
-    /// Codes of the second moment (u8).
-    pub v: &'a mut Tensor,
-    /// Maximum of the second moment per block (f32).
-    pub v_absmax: &'a mut Tensor,
-}
-
 /// The seam between model code and hardware: a device's buffers and ops.
 ///
 /// Model and optimizer code is written once against this trait; `CpuBackend` is the
@@ -715,64 +662,6 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.grad_guard_kernel(record, grads, losses, max_norm, loss_scale))
     }
 
-    /// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
-    /// With `scale` (a one-element f32 tensor, see [`crate::optim::GradScale`]), the
-    /// gradient is also multiplied by its value, read on the device; when that value is
-    /// not finite nothing is written: the update is skipped. With `compute` (as many
-    /// elements as `param`), the updated values are also written there, rounded to its
-    /// dtype (the compute weights of mixed precision), in the same pass on a GPU.
-    #[allow(clippy::too_many_arguments)]
-    fn adamw(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        cpu::adamw::check(param, grad, m, v)?;
-        if let Some(s) = scale {
-            cpu::adamw::check_scale(s)?;
-        }
-        if let Some(c) = &compute {
-            cpu::elementwise::same_len(c, param, "adamw")?;
-        }
-        let flops = each(param.numel(), per_element::ADAMW);
-        let op = self.ledger().op("adamw", flops, param.label());
-        op.finish(self.adamw_kernel(param, grad, m, v, hp, scale, compute))
-    }
-
-    /// One AdamW update of `param` (f32) from `grad` with 8-bit moments: per block of
-    /// [`QUANT_BLOCK`](crate::device::QUANT_BLOCK) elements, the moments are dequantized,
-    /// updated in f32 exactly as [`Backend::adamw`] updates them (the value from the
-    /// unquantized new moments) and requantized to the nearest code with the block's new
-    /// absolute maximum, in one pass. `scale` and `compute` are as in [`Backend::adamw`]:
-    /// a multiplier that is not finite skips the update, leaving codes and maxima as they
-    /// were.
-    fn adamw8bit(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        cpu::adamw8bit::check(param, grad, &moments)?;
-        if let Some(s) = scale {
-            cpu::adamw::check_scale(s)?;
-        }
-        if let Some(c) = &compute {
-            cpu::ensure_float("adamw8bit", &[c])?;
-            cpu::elementwise::same_len(c, param, "adamw8bit")?;
-        }
-        let flops = each(param.numel(), per_element::ADAMW8BIT);
-        let op = self.ledger().op("adamw8bit", flops, param.label());
-        op.finish(self.adamw8bit_kernel(param, grad, moments, hp, scale, compute))
-    }
-
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
     /// elements of `outputs[0]`: each output is read and written, each input read, and
     /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
@@ -1095,35 +984,6 @@ pub trait Backend: Debug + Send + Sync {
         losses: &Tensor,
         max_norm: f32,
         loss_scale: f32,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::adamw`]: `param`, `m` and `v` are f32, and `grad`, `m`,
-    /// `v` and `compute` have as many elements as `param`; `scale` is f32 with at least
-    /// one element.
-    #[allow(clippy::too_many_arguments)]
-    fn adamw_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::adamw8bit`]: `param` is f32, `grad` f32 or bf16 with as
-    /// many elements, the codes u8 with as many elements, the maxima f32 with one element
-    /// per block; `scale` is f32 with at least one element, `compute` has as many
-    /// elements as `param`.
-    fn adamw8bit_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::custom`]: the kernel's name is usable and there is at

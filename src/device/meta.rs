@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
+use super::{Backend, CustomKernel, Device, Heads};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -320,31 +320,6 @@ impl Backend for MetaBackend {
         _losses: &Tensor,
         _max_norm: f32,
         _loss_scale: f32,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn adamw_kernel(
-        &self,
-        _param: &mut Tensor,
-        _grad: &Tensor,
-        _m: &mut Tensor,
-        _v: &mut Tensor,
-        _hp: &AdamWStep,
-        _scale: Option<&Tensor>,
-        _compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        _param: &mut Tensor,
-        _grad: &Tensor,
-        _moments: QuantizedMoments<'_>,
-        _hp: &AdamWStep,
-        _scale: Option<&Tensor>,
-        _compute: Option<&mut Tensor>,
     ) -> Result<()> {
         Ok(())
     }

@@ -45,7 +45,7 @@ impl StepRecord {
 /// loss or gradient norm was not: the optimizer must then leave the weights and its
 /// state untouched.
 ///
-/// Passing [`GradScale::tensor`] to [`Backend::adamw`] applies it on the device, as
+/// Passing [`GradScale::tensor`] to [`adamw::update`](super::adamw::update) applies it on the device, as
 /// PyTorch's fused AdamW takes `grad_scale` and `found_inf` tensors. An optimizer built
 /// from host-valued ops calls [`GradScale::read`] instead, which costs one wait for the
 /// device per step.

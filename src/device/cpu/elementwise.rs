@@ -130,7 +130,7 @@ pub(super) fn copy_rows(
     }
 }
 
-pub(super) fn cast(dst: &mut Tensor, src: &Tensor) {
+pub(crate) fn cast(dst: &mut Tensor, src: &Tensor) {
     match (dst.storage_mut(), src.storage()) {
         (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
         (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),

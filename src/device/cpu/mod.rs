@@ -7,7 +7,7 @@
 //!
 //! The operand checks of every op (the contract every backend shares) live here, beside
 //! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
-//! `adamw::check`, `guard::check`, the `attention::check_*` and
+//! `guard::check`, the `attention::check_*` and
 //! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
 //! ledger span, then call this backend's kernel methods, which neither check nor record.
 //!
@@ -26,8 +26,6 @@
 //! and per logit 4 for `cross_entropy`
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
-pub(crate) mod adamw;
-pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 mod blas;
 pub(crate) mod elementwise;
@@ -43,7 +41,7 @@ pub(crate) mod rope;
 pub(crate) mod simd;
 pub(crate) mod swiglu;
 
-use super::{AdamWStep, Backend, Device, Heads, QuantizedMoments};
+use super::{Backend, Device, Heads};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -55,7 +53,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Elements per parallel chunk of element-wise work.
-const CHUNK: usize = 1 << 14;
+pub(crate) const CHUNK: usize = 1 << 14;
 
 /// Floating-point operations per element of the element-wise kernels (see the module
 /// documentation).
@@ -74,8 +72,6 @@ pub(crate) mod per_element {
     pub const ROPE: u64 = 3;
     pub const SWIGLU: u64 = 5;
     pub const SWIGLU_BACKWARD: u64 = 11;
-    pub const ADAMW: u64 = 15;
-    pub const ADAMW8BIT: u64 = 21;
     pub const SOFTMAX: u64 = 5;
     pub const SOFTMAX_BACKWARD: u64 = 4;
 }
@@ -674,39 +670,6 @@ impl Backend for CpuBackend {
         loss_scale: f32,
     ) -> Result<()> {
         guard::grad_guard(record, grads, losses, max_norm, loss_scale);
-        Ok(())
-    }
-
-    fn adamw_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw::adamw(param, grad, m, v, hp, scale)?;
-        if let Some(c) = compute {
-            elementwise::cast(c, param);
-        }
-        Ok(())
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw8bit::adamw8bit(param, grad, moments, hp, scale)?;
-        if let Some(c) = compute {
-            elementwise::cast(c, param);
-        }
         Ok(())
     }
 

@@ -21,11 +21,11 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{
-    adamw, adamw8bit, attention, custom, elementwise, embedding, flash_attention, gelu, layernorm,
-    matmul, reductions, rope, swiglu,
+    attention, custom, elementwise, embedding, flash_attention, gelu, layernorm, matmul,
+    reductions, rope, swiglu,
 };
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, CustomKernel, Device, Heads, QuantizedMoments};
+use crate::device::{Backend, CustomKernel, Device, Heads};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -747,31 +747,6 @@ impl Backend for CudaBackend {
         loss_scale: f32,
     ) -> Result<()> {
         reductions::grad_guard(self, record, grads, losses, max_norm, loss_scale)
-    }
-
-    fn adamw_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw::adamw(self, param, grad, m, v, hp, scale, compute)
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw8bit::adamw8bit(self, param, grad, moments, hp, scale, compute)
     }
 
     fn custom_kernel(

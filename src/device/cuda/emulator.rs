@@ -1752,7 +1752,7 @@ extern "C" __global__ void traps(int* out) {
         let n = 777usize;
         let (ps, gs, ms) = (random(n, 1.0, 60), random(n, 0.1, 61), random(n, 0.01, 62));
         let vs: Vec<f32> = random(n, 1e-3, 63).iter().map(|v| v.abs()).collect();
-        let hp = crate::device::AdamWStep {
+        let hp = crate::optim::AdamWStep {
             lr: 3e-4,
             beta1: 0.9,
             beta2: 0.95,
@@ -1776,7 +1776,8 @@ extern "C" __global__ void traps(int* out) {
             let grad = upload(&be, &gs, &[n], g);
             // The device scale multiplies hp.grad_scale; 1 leaves it as it is.
             let one = upload(&be, &[1.0], &[1], DType::F32);
-            be.adamw(
+            crate::optim::adamw::update(
+                &be,
                 &mut p_cpu,
                 &grad,
                 &mut m_cpu,

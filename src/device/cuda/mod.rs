@@ -18,7 +18,7 @@ mod emulated_offload;
 pub mod emulator;
 mod gpu;
 pub mod kernels;
-mod ops;
+pub(crate) mod ops;
 mod pinned;
 pub mod probe;
 mod staging;
