@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::Heads;
 use trainkit::ops::{cross_entropy, rmsnorm};
-use trainkit::optim::{adamw, adamw8bit, AdamWStep, QuantizedMoments};
+use trainkit::optim::{adamw, adamw8bit, guard, AdamWStep, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -1410,10 +1410,24 @@ fn the_gradient_guard_matches_the_cpu() {
             let mut record = out(&cpu, &cuda, &[3], DType::F32);
             let gc: Vec<&Tensor> = grads.iter().map(|g| &g.cpu).collect();
             let gd: Vec<&Tensor> = grads.iter().map(|g| &g.cuda).collect();
-            cpu.grad_guard(&mut record.cpu, &gc, &losses.cpu, max_norm, loss_scale)
-                .unwrap();
-            cuda.grad_guard(&mut record.cuda, &gd, &losses.cuda, max_norm, loss_scale)
-                .unwrap();
+            guard::grad_guard(
+                &cpu,
+                &mut record.cpu,
+                &gc,
+                &losses.cpu,
+                max_norm,
+                loss_scale,
+            )
+            .unwrap();
+            guard::grad_guard(
+                &*cuda,
+                &mut record.cuda,
+                &gd,
+                &losses.cuda,
+                max_norm,
+                loss_scale,
+            )
+            .unwrap();
             let want = cpu.to_f32(&record.cpu).unwrap();
             let got = cuda.to_f32(&record.cuda).unwrap();
             let what = format!("{name}: max_norm {max_norm}, loss scale {loss_scale}, {poison:?}");

@@ -637,31 +637,6 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.flash_attention_backward_kernel(dqkv, dout, out, lse, qkv, heads))
     }
 
-    /// The end of a step's backward, on the device: writes the step's [`StepRecord`] to
-    /// `record` (f32, 3 elements) from the gradients `grads` (scaled by `loss_scale`)
-    /// and the per-row losses `losses`. The squared norm and the loss sum are accumulated
-    /// in f64; the multiplier is PyTorch's `clip_grad_norm_` coefficient (see
-    /// [`crate::optim::clip_coefficient`], 1 when `max_norm <= 0`) divided by
-    /// `loss_scale`, or NaN when the loss or the norm is not finite, which tells the
-    /// optimizer to skip the update.
-    ///
-    /// [`StepRecord`]: crate::optim::StepRecord
-    fn grad_guard(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
-    ) -> Result<()> {
-        cpu::ensure_float("grad_guard", grads)?;
-        cpu::guard::check(record, losses)?;
-        let n: usize = grads.iter().map(|g| g.numel()).sum();
-        let flops = each(n, per_element::SUM_SQUARES);
-        let op = self.ledger().op("grad_guard", flops, record.label());
-        op.finish(self.grad_guard_kernel(record, grads, losses, max_norm, loss_scale))
-    }
-
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
     /// elements of `outputs[0]`: each output is read and written, each input read, and
     /// `scalars` passed by value (see [`crate::device::custom`] for the convention). The
@@ -973,17 +948,6 @@ pub trait Backend: Debug + Send + Sync {
         lse: &Tensor,
         qkv: &Tensor,
         heads: Heads,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::grad_guard`]: `record` is f32 with 3 elements, `losses`
-    /// is f32.
-    fn grad_guard_kernel(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
     ) -> Result<()>;
 
     /// The kernel of [`Backend::custom`]: the kernel's name is usable and there is at

@@ -313,17 +313,6 @@ impl Backend for MetaBackend {
         Ok(())
     }
 
-    fn grad_guard_kernel(
-        &self,
-        _record: &mut Tensor,
-        _grads: &[&Tensor],
-        _losses: &Tensor,
-        _max_norm: f32,
-        _loss_scale: f32,
-    ) -> Result<()> {
-        Ok(())
-    }
-
     fn custom_kernel(
         &self,
         _kernel: &dyn CustomKernel,

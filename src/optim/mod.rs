@@ -3,7 +3,7 @@
 pub mod adamw;
 pub mod adamw8bit;
 mod clip;
-mod guard;
+pub mod guard;
 mod schedule;
 mod sgd;
 

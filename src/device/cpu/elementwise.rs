@@ -191,7 +191,7 @@ pub(super) fn scale(x: &mut Tensor, alpha: f32) {
     })
 }
 
-pub(super) fn sum_squares(x: &Tensor) -> f64 {
+pub(crate) fn sum_squares(x: &Tensor) -> f64 {
     let x = read(x);
     let partial: Vec<f64> = x
         .par_chunks(CHUNK)

@@ -7,7 +7,7 @@
 //!
 //! The operand checks of every op (the contract every backend shares) live here, beside
 //! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
-//! `guard::check`, the `attention::check_*` and
+//! the `attention::check_*` and
 //! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
 //! ledger span, then call this backend's kernel methods, which neither check nor record.
 //!
@@ -32,7 +32,6 @@ pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod flash_attention;
 pub(crate) mod gelu;
-pub(crate) mod guard;
 pub(crate) mod layernorm;
 pub(crate) mod matmul;
 mod pool;
@@ -659,18 +658,6 @@ impl Backend for CpuBackend {
         heads: Heads,
     ) -> Result<()> {
         flash_attention::backward(self.blas(), dqkv, dout, out, lse, qkv, heads)
-    }
-
-    fn grad_guard_kernel(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
-    ) -> Result<()> {
-        guard::grad_guard(record, grads, losses, max_norm, loss_scale);
-        Ok(())
     }
 
     fn custom_kernel(

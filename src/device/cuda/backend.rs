@@ -738,17 +738,6 @@ impl Backend for CudaBackend {
         flash_attention::backward(self, dqkv, dout, out, lse, qkv, heads)
     }
 
-    fn grad_guard_kernel(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
-    ) -> Result<()> {
-        reductions::grad_guard(self, record, grads, losses, max_norm, loss_scale)
-    }
-
     fn custom_kernel(
         &self,
         kernel: &dyn CustomKernel,

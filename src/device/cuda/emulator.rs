@@ -1095,7 +1095,7 @@ extern "C" __global__ void traps(int* out) {
             let refs: Vec<&Tensor> = tensors.iter().collect();
             let loss_t = upload(&be, &ls, &[ls.len()], DType::F32);
             let mut record = zeros(&be, &[3], DType::F32);
-            be.grad_guard(&mut record, &refs, &loss_t, max_norm, loss_scale)
+            crate::optim::guard::grad_guard(&be, &mut record, &refs, &loss_t, max_norm, loss_scale)
                 .unwrap();
             let want = be.to_f32(&record).unwrap();
             // The device: one partial per block of every gradient, then the guard.
