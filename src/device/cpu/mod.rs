@@ -6,10 +6,10 @@
 //! inputs give bitwise-equal outputs, which the recompute policies rely on.
 //!
 //! The operand checks of every op (the contract every backend shares) live here, beside
-//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
-//! the `attention::check_*` and
-//! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
-//! ledger span, then call this backend's kernel methods, which neither check nor record.
+//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`, the
+//! `attention::check_*` and `elementwise::same_len`. The [`Backend`] trait's op methods
+//! run them and record the ledger span, then call this backend's kernel methods, which
+//! neither check nor record.
 //!
 //! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
 //! operations it executed, the same count on every backend (the trait computes it from

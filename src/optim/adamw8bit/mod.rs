@@ -26,7 +26,7 @@ const FLOPS: u64 = 21;
 
 /// The two block-wise quantized moments of one parameter, as [`update`]
 /// reads and rewrites them: for each moment, one u8 code per element of the parameter and
-/// one f32 absolute maximum per block of [`QUANT_BLOCK`](crate::device::QUANT_BLOCK)
+/// one f32 absolute maximum per block of [`QUANT_BLOCK`]
 /// elements (the last block may be shorter). The first moment uses the signed dynamic
 /// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
 /// maximum is 0 holds zeros whatever its codes.
@@ -55,7 +55,7 @@ impl QuantizedMoments<'_> {
 }
 
 /// One AdamW update of `param` (f32) from `grad` with 8-bit moments: per block of
-/// [`QUANT_BLOCK`](crate::device::QUANT_BLOCK) elements, the moments are dequantized,
+/// [`QUANT_BLOCK`] elements, the moments are dequantized,
 /// updated in f32 exactly as [`adamw::update`] updates them (the value from the
 /// unquantized new moments) and requantized to the nearest code with the block's new
 /// absolute maximum, in one pass. `scale` and `compute` are as in [`adamw::update`]:
