@@ -14,10 +14,11 @@ mod common;
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::device::{AdamWStep, Heads, QuantizedMoments};
+use trainkit::device::Heads;
 use trainkit::ops::{
-    attention, embedding, flash_attention, gelu, layernorm, rmsnorm, rope, swiglu,
+    attention, cross_entropy, embedding, flash_attention, gelu, layernorm, rmsnorm, rope, swiglu,
 };
+use trainkit::optim::{adamw, adamw8bit, guard, AdamWStep, QuantizedMoments};
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Full, Gpt2, MemoryCategory, MixedBf16, MixedFp16,
     NoRecompute, Precision, Rng, Selective, Tensor, Trainer,
@@ -887,10 +888,24 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                     // The row losses are added to what the tensor holds.
                     let before: Vec<f32> = randn(&mut rng, rows, 1.0);
                     let mut losses = pair(&cpu, &cuda, &before, &[rows], DType::F32);
-                    cpu.cross_entropy(&mut l.cpu, &targets, vocab, grad, &mut losses.cpu)
-                        .unwrap();
-                    cuda.cross_entropy(&mut l.cuda, &targets, vocab, grad, &mut losses.cuda)
-                        .unwrap();
+                    cross_entropy::forward(
+                        &cpu,
+                        &mut l.cpu,
+                        &targets,
+                        vocab,
+                        grad,
+                        &mut losses.cpu,
+                    )
+                    .unwrap();
+                    cross_entropy::forward(
+                        &*cuda,
+                        &mut l.cuda,
+                        &targets,
+                        vocab,
+                        grad,
+                        &mut losses.cuda,
+                    )
+                    .unwrap();
                     compare(
                         &format!("cross_entropy losses {rows}x{vp} {dt} grad={grad:?}"),
                         name,
@@ -938,7 +953,8 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         step,
                         grad_scale: 0.5,
                     };
-                    cpu.adamw(
+                    adamw::update(
+                        &cpu,
                         &mut p.cpu,
                         &g.cpu,
                         &mut m.cpu,
@@ -948,7 +964,8 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                         Some(&mut w.cpu),
                     )
                     .unwrap();
-                    cuda.adamw(
+                    adamw::update(
+                        &*cuda,
                         &mut p.cuda,
                         &g.cuda,
                         &mut m.cuda,
@@ -1085,7 +1102,7 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
                             v,
                             v_absmax: va,
                         };
-                        b.adamw8bit(p, g, moments, &hp, s, Some(w)).unwrap();
+                        adamw8bit::update(b, p, g, moments, &hp, s, Some(w)).unwrap();
                     }
                     if step == 4 {
                         let after = [&p.cuda, &m.cuda, &ma.cuda, &v.cuda, &va.cuda]
@@ -1407,10 +1424,24 @@ fn the_gradient_guard_matches_the_cpu() {
             let mut record = out(&cpu, &cuda, &[3], DType::F32);
             let gc: Vec<&Tensor> = grads.iter().map(|g| &g.cpu).collect();
             let gd: Vec<&Tensor> = grads.iter().map(|g| &g.cuda).collect();
-            cpu.grad_guard(&mut record.cpu, &gc, &losses.cpu, max_norm, loss_scale)
-                .unwrap();
-            cuda.grad_guard(&mut record.cuda, &gd, &losses.cuda, max_norm, loss_scale)
-                .unwrap();
+            guard::grad_guard(
+                &cpu,
+                &mut record.cpu,
+                &gc,
+                &losses.cpu,
+                max_norm,
+                loss_scale,
+            )
+            .unwrap();
+            guard::grad_guard(
+                &*cuda,
+                &mut record.cuda,
+                &gd,
+                &losses.cuda,
+                max_norm,
+                loss_scale,
+            )
+            .unwrap();
             let want = cpu.to_f32(&record.cpu).unwrap();
             let got = cuda.to_f32(&record.cuda).unwrap();
             let what = format!("{name}: max_norm {max_norm}, loss scale {loss_scale}, {poison:?}");

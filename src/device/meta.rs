@@ -9,7 +9,7 @@
 //! multi-billion-parameter model is predicted exactly in milliseconds. See
 //! [`crate::estimate::predict`].
 
-use super::{AdamWStep, Backend, Device, QuantizedMoments};
+use super::{Backend, Device};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -148,53 +148,6 @@ impl Backend for MetaBackend {
     }
 
     fn bias_backward_kernel(&self, _dbias: &mut Tensor, _dout: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn cross_entropy_kernel(
-        &self,
-        _logits: &mut Tensor,
-        _targets: &[u32],
-        _vocab: usize,
-        _grad_scale: Option<f32>,
-        _losses: &mut Tensor,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn grad_guard_kernel(
-        &self,
-        _record: &mut Tensor,
-        _grads: &[&Tensor],
-        _losses: &Tensor,
-        _max_norm: f32,
-        _loss_scale: f32,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn adamw_kernel(
-        &self,
-        _param: &mut Tensor,
-        _grad: &Tensor,
-        _m: &mut Tensor,
-        _v: &mut Tensor,
-        _hp: &AdamWStep,
-        _scale: Option<&Tensor>,
-        _compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        _param: &mut Tensor,
-        _grad: &Tensor,
-        _moments: QuantizedMoments<'_>,
-        _hp: &AdamWStep,
-        _scale: Option<&Tensor>,
-        _compute: Option<&mut Tensor>,
-    ) -> Result<()> {
         Ok(())
     }
 }

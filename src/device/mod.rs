@@ -8,7 +8,7 @@ mod heads;
 mod kernel;
 mod meta;
 
-pub use backend::{AdamWStep, Backend, QuantizedMoments};
+pub use backend::Backend;
 pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 pub use cuda::CudaBackend;

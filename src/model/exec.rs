@@ -33,7 +33,7 @@ use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, SiteCost};
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, Phase};
-use crate::ops::{missing, BackwardCx, ForwardCx, GradIn, Saved};
+use crate::ops::{cross_entropy, missing, BackwardCx, ForwardCx, GradIn, Saved};
 use crate::tensor::{DType, Tensor};
 
 /// Bytes the checkpoint policy kept, offloaded and dropped during forward.
@@ -603,8 +603,14 @@ impl<'r> Run<'r> {
         let logits = st.stash[sec.output]
             .as_mut()
             .ok_or_else(|| missing("the logits"))?;
-        self.backend
-            .cross_entropy(logits, self.targets, vocab, grad_scale, losses)?;
+        cross_entropy::forward(
+            self.backend,
+            logits,
+            self.targets,
+            vocab,
+            grad_scale,
+            losses,
+        )?;
         if grad_scale.is_none() {
             return Ok((st, None));
         }

@@ -175,7 +175,7 @@ pub trait Model: Debug + Send + Sync {
     /// per-position losses times `grad_scale` is what is differentiated). The loss of
     /// position `i` (row-major over the batch) is added to `losses[i]`, an f32 tensor on
     /// the backend that the trainer reads once per step (see
-    /// [`Backend::cross_entropy`]).
+    /// [`crate::ops::cross_entropy::forward`]).
     fn forward_backward(
         &self,
         pass: &mut Pass<'_>,

@@ -1,7 +1,7 @@
 //! The classifier fused with the cross-entropy: the loss and its gradients in chunks of
 //! positions, never a `[tokens, vocab]` tensor.
 
-use super::{BackwardCx, ForwardCx, FusedLoss, LossCx, Op, Saves};
+use super::{cross_entropy, BackwardCx, ForwardCx, FusedLoss, LossCx, Op, Saves};
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
@@ -231,10 +231,10 @@ impl LinearCrossEntropy {
         be.matmul(&mut logits, xc, w, None, false, true, false)?;
         let targets = &cx.targets[start..start + n];
         if whole {
-            be.cross_entropy(&mut logits, targets, cx.vocab, cx.grad_scale, cx.losses)?;
+            cross_entropy::forward(be, &mut logits, targets, cx.vocab, cx.grad_scale, cx.losses)?;
         } else {
             let mut part = be.zeros(&[n, 1], DType::F32, act, "losses.chunk")?;
-            be.cross_entropy(&mut logits, targets, cx.vocab, cx.grad_scale, &mut part)?;
+            cross_entropy::forward(be, &mut logits, targets, cx.vocab, cx.grad_scale, &mut part)?;
             be.copy_rows(cx.losses, start, &part, 0, n, true)?;
         }
         if cx.grad_scale.is_none() {

@@ -10,6 +10,7 @@
 
 pub mod attention;
 mod classifier;
+pub mod cross_entropy;
 pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
@@ -142,7 +143,7 @@ pub struct LossCx<'a> {
     pub vocab: usize,
     /// The scale of the loss gradient; `None` computes the loss alone (evaluation).
     pub grad_scale: Option<f32>,
-    /// Each position's loss is added here (f32, see [`Backend::cross_entropy`]).
+    /// Each position's loss is added here (f32, see [`cross_entropy::forward`]).
     pub losses: &'a mut Tensor,
     /// The gradient of each input, written when `grad_scale` is set.
     pub grads_in: Vec<GradIn>,

@@ -1,15 +1,15 @@
 //! Optimizers, learning-rate schedules and gradient clipping.
 
-mod adamw;
-mod adamw8bit;
+pub mod adamw;
+pub mod adamw8bit;
 mod clip;
-mod guard;
+pub mod guard;
 mod schedule;
 mod sgd;
 
 pub use crate::model::{Param, UpdateParts};
-pub use adamw::AdamW;
-pub use adamw8bit::AdamW8bit;
+pub use adamw::{AdamW, AdamWStep};
+pub use adamw8bit::{AdamW8bit, QuantizedMoments};
 pub use clip::{clip_coefficient, global_grad_norm};
 pub use guard::{GradScale, StepRecord};
 pub use schedule::LrSchedule;

@@ -8,7 +8,7 @@ use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryCategory, MemoryObserver, PeakTracker, Phase};
 use crate::model::{Batch, Model, Param, Pass, StashStats};
-use crate::optim::{AdamW, GradScale, LrSchedule, Optimizer, StepRecord};
+use crate::optim::{guard, AdamW, GradScale, LrSchedule, Optimizer, StepRecord};
 use crate::precision::{Fp32, Precision};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
@@ -486,7 +486,7 @@ where
                 let Some(grad) = p.grad() else {
                     return Ok(());
                 };
-                be.grad_guard(record, &[grad], losses, 0.0, loss_scale)?;
+                guard::grad_guard(be, record, &[grad], losses, 0.0, loss_scale)?;
                 let r = StepRecord::read(be, record)?;
                 *norm_squares += (r.grad_norm as f64).powi(2);
                 *all_finite &= r.finite();
@@ -527,7 +527,8 @@ where
             // its kernel).
             {
                 let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
-                be.grad_guard(
+                guard::grad_guard(
+                    be,
                     &mut record,
                     &grads,
                     &losses,

@@ -130,7 +130,7 @@ pub(super) fn copy_rows(
     }
 }
 
-pub(super) fn cast(dst: &mut Tensor, src: &Tensor) {
+pub(crate) fn cast(dst: &mut Tensor, src: &Tensor) {
     match (dst.storage_mut(), src.storage()) {
         (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
         (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
@@ -191,7 +191,7 @@ pub(super) fn scale(x: &mut Tensor, alpha: f32) {
     })
 }
 
-pub(super) fn sum_squares(x: &Tensor) -> f64 {
+pub(crate) fn sum_squares(x: &Tensor) -> f64 {
     let x = read(x);
     let partial: Vec<f64> = x
         .par_chunks(CHUNK)

@@ -6,9 +6,8 @@
 //! inputs give bitwise-equal outputs, which the recompute policies rely on.
 //!
 //! The operand checks of every op (the contract every backend shares) live here, beside
-//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`,
-//! `cross_entropy::check`, `adamw::check`, `guard::check`, the `attention::check_*` and
-//! `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
+//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`, the
+//! `attention::check_*` and `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
 //! ledger span, then call this backend's kernel methods, which neither check nor record.
 //!
 //! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
@@ -26,18 +25,14 @@
 //! and per logit 4 for `cross_entropy`
 //! (5 with the gradient). Copies, casts, fills and transfers count 0.
 
-pub(crate) mod adamw;
-pub(crate) mod adamw8bit;
 mod blas;
-pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
-pub(crate) mod guard;
 pub(crate) mod matmul;
 mod pool;
 pub(crate) mod quantize;
 pub(crate) mod simd;
 
-use super::{AdamWStep, Backend, Device, QuantizedMoments};
+use super::{Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -59,10 +54,6 @@ pub(crate) mod per_element {
     pub const SCALE: u64 = 1;
     pub const SUM_SQUARES: u64 = 2;
     pub const BIAS_BACKWARD: u64 = 1;
-    pub const ADAMW: u64 = 15;
-    pub const ADAMW8BIT: u64 = 21;
-    pub const CROSS_ENTROPY: u64 = 4;
-    pub const CROSS_ENTROPY_GRAD: u64 = 5;
 }
 
 /// `per` operations on each of `n` elements.
@@ -477,62 +468,6 @@ impl Backend for CpuBackend {
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(dbias, dout);
-        Ok(())
-    }
-
-    fn cross_entropy_kernel(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<()> {
-        cross_entropy::cross_entropy(logits, targets, vocab, grad_scale, losses)
-    }
-
-    fn grad_guard_kernel(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
-    ) -> Result<()> {
-        guard::grad_guard(record, grads, losses, max_norm, loss_scale);
-        Ok(())
-    }
-
-    fn adamw_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw::adamw(param, grad, m, v, hp, scale)?;
-        if let Some(c) = compute {
-            elementwise::cast(c, param);
-        }
-        Ok(())
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw8bit::adamw8bit(param, grad, moments, hp, scale)?;
-        if let Some(c) = compute {
-            elementwise::cast(c, param);
-        }
         Ok(())
     }
 }

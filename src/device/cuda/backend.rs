@@ -20,9 +20,9 @@
 use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
 use super::kernels::{KernelFile, KERNEL_FILES};
-use super::ops::{adamw, adamw8bit, cross_entropy, elementwise, matmul, reductions};
+use super::ops::{elementwise, matmul, reductions};
 use crate::device::cpu::ensure;
-use crate::device::{AdamWStep, Backend, Device, QuantizedMoments};
+use crate::device::{Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
@@ -571,53 +571,6 @@ impl Backend for CudaBackend {
 
     fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         elementwise::bias_backward(self, dbias, dout)
-    }
-
-    fn cross_entropy_kernel(
-        &self,
-        logits: &mut Tensor,
-        targets: &[u32],
-        vocab: usize,
-        grad_scale: Option<f32>,
-        losses: &mut Tensor,
-    ) -> Result<()> {
-        cross_entropy::cross_entropy(self, logits, targets, vocab, grad_scale, losses)
-    }
-
-    fn grad_guard_kernel(
-        &self,
-        record: &mut Tensor,
-        grads: &[&Tensor],
-        losses: &Tensor,
-        max_norm: f32,
-        loss_scale: f32,
-    ) -> Result<()> {
-        reductions::grad_guard(self, record, grads, losses, max_norm, loss_scale)
-    }
-
-    fn adamw_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        m: &mut Tensor,
-        v: &mut Tensor,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw::adamw(self, param, grad, m, v, hp, scale, compute)
-    }
-
-    fn adamw8bit_kernel(
-        &self,
-        param: &mut Tensor,
-        grad: &Tensor,
-        moments: QuantizedMoments<'_>,
-        hp: &AdamWStep,
-        scale: Option<&Tensor>,
-        compute: Option<&mut Tensor>,
-    ) -> Result<()> {
-        adamw8bit::adamw8bit(self, param, grad, moments, hp, scale, compute)
     }
 }
 

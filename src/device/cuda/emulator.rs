@@ -1096,7 +1096,7 @@ extern "C" __global__ void traps(int* out) {
             let refs: Vec<&Tensor> = tensors.iter().collect();
             let loss_t = upload(&be, &ls, &[ls.len()], DType::F32);
             let mut record = zeros(&be, &[3], DType::F32);
-            be.grad_guard(&mut record, &refs, &loss_t, max_norm, loss_scale)
+            crate::optim::guard::grad_guard(&be, &mut record, &refs, &loss_t, max_norm, loss_scale)
                 .unwrap();
             let want = be.to_f32(&record).unwrap();
             // The device: one partial per block of every gradient, then the guard.
@@ -1707,7 +1707,8 @@ extern "C" __global__ void traps(int* out) {
                 let before = random(rows, 2.0, 52);
                 let mut logits_cpu = upload(&be, &logits_in, &[rows, vp], d);
                 let mut losses_cpu = upload(&be, &before, &[rows], DType::F32);
-                be.cross_entropy(
+                crate::ops::cross_entropy::forward(
+                    &be,
                     &mut logits_cpu,
                     &targets,
                     vocab,
@@ -1748,7 +1749,7 @@ extern "C" __global__ void traps(int* out) {
         let n = 777usize;
         let (ps, gs, ms) = (random(n, 1.0, 60), random(n, 0.1, 61), random(n, 0.01, 62));
         let vs: Vec<f32> = random(n, 1e-3, 63).iter().map(|v| v.abs()).collect();
-        let hp = crate::device::AdamWStep {
+        let hp = crate::optim::AdamWStep {
             lr: 3e-4,
             beta1: 0.9,
             beta2: 0.95,
@@ -1772,7 +1773,8 @@ extern "C" __global__ void traps(int* out) {
             let grad = upload(&be, &gs, &[n], g);
             // The device scale multiplies hp.grad_scale; 1 leaves it as it is.
             let one = upload(&be, &[1.0], &[1], DType::F32);
-            be.adamw(
+            crate::optim::adamw::update(
+                &be,
                 &mut p_cpu,
                 &grad,
                 &mut m_cpu,

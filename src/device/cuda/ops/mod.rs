@@ -11,9 +11,6 @@
 //! [`super::CudaBackend`]'s `Backend` impl only dispatches here; `custom.rs` runs kernels
 //! written outside trainkit ([`crate::device::CustomKernel`]).
 
-pub(crate) mod adamw;
-pub(crate) mod adamw8bit;
-pub(crate) mod cross_entropy;
 pub(crate) mod custom;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;

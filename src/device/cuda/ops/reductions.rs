@@ -1,8 +1,9 @@
-//! Reductions: the sum of squares (one tensor, or all gradients with one read back) and
-//! the step's gradient guard (norm, clipping multiplier, skip decision, loss sum), all
-//! accumulated in f64 in two passes.
+//! Reductions: the sum of squares (one tensor, or all gradients with one read back),
+//! accumulated in f64 in two passes. The step's gradient guard launches the `grad_guard`
+//! kernel of the same file over these partial sums (`src/optim/guard/cuda.rs`).
 //!
-//! CPU twin: `src/device/cpu/elementwise.rs (`sum_squares`) and cpu/guard.rs`. Kernels: `kernels/reductions.cu`, listed once in [`KERNELS`].
+//! CPU twin: `src/device/cpu/elementwise.rs` (`sum_squares`). Kernels: `kernels/reductions.cu`,
+//! listed once in [`KERNELS`].
 
 use super::super::backend::{ptr, CudaBackend, BLOCK};
 use super::super::gpu::Args;
@@ -108,30 +109,4 @@ pub(crate) fn sum_squares_all(be: &CudaBackend, xs: &[&Tensor]) -> Result<f64> {
     let mut bytes = [0u8; 8];
     be.gpu.download(&mut bytes, ptr(&total)?)?;
     Ok(f64::from_le_bytes(bytes))
-}
-
-pub(crate) fn grad_guard(
-    be: &CudaBackend,
-    record: &mut Tensor,
-    grads: &[&Tensor],
-    losses: &Tensor,
-    max_norm: f32,
-    loss_scale: f32,
-) -> Result<()> {
-    // One partial per block of every gradient in one buffer, then one block that adds
-    // them and the losses and writes the record: nothing is read back.
-    let (partial, slots) = square_partials(be, grads, "grad_guard.partial")?;
-    be.launch(
-        "grad_guard",
-        1,
-        32,
-        Args::new()
-            .ptr(ptr(record)?)
-            .ptr(ptr(&partial)?)
-            .i64(slots)
-            .ptr(ptr(losses)?)
-            .i64(losses.numel())
-            .f32(max_norm)
-            .f32(loss_scale),
-    )
 }

@@ -1,58 +1,18 @@
-//! The 8-bit AdamW update: moments stored block-wise quantized ([`super::quantize`]),
-//! dequantized, updated in f32 as [`super::adamw`] does, and requantized, in one pass over
+//! The 8-bit AdamW update on the CPU, the reference of `kernels/adamw8bit.cu`: moments
+//! stored block-wise quantized (`src/device/cpu/quantize.rs`), dequantized, updated in f32
+//! as the AdamW update (`src/optim/adamw/cpu.rs`) does, and requantized, in one pass over
 //! each block.
 
-use super::quantize::{code_table, quantize, zero_code, QUANT_BLOCK};
-use super::{ensure, ensure_f32, read};
-use crate::device::{AdamWStep, QuantizedMoments};
+use super::QuantizedMoments;
+use crate::device::cpu::quantize::{code_table, quantize, zero_code, QUANT_BLOCK};
+use crate::device::cpu::read;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Storage, Tensor};
+use crate::optim::adamw::AdamWStep;
+use crate::tensor::{Storage, Tensor};
 use rayon::prelude::*;
 
 /// Quantization blocks per parallel task.
 const BLOCKS_PER_TASK: usize = 64;
-
-/// Checks the 8-bit AdamW operands (the contract every backend shares): f32 value, f32
-/// or bf16 gradient of as many elements, u8 codes of as many elements, and one f32
-/// absolute maximum per block of [`QUANT_BLOCK`] elements for each moment.
-pub(crate) fn check(param: &Tensor, grad: &Tensor, moments: &QuantizedMoments<'_>) -> Result<()> {
-    const OP: &str = "adamw8bit";
-    ensure_f32(param, OP)?;
-    super::ensure_float(OP, &[grad])?;
-    let n = param.numel();
-    let blocks = n.div_ceil(QUANT_BLOCK);
-    ensure(grad.numel() == n, OP, || {
-        format!("`{}`: the gradient must have {n} elements", param.label())
-    })?;
-    for codes in [&*moments.m, &*moments.v] {
-        ensure(codes.dtype() == DType::U8 && codes.numel() == n, OP, || {
-            format!(
-                "`{}`: the moment codes `{}` must be u8 with {n} elements, not {} {:?}",
-                param.label(),
-                codes.label(),
-                codes.dtype(),
-                codes.shape()
-            )
-        })?;
-    }
-    for absmax in [&*moments.m_absmax, &*moments.v_absmax] {
-        ensure(
-            absmax.dtype() == DType::F32 && absmax.numel() == blocks,
-            OP,
-            || {
-                format!(
-                    "`{}`: the block maxima `{}` must be f32 with {blocks} elements (one per \
-                     {QUANT_BLOCK}), not {} {:?}",
-                    param.label(),
-                    absmax.label(),
-                    absmax.dtype(),
-                    absmax.shape()
-                )
-            },
-        )?;
-    }
-    Ok(())
-}
 
 /// The per-step constants of the update.
 #[derive(Clone, Copy)]
@@ -75,7 +35,8 @@ fn host_error() -> Error {
     }
 }
 
-pub(super) fn adamw8bit(
+/// The update, on checked operands (the compute copy is the caller's).
+pub(crate) fn update(
     param: &mut Tensor,
     grad: &Tensor,
     moments: QuantizedMoments<'_>,

@@ -1,11 +1,183 @@
 //! AdamW with 8-bit moments (block-wise quantized, as bitsandbytes' `AdamW8bit`).
+//!
+//! The optimizer ([`AdamW8bit`]) and its kernel: one fused update of a parameter with
+//! quantized moments ([`update`], an [`OpKernel`] call with its operand checks and FLOP
+//! count), the CPU twin (`cpu.rs`) and the CUDA launch (`cuda.rs`, over
+//! `kernels/adamw8bit.cu`). The block quantization itself is
+//! [`crate::device::quantize_block`]'s.
 
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+
+use super::adamw::{self, check_scale, AdamWStep};
 use super::{AdamW, GradScale, Optimizer, Param};
-use crate::device::{AdamWStep, Backend, QuantizedMoments, QUANT_BLOCK};
+use crate::device::cpu::elementwise::{cast, same_len};
+use crate::device::cpu::{each, ensure, ensure_f32, ensure_float};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel, QUANT_BLOCK};
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
+
+/// Floating-point operations per element of an update: AdamW's 15, two products to
+/// dequantize, two maxima and two divisions to requantize (the comparisons of the code
+/// search are not counted).
+const FLOPS: u64 = 21;
+
+/// The two block-wise quantized moments of one parameter, as [`update`]
+/// reads and rewrites them: for each moment, one u8 code per element of the parameter and
+/// one f32 absolute maximum per block of [`QUANT_BLOCK`]
+/// elements (the last block may be shorter). The first moment uses the signed dynamic
+/// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
+/// maximum is 0 holds zeros whatever its codes.
+#[derive(Debug)]
+pub struct QuantizedMoments<'a> {
+    /// Codes of the first moment (u8, as many as the parameter's elements).
+    pub m: &'a mut Tensor,
+    /// Absolute maximum of the first moment per block (f32).
+    pub m_absmax: &'a mut Tensor,
+    /// Codes of the second moment (u8).
+    pub v: &'a mut Tensor,
+    /// Maximum of the second moment per block (f32).
+    pub v_absmax: &'a mut Tensor,
+}
+
+impl QuantizedMoments<'_> {
+    /// The same four tensors, borrowed again for one kernel run.
+    fn reborrow(&mut self) -> QuantizedMoments<'_> {
+        QuantizedMoments {
+            m: self.m,
+            m_absmax: self.m_absmax,
+            v: self.v,
+            v_absmax: self.v_absmax,
+        }
+    }
+}
+
+/// One AdamW update of `param` (f32) from `grad` with 8-bit moments: per block of
+/// [`QUANT_BLOCK`] elements, the moments are dequantized,
+/// updated in f32 exactly as [`adamw::update`] updates them (the value from the
+/// unquantized new moments) and requantized to the nearest code with the block's new
+/// absolute maximum, in one pass. `scale` and `compute` are as in [`adamw::update`]:
+/// a multiplier that is not finite skips the update, leaving codes and maxima as they
+/// were.
+pub fn update(
+    be: &dyn Backend,
+    param: &mut Tensor,
+    grad: &Tensor,
+    moments: QuantizedMoments<'_>,
+    hp: &AdamWStep,
+    scale: Option<&Tensor>,
+    compute: Option<&mut Tensor>,
+) -> Result<()> {
+    be.run(&mut Update {
+        param,
+        grad,
+        moments,
+        hp,
+        scale,
+        compute,
+    })
+}
+
+/// The call of [`update`].
+struct Update<'a> {
+    param: &'a mut Tensor,
+    grad: &'a Tensor,
+    moments: QuantizedMoments<'a>,
+    hp: &'a AdamWStep,
+    scale: Option<&'a Tensor>,
+    compute: Option<&'a mut Tensor>,
+}
+
+impl OpKernel for Update<'_> {
+    fn name(&self) -> &'static str {
+        "adamw8bit"
+    }
+
+    fn label(&self) -> &str {
+        self.param.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        check(self.param, self.grad, &self.moments)?;
+        if let Some(s) = self.scale {
+            check_scale(s)?;
+        }
+        if let Some(c) = &self.compute {
+            ensure_float("adamw8bit", &[c])?;
+            same_len(c, self.param, "adamw8bit")?;
+        }
+        Ok(())
+    }
+
+    fn flops(&self) -> u64 {
+        each(self.param.numel(), FLOPS)
+    }
+
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        let moments = self.moments.reborrow();
+        cpu::update(self.param, self.grad, moments, self.hp, self.scale)?;
+        if let Some(c) = self.compute.as_deref_mut() {
+            cast(c, self.param);
+        }
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::update(
+            be,
+            self.param,
+            self.grad,
+            self.moments.reborrow(),
+            self.hp,
+            self.scale,
+            self.compute.as_deref_mut(),
+        )
+    }
+}
+
+/// Checks the 8-bit AdamW operands (the contract every backend shares): f32 value, f32
+/// or bf16 gradient of as many elements, u8 codes of as many elements, and one f32
+/// absolute maximum per block of [`QUANT_BLOCK`] elements for each moment.
+fn check(param: &Tensor, grad: &Tensor, moments: &QuantizedMoments<'_>) -> Result<()> {
+    const OP: &str = "adamw8bit";
+    ensure_f32(param, OP)?;
+    ensure_float(OP, &[grad])?;
+    let n = param.numel();
+    let blocks = n.div_ceil(QUANT_BLOCK);
+    ensure(grad.numel() == n, OP, || {
+        format!("`{}`: the gradient must have {n} elements", param.label())
+    })?;
+    for codes in [&*moments.m, &*moments.v] {
+        ensure(codes.dtype() == DType::U8 && codes.numel() == n, OP, || {
+            format!(
+                "`{}`: the moment codes `{}` must be u8 with {n} elements, not {} {:?}",
+                param.label(),
+                codes.label(),
+                codes.dtype(),
+                codes.shape()
+            )
+        })?;
+    }
+    for absmax in [&*moments.m_absmax, &*moments.v_absmax] {
+        ensure(
+            absmax.dtype() == DType::F32 && absmax.numel() == blocks,
+            OP,
+            || {
+                format!(
+                    "`{}`: the block maxima `{}` must be f32 with {blocks} elements (one per \
+                     {QUANT_BLOCK}), not {} {:?}",
+                    param.label(),
+                    absmax.label(),
+                    absmax.dtype(),
+                    absmax.shape()
+                )
+            },
+        )?;
+    }
+    Ok(())
+}
 
 /// [`AdamW`] whose two moments are stored in 8 bits: block-wise quantized over blocks of
 /// [`QUANT_BLOCK`] elements with a dynamic non-linear code (signed for the first moment,
@@ -13,7 +185,7 @@ use serde::{Deserialize, Serialize};
 /// maximum per block. Each step dequantizes a block, updates it in f32 with AdamW's
 /// arithmetic (PyTorch semantics: decoupled decay on tensors of rank >= 2, bias
 /// correction, eps outside the square root) and requantizes it, in one pass
-/// ([`Backend::adamw8bit`]).
+/// ([`update`]).
 ///
 /// State: 2 bytes of codes per element plus 8 bytes per block of 256, about 2.03 bytes
 /// per parameter instead of AdamW's 8. Tensors with fewer than `min_8bit_size` elements
@@ -163,9 +335,9 @@ impl Optimizer for AdamW8bit {
                         v,
                         v_absmax,
                     };
-                    backend.adamw8bit(value, grad, moments, &hp, scale, parts.compute)?
+                    update(backend, value, grad, moments, &hp, scale, parts.compute)?
                 }
-                [m, v] => backend.adamw(value, grad, m, v, &hp, scale, parts.compute)?,
+                [m, v] => adamw::update(backend, value, grad, m, v, &hp, scale, parts.compute)?,
                 other => {
                     return Err(Error::Backend {
                         backend: "optimizer",
@@ -474,8 +646,7 @@ mod tests {
                 v: &mut v,
                 v_absmax: &mut va,
             };
-            let err = be
-                .adamw8bit(&mut p, &g, moments, &hp, None, None)
+            let err = update(&be, &mut p, &g, moments, &hp, None, None)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(want), "{err}");

@@ -1,11 +1,10 @@
 //! Cross-entropy per row, optionally writing the gradient over the logits; the losses
 //! stay on the device.
 //!
-//! CPU twin: `src/device/cpu/cross_entropy.rs`. Kernels: `kernels/cross_entropy.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/cross_entropy.cu`, listed once in
+//! [`KERNELS`].
 
-use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -13,7 +12,7 @@ use crate::tensor::Tensor;
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "cross_entropy.cu",
-    source: include_str!("../../../../kernels/cross_entropy.cu"),
+    source: include_str!("../../../kernels/cross_entropy.cu"),
     kernels: &[
         "cross_entropy_f32",
         "cross_entropy_bf16",
@@ -21,7 +20,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     ],
 };
 
-pub(crate) fn cross_entropy(
+pub(crate) fn forward(
     be: &CudaBackend,
     logits: &mut Tensor,
     targets: &[u32],

@@ -1,47 +1,14 @@
-//! The AdamW update, PyTorch semantics.
+//! The AdamW update, PyTorch semantics, on the CPU: the reference of `kernels/adamw.cu`.
 
-use super::simd::simd_fn;
-use super::{ensure, ensure_f32, read, CHUNK};
-use crate::device::AdamWStep;
+use super::AdamWStep;
+use crate::device::cpu::simd::simd_fn;
+use crate::device::cpu::{read, CHUNK};
 use crate::error::Result;
-use crate::tensor::{DType, Storage, Tensor};
+use crate::tensor::{Storage, Tensor};
 use rayon::prelude::*;
 
-/// Checks AdamW's operands (the contract every backend shares): f32 value and moments,
-/// all four the same size.
-pub(crate) fn check(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
-    for t in [param, m, v] {
-        ensure_f32(t, "adamw")?;
-    }
-    let n = param.numel();
-    ensure(
-        grad.numel() == n && m.numel() == n && v.numel() == n,
-        "adamw",
-        || {
-            format!(
-                "`{}`: gradient and moments must have {n} elements",
-                param.label()
-            )
-        },
-    )?;
-    Ok(())
-}
-
-/// Checks AdamW's device scale: f32, at least one element.
-pub(crate) fn check_scale(scale: &Tensor) -> Result<()> {
-    ensure(
-        scale.dtype() == DType::F32 && scale.numel() >= 1,
-        "adamw",
-        || {
-            format!(
-                "the gradient scale `{}` must be f32 with at least one element",
-                scale.label()
-            )
-        },
-    )
-}
-
-pub(super) fn adamw(
+/// The update, on checked operands (the compute copy is the caller's).
+pub(crate) fn update(
     param: &mut Tensor,
     grad: &Tensor,
     m: &mut Tensor,

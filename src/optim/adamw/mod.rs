@@ -1,11 +1,177 @@
 //! AdamW with PyTorch's semantics.
+//!
+//! The optimizer ([`AdamW`]) and its kernel: one fused update of a parameter
+//! ([`update`], an [`OpKernel`] call with its operand checks and FLOP count), the CPU twin
+//! (`cpu.rs`) and the CUDA launch (`cuda.rs`, over `kernels/adamw.cu`).
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
 
 use super::{GradScale, Optimizer, Param};
-use crate::device::{AdamWStep, Backend};
+use crate::device::cpu::elementwise::{cast, same_len};
+use crate::device::cpu::{each, ensure, ensure_f32};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
+
+/// Floating-point operations per element of an update.
+const FLOPS: u64 = 15;
+
+/// Hyper-parameters of one fused AdamW update (PyTorch semantics).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate of this step.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the bias-corrected root of the second moment.
+    pub eps: f32,
+    /// Decoupled weight decay (0 for tensors that take none).
+    pub weight_decay: f32,
+    /// 1-based step count, for bias correction.
+    pub step: u64,
+    /// Multiplies the gradient before use (global-norm clipping, loss-scale removal).
+    pub grad_scale: f32,
+}
+
+impl AdamWStep {
+    /// The per-step constants of the update, computed on the host as PyTorch does (bias
+    /// corrections in f64): `(step_size, bc2_sqrt, decay)` with
+    /// `step_size = lr / (1 − beta1^step)`, `bc2_sqrt = sqrt(1 − beta2^step)` and
+    /// `decay = 1 − lr · weight_decay`. Every backend uses these exact values.
+    pub fn constants(&self) -> (f32, f32, f32) {
+        let exponent = self.step.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - (self.beta1 as f64).powi(exponent);
+        let bc2 = 1.0 - (self.beta2 as f64).powi(exponent);
+        let step_size = (self.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let decay = 1.0 - self.lr * self.weight_decay;
+        (step_size, bc2_sqrt, decay)
+    }
+}
+
+/// One AdamW update of `param` (f32) from `grad`, with moments `m` and `v` (f32).
+/// With `scale` (a one-element f32 tensor, see [`GradScale`]), the
+/// gradient is also multiplied by its value, read on the device; when that value is
+/// not finite nothing is written: the update is skipped. With `compute` (as many
+/// elements as `param`), the updated values are also written there, rounded to its
+/// dtype (the compute weights of mixed precision), in the same pass on a GPU.
+#[allow(clippy::too_many_arguments)]
+pub fn update(
+    be: &dyn Backend,
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    hp: &AdamWStep,
+    scale: Option<&Tensor>,
+    compute: Option<&mut Tensor>,
+) -> Result<()> {
+    be.run(&mut Update {
+        param,
+        grad,
+        m,
+        v,
+        hp,
+        scale,
+        compute,
+    })
+}
+
+/// The call of [`update`].
+struct Update<'a> {
+    param: &'a mut Tensor,
+    grad: &'a Tensor,
+    m: &'a mut Tensor,
+    v: &'a mut Tensor,
+    hp: &'a AdamWStep,
+    scale: Option<&'a Tensor>,
+    compute: Option<&'a mut Tensor>,
+}
+
+impl OpKernel for Update<'_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn label(&self) -> &str {
+        self.param.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        check(self.param, self.grad, self.m, self.v)?;
+        if let Some(s) = self.scale {
+            check_scale(s)?;
+        }
+        if let Some(c) = &self.compute {
+            same_len(c, self.param, "adamw")?;
+        }
+        Ok(())
+    }
+
+    fn flops(&self) -> u64 {
+        each(self.param.numel(), FLOPS)
+    }
+
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        cpu::update(self.param, self.grad, self.m, self.v, self.hp, self.scale)?;
+        if let Some(c) = self.compute.as_deref_mut() {
+            cast(c, self.param);
+        }
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::update(
+            be,
+            self.param,
+            self.grad,
+            self.m,
+            self.v,
+            self.hp,
+            self.scale,
+            self.compute.as_deref_mut(),
+        )
+    }
+}
+
+/// Checks AdamW's operands (the contract every backend shares): f32 value and moments,
+/// all four the same size.
+fn check(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
+    for t in [param, m, v] {
+        ensure_f32(t, "adamw")?;
+    }
+    let n = param.numel();
+    ensure(
+        grad.numel() == n && m.numel() == n && v.numel() == n,
+        "adamw",
+        || {
+            format!(
+                "`{}`: gradient and moments must have {n} elements",
+                param.label()
+            )
+        },
+    )?;
+    Ok(())
+}
+
+/// Checks AdamW's device scale: f32, at least one element.
+pub(crate) fn check_scale(scale: &Tensor) -> Result<()> {
+    ensure(
+        scale.dtype() == DType::F32 && scale.numel() >= 1,
+        "adamw",
+        || {
+            format!(
+                "the gradient scale `{}` must be f32 with at least one element",
+                scale.label()
+            )
+        },
+    )
+}
 
 /// Adam with decoupled weight decay (`torch.optim.AdamW`): bias-corrected moments, eps
 /// added outside the square root, and weight decay applied only to tensors of rank >= 2.
@@ -110,7 +276,8 @@ impl Optimizer for AdamW {
                 )?);
             }
             let (m, v) = state.split_at_mut(1);
-            backend.adamw(
+            update(
+                backend,
                 value,
                 grad,
                 &mut m[0],

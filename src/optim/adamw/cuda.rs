@@ -1,13 +1,12 @@
 //! The fused AdamW update (PyTorch semantics), reading the step's gradient multiplier on
 //! the device and writing the bf16 or f16 compute copy in the same pass.
 //!
-//! CPU twin: `src/device/cpu/adamw.rs`. Kernels: `kernels/adamw.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/adamw.cu`, listed once in
+//! [`KERNELS`].
 
-use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
-use super::elementwise::launch_cast;
-use crate::device::AdamWStep;
+use super::AdamWStep;
+use crate::device::cuda::ops::elementwise::launch_cast;
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 
@@ -15,7 +14,7 @@ use crate::tensor::{DType, Tensor};
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw.cu",
-    source: include_str!("../../../../kernels/adamw.cu"),
+    source: include_str!("../../../kernels/adamw.cu"),
     kernels: &[
         "adamw_f32_bf16",
         "adamw_f32_f16",
@@ -44,7 +43,7 @@ pub(crate) fn compute_copy(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn adamw(
+pub(crate) fn update(
     be: &CudaBackend,
     param: &mut Tensor,
     grad: &Tensor,

@@ -1,22 +1,23 @@
 //! The 8-bit AdamW update: block-wise quantized moments dequantized, updated and
 //! requantized in one pass, one block of threads per quantization block.
 //!
-//! CPU twin: `src/device/cpu/adamw8bit.rs`. Kernels: `kernels/adamw8bit.cu`, listed once in
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/adamw8bit.cu`, listed once in
 //! [`KERNELS`].
 
-use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::Args;
-use super::super::kernels::KernelFile;
-use super::elementwise::launch_cast;
-use crate::device::{AdamWStep, QuantizedMoments, QUANT_BLOCK};
+use super::QuantizedMoments;
+use crate::device::cuda::ops::elementwise::launch_cast;
+use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
+use crate::device::QUANT_BLOCK;
 use crate::error::Result;
+use crate::optim::adamw::cuda::compute_copy;
+use crate::optim::adamw::AdamWStep;
 use crate::tensor::Tensor;
 
 /// The kernels of `kernels/adamw8bit.cu`, named once: the backend launches these names,
 /// NVRTC and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
     name: "adamw8bit.cu",
-    source: include_str!("../../../../kernels/adamw8bit.cu"),
+    source: include_str!("../../../kernels/adamw8bit.cu"),
     kernels: &[
         "adamw8bit_f32_bf16",
         "adamw8bit_f32_f16",
@@ -25,7 +26,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     ],
 };
 
-pub(crate) fn adamw8bit(
+pub(crate) fn update(
     be: &CudaBackend,
     param: &mut Tensor,
     grad: &Tensor,
@@ -45,7 +46,7 @@ pub(crate) fn adamw8bit(
         return Ok(());
     }
     // The kernel writes a 16-bit compute copy in its pass; another is cast after.
-    let (suffix, fused, after) = super::adamw::compute_copy(grad.dtype(), compute)?;
+    let (suffix, fused, after) = compute_copy(grad.dtype(), compute)?;
     let (step_size, bc2_sqrt, decay) = hp.constants();
     be.launch(
         &format!("adamw8bit_{suffix}"),

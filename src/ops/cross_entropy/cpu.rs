@@ -1,47 +1,14 @@
-//! Softmax cross-entropy over the vocabulary, fused with its gradient.
+//! Softmax cross-entropy over the vocabulary, fused with its gradient, on the CPU: the
+//! reference of `kernels/cross_entropy.cu`.
 
-use super::simd::{self, simd_fn};
-use super::{ensure, read, write};
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::{read, write};
+use crate::error::Result;
+use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-/// Checks `cross_entropy`'s operands (the contract every backend shares) and returns the
-/// logits' `(rows, padded vocab)`.
-pub(crate) fn check(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<(usize, usize)> {
-    let (rows, vp) = logits.rows_cols();
-    ensure(targets.len() == rows, "cross_entropy", || {
-        format!("{} targets for {rows} rows of logits", targets.len())
-    })?;
-    ensure(vocab > 0 && vocab <= vp, "cross_entropy", || {
-        format!("vocab {vocab} must be in 1..={vp} (the logits' width)")
-    })?;
-    if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::data(
-            "targets",
-            format!("token id {bad} is beyond the vocabulary of {vocab}; use a tokenizer that matches the model's vocab_size"),
-        ));
-    }
-    Ok((rows, vp))
-}
-
-/// Checks the tensor the row losses are added to: f32 with at least `rows` elements.
-pub(crate) fn check_losses(losses: &Tensor, rows: usize) -> Result<()> {
-    ensure(
-        losses.dtype() == DType::F32 && losses.numel() >= rows,
-        "cross_entropy",
-        || {
-            format!(
-                "the losses `{}` must be f32 with at least {rows} elements, not {} {:?}",
-                losses.label(),
-                losses.dtype(),
-                losses.shape()
-            )
-        },
-    )
-}
-
-pub(super) fn cross_entropy(
+/// The loss (and with `grad_scale` the gradient over the logits), on checked operands.
+pub(crate) fn forward(
     logits: &mut Tensor,
     targets: &[u32],
     vocab: usize,
