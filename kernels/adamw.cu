@@ -1,5 +1,5 @@
 // The AdamW update, PyTorch semantics, one fused pass per parameter tensor.
-// CPU twin: src/device/cpu/adamw.rs.
+// CPU twin: src/optim/adamw/cpu.rs.
 //
 // Kernels `adamw_{G}_{C}`: G the gradient's dtype, C the compute copy's (bf16 or f16).
 // Reads the f32 master value, the gradient and the f32

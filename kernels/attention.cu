@@ -1,5 +1,5 @@
 // Causal attention in three materialized steps: scores, softmax, values.
-// CPU twin: src/device/cpu/attention.rs. The fused kernels that never materialize
+// CPU twin: src/ops/attention/cpu.rs. The fused kernels that never materialize
 // [B, H, T, T] are a separate family, flash_attention.cu.
 //
 // Layouts (trainkit::device::Heads): qkv is [B, T, W] with W = (H + 2·KV)·D: columns

@@ -1,5 +1,5 @@
 // Softmax cross-entropy over the vocabulary, fused with its gradient.
-// CPU twin: src/device/cpu/cross_entropy.rs.
+// CPU twin: src/ops/cross_entropy/cpu.rs.
 //
 // Layouts: logits is [rows, Vp] (columns from `vocab` on are padding, ignored),
 // targets holds `rows` token ids (< vocab, checked on the host), losses is [>= rows] f32

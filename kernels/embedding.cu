@@ -1,4 +1,4 @@
-// Token and position embeddings. CPU twin: src/device/cpu/embedding.rs.
+// Token and position embeddings. CPU twin: src/ops/embedding/cpu.rs.
 //
 // Layouts: `out` and `dout` are [B, T, C] (rows = B·T), `wte` is [V, C], `wpe` is [P, C],
 // `tokens` holds B·T token ids (checked against V on the host).

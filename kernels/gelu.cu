@@ -1,5 +1,5 @@
 // GELU with the tanh approximation (GPT-2's `gelu_new`), element-wise.
-// CPU twin: src/device/cpu/gelu.rs.
+// CPU twin: src/ops/gelu/cpu.rs.
 //
 // Computed as the CPU computes it: 0.5·x·(1 + tanh(u)) written as x·σ(2u), one exponential
 // (tk_exp, the CPU's exp) and one division; with --fmad=false the results are bitwise equal

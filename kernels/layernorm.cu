@@ -1,5 +1,5 @@
 // Layer normalization over the last dimension, statistics in f32.
-// CPU twin: src/device/cpu/layernorm.rs.
+// CPU twin: src/ops/layernorm/cpu.rs.
 //
 // Layouts: x, out, dout, dx are [rows, C]; weight, bias, dweight, dbias have C elements;
 // stats is [rows, 2] f32 = (mean, rstd).

@@ -1,5 +1,5 @@
 // Reductions over whole tensors. CPU twins: `sum_squares` in src/device/cpu/elementwise.rs,
-// `grad_guard` in src/device/cpu/guard.rs.
+// `grad_guard` in src/optim/guard/cpu.rs.
 //
 // Sum of squares for the global gradient norm, in f64 on the device, in two passes
 // without atomics: `sum_squares_partial_*` (any grid; blockDim a multiple of 32, at most
@@ -50,7 +50,7 @@ extern "C" __global__ void sum_squares_finish(double* out, const double* partial
     }
 TK_DTYPES(TK_SUM_SQUARES)
 
-// The step's gradient guard (CPU twin: src/device/cpu/guard.rs), one block of 32 threads:
+// The step's gradient guard (CPU twin: src/optim/guard/cpu.rs), one block of 32 threads:
 //   norm  = sqrt(Σ partial) / loss_scale        (the gradients' squares, from
 //                                                sum_squares_partial_*, one per block)
 //   loss  = Σ losses[0 .. n_losses]              (f64, the step's per-row losses)

@@ -1,5 +1,5 @@
 // RMS normalization over the last dimension (Llama's norm), statistics in f32.
-// CPU twin: src/device/cpu/rmsnorm.rs.
+// CPU twin: src/ops/rmsnorm/cpu.rs.
 //
 // Layouts: x, out, dout, dx are [rows, C]; weight and dweight have C elements; rstd is
 // [rows] f32.

@@ -1,5 +1,5 @@
 // Rotary position embedding (Hugging Face's rotate-half layout) of the queries and keys of
-// a fused projection. CPU twin: src/device/cpu/rope.rs.
+// a fused projection. CPU twin: src/ops/rope/cpu.rs.
 //
 // Layouts (trainkit::device::Heads): x and out are [rows, W], W = (H + 2·KV)·D, rows = B·T
 // with the position of row r being r % T; the first (H + KV)·D columns (queries, then

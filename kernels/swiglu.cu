@@ -1,5 +1,5 @@
 // SwiGLU's gate over a fused [rows, 2F] projection: the gate in the first F columns, the up
-// projection in the last F. CPU twin: src/device/cpu/swiglu.rs.
+// projection in the last F. CPU twin: src/ops/swiglu/cpu.rs.
 //
 // σ(g) = 1 / (1 + e^(−g)) with tk_exp, the CPU's `simd::exp`; with --fmad=false every
 // product rounds as on the CPU, so the results are bitwise equal.

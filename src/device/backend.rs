@@ -13,6 +13,7 @@
 //! nothing, so it records the same spans and FLOP counts as the CPU.
 
 use super::cpu::{self, each, per_element};
+use super::primitives;
 use super::{CustomKernel, Device, OpKernel};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
@@ -154,36 +155,22 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
     fn cast(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        cpu::ensure_float("cast", &[dst, src])?;
-        cpu::elementwise::same_len(dst, src, "cast")?;
-        let op = self.ledger().op("cast", 0, dst.label());
-        op.finish(self.cast_kernel(dst, src))
+        self.run(&mut primitives::Cast { dst, src })
     }
 
     /// Every element set to `value`.
     fn fill(&self, t: &mut Tensor, value: f32) -> Result<()> {
-        cpu::ensure_float("fill", &[t])?;
-        let op = self.ledger().op("fill", 0, t.label());
-        op.finish(self.fill_kernel(t, value))
+        self.run(&mut primitives::Fill { t, value })
     }
 
     /// `out = a + b`, element-wise.
     fn add(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        cpu::ensure_float("add", &[out, a, b])?;
-        cpu::elementwise::same_len(out, a, "add")?;
-        cpu::elementwise::same_len(out, b, "add")?;
-        let flops = each(out.numel(), per_element::ADD);
-        let op = self.ledger().op("add", flops, out.label());
-        op.finish(self.add_kernel(out, a, b))
+        self.run(&mut primitives::Add { out, a, b })
     }
 
     /// `y += alpha * x`, element-wise.
     fn axpy(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-        cpu::ensure_float("axpy", &[y, x])?;
-        cpu::elementwise::same_len(y, x, "axpy")?;
-        let flops = each(y.numel(), per_element::AXPY);
-        let op = self.ledger().op("axpy", flops, y.label());
-        op.finish(self.axpy_kernel(y, alpha, x))
+        self.run(&mut primitives::Axpy { y, alpha, x })
     }
 
     /// Rows `dst_row..dst_row + rows` of `dst` set to (with `accumulate`: added to) rows
@@ -199,23 +186,19 @@ pub trait Backend: Debug + Send + Sync {
         rows: usize,
         accumulate: bool,
     ) -> Result<()> {
-        cpu::elementwise::check_copy_rows(dst, dst_row, src, src_row, rows)?;
-        let n = rows.saturating_mul(src.rows_cols().1);
-        let flops = if accumulate {
-            each(n, per_element::ADD)
-        } else {
-            0
-        };
-        let op = self.ledger().op("copy_rows", flops, dst.label());
-        op.finish(self.copy_rows_kernel(dst, dst_row, src, src_row, rows, accumulate))
+        self.run(&mut primitives::CopyRows {
+            dst,
+            dst_row,
+            src,
+            src_row,
+            rows,
+            accumulate,
+        })
     }
 
     /// `x *= alpha`, element-wise.
     fn scale(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
-        cpu::ensure_float("scale", &[x])?;
-        let flops = each(x.numel(), per_element::SCALE);
-        let op = self.ledger().op("scale", flops, x.label());
-        op.finish(self.scale_kernel(x, alpha))
+        self.run(&mut primitives::Scale { x, alpha })
     }
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
@@ -302,11 +285,7 @@ pub trait Backend: Debug + Send + Sync {
 
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        cpu::ensure_float("bias_backward", &[dbias, dout])?;
-        cpu::elementwise::check_bias_backward(dbias, dout)?;
-        let flops = each(dout.numel(), per_element::BIAS_BACKWARD);
-        let op = self.ledger().op("bias_backward", flops, dbias.label());
-        op.finish(self.bias_backward_kernel(dbias, dout))
+        self.run(&mut primitives::BiasBackward { dbias, dout })
     }
 
     /// A linear layer's parameter gradients from its input `x` and output gradient `dy`:
@@ -328,7 +307,7 @@ pub trait Backend: Debug + Send + Sync {
         cpu::matmul::dims(dw, a, b, None, true, false)?;
         cpu::elementwise::check_bias_backward(dbias, dy)?;
         let flops = cpu::matmul::flops(dw, a, false, true)
-            .saturating_add(each(dy.numel(), per_element::BIAS_BACKWARD));
+            .saturating_add(each(dy.numel(), primitives::BIAS_BACKWARD));
         let op = self.ledger().op("weight_bias_grad", flops, dw.label());
         if let Some(done) = op.finish_fused(
             self.weight_bias_grad_kernel(dw, dbias, x, dy, transposed)
@@ -399,33 +378,6 @@ pub trait Backend: Debug + Send + Sync {
         self.copy_kernel(&t, category, &label)
     }
 
-    /// The kernel of [`Backend::cast`]: `dst` and `src` have as many elements.
-    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::fill`].
-    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()>;
-
-    /// The kernel of [`Backend::add`]: the three tensors have as many elements.
-    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::axpy`]: `y` and `x` have as many elements.
-    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()>;
-
-    /// The kernel of [`Backend::copy_rows`]: both tensors have the same width and hold
-    /// the rows named.
-    fn copy_rows_kernel(
-        &self,
-        dst: &mut Tensor,
-        dst_row: usize,
-        src: &Tensor,
-        src_row: usize,
-        rows: usize,
-        accumulate: bool,
-    ) -> Result<()>;
-
-    /// The kernel of [`Backend::scale`].
-    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()>;
-
     /// The kernel of [`Backend::sum_squares`].
     fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64>;
 
@@ -480,8 +432,4 @@ pub trait Backend: Debug + Send + Sync {
         let _ = (dw, dbias, x, dy, transposed);
         Ok(false)
     }
-
-    /// The kernel of [`Backend::bias_backward`]: `dbias` has one element per column of
-    /// `dout`.
-    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()>;
 }

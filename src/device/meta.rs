@@ -98,38 +98,6 @@ impl Backend for MetaBackend {
         self.alloc(t.shape(), t.dtype(), category, label)
     }
 
-    fn cast_kernel(&self, _dst: &mut Tensor, _src: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn fill_kernel(&self, _t: &mut Tensor, _value: f32) -> Result<()> {
-        Ok(())
-    }
-
-    fn add_kernel(&self, _out: &mut Tensor, _a: &Tensor, _b: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn axpy_kernel(&self, _y: &mut Tensor, _alpha: f32, _x: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn copy_rows_kernel(
-        &self,
-        _dst: &mut Tensor,
-        _dst_row: usize,
-        _src: &Tensor,
-        _src_row: usize,
-        _rows: usize,
-        _accumulate: bool,
-    ) -> Result<()> {
-        Ok(())
-    }
-
-    fn scale_kernel(&self, _x: &mut Tensor, _alpha: f32) -> Result<()> {
-        Ok(())
-    }
-
     fn sum_squares_kernel(&self, _x: &Tensor) -> Result<f64> {
         Ok(0.0)
     }
@@ -144,10 +112,6 @@ impl Backend for MetaBackend {
         _trans_b: bool,
         _accumulate: bool,
     ) -> Result<()> {
-        Ok(())
-    }
-
-    fn bias_backward_kernel(&self, _dbias: &mut Tensor, _dout: &Tensor) -> Result<()> {
         Ok(())
     }
 }

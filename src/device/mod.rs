@@ -7,6 +7,7 @@ pub mod custom;
 mod heads;
 mod kernel;
 mod meta;
+mod primitives;
 
 pub use backend::Backend;
 pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};

@@ -86,7 +86,7 @@ pub(crate) fn check_copy_rows(
 
 /// Rows of `src` into rows of `dst` (see `Backend::copy_rows`): `cast` on the rows, or
 /// `axpy` with `alpha = 1` when accumulating, so the CUDA backend runs those kernels.
-pub(super) fn copy_rows(
+pub(crate) fn copy_rows(
     dst: &mut Tensor,
     dst_row: usize,
     src: &Tensor,
@@ -157,7 +157,7 @@ pub(crate) fn cast(dst: &mut Tensor, src: &Tensor) {
     }
 }
 
-pub(super) fn fill(t: &mut Tensor, value: f32) {
+pub(crate) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
@@ -167,7 +167,7 @@ pub(super) fn fill(t: &mut Tensor, value: f32) {
     }
 }
 
-pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) {
+pub(crate) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) {
     let (a, b) = (read(a), read(b));
     write(out, false, |o| {
         o.par_chunks_mut(CHUNK)
@@ -176,7 +176,7 @@ pub(super) fn add(out: &mut Tensor, a: &Tensor, b: &Tensor) {
     });
 }
 
-pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) {
+pub(crate) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) {
     let x = read(x);
     write(y, true, |y| {
         y.par_chunks_mut(CHUNK)
@@ -185,7 +185,7 @@ pub(super) fn axpy(y: &mut Tensor, alpha: f32, x: &Tensor) {
     });
 }
 
-pub(super) fn scale(x: &mut Tensor, alpha: f32) {
+pub(crate) fn scale(x: &mut Tensor, alpha: f32) {
     write(x, true, |x| {
         x.par_chunks_mut(CHUNK).for_each(|x| scale_chunk(x, alpha))
     })
@@ -205,7 +205,7 @@ pub(crate) fn sum_squares(x: &Tensor) -> f64 {
 pub(crate) const ROW_BLOCK: usize = 128;
 
 /// Column sums of a `[rows, cols]` matrix in f32, in a fixed order.
-pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let partial: Vec<Vec<f32>> = x[..rows * cols]
         .par_chunks(ROW_BLOCK * cols)
         .map(|block| {
@@ -223,7 +223,7 @@ pub(super) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     total
 }
 
-pub(super) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) {
+pub(crate) fn bias_backward(dbias: &mut Tensor, dout: &Tensor) {
     let (rows, cols) = dout.rows_cols();
     let sums = column_sums(&read(dout), rows, cols);
     write(dbias, true, |d| {

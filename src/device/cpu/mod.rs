@@ -49,11 +49,7 @@ pub(crate) const CHUNK: usize = 1 << 14;
 /// Floating-point operations per element of the element-wise kernels (see the module
 /// documentation).
 pub(crate) mod per_element {
-    pub const ADD: u64 = 1;
-    pub const AXPY: u64 = 2;
-    pub const SCALE: u64 = 1;
     pub const SUM_SQUARES: u64 = 2;
-    pub const BIAS_BACKWARD: u64 = 1;
 }
 
 /// `per` operations on each of `n` elements.
@@ -411,44 +407,6 @@ impl Backend for CpuBackend {
         Tensor::new(storage, t.shape(), category, label, &self.ledger)
     }
 
-    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        elementwise::cast(dst, src);
-        Ok(())
-    }
-
-    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()> {
-        elementwise::fill(t, value);
-        Ok(())
-    }
-
-    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        elementwise::add(out, a, b);
-        Ok(())
-    }
-
-    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-        elementwise::axpy(y, alpha, x);
-        Ok(())
-    }
-
-    fn copy_rows_kernel(
-        &self,
-        dst: &mut Tensor,
-        dst_row: usize,
-        src: &Tensor,
-        src_row: usize,
-        rows: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        elementwise::copy_rows(dst, dst_row, src, src_row, rows, accumulate);
-        Ok(())
-    }
-
-    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
-        elementwise::scale(x, alpha);
-        Ok(())
-    }
-
     fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64> {
         Ok(elementwise::sum_squares(x))
     }
@@ -464,10 +422,5 @@ impl Backend for CpuBackend {
         accumulate: bool,
     ) -> Result<()> {
         matmul::matmul(self.blas(), out, a, b, bias, trans_a, trans_b, accumulate)
-    }
-
-    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        elementwise::bias_backward(dbias, dout);
-        Ok(())
     }
 }

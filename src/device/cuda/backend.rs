@@ -484,38 +484,6 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn cast_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        elementwise::launch_cast(self, dst, src)
-    }
-
-    fn fill_kernel(&self, t: &mut Tensor, value: f32) -> Result<()> {
-        elementwise::fill(self, t, value)
-    }
-
-    fn add_kernel(&self, out: &mut Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
-        elementwise::add(self, out, a, b)
-    }
-
-    fn axpy_kernel(&self, y: &mut Tensor, alpha: f32, x: &Tensor) -> Result<()> {
-        elementwise::axpy(self, y, alpha, x)
-    }
-
-    fn copy_rows_kernel(
-        &self,
-        dst: &mut Tensor,
-        dst_row: usize,
-        src: &Tensor,
-        src_row: usize,
-        rows: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        elementwise::copy_rows(self, dst, dst_row, src, src_row, rows, accumulate)
-    }
-
-    fn scale_kernel(&self, x: &mut Tensor, alpha: f32) -> Result<()> {
-        elementwise::scale(self, x, alpha)
-    }
-
     fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64> {
         reductions::sum_squares(self, x)
     }
@@ -567,10 +535,6 @@ impl Backend for CudaBackend {
         transposed: bool,
     ) -> Result<bool> {
         matmul::weight_bias_grad(self, dw, dbias, x, dy, transposed)
-    }
-
-    fn bias_backward_kernel(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
-        elementwise::bias_backward(self, dbias, dout)
     }
 }
 
