@@ -1,16 +1,22 @@
-//! The `Backend` trait: every op the models and optimizers need, one call per kernel.
+//! The `Backend` trait: the small seam every device implements.
 //!
-//! Each op is a provided method of the trait and the one place where the op's operands
-//! are checked and its ledger span is recorded: it runs the op's shared operand check (the
-//! contract every backend has, the functions in `cpu/<family>.rs` and
-//! [`crate::device::custom`]), opens the span ([`Ledger::op`]) with the op's name, the
-//! label of the tensor it writes and its floating-point operations (the formulas at the
-//! top of `cpu/mod.rs`), calls the backend's kernel method (`add` calls `add_kernel`) and
-//! ends the span with the kernel's result, so a failed op records neither its flops nor
-//! its event. A backend implements the `*_kernel` methods only: a kernel may assume that
-//! its operands passed the shared check, records no span, and checks only what is its own
-//! (the CUDA backend's dtype rules, for example). The meta backend's kernels compute
-//! nothing, so it records the same spans and FLOP counts as the CPU.
+//! A backend holds buffers (zeros, empty, upload, read, copy, offload, fetch), runs a few
+//! element-wise and reduction primitives and the matrix products (with their fused bias,
+//! GELU and bias-gradient forms), and is the kernel door through which every op family
+//! runs its own kernels ([`Backend::run`] over an [`OpKernel`], see
+//! [`crate::device::OpKernel`]). Op families (norms, rotary, attention, losses, optimizer
+//! updates) are not methods here: each owns its folder under `src/ops/` (or
+//! `src/optim/`) with its operand check, FLOP count, CPU twin and CUDA launch.
+//!
+//! Each op, a primitive or a family's call, is checked and spanned in one place: the
+//! provided methods here run the shared operand check, open the span ([`Ledger::op`]) with
+//! the op's name, the label of the tensor it writes and its floating-point operations,
+//! call the backend's kernel method (or, for a call, [`Backend::dispatch`]) and end the
+//! span with the result, so a failed op records neither its flops nor its event. A backend
+//! implements the `*_kernel` methods and `dispatch` only: a kernel may assume that its
+//! operands passed the shared check, records no span, and checks only what is its own
+//! (the CUDA backend's dtype rules, for example). The meta backend computes nothing, so it
+//! records the same spans and FLOP counts as the CPU.
 
 use super::cpu::{self, each, per_element};
 use super::primitives;
@@ -29,13 +35,14 @@ use std::fmt::Debug;
 /// are rounded (to nearest even) only when stored. Unless a method says it accumulates,
 /// it overwrites its output.
 ///
-/// Callers use the op methods (`matmul`, `layernorm`, ...); a backend implements the
-/// kernel methods (`matmul_kernel`, `layernorm_kernel`, ...) and leaves the op methods as
-/// they are. Each op method checks its operands with the contract every backend shares,
-/// opens the op's ledger span ([`Ledger::op`]) with the op's name, the label of the tensor
-/// it writes and its floating-point operations, runs the kernel and ends the span with the
-/// kernel's result (a failed op records neither flops nor an event); a kernel is called
-/// only with operands that passed the check, and records no span of its own.
+/// Callers use the op methods (`matmul`, `add`, `run`, ...); a backend implements the
+/// kernel methods (`matmul_kernel`, `upload_kernel`, ...) and [`Backend::dispatch`], and
+/// leaves the op methods as they are. Each op method checks its operands with the contract
+/// every backend shares, opens the op's ledger span ([`Ledger::op`]) with the op's name,
+/// the label of the tensor it writes and its floating-point operations, runs the kernel
+/// and ends the span with the kernel's result (a failed op records neither flops nor an
+/// event); a kernel is called only with operands that passed the check, and records no
+/// span of its own.
 pub trait Backend: Debug + Send + Sync {
     /// Short name: `cpu`, `cuda`.
     fn name(&self) -> &'static str;
@@ -258,7 +265,7 @@ pub trait Backend: Debug + Send + Sync {
     /// backend's [`Backend::matmul_bias_gelu_kernel`] fuses the two (a GPU applies the
     /// bias and the GELU in the product's epilogue, writing both outputs from its
     /// accumulator, a pass over `pre` fewer) this is one `matmul_bias_gelu` span carrying
-    /// the flops of both; otherwise it runs [`Backend::matmul`] then [`Backend::gelu`].
+    /// the flops of both; otherwise it runs [`Backend::matmul`] then [`crate::ops::gelu::forward`].
     fn matmul_bias_gelu(
         &self,
         out: &mut Tensor,
@@ -405,7 +412,7 @@ pub trait Backend: Debug + Send + Sync {
     /// The fused kernel of [`Backend::matmul_bias_gelu`], with the shapes of
     /// `matmul(pre, a, b, Some(bias))` checked and `out` as large as `pre`: `Ok(true)`
     /// when it wrote both outputs, `Ok(false)` when it wrote nothing and the op is to run
-    /// as [`Backend::matmul`] then [`Backend::gelu`]. The default fuses nothing.
+    /// as [`Backend::matmul`] then [`crate::ops::gelu::forward`]. The default fuses nothing.
     fn matmul_bias_gelu_kernel(
         &self,
         out: &mut Tensor,

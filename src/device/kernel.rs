@@ -5,7 +5,7 @@
 //! (tensors, scalars, token ids), says how to check them, how many floating-point
 //! operations the call executes, and how it runs on each backend: [`OpKernel::cpu`] on the
 //! host, [`OpKernel::cuda`] through the CUDA backend's public launch API
-//! ([`CudaBackend::load_kernels`], [`CudaBackend::launch`]). [`Backend::run`] is the op
+//! ([`CudaBackend::load_kernels`], [`CudaBackend::launch_kernel`]). [`Backend::run`] is the op
 //! wrapper, written once for every op: it runs the check, opens the op's ledger span with
 //! its name, the label of the tensor it writes and its FLOPs, dispatches the call to the
 //! backend ([`Backend::dispatch`]) and ends the span with the result, so a failed op records
@@ -61,7 +61,7 @@ use super::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// One call of an op family's kernel, with its operands: what [`Backend::run`] checks,
+/// One call of an op family's kernel, with its operands: what [`Backend::run`](super::Backend::run) checks,
 /// counts and dispatches to the backend that holds the tensors.
 ///
 /// A call borrows its tensors (`&'a mut Tensor` for what it writes, `&'a Tensor` for what

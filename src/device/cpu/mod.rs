@@ -1,29 +1,21 @@
-//! The CPU backend: the reference implementation of every op.
+//! The CPU backend: the reference implementation of the backend's primitives and
+//! products, and the host side of the kernel door (every op family's CPU twin runs here,
+//! through [`crate::device::OpKernel::cpu`]).
 //!
 //! Arithmetic is f32; bf16 tensors are stored as `half::bf16` and rounded where a GPU
 //! kernel stores its output. Every reduction runs in a fixed order (work is split into
 //! chunks whose boundaries depend on the shape only, never on the thread count), so the same
 //! inputs give bitwise-equal outputs, which the recompute policies rely on.
 //!
-//! The operand checks of every op (the contract every backend shares) live here, beside
-//! the kernels: `matmul::dims`, `layernorm::check_forward`, `embedding::check`, the
-//! `attention::check_*` and `elementwise::same_len`. The [`Backend`] trait's op methods run them and record the
-//! ledger span, then call this backend's kernel methods, which neither check nor record.
+//! The helpers every twin uses live here: [`read`] and [`write()`] (a tensor's elements as
+//! f32), the shared checks (`ensure`, `ensure_shape`, `ensure_float`, `matmul::dims`,
+//! `elementwise::same_len`) and the fixed-order lanes of `simd`.
 //!
 //! Every op is one span in the ledger ([`Ledger::op`]) carrying the floating-point
-//! operations it executed, the same count on every backend (the trait computes it from
-//! these formulas), each multiply, add, exp, square root or division counting
-//! one: 2·m·n·k for a matmul (plus m·n with a bias); for attention, the products over the
-//! causal triangle in whole blocks of 64 rows, as the kernels compute them (plus one per
-//! score for the scaling), 5 per causal entry for the softmax and 4 for its backward; per
-//! element, 1 for `add`, `scale`, `embedding` and `bias_backward`, 2 for `axpy`,
-//! `sum_squares` and `embedding_backward`, 8 for `layernorm`, 19 for its backward, 9 for
-//! `gelu`, 19 for its backward, 4 for `rmsnorm`, 11 for its backward, 3 per rotated
-//! element for `rope` and its backward, 5 per output for `swiglu` and 11 for its backward,
-//! 15 for `adamw`, 21 for `adamw8bit` (AdamW's 15, two products to dequantize, two maxima
-//! and two divisions to requantize; the comparisons of the code search are not counted),
-//! and per logit 4 for `cross_entropy`
-//! (5 with the gradient). Copies, casts, fills and transfers count 0.
+//! operations it executed, the same count on every backend, each multiply, add, exp,
+//! square root or division counting one: 2·m·n·k for a matmul (plus m·n with a bias), 2
+//! per element for `sum_squares`; each op family states its own counts beside its check
+//! (`src/ops/<family>/mod.rs`). Copies, casts, fills and transfers count 0.
 
 mod blas;
 pub(crate) mod elementwise;

@@ -144,7 +144,7 @@ pub(crate) fn check(
 }
 
 /// Rotary position embedding in Hugging Face's rotate-half layout (see
-/// [`crate::Backend::rope`]) of the query and key heads of `x`
+/// [`forward`]) of the query and key heads of `x`
 /// (`[B, T, (H + 2·KV)·D]`); the values pass through.
 ///
 /// Input: `x`. Output: the rotated projection, shaped as `x`. Backward reads nothing (the

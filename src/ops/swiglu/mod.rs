@@ -150,7 +150,7 @@ pub(crate) fn check(
 }
 
 /// `out = silu(gate) · up` from a fused `[.., 2F]` projection holding the gate in its first
-/// `F` columns and the up projection in its last `F` (see [`crate::Backend::swiglu`]).
+/// `F` columns and the up projection in its last `F` (see [`forward`]).
 ///
 /// Input: `gate_up`. Output: `out` (`[.., F]`). Backward reads `gate_up`.
 #[derive(Clone, Copy, Debug, PartialEq)]
