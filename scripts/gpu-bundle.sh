@@ -7,7 +7,9 @@
 #
 # The bundle holds:
 #   bin/            the CUDA test binaries (tests/nvrtc_kernels.rs, tests/cuda_backend.rs,
-#                   tests/custom_op.rs: user kernels, an op node and Lion, on the GPU),
+#                   tests/custom_op.rs: user kernels, an op node and Lion, on the GPU;
+#                   tests/offset_norm.rs: a fused op of a downstream crate, loaded through
+#                   CudaBackend::load_kernels),
 #                   the GPU benchmark (examples/gpu_bench.rs) and the trainkit binary,
 #                   release builds, stripped; the kernels are embedded in them
 #   data/           tinyshakespeare as GPT-2 tokens in llm.c's format (train and _val
@@ -62,13 +64,14 @@ echo "== building the release binaries (tests, benchmark, trainkit)"
 messages="$(mktemp)"
 trap 'rm -f "$messages"' EXIT
 cargo test --release --locked --no-run --test cuda_backend --test nvrtc_kernels --test custom_op \
+  --test offset_norm \
   --message-format=json >"$messages"
 cargo build --release --locked --bin trainkit --example gpu_bench \
   --message-format=json >>"$messages"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/data" "$bundle/reference"
-for name in cuda_backend nvrtc_kernels custom_op gpu_bench trainkit; do
+for name in cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench trainkit; do
   path="$(executables "$messages" | awk -v n="$name" '$1 == n { print $2 }' | tail -n1)"
   if [ -z "$path" ] || [ ! -x "$path" ]; then
     echo "cargo announced no executable for $name" >&2

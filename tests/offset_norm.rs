@@ -21,7 +21,7 @@ use std::sync::Arc;
 use trainkit::checkpoint::{Full, NoRecompute};
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
 use trainkit::device::cuda::kernels::{compile, find_include_dir, ptx_entries, CompileOptions};
-use trainkit::device::cuda::CudaBackend;
+use trainkit::device::cuda::{probe, CudaBackend};
 use trainkit::model::{Rope, RopeScaling};
 use trainkit::ops::rmsnorm;
 use trainkit::{
@@ -133,6 +133,37 @@ fn the_fused_op_matches_its_composed_reference() {
 #[test]
 fn the_kernels_match_the_cpu_twin_bit_for_bit_on_the_emulator() {
     let Some(emu) = emulated() else { return };
+    kernels_match_the_cpu(&emu);
+}
+
+/// On a GPU (the GPU bundle runs this binary there): the same kernels, compiled by NVRTC
+/// for the device, give the CPU twin's results bit for bit, and a Llama with the op tracks
+/// the CPU's losses.
+#[test]
+fn the_kernels_run_on_a_gpu_as_on_the_cpu() {
+    let info = match probe() {
+        Ok(info) => info,
+        Err(reason) => {
+            say(&format!("GPU checks SKIPPED: no usable GPU ({reason})"));
+            return;
+        }
+    };
+    let gpu = CudaBackend::new(info.ordinal)
+        .unwrap_or_else(|e| panic!("{info} answers but the backend fails: {e}"));
+    say(&format!("GPU checks run on {info}"));
+    kernels_match_the_cpu(&gpu);
+    let cpu = || Arc::new(CpuBackend::new()) as Arc<dyn Backend>;
+    let (want, _) = train(cpu(), Fp32, NoRecompute, 2);
+    let (got, _) = train(Arc::new(gpu), Fp32, NoRecompute, 2);
+    for (g, w) in got.iter().zip(&want) {
+        assert!(((g - w) / w).abs() < 1e-4, "f32 loss {g} vs {w}");
+    }
+}
+
+/// The op's forward and backward on `cuda` equal the CPU twin's bit for bit, in f32, bf16
+/// and f16, with f32 and bf16 weight gradients; loading the file twice is a no-op, and a
+/// file reusing one of trainkit's kernel names is refused.
+fn kernels_match_the_cpu(emu: &CudaBackend) {
     let cpu = CpuBackend::new();
     for (dt, gt) in [
         (DType::F32, DType::F32),
@@ -143,7 +174,7 @@ fn the_kernels_match_the_cpu_twin_bit_for_bit_on_the_emulator() {
         for (rows, c) in [(3usize, 24usize), (37, 5)] {
             let data = inputs(rows, c, 11);
             let want = run_op(&cpu, &data, rows, c, dt, gt);
-            let got = run_op(&emu, &data, rows, c, dt, gt);
+            let got = run_op(emu, &data, rows, c, dt, gt);
             for (k, name) in ["out", "rstd", "dx", "dweight"].iter().enumerate() {
                 for (i, (g, w)) in got[k].iter().zip(&want[k]).enumerate() {
                     assert_eq!(

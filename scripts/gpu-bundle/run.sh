@@ -586,6 +586,14 @@ phase_tests() {
   if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
     amend_last fail "a GPU is here, but the user-kernel tests did not use it"
   fi
+  # A fused op written outside trainkit through the kernel door (examples/offset_norm):
+  # its kernel file loaded by CudaBackend::load_kernels, bitwise against its CPU twin.
+  name=downstream_fused_op
+  [ -z "$gpu" ] && name=downstream_fused_op_emulator_only
+  run_step "$name" 300 figures_cargo_test "$bin/offset_norm" --nocapture --test-threads=1
+  if [ -n "$gpu" ] && grep -q 'GPU checks SKIPPED' "$report/logs/$name.log"; then
+    amend_last fail "a GPU is here, but the downstream-op tests did not use it"
+  fi
 }
 
 # gpu_bench_step NAME TIMEOUT FIGURE_FUNCTION ARGS...: gpu_bench with ARGS as step NAME.
