@@ -37,7 +37,10 @@ pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
     Timeline,
 };
-pub use model::{Gpt2, Gpt2Config, Llama, LlamaConfig, Model, ModelConfig};
+pub use model::{
+    Gpt2, Gpt2Config, Llama, LlamaConfig, Model, ModelConfig, Qwen2, Qwen2Config, Qwen3,
+    Qwen3Config,
+};
 pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision};
 pub use rng::Rng;

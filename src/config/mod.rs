@@ -108,7 +108,8 @@ impl Default for TrainingConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// The model's family and shape (`arch = "gpt2"`, the default, or `"llama"`).
+    /// The model's family and shape (`arch = "gpt2"`, the default, `"llama"`, `"qwen2"` or
+    /// `"qwen3"`).
     #[serde(default)]
     pub model: ModelConfig,
     /// Training data.

@@ -4,7 +4,9 @@ use super::{DataConfig, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
-use crate::model::{Gpt2Config, LlamaConfig, ModelConfig, Rope, RopeScaling};
+use crate::model::{
+    Gpt2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config, Rope, RopeScaling,
+};
 use crate::optim::{LrSchedule, Optimizer};
 
 use std::path::PathBuf;
@@ -134,10 +136,25 @@ impl Overrides {
             Some(a) if a == model.arch() => {}
             Some("gpt2") => *model = ModelConfig::Gpt2(Gpt2Config::small_bytes()),
             Some("llama") => *model = ModelConfig::Llama(small_llama()),
+            Some("qwen2") => {
+                *model = ModelConfig::Qwen2(Qwen2Config {
+                    base: small_llama(),
+                })
+            }
+            Some("qwen3") => {
+                *model = ModelConfig::Qwen3(Qwen3Config {
+                    base: small_llama(),
+                    attention_bias: false,
+                })
+            }
             Some(other) => {
                 return Err(Error::config(
                     "--arch",
-                    format!("`{other}` is not a model family trainkit builds; use gpt2 or llama"),
+                    format!(
+                        "`{other}` is not a model family trainkit builds; use {} ({})",
+                        crate::model::families::names(" or "),
+                        crate::model::families::list()
+                    ),
                 ))
             }
         }
@@ -162,7 +179,9 @@ impl Overrides {
                 set(&mut m.vocab_size, self.vocab_size);
                 set(&mut m.n_positions, self.n_positions);
             }
-            ModelConfig::Llama(m) => {
+            ModelConfig::Llama(m)
+            | ModelConfig::Qwen2(Qwen2Config { base: m })
+            | ModelConfig::Qwen3(Qwen3Config { base: m, .. }) => {
                 set(&mut m.num_hidden_layers, self.n_layer);
                 set(&mut m.hidden_size, self.n_embd);
                 set(&mut m.vocab_size, self.vocab_size);

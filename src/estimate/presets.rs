@@ -1,7 +1,8 @@
-//! Named models with their published architectures: the GPT-2 family and Llama 3.
+//! Named models with their published architectures: the GPT-2 family, SmolLM2, Llama 3,
+//! Qwen2.5 and Qwen3.
 
 use crate::error::{Error, Result};
-use crate::model::{Architecture, Mlp, Norm};
+use crate::model::{Architecture, Biases, Mlp, Norm};
 
 /// A named model: its architecture, context length and the sequence length estimates use
 /// by default.
@@ -35,12 +36,14 @@ const fn gpt2(
             hidden,
             heads,
             kv_heads: heads,
+            head_dim: hidden / heads,
             ffn: 4 * hidden,
             vocab: 50257,
             positions: 1024,
             mlp: Mlp::Gelu,
             norm: Norm::LayerNorm,
-            biases: true,
+            bias: Biases::ALL,
+            qk_norm: false,
             tied_embeddings: true,
         },
         context: 1024,
@@ -87,12 +90,49 @@ const fn llama_family(
             hidden,
             heads,
             kv_heads,
+            head_dim: hidden / heads,
             ffn,
             vocab,
             positions: 0,
             mlp: Mlp::SwiGlu,
             norm: Norm::RmsNorm,
-            biases: false,
+            bias: Biases::NONE,
+            qk_norm: false,
+            tied_embeddings,
+        },
+        context,
+        default_seq_len: 4096,
+    }
+}
+
+/// A Qwen-shaped model (RMSNorm, SwiGLU, grouped-query attention, rotary positions, the
+/// vocabulary of 151 936): `[layers, hidden, heads, kv_heads, ffn]`, heads `head_dim` wide,
+/// Qwen2's q/k/v biases or Qwen3's per-head q/k norm, its tying and context.
+const fn qwen(
+    name: &'static str,
+    description: &'static str,
+    [layers, hidden, heads, kv_heads, ffn]: [u64; 5],
+    head_dim: u64,
+    qwen3: bool,
+    tied_embeddings: bool,
+    context: u64,
+) -> Preset {
+    Preset {
+        name,
+        description,
+        architecture: Architecture {
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab: 151_936,
+            positions: 0,
+            mlp: Mlp::SwiGlu,
+            norm: Norm::RmsNorm,
+            bias: if qwen3 { Biases::NONE } else { Biases::QKV },
+            qk_norm: qwen3,
             tied_embeddings,
         },
         context,
@@ -103,7 +143,7 @@ const fn llama_family(
 /// Every preset, smallest first within each family. The SmolLM2 and Llama 3 shapes are
 /// those of each model's published `config.json`; `llama-1b` and `llama-8b` are the
 /// shorter names of `llama-3.2-1b` and `llama-3.1-8b`.
-pub const PRESETS: [Preset; 14] = [
+pub const PRESETS: [Preset; 19] = [
     gpt2("gpt2", "GPT-2 small (124M)", 12, 768, 12),
     gpt2("gpt2-medium", "GPT-2 medium (355M)", 24, 1024, 16),
     gpt2("gpt2-large", "GPT-2 large (774M)", 36, 1280, 20),
@@ -156,6 +196,51 @@ pub const PRESETS: [Preset; 14] = [
         8,
         53_248,
         false,
+    ),
+    qwen(
+        "qwen2.5-0.5b",
+        "Qwen2.5 0.5B",
+        [24, 896, 14, 2, 4864],
+        64,
+        false,
+        true,
+        32_768,
+    ),
+    qwen(
+        "qwen3-0.6b",
+        "Qwen3 0.6B",
+        [28, 1024, 16, 8, 3072],
+        128,
+        true,
+        true,
+        40_960,
+    ),
+    qwen(
+        "qwen3-1.7b",
+        "Qwen3 1.7B",
+        [28, 2048, 16, 8, 6144],
+        128,
+        true,
+        true,
+        40_960,
+    ),
+    qwen(
+        "qwen3-4b",
+        "Qwen3 4B",
+        [36, 2560, 32, 8, 9728],
+        128,
+        true,
+        true,
+        40_960,
+    ),
+    qwen(
+        "qwen3-8b",
+        "Qwen3 8B",
+        [36, 4096, 32, 8, 12_288],
+        128,
+        true,
+        false,
+        40_960,
     ),
 ];
 
@@ -210,6 +295,32 @@ mod tests {
         ] {
             let p = preset(name).unwrap();
             assert_eq!(p.architecture.exact_params().unwrap(), exact, "{name}");
+        }
+    }
+
+    /// The counts of the published Qwen configs (a tied head counted once): the
+    /// architecture's formula, and the parameters the built model declares.
+    #[test]
+    fn qwen_parameter_counts() {
+        for (name, exact, family) in [
+            ("qwen2.5-0.5b", 494_032_768, "qwen2"),
+            ("qwen3-0.6b", 596_049_920, "qwen3"),
+            ("qwen3-1.7b", 1_720_574_976, "qwen3"),
+            ("qwen3-4b", 4_022_468_096, "qwen3"),
+            ("qwen3-8b", 8_190_735_360, "qwen3"),
+        ] {
+            let p = preset(name).unwrap();
+            assert_eq!(p.architecture.exact_params().unwrap(), exact, "{name}");
+            let config = crate::model::ModelConfig::preset(name).unwrap();
+            assert_eq!(config.arch(), family, "{name}");
+            let declared: usize = config
+                .build()
+                .unwrap()
+                .init_params()
+                .iter()
+                .map(|p| p.numel())
+                .sum();
+            assert_eq!(declared as u64, exact, "{name}");
         }
     }
 

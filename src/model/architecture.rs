@@ -27,6 +27,43 @@ pub enum Norm {
     RmsNorm,
 }
 
+/// Which linear projections carry a bias.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Biases {
+    /// The query, key and value projections (GPT-2, Qwen2).
+    pub qkv: bool,
+    /// The attention output projection (GPT-2).
+    pub o: bool,
+    /// The MLP's projections (GPT-2).
+    pub mlp: bool,
+}
+
+impl Biases {
+    /// Every projection with a bias (GPT-2).
+    pub const ALL: Biases = Biases {
+        qkv: true,
+        o: true,
+        mlp: true,
+    };
+    /// No biases at all (Llama, Qwen3).
+    pub const NONE: Biases = Biases {
+        qkv: false,
+        o: false,
+        mlp: false,
+    };
+    /// Biases on the query, key and value projections only (Qwen2).
+    pub const QKV: Biases = Biases {
+        qkv: true,
+        o: false,
+        mlp: false,
+    };
+
+    /// Whether any projection carries a bias.
+    pub fn any(&self) -> bool {
+        self.qkv || self.o || self.mlp
+    }
+}
+
 /// A decoder-only transformer: embeddings, `layers` pre-norm blocks of attention (with
 /// grouped-query attention when `kv_heads < heads`) and an MLP, a final norm and the
 /// output head.
@@ -40,6 +77,8 @@ pub struct Architecture {
     pub heads: u64,
     /// Key and value heads (`heads` for multi-head attention, fewer for grouped-query).
     pub kv_heads: u64,
+    /// Width of one attention head (`hidden / heads` unless a family says otherwise).
+    pub head_dim: u64,
     /// Inner width of the MLP.
     pub ffn: u64,
     /// Vocabulary size `v`.
@@ -50,8 +89,10 @@ pub struct Architecture {
     pub mlp: Mlp,
     /// The normalisation layers.
     pub norm: Norm,
-    /// Whether linear layers carry biases.
-    pub biases: bool,
+    /// Which linear projections carry biases.
+    pub bias: Biases,
+    /// Whether each query and key head is RMS-normalised before attention (Qwen3).
+    pub qk_norm: bool,
     /// Whether the output head shares the token embedding.
     pub tied_embeddings: bool,
 }
@@ -66,12 +107,14 @@ impl Architecture {
             hidden,
             heads,
             kv_heads: heads,
+            head_dim: hidden / heads.max(1),
             ffn: hidden.saturating_mul(4),
             vocab,
             positions: 0,
             mlp: Mlp::Gelu,
             norm: Norm::LayerNorm,
-            biases: true,
+            bias: Biases::ALL,
+            qk_norm: false,
             tied_embeddings: true,
         }
     }
@@ -83,6 +126,7 @@ impl Architecture {
             ("hidden", self.hidden),
             ("heads", self.heads),
             ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
             ("ffn", self.ffn),
             ("vocab", self.vocab),
         ] {
@@ -120,12 +164,14 @@ impl Architecture {
             && self.ffn == self.hidden.saturating_mul(4)
             && self.mlp == Mlp::Gelu
             && self.norm == Norm::LayerNorm
-            && self.biases
+            && self.bias == Biases::ALL
+            && !self.qk_norm
+            && self.head_dim.saturating_mul(self.heads) == self.hidden
     }
 
-    /// Width of one attention head, `h / a`.
+    /// Width of one attention head.
     pub fn head_dim(&self) -> u64 {
-        self.hidden / self.heads.max(1)
+        self.head_dim
     }
 
     /// The exact number of parameters of this architecture (validated first).
@@ -133,32 +179,38 @@ impl Architecture {
         self.validate()?;
         let what = "params";
         let (h, f) = (self.hidden, self.ffn);
-        let kv = mul(self.head_dim(), self.kv_heads, what)?;
-        let bias = |n: u64| if self.biases { n } else { 0 };
+        let q = mul(self.head_dim, self.heads, what)?;
+        let kv = mul(self.head_dim, self.kv_heads, what)?;
+        let bias = |on: bool, n: u64| if on { n } else { 0 };
         let norm = match self.norm {
             Norm::LayerNorm => mul(2, h, what)?,
             Norm::RmsNorm => h,
         };
-        // Attention: query and output h×h, key and value h×kv.
+        // Attention: query h×q, key and value h×kv each, output q×h.
         let attn = add(
-            mul(2, mul(h, h, what)?, what)?,
+            mul(2, mul(h, q, what)?, what)?,
             mul(2, mul(h, kv, what)?, what)?,
             what,
         )?;
         let attn = add(
             attn,
-            bias(add(mul(2, h, what)?, mul(2, kv, what)?, what)?),
+            add(
+                bias(self.bias.qkv, add(q, mul(2, kv, what)?, what)?),
+                bias(self.bias.o, h),
+                what,
+            )?,
             what,
         )?;
+        let attn = add(attn, bias(self.qk_norm, mul(2, self.head_dim, what)?), what)?;
         let mlp = match self.mlp {
             Mlp::Gelu => add(
                 mul(2, mul(h, f, what)?, what)?,
-                bias(add(f, h, what)?),
+                bias(self.bias.mlp, add(f, h, what)?),
                 what,
             )?,
             Mlp::SwiGlu => add(
                 mul(3, mul(h, f, what)?, what)?,
-                bias(add(mul(2, f, what)?, h, what)?),
+                bias(self.bias.mlp, add(mul(2, f, what)?, h, what)?),
                 what,
             )?,
         };

@@ -2,10 +2,10 @@
 //! `LlamaForCausalLM`), in both the transformers 5 form (`rope_parameters`) and the 4.x
 //! form (`rope_theta`, `rope_scaling`, `torch_dtype`), and its rotary position frequencies.
 
-use super::{Architecture, Mlp, Norm};
+use super::{Architecture, Family};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 /// How rotary position frequencies are scaled for contexts longer than trained on.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -112,11 +112,11 @@ pub struct LlamaConfig {
     pub rope: Rope,
 }
 
-fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+pub(crate) fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     map.get(name).filter(|v| !v.is_null())
 }
 
-fn number(map: &Map<String, Value>, name: &str, at: &str) -> Result<Option<f64>> {
+pub(crate) fn number(map: &Map<String, Value>, name: &str, at: &str) -> Result<Option<f64>> {
     match field(map, name) {
         None => Ok(None),
         Some(v) => v
@@ -126,7 +126,7 @@ fn number(map: &Map<String, Value>, name: &str, at: &str) -> Result<Option<f64>>
     }
 }
 
-fn count(map: &Map<String, Value>, name: &str) -> Result<Option<usize>> {
+pub(crate) fn count(map: &Map<String, Value>, name: &str) -> Result<Option<usize>> {
     match field(map, name) {
         None => Ok(None),
         Some(v) => v
@@ -142,14 +142,14 @@ fn required(map: &Map<String, Value>, name: &str) -> Result<usize> {
     count(map, name)?.ok_or_else(|| {
         Error::config(
             name,
-            "is missing; a Llama config.json names it (see LlamaConfig)",
+            "is missing; a Llama-like config.json names it (see LlamaConfig)",
         )
     })
 }
 
 /// The rope parameters of either form: transformers 5's `rope_parameters`, or 4.x's
 /// `rope_theta` with `rope_scaling`.
-fn rope(map: &Map<String, Value>) -> Result<Rope> {
+pub(crate) fn rope(map: &Map<String, Value>) -> Result<Rope> {
     let (params, at, theta) = match field(map, "rope_parameters") {
         Some(Value::Object(p)) => (
             Some(p),
@@ -252,8 +252,9 @@ impl LlamaConfig {
                 return Err(Error::config(
                     "model_type",
                     format!(
-                        "{} is not a Llama config; the supported model types are gpt2 and llama",
-                        other.map_or("a missing model_type".to_string(), |t| format!("`{t}`"))
+                        "{} is not a Llama config; trainkit reads the model types {}",
+                        other.map_or("a missing model_type".to_string(), |t| format!("`{t}`")),
+                        super::families::list()
                     ),
                 ))
             }
@@ -275,23 +276,29 @@ impl LlamaConfig {
                 ));
             }
         }
-        let hidden_size = required(&map, "hidden_size")?;
-        let num_attention_heads = required(&map, "num_attention_heads")?;
+        Self::from_map(&map)
+    }
+
+    /// The fields every Llama-like family shares (Qwen's too), from a parsed
+    /// `config.json`, without checking its `model_type`.
+    pub(crate) fn from_map(map: &Map<String, Value>) -> Result<Self> {
+        let hidden_size = required(map, "hidden_size")?;
+        let num_attention_heads = required(map, "num_attention_heads")?;
         let config = LlamaConfig {
             hidden_size,
-            intermediate_size: required(&map, "intermediate_size")?,
-            num_hidden_layers: required(&map, "num_hidden_layers")?,
+            intermediate_size: required(map, "intermediate_size")?,
+            num_hidden_layers: required(map, "num_hidden_layers")?,
             num_attention_heads,
-            num_key_value_heads: count(&map, "num_key_value_heads")?.unwrap_or(num_attention_heads),
-            head_dim: count(&map, "head_dim")?.unwrap_or(hidden_size / num_attention_heads),
-            vocab_size: required(&map, "vocab_size")?,
-            max_position_embeddings: count(&map, "max_position_embeddings")?.unwrap_or(2048),
-            rms_norm_eps: number(&map, "rms_norm_eps", "")?.unwrap_or(1e-6),
-            tie_word_embeddings: field(&map, "tie_word_embeddings")
+            num_key_value_heads: count(map, "num_key_value_heads")?.unwrap_or(num_attention_heads),
+            head_dim: count(map, "head_dim")?.unwrap_or(hidden_size / num_attention_heads),
+            vocab_size: required(map, "vocab_size")?,
+            max_position_embeddings: count(map, "max_position_embeddings")?.unwrap_or(2048),
+            rms_norm_eps: number(map, "rms_norm_eps", "")?.unwrap_or(1e-6),
+            tie_word_embeddings: field(map, "tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            initializer_range: number(&map, "initializer_range", "")?.unwrap_or(0.02),
-            rope: rope(&map)?,
+            initializer_range: number(map, "initializer_range", "")?.unwrap_or(0.02),
+            rope: rope(map)?,
         };
         config.validate()?;
         Ok(config)
@@ -322,20 +329,34 @@ impl LlamaConfig {
 
     /// The architecture this config describes.
     pub fn architecture(&self) -> Architecture {
-        Architecture {
-            layers: self.num_hidden_layers as u64,
-            hidden: self.hidden_size as u64,
-            heads: self.num_attention_heads as u64,
-            kv_heads: self.num_key_value_heads as u64,
-            ffn: self.intermediate_size as u64,
-            vocab: self.vocab_size as u64,
-            positions: 0,
-            mlp: Mlp::SwiGlu,
-            norm: Norm::RmsNorm,
-            biases: false,
-            tied_embeddings: self.tie_word_embeddings,
-        }
+        self.shape().architecture()
     }
+}
+
+/// Writes `rope` into a `config.json` value in both transformers 5's `rope_parameters`
+/// and 4.x's `rope_theta` and `rope_scaling`, so either version loads it.
+pub(crate) fn write_rope(v: &mut Value, rope: &Rope) {
+    let mut params = match rope.scaling {
+        RopeScaling::Default => json!({"rope_type": "default"}),
+        RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings as u64,
+        }),
+    };
+    let scaling = (rope.scaling != RopeScaling::Default).then(|| params.clone());
+    params["rope_theta"] = json!(rope.theta);
+    v["rope_parameters"] = params;
+    v["rope_theta"] = json!(rope.theta);
+    v["rope_scaling"] = json!(scaling);
 }
 
 #[cfg(test)]
@@ -424,7 +445,7 @@ mod tests {
             (V5.replace("\"silu\"", "\"gelu\""), "hidden_act"),
             (
                 V5.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\""),
-                "gpt2 and llama",
+                "`gpt2` (GPT-2)",
             ),
             (V5.replace("\"llama3\"", "\"yarn\""), "rope_type"),
             (

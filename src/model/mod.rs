@@ -1,22 +1,35 @@
-//! Models: the `Model` trait, GPT-2 and Llama, their parameters and graphs.
+//! Models: the `Model` trait, the shared decoder and its families (GPT-2, Llama, Qwen2,
+//! Qwen3), their
+//! parameters and graphs.
 
 mod architecture;
+mod decoder;
 pub mod exec;
+pub mod families;
+mod family;
 mod gpt2;
 mod graph;
 mod llama;
 mod llama_config;
 mod model_config;
 mod param;
+mod qwen2;
+mod qwen3;
+mod shape;
 
-pub use architecture::{Architecture, Mlp, Norm};
+pub use architecture::{Architecture, Biases, Mlp, Norm};
+pub use decoder::Decoder;
 pub use exec::StashStats;
-pub use gpt2::{Gpt2, Gpt2Config};
+pub use family::{llama_name, AnyFamily, Family, LayerSlot, Slot};
+pub use gpt2::{parse_hf_config, read_hf_config, Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, OpOverride, Section, Value};
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
 pub use param::{Param, UpdateParts};
+pub use qwen2::{Qwen2, Qwen2Config};
+pub use qwen3::{Qwen3, Qwen3Config};
+pub use shape::{Positions, Shape};
 
 use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
@@ -271,11 +284,12 @@ impl Model for Box<dyn Model> {
     }
 }
 
-/// The model `arch` describes, with freshly declared parameters: a [`Gpt2`] for a GPT-2
-/// shape (multi-head attention, a 4h GELU MLP, LayerNorms with biases, tied embeddings and
+/// The model `arch` describes, with freshly declared parameters: the first registered
+/// family ([`families::FAMILIES`]) whose shape it is — a [`Gpt2`] for a GPT-2 shape
+/// (multi-head attention, a 4h GELU MLP, LayerNorms with biases, tied embeddings and
 /// learned positions), a [`Llama`] for a Llama shape (RMSNorm, SwiGLU, no biases, rotary
-/// positions, with a context of `context`). Other shapes are refused with an error naming
-/// what differs.
+/// positions, with a context of `context`), ... Other shapes are refused with an error
+/// naming what each family lacks.
 pub fn build(arch: &Architecture, context: usize) -> Result<Box<dyn Model>> {
     build_with(arch, context, AttentionPath::Fused, LossPath::Fused, None)
 }
@@ -289,11 +303,5 @@ pub fn build_with(
     loss: LossPath,
     loss_chunk: Option<usize>,
 ) -> Result<Box<dyn Model>> {
-    if arch.mlp == Mlp::SwiGlu || arch.norm == Norm::RmsNorm {
-        let config = LlamaConfig::from_architecture(arch, context)?;
-        let model = Llama::new(config)?.with_attention(attention);
-        return Ok(Box::new(model.with_loss(loss, loss_chunk)?));
-    }
-    let model = Gpt2::new(Gpt2Config::from_architecture(arch)?)?.with_attention(attention);
-    Ok(Box::new(model.with_loss(loss, loss_chunk)?))
+    families::from_architecture(arch, context)?.build_with(attention, loss, loss_chunk)
 }

@@ -1,45 +1,52 @@
-//! The shape of either model family trainkit builds, as one value: what a model
+//! The config of any model family trainkit builds, as one value: what a model
 //! directory's `config.json` and a run config's `[model]` table describe.
 
-use super::{Architecture, Gpt2, Gpt2Config, Llama, LlamaConfig, Model, Norm, Rope, RopeScaling};
+use super::{AnyFamily, Architecture, Gpt2Config, LlamaConfig, Model, Norm, Rope, RopeScaling};
+use super::{Qwen2Config, Qwen3Config};
 use crate::error::Result;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// A GPT-2 or a Llama config.
+/// A model family's config.
 ///
 /// In a run config's `[model]` table the family is `arch = "gpt2"` (the default when
-/// absent) or `arch = "llama"`, beside the family's own fields (Hugging Face's names).
+/// absent), `arch = "llama"`, ... (every `model_type` of [`super::families::FAMILIES`]),
+/// beside the family's own fields (Hugging Face's names).
 #[derive(Clone, Debug, PartialEq)]
 pub enum ModelConfig {
     /// GPT-2.
     Gpt2(Gpt2Config),
     /// The Llama family.
     Llama(LlamaConfig),
+    /// Qwen2 and Qwen2.5.
+    Qwen2(Qwen2Config),
+    /// Qwen3 (dense).
+    Qwen3(Qwen3Config),
 }
 
 impl ModelConfig {
-    /// The family's name: `gpt2` or `llama` (Hugging Face's `model_type`).
-    pub fn arch(&self) -> &'static str {
+    /// The family's config behind one interface.
+    pub fn family(&self) -> &dyn AnyFamily {
         match self {
-            ModelConfig::Gpt2(_) => "gpt2",
-            ModelConfig::Llama(_) => "llama",
+            ModelConfig::Gpt2(c) => c,
+            ModelConfig::Llama(c) => c,
+            ModelConfig::Qwen2(c) => c,
+            ModelConfig::Qwen3(c) => c,
         }
+    }
+
+    /// The family's name: Hugging Face's `model_type` (`gpt2`, `llama`, ...).
+    pub fn arch(&self) -> &'static str {
+        self.family().model_type()
     }
 
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        match self {
-            ModelConfig::Gpt2(c) => c.vocab_size,
-            ModelConfig::Llama(c) => c.vocab_size,
-        }
+        self.family().shape().vocab
     }
 
     /// Longest sequence the model takes.
     pub fn context(&self) -> usize {
-        match self {
-            ModelConfig::Gpt2(c) => c.n_positions,
-            ModelConfig::Llama(c) => c.max_position_embeddings,
-        }
+        self.family().shape().context
     }
 
     /// Sets the longest sequence the model takes (GPT-2's `n_positions`, Llama's
@@ -48,23 +55,19 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt2(c) => c.n_positions = context,
             ModelConfig::Llama(c) => c.max_position_embeddings = context,
+            ModelConfig::Qwen2(c) => c.base.max_position_embeddings = context,
+            ModelConfig::Qwen3(c) => c.base.max_position_embeddings = context,
         }
     }
 
     /// The architecture it describes.
     pub fn architecture(&self) -> Architecture {
-        match self {
-            ModelConfig::Gpt2(c) => c.architecture(),
-            ModelConfig::Llama(c) => c.architecture(),
-        }
+        self.family().shape().architecture()
     }
 
     /// Checks that the shape is buildable; errors name the field.
     pub fn validate(&self) -> Result<()> {
-        match self {
-            ModelConfig::Gpt2(c) => c.validate(),
-            ModelConfig::Llama(c) => Llama::new(c.clone()).map(|_| ()),
-        }
+        self.family().validate()
     }
 
     /// The config of a preset (`trainkit memory --model` names them): GPT-2 presets with
@@ -81,7 +84,10 @@ impl ModelConfig {
             };
             return Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(&arch)?));
         }
-        let mut c = LlamaConfig::from_architecture(&p.architecture, context)?;
+        let mut c = match super::families::from_architecture(&p.architecture, context)? {
+            ModelConfig::Llama(c) => c,
+            other => return Ok(other),
+        };
         let llama3 = |factor| Rope {
             theta: 500_000.0,
             scaling: RopeScaling::Llama3 {
@@ -107,14 +113,15 @@ impl ModelConfig {
 
     /// The model, with freshly declared parameters (and the fused loss).
     pub fn build(&self) -> Result<Box<dyn Model>> {
-        Ok(match self {
-            ModelConfig::Gpt2(c) => Box::new(Gpt2::new(c.clone())?),
-            ModelConfig::Llama(c) => Box::new(Llama::new(c.clone())?),
-        })
+        self.build_with(
+            crate::ops::AttentionPath::Fused,
+            crate::ops::LossPath::Fused,
+            None,
+        )
     }
 
     /// The model with its loss computed by `path` in chunks of `chunk` positions (see
-    /// [`Gpt2::with_loss`]), and the fused attention.
+    /// [`crate::Gpt2::with_loss`]), and the fused attention.
     pub fn build_with_loss(
         &self,
         path: crate::ops::LossPath,
@@ -124,26 +131,15 @@ impl ModelConfig {
     }
 
     /// The model with its attention computed by `attention` (see
-    /// [`Gpt2::with_attention`]) and its loss by `loss` in chunks of `chunk` positions
-    /// (see [`Gpt2::with_loss`]).
+    /// [`crate::Gpt2::with_attention`]) and its loss by `loss` in chunks of `chunk`
+    /// positions (see [`crate::Gpt2::with_loss`]).
     pub fn build_with(
         &self,
         attention: crate::ops::AttentionPath,
         loss: crate::ops::LossPath,
         chunk: Option<usize>,
     ) -> Result<Box<dyn Model>> {
-        Ok(match self {
-            ModelConfig::Gpt2(c) => Box::new(
-                Gpt2::new(c.clone())?
-                    .with_attention(attention)
-                    .with_loss(loss, chunk)?,
-            ),
-            ModelConfig::Llama(c) => Box::new(
-                Llama::new(c.clone())?
-                    .with_attention(attention)
-                    .with_loss(loss, chunk)?,
-            ),
-        })
+        self.family().build_with(attention, loss, chunk)
     }
 }
 
@@ -159,6 +155,18 @@ impl From<LlamaConfig> for ModelConfig {
     }
 }
 
+impl From<Qwen2Config> for ModelConfig {
+    fn from(c: Qwen2Config) -> Self {
+        ModelConfig::Qwen2(c)
+    }
+}
+
+impl From<Qwen3Config> for ModelConfig {
+    fn from(c: Qwen3Config) -> Self {
+        ModelConfig::Qwen3(c)
+    }
+}
+
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig::Gpt2(Gpt2Config::small_bytes())
@@ -171,10 +179,12 @@ impl Serialize for ModelConfig {
         let mut v = match self {
             ModelConfig::Gpt2(c) => serde_json::to_value(c),
             ModelConfig::Llama(c) => serde_json::to_value(c),
+            ModelConfig::Qwen2(c) => serde_json::to_value(c),
+            ModelConfig::Qwen3(c) => serde_json::to_value(c),
         }
         .map_err(S::Error::custom)?;
-        if let (ModelConfig::Llama(_), Some(map)) = (self, v.as_object_mut()) {
-            map.insert("arch".into(), "llama".into());
+        if let (false, Some(map)) = (matches!(self, ModelConfig::Gpt2(_)), v.as_object_mut()) {
+            map.insert("arch".into(), self.arch().into());
         }
         v.serialize(s)
     }
@@ -193,18 +203,7 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 )))
             }
         };
-        match arch.as_str() {
-            "gpt2" => serde_json::from_value(v)
-                .map(ModelConfig::Gpt2)
-                .map_err(D::Error::custom),
-            "llama" => serde_json::from_value(v)
-                .map(ModelConfig::Llama)
-                .map_err(D::Error::custom),
-            other => Err(D::Error::custom(format!(
-                "model.arch: `{other}` is not a model family trainkit builds; use \"gpt2\" or \
-                 \"llama\""
-            ))),
-        }
+        super::families::from_table(&arch, v).map_err(D::Error::custom)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Saving and loading: Hugging Face GPT-2 and Llama model directories (`config.json` and
+//! Saving and loading: Hugging Face model directories of every registered family (`config.json` and
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`) and the trainer state that makes a resume exact.
 //!
 //! Every file is written to a temporary name, flushed to disk and renamed over its target,
@@ -6,16 +6,15 @@
 //! crash mid-save leaves the previous checkpoint intact.
 
 mod atomic;
-mod hf_config;
 mod tensors;
 
+pub use crate::model::{parse_hf_config, read_hf_config};
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
-pub use hf_config::{parse_hf_config, read_hf_config, write_hf_config, write_llama_config};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 pub(crate) use tensors::{read_typed, write_typed};
 
 use crate::error::{Error, Result};
-use crate::model::{Llama, LlamaConfig, ModelConfig};
+use crate::model::ModelConfig;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -38,12 +37,13 @@ pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 pub struct ModelDir {
     /// The model's family and shape.
     pub config: ModelConfig,
-    /// Every weight by its name in the files (GPT-2's under `transformer.`).
+    /// Every weight by its name in the files, as the family reads them (GPT-2's under
+    /// `transformer.`, without mask buffers).
     pub tensors: BTreeMap<String, NamedTensor>,
 }
 
 /// Reads a model directory written by trainkit or by transformers' `save_pretrained`: its
-/// `config.json` (`model_type` `gpt2` or `llama`) and its weights, from `model.safetensors`
+/// `config.json` (any registered `model_type`) and its weights, from `model.safetensors`
 /// or from the shards `model.safetensors.index.json` lists. The tensors are checked
 /// against the config: a missing or misshapen one is an error naming it.
 pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
@@ -56,58 +56,22 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
              transformers' save_pretrained)",
         ));
     }
-    let config = match read_model_config(dir)? {
-        ModelConfig::Llama(config) => {
-            let tensors: BTreeMap<String, NamedTensor> = read_weights(dir)?
-                .into_iter()
-                .map(|t| (t.name.clone(), t))
-                .collect();
-            // The model's own mapping checks every tensor it needs.
-            let mapped = Llama::new(config.clone())?.import_tensors(tensors.clone())?;
-            check_shapes(dir, &config.param_shapes(), &mapped)?;
-            return Ok(ModelDir {
-                config: ModelConfig::Llama(config),
-                tensors,
-            });
-        }
-        ModelConfig::Gpt2(config) => config,
-    };
-    let mut tensors = BTreeMap::new();
-    for t in read_weights(dir)? {
-        let name = if t.name.starts_with("transformer.") {
-            t.name.clone()
-        } else {
-            format!("transformer.{}", t.name)
-        };
-        let ignored = name == "transformer.lm_head.weight"
-            || name.ends_with(".attn.bias")
-            || name.ends_with(".attn.masked_bias");
-        if !ignored {
-            tensors.insert(name.clone(), NamedTensor { name, ..t });
-        }
-    }
-    check_shapes(dir, &config.param_shapes(), &tensors)?;
-    Ok(ModelDir {
-        config: ModelConfig::Gpt2(config),
-        tensors,
-    })
+    let config = read_model_config(dir)?;
+    let family = config.family();
+    let tensors = family.file_tensors(read_weights(dir)?);
+    // The model's own mapping checks every tensor it needs.
+    let mapped = config.build()?.import_tensors(tensors.clone())?;
+    check_shapes(dir, &family.param_shapes(), &mapped)?;
+    Ok(ModelDir { config, tensors })
 }
 
-/// The model family and shape of a model directory's `config.json` (`model_type` `gpt2`
-/// or `llama`), without reading its weights.
+/// The model family and shape of a model directory's `config.json` (by its
+/// `model_type`, see [`crate::model::families`]), without reading its weights.
 pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
     recover_directory(dir)?;
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let model_type = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
-    if model_type.as_deref() == Some("llama") {
-        let config = LlamaConfig::from_json(&text)
-            .map_err(|e| Error::data(path.display().to_string(), e.to_string()))?;
-        return Ok(ModelConfig::Llama(config));
-    }
-    Ok(ModelConfig::Gpt2(parse_hf_config(&path, &text)?))
+    crate::model::families::read_config(&path, &text)
 }
 
 /// Fails unless `tensors` holds every parameter of `shapes` with its shape.

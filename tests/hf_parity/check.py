@@ -1,4 +1,5 @@
-"""trainkit against Hugging Face transformers (PyTorch), an independent GPT-2 and Llama.
+"""trainkit against Hugging Face transformers (PyTorch), an independent GPT-2, Llama,
+Qwen2 and Qwen3.
 
 Checks, on a small GPT-2 and llm.c-style batches of a text:
 1. transformers' GPT2LMHeadModel.from_pretrained loads a directory trainkit saved;
@@ -13,7 +14,8 @@ and on small Llamas made by transformers (grouped-query attention with 1 and 2 k
 heads and all of them, llama3 and linear rope scaling, tied and untied heads): trainkit
 loads the `save_pretrained` directory, its loss equals `LlamaForCausalLM`'s, and after a
 few AdamW steps from it the losses and weights (saved under Hugging Face's names, which
-transformers loads back) equal PyTorch's.
+transformers loads back) equal PyTorch's. The same for small Qwen2 models (q/k/v biases)
+and Qwen3 models (per-head q/k norm, heads wider than hidden / heads), tied and untied.
 
 Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
 torch, transformers, safetensors and numpy installed:
@@ -35,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.numpy import load_file
-from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 B, T, STEPS, LR, WD, CLIP = 4, 32, 3, 1e-3, 0.1, 1.0
 
@@ -160,6 +163,9 @@ def main():
         (4, False, {"rope_type": "default", "rope_theta": 500.0}),
     ]:
         ok &= check_llama(tk, work, tokens_bin, tokens, kv, tied, rope)
+    for tied in [True, False]:
+        ok &= check_qwen(tk, work, tokens_bin, tokens, 2, tied)
+        ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 
@@ -181,8 +187,41 @@ def check_llama(tk, work, tokens_bin, tokens, kv, tied, rope):
                          tie_word_embeddings=tied, rope_parameters=rope,
                          attn_implementation="eager")
     torch.manual_seed(kv)
-    model = LlamaForCausalLM(config).float()
-    init = os.path.join(work, f"llama-{kv}-{tied}")
+    return check_hf(tk, work, tokens_bin, tokens, LlamaForCausalLM, config, what,
+                    f"llama-{kv}-{tied}")
+
+
+def check_qwen(tk, work, tokens_bin, tokens, version, tied):
+    """A Qwen2 (q/k/v biases) or Qwen3 (q/k norm, heads of 32 in a model 64 wide with 4
+    heads) made and saved by transformers: trainkit's loss and AdamW steps on it."""
+    what = f"qwen{version} tied={tied}"
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  use_sliding_window=False, attn_implementation="eager")
+    torch.manual_seed(10 + version)
+    if version == 2:
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        config, cls = Qwen3Config(head_dim=32, attention_bias=False, **common), Qwen3ForCausalLM
+    model = cls(config).float()
+    # transformers starts biases at zero and norm gains at one: move them, so the check
+    # sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return check_hf(tk, work, tokens_bin, tokens, cls, config, what,
+                    f"qwen{version}-{tied}", model)
+
+
+def check_hf(tk, work, tokens_bin, tokens, cls, config, what, tag, model=None):
+    """A model of `cls` (made from `config` unless given), saved by transformers: trainkit's
+    loss, AdamW steps, and transformers loading trainkit's weights back."""
+    if model is None:
+        model = cls(config).float()
+    init = os.path.join(work, tag)
     model.save_pretrained(init)
     model.eval()
     k, ok = 3, True
@@ -206,7 +245,7 @@ def check_llama(tk, work, tokens_bin, tokens, kv, tied, rope):
         opt.step()
         hf_losses.append(loss.item())
     trained = init + "-trained"
-    log = os.path.join(work, f"log-{kv}-{tied}.jsonl")
+    log = os.path.join(work, f"log-{tag}.jsonl")
     run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
          "--init-from", init, "--steps", str(STEPS), "--out", trained, "--seq-len", str(T),
          "--batch-size", str(B), "--lr", str(LR), "--lr-schedule", "constant",
@@ -230,7 +269,7 @@ def check_llama(tk, work, tokens_bin, tokens, kv, tied, rope):
           f"{'; missing ' + str(missing) if missing else ''}")
     ok &= worst < 2e-5
     # transformers loads what trainkit saved.
-    back = LlamaForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    back = cls.from_pretrained(trained, dtype=torch.float32)
     for name, p in back.named_parameters():
         ok &= np.array_equal(p.detach().numpy(), after[name])
     return ok

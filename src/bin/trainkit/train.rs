@@ -111,11 +111,12 @@ pub struct TrainArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// A preset shape to train from scratch: gpt2, gpt2-medium, smollm2-135m, llama-3.2-1b,
-    /// ... (the names `trainkit memory --model` takes); shape flags adjust it.
+    /// qwen2.5-0.5b, qwen3-0.6b, ... (the names `trainkit memory --model` takes); shape
+    /// flags adjust it.
     #[arg(long)]
     model: Option<String>,
-    /// Model family of a model from scratch: gpt2 or llama (a directory's config.json
-    /// names its own).
+    /// Model family of a model from scratch: gpt2, llama, qwen2 or qwen3 (a directory's
+    /// config.json names its own).
     #[arg(long)]
     arch: Option<String>,
     /// Layers (a model from scratch).

@@ -67,6 +67,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,
     crate::ops::rmsnorm::cuda::KERNELS,
+    crate::ops::qk_norm::cuda::KERNELS,
     crate::ops::rope::cuda::KERNELS,
     crate::ops::swiglu::cuda::KERNELS,
 ];
@@ -508,7 +509,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 146);
+        assert_eq!(seen.len(), 158);
     }
 
     #[test]

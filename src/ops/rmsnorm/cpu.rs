@@ -78,7 +78,7 @@ pub(crate) fn backward(
 }
 
 simd_fn! {
-    fn forward_row(o: &mut [f32], r: &mut f32, x: &[f32], w: &[f32], eps: f32) {
+    pub(crate) fn forward_row(o: &mut [f32], r: &mut f32, x: &[f32], w: &[f32], eps: f32) {
         let c = x.len();
         let rstd = 1.0 / (simd::dot(x, x) / c as f32 + eps).sqrt();
         for i in 0..c {
@@ -90,7 +90,7 @@ simd_fn! {
 
 simd_fn! {
     /// Adds one row's terms to the weight gradient's partial sum.
-    fn weight_grad_row(dw: &mut [f32], x: &[f32], d: &[f32], rstd: f32) {
+    pub(crate) fn weight_grad_row(dw: &mut [f32], x: &[f32], d: &[f32], rstd: f32) {
         for (dw, (x, d)) in dw.iter_mut().zip(x.iter().zip(d)) {
             *dw += x * rstd * d;
         }
@@ -98,7 +98,7 @@ simd_fn! {
 }
 
 simd_fn! {
-    fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], rstd: f32) {
+    pub(crate) fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], rstd: f32) {
         let c = x.len();
         let mut acc = [0f32; 16];
         for (xc, (dc, wc)) in x.chunks(16).zip(d.chunks(16).zip(w.chunks(16))) {

@@ -1,0 +1,295 @@
+//! The shared pre-norm block builder: the graph of any [`Shape`] — embeddings, per layer
+//! a norm, the attention block (fused q/k/v projection, per-head q/k norm, rotary
+//! embedding, causal attention, output projection added to the residual) and a norm and
+//! the MLP block (GELU or a gated product, down projection added to the residual), the
+//! final norm and the classifier fused with the loss or producing the logits.
+
+use super::super::graph::{attention_node, attention_stats, Graph, Section, Value};
+use super::super::shape::{Positions, Shape};
+use super::super::{LayerSlot, Mlp, Norm, Slot};
+use crate::checkpoint::Tags;
+use crate::ops::{
+    AttentionPath, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy, LinearGelu,
+    LinearResidual, QkNorm, RmsNorm, Rope, SwiGlu, TokenEmbedding,
+};
+
+/// How the parts of the graph that a family names are labelled.
+pub(crate) struct Labels {
+    /// The final norm's label scope (`norm`, GPT-2's `ln_f`).
+    pub final_norm: &'static str,
+}
+
+/// The graph of `shape` over parameters found by `p` (a slot's index in model order),
+/// weights stored `[out, in]` when `out_in`, with the fused loss (`fused_loss`) or the
+/// logits, and attention computed by `attention`.
+pub(crate) fn graph(
+    shape: &Shape,
+    p: &dyn Fn(Slot) -> usize,
+    out_in: bool,
+    labels: &Labels,
+    fused_loss: Option<LinearCrossEntropy>,
+    attention: AttentionPath,
+) -> Graph {
+    let mut embedding = Section::new(Value::new("tokens", "tokens", Tags::NONE));
+    let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
+    match shape.positions {
+        Positions::Learned => embedding.node(
+            LearnedEmbedding,
+            &[],
+            &[x],
+            &[p(Slot::Embed), p(Slot::Positions)],
+        ),
+        Positions::Rotary(_) => embedding.node(TokenEmbedding, &[], &[x], &[p(Slot::Embed)]),
+    }
+    embedding.output = x;
+
+    let layers = (0..shape.layers)
+        .map(|l| {
+            layer(
+                shape,
+                l,
+                &|s| p(Slot::Layer(l, s)),
+                out_in,
+                labels,
+                attention,
+            )
+        })
+        .collect();
+
+    let scope = labels.final_norm;
+    let mut head = Section::new(Value::new("input", format!("{scope}.input"), Tags::NONE));
+    let out = head.value("out", format!("{scope}.out"), Tags::NORM_OUT);
+    let (stats_name, bias) = match shape.norm {
+        Norm::LayerNorm => ("stats", Some(p(Slot::FinalNormBias))),
+        Norm::RmsNorm => ("rstd", None),
+    };
+    let stats = head.value(
+        stats_name,
+        format!("{scope}.{stats_name}"),
+        Tags::NORM_STATS,
+    );
+    norm_node(&mut head, shape, 0, [out, stats], p(Slot::FinalNorm), bias);
+    let classifier = if shape.tied_embeddings {
+        p(Slot::Embed)
+    } else {
+        p(Slot::Head)
+    };
+    match fused_loss {
+        Some(loss) => {
+            head.node(loss, &[out], &[], &[classifier]);
+            head.output = out;
+        }
+        None => {
+            let logits = head.value("logits", "logits", Tags::NONE);
+            head.node(Classifier, &[out], &[logits], &[classifier]);
+            head.output = logits;
+        }
+    }
+    Graph {
+        embedding,
+        layers,
+        head,
+    }
+}
+
+/// A norm node of `shape`'s kind over value `input`, writing `outputs` (normalised values
+/// and statistics), with gain `weight` and (LayerNorm) `bias`.
+fn norm_node(
+    s: &mut Section,
+    shape: &Shape,
+    input: usize,
+    outputs: [usize; 2],
+    weight: usize,
+    bias: Option<usize>,
+) {
+    let eps = shape.norm_eps as f32;
+    match (shape.norm, bias) {
+        (Norm::LayerNorm, Some(b)) => s.node(LayerNorm { eps }, &[input], &outputs, &[weight, b]),
+        _ => s.node(RmsNorm { eps }, &[input], &outputs, &[weight]),
+    }
+}
+
+/// Layer `l`: the attention block and the MLP block, each pre-norm with a residual.
+fn layer(
+    shape: &Shape,
+    l: usize,
+    w: &dyn Fn(LayerSlot) -> usize,
+    out_in: bool,
+    labels: &Labels,
+    attention: AttentionPath,
+) -> Section {
+    let label = |s: &str| format!("h.{l}.{s}");
+    let (attn, mlp) = (Tags::ATTENTION, Tags::MLP);
+    let layer_norm = shape.norm == Norm::LayerNorm;
+    let stats = if layer_norm { "stats" } else { "rstd" };
+    let norm_bias = |slot| layer_norm.then(|| w(slot));
+    let mut s = Section::new(Value::new("input", label("input"), Tags::LAYER_INPUT));
+    let input = 0;
+    let ln1_out = s.value("ln1_out", label("ln1_out"), attn | Tags::NORM_OUT);
+    let ln1_name = if layer_norm { "ln1_stats" } else { "ln1_rstd" };
+    let ln1_stats = s.value(
+        ln1_name,
+        label(&format!("ln1_{stats}")),
+        attn | Tags::NORM_STATS,
+    );
+    // The projection's output, then each transformation of it until attention reads it.
+    let turned = shape.qk_norm || shape.rope().is_some();
+    let mut qkv = if turned {
+        s.value("qkv_pre", label("qkv_pre"), attn | Tags::PROJECTION)
+    } else {
+        s.value("qkv", label("qkv"), attn | Tags::PROJECTION)
+    };
+    let qkv_pre = qkv;
+    let normed = shape.qk_norm.then(|| {
+        let out = if shape.rope().is_some() {
+            s.value("qk_normed", label("qk_normed"), attn | Tags::PROJECTION)
+        } else {
+            s.value("qkv", label("qkv"), attn | Tags::PROJECTION)
+        };
+        let rstd = s.value("qk_rstd", label("qk_rstd"), attn | Tags::NORM_STATS);
+        (out, rstd)
+    });
+    if let Some((out, _)) = normed {
+        qkv = out;
+    }
+    let roped = shape.rope().map(|_| {
+        let out = s.value("qkv", label("qkv"), attn | Tags::PROJECTION);
+        (qkv, out)
+    });
+    if let Some((_, out)) = roped {
+        qkv = out;
+    }
+    let attn_stats = attention_stats(&mut s, attention, &format!("h.{l}"));
+    let attn_out = s.value("attn_out", label("attn_out"), attn);
+    let residual = s.value("residual", label("residual"), Tags::RESIDUAL);
+    let ln2_out = s.value("ln2_out", label("ln2_out"), mlp | Tags::NORM_OUT);
+    let ln2_name = if layer_norm { "ln2_stats" } else { "ln2_rstd" };
+    let ln2_stats = s.value(
+        ln2_name,
+        label(&format!("ln2_{stats}")),
+        mlp | Tags::NORM_STATS,
+    );
+    let (up_name, act_name) = match shape.mlp {
+        Mlp::Gelu => ("fc_out", "gelu_out"),
+        Mlp::SwiGlu => ("gate_up", "swiglu_out"),
+    };
+    let up = s.value(up_name, label(up_name), mlp | Tags::WIDE | Tags::PROJECTION);
+    let act = s.value(act_name, label(act_name), mlp | Tags::WIDE);
+    let next = if l + 1 < shape.layers {
+        format!("h.{}.input", l + 1)
+    } else {
+        format!("{}.input", labels.final_norm)
+    };
+    let output = s.value("output", next, Tags::LAYER_INPUT);
+
+    let with_bias = |weight: LayerSlot, bias: LayerSlot, on: bool| {
+        if on {
+            vec![w(weight), w(bias)]
+        } else {
+            vec![w(weight)]
+        }
+    };
+    norm_node(
+        &mut s,
+        shape,
+        input,
+        [ln1_out, ln1_stats],
+        w(LayerSlot::Norm1),
+        norm_bias(LayerSlot::Norm1Bias),
+    );
+    s.node(
+        Linear {
+            bias: shape.bias.qkv,
+            transposed: out_in,
+        },
+        &[ln1_out],
+        &[qkv_pre],
+        &with_bias(LayerSlot::Qkv, LayerSlot::QkvBias, shape.bias.qkv),
+    );
+    if let Some((out, rstd)) = normed {
+        qk_norm_node(
+            &mut s,
+            shape,
+            qkv_pre,
+            [out, rstd],
+            [w(LayerSlot::QNorm), w(LayerSlot::KNorm)],
+        );
+    }
+    if let (Some((from, out)), Some(rope)) = (roped, shape.rope()) {
+        s.node(
+            Rope {
+                heads: shape.heads(),
+                inv_freq: rope.inv_freq(shape.head_dim),
+            },
+            &[from],
+            &[out],
+            &[],
+        );
+    }
+    attention_node(&mut s, attention, shape.heads(), qkv, attn_stats, attn_out);
+    s.node(
+        LinearResidual {
+            bias: shape.bias.o,
+            transposed: out_in,
+        },
+        &[input, attn_out],
+        &[residual],
+        &with_bias(LayerSlot::O, LayerSlot::OBias, shape.bias.o),
+    );
+    norm_node(
+        &mut s,
+        shape,
+        residual,
+        [ln2_out, ln2_stats],
+        w(LayerSlot::Norm2),
+        norm_bias(LayerSlot::Norm2Bias),
+    );
+    let up_params = with_bias(LayerSlot::Up, LayerSlot::UpBias, shape.bias.mlp);
+    match shape.mlp {
+        Mlp::Gelu => s.node(
+            LinearGelu { transposed: out_in },
+            &[ln2_out],
+            &[up, act],
+            &up_params,
+        ),
+        Mlp::SwiGlu => {
+            s.node(
+                Linear {
+                    bias: shape.bias.mlp,
+                    transposed: out_in,
+                },
+                &[ln2_out],
+                &[up],
+                &up_params,
+            );
+            s.node(SwiGlu, &[up], &[act], &[]);
+        }
+    }
+    s.node(
+        LinearResidual {
+            bias: shape.bias.mlp,
+            transposed: out_in,
+        },
+        &[residual, act],
+        &[output],
+        &with_bias(LayerSlot::Down, LayerSlot::DownBias, shape.bias.mlp),
+    );
+    s.output = output;
+    s
+}
+
+/// The per-head q/k norm of `shape` over `qkv`, writing `outputs` (the normalised
+/// projection and its statistics), with gains `weights` (queries, keys).
+fn qk_norm_node(
+    s: &mut Section,
+    shape: &Shape,
+    qkv: usize,
+    outputs: [usize; 2],
+    weights: [usize; 2],
+) {
+    let op = QkNorm {
+        heads: shape.heads(),
+        eps: shape.norm_eps as f32,
+    };
+    s.node(op, &[qkv], &outputs, &weights);
+}

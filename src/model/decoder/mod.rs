@@ -1,0 +1,415 @@
+//! The one decoder-only model: a [`Family`]'s config, the [`Shape`] it describes, its
+//! parameters (named by the family) and the graph of the shared pre-norm block builder
+//! ([`block`]), run by the executor ([`super::exec`]). GPT-2, Llama and Qwen are this
+//! type with their family's config ([`crate::Gpt2`], [`crate::Llama`], ...).
+
+mod block;
+mod fused;
+
+pub(crate) use fused::{split_fused, stack_fused};
+
+use super::exec;
+use super::graph::{overridden, Graph, OpOverride};
+use super::shape::{Positions, Shape};
+use super::{Batch, Family, Init, LayerSlot, Mlp, Model, Norm, ParamInit, Pass, PassStats, Slot};
+use crate::error::{Error, Result};
+use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
+use crate::save::NamedTensor;
+use crate::tensor::Tensor;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// A decoder-only transformer of family `F`, trainable on any backend with any
+/// checkpoint policy and precision.
+#[derive(Debug)]
+pub struct Decoder<F: Family> {
+    config: F,
+    shape: Shape,
+    loss: LossPath,
+    loss_chunk: Option<usize>,
+    attention: AttentionPath,
+    overrides: Vec<Arc<dyn OpOverride>>,
+    graph: Graph,
+}
+
+impl<F: Family> Clone for Decoder<F> {
+    fn clone(&self) -> Self {
+        Decoder {
+            config: self.config.clone(),
+            shape: self.shape.clone(),
+            loss: self.loss,
+            loss_chunk: self.loss_chunk,
+            attention: self.attention,
+            overrides: self.overrides.clone(),
+            graph: self.build_graph(),
+        }
+    }
+}
+
+impl<F: Family> PartialEq for Decoder<F> {
+    fn eq(&self, other: &Self) -> bool {
+        self.config == other.config
+            && self.loss == other.loss
+            && self.loss_chunk == other.loss_chunk
+            && self.attention == other.attention
+            && self.overrides.len() == other.overrides.len()
+            && self
+                .overrides
+                .iter()
+                .zip(&other.overrides)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
+    }
+}
+
+impl<F: Family> Decoder<F> {
+    /// The model of `config` (validated), with the fused attention
+    /// ([`crate::ops::FlashAttention`]) and the fused loss ([`LinearCrossEntropy`], chunks
+    /// chosen from the vocabulary).
+    pub fn new(config: F) -> Result<Self> {
+        config.validate()?;
+        let shape = config.shape();
+        check(&shape)?;
+        let mut model = Decoder {
+            config,
+            shape,
+            loss: LossPath::Fused,
+            loss_chunk: None,
+            attention: AttentionPath::Fused,
+            overrides: Vec::new(),
+            graph: Graph::default(),
+        };
+        model.graph = model.build_graph();
+        Ok(model)
+    }
+
+    /// The same model with its attention computed by `path`: fused (the default) or the
+    /// materialized `[B, H, T, T]` probabilities.
+    pub fn with_attention(mut self, path: AttentionPath) -> Self {
+        self.attention = path;
+        self.graph = self.build_graph();
+        self
+    }
+
+    /// How attention is computed.
+    pub fn attention_path(&self) -> AttentionPath {
+        self.attention
+    }
+
+    /// The same model with some of its op nodes replaced by `o` (see [`OpOverride`]): a
+    /// fused op or a variant of your own, run in place of trainkit's. The model keeps the
+    /// override and applies it whenever it rebuilds its graph.
+    pub fn with_override(mut self, o: impl OpOverride + 'static) -> Self {
+        self.overrides.push(Arc::new(o));
+        self.graph = self.build_graph();
+        self
+    }
+
+    /// The same model with its loss computed by `path`: the fused linear cross-entropy
+    /// in chunks of `chunk` positions (`None`: chosen from the vocabulary), or the
+    /// materialized logits (where `chunk` is ignored). A chunk of 0 is an error naming
+    /// `training.loss_chunk`.
+    pub fn with_loss(mut self, path: LossPath, chunk: Option<usize>) -> Result<Self> {
+        LinearCrossEntropy::new("training.loss_chunk", chunk)?;
+        self.loss = path;
+        self.loss_chunk = chunk;
+        self.graph = self.build_graph();
+        Ok(self)
+    }
+
+    /// How the loss is computed, and the fused loss's configured chunk.
+    pub fn loss_path(&self) -> (LossPath, Option<usize>) {
+        (self.loss, self.loss_chunk)
+    }
+
+    /// The family's config.
+    pub fn config(&self) -> &F {
+        &self.config
+    }
+
+    /// The shape the config describes.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    /// The graph of op nodes the executor runs.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Every parameter's slot, name and shape, in model order.
+    pub fn params(&self) -> Vec<(Slot, String, Vec<usize>)> {
+        params(&self.config, &self.shape)
+    }
+
+    /// Every parameter's name and shape, in model order.
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.params()
+            .into_iter()
+            .map(|(_, name, shape)| (name, shape))
+            .collect()
+    }
+
+    /// The number of parameters (a tied head counted once).
+    pub fn num_params(&self) -> usize {
+        param_slots(&self.shape)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The graph of this model's shape, attention and loss paths, with its overrides.
+    fn build_graph(&self) -> Graph {
+        let index: HashMap<String, usize> = self
+            .params()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (_, name, _))| (name, i))
+            .collect();
+        let p = |slot: Slot| index[&self.config.param_name(slot)];
+        let fused_loss = (self.loss == LossPath::Fused).then_some(LinearCrossEntropy {
+            chunk: self.loss_chunk,
+        });
+        let labels = block::Labels {
+            final_norm: self.config.final_norm_label(),
+        };
+        let graph = block::graph(
+            &self.shape,
+            &p,
+            self.config.out_in(),
+            &labels,
+            fused_loss,
+            self.attention,
+        );
+        overridden(graph, &self.overrides)
+    }
+
+    fn check_batch(&self, batch: &Batch) -> Result<()> {
+        batch.check(self.shape.context, F::CONTEXT_FIELD)
+    }
+}
+
+/// Every parameter's slot, name (by `family`) and shape (`[in, out]` where the family
+/// stores weights so) for `shape`, in model order.
+fn params<F: Family>(family: &F, shape: &Shape) -> Vec<(Slot, String, Vec<usize>)> {
+    let out_in = family.out_in();
+    param_slots(shape)
+        .into_iter()
+        .map(|(slot, mut dims)| {
+            if !out_in && is_projection(slot) {
+                dims.reverse();
+            }
+            (slot, family.param_name(slot), dims)
+        })
+        .collect()
+}
+
+/// Every parameter's name and shape for `family`'s config, in model order.
+pub(crate) fn param_shapes<F: Family>(family: &F) -> Vec<(String, Vec<usize>)> {
+    params(family, &family.shape())
+        .into_iter()
+        .map(|(_, name, dims)| (name, dims))
+        .collect()
+}
+
+/// Fails unless the shared builder builds `shape`; errors name the field.
+pub(crate) fn check(shape: &Shape) -> Result<()> {
+    for (field, v) in [
+        ("layers", shape.layers),
+        ("hidden", shape.hidden),
+        ("heads", shape.heads),
+        ("kv_heads", shape.kv_heads),
+        ("head_dim", shape.head_dim),
+        ("ffn", shape.ffn),
+        ("vocab", shape.vocab),
+        ("context", shape.context),
+    ] {
+        if v == 0 {
+            return Err(Error::config(
+                format!("model.{field}"),
+                "must be at least 1",
+            ));
+        }
+    }
+    if shape.heads % shape.kv_heads != 0 {
+        return Err(Error::config(
+            "model.kv_heads",
+            format!(
+                "{} does not divide the {} query heads",
+                shape.kv_heads, shape.heads
+            ),
+        ));
+    }
+    if shape.mlp == Mlp::Gelu && !shape.bias.mlp {
+        return Err(Error::config(
+            "model.mlp",
+            "a GELU MLP without biases is not built; use biases or a SwiGLU MLP",
+        ));
+    }
+    Ok(())
+}
+
+/// Every parameter's slot and shape for `shape`, in model order, weights `[out, in]`
+/// (a family that stores them `[in, out]`, [`Family::out_in`], has them transposed by
+/// [`Decoder::params`]).
+fn param_slots(shape: &Shape) -> Vec<(Slot, Vec<usize>)> {
+    let (c, v) = (shape.hidden, shape.vocab);
+    let heads = shape.heads();
+    let layer_norm = shape.norm == Norm::LayerNorm;
+    let mut out = vec![(Slot::Embed, vec![v, c])];
+    if shape.positions == Positions::Learned {
+        out.push((Slot::Positions, vec![shape.context, c]));
+    }
+    for l in 0..shape.layers {
+        let mut add = |s: LayerSlot, dims: Vec<usize>, on: bool| {
+            if on {
+                out.push((Slot::Layer(l, s), dims));
+            }
+        };
+        add(LayerSlot::Norm1, vec![c], true);
+        add(LayerSlot::Norm1Bias, vec![c], layer_norm);
+        add(LayerSlot::Qkv, vec![heads.qkv_width(), c], true);
+        add(LayerSlot::QkvBias, vec![heads.qkv_width()], shape.bias.qkv);
+        add(LayerSlot::QNorm, vec![shape.head_dim], shape.qk_norm);
+        add(LayerSlot::KNorm, vec![shape.head_dim], shape.qk_norm);
+        add(LayerSlot::O, vec![c, heads.q_width()], true);
+        add(LayerSlot::OBias, vec![c], shape.bias.o);
+        add(LayerSlot::Norm2, vec![c], true);
+        add(LayerSlot::Norm2Bias, vec![c], layer_norm);
+        add(LayerSlot::Up, vec![shape.up_width(), c], true);
+        add(LayerSlot::UpBias, vec![shape.up_width()], shape.bias.mlp);
+        add(LayerSlot::Down, vec![c, shape.ffn], true);
+        add(LayerSlot::DownBias, vec![c], shape.bias.mlp);
+    }
+    out.push((Slot::FinalNorm, vec![c]));
+    if layer_norm {
+        out.push((Slot::FinalNormBias, vec![c]));
+    }
+    if !shape.tied_embeddings {
+        out.push((Slot::Head, vec![v, c]));
+    }
+    out
+}
+
+/// Whether `slot` is a weight of a linear projection (stored `[in, out]` by a family
+/// whose [`Family::out_in`] is false).
+fn is_projection(slot: Slot) -> bool {
+    matches!(
+        slot,
+        Slot::Layer(
+            _,
+            LayerSlot::Qkv | LayerSlot::O | LayerSlot::Up | LayerSlot::Down
+        )
+    )
+}
+
+/// How `slot`'s values start (transformers' `_init_weights`): norm gains 1, biases 0,
+/// the residual projections normal with `init_std / √(2·layers)` when the shape scales
+/// them (GPT-2), every other weight normal with `init_std`.
+fn init(shape: &Shape, slot: Slot) -> Init {
+    use LayerSlot as L;
+    match slot {
+        Slot::FinalNorm | Slot::Layer(_, L::Norm1 | L::Norm2 | L::QNorm | L::KNorm) => {
+            Init::Constant(1.0)
+        }
+        Slot::FinalNormBias
+        | Slot::Layer(
+            _,
+            L::Norm1Bias | L::Norm2Bias | L::QkvBias | L::OBias | L::UpBias | L::DownBias,
+        ) => Init::Constant(0.0),
+        Slot::Layer(_, L::O | L::Down) if shape.scaled_residual_init => Init::Normal {
+            std: shape.init_std / ((2 * shape.layers) as f64).sqrt(),
+        },
+        _ => Init::Normal {
+            std: shape.init_std,
+        },
+    }
+}
+
+impl<F: Family> Model for Decoder<F> {
+    fn describe(&self) -> String {
+        let s = &self.shape;
+        let heads = if s.kv_heads == s.heads && s.head_dim * s.heads == s.hidden {
+            format!("{} heads", s.heads)
+        } else {
+            format!(
+                "{} heads ({} key/value) of {}",
+                s.heads, s.kv_heads, s.head_dim
+            )
+        };
+        format!(
+            "{}: {} layers, {heads}, {} wide, MLP {}, vocab {}, context {}, {} head \
+             ({:.2}M parameters)",
+            F::MODEL_TYPE,
+            s.layers,
+            s.hidden,
+            s.ffn,
+            s.vocab,
+            s.context,
+            if s.tied_embeddings { "tied" } else { "untied" },
+            self.num_params() as f64 / 1e6
+        )
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.shape.vocab
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.shape.context
+    }
+
+    fn init_params(&self) -> Vec<ParamInit> {
+        self.params()
+            .into_iter()
+            .map(|(slot, name, shape)| ParamInit {
+                name,
+                shape,
+                init: init(&self.shape, slot),
+            })
+            .collect()
+    }
+
+    fn forward_backward(
+        &self,
+        pass: &mut Pass<'_>,
+        batch: &Batch,
+        grad_scale: f32,
+        losses: &mut Tensor,
+    ) -> Result<PassStats> {
+        self.check_batch(batch)?;
+        let vocab = self.shape.vocab;
+        exec::forward_backward(&self.graph, pass, batch, vocab, grad_scale, losses)
+    }
+
+    fn loss(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<f64> {
+        self.check_batch(batch)?;
+        exec::loss(&self.graph, pass, batch, self.shape.vocab)
+    }
+
+    fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
+        self.check_batch(batch)?;
+        exec::logits(&self.graph, pass, batch)
+    }
+
+    fn write_config(&self, dir: &std::path::Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(&self.config.hf_config())
+            .map_err(|e| Error::Serde(e.to_string()))?;
+        crate::save::write_atomically(&dir.join(crate::save::CONFIG_FILE), text.as_bytes())
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let s = &self.shape;
+        6.0 * self.num_params() as f64 + 6.0 * (s.layers * s.heads().q_width() * seq_len) as f64
+    }
+
+    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+        self.config.export_tensors(tensors)
+    }
+
+    fn import_tensors(
+        &self,
+        tensors: BTreeMap<String, NamedTensor>,
+    ) -> Result<BTreeMap<String, NamedTensor>> {
+        self.config.import_tensors(tensors)
+    }
+}

@@ -1,0 +1,190 @@
+//! The one place model families are registered: every `model_type` trainkit reads from a
+//! `config.json` or a run config's `[model] arch`, and the config it becomes. A new family
+//! is its file (config, [`super::Family`] implementation), a [`ModelConfig`] variant and
+//! one line here.
+
+use super::{Architecture, Gpt2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config};
+use crate::error::{Error, Result};
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// A registered family: its `model_type`, the models it covers, and its config reader.
+pub struct Registered {
+    /// Hugging Face's `model_type` (and a run config's `arch`).
+    pub model_type: &'static str,
+    /// The models it covers, for messages.
+    pub models: &'static str,
+    /// Reads a `config.json` of this family (`path` names the file in errors).
+    read: fn(&Path, &str, &Map<String, Value>) -> Result<ModelConfig>,
+    /// Reads a run config's `[model]` table (without `arch`).
+    from_table: fn(Value) -> std::result::Result<ModelConfig, String>,
+    /// The family's config of an architecture with a context, or what differs.
+    from_architecture: fn(&Architecture, usize) -> Result<ModelConfig>,
+}
+
+/// Every family trainkit builds.
+pub const FAMILIES: &[Registered] = &[
+    Registered {
+        model_type: "gpt2",
+        models: "GPT-2",
+        read: |path, text, _| Ok(ModelConfig::Gpt2(super::gpt2::parse_hf_config(path, text)?)),
+        from_table: |v| table::<Gpt2Config>(v).map(ModelConfig::Gpt2),
+        from_architecture: |a, _| Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(a)?)),
+    },
+    Registered {
+        model_type: "llama",
+        models: "Llama, SmolLM2, TinyLlama",
+        read: |_, text, _| Ok(ModelConfig::Llama(LlamaConfig::from_json(text)?)),
+        from_table: |v| table::<LlamaConfig>(v).map(ModelConfig::Llama),
+        from_architecture: |a, c| Ok(ModelConfig::Llama(LlamaConfig::from_architecture(a, c)?)),
+    },
+    Registered {
+        model_type: "qwen2",
+        models: "Qwen2, Qwen2.5",
+        read: |_, text, _| Ok(ModelConfig::Qwen2(Qwen2Config::from_json(text)?)),
+        from_table: |v| table::<Qwen2Config>(v).map(ModelConfig::Qwen2),
+        from_architecture: |a, c| Ok(ModelConfig::Qwen2(Qwen2Config::from_architecture(a, c)?)),
+    },
+    Registered {
+        model_type: "qwen3",
+        models: "Qwen3",
+        read: |_, text, _| Ok(ModelConfig::Qwen3(Qwen3Config::from_json(text)?)),
+        from_table: |v| table::<Qwen3Config>(v).map(ModelConfig::Qwen3),
+        from_architecture: |a, c| Ok(ModelConfig::Qwen3(Qwen3Config::from_architecture(a, c)?)),
+    },
+];
+
+fn table<T: serde::de::DeserializeOwned>(v: Value) -> std::result::Result<T, String> {
+    serde_json::from_value(v).map_err(|e| e.to_string())
+}
+
+/// The registered family of `model_type`.
+pub fn family(model_type: &str) -> Option<&'static Registered> {
+    FAMILIES.iter().find(|f| f.model_type == model_type)
+}
+
+/// Every family, as a message lists them: "`gpt2` (GPT-2), ... and `llama` (...)".
+pub fn list() -> String {
+    let names: Vec<String> = FAMILIES
+        .iter()
+        .map(|f| format!("`{}` ({})", f.model_type, f.models))
+        .collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
+    }
+}
+
+/// Every family's `model_type`, joined by `sep` (`gpt2 or llama or ...`).
+pub fn names(sep: &str) -> String {
+    FAMILIES
+        .iter()
+        .map(|f| f.model_type)
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+/// The error text for a `config.json` whose `model_type` is `t`, naming every family.
+pub(crate) fn model_type_error(t: &str) -> String {
+    if family(t).is_some() {
+        // An accepted type reached another family's reader directly.
+        format!(
+            "`model_type` is `{t}`, not GPT-2 (`gpt2`); read it with \
+             `read_model_config` (trainkit reads the model types {})",
+            list()
+        )
+    } else {
+        format!(
+            "`model_type` is `{t}`; trainkit reads the model types {}",
+            list()
+        )
+    }
+}
+
+/// The model config of a `config.json`'s text, by its `model_type` (GPT-2 when absent, as
+/// old GPT-2 files have none); `path` names the file in errors.
+pub fn read_config(path: &Path, text: &str) -> Result<ModelConfig> {
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        Error::data(
+            path.display().to_string(),
+            format!("is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(map) = value else {
+        return Err(Error::data(
+            path.display().to_string(),
+            "must hold a JSON object",
+        ));
+    };
+    let model_type = map
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("gpt2");
+    let Some(f) = family(model_type) else {
+        return Err(Error::data(
+            path.display().to_string(),
+            model_type_error(model_type),
+        ));
+    };
+    (f.read)(path, text, &map).map_err(|e| match e {
+        Error::Data { .. } => e,
+        other => Error::data(path.display().to_string(), other.to_string()),
+    })
+}
+
+/// The config of the first family whose shape `arch` is (with a context of `context`
+/// where positions are not learned); otherwise an error naming what each family lacks.
+pub fn from_architecture(arch: &Architecture, context: usize) -> Result<ModelConfig> {
+    arch.validate()?;
+    let mut refusals = Vec::new();
+    for f in FAMILIES {
+        match (f.from_architecture)(arch, context) {
+            Ok(config) => return Ok(config),
+            Err(e) => refusals.push(format!("{}: {e}", f.model_type)),
+        }
+    }
+    Err(Error::config(
+        "model",
+        format!("no model family builds this shape; {}", refusals.join("; ")),
+    ))
+}
+
+/// A run config's `[model]` table of family `arch`.
+pub(crate) fn from_table(arch: &str, v: Value) -> std::result::Result<ModelConfig, String> {
+    match family(arch) {
+        Some(f) => (f.from_table)(v),
+        None => Err(format!(
+            "model.arch: `{arch}` is not a model family trainkit builds; use {}",
+            names(" or ")
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_model_type_names_every_family() {
+        for t in ["bert", "mistral"] {
+            let text = format!(r#"{{"model_type": "{t}", "n_layer": 1}}"#);
+            let err = read_config(Path::new("config.json"), &text)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("`model_type` is `{t}`")), "{err}");
+            for f in FAMILIES {
+                assert!(err.contains(&format!("`{}`", f.model_type)), "{err}");
+            }
+        }
+        let err = super::super::gpt2::parse_hf_config(
+            Path::new("config.json"),
+            r#"{"model_type": "llama", "n_layer": 1}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("read_model_config") && err.contains("SmolLM2"),
+            "{err}"
+        );
+    }
+}
