@@ -10,7 +10,8 @@
 // Each head row runs on a half-warp (16 lanes, the CPU's lane order) as rmsnorm.cu's rows,
 // so rstd, the output and dx are bitwise equal to the CPU's. A gain's gradient is summed
 // over its group's rows (queries: tokens·H rows, t·H + j; keys: tokens·KV rows) per block
-// of TK_QK_ROW_BLOCK rows into an f32 workspace [blocks, D], then block after block.
+// of TK_QK_ROW_BLOCK rows into an f32 workspace [blocks, D], then added block after block
+// by rmsnorm.cu's `rmsnorm_backward_params_finish_*` (the same second pass).
 
 #define TK_QK_ROW_BLOCK 128
 
@@ -98,17 +99,6 @@ __device__ void qk_norm_backward_params_impl(float* partial, const T* dout, cons
     }
 }
 
-// dweight += partial[0], partial[1], ..., in block order.
-template <typename G>
-__device__ void qk_norm_backward_params_finish_impl(G* dweight, const float* partial,
-                                                    i64 blocks, i64 d) {
-    TK_FOR_EACH(col, d) {
-        float dw = load(dweight, col);
-        for (i64 blk = 0; blk < blocks; ++blk) dw += partial[blk * d + col];
-        store(dweight, col, dw);
-    }
-}
-
 #define TK_QK_NORM(T, N)                                                                    \
     extern "C" __global__ void qk_norm_##N(T* out, float* rstd, const T* qkv, const T* wq,  \
                                            const T* wk, i64 tokens, i64 h, i64 kv, i64 d,   \
@@ -126,9 +116,5 @@ __device__ void qk_norm_backward_params_finish_impl(G* dweight, const float* par
         i64 kv, i64 d, i64 first, i64 n) {                                                  \
         qk_norm_backward_params_impl<T>(partial, dout, qkv, rstd, tokens, h, kv, d, first,  \
                                         n);                                                 \
-    }                                                                                       \
-    extern "C" __global__ void qk_norm_backward_params_finish_##N(                          \
-        T* dweight, const float* partial, i64 blocks, i64 d) {                              \
-        qk_norm_backward_params_finish_impl<T>(dweight, partial, blocks, d);                \
     }
 TK_DTYPES(TK_QK_NORM)

@@ -6,19 +6,18 @@ use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::data::DataLoader;
 use crate::device::Backend;
 use crate::error::{Error, Result};
-use crate::memory::{CategoryBytes, MemoryCategory, MemoryObserver, PeakTracker, Phase};
+use crate::memory::{CategoryBytes, MemoryObserver, PeakTracker};
 use crate::model::{Batch, Model, Param, Pass, StashStats};
-use crate::optim::{guard, AdamW, GradScale, LrSchedule, Optimizer, StepRecord};
+use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::precision::{Fp32, Precision};
 use crate::rng::Rng;
-use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
-use std::time::Instant;
 
 mod offload;
 mod persist;
 mod sample;
+mod step;
 
 pub use sample::SamplingOptions;
 
@@ -419,227 +418,6 @@ where
         for e in self.backend.ledger().drain_events() {
             self.observer.on_event(&e);
         }
-    }
-
-    /// Runs one optimizer step: the schedule's micro-batches of forward and backward,
-    /// clipping, a finite check, the update, and the refresh of compute weights.
-    pub fn step(&mut self) -> Result<StepStats> {
-        let start = Instant::now();
-        let backend = Arc::clone(&self.backend);
-        let be = backend.as_ref();
-        let ledger = be.ledger().clone();
-        ledger.reset_peaks();
-        be.reset_device_peak();
-        let (b, t) = (self.data.batch_size(), self.data.seq_len());
-        let tokens_per_micro = (b * t) as u64;
-        let k = self.accumulation.micro_batches(&AccumulationContext {
-            step: self.step,
-            tokens_seen: self.tokens_seen,
-            tokens_per_micro_batch: tokens_per_micro,
-        })?;
-        if k == 0 {
-            return Err(Error::config(
-                "accumulation",
-                "a step needs at least one micro-batch",
-            ));
-        }
-        if self.options.optimizer_in_backward && k > 1 {
-            return Err(in_backward_accumulates(self.step + 1, k));
-        }
-        for p in &mut self.params {
-            p.zero_grad(be)?;
-        }
-        let loss_scale = self.precision.loss_scale();
-        let grad_scale = loss_scale / (tokens_per_micro as f32 * k as f32);
-        // The step's losses and its record stay on the device until the step's one read.
-        let mut losses = be.zeros(
-            &[b * t],
-            DType::F32,
-            MemoryCategory::Workspace,
-            "step.losses",
-        )?;
-        let mut record = be.zeros(
-            &[StepRecord::LEN],
-            DType::F32,
-            MemoryCategory::Workspace,
-            "step.record",
-        )?;
-        let lr = self.options.lr_schedule.lr(
-            self.optimizer.learning_rate(),
-            self.step,
-            self.options.total_steps,
-        );
-        let in_backward = self.options.optimizer_in_backward;
-        // Inside backward, each parameter's guard (its own norm, the loss's finiteness)
-        // decides its update; the squares of the norms add up to the step's.
-        let mut norm_squares = 0f64;
-        let mut all_finite = true;
-        let mut stash = StashStats::default();
-        for j in 0..k {
-            ledger.phase_begin(Phase::MicroBatch(j));
-            let batch = self.data.next_batch();
-            let optimizer = &mut self.optimizer;
-            let record = &mut record;
-            let step = self.step + 1;
-            let (norm_squares, all_finite) = (&mut norm_squares, &mut all_finite);
-            let mut update = |p: &mut Param, losses: &Tensor| -> Result<()> {
-                let Some(grad) = p.grad() else {
-                    return Ok(());
-                };
-                guard::grad_guard(be, record, &[grad], losses, 0.0, loss_scale)?;
-                let r = StepRecord::read(be, record)?;
-                *norm_squares += (r.grad_norm as f64).powi(2);
-                *all_finite &= r.finite();
-                optimizer.step(
-                    be,
-                    std::slice::from_mut(p),
-                    lr,
-                    GradScale::new(record)?,
-                    step,
-                )?;
-                p.refresh_after_step(be)?;
-                p.drop_grad();
-                Ok(())
-            };
-            let mut pass = Pass {
-                backend: be,
-                params: &mut self.params,
-                checkpoint: &self.checkpoint,
-                dtype: self.precision.compute_dtype(),
-                offload: self.options.offload_activations,
-                grad_ready: if in_backward { Some(&mut update) } else { None },
-            };
-            let s = self
-                .model
-                .forward_backward(&mut pass, &batch, grad_scale, &mut losses)?;
-            stash.kept_bytes += s.stash.kept_bytes;
-            stash.dropped_bytes += s.stash.dropped_bytes;
-            stash.recomputed_bytes += s.stash.recomputed_bytes;
-            stash.offloaded_bytes += s.stash.offloaded_bytes;
-            ledger.phase_end(Phase::MicroBatch(j));
-            self.flush_events();
-        }
-
-        ledger.phase_begin(Phase::Optimizer);
-        if !in_backward {
-            // The norm, the clipping multiplier and the skip decision are made on the
-            // device; the optimizer applies them there (AdamW skips a non-finite step in
-            // its kernel).
-            {
-                let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
-                guard::grad_guard(
-                    be,
-                    &mut record,
-                    &grads,
-                    &losses,
-                    self.options.grad_clip,
-                    loss_scale,
-                )?;
-            }
-            self.optimizer.step(
-                be,
-                &mut self.params,
-                lr,
-                GradScale::new(&record)?,
-                self.step + 1,
-            )?;
-            for p in &mut self.params {
-                p.refresh_after_step(be)?;
-            }
-        }
-        // The step's one read: the loss for logging, with the norm and the skip decision.
-        let mut r = StepRecord::read(be, &record)?;
-        if in_backward {
-            let loss_sum: f64 = be.to_f32(&losses)?.iter().map(|&l| l as f64).sum();
-            r = StepRecord {
-                scale: if all_finite && loss_sum.is_finite() {
-                    1.0 / loss_scale
-                } else {
-                    f32::NAN
-                },
-                grad_norm: norm_squares.sqrt() as f32,
-                loss_sum: loss_sum as f32,
-            };
-        }
-        drop((record, losses));
-        ledger.phase_end(Phase::Optimizer);
-        let loss = r.loss_sum as f64 / (tokens_per_micro * k as u64) as f64;
-        let grad_norm = r.grad_norm as f64;
-        let finite = r.finite();
-        // An overflow of the scaled gradients with a finite loss is the loss scale's to
-        // answer (it shrinks), not a sign of divergence.
-        let overflow = !finite && loss.is_finite() && self.precision.overflow_expected();
-        self.precision.update_loss_scale(finite);
-        if finite {
-            self.bad_streak = 0;
-        } else if overflow {
-            self.skipped_steps += 1;
-            log::info!(
-                "step {}: gradients overflowed at loss scale {loss_scale}; update skipped, \
-                 loss scale now {}",
-                self.step + 1,
-                self.precision.loss_scale()
-            );
-        } else {
-            self.skipped_steps += 1;
-            self.bad_streak += 1;
-            log::warn!(
-                "step {}: loss {loss} or gradient norm {grad_norm} is not finite; update skipped",
-                self.step + 1
-            );
-        }
-        self.step += 1;
-        self.tokens_seen += tokens_per_micro * k as u64;
-        let max_bad = self.options.max_bad_steps;
-        if max_bad > 0 && self.bad_streak >= max_bad {
-            self.flush_events();
-            return Err(Error::Diverged {
-                message: format!(
-                    "{} steps in a row up to step {} had a non-finite loss or gradient norm \
-                     (last: loss {loss}, gradient norm {grad_norm}); their updates were \
-                     skipped, so the weights are those of step {}. Lower the learning rate, \
-                     clip gradients, or raise max_bad_steps",
-                    self.bad_streak,
-                    self.step,
-                    self.step - self.bad_streak
-                ),
-            });
-        }
-        ledger.step_end(self.step, None);
-        self.flush_events();
-        let snap = ledger.snapshot();
-        let seconds = start.elapsed().as_secs_f64();
-        let tokens = tokens_per_micro * k as u64;
-        let model_flops = self.model.flops_per_token(t) * tokens as f64;
-        let utilisation = |flops: f64| {
-            self.options
-                .peak_flops
-                .filter(|p| *p > 0.0)
-                .map(|peak| flops / seconds.max(1e-12) / peak)
-        };
-        Ok(StepStats {
-            step: self.step,
-            loss,
-            grad_norm,
-            lr,
-            tokens,
-            micro_batches: k,
-            seconds,
-            tokens_per_s: tokens as f64 / seconds.max(1e-12),
-            skipped: !finite,
-            loss_scale,
-            memory: StepMemory {
-                peak: snap.peak,
-                peak_total: snap.peak_total,
-                at_peak: snap.at_peak,
-                device: be.device_memory(),
-            },
-            model_flops,
-            hardware_flops: snap.flops,
-            mfu: utilisation(model_flops),
-            hfu: utilisation(snap.flops as f64),
-            stash,
-        })
     }
 
     /// Mean loss over `batches` batches of `data`, without touching gradients.

@@ -327,11 +327,75 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
+/// A training run, resolved: its config (autofit applied), device and limits.
+struct Plan {
+    cfg: RunConfig,
+    memory_budget: Option<u64>,
+    device: trainkit::Device,
+    scope: fit::FitScope,
+    peak_flops: Option<f64>,
+}
+
+/// A trainer of a run config's boxed policies.
+type RunTrainer = Trainer<
+    Box<dyn trainkit::Precision>,
+    Box<dyn trainkit::CheckpointPolicy>,
+    Box<dyn trainkit::Optimizer>,
+    Box<dyn trainkit::AccumulationSchedule>,
+    Box<dyn MemoryObserver>,
+>;
+
+/// A run, built: the trainer on its backend, the validation data, what the data says
+/// about itself, and the optional op profile and timeline.
+struct Job {
+    plan: Plan,
+    backend: Arc<dyn trainkit::Backend>,
+    trainer: RunTrainer,
+    val: DataLoader,
+    entropy_floor: Option<f64>,
+    data_tokenizer: TokenizerKind,
+    profile: Option<SharedOpProfile>,
+    timeline_steps: Option<u64>,
+    run_config: String,
+}
+
+/// How the loop ended.
+enum Ended {
+    /// Every step ran: the first and last training losses and the step peaks.
+    Done {
+        first_loss: Option<f64>,
+        last_loss: f64,
+        peaks: CategoryBytes,
+        peak_total: u64,
+        profiled: Option<(trainkit::memory::OpProfile, std::time::Instant)>,
+    },
+    /// Interrupted and saved.
+    Interrupted,
+}
+
 pub fn run(args: Box<TrainArgs>) -> Result<()> {
     // First of all: an interrupt while the model and data are still being built must
     // not kill the process without a word; the loop sees it and saves after one step.
     let interrupted = interrupt_flag();
-    let mut cfg = resolve(&args)?;
+    let plan = plan(&args)?;
+    if args.print_config {
+        print!("{}", plan.cfg.to_toml()?);
+        return Ok(());
+    }
+    let mut job = build(&args, plan)?;
+    if nothing_to_train(&args, &job)? {
+        return Ok(());
+    }
+    match train_loop(&mut job, &interrupted)? {
+        Ended::Interrupted => Ok(()),
+        done => finish(&args, &mut job, done),
+    }
+}
+
+/// The run config with the flags laid over it, autofit applied, and the device, budget,
+/// autofit scope and peak FLOP/s the flags give.
+fn plan(args: &TrainArgs) -> Result<Plan> {
+    let mut cfg = resolve(args)?;
     let memory_budget = match &args.memory_budget {
         Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
             Error::Config { message, .. } => Error::config("--memory-budget", message),
@@ -340,7 +404,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         None => None,
     };
     let device = crate::device(args.device())?;
-    let scope = fit_scope(&args)?;
+    let scope = fit_scope(args)?;
     if args.autofit {
         let global = match args.global_batch {
             Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
@@ -363,10 +427,6 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             }
         }
     }
-    if args.print_config {
-        print!("{}", cfg.to_toml()?);
-        return Ok(());
-    }
     let peak_flops = match args.peak_tflops {
         Some(p) if !(p.is_finite() && p > 0.0) => {
             return Err(Error::config(
@@ -376,6 +436,19 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         }
         p => p.map(|p| p * 1e12),
     };
+    Ok(Plan {
+        cfg,
+        memory_budget,
+        device,
+        scope,
+        peak_flops,
+    })
+}
+
+/// The backend, the data, the model and the trainer of `plan` (resumed or started from
+/// a model directory when asked), announced on stdout.
+fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
+    let (cfg, device) = (&plan.cfg, plan.device);
     let backend = device.backend()?;
     if device == trainkit::Device::Cpu {
         if let Some(path) = trainkit::Blas::path_from_env() {
@@ -386,14 +459,14 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             );
         }
     }
-    if let Some(budget) = memory_budget {
+    if let Some(budget) = plan.memory_budget {
         backend.ledger().set_limit(Some(budget));
     }
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size())?;
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
         .shuffled(corpus.shuffle.then_some(t.seed));
-    let mut val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
+    let val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
     let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
@@ -423,7 +496,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             (cfg.model.vocab_size() as f64).ln()
         );
     }
-    let (observer, timeline_steps) = observer(&cfg, &args)?;
+    let (observer, timeline_steps) = observer(cfg, args)?;
     let profile = args.profile_ops.then(SharedOpProfile::default);
     let observer: Box<dyn MemoryObserver> = match &profile {
         Some(p) => Box::new(Observers {
@@ -446,7 +519,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
             total_steps: t.steps,
             seed: t.seed,
             max_bad_steps: t.max_bad_steps,
-            peak_flops,
+            peak_flops: plan.peak_flops,
             optimizer_in_backward: t.optimizer_in_backward,
             offload_activations: t.offload_activations,
         },
@@ -458,47 +531,73 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
     }
-    let out = cfg.output.out.clone();
     let run_config = cfg.to_toml()?;
-    let tokenizer = cfg.data.tokenizer();
-    let save = |trainer: &Trainer<_, _, _, _, _>, dir: &Path| -> Result<()> {
-        trainer.save(dir, Some(&run_config))?;
-        copy_tokenizer(&tokenizer, dir);
+    Ok(Job {
+        backend,
+        trainer,
+        val,
+        entropy_floor: corpus.entropy_floor,
+        data_tokenizer: corpus.tokenizer,
+        profile,
+        timeline_steps,
+        run_config,
+        plan,
+    })
+}
+
+impl Job {
+    /// Saves the model, the trainer state, the run config and the tokenizer to `dir`.
+    fn save(&self, dir: &Path) -> Result<()> {
+        self.trainer.save(dir, Some(&self.run_config))?;
+        copy_tokenizer(&self.plan.cfg.data.tokenizer(), dir);
         Ok(())
-    };
-    if trainer.steps_done() >= t.steps {
-        println!(
-            "at step {} of {}: nothing to train (raise --steps to go on)",
-            trainer.steps_done(),
-            t.steps
-        );
-        if let (Some(dir), None) = (&out, &args.resume) {
-            // `--steps 0 --out DIR` writes the initialised model.
-            save(&trainer, dir)?;
-            println!("saved model and trainer state to {}", dir.display());
-        }
-        return Ok(());
     }
+}
+
+/// When the run already reached its last step: says so (writing the initialised model
+/// for `--steps 0 --out DIR`) and returns true.
+fn nothing_to_train(args: &TrainArgs, job: &Job) -> Result<bool> {
+    let steps = job.plan.cfg.training.steps;
+    if job.trainer.steps_done() < steps {
+        return Ok(false);
+    }
+    println!(
+        "at step {} of {steps}: nothing to train (raise --steps to go on)",
+        job.trainer.steps_done(),
+    );
+    if let (Some(dir), None) = (&job.plan.cfg.output.out, &args.resume) {
+        job.save(dir)?;
+        println!("saved model and trainer state to {}", dir.display());
+    }
+    Ok(true)
+}
+
+/// The steps: progress, periodic evaluation and saves; an interrupt saves and stops, an
+/// out-of-memory error is explained, a divergence saves the last good state.
+fn train_loop(job: &mut Job, interrupted: &AtomicUsize) -> Result<Ended> {
+    let (device, t) = (job.plan.device, job.plan.cfg.training.clone());
+    let out = job.plan.cfg.output.out.clone();
     // A GPU queues work without waiting, so its op spans would time the launches: while
     // the timeline records, every op waits for the device at both ends, and trace.json
     // shows each op's device time. The steps after it run unsynchronized.
     let mut fenced_until = None;
-    if profile.is_some() && device != trainkit::Device::Cpu {
+    let backend = Arc::clone(&job.backend);
+    if job.profile.is_some() && device != trainkit::Device::Cpu {
         backend
             .ledger()
             .set_op_fence(Some(trainkit::device::op_fence(&backend)));
         println!("--profile-ops: every op waits for the device (slower steps)");
-    } else if let (Some(n), true) = (timeline_steps, device != trainkit::Device::Cpu) {
+    } else if let (Some(n), true) = (job.timeline_steps, device != trainkit::Device::Cpu) {
         backend
             .ledger()
             .set_op_fence(Some(trainkit::device::op_fence(&backend)));
-        fenced_until = Some(trainer.steps_done() + n);
+        fenced_until = Some(job.trainer.steps_done() + n);
         println!("timeline: each op of the recorded steps waits for the device (slower steps)");
     }
     let mut progress = Progress::new(
-        trainer.steps_done(),
+        job.trainer.steps_done(),
         t.steps,
-        cfg.output.log_json.as_deref(),
+        job.plan.cfg.output.log_json.as_deref(),
     )?;
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
@@ -506,33 +605,36 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     let mut peak_total = 0;
     // The op profile leaves the first step out (kernel compilation, first allocations).
     let mut profiled: Option<(trainkit::memory::OpProfile, std::time::Instant)> = None;
-    while trainer.steps_done() < t.steps {
-        let s = match trainer.step() {
+    while job.trainer.steps_done() < t.steps {
+        let s = match job.trainer.step() {
             Ok(s) => s,
             Err(e @ Error::OutOfMemory { .. }) => {
                 progress.finish();
-                let budget = memory_budget.or_else(|| fit::device_budget(device));
-                return Err(fit::explain_oom(e, &cfg, budget, scope));
+                let budget = job
+                    .plan
+                    .memory_budget
+                    .or_else(|| fit::device_budget(device));
+                return Err(fit::explain_oom(e, &job.plan.cfg, budget, job.plan.scope));
             }
             Err(e @ Error::Diverged { .. }) => {
                 progress.finish();
                 // Skipped steps leave the weights untouched: this is the last good state.
                 let dir = out.clone().unwrap_or_else(|| fallback_dir("diverged"));
-                save(&trainer, &dir)?;
+                job.save(&dir)?;
                 eprintln!(
                     "saved the last good state (step {}) to {}",
-                    trainer.steps_done() - trainer.bad_streak(),
+                    job.trainer.steps_done() - job.trainer.bad_streak(),
                     dir.display()
                 );
                 return Err(e);
             }
             Err(e) => return Err(e),
         };
-        if fenced_until.is_some_and(|until| trainer.steps_done() >= until) {
+        if fenced_until.is_some_and(|until| job.trainer.steps_done() >= until) {
             backend.ledger().set_op_fence(None);
             fenced_until = None;
         }
-        if let (Some(p), None) = (&profile, &profiled) {
+        if let (Some(p), None) = (&job.profile, &profiled) {
             profiled = Some((p.snapshot(), std::time::Instant::now()));
         }
         first_loss.get_or_insert(s.loss);
@@ -543,7 +645,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         if interrupted.load(Ordering::SeqCst) > 0 {
             progress.finish();
             let dir = out.clone().unwrap_or_else(|| fallback_dir("interrupted"));
-            save(&trainer, &dir)?;
+            job.save(&dir)?;
             println!(
                 "interrupted after step {}; saved to {}\nresume with: trainkit train --resume {} \
                  --steps {}",
@@ -552,24 +654,47 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
                 dir.display(),
                 t.steps
             );
-            return Ok(());
+            return Ok(Ended::Interrupted);
         }
         if t.eval_every > 0 && s.step % t.eval_every == 0 && s.step < t.steps {
-            let v = trainer.evaluate(&mut val, t.eval_batches)?;
+            let v = job.trainer.evaluate(&mut job.val, t.eval_batches)?;
             progress.println(&format!("step {:>5} | val loss {v:.4}", s.step));
         }
         if let Some(dir) = &out {
-            let every = cfg.output.save_every;
+            let every = job.plan.cfg.output.save_every;
             if every > 0 && s.step % every == 0 && s.step < t.steps {
-                save(&trainer, dir)?;
+                job.save(dir)?;
                 progress.println(&format!("step {:>5} | saved {}", s.step, dir.display()));
             }
         }
     }
     progress.finish();
-    if let Some(p) = &profile {
+    Ok(Ended::Done {
+        first_loss,
+        last_loss,
+        peaks,
+        peak_total,
+        profiled,
+    })
+}
+
+/// After the last step: the op profile, the memory report, the final losses, the save
+/// and what to run next.
+fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
+    let Ended::Done {
+        first_loss,
+        last_loss,
+        peaks,
+        peak_total,
+        profiled,
+    } = ended
+    else {
+        return Ok(());
+    };
+    let t = job.plan.cfg.training.clone();
+    if let Some(p) = &job.profile {
         match &profiled {
-            Some((first, since)) if trainer.steps_done() > 0 => {
+            Some((first, since)) if job.trainer.steps_done() > 0 => {
                 let ops = p.snapshot().since(first);
                 if ops.total_micros() == 0 {
                     println!("op profile: one step only (the first is left out); run more steps");
@@ -582,25 +707,25 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
         }
     }
     if let Some(path) = &args.memory_report {
-        fit::write_report(path, &cfg, &peaks, peak_total)?;
+        fit::write_report(path, &job.plan.cfg, &peaks, peak_total)?;
         println!("memory report: {}", path.display());
     }
-    let v = trainer.evaluate(&mut val, t.eval_batches)?;
+    let v = job.trainer.evaluate(&mut job.val, t.eval_batches)?;
     println!("final train loss {last_loss:.4}; final val loss {v:.4}");
-    if let (Some(first), Some(floor)) = (first_loss, corpus.entropy_floor) {
+    if let (Some(first), Some(floor)) = (first_loss, job.entropy_floor) {
         println!(
             "train loss {first:.4} -> {last_loss:.4}; the floor is {floor:.4} ({:.1}% of the gap closed)",
             100.0 * (first - last_loss) / (first - floor)
         );
     }
-    match &out {
+    match &job.plan.cfg.output.out {
         Some(dir) => {
-            save(&trainer, dir)?;
+            job.save(dir)?;
             println!("saved model and trainer state to {}", dir.display());
             println!(
                 "sample from it: trainkit sample --model {} --prompt \"{}\" --max-new-tokens 200",
                 dir.display(),
-                if corpus.tokenizer == TokenizerKind::Bytes {
+                if job.data_tokenizer == TokenizerKind::Bytes {
                     "the "
                 } else {
                     "Once upon a time"

@@ -509,7 +509,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 158);
+        assert_eq!(seen.len(), 155);
     }
 
     #[test]

@@ -26,9 +26,6 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "qk_norm_backward_params_f32",
         "qk_norm_backward_params_bf16",
         "qk_norm_backward_params_f16",
-        "qk_norm_backward_params_finish_f32",
-        "qk_norm_backward_params_finish_bf16",
-        "qk_norm_backward_params_finish_f16",
     ],
 };
 
@@ -128,8 +125,9 @@ pub(crate) fn backward(
                 .i64(first)
                 .i64(n),
         )?;
+        // The RMS norm's second pass: the partial sums added in block order.
         be.launch(
-            &format!("qk_norm_backward_params_finish_{}", grad.dtype()),
+            &format!("rmsnorm_backward_params_finish_{}", grad.dtype()),
             be.grid(d),
             BLOCK,
             Args::new()

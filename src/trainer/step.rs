@@ -1,0 +1,349 @@
+//! One optimizer step, in the order it runs: plan it (micro-batches, scales, learning
+//! rate), run the micro-batches' forward and backward (updating each parameter inside
+//! backward when asked), apply the update (the device-side guard and the optimizer), keep
+//! the books (loss scale, skipped steps, divergence), and report.
+
+use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
+use crate::accumulate::{AccumulationContext, AccumulationSchedule};
+use crate::checkpoint::CheckpointPolicy;
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::{MemoryCategory, MemoryObserver, Phase};
+use crate::model::{Param, Pass, StashStats};
+use crate::optim::{guard, GradScale, Optimizer, StepRecord};
+use crate::precision::Precision;
+use crate::tensor::{DType, Tensor};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What a step is, decided before it runs.
+struct Plan {
+    /// Micro-batches.
+    k: usize,
+    /// Tokens of one micro-batch.
+    tokens_per_micro: u64,
+    /// The precision's loss scale.
+    loss_scale: f32,
+    /// What the per-position losses are multiplied by before backward.
+    grad_scale: f32,
+    /// The scheduled learning rate.
+    lr: f32,
+    /// Whether each parameter is updated as soon as its gradient is complete.
+    in_backward: bool,
+}
+
+impl Plan {
+    /// Tokens of the whole step.
+    fn tokens(&self) -> u64 {
+        self.tokens_per_micro * self.k as u64
+    }
+}
+
+/// The step's device buffers: the per-position losses and the guard's record, read once.
+struct Buffers {
+    losses: Tensor,
+    record: Tensor,
+}
+
+/// What the updates made inside backward add up to: the squares of the parameters' norms
+/// and whether every one was finite.
+struct InBackward {
+    norm_squares: f64,
+    all_finite: bool,
+}
+
+impl<P, C, O, A, M> Trainer<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// Runs one optimizer step: the schedule's micro-batches of forward and backward,
+    /// clipping, a finite check, the update, and the refresh of compute weights.
+    pub fn step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let backend = Arc::clone(&self.backend);
+        let be = backend.as_ref();
+        be.ledger().reset_peaks();
+        be.reset_device_peak();
+        let plan = self.plan()?;
+        for p in &mut self.params {
+            p.zero_grad(be)?;
+        }
+        let rows = self.data.batch_size() * self.data.seq_len();
+        let mut buffers = Buffers {
+            losses: be.zeros(
+                &[rows],
+                DType::F32,
+                MemoryCategory::Workspace,
+                "step.losses",
+            )?,
+            record: be.zeros(
+                &[StepRecord::LEN],
+                DType::F32,
+                MemoryCategory::Workspace,
+                "step.record",
+            )?,
+        };
+        let mut inside = InBackward {
+            norm_squares: 0.0,
+            all_finite: true,
+        };
+        let stash = self.micro_batches(be, &plan, &mut buffers, &mut inside)?;
+        let record = self.update(be, &plan, buffers, &inside)?;
+        self.keep_books(&plan, &record)?;
+        Ok(self.report(be, &plan, &record, stash, start))
+    }
+
+    /// The step's micro-batches, scales and learning rate.
+    fn plan(&mut self) -> Result<Plan> {
+        let tokens_per_micro = (self.data.batch_size() * self.data.seq_len()) as u64;
+        let k = self.accumulation.micro_batches(&AccumulationContext {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            tokens_per_micro_batch: tokens_per_micro,
+        })?;
+        if k == 0 {
+            return Err(Error::config(
+                "accumulation",
+                "a step needs at least one micro-batch",
+            ));
+        }
+        let in_backward = self.options.optimizer_in_backward;
+        if in_backward && k > 1 {
+            return Err(in_backward_accumulates(self.step + 1, k));
+        }
+        let loss_scale = self.precision.loss_scale();
+        Ok(Plan {
+            k,
+            tokens_per_micro,
+            loss_scale,
+            grad_scale: loss_scale / (tokens_per_micro as f32 * k as f32),
+            lr: self.options.lr_schedule.lr(
+                self.optimizer.learning_rate(),
+                self.step,
+                self.options.total_steps,
+            ),
+            in_backward,
+        })
+    }
+
+    /// Forward and backward of each micro-batch, gradients accumulated; inside backward,
+    /// each parameter's own guard (its norm, the loss's finiteness) decides its update.
+    fn micro_batches(
+        &mut self,
+        be: &dyn Backend,
+        plan: &Plan,
+        buffers: &mut Buffers,
+        inside: &mut InBackward,
+    ) -> Result<StashStats> {
+        let ledger = be.ledger().clone();
+        let mut stash = StashStats::default();
+        for j in 0..plan.k {
+            ledger.phase_begin(Phase::MicroBatch(j));
+            let batch = self.data.next_batch();
+            let optimizer = &mut self.optimizer;
+            let record = &mut buffers.record;
+            let step = self.step + 1;
+            let inside = &mut *inside;
+            let mut update = |p: &mut Param, losses: &Tensor| -> Result<()> {
+                let Some(grad) = p.grad() else {
+                    return Ok(());
+                };
+                guard::grad_guard(be, record, &[grad], losses, 0.0, plan.loss_scale)?;
+                let r = StepRecord::read(be, record)?;
+                inside.norm_squares += (r.grad_norm as f64).powi(2);
+                inside.all_finite &= r.finite();
+                optimizer.step(
+                    be,
+                    std::slice::from_mut(p),
+                    plan.lr,
+                    GradScale::new(record)?,
+                    step,
+                )?;
+                p.refresh_after_step(be)?;
+                p.drop_grad();
+                Ok(())
+            };
+            let mut pass = Pass {
+                backend: be,
+                params: &mut self.params,
+                checkpoint: &self.checkpoint,
+                dtype: self.precision.compute_dtype(),
+                offload: self.options.offload_activations,
+                grad_ready: if plan.in_backward {
+                    Some(&mut update)
+                } else {
+                    None
+                },
+            };
+            let s = self.model.forward_backward(
+                &mut pass,
+                &batch,
+                plan.grad_scale,
+                &mut buffers.losses,
+            )?;
+            stash.kept_bytes += s.stash.kept_bytes;
+            stash.dropped_bytes += s.stash.dropped_bytes;
+            stash.recomputed_bytes += s.stash.recomputed_bytes;
+            stash.offloaded_bytes += s.stash.offloaded_bytes;
+            ledger.phase_end(Phase::MicroBatch(j));
+            self.flush_events();
+        }
+        Ok(stash)
+    }
+
+    /// The optimizer phase: unless the parameters were updated inside backward, the
+    /// norm, the clipping multiplier and the skip decision are made on the device and the
+    /// optimizer applies them there (AdamW skips a non-finite step in its kernel). Ends
+    /// with the step's one read: the loss for logging, the norm and the skip decision.
+    fn update(
+        &mut self,
+        be: &dyn Backend,
+        plan: &Plan,
+        buffers: Buffers,
+        inside: &InBackward,
+    ) -> Result<StepRecord> {
+        let ledger = be.ledger().clone();
+        let Buffers { losses, mut record } = buffers;
+        ledger.phase_begin(Phase::Optimizer);
+        if !plan.in_backward {
+            {
+                let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
+                guard::grad_guard(
+                    be,
+                    &mut record,
+                    &grads,
+                    &losses,
+                    self.options.grad_clip,
+                    plan.loss_scale,
+                )?;
+            }
+            self.optimizer.step(
+                be,
+                &mut self.params,
+                plan.lr,
+                GradScale::new(&record)?,
+                self.step + 1,
+            )?;
+            for p in &mut self.params {
+                p.refresh_after_step(be)?;
+            }
+        }
+        let mut r = StepRecord::read(be, &record)?;
+        if plan.in_backward {
+            let loss_sum: f64 = be.to_f32(&losses)?.iter().map(|&l| l as f64).sum();
+            r = StepRecord {
+                scale: if inside.all_finite && loss_sum.is_finite() {
+                    1.0 / plan.loss_scale
+                } else {
+                    f32::NAN
+                },
+                grad_norm: inside.norm_squares.sqrt() as f32,
+                loss_sum: loss_sum as f32,
+            };
+        }
+        drop((record, losses));
+        ledger.phase_end(Phase::Optimizer);
+        Ok(r)
+    }
+
+    /// The books after the update: the loss scale answers an overflow, a non-finite step
+    /// counts as skipped (and towards divergence), the counters move on; too many bad
+    /// steps in a row end training with [`Error::Diverged`].
+    fn keep_books(&mut self, plan: &Plan, r: &StepRecord) -> Result<()> {
+        let loss = r.loss_sum as f64 / plan.tokens() as f64;
+        let grad_norm = r.grad_norm as f64;
+        let finite = r.finite();
+        // An overflow of the scaled gradients with a finite loss is the loss scale's to
+        // answer (it shrinks), not a sign of divergence.
+        let overflow = !finite && loss.is_finite() && self.precision.overflow_expected();
+        self.precision.update_loss_scale(finite);
+        if finite {
+            self.bad_streak = 0;
+        } else if overflow {
+            self.skipped_steps += 1;
+            log::info!(
+                "step {}: gradients overflowed at loss scale {}; update skipped, loss scale \
+                 now {}",
+                self.step + 1,
+                plan.loss_scale,
+                self.precision.loss_scale()
+            );
+        } else {
+            self.skipped_steps += 1;
+            self.bad_streak += 1;
+            log::warn!(
+                "step {}: loss {loss} or gradient norm {grad_norm} is not finite; update skipped",
+                self.step + 1
+            );
+        }
+        self.step += 1;
+        self.tokens_seen += plan.tokens();
+        let max_bad = self.options.max_bad_steps;
+        if max_bad > 0 && self.bad_streak >= max_bad {
+            self.flush_events();
+            return Err(Error::Diverged {
+                message: format!(
+                    "{} steps in a row up to step {} had a non-finite loss or gradient norm \
+                     (last: loss {loss}, gradient norm {grad_norm}); their updates were \
+                     skipped, so the weights are those of step {}. Lower the learning rate, \
+                     clip gradients, or raise max_bad_steps",
+                    self.bad_streak,
+                    self.step,
+                    self.step - self.bad_streak
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The step's statistics: loss, norm, throughput, memory and FLOP utilisation.
+    fn report(
+        &mut self,
+        be: &dyn Backend,
+        plan: &Plan,
+        r: &StepRecord,
+        stash: StashStats,
+        start: Instant,
+    ) -> StepStats {
+        let ledger = be.ledger().clone();
+        ledger.step_end(self.step, None);
+        self.flush_events();
+        let snap = ledger.snapshot();
+        let seconds = start.elapsed().as_secs_f64();
+        let tokens = plan.tokens();
+        let model_flops = self.model.flops_per_token(self.data.seq_len()) * tokens as f64;
+        let utilisation = |flops: f64| {
+            self.options
+                .peak_flops
+                .filter(|p| *p > 0.0)
+                .map(|peak| flops / seconds.max(1e-12) / peak)
+        };
+        StepStats {
+            step: self.step,
+            loss: r.loss_sum as f64 / tokens as f64,
+            grad_norm: r.grad_norm as f64,
+            lr: plan.lr,
+            tokens,
+            micro_batches: plan.k,
+            seconds,
+            tokens_per_s: tokens as f64 / seconds.max(1e-12),
+            skipped: !r.finite(),
+            loss_scale: plan.loss_scale,
+            memory: StepMemory {
+                peak: snap.peak,
+                peak_total: snap.peak_total,
+                at_peak: snap.at_peak,
+                device: be.device_memory(),
+            },
+            model_flops,
+            hardware_flops: snap.flops,
+            mfu: utilisation(model_flops),
+            hfu: utilisation(snap.flops as f64),
+            stash,
+        }
+    }
+}
