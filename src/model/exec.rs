@@ -67,7 +67,7 @@ pub fn forward_backward(
     let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
 
     ledger.phase_begin(Phase::Embedding);
-    let mut x = run.embed(pass.params)?;
+    let (mut x, mut embedding) = run.embed_with_shapes(pass.params)?;
     ledger.phase_end(Phase::Embedding);
 
     for (l, (sec, st)) in graph.layers.iter().zip(&mut layers).enumerate() {
@@ -104,8 +104,13 @@ pub fn forward_backward(
     }
 
     ledger.phase_begin(Phase::EmbeddingBackward);
-    let mut st = State::new(&graph.embedding);
-    run.backward(pass.params, &graph.embedding, &mut st, Some(dx), &mut ready)?;
+    run.backward(
+        pass.params,
+        &graph.embedding,
+        &mut embedding,
+        Some(dx),
+        &mut ready,
+    )?;
     ledger.phase_end(Phase::EmbeddingBackward);
     Ok(PassStats { stash: run.stats })
 }
@@ -441,12 +446,24 @@ impl<'r> Run<'r> {
 
     /// The embedding section: layer 0's input.
     fn embed(&self, params: &[Param]) -> Result<Tensor> {
+        self.embed_with_shapes(params).map(|(x, _)| x)
+    }
+
+    /// The embedding section: layer 0's input, and a state holding no values but the
+    /// shapes of the section's values (what its backward needs to build gradients, when
+    /// the section has more than one node).
+    fn embed_with_shapes(&self, params: &[Param]) -> Result<(Tensor, State)> {
         let sec = &self.graph.embedding;
         let mut st = State::new(sec);
         self.forward_all(params, sec, &mut st)?;
-        st.stash[sec.output]
+        let x = st.stash[sec.output]
             .take()
-            .ok_or_else(|| missing("the embedding's output"))
+            .ok_or_else(|| missing("the embedding's output"))?;
+        let shapes = std::mem::take(&mut st.shapes);
+        drop(st);
+        let mut kept = State::new(sec);
+        kept.shapes = shapes;
+        Ok((x, kept))
     }
 
     /// Embedding and every layer, forward only: the last layer's output.

@@ -184,11 +184,13 @@ impl Family for Gpt2Config {
             context: self.n_positions,
             norm: Norm::LayerNorm,
             norm_eps: f64::from(self.layer_norm_epsilon),
+            norm_offset: false,
             positions: Positions::Learned,
             mlp: Mlp::Gelu,
             bias: Biases::ALL,
             qk_norm: false,
             tied_embeddings: true,
+            embedding_scale: None,
             init_std: 0.02,
             scaled_residual_init: true,
         }

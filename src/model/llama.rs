@@ -29,11 +29,13 @@ impl Family for LlamaConfig {
             context: self.max_position_embeddings,
             norm: Norm::RmsNorm,
             norm_eps: self.rms_norm_eps,
+            norm_offset: false,
             positions: Positions::Rotary(self.rope),
             mlp: Mlp::SwiGlu,
             bias: Biases::NONE,
             qk_norm: false,
             tied_embeddings: self.tie_word_embeddings,
+            embedding_scale: None,
             init_std: self.initializer_range,
             scaled_residual_init: false,
         }

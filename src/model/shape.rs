@@ -43,6 +43,9 @@ pub struct Shape {
     pub norm: Norm,
     /// Their epsilon.
     pub norm_eps: f64,
+    /// Whether RMS norm gains are stored as their offset from 1 (`x · rstd · (1 + w)`,
+    /// gains initialised to 0: Gemma).
+    pub norm_offset: bool,
     /// How positions enter.
     pub positions: Positions,
     /// The MLP's form.
@@ -54,6 +57,9 @@ pub struct Shape {
     pub qk_norm: bool,
     /// Whether the output head shares the token embedding.
     pub tied_embeddings: bool,
+    /// A constant the token embedding is multiplied by before the first layer (Gemma:
+    /// `√hidden`); `None` for none.
+    pub embedding_scale: Option<f32>,
     /// Standard deviation of the normal initialisation of weights.
     pub init_std: f64,
     /// Whether the residual projections (attention output, MLP down) start with

@@ -24,13 +24,13 @@ pub mod swiglu;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
-pub use embedding::{LearnedEmbedding, TokenEmbedding};
+pub use embedding::{EmbeddingScale, LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
 pub use layernorm::LayerNorm;
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
 pub use qk_norm::QkNorm;
-pub use rmsnorm::RmsNorm;
+pub use rmsnorm::{OffsetRmsNorm, RmsNorm};
 pub use rope::Rope;
 pub use swiglu::SwiGlu;
 

@@ -9,8 +9,9 @@ use super::super::shape::{Positions, Shape};
 use super::super::{LayerSlot, Mlp, Norm, Slot};
 use crate::checkpoint::Tags;
 use crate::ops::{
-    AttentionPath, Classifier, LayerNorm, LearnedEmbedding, Linear, LinearCrossEntropy, LinearGelu,
-    LinearResidual, QkNorm, RmsNorm, Rope, SwiGlu, TokenEmbedding,
+    AttentionPath, Classifier, EmbeddingScale, LayerNorm, LearnedEmbedding, Linear,
+    LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope, SwiGlu,
+    TokenEmbedding,
 };
 
 /// How the parts of the graph that a family names are labelled.
@@ -31,17 +32,25 @@ pub(crate) fn graph(
     attention: AttentionPath,
 ) -> Graph {
     let mut embedding = Section::new(Value::new("tokens", "tokens", Tags::NONE));
-    let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
+    let embedded = match shape.embedding_scale {
+        Some(_) => embedding.value("embedded", "embedded", Tags::NONE),
+        None => embedding.value("input", "h.0.input", Tags::LAYER_INPUT),
+    };
     match shape.positions {
         Positions::Learned => embedding.node(
             LearnedEmbedding,
             &[],
-            &[x],
+            &[embedded],
             &[p(Slot::Embed), p(Slot::Positions)],
         ),
-        Positions::Rotary(_) => embedding.node(TokenEmbedding, &[], &[x], &[p(Slot::Embed)]),
+        Positions::Rotary(_) => embedding.node(TokenEmbedding, &[], &[embedded], &[p(Slot::Embed)]),
     }
-    embedding.output = x;
+    embedding.output = embedded;
+    if let Some(factor) = shape.embedding_scale {
+        let x = embedding.value("input", "h.0.input", Tags::LAYER_INPUT);
+        embedding.node(EmbeddingScale { factor }, &[embedded], &[x], &[]);
+        embedding.output = x;
+    }
 
     let layers = (0..shape.layers)
         .map(|l| {
@@ -105,6 +114,7 @@ fn norm_node(
     let eps = shape.norm_eps as f32;
     match (shape.norm, bias) {
         (Norm::LayerNorm, Some(b)) => s.node(LayerNorm { eps }, &[input], &outputs, &[weight, b]),
+        _ if shape.norm_offset => s.node(OffsetRmsNorm { eps }, &[input], &outputs, &[weight]),
         _ => s.node(RmsNorm { eps }, &[input], &outputs, &[weight]),
     }
 }

@@ -245,6 +245,19 @@ pub(crate) fn check(shape: &Shape) -> Result<()> {
             "a GELU MLP without biases is not built; use biases or a SwiGLU MLP",
         ));
     }
+    if shape.norm_offset && (shape.norm != Norm::RmsNorm || shape.qk_norm) {
+        return Err(Error::config(
+            "model.norm_offset",
+            "gains stored as offsets from 1 are built for the RMS norms of the blocks and \
+             the head only (not LayerNorm, not the q/k norm)",
+        ));
+    }
+    if shape.embedding_scale.is_some_and(|s| !s.is_finite()) {
+        return Err(Error::config(
+            "model.embedding_scale",
+            "must be a finite number",
+        ));
+    }
     Ok(())
 }
 
@@ -302,14 +315,15 @@ fn is_projection(slot: Slot) -> bool {
     )
 }
 
-/// How `slot`'s values start (transformers' `_init_weights`): norm gains 1, biases 0,
+/// How `slot`'s values start (transformers' `_init_weights`): norm gains 1 (0 stored as
+/// offsets from 1), biases 0,
 /// the residual projections normal with `init_std / √(2·layers)` when the shape scales
 /// them (GPT-2), every other weight normal with `init_std`.
 fn init(shape: &Shape, slot: Slot) -> Init {
     use LayerSlot as L;
     match slot {
         Slot::FinalNorm | Slot::Layer(_, L::Norm1 | L::Norm2 | L::QNorm | L::KNorm) => {
-            Init::Constant(1.0)
+            Init::Constant(if shape.norm_offset { 0.0 } else { 1.0 })
         }
         Slot::FinalNormBias
         | Slot::Layer(

@@ -264,3 +264,52 @@ impl Op for TokenEmbedding {
         backward(be, dwte, None, &dout, cx.tokens)
     }
 }
+
+/// The embedding times a constant (Gemma's `√hidden`): `out = factor · x`, and
+/// `dx += factor · dy`. Input: `x`. Output: `out`. Backward reads nothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EmbeddingScale {
+    /// The constant.
+    pub factor: f32,
+}
+
+impl Op for EmbeddingScale {
+    fn name(&self) -> &'static str {
+        "embedding_scale"
+    }
+
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        _weights: &[&Tensor],
+        dtype: DType,
+        _batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>> {
+        Ok(vec![(inputs[0].shape().to_vec(), dtype)])
+    }
+
+    fn saves(&self) -> Saves {
+        Saves {
+            inputs: 0,
+            outputs: 0,
+        }
+    }
+
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
+        let x = cx.input(0)?;
+        let mut out = cx.alloc(0)?;
+        cx.backend.cast(&mut out, x)?;
+        cx.backend.scale(&mut out, self.factor)?;
+        cx.outputs[0] = Some(out);
+        Ok(())
+    }
+
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        let dout = cx.take_grad_out(0)?;
+        let dx = cx.grads_in[0].accumulate(be)?;
+        be.axpy(dx, self.factor, &dout)?;
+        drop(dout);
+        Ok(())
+    }
+}

@@ -236,3 +236,84 @@ impl Op for RmsNorm {
         Ok(())
     }
 }
+
+/// Gemma's RMS norm: `out = x · rstd · (1 + w)`, the gain stored as its offset from 1 (a
+/// freshly initialised norm has `w = 0`). Composed from [`RmsNorm`]'s kernels with the
+/// gain `1 + w` made for each call (a `[C]` workspace in the activations' dtype); its
+/// gradient is the gain's.
+///
+/// Input: `x`. Parameter: `w`. Outputs: `out` (the compute dtype) and `rstd` (`[rows]`
+/// f32). Backward reads `x` and `rstd`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OffsetRmsNorm {
+    /// Added to the mean square.
+    pub eps: f32,
+}
+
+/// The gain `1 + w` in `dtype`, a workspace of `w`'s length.
+fn unit_offset(be: &dyn Backend, w: &Tensor, dtype: DType) -> Result<Tensor> {
+    let mut gain = be.empty(
+        w.shape(),
+        dtype,
+        crate::memory::MemoryCategory::Workspace,
+        &format!("{}.plus_one", w.label()),
+    )?;
+    be.fill(&mut gain, 1.0)?;
+    be.axpy(&mut gain, 1.0, w)?;
+    Ok(gain)
+}
+
+impl Op for OffsetRmsNorm {
+    fn name(&self) -> &'static str {
+        "offset_rmsnorm"
+    }
+
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        weights: &[&Tensor],
+        dtype: DType,
+        batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>> {
+        RmsNorm { eps: self.eps }.output_shapes(inputs, weights, dtype, batch)
+    }
+
+    fn saves(&self) -> Saves {
+        RmsNorm { eps: self.eps }.saves()
+    }
+
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
+        let x = cx.input(0)?;
+        let gain = unit_offset(cx.backend, cx.weights[0], x.dtype())?;
+        let mut out = cx.alloc(0)?;
+        let mut rstd = cx.alloc(1)?;
+        forward(cx.backend, &mut out, &mut rstd, x, &gain, self.eps)?;
+        drop(gain);
+        cx.outputs[0] = Some(out);
+        cx.outputs[1] = Some(rstd);
+        Ok(())
+    }
+
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        let dout = cx.take_grad_out(0)?;
+        let x = cx.inputs[0].get()?;
+        let gain = unit_offset(be, cx.params[0].weight(), x.dtype())?;
+        let dx = cx.grads_in[0].accumulate(be)?;
+        let dweight = cx.params[0].grad_mut(be)?;
+        backward(
+            be,
+            dx,
+            dweight,
+            &dout,
+            cx.inputs[0].get()?,
+            &gain,
+            cx.outputs[1].get()?,
+        )?;
+        drop(gain);
+        cx.inputs[0].release();
+        cx.outputs[1].release();
+        drop(dout);
+        Ok(())
+    }
+}

@@ -1,0 +1,334 @@
+//! A model family written outside the crate: a short `impl Family` over Llama's config
+//! that turns on two things of trainkit's shape vocabulary Llama does not use, Gemma's
+//! RMS norm gains stored as offsets from 1 (`x · rstd · (1 + w)`) and an embedding
+//! multiplied by a constant. Each equals its composed reference (Llama with the gains
+//! `1 + w`, Llama with the embedding scaled), and the family trains with every recompute
+//! policy bitwise equal, gradients that match finite differences, the exact memory
+//! prediction equal to the ledger, and the CPU's losses on the CUDA emulator.
+
+mod common;
+
+use common::{corpus_loader, cpu, grads, values};
+use std::sync::Arc;
+use trainkit::device::cuda::CudaBackend;
+use trainkit::estimate::{predict, MicroBatch};
+use trainkit::model::{Decoder, Family, Rope, RopeScaling, Shape};
+use trainkit::{
+    AdamW, Backend, CheckpointPolicy, Fp32, Full, Llama, LlamaConfig, MemoryCategory, MixedBf16,
+    Model, NoRecompute, Precision, Result, Selective, Trainer, TrainerOptions,
+};
+
+/// The downstream family: Llama's config, with norm gains stored as offsets from 1 and
+/// the embedding scaled when asked.
+#[derive(Clone, Debug, PartialEq)]
+struct Gemmaish {
+    base: LlamaConfig,
+    offset: bool,
+    scale: Option<f32>,
+}
+
+impl Family for Gemmaish {
+    const MODEL_TYPE: &'static str = "gemmaish";
+
+    fn shape(&self) -> Shape {
+        Shape {
+            norm_offset: self.offset,
+            embedding_scale: self.scale,
+            ..Family::shape(&self.base)
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        Family::validate(&self.base)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        Family::hf_config(&self.base)
+    }
+}
+
+fn base(tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: tied,
+        initializer_range: 0.1,
+        rope: Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::Default,
+        },
+    }
+}
+
+fn trainer(model: Box<dyn Model>, be: Arc<dyn Backend>) -> impl FnMut() -> f64 {
+    let mut t = Trainer::builder(model, be, corpus_loader(8_000, 4, 2, 16))
+        .build()
+        .unwrap();
+    move || t.step().unwrap().loss
+}
+
+/// Loss of `model` on one batch, after setting every parameter to `set(name, values)`.
+fn loss_with(model: Box<dyn Model>, set: impl Fn(&str, &mut Vec<f32>), from: &[Vec<f32>]) -> f64 {
+    let mut t = Trainer::builder(model, cpu(), corpus_loader(8_000, 4, 2, 16))
+        .build()
+        .unwrap();
+    let batch = corpus_loader(8_000, 5, 2, 16).next_batch();
+    let be = t.backend().clone();
+    for (i, v) in from.iter().enumerate() {
+        let mut v = v.clone();
+        let name = t.params()[i].name().to_string();
+        set(&name, &mut v);
+        t.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+    }
+    t.loss_on(&batch).unwrap()
+}
+
+/// Random values for every parameter of `model`, drawn as the trainer initialises them,
+/// then moved so that the norm gains are not all equal.
+fn random_values(model: Box<dyn Model>) -> Vec<Vec<f32>> {
+    let t = Trainer::builder(model, cpu(), corpus_loader(8_000, 4, 2, 16))
+        .build()
+        .unwrap();
+    values(&t)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.iter()
+                .enumerate()
+                .map(|(j, x)| x + 0.05 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0)
+                .collect()
+        })
+        .collect()
+}
+
+fn is_norm(name: &str) -> bool {
+    name.ends_with("layernorm.weight") || name == "model.norm.weight"
+}
+
+/// A norm whose gains are offsets from 1 is Llama's norm with the gains `1 + w`.
+#[test]
+fn offset_gains_equal_llamas_norm_with_the_gains_plus_one() {
+    let family = Gemmaish {
+        base: base(true),
+        offset: true,
+        scale: None,
+    };
+    let v = random_values(Box::new(Decoder::new(family.clone()).unwrap()));
+    let offset = loss_with(Box::new(Decoder::new(family).unwrap()), |_, _| {}, &v);
+    let plain = loss_with(
+        Box::new(Llama::new(base(true)).unwrap()),
+        |name, v| {
+            if is_norm(name) {
+                v.iter_mut().for_each(|x| *x += 1.0);
+            }
+        },
+        &v,
+    );
+    assert!(
+        ((offset - plain) / plain).abs() < 1e-6,
+        "{offset} vs {plain}"
+    );
+}
+
+/// A scaled embedding is Llama with the embedding's values scaled (an untied head, so
+/// that only the input side changes).
+#[test]
+fn a_scaled_embedding_equals_llama_with_the_embedding_scaled() {
+    let family = Gemmaish {
+        base: base(false),
+        offset: false,
+        scale: Some(4.0),
+    };
+    let v = random_values(Box::new(Decoder::new(family.clone()).unwrap()));
+    let scaled = loss_with(Box::new(Decoder::new(family).unwrap()), |_, _| {}, &v);
+    let plain = loss_with(
+        Box::new(Llama::new(base(false)).unwrap()),
+        |name, v| {
+            if name == "model.embed_tokens.weight" {
+                v.iter_mut().for_each(|x| *x *= 4.0);
+            }
+        },
+        &v,
+    );
+    assert!(
+        ((scaled - plain) / plain).abs() < 1e-6,
+        "{scaled} vs {plain}"
+    );
+    // A freshly initialised offset norm starts at the gains 1: its stored gains are 0.
+    let model = Decoder::new(Gemmaish {
+        base: base(true),
+        offset: true,
+        scale: Some(2.0),
+    })
+    .unwrap();
+    let norms: Vec<_> = model
+        .init_params()
+        .into_iter()
+        .filter(|p| is_norm(&p.name))
+        .collect();
+    assert_eq!(norms.len(), 5);
+    assert!(norms
+        .iter()
+        .all(|p| p.init == trainkit::model::Init::Constant(0.0)));
+}
+
+fn family() -> Gemmaish {
+    Gemmaish {
+        base: base(true),
+        offset: true,
+        scale: Some(5.656_854),
+    }
+}
+
+/// Gradients of the offset gains and the scaled embedding against central differences.
+#[test]
+fn gradients_match_finite_differences() {
+    let (b, t) = (2, 12);
+    let batch = corpus_loader(4_000, 7, b, t).next_batch();
+    let model = Decoder::new(family()).unwrap();
+    let mut trainer = Trainer::builder(model, cpu(), corpus_loader(4_000, 7, b, t))
+        .optimizer(AdamW {
+            lr: 0.0,
+            ..AdamW::default()
+        })
+        .options(TrainerOptions {
+            grad_clip: 0.0,
+            ..TrainerOptions::default()
+        })
+        .build()
+        .unwrap();
+    trainer.step().unwrap();
+    let g = grads(&trainer);
+    let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
+    for (name, at) in [
+        (
+            "model.embed_tokens.weight",
+            batch.inputs[2] as usize * 32 + 3,
+        ),
+        ("model.layers.0.input_layernorm.weight", 5),
+        ("model.layers.1.post_attention_layernorm.weight", 17),
+        ("model.norm.weight", 30),
+        ("model.layers.1.self_attn.qkv_proj.weight", 77),
+    ] {
+        let i = names.iter().position(|n| n == name).unwrap();
+        let original = values(&trainer)[i].clone();
+        let h = 1e-2f32;
+        let mut loss_at = |delta: f32| {
+            let mut v = original.clone();
+            v[at] += delta;
+            let be = trainer.backend().clone();
+            trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+            trainer.loss_on(&batch).unwrap() / (b * t) as f64
+        };
+        let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
+        loss_at(0.0);
+        let analytic = g[i][at] as f64;
+        let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
+        assert!(
+            err < 2e-2,
+            "{name}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}"
+        );
+    }
+}
+
+type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>);
+
+fn run(precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>) -> Run {
+    let model = Decoder::new(family()).unwrap();
+    let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (grads(&t), values(&t), losses)
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// Recomputation changes memory, never results, and the meta backend predicts the
+/// ledger, category by category.
+#[test]
+fn recompute_is_exact_and_the_prediction_equals_the_ledger() {
+    for precision in [
+        Box::new(Fp32) as Box<dyn Precision>,
+        Box::new(MixedBf16 { fp32_grads: true }),
+    ] {
+        let (g0, v0, l0) = run(precision.clone(), Box::new(NoRecompute));
+        for policy in [
+            Box::new(Full) as Box<dyn CheckpointPolicy>,
+            Box::new(Selective),
+        ] {
+            let what = format!("{precision:?} {policy:?}");
+            let (g, v, l) = run(precision.clone(), policy.clone());
+            assert_eq!(l, l0, "{what}: losses");
+            assert!(bits(&g) == bits(&g0), "{what}: gradients");
+            assert!(bits(&v) == bits(&v0), "{what}: weights");
+            let predicted = predict(
+                Box::new(Decoder::new(family()).unwrap()),
+                MicroBatch {
+                    batch_size: 2,
+                    seq_len: 16,
+                },
+                precision.as_ref(),
+                policy.as_ref(),
+                &AdamW::default(),
+            )
+            .unwrap();
+            let mut t = Trainer::builder(
+                Decoder::new(family()).unwrap(),
+                cpu(),
+                corpus_loader(8_000, 3, 2, 16),
+            )
+            .precision(precision.clone())
+            .checkpoint(policy)
+            .build()
+            .unwrap();
+            for step in 1..=2 {
+                let s = t.step().unwrap();
+                for c in MemoryCategory::ALL {
+                    assert_eq!(
+                        s.memory.peak.get(c),
+                        predicted.peak.get(c),
+                        "step {step} {c} of {what}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// On the CUDA emulator the family gives the CPU's losses.
+#[test]
+fn the_family_on_the_emulator_tracks_the_cpu() {
+    let emu = match CudaBackend::emulated() {
+        Ok(b) => Arc::new(b) as Arc<dyn Backend>,
+        Err(e) => {
+            if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() {
+                panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}");
+            }
+            eprintln!("families: CUDA emulator check SKIPPED: {e}");
+            return;
+        }
+    };
+    let mut on_cpu = trainer(Box::new(Decoder::new(family()).unwrap()), cpu());
+    let mut on_emu = trainer(Box::new(Decoder::new(family()).unwrap()), emu);
+    for step in 0..2 {
+        let (want, got) = (on_cpu(), on_emu());
+        assert!(
+            ((got - want) / want).abs() < 1e-5,
+            "step {step}: {got} vs {want}"
+        );
+    }
+}
