@@ -108,6 +108,28 @@ __device__ __forceinline__ float tk_exp(float x) {
 }
 
 // ---------------------------------------------------------------------------------------
+// GELU with the tanh approximation (GPT-2's `gelu_new`), as the CPU computes it (see
+// gelu.cu): used by gelu.cu and by GeGLU's gate (geglu.cu).
+
+#define TK_SQRT_2_OVER_PI 0x1.988454p-1f  // 0.7978846
+#define TK_GELU_COEF 0x1.6e4e26p-5f       // 0.044715
+#define TK_GELU_COEF3 0x1.12ba9cp-3f      // 3 · 0.044715, rounded to f32 as the CPU does
+
+__device__ __forceinline__ float gelu_value(float x) {
+    float u = TK_SQRT_2_OVER_PI * (x + TK_GELU_COEF * x * x * x);
+    return x / (1.0f + tk_exp(-2.0f * u));
+}
+
+// With s = σ(2u): s + 2·x·s·(1 − s)·u'(x).
+__device__ __forceinline__ float gelu_grad(float x) {
+    float x2 = x * x;
+    float u = TK_SQRT_2_OVER_PI * (x + TK_GELU_COEF * x2 * x);
+    float s = 1.0f / (1.0f + tk_exp(-2.0f * u));
+    float du = TK_SQRT_2_OVER_PI * (1.0f + TK_GELU_COEF3 * x2);
+    return s + 2.0f * x * s * (1.0f - s) * du;
+}
+
+// ---------------------------------------------------------------------------------------
 // Instantiation: each kernel is a template `NAME_impl<...>` and extern "C" wrappers give
 // every dtype combination a fixed name, `NAME_<dtype>[_<dtype>...]`, that the Rust side
 // loads.

@@ -1,30 +1,35 @@
 //! A model family written outside the crate: a short `impl Family` over Llama's config
-//! that turns on two things of trainkit's shape vocabulary Llama does not use, Gemma's
-//! RMS norm gains stored as offsets from 1 (`x · rstd · (1 + w)`) and an embedding
-//! multiplied by a constant. Each equals its composed reference (Llama with the gains
-//! `1 + w`, Llama with the embedding scaled), and the family trains with every recompute
-//! policy bitwise equal, gradients that match finite differences, the exact memory
-//! prediction equal to the ledger, and the CPU's losses on the CUDA emulator.
+//! that turns on three things of trainkit's shape vocabulary Llama does not use, Gemma's
+//! RMS norm gains stored as offsets from 1 (`x · rstd · (1 + w)`), an embedding
+//! multiplied by a constant, and a GeGLU MLP. Each equals its composed reference (Llama
+//! with the gains `1 + w`, Llama with the embedding scaled, the tanh GELU times the up
+//! projection), the GeGLU kernels give the CPU's results bit for bit on the CUDA emulator,
+//! and the family trains with every recompute policy bitwise equal, gradients that match
+//! finite differences, the exact memory prediction equal to the ledger, and the CPU's
+//! losses on the emulator.
 
 mod common;
 
-use common::{corpus_loader, cpu, grads, values};
+use common::{corpus_loader, cpu, grads, randn, values};
 use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
 use trainkit::estimate::{predict, MicroBatch};
-use trainkit::model::{Decoder, Family, Rope, RopeScaling, Shape};
+use trainkit::model::{Decoder, Family, Mlp, Rope, RopeScaling, Shape};
+use trainkit::ops::{geglu, gelu};
 use trainkit::{
-    AdamW, Backend, CheckpointPolicy, Fp32, Full, Llama, LlamaConfig, MemoryCategory, MixedBf16,
-    Model, NoRecompute, Precision, Result, Selective, Trainer, TrainerOptions,
+    AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, Llama, LlamaConfig,
+    MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Result, Rng, Selective, Tensor,
+    Trainer, TrainerOptions,
 };
 
-/// The downstream family: Llama's config, with norm gains stored as offsets from 1 and
-/// the embedding scaled when asked.
+/// The downstream family: Llama's config, with norm gains stored as offsets from 1, the
+/// embedding scaled and a GeGLU MLP when asked.
 #[derive(Clone, Debug, PartialEq)]
 struct Gemmaish {
     base: LlamaConfig,
     offset: bool,
     scale: Option<f32>,
+    geglu: bool,
 }
 
 impl Family for Gemmaish {
@@ -34,6 +39,7 @@ impl Family for Gemmaish {
         Shape {
             norm_offset: self.offset,
             embedding_scale: self.scale,
+            mlp: if self.geglu { Mlp::GeGlu } else { Mlp::SwiGlu },
             ..Family::shape(&self.base)
         }
     }
@@ -119,6 +125,7 @@ fn offset_gains_equal_llamas_norm_with_the_gains_plus_one() {
         base: base(true),
         offset: true,
         scale: None,
+        geglu: false,
     };
     let v = random_values(Box::new(Decoder::new(family.clone()).unwrap()));
     let offset = loss_with(Box::new(Decoder::new(family).unwrap()), |_, _| {}, &v);
@@ -145,6 +152,7 @@ fn a_scaled_embedding_equals_llama_with_the_embedding_scaled() {
         base: base(false),
         offset: false,
         scale: Some(4.0),
+        geglu: false,
     };
     let v = random_values(Box::new(Decoder::new(family.clone()).unwrap()));
     let scaled = loss_with(Box::new(Decoder::new(family).unwrap()), |_, _| {}, &v);
@@ -166,6 +174,7 @@ fn a_scaled_embedding_equals_llama_with_the_embedding_scaled() {
         base: base(true),
         offset: true,
         scale: Some(2.0),
+        geglu: false,
     })
     .unwrap();
     let norms: Vec<_> = model
@@ -184,6 +193,105 @@ fn family() -> Gemmaish {
         base: base(true),
         offset: true,
         scale: Some(5.656_854),
+        geglu: true,
+    }
+}
+
+fn up(be: &dyn Backend, v: &[f32], shape: &[usize], dt: DType) -> Tensor {
+    be.upload(v, shape, dt, MemoryCategory::Workspace, "t")
+        .unwrap()
+}
+
+/// GeGLU's forward and backward on `be`: out, dgate_up.
+fn geglu_on(be: &dyn Backend, rows: usize, f: usize, dt: DType) -> [Vec<f32>; 2] {
+    let mut rng = Rng::new(3);
+    let gu = up(be, &randn(&mut rng, rows * 2 * f, 2.0), &[rows, 2 * f], dt);
+    let d = up(be, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
+    let mut out = up(be, &vec![0.0; rows * f], &[rows, f], dt);
+    geglu::forward(be, &mut out, &gu).unwrap();
+    let mut dgu = up(be, &vec![0.0; rows * 2 * f], &[rows, 2 * f], dt);
+    geglu::backward(be, &mut dgu, &d, &gu).unwrap();
+    [be.to_f32(&out).unwrap(), be.to_f32(&dgu).unwrap()]
+}
+
+/// GeGLU equals its composed reference, trainkit's tanh GELU of the gate times the up
+/// projection, and its backward matches central differences of `Σ dout · out`.
+#[test]
+fn geglu_matches_the_gelu_of_the_gate_times_the_up_projection() {
+    let be = CpuBackend::new();
+    let (rows, f) = (5, 24);
+    let mut rng = Rng::new(3);
+    let gus = randn(&mut rng, rows * 2 * f, 2.0);
+    let ds = randn(&mut rng, rows * f, 1.0);
+    let [out, dgu] = geglu_on(&be, rows, f, DType::F32);
+    let (gate, upv): (Vec<f32>, Vec<f32>) = (
+        gus.chunks(2 * f).flat_map(|r| r[..f].to_vec()).collect(),
+        gus.chunks(2 * f).flat_map(|r| r[f..].to_vec()).collect(),
+    );
+    let g = up(&be, &gate, &[rows, f], DType::F32);
+    let mut act = up(&be, &vec![0.0; rows * f], &[rows, f], DType::F32);
+    gelu::forward(&be, &mut act, &g).unwrap();
+    let act = be.to_f32(&act).unwrap();
+    for i in 0..rows * f {
+        assert_eq!(out[i], act[i] * upv[i], "element {i}");
+    }
+    let loss = |gus: &[f32]| -> f64 {
+        let mut l = 0.0;
+        for r in 0..rows {
+            for i in 0..f {
+                let (x, u) = (gus[r * 2 * f + i] as f64, gus[r * 2 * f + f + i] as f64);
+                let gelu = 0.5
+                    * x
+                    * (1.0
+                        + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3)))
+                            .tanh());
+                l += ds[r * f + i] as f64 * gelu * u;
+            }
+        }
+        l
+    };
+    for at in [0, 7, f + 3, 2 * f + 5, rows * 2 * f - 1] {
+        let h = 1e-3;
+        let (mut p, mut m) = (gus.clone(), gus.clone());
+        p[at] += h;
+        m[at] -= h;
+        let numeric = (loss(&p) - loss(&m)) / (2.0 * h as f64);
+        let analytic = dgu[at] as f64;
+        assert!(
+            (numeric - analytic).abs() < 2e-3 * (1.0 + numeric.abs()),
+            "dgate_up[{at}]: {analytic} vs {numeric}"
+        );
+    }
+}
+
+/// GeGLU's CUDA kernels on the emulator give the CPU's results bit for bit, in f32, bf16
+/// and f16.
+#[test]
+fn geglu_kernels_match_the_cpu_bit_for_bit_on_the_emulator() {
+    let Some(emu) = emulated() else { return };
+    let be = CpuBackend::new();
+    for dt in [DType::F32, DType::Bf16, DType::F16] {
+        let want = geglu_on(&be, 9, 40, dt);
+        let got = geglu_on(&emu, 9, 40, dt);
+        for (w, g) in want.iter().zip(&got) {
+            assert!(
+                w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dt:?}"
+            );
+        }
+    }
+}
+
+fn emulated() -> Option<CudaBackend> {
+    match CudaBackend::emulated() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() {
+                panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}");
+            }
+            eprintln!("families: CUDA emulator check SKIPPED: {e}");
+            None
+        }
     }
 }
 
@@ -216,6 +324,8 @@ fn gradients_match_finite_differences() {
         ("model.layers.1.post_attention_layernorm.weight", 17),
         ("model.norm.weight", 30),
         ("model.layers.1.self_attn.qkv_proj.weight", 77),
+        ("model.layers.0.mlp.gate_up_proj.weight", 40),
+        ("model.layers.0.mlp.gate_up_proj.weight", 48 * 32 + 40),
     ] {
         let i = names.iter().position(|n| n == name).unwrap();
         let original = values(&trainer)[i].clone();
@@ -312,16 +422,8 @@ fn recompute_is_exact_and_the_prediction_equals_the_ledger() {
 /// On the CUDA emulator the family gives the CPU's losses.
 #[test]
 fn the_family_on_the_emulator_tracks_the_cpu() {
-    let emu = match CudaBackend::emulated() {
-        Ok(b) => Arc::new(b) as Arc<dyn Backend>,
-        Err(e) => {
-            if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() {
-                panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}");
-            }
-            eprintln!("families: CUDA emulator check SKIPPED: {e}");
-            return;
-        }
-    };
+    let Some(emu) = emulated() else { return };
+    let emu = Arc::new(emu) as Arc<dyn Backend>;
     let mut on_cpu = trainer(Box::new(Decoder::new(family()).unwrap()), cpu());
     let mut on_emu = trainer(Box::new(Decoder::new(family()).unwrap()), emu);
     for step in 0..2 {

@@ -15,6 +15,8 @@ pub enum Mlp {
     Gelu,
     /// Three matrices of `h×ffn` (gate, up, down) around a SiLU-gated product (Llama).
     SwiGlu,
+    /// Three matrices of `h×ffn` around a GELU-gated product (the tanh GELU: Gemma).
+    GeGlu,
 }
 
 /// The normalisation layers.
@@ -208,7 +210,7 @@ impl Architecture {
                 bias(self.bias.mlp, add(f, h, what)?),
                 what,
             )?,
-            Mlp::SwiGlu => add(
+            Mlp::SwiGlu | Mlp::GeGlu => add(
                 mul(3, mul(h, f, what)?, what)?,
                 bias(self.bias.mlp, add(mul(2, f, what)?, h, what)?),
                 what,

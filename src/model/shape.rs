@@ -82,7 +82,7 @@ impl Shape {
     pub fn up_width(&self) -> usize {
         match self.mlp {
             Mlp::Gelu => self.ffn,
-            Mlp::SwiGlu => 2 * self.ffn,
+            Mlp::SwiGlu | Mlp::GeGlu => 2 * self.ffn,
         }
     }
 

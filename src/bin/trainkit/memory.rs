@@ -187,14 +187,24 @@ fn positive(flag: &str, value: Option<u64>) -> Result<Option<u64>> {
 }
 
 fn describe(arch: &Architecture) -> String {
-    let heads = if arch.kv_heads == arch.heads {
+    let mut heads = if arch.kv_heads == arch.heads {
         format!("{} heads", arch.heads)
     } else {
         format!("{} heads ({} kv)", arch.heads, arch.kv_heads)
     };
+    if arch.head_dim.saturating_mul(arch.heads) != arch.hidden {
+        heads += &format!(" of {}", arch.head_dim);
+    }
+    if arch.qk_norm {
+        heads += ", q/k norm";
+    }
+    if arch.bias == trainkit::model::Biases::QKV {
+        heads += ", q/k/v biases";
+    }
     let mlp = match arch.mlp {
         Mlp::Gelu => "GELU MLP",
         Mlp::SwiGlu => "SwiGLU MLP",
+        Mlp::GeGlu => "GeGLU MLP",
     };
     let norm = match arch.norm {
         Norm::LayerNorm => "LayerNorm",

@@ -9,7 +9,7 @@ use super::super::shape::{Positions, Shape};
 use super::super::{LayerSlot, Mlp, Norm, Slot};
 use crate::checkpoint::Tags;
 use crate::ops::{
-    AttentionPath, Classifier, EmbeddingScale, LayerNorm, LearnedEmbedding, Linear,
+    AttentionPath, Classifier, EmbeddingScale, GeGlu, LayerNorm, LearnedEmbedding, Linear,
     LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope, SwiGlu,
     TokenEmbedding,
 };
@@ -182,6 +182,7 @@ fn layer(
     let (up_name, act_name) = match shape.mlp {
         Mlp::Gelu => ("fc_out", "gelu_out"),
         Mlp::SwiGlu => ("gate_up", "swiglu_out"),
+        Mlp::GeGlu => ("gate_up", "geglu_out"),
     };
     let up = s.value(up_name, label(up_name), mlp | Tags::WIDE | Tags::PROJECTION);
     let act = s.value(act_name, label(act_name), mlp | Tags::WIDE);
@@ -262,7 +263,7 @@ fn layer(
             &[up, act],
             &up_params,
         ),
-        Mlp::SwiGlu => {
+        Mlp::SwiGlu | Mlp::GeGlu => {
             s.node(
                 Linear {
                     bias: shape.bias.mlp,
@@ -272,7 +273,10 @@ fn layer(
                 &[up],
                 &up_params,
             );
-            s.node(SwiGlu, &[up], &[act], &[]);
+            match shape.mlp {
+                Mlp::GeGlu => s.node(GeGlu, &[up], &[act], &[]),
+                _ => s.node(SwiGlu, &[up], &[act], &[]),
+            }
         }
     }
     s.node(

@@ -26,7 +26,7 @@ fn fused<F: Family>(family: &F, shape: &Shape, l: usize) -> Vec<(String, Vec<(St
     if shape.bias.qkv {
         out.push(split(LayerSlot::QkvBias, "qkv_proj", &qkv));
     }
-    if shape.mlp == Mlp::SwiGlu {
+    if matches!(shape.mlp, Mlp::SwiGlu | Mlp::GeGlu) {
         let gate_up = [("gate_proj", f), ("up_proj", f)];
         out.push(split(LayerSlot::Up, "gate_up_proj", &gate_up));
         if shape.bias.mlp {

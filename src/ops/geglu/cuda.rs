@@ -1,0 +1,69 @@
+//! GeGLU's gate over a fused gate-and-up projection, and its backward.
+//!
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/geglu.cu`, listed once in [`KERNELS`].
+
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use crate::device::cuda::Args;
+use crate::device::cuda::KernelFile;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/geglu.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "geglu.cu",
+    source: include_str!("../../../kernels/geglu.cu"),
+    kernels: &[
+        "geglu_f32",
+        "geglu_bf16",
+        "geglu_backward_f32",
+        "geglu_backward_bf16",
+        "geglu_f16",
+        "geglu_backward_f16",
+    ],
+};
+
+pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+    let (rows, f) = out.rows_cols();
+    let dt = gate_up.dtype();
+    ensure_dtype(out, dt, "geglu")?;
+    if rows * f == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("geglu_{dt}"),
+        be.grid(rows * f),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(out)?)
+            .ptr(ptr(gate_up)?)
+            .i64(rows)
+            .i64(f),
+    )
+}
+
+pub(crate) fn backward(
+    be: &CudaBackend,
+    dgate_up: &mut Tensor,
+    dout: &Tensor,
+    gate_up: &Tensor,
+) -> Result<()> {
+    let (rows, f) = dout.rows_cols();
+    let dt = gate_up.dtype();
+    ensure_dtype(dgate_up, dt, "geglu_backward")?;
+    if rows * f == 0 {
+        return Ok(());
+    }
+    let dout = be.as_dtype(dout, dt)?;
+    be.launch(
+        &format!("geglu_backward_{dt}"),
+        be.grid(rows * f),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dgate_up)?)
+            .ptr(ptr(&dout)?)
+            .ptr(ptr(gate_up)?)
+            .i64(rows)
+            .i64(f),
+    )
+}
