@@ -16,7 +16,8 @@ use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::Heads;
 use trainkit::ops::{
-    attention, cross_entropy, embedding, flash_attention, gelu, layernorm, rmsnorm, rope, swiglu,
+    attention, cross_entropy, embedding, flash_attention, geglu, gelu, layernorm, qk_norm, rmsnorm,
+    rope, swiglu,
 };
 use trainkit::optim::{adamw, adamw8bit, guard, AdamWStep, QuantizedMoments};
 use trainkit::{
@@ -1692,6 +1693,119 @@ fn llama_ops_match_the_cpu() {
             let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
             swiglu::backward(&cpu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
             swiglu::backward(&*cuda, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
+            bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
+        }
+    }
+}
+
+/// Qwen3's per-head q/k norm and Gemma's GeGLU gate on CUDA against the CPU, bit for bit
+/// (the RMS norm's sum order, the tanh GELU's `exp`), in every dtype, with grouped-query
+/// heads and more query rows than one block of the gain gradient.
+#[test]
+fn qk_norm_and_geglu_match_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(12);
+    for (name, cuda) in cuda_backends() {
+        for dt in DTYPES {
+            for (h, kv, hd, tokens) in [(4usize, 2usize, 16usize, 70usize), (2, 1, 40, 9)] {
+                let heads = Heads {
+                    n_head: h,
+                    n_kv_head: kv,
+                    head_dim: hd,
+                };
+                let w = heads.qkv_width();
+                let what = format!("qk_norm {heads:?} x{tokens} {dt}");
+                let x = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, tokens * w, 1.0),
+                    &[tokens, w],
+                    dt,
+                );
+                let wq = pair(&cpu, &cuda, &randn(&mut rng, hd, 1.0), &[hd], dt);
+                let wk = pair(&cpu, &cuda, &randn(&mut rng, hd, 1.0), &[hd], dt);
+                let mut y = out(&cpu, &cuda, &[tokens, w], dt);
+                let mut r = out(&cpu, &cuda, &[tokens, h + kv], DType::F32);
+                qk_norm::forward(
+                    &cpu, &mut y.cpu, &mut r.cpu, &x.cpu, &wq.cpu, &wk.cpu, heads, 1e-6,
+                )
+                .unwrap();
+                qk_norm::forward(
+                    &*cuda,
+                    &mut y.cuda,
+                    &mut r.cuda,
+                    &x.cuda,
+                    &wq.cuda,
+                    &wk.cuda,
+                    heads,
+                    1e-6,
+                )
+                .unwrap();
+                bitwise(&what, name, &cpu, &cuda, &y);
+                bitwise(&format!("{what} rstd"), name, &cpu, &cuda, &r);
+                let d = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, tokens * w, 1.0),
+                    &[tokens, w],
+                    dt,
+                );
+                let mut dx = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, tokens * w, 1.0),
+                    &[tokens, w],
+                    dt,
+                );
+                let mut dwq = pair(&cpu, &cuda, &randn(&mut rng, hd, 1.0), &[hd], DType::F32);
+                let mut dwk = pair(&cpu, &cuda, &randn(&mut rng, hd, 1.0), &[hd], DType::F32);
+                qk_norm::backward(
+                    &cpu,
+                    &mut dx.cpu,
+                    &mut dwq.cpu,
+                    &mut dwk.cpu,
+                    &d.cpu,
+                    &x.cpu,
+                    &wq.cpu,
+                    &wk.cpu,
+                    &r.cpu,
+                    heads,
+                )
+                .unwrap();
+                qk_norm::backward(
+                    &*cuda,
+                    &mut dx.cuda,
+                    &mut dwq.cuda,
+                    &mut dwk.cuda,
+                    &d.cuda,
+                    &x.cuda,
+                    &wq.cuda,
+                    &wk.cuda,
+                    &r.cuda,
+                    heads,
+                )
+                .unwrap();
+                bitwise(&format!("{what} dx"), name, &cpu, &cuda, &dx);
+                bitwise(&format!("{what} dwq"), name, &cpu, &cuda, &dwq);
+                bitwise(&format!("{what} dwk"), name, &cpu, &cuda, &dwk);
+            }
+            let (rows, f) = (9usize, 37usize);
+            let what = format!("geglu {rows}x{f} {dt}");
+            let gu = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, rows * 2 * f, 4.0),
+                &[rows, 2 * f],
+                dt,
+            );
+            let mut y = out(&cpu, &cuda, &[rows, f], dt);
+            geglu::forward(&cpu, &mut y.cpu, &gu.cpu).unwrap();
+            geglu::forward(&*cuda, &mut y.cuda, &gu.cuda).unwrap();
+            bitwise(&what, name, &cpu, &cuda, &y);
+            let d = pair(&cpu, &cuda, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
+            let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
+            geglu::backward(&cpu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
+            geglu::backward(&*cuda, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
             bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
         }
     }
