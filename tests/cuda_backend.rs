@@ -1890,6 +1890,75 @@ fn a_llama_training_step_matches_the_cpu_in_every_precision() {
     }
 }
 
+/// A small Qwen2 (q/k/v biases) or Qwen3 (the per-head q/k norm, heads of 16 in a model
+/// 32 wide with 4 heads), boxed.
+fn tiny_qwen(version: u8) -> Box<dyn trainkit::Model> {
+    let base = trainkit::LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: if version == 3 { 16 } else { 8 },
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: version == 3,
+        initializer_range: 0.02,
+        rope: trainkit::model::Rope {
+            theta: 10_000.0,
+            scaling: trainkit::model::RopeScaling::Default,
+        },
+    };
+    let config: trainkit::ModelConfig = if version == 3 {
+        trainkit::Qwen3Config {
+            base,
+            attention_bias: false,
+        }
+        .into()
+    } else {
+        trainkit::Qwen2Config { base }.into()
+    };
+    config.build().unwrap()
+}
+
+/// Two steps of [`tiny_qwen`] with selective recomputation, from the same seed.
+fn qwen_two_steps<P: Precision + Default>(
+    version: u8,
+    backend: Arc<dyn Backend>,
+) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut t = Trainer::builder(tiny_qwen(version), backend, corpus_loader(20_000, 1, 2, 16))
+        .precision(P::default())
+        .checkpoint(trainkit::Selective)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (losses, grads(&t), values(&t))
+}
+
+#[test]
+fn qwen_training_steps_match_the_cpu() {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    for version in [2u8, 3] {
+        let want32 = qwen_two_steps::<trainkit::Fp32>(version, cpu.clone());
+        let want16 = qwen_two_steps::<MixedBf16>(version, cpu.clone());
+        let fresh = Trainer::builder(tiny_qwen(version), cpu.clone(), {
+            corpus_loader(20_000, 1, 2, 16)
+        })
+        .build()
+        .unwrap();
+        let init = values(&fresh);
+        for (name, cuda) in cuda_backends() {
+            let got = qwen_two_steps::<trainkit::Fp32>(version, cuda.clone());
+            let what = format!("{name} qwen{version} fp32");
+            check_run(&what, &got, &want32, &init, DType::F32);
+            let got = qwen_two_steps::<MixedBf16>(version, cuda.clone());
+            let what = format!("{name} qwen{version} bf16");
+            check_run(&what, &got, &want16, &init, DType::Bf16);
+        }
+    }
+}
+
 /// Two steps of the tiny GPT-2 with the activations the policy keeps offloaded (or not):
 /// losses, gradients, values, the offloaded peak and the host waits of the second step.
 type OffloadRun = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, u64, u64);

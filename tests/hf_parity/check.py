@@ -272,7 +272,7 @@ def check_hf(tk, work, tokens_bin, tokens, cls, config, what, tag, model=None):
           f"{'; missing ' + str(missing) if missing else ''}")
     # AdamW divides by √v: an element whose gradient nearly vanishes in one of the steps
     # turns the f32 rounding of that gradient into a visible part of its update. Such
-    # elements are rare (one in ~60,000 here); every other weight agrees within 2e-5.
+    # elements are rare (one in ~100,000 here); every other weight agrees within 2e-5.
     ok &= worst < 1e-4 and loose <= max(1, total // 10_000)
     # transformers loads what trainkit saved.
     back = cls.from_pretrained(trained, dtype=torch.float32)
