@@ -1,4 +1,6 @@
-//! transformers' config.json: any text parses to a valid GPT-2 shape or an error.
+//! transformers' config.json: any text parses to a valid shape of one of trainkit's model
+//! families (read by its `model_type` through the registry) or an error; GPT-2's own
+//! reader likewise.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -7,6 +9,9 @@ use std::path::Path;
 fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
         if let Ok(cfg) = trainkit::save::parse_hf_config(Path::new("config.json"), text) {
+            cfg.validate().expect("a parsed config is valid");
+        }
+        if let Ok(cfg) = trainkit::model::families::read_config(Path::new("config.json"), text) {
             cfg.validate().expect("a parsed config is valid");
         }
     }

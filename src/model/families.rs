@@ -102,7 +102,7 @@ pub(crate) fn model_type_error(t: &str) -> String {
 }
 
 /// The model config of a `config.json`'s text, by its `model_type` (GPT-2 when absent, as
-/// old GPT-2 files have none); `path` names the file in errors.
+/// old GPT-2 files have none), checked buildable; `path` names the file in errors.
 pub fn read_config(path: &Path, text: &str) -> Result<ModelConfig> {
     let value: Value = serde_json::from_str(text).map_err(|e| {
         Error::data(
@@ -126,7 +126,8 @@ pub fn read_config(path: &Path, text: &str) -> Result<ModelConfig> {
             model_type_error(model_type),
         ));
     };
-    (f.read)(path, text, &map).map_err(|e| match e {
+    let config = (f.read)(path, text, &map).and_then(|c| c.validate().map(|()| c));
+    config.map_err(|e| match e {
         Error::Data { .. } => e,
         other => Error::data(path.display().to_string(), other.to_string()),
     })
