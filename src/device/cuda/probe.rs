@@ -162,6 +162,7 @@ fn describe(ordinal: usize, driver_version: i32) -> Result<CudaInfo, String> {
     let compute_capability = ctx
         .compute_capability()
         .map_err(|e| fail("read the compute capability of", e))?;
+    supported_architecture(&name, compute_capability)?;
     let (free, total) = ctx
         .mem_get_info()
         .map_err(|e| fail("read the memory of", e))?;
@@ -175,9 +176,39 @@ fn describe(ordinal: usize, driver_version: i32) -> Result<CudaInfo, String> {
     })
 }
 
+/// The oldest compute capability NVRTC 13 compiles for: sm_75 (Turing).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 5);
+
+/// Fails, with a sentence naming the GPU, its architecture and the floor, for a GPU older
+/// than [`MIN_COMPUTE_CAPABILITY`]: NVRTC 13 refuses to compile for it, so the backend
+/// would fail at its first kernel.
+pub fn supported_architecture(name: &str, cc: (i32, i32)) -> std::result::Result<(), String> {
+    if cc >= MIN_COMPUTE_CAPABILITY {
+        return Ok(());
+    }
+    let (major, minor) = MIN_COMPUTE_CAPABILITY;
+    Err(format!(
+        "{name} is sm_{}{}; trainkit's kernels are compiled by NVRTC 13, which targets \
+         sm_{major}{minor} (Turing) and newer: train on the CPU (--device cpu) or a newer GPU",
+        cc.0, cc.1
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpus_older_than_turing_are_refused_by_name() {
+        assert!(supported_architecture("NVIDIA H100 80GB HBM3", (9, 0)).is_ok());
+        assert!(supported_architecture("Tesla T4", (7, 5)).is_ok());
+        let e = supported_architecture("Tesla V100-SXM2-16GB", (7, 0)).unwrap_err();
+        assert!(
+            e.contains("V100") && e.contains("sm_70") && e.contains("sm_75"),
+            "{e}"
+        );
+        assert!(supported_architecture("Tesla P100", (6, 0)).is_err());
+    }
 
     #[test]
     fn the_probe_answers_without_panicking() {

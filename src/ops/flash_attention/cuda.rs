@@ -42,16 +42,23 @@ const FORWARD_COLS: usize = 128;
 /// Output columns of a backward block (`FA_BWD_OC`).
 const BACKWARD_COLS: usize = 64;
 
+/// The most blocks a grid's x dimension holds (`gridDim.x` stops at 2³¹ − 1).
+const MAX_GRID_X: usize = (1 << 31) - 1;
+
 /// Blocks of a launch: one per (batch row, head of `heads`, 64-row tile of the sequence,
-/// chunk of `cols` columns of a head).
+/// chunk of `cols` columns of a head), at most [`MAX_GRID_X`].
 fn blocks(d: &Dims, heads: usize, cols: usize, op: &'static str) -> Result<u32> {
     let n = d.b * heads * d.t.div_ceil(TILE) * d.hs().div_ceil(cols);
-    u32::try_from(n).map_err(|_| {
-        Error::shape(
+    match u32::try_from(n) {
+        Ok(blocks) if n <= MAX_GRID_X => Ok(blocks),
+        _ => Err(Error::shape(
             op,
-            format!("{n} blocks do not fit in a grid; use a smaller batch or context"),
-        )
-    })
+            format!(
+                "{n} blocks do not fit in a grid (at most {MAX_GRID_X}); use a smaller batch \
+                 or context"
+            ),
+        )),
+    }
 }
 
 fn scale(d: &Dims) -> f32 {
@@ -159,6 +166,35 @@ pub(crate) fn backward(
 mod tests {
     use super::*;
     use crate::device::Backend;
+
+    /// A launch beyond `gridDim.x`'s 2³¹ − 1 blocks is an error naming the limit, not a
+    /// launch that fails on the device; one just inside it is counted.
+    #[test]
+    fn grids_stop_at_the_x_dimensions_limit() {
+        let heads = Heads {
+            n_head: 1,
+            n_kv_head: 1,
+            head_dim: 64,
+        };
+        let dims = |b: usize| Dims {
+            b,
+            t: TILE,
+            heads,
+            w: heads.qkv_width(),
+            c: heads.q_width(),
+        };
+        assert_eq!(
+            blocks(&dims(MAX_GRID_X), 1, 64, "fa").unwrap() as usize,
+            MAX_GRID_X
+        );
+        let e = blocks(&dims(MAX_GRID_X + 1), 1, 64, "fa")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("2147483647") && e.contains("smaller batch"),
+            "{e}"
+        );
+    }
     use crate::memory::MemoryCategory;
     use crate::ops::attention;
     use crate::tensor::DType;
