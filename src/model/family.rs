@@ -185,6 +185,11 @@ pub trait AnyFamily {
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
     /// A model directory's tensors by the names the family reads them under.
     fn file_tensors(&self, tensors: Vec<NamedTensor>) -> BTreeMap<String, NamedTensor>;
+    /// The tensors by parameter name (see [`Family::import_tensors`]).
+    fn import_tensors(
+        &self,
+        tensors: BTreeMap<String, NamedTensor>,
+    ) -> Result<BTreeMap<String, NamedTensor>>;
     /// The model (see [`Family::build_with`]).
     fn build_with(
         &self,
@@ -218,6 +223,13 @@ impl<F: Family> AnyFamily for F {
 
     fn file_tensors(&self, tensors: Vec<NamedTensor>) -> BTreeMap<String, NamedTensor> {
         Family::file_tensors(self, tensors)
+    }
+
+    fn import_tensors(
+        &self,
+        tensors: BTreeMap<String, NamedTensor>,
+    ) -> Result<BTreeMap<String, NamedTensor>> {
+        Family::import_tensors(self, tensors)
     }
 
     fn build_with(
