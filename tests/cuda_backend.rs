@@ -16,8 +16,8 @@ use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::Heads;
 use trainkit::ops::{
-    attention, cross_entropy, embedding, flash_attention, geglu, gelu, layernorm, qk_norm, rmsnorm,
-    rope, swiglu,
+    attention, cross_entropy, embedding, flash_attention, gelu, glu, layernorm, linear, qk_norm,
+    rmsnorm, rope, Gate,
 };
 use trainkit::optim::{adamw, adamw8bit, guard, AdamWStep, QuantizedMoments};
 use trainkit::{
@@ -369,10 +369,24 @@ fn the_fused_bias_and_gelu_product_matches_the_cpu() {
                 let bias = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], dout);
                 let mut pre = out(&cpu, &cuda, &[m, n], dout);
                 let mut act = out(&cpu, &cuda, &[m, n], dout);
-                cpu.matmul_bias_gelu(&mut act.cpu, &mut pre.cpu, &a.cpu, &b.cpu, &bias.cpu)
-                    .unwrap();
-                cuda.matmul_bias_gelu(&mut act.cuda, &mut pre.cuda, &a.cuda, &b.cuda, &bias.cuda)
-                    .unwrap();
+                linear::matmul_bias_gelu(
+                    &cpu,
+                    &mut act.cpu,
+                    &mut pre.cpu,
+                    &a.cpu,
+                    &b.cpu,
+                    &bias.cpu,
+                )
+                .unwrap();
+                linear::matmul_bias_gelu(
+                    &*cuda,
+                    &mut act.cuda,
+                    &mut pre.cuda,
+                    &a.cuda,
+                    &b.cuda,
+                    &bias.cuda,
+                )
+                .unwrap();
                 let what = format!("matmul_bias_gelu {m}x{n}x{k} {din}→{dout}");
                 let dt = if din != DType::F32 || dout != DType::F32 {
                     DType::Bf16
@@ -444,9 +458,17 @@ fn weight_and_bias_gradients_match_the_cpu() {
                     let w_shape = if transposed { [dout, din] } else { [din, dout] };
                     let mut dw = pair(&cpu, &cuda, &randn(&mut rng, din * dout, 1.0), &w_shape, dg);
                     let mut db = pair(&cpu, &cuda, &randn(&mut rng, dout, 1.0), &[dout], dg);
-                    cpu.weight_bias_grad(&mut dw.cpu, &mut db.cpu, &x.cpu, &dy.cpu, transposed)
-                        .unwrap();
-                    cuda.weight_bias_grad(
+                    linear::weight_bias_grad(
+                        &cpu,
+                        &mut dw.cpu,
+                        &mut db.cpu,
+                        &x.cpu,
+                        &dy.cpu,
+                        transposed,
+                    )
+                    .unwrap();
+                    linear::weight_bias_grad(
+                        &*cuda,
                         &mut dw.cuda,
                         &mut db.cuda,
                         &x.cuda,
@@ -1686,13 +1708,13 @@ fn llama_ops_match_the_cpu() {
                 dt,
             );
             let mut y = out(&cpu, &cuda, &[rows, f], dt);
-            swiglu::forward(&cpu, &mut y.cpu, &gu.cpu).unwrap();
-            swiglu::forward(&*cuda, &mut y.cuda, &gu.cuda).unwrap();
+            glu::forward(&cpu, Gate::Silu, &mut y.cpu, &gu.cpu).unwrap();
+            glu::forward(&*cuda, Gate::Silu, &mut y.cuda, &gu.cuda).unwrap();
             bitwise(&what, name, &cpu, &cuda, &y);
             let d = pair(&cpu, &cuda, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
             let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
-            swiglu::backward(&cpu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
-            swiglu::backward(&*cuda, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
+            glu::backward(&cpu, Gate::Silu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
+            glu::backward(&*cuda, Gate::Silu, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
             bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
         }
     }
@@ -1799,13 +1821,13 @@ fn qk_norm_and_geglu_match_the_cpu() {
                 dt,
             );
             let mut y = out(&cpu, &cuda, &[rows, f], dt);
-            geglu::forward(&cpu, &mut y.cpu, &gu.cpu).unwrap();
-            geglu::forward(&*cuda, &mut y.cuda, &gu.cuda).unwrap();
+            glu::forward(&cpu, Gate::Gelu, &mut y.cpu, &gu.cpu).unwrap();
+            glu::forward(&*cuda, Gate::Gelu, &mut y.cuda, &gu.cuda).unwrap();
             bitwise(&what, name, &cpu, &cuda, &y);
             let d = pair(&cpu, &cuda, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
             let mut dgu = out(&cpu, &cuda, &[rows, 2 * f], dt);
-            geglu::backward(&cpu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
-            geglu::backward(&*cuda, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
+            glu::backward(&cpu, Gate::Gelu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
+            glu::backward(&*cuda, Gate::Gelu, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
             bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
         }
     }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{Decoder, Family, Mlp, Rope, RopeScaling, Shape};
-use trainkit::ops::{geglu, gelu};
+use trainkit::ops::{gelu, glu, Gate};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, Llama, LlamaConfig,
     MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Result, Rng, Selective, Tensor,
@@ -208,9 +208,9 @@ fn geglu_on(be: &dyn Backend, rows: usize, f: usize, dt: DType) -> [Vec<f32>; 2]
     let gu = up(be, &randn(&mut rng, rows * 2 * f, 2.0), &[rows, 2 * f], dt);
     let d = up(be, &randn(&mut rng, rows * f, 1.0), &[rows, f], dt);
     let mut out = up(be, &vec![0.0; rows * f], &[rows, f], dt);
-    geglu::forward(be, &mut out, &gu).unwrap();
+    glu::forward(be, Gate::Gelu, &mut out, &gu).unwrap();
     let mut dgu = up(be, &vec![0.0; rows * 2 * f], &[rows, 2 * f], dt);
-    geglu::backward(be, &mut dgu, &d, &gu).unwrap();
+    glu::backward(be, Gate::Gelu, &mut dgu, &d, &gu).unwrap();
     [be.to_f32(&out).unwrap(), be.to_f32(&dgu).unwrap()]
 }
 

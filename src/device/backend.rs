@@ -1,8 +1,9 @@
 //! The `Backend` trait: the small seam every device implements.
 //!
 //! A backend holds buffers (zeros, empty, upload, read, copy, offload, fetch), runs a few
-//! element-wise and reduction primitives and the matrix products (with their fused bias,
-//! GELU and bias-gradient forms), and is the kernel door through which every op family
+//! element-wise and reduction primitives and the matrix product (its bias as a parameter;
+//! the fused GELU and bias-gradient forms are calls of the linear family,
+//! [`crate::ops::linear`]), and is the kernel door through which every op family
 //! runs its own kernels ([`Backend::run`] over an [`OpKernel`], see
 //! [`crate::device::OpKernel`]). Op families (norms, rotary, attention, losses, optimizer
 //! updates) are not methods here: each owns its folder under `src/ops/` (or
@@ -18,7 +19,7 @@
 //! (the CUDA backend's dtype rules, for example). The meta backend computes nothing, so it
 //! records the same spans and FLOP counts as the CPU.
 
-use super::cpu::{self, each, per_element};
+use super::cpu;
 use super::primitives;
 use super::{CustomKernel, Device, OpKernel};
 use crate::error::Result;
@@ -210,33 +211,18 @@ pub trait Backend: Debug + Send + Sync {
 
     /// Sum of squares of all elements, accumulated in f64 in a fixed order.
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        cpu::ensure_float("sum_squares", &[x])?;
-        let flops = each(x.numel(), per_element::SUM_SQUARES);
-        let op = self.ledger().op("sum_squares", flops, x.label());
-        op.finish(self.sum_squares_kernel(x))
+        let mut call = primitives::SumSquares { x, total: 0.0 };
+        self.run(&mut call)?;
+        Ok(call.total)
     }
 
     /// The sum of squares of every element of every tensor in `xs`, accumulated in f64:
-    /// the squared global gradient norm. A backend whose
-    /// [`Backend::sum_squares_all_kernel`] computes it at once (a GPU, with a single read
-    /// back to the host) records one `sum_squares` span labelled `gradients`; otherwise
-    /// it is [`Backend::sum_squares`] tensor by tensor, a span each.
+    /// the squared global gradient norm, as one `sum_squares` span labelled `gradients`
+    /// (a GPU sums every tensor in one pass with a single read back to the host).
     fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
-        cpu::ensure_float("sum_squares", xs)?;
-        let n: usize = xs.iter().map(|x| x.numel()).sum();
-        let op = self.ledger().op(
-            "sum_squares",
-            each(n, per_element::SUM_SQUARES),
-            "gradients",
-        );
-        if let Some(done) = op.finish_fused(self.sum_squares_all_kernel(xs)) {
-            return done;
-        }
-        let mut sum = 0f64;
-        for x in xs {
-            sum += self.sum_squares(x)?;
-        }
-        Ok(sum)
+        let mut call = primitives::SumSquaresAll { xs, total: 0.0 };
+        self.run(&mut call)?;
+        Ok(call.total)
     }
 
     /// `out (+)= op(a) · op(b) (+ bias)` with f32 accumulation, where `op` transposes when
@@ -261,69 +247,9 @@ pub trait Backend: Debug + Send + Sync {
         op.finish(self.matmul_kernel(out, a, b, bias, trans_a, trans_b, accumulate))
     }
 
-    /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP. When the
-    /// backend's [`Backend::matmul_bias_gelu_kernel`] fuses the two (a GPU applies the
-    /// bias and the GELU in the product's epilogue, writing both outputs from its
-    /// accumulator, a pass over `pre` fewer) this is one `matmul_bias_gelu` span carrying
-    /// the flops of both; otherwise it runs [`Backend::matmul`] then [`crate::ops::gelu::forward`].
-    fn matmul_bias_gelu(
-        &self,
-        out: &mut Tensor,
-        pre: &mut Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        bias: &Tensor,
-    ) -> Result<()> {
-        cpu::ensure_float("matmul_bias_gelu", &[out, pre, a, b, bias])?;
-        cpu::matmul::dims(pre, a, b, Some(bias), false, false)?;
-        cpu::elementwise::same_len(out, pre, "gelu")?;
-        let flops = cpu::matmul::flops(pre, a, true, false)
-            .saturating_add(each(out.numel(), crate::ops::gelu::FLOPS));
-        let op = self.ledger().op("matmul_bias_gelu", flops, out.label());
-        if let Some(done) = op.finish_fused(
-            self.matmul_bias_gelu_kernel(out, pre, a, b, bias)
-                .map(|ran| ran.then_some(())),
-        ) {
-            return done;
-        }
-        self.matmul(pre, a, b, Some(bias), false, false, false)?;
-        crate::ops::gelu::forward(self, out, pre)
-    }
-
     /// `dbias += column sums of dout` (the bias gradient of a matmul).
     fn bias_backward(&self, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
         self.run(&mut primitives::BiasBackward { dbias, dout })
-    }
-
-    /// A linear layer's parameter gradients from its input `x` and output gradient `dy`:
-    /// `dw += xᵀ · dy` (weights stored `[in, out]`), or `dw += dyᵀ · x` with `transposed`
-    /// (stored `[out, in]`), and `dbias += column sums of dy`. When the backend's
-    /// [`Backend::weight_bias_grad_kernel`] fuses the two (a GPU sums `dy` in the product's
-    /// epilogue, a pass over `dy` fewer) this is one `weight_bias_grad` span carrying the
-    /// flops of both; otherwise it runs [`Backend::matmul`] then [`Backend::bias_backward`].
-    fn weight_bias_grad(
-        &self,
-        dw: &mut Tensor,
-        dbias: &mut Tensor,
-        x: &Tensor,
-        dy: &Tensor,
-        transposed: bool,
-    ) -> Result<()> {
-        cpu::ensure_float("weight_bias_grad", &[dw, dbias, x, dy])?;
-        let (a, b) = if transposed { (dy, x) } else { (x, dy) };
-        cpu::matmul::dims(dw, a, b, None, true, false)?;
-        cpu::elementwise::check_bias_backward(dbias, dy)?;
-        let flops = cpu::matmul::flops(dw, a, false, true)
-            .saturating_add(each(dy.numel(), primitives::BIAS_BACKWARD));
-        let op = self.ledger().op("weight_bias_grad", flops, dw.label());
-        if let Some(done) = op.finish_fused(
-            self.weight_bias_grad_kernel(dw, dbias, x, dy, transposed)
-                .map(|ran| ran.then_some(())),
-        ) {
-            return done;
-        }
-        self.matmul(dw, a, b, None, true, false, true)?;
-        self.bias_backward(dbias, dy)
     }
 
     /// Runs a kernel written outside trainkit ([`CustomKernel`]) element-wise over the
@@ -385,16 +311,6 @@ pub trait Backend: Debug + Send + Sync {
         self.copy_kernel(&t, category, &label)
     }
 
-    /// The kernel of [`Backend::sum_squares`].
-    fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64>;
-
-    /// The kernel of [`Backend::sum_squares_all`]: the total at once, or `None` (the
-    /// default) to have the op sum [`Backend::sum_squares`] tensor by tensor.
-    fn sum_squares_all_kernel(&self, xs: &[&Tensor]) -> Result<Option<f64>> {
-        let _ = xs;
-        Ok(None)
-    }
-
     /// The kernel of [`Backend::matmul`]: the shapes agree (`out` is `[m, n]`, `op(a)`
     /// `[m, k]`, `op(b)` `[k, n]`, `bias` has `n` elements).
     #[allow(clippy::too_many_arguments)]
@@ -408,35 +324,4 @@ pub trait Backend: Debug + Send + Sync {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()>;
-
-    /// The fused kernel of [`Backend::matmul_bias_gelu`], with the shapes of
-    /// `matmul(pre, a, b, Some(bias))` checked and `out` as large as `pre`: `Ok(true)`
-    /// when it wrote both outputs, `Ok(false)` when it wrote nothing and the op is to run
-    /// as [`Backend::matmul`] then [`crate::ops::gelu::forward`]. The default fuses nothing.
-    fn matmul_bias_gelu_kernel(
-        &self,
-        out: &mut Tensor,
-        pre: &mut Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        bias: &Tensor,
-    ) -> Result<bool> {
-        let _ = (out, pre, a, b, bias);
-        Ok(false)
-    }
-
-    /// The fused kernel of [`Backend::weight_bias_grad`], on checked operands: `Ok(true)`
-    /// when it wrote both gradients, `Ok(false)` (having written nothing) to let the trait
-    /// run the product and the bias gradient as two ops. The default declines.
-    fn weight_bias_grad_kernel(
-        &self,
-        dw: &mut Tensor,
-        dbias: &mut Tensor,
-        x: &Tensor,
-        dy: &Tensor,
-        transposed: bool,
-    ) -> Result<bool> {
-        let _ = (dw, dbias, x, dy, transposed);
-        Ok(false)
-    }
 }

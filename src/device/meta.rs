@@ -98,10 +98,6 @@ impl Backend for MetaBackend {
         self.alloc(t.shape(), t.dtype(), category, label)
     }
 
-    fn sum_squares_kernel(&self, _x: &Tensor) -> Result<f64> {
-        Ok(0.0)
-    }
-
     fn matmul_kernel(
         &self,
         _out: &mut Tensor,

@@ -1,10 +1,11 @@
-//! The element-wise primitives every backend has (cast, fill, add, axpy, scale, copy of
-//! rows, the bias gradient's column sums), as kernel calls: [`Backend`]'s methods of the
+//! The element-wise and reduction primitives every backend has (cast, fill, add, axpy,
+//! scale, copy of rows, the bias gradient's column sums, sums of squares), as kernel calls: [`Backend`]'s methods of the
 //! same names build one and hand it to [`Backend::run`], so each primitive's check, FLOPs,
 //! CPU loop and CUDA launch sit together here, and a backend implements none of them.
 
 use super::cpu::{each, elementwise, ensure_float, CpuBackend};
-use super::cuda::{ops::elementwise as gpu, CudaBackend};
+use super::cuda::ops::{elementwise as gpu, reductions};
+use super::cuda::CudaBackend;
 use super::OpKernel;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -228,5 +229,72 @@ impl OpKernel for BiasBackward<'_> {
     }
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
         gpu::bias_backward(be, self.dbias, self.dout)
+    }
+}
+
+/// Floating-point operations per element of a sum of squares (a multiply and an add).
+const SUM_SQUARES: u64 = 2;
+
+/// `total = Σ x²` over every element of `x`, accumulated in f64 in a fixed order.
+pub(crate) struct SumSquares<'a> {
+    pub x: &'a Tensor,
+    pub total: f64,
+}
+
+impl OpKernel for SumSquares<'_> {
+    fn name(&self) -> &'static str {
+        "sum_squares"
+    }
+    fn label(&self) -> &str {
+        self.x.label()
+    }
+    fn check(&self) -> Result<()> {
+        ensure_float("sum_squares", &[self.x])
+    }
+    fn flops(&self) -> u64 {
+        each(self.x.numel(), SUM_SQUARES)
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        self.total = elementwise::sum_squares(self.x);
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        self.total = reductions::sum_squares(be, self.x)?;
+        Ok(())
+    }
+}
+
+/// `total = Σ x²` over every element of every tensor of `xs` (the squared global norm of
+/// the gradients), accumulated in f64: on the CPU tensor by tensor in order, on a GPU in
+/// one pass with one read back.
+pub(crate) struct SumSquaresAll<'a, 'b> {
+    pub xs: &'a [&'b Tensor],
+    pub total: f64,
+}
+
+impl OpKernel for SumSquaresAll<'_, '_> {
+    fn name(&self) -> &'static str {
+        "sum_squares"
+    }
+    fn label(&self) -> &str {
+        "gradients"
+    }
+    fn check(&self) -> Result<()> {
+        ensure_float("sum_squares", self.xs)
+    }
+    fn flops(&self) -> u64 {
+        each(self.xs.iter().map(|x| x.numel()).sum(), SUM_SQUARES)
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        let mut total = 0f64;
+        for x in self.xs {
+            total += elementwise::sum_squares(x);
+        }
+        self.total = total;
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        self.total = reductions::sum_squares_all(be, self.xs)?;
+        Ok(())
     }
 }

@@ -13,28 +13,26 @@ mod classifier;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod flash_attention;
-pub mod geglu;
 pub mod gelu;
+pub mod glu;
 pub mod layernorm;
-mod linear;
+pub mod linear;
 mod linear_cross_entropy;
 pub mod qk_norm;
 pub mod rmsnorm;
 pub mod rope;
-pub mod swiglu;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;
 pub use embedding::{EmbeddingScale, LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
-pub use geglu::GeGlu;
+pub use glu::{Gate, Glu};
 pub use layernorm::LayerNorm;
 pub use linear::{Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
 pub use qk_norm::QkNorm;
 pub use rmsnorm::{OffsetRmsNorm, RmsNorm};
 pub use rope::Rope;
-pub use swiglu::SwiGlu;
 
 use crate::device::Backend;
 use crate::error::{Error, Result};
@@ -332,7 +330,7 @@ impl BackwardCx<'_> {
 }
 
 /// `dx = dy · op(W)ᵀ` into `dx` (accumulating when it already holds a gradient), then
-/// `dW += op(x)ᵀ · dy` and `db += Σ dy` (one [`Backend::weight_bias_grad`]): the backward of `y = x · op(W) + b`, where
+/// `dW += op(x)ᵀ · dy` and `db += Σ dy` (one [`linear::weight_bias_grad`]): the backward of `y = x · op(W) + b`, where
 /// `transposed` means `op(W) = Wᵀ` (weights stored `[out, in]`).
 pub(crate) fn linear_backward(
     backend: &dyn Backend,
@@ -357,7 +355,7 @@ pub(crate) fn linear_backward(
     match params {
         [w, b, ..] => {
             let dw = w.grad_mut(backend)?;
-            backend.weight_bias_grad(dw, b.grad_mut(backend)?, x, dy, transposed)
+            linear::weight_bias_grad(backend, dw, b.grad_mut(backend)?, x, dy, transposed)
         }
         [w] if transposed => backend.matmul(w.grad_mut(backend)?, dy, x, None, true, false, true),
         [w] => backend.matmul(w.grad_mut(backend)?, x, dy, None, true, false, true),

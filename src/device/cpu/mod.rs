@@ -38,12 +38,6 @@ use std::sync::Arc;
 /// Elements per parallel chunk of element-wise work.
 pub(crate) const CHUNK: usize = 1 << 14;
 
-/// Floating-point operations per element of the element-wise kernels (see the module
-/// documentation).
-pub(crate) mod per_element {
-    pub const SUM_SQUARES: u64 = 2;
-}
-
 /// `per` operations on each of `n` elements.
 pub(crate) fn each(n: usize, per: u64) -> u64 {
     (n as u64).saturating_mul(per)
@@ -397,10 +391,6 @@ impl Backend for CpuBackend {
             Storage::Device(d) => host_storage(Cow::Owned(d.to_f32()?), d.dtype()),
         };
         Tensor::new(storage, t.shape(), category, label, &self.ledger)
-    }
-
-    fn sum_squares_kernel(&self, x: &Tensor) -> Result<f64> {
-        Ok(elementwise::sum_squares(x))
     }
 
     fn matmul_kernel(

@@ -69,8 +69,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     crate::ops::rmsnorm::cuda::KERNELS,
     crate::ops::qk_norm::cuda::KERNELS,
     crate::ops::rope::cuda::KERNELS,
-    crate::ops::swiglu::cuda::KERNELS,
-    crate::ops::geglu::cuda::KERNELS,
+    crate::ops::glu::cuda::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).

@@ -9,8 +9,8 @@ use super::super::shape::{Positions, Shape};
 use super::super::{LayerSlot, Mlp, Norm, Slot};
 use crate::checkpoint::Tags;
 use crate::ops::{
-    AttentionPath, Classifier, EmbeddingScale, GeGlu, LayerNorm, LearnedEmbedding, Linear,
-    LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope, SwiGlu,
+    AttentionPath, Classifier, EmbeddingScale, Glu, LayerNorm, LearnedEmbedding, Linear,
+    LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope,
     TokenEmbedding,
 };
 
@@ -273,10 +273,11 @@ fn layer(
                 &[up],
                 &up_params,
             );
-            match shape.mlp {
-                Mlp::GeGlu => s.node(GeGlu, &[up], &[act], &[]),
-                _ => s.node(SwiGlu, &[up], &[act], &[]),
-            }
+            let glu = match shape.mlp {
+                Mlp::GeGlu => Glu::GEGLU,
+                _ => Glu::SWIGLU,
+            };
+            s.node(glu, &[up], &[act], &[]);
         }
     }
     s.node(

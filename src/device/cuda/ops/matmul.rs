@@ -149,11 +149,10 @@ pub(crate) fn gemm(
     unsafe { be.gpu.gemm(&g) }
 }
 
-/// [`Backend::matmul_bias_gelu_kernel`]: `Ok(true)` when cuBLASLt's GELU epilogue wrote
-/// both outputs, `Ok(false)` when the fused form does not apply or the library refused it
-/// (nothing written: the trait runs the product and the GELU as two ops).
-///
-/// [`Backend::matmul_bias_gelu_kernel`]: crate::device::Backend::matmul_bias_gelu_kernel
+/// [`crate::ops::linear::matmul_bias_gelu`] with cuBLASLt's GELU epilogue: `Ok(true)`
+/// when it wrote both outputs, `Ok(false)` when the fused form does not apply or the
+/// library refused it (nothing written: the call runs the product and the GELU one after
+/// the other).
 pub(crate) fn matmul_bias_gelu(
     be: &CudaBackend,
     out: &mut Tensor,
@@ -207,14 +206,12 @@ fn operand_dtype(a: &Tensor, b: &Tensor) -> DType {
     }
 }
 
-/// [`Backend::weight_bias_grad_kernel`]: the weight gradient's product with cuBLASLt's
+/// [`crate::ops::linear::weight_bias_grad`]: the weight gradient's product with cuBLASLt's
 /// bias-gradient epilogue (`BGRADA` when `dy` is cuBLASLt's A, `BGRADB` when it is its B),
 /// which sums `dy` over the rows while it multiplies, into a workspace vector that is then
 /// added to `dbias`. `Ok(false)` when the fused form does not apply (operands of two
 /// dtypes, gradients of two dtypes) or the library refused it: nothing was written, and
-/// the trait runs the product and the bias gradient as two ops.
-///
-/// [`Backend::weight_bias_grad_kernel`]: crate::device::Backend::weight_bias_grad_kernel
+/// the call runs the product and the bias gradient one after the other.
 pub(crate) fn weight_bias_grad(
     be: &CudaBackend,
     dw: &mut Tensor,

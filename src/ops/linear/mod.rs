@@ -1,4 +1,9 @@
-//! Linear projections: plain, with a residual added, and with a GELU after them.
+//! Linear projections: plain, with a residual added, and with a GELU after them; and the
+//! fused products they run ([`matmul_bias_gelu`], [`weight_bias_grad`]).
+
+mod fused;
+
+pub use fused::{matmul_bias_gelu, weight_bias_grad};
 
 use super::gelu;
 use super::{linear_backward, BackwardCx, ForwardCx, Op, Saves};
@@ -151,7 +156,7 @@ impl Op for LinearResidual {
 }
 
 /// `pre = x · op(W) + b` and `out = gelu(pre)` (tanh approximation): the first layer of
-/// GPT-2's MLP, run as one op ([`crate::Backend::matmul_bias_gelu`]).
+/// GPT-2's MLP, run as one op ([`matmul_bias_gelu`]).
 ///
 /// Input: `x`. Parameters: `W`, `b`. Outputs: `pre`, `out`. Backward reads `x` and
 /// `pre`.
@@ -219,7 +224,7 @@ impl Op for LinearGelu {
         }
         let mut pre = cx.alloc(0)?;
         let mut out = cx.alloc(1)?;
-        be.matmul_bias_gelu(&mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
+        matmul_bias_gelu(be, &mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
         cx.outputs[0] = Some(pre);
         cx.outputs[1] = Some(out);
         Ok(())

@@ -1,10 +1,11 @@
-//! SwiGLU's gate, the activation of Llama's MLP: `out = silu(gate) · up` from a fused
+//! Gated linear units, the activation of a gated MLP: `out = act(gate) · up` from a fused
 //! `[.., 2F]` projection holding the gate in its first `F` columns and the up projection in
-//! its last `F`.
+//! its last `F`. The gate's activation is a [`Gate`]: SiLU (SwiGLU, Llama's MLP) or the
+//! tanh GELU (GeGLU, Gemma's).
 //!
-//! The family: the graph node [`SwiGlu`], the kernel calls [`forward`] and [`backward`]
-//! with their operand checks and FLOP counts, the CPU twin (`cpu.rs`) and the CUDA launches
-//! (`cuda.rs`, over `kernels/swiglu.cu`).
+//! The family: the graph node [`Glu`], the kernel calls [`forward`] and [`backward`] with
+//! their operand checks and FLOP counts, the CPU twin (`cpu.rs`) and the CUDA launches
+//! (`cuda.rs`, over `kernels/glu.cu`).
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
@@ -16,25 +17,65 @@ use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
-/// Floating-point operations per output of the forward and of the backward.
-const FLOPS: u64 = 5;
-const FLOPS_BACKWARD: u64 = 11;
+/// The activation applied to the gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Gate {
+    /// `silu(g) = g · σ(g)`: SwiGLU.
+    Silu,
+    /// The tanh GELU (GPT-2's `gelu_new`, Gemma's `gelu_pytorch_tanh`): GeGLU.
+    Gelu,
+}
 
-/// SwiGLU's gate: `out = silu(gate) · up` where `gate_up` holds the gate in its first
-/// `F` columns and the up projection in its last `F` (`out` is `[.., F]`).
-pub fn forward(be: &(impl Backend + ?Sized), out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
-    be.run(&mut Forward { out, gate_up })
+impl Gate {
+    /// The op's name (its ledger span and its kernels' prefix): `swiglu` or `geglu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Gate::Silu => "swiglu",
+            Gate::Gelu => "geglu",
+        }
+    }
+
+    /// The backward's name: `swiglu_backward` or `geglu_backward`.
+    pub fn backward_name(self) -> &'static str {
+        match self {
+            Gate::Silu => "swiglu_backward",
+            Gate::Gelu => "geglu_backward",
+        }
+    }
+
+    /// Floating-point operations per output of the forward and of the backward (for the
+    /// GELU, as [`super::gelu`] counts it, plus the products with the up projection and
+    /// the output gradient).
+    fn flops(self) -> (u64, u64) {
+        match self {
+            Gate::Silu => (5, 11),
+            Gate::Gelu => (10, 21),
+        }
+    }
+}
+
+/// `out = act(gate) · up` where `gate_up` holds the gate in its first `F` columns and the
+/// up projection in its last `F` (`out` is `[.., F]`).
+pub fn forward(
+    be: &(impl Backend + ?Sized),
+    gate: Gate,
+    out: &mut Tensor,
+    gate_up: &Tensor,
+) -> Result<()> {
+    be.run(&mut Forward { gate, out, gate_up })
 }
 
 /// Backward of [`forward`]: writes the gate and up gradients side by side into
 /// `dgate_up` (overwritten).
 pub fn backward(
     be: &(impl Backend + ?Sized),
+    gate: Gate,
     dgate_up: &mut Tensor,
     dout: &Tensor,
     gate_up: &Tensor,
 ) -> Result<()> {
     be.run(&mut Backward {
+        gate,
         dgate_up,
         dout,
         gate_up,
@@ -42,13 +83,14 @@ pub fn backward(
 }
 
 struct Forward<'a> {
+    gate: Gate,
     out: &'a mut Tensor,
     gate_up: &'a Tensor,
 }
 
 impl OpKernel for Forward<'_> {
     fn name(&self) -> &'static str {
-        "swiglu"
+        self.gate.name()
     }
 
     fn label(&self) -> &str {
@@ -56,25 +98,27 @@ impl OpKernel for Forward<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        ensure_float("swiglu", &[self.out, self.gate_up])?;
-        check("swiglu", self.out, self.gate_up, &[]).map(drop)
+        let op = self.gate.name();
+        ensure_float(op, &[self.out, self.gate_up])?;
+        check(op, self.out, self.gate_up, &[]).map(drop)
     }
 
     fn flops(&self) -> u64 {
-        each(self.out.numel(), FLOPS)
+        each(self.out.numel(), self.gate.flops().0)
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
-        cpu::forward(self.out, self.gate_up);
+        cpu::forward(self.gate, self.out, self.gate_up);
         Ok(())
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
-        cuda::forward(be, self.out, self.gate_up)
+        cuda::forward(be, self.gate, self.out, self.gate_up)
     }
 }
 
 struct Backward<'a> {
+    gate: Gate,
     dgate_up: &'a mut Tensor,
     dout: &'a Tensor,
     gate_up: &'a Tensor,
@@ -82,7 +126,7 @@ struct Backward<'a> {
 
 impl OpKernel for Backward<'_> {
     fn name(&self) -> &'static str {
-        "swiglu_backward"
+        self.gate.backward_name()
     }
 
     fn label(&self) -> &str {
@@ -90,35 +134,30 @@ impl OpKernel for Backward<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        let op = "swiglu_backward";
+        let op = self.gate.backward_name();
         ensure_float(op, &[self.dgate_up, self.dout, self.gate_up])?;
         check(op, self.dout, self.gate_up, &[self.dgate_up])?;
         same_len(self.dgate_up, self.gate_up, op)
     }
 
     fn flops(&self) -> u64 {
-        each(self.dout.numel(), FLOPS_BACKWARD)
+        each(self.dout.numel(), self.gate.flops().1)
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
-        cpu::backward(self.dgate_up, self.dout, self.gate_up);
+        cpu::backward(self.gate, self.dgate_up, self.dout, self.gate_up);
         Ok(())
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
-        cuda::backward(be, self.dgate_up, self.dout, self.gate_up)
+        cuda::backward(be, self.gate, self.dgate_up, self.dout, self.gate_up)
     }
 }
 
 /// Checks the operands (the contract every backend shares): `gate_up` has the rows of
 /// `out` and twice its columns, and `others` are shaped as `out` or as `gate_up` (their
 /// element counts are compared). Returns `F`.
-pub(crate) fn check(
-    op: &'static str,
-    out: &Tensor,
-    gate_up: &Tensor,
-    others: &[&Tensor],
-) -> Result<usize> {
+fn check(op: &'static str, out: &Tensor, gate_up: &Tensor, others: &[&Tensor]) -> Result<usize> {
     let (rows, f) = out.rows_cols();
     let (rows2, f2) = gate_up.rows_cols();
     ensure(rows == rows2 && f2 == 2 * f, op, || {
@@ -149,16 +188,26 @@ pub(crate) fn check(
     Ok(f)
 }
 
-/// `out = silu(gate) · up` from a fused `[.., 2F]` projection holding the gate in its first
+/// `out = act(gate) · up` from a fused `[.., 2F]` projection holding the gate in its first
 /// `F` columns and the up projection in its last `F` (see [`forward`]).
 ///
 /// Input: `gate_up`. Output: `out` (`[.., F]`). Backward reads `gate_up`.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SwiGlu;
+pub struct Glu {
+    /// The gate's activation.
+    pub gate: Gate,
+}
 
-impl Op for SwiGlu {
+impl Glu {
+    /// SwiGLU (Llama, Qwen): `silu(gate) · up`.
+    pub const SWIGLU: Glu = Glu { gate: Gate::Silu };
+    /// GeGLU (Gemma): `gelu(gate) · up`.
+    pub const GEGLU: Glu = Glu { gate: Gate::Gelu };
+}
+
+impl Op for Glu {
     fn name(&self) -> &'static str {
-        "swiglu"
+        self.gate.name()
     }
 
     fn output_shapes(
@@ -174,7 +223,7 @@ impl Op for SwiGlu {
             Some(last) if *last % 2 == 0 => *last /= 2,
             _ => {
                 return Err(Error::shape(
-                    "swiglu",
+                    self.gate.name(),
                     format!(
                         "`{}` {:?} must end in an even width: the gate and up projections \
                          side by side",
@@ -196,16 +245,16 @@ impl Op for SwiGlu {
 
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
         let mut out = cx.alloc(0)?;
-        forward(cx.backend, &mut out, cx.input(0)?)?;
+        forward(cx.backend, self.gate, &mut out, cx.input(0)?)?;
         cx.outputs[0] = Some(out);
         Ok(())
     }
 
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
-        let be = cx.backend;
+        let (be, gate) = (cx.backend, self.gate);
         let dout = cx.take_grad_out(0)?;
         let gate_up = cx.inputs[0].get()?;
-        cx.grads_in[0].overwrite(be, |dgu| backward(be, dgu, &dout, gate_up))?;
+        cx.grads_in[0].overwrite(be, |dgu| backward(be, gate, dgu, &dout, gate_up))?;
         cx.inputs[0].release();
         Ok(())
     }

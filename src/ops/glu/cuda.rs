@@ -1,37 +1,50 @@
-//! GeGLU's gate over a fused gate-and-up projection, and its backward.
+//! Gated linear units over a fused gate-and-up projection, and their backward.
 //!
-//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/geglu.cu`, listed once in [`KERNELS`].
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/glu.cu`, listed once in [`KERNELS`]
+//! (`swiglu_*` and `geglu_*`, one pair of kernels per gate and dtype).
 
+use super::Gate;
 use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
 use crate::device::cuda::Args;
 use crate::device::cuda::KernelFile;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// The kernels of `kernels/geglu.cu`, named once: the backend launches these names, NVRTC
+/// The kernels of `kernels/glu.cu`, named once: the backend launches these names, NVRTC
 /// and the emulator build this source.
 pub(crate) const KERNELS: KernelFile = KernelFile {
-    name: "geglu.cu",
-    source: include_str!("../../../kernels/geglu.cu"),
+    name: "glu.cu",
+    source: include_str!("../../../kernels/glu.cu"),
     kernels: &[
+        "swiglu_f32",
+        "swiglu_bf16",
+        "swiglu_f16",
+        "swiglu_backward_f32",
+        "swiglu_backward_bf16",
+        "swiglu_backward_f16",
         "geglu_f32",
         "geglu_bf16",
+        "geglu_f16",
         "geglu_backward_f32",
         "geglu_backward_bf16",
-        "geglu_f16",
         "geglu_backward_f16",
     ],
 };
 
-pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, gate_up: &Tensor) -> Result<()> {
+pub(crate) fn forward(
+    be: &CudaBackend,
+    gate: Gate,
+    out: &mut Tensor,
+    gate_up: &Tensor,
+) -> Result<()> {
     let (rows, f) = out.rows_cols();
     let dt = gate_up.dtype();
-    ensure_dtype(out, dt, "geglu")?;
+    ensure_dtype(out, dt, gate.name())?;
     if rows * f == 0 {
         return Ok(());
     }
     be.launch(
-        &format!("geglu_{dt}"),
+        &format!("{}_{dt}", gate.name()),
         be.grid(rows * f),
         BLOCK,
         Args::new()
@@ -44,19 +57,20 @@ pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, gate_up: &Tensor) -> R
 
 pub(crate) fn backward(
     be: &CudaBackend,
+    gate: Gate,
     dgate_up: &mut Tensor,
     dout: &Tensor,
     gate_up: &Tensor,
 ) -> Result<()> {
     let (rows, f) = dout.rows_cols();
     let dt = gate_up.dtype();
-    ensure_dtype(dgate_up, dt, "geglu_backward")?;
+    ensure_dtype(dgate_up, dt, gate.backward_name())?;
     if rows * f == 0 {
         return Ok(());
     }
     let dout = be.as_dtype(dout, dt)?;
     be.launch(
-        &format!("geglu_backward_{dt}"),
+        &format!("{}_{dt}", gate.backward_name()),
         be.grid(rows * f),
         BLOCK,
         Args::new()

@@ -1,0 +1,187 @@
+//! The two products of a linear layer that a GPU fuses with their neighbour: the forward
+//! product with its bias and GELU (`matmul_bias_gelu`), and the weight gradient with the
+//! bias gradient (`weight_bias_grad`).
+//!
+//! Each is one kernel call through [`Backend::run`], one span carrying the FLOPs of both
+//! parts on every backend. The CPU runs its parts one after the other (the composed
+//! reference); the CUDA backend runs the product with cuBLASLt's epilogue (GELU with the
+//! pre-activation as its auxiliary output, or the bias gradient's column sums), and falls
+//! back to the same two parts, inside the same span, where the epilogue does not apply or
+//! the library has no algorithm for it.
+
+use crate::device::cpu::elementwise::{check_bias_backward, same_len};
+use crate::device::cpu::{self, each, ensure_float};
+use crate::device::cuda::ops::{elementwise as gpu, matmul as lt};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
+use crate::error::Result;
+use crate::ops::gelu;
+use crate::tensor::Tensor;
+
+/// Floating-point operations per element of a bias gradient's column sum.
+const BIAS_BACKWARD: u64 = 1;
+
+/// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP, one op.
+pub fn matmul_bias_gelu(
+    be: &(impl Backend + ?Sized),
+    out: &mut Tensor,
+    pre: &mut Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    bias: &Tensor,
+) -> Result<()> {
+    be.run(&mut BiasGelu {
+        out,
+        pre,
+        a,
+        b,
+        bias,
+    })
+}
+
+/// A linear layer's parameter gradients from its input `x` and output gradient `dy`, one
+/// op: `dw += xᵀ · dy` (weights stored `[in, out]`), or `dw += dyᵀ · x` with `transposed`
+/// (stored `[out, in]`), and `dbias += column sums of dy`.
+pub fn weight_bias_grad(
+    be: &(impl Backend + ?Sized),
+    dw: &mut Tensor,
+    dbias: &mut Tensor,
+    x: &Tensor,
+    dy: &Tensor,
+    transposed: bool,
+) -> Result<()> {
+    be.run(&mut WeightBiasGrad {
+        dw,
+        dbias,
+        x,
+        dy,
+        transposed,
+    })
+}
+
+struct BiasGelu<'a> {
+    out: &'a mut Tensor,
+    pre: &'a mut Tensor,
+    a: &'a Tensor,
+    b: &'a Tensor,
+    bias: &'a Tensor,
+}
+
+impl OpKernel for BiasGelu<'_> {
+    fn name(&self) -> &'static str {
+        "matmul_bias_gelu"
+    }
+
+    fn label(&self) -> &str {
+        self.out.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        ensure_float(
+            "matmul_bias_gelu",
+            &[self.out, self.pre, self.a, self.b, self.bias],
+        )?;
+        cpu::matmul::dims(self.pre, self.a, self.b, Some(self.bias), false, false)?;
+        same_len(self.out, self.pre, "gelu")
+    }
+
+    fn flops(&self) -> u64 {
+        cpu::matmul::flops(self.pre, self.a, true, false)
+            .saturating_add(each(self.out.numel(), gelu::FLOPS))
+    }
+
+    fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
+        be.matmul_kernel(
+            self.pre,
+            self.a,
+            self.b,
+            Some(self.bias),
+            false,
+            false,
+            false,
+        )?;
+        gelu::cpu::forward(self.out, self.pre);
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        if lt::matmul_bias_gelu(be, self.out, self.pre, self.a, self.b, self.bias)? {
+            return Ok(());
+        }
+        be.matmul_kernel(
+            self.pre,
+            self.a,
+            self.b,
+            Some(self.bias),
+            false,
+            false,
+            false,
+        )?;
+        gelu::cuda::forward(be, self.out, self.pre)
+    }
+}
+
+struct WeightBiasGrad<'a> {
+    dw: &'a mut Tensor,
+    dbias: &'a mut Tensor,
+    x: &'a Tensor,
+    dy: &'a Tensor,
+    transposed: bool,
+}
+
+impl WeightBiasGrad<'_> {
+    /// The product's operands: `dw += op(a)ᵀ · b`.
+    fn operands(&self) -> (&Tensor, &Tensor) {
+        if self.transposed {
+            (self.dy, self.x)
+        } else {
+            (self.x, self.dy)
+        }
+    }
+}
+
+impl OpKernel for WeightBiasGrad<'_> {
+    fn name(&self) -> &'static str {
+        "weight_bias_grad"
+    }
+
+    fn label(&self) -> &str {
+        self.dw.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        ensure_float("weight_bias_grad", &[self.dw, self.dbias, self.x, self.dy])?;
+        let (a, b) = self.operands();
+        cpu::matmul::dims(self.dw, a, b, None, true, false)?;
+        check_bias_backward(self.dbias, self.dy)
+    }
+
+    fn flops(&self) -> u64 {
+        let (a, _) = self.operands();
+        cpu::matmul::flops(self.dw, a, false, true)
+            .saturating_add(each(self.dy.numel(), BIAS_BACKWARD))
+    }
+
+    fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
+        let (a, b) = if self.transposed {
+            (self.dy, self.x)
+        } else {
+            (self.x, self.dy)
+        };
+        be.matmul_kernel(self.dw, a, b, None, true, false, true)?;
+        cpu::elementwise::bias_backward(self.dbias, self.dy);
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        if lt::weight_bias_grad(be, self.dw, self.dbias, self.x, self.dy, self.transposed)? {
+            return Ok(());
+        }
+        let (a, b) = if self.transposed {
+            (self.dy, self.x)
+        } else {
+            (self.x, self.dy)
+        };
+        be.matmul_kernel(self.dw, a, b, None, true, false, true)?;
+        gpu::bias_backward(be, self.dbias, self.dy)
+    }
+}
