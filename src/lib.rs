@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod accumulate;
+pub mod adapter;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -26,6 +27,7 @@ pub mod tensor;
 pub mod trainer;
 
 pub use accumulate::{AccumulationSchedule, Constant, Ramp, TokensPerStep};
+pub use adapter::{Adapter, FullFineTune, Lora};
 pub use checkpoint::{
     ActivationSite, Budget, CheckpointPolicy, Full, NoRecompute, Retention, Selective, SiteCost,
     Tags,

@@ -2050,3 +2050,93 @@ fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
         }
     }
 }
+
+/// A trainer of [`tiny_qwen`] (version 2: q/k/v biases) or of the tiny GPT-2 through LoRA
+/// on every projection (`B` drawn at random), with selective recomputation.
+fn lora_trainer<P: Precision + Default>(
+    gpt2: bool,
+    backend: Arc<dyn Backend>,
+) -> Trainer<P, trainkit::Selective, trainkit::AdamW, trainkit::Constant, trainkit::PeakTracker> {
+    let (base, targets): (Box<dyn trainkit::Model>, &[&str]) = if gpt2 {
+        (
+            Box::new(Gpt2::new(tiny_config()).unwrap()),
+            &["c_attn", "c_proj", "c_fc"],
+        )
+    } else {
+        const ALL: [&str; 7] = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ];
+        (tiny_qwen(2), &ALL)
+    };
+    let lora = trainkit::Lora::new(4, 8.0, targets).unwrap();
+    let model = base.with_adapter(Arc::new(lora)).unwrap();
+    let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+        .precision(P::default())
+        .checkpoint(trainkit::Selective)
+        .build()
+        .unwrap();
+    // Each B made non-zero (as after some training), so that the A's gradients are more
+    // than rounding noise.
+    let be = t.backend().clone();
+    let mut rng = Rng::new(17);
+    for p in t.params_mut() {
+        if p.name().contains(".lora_B") {
+            let v = randn(&mut rng, p.numel(), 0.1);
+            p.set_value(be.as_ref(), &v).unwrap();
+        }
+    }
+    t
+}
+
+/// Two steps of [`lora_trainer`]: losses, the adapters' gradients, every value.
+fn lora_two_steps<P: Precision + Default>(
+    gpt2: bool,
+    backend: Arc<dyn Backend>,
+) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut t = lora_trainer::<P>(gpt2, backend);
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    let grads = t
+        .params()
+        .iter()
+        .filter(|p| p.trains())
+        .map(|p| t.backend().to_f32(p.grad().unwrap()).unwrap())
+        .collect();
+    (losses, grads, values(&t))
+}
+
+/// LoRA's nodes (the low-rank products, the column kernels of the fused projections'
+/// blocks) train on CUDA as on the CPU, in f32 and bf16.
+#[test]
+fn lora_training_steps_match_the_cpu() {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    for gpt2 in [false, true] {
+        let model = if gpt2 { "gpt2" } else { "qwen2" };
+        let want32 = lora_two_steps::<trainkit::Fp32>(gpt2, cpu.clone());
+        let want16 = lora_two_steps::<MixedBf16>(gpt2, cpu.clone());
+        let init = values(&lora_trainer::<trainkit::Fp32>(gpt2, cpu.clone()));
+        for (name, cuda) in cuda_backends() {
+            let got = lora_two_steps::<trainkit::Fp32>(gpt2, cuda.clone());
+            check_run(
+                &format!("{name} lora {model} fp32"),
+                &got,
+                &want32,
+                &init,
+                DType::F32,
+            );
+            let got = lora_two_steps::<MixedBf16>(gpt2, cuda.clone());
+            check_run(
+                &format!("{name} lora {model} bf16"),
+                &got,
+                &want16,
+                &init,
+                DType::Bf16,
+            );
+        }
+    }
+}

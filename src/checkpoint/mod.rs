@@ -44,6 +44,8 @@ impl Tags {
     /// A softmax's per-row statistics (the fused attention's log-sum-exp, f32, linear in
     /// the sequence length).
     pub const SOFTMAX_STATS: Tags = Tags(1 << 9);
+    /// A low-rank adapter's intermediate (`[B, T, r]`, LoRA's `s · x Aᵀ`).
+    pub const LOW_RANK: Tags = Tags(1 << 10);
 
     /// These tags and those of `other` (`|` in a constant).
     pub const fn with(self, other: Tags) -> Tags {
@@ -62,7 +64,7 @@ impl Tags {
 
     /// The names of the tags set, e.g. `["attention", "quadratic"]`.
     pub fn names(self) -> Vec<&'static str> {
-        const NAMES: [(Tags, &str); 10] = [
+        const NAMES: [(Tags, &str); 11] = [
             (Tags::LAYER_INPUT, "layer_input"),
             (Tags::QUADRATIC, "quadratic"),
             (Tags::ATTENTION, "attention"),
@@ -73,6 +75,7 @@ impl Tags {
             (Tags::RESIDUAL, "residual"),
             (Tags::WIDE, "wide"),
             (Tags::SOFTMAX_STATS, "softmax_stats"),
+            (Tags::LOW_RANK, "low_rank"),
         ];
         NAMES
             .iter()

@@ -794,11 +794,17 @@ impl<'r> Run<'r> {
             for (g, &v) in grads_in.into_iter().zip(&node.inputs) {
                 grads[v] = g.tensor;
             }
+            // A frozen parameter's gradient, where an op could not skip it, goes at once.
+            for &p in &node.params {
+                if !params[p].trains() {
+                    params[p].drop_grad();
+                }
+            }
             if let Some(ready) = ready.as_mut() {
                 for &p in &node.params {
                     let left = &mut ready.remaining[p];
                     *left = left.saturating_sub(1);
-                    if *left == 0 {
+                    if *left == 0 && params[p].trains() {
                         (ready.hook)(&mut params[p], ready.losses)?;
                     }
                 }

@@ -31,6 +31,7 @@ pub use qwen2::{Qwen2, Qwen2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
 pub use shape::{Positions, Shape};
 
+use crate::adapter::Adapter;
 use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
@@ -40,6 +41,7 @@ use crate::save::NamedTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
+use std::sync::Arc;
 
 /// How a parameter's initial values are drawn.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +55,12 @@ pub enum Init {
     Constant(f32),
     /// These values, row-major.
     Values(Vec<f32>),
+    /// Independent uniform values in `[-bound, bound)`: `nn.Linear`'s Kaiming-uniform
+    /// initialisation (`a = √5`) has `bound = 1/√in_features`.
+    Uniform {
+        /// The half-width of the interval.
+        bound: f64,
+    },
 }
 
 /// A parameter's name, shape and initialisation, as a model declares it. Values are drawn
@@ -66,6 +74,9 @@ pub struct ParamInit {
     pub shape: Vec<usize>,
     /// How the initial values are drawn.
     pub init: Init,
+    /// Whether the parameter trains: a frozen one has no gradient, no optimizer state and
+    /// no f32 master copy ([`crate::adapter::Adapter`] decides).
+    pub trains: bool,
 }
 
 impl ParamInit {
@@ -82,6 +93,9 @@ impl ParamInit {
             Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
             Init::Constant(v) => vec![*v; n],
             Init::Values(v) => v.clone(),
+            Init::Uniform { bound } => (0..n)
+                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                .collect(),
         }
     }
 }
@@ -226,6 +240,23 @@ pub trait Model: Debug + Send + Sync {
     ) -> Result<BTreeMap<String, NamedTensor>> {
         Ok(tensors)
     }
+
+    /// The adapter the model trains through ([`Adapter`]: which parameters train, and
+    /// the low-rank updates it adds); `None` for a model that trains every parameter and
+    /// takes no adapter.
+    fn adapter(&self) -> Option<&dyn Adapter> {
+        None
+    }
+
+    /// The same model trained through `adapter`. The default refuses: a model of your own
+    /// that takes adapters says how.
+    fn with_adapter(&self, adapter: Arc<dyn Adapter>) -> Result<Box<dyn Model>> {
+        let _ = adapter;
+        Err(crate::Error::config(
+            "adapter",
+            format!("{} takes no adapter", self.describe()),
+        ))
+    }
 }
 
 /// A boxed model is a model: a trainer can be built from [`ModelConfig::build`]'s result.
@@ -281,6 +312,14 @@ impl Model for Box<dyn Model> {
         tensors: BTreeMap<String, NamedTensor>,
     ) -> Result<BTreeMap<String, NamedTensor>> {
         (**self).import_tensors(tensors)
+    }
+
+    fn adapter(&self) -> Option<&dyn Adapter> {
+        (**self).adapter()
+    }
+
+    fn with_adapter(&self, adapter: Arc<dyn Adapter>) -> Result<Box<dyn Model>> {
+        (**self).with_adapter(adapter)
     }
 }
 

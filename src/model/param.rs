@@ -14,7 +14,9 @@ use crate::tensor::{DType, Tensor};
 /// `value` is the f32 copy the optimizer updates: the master weights when the precision
 /// keeps them apart, otherwise the compute weights themselves. Gradients are allocated on
 /// the first backward; optimizer state slots are created by the optimizer on its first
-/// step.
+/// step. A frozen parameter ([`Param::trains`] false) is its compute weights alone: no
+/// master copy, no optimizer state, and a gradient only inside the backward of an op
+/// that cannot skip it (a norm's gain, freed when the op is done).
 #[derive(Debug)]
 pub struct Param {
     name: String,
@@ -25,6 +27,8 @@ pub struct Param {
     state: Vec<Tensor>,
     /// The optimizer already wrote the compute weights from this step's update.
     weight_fresh: bool,
+    /// Whether the parameter trains (a frozen one keeps no master copy and no state).
+    trains: bool,
 }
 
 /// What an optimizer needs to update one parameter, with the compute weights it may
@@ -50,7 +54,19 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
-        Self::build(backend, name, shape, Some(init), precision)
+        Self::build(backend, name, shape, Some(init), precision, true)
+    }
+
+    /// A frozen parameter ([`Param::trains`] false) initialised from `init`: compute
+    /// weights only.
+    pub fn frozen(
+        backend: &dyn Backend,
+        name: &str,
+        shape: &[usize],
+        init: &[f32],
+        precision: &dyn Precision,
+    ) -> Result<Param> {
+        Self::build(backend, name, shape, Some(init), precision, false)
     }
 
     /// The parameter `spec` declares, its values drawn from `rng` in model order; on a
@@ -64,9 +80,23 @@ impl Param {
     ) -> Result<Param> {
         if backend.holds_data() {
             let values = spec.values(rng);
-            Self::build(backend, &spec.name, &spec.shape, Some(&values), precision)
+            Self::build(
+                backend,
+                &spec.name,
+                &spec.shape,
+                Some(&values),
+                precision,
+                spec.trains,
+            )
         } else {
-            Self::build(backend, &spec.name, &spec.shape, None, precision)
+            Self::build(
+                backend,
+                &spec.name,
+                &spec.shape,
+                None,
+                precision,
+                spec.trains,
+            )
         }
     }
 
@@ -76,16 +106,17 @@ impl Param {
         shape: &[usize],
         init: Option<&[f32]>,
         precision: &dyn Precision,
+        trains: bool,
     ) -> Result<Param> {
         let place = |dtype: DType, category: MemoryCategory| match init {
             Some(values) => backend.upload(values, shape, dtype, category, name),
             None => backend.zeros(shape, dtype, category, name),
         };
         let compute = precision.compute_dtype();
-        let master = if precision.master_weights() {
+        let master = if precision.master_weights() && trains {
             Some(place(DType::F32, MemoryCategory::MasterWeights)?)
         } else {
-            if compute != DType::F32 {
+            if compute != DType::F32 && trains {
                 return Err(Error::config(
                     "precision",
                     format!(
@@ -104,6 +135,7 @@ impl Param {
             grad_dtype: precision.grad_dtype(),
             state: Vec::new(),
             weight_fresh: false,
+            trains,
         })
     }
 
@@ -122,6 +154,12 @@ impl Param {
         self.weight.numel()
     }
 
+    /// Whether the parameter trains. A frozen one has no gradient after backward, no
+    /// optimizer state and no master copy: optimizers skip it.
+    pub fn trains(&self) -> bool {
+        self.trains
+    }
+
     /// Whether weight decay applies: matrices and embeddings (rank >= 2), not biases or
     /// norm gains.
     pub fn decays(&self) -> bool {
@@ -133,7 +171,8 @@ impl Param {
         &self.weight
     }
 
-    /// The f32 values the optimizer updates (master copy, or the weights in f32 training).
+    /// The f32 values the optimizer updates (master copy, or the weights in f32 training;
+    /// a frozen parameter's compute weights).
     pub fn value(&self) -> &Tensor {
         self.master.as_ref().unwrap_or(&self.weight)
     }
@@ -146,10 +185,7 @@ impl Param {
     /// The values to update, the gradient and the optimizer state slots, together.
     /// Fails if no backward has produced a gradient yet.
     pub fn update_parts(&mut self) -> Result<(&mut Tensor, &Tensor, &mut Vec<Tensor>)> {
-        let grad = self.grad.as_ref().ok_or_else(|| Error::Backend {
-            backend: "optimizer",
-            message: format!("`{}` has no gradient: run backward first", self.name),
-        })?;
+        let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
         let value = self.master.as_mut().unwrap_or(&mut self.weight);
         Ok((value, grad, &mut self.state))
     }
@@ -159,10 +195,7 @@ impl Param {
     /// AdamW kernel does. The optimizer must write them when it gets them: the trainer
     /// then skips its own copy of the master weights into the compute weights.
     pub fn update_parts_fused(&mut self) -> Result<UpdateParts<'_>> {
-        let grad = self.grad.as_ref().ok_or_else(|| Error::Backend {
-            backend: "optimizer",
-            message: format!("`{}` has no gradient: run backward first", self.name),
-        })?;
+        let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
         let (value, compute) = match self.master.as_mut() {
             Some(master) => {
                 self.weight_fresh = true;
@@ -185,7 +218,9 @@ impl Param {
 
     /// The gradient buffer, allocated (zeroed) on first use: what an op node's backward
     /// accumulates its parameter's gradient into (add to it, never overwrite: several
-    /// nodes and micro-batches add up in it).
+    /// nodes and micro-batches add up in it). Ops skip the gradients of frozen parameters
+    /// where they can; one that cannot (a norm's gain, computed with its input's gradient)
+    /// gets a buffer that the executor frees once the op's backward is done.
     pub fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
         if self.grad.is_none() {
             let g = backend.zeros(
@@ -280,4 +315,21 @@ impl Param {
         }
         Ok(())
     }
+}
+
+/// The gradient an optimizer updates parameter `name` with, or the error of a parameter
+/// without one.
+fn grad_for_update<'a>(name: &str, trains: bool, grad: &'a Option<Tensor>) -> Result<&'a Tensor> {
+    if !trains {
+        return Err(Error::Backend {
+            backend: "optimizer",
+            message: format!(
+                "`{name}` is frozen: an optimizer skips parameters whose `trains()` is false"
+            ),
+        });
+    }
+    grad.as_ref().ok_or_else(|| Error::Backend {
+        backend: "optimizer",
+        message: format!("`{name}` has no gradient: run backward first"),
+    })
 }

@@ -65,6 +65,11 @@ impl Op for Classifier {
             !fresh,
         )?;
         let x = cx.inputs[0].get()?;
+        if !cx.params[0].trains() {
+            drop(dlogits);
+            cx.inputs[0].release();
+            return Ok(());
+        }
         be.matmul(
             cx.params[0].grad_mut(be)?,
             &dlogits,

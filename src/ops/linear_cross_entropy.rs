@@ -255,6 +255,9 @@ impl LinearCrossEntropy {
             // A new gradient is written chunk by chunk; an existing one is added to.
             be.copy_rows(buf, start, &part, 0, n, existed)?;
         }
+        if !cx.params[0].trains() {
+            return Ok(());
+        }
         be.matmul(
             cx.params[0].grad_mut(be)?,
             &dlogits,

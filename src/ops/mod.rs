@@ -18,6 +18,7 @@ pub mod glu;
 pub mod layernorm;
 pub mod linear;
 mod linear_cross_entropy;
+pub mod lora;
 pub mod qk_norm;
 pub mod rmsnorm;
 pub mod rope;
@@ -330,8 +331,9 @@ impl BackwardCx<'_> {
 }
 
 /// `dx = dy · op(W)ᵀ` into `dx` (accumulating when it already holds a gradient), then
-/// `dW += op(x)ᵀ · dy` and `db += Σ dy` (one [`linear::weight_bias_grad`]): the backward of `y = x · op(W) + b`, where
-/// `transposed` means `op(W) = Wᵀ` (weights stored `[out, in]`).
+/// the gradients of the parameters that train (see [`linear::param_grads`]): the backward
+/// of `y = x · op(W) + b`, where `transposed` means `op(W) = Wᵀ` (weights stored
+/// `[out, in]`).
 pub(crate) fn linear_backward(
     backend: &dyn Backend,
     params: &mut [&mut Param],
@@ -340,27 +342,14 @@ pub(crate) fn linear_backward(
     dx: Option<&mut GradIn>,
     transposed: bool,
 ) -> Result<()> {
+    let Some((w, rest)) = params.split_first_mut() else {
+        return Err(missing("the weight of a linear layer"));
+    };
     if let Some(dx) = dx {
-        let (buf, fresh) = dx.buffer(backend)?;
-        backend.matmul(
-            buf,
-            dy,
-            params[0].weight(),
-            None,
-            false,
-            !transposed,
-            !fresh,
-        )?;
+        linear::input_grad(backend, w.weight(), dy, dx, transposed)?;
     }
-    match params {
-        [w, b, ..] => {
-            let dw = w.grad_mut(backend)?;
-            linear::weight_bias_grad(backend, dw, b.grad_mut(backend)?, x, dy, transposed)
-        }
-        [w] if transposed => backend.matmul(w.grad_mut(backend)?, dy, x, None, true, false, true),
-        [w] => backend.matmul(w.grad_mut(backend)?, x, dy, None, true, false, true),
-        [] => Err(missing("the weight of a linear layer")),
-    }
+    let bias = rest.first_mut().map(|b| &mut **b);
+    linear::param_grads(backend, w, bias, x, dy, transposed)
 }
 
 /// The error of a value, input or gradient the graph should hold but does not: a graph

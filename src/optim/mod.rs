@@ -30,7 +30,9 @@ pub trait Optimizer: DynClone + Debug + Send + Sync {
     /// The base learning rate (schedules scale from it).
     fn learning_rate(&self) -> f32;
 
-    /// One update of every parameter. `lr` is this step's learning rate, `grad_scale`
+    /// One update of every parameter that trains ([`Param::trains`]: a frozen one, which
+    /// an [`crate::adapter::Adapter`] leaves without gradient, is skipped and gets no
+    /// state). `lr` is this step's learning rate, `grad_scale`
     /// multiplies every gradient (clipping and loss-scale removal; it lives on the device,
     /// and when it is not finite the update must be skipped, see [`GradScale`]), and
     /// `step` is 1-based.

@@ -48,7 +48,7 @@ impl Optimizer for Sgd {
         let Some(grad_scale) = grad_scale.read(backend)? else {
             return Ok(());
         };
-        for p in params.iter_mut() {
+        for p in params.iter_mut().filter(|p| p.trains()) {
             let wd = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();
             let shape = p.shape().to_vec();

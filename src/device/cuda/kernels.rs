@@ -70,6 +70,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     crate::ops::qk_norm::cuda::KERNELS,
     crate::ops::rope::cuda::KERNELS,
     crate::ops::glu::cuda::KERNELS,
+    crate::ops::lora::cuda::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).
@@ -509,7 +510,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 161);
+        assert_eq!(seen.len(), 167);
     }
 
     #[test]

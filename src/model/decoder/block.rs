@@ -7,7 +7,9 @@
 use super::super::graph::{attention_node, attention_stats, Graph, Section, Value};
 use super::super::shape::{Positions, Shape};
 use super::super::{LayerSlot, Mlp, Norm, Slot};
+use super::adapters::UpdateRef;
 use crate::checkpoint::Tags;
+use crate::ops::lora::{Base, LoraDown, LoraProjection};
 use crate::ops::{
     AttentionPath, Classifier, EmbeddingScale, Glu, LayerNorm, LearnedEmbedding, Linear,
     LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope,
@@ -20,12 +22,23 @@ pub(crate) struct Labels {
     pub final_norm: &'static str,
 }
 
+/// What an adapter changes in the graph: the low-rank updates of each layer's weights, and
+/// which parameters (by index in model order) train.
+pub(crate) struct Adapters<'a> {
+    /// The updates of a layer's weight (empty for none).
+    pub updates: &'a dyn Fn(usize, LayerSlot) -> Vec<UpdateRef>,
+    /// Whether a parameter trains.
+    pub trains: &'a dyn Fn(usize) -> bool,
+}
+
 /// The graph of `shape` over parameters found by `p` (a slot's index in model order),
-/// weights stored `[out, in]` when `out_in`, with the fused loss (`fused_loss`) or the
-/// logits, and attention computed by `attention`.
+/// with the low-rank updates of `adapters`, weights stored `[out, in]` when `out_in`,
+/// with the fused loss (`fused_loss`) or the logits, and attention computed by
+/// `attention`.
 pub(crate) fn graph(
     shape: &Shape,
     p: &dyn Fn(Slot) -> usize,
+    adapters: &Adapters<'_>,
     out_in: bool,
     labels: &Labels,
     fused_loss: Option<LinearCrossEntropy>,
@@ -58,6 +71,7 @@ pub(crate) fn graph(
                 shape,
                 l,
                 &|s| p(Slot::Layer(l, s)),
+                adapters,
                 out_in,
                 labels,
                 attention,
@@ -124,6 +138,7 @@ fn layer(
     shape: &Shape,
     l: usize,
     w: &dyn Fn(LayerSlot) -> usize,
+    adapters: &Adapters<'_>,
     out_in: bool,
     labels: &Labels,
     attention: AttentionPath,
@@ -208,14 +223,20 @@ fn layer(
         w(LayerSlot::Norm1),
         norm_bias(LayerSlot::Norm1Bias),
     );
-    s.node(
-        Linear {
+    let project = |s: &mut Section, slot: LayerSlot, p: Projection, io: (&[usize], &[usize])| {
+        let updates = (adapters.updates)(l, slot);
+        projection(s, p, io, &updates, adapters.trains, attn_or_mlp(slot));
+    };
+    project(
+        &mut s,
+        LayerSlot::Qkv,
+        Projection {
+            base: Base::Linear,
             bias: shape.bias.qkv,
             transposed: out_in,
+            params: with_bias(LayerSlot::Qkv, LayerSlot::QkvBias, shape.bias.qkv),
         },
-        &[ln1_out],
-        &[qkv_pre],
-        &with_bias(LayerSlot::Qkv, LayerSlot::QkvBias, shape.bias.qkv),
+        (&[ln1_out], &[qkv_pre]),
     );
     if let Some((out, rstd)) = normed {
         qk_norm_node(
@@ -238,14 +259,16 @@ fn layer(
         );
     }
     attention_node(&mut s, attention, shape.heads(), qkv, attn_stats, attn_out);
-    s.node(
-        LinearResidual {
+    project(
+        &mut s,
+        LayerSlot::O,
+        Projection {
+            base: Base::Residual,
             bias: shape.bias.o,
             transposed: out_in,
+            params: with_bias(LayerSlot::O, LayerSlot::OBias, shape.bias.o),
         },
-        &[input, attn_out],
-        &[residual],
-        &with_bias(LayerSlot::O, LayerSlot::OBias, shape.bias.o),
+        (&[input, attn_out], &[residual]),
     );
     norm_node(
         &mut s,
@@ -257,21 +280,28 @@ fn layer(
     );
     let up_params = with_bias(LayerSlot::Up, LayerSlot::UpBias, shape.bias.mlp);
     match shape.mlp {
-        Mlp::Gelu => s.node(
-            LinearGelu { transposed: out_in },
-            &[ln2_out],
-            &[up, act],
-            &up_params,
+        Mlp::Gelu => project(
+            &mut s,
+            LayerSlot::Up,
+            Projection {
+                base: Base::Gelu,
+                bias: true,
+                transposed: out_in,
+                params: up_params,
+            },
+            (&[ln2_out], &[up, act]),
         ),
         Mlp::SwiGlu | Mlp::GeGlu => {
-            s.node(
-                Linear {
+            project(
+                &mut s,
+                LayerSlot::Up,
+                Projection {
+                    base: Base::Linear,
                     bias: shape.bias.mlp,
                     transposed: out_in,
+                    params: up_params,
                 },
-                &[ln2_out],
-                &[up],
-                &up_params,
+                (&[ln2_out], &[up]),
             );
             let glu = match shape.mlp {
                 Mlp::GeGlu => Glu::GEGLU,
@@ -280,17 +310,99 @@ fn layer(
             s.node(glu, &[up], &[act], &[]);
         }
     }
-    s.node(
-        LinearResidual {
+    project(
+        &mut s,
+        LayerSlot::Down,
+        Projection {
+            base: Base::Residual,
             bias: shape.bias.mlp,
             transposed: out_in,
+            params: with_bias(LayerSlot::Down, LayerSlot::DownBias, shape.bias.mlp),
         },
-        &[residual, act],
-        &[output],
-        &with_bias(LayerSlot::Down, LayerSlot::DownBias, shape.bias.mlp),
+        (&[residual, act], &[output]),
     );
     s.output = output;
     s
+}
+
+/// The tags of a weight's values: its block's.
+fn attn_or_mlp(slot: LayerSlot) -> Tags {
+    match slot {
+        LayerSlot::Up | LayerSlot::Down => Tags::MLP,
+        _ => Tags::ATTENTION,
+    }
+}
+
+/// A projection node before its updates: what it computes, its bias and layout, its
+/// parameters (the weight, then the bias).
+struct Projection {
+    base: Base,
+    bias: bool,
+    transposed: bool,
+    params: Vec<usize>,
+}
+
+/// Adds projection `p` reading and writing `(inputs, outputs)`: its plain node
+/// ([`Linear`], [`LinearResidual`], [`LinearGelu`]) without updates; with them, a
+/// [`LoraDown`] node writing each update's intermediate (tagged `tags` and low-rank), then
+/// a [`LoraProjection`] that adds them.
+fn projection(
+    s: &mut Section,
+    p: Projection,
+    (inputs, outputs): (&[usize], &[usize]),
+    updates: &[UpdateRef],
+    trains: &dyn Fn(usize) -> bool,
+    tags: Tags,
+) {
+    let (bias, transposed) = (p.bias, p.transposed);
+    if updates.is_empty() {
+        match p.base {
+            Base::Linear => s.node(Linear { bias, transposed }, inputs, outputs, &p.params),
+            Base::Residual => s.node(
+                LinearResidual { bias, transposed },
+                inputs,
+                outputs,
+                &p.params,
+            ),
+            Base::Gelu => s.node(LinearGelu { transposed }, inputs, outputs, &p.params),
+        }
+        return;
+    }
+    let x = inputs[usize::from(p.base == Base::Residual)];
+    let hs: Vec<usize> = updates
+        .iter()
+        .map(|u| s.value("lora", u.label.clone(), tags | Tags::LOW_RANK))
+        .collect();
+    let adapted: Vec<_> = updates.iter().map(|u| u.adapted).collect();
+    let a_params: Vec<usize> = updates.iter().map(|u| u.a).collect();
+    s.node(
+        LoraDown {
+            adapters: adapted.clone(),
+        },
+        &[x],
+        &hs,
+        &a_params,
+    );
+    let all_inputs: Vec<usize> = inputs.iter().copied().chain(hs).collect();
+    let base_trains = p.params.iter().any(|&i| trains(i));
+    let params: Vec<usize> = p
+        .params
+        .iter()
+        .copied()
+        .chain(updates.iter().map(|u| u.b))
+        .collect();
+    s.node(
+        LoraProjection {
+            base: p.base,
+            bias,
+            transposed,
+            base_trains,
+            adapters: adapted,
+        },
+        &all_inputs,
+        outputs,
+        &params,
+    );
 }
 
 /// The per-head q/k norm of `shape` over `qkv`, writing `outputs` (the normalised

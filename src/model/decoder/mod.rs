@@ -3,6 +3,7 @@
 //! ([`block`]), run by the executor ([`super::exec`]). GPT-2, Llama and Qwen are this
 //! type with their family's config ([`crate::Gpt2`], [`crate::Llama`], ...).
 
+mod adapters;
 mod block;
 mod fused;
 
@@ -12,6 +13,7 @@ use super::exec;
 use super::graph::{overridden, Graph, OpOverride};
 use super::shape::{Positions, Shape};
 use super::{Batch, Family, Init, LayerSlot, Mlp, Model, Norm, ParamInit, Pass, PassStats, Slot};
+use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
 use crate::save::NamedTensor;
@@ -29,6 +31,7 @@ pub struct Decoder<F: Family> {
     loss_chunk: Option<usize>,
     attention: AttentionPath,
     overrides: Vec<Arc<dyn OpOverride>>,
+    adapter: Arc<dyn Adapter>,
     graph: Graph,
 }
 
@@ -41,6 +44,7 @@ impl<F: Family> Clone for Decoder<F> {
             loss_chunk: self.loss_chunk,
             attention: self.attention,
             overrides: self.overrides.clone(),
+            adapter: Arc::clone(&self.adapter),
             graph: self.build_graph(),
         }
     }
@@ -58,6 +62,9 @@ impl<F: Family> PartialEq for Decoder<F> {
                 .iter()
                 .zip(&other.overrides)
                 .all(|(a, b)| Arc::ptr_eq(a, b))
+            && (Arc::ptr_eq(&self.adapter, &other.adapter)
+                || serde_json::to_string(&*self.adapter).ok()
+                    == serde_json::to_string(&*other.adapter).ok())
     }
 }
 
@@ -76,6 +83,7 @@ impl<F: Family> Decoder<F> {
             loss_chunk: None,
             attention: AttentionPath::Fused,
             overrides: Vec::new(),
+            adapter: Arc::new(FullFineTune),
             graph: Graph::default(),
         };
         model.graph = model.build_graph();
@@ -102,6 +110,39 @@ impl<F: Family> Decoder<F> {
         self.overrides.push(Arc::new(o));
         self.graph = self.build_graph();
         self
+    }
+
+    /// The same model trained through `adapter`: which base parameters train, and the
+    /// low-rank updates it adds (LoRA, [`crate::adapter::Lora`]). Fails when the adapter
+    /// does not fit the model (a target it has no projection for), naming it.
+    pub fn with_adapter(mut self, adapter: Arc<dyn Adapter>) -> Result<Self> {
+        let modules: Vec<String> = adapters::projections(&self.config, &self.shape)
+            .into_iter()
+            .map(|p| p.module)
+            .collect();
+        adapter.check(&modules)?;
+        self.adapter = adapter;
+        self.graph = self.build_graph();
+        Ok(self)
+    }
+
+    /// The adapter the model trains through ([`FullFineTune`] unless one was set).
+    pub fn adapter(&self) -> &Arc<dyn Adapter> {
+        &self.adapter
+    }
+
+    /// Every linear projection's Hugging Face module name (`q_proj` and the other blocks
+    /// of the fused projections apart), in model order: what an adapter targets.
+    pub fn projection_modules(&self) -> Vec<String> {
+        adapters::projections(&self.config, &self.shape)
+            .into_iter()
+            .map(|p| p.module)
+            .collect()
+    }
+
+    /// The low-rank updates the adapter adds, by module name, in model order.
+    fn updates(&self) -> Vec<(adapters::Projection, LowRank)> {
+        adapters::updates(&self.config, &self.shape, self.adapter.as_ref())
     }
 
     /// The same model with its loss computed by `path`: the fused linear cross-entropy
@@ -172,9 +213,22 @@ impl<F: Family> Decoder<F> {
         let labels = block::Labels {
             final_norm: self.config.final_norm_label(),
         };
+        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
+        let trains: Vec<bool> = names.iter().map(|n| self.adapter.trains(n)).collect();
+        let refs = adapters::update_refs(&self.updates(), names.len());
+        let updates = |l: usize, slot: LayerSlot| -> Vec<adapters::UpdateRef> {
+            refs.iter()
+                .filter(|(rl, rs, _)| *rl == l && *rs == slot)
+                .map(|(_, _, r)| r.clone())
+                .collect()
+        };
         let graph = block::graph(
             &self.shape,
             &p,
+            &block::Adapters {
+                updates: &updates,
+                trains: &|i| trains.get(i).copied().unwrap_or(true),
+            },
             self.config.out_in(),
             &labels,
             fused_loss,
@@ -373,14 +427,18 @@ impl<F: Family> Model for Decoder<F> {
     }
 
     fn init_params(&self) -> Vec<ParamInit> {
-        self.params()
+        let mut out: Vec<ParamInit> = self
+            .params()
             .into_iter()
             .map(|(slot, name, shape)| ParamInit {
+                trains: self.adapter.trains(&name),
                 name,
                 shape,
                 init: init(&self.shape, slot),
             })
-            .collect()
+            .collect();
+        out.extend(adapters::update_params(&self.updates()));
+        out
     }
 
     fn forward_backward(
@@ -425,5 +483,13 @@ impl<F: Family> Model for Decoder<F> {
         tensors: BTreeMap<String, NamedTensor>,
     ) -> Result<BTreeMap<String, NamedTensor>> {
         self.config.import_tensors(tensors)
+    }
+
+    fn adapter(&self) -> Option<&dyn Adapter> {
+        Some(self.adapter.as_ref())
+    }
+
+    fn with_adapter(&self, adapter: Arc<dyn Adapter>) -> Result<Box<dyn Model>> {
+        Ok(Box::new(self.clone().with_adapter(adapter)?))
     }
 }

@@ -215,11 +215,18 @@ impl Op for LearnedEmbedding {
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
         let dout = cx.take_grad_out(0)?;
-        cx.params[1].grad_mut(be)?;
         let (wte, wpe) = cx.params.split_at_mut(1);
-        let dwte = wte[0].grad_mut(be)?;
-        let dwpe = wpe[0].grad_mut(be)?;
-        backward(be, dwte, Some(dwpe), &dout, cx.tokens)
+        let (wte, wpe) = (&mut *wte[0], &mut *wpe[0]);
+        match (wte.trains(), wpe.trains()) {
+            // Frozen embeddings: nothing to compute.
+            (false, false) => Ok(()),
+            (true, false) => backward(be, wte.grad_mut(be)?, None, &dout, cx.tokens),
+            // The kernel writes both (a frozen wte's gradient is freed after this node).
+            (_, true) => {
+                let dwpe = wpe.grad_mut(be)?;
+                backward(be, wte.grad_mut(be)?, Some(dwpe), &dout, cx.tokens)
+            }
+        }
     }
 }
 
@@ -260,6 +267,9 @@ impl Op for TokenEmbedding {
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
         let dout = cx.take_grad_out(0)?;
+        if !cx.params[0].trains() {
+            return Ok(());
+        }
         let dwte = cx.params[0].grad_mut(be)?;
         backward(be, dwte, None, &dout, cx.tokens)
     }

@@ -255,7 +255,7 @@ impl Optimizer for AdamW {
         step: u64,
     ) -> Result<()> {
         self.validate()?;
-        for p in params.iter_mut() {
+        for p in params.iter_mut().filter(|p| p.trains()) {
             let decay = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();
             let shape = p.shape().to_vec();

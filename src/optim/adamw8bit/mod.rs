@@ -306,7 +306,7 @@ impl Optimizer for AdamW8bit {
         step: u64,
     ) -> Result<()> {
         self.adamw().validate()?;
-        for p in params.iter_mut() {
+        for p in params.iter_mut().filter(|p| p.trains()) {
             let decay = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();
             let shape = p.shape().to_vec();

@@ -1,0 +1,228 @@
+//! Which parameters train: the [`Adapter`] policy, and LoRA, its shipped low-rank form.
+//!
+//! Fine-tuning rarely trains every weight. An [`Adapter`] decides, per parameter of the
+//! base model, whether it trains, and may add a low-rank update to any linear projection,
+//! chosen by its Hugging Face module name (`model.layers.3.self_attn.q_proj`,
+//! `transformer.h.3.attn.c_attn`). A frozen parameter gets no gradient buffer, no
+//! optimizer state and no f32 master copy: it stays in the compute dtype, and the
+//! products that would only serve its gradient are not run.
+//!
+//! [`FullFineTune`] trains everything (the default); [`Lora`] freezes the base and adds
+//! `(α/r) · B·A` beside the projections it targets, as PEFT's LoRA does. Adapters are
+//! policies like the other five: serializable by their `kind` tag, writable in a crate of
+//! your own.
+
+pub mod peft;
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Debug;
+
+/// A low-rank update `ΔW = scale · B·A` of one linear projection: `A` is `[rank, in]`,
+/// `B` is `[out, rank]`, and the projection's output gains `scale · (x Aᵀ) Bᵀ`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LowRank {
+    /// The rank `r`.
+    pub rank: usize,
+    /// The scale applied to `B·A` (LoRA's `α/r`, rsLoRA's `α/√r`).
+    pub scale: f32,
+}
+
+/// Which parameters of a model train, and which projections get a low-rank update.
+///
+/// The model asks [`Adapter::trains`] for every base parameter by its name in trainkit
+/// (Hugging Face's, with trainkit's fused `qkv_proj` and `gate_up_proj`), and
+/// [`Adapter::low_rank`] for every linear projection by its Hugging Face module name, with
+/// its input and output widths. The low-rank parameters it adds always train.
+#[typetag::serde(tag = "kind")]
+pub trait Adapter: Debug + Send + Sync {
+    /// Whether the base parameter `name` trains.
+    fn trains(&self, name: &str) -> bool;
+
+    /// The low-rank update of the projection `module` (`in_features` → `out_features`),
+    /// or `None` for none.
+    fn low_rank(&self, module: &str, in_features: usize, out_features: usize) -> Option<LowRank>;
+
+    /// Checks the policy against the model's projection modules (their Hugging Face
+    /// names): an error names what matches nothing. The default accepts everything.
+    fn check(&self, modules: &[String]) -> Result<()> {
+        let _ = modules;
+        Ok(())
+    }
+
+    /// The LoRA settings, when this is [`Lora`]: what the PEFT files record.
+    fn as_lora(&self) -> Option<&Lora> {
+        None
+    }
+}
+
+/// Every parameter trains and nothing is added: full fine-tuning (and pretraining).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FullFineTune;
+
+#[typetag::serde(name = "full")]
+impl Adapter for FullFineTune {
+    fn trains(&self, _name: &str) -> bool {
+        true
+    }
+
+    fn low_rank(&self, _module: &str, _in: usize, _out: usize) -> Option<LowRank> {
+        None
+    }
+}
+
+/// LoRA (Hu et al., 2021), as PEFT builds it: the base model frozen, and on each
+/// projection whose module name ends in one of `targets` a low-rank update
+/// `(α/r) · B·A`, `A` Kaiming-uniform (as `nn.Linear`'s initialisation) and `B` zero, so
+/// training starts from the base model exactly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lora {
+    /// The rank `r` (at least 1).
+    pub rank: usize,
+    /// `α`: the update is scaled by `α/r` (or `α/√r` with `rslora`).
+    pub alpha: f64,
+    /// The projections adapted, by the last part of their Hugging Face module names:
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, or
+    /// GPT-2's `c_attn`, `c_proj`, `c_fc`; `all-linear` adapts every projection.
+    pub targets: Vec<String>,
+    /// rsLoRA's scaling `α/√r` (Kalajdzievski, 2023) instead of `α/r`.
+    #[serde(default)]
+    pub rslora: bool,
+}
+
+/// The projection names LoRA knows, Llama's layout then GPT-2's.
+pub const PROJECTIONS: [&str; 10] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "c_attn",
+    "c_proj",
+    "c_fc",
+];
+
+/// The target that adapts every linear projection (PEFT's `all-linear`, the output head
+/// excepted).
+pub const ALL_LINEAR: &str = "all-linear";
+
+impl Lora {
+    /// LoRA of rank `rank` and scale `alpha / rank` on `targets`; errors name what is
+    /// wrong (a rank of 0, an α that is not a positive number, an empty or unknown target).
+    pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> Result<Lora> {
+        let lora = Lora {
+            rank,
+            alpha,
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            rslora: false,
+        };
+        lora.validate()?;
+        Ok(lora)
+    }
+
+    /// Fails unless the settings make a LoRA: errors name the field and what would fix it.
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(Error::config(
+                "adapter.rank",
+                "a LoRA rank must be at least 1 (8, 16 and 32 are common)",
+            ));
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(Error::config(
+                "adapter.alpha",
+                format!(
+                    "{} is not a positive number (α = 2·r is common)",
+                    self.alpha
+                ),
+            ));
+        }
+        if self.targets.is_empty() {
+            return Err(Error::config(
+                "adapter.targets",
+                format!(
+                    "name at least one projection: {} (or {ALL_LINEAR})",
+                    PROJECTIONS.join(", ")
+                ),
+            ));
+        }
+        for t in &self.targets {
+            if t != ALL_LINEAR && !PROJECTIONS.contains(&t.as_str()) {
+                return Err(Error::config(
+                    "adapter.targets",
+                    format!(
+                        "`{t}` is not a projection trainkit adapts; use {} (or {ALL_LINEAR})",
+                        PROJECTIONS.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The scale of `B·A`: `α/r`, or `α/√r` with rsLoRA.
+    pub fn scale(&self) -> f32 {
+        let r = self.rank as f64;
+        (if self.rslora {
+            self.alpha / r.sqrt()
+        } else {
+            self.alpha / r
+        }) as f32
+    }
+
+    /// Whether the projection `module` is one of the targets.
+    pub fn targets_module(&self, module: &str) -> bool {
+        let last = module.rsplit('.').next().unwrap_or(module);
+        self.targets.iter().any(|t| t == ALL_LINEAR || t == last)
+    }
+}
+
+#[typetag::serde(name = "lora")]
+impl Adapter for Lora {
+    fn trains(&self, _name: &str) -> bool {
+        false
+    }
+
+    fn low_rank(&self, module: &str, _in: usize, _out: usize) -> Option<LowRank> {
+        self.targets_module(module).then(|| LowRank {
+            rank: self.rank,
+            scale: self.scale(),
+        })
+    }
+
+    fn check(&self, modules: &[String]) -> Result<()> {
+        self.validate()?;
+        for t in &self.targets {
+            if t == ALL_LINEAR {
+                continue;
+            }
+            if !modules
+                .iter()
+                .any(|m| m.rsplit('.').next() == Some(t.as_str()))
+            {
+                let mut names: Vec<&str> = modules
+                    .iter()
+                    .filter_map(|m| m.rsplit('.').next())
+                    .collect();
+                names.sort_unstable();
+                names.dedup();
+                return Err(Error::config(
+                    "adapter.targets",
+                    format!(
+                        "this model has no `{t}` projection; its projections are {}",
+                        names.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn as_lora(&self) -> Option<&Lora> {
+        Some(self)
+    }
+}

@@ -1,0 +1,247 @@
+//! LoRA adapters in the files PEFT writes and reads: `adapter_config.json` and
+//! `adapter_model.safetensors`, whose tensors are named
+//! `base_model.model.{module}.lora_A.weight` (`[r, in]`) and `….lora_B.weight` (`[out, r]`)
+//! after the Hugging Face module they adapt.
+
+use super::Lora;
+use crate::error::{Error, Result};
+use crate::save::{read_safetensors, write_atomically, write_safetensors, NamedTensor};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// The adapter's settings, as PEFT names the file.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The adapter's tensors.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The prefix PEFT gives the module names of a causal language model's adapter tensors.
+pub const PREFIX: &str = "base_model.model.";
+
+/// Where the adapter tensors of `module` live in trainkit's parameter list: its
+/// `lora_A` and `lora_B` names.
+pub fn param_names(module: &str) -> [String; 2] {
+    [
+        format!("{module}.lora_A.weight"),
+        format!("{module}.lora_B.weight"),
+    ]
+}
+
+/// What else `adapter_config.json` records about the base model.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BaseInfo {
+    /// The base model's name or directory (`base_model_name_or_path`).
+    pub name_or_path: Option<String>,
+    /// Whether the base stores its projections `[in, out]` (GPT-2's `Conv1D`: PEFT's
+    /// `fan_in_fan_out`).
+    pub fan_in_fan_out: bool,
+}
+
+/// The `adapter_config.json` PEFT writes for `lora`.
+pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
+    json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base.name_or_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": lora.targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": lora.rslora,
+        "fan_in_fan_out": base.fan_in_fan_out,
+        "init_lora_weights": true,
+        "inference_mode": true,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "layers_pattern": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": false,
+        "revision": null,
+    })
+}
+
+/// Writes the adapter into `dir` (created if missing): its config, and `tensors` (named
+/// by trainkit, `{module}.lora_A.weight`) under PEFT's names.
+pub fn write(dir: &Path, lora: &Lora, base: &BaseInfo, tensors: &[NamedTensor]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let text = serde_json::to_string_pretty(&adapter_config(lora, base))
+        .map_err(|e| Error::Serde(e.to_string()))?;
+    write_atomically(&dir.join(ADAPTER_CONFIG), text.as_bytes())?;
+    let named: Vec<NamedTensor> = tensors
+        .iter()
+        .map(|t| NamedTensor {
+            name: format!("{PREFIX}{}", t.name),
+            shape: t.shape.clone(),
+            data: t.data.clone(),
+        })
+        .collect();
+    write_safetensors(&dir.join(ADAPTER_WEIGHTS), &named, None)
+}
+
+/// Whether `dir` holds a PEFT adapter (its `adapter_config.json`).
+pub fn is_adapter_dir(dir: &Path) -> bool {
+    dir.join(ADAPTER_CONFIG).is_file()
+}
+
+/// Reads a PEFT LoRA adapter from `dir`: its settings and its tensors, named by trainkit
+/// (`{module}.lora_A.weight`). Errors name the file and the field: an adapter that is not
+/// LoRA, target modules given as a pattern, dropout, biases or DoRA trainkit does not
+/// train.
+pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::data(path.display().to_string(), format!("is not JSON: {e}")))?;
+    let lora = parse_config(&v).map_err(|msg| Error::data(path.display().to_string(), msg))?;
+    lora.validate()?;
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    if !weights.is_file() {
+        return Err(Error::data(
+            dir.display().to_string(),
+            format!("holds {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}"),
+        ));
+    }
+    let tensors = read_safetensors(&weights)?
+        .into_iter()
+        .map(|t| {
+            let name = t
+                .name
+                .strip_prefix(PREFIX)
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    Error::data(
+                        weights.display().to_string(),
+                        format!("`{}` is not named `{PREFIX}…` as PEFT names them", t.name),
+                    )
+                })?;
+            // PEFT versions before 0.7 kept the adapter's name in the tensor's.
+            let name = name
+                .replace(".lora_A.default.", ".lora_A.")
+                .replace(".lora_B.default.", ".lora_B.");
+            Ok(NamedTensor { name, ..t })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((lora, tensors))
+}
+
+/// The LoRA settings of an `adapter_config.json`, or what is wrong with them.
+fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
+    let field = |k: &str| v.get(k).filter(|x| !x.is_null());
+    match field("peft_type").and_then(Value::as_str) {
+        Some("LORA") => {}
+        Some(other) => {
+            return Err(format!(
+                "holds a `{other}` adapter; trainkit reads LoRA adapters (`peft_type: \"LORA\"`)"
+            ))
+        }
+        None => return Err("has no `peft_type`: is it a PEFT adapter config?".into()),
+    }
+    let rank = field("r")
+        .and_then(Value::as_u64)
+        .ok_or("has no integer `r` (the LoRA rank)")? as usize;
+    let alpha = field("lora_alpha")
+        .and_then(Value::as_f64)
+        .ok_or("has no number `lora_alpha`")?;
+    let targets = match field("target_modules") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_str()
+                    .map(str::to_string)
+                    .ok_or("lists a target that is not a string")
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
+        Some(Value::String(s)) if s == super::ALL_LINEAR => vec![s.clone()],
+        Some(Value::String(s)) => {
+            return Err(format!(
+                "gives `target_modules` as the pattern `{s}`; trainkit reads a list of module \
+                 names (q_proj, v_proj, ...) or `all-linear`"
+            ))
+        }
+        _ => return Err("has no `target_modules`".into()),
+    };
+    if let Some(p) = field("lora_dropout").and_then(Value::as_f64) {
+        if p != 0.0 {
+            return Err(format!(
+                "sets `lora_dropout` to {p}; trainkit trains LoRA without dropout (set it to 0)"
+            ));
+        }
+    }
+    if let Some(b) = field("bias").and_then(Value::as_str) {
+        if b != "none" {
+            return Err(format!(
+                "trains biases (`bias: \"{b}\"`); trainkit's LoRA trains none (`\"none\"`)"
+            ));
+        }
+    }
+    if field("use_dora").and_then(Value::as_bool) == Some(true) {
+        return Err("is a DoRA adapter (`use_dora`); trainkit trains plain LoRA".into());
+    }
+    for k in ["rank_pattern", "alpha_pattern"] {
+        if field(k)
+            .and_then(Value::as_object)
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(format!(
+                "sets `{k}` (ranks or scales per module); trainkit uses one rank and one α"
+            ));
+        }
+    }
+    if let Some(m) = field("modules_to_save").and_then(Value::as_array) {
+        if !m.is_empty() {
+            return Err(
+                "trains whole modules beside the adapter (`modules_to_save`); trainkit does not"
+                    .into(),
+            );
+        }
+    }
+    Ok(Lora {
+        rank,
+        alpha,
+        targets,
+        rslora: field("use_rslora")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_written_adapter_reads_back() {
+        let dir = std::env::temp_dir().join(format!("trainkit-peft-{}", std::process::id()));
+        let lora = Lora::new(4, 8.0, &["q_proj", "v_proj"]).unwrap();
+        let t = NamedTensor {
+            name: "model.layers.0.self_attn.q_proj.lora_A.weight".into(),
+            shape: vec![4, 2],
+            data: (0..8).map(|i| i as f32).collect(),
+        };
+        write(&dir, &lora, &BaseInfo::default(), std::slice::from_ref(&t)).unwrap();
+        let (back, tensors) = read(&dir).unwrap();
+        assert_eq!(back, lora);
+        assert_eq!(tensors, vec![t]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn configs_trainkit_does_not_train_are_refused_by_name() {
+        let base =
+            json!({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]});
+        assert!(parse_config(&base).is_ok());
+        for (k, v, says) in [
+            ("peft_type", json!("IA3"), "IA3"),
+            ("lora_dropout", json!(0.1), "lora_dropout"),
+            ("bias", json!("all"), "bias"),
+            ("use_dora", json!(true), "DoRA"),
+            ("target_modules", json!(".*proj"), "pattern"),
+            ("rank_pattern", json!({"q_proj": 4}), "rank_pattern"),
+        ] {
+            let mut c = base.clone();
+            c[k] = v;
+            let err = parse_config(&c).unwrap_err();
+            assert!(err.contains(says), "{k}: {err}");
+        }
+    }
+}

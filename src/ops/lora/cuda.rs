@@ -1,0 +1,74 @@
+//! The column blocks of a fused projection on the GPU.
+//!
+//! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/lora.cu`, listed once in
+//! [`KERNELS`].
+
+use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
+use crate::device::cuda::{Args, KernelFile};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// The kernels of `kernels/lora.cu`, named once: the backend launches these names, NVRTC
+/// and the emulator build this source.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "lora.cu",
+    source: include_str!("../../../kernels/lora.cu"),
+    kernels: &[
+        "lora_add_cols_f32",
+        "lora_add_cols_bf16",
+        "lora_add_cols_f16",
+        "lora_take_cols_f32",
+        "lora_take_cols_bf16",
+        "lora_take_cols_f16",
+    ],
+};
+
+/// Launches `kernel` over `rows · width` elements of a `[rows, cols]` tensor's block.
+fn launch(
+    be: &CudaBackend,
+    kernel: &'static str,
+    dst: &mut Tensor,
+    src: &Tensor,
+    cols: usize,
+    offset: usize,
+    width: usize,
+) -> Result<()> {
+    let dt = src.dtype();
+    ensure_dtype(dst, dt, kernel)?;
+    let rows = src.numel().max(dst.numel()) / cols.max(1);
+    if rows * width == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("{kernel}_{dt}"),
+        be.grid(rows * width),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dst)?)
+            .ptr(ptr(src)?)
+            .i64(rows)
+            .i64(cols)
+            .i64(offset)
+            .i64(width),
+    )
+}
+
+pub(crate) fn add_cols(
+    be: &CudaBackend,
+    dst: &mut Tensor,
+    offset: usize,
+    src: &Tensor,
+) -> Result<()> {
+    let (cols, width) = (dst.rows_cols().1, src.rows_cols().1);
+    launch(be, "lora_add_cols", dst, src, cols, offset, width)
+}
+
+pub(crate) fn take_cols(
+    be: &CudaBackend,
+    dst: &mut Tensor,
+    src: &Tensor,
+    offset: usize,
+) -> Result<()> {
+    let (cols, width) = (src.rows_cols().1, dst.rows_cols().1);
+    launch(be, "lora_take_cols", dst, src, cols, offset, width)
+}

@@ -1,0 +1,452 @@
+//! LoRA: a low-rank update beside a linear projection, `y = x·op(W) (+ b) + s·(x Aᵀ) Bᵀ`,
+//! without ever forming `ΔW = s·B·A`.
+//!
+//! The family: two graph nodes and the column kernels they need.
+//! - [`LoraDown`] computes each adapter's low-rank intermediate `h = s·x Aᵀ` (`[.., r]`),
+//!   an activation of its own (tagged [`crate::checkpoint::Tags::LOW_RANK`]), so every
+//!   recompute policy, the byte budget and offloading handle it like any other.
+//! - [`LoraProjection`] is a projection ([`Base`]: plain, added to the residual, or with
+//!   GPT-2's GELU after it) that adds `h Bᵀ` to the output columns each adapter covers (a
+//!   block of a fused projection: the queries of `qkv_proj`, the gate of `gate_up_proj`).
+//!   Its backward computes `dB = dy_colsᵀ h` and `dh = dy_cols B`; a frozen base weight
+//!   costs no weight-gradient product.
+//! - [`add_cols`] and [`take_cols`] move a block of columns between a fused projection's
+//!   output (or its gradient) and a block-wide tensor: the CPU twin (`cpu.rs`) and the
+//!   CUDA launches (`cuda.rs`, over `kernels/lora.cu`).
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+
+use super::linear::{input_grad, param_grads, product_shape, project};
+use super::{gelu, BackwardCx, ForwardCx, Op, Saves};
+use crate::device::cpu::{ensure, ensure_float};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
+use crate::error::Result;
+use crate::memory::MemoryCategory;
+use crate::tensor::{DType, Tensor};
+
+/// One low-rank update of a projection: the output columns it adds to, its rank and its
+/// scale (`α/r`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adapted {
+    /// The first output column it adds to.
+    pub offset: usize,
+    /// How many columns (its `B` is `[width, rank]`).
+    pub width: usize,
+    /// The rank `r` (its `A` is `[rank, in]`).
+    pub rank: usize,
+    /// The scale `s` of `B·A`.
+    pub scale: f32,
+}
+
+/// `dst[r, offset..offset + width] += src[r, ..]` where `dst` is `[rows, cols]` and `src`
+/// `[rows, width]` (one dtype): an update added to its block of a fused projection.
+pub fn add_cols(
+    be: &(impl Backend + ?Sized),
+    dst: &mut Tensor,
+    offset: usize,
+    src: &Tensor,
+) -> Result<()> {
+    be.run(&mut AddCols {
+        wide: dst,
+        block: src,
+        offset,
+    })
+}
+
+/// `dst[r, ..] = src[r, offset..offset + width]` where `src` is `[rows, cols]` and `dst`
+/// `[rows, width]` (one dtype): the gradient of an update's block taken out.
+pub fn take_cols(
+    be: &(impl Backend + ?Sized),
+    dst: &mut Tensor,
+    src: &Tensor,
+    offset: usize,
+) -> Result<()> {
+    be.run(&mut TakeCols { dst, src, offset })
+}
+
+/// The check of both column calls: `wide` is `[rows, cols]`, `block` `[rows, width]`,
+/// and the block's columns lie inside `wide`'s.
+fn check_cols(op: &'static str, wide: &Tensor, block: &Tensor, offset: usize) -> Result<()> {
+    ensure_float(op, &[wide, block])?;
+    let (rows, cols) = wide.rows_cols();
+    let (rows2, width) = block.rows_cols();
+    ensure(
+        rows == rows2 && offset + width <= cols && wide.dtype() == block.dtype(),
+        op,
+        || {
+            format!(
+                "`{}` {:?} ({}) must be columns {offset}..{} of `{}` {:?} ({}), row for row, \
+                 in one dtype",
+                block.label(),
+                block.shape(),
+                block.dtype(),
+                offset + width,
+                wide.label(),
+                wide.shape(),
+                wide.dtype()
+            )
+        },
+    )
+}
+
+struct AddCols<'a> {
+    wide: &'a mut Tensor,
+    block: &'a Tensor,
+    offset: usize,
+}
+
+impl OpKernel for AddCols<'_> {
+    fn name(&self) -> &'static str {
+        "lora_add_cols"
+    }
+    fn label(&self) -> &str {
+        self.wide.label()
+    }
+    fn check(&self) -> Result<()> {
+        check_cols("lora_add_cols", self.wide, self.block, self.offset)
+    }
+    fn flops(&self) -> u64 {
+        self.block.numel() as u64
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        cpu::add_cols(self.wide, self.offset, self.block);
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::add_cols(be, self.wide, self.offset, self.block)
+    }
+}
+
+struct TakeCols<'a> {
+    dst: &'a mut Tensor,
+    src: &'a Tensor,
+    offset: usize,
+}
+
+impl OpKernel for TakeCols<'_> {
+    fn name(&self) -> &'static str {
+        "lora_take_cols"
+    }
+    fn label(&self) -> &str {
+        self.dst.label()
+    }
+    fn check(&self) -> Result<()> {
+        check_cols("lora_take_cols", self.src, self.dst, self.offset)
+    }
+    fn flops(&self) -> u64 {
+        0
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        cpu::take_cols(self.dst, self.src, self.offset);
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::take_cols(be, self.dst, self.src, self.offset)
+    }
+}
+
+/// Each adapter's low-rank intermediate `h_j = s_j · x A_jᵀ` (`[.., rank_j]`) of one
+/// projection's input.
+///
+/// Input: `x`. Parameters: `A_1, …, A_n` (`[rank_j, in]`). Outputs: `h_1, …, h_n`.
+/// Backward reads `x`: `dA_j += s_j · dh_jᵀ x` and `dx += s_j · dh_j A_j`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraDown {
+    /// The adapters, in parameter order.
+    pub adapters: Vec<Adapted>,
+}
+
+impl Op for LoraDown {
+    fn name(&self) -> &'static str {
+        "lora_down"
+    }
+
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        _weights: &[&Tensor],
+        dtype: DType,
+        _batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>> {
+        Ok(self
+            .adapters
+            .iter()
+            .map(|a| {
+                let mut shape = inputs[0].shape().to_vec();
+                if let Some(last) = shape.last_mut() {
+                    *last = a.rank;
+                }
+                (shape, dtype)
+            })
+            .collect())
+    }
+
+    fn saves(&self) -> Saves {
+        Saves {
+            inputs: 0b1,
+            outputs: 0,
+        }
+    }
+
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        let x = cx.input(0)?;
+        for (j, a) in self.adapters.iter().enumerate() {
+            if !cx.wanted[j] {
+                continue;
+            }
+            let mut h = cx.alloc(j)?;
+            be.matmul(&mut h, x, cx.weights[j], None, false, true, false)?;
+            be.scale(&mut h, a.scale)?;
+            cx.outputs[j] = Some(h);
+        }
+        Ok(())
+    }
+
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        for (j, a) in self.adapters.iter().enumerate() {
+            let Some(mut dh) = cx.grads_out[j].take() else {
+                continue;
+            };
+            be.scale(&mut dh, a.scale)?;
+            let x = cx.inputs[0].get()?;
+            if cx.params[j].trains() {
+                be.matmul(cx.params[j].grad_mut(be)?, &dh, x, None, true, false, true)?;
+            }
+            let (buf, fresh) = cx.grads_in[0].buffer(be)?;
+            be.matmul(buf, &dh, cx.params[j].weight(), None, false, false, !fresh)?;
+        }
+        cx.inputs[0].release();
+        Ok(())
+    }
+}
+
+/// What a [`LoraProjection`] is without its adapters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Base {
+    /// `y = x · op(W) (+ b)` ([`super::Linear`]). Inputs: `x`, then the `h_j`.
+    Linear,
+    /// `y = residual + x · op(W) (+ b)` ([`super::LinearResidual`]). Inputs: `residual`,
+    /// `x`, then the `h_j`.
+    Residual,
+    /// `pre = x · op(W) + b`, `out = gelu(pre)` ([`super::LinearGelu`]): the update is
+    /// added to `pre`. Inputs: `x`, then the `h_j`; outputs `pre`, `out`.
+    Gelu,
+}
+
+/// A linear projection with low-rank updates: the base product, then `h_j B_jᵀ` added to
+/// the columns each adapter covers (see the module documentation).
+///
+/// Inputs: as [`Base`] says, then `h_1, …, h_n` (from [`LoraDown`]). Parameters: `W`, `b`
+/// when `bias`, then `B_1, …, B_n` (`[width_j, rank_j]`). Backward reads the `h_j`, and
+/// `x` only when the base trains.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraProjection {
+    /// The projection without its adapters.
+    pub base: Base,
+    /// Whether a bias parameter follows the weight.
+    pub bias: bool,
+    /// Whether the weight is stored `[out, in]`.
+    pub transposed: bool,
+    /// Whether the base weight or bias trains (its backward then reads `x`).
+    pub base_trains: bool,
+    /// The adapters, in parameter order.
+    pub adapters: Vec<Adapted>,
+}
+
+impl LoraProjection {
+    /// Which input is `x`.
+    fn x(&self) -> usize {
+        match self.base {
+            Base::Residual => 1,
+            _ => 0,
+        }
+    }
+
+    /// Which parameter is `B_1`.
+    fn first_b(&self) -> usize {
+        1 + usize::from(self.bias)
+    }
+
+    /// Adds each adapter's `h_j B_jᵀ` to its columns of `y` (the base product).
+    fn add_updates(&self, cx: &ForwardCx<'_>, y: &mut Tensor) -> Result<()> {
+        let be = cx.backend;
+        let cols = y.rows_cols().1;
+        for (j, a) in self.adapters.iter().enumerate() {
+            let h = cx.input(self.x() + 1 + j)?;
+            let b = cx.weights[self.first_b() + j];
+            if a.offset == 0 && a.width == cols {
+                be.matmul(y, h, b, None, false, true, true)?;
+            } else {
+                let mut shape = y.shape().to_vec();
+                if let Some(last) = shape.last_mut() {
+                    *last = a.width;
+                }
+                let mut t = be.empty(
+                    &shape,
+                    y.dtype(),
+                    MemoryCategory::Activations,
+                    &format!("{}.update", y.label()),
+                )?;
+                be.matmul(&mut t, h, b, None, false, true, false)?;
+                add_cols(be, y, a.offset, &t)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Op for LoraProjection {
+    fn name(&self) -> &'static str {
+        "lora_projection"
+    }
+
+    fn output_shapes(
+        &self,
+        inputs: &[&Tensor],
+        weights: &[&Tensor],
+        dtype: DType,
+        _batch: [usize; 2],
+    ) -> Result<Vec<(Vec<usize>, DType)>> {
+        Ok(match self.base {
+            Base::Linear => vec![(product_shape(inputs[0], weights[0], self.transposed), dtype)],
+            Base::Residual => vec![(inputs[0].shape().to_vec(), dtype)],
+            Base::Gelu => {
+                let shape = product_shape(inputs[0], weights[0], self.transposed);
+                vec![(shape.clone(), dtype), (shape, dtype)]
+            }
+        })
+    }
+
+    fn saves(&self) -> Saves {
+        let hs = ((1u32 << self.adapters.len()) - 1) << (self.x() + 1);
+        let x = if self.base_trains { 1 << self.x() } else { 0 };
+        Saves {
+            inputs: hs | x,
+            outputs: u32::from(self.base == Base::Gelu),
+        }
+    }
+
+    fn inputs_needed(&self, wanted: &[bool], present: &[bool]) -> u32 {
+        // GPT-2's GELU alone, from a pre-activation that is still there, needs no input.
+        if self.base == Base::Gelu && !wanted[0] && present[0] {
+            0
+        } else {
+            u32::MAX
+        }
+    }
+
+    fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        if self.base == Base::Gelu && cx.wanted[1] && !cx.wanted[0] {
+            if let Some(pre) = cx.present[0] {
+                let mut out = cx.alloc(1)?;
+                gelu::forward(be, &mut out, pre)?;
+                cx.outputs[1] = Some(out);
+                return Ok(());
+            }
+        }
+        let x = cx.input(self.x())?;
+        let mut y = project(cx, 0, x, self.bias, self.transposed)?;
+        self.add_updates(cx, &mut y)?;
+        match self.base {
+            Base::Linear => {}
+            Base::Residual => be.axpy(&mut y, 1.0, cx.input(0)?)?,
+            Base::Gelu => {
+                if cx.wanted[1] {
+                    let mut out = cx.alloc(1)?;
+                    gelu::forward(be, &mut out, &y)?;
+                    cx.outputs[1] = Some(out);
+                }
+            }
+        }
+        cx.outputs[0] = Some(y);
+        Ok(())
+    }
+
+    fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
+        let be = cx.backend;
+        let dy = match self.base {
+            Base::Gelu => {
+                let dout = cx.take_grad_out(1)?;
+                let pre = cx.outputs[0].get()?;
+                let mut dpre = be.empty(
+                    pre.shape(),
+                    pre.dtype(),
+                    MemoryCategory::Activations,
+                    &cx.grad_labels_out[0],
+                )?;
+                gelu::backward(be, &mut dpre, pre, &dout)?;
+                cx.outputs[0].release();
+                dpre
+            }
+            _ => cx.take_grad_out(0)?,
+        };
+        let xi = self.x();
+        let cols = dy.rows_cols().1;
+        for (j, a) in self.adapters.iter().enumerate() {
+            let part;
+            let dy_j = if a.offset == 0 && a.width == cols {
+                &dy
+            } else {
+                let mut shape = dy.shape().to_vec();
+                if let Some(last) = shape.last_mut() {
+                    *last = a.width;
+                }
+                let mut t = be.empty(
+                    &shape,
+                    dy.dtype(),
+                    MemoryCategory::Activations,
+                    &format!("{}.cols", dy.label()),
+                )?;
+                take_cols(be, &mut t, &dy, a.offset)?;
+                part = t;
+                &part
+            };
+            let hi = xi + 1 + j;
+            let bi = self.first_b() + j;
+            if cx.params[bi].trains() {
+                let h = cx.inputs[hi].get()?;
+                be.matmul(
+                    cx.params[bi].grad_mut(be)?,
+                    dy_j,
+                    h,
+                    None,
+                    true,
+                    false,
+                    true,
+                )?;
+            }
+            cx.inputs[hi].release();
+            let b = cx.params[bi].weight();
+            cx.grads_in[hi]
+                .overwrite(be, |dh| be.matmul(dh, dy_j, b, None, false, false, false))?;
+        }
+        input_grad(
+            be,
+            cx.params[0].weight(),
+            &dy,
+            &mut cx.grads_in[xi],
+            self.transposed,
+        )?;
+        if self.base_trains {
+            let (w, rest) = cx.params.split_at_mut(1);
+            let bias = if self.bias { Some(&mut *rest[0]) } else { None };
+            param_grads(
+                be,
+                &mut *w[0],
+                bias,
+                cx.inputs[xi].get()?,
+                &dy,
+                self.transposed,
+            )?;
+        }
+        cx.inputs[xi].release();
+        match self.base {
+            Base::Residual => cx.grads_in[0].add(be, dy),
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,403 @@
+//! LoRA on the shared decoder: PEFT's parameter names and shapes on Llama's fused and
+//! GPT-2's projections, a frozen base that never moves and keeps no gradient, state or
+//! master copy, an untrained adapter that is the base model exactly, the adapters'
+//! gradients against finite differences, every recompute policy bitwise equal, the exact
+//! prediction equal to the ledger, and bad adapters refused by name.
+
+mod common;
+
+use common::{corpus_loader, cpu, per_param, tiny_config, values};
+use std::sync::Arc;
+use trainkit::model::{Rope, RopeScaling};
+use trainkit::{
+    AdamW, Adapter, CheckpointPolicy, DType, Fp32, Full, Gpt2, Llama, LlamaConfig, Lora,
+    MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Qwen2Config, Selective, Trainer,
+    TrainerOptions,
+};
+
+/// A small Llama-like config: 2 layers, 32 wide, 4 query heads of 8 sharing 2 key/value
+/// heads, an MLP of 48, bytes.
+fn llama_config() -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        initializer_range: 0.1,
+        rope: Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::Default,
+        },
+    }
+}
+
+const ALL: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+fn lora(targets: &[&str]) -> Arc<dyn Adapter> {
+    Arc::new(Lora::new(4, 8.0, targets).unwrap())
+}
+
+/// The models LoRA is tested on: Llama with every projection adapted, Qwen2 (q/k/v
+/// biases, frozen) with the attention's queries and values, and GPT-2 (`Conv1D`, the GELU
+/// MLP) with all its projections.
+const MODELS: [&str; 3] = ["llama", "qwen2", "gpt2"];
+
+/// The base model `what` names.
+fn base(what: &str) -> Box<dyn Model> {
+    match what {
+        "llama" => Box::new(Llama::new(llama_config()).unwrap()),
+        "qwen2" => trainkit::ModelConfig::from(Qwen2Config {
+            base: llama_config(),
+        })
+        .build()
+        .unwrap(),
+        _ => Box::new(Gpt2::new(tiny_config()).unwrap()),
+    }
+}
+
+/// The LoRA adapter `what` is tested with.
+fn adapter(what: &str) -> Arc<dyn Adapter> {
+    match what {
+        "llama" => lora(&ALL),
+        "qwen2" => lora(&["q_proj", "v_proj"]),
+        _ => lora(&["c_attn", "c_proj", "c_fc"]),
+    }
+}
+
+/// The model `what` names, with its adapter.
+fn model(what: &str) -> Box<dyn Model> {
+    base(what).with_adapter(adapter(what)).unwrap()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// The gradients of the parameters that train, in model order.
+fn trained_grads<P, C, O, A, M>(t: &Trainer<P, C, O, A, M>) -> Vec<Vec<f32>>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
+    t.params()
+        .iter()
+        .filter(|p| p.trains())
+        .map(|p| t.backend().to_f32(p.grad().expect("gradient")).unwrap())
+        .collect()
+}
+
+#[test]
+fn adapters_take_pefts_names_and_shapes() {
+    let model = Llama::new(llama_config()).unwrap();
+    assert_eq!(model.projection_modules().len(), 2 * 7);
+    let model = model.with_adapter(lora(&ALL)).unwrap();
+    let params = model.init_params();
+    let (frozen, trained): (Vec<_>, Vec<_>) = params.iter().partition(|p| !p.trains);
+    assert_eq!(
+        frozen.len(),
+        Llama::new(llama_config()).unwrap().init_params().len()
+    );
+    assert_eq!(trained.len(), 2 * 7 * 2);
+    let shape = |name: &str| {
+        params
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .shape
+            .clone()
+    };
+    let l0 = "model.layers.0";
+    // q: 4 heads of 8; k, v: 2 heads of 8; gate, up: 48; o, down: 32.
+    for (module, in_f, out_f) in [
+        ("self_attn.q_proj", 32, 32),
+        ("self_attn.k_proj", 32, 16),
+        ("self_attn.v_proj", 32, 16),
+        ("self_attn.o_proj", 32, 32),
+        ("mlp.gate_proj", 32, 48),
+        ("mlp.up_proj", 32, 48),
+        ("mlp.down_proj", 48, 32),
+    ] {
+        assert_eq!(shape(&format!("{l0}.{module}.lora_A.weight")), [4, in_f]);
+        assert_eq!(shape(&format!("{l0}.{module}.lora_B.weight")), [out_f, 4]);
+    }
+    let gpt2 = Gpt2::new(tiny_config())
+        .unwrap()
+        .with_adapter(lora(&["c_attn", "c_proj", "c_fc"]))
+        .unwrap();
+    let names: Vec<String> = gpt2
+        .init_params()
+        .into_iter()
+        .filter(|p| p.trains)
+        .map(|p| p.name)
+        .collect();
+    let c = tiny_config().n_embd;
+    for module in ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
+        assert!(
+            names.contains(&format!("transformer.h.0.{module}.lora_A.weight")),
+            "{module} in {names:?}"
+        );
+    }
+    let c_attn_b = gpt2
+        .init_params()
+        .into_iter()
+        .find(|p| p.name == "transformer.h.0.attn.c_attn.lora_B.weight")
+        .unwrap();
+    assert_eq!(c_attn_b.shape, [3 * c, 4]);
+}
+
+#[test]
+fn an_untrained_adapter_is_the_base_model() {
+    for what in MODELS {
+        let batch = corpus_loader(4_000, 7, 2, 12).next_batch();
+        let loader = || corpus_loader(4_000, 7, 2, 12);
+        let mut plain = Trainer::builder(base(what), cpu(), loader())
+            .build()
+            .unwrap();
+        let mut adapted = Trainer::builder(model(what), cpu(), loader())
+            .build()
+            .unwrap();
+        assert_eq!(
+            plain.loss_on(&batch).unwrap().to_bits(),
+            adapted.loss_on(&batch).unwrap().to_bits(),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn training_moves_the_adapters_alone() {
+    for what in MODELS {
+        let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16 { fp32_grads: true })
+            .optimizer(AdamW {
+                lr: 1e-2,
+                ..AdamW::default()
+            })
+            .build()
+            .unwrap();
+        let before = values(&t);
+        let first = t.step().unwrap();
+        for _ in 0..5 {
+            t.step().unwrap();
+        }
+        let last = t.step().unwrap();
+        assert!(
+            last.loss < first.loss,
+            "{what}: {} → {}",
+            first.loss,
+            last.loss
+        );
+        let after = values(&t);
+        let mut adapter_bytes = 0u64;
+        for (i, p) in t.params().iter().enumerate() {
+            if p.trains() {
+                assert!(p.name().contains(".lora_"), "{what}: {} trains", p.name());
+                assert_ne!(before[i], after[i], "{what}: {} did not move", p.name());
+                assert_eq!(p.state().len(), 2, "{what}: {}", p.name());
+                adapter_bytes += 4 * p.numel() as u64;
+            } else {
+                assert_eq!(
+                    bits(&[before[i].clone()]),
+                    bits(&[after[i].clone()]),
+                    "{what}: {}",
+                    p.name()
+                );
+                assert!(p.grad().is_none(), "{what}: {} kept a gradient", p.name());
+                assert!(p.state().is_empty(), "{what}: {} has state", p.name());
+                assert_eq!(p.value().dtype(), DType::Bf16, "{what}: {}", p.name());
+            }
+        }
+        // f32 master weights for the adapters alone.
+        assert_eq!(
+            last.memory.peak.get(MemoryCategory::MasterWeights),
+            adapter_bytes,
+            "{what}"
+        );
+    }
+}
+
+/// The adapters' gradients (every `A` and `B`, B made non-zero first) against central
+/// differences of the loss: through layer 1's updates to layer 0's, so the input
+/// gradients of both LoRA nodes are checked too.
+#[test]
+fn gradients_match_finite_differences() {
+    for what in MODELS {
+        let (b, t) = (2, 12);
+        let batch = corpus_loader(4_000, 7, b, t).next_batch();
+        let mut trainer = Trainer::builder(model(what), cpu(), corpus_loader(4_000, 7, b, t))
+            .precision(Fp32)
+            .optimizer(AdamW {
+                lr: 0.0,
+                ..AdamW::default()
+            })
+            .options(TrainerOptions {
+                grad_clip: 0.0,
+                ..TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let be = trainer.backend().clone();
+        let mut rng = trainkit::Rng::new(3);
+        for p in trainer.params_mut() {
+            if p.name().contains(".lora_B") {
+                let v: Vec<f32> = (0..p.numel())
+                    .map(|_| (rng.normal() * 0.2) as f32)
+                    .collect();
+                p.set_value(be.as_ref(), &v).unwrap();
+            }
+        }
+        trainer.step().unwrap();
+        let g = per_param(&trainer, |p| p.grad().unwrap_or(p.value()));
+        let tokens = (b * t) as f64;
+        let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
+        let mut checked = 0;
+        for i in 0..names.len() {
+            if !trainer.params()[i].trains() {
+                continue;
+            }
+            let n = g[i].len();
+            let original = values(&trainer)[i].clone();
+            for at in [(i * 7 + 3) % n, (i * 13 + 1) % n] {
+                let h = 1e-2f32;
+                let mut loss_at = |delta: f32| {
+                    let mut v = original.clone();
+                    v[at] += delta;
+                    trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+                    trainer.loss_on(&batch).unwrap() / tokens
+                };
+                let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
+                loss_at(0.0);
+                let analytic = g[i][at] as f64;
+                let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
+                assert!(
+                    err < 2e-2,
+                    "{what}: {}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}",
+                    names[i]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 8, "{what}: {checked} checks");
+    }
+}
+
+type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f64>);
+
+fn run(what: &str, precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>) -> Run {
+    let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (trained_grads(&t), values(&t), losses)
+}
+
+/// Recomputation changes memory, never results: the low-rank intermediates are
+/// recomputed like every other activation.
+#[test]
+fn every_policy_is_bitwise_equal_in_both_precisions() {
+    for what in MODELS {
+        for precision in [
+            Box::new(Fp32) as Box<dyn Precision>,
+            Box::new(MixedBf16 { fp32_grads: true }),
+        ] {
+            let (g0, v0, l0) = run(what, precision.clone(), Box::new(NoRecompute));
+            for policy in [
+                Box::new(Full) as Box<dyn CheckpointPolicy>,
+                Box::new(Selective),
+            ] {
+                let label = format!("{what} {precision:?} {policy:?}");
+                let (g, v, l) = run(what, precision.clone(), policy);
+                let what = label;
+                assert_eq!(l, l0, "{what}: losses");
+                assert!(bits(&g) == bits(&g0), "{what}: gradients");
+                assert!(bits(&v) == bits(&v0), "{what}: updated weights");
+            }
+        }
+    }
+}
+
+/// The meta backend's prediction equals the ledger, category by category: frozen
+/// weights without master copies or gradients, the adapters' state, the intermediates.
+#[test]
+fn the_exact_prediction_equals_the_ledger() {
+    for what in MODELS {
+        for policy in [
+            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+            Box::new(Full),
+        ] {
+            let precision = MixedBf16 { fp32_grads: false };
+            let predicted = trainkit::estimate::predict(
+                model(what),
+                trainkit::estimate::MicroBatch {
+                    batch_size: 2,
+                    seq_len: 16,
+                },
+                &precision,
+                policy.as_ref(),
+                &AdamW::default(),
+            )
+            .unwrap();
+            let mut t = Trainer::builder(model(what), cpu(), corpus_loader(8_000, 3, 2, 16))
+                .precision(precision)
+                .checkpoint(policy.clone())
+                .build()
+                .unwrap();
+            for step in 1..=2 {
+                let s = t.step().unwrap();
+                for c in MemoryCategory::ALL {
+                    assert_eq!(
+                        s.memory.peak.get(c),
+                        predicted.peak.get(c),
+                        "step {step} {c} of {what} {policy:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_adapters_are_refused_by_name() {
+    let err = Lora::new(0, 8.0, &["q_proj"]).unwrap_err().to_string();
+    assert!(err.contains("adapter.rank"), "{err}");
+    let err = Lora::new(4, 8.0, &["q_prj"]).unwrap_err().to_string();
+    assert!(err.contains("q_prj") && err.contains("q_proj"), "{err}");
+    let err = Lora::new(4, -1.0, &["q_proj"]).unwrap_err().to_string();
+    assert!(err.contains("adapter.alpha"), "{err}");
+    let err = Lora::new(4, 8.0, &[]).unwrap_err().to_string();
+    assert!(err.contains("adapter.targets"), "{err}");
+    // A projection the family does not have.
+    let err = Llama::new(llama_config())
+        .unwrap()
+        .with_adapter(lora(&["c_attn"]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("c_attn") && err.contains("q_proj"), "{err}");
+    let err = Gpt2::new(tiny_config())
+        .unwrap()
+        .with_adapter(lora(&["q_proj"]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("q_proj") && err.contains("c_attn"), "{err}");
+}
