@@ -401,3 +401,217 @@ fn bad_adapters_are_refused_by_name() {
         .to_string();
     assert!(err.contains("q_proj") && err.contains("c_attn"), "{err}");
 }
+
+/// The arguments as `&str`s.
+fn args(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// `trainkit train --lora-rank` on a saved base: PEFT's files in --out (no copy of the
+/// base), a resume that is bitwise the straight run, `--adapter` continuing from them,
+/// `eval --adapter`, and bad flags refused by name.
+#[test]
+fn the_cli_trains_saves_and_resumes_an_adapter() {
+    let dir = common::scratch("lora-cli");
+    let path = |p: &str| dir.join(p).display().to_string();
+    let run = |args: &[&str]| {
+        let (ok, out, err) = common::trainkit(args);
+        assert!(ok, "{args:?}: {out}\n{err}");
+        out
+    };
+    let small = [
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+    ];
+    run(&[
+        &[
+            "train",
+            "--arch",
+            "llama",
+            "--steps",
+            "0",
+            "--out",
+            &path("base"),
+        ],
+        &small[..],
+    ]
+    .concat());
+    let lora = |steps: &str, out: &str| -> Vec<String> {
+        [
+            "train",
+            "--init-from",
+            &path("base"),
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "q_proj,v_proj,down_proj",
+            "--steps",
+            steps,
+            "--out",
+            &path(out),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(small.iter().map(|s| s.to_string()))
+        .collect()
+    };
+    let out = run(&args(&lora("3", "a")));
+    assert!(out.contains("adapter: LoRA rank 4, α 8"), "{out}");
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(dir.join("a").join(f).is_file(), "{f}");
+    }
+    assert!(!dir.join("a").join("model.safetensors").exists());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("a/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["r"], 4);
+    assert_eq!(
+        config["target_modules"],
+        serde_json::json!(["q_proj", "v_proj", "down_proj"])
+    );
+    assert_eq!(config["base_model_name_or_path"], path("base"));
+    // Resumed to 6 steps: bitwise the straight 6-step run.
+    run(&["train", "--resume", &path("a"), "--steps", "6"]);
+    run(&args(&lora("6", "straight")));
+    let bytes = |p: &str| std::fs::read(dir.join(p).join("adapter_model.safetensors")).unwrap();
+    assert!(
+        bytes("a") == bytes("straight"),
+        "a resumed adapter differs from the straight run"
+    );
+    // Continued from the adapter's files.
+    let out = run(&[
+        &[
+            "train",
+            "--init-from",
+            &path("base"),
+            "--adapter",
+            &path("a"),
+            "--steps",
+            "1",
+        ],
+        &["--out", &path("c")][..],
+        &small[..],
+    ]
+    .concat());
+    assert!(out.contains("adapter from"), "{out}");
+    // Evaluated over its base.
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let eval = |adapter: Option<&str>| -> f64 {
+        let mut a: Vec<String> = [
+            "eval",
+            "--model",
+            &path("base"),
+            "--data",
+            &text.display().to_string(),
+            "--tokenizer",
+            "bytes",
+            "--seq-len",
+            "32",
+            "--batches",
+            "2",
+            "--json",
+            "--device",
+            "cpu",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(ad) = adapter {
+            a.extend(["--adapter".to_string(), path(ad)]);
+        }
+        let out = run(&args(&a));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_ne!(eval(None), eval(Some("a")), "the adapter changes the model");
+    // Bad input, each named.
+    for (bad, says) in [
+        (
+            vec!["train", "--adapter", &path("a") as &str, "--steps", "1"],
+            "--init-from",
+        ),
+        (
+            vec![
+                "train",
+                "--arch",
+                "llama",
+                "--lora-rank",
+                "0",
+                "--steps",
+                "1",
+            ],
+            "--lora-rank",
+        ),
+        (
+            vec![
+                "train",
+                "--arch",
+                "llama",
+                "--lora-alpha",
+                "4",
+                "--steps",
+                "1",
+            ],
+            "--lora-rank",
+        ),
+        (
+            vec![
+                "train",
+                "--arch",
+                "llama",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "qproj",
+            ],
+            "qproj",
+        ),
+        (
+            vec![
+                "train",
+                "--arch",
+                "gpt2",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "q_proj",
+            ],
+            "c_attn",
+        ),
+    ] {
+        let (ok, out, err) = common::trainkit(&bad);
+        assert!(!ok, "{bad:?} succeeded: {out}");
+        assert!(err.contains(says), "{bad:?}: {err}");
+        assert!(!err.contains("panicked"), "{bad:?}: {err}");
+    }
+    let (ok, _, err) = common::trainkit(&[
+        "train",
+        "--init-from",
+        &path("base"),
+        "--adapter",
+        &path("a"),
+        "--lora-rank",
+        "8",
+        "--steps",
+        "1",
+    ]);
+    assert!(!ok && err.contains("rank 4"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

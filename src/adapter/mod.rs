@@ -15,6 +15,7 @@
 pub mod peft;
 
 use crate::error::{Error, Result};
+use dyn_clone::DynClone;
 use serde::{Deserialize, Serialize};
 use std::fmt::Debug;
 
@@ -35,7 +36,7 @@ pub struct LowRank {
 /// [`Adapter::low_rank`] for every linear projection by its Hugging Face module name, with
 /// its input and output widths. The low-rank parameters it adds always train.
 #[typetag::serde(tag = "kind")]
-pub trait Adapter: Debug + Send + Sync {
+pub trait Adapter: DynClone + Debug + Send + Sync {
     /// Whether the base parameter `name` trains.
     fn trains(&self, name: &str) -> bool;
 
@@ -53,6 +54,27 @@ pub trait Adapter: Debug + Send + Sync {
     /// The LoRA settings, when this is [`Lora`]: what the PEFT files record.
     fn as_lora(&self) -> Option<&Lora> {
         None
+    }
+}
+
+dyn_clone::clone_trait_object!(Adapter);
+
+/// Whether `name` is the parameter of a low-rank update (`….lora_A.weight`,
+/// `….lora_B.weight`) rather than of the base model.
+pub fn is_update_param(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// PEFT's default targets for a model whose projections are `modules`: the queries and
+/// values (`q_proj`, `v_proj`), or GPT-2's fused `c_attn`.
+pub fn default_targets(modules: &[String]) -> Vec<String> {
+    let has = |t: &str| modules.iter().any(|m| m.rsplit('.').next() == Some(t));
+    if has("q_proj") && has("v_proj") {
+        vec!["q_proj".into(), "v_proj".into()]
+    } else if has("c_attn") {
+        vec!["c_attn".into()]
+    } else {
+        vec![ALL_LINEAR.into()]
     }
 }
 

@@ -2,6 +2,7 @@
 //! table carrying a `kind`.
 
 use crate::accumulate::{AccumulationSchedule, Constant};
+use crate::adapter::Adapter;
 use crate::checkpoint::{CheckpointPolicy, NoRecompute};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryObserver, PeakTracker};
@@ -11,6 +12,7 @@ use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::precision::{Fp32, Precision};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 mod data;
 mod overrides;
@@ -137,6 +139,10 @@ pub struct RunConfig {
     /// Memory observer (`kind = "peak_tracker"`, `"log"`, `"timeline"` or `"observers"`).
     #[serde(default = "default_observer")]
     pub observer: Box<dyn MemoryObserver>,
+    /// Which parameters train (`kind = "lora"` with `rank`, `alpha`, `targets`; unset:
+    /// every parameter, [`crate::adapter::FullFineTune`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<Box<dyn Adapter>>,
 }
 
 fn default_precision() -> Box<dyn Precision> {
@@ -170,6 +176,7 @@ impl Default for RunConfig {
             optimizer: default_optimizer(),
             accumulation: default_accumulation(),
             observer: default_observer(),
+            adapter: None,
         }
     }
 }
@@ -216,7 +223,11 @@ impl RunConfig {
     /// chunk.
     pub fn build_model(&self) -> Result<Box<dyn Model>> {
         let t = &self.training;
-        self.model.build_with(t.attention, t.loss, t.loss_chunk)
+        let model = self.model.build_with(t.attention, t.loss, t.loss_chunk)?;
+        match &self.adapter {
+            Some(a) => model.with_adapter(Arc::from(a.clone())),
+            None => Ok(model),
+        }
     }
 
     /// Checks values that parse but cannot run.

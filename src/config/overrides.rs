@@ -2,6 +2,7 @@
 
 use super::{DataConfig, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
+use crate::adapter::Lora;
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
 use crate::model::{
@@ -90,6 +91,64 @@ pub struct Overrides {
     pub save_every: Option<u64>,
     /// JSON-lines log file.
     pub log_json: Option<PathBuf>,
+    /// LoRA's rank: train low-rank updates of a frozen model.
+    pub lora_rank: Option<usize>,
+    /// LoRA's α (the update is scaled by α / rank); 2 · rank when unset.
+    pub lora_alpha: Option<f64>,
+    /// The projections LoRA adapts (`q_proj`, `v_proj`, ... or GPT-2's `c_attn`, ...).
+    pub lora_targets: Option<Vec<String>>,
+}
+
+impl Overrides {
+    /// Lays the LoRA flags over `cfg.adapter`: a rank starts LoRA (α defaults to twice
+    /// the rank, the targets to PEFT's for the family: `q_proj`, `v_proj`, or GPT-2's
+    /// `c_attn`); α or targets alone change a LoRA the config already has. Errors name
+    /// the flag.
+    fn apply_lora(&self, cfg: &mut RunConfig) -> Result<()> {
+        if self.lora_rank.is_none() && self.lora_alpha.is_none() && self.lora_targets.is_none() {
+            return Ok(());
+        }
+        let current = cfg.adapter.as_ref().and_then(|a| a.as_lora()).cloned();
+        let rank = self
+            .lora_rank
+            .or(current.as_ref().map(|l| l.rank))
+            .ok_or_else(|| {
+                Error::config(
+                    "--lora-rank",
+                    "--lora-alpha and --lora-targets adapt a LoRA: give its rank too \
+                     (--lora-rank 8 is common)",
+                )
+            })?;
+        let alpha = self
+            .lora_alpha
+            .or(current
+                .as_ref()
+                .filter(|l| self.lora_rank.is_none_or(|r| r == l.rank))
+                .map(|l| l.alpha))
+            .unwrap_or(2.0 * rank as f64);
+        let targets = match (&self.lora_targets, &current) {
+            (Some(t), _) => t.clone(),
+            (None, Some(l)) => l.targets.clone(),
+            (None, None) if cfg.model.arch() == "gpt2" => vec!["c_attn".to_string()],
+            (None, None) => vec!["q_proj".to_string(), "v_proj".to_string()],
+        };
+        let lora = Lora {
+            rank,
+            alpha,
+            targets,
+            rslora: current.is_some_and(|l| l.rslora),
+        };
+        lora.validate().map_err(|e| {
+            let flag = match &e {
+                Error::Config { field, .. } if field == "adapter.rank" => "--lora-rank",
+                Error::Config { field, .. } if field == "adapter.alpha" => "--lora-alpha",
+                _ => "--lora-targets",
+            };
+            e.for_field(flag)
+        })?;
+        cfg.adapter = Some(Box::new(lora));
+        Ok(())
+    }
 }
 
 /// A Llama of the default run's size: 4 layers, 128 wide, 4 query heads sharing 2
@@ -280,6 +339,7 @@ impl Overrides {
         set(&mut cfg.output.save_every, self.save_every);
         set(&mut cfg.output.log_json, self.log_json.clone().map(Some));
         self.apply_model(&mut cfg.model)?;
+        self.apply_lora(cfg)?;
         if let Some(k) = self.grad_accum {
             if k == 0 {
                 return Err(Error::config("--grad-accum", "must be at least 1"));

@@ -5,6 +5,7 @@
 
 use super::exact::{predict_with, MemoryPrediction, MicroBatch};
 use super::techniques::{Technique, Techniques};
+use crate::adapter::Adapter;
 use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
@@ -13,6 +14,7 @@ use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
 use crate::precision::{MixedBf16, Precision};
 use crate::trainer::TrainerOptions;
+use std::sync::Arc;
 
 /// What autofit is asked to fit.
 #[derive(Clone, Copy, Debug)]
@@ -54,6 +56,9 @@ pub struct FitRequest<'a> {
     pub offload_activations: bool,
     /// Host memory the offloaded activations may take (`None`: not checked).
     pub host_budget: Option<u64>,
+    /// The run's adapter (LoRA): which parameters train, the updates it adds (`None`:
+    /// every parameter trains).
+    pub adapter: Option<&'a (dyn Adapter + 'static)>,
 }
 
 impl<'a> FitRequest<'a> {
@@ -84,6 +89,7 @@ impl<'a> FitRequest<'a> {
             optimizer_in_backward: false,
             offload_activations: false,
             host_budget: None,
+            adapter: None,
         }
     }
 }
@@ -505,13 +511,16 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
 
 /// The exact memory of `spec` with micro-batches of `micro_batch` rows.
 fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<FitCandidate> {
-    let model = crate::model::build_with(
+    let mut model = crate::model::build_with(
         &req.model,
         req.seq_len,
         req.attention,
         req.loss,
         req.loss_chunk,
     )?;
+    if let Some(a) = req.adapter {
+        model = model.with_adapter(Arc::from(dyn_clone::clone_box(a)))?;
+    }
     let options = TrainerOptions {
         grad_clip: req.grad_clip,
         optimizer_in_backward: spec.in_backward,

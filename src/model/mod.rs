@@ -241,6 +241,12 @@ pub trait Model: Debug + Send + Sync {
         Ok(tensors)
     }
 
+    /// Whether projection weights are stored `[in, out]` (GPT-2's `Conv1D`; PEFT's
+    /// `fan_in_fan_out`) rather than `[out, in]` (`nn.Linear`).
+    fn weights_in_out(&self) -> bool {
+        false
+    }
+
     /// The adapter the model trains through ([`Adapter`]: which parameters train, and
     /// the low-rank updates it adds); `None` for a model that trains every parameter and
     /// takes no adapter.
@@ -312,6 +318,10 @@ impl Model for Box<dyn Model> {
         tensors: BTreeMap<String, NamedTensor>,
     ) -> Result<BTreeMap<String, NamedTensor>> {
         (**self).import_tensors(tensors)
+    }
+
+    fn weights_in_out(&self) -> bool {
+        (**self).weights_in_out()
     }
 
     fn adapter(&self) -> Option<&dyn Adapter> {

@@ -170,6 +170,8 @@ pub struct Trainer<P, C, O, A, M> {
     bad_streak: u64,
     /// The run's random stream after initialisation, saved and restored with the state.
     rng: Rng,
+    /// What a saved adapter records about its base model.
+    adapter_base: Option<String>,
 }
 
 /// Assembles a [`Trainer`]; each policy setter changes the builder's type.
@@ -409,6 +411,7 @@ where
             skipped_steps: 0,
             bad_streak: 0,
             rng,
+            adapter_base: None,
         };
         trainer.flush_events();
         Ok(trainer)

@@ -3,6 +3,7 @@
 
 use super::Trainer;
 use crate::accumulate::AccumulationSchedule;
+use crate::adapter::{is_update_param, peft, Lora};
 use crate::checkpoint::CheckpointPolicy;
 use crate::data::DataCursor;
 use crate::error::{Error, Result};
@@ -87,12 +88,27 @@ where
     /// `from_pretrained` loads) and the trainer state (optimizer moments, step, data
     /// position, RNG, policies, and `run_config` as `trainkit.toml` when given) into
     /// `dir`, replacing it in one rename once everything is written.
+    ///
+    /// A run through LoRA saves the adapter instead of the model, as PEFT does
+    /// (`adapter_config.json`, `adapter_model.safetensors`): the base stays where it was
+    /// read from (`--init-from`), or is drawn again from the seed.
     pub fn save(&self, dir: &Path, run_config: Option<&str>) -> Result<()> {
         let w = DirectoryWriter::new(dir)?;
-        self.model.write_config(&w.path(""))?;
-        let mut meta = HashMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        write_safetensors(&w.path(WEIGHTS_FILE), &self.model_tensors()?, Some(meta))?;
+        match self.lora() {
+            Some(lora) => {
+                let base = peft::BaseInfo {
+                    name_or_path: self.adapter_base.clone(),
+                    fan_in_fan_out: self.model.weights_in_out(),
+                };
+                peft::write(&w.path(""), lora, &base, &self.adapter_tensors()?)?;
+            }
+            None => {
+                self.model.write_config(&w.path(""))?;
+                let mut meta = HashMap::new();
+                meta.insert("format".to_string(), "pt".to_string());
+                write_safetensors(&w.path(WEIGHTS_FILE), &self.model_tensors()?, Some(meta))?;
+            }
+        }
 
         let mut state_tensors = Vec::new();
         let mut state_dtypes = Vec::new();
@@ -156,13 +172,108 @@ where
         w.commit()
     }
 
+    /// The LoRA settings of a run that trains a LoRA adapter alone (a frozen base).
+    fn lora(&self) -> Option<&Lora> {
+        let lora = self.model.adapter()?.as_lora()?;
+        self.params.iter().any(|p| !p.trains()).then_some(lora)
+    }
+
+    /// The low-rank updates' tensors (`{module}.lora_A.weight`, ...), in model order.
+    pub fn adapter_tensors(&self) -> Result<Vec<NamedTensor>> {
+        self.params
+            .iter()
+            .filter(|p| is_update_param(p.name()))
+            .map(|p| {
+                Ok(NamedTensor {
+                    name: p.name().to_string(),
+                    shape: p.shape().to_vec(),
+                    data: self.backend.to_f32(p.value())?,
+                })
+            })
+            .collect()
+    }
+
+    /// Records the base model a saved adapter names (`base_model_name_or_path`).
+    pub fn set_adapter_base(&mut self, name_or_path: Option<String>) {
+        self.adapter_base = name_or_path;
+    }
+
+    /// Loads a PEFT LoRA adapter (`--adapter DIR`, or a LoRA run's checkpoint) into the
+    /// low-rank updates: its settings must be the model's (rank, α, targets) and every
+    /// update must be there with its shape; a tensor for a module the model does not
+    /// adapt is an error naming it.
+    pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        let (lora, tensors) = peft::read(dir)?;
+        let what = dir.join(peft::ADAPTER_CONFIG).display().to_string();
+        let Some(ours) = self.model.adapter().and_then(|a| a.as_lora()) else {
+            return Err(Error::data(
+                &what,
+                "holds a LoRA adapter, but this run trains no LoRA (add --lora-rank, or \
+                 --adapter to start from it)",
+            ));
+        };
+        if lora.rank != ours.rank || lora.alpha != ours.alpha || lora.rslora != ours.rslora {
+            return Err(Error::data(
+                &what,
+                format!(
+                    "is a LoRA of rank {} and α {}, this run's is rank {} and α {}; use the \
+                     adapter's (drop --lora-rank and --lora-alpha)",
+                    lora.rank, lora.alpha, ours.rank, ours.alpha
+                ),
+            ));
+        }
+        let mut by_name: HashMap<String, NamedTensor> =
+            tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+        let be = self.backend.as_ref();
+        for p in self.params.iter_mut().filter(|p| is_update_param(p.name())) {
+            let t = by_name.remove(p.name()).ok_or_else(|| {
+                Error::data(
+                    &what,
+                    format!(
+                        "has no `{}`: the adapter targets {:?}, this run adapts {:?}",
+                        p.name(),
+                        lora.targets,
+                        ours.targets
+                    ),
+                )
+            })?;
+            if t.shape != p.shape() {
+                return Err(Error::data(
+                    dir.join(peft::ADAPTER_WEIGHTS).display().to_string(),
+                    format!(
+                        "`{}` has shape {:?}, the model needs {:?} (is the adapter for this \
+                         base model?)",
+                        p.name(),
+                        t.shape,
+                        p.shape()
+                    ),
+                ));
+            }
+            p.set_value(be, &t.data)?;
+        }
+        if let Some(extra) = by_name.keys().next() {
+            return Err(Error::data(
+                dir.join(peft::ADAPTER_WEIGHTS).display().to_string(),
+                format!(
+                    "holds `{extra}`, which this model has no module for (is the adapter \
+                     for this base model?)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Replaces the parameters' values with a model directory's (`--init-from`): every
-    /// parameter must be there with its shape; optimizer state and counters are
-    /// untouched.
+    /// parameter of the model must be there with its shape (the low-rank updates of an
+    /// adapter keep their values when the directory, a base model, lacks them);
+    /// optimizer state and counters are untouched.
     pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
         let tensors = self.model.import_tensors(model.tensors.clone())?;
         let be = self.backend.as_ref();
         for p in &mut self.params {
+            if is_update_param(p.name()) && !tensors.contains_key(p.name()) {
+                continue;
+            }
             let t = tensors.get(p.name()).ok_or_else(|| {
                 Error::data(
                     "model weights",
@@ -247,8 +358,12 @@ where
                 ),
             ));
         }
-        let model = read_model_dir(dir)?;
-        self.load_weights(&model)?;
+        if peft::is_adapter_dir(dir) {
+            self.load_adapter(dir)?;
+        } else {
+            let model = read_model_dir(dir)?;
+            self.load_weights(&model)?;
+        }
         let tensors: HashMap<String, (NamedTensor, DType)> =
             read_typed(&dir.join(STATE_TENSORS_FILE))?
                 .into_iter()

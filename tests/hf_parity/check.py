@@ -17,8 +17,14 @@ few AdamW steps from it the losses and weights (saved under Hugging Face's names
 transformers loads back) equal PyTorch's. The same for small Qwen2 models (q/k/v biases)
 and Qwen3 models (per-head q/k norm, heads wider than hidden / heads), tied and untied.
 
+And LoRA against PEFT, on a small Llama made by transformers: PEFT loads the adapter
+trainkit starts from (`train --steps 0`), three AdamW steps of the adapter alone give the
+same losses and adapter weights on both sides, `PeftModel.from_pretrained` on trainkit's
+trained adapter gives `trainkit eval --adapter`'s loss, and trainkit evaluates the adapter
+PEFT saved as PEFT does.
+
 Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
-torch, transformers, safetensors and numpy installed:
+torch, transformers, peft, safetensors and numpy installed:
 
     cargo build --release
     python tests/hf_parity/check.py [--trainkit target/release/trainkit] [--text FILE]
@@ -166,6 +172,7 @@ def main():
     for tied in [True, False]:
         ok &= check_qwen(tk, work, tokens_bin, tokens, 2, tied)
         ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
+    ok &= check_lora(tk, work, tokens_bin, tokens)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 
@@ -278,6 +285,96 @@ def check_hf(tk, work, tokens_bin, tokens, cls, config, what, tag, model=None):
     back = cls.from_pretrained(trained, dtype=torch.float32)
     for name, p in back.named_parameters():
         ok &= np.array_equal(p.detach().numpy(), after[name])
+    return ok
+
+
+def check_lora(tk, work, tokens_bin, tokens):
+    """LoRA on every projection of a small Llama, trainkit against PEFT."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    what = "lora"
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         attn_implementation="eager")
+    torch.manual_seed(7)
+    base_dir = os.path.join(work, "lora-base")
+    LlamaForCausalLM(config).float().save_pretrained(base_dir)
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", targets]
+    shape = ["--seq-len", str(T), "--batch-size", str(B)]
+    # trainkit's initial adapter: A drawn, B zero.
+    start = os.path.join(work, "lora-start")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", base_dir, "--steps", "0", "--out", start] + lora + shape)
+    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, start, is_trainable=True)
+    ok = True
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ok &= len(trainable) == 2 * 2 * 7
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
+    model.train()
+    hf_losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *windows(tokens, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        opt.step()
+        hf_losses.append(loss.item())
+    trained = os.path.join(work, "lora-trained")
+    log = os.path.join(work, "log-lora.jsonl")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", base_dir, "--adapter", start, "--steps", str(STEPS), "--out", trained,
+         "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
+         "--weight-decay", str(WD), "--grad-clip", str(CLIP), "--eval-every", "0",
+         "--log-json", log] + shape)
+    tk_losses = [json.loads(line)["loss"] for line in open(log)]
+    for i, (a, b) in enumerate(zip(hf_losses, tk_losses)):
+        print(f"{what}: step {i + 1} loss PEFT {a:.7f}, trainkit {b:.7f}, diff {abs(a - b):.2e}")
+        ok &= abs(a - b) < 1e-5
+    ours = load_file(os.path.join(trained, "adapter_model.safetensors"))
+    theirs = {k: v.detach().numpy() for k, v in get_peft_model_state_dict(model).items()}
+    ok &= sorted(ours) == sorted(theirs)
+    worst, worst_name = 0.0, ""
+    for name, w in ours.items():
+        d = np.abs(w - theirs[name]).max()
+        if d > worst:
+            worst, worst_name = d, name
+    print(f"{what}: adapter after {STEPS} steps max |diff| {worst:.2e} ({worst_name}) over "
+          f"{len(ours)} tensors")
+    ok &= worst < 2e-5
+    k = 3
+    # PEFT loads trainkit's trained adapter: the same loss as trainkit's.
+    fresh = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32), trained)
+    fresh.eval()
+    with torch.no_grad():
+        hf = np.mean([loss_of(fresh, *windows(tokens, i)).item() for i in range(k)])
+    tk_eval = json.loads(run([tk, "eval", "--model", base_dir, "--adapter", trained, "--data",
+                              tokens_bin, "--tokenizer", "bytes", "--batch-size", str(B),
+                              "--seq-len", str(T), "--batches", str(k), "--json", "--device",
+                              "cpu"]))
+    d = abs(hf - tk_eval["loss"])
+    print(f"{what}: trainkit's adapter in PEFT: eval loss PEFT {hf:.7f}, trainkit "
+          f"{tk_eval['loss']:.7f}, diff {d:.2e}")
+    ok &= d < 1e-5
+    # trainkit reads what PEFT saves.
+    saved = os.path.join(work, "lora-peft-saved")
+    model.save_pretrained(saved)
+    model.eval()
+    with torch.no_grad():
+        hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+    tk_eval = json.loads(run([tk, "eval", "--model", base_dir, "--adapter", saved, "--data",
+                              tokens_bin, "--tokenizer", "bytes", "--batch-size", str(B),
+                              "--seq-len", str(T), "--batches", str(k), "--json", "--device",
+                              "cpu"]))
+    d = abs(hf - tk_eval["loss"])
+    print(f"{what}: PEFT's save_pretrained in trainkit: eval loss PEFT {hf:.7f}, trainkit "
+          f"{tk_eval['loss']:.7f}, diff {d:.2e}")
+    ok &= d < 1e-5
     return ok
 
 

@@ -13,6 +13,10 @@ pub struct EvalArgs {
     /// A model directory (config.json and model.safetensors).
     #[arg(long)]
     model: PathBuf,
+    /// A PEFT LoRA adapter directory to apply to --model (its base); the model then
+    /// computes in f32 as without it.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// An llm.c token file, or a text file tokenized with --tokenizer.
     #[arg(long)]
     data: PathBuf,
@@ -71,7 +75,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let tokens = source.train_dataset()?;
     tokens.check_ids(dir.config.vocab_size())?;
     let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
-    let mut trainer = crate::trainer_for(&dir, &args.device, data.clone())?;
+    let mut trainer =
+        crate::trainer_for(&dir, args.adapter.as_deref(), &args.device, data.clone())?;
     let loss = trainer.evaluate(&mut data, args.batches)?;
     let tokens = args.batches * args.batch_size * args.seq_len;
     if args.json {

@@ -72,6 +72,7 @@ fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) 
         optimizer_in_backward: t.optimizer_in_backward,
         offload_activations: t.offload_activations,
         host_budget: scope.host_budget,
+        adapter: cfg.adapter.as_deref(),
         ..FitRequest::new(
             cfg.model.architecture(),
             t.seq_len,

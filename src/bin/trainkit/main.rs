@@ -9,6 +9,7 @@ mod sample;
 mod train;
 
 use clap::{Parser, Subcommand};
+use std::path::Path;
 use std::process::ExitCode;
 use trainkit::data::DataLoader;
 use trainkit::save::ModelDir;
@@ -40,7 +41,7 @@ enum Command {
     /// Tokenize a text file into llm.c token files (train and val).
     Prepare(prepare::PrepareArgs),
     /// Memory of training a model with AdamW, by the Ultra-Scale Playbook's formulas.
-    Memory(memory::MemoryArgs),
+    Memory(Box<memory::MemoryArgs>),
 }
 
 fn main() -> ExitCode {
@@ -51,7 +52,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         Command::Sample(args) => sample::run(args),
         Command::Prepare(args) => prepare::run(args),
-        Command::Memory(args) => memory::run(args),
+        Command::Memory(args) => memory::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -73,12 +74,21 @@ fn default_command() -> Command {
 /// `eval` and `sample` run the model with).
 fn trainer_for(
     dir: &ModelDir,
+    adapter: Option<&Path>,
     device_flag: &str,
     data: DataLoader,
 ) -> Result<Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>> {
     let backend = device(device_flag)?.backend()?;
-    let mut trainer = Trainer::builder(dir.config.build()?, backend, data).build()?;
+    let mut model = dir.config.build()?;
+    if let Some(a) = adapter {
+        let (lora, _) = trainkit::adapter::peft::read(a)?;
+        model = model.with_adapter(std::sync::Arc::new(lora))?;
+    }
+    let mut trainer = Trainer::builder(model, backend, data).build()?;
     trainer.load_weights(dir)?;
+    if let Some(a) = adapter {
+        trainer.load_adapter(a)?;
+    }
     Ok(trainer)
 }
 

@@ -85,6 +85,17 @@ pub struct MemoryArgs {
     /// bf16 added, and with all that combine.
     #[arg(long)]
     techniques: bool,
+    /// trainkit's exact figures for a LoRA adapter of this rank on the frozen model (bf16
+    /// base without master weights or gradients; the formulas still count full training).
+    #[arg(long, value_name = "R")]
+    lora_rank: Option<usize>,
+    /// LoRA's α (default 2 · rank; it changes no byte).
+    #[arg(long, value_name = "A")]
+    lora_alpha: Option<f64>,
+    /// The projections LoRA adapts, comma-separated (default q_proj,v_proj; GPT-2:
+    /// c_attn); see `trainkit train --help`.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    lora_targets: Option<Vec<String>>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -449,6 +460,10 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         trainkit::ops::AttentionPath::parse("--attention", &args.attention)?,
         trainkit::ops::LossPath::parse("--loss", &args.loss)?,
     );
+    let lora = lora(&args, &subject)?;
+    let adapter = lora
+        .as_ref()
+        .map(|l| l as &(dyn trainkit::Adapter + 'static));
     let exact_with = |offload: bool| {
         trainkit_exact(
             &subject,
@@ -460,6 +475,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             args.optimizer_in_backward,
             offload,
             paths,
+            adapter,
         )
     };
     let exact = exact_with(args.offload_activations)?;
@@ -479,6 +495,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             grad_clip: 0.0,
             optimizer_in_backward: args.optimizer_in_backward,
             offload_activations: args.offload_activations,
+            adapter,
             ..FitRequest::new(
                 arch,
                 usize_of(seq_len),
@@ -784,6 +801,39 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
     Some(Architecture { positions, ..a })
 }
 
+/// The LoRA the `--lora-*` flags describe, if any: α defaults to twice the rank, the
+/// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
+fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
+    let Some(rank) = args.lora_rank else {
+        if args.lora_alpha.is_some() || args.lora_targets.is_some() {
+            return Err(flag_error(
+                "--lora-rank",
+                "--lora-alpha and --lora-targets describe a LoRA: give its rank too",
+            ));
+        }
+        return Ok(None);
+    };
+    let gpt2 = subject
+        .arch
+        .is_some_and(|a| a.norm == trainkit::model::Norm::LayerNorm);
+    let targets = args.lora_targets.clone().unwrap_or_else(|| {
+        let t: &[&str] = if gpt2 {
+            &["c_attn"]
+        } else {
+            &["q_proj", "v_proj"]
+        };
+        t.iter().map(|s| s.to_string()).collect()
+    });
+    let lora = trainkit::Lora {
+        rank,
+        alpha: args.lora_alpha.unwrap_or(2.0 * rank as f64),
+        targets,
+        rslora: false,
+    };
+    lora.validate().map_err(|e| e.for_field("--lora-rank"))?;
+    Ok(Some(lora))
+}
+
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
 /// dimensions), `None` for others or when the sequence exceeds a preset's context.
 #[allow(clippy::too_many_arguments)]
@@ -797,15 +847,23 @@ fn trainkit_exact(
     optimizer_in_backward: bool,
     offload_activations: bool,
     (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(arch) = exact_arch(subject, seq_len) else {
         return Ok(None);
     };
     // Exact figures for the architectures trainkit builds; the formulas alone for others.
     let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
+    let Ok(mut model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
         return Ok(None);
     };
+    if let Some(a) = adapter {
+        let a: std::sync::Arc<dyn trainkit::Adapter> =
+            std::sync::Arc::from(dyn_clone::clone_box(a));
+        model = model
+            .with_adapter(a)
+            .map_err(|e| e.for_field("--lora-targets"))?;
+    }
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     let mut options = if optimizer_in_backward {
         trainkit::TrainerOptions {

@@ -13,6 +13,10 @@ pub struct SampleArgs {
     /// A model directory (config.json and model.safetensors).
     #[arg(long)]
     model: PathBuf,
+    /// A PEFT LoRA adapter directory to apply to --model (its base); the model then
+    /// computes in f32 as without it.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Text to continue.
     #[arg(long)]
     prompt: String,
@@ -60,7 +64,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     }
     let prompt = tok.try_encode(&args.prompt)?;
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
-    let mut trainer = crate::trainer_for(&dir, &args.device, placeholder)?;
+    let mut trainer = crate::trainer_for(&dir, args.adapter.as_deref(), &args.device, placeholder)?;
     let mut rng = Rng::new(args.seed);
     let new = trainer.generate(
         &prompt,

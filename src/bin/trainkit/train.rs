@@ -43,9 +43,26 @@ pub struct TrainArgs {
     /// save_pretrained); the model's shape comes from it.
     #[arg(long)]
     init_from: Option<PathBuf>,
-    /// Save the model and trainer state here (at the end and every --save-every steps).
+    /// Save the model and trainer state here (at the end and every --save-every steps); a
+    /// LoRA run saves its adapter (PEFT's adapter_config.json and
+    /// adapter_model.safetensors), not a copy of the base.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Train a LoRA adapter of this rank on a frozen model (8, 16 and 32 are common).
+    #[arg(long, value_name = "R")]
+    lora_rank: Option<usize>,
+    /// LoRA's α: the update is scaled by α / rank (default 2 · rank).
+    #[arg(long, value_name = "A")]
+    lora_alpha: Option<f64>,
+    /// The projections LoRA adapts, by Hugging Face module name, comma-separated:
+    /// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (GPT-2: c_attn,
+    /// c_proj, c_fc), or all-linear (default: q_proj,v_proj; GPT-2: c_attn).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    lora_targets: Option<Vec<String>>,
+    /// Start from (or continue) a PEFT LoRA adapter saved in this directory, on the base
+    /// model of --init-from; its rank, α and targets are the run's.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Continue the run saved in this directory, exactly where it stopped (keeps saving
     /// there unless --out says otherwise).
     #[arg(long)]
@@ -246,6 +263,9 @@ impl TrainArgs {
             eval_every: self.eval_every,
             save_every: self.save_every,
             log_json: self.log_json.clone(),
+            lora_rank: self.lora_rank,
+            lora_alpha: self.lora_alpha,
+            lora_targets: self.lora_targets.clone(),
         }
     }
 }
@@ -324,7 +344,50 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         }
     }
     overrides.apply(&mut cfg)?;
+    if let Some(dir) = &args.adapter {
+        adapter_settings(&mut cfg, dir, args)?;
+    }
     Ok(cfg)
+}
+
+/// `--adapter DIR`: the run trains the PEFT adapter in `dir` on the base model of
+/// --init-from, with the adapter's rank, α and targets (LoRA flags may only repeat them).
+fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result<()> {
+    if args.resume.is_some() {
+        return Err(Error::config(
+            "--adapter",
+            "a resumed run continues the adapter saved in its directory; drop --adapter",
+        ));
+    }
+    if cfg.training.init_from.is_none() {
+        return Err(Error::config(
+            "--adapter",
+            "an adapter trains on its base model: add --init-from BASE_DIR (the model the \
+             adapter was made for)",
+        ));
+    }
+    let (lora, _) = trainkit::adapter::peft::read(dir)?;
+    if args.lora_rank.is_some_and(|r| r != lora.rank)
+        || args.lora_alpha.is_some_and(|a| a != lora.alpha)
+        || args
+            .lora_targets
+            .as_ref()
+            .is_some_and(|t| *t != lora.targets)
+    {
+        return Err(Error::config(
+            "--adapter",
+            format!(
+                "the adapter in {} is rank {}, α {}, targets {}; the LoRA flags say \
+                 otherwise (drop them)",
+                dir.display(),
+                lora.rank,
+                lora.alpha,
+                lora.targets.join(",")
+            ),
+        ));
+    }
+    cfg.adapter = Some(Box::new(lora));
+    Ok(())
 }
 
 /// A training run, resolved: its config (autofit applied), device and limits.
@@ -524,12 +587,38 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             offload_activations: t.offload_activations,
         },
     )?;
+    let adapted = cfg.adapter.is_some();
+    trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));
     if let Some(dir) = &args.resume {
+        // A LoRA checkpoint holds the adapter alone: the base comes from where it came.
+        if let (true, Some(base)) = (adapted, &t.init_from) {
+            trainer.load_weights(&read_model_dir(base)?)?;
+        }
         trainer.resume_from(dir)?;
         println!("resumed {} at step {}", dir.display(), trainer.steps_done());
     } else if let Some(dir) = &t.init_from {
         trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
+        if let Some(adapter) = &args.adapter {
+            trainer.load_adapter(adapter)?;
+            println!("adapter from {}", adapter.display());
+        }
+    }
+    if let Some(lora) = cfg.adapter.as_ref().and_then(|a| a.as_lora()) {
+        let trained: usize = trainer
+            .params()
+            .iter()
+            .filter(|p| p.trains())
+            .map(|p| p.numel())
+            .sum();
+        let all: usize = trainer.params().iter().map(|p| p.numel()).sum();
+        println!(
+            "adapter: LoRA rank {}, α {} on {}: {trained} of {all} parameters train ({:.2}%)",
+            lora.rank,
+            lora.alpha,
+            lora.targets.join(", "),
+            100.0 * trained as f64 / all as f64
+        );
     }
     let run_config = cfg.to_toml()?;
     Ok(Job {
@@ -546,6 +635,21 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
 }
 
 impl Job {
+    /// Whether a save writes a LoRA adapter (PEFT's files) rather than the model.
+    fn saves_adapter(&self) -> bool {
+        let cfg = &self.plan.cfg;
+        cfg.adapter.as_ref().and_then(|a| a.as_lora()).is_some()
+    }
+
+    /// What a save writes beside the trainer state.
+    fn saves(&self) -> &'static str {
+        if self.saves_adapter() {
+            "the LoRA adapter (PEFT's files)"
+        } else {
+            "model"
+        }
+    }
+
     /// Saves the model, the trainer state, the run config and the tokenizer to `dir`.
     fn save(&self, dir: &Path) -> Result<()> {
         self.trainer.save(dir, Some(&self.run_config))?;
@@ -567,7 +671,11 @@ fn nothing_to_train(args: &TrainArgs, job: &Job) -> Result<bool> {
     );
     if let (Some(dir), None) = (&job.plan.cfg.output.out, &args.resume) {
         job.save(dir)?;
-        println!("saved model and trainer state to {}", dir.display());
+        println!(
+            "saved {} and trainer state to {}",
+            job.saves(),
+            dir.display()
+        );
     }
     Ok(true)
 }
@@ -721,16 +829,31 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
     match &job.plan.cfg.output.out {
         Some(dir) => {
             job.save(dir)?;
-            println!("saved model and trainer state to {}", dir.display());
             println!(
-                "sample from it: trainkit sample --model {} --prompt \"{}\" --max-new-tokens 200",
-                dir.display(),
-                if job.data_tokenizer == TokenizerKind::Bytes {
-                    "the "
-                } else {
-                    "Once upon a time"
-                }
+                "saved {} and trainer state to {}",
+                job.saves(),
+                dir.display()
             );
+            // A LoRA run's directory holds the adapter: sampling reads it over its base
+            // (one drawn from the seed is nowhere to read).
+            let model = match (&job.plan.cfg.training.init_from, job.saves_adapter()) {
+                (Some(base), true) => {
+                    Some(format!("{} --adapter {}", base.display(), dir.display()))
+                }
+                (None, true) => None,
+                (_, false) => Some(dir.display().to_string()),
+            };
+            if let Some(model) = model {
+                println!(
+                    "sample from it: trainkit sample --model {model} --prompt \"{}\" \
+                     --max-new-tokens 200",
+                    if job.data_tokenizer == TokenizerKind::Bytes {
+                        "the "
+                    } else {
+                        "Once upon a time"
+                    }
+                );
+            }
             println!(
                 "continue it:    trainkit train --resume {} --steps {}",
                 dir.display(),

@@ -485,6 +485,10 @@ impl<F: Family> Model for Decoder<F> {
         self.config.import_tensors(tensors)
     }
 
+    fn weights_in_out(&self) -> bool {
+        !self.config.out_in()
+    }
+
     fn adapter(&self) -> Option<&dyn Adapter> {
         Some(self.adapter.as_ref())
     }
