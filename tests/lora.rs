@@ -52,9 +52,10 @@ fn lora(targets: &[&str]) -> Arc<dyn Adapter> {
 }
 
 /// The models LoRA is tested on: Llama with every projection adapted, Qwen2 (q/k/v
-/// biases, frozen) with the attention's queries and values, and GPT-2 (`Conv1D`, the GELU
-/// MLP) with all its projections.
-const MODELS: [&str; 3] = ["llama", "qwen2", "gpt2"];
+/// biases, frozen) with the attention's queries and values, GPT-2 (`Conv1D`, the GELU MLP)
+/// with all its projections, and GPT-2 with `c_attn` alone (its other projections frozen
+/// without updates).
+const MODELS: [&str; 4] = ["llama", "qwen2", "gpt2", "gpt2-attn"];
 
 /// The base model `what` names.
 fn base(what: &str) -> Box<dyn Model> {
@@ -74,7 +75,8 @@ fn adapter(what: &str) -> Arc<dyn Adapter> {
     match what {
         "llama" => lora(&ALL),
         "qwen2" => lora(&["q_proj", "v_proj"]),
-        _ => lora(&["c_attn", "c_proj", "c_fc"]),
+        "gpt2" => lora(&["c_attn", "c_proj", "c_fc"]),
+        _ => lora(&["c_attn"]),
     }
 }
 

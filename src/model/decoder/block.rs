@@ -343,9 +343,10 @@ struct Projection {
 }
 
 /// Adds projection `p` reading and writing `(inputs, outputs)`: its plain node
-/// ([`Linear`], [`LinearResidual`], [`LinearGelu`]) without updates; with them, a
-/// [`LoraDown`] node writing each update's intermediate (tagged `tags` and low-rank), then
-/// a [`LoraProjection`] that adds them.
+/// ([`Linear`], [`LinearResidual`], [`LinearGelu`]) when it trains without updates; with
+/// updates, a [`LoraDown`] node writing each update's intermediate (tagged `tags` and
+/// low-rank), then a [`LoraProjection`] that adds them; frozen without updates, a
+/// [`LoraProjection`] of none, which saves no input for a weight gradient.
 fn projection(
     s: &mut Section,
     p: Projection,
@@ -355,7 +356,8 @@ fn projection(
     tags: Tags,
 ) {
     let (bias, transposed) = (p.bias, p.transposed);
-    if updates.is_empty() {
+    let base_trains = p.params.iter().any(|&i| trains(i));
+    if updates.is_empty() && base_trains {
         match p.base {
             Base::Linear => s.node(Linear { bias, transposed }, inputs, outputs, &p.params),
             Base::Residual => s.node(
@@ -368,23 +370,25 @@ fn projection(
         }
         return;
     }
-    let x = inputs[usize::from(p.base == Base::Residual)];
+    // Updates, or a frozen projection (which keeps no input for a weight gradient).
     let hs: Vec<usize> = updates
         .iter()
         .map(|u| s.value("lora", u.label.clone(), tags | Tags::LOW_RANK))
         .collect();
     let adapted: Vec<_> = updates.iter().map(|u| u.adapted).collect();
-    let a_params: Vec<usize> = updates.iter().map(|u| u.a).collect();
-    s.node(
-        LoraDown {
-            adapters: adapted.clone(),
-        },
-        &[x],
-        &hs,
-        &a_params,
-    );
+    if !updates.is_empty() {
+        let x = inputs[usize::from(p.base == Base::Residual)];
+        let a_params: Vec<usize> = updates.iter().map(|u| u.a).collect();
+        s.node(
+            LoraDown {
+                adapters: adapted.clone(),
+            },
+            &[x],
+            &hs,
+            &a_params,
+        );
+    }
     let all_inputs: Vec<usize> = inputs.iter().copied().chain(hs).collect();
-    let base_trains = p.params.iter().any(|&i| trains(i));
     let params: Vec<usize> = p
         .params
         .iter()

@@ -17,7 +17,7 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
-use super::linear::{input_grad, param_grads, product_shape, project};
+use super::linear::{input_grad, matmul_bias_gelu, param_grads, product_shape, project};
 use super::{gelu, BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{ensure, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
@@ -237,7 +237,9 @@ pub enum Base {
 }
 
 /// A linear projection with low-rank updates: the base product, then `h_j B_jᵀ` added to
-/// the columns each adapter covers (see the module documentation).
+/// the columns each adapter covers (see the module documentation). With no update it is a
+/// frozen projection: its backward computes the input's gradient alone and it saves no
+/// input for a weight gradient.
 ///
 /// Inputs: as [`Base`] says, then `h_1, …, h_n` (from [`LoraDown`]). Parameters: `W`, `b`
 /// when `bias`, then `B_1, …, B_n` (`[width_j, rank_j]`). Backward reads the `h_j`, and
@@ -349,6 +351,15 @@ impl Op for LoraProjection {
             }
         }
         let x = cx.input(self.x())?;
+        if self.base == Base::Gelu && self.adapters.is_empty() && !self.transposed && cx.wanted[1] {
+            // No update: GPT-2's fused product, bias and GELU.
+            let mut pre = cx.alloc(0)?;
+            let mut out = cx.alloc(1)?;
+            matmul_bias_gelu(be, &mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
+            cx.outputs[0] = Some(pre);
+            cx.outputs[1] = Some(out);
+            return Ok(());
+        }
         let mut y = project(cx, 0, x, self.bias, self.transposed)?;
         self.add_updates(cx, &mut y)?;
         match self.base {
