@@ -1716,6 +1716,28 @@ fn llama_ops_match_the_cpu() {
             glu::backward(&cpu, Gate::Silu, &mut dgu.cpu, &d.cpu, &gu.cpu).unwrap();
             glu::backward(&*cuda, Gate::Silu, &mut dgu.cuda, &d.cuda, &gu.cuda).unwrap();
             bitwise(&format!("{what} backward"), name, &cpu, &cuda, &dgu);
+            // In place over the gate and up values: the same gradients.
+            let mut inplace = pair(
+                &cpu,
+                &cuda,
+                &cpu.to_f32(&gu.cpu).unwrap(),
+                &[rows, 2 * f],
+                dt,
+            );
+            glu::backward_in_place(&cpu, Gate::Silu, &mut inplace.cpu, &d.cpu).unwrap();
+            glu::backward_in_place(&*cuda, Gate::Silu, &mut inplace.cuda, &d.cuda).unwrap();
+            bitwise(
+                &format!("{what} backward in place"),
+                name,
+                &cpu,
+                &cuda,
+                &inplace,
+            );
+            assert_eq!(
+                cpu.to_f32(&inplace.cpu).unwrap(),
+                cpu.to_f32(&dgu.cpu).unwrap(),
+                "{what}: in place"
+            );
         }
     }
 }

@@ -56,6 +56,27 @@ simd_fn! {
     }
 }
 
+simd_fn! {
+    fn silu_backward_row_in_place(g: &mut [f32], u: &mut [f32], d: &[f32]) {
+        for i in 0..d.len() {
+            let (gi, ui) = (g[i], u[i]);
+            let s = sigmoid(gi);
+            g[i] = d[i] * ui * s * (1.0 + gi * (1.0 - s));
+            u[i] = d[i] * gi * s;
+        }
+    }
+}
+
+simd_fn! {
+    fn gelu_backward_row_in_place(g: &mut [f32], u: &mut [f32], d: &[f32]) {
+        for i in 0..d.len() {
+            let (gi, ui) = (g[i], u[i]);
+            g[i] = d[i] * ui * gelu_grad(gi);
+            u[i] = d[i] * gelu(gi);
+        }
+    }
+}
+
 /// The forward, on checked operands.
 pub(crate) fn forward(gate: Gate, out: &mut Tensor, gate_up: &Tensor) {
     let row = match gate {
@@ -104,6 +125,30 @@ pub(crate) fn backward(gate: Gate, dgate_up: &mut Tensor, dout: &Tensor, gate_up
     });
 }
 
+/// [`backward`] in place: `gate_up`'s gate and up halves become their gradients, with
+/// the same arithmetic.
+pub(crate) fn backward_in_place(gate: Gate, gate_up: &mut Tensor, dout: &Tensor) {
+    let row = match gate {
+        Gate::Silu => silu_backward_row_in_place,
+        Gate::Gelu => gelu_backward_row_in_place,
+    };
+    let f = dout.rows_cols().1;
+    if f == 0 {
+        return;
+    }
+    let d = read(dout);
+    write(gate_up, true, |o| {
+        o.par_chunks_mut(ROWS * 2 * f)
+            .zip(d.par_chunks(ROWS * f))
+            .for_each(|(o, d)| {
+                for (o, d) in o.chunks_mut(2 * f).zip(d.chunks(f)) {
+                    let (g, u) = o.split_at_mut(f);
+                    row(g, u, d);
+                }
+            })
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::Gate;
@@ -116,6 +161,35 @@ mod tests {
     fn gelu64(x: f64) -> f64 {
         let c = (2.0 / std::f64::consts::PI).sqrt();
         0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+    }
+
+    #[test]
+    fn the_backward_in_place_is_the_backward_bitwise() {
+        let be = CpuBackend::new();
+        let (rows, f) = (37, 24);
+        let gus: Vec<f32> = (0..2 * rows * f)
+            .map(|i| ((i * 13) % 29) as f32 * 0.23 - 3.0)
+            .collect();
+        let ds: Vec<f32> = (0..rows * f)
+            .map(|i| ((i * 5) % 9) as f32 * 0.2 - 0.8)
+            .collect();
+        for dt in [DType::F32, DType::Bf16] {
+            for gate in [Gate::Silu, Gate::Gelu] {
+                let up = |v: &[f32], cols: usize| {
+                    be.upload(v, &[rows, cols], dt, MemoryCategory::Workspace, "t")
+                        .unwrap()
+                };
+                let (gu, d) = (up(&gus, 2 * f), up(&ds, f));
+                let mut want = up(&vec![0.0; 2 * rows * f], 2 * f);
+                glu::backward(&be, gate, &mut want, &d, &gu).unwrap();
+                let mut got = up(&gus, 2 * f);
+                glu::backward_in_place(&be, gate, &mut got, &d).unwrap();
+                let bits = |t: &crate::tensor::Tensor| -> Vec<u32> {
+                    be.to_f32(t).unwrap().iter().map(|x| x.to_bits()).collect()
+                };
+                assert_eq!(bits(&got), bits(&want), "{gate:?} {dt}");
+            }
+        }
     }
 
     #[test]

@@ -81,3 +81,26 @@ pub(crate) fn backward(
             .i64(f),
     )
 }
+
+/// [`backward`] over `gate_up`'s own buffer: each thread reads its pair of gate and up
+/// values before it writes their gradients, so the kernel runs in place.
+pub(crate) fn backward_in_place(
+    be: &CudaBackend,
+    gate: Gate,
+    gate_up: &mut Tensor,
+    dout: &Tensor,
+) -> Result<()> {
+    let (rows, f) = dout.rows_cols();
+    let dt = gate_up.dtype();
+    if rows * f == 0 {
+        return Ok(());
+    }
+    let dout = be.as_dtype(dout, dt)?;
+    let p = ptr(gate_up)?;
+    be.launch(
+        &format!("{}_{dt}", gate.backward_name()),
+        be.grid(rows * f),
+        BLOCK,
+        Args::new().ptr(p).ptr(ptr(&dout)?).ptr(p).i64(rows).i64(f),
+    )
+}

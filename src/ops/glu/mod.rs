@@ -10,7 +10,7 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
-use super::{BackwardCx, ForwardCx, Op, Saves};
+use super::{BackwardCx, ForwardCx, Op, Saved, Saves};
 use crate::device::cpu::elementwise::same_len;
 use crate::device::cpu::{each, ensure, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
@@ -79,6 +79,21 @@ pub fn backward(
         dgate_up,
         dout,
         gate_up,
+    })
+}
+
+/// [`backward`] in place: overwrites `gate_up` with the gate and up gradients (for the
+/// caller that reads `gate_up` for the last time: no second `[.., 2F]` buffer).
+pub fn backward_in_place(
+    be: &(impl Backend + ?Sized),
+    gate: Gate,
+    gate_up: &mut Tensor,
+    dout: &Tensor,
+) -> Result<()> {
+    be.run(&mut BackwardInPlace {
+        gate,
+        gate_up,
+        dout,
     })
 }
 
@@ -154,6 +169,41 @@ impl OpKernel for Backward<'_> {
     }
 }
 
+struct BackwardInPlace<'a> {
+    gate: Gate,
+    gate_up: &'a mut Tensor,
+    dout: &'a Tensor,
+}
+
+impl OpKernel for BackwardInPlace<'_> {
+    fn name(&self) -> &'static str {
+        self.gate.backward_name()
+    }
+
+    fn label(&self) -> &str {
+        self.gate_up.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        let op = self.gate.backward_name();
+        ensure_float(op, &[self.gate_up, self.dout])?;
+        check(op, self.dout, self.gate_up, &[]).map(drop)
+    }
+
+    fn flops(&self) -> u64 {
+        each(self.dout.numel(), self.gate.flops().1)
+    }
+
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        cpu::backward_in_place(self.gate, self.gate_up, self.dout);
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::backward_in_place(be, self.gate, self.gate_up, self.dout)
+    }
+}
+
 /// Checks the operands (the contract every backend shares): `gate_up` has the rows of
 /// `out` and twice its columns, and `others` are shaped as `out` or as `gate_up` (their
 /// element counts are compared). Returns `F`.
@@ -191,7 +241,9 @@ fn check(op: &'static str, out: &Tensor, gate_up: &Tensor, others: &[&Tensor]) -
 /// `out = act(gate) · up` from a fused `[.., 2F]` projection holding the gate in its first
 /// `F` columns and the up projection in its last `F` (see [`forward`]).
 ///
-/// Input: `gate_up`. Output: `out` (`[.., F]`). Backward reads `gate_up`.
+/// Input: `gate_up`. Output: `out` (`[.., F]`). Backward reads `gate_up`, and writes its
+/// gradient into `gate_up`'s buffer when it is that buffer's last reader (the
+/// `[.., 2F]` gradient then takes no memory of its own).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Glu {
     /// The gate's activation.
@@ -253,6 +305,17 @@ impl Op for Glu {
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let (be, gate) = (cx.backend, self.gate);
         let dout = cx.take_grad_out(0)?;
+        // The last reader of `gate_up`, with no gradient of it yet: the gradient takes
+        // its buffer.
+        if cx.grads_in[0].tensor.is_none() {
+            if let Saved::Owned(_) = cx.inputs[0] {
+                if let Saved::Owned(mut t) = std::mem::replace(&mut cx.inputs[0], Saved::None) {
+                    backward_in_place(be, gate, &mut t, &dout)?;
+                    cx.grads_in[0].tensor = Some(t);
+                    return Ok(());
+                }
+            }
+        }
         let gate_up = cx.inputs[0].get()?;
         cx.grads_in[0].overwrite(be, |dgu| backward(be, gate, dgu, &dout, gate_up))?;
         cx.inputs[0].release();
