@@ -178,7 +178,7 @@ impl Optimizer for Lion {
         _step: u64,
     ) -> Result<()> {
         self.validate()?;
-        for p in params.iter_mut() {
+        for p in params.iter_mut().filter(|p| p.trains()) {
             let wd = if p.decays() { self.weight_decay } else { 0.0 };
             let label = format!("{}.exp_avg", p.name());
             let shape = p.shape().to_vec();
