@@ -20,6 +20,7 @@ pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod param;
 pub mod precision;
 mod rng;
 pub mod save;

@@ -59,6 +59,15 @@ pub trait Adapter: DynClone + Debug + Send + Sync {
 
 dyn_clone::clone_trait_object!(Adapter);
 
+/// Where the low-rank update of `module` lives in trainkit's parameter list (and, under
+/// PEFT's prefix, in its files): its `lora_A` and `lora_B` names.
+pub fn param_names(module: &str) -> [String; 2] {
+    [
+        format!("{module}.lora_A.weight"),
+        format!("{module}.lora_B.weight"),
+    ]
+}
+
 /// Whether `name` is the parameter of a low-rank update (`….lora_A.weight`,
 /// `….lora_B.weight`) rather than of the base model.
 pub fn is_update_param(name: &str) -> bool {

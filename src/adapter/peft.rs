@@ -16,15 +16,6 @@ pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 /// The prefix PEFT gives the module names of a causal language model's adapter tensors.
 pub const PREFIX: &str = "base_model.model.";
 
-/// Where the adapter tensors of `module` live in trainkit's parameter list: its
-/// `lora_A` and `lora_B` names.
-pub fn param_names(module: &str) -> [String; 2] {
-    [
-        format!("{module}.lora_A.weight"),
-        format!("{module}.lora_B.weight"),
-    ]
-}
-
 /// What else `adapter_config.json` records about the base model.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BaseInfo {

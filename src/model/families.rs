@@ -27,7 +27,7 @@ pub const FAMILIES: &[Registered] = &[
     Registered {
         model_type: "gpt2",
         models: "GPT-2",
-        read: |path, text, _| Ok(ModelConfig::Gpt2(super::gpt2::parse_hf_config(path, text)?)),
+        read: |path, text, _| Ok(ModelConfig::Gpt2(super::gpt2::parse_config(path, text)?)),
         from_table: |v| table::<Gpt2Config>(v).map(ModelConfig::Gpt2),
         from_architecture: |a, _| Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(a)?)),
     },
@@ -98,6 +98,32 @@ pub(crate) fn model_type_error(t: &str) -> String {
             "`model_type` is `{t}`; trainkit reads the model types {}",
             list()
         )
+    }
+}
+
+/// Reads a transformers GPT-2 `config.json`; fields trainkit does not use are ignored,
+/// settings it cannot honour (another architecture, another activation, an untied head)
+/// are errors.
+pub fn read_hf_config(path: &Path) -> Result<Gpt2Config> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    parse_hf_config(path, &text)
+}
+
+/// Parses the text of a GPT-2 `config.json` (what [`read_hf_config`] does after reading
+/// it); `path` only names the file in errors. Another `model_type` is an error naming
+/// every family trainkit reads.
+pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
+    let t = serde_json::from_str::<Value>(text).ok().and_then(|v| {
+        v.get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    });
+    match t {
+        Some(t) if t != "gpt2" => Err(Error::data(
+            path.display().to_string(),
+            model_type_error(&t),
+        )),
+        _ => super::gpt2::parse_config(path, text),
     }
 }
 
@@ -177,7 +203,7 @@ mod tests {
                 assert!(err.contains(&format!("`{}`", f.model_type)), "{err}");
             }
         }
-        let err = super::super::gpt2::parse_hf_config(
+        let err = parse_hf_config(
             Path::new("config.json"),
             r#"{"model_type": "llama", "n_layer": 1}"#,
         )

@@ -7,7 +7,7 @@
 use super::{Model, Shape};
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
-use crate::save::NamedTensor;
+use crate::save::tensors::NamedTensor;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 

@@ -3,7 +3,7 @@
 
 use super::{Architecture, Biases, Decoder, Family, LayerSlot, Mlp, Norm, Positions, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::NamedTensor;
+use crate::save::tensors::NamedTensor;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -300,17 +300,10 @@ impl Family for Gpt2Config {
     }
 }
 
-/// Reads a transformers GPT-2 `config.json`; fields trainkit does not use are ignored,
-/// settings it cannot honour (another architecture, another activation, an untied head)
-/// are errors.
-pub fn read_hf_config(path: &Path) -> Result<Gpt2Config> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    parse_hf_config(path, &text)
-}
-
-/// Parses the text of a GPT-2 `config.json` (what [`read_hf_config`] does after reading
-/// it); `path` only names the file in errors.
-pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
+/// Parses the text of a GPT-2 `config.json` whose `model_type` is `gpt2` or absent (the
+/// registry's [`super::families::parse_hf_config`] checks it first); `path` only names the
+/// file in errors.
+pub(crate) fn parse_config(path: &Path, text: &str) -> Result<Gpt2Config> {
     let what = path.display().to_string();
     let v: Value = serde_json::from_str(text)
         .map_err(|e| Error::data(&what, format!("is not valid JSON: {e}")))?;
@@ -327,7 +320,10 @@ pub fn parse_hf_config(path: &Path, text: &str) -> Result<Gpt2Config> {
     };
     if let Some(t) = v.get("model_type").and_then(Value::as_str) {
         if t != "gpt2" {
-            return Err(Error::data(&what, super::families::model_type_error(t)));
+            return Err(Error::data(
+                &what,
+                format!("`model_type` is `{t}`, not GPT-2 (`gpt2`)"),
+            ));
         }
     }
     if let Some(act) = v.get("activation_function").and_then(Value::as_str) {

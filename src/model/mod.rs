@@ -12,21 +12,21 @@ mod graph;
 mod llama;
 mod llama_config;
 mod model_config;
-mod param;
 mod qwen2;
 mod qwen3;
 mod shape;
 
+pub use crate::param::{Init, Param, ParamInit, UpdateParts};
 pub use architecture::{Architecture, Biases, Mlp, Norm};
 pub use decoder::Decoder;
 pub use exec::StashStats;
+pub use families::{parse_hf_config, read_hf_config};
 pub use family::{llama_name, AnyFamily, Family, LayerSlot, Slot};
-pub use gpt2::{parse_hf_config, read_hf_config, Gpt2, Gpt2Config};
+pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, OpOverride, Section, Value};
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
-pub use param::{Param, UpdateParts};
 pub use qwen2::{Qwen2, Qwen2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
 pub use shape::{Positions, Shape};
@@ -36,69 +36,11 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
-use crate::rng::Rng;
-use crate::save::NamedTensor;
+use crate::save::tensors::NamedTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
-
-/// How a parameter's initial values are drawn.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Init {
-    /// Independent normal values with mean 0 and this standard deviation.
-    Normal {
-        /// Standard deviation.
-        std: f64,
-    },
-    /// Every element this value (1 for norm gains, 0 for biases).
-    Constant(f32),
-    /// These values, row-major.
-    Values(Vec<f32>),
-    /// Independent uniform values in `[-bound, bound)`: `nn.Linear`'s Kaiming-uniform
-    /// initialisation (`a = √5`) has `bound = 1/√in_features`.
-    Uniform {
-        /// The half-width of the interval.
-        bound: f64,
-    },
-}
-
-/// A parameter's name, shape and initialisation, as a model declares it. Values are drawn
-/// only when a backend stores them ([`ParamInit::values`]), so a model predicted on the
-/// meta backend never materialises its weights.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ParamInit {
-    /// Hugging Face name of the parameter.
-    pub name: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// How the initial values are drawn.
-    pub init: Init,
-    /// Whether the parameter trains: a frozen one has no gradient, no optimizer state and
-    /// no f32 master copy ([`crate::adapter::Adapter`] decides).
-    pub trains: bool,
-}
-
-impl ParamInit {
-    /// Number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// The initial values, row-major f32, drawing from `rng` for random initialisations
-    /// (parameters are drawn in model order from one stream).
-    pub fn values(&self, rng: &mut Rng) -> Vec<f32> {
-        let n = self.numel();
-        match &self.init {
-            Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
-            Init::Constant(v) => vec![*v; n],
-            Init::Values(v) => v.clone(),
-            Init::Uniform { bound } => (0..n)
-                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
-                .collect(),
-        }
-    }
-}
 
 /// What a model's forward and backward pass works with.
 pub struct Pass<'a> {

@@ -38,7 +38,7 @@ pub use rope::Rope;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
-use crate::model::Param;
+use crate::param::Param;
 use crate::tensor::{DType, Tensor};
 use std::any::Any;
 use std::fmt::Debug;

@@ -5,11 +5,15 @@
 //! and a whole directory is assembled beside its target and swapped in at the end, so a
 //! crash mid-save leaves the previous checkpoint intact.
 
-mod atomic;
-mod tensors;
+pub mod atomic;
+pub mod files;
+pub mod tensors;
 
 pub use crate::model::{parse_hf_config, read_hf_config};
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
+pub use files::{
+    CONFIG_FILE, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
+};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 pub(crate) use tensors::{read_typed, write_typed};
 
@@ -17,20 +21,6 @@ use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use std::collections::BTreeMap;
 use std::path::Path;
-
-/// The model's config file in a model directory.
-pub const CONFIG_FILE: &str = "config.json";
-/// The model's weights in a model directory.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
-/// Optimizer moments and other per-parameter trainer tensors.
-pub const STATE_TENSORS_FILE: &str = "trainer_state.safetensors";
-/// Step, data position, RNG and the policies, as JSON.
-pub const STATE_FILE: &str = "trainer_state.json";
-/// The resolved run config, as TOML.
-pub const RUN_CONFIG_FILE: &str = "trainkit.toml";
-
-/// The index of a sharded checkpoint (`weight_map`: each tensor's file).
-pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// A model read from a directory: its config and its tensors by (Hugging Face) name.
 #[derive(Clone, Debug)]

@@ -1,6 +1,6 @@
 //! Named tensors in the safetensors format.
 
-use super::write_atomically;
+use super::atomic::write_atomically;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use safetensors::tensor::{Dtype, TensorView};

@@ -3,7 +3,7 @@
 //! block of trainkit's fused `qkv_proj`, `gate_proj` of `gate_up_proj`).
 
 use super::super::{Family, Init, LayerSlot, Mlp, ParamInit, Shape, Slot};
-use crate::adapter::{peft, Adapter, LowRank};
+use crate::adapter::{param_names, Adapter, LowRank};
 use crate::ops::lora::Adapted;
 
 /// One linear projection as Hugging Face names it: a block of output rows of one of
@@ -102,7 +102,7 @@ pub(crate) fn update_params(updates: &[(Projection, LowRank)]) -> Vec<ParamInit>
     updates
         .iter()
         .flat_map(|(p, r)| {
-            let [a, b] = peft::param_names(&p.module);
+            let [a, b] = param_names(&p.module);
             [
                 ParamInit {
                     name: a,

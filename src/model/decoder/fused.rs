@@ -6,7 +6,7 @@
 
 use super::super::{Family, LayerSlot, Mlp, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::NamedTensor;
+use crate::save::tensors::NamedTensor;
 use std::collections::BTreeMap;
 
 /// The fused parameters of layer `l` with the names and rows of their parts in files.

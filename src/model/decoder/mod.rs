@@ -16,7 +16,7 @@ use super::{Batch, Family, Init, LayerSlot, Mlp, Model, Norm, ParamInit, Pass, P
 use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
-use crate::save::NamedTensor;
+use crate::save::tensors::NamedTensor;
 use crate::tensor::Tensor;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -466,7 +466,10 @@ impl<F: Family> Model for Decoder<F> {
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {
         let text = serde_json::to_string_pretty(&self.config.hf_config())
             .map_err(|e| Error::Serde(e.to_string()))?;
-        crate::save::write_atomically(&dir.join(crate::save::CONFIG_FILE), text.as_bytes())
+        crate::save::atomic::write_atomically(
+            &dir.join(crate::save::files::CONFIG_FILE),
+            text.as_bytes(),
+        )
     }
 
     fn flops_per_token(&self, seq_len: usize) -> f64 {

@@ -10,7 +10,7 @@ use super::{linear_backward, BackwardCx, ForwardCx, GradIn, Op, Saves};
 use crate::device::Backend;
 use crate::error::Result;
 use crate::memory::MemoryCategory;
-use crate::model::Param;
+use crate::param::Param;
 use crate::tensor::{DType, Tensor};
 
 /// Output columns of `x · op(W)`, and the output shape: `x`'s leading dimensions and them.

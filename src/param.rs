@@ -1,13 +1,69 @@
 //! `Param`: one named parameter with its compute weights, master copy, gradient and
-//! optimizer state.
+//! optimizer state; `ParamInit`, how a model declares one.
 
-use super::ParamInit;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
+
+/// How a parameter's initial values are drawn.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Init {
+    /// Independent normal values with mean 0 and this standard deviation.
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// Every element this value (1 for norm gains, 0 for biases).
+    Constant(f32),
+    /// These values, row-major.
+    Values(Vec<f32>),
+    /// Independent uniform values in `[-bound, bound)`: `nn.Linear`'s Kaiming-uniform
+    /// initialisation (`a = √5`) has `bound = 1/√in_features`.
+    Uniform {
+        /// The half-width of the interval.
+        bound: f64,
+    },
+}
+
+/// A parameter's name, shape and initialisation, as a model declares it. Values are drawn
+/// only when a backend stores them ([`ParamInit::values`]), so a model predicted on the
+/// meta backend never materialises its weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamInit {
+    /// Hugging Face name of the parameter.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// How the initial values are drawn.
+    pub init: Init,
+    /// Whether the parameter trains: a frozen one has no gradient, no optimizer state and
+    /// no f32 master copy ([`crate::adapter::Adapter`] decides).
+    pub trains: bool,
+}
+
+impl ParamInit {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The initial values, row-major f32, drawing from `rng` for random initialisations
+    /// (parameters are drawn in model order from one stream).
+    pub fn values(&self, rng: &mut Rng) -> Vec<f32> {
+        let n = self.numel();
+        match &self.init {
+            Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+            Init::Constant(v) => vec![*v; n],
+            Init::Values(v) => v.clone(),
+            Init::Uniform { bound } => (0..n)
+                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                .collect(),
+        }
+    }
+}
 
 /// A named parameter tensor and everything training keeps for it.
 ///
