@@ -330,28 +330,6 @@ impl BackwardCx<'_> {
     }
 }
 
-/// `dx = dy · op(W)ᵀ` into `dx` (accumulating when it already holds a gradient), then
-/// the gradients of the parameters that train (see [`linear::param_grads`]): the backward
-/// of `y = x · op(W) + b`, where `transposed` means `op(W) = Wᵀ` (weights stored
-/// `[out, in]`).
-pub(crate) fn linear_backward(
-    backend: &dyn Backend,
-    params: &mut [&mut Param],
-    x: &Tensor,
-    dy: &Tensor,
-    dx: Option<&mut GradIn>,
-    transposed: bool,
-) -> Result<()> {
-    let Some((w, rest)) = params.split_first_mut() else {
-        return Err(missing("the weight of a linear layer"));
-    };
-    if let Some(dx) = dx {
-        linear::input_grad(backend, w.weight(), dy, dx, transposed)?;
-    }
-    let bias = rest.first_mut().map(|b| &mut **b);
-    linear::param_grads(backend, w, bias, x, dy, transposed)
-}
-
 /// The error of a value, input or gradient the graph should hold but does not: a graph
 /// whose nodes disagree about what they read and write.
 pub(crate) fn missing(what: &str) -> Error {

@@ -200,20 +200,19 @@ impl<F: Family> Decoder<F> {
 
     /// The graph of this model's shape, attention and loss paths, with its overrides.
     fn build_graph(&self) -> Graph {
-        let index: HashMap<String, usize> = self
-            .params()
-            .into_iter()
+        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
+        let index: HashMap<&str, usize> = names
+            .iter()
             .enumerate()
-            .map(|(i, (_, name, _))| (name, i))
+            .map(|(i, name)| (name.as_str(), i))
             .collect();
-        let p = |slot: Slot| index[&self.config.param_name(slot)];
+        let p = |slot: Slot| index[self.config.param_name(slot).as_str()];
         let fused_loss = (self.loss == LossPath::Fused).then_some(LinearCrossEntropy {
             chunk: self.loss_chunk,
         });
         let labels = block::Labels {
             final_norm: self.config.final_norm_label(),
         };
-        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
         let trains: Vec<bool> = names.iter().map(|n| self.adapter.trains(n)).collect();
         let refs = adapters::update_refs(&self.updates(), names.len());
         let updates = |l: usize, slot: LayerSlot| -> Vec<adapters::UpdateRef> {

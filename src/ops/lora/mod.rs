@@ -17,7 +17,8 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
-use super::linear::{input_grad, matmul_bias_gelu, param_grads, product_shape, project};
+use super::linear::fused::matmul_bias_gelu;
+use super::linear::product::{input_grad, param_grads, product_shape, project, with_width};
 use super::{gelu, BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{ensure, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
@@ -172,13 +173,7 @@ impl Op for LoraDown {
         Ok(self
             .adapters
             .iter()
-            .map(|a| {
-                let mut shape = inputs[0].shape().to_vec();
-                if let Some(last) = shape.last_mut() {
-                    *last = a.rank;
-                }
-                (shape, dtype)
-            })
+            .map(|a| (with_width(inputs[0].shape(), a.rank), dtype))
             .collect())
     }
 
@@ -239,7 +234,9 @@ pub enum Base {
 /// A linear projection with low-rank updates: the base product, then `h_j B_jᵀ` added to
 /// the columns each adapter covers (see the module documentation). With no update it is a
 /// frozen projection: its backward computes the input's gradient alone and it saves no
-/// input for a weight gradient.
+/// input for a weight gradient. The plain projections ([`super::Linear`],
+/// [`super::LinearResidual`], [`super::LinearGelu`]) are this node with no update and a base
+/// that trains.
 ///
 /// Inputs: as [`Base`] says, then `h_1, …, h_n` (from [`LoraDown`]). Parameters: `W`, `b`
 /// when `bias`, then `B_1, …, B_n` (`[width_j, rank_j]`). Backward reads the `h_j`, and
@@ -282,12 +279,8 @@ impl LoraProjection {
             if a.offset == 0 && a.width == cols {
                 be.matmul(y, h, b, None, false, true, true)?;
             } else {
-                let mut shape = y.shape().to_vec();
-                if let Some(last) = shape.last_mut() {
-                    *last = a.width;
-                }
                 let mut t = be.empty(
-                    &shape,
+                    &with_width(y.shape(), a.width),
                     y.dtype(),
                     MemoryCategory::Activations,
                     &format!("{}.update", y.label()),
@@ -379,6 +372,9 @@ impl Op for LoraProjection {
 
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
+        if cx.params.len() < self.first_b() + self.adapters.len() {
+            return Err(super::missing("the weight of a linear layer"));
+        }
         let dy = match self.base {
             Base::Gelu => {
                 let dout = cx.take_grad_out(1)?;
@@ -402,12 +398,8 @@ impl Op for LoraProjection {
             let dy_j = if a.offset == 0 && a.width == cols {
                 &dy
             } else {
-                let mut shape = dy.shape().to_vec();
-                if let Some(last) = shape.last_mut() {
-                    *last = a.width;
-                }
                 let mut t = be.empty(
-                    &shape,
+                    &with_width(dy.shape(), a.width),
                     dy.dtype(),
                     MemoryCategory::Activations,
                     &format!("{}.cols", dy.label()),
