@@ -19,6 +19,7 @@ pub mod layernorm;
 pub mod linear;
 mod linear_cross_entropy;
 pub mod lora;
+pub mod nf4;
 pub mod qk_norm;
 pub mod rmsnorm;
 pub mod rope;
