@@ -42,6 +42,9 @@ pub struct ParamInit {
     /// Whether the parameter trains: a frozen one has no gradient, no optimizer state and
     /// no f32 master copy ([`crate::adapter::Adapter`] decides).
     pub trains: bool,
+    /// The dtype its weights are stored in instead of the precision's compute dtype:
+    /// [`DType::Nf4`] for a QLoRA base projection (frozen parameters only).
+    pub dtype: Option<DType>,
 }
 
 impl ParamInit {
@@ -110,7 +113,7 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
-        Self::build(backend, name, shape, Some(init), precision, true)
+        Self::build(backend, name, shape, Some(init), precision, true, None)
     }
 
     /// A frozen parameter ([`Param::trains`] false) initialised from `init`: compute
@@ -122,7 +125,7 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
-        Self::build(backend, name, shape, Some(init), precision, false)
+        Self::build(backend, name, shape, Some(init), precision, false, None)
     }
 
     /// The parameter `spec` declares, its values drawn from `rng` in model order; on a
@@ -143,6 +146,7 @@ impl Param {
                 Some(&values),
                 precision,
                 spec.trains,
+                spec.dtype,
             )
         } else {
             Self::build(
@@ -152,6 +156,7 @@ impl Param {
                 None,
                 precision,
                 spec.trains,
+                spec.dtype,
             )
         }
     }
@@ -163,7 +168,19 @@ impl Param {
         init: Option<&[f32]>,
         precision: &dyn Precision,
         trains: bool,
+        stored: Option<DType>,
     ) -> Result<Param> {
+        if let Some(d) = stored.filter(|d| !d.is_float()) {
+            if trains {
+                return Err(Error::config(
+                    "adapter",
+                    format!(
+                        "`{name}` is stored as {d}, which cannot train: only a frozen base \
+                         weight is quantized"
+                    ),
+                ));
+            }
+        }
         let place = |dtype: DType, category: MemoryCategory| match init {
             Some(values) => backend.upload(values, shape, dtype, category, name),
             None => backend.zeros(shape, dtype, category, name),
@@ -182,7 +199,7 @@ impl Param {
             }
             None
         };
-        let weight = place(compute, MemoryCategory::Weights)?;
+        let weight = place(stored.unwrap_or(compute), MemoryCategory::Weights)?;
         Ok(Param {
             name: name.to_string(),
             weight,

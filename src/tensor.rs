@@ -24,21 +24,38 @@ pub enum DType {
     /// 255, exactly) and counted in the ledger at one byte each; the arithmetic ops
     /// refuse them with an error naming the op.
     U8,
+    /// NF4, packed: frozen weights at 4.127 bits per element (QLoRA's base projections),
+    /// as bitsandbytes stores them ([`crate::ops::nf4`]). Uploading f32 values quantizes
+    /// them, reading back dequantizes; the ledger counts the packed bytes
+    /// ([`DType::bytes`]). Only the NF4 family's kernels compute with it: the arithmetic
+    /// ops refuse it with an error naming the op.
+    Nf4,
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element of the unpacked dtypes; NF4's half byte plus its share of the
+    /// block statistics is counted by [`DType::bytes`], and here as 1.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::Bf16 => 2,
             DType::F16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::Nf4 => 1,
+        }
+    }
+
+    /// Exact bytes of `n` elements (for NF4, the packed layout: codes, absmax codes, their
+    /// scales and the offset).
+    pub fn bytes(self, n: usize) -> usize {
+        match self {
+            DType::Nf4 => crate::ops::nf4::Layout::of(n).bytes,
+            _ => n * self.size(),
         }
     }
 
     /// Rounds an f32 value to this dtype's precision (round to nearest even), as stored;
-    /// for u8, to the nearest integer in 0..=255 (NaN to 0).
+    /// for u8, to the nearest integer in 0..=255 (NaN to 0). NF4 rounds a block at a time
+    /// ([`crate::ops::nf4::quantize`]), not a value: it is returned as it is.
     #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
@@ -46,11 +63,12 @@ impl DType {
             DType::Bf16 => bf16::from_f32(x).to_f32(),
             DType::F16 => f16::from_f32(x).to_f32(),
             DType::U8 => x.round_ties_even().clamp(0.0, 255.0) as u8 as f32,
+            DType::Nf4 => x,
         }
     }
 
     /// `values` rounded to this dtype as little-endian elements: safetensors' layout and
-    /// the device's.
+    /// the device's (NF4: quantized and packed).
     pub(crate) fn encode(self, values: &[f32]) -> Vec<u8> {
         match self {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -63,11 +81,12 @@ impl DType {
                 .flat_map(|v| f16::from_f32(*v).to_le_bytes())
                 .collect(),
             DType::U8 => values.iter().map(|v| DType::U8.round(*v) as u8).collect(),
+            DType::Nf4 => crate::ops::nf4::quantize(values),
         }
     }
 
-    /// Little-endian elements of this dtype, widened to f32 (exactly).
-    pub(crate) fn decode(self, raw: &[u8]) -> Vec<f32> {
+    /// `n` little-endian elements of this dtype, widened to f32 (exactly; NF4 dequantized).
+    pub(crate) fn decode(self, raw: &[u8], n: usize) -> Vec<f32> {
         match self {
             DType::F32 => raw
                 .chunks_exact(4)
@@ -82,12 +101,13 @@ impl DType {
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
+            DType::Nf4 => crate::ops::nf4::format::dequantize(raw, n),
         }
     }
 
     /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16, f16).
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::U8)
+        !matches!(self, DType::U8 | DType::Nf4)
     }
 }
 
@@ -98,6 +118,7 @@ impl std::fmt::Display for DType {
             DType::Bf16 => "bf16",
             DType::F16 => "f16",
             DType::U8 => "u8",
+            DType::Nf4 => "nf4",
         })
     }
 }
@@ -113,6 +134,13 @@ pub(crate) enum Storage {
     F16(Vec<f16>),
     /// Host memory, u8 elements.
     U8(Vec<u8>),
+    /// Host memory, `len` NF4 elements packed as [`crate::ops::nf4::Layout`] says.
+    Nf4 {
+        /// The packed bytes.
+        bytes: Vec<u8>,
+        /// Elements.
+        len: usize,
+    },
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
     Device(DeviceBuffer),
     /// No elements at all: the meta backend's tensors, which have a shape, a dtype and
@@ -127,6 +155,7 @@ impl Storage {
             Storage::Bf16(v) => v.len(),
             Storage::F16(v) => v.len(),
             Storage::U8(v) => v.len(),
+            Storage::Nf4 { len, .. } => *len,
             Storage::Device(d) => d.len(),
             Storage::Meta { len, .. } => *len,
         }
@@ -138,6 +167,7 @@ impl Storage {
             Storage::Bf16(_) => DType::Bf16,
             Storage::F16(_) => DType::F16,
             Storage::U8(_) => DType::U8,
+            Storage::Nf4 { .. } => DType::Nf4,
             Storage::Device(d) => d.dtype(),
             Storage::Meta { dtype, .. } => *dtype,
         }
@@ -181,7 +211,7 @@ impl Tensor {
                 ),
             ));
         }
-        let bytes = (numel * storage.dtype().size()) as u64;
+        let bytes = storage.dtype().bytes(numel) as u64;
         let id = ledger.alloc(category, bytes, &label)?;
         Ok(Tensor {
             shape: shape.to_vec(),
@@ -227,7 +257,7 @@ impl Tensor {
 
     /// Exact bytes of the elements.
     pub fn bytes(&self) -> u64 {
-        (self.numel() * self.dtype().size()) as u64
+        self.dtype().bytes(self.numel()) as u64
     }
 
     /// Number of dimensions.

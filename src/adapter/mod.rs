@@ -15,6 +15,7 @@
 pub mod peft;
 
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use dyn_clone::DynClone;
 use serde::{Deserialize, Serialize};
 use std::fmt::Debug;
@@ -49,6 +50,13 @@ pub trait Adapter: DynClone + Debug + Send + Sync {
     fn check(&self, modules: &[String]) -> Result<()> {
         let _ = modules;
         Ok(())
+    }
+
+    /// The dtype the frozen base projections' weights are stored in instead of the
+    /// compute dtype: [`DType::Nf4`] for QLoRA. Embeddings, norms, biases and the output
+    /// head are never quantized. The default stores them as the precision says.
+    fn base_dtype(&self) -> Option<DType> {
+        None
     }
 
     /// The LoRA settings, when this is [`Lora`]: what the PEFT files record.
@@ -103,6 +111,32 @@ impl Adapter for FullFineTune {
     }
 }
 
+/// Nothing trains and nothing is added: a frozen model to evaluate or sample from, its
+/// projections stored as `base` says (`trainkit eval --qlora` measures what NF4 alone
+/// costs a model).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Frozen {
+    /// How the projections are stored.
+    #[serde(default)]
+    pub base: BaseWeights,
+}
+
+#[typetag::serde(name = "frozen")]
+impl Adapter for Frozen {
+    fn trains(&self, _name: &str) -> bool {
+        false
+    }
+
+    fn low_rank(&self, _module: &str, _in: usize, _out: usize) -> Option<LowRank> {
+        None
+    }
+
+    fn base_dtype(&self) -> Option<DType> {
+        (self.base == BaseWeights::Nf4).then_some(DType::Nf4)
+    }
+}
+
 /// LoRA (Hu et al., 2021), as PEFT builds it: the base model frozen, and on each
 /// projection whose module name ends in one of `targets` a low-rank update
 /// `(α/r) · B·A`, `A` Kaiming-uniform (as `nn.Linear`'s initialisation) and `B` zero, so
@@ -121,6 +155,28 @@ pub struct Lora {
     /// rsLoRA's scaling `α/√r` (Kalajdzievski, 2023) instead of `α/r`.
     #[serde(default)]
     pub rslora: bool,
+    /// How the frozen base projections are stored: as the precision says, or in NF4
+    /// (QLoRA, Dettmers et al., 2023).
+    #[serde(default, skip_serializing_if = "BaseWeights::is_compute")]
+    pub base: BaseWeights,
+}
+
+/// How [`Lora`] stores the frozen weights of the base model's projections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BaseWeights {
+    /// In the precision's compute dtype (LoRA).
+    #[default]
+    Compute,
+    /// In NF4 with double-quantized absmaxes, 4.127 bits per weight, quantized once when
+    /// the weights are loaded and dequantized a block at a time in each product (QLoRA).
+    Nf4,
+}
+
+impl BaseWeights {
+    fn is_compute(&self) -> bool {
+        *self == BaseWeights::Compute
+    }
 }
 
 /// The projection names LoRA knows, Llama's layout then GPT-2's.
@@ -150,6 +206,7 @@ impl Lora {
             alpha,
             targets: targets.iter().map(|t| t.to_string()).collect(),
             rslora: false,
+            base: BaseWeights::Compute,
         };
         lora.validate()?;
         Ok(lora)
@@ -205,6 +262,12 @@ impl Lora {
         }) as f32
     }
 
+    /// The same LoRA over a base stored in NF4 (QLoRA).
+    pub fn with_nf4_base(mut self) -> Lora {
+        self.base = BaseWeights::Nf4;
+        self
+    }
+
     /// Whether the projection `module` is one of the targets.
     pub fn targets_module(&self, module: &str) -> bool {
         let last = module.rsplit('.').next().unwrap_or(module);
@@ -251,6 +314,10 @@ impl Adapter for Lora {
             }
         }
         Ok(())
+    }
+
+    fn base_dtype(&self) -> Option<DType> {
+        (self.base == BaseWeights::Nf4).then_some(DType::Nf4)
     }
 
     fn as_lora(&self) -> Option<&Lora> {

@@ -193,6 +193,7 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
         rslora: field("use_rslora")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        base: super::BaseWeights::Compute,
     })
 }
 

@@ -2,7 +2,7 @@
 
 use super::{DataConfig, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
-use crate::adapter::Lora;
+use crate::adapter::{BaseWeights, Lora};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
 use crate::model::{
@@ -97,6 +97,8 @@ pub struct Overrides {
     pub lora_alpha: Option<f64>,
     /// The projections LoRA adapts (`q_proj`, `v_proj`, ... or GPT-2's `c_attn`, ...).
     pub lora_targets: Option<Vec<String>>,
+    /// QLoRA: the LoRA's frozen base projections stored in NF4.
+    pub qlora: bool,
 }
 
 impl Overrides {
@@ -105,7 +107,11 @@ impl Overrides {
     /// `c_attn`); α or targets alone change a LoRA the config already has. Errors name
     /// the flag.
     fn apply_lora(&self, cfg: &mut RunConfig) -> Result<()> {
-        if self.lora_rank.is_none() && self.lora_alpha.is_none() && self.lora_targets.is_none() {
+        if self.lora_rank.is_none()
+            && self.lora_alpha.is_none()
+            && self.lora_targets.is_none()
+            && !self.qlora
+        {
             return Ok(());
         }
         let current = cfg.adapter.as_ref().and_then(|a| a.as_lora()).cloned();
@@ -115,7 +121,7 @@ impl Overrides {
             .ok_or_else(|| {
                 Error::config(
                     "--lora-rank",
-                    "--lora-alpha and --lora-targets adapt a LoRA: give its rank too \
+                    "--lora-alpha, --lora-targets and --qlora adapt a LoRA: give its rank too \
                      (--lora-rank 8 is common)",
                 )
             })?;
@@ -136,7 +142,12 @@ impl Overrides {
             rank,
             alpha,
             targets,
-            rslora: current.is_some_and(|l| l.rslora),
+            rslora: current.as_ref().is_some_and(|l| l.rslora),
+            base: if self.qlora {
+                BaseWeights::Nf4
+            } else {
+                current.map(|l| l.base).unwrap_or_default()
+            },
         };
         lora.validate().map_err(|e| {
             let flag = match &e {

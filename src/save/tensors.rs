@@ -50,6 +50,13 @@ pub(crate) fn write_typed(
                 DType::Bf16 => Dtype::BF16,
                 DType::F16 => Dtype::F16,
                 DType::U8 => Dtype::U8,
+                DType::Nf4 => {
+                    return Err(Error::data(
+                        &t.name,
+                        "is NF4: a safetensors file holds it dequantized (save it as bf16 or \
+                         f32)",
+                    ))
+                }
             };
             TensorView::new(file_dtype, t.shape.clone(), b)
                 .map(|v| (t.name.clone(), v))
@@ -111,7 +118,7 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
                     ))
                 }
             };
-            let data = file_dtype.decode(raw);
+            let data = file_dtype.decode(raw, view.shape().iter().product());
             // Floats come back as f32; u8 codes stay codes.
             let dtype = if file_dtype == DType::U8 {
                 DType::U8

@@ -17,6 +17,10 @@ pub struct EvalArgs {
     /// computes in f32 as without it.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    /// Store --model's projections in NF4 (QLoRA's base, quantized as bitsandbytes does)
+    /// and dequantize them on the fly: without --adapter, what quantization alone costs.
+    #[arg(long)]
+    qlora: bool,
     /// An llm.c token file, or a text file tokenized with --tokenizer.
     #[arg(long)]
     data: PathBuf,
@@ -75,8 +79,13 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let tokens = source.train_dataset()?;
     tokens.check_ids(dir.config.vocab_size())?;
     let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
-    let mut trainer =
-        crate::trainer_for(&dir, args.adapter.as_deref(), &args.device, data.clone())?;
+    let mut trainer = crate::trainer_for(
+        &dir,
+        args.adapter.as_deref(),
+        args.qlora,
+        &args.device,
+        data.clone(),
+    )?;
     let loss = trainer.evaluate(&mut data, args.batches)?;
     let tokens = args.batches * args.batch_size * args.seq_len;
     if args.json {

@@ -75,6 +75,7 @@ fn default_command() -> Command {
 fn trainer_for(
     dir: &ModelDir,
     adapter: Option<&Path>,
+    qlora: bool,
     device_flag: &str,
     data: DataLoader,
 ) -> Result<Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>> {
@@ -82,7 +83,13 @@ fn trainer_for(
     let mut model = dir.config.build()?;
     if let Some(a) = adapter {
         let (lora, _) = trainkit::adapter::peft::read(a)?;
+        let lora = if qlora { lora.with_nf4_base() } else { lora };
         model = model.with_adapter(std::sync::Arc::new(lora))?;
+    } else if qlora {
+        let frozen = trainkit::adapter::Frozen {
+            base: trainkit::adapter::BaseWeights::Nf4,
+        };
+        model = model.with_adapter(std::sync::Arc::new(frozen))?;
     }
     let mut trainer = Trainer::builder(model, backend, data).build()?;
     trainer.load_weights(dir)?;

@@ -96,6 +96,9 @@ pub struct MemoryArgs {
     /// c_attn); see `trainkit train --help`.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     lora_targets: Option<Vec<String>>,
+    /// QLoRA: the frozen base projections in NF4 (4.127 bits per weight).
+    #[arg(long)]
+    qlora: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -805,10 +808,10 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
 /// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
 fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
     let Some(rank) = args.lora_rank else {
-        if args.lora_alpha.is_some() || args.lora_targets.is_some() {
+        if args.lora_alpha.is_some() || args.lora_targets.is_some() || args.qlora {
             return Err(flag_error(
                 "--lora-rank",
-                "--lora-alpha and --lora-targets describe a LoRA: give its rank too",
+                "--lora-alpha, --lora-targets and --qlora describe a LoRA: give its rank too",
             ));
         }
         return Ok(None);
@@ -829,6 +832,11 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         alpha: args.lora_alpha.unwrap_or(2.0 * rank as f64),
         targets,
         rslora: false,
+        base: if args.qlora {
+            trainkit::adapter::BaseWeights::Nf4
+        } else {
+            trainkit::adapter::BaseWeights::Compute
+        },
     };
     lora.validate().map_err(|e| e.for_field("--lora-rank"))?;
     Ok(Some(lora))

@@ -17,6 +17,10 @@ pub struct SampleArgs {
     /// computes in f32 as without it.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    /// Store --model's projections in NF4 (QLoRA's base, quantized as bitsandbytes does)
+    /// and dequantize them on the fly: without --adapter, what quantization alone costs.
+    #[arg(long)]
+    qlora: bool,
     /// Text to continue.
     #[arg(long)]
     prompt: String,
@@ -64,7 +68,13 @@ pub fn run(args: SampleArgs) -> Result<()> {
     }
     let prompt = tok.try_encode(&args.prompt)?;
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
-    let mut trainer = crate::trainer_for(&dir, args.adapter.as_deref(), &args.device, placeholder)?;
+    let mut trainer = crate::trainer_for(
+        &dir,
+        args.adapter.as_deref(),
+        args.qlora,
+        &args.device,
+        placeholder,
+    )?;
     let mut rng = Rng::new(args.seed);
     let new = trainer.generate(
         &prompt,

@@ -59,6 +59,10 @@ pub struct TrainArgs {
     /// c_proj, c_fc), or all-linear (default: q_proj,v_proj; GPT-2: c_attn).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     lora_targets: Option<Vec<String>>,
+    /// QLoRA: store the frozen base projections in NF4 (4.127 bits per weight, quantized
+    /// as bitsandbytes does when the weights load); needs --lora-rank or --adapter.
+    #[arg(long)]
+    qlora: bool,
     /// Start from (or continue) a PEFT LoRA adapter saved in this directory, on the base
     /// model of --init-from; its rank, α and targets are the run's.
     #[arg(long, value_name = "DIR")]
@@ -266,6 +270,7 @@ impl TrainArgs {
             lora_rank: self.lora_rank,
             lora_alpha: self.lora_alpha,
             lora_targets: self.lora_targets.clone(),
+            qlora: self.qlora,
         }
     }
 }
@@ -386,6 +391,16 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
             ),
         ));
     }
+    let lora = if args.qlora
+        || cfg
+            .adapter
+            .as_ref()
+            .is_some_and(|a| a.base_dtype().is_some())
+    {
+        lora.with_nf4_base()
+    } else {
+        lora
+    };
     cfg.adapter = Some(Box::new(lora));
     Ok(())
 }
@@ -612,8 +627,12 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             .map(|p| p.numel())
             .sum();
         let all: usize = trainer.params().iter().map(|p| p.numel()).sum();
+        let kind = match lora.base {
+            trainkit::adapter::BaseWeights::Nf4 => "QLoRA (NF4 base)",
+            trainkit::adapter::BaseWeights::Compute => "LoRA",
+        };
         println!(
-            "adapter: LoRA rank {}, α {} on {}: {trained} of {all} parameters train ({:.2}%)",
+            "adapter: {kind} rank {}, α {} on {}: {trained} of {all} parameters train ({:.2}%)",
             lora.rank,
             lora.alpha,
             lora.targets.join(", "),

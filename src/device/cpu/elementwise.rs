@@ -161,9 +161,11 @@ pub(crate) fn fill(t: &mut Tensor, value: f32) {
     match t.storage_mut() {
         Storage::F32(v) => v.fill(value),
         Storage::Bf16(v) => v.fill(bf16::from_f32(value)),
-        Storage::F16(_) | Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {
-            write(t, false, |v| v.fill(value))
-        }
+        Storage::F16(_)
+        | Storage::U8(_)
+        | Storage::Nf4 { .. }
+        | Storage::Device(_)
+        | Storage::Meta { .. } => write(t, false, |v| v.fill(value)),
     }
 }
 

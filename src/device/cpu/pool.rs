@@ -71,7 +71,9 @@ impl BufferPool {
             Storage::Bf16(v) => v.len() * 2,
             Storage::F16(v) => v.len() * 2,
             // Codes are few and long-lived (optimizer state): not worth caching.
-            Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => return,
+            Storage::U8(_) | Storage::Nf4 { .. } | Storage::Device(_) | Storage::Meta { .. } => {
+                return
+            }
         } as u64;
         if bytes == 0 {
             return;
@@ -86,7 +88,7 @@ impl BufferPool {
             Storage::F32(v) => c.f32.entry(v.len()).or_default().push(v),
             Storage::Bf16(v) => c.bf16.entry(v.len()).or_default().push(v),
             Storage::F16(v) => c.f16.entry(v.len()).or_default().push(v),
-            Storage::U8(_) | Storage::Device(_) | Storage::Meta { .. } => {}
+            Storage::U8(_) | Storage::Nf4 { .. } | Storage::Device(_) | Storage::Meta { .. } => {}
         }
     }
 

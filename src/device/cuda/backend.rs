@@ -153,7 +153,7 @@ impl CudaBackend {
         zero: bool,
     ) -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let bytes = (n * dtype.size()) as u64;
+        let bytes = dtype.bytes(n) as u64;
         if let Some(err) = self.ledger.would_refuse(category, bytes, label) {
             return Err(err);
         }

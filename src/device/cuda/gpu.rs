@@ -70,10 +70,12 @@ impl TryFrom<DType> for MatrixType {
             DType::F32 => Ok(MatrixType::F32),
             DType::Bf16 => Ok(MatrixType::Bf16),
             DType::F16 => Ok(MatrixType::F16),
-            DType::U8 => Err(crate::error::Error::Backend {
+            DType::U8 | DType::Nf4 => Err(crate::error::Error::Backend {
                 backend: "cuda",
-                message: "a u8 tensor holds codes, not numbers: matmul takes f32, bf16 or f16"
-                    .to_string(),
+                message: format!(
+                    "a {d} tensor holds codes, not numbers: matmul takes f32, bf16 or f16 \
+                     (an NF4 weight goes through ops::nf4's product)"
+                ),
             }),
         }
     }
@@ -276,14 +278,14 @@ impl DeviceBuffer {
         len: usize,
         dtype: DType,
     ) -> std::result::Result<DeviceBuffer, AllocError> {
-        let bytes = len * dtype.size();
+        let bytes = dtype.bytes(len);
         let ptr = if bytes == 0 { 0 } else { gpu.alloc(bytes)? };
         Ok(DeviceBuffer::at(gpu, ptr, len, dtype, Place::Device))
     }
 
     /// Allocates `len` elements of `dtype` in page-locked host memory held for the device.
     pub(crate) fn alloc_host(gpu: &Arc<dyn Gpu>, len: usize, dtype: DType) -> Result<DeviceBuffer> {
-        let bytes = len * dtype.size();
+        let bytes = dtype.bytes(len);
         let ptr = if bytes == 0 {
             0
         } else {
@@ -358,7 +360,7 @@ impl DeviceBuffer {
 
     /// Bytes of the elements.
     pub(crate) fn bytes(&self) -> usize {
-        self.len * self.dtype.size()
+        self.dtype.bytes(self.len)
     }
 
     /// The elements as f32 (waits for queued work).
@@ -372,7 +374,7 @@ impl DeviceBuffer {
                 self.gpu.download(&mut raw, self.ptr)?;
             }
         }
-        Ok(self.dtype.decode(&raw))
+        Ok(self.dtype.decode(&raw, self.len))
     }
 
     /// Overwrites the elements with `data`, rounded to the buffer's dtype.

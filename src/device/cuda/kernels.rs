@@ -71,6 +71,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     crate::ops::rope::cuda::KERNELS,
     crate::ops::glu::cuda::KERNELS,
     crate::ops::lora::cuda::KERNELS,
+    crate::ops::nf4::cuda::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).

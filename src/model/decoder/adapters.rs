@@ -111,12 +111,14 @@ pub(crate) fn update_params(updates: &[(Projection, LowRank)]) -> Vec<ParamInit>
                         bound: 1.0 / (p.in_features as f64).sqrt(),
                     },
                     trains: true,
+                    dtype: None,
                 },
                 ParamInit {
                     name: b,
                     shape: vec![p.width, r.rank],
                     init: Init::Constant(0.0),
                     trains: true,
+                    dtype: None,
                 },
             ]
         })

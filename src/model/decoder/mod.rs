@@ -429,11 +429,22 @@ impl<F: Family> Model for Decoder<F> {
         let mut out: Vec<ParamInit> = self
             .params()
             .into_iter()
-            .map(|(slot, name, shape)| ParamInit {
-                trains: self.adapter.trains(&name),
-                name,
-                shape,
-                init: init(&self.shape, slot),
+            .map(|(slot, name, shape)| {
+                let trains = self.adapter.trains(&name);
+                let projection = matches!(
+                    slot,
+                    Slot::Layer(
+                        _,
+                        LayerSlot::Qkv | LayerSlot::O | LayerSlot::Up | LayerSlot::Down
+                    )
+                );
+                ParamInit {
+                    dtype: self.adapter.base_dtype().filter(|_| projection && !trains),
+                    trains,
+                    name,
+                    shape,
+                    init: init(&self.shape, slot),
+                }
             })
             .collect();
         out.extend(adapters::update_params(&self.updates()));

@@ -4,9 +4,10 @@
 use super::fused::weight_bias_grad;
 use crate::device::Backend;
 use crate::error::Result;
+use crate::ops::nf4;
 use crate::ops::{ForwardCx, GradIn};
 use crate::param::Param;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Output columns of `x · op(W)`, and the output shape: `x`'s leading dimensions and them.
 pub(crate) fn product_shape(x: &Tensor, w: &Tensor, transposed: bool) -> Vec<usize> {
@@ -33,6 +34,9 @@ pub(crate) fn input_grad(
     transposed: bool,
 ) -> Result<()> {
     let (buf, fresh) = dx.buffer(be)?;
+    if w.dtype() == DType::Nf4 {
+        return nf4::matmul(be, buf, dy, w, None, !transposed, !fresh);
+    }
     be.matmul(buf, dy, w, None, false, !transposed, !fresh)
 }
 
@@ -61,7 +65,8 @@ pub(crate) fn param_grads(
 }
 
 /// `x · op(W) (+ b)` into a new buffer for output `i`: the product every projection here
-/// starts with (`W` is `weights[0]`, `b` is `weights[1]` when `bias`).
+/// starts with (`W` is `weights[0]`, `b` is `weights[1]` when `bias`); an NF4 `W` goes
+/// through the dequantizing product ([`nf4::matmul`]).
 pub(crate) fn project(
     cx: &ForwardCx<'_>,
     i: usize,
@@ -71,7 +76,11 @@ pub(crate) fn project(
 ) -> Result<Tensor> {
     let mut y = cx.alloc(i)?;
     let b = bias.then(|| cx.weights[1]);
-    cx.backend
-        .matmul(&mut y, x, cx.weights[0], b, false, transposed, false)?;
+    if cx.weights[0].dtype() == DType::Nf4 {
+        nf4::matmul(cx.backend, &mut y, x, cx.weights[0], b, transposed, false)?;
+    } else {
+        cx.backend
+            .matmul(&mut y, x, cx.weights[0], b, false, transposed, false)?;
+    }
     Ok(y)
 }

@@ -344,7 +344,12 @@ impl Op for LoraProjection {
             }
         }
         let x = cx.input(self.x())?;
-        if self.base == Base::Gelu && self.adapters.is_empty() && !self.transposed && cx.wanted[1] {
+        if self.base == Base::Gelu
+            && self.adapters.is_empty()
+            && !self.transposed
+            && cx.wanted[1]
+            && cx.weights[0].dtype().is_float()
+        {
             // No update: GPT-2's fused product, bias and GELU.
             let mut pre = cx.alloc(0)?;
             let mut out = cx.alloc(1)?;

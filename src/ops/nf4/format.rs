@@ -224,9 +224,14 @@ fn f32_at(packed: &[u8], at: usize) -> f32 {
 
 /// Each block's absmax of a packed tensor: `dyn[q] · scale + offset`.
 pub fn absmaxes(packed: &[u8], layout: &Layout) -> Vec<f32> {
+    absmaxes_of(packed, layout, 0..layout.blocks)
+}
+
+/// The absmaxes of blocks `blocks` of a packed tensor.
+pub fn absmaxes_of(packed: &[u8], layout: &Layout, blocks: std::ops::Range<usize>) -> Vec<f32> {
     let code = dynamic_code();
     let offset = f32_at(packed, layout.offset_at);
-    (0..layout.blocks)
+    blocks
         .map(|b| {
             let scale = f32_at(packed, layout.scales_at + 4 * (b / STATS_BLOCK));
             code[usize::from(packed[layout.absmax_at + b])] * scale + offset
@@ -234,13 +239,19 @@ pub fn absmaxes(packed: &[u8], layout: &Layout) -> Vec<f32> {
         .collect()
 }
 
-/// Elements `start..start + out.len()` of a packed tensor of `n` elements, dequantized to
-/// f32 (`absmax` from [`absmaxes`]).
-pub fn dequantize_into(packed: &[u8], absmax: &[f32], start: usize, out: &mut [f32]) {
+/// Elements `start..start + out.len()` of a packed tensor, dequantized to f32; `absmax`
+/// holds the absmaxes of the blocks from element `absmax_from` (a block boundary) on.
+pub fn dequantize_into(
+    packed: &[u8],
+    absmax: &[f32],
+    absmax_from: usize,
+    start: usize,
+    out: &mut [f32],
+) {
     for (i, o) in (start..).zip(out.iter_mut()) {
         let byte = packed[i / 2];
         let c = if i % 2 == 0 { byte >> 4 } else { byte & 0xf };
-        *o = CODE[usize::from(c)] * absmax[i / BLOCK];
+        *o = CODE[usize::from(c)] * absmax[(i - absmax_from) / BLOCK];
     }
 }
 
@@ -249,7 +260,7 @@ pub fn dequantize(packed: &[u8], n: usize) -> Vec<f32> {
     let layout = Layout::of(n);
     let absmax = absmaxes(packed, &layout);
     let mut out = vec![0f32; n];
-    dequantize_into(packed, &absmax, 0, &mut out);
+    dequantize_into(packed, &absmax, 0, 0, &mut out);
     out
 }
 

@@ -1,0 +1,350 @@
+//! QLoRA: LoRA over a base whose projections are stored in NF4. The dequantizing product
+//! against the product with the dequantized weight, the adapters' gradients against
+//! finite differences through NF4 layers, recompute policies bitwise equal, the exact
+//! prediction equal to the ledger with the packed bytes, and the command line.
+
+mod common;
+
+use common::{corpus_loader, cpu, per_param, tiny_config, values};
+use std::sync::Arc;
+use trainkit::model::{Rope, RopeScaling};
+use trainkit::ops::nf4;
+use trainkit::{
+    AdamW, Adapter, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, Gpt2, Llama,
+    LlamaConfig, Lora, MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Qwen2Config,
+    Selective, Trainer, TrainerOptions,
+};
+
+fn llama_config() -> LlamaConfig {
+    LlamaConfig {
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 16,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        initializer_range: 0.1,
+        rope: Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::Default,
+        },
+    }
+}
+
+fn qlora(targets: &[&str]) -> Arc<dyn Adapter> {
+    Arc::new(Lora::new(4, 8.0, targets).unwrap().with_nf4_base())
+}
+
+/// Llama with every projection adapted, Qwen2 (q/k/v biases) with q and v, GPT-2
+/// (`Conv1D`, the GELU MLP) with `c_attn` alone: its other projections NF4 without update.
+const MODELS: [&str; 3] = ["llama", "qwen2", "gpt2"];
+
+fn model(what: &str) -> Box<dyn Model> {
+    let all = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    match what {
+        "llama" => Box::new(
+            Llama::new(llama_config())
+                .unwrap()
+                .with_adapter(qlora(&all))
+                .unwrap(),
+        ),
+        "qwen2" => trainkit::ModelConfig::from(Qwen2Config {
+            base: llama_config(),
+        })
+        .build()
+        .unwrap()
+        .with_adapter(qlora(&["q_proj", "v_proj"]))
+        .unwrap(),
+        _ => Box::new(
+            Gpt2::new(tiny_config())
+                .unwrap()
+                .with_adapter(qlora(&["c_attn"]))
+                .unwrap(),
+        ),
+    }
+}
+
+fn random(n: usize, seed: u64, scale: f64) -> Vec<f32> {
+    let mut rng = trainkit::Rng::new(seed);
+    (0..n).map(|_| (rng.normal() * scale) as f32).collect()
+}
+
+/// The dequantizing product, in one block and in blocks of 3 rows, against `matmul` with
+/// the weight dequantized by the reference: both orientations, a bias, accumulation.
+#[test]
+fn the_nf4_product_is_the_product_with_the_dequantized_weight() {
+    let be = CpuBackend::new();
+    let (m, rows, cols) = (5, 20, 72);
+    let wv = random(rows * cols, 1, 0.05);
+    let w = be
+        .upload(&wv, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+        .unwrap();
+    assert_eq!(w.bytes(), nf4::Layout::of(rows * cols).bytes as u64);
+    let dq = nf4::dequantize_host(&nf4::quantize(&wv), rows * cols);
+    assert_eq!(be.to_f32(&w).unwrap(), dq);
+    let wd = be
+        .upload(
+            &dq,
+            &[rows, cols],
+            DType::F32,
+            MemoryCategory::Weights,
+            "wd",
+        )
+        .unwrap();
+    for transposed in [true, false] {
+        let (k, n) = if transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        let a = be
+            .upload(
+                &random(m * k, 2, 1.0),
+                &[m, k],
+                DType::F32,
+                MemoryCategory::Activations,
+                "a",
+            )
+            .unwrap();
+        let bias = be
+            .upload(
+                &random(n, 3, 1.0),
+                &[n],
+                DType::F32,
+                MemoryCategory::Weights,
+                "b",
+            )
+            .unwrap();
+        let start = random(m * n, 4, 1.0);
+        for (with_bias, accumulate) in [(false, false), (true, false), (false, true)] {
+            let b = with_bias.then_some(&bias);
+            let mut want = be
+                .upload(
+                    &start,
+                    &[m, n],
+                    DType::F32,
+                    MemoryCategory::Activations,
+                    "want",
+                )
+                .unwrap();
+            be.matmul(&mut want, &a, &wd, b, false, transposed, accumulate)
+                .unwrap();
+            let want = be.to_f32(&want).unwrap();
+            for max in [nf4::CHUNK_ELEMENTS, 3 * cols] {
+                let mut got = be
+                    .upload(
+                        &start,
+                        &[m, n],
+                        DType::F32,
+                        MemoryCategory::Activations,
+                        "got",
+                    )
+                    .unwrap();
+                nf4::matmul_in_blocks(&be, &mut got, &a, &w, b, transposed, accumulate, max)
+                    .unwrap();
+                let got = be.to_f32(&got).unwrap();
+                let what =
+                    format!("transposed {transposed} bias {with_bias} acc {accumulate} max {max}");
+                if max == nf4::CHUNK_ELEMENTS {
+                    assert_eq!(got, want, "{what}");
+                } else {
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{what}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // The arithmetic ops refuse NF4 by name.
+    let mut out = be
+        .zeros(&[m, rows], DType::F32, MemoryCategory::Activations, "out")
+        .unwrap();
+    let a = be
+        .zeros(&[m, cols], DType::F32, MemoryCategory::Activations, "a")
+        .unwrap();
+    let err = be
+        .matmul(&mut out, &a, &w, None, false, true, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nf4"), "{err}");
+}
+
+/// The base projections are NF4 (the embeddings, norms, biases and head are not), frozen,
+/// and counted in the ledger at their packed size.
+#[test]
+fn the_base_projections_are_stored_in_nf4() {
+    for what in MODELS {
+        let t = Trainer::builder(model(what), cpu(), corpus_loader(4_000, 7, 2, 8))
+            .precision(MixedBf16 { fp32_grads: false })
+            .build()
+            .unwrap();
+        let mut nf4_params = 0;
+        for p in t.params() {
+            let projection = p.name().ends_with("proj.weight")
+                || p.name().ends_with("c_attn.weight")
+                || p.name().ends_with("c_fc.weight");
+            if projection && !p.name().contains("lora") {
+                assert_eq!(p.weight().dtype(), DType::Nf4, "{what}: {}", p.name());
+                assert!(!p.trains());
+                assert_eq!(p.weight().bytes(), nf4::Layout::of(p.numel()).bytes as u64);
+                nf4_params += 1;
+            } else {
+                assert_ne!(p.weight().dtype(), DType::Nf4, "{what}: {}", p.name());
+            }
+        }
+        assert!(nf4_params >= 6, "{what}: {nf4_params}");
+    }
+}
+
+/// The adapters' gradients against central differences of the loss, through two NF4
+/// layers (so the input gradients of the dequantizing product are checked too).
+#[test]
+fn gradients_match_finite_differences() {
+    for what in MODELS {
+        let (b, t) = (2, 12);
+        let batch = corpus_loader(4_000, 7, b, t).next_batch();
+        let mut trainer = Trainer::builder(model(what), cpu(), corpus_loader(4_000, 7, b, t))
+            .precision(Fp32)
+            .optimizer(AdamW {
+                lr: 0.0,
+                ..AdamW::default()
+            })
+            .options(TrainerOptions {
+                grad_clip: 0.0,
+                ..TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let be = trainer.backend().clone();
+        let mut rng = trainkit::Rng::new(3);
+        for p in trainer.params_mut() {
+            if p.name().contains(".lora_B") {
+                let v: Vec<f32> = (0..p.numel())
+                    .map(|_| (rng.normal() * 0.2) as f32)
+                    .collect();
+                p.set_value(be.as_ref(), &v).unwrap();
+            }
+        }
+        trainer.step().unwrap();
+        let g = per_param(&trainer, |p| p.grad().unwrap_or(p.value()));
+        let tokens = (b * t) as f64;
+        let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
+        let mut checked = 0;
+        for i in 0..names.len() {
+            if !trainer.params()[i].trains() {
+                continue;
+            }
+            let n = g[i].len();
+            let original = values(&trainer)[i].clone();
+            for at in [(i * 7 + 3) % n, (i * 13 + 1) % n] {
+                let h = 1e-2f32;
+                let mut loss_at = |delta: f32| {
+                    let mut v = original.clone();
+                    v[at] += delta;
+                    trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+                    trainer.loss_on(&batch).unwrap() / tokens
+                };
+                let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
+                loss_at(0.0);
+                let analytic = g[i][at] as f64;
+                let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
+                assert!(
+                    err < 2e-2,
+                    "{what}: {}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}",
+                    names[i]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 4, "{what}: {checked} checks");
+    }
+}
+
+type Run = (Vec<Vec<f32>>, Vec<f64>);
+
+fn run(what: &str, precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>) -> Run {
+    let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (values(&t), losses)
+}
+
+/// Recomputation changes memory, never results, over an NF4 base too.
+#[test]
+fn every_policy_is_bitwise_equal() {
+    for what in MODELS {
+        let precision = Box::new(MixedBf16 { fp32_grads: true }) as Box<dyn Precision>;
+        let (v0, l0) = run(what, precision.clone(), Box::new(NoRecompute));
+        for policy in [
+            Box::new(Full) as Box<dyn CheckpointPolicy>,
+            Box::new(Selective),
+        ] {
+            let (v, l) = run(what, precision.clone(), policy.clone());
+            assert_eq!(l, l0, "{what} {policy:?}: losses");
+            let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+                v.iter()
+                    .map(|x| x.iter().map(|f| f.to_bits()).collect())
+                    .collect()
+            };
+            assert!(bits(&v) == bits(&v0), "{what} {policy:?}: weights");
+        }
+    }
+}
+
+/// The meta backend's prediction equals the ledger, category by category, with the NF4
+/// weights at their packed size and the dequantized blocks as workspace.
+#[test]
+fn the_exact_prediction_equals_the_ledger() {
+    for what in MODELS {
+        for policy in [
+            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+            Box::new(Full),
+        ] {
+            let precision = MixedBf16 { fp32_grads: false };
+            let predicted = trainkit::estimate::predict(
+                model(what),
+                trainkit::estimate::MicroBatch {
+                    batch_size: 2,
+                    seq_len: 16,
+                },
+                &precision,
+                policy.as_ref(),
+                &AdamW::default(),
+            )
+            .unwrap();
+            let mut t = Trainer::builder(model(what), cpu(), corpus_loader(8_000, 3, 2, 16))
+                .precision(precision)
+                .checkpoint(policy.clone())
+                .build()
+                .unwrap();
+            for step in 1..=2 {
+                let s = t.step().unwrap();
+                for c in MemoryCategory::ALL {
+                    assert_eq!(
+                        s.memory.peak.get(c),
+                        predicted.peak.get(c),
+                        "step {step} {c} of {what} {policy:?}"
+                    );
+                }
+            }
+        }
+    }
+}
