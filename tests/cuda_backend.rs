@@ -83,7 +83,7 @@ fn tol(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         DType::Bf16 => 1e-2,
         DType::F16 => 1e-2,
-        DType::U8 => 0.0,
+        DType::U8 | DType::Nf4 => 0.0,
     }
 }
 
@@ -2077,6 +2077,7 @@ fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
 /// on every projection (`B` drawn at random), with selective recomputation.
 fn lora_trainer<P: Precision + Default>(
     gpt2: bool,
+    nf4: bool,
     backend: Arc<dyn Backend>,
 ) -> Trainer<P, trainkit::Selective, trainkit::AdamW, trainkit::Constant, trainkit::PeakTracker> {
     let (base, targets): (Box<dyn trainkit::Model>, &[&str]) = if gpt2 {
@@ -2097,6 +2098,7 @@ fn lora_trainer<P: Precision + Default>(
         (tiny_qwen(2), &ALL)
     };
     let lora = trainkit::Lora::new(4, 8.0, targets).unwrap();
+    let lora = if nf4 { lora.with_nf4_base() } else { lora };
     let model = base.with_adapter(Arc::new(lora)).unwrap();
     let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
         .precision(P::default())
@@ -2119,9 +2121,10 @@ fn lora_trainer<P: Precision + Default>(
 /// Two steps of [`lora_trainer`]: losses, the adapters' gradients, every value.
 fn lora_two_steps<P: Precision + Default>(
     gpt2: bool,
+    nf4: bool,
     backend: Arc<dyn Backend>,
 ) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let mut t = lora_trainer::<P>(gpt2, backend);
+    let mut t = lora_trainer::<P>(gpt2, nf4, backend);
     let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
     let grads = t
         .params()
@@ -2136,24 +2139,68 @@ fn lora_two_steps<P: Precision + Default>(
 /// blocks) train on CUDA as on the CPU, in f32 and bf16.
 #[test]
 fn lora_training_steps_match_the_cpu() {
+    lora_steps_match_the_cpu(false);
+}
+
+/// NF4 rows dequantized by kernels/nf4.cu are the CPU's bit for bit, in every float
+/// dtype, from any element on (blocks cut anywhere, the second block of statistics).
+#[test]
+fn nf4_dequantize_matches_the_cpu_bit_for_bit() {
+    let cpu = CpuBackend::new();
+    let (rows, cols) = (300, 72); // 337.5 absmax blocks: two blocks of statistics
+    let mut rng = Rng::new(5);
+    let w = randn(&mut rng, rows * cols, 0.05);
+    for (name, cuda) in cuda_backends() {
+        let wc = cpu
+            .upload(&w, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+            .unwrap();
+        let wg = cuda
+            .upload(&w, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+            .unwrap();
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            for (start, n) in [(0, rows * cols), (cols * 7 + 5, cols * 200 + 3)] {
+                let mut a = cpu
+                    .empty(&[n], dtype, MemoryCategory::Workspace, "a")
+                    .unwrap();
+                let mut b = cuda
+                    .empty(&[n], dtype, MemoryCategory::Workspace, "b")
+                    .unwrap();
+                trainkit::ops::nf4::dequantize(&cpu, &mut a, &wc, start).unwrap();
+                trainkit::ops::nf4::dequantize(cuda.as_ref(), &mut b, &wg, start).unwrap();
+                let (a, b) = (cpu.to_f32(&a).unwrap(), cuda.to_f32(&b).unwrap());
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&a) == bits(&b), "{name} {dtype} from {start}");
+            }
+        }
+    }
+}
+
+/// QLoRA (the base projections in NF4, dequantized by kernels/nf4.cu a block of rows at
+/// a time) trains on CUDA as on the CPU, in f32 and bf16.
+#[test]
+fn qlora_training_steps_match_the_cpu() {
+    lora_steps_match_the_cpu(true);
+}
+
+fn lora_steps_match_the_cpu(nf4: bool) {
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
     for gpt2 in [false, true] {
         let model = if gpt2 { "gpt2" } else { "qwen2" };
-        let want32 = lora_two_steps::<trainkit::Fp32>(gpt2, cpu.clone());
-        let want16 = lora_two_steps::<MixedBf16>(gpt2, cpu.clone());
-        let init = values(&lora_trainer::<trainkit::Fp32>(gpt2, cpu.clone()));
+        let want32 = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, cpu.clone());
+        let want16 = lora_two_steps::<MixedBf16>(gpt2, nf4, cpu.clone());
+        let init = values(&lora_trainer::<trainkit::Fp32>(gpt2, nf4, cpu.clone()));
         for (name, cuda) in cuda_backends() {
-            let got = lora_two_steps::<trainkit::Fp32>(gpt2, cuda.clone());
+            let got = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, cuda.clone());
             check_run(
-                &format!("{name} lora {model} fp32"),
+                &format!("{name} lora {model} nf4 {nf4} fp32"),
                 &got,
                 &want32,
                 &init,
                 DType::F32,
             );
-            let got = lora_two_steps::<MixedBf16>(gpt2, cuda.clone());
+            let got = lora_two_steps::<MixedBf16>(gpt2, nf4, cuda.clone());
             check_run(
-                &format!("{name} lora {model} bf16"),
+                &format!("{name} lora {model} nf4 {nf4} bf16"),
                 &got,
                 &want16,
                 &init,
