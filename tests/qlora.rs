@@ -348,3 +348,112 @@ fn the_exact_prediction_equals_the_ledger() {
         }
     }
 }
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// `trainkit train --qlora` on a saved base: PEFT's files in --out, a resume bitwise the
+/// straight run, `eval --qlora` (the quantization alone, then with the adapter), and
+/// `--qlora` without a LoRA refused by name.
+#[test]
+fn the_cli_trains_resumes_and_evaluates_over_an_nf4_base() {
+    let dir = common::scratch("qlora-cli");
+    let path = |p: &str| dir.join(p).display().to_string();
+    let run = |args: &[String]| {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, out, err) = common::trainkit(&a);
+        assert!(ok, "{args:?}: {out}\n{err}");
+        out
+    };
+    let small = strings(&[
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+    ]);
+    let mut base = strings(&[
+        "train",
+        "--arch",
+        "llama",
+        "--steps",
+        "0",
+        "--out",
+        &path("base"),
+    ]);
+    base.extend(small.clone());
+    run(&base);
+    let qlora = |steps: &str, out: &str| -> Vec<String> {
+        let mut a = strings(&[
+            "train",
+            "--init-from",
+            &path("base"),
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "all-linear",
+            "--qlora",
+            "--steps",
+            steps,
+            "--out",
+            &path(out),
+        ]);
+        a.extend(small.clone());
+        a
+    };
+    let out = run(&qlora("3", "a"));
+    assert!(out.contains("adapter: QLoRA (NF4 base) rank 4"), "{out}");
+    assert!(dir.join("a/adapter_model.safetensors").is_file());
+    assert!(!dir.join("a/model.safetensors").exists());
+    run(&strings(&["train", "--resume", &path("a"), "--steps", "6"]));
+    run(&qlora("6", "straight"));
+    let bytes = |p: &str| std::fs::read(dir.join(p).join("adapter_model.safetensors")).unwrap();
+    assert!(
+        bytes("a") == bytes("straight"),
+        "a resumed QLoRA adapter differs from the straight run"
+    );
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let eval = |extra: &[&str]| -> f64 {
+        let mut a = strings(&[
+            "eval",
+            "--model",
+            &path("base"),
+            "--data",
+            &text.display().to_string(),
+            "--tokenizer",
+            "bytes",
+            "--seq-len",
+            "32",
+            "--batches",
+            "2",
+            "--json",
+            "--device",
+            "cpu",
+        ]);
+        a.extend(strings(extra));
+        serde_json::from_str::<serde_json::Value>(&run(&a)).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (full, quantized) = (eval(&[]), eval(&["--qlora"]));
+    assert_ne!(full, quantized, "NF4 changes the model");
+    assert!(
+        (full - quantized).abs() < 0.05 * full,
+        "{full} vs {quantized}"
+    );
+    let adapted = eval(&["--qlora", "--adapter", &path("a")]);
+    assert_ne!(adapted, quantized, "the adapter changes the model");
+    let (ok, _, err) = common::trainkit(&[
+        "train", "--arch", "llama", "--qlora", "--steps", "1", "--device", "cpu",
+    ]);
+    assert!(!ok && err.contains("--lora-rank"), "{err}");
+}

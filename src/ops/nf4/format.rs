@@ -16,6 +16,7 @@
 //! `⌈n/64⌉` absmax codes, padding to 4 bytes, the `⌈n/16384⌉` f32 scales and the f32
 //! offset, little-endian: 4.127 bits per element ([`Layout`]).
 
+use rayon::prelude::*;
 use std::sync::OnceLock;
 
 /// Elements per absmax block.
@@ -170,14 +171,23 @@ fn block_scaled(values: &[f32], block: usize) -> (Vec<f32>, Vec<f32>) {
 pub fn quantize(values: &[f32]) -> Vec<u8> {
     let layout = Layout::of(values.len());
     let mut out = vec![0u8; layout.bytes];
-    let (absmax, scaled) = block_scaled(values, BLOCK);
-    for (byte, pair) in out.iter_mut().zip(scaled.chunks(2)) {
-        let hi = nearest(&CODE, pair[0]);
-        let lo = pair
-            .get(1)
-            .map_or(nearest(&CODE, 0.0), |x| nearest(&CODE, *x));
-        *byte = (hi << 4) | lo;
-    }
+    // Quantized in parallel, 256 blocks (8 KiB of codes) per task.
+    const TASK: usize = BLOCK * 256;
+    let absmax: Vec<f32> = out[..layout.absmax_at]
+        .par_chunks_mut(TASK / 2)
+        .zip(values.par_chunks(TASK))
+        .flat_map_iter(|(bytes, values)| {
+            let (absmax, scaled) = block_scaled(values, BLOCK);
+            for (byte, pair) in bytes.iter_mut().zip(scaled.chunks(2)) {
+                let hi = nearest(&CODE, pair[0]);
+                let lo = pair
+                    .get(1)
+                    .map_or(nearest(&CODE, 0.0), |x| nearest(&CODE, *x));
+                *byte = (hi << 4) | lo;
+            }
+            absmax
+        })
+        .collect();
     let offset = if absmax.is_empty() {
         0.0
     } else {
