@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 
 def nested_absmax(absmax, code):
     """bitsandbytes' default (torch) `quantize_blockwise` of `absmax - mean`, blocks of 256:
-    the nearest code to each value over its block's absmax, the lower one on a midpoint. Its
-    C CPU library and CUDA kernel search the code approximately and pick the neighbouring
-    code for a few values (3 of the 320 here); trainkit quantizes as this reference does."""
+    the nearest code to each value over its block's absmax, the lower one on a midpoint.
+    bitsandbytes' C CPU library, which `quantize_4bit` calls on the CPU, picked the
+    neighbouring code for 3 of the 320 absmaxes here; trainkit quantizes as this reference
+    does."""
     offset = absmax.mean()
     x = absmax - offset
     scales, qs = [], []
