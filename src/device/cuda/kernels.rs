@@ -511,7 +511,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 167);
+        assert_eq!(seen.len(), 170);
     }
 
     #[test]
