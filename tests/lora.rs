@@ -617,3 +617,167 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
     assert!(!ok && err.contains("rank 4"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `trainkit merge`: the merged directory evaluates as the base with its adapter (Llama's
+/// `[out, in]` projections and GPT-2's `Conv1D`), keeps the base's config, and bad
+/// requests are refused by name without touching the base.
+#[test]
+fn merge_writes_the_adapted_model() {
+    let dir = common::scratch("lora-merge");
+    let path = |p: &str| dir.join(p).display().to_string();
+    let run = |args: &[&str]| {
+        let (ok, out, err) = common::trainkit(args);
+        assert!(ok, "{args:?}: {out}\n{err}");
+        out
+    };
+    let small = [
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+    ];
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let eval = |model: &str, adapter: Option<&str>| -> f64 {
+        let mut a = vec![
+            "eval".to_string(),
+            "--model".into(),
+            path(model),
+            "--data".into(),
+            text.display().to_string(),
+            "--tokenizer".into(),
+            "bytes".into(),
+            "--seq-len".into(),
+            "32".into(),
+            "--batches".into(),
+            "2".into(),
+            "--json".into(),
+            "--device".into(),
+            "cpu".into(),
+        ];
+        if let Some(ad) = adapter {
+            a.extend(["--adapter".to_string(), path(ad)]);
+        }
+        let out = run(&args(&a));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    for (arch, targets) in [
+        ("llama", "q_proj,v_proj,down_proj"),
+        ("gpt2", "c_attn,c_fc"),
+    ] {
+        let base = format!("{arch}-base");
+        let adapter = format!("{arch}-adapter");
+        let merged = format!("{arch}-merged");
+        let mut a = vec!["train", "--arch", arch, "--steps", "0", "--out"];
+        let base_path = path(&base);
+        a.push(&base_path);
+        if arch == "gpt2" {
+            a.extend([
+                "--vocab-size",
+                "256",
+                "--n-layer",
+                "2",
+                "--n-embd",
+                "32",
+                "--n-head",
+                "2",
+            ]);
+        }
+        run(&[&a[..], &small[..]].concat());
+        let adapter_path = path(&adapter);
+        run(&[
+            &[
+                "train",
+                "--init-from",
+                &base_path,
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                targets,
+                "--steps",
+                "3",
+                "--lr",
+                "1e-2",
+                "--out",
+                &adapter_path,
+            ][..],
+            &small[..],
+        ]
+        .concat());
+        let merged_path = path(&merged);
+        let out = run(&[
+            "merge",
+            "--model",
+            &base_path,
+            "--adapter",
+            &adapter_path,
+            "--out",
+            &merged_path,
+        ]);
+        assert!(out.contains("merged"), "{out}");
+        assert_eq!(
+            std::fs::read(dir.join(&base).join("config.json")).unwrap(),
+            std::fs::read(dir.join(&merged).join("config.json")).unwrap()
+        );
+        let (adapted, merged_loss, plain) = (
+            eval(&base, Some(&adapter)),
+            eval(&merged, None),
+            eval(&base, None),
+        );
+        assert_ne!(adapted, plain, "{arch}: the adapter changes the model");
+        assert!(
+            (adapted - merged_loss).abs() < 1e-5 * adapted.abs(),
+            "{arch}: merged {merged_loss} vs base + adapter {adapted}"
+        );
+    }
+    // An adapter of another family, the base as --out, a dtype that is not one.
+    let (ok, _, err) = common::trainkit(&[
+        "merge",
+        "--model",
+        &path("llama-base"),
+        "--adapter",
+        &path("gpt2-adapter"),
+        "--out",
+        &path("x"),
+    ]);
+    assert!(
+        !ok && err.contains("gpt2-adapter") && err.contains("c_attn"),
+        "{err}"
+    );
+    let (ok, _, err) = common::trainkit(&[
+        "merge",
+        "--model",
+        &path("llama-base"),
+        "--adapter",
+        &path("llama-adapter"),
+        "--out",
+        &path("llama-base"),
+    ]);
+    assert!(!ok && err.contains("--out"), "{err}");
+    assert!(
+        dir.join("llama-base/model.safetensors").is_file(),
+        "the base is untouched"
+    );
+    let (ok, _, err) = common::trainkit(&[
+        "merge",
+        "--model",
+        &path("llama-base"),
+        "--adapter",
+        &path("llama-adapter"),
+        "--out",
+        &path("y"),
+        "--dtype",
+        "u8",
+    ]);
+    assert!(!ok && err.contains("--dtype"), "{err}");
+}

@@ -12,6 +12,7 @@
 //! policies like the other five: serializable by their `kind` tag, writable in a crate of
 //! your own.
 
+pub mod merge;
 pub mod peft;
 
 use crate::error::{Error, Result};

@@ -1,8 +1,9 @@
-//! The `trainkit` command line: train, eval, sample, prepare, memory.
+//! The `trainkit` command line: train, eval, sample, prepare, memory, merge.
 
 mod eval;
 mod fit;
 mod memory;
+mod merge;
 mod prepare;
 mod progress;
 mod sample;
@@ -42,6 +43,8 @@ enum Command {
     Prepare(prepare::PrepareArgs),
     /// Memory of training a model with AdamW, by the Ultra-Scale Playbook's formulas.
     Memory(Box<memory::MemoryArgs>),
+    /// Merge a LoRA adapter into its base model: a full Hugging Face model directory.
+    Merge(merge::MergeArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
         Command::Sample(args) => sample::run(args),
         Command::Prepare(args) => prepare::run(args),
         Command::Memory(args) => memory::run(*args),
+        Command::Merge(args) => merge::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,212 @@
+//! A LoRA adapter merged into its base: `W + s·B·A` for every projection it updates, the
+//! full model PEFT's `merge_and_unload` gives, as Hugging Face weights.
+
+use super::Lora;
+use crate::error::{Error, Result};
+use crate::save::{ModelDir, NamedTensor};
+use std::collections::BTreeMap;
+
+/// The base's tensors (by their names in its files) with each update of `lora` merged in:
+/// `W += s·B·A`, or `W += s·(B·A)ᵀ` when the base stores its projections `[in, out]`
+/// (`fan_in_fan_out`, GPT-2's `Conv1D`). `updates` are the adapter's tensors named by
+/// trainkit (`{module}.lora_A.weight`, `{module}.lora_B.weight`, as
+/// [`super::peft::read`] returns them); `what` names the adapter in errors. Products are
+/// summed in f64 and added to the f32 weight once.
+pub fn merge(
+    base: &ModelDir,
+    lora: &Lora,
+    updates: &[NamedTensor],
+    fan_in_fan_out: bool,
+    what: &str,
+) -> Result<Vec<NamedTensor>> {
+    let by_name: BTreeMap<&str, &NamedTensor> =
+        updates.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut tensors = base.tensors.clone();
+    let scale = f64::from(lora.scale());
+    let mut merged = 0;
+    for (name, a) in &by_name {
+        let Some(module) = name.strip_suffix(".lora_A.weight") else {
+            if !name.ends_with(".lora_B.weight") {
+                return Err(Error::data(
+                    what,
+                    format!("`{name}` is neither a `lora_A` nor a `lora_B` weight"),
+                ));
+            }
+            continue;
+        };
+        let b_name = format!("{module}.lora_B.weight");
+        let b = by_name
+            .get(b_name.as_str())
+            .ok_or_else(|| Error::data(what, format!("has `{name}` but no `{b_name}`")))?;
+        let w_name = format!("{module}.weight");
+        let w = tensors.get_mut(&w_name).ok_or_else(|| {
+            Error::data(
+                what,
+                format!(
+                    "adapts `{module}`, which the base model has no weight for (`{w_name}`): \
+                     is it the adapter of another model?"
+                ),
+            )
+        })?;
+        let (r, inputs) = match a.shape[..] {
+            [r, i] => (r, i),
+            _ => {
+                return Err(Error::data(
+                    what,
+                    format!("`{name}` is not a matrix: {:?}", a.shape),
+                ))
+            }
+        };
+        let outputs = match b.shape[..] {
+            [o, rb] if rb == r => o,
+            _ => {
+                return Err(Error::data(
+                    what,
+                    format!(
+                        "`{b_name}` has shape {:?}, `{name}` {:?}: B must be [out, {r}]",
+                        b.shape, a.shape
+                    ),
+                ))
+            }
+        };
+        let want = if fan_in_fan_out {
+            [inputs, outputs]
+        } else {
+            [outputs, inputs]
+        };
+        if w.shape[..] != want {
+            return Err(Error::data(
+                what,
+                format!(
+                    "`{module}`'s update is {outputs} × {inputs} but the base's `{w_name}` is \
+                     {:?}: the adapter and the base do not belong together",
+                    w.shape
+                ),
+            ));
+        }
+        for o in 0..outputs {
+            for i in 0..inputs {
+                let mut d = 0f64;
+                for k in 0..r {
+                    d += f64::from(b.data[o * r + k]) * f64::from(a.data[k * inputs + i]);
+                }
+                let at = if fan_in_fan_out {
+                    i * outputs + o
+                } else {
+                    o * inputs + i
+                };
+                w.data[at] += (scale * d) as f32;
+            }
+        }
+        merged += 1;
+    }
+    if merged == 0 {
+        return Err(Error::data(what, "holds no LoRA update to merge"));
+    }
+    Ok(tensors.into_values().collect())
+}
+
+/// The files beside the weights that a merged directory keeps from its base, when there.
+const CARRIED: [&str; 6] = [
+    crate::save::CONFIG_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];
+
+/// Writes `tensors` (the merged weights) as a Hugging Face model directory `out`, in
+/// `dtype`, with the base directory's `config.json`, generation config and tokenizer
+/// files; the directory is swapped in whole ([`crate::save::DirectoryWriter`]), so a
+/// failure leaves `out` as it was. `out` must not be the base.
+pub fn write_merged(
+    out: &std::path::Path,
+    base_dir: &std::path::Path,
+    tensors: &[NamedTensor],
+    dtype: crate::tensor::DType,
+) -> Result<()> {
+    let same = |a: &std::path::Path, b: &std::path::Path| {
+        a.canonicalize()
+            .ok()
+            .is_some_and(|a| b.canonicalize().ok() == Some(a))
+    };
+    if same(out, base_dir) {
+        return Err(Error::config(
+            "--out",
+            format!(
+                "{} is the base model's directory: write the merged model elsewhere",
+                out.display()
+            ),
+        ));
+    }
+    if !dtype.is_float() {
+        return Err(Error::config(
+            "--dtype",
+            format!("{dtype} is not a float dtype: use f32, bf16 or f16"),
+        ));
+    }
+    let w = crate::save::DirectoryWriter::new(out)?;
+    for f in CARRIED {
+        let from = base_dir.join(f);
+        if from.is_file() {
+            std::fs::copy(&from, w.path(f)).map_err(|e| Error::io(&from, e))?;
+        }
+    }
+    let typed: Vec<(&NamedTensor, crate::tensor::DType)> =
+        tensors.iter().map(|t| (t, dtype)).collect();
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    crate::save::tensors::write_typed(&w.path(crate::save::WEIGHTS_FILE), &typed, Some(meta))?;
+    w.commit()
+}
+
+/// The dtype of a model directory's weights: that of the first floating-point tensor in
+/// `model.safetensors` (or its first shard), read from the file's header alone.
+pub fn weights_dtype(dir: &std::path::Path) -> Result<crate::tensor::DType> {
+    use std::io::Read;
+    let single = dir.join(crate::save::WEIGHTS_FILE);
+    let file = if single.is_file() {
+        single
+    } else {
+        let index = dir.join(crate::save::WEIGHTS_INDEX_FILE);
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::data(index.display().to_string(), format!("is not JSON: {e}")))?;
+        let shard = v["weight_map"]
+            .as_object()
+            .and_then(|m| m.values().next())
+            .and_then(|s| s.as_str())
+            .ok_or_else(|| Error::data(index.display().to_string(), "has no weight_map"))?;
+        dir.join(shard)
+    };
+    let what = file.display().to_string();
+    let mut f = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|e| Error::io(&file, e))?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        return Err(Error::data(
+            what,
+            "has a header over 100 MiB: not a safetensors file",
+        ));
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header).map_err(|e| Error::io(&file, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| Error::data(&what, format!("has no readable header: {e}")))?;
+    let dtypes = v
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, t)| t["dtype"].as_str());
+    for d in dtypes {
+        match d {
+            "F32" => return Ok(crate::tensor::DType::F32),
+            "BF16" => return Ok(crate::tensor::DType::Bf16),
+            "F16" => return Ok(crate::tensor::DType::F16),
+            _ => {}
+        }
+    }
+    Err(Error::data(what, "holds no f32, bf16 or f16 tensor"))
+}
