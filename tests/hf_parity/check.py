@@ -375,6 +375,20 @@ def check_lora(tk, work, tokens_bin, tokens):
     print(f"{what}: PEFT's save_pretrained in trainkit: eval loss PEFT {hf:.7f}, trainkit "
           f"{tk_eval['loss']:.7f}, diff {d:.2e}")
     ok &= d < 1e-5
+    # `trainkit merge`: transformers loads the merged directory, and its logits are those of
+    # PEFT's merge_and_unload of the same adapter.
+    merged = os.path.join(work, "lora-merged")
+    run([tk, "merge", "--model", base_dir, "--adapter", trained, "--out", merged])
+    ours_merged = LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    theirs_merged = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32), trained
+    ).merge_and_unload().eval()
+    x, _ = windows(tokens, 0)
+    with torch.no_grad():
+        d = (ours_merged(x).logits - theirs_merged(x).logits).abs().max().item()
+    print(f"{what}: trainkit merge in transformers against PEFT's merge_and_unload: "
+          f"max |logit diff| {d:.2e}")
+    ok &= d < 1e-5
     return ok
 
 
