@@ -490,3 +490,82 @@ fn autofit_keeps_what_the_request_fixes_and_says_why() {
     let text = plan.explain().join("\n");
     assert!(text.contains("not considered"), "{text}");
 }
+
+/// LoRA and QLoRA change what is trained: autofit uses them only when named, and then
+/// only when nothing cheaper fits; a plan that takes one trains as predicted (the ledger
+/// equals the choice's prediction), and a request that does not name them hears that
+/// they would fit.
+#[test]
+fn adapters_are_chosen_only_when_named_and_nothing_cheaper_fits() {
+    let (c, opt) = (config(), AdamW::default());
+    let roomy = every_technique(&c, &Fp32, &opt, 2, u64::MAX);
+    let tightest = technique_savings(&roomy).unwrap().all.peak;
+    let named = FitRequest {
+        techniques: Techniques::ALL.with(Technique::Lora).with(Technique::Qlora),
+        budget: tightest - 1,
+        ..roomy
+    };
+    // Without the adapters nothing fits, and the error says LoRA would.
+    let e = autofit(&FitRequest {
+        budget: tightest - 1,
+        ..roomy
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--autofit-techniques all,lora"), "{e}");
+    let ch = autofit(&named).unwrap().choice;
+    assert!(ch.techniques.contains(Technique::Lora), "{}", ch.describe());
+    assert!(ch.flags().contains("--lora-rank 8"), "{}", ch.flags());
+    let adapter = ch.adapter.clone().expect("an adapter");
+    let be = cpu();
+    let mut t = Trainer::new(
+        Box::new(Gpt2::new(c.clone()).unwrap().with_adapter(adapter).unwrap()),
+        be,
+        corpus_loader(20_000, 3, ch.micro_batch, 64),
+        ch.precision.clone(),
+        ch.recompute.clone(),
+        ch.optimizer.clone(),
+        Constant::new(ch.micro_batches),
+        PeakTracker::new(),
+        TrainerOptions {
+            grad_clip: 0.0,
+            optimizer_in_backward: ch.optimizer_in_backward,
+            offload_activations: ch.offload_activations,
+            ..TrainerOptions::default()
+        },
+    )
+    .unwrap();
+    let mut highest = 0;
+    for step in 1..=3 {
+        let s = t.step().unwrap();
+        highest = highest.max(s.memory.peak_total);
+        if step > 1 {
+            assert_eq!(s.memory.peak, ch.prediction.peak, "{}", ch.describe());
+        }
+    }
+    assert_eq!(highest, ch.peak, "{}", ch.describe());
+    // QLoRA alone, on a budget below what LoRA needs at its least.
+    let qlora_only = FitRequest {
+        techniques: Techniques::ALL.with(Technique::Qlora),
+        ..named
+    };
+    let lora_least = technique_savings(&FitRequest {
+        budget: u64::MAX,
+        ..named
+    })
+    .unwrap();
+    let lora_row = lora_least
+        .rows
+        .iter()
+        .find(|r| r.technique == Technique::Lora)
+        .unwrap();
+    assert!(lora_row.outcome.is_ok());
+    let ch = autofit(&qlora_only).unwrap().choice;
+    assert!(
+        ch.techniques.contains(Technique::Qlora) && ch.techniques.contains(Technique::Lora),
+        "{}",
+        ch.describe()
+    );
+    assert!(ch.flags().ends_with("--qlora"), "{}", ch.flags());
+    assert!(!Techniques::ALL.contains(Technique::Lora));
+}

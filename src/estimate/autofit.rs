@@ -1,11 +1,11 @@
 //! Autofit: the cheapest setup that fits a memory budget, chosen with the exact memory
 //! model among micro-batch and accumulation, recomputation (selective, a byte budget,
 //! full), 8-bit AdamW state, the optimizer inside backward, activation offloading and
-//! bf16 precision, in the cost order of [`Technique`].
+//! bf16 precision, and, when named, LoRA and QLoRA, in the cost order of [`Technique`].
 
 use super::exact::{predict_with, MemoryPrediction, MicroBatch};
 use super::techniques::{Technique, Techniques};
-use crate::adapter::Adapter;
+use crate::adapter::{Adapter, Lora, ALL_LINEAR};
 use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
@@ -111,6 +111,9 @@ pub struct FitCandidate {
     pub optimizer_in_backward: bool,
     /// Whether the kept activations are offloaded to host memory.
     pub offload_activations: bool,
+    /// The adapter: the request's, or the LoRA autofit added (`None`: every parameter
+    /// trains).
+    pub adapter: Option<Arc<dyn Adapter>>,
     /// The techniques of this setup that the request did not have already.
     pub techniques: Techniques,
     /// Its exact memory.
@@ -164,6 +167,11 @@ impl FitCandidate {
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
             (Technique::Offload, " --offload-activations"),
             (Technique::Bf16, " --precision bf16"),
+            (
+                Technique::Lora,
+                " --lora-rank 8 --lora-alpha 16 --lora-targets all-linear",
+            ),
+            (Technique::Qlora, " --qlora"),
         ] {
             if self.techniques.contains(t) {
                 flags.push_str(flag);
@@ -342,6 +350,19 @@ struct Spec {
     optimizer: Box<dyn Optimizer>,
     in_backward: bool,
     offload: bool,
+    adapter: Option<Arc<dyn Adapter>>,
+}
+
+/// The LoRA autofit adds to a run that trains every weight: rank 8, α 16, on every
+/// projection (torchtune's and QLoRA's choice of targets).
+fn autofit_lora() -> Lora {
+    Lora {
+        rank: 8,
+        alpha: 16.0,
+        targets: vec![ALL_LINEAR.to_string()],
+        rslora: false,
+        base: crate::adapter::BaseWeights::Compute,
+    }
 }
 
 impl Spec {
@@ -358,6 +379,7 @@ impl Spec {
             optimizer: dyn_clone::clone_box(req.optimizer),
             in_backward: req.optimizer_in_backward,
             offload: req.offload_activations,
+            adapter: req.adapter.map(|a| Arc::from(dyn_clone::clone_box(a))),
         }
     }
 
@@ -370,6 +392,7 @@ impl Spec {
             optimizer: c.optimizer.clone(),
             in_backward: c.optimizer_in_backward,
             offload: c.offload_activations,
+            adapter: c.adapter.clone(),
         }
     }
 
@@ -388,6 +411,18 @@ impl Spec {
             Technique::OptimizerInBackward => s.in_backward = true,
             Technique::Offload => s.offload = true,
             Technique::Bf16 => s.precision = Box::new(MixedBf16 { fp32_grads: false }),
+            Technique::Lora => s.adapter = Some(Arc::new(autofit_lora())),
+            Technique::Qlora => {
+                let lora = match s.adapter.as_ref().and_then(|a| a.as_lora()) {
+                    Some(l) => l.clone(),
+                    None => {
+                        // QLoRA on a run that trains every weight brings its LoRA.
+                        s.techniques = s.techniques.with(Technique::Lora);
+                        autofit_lora()
+                    }
+                };
+                s.adapter = Some(Arc::new(lora.with_nf4_base()));
+            }
         }
         Ok(s)
     }
@@ -447,6 +482,19 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
             "the run's precision is {} already",
             crate::precision::describe(req.precision)
         )),
+        Technique::Lora if req.adapter.is_some() => {
+            Some("the run trains an adapter already".into())
+        }
+        Technique::Qlora => match req.adapter {
+            Some(a) if a.base_dtype().is_some() => {
+                Some("the run's base is quantized already".into())
+            }
+            Some(a) if a.as_lora().is_none() => Some(format!(
+                "QLoRA is LoRA over an NF4 base, and the run's adapter is {}",
+                a.typetag_name()
+            )),
+            _ => None,
+        },
         _ => None,
     }
 }
@@ -482,6 +530,8 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
         Technique::OptimizerInBackward,
         Technique::Offload,
         Technique::Bf16,
+        Technique::Lora,
+        Technique::Qlora,
     ]
     .into_iter()
     .filter(|t| usable.contains(*t))
@@ -496,6 +546,10 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
                 .map(|(_, t)| *t)
                 .collect();
             if on.contains(&Technique::Offload) && *policy != keeps_least {
+                continue;
+            }
+            // QLoRA brings its LoRA: the two together are QLoRA alone.
+            if on.contains(&Technique::Lora) && on.contains(&Technique::Qlora) {
                 continue;
             }
             let mut spec = base.clone();
@@ -518,8 +572,8 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         req.loss,
         req.loss_chunk,
     )?;
-    if let Some(a) = req.adapter {
-        model = model.with_adapter(Arc::from(dyn_clone::clone_box(a)))?;
+    if let Some(a) = &spec.adapter {
+        model = model.with_adapter(a.clone())?;
     }
     let options = TrainerOptions {
         grad_clip: req.grad_clip,
@@ -551,6 +605,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer: spec.optimizer.clone(),
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
+        adapter: spec.adapter.clone(),
         techniques,
         peak: prediction
             .peak_total
@@ -743,6 +798,33 @@ fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> 
                 c.describe(),
                 format_bytes(c.peak)
             ));
+        }
+    }
+    // Training an adapter instead of every weight, when the request did not name it.
+    for t in [Technique::Lora, Technique::Qlora] {
+        let named = FitRequest {
+            techniques: req.techniques.with(t),
+            ..*req
+        };
+        if allowed.contains(t) || why_not(&named, t).is_some() {
+            continue;
+        }
+        let spec = Spec::of(least).with(t)?;
+        let c = evaluate(&named, &spec, least.micro_batch)?;
+        if fits(req, &c) {
+            fixes.push(format!(
+                "training {} adapter instead of every weight (--autofit-techniques all,{}: {}: \
+                 peak {})",
+                if t == Technique::Lora {
+                    "a LoRA"
+                } else {
+                    "a QLoRA"
+                },
+                t.name(),
+                c.describe(),
+                format_bytes(c.peak)
+            ));
+            break;
         }
     }
     if req.precision.compute_dtype() != crate::tensor::DType::Bf16

@@ -27,7 +27,15 @@ use crate::error::{Error, Result};
 ///    costs more time than recomputing them.
 /// 8. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32. Faster
 ///    on a GPU, but it changes the arithmetic of every product and activation the run was
-///    configured to do in f32, so autofit takes it last.
+///    configured to do in f32, so autofit takes it last of those that train the same
+///    weights.
+/// 9. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
+///    frozen model instead of every weight. It changes what is trained, so autofit uses it
+///    only when it is named (`--autofit-techniques all,lora`): [`Techniques::ALL`] leaves
+///    it out.
+/// 10. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
+///     run's own LoRA, or the one above): dequantizing each weight in every product costs
+///     time and the base's precision. Named like LoRA (`all,qlora`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Technique {
     /// More micro-batches of fewer rows for the same global batch.
@@ -49,11 +57,15 @@ pub enum Technique {
     /// bf16 compute with f32 master weights and bf16 gradients ([`crate::MixedBf16`]) in
     /// place of fp32.
     Bf16,
+    /// A LoRA adapter on the frozen model ([`crate::Lora`], rank 8, α 16, `all-linear`).
+    Lora,
+    /// LoRA over an NF4 base ([`crate::adapter::BaseWeights::Nf4`]).
+    Qlora,
 }
 
 impl Technique {
     /// Every technique, in autofit's cost order.
-    pub const ALL: [Technique; 8] = [
+    pub const ALL: [Technique; 10] = [
         Technique::Accumulation,
         Technique::Selective,
         Technique::Adamw8bit,
@@ -62,6 +74,8 @@ impl Technique {
         Technique::Full,
         Technique::Offload,
         Technique::Bf16,
+        Technique::Lora,
+        Technique::Qlora,
     ];
 
     /// The name `--autofit-techniques` takes and reports print.
@@ -75,6 +89,8 @@ impl Technique {
             Technique::Full => "full",
             Technique::Offload => "offload",
             Technique::Bf16 => "bf16",
+            Technique::Lora => "lora",
+            Technique::Qlora => "qlora",
         }
     }
 
@@ -88,7 +104,7 @@ impl Technique {
                     "autofit_techniques",
                     format!(
                         "`{name}` is not a technique autofit knows; use all, or a comma-separated \
-                         list of {}",
+                         list of {}, lora, qlora",
                         Techniques::ALL
                     ),
                 )
@@ -125,8 +141,10 @@ pub struct Techniques(u16);
 impl Techniques {
     /// No technique.
     pub const NONE: Techniques = Techniques(0);
-    /// Every technique.
-    pub const ALL: Techniques = Techniques((1 << Technique::ALL.len()) - 1);
+    /// Every technique that trains the same weights (`--autofit-techniques all`, and
+    /// autofit's default): all but [`Technique::Lora`] and [`Technique::Qlora`], which
+    /// autofit uses only when they are named.
+    pub const ALL: Techniques = Techniques((1 << (Technique::Bf16 as u16 + 1)) - 1);
     /// Micro-batch and accumulation with the recompute policies that take no setting
     /// (selective and full): autofit's choices before it knew the others.
     pub const BATCH_AND_RECOMPUTE: Techniques = Techniques(
@@ -168,16 +186,22 @@ impl Techniques {
         self.0
     }
 
-    /// Parses `all`, `none` or a comma-separated list of names ([`Technique::name`]).
+    /// Parses `none`, or a comma-separated list of names ([`Technique::name`]) and `all`
+    /// ([`Techniques::ALL`]): `all,qlora` is every technique that trains the same weights,
+    /// and QLoRA.
     pub fn parse(list: &str) -> Result<Techniques> {
-        match list.trim() {
-            "all" => return Ok(Techniques::ALL),
-            "none" | "" => return Ok(Techniques::NONE),
-            _ => {}
+        if matches!(list.trim(), "none" | "") {
+            return Ok(Techniques::NONE);
         }
         list.split(',')
-            .map(|n| Technique::parse(n.trim()))
-            .try_fold(Techniques::NONE, |set, t| Ok(set.with(t?)))
+            .map(str::trim)
+            .try_fold(Techniques::NONE, |set, n| {
+                Ok(if n == "all" {
+                    Techniques(set.0 | Techniques::ALL.0)
+                } else {
+                    set.with(Technique::parse(n)?)
+                })
+            })
     }
 }
 
@@ -218,6 +242,9 @@ mod tests {
         assert_eq!(set, Techniques::BATCH_AND_RECOMPUTE);
         assert_eq!(set.to_string(), "accumulation, selective, full");
         assert_eq!(Techniques::parse("none").unwrap().to_string(), "none");
+        let with_qlora = Techniques::parse("all, qlora").unwrap();
+        assert!(with_qlora.contains(Technique::Qlora) && !with_qlora.contains(Technique::Lora));
+        assert!(!Techniques::ALL.contains(Technique::Lora));
         let e = Techniques::parse("full,fast").unwrap_err().to_string();
         assert!(
             e.contains("`fast`") && e.contains("optimizer-in-backward"),

@@ -105,6 +105,9 @@ pub fn apply_autofit(
     cfg.optimizer = c.optimizer;
     cfg.training.optimizer_in_backward = c.optimizer_in_backward;
     cfg.training.offload_activations = c.offload_activations;
+    if let Some(a) = c.adapter {
+        cfg.adapter = Some(dyn_clone::clone_box(&*a));
+    }
     cfg.validate()
 }
 

@@ -81,8 +81,9 @@ pub struct MemoryArgs {
     loss: String,
     /// Also show what each memory technique saves on its own for this model, batch and
     /// sequence (trainkit's exact figures): the setup the other flags describe with
-    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload or
-    /// bf16 added, and with all that combine.
+    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
+    /// bf16, LoRA (rank 8 on every projection) or QLoRA added, and with all that combine
+    /// (those that train every weight).
     #[arg(long)]
     techniques: bool,
     /// trainkit's exact figures for a LoRA adapter of this rank on the frozen model (bf16
@@ -499,6 +500,10 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer_in_backward: args.optimizer_in_backward,
             offload_activations: args.offload_activations,
             adapter,
+            // The table shows LoRA and QLoRA too (autofit uses them only when named).
+            techniques: trainkit::estimate::Techniques::ALL
+                .with(trainkit::estimate::Technique::Lora)
+                .with(trainkit::estimate::Technique::Qlora),
             ..FitRequest::new(
                 arch,
                 usize_of(seq_len),

@@ -190,7 +190,8 @@ pub struct TrainArgs {
     autofit: bool,
     /// The techniques --autofit may use: all (the default), or a comma-separated list of
     /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
-    /// bf16.
+    /// bf16, and lora or qlora, which change what is trained and are used only when named
+    /// (all,qlora).
     #[arg(long, value_name = "LIST")]
     autofit_techniques: Option<String>,
     /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
