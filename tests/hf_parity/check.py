@@ -173,6 +173,7 @@ def main():
         ok &= check_qwen(tk, work, tokens_bin, tokens, 2, tied)
         ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
     ok &= check_lora(tk, work, tokens_bin, tokens)
+    ok &= check_qlora(tk, work, tokens_bin, tokens)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 
@@ -389,6 +390,117 @@ def check_lora(tk, work, tokens_bin, tokens):
     print(f"{what}: trainkit merge in transformers against PEFT's merge_and_unload: "
           f"max |logit diff| {d:.2e}")
     ok &= d < 1e-5
+    return ok
+
+
+def check_qlora(tk, work, tokens_bin, tokens):
+    """QLoRA on every projection of a small Llama: trainkit's NF4 base against
+    transformers' bitsandbytes 4-bit model (nf4, double quantization, f32 compute), as
+    bitsandbytes quantizes it and with the reference absmax codes; then 3 AdamW steps of
+    the adapter against PEFT's over the latter."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import BitsAndBytesConfig
+
+    what = "qlora"
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         attn_implementation="eager")
+    torch.manual_seed(11)
+    base_dir = os.path.join(work, "qlora-base")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(base_dir)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+
+    def quantized(fused_statistics):
+        """transformers' 4-bit model. bitsandbytes double-quantizes each module's absmaxes
+        on its own; trainkit quantizes its fused weights (q/k/v, gate/up) as one tensor, so
+        their double quantization (offset and scales) spans the fused modules while the
+        4-bit codes and absmaxes are the same. With `fused_statistics`, each module's
+        state takes trainkit's: the fused weight's absmax codes by bitsandbytes' reference
+        algorithm (nf4_fixture.py), its offset and its scale (here each fused weight's
+        absmaxes fit one block of 256, so one scale serves every module of it)."""
+        m = LlamaForCausalLM.from_pretrained(base_dir, quantization_config=nf4,
+                                             device_map="cpu", dtype=torch.float32)
+        if not fused_statistics:
+            return m
+        from nf4_fixture import nested_absmax
+        from safetensors.torch import load_file as load_torch
+        weights = load_torch(os.path.join(base_dir, "model.safetensors"))
+        for layer in range(config.num_hidden_layers):
+            for group in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                          ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"],
+                          ["mlp.down_proj"]):
+                names = [f"model.layers.{layer}.{g}" for g in group]
+                blocks = [weights[n + ".weight"].float().reshape(-1, 64) for n in names]
+                absmax = torch.cat(blocks).abs().max(dim=1)[0]
+                states = [m.get_submodule(n).weight.quant_state for n in names]
+                codes, scales, offset = nested_absmax(absmax, states[0].state2.code)
+                assert scales.numel() == 1, "a fused weight over one block of 256 absmaxes"
+                at = 0
+                for b, qs in zip(blocks, states):
+                    qs.absmax = codes[at:at + b.shape[0]]
+                    qs.state2.absmax, qs.offset = scales.clone(), offset
+                    at += b.shape[0]
+        return m
+
+    shape = ["--seq-len", str(T), "--batch-size", str(B)]
+    k = 3
+    ok = True
+    # The quantization alone: transformers' 4-bit model against `eval --qlora`.
+    tk_eval = json.loads(run([tk, "eval", "--model", base_dir, "--qlora", "--data", tokens_bin,
+                              "--tokenizer", "bytes", "--batch-size", str(B), "--seq-len",
+                              str(T), "--batches", str(k), "--json", "--device", "cpu"]))
+    for fused, tol in [(False, 1e-4), (True, 1e-5)]:
+        model = quantized(fused).eval()
+        with torch.no_grad():
+            hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+        d = abs(hf - tk_eval["loss"])
+        how = "trainkit's fused statistics" if fused else "per module, as bitsandbytes does"
+        print(f"{what}: NF4 base ({how}), eval loss bitsandbytes {hf:.7f}, trainkit "
+              f"{tk_eval['loss']:.7f}, diff {d:.2e}")
+        ok &= d < tol
+    # Training: trainkit's initial adapter (A drawn, B zero) over both NF4 bases.
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", targets]
+    start = os.path.join(work, "qlora-start")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", base_dir, "--steps", "0", "--out", start, "--qlora"] + lora + shape)
+    model = PeftModel.from_pretrained(quantized(True), start, is_trainable=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ok &= len(trainable) == 2 * 2 * 7
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
+    model.train()
+    hf_losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *windows(tokens, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        opt.step()
+        hf_losses.append(loss.item())
+    trained = os.path.join(work, "qlora-trained")
+    log = os.path.join(work, "log-qlora.jsonl")
+    run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+         "--init-from", base_dir, "--adapter", start, "--qlora", "--steps", str(STEPS),
+         "--out", trained, "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
+         "--weight-decay", str(WD), "--grad-clip", str(CLIP), "--eval-every", "0",
+         "--log-json", log] + shape)
+    tk_losses = [json.loads(line)["loss"] for line in open(log)]
+    for i, (a, b) in enumerate(zip(hf_losses, tk_losses)):
+        print(f"{what}: step {i + 1} loss PEFT+bitsandbytes {a:.7f}, trainkit {b:.7f}, "
+              f"diff {abs(a - b):.2e}")
+        ok &= abs(a - b) < 1e-5
+    ours = load_file(os.path.join(trained, "adapter_model.safetensors"))
+    theirs = {k: v.detach().float().numpy()
+              for k, v in get_peft_model_state_dict(model).items()}
+    ok &= sorted(ours) == sorted(theirs)
+    worst = max(float(np.abs(w - theirs[n]).max()) for n, w in ours.items())
+    print(f"{what}: adapter after {STEPS} steps max |diff| {worst:.2e} over {len(ours)} tensors")
+    ok &= worst < 2e-5
     return ok
 
 

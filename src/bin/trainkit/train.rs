@@ -271,7 +271,8 @@ impl TrainArgs {
             lora_rank: self.lora_rank,
             lora_alpha: self.lora_alpha,
             lora_targets: self.lora_targets.clone(),
-            qlora: self.qlora,
+            // With --adapter the LoRA comes from its directory, QLoRA with it.
+            qlora: self.qlora && self.adapter.is_none(),
         }
     }
 }

@@ -12,6 +12,10 @@
 //! - An element dequantizes to `CODE[c] · (dyn[q] · scale + offset)`, each product and sum
 //!   rounded to f32 in that order, as `dequantize_4bit` computes it.
 //!
+//! trainkit's fused weights (`qkv_proj`, `gate_up_proj`) are one tensor here, so their
+//! offset and scales span the Hugging Face modules bitsandbytes quantizes one by one: the
+//! 4-bit codes and absmaxes are bitsandbytes', the absmaxes' 8-bit codes may differ.
+//!
 //! A packed tensor of `n` elements is one byte buffer: the `⌈n/2⌉` code bytes, the
 //! `⌈n/64⌉` absmax codes, padding to 4 bytes, the `⌈n/16384⌉` f32 scales and the f32
 //! offset, little-endian: 4.127 bits per element ([`Layout`]).
