@@ -2,9 +2,9 @@
 // of QLoRA's dequantizing product (src/ops/nf4/product.rs multiplies the block).
 // CPU twin: src/ops/nf4/cpu.rs; both are held to src/ops/nf4/format.rs's reference.
 //
-// `packed` is one NF4 tensor as format.rs lays it out: ⌈n/2⌉ code bytes (the even element
-// in the high nibble), one absmax code per block of 64 at `absmax_at`, one f32 scale per
-// 256 absmax codes at `scales_at`, and the f32 offset at `offset_at`. Element e becomes
+// Each part of `packed` is laid out as format.rs says: ⌈n/2⌉ code bytes (the even element
+// in the high nibble), one absmax code per block of 64, one f32 scale per 256 absmax codes,
+// and the f32 offset. Element e of a part becomes
 //   code[c] · (dynamic[q] · scale + offset)
 // in f32, rounded once to the output dtype: bitsandbytes' dequantize_4bit.
 
@@ -62,27 +62,55 @@ __device__ const unsigned nf4_dynamic_bits[256] = {
     0x3f770000u, 0x3f7a999au, 0x3f7e3333u, 0x3f800000u,
 };
 
-// out[i] = element start + i of the packed tensor, for i < count.
+// Where one part of `n` elements keeps its absmax codes, scales and offset, and its size
+// (format.rs's Layout).
+__device__ __forceinline__ void nf4_layout(i64 n, i64* absmax_at, i64* scales_at,
+                                           i64* offset_at, i64* bytes) {
+    const i64 blocks = (n + 63) / 64;
+    *absmax_at = (n + 1) / 2;
+    *scales_at = (*absmax_at + blocks + 3) / 4 * 4;
+    *offset_at = *scales_at + 4 * ((blocks + 255) / 256);
+    *bytes = *offset_at + 4;
+}
+
+// out[i] = element start + i of the packed tensor, for i < count. The tensor is packed in
+// up to three parts of n0, n1 and n2 elements (format.rs's Parts: one per Hugging Face
+// module of a fused weight), each quantized on its own and packed after the one before.
 template <typename T>
 __device__ void nf4_dequantize_impl(T* out, const unsigned char* packed, i64 start, i64 count,
-                                    i64 absmax_at, i64 scales_at, i64 offset_at) {
-    const float* scales = (const float*)(packed + scales_at);
-    const float offset = *(const float*)(packed + offset_at);
+                                    i64 n0, i64 n1, i64 n2) {
+    i64 a0, s0, o0, b0, a1, s1, o1, b1, a2, s2, o2, b2;
+    nf4_layout(n0, &a0, &s0, &o0, &b0);
+    nf4_layout(n1, &a1, &s1, &o1, &b1);
+    nf4_layout(n2, &a2, &s2, &o2, &b2);
     TK_FOR_EACH(i, count) {
-        const i64 e = start + i;
-        const unsigned char byte = packed[e >> 1];
+        i64 e = start + i;
+        const unsigned char* p = packed;
+        i64 absmax_at = a0, scales_at = s0, offset_at = o0;
+        if (e >= n0 + n1) {
+            e -= n0 + n1;
+            p += b0 + b1;
+            absmax_at = a2, scales_at = s2, offset_at = o2;
+        } else if (e >= n0) {
+            e -= n0;
+            p += b0;
+            absmax_at = a1, scales_at = s1, offset_at = o1;
+        }
+        const float* scales = (const float*)(p + scales_at);
+        const float offset = *(const float*)(p + offset_at);
+        const unsigned char byte = p[e >> 1];
         const unsigned c = (e & 1) ? (byte & 15u) : (byte >> 4);
         const i64 b = e / 64;
         const float absmax =
-            __uint_as_float(nf4_dynamic_bits[packed[absmax_at + b]]) * scales[b / 256] + offset;
+            __uint_as_float(nf4_dynamic_bits[p[absmax_at + b]]) * scales[b / 256] + offset;
         store(out, i, __uint_as_float(nf4_code_bits[c]) * absmax);
     }
 }
 
-#define TK_NF4(T, N)                                                                         \
-    extern "C" __global__ void nf4_dequantize_##N(T* out, const unsigned char* packed,      \
-                                                  i64 start, i64 count, i64 absmax_at,      \
-                                                  i64 scales_at, i64 offset_at) {           \
-        nf4_dequantize_impl<T>(out, packed, start, count, absmax_at, scales_at, offset_at); \
+#define TK_NF4(T, N)                                                                      \
+    extern "C" __global__ void nf4_dequantize_##N(T* out, const unsigned char* packed,   \
+                                                  i64 start, i64 count, i64 n0, i64 n1,  \
+                                                  i64 n2) {                              \
+        nf4_dequantize_impl<T>(out, packed, start, count, n0, n1, n2);                   \
     }
 TK_DTYPES(TK_NF4)

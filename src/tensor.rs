@@ -28,11 +28,21 @@ pub enum DType {
     /// as bitsandbytes stores them ([`crate::ops::nf4`]). Uploading f32 values quantizes
     /// them, reading back dequantizes; the ledger counts the packed bytes
     /// ([`DType::bytes`]). Only the NF4 family's kernels compute with it: the arithmetic
-    /// ops refuse it with an error naming the op.
-    Nf4,
+    /// ops refuse it with an error naming the op. A fused weight is quantized in
+    /// [`Parts`](crate::ops::nf4::Parts), one per Hugging Face module ([`DType::NF4`]: one
+    /// part).
+    Nf4(crate::ops::nf4::Parts),
 }
 
 impl DType {
+    /// NF4 in one part.
+    pub const NF4: DType = DType::Nf4(crate::ops::nf4::Parts::WHOLE);
+
+    /// Whether this is NF4 (in any parts).
+    pub fn is_nf4(self) -> bool {
+        matches!(self, DType::Nf4(_))
+    }
+
     /// Bytes per element of the unpacked dtypes; NF4's half byte plus its share of the
     /// block statistics is counted by [`DType::bytes`], and here as 1.
     pub fn size(self) -> usize {
@@ -40,7 +50,7 @@ impl DType {
             DType::F32 => 4,
             DType::Bf16 => 2,
             DType::F16 => 2,
-            DType::U8 | DType::Nf4 => 1,
+            DType::U8 | DType::Nf4(_) => 1,
         }
     }
 
@@ -48,7 +58,7 @@ impl DType {
     /// scales and the offset).
     pub fn bytes(self, n: usize) -> usize {
         match self {
-            DType::Nf4 => crate::ops::nf4::Layout::of(n).bytes,
+            DType::Nf4(parts) => parts.bytes(n),
             _ => n * self.size(),
         }
     }
@@ -63,7 +73,7 @@ impl DType {
             DType::Bf16 => bf16::from_f32(x).to_f32(),
             DType::F16 => f16::from_f32(x).to_f32(),
             DType::U8 => x.round_ties_even().clamp(0.0, 255.0) as u8 as f32,
-            DType::Nf4 => x,
+            DType::Nf4(_) => x,
         }
     }
 
@@ -81,7 +91,7 @@ impl DType {
                 .flat_map(|v| f16::from_f32(*v).to_le_bytes())
                 .collect(),
             DType::U8 => values.iter().map(|v| DType::U8.round(*v) as u8).collect(),
-            DType::Nf4 => crate::ops::nf4::quantize(values),
+            DType::Nf4(parts) => crate::ops::nf4::quantize_parts(values, parts),
         }
     }
 
@@ -101,13 +111,13 @@ impl DType {
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
-            DType::Nf4 => crate::ops::nf4::format::dequantize(raw, n),
+            DType::Nf4(parts) => crate::ops::nf4::dequantize_parts(raw, n, parts),
         }
     }
 
     /// Whether the dtype holds numbers the arithmetic ops compute with (f32, bf16, f16).
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::U8 | DType::Nf4)
+        !matches!(self, DType::U8 | DType::Nf4(_))
     }
 }
 
@@ -118,7 +128,7 @@ impl std::fmt::Display for DType {
             DType::Bf16 => "bf16",
             DType::F16 => "f16",
             DType::U8 => "u8",
-            DType::Nf4 => "nf4",
+            DType::Nf4(_) => "nf4",
         })
     }
 }
@@ -134,12 +144,15 @@ pub(crate) enum Storage {
     F16(Vec<f16>),
     /// Host memory, u8 elements.
     U8(Vec<u8>),
-    /// Host memory, `len` NF4 elements packed as [`crate::ops::nf4::Layout`] says.
+    /// Host memory, `len` NF4 elements packed in `parts` as [`crate::ops::nf4::Layout`]
+    /// says.
     Nf4 {
         /// The packed bytes.
         bytes: Vec<u8>,
         /// Elements.
         len: usize,
+        /// The parts, each quantized on its own.
+        parts: crate::ops::nf4::Parts,
     },
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
     Device(DeviceBuffer),
@@ -167,7 +180,7 @@ impl Storage {
             Storage::Bf16(_) => DType::Bf16,
             Storage::F16(_) => DType::F16,
             Storage::U8(_) => DType::U8,
-            Storage::Nf4 { .. } => DType::Nf4,
+            Storage::Nf4 { parts, .. } => DType::Nf4(*parts),
             Storage::Device(d) => d.dtype(),
             Storage::Meta { dtype, .. } => *dtype,
         }

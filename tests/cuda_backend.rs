@@ -83,7 +83,7 @@ fn tol(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         DType::Bf16 => 1e-2,
         DType::F16 => 1e-2,
-        DType::U8 | DType::Nf4 => 0.0,
+        DType::U8 | DType::Nf4(_) => 0.0,
     }
 }
 
@@ -2143,19 +2143,28 @@ fn lora_training_steps_match_the_cpu() {
 }
 
 /// NF4 rows dequantized by kernels/nf4.cu are the CPU's bit for bit, in every float
-/// dtype, from any element on (blocks cut anywhere, the second block of statistics).
+/// dtype, from any element on (blocks cut anywhere, the second block of statistics), in
+/// one part and in three.
 #[test]
 fn nf4_dequantize_matches_the_cpu_bit_for_bit() {
     let cpu = CpuBackend::new();
     let (rows, cols) = (300, 72); // 337.5 absmax blocks: two blocks of statistics
     let mut rng = Rng::new(5);
     let w = randn(&mut rng, rows * cols, 0.05);
-    for (name, cuda) in cuda_backends() {
+    // One part, and three (a fused weight's modules, each quantized on its own).
+    let split = DType::Nf4(trainkit::ops::nf4::Parts([
+        (cols * 100) as u64,
+        (cols * 50) as u64,
+    ]));
+    for ((name, cuda), packed) in cuda_backends()
+        .into_iter()
+        .flat_map(|b| [(b.clone(), DType::NF4), (b, split)])
+    {
         let wc = cpu
-            .upload(&w, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+            .upload(&w, &[rows, cols], packed, MemoryCategory::Weights, "w")
             .unwrap();
         let wg = cuda
-            .upload(&w, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+            .upload(&w, &[rows, cols], packed, MemoryCategory::Weights, "w")
             .unwrap();
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
             for (start, n) in [(0, rows * cols), (cols * 7 + 5, cols * 200 + 3)] {
@@ -2169,7 +2178,10 @@ fn nf4_dequantize_matches_the_cpu_bit_for_bit() {
                 trainkit::ops::nf4::dequantize(cuda.as_ref(), &mut b, &wg, start).unwrap();
                 let (a, b) = (cpu.to_f32(&a).unwrap(), cuda.to_f32(&b).unwrap());
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert!(bits(&a) == bits(&b), "{name} {dtype} from {start}");
+                assert!(
+                    bits(&a) == bits(&b),
+                    "{name} {dtype} from {start} ({packed:?})"
+                );
             }
         }
     }

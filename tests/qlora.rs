@@ -89,7 +89,7 @@ fn the_nf4_product_is_the_product_with_the_dequantized_weight() {
     let (m, rows, cols) = (5, 20, 72);
     let wv = random(rows * cols, 1, 0.05);
     let w = be
-        .upload(&wv, &[rows, cols], DType::Nf4, MemoryCategory::Weights, "w")
+        .upload(&wv, &[rows, cols], DType::NF4, MemoryCategory::Weights, "w")
         .unwrap();
     assert_eq!(w.bytes(), nf4::Layout::of(rows * cols).bytes as u64);
     let dq = nf4::dequantize_host(&nf4::quantize(&wv), rows * cols);
@@ -185,7 +185,8 @@ fn the_nf4_product_is_the_product_with_the_dequantized_weight() {
 }
 
 /// The base projections are NF4 (the embeddings, norms, biases and head are not), frozen,
-/// and counted in the ledger at their packed size.
+/// a fused weight quantized in one part per Hugging Face module (q/k/v, gate/up) as
+/// bitsandbytes quantizes each module, and counted in the ledger at their packed size.
 #[test]
 fn the_base_projections_are_stored_in_nf4() {
     for what in MODELS {
@@ -199,12 +200,26 @@ fn the_base_projections_are_stored_in_nf4() {
                 || p.name().ends_with("c_attn.weight")
                 || p.name().ends_with("c_fc.weight");
             if projection && !p.name().contains("lora") {
-                assert_eq!(p.weight().dtype(), DType::Nf4, "{what}: {}", p.name());
+                assert!(p.weight().dtype().is_nf4(), "{what}: {}", p.name());
                 assert!(!p.trains());
-                assert_eq!(p.weight().bytes(), nf4::Layout::of(p.numel()).bytes as u64);
+                // One part per Hugging Face module, each at its packed size.
+                let DType::Nf4(parts) = p.weight().dtype() else {
+                    unreachable!()
+                };
+                let spans = parts.of(p.numel());
+                let modules = if p.name().contains("qkv_proj") {
+                    3
+                } else if p.name().contains("gate_up_proj") {
+                    2
+                } else {
+                    1
+                };
+                assert_eq!(spans.len(), modules, "{what}: {}", p.name());
+                let packed: usize = spans.iter().map(|s| nf4::Layout::of(s.1).bytes).sum();
+                assert_eq!(p.weight().bytes(), packed as u64, "{what}: {}", p.name());
                 nf4_params += 1;
             } else {
-                assert_ne!(p.weight().dtype(), DType::Nf4, "{what}: {}", p.name());
+                assert!(!p.weight().dtype().is_nf4(), "{what}: {}", p.name());
             }
         }
         assert!(nf4_params >= 6, "{what}: {nf4_params}");

@@ -134,7 +134,7 @@ impl Adapter for Frozen {
     }
 
     fn base_dtype(&self) -> Option<DType> {
-        (self.base == BaseWeights::Nf4).then_some(DType::Nf4)
+        (self.base == BaseWeights::Nf4).then_some(DType::NF4)
     }
 }
 
@@ -318,7 +318,7 @@ impl Adapter for Lora {
     }
 
     fn base_dtype(&self) -> Option<DType> {
-        (self.base == BaseWeights::Nf4).then_some(DType::Nf4)
+        (self.base == BaseWeights::Nf4).then_some(DType::NF4)
     }
 
     fn as_lora(&self) -> Option<&Lora> {

@@ -50,7 +50,7 @@ pub(crate) fn write_typed(
                 DType::Bf16 => Dtype::BF16,
                 DType::F16 => Dtype::F16,
                 DType::U8 => Dtype::U8,
-                DType::Nf4 => {
+                DType::Nf4(_) => {
                     return Err(Error::data(
                         &t.name,
                         "is NF4: a safetensors file holds it dequantized (save it as bf16 or \

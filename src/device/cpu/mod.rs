@@ -145,9 +145,10 @@ impl CpuBackend {
                 None => vec![f16::ZERO; n],
             }),
             DType::U8 => Storage::U8(vec![0; n]),
-            DType::Nf4 => Storage::Nf4 {
+            DType::Nf4(parts) => Storage::Nf4 {
                 bytes: vec![0; dtype.bytes(n)],
                 len: n,
+                parts,
             },
         };
         Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
@@ -169,7 +170,9 @@ pub fn read(t: &Tensor) -> Cow<'_, [f32]> {
         Storage::Meta { len, .. } => Cow::Owned(vec![0.0; *len]),
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
         Storage::U8(v) => Cow::Owned(v.iter().map(|&c| f32::from(c)).collect()),
-        Storage::Nf4 { bytes, len } => Cow::Owned(crate::ops::nf4::format::dequantize(bytes, *len)),
+        Storage::Nf4 { bytes, len, parts } => {
+            Cow::Owned(crate::ops::nf4::dequantize_parts(bytes, *len, *parts))
+        }
         Storage::Bf16(v) => Cow::Owned(widen(v, bf16::to_f32)),
         Storage::F16(v) => Cow::Owned(widen(v, f16::to_f32)),
     }
@@ -183,9 +186,10 @@ fn host_storage(data: Cow<'_, [f32]>, dtype: DType) -> Storage {
         DType::Bf16 => Storage::Bf16(data.iter().map(|x| bf16::from_f32(*x)).collect()),
         DType::F16 => Storage::F16(data.iter().map(|x| f16::from_f32(*x)).collect()),
         DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
-        DType::Nf4 => Storage::Nf4 {
-            bytes: crate::ops::nf4::quantize(&data),
+        DType::Nf4(parts) => Storage::Nf4 {
+            bytes: crate::ops::nf4::quantize_parts(&data, parts),
             len: data.len(),
+            parts,
         },
     }
 }
@@ -257,14 +261,14 @@ pub fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> 
             }
             r
         }
-        Storage::Nf4 { bytes, len } => {
+        Storage::Nf4 { bytes, len, parts } => {
             let mut tmp: Vec<f32> = if load {
-                crate::ops::nf4::format::dequantize(bytes, *len)
+                crate::ops::nf4::dequantize_parts(bytes, *len, *parts)
             } else {
                 vec![0f32; *len]
             };
             let r = f(&mut tmp);
-            *bytes = crate::ops::nf4::quantize(&tmp);
+            *bytes = crate::ops::nf4::quantize_parts(&tmp, *parts);
             r
         }
         Storage::Bf16(v) => through_f32(v, load, bf16::to_f32, bf16::from_f32, f),
@@ -403,9 +407,10 @@ impl Backend for CpuBackend {
             Storage::Bf16(v) => Storage::Bf16(v.clone()),
             Storage::F16(v) => Storage::F16(v.clone()),
             Storage::U8(v) => Storage::U8(v.clone()),
-            Storage::Nf4 { bytes, len } => Storage::Nf4 {
+            Storage::Nf4 { bytes, len, parts } => Storage::Nf4 {
                 bytes: bytes.clone(),
                 len: *len,
+                parts: *parts,
             },
             Storage::Meta { len, dtype } => Storage::Meta {
                 len: *len,

@@ -1048,7 +1048,7 @@ extern "C" __global__ void traps(int* out) {
                 .sum_squares(&upload(&be, &xs, &[xs.len()], dtype))
                 .unwrap();
             let got = match dtype {
-                DType::U8 | DType::Nf4 => {
+                DType::U8 | DType::Nf4(_) => {
                     unreachable!("the kernels under test take f32, bf16 or f16")
                 }
                 DType::F32 => emulated_sum_squares(emu, "sum_squares_partial_f32", &xs),
@@ -1268,7 +1268,7 @@ extern "C" __global__ void traps(int* out) {
         for dtype in DTYPES {
             let want = case.on_cpu(dtype);
             let got = match dtype {
-                DType::U8 | DType::Nf4 => {
+                DType::U8 | DType::Nf4(_) => {
                     unreachable!("the kernels under test take f32, bf16 or f16")
                 }
                 DType::F32 => case.emulated(emu, "f32", |v| v.to_vec(), |v| v.to_vec()),
@@ -1317,7 +1317,7 @@ extern "C" __global__ void traps(int* out) {
     impl Buf {
         fn new(v: &[f32], dtype: DType) -> Buf {
             match dtype {
-                DType::U8 | DType::Nf4 => {
+                DType::U8 | DType::Nf4(_) => {
                     unreachable!("the kernels under test take f32, bf16 or f16")
                 }
                 DType::F32 => Buf::F32(v.to_vec()),
@@ -1349,7 +1349,9 @@ extern "C" __global__ void traps(int* out) {
 
     fn suffix(dtype: DType) -> &'static str {
         match dtype {
-            DType::U8 | DType::Nf4 => unreachable!("the kernels under test take f32, bf16 or f16"),
+            DType::U8 | DType::Nf4(_) => {
+                unreachable!("the kernels under test take f32, bf16 or f16")
+            }
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
             DType::F16 => "f16",

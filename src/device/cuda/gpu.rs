@@ -70,7 +70,7 @@ impl TryFrom<DType> for MatrixType {
             DType::F32 => Ok(MatrixType::F32),
             DType::Bf16 => Ok(MatrixType::Bf16),
             DType::F16 => Ok(MatrixType::F16),
-            DType::U8 | DType::Nf4 => Err(crate::error::Error::Backend {
+            DType::U8 | DType::Nf4(_) => Err(crate::error::Error::Backend {
                 backend: "cuda",
                 message: format!(
                     "a {d} tensor holds codes, not numbers: matmul takes f32, bf16 or f16 \

@@ -17,7 +17,7 @@ use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
 use crate::save::tensors::NamedTensor;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -196,6 +196,27 @@ impl<F: Family> Decoder<F> {
             .iter()
             .map(|(_, s)| s.iter().product::<usize>())
             .sum()
+    }
+
+    /// The Hugging Face modules an NF4 projection weight holds, each quantized on its own
+    /// as bitsandbytes quantizes each module: `q_proj`, `k_proj` and `v_proj` in a fused
+    /// `qkv_proj`; `gate_proj` and `up_proj` in a fused `gate_up_proj`; one part otherwise
+    /// (GPT-2's `c_attn` is one module in its files too).
+    fn nf4_parts(&self, slot: LayerSlot, name: &str) -> crate::ops::nf4::Parts {
+        let heads = self.shape.heads();
+        let c = self.shape.hidden as u64;
+        let (q, kv, f) = (
+            heads.q_width() as u64,
+            heads.kv_width() as u64,
+            self.shape.ffn as u64,
+        );
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let fused = |n: &str| module.rsplit('.').next() == Some(n);
+        match slot {
+            LayerSlot::Qkv if fused("qkv_proj") => crate::ops::nf4::Parts([q * c, kv * c]),
+            LayerSlot::Up if fused("gate_up_proj") => crate::ops::nf4::Parts([f * c, 0]),
+            _ => crate::ops::nf4::Parts::WHOLE,
+        }
     }
 
     /// The graph of this model's shape, attention and loss paths, with its overrides.
@@ -438,8 +459,16 @@ impl<F: Family> Model for Decoder<F> {
                         LayerSlot::Qkv | LayerSlot::O | LayerSlot::Up | LayerSlot::Down
                     )
                 );
+                let dtype = self
+                    .adapter
+                    .base_dtype()
+                    .filter(|_| projection && !trains)
+                    .map(|d| match (d, slot) {
+                        (DType::Nf4(_), Slot::Layer(_, s)) => DType::Nf4(self.nf4_parts(s, &name)),
+                        _ => d,
+                    });
                 ParamInit {
-                    dtype: self.adapter.base_dtype().filter(|_| projection && !trains),
+                    dtype,
                     trains,
                     name,
                     shape,

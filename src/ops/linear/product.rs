@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::ops::nf4;
 use crate::ops::{ForwardCx, GradIn};
 use crate::param::Param;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 /// Output columns of `x · op(W)`, and the output shape: `x`'s leading dimensions and them.
 pub(crate) fn product_shape(x: &Tensor, w: &Tensor, transposed: bool) -> Vec<usize> {
@@ -34,7 +34,7 @@ pub(crate) fn input_grad(
     transposed: bool,
 ) -> Result<()> {
     let (buf, fresh) = dx.buffer(be)?;
-    if w.dtype() == DType::Nf4 {
+    if w.dtype().is_nf4() {
         return nf4::matmul(be, buf, dy, w, None, !transposed, !fresh);
     }
     be.matmul(buf, dy, w, None, false, !transposed, !fresh)
@@ -76,7 +76,7 @@ pub(crate) fn project(
 ) -> Result<Tensor> {
     let mut y = cx.alloc(i)?;
     let b = bias.then(|| cx.weights[1]);
-    if cx.weights[0].dtype() == DType::Nf4 {
+    if cx.weights[0].dtype().is_nf4() {
         nf4::matmul(cx.backend, &mut y, x, cx.weights[0], b, transposed, false)?;
     } else {
         cx.backend

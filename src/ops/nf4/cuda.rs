@@ -3,11 +3,10 @@
 //! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/nf4.cu`, listed once in
 //! [`KERNELS`].
 
-use super::format::Layout;
 use crate::device::cuda::backend::{ptr, CudaBackend, BLOCK};
 use crate::device::cuda::{Args, KernelFile};
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The kernels of `kernels/nf4.cu`, named once: the backend launches these names, NVRTC
 /// and the emulator build this source.
@@ -21,7 +20,8 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     ],
 };
 
-/// `out = elements start.. of `w` (packed NF4), dequantized to `out`'s dtype.
+/// `out = elements start.. of `w` (packed NF4, in its parts), dequantized to `out`'s
+/// dtype.
 pub(crate) fn dequantize(
     be: &CudaBackend,
     out: &mut Tensor,
@@ -32,7 +32,13 @@ pub(crate) fn dequantize(
     if count == 0 {
         return Ok(());
     }
-    let layout = Layout::of(w.numel());
+    let DType::Nf4(parts) = w.dtype() else {
+        unreachable!("checked by the call: `w` is NF4")
+    };
+    let mut n = [0usize; 3];
+    for (slot, (_, len, _)) in n.iter_mut().zip(parts.of(w.numel())) {
+        *slot = len;
+    }
     be.launch(
         &format!("nf4_dequantize_{}", out.dtype()),
         be.grid(count),
@@ -42,8 +48,8 @@ pub(crate) fn dequantize(
             .ptr(ptr(w)?)
             .i64(start)
             .i64(count)
-            .i64(layout.absmax_at)
-            .i64(layout.scales_at)
-            .i64(layout.offset_at),
+            .i64(n[0])
+            .i64(n[1])
+            .i64(n[2]),
     )
 }

@@ -12,15 +12,17 @@
 //! - An element dequantizes to `CODE[c] · (dyn[q] · scale + offset)`, each product and sum
 //!   rounded to f32 in that order, as `dequantize_4bit` computes it.
 //!
-//! trainkit's fused weights (`qkv_proj`, `gate_up_proj`) are one tensor here, so their
-//! offset and scales span the Hugging Face modules bitsandbytes quantizes one by one: the
-//! 4-bit codes and absmaxes are bitsandbytes', the absmaxes' 8-bit codes may differ.
+//! trainkit fuses some Hugging Face modules into one weight (`qkv_proj` holds `q_proj`,
+//! `k_proj` and `v_proj`; `gate_up_proj` holds `gate_proj` and `up_proj`), which
+//! bitsandbytes quantizes one by one. Such a weight is quantized in [`Parts`]: each
+//! module's rows on their own (their own offset and scales), packed one after the other.
 //!
-//! A packed tensor of `n` elements is one byte buffer: the `⌈n/2⌉` code bytes, the
+//! A packed tensor (or part) of `n` elements is one byte buffer: the `⌈n/2⌉` code bytes, the
 //! `⌈n/64⌉` absmax codes, padding to 4 bytes, the `⌈n/16384⌉` f32 scales and the f32
 //! offset, little-endian: 4.127 bits per element ([`Layout`]).
 
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use std::sync::OnceLock;
 
 /// Elements per absmax block.
@@ -49,6 +51,41 @@ pub const CODE: [f32; 16] = [
     0.722_956_84,
     1.0,
 ];
+
+/// The Hugging Face modules a fused NF4 weight holds, by their element counts: the first
+/// one or two (0: none), the last part being the rest. Each part is quantized on its own,
+/// as bitsandbytes quantizes each module. [`Parts::WHOLE`] is one part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Parts(pub [u64; 2]);
+
+impl Parts {
+    /// One part: the whole tensor.
+    pub const WHOLE: Parts = Parts([0, 0]);
+
+    /// The parts of a tensor of `n` elements: `(first element, elements, first byte)` of
+    /// each, in order (boundaries beyond `n` are clamped).
+    pub fn of(self, n: usize) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::with_capacity(3);
+        let (mut start, mut byte) = (0usize, 0usize);
+        for len in self.0 {
+            let len = usize::try_from(len).unwrap_or(usize::MAX).min(n - start);
+            if len > 0 && start + len < n {
+                out.push((start, len, byte));
+                byte += Layout::of(len).bytes;
+                start += len;
+            }
+        }
+        out.push((start, n - start, byte));
+        out
+    }
+
+    /// Exact bytes of `n` elements quantized in these parts.
+    pub fn bytes(self, n: usize) -> usize {
+        self.of(n)
+            .last()
+            .map_or(0, |&(_, len, byte)| byte + Layout::of(len).bytes)
+    }
+}
 
 /// Where each part of a packed NF4 tensor of `n` elements lies, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,6 +248,24 @@ pub fn quantize(values: &[f32]) -> Vec<u8> {
     out
 }
 
+/// `values` quantized in `parts`, each part packed on its own, one after the other.
+pub fn quantize_parts(values: &[f32], parts: Parts) -> Vec<u8> {
+    let mut out = Vec::with_capacity(parts.bytes(values.len()));
+    for (start, len, _) in parts.of(values.len()) {
+        out.extend(quantize(&values[start..start + len]));
+    }
+    out
+}
+
+/// A tensor of `n` elements packed in `parts`, dequantized to f32.
+pub fn dequantize_parts(packed: &[u8], n: usize, parts: Parts) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n);
+    for (_, len, byte) in parts.of(n) {
+        out.extend(dequantize(&packed[byte..byte + Layout::of(len).bytes], len));
+    }
+    out
+}
+
 /// A packed tensor of `n` elements from bitsandbytes' parts: the packed codes, the
 /// absmax codes, their f32 scales and the offset.
 pub fn pack(n: usize, codes: &[u8], absmax: &[u8], scales: &[f32], offset: f32) -> Option<Vec<u8>> {
@@ -290,6 +345,27 @@ mod tests {
         assert_eq!(l.bytes, 4096 * 4096 / 2 + 262_144 + 4 * 1024 + 4);
         let bits = 8.0 * l.bytes as f64 / (4096.0 * 4096.0);
         assert!((bits - 4.127).abs() < 1e-3, "{bits}");
+    }
+
+    #[test]
+    fn parts_are_quantized_one_by_one() {
+        let v: Vec<f32> = (0..3 * 640)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3)
+            .collect();
+        let parts = Parts([640 * 2, 320]);
+        let spans = parts.of(v.len());
+        assert_eq!(spans.len(), 3);
+        let packed = quantize_parts(&v, parts);
+        assert_eq!(packed.len(), parts.bytes(v.len()));
+        let mut want = Vec::new();
+        for (start, len, byte) in &spans {
+            let one = quantize(&v[*start..start + len]);
+            assert_eq!(&packed[*byte..byte + one.len()], &one[..]);
+            want.extend(dequantize(&one, *len));
+        }
+        assert_eq!(dequantize_parts(&packed, v.len(), parts), want);
+        assert_eq!(Parts::WHOLE.of(10), vec![(0, 10, 0)]);
+        assert_eq!(Parts::WHOLE.bytes(4096), Layout::of(4096).bytes);
     }
 
     #[test]

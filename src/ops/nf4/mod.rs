@@ -2,8 +2,9 @@
 //!
 //! - [`format`]: bitsandbytes' NF4 with double-quantized absmaxes, on the host:
 //!   quantization (when a checkpoint is loaded) and the reference dequantization.
-//! - [`DType::Nf4`] is the packed dtype: the ledger and the meta backend count its exact
-//!   bytes; uploading f32 values to it quantizes them.
+//! - [`DType::Nf4`] is the packed dtype, in [`Parts`] (one per Hugging Face module of a
+//!   fused weight): the ledger and the meta backend count its exact bytes; uploading f32
+//!   values to it quantizes them.
 //! - [`dequantize`]: elements of an NF4 tensor dequantized to a float tensor, one door
 //!   call with a CPU twin (`cpu.rs`) and a CUDA kernel (`cuda.rs` over `kernels/nf4.cu`).
 //! - [`matmul`]: the dequantizing product the projections run when their weight is NF4
@@ -16,14 +17,15 @@ pub mod format;
 mod product;
 
 pub use format::{
-    dequantize as dequantize_host, dynamic_code, pack, quantize, Layout, BLOCK, CODE, STATS_BLOCK,
+    dequantize as dequantize_host, dequantize_parts, dynamic_code, pack, quantize, quantize_parts,
+    Layout, Parts, BLOCK, CODE, STATS_BLOCK,
 };
 pub use product::{matmul, matmul_in_blocks, CHUNK_ELEMENTS};
 
 use crate::device::cpu::{ensure, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
-use crate::tensor::{DType, Storage, Tensor};
+use crate::tensor::{Storage, Tensor};
 
 /// `out = w[start .. start + out.numel()]` (elements of an NF4 tensor, row-major),
 /// dequantized and rounded to `out`'s float dtype.
@@ -52,7 +54,7 @@ impl OpKernel for Dequantize<'_> {
     fn check(&self) -> Result<()> {
         ensure_float("nf4_dequantize", &[self.out])?;
         ensure(
-            self.w.dtype() == DType::Nf4 && self.start + self.out.numel() <= self.w.numel(),
+            self.w.dtype().is_nf4() && self.start + self.out.numel() <= self.w.numel(),
             "nf4_dequantize",
             || {
                 format!(
