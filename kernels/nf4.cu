@@ -1,10 +1,10 @@
 // NF4 weights dequantized to the compute dtype, a block of rows at a time: the first half
 // of QLoRA's dequantizing product (src/ops/nf4/product.rs multiplies the block).
-// CPU twin: src/ops/nf4/cpu.rs; both are held to src/ops/nf4/format.rs's reference.
+// CPU twin: src/ops/nf4/cpu.rs; both are held to src/tensor/nf4.rs's reference.
 //
-// Each part of `packed` is laid out as format.rs says: ⌈n/2⌉ code bytes (the even element
-// in the high nibble), one absmax code per block of 64, one f32 scale per 256 absmax codes,
-// and the f32 offset. Element e of a part becomes
+// Each part of `packed` is laid out as src/tensor/nf4.rs says: ⌈n/2⌉ code bytes (the
+// even element in the high nibble), one absmax code per block of 64, one f32 scale per 256
+// absmax codes, and the f32 offset. Element e of a part becomes
 //   code[c] · (dynamic[q] · scale + offset)
 // in f32, rounded once to the output dtype: bitsandbytes' dequantize_4bit.
 
@@ -15,7 +15,7 @@ __device__ const unsigned nf4_code_bits[16] = {
     0x3ee1a4b8u, 0x3f1007abu, 0x3f3913b3u, 0x3f800000u,
 };
 
-// The signed 8-bit dynamic code of the absmaxes (format.rs's `dynamic_code`), as f32 bits.
+// The signed 8-bit dynamic code of the absmaxes (tensor/nf4.rs's `dynamic_code`), as f32 bits.
 __device__ const unsigned nf4_dynamic_bits[256] = {
     0xbf7e3333u, 0xbf7a999au, 0xbf770000u, 0xbf736666u, 0xbf6fcccdu, 0xbf6c3333u,
     0xbf68999au, 0xbf650000u, 0xbf616666u, 0xbf5dcccdu, 0xbf5a3333u, 0xbf56999au,
@@ -63,7 +63,7 @@ __device__ const unsigned nf4_dynamic_bits[256] = {
 };
 
 // Where one part of `n` elements keeps its absmax codes, scales and offset, and its size
-// (format.rs's Layout).
+// (tensor/nf4.rs's Layout).
 __device__ __forceinline__ void nf4_layout(i64 n, i64* absmax_at, i64* scales_at,
                                            i64* offset_at, i64* bytes) {
     const i64 blocks = (n + 63) / 64;
@@ -74,7 +74,7 @@ __device__ __forceinline__ void nf4_layout(i64 n, i64* absmax_at, i64* scales_at
 }
 
 // out[i] = element start + i of the packed tensor, for i < count. The tensor is packed in
-// up to three parts of n0, n1 and n2 elements (format.rs's Parts: one per Hugging Face
+// up to three parts of n0, n1 and n2 elements (tensor/nf4.rs's Parts: one per Hugging Face
 // module of a fused weight), each quantized on its own and packed after the one before.
 template <typename T>
 __device__ void nf4_dequantize_impl(T* out, const unsigned char* packed, i64 start, i64 count,

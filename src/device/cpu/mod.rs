@@ -171,7 +171,7 @@ pub fn read(t: &Tensor) -> Cow<'_, [f32]> {
         Storage::F32(v) => Cow::Borrowed(v.as_slice()),
         Storage::U8(v) => Cow::Owned(v.iter().map(|&c| f32::from(c)).collect()),
         Storage::Nf4 { bytes, len, parts } => {
-            Cow::Owned(crate::ops::nf4::dequantize_parts(bytes, *len, *parts))
+            Cow::Owned(crate::tensor::nf4::dequantize_parts(bytes, *len, *parts))
         }
         Storage::Bf16(v) => Cow::Owned(widen(v, bf16::to_f32)),
         Storage::F16(v) => Cow::Owned(widen(v, f16::to_f32)),
@@ -187,7 +187,7 @@ fn host_storage(data: Cow<'_, [f32]>, dtype: DType) -> Storage {
         DType::F16 => Storage::F16(data.iter().map(|x| f16::from_f32(*x)).collect()),
         DType::U8 => Storage::U8(data.iter().map(|x| DType::U8.round(*x) as u8).collect()),
         DType::Nf4(parts) => Storage::Nf4 {
-            bytes: crate::ops::nf4::quantize_parts(&data, parts),
+            bytes: crate::tensor::nf4::quantize_parts(&data, parts),
             len: data.len(),
             parts,
         },
@@ -263,12 +263,12 @@ pub fn write<R>(t: &mut Tensor, load: bool, f: impl FnOnce(&mut [f32]) -> R) -> 
         }
         Storage::Nf4 { bytes, len, parts } => {
             let mut tmp: Vec<f32> = if load {
-                crate::ops::nf4::dequantize_parts(bytes, *len, *parts)
+                crate::tensor::nf4::dequantize_parts(bytes, *len, *parts)
             } else {
                 vec![0f32; *len]
             };
             let r = f(&mut tmp);
-            *bytes = crate::ops::nf4::quantize_parts(&tmp, *parts);
+            *bytes = crate::tensor::nf4::quantize_parts(&tmp, *parts);
             r
         }
         Storage::Bf16(v) => through_f32(v, load, bf16::to_f32, bf16::from_f32, f),

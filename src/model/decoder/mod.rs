@@ -202,7 +202,7 @@ impl<F: Family> Decoder<F> {
     /// as bitsandbytes quantizes each module: `q_proj`, `k_proj` and `v_proj` in a fused
     /// `qkv_proj`; `gate_proj` and `up_proj` in a fused `gate_up_proj`; one part otherwise
     /// (GPT-2's `c_attn` is one module in its files too).
-    fn nf4_parts(&self, slot: LayerSlot, name: &str) -> crate::ops::nf4::Parts {
+    fn nf4_parts(&self, slot: LayerSlot, name: &str) -> crate::tensor::nf4::Parts {
         let heads = self.shape.heads();
         let c = self.shape.hidden as u64;
         let (q, kv, f) = (
@@ -213,9 +213,9 @@ impl<F: Family> Decoder<F> {
         let module = name.strip_suffix(".weight").unwrap_or(name);
         let fused = |n: &str| module.rsplit('.').next() == Some(n);
         match slot {
-            LayerSlot::Qkv if fused("qkv_proj") => crate::ops::nf4::Parts([q * c, kv * c]),
-            LayerSlot::Up if fused("gate_up_proj") => crate::ops::nf4::Parts([f * c, 0]),
-            _ => crate::ops::nf4::Parts::WHOLE,
+            LayerSlot::Qkv if fused("qkv_proj") => crate::tensor::nf4::Parts([q * c, kv * c]),
+            LayerSlot::Up if fused("gate_up_proj") => crate::tensor::nf4::Parts([f * c, 0]),
+            _ => crate::tensor::nf4::Parts::WHOLE,
         }
     }
 

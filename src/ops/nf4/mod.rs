@@ -1,7 +1,8 @@
 //! NF4: frozen projection weights in 4.127 bits per element, as QLoRA stores them.
 //!
-//! - [`format`]: bitsandbytes' NF4 with double-quantized absmaxes, on the host:
-//!   quantization (when a checkpoint is loaded) and the reference dequantization.
+//! - [`format`] ([`crate::tensor::nf4`]): bitsandbytes' NF4 with double-quantized
+//!   absmaxes, on the host: quantization (when a checkpoint is loaded) and the reference
+//!   dequantization.
 //! - [`DType::Nf4`] is the packed dtype, in [`Parts`] (one per Hugging Face module of a
 //!   fused weight): the ledger and the meta backend count its exact bytes; uploading f32
 //!   values to it quantizes them.
@@ -13,9 +14,9 @@
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
-pub mod format;
 mod product;
 
+pub use crate::tensor::nf4 as format;
 pub use format::{
     dequantize as dequantize_host, dequantize_parts, dynamic_code, pack, quantize, quantize_parts,
     Layout, Parts, BLOCK, CODE, STATS_BLOCK,

@@ -1,4 +1,7 @@
-//! `Tensor`: a shaped buffer on a device, tagged with its memory category and a label.
+//! `Tensor`: a shaped buffer on a device, tagged with its memory category and a label;
+//! [`DType`], what its elements are, and [`nf4`], the packed NF4 layout.
+
+pub mod nf4;
 
 use crate::device::cpu::BufferPool;
 use crate::device::cuda::DeviceBuffer;
@@ -25,18 +28,18 @@ pub enum DType {
     /// refuse them with an error naming the op.
     U8,
     /// NF4, packed: frozen weights at 4.127 bits per element (QLoRA's base projections),
-    /// as bitsandbytes stores them ([`crate::ops::nf4`]). Uploading f32 values quantizes
+    /// as bitsandbytes stores them ([`nf4`], computed by [`crate::ops::nf4`]). Uploading f32 values quantizes
     /// them, reading back dequantizes; the ledger counts the packed bytes
     /// ([`DType::bytes`]). Only the NF4 family's kernels compute with it: the arithmetic
     /// ops refuse it with an error naming the op. A fused weight is quantized in
-    /// [`Parts`](crate::ops::nf4::Parts), one per Hugging Face module ([`DType::NF4`]: one
+    /// [`Parts`](nf4::Parts), one per Hugging Face module ([`DType::NF4`]: one
     /// part).
-    Nf4(crate::ops::nf4::Parts),
+    Nf4(nf4::Parts),
 }
 
 impl DType {
     /// NF4 in one part.
-    pub const NF4: DType = DType::Nf4(crate::ops::nf4::Parts::WHOLE);
+    pub const NF4: DType = DType::Nf4(nf4::Parts::WHOLE);
 
     /// Whether this is NF4 (in any parts).
     pub fn is_nf4(self) -> bool {
@@ -65,7 +68,7 @@ impl DType {
 
     /// Rounds an f32 value to this dtype's precision (round to nearest even), as stored;
     /// for u8, to the nearest integer in 0..=255 (NaN to 0). NF4 rounds a block at a time
-    /// ([`crate::ops::nf4::quantize`]), not a value: it is returned as it is.
+    /// ([`nf4::quantize`]), not a value: it is returned as it is.
     #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
@@ -91,7 +94,7 @@ impl DType {
                 .flat_map(|v| f16::from_f32(*v).to_le_bytes())
                 .collect(),
             DType::U8 => values.iter().map(|v| DType::U8.round(*v) as u8).collect(),
-            DType::Nf4(parts) => crate::ops::nf4::quantize_parts(values, parts),
+            DType::Nf4(parts) => nf4::quantize_parts(values, parts),
         }
     }
 
@@ -111,7 +114,7 @@ impl DType {
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
-            DType::Nf4(parts) => crate::ops::nf4::dequantize_parts(raw, n, parts),
+            DType::Nf4(parts) => nf4::dequantize_parts(raw, n, parts),
         }
     }
 
@@ -144,7 +147,7 @@ pub(crate) enum Storage {
     F16(Vec<f16>),
     /// Host memory, u8 elements.
     U8(Vec<u8>),
-    /// Host memory, `len` NF4 elements packed in `parts` as [`crate::ops::nf4::Layout`]
+    /// Host memory, `len` NF4 elements packed in `parts` as [`nf4::Layout`]
     /// says.
     Nf4 {
         /// The packed bytes.
@@ -152,7 +155,7 @@ pub(crate) enum Storage {
         /// Elements.
         len: usize,
         /// The parts, each quantized on its own.
-        parts: crate::ops::nf4::Parts,
+        parts: nf4::Parts,
     },
     /// GPU memory (or the emulator's host stand-in for it), any dtype.
     Device(DeviceBuffer),
