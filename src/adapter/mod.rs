@@ -134,7 +134,7 @@ impl Adapter for Frozen {
     }
 
     fn base_dtype(&self) -> Option<DType> {
-        (self.base == BaseWeights::Nf4).then_some(DType::NF4)
+        self.base.dtype()
     }
 }
 
@@ -177,6 +177,12 @@ pub enum BaseWeights {
 impl BaseWeights {
     fn is_compute(&self) -> bool {
         *self == BaseWeights::Compute
+    }
+
+    /// The dtype the frozen projections are stored in, when not the compute dtype
+    /// ([`Adapter::base_dtype`]).
+    pub fn dtype(self) -> Option<DType> {
+        (self == BaseWeights::Nf4).then_some(DType::NF4)
     }
 }
 
@@ -318,7 +324,7 @@ impl Adapter for Lora {
     }
 
     fn base_dtype(&self) -> Option<DType> {
-        (self.base == BaseWeights::Nf4).then_some(DType::NF4)
+        self.base.dtype()
     }
 
     fn as_lora(&self) -> Option<&Lora> {

@@ -237,15 +237,19 @@ pub fn quantize(values: &[f32]) -> Vec<u8> {
     let centred: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
     let (scales, scaled) = block_scaled(&centred, STATS_BLOCK);
     let code = dynamic_code();
-    for (q, x) in out[layout.absmax_at..].iter_mut().zip(&scaled) {
-        *q = nearest(code, *x);
-    }
+    let absmax_codes: Vec<u8> = scaled.iter().map(|x| nearest(code, *x)).collect();
+    write_statistics(&mut out, &layout, &absmax_codes, &scales, offset);
+    out
+}
+
+/// Writes the absmax codes, their scales and the offset into a packed buffer.
+fn write_statistics(out: &mut [u8], layout: &Layout, absmax: &[u8], scales: &[f32], offset: f32) {
+    out[layout.absmax_at..layout.absmax_at + absmax.len()].copy_from_slice(absmax);
     for (i, s) in scales.iter().enumerate() {
         let at = layout.scales_at + 4 * i;
         out[at..at + 4].copy_from_slice(&s.to_le_bytes());
     }
     out[layout.offset_at..].copy_from_slice(&offset.to_le_bytes());
-    out
 }
 
 /// `values` quantized in `parts`, each part packed on its own, one after the other.
@@ -259,11 +263,46 @@ pub fn quantize_parts(values: &[f32], parts: Parts) -> Vec<u8> {
 
 /// A tensor of `n` elements packed in `parts`, dequantized to f32.
 pub fn dequantize_parts(packed: &[u8], n: usize, parts: Parts) -> Vec<f32> {
-    let mut out = Vec::with_capacity(n);
-    for (_, len, byte) in parts.of(n) {
-        out.extend(dequantize(&packed[byte..byte + Layout::of(len).bytes], len));
-    }
+    let mut out = vec![0f32; n];
+    dequantize_range(packed, n, parts, 0, &mut out);
     out
+}
+
+/// Elements `start..start + out.len()` of a tensor of `n` elements packed in `parts`,
+/// dequantized to f32 (each part's blocks in parallel): the reference every kernel is
+/// held to, and the CPU's kernel itself.
+pub fn dequantize_range(packed: &[u8], n: usize, parts: Parts, start: usize, out: &mut [f32]) {
+    let end = start + out.len();
+    for (part_start, part_len, byte) in parts.of(n) {
+        let (from, to) = (start.max(part_start), end.min(part_start + part_len));
+        if from < to {
+            let layout = Layout::of(part_len);
+            let part = &packed[byte..byte + layout.bytes];
+            dequantize_part(
+                part,
+                &layout,
+                from - part_start,
+                &mut out[from - start..to - start],
+            );
+        }
+    }
+}
+
+/// Elements `start..start + out.len()` of one part (`packed`, laid out as `layout`).
+fn dequantize_part(packed: &[u8], layout: &Layout, start: usize, out: &mut [f32]) {
+    let first = start / BLOCK;
+    let last = (start + out.len()).div_ceil(BLOCK).min(layout.blocks);
+    let absmax = absmaxes_of(packed, layout, first..last);
+    // The head up to a block boundary, then chunks of whole blocks in parallel.
+    let head = (BLOCK - start % BLOCK) % BLOCK;
+    let (head_part, rest) = out.split_at_mut(head.min(out.len()));
+    dequantize_into(packed, &absmax, first * BLOCK, start, head_part);
+    let base = start + head_part.len();
+    rest.par_chunks_mut(BLOCK * 64)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            dequantize_into(packed, &absmax, first * BLOCK, base + i * BLOCK * 64, chunk)
+        });
 }
 
 /// A packed tensor of `n` elements from bitsandbytes' parts: the packed codes, the
@@ -278,12 +317,7 @@ pub fn pack(n: usize, codes: &[u8], absmax: &[u8], scales: &[f32], offset: f32) 
     }
     let mut out = vec![0u8; layout.bytes];
     out[..codes.len()].copy_from_slice(codes);
-    out[layout.absmax_at..layout.absmax_at + absmax.len()].copy_from_slice(absmax);
-    for (i, s) in scales.iter().enumerate() {
-        let at = layout.scales_at + 4 * i;
-        out[at..at + 4].copy_from_slice(&s.to_le_bytes());
-    }
-    out[layout.offset_at..].copy_from_slice(&offset.to_le_bytes());
+    write_statistics(&mut out, &layout, absmax, scales, offset);
     Some(out)
 }
 
@@ -291,13 +325,8 @@ fn f32_at(packed: &[u8], at: usize) -> f32 {
     f32::from_le_bytes([packed[at], packed[at + 1], packed[at + 2], packed[at + 3]])
 }
 
-/// Each block's absmax of a packed tensor: `dyn[q] · scale + offset`.
-pub fn absmaxes(packed: &[u8], layout: &Layout) -> Vec<f32> {
-    absmaxes_of(packed, layout, 0..layout.blocks)
-}
-
-/// The absmaxes of blocks `blocks` of a packed tensor.
-pub fn absmaxes_of(packed: &[u8], layout: &Layout, blocks: std::ops::Range<usize>) -> Vec<f32> {
+/// The absmaxes of blocks `blocks` of a packed tensor: `dyn[q] · scale + offset`.
+fn absmaxes_of(packed: &[u8], layout: &Layout, blocks: std::ops::Range<usize>) -> Vec<f32> {
     let code = dynamic_code();
     let offset = f32_at(packed, layout.offset_at);
     blocks
@@ -310,7 +339,7 @@ pub fn absmaxes_of(packed: &[u8], layout: &Layout, blocks: std::ops::Range<usize
 
 /// Elements `start..start + out.len()` of a packed tensor, dequantized to f32; `absmax`
 /// holds the absmaxes of the blocks from element `absmax_from` (a block boundary) on.
-pub fn dequantize_into(
+fn dequantize_into(
     packed: &[u8],
     absmax: &[f32],
     absmax_from: usize,
@@ -324,13 +353,9 @@ pub fn dequantize_into(
     }
 }
 
-/// A packed tensor of `n` elements dequantized to f32: the reference of every kernel.
+/// A packed tensor of `n` elements (one part) dequantized to f32.
 pub fn dequantize(packed: &[u8], n: usize) -> Vec<f32> {
-    let layout = Layout::of(n);
-    let absmax = absmaxes(packed, &layout);
-    let mut out = vec![0f32; n];
-    dequantize_into(packed, &absmax, 0, 0, &mut out);
-    out
+    dequantize_parts(packed, n, Parts::WHOLE)
 }
 
 #[cfg(test)]

@@ -34,10 +34,25 @@ pub(crate) fn input_grad(
     transposed: bool,
 ) -> Result<()> {
     let (buf, fresh) = dx.buffer(be)?;
+    weight_product(be, buf, dy, w, None, !transposed, !fresh)
+}
+
+/// `out (+)= a · op(W) (+ bias)` for a projection's weight `W` (`op(W) = Wᵀ` when
+/// `transposed`): the backend's `matmul`, or the dequantizing product for an NF4 `W`.
+fn weight_product(
+    be: &dyn Backend,
+    out: &mut Tensor,
+    a: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    transposed: bool,
+    accumulate: bool,
+) -> Result<()> {
     if w.dtype().is_nf4() {
-        return nf4::matmul(be, buf, dy, w, None, !transposed, !fresh);
+        nf4::matmul(be, out, a, w, bias, transposed, accumulate)
+    } else {
+        be.matmul(out, a, w, bias, false, transposed, accumulate)
     }
-    be.matmul(buf, dy, w, None, false, !transposed, !fresh)
 }
 
 /// The parameter gradients of `y = x · op(W) (+ b)` for those that train: `dW += op(x)ᵀ ·
@@ -76,11 +91,6 @@ pub(crate) fn project(
 ) -> Result<Tensor> {
     let mut y = cx.alloc(i)?;
     let b = bias.then(|| cx.weights[1]);
-    if cx.weights[0].dtype().is_nf4() {
-        nf4::matmul(cx.backend, &mut y, x, cx.weights[0], b, transposed, false)?;
-    } else {
-        cx.backend
-            .matmul(&mut y, x, cx.weights[0], b, false, transposed, false)?;
-    }
+    weight_product(cx.backend, &mut y, x, cx.weights[0], b, transposed, false)?;
     Ok(y)
 }
