@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod adapters;
+
 use std::sync::Arc;
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
 use trainkit::{Backend, CpuBackend, DType, MemoryCategory, Rng, Tensor};

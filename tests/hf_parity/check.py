@@ -289,6 +289,21 @@ def check_hf(tk, work, tokens_bin, tokens, cls, config, what, tag, model=None):
     return ok
 
 
+def adapter_steps(model, trainable, tokens):
+    """STEPS AdamW steps of a PEFT model's adapter, with trainkit's settings: the losses."""
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
+    model.train()
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, *windows(tokens, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def check_lora(tk, work, tokens_bin, tokens):
     """LoRA on every projection of a small Llama, trainkit against PEFT."""
     from peft import PeftModel, get_peft_model_state_dict
@@ -315,16 +330,7 @@ def check_lora(tk, work, tokens_bin, tokens):
     ok = True
     trainable = [p for p in model.parameters() if p.requires_grad]
     ok &= len(trainable) == 2 * 2 * 7
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
-    model.train()
-    hf_losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, *windows(tokens, step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-        opt.step()
-        hf_losses.append(loss.item())
+    hf_losses = adapter_steps(model, trainable, tokens)
     trained = os.path.join(work, "lora-trained")
     log = os.path.join(work, "log-lora.jsonl")
     run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
@@ -466,16 +472,7 @@ def check_qlora(tk, work, tokens_bin, tokens):
     model = PeftModel.from_pretrained(quantized(True), start, is_trainable=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ok &= len(trainable) == 2 * 2 * 7
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
-    model.train()
-    hf_losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, *windows(tokens, step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-        opt.step()
-        hf_losses.append(loss.item())
+    hf_losses = adapter_steps(model, trainable, tokens)
     trained = os.path.join(work, "qlora-trained")
     log = os.path.join(work, "log-qlora.jsonl")
     run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
