@@ -130,9 +130,13 @@ fn run<P: Precision + Default>(
     let mut peak = 0;
     let mut pool_peak = 0;
     let mut skipped = 0;
+    let mut waits = vec![];
+    let uploads = backend.upload_stats().uploads;
     for _ in 0..a.steps {
         let start = Instant::now();
+        let before = backend.host_waits();
         let s = t.step()?;
+        waits.push(backend.host_waits() - before);
         backend.synchronize()?;
         secs.push(start.elapsed().as_secs_f64());
         peak = peak.max(s.memory.peak_total);
@@ -159,6 +163,14 @@ fn run<P: Precision + Default>(
         format_bytes(peak),
         format_bytes(pool_peak),
         t.precision().loss_scale()
+    );
+    // The host waits inside each step (the loss read: one), and the uploads.
+    let stats = backend.upload_stats();
+    println!(
+        "{name}: host waits per step {} (most), uploads per step {:.1}, upload ring {}",
+        waits.iter().max().copied().unwrap_or(0),
+        (stats.uploads - uploads) as f64 / a.steps as f64,
+        format_bytes(stats.ring_bytes)
     );
     if a.ops {
         print!(
@@ -202,6 +214,7 @@ fn bench() -> trainkit::Result<()> {
             bias_grad_epilogue: a.bias_grad_epilogue,
         },
     )?);
+    println!("libraries: {}", backend.describe());
     if a.ops {
         println!("profiling: every op waits for the GPU at both ends (slower steps)");
     }

@@ -5,10 +5,18 @@
 // with the position of row r being r % T; the first (H + KV)·D columns (queries, then
 // keys) are turned in heads of D, element i with element i + D/2 by the angle
 // pos · inv_freq[i]; the values are copied. `sign` is +1 (forward) or −1 (backward, the
-// transpose). inv_freq holds D/2 f32 values.
+// transpose). The D/2 f32 frequencies travel with the launch, by value (RopeFreqs, up to
+// 256 of them: heads up to 512 wide), so a call uploads nothing.
 //
 // The angle is pos · inv_freq[i] in f32 as on the CPU; sinf and cosf differ from Rust's
 // sin and cos in the last bit here and there, so the results agree to f32 rounding.
+
+#define TK_ROPE_MAX_PAIRS 256
+
+// The frequencies, passed by value (zero beyond D/2).
+struct RopeFreqs {
+    float f[TK_ROPE_MAX_PAIRS];
+};
 
 template <typename T>
 __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i64 t_len,
@@ -29,8 +37,8 @@ __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i
 }
 
 #define TK_ROPE(T, N)                                                                       \
-    extern "C" __global__ void rope_##N(T* out, const T* x, const float* inv_freq, i64 rows,\
+    extern "C" __global__ void rope_##N(T* out, const T* x, RopeFreqs freq, i64 rows,       \
                                         i64 t_len, i64 w, i64 rotated, i64 hd, float sign) {\
-        rope_impl<T>(out, x, inv_freq, rows, t_len, w, rotated, hd, sign);                  \
+        rope_impl<T>(out, x, freq.f, rows, t_len, w, rotated, hd, sign);                    \
     }
 TK_DTYPES(TK_ROPE)

@@ -6,7 +6,9 @@
 #   bash target/gpu-bundle/run.sh    # run it, here or on the GPU machine (see run.sh)
 #
 # The bundle holds:
-#   bin/            the CUDA test binaries (tests/nvrtc_kernels.rs, tests/cuda_backend.rs,
+#   bin/            the library's own unit tests (unit_tests: the cuBLASLt descriptor check,
+#                   the library-loading order, the emulator's fallbacks, ...), the CUDA
+#                   test binaries (tests/nvrtc_kernels.rs, tests/cuda_backend.rs,
 #                   tests/custom_op.rs: user kernels, an op node and Lion, on the GPU;
 #                   tests/offset_norm.rs: a fused op of a downstream crate, loaded through
 #                   CudaBackend::load_kernels),
@@ -46,7 +48,7 @@ if [ ! -f "$text" ]; then
 fi
 
 # executables JSON_FILE: the executables cargo's --message-format=json lines announce,
-# one "target-name path" a line.
+# one "target-name path" a line; the library's unit tests are named "unit_tests".
 executables() {
   python3 - "$1" <<'EOF'
 import json, sys
@@ -56,22 +58,24 @@ for line in open(sys.argv[1]):
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])
+        t = m["target"]
+        name = "unit_tests" if "lib" in t["kind"] else t["name"]
+        print(name, m["executable"])
 EOF
 }
 
 echo "== building the release binaries (tests, benchmark, trainkit)"
 messages="$(mktemp)"
 trap 'rm -f "$messages"' EXIT
-cargo test --release --locked --no-run --test cuda_backend --test nvrtc_kernels --test custom_op \
-  --test offset_norm \
+cargo test --release --locked --no-run --lib --test cuda_backend --test nvrtc_kernels \
+  --test custom_op --test offset_norm \
   --message-format=json >"$messages"
 cargo build --release --locked --bin trainkit --example gpu_bench \
   --message-format=json >>"$messages"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/data" "$bundle/reference"
-for name in cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench trainkit; do
+for name in unit_tests cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench trainkit; do
   path="$(executables "$messages" | awk -v n="$name" '$1 == n { print $2 }' | tail -n1)"
   if [ -z "$path" ] || [ ! -x "$path" ]; then
     echo "cargo announced no executable for $name" >&2

@@ -1333,6 +1333,53 @@ fn a_training_step_waits_for_the_gpu_once() {
     }
 }
 
+/// A Llama step of four micro-batches with the loss in chunks of 4 rows uploads only its
+/// batch: per micro-batch the token ids, the targets (once, for every chunk) and the
+/// embedding backward's three bucket lists; the rotary frequencies travel with their
+/// launches. So the page-locked ring never wraps within a step (it keeps its first size),
+/// and the step waits for the device once, to read its loss.
+#[test]
+fn a_step_uploads_only_its_batch_and_waits_once() {
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    for (name, cuda) in own {
+        let model = tiny_llama()
+            .with_loss(trainkit::ops::LossPath::Fused, Some(4))
+            .unwrap();
+        let backend: Arc<dyn Backend> = cuda.clone();
+        let micro_batches = 4;
+        let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16::default())
+            .checkpoint(trainkit::Selective)
+            .accumulation(trainkit::Constant { micro_batches })
+            .build()
+            .unwrap();
+        let first = cuda.upload_stats();
+        for step in 1..=3 {
+            let (waits, uploads) = (cuda.host_waits(), cuda.upload_stats().uploads);
+            let s = t.step().unwrap();
+            let waits = cuda.host_waits() - waits;
+            let stats = cuda.upload_stats();
+            assert!(s.loss.is_finite(), "{name}: {s:?}");
+            assert_eq!(waits, 1, "{name}: step {step} waited {waits} times");
+            assert_eq!(
+                stats.uploads - uploads,
+                5 * micro_batches as u64,
+                "{name}: step {step}: uploads beyond the batch's"
+            );
+            assert_eq!(
+                stats.ring_bytes, first.ring_bytes,
+                "{name}: step {step}: the ring grew"
+            );
+        }
+    }
+}
+
 /// `sync_ops` (profiling): every op span waits for the device at both ends, so the op
 /// profile times the device's work; the numbers are those of an unsynchronized run.
 #[test]

@@ -469,7 +469,8 @@ fn the_users_kernels_compile_with_nvrtc() {
         let source = custom_full_source(kernel);
         for arch in ["sm_90", "sm_80"] {
             let ptx = compile(&source, &CompileOptions::new(arch, &include))
-                .unwrap_or_else(|e| panic!("{arch}: {e}"));
+                .unwrap_or_else(|e| panic!("{arch}: {e}"))
+                .ptx;
             assert_eq!(ptx_entries(&ptx), vec![kernel.name()], "{arch}");
         }
         say(&format!(

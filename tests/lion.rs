@@ -253,7 +253,8 @@ fn the_lion_kernel_compiles_with_nvrtc() {
     assert!(source.contains("#line 1 \"lion_update.cu\""));
     for arch in ["sm_90", "sm_80"] {
         let ptx = compile(&source, &CompileOptions::new(arch, &include))
-            .unwrap_or_else(|e| panic!("{arch}: {e}"));
+            .unwrap_or_else(|e| panic!("{arch}: {e}"))
+            .ptx;
         assert_eq!(ptx_entries(&ptx), vec!["lion_update"], "{arch}");
         say(&format!(
             "NVRTC {}.{} compiled lion_update for {arch}",

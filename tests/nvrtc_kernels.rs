@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::PathBuf;
-use trainkit::device::cuda::cache::{CacheOutcome, KernelCache};
+use trainkit::device::cuda::cache::{CacheOutcome, KernelCache, Versions};
 use trainkit::device::cuda::kernels::{
     self, assemble, compile, find_include_dir, nvrtc_version, ptx_entries, ptx_version,
     CompileOptions, KERNEL_FILES,
@@ -174,7 +174,9 @@ fn the_16_bit_attention_kernels_use_the_tensor_cores() {
         .find(|f| f.name == "flash_attention.cu")
         .expect("the fused attention's kernel file");
     for arch in ARCHS {
-        let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include)).unwrap();
+        let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include))
+            .unwrap()
+            .ptx;
         for kernel in ["forward", "backward_dkv", "backward_dq"] {
             for (dtype, mma) in [
                 (
@@ -199,7 +201,7 @@ fn the_16_bit_attention_kernels_use_the_tensor_cores() {
 }
 
 #[test]
-fn compiled_ptx_is_served_from_the_cache_the_second_time() {
+fn compiled_machine_code_is_served_from_the_cache_the_second_time() {
     let Some((include, version)) = nvrtc_or_skip() else {
         return;
     };
@@ -209,16 +211,34 @@ fn compiled_ptx_is_served_from_the_cache_the_second_time() {
     let file = kernels::kernel_file("gelu.cu").unwrap();
     let options = CompileOptions::new("sm_90", &include);
     let source = file.full_source();
+    let versions = Versions {
+        nvrtc: version,
+        driver: 13000,
+    };
     let get = || {
         cache
-            .get_or_compile(file.name, &source, &options, version, compile)
+            .get_or_compile(file.name, &source, &options, versions, compile)
             .unwrap()
     };
     let (first, o1) = get();
     let (second, o2) = get();
     assert_eq!((o1, o2), (CacheOutcome::Compiled, CacheOutcome::Hit));
     assert_eq!(first, second);
-    assert_eq!(cache.ptx(file, &options).unwrap(), first);
+    // The machine code is an ELF image for sm_90, beside the PTX.
+    let cubin = first
+        .cubin
+        .as_deref()
+        .expect("NVRTC made machine code for sm_90");
+    assert!(cubin.starts_with(b"\x7fELF"), "not an ELF image");
+    assert_eq!(ptx_version(&first.ptx).map(|v| v <= MAX_PTX), Some(true));
+    assert_eq!(cache.module(file, &options, 13000).unwrap(), first);
+    // A virtual architecture gives PTX alone, cached as such.
+    let virt = CompileOptions::new("compute_90", &include);
+    let (ptx_only, _) = cache
+        .get_or_compile(file.name, &source, &virt, versions, compile)
+        .unwrap();
+    assert!(ptx_only.cubin.is_none());
+    assert_eq!(ptx_entries(&ptx_only.ptx), ptx_entries(&first.ptx));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -301,7 +301,7 @@ fn the_kernels_compile_with_nvrtc() {
     };
     for arch in ["sm_90", "sm_80"] {
         let ptx = match compile(&KERNELS.full_source(), &CompileOptions::new(arch, &include)) {
-            Ok(ptx) => ptx,
+            Ok(compiled) => compiled.ptx,
             Err(e) if std::env::var("TRAINKIT_REQUIRE_NVRTC").as_deref() != Ok("1") => {
                 say(&format!("NVRTC check skipped: {e}"));
                 return;

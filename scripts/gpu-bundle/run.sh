@@ -5,9 +5,12 @@
 #
 #   bash target/gpu-bundle/run.sh                  # every phase, in order
 #   bash target/gpu-bundle/run.sh tests bench      # some phases (in the order given)
+#   bash target/gpu-bundle/run.sh tests sanitize   # the first call on a new GPU
 #
 # Phases:
-#   tests      the CUDA test binaries with output shown: every kernel compiled by NVRTC,
+#   tests      the library's own unit tests (the cuBLASLt descriptor check, the
+#              library-loading order, ...), then the CUDA test binaries with output shown:
+#              every kernel compiled by NVRTC,
 #              every op against its CPU twin in both precisions, a training step, every
 #              recompute policy, one host wait per step, out of memory beyond the device,
 #              the default run's first 50 steps against the CPU
@@ -337,6 +340,18 @@ figures_gpu_bench() {
       [ -n "$tflops" ] && printf '%s_model_tflops=%s;' "$key" "$tflops"
       [ -n "$mfu" ] && printf '%s_mfu_percent=%s;' "$key" "$mfu"
     done
+  # "bf16 mixed: host waits per step 1 (most), uploads per step 5.0, upload ring 4.0 MiB"
+  pattern='^(fp32[^:]*|bf16 mixed|fp16 mixed): host waits per step ([0-9]+) \(most\), uploads per step ([0-9.]+), upload ring (.*)$'
+  sed -n -E "s#$pattern#\\1|\\2|\\3|\\4#p" "$1" |
+    while IFS='|' read -r what waits uploads ring; do
+      key="$(tr -c 'a-z0-9\n' '_' <<<"${what%% *}")"
+      printf '%s_host_waits_per_step=%s;%s_uploads_per_step=%s;%s_upload_ring=%s;' \
+        "$key" "$waits" "$key" "$uploads" "$key" "$ring"
+    done
+  # "libraries: NVIDIA H100 80GB HBM3 (sm_90; NVRTC 13.0 /…/libnvrtc.so.13, …)"
+  local libs
+  libs="$(sed -n -E 's#^libraries: (.*)$#\1#p' "$1" | head -n1)"
+  [ -n "$libs" ] && printf 'libraries=%s;' "$(tr ';=' ',:' <<<"$libs")"
   return 0
 }
 
@@ -555,6 +570,13 @@ val="$here/data/tinyshakespeare_val.bin"
 
 # ---------------------------------------------------------------------------------------
 phase_tests() {
+  # The library's own unit tests; where cuBLASLt was found, its descriptor check must run.
+  if [ -n "${found[libcublasLt.so.13]}" ]; then
+    TRAINKIT_REQUIRE_CUBLASLT=1 run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" \
+      --test-threads=2
+  else
+    run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" --test-threads=2
+  fi
   if [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
     # A kernel that does not compile fails, rather than skips.
     TRAINKIT_REQUIRE_NVRTC=1 run_step nvrtc_kernels 300 figures_cargo_test \

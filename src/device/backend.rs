@@ -51,6 +51,12 @@ pub trait Backend: Debug + Send + Sync {
     /// The device this backend runs on.
     fn device(&self) -> Device;
 
+    /// What the backend runs on, in words: its name, or for a GPU the device, its
+    /// architecture and the library files it loaded.
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+
     /// The ledger that counts every buffer this backend allocates.
     fn ledger(&self) -> &Ledger;
 

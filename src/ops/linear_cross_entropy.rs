@@ -229,12 +229,12 @@ impl LinearCrossEntropy {
         let w = cx.params[0].weight();
         let mut logits = be.empty(&[n, w.rows_cols().0], x.dtype(), act, "logits")?;
         be.matmul(&mut logits, xc, w, None, false, true, false)?;
-        let targets = &cx.targets[start..start + n];
+        let (targets, vocab, scale) = (cx.targets, cx.vocab, cx.grad_scale);
         if whole {
-            cross_entropy::forward(be, &mut logits, targets, cx.vocab, cx.grad_scale, cx.losses)?;
+            cross_entropy::forward(be, &mut logits, targets, vocab, scale, cx.losses)?;
         } else {
             let mut part = be.zeros(&[n, 1], DType::F32, act, "losses.chunk")?;
-            cross_entropy::forward(be, &mut logits, targets, cx.vocab, cx.grad_scale, &mut part)?;
+            cross_entropy::forward_rows(be, &mut logits, targets, start, vocab, scale, &mut part)?;
             be.copy_rows(cx.losses, start, &part, 0, n, true)?;
         }
         if cx.grad_scale.is_none() {

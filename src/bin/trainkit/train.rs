@@ -550,6 +550,10 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);
+    let device = match device {
+        trainkit::Device::Cpu => device.to_string(),
+        _ => format!("{device} ({})", backend.describe()),
+    };
     println!(
         "device: {device}; precision {}; recompute {}{}; optimizer {}{}; {} micro-batch rows × \
          {} tokens",

@@ -18,7 +18,7 @@
 //! the ledger still counts every byte trainkit holds on the device.
 
 use super::emulated::EmulatedGpu;
-use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory};
+use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory, UploadStats, MAX_BY_VALUE};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{elementwise, matmul};
 use crate::device::cpu::ensure;
@@ -68,6 +68,8 @@ pub struct CudaBackend {
     /// Set by [`CudaOptions::bias_grad_epilogue`]; cleared when cuBLASLt fails a product
     /// with a bias-gradient epilogue: the weight and bias gradients then run as two ops.
     pub(super) bias_grad_epilogue: AtomicBool,
+    /// The values [`CudaBackend::kept_u32`] keeps on the device, with their host copy.
+    kept: Mutex<Option<(Vec<u32>, Tensor)>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -124,6 +126,7 @@ impl CudaBackend {
             gemm_workspace: Mutex::new(None),
             gelu_epilogue: AtomicBool::new(true),
             bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
+            kept: Mutex::new(None),
         }
     }
 
@@ -142,6 +145,19 @@ impl CudaBackend {
     /// its loss for the log.
     pub fn host_waits(&self) -> u64 {
         self.gpu.host_waits()
+    }
+
+    /// How many kernel modules have been loaded so far: one per kernel file of trainkit's
+    /// at start-up, then one per file written outside trainkit on its first use, never
+    /// again during training.
+    pub fn module_loads(&self) -> u64 {
+        self.gpu.module_loads()
+    }
+
+    /// The uploads so far and the size of the page-locked ring they go through (it grows
+    /// to what the uploads between two waits for the device need).
+    pub fn upload_stats(&self) -> UploadStats {
+        self.gpu.upload_stats()
     }
 
     pub(super) fn alloc(
@@ -174,6 +190,19 @@ impl CudaBackend {
     }
 
     fn out_of_memory(&self, bytes: u64, category: MemoryCategory, label: &str) -> Error {
+        Error::OutOfMemory {
+            message: format!(
+                "the GPU ({}) has no room for {} for `{label}` ({category}): {}",
+                self.gpu.describe(),
+                format_bytes(bytes),
+                self.memory_figures()
+            ),
+        }
+    }
+
+    /// What trainkit holds, by category, what the device has free and its pool holds, and
+    /// what to try: the body of every out-of-memory error.
+    fn memory_figures(&self) -> String {
         let snap = self.ledger.snapshot();
         let live: Vec<String> = snap
             .live
@@ -190,22 +219,17 @@ impl CudaBackend {
             ),
             _ => String::new(),
         };
-        Error::OutOfMemory {
-            message: format!(
-                "the GPU ({}) has no room for {} for `{label}` ({category}): trainkit holds {} \
-                 ({}){device}; use a smaller batch with more accumulation steps, a recompute \
-                 policy or mixed precision (`trainkit memory` and `trainkit train --autofit` \
-                 say what fits)",
-                self.gpu.describe(),
-                format_bytes(bytes),
-                format_bytes(snap.live.total()),
-                if live.is_empty() {
-                    "nothing".to_string()
-                } else {
-                    live.join(", ")
-                },
-            ),
-        }
+        format!(
+            "trainkit holds {} ({}){device}; use a smaller batch with more accumulation \
+             steps, a recompute policy or mixed precision (`trainkit memory` and `trainkit \
+             train --autofit` say what fits)",
+            format_bytes(snap.live.total()),
+            if live.is_empty() {
+                "nothing".to_string()
+            } else {
+                live.join(", ")
+            },
+        )
     }
 
     /// A workspace tensor of `bytes` (rounded up to whole f32s), contents unspecified:
@@ -228,6 +252,24 @@ impl CudaBackend {
             self.gpu.upload(ptr(&t)?, &bytes)?;
         }
         Ok(t)
+    }
+
+    /// `values` on the device, uploaded once while the calls ask for the same values (the
+    /// targets of one loss, read chunk by chunk): the address of a workspace tensor the
+    /// backend keeps until it is asked for other values. One list is kept at a time.
+    pub(crate) fn kept_u32(&self, values: &[u32], label: &str) -> Result<DevicePtr> {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((host, t)) = kept.as_ref() {
+            if host.as_slice() == values && t.label() == label {
+                return ptr(t);
+            }
+        }
+        // The old list is freed (stream-ordered, after the kernels that read it) first.
+        *kept = None;
+        let t = self.upload_u32(values, label)?;
+        let p = ptr(&t)?;
+        *kept = Some((values.to_vec(), t));
+        Ok(p)
     }
 
     /// `t` as `dtype`: `t` itself, or a cast copy in the workspace.
@@ -280,7 +322,9 @@ impl CudaBackend {
                 ),
             });
         }
-        self.gpu.load_file(file.name, file.source, file.kernels)
+        self.gpu
+            .load_file(file.name, file.source, file.kernels)
+            .map_err(|e| self.explain(e))
     }
 
     /// Launches `kernel` (one of trainkit's, or of a file loaded with
@@ -303,11 +347,33 @@ impl CudaBackend {
     }
 
     pub(crate) fn launch(&self, kernel: &str, grid: u32, block: u32, mut args: Args) -> Result<()> {
+        let by_value = args.largest_by_value();
+        if by_value > MAX_BY_VALUE {
+            return Err(Error::Backend {
+                backend: "cuda",
+                message: format!(
+                    "launching {kernel}: a value of {by_value} bytes passed by value; at most \
+                     {MAX_BY_VALUE} travel with a launch (pass a device pointer instead)"
+                ),
+            });
+        }
         let mut params = args.params();
         // SAFETY: every call site passes the kernel's arguments in its declared order and
         // types (see kernels/*.cu), with device pointers to buffers whose sizes the op
         // checked against the shapes first.
-        unsafe { self.gpu.launch(kernel, grid, block, &mut params) }
+        unsafe { self.gpu.launch(kernel, grid, block, &mut params) }.map_err(|e| self.explain(e))
+    }
+
+    /// `e`, with the ledger's and the device's figures and what to try added when it is
+    /// an out-of-memory error from outside an allocation (a launch, a product, a module
+    /// load).
+    pub(crate) fn explain(&self, e: Error) -> Error {
+        match e {
+            Error::OutOfMemory { message } => Error::OutOfMemory {
+                message: format!("{message}: {}", self.memory_figures()),
+            },
+            other => other,
+        }
     }
 }
 
@@ -360,6 +426,10 @@ pub(crate) fn ensure_dtype(t: &Tensor, dtype: DType, op: &'static str) -> Result
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn describe(&self) -> String {
+        self.gpu.describe()
     }
 
     fn device(&self) -> Device {
@@ -512,6 +582,195 @@ impl Backend for CudaBackend {
 mod tests {
     use super::*;
     use crate::device::cpu::CpuBackend;
+
+    /// The emulated GPU, or `None` (a skip) where the emulator cannot be built and is not
+    /// required.
+    fn emulated() -> Option<EmulatedGpu> {
+        match EmulatedGpu::new(None) {
+            Ok(gpu) => Some(gpu),
+            Err(e) if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() => {
+                panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}")
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// A library with no algorithm for any product: every product runs as the plain
+    /// kernel (kernels/matmul.cu), for each operand and output type, both transposes,
+    /// with a bias and accumulating, and matches the product in f64 to the output type's
+    /// rounding; the GELU epilogue's caller falls back to two ops, whose product is plain.
+    #[test]
+    fn products_without_an_algorithm_run_as_the_plain_kernel() {
+        let Some(mut gpu) = emulated() else {
+            return;
+        };
+        gpu.refuse_products = true;
+        let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
+        // Shapes that leave partial 16 × 16 tiles and a partial inner tile.
+        let (m, n, k) = (19usize, 21usize, 35usize);
+        let value = |i: usize, f: f32| (i as f32 * f).sin();
+        for (operand, out_dtype, tol) in [
+            (DType::F32, DType::F32, 1e-5),
+            (DType::Bf16, DType::Bf16, 1e-2),
+            (DType::Bf16, DType::F32, 1e-5),
+            (DType::F16, DType::F16, 2e-3),
+            (DType::F16, DType::F32, 1e-5),
+        ] {
+            for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
+                for (accumulate, with_bias) in [(false, false), (true, true)] {
+                    let a_shape = if trans_a { [k, m] } else { [m, k] };
+                    let b_shape = if trans_b { [n, k] } else { [k, n] };
+                    let a: Vec<f32> = (0..m * k).map(|i| value(i, 0.37)).collect();
+                    let b: Vec<f32> = (0..k * n).map(|i| value(i, 0.11)).collect();
+                    let d0: Vec<f32> = (0..m * n).map(|i| value(i, 0.05)).collect();
+                    let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.05 - 0.3).collect();
+                    let up = |v: &[f32], s: &[usize], dt| {
+                        be.upload(v, s, dt, MemoryCategory::Activations, "x")
+                            .unwrap()
+                    };
+                    let (ta, tb) = (up(&a, &a_shape, operand), up(&b, &b_shape, operand));
+                    let tbias = up(&bias, &[n], out_dtype);
+                    let mut out = up(&d0, &[m, n], out_dtype);
+                    let bias_arg = with_bias.then_some(&tbias);
+                    be.matmul_kernel(&mut out, &ta, &tb, bias_arg, trans_a, trans_b, accumulate)
+                        .unwrap();
+                    let got = be.to_f32(&out).unwrap();
+                    // The reference from the rounded operands, in f64.
+                    let (ra, rb) = (be.to_f32(&ta).unwrap(), be.to_f32(&tb).unwrap());
+                    let rd0 = be.to_f32(&up(&d0, &[m, n], out_dtype)).unwrap();
+                    let rbias = be.to_f32(&tbias).unwrap();
+                    for i in 0..m {
+                        for j in 0..n {
+                            let mut want = 0f64;
+                            for l in 0..k {
+                                let x = if trans_a {
+                                    ra[l * m + i]
+                                } else {
+                                    ra[i * k + l]
+                                };
+                                let y = if trans_b {
+                                    rb[j * k + l]
+                                } else {
+                                    rb[l * n + j]
+                                };
+                                want += x as f64 * y as f64;
+                            }
+                            if accumulate {
+                                want += rd0[i * n + j] as f64;
+                            }
+                            if with_bias {
+                                want += rbias[j] as f64;
+                            }
+                            let g = got[i * n + j] as f64;
+                            assert!(
+                                (g - want).abs() <= tol * want.abs().max(1.0),
+                                "{operand}→{out_dtype} trans {trans_a}/{trans_b} acc \
+                                 {accumulate} [{i},{j}]: {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // The GELU epilogue has no algorithm either: two ops, the product plain.
+        let cpu = CpuBackend::new();
+        let run = |be: &dyn Backend| {
+            let up = |v: Vec<f32>, s: &[usize]| {
+                be.upload(&v, s, DType::F32, MemoryCategory::Activations, "x")
+                    .unwrap()
+            };
+            let a = up((0..m * k).map(|i| value(i, 0.3)).collect(), &[m, k]);
+            let b = up((0..k * 16).map(|i| value(i, 0.7)).collect(), &[k, 16]);
+            let bias = up((0..16).map(|i| value(i, 0.2)).collect(), &[16]);
+            let mut pre = up(vec![f32::NAN; m * 16], &[m, 16]);
+            let mut out = up(vec![f32::NAN; m * 16], &[m, 16]);
+            crate::ops::linear::matmul_bias_gelu(be, &mut out, &mut pre, &a, &b, &bias).unwrap();
+            (be.to_f32(&pre).unwrap(), be.to_f32(&out).unwrap())
+        };
+        let (want, got) = (run(&cpu), run(&be));
+        for (g, w) in got.0.iter().chain(&got.1).zip(want.0.iter().chain(&want.1)) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+        }
+    }
+
+    /// A launch that runs out of memory (a kernel's local memory, a lazily loaded module)
+    /// is [`Error::OutOfMemory`], with the ledger's figures and what to try, as an
+    /// allocation's is; the backend works on after it.
+    #[test]
+    fn an_out_of_memory_launch_is_out_of_memory_with_the_figures() {
+        let Some(gpu) = emulated() else {
+            return;
+        };
+        gpu.failing_launches
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
+        let x = be
+            .upload(
+                &[1.0, -2.0, 3.0],
+                &[3],
+                DType::F32,
+                MemoryCategory::Activations,
+                "x",
+            )
+            .unwrap();
+        let err = be.as_dtype(&x, DType::Bf16).unwrap_err();
+        let Error::OutOfMemory { message } = &err else {
+            panic!("not an out-of-memory error: {err}");
+        };
+        for part in [
+            "launching cast_",
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            "trainkit holds",
+            "activations",
+            "smaller batch",
+        ] {
+            assert!(message.contains(part), "{part} missing from: {message}");
+        }
+        let y = be.as_dtype(&x, DType::Bf16).unwrap();
+        assert_eq!(be.to_f32(&y).unwrap(), vec![1.0, -2.0, 3.0]);
+    }
+
+    /// The emulator counts module loads as the driver does: one per kernel file at
+    /// start-up, one per file written outside trainkit on its first use, none after.
+    #[test]
+    fn modules_load_once() {
+        let Some(gpu) = emulated() else {
+            return;
+        };
+        let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
+        let start = be.module_loads();
+        assert_eq!(start, KERNEL_FILES.len() as u64);
+        const FILE: KernelFile = KernelFile {
+            name: "module_load_test.cu",
+            source: "extern \"C\" __global__ void module_load_test_fill(float* x, i64 n) {\n\
+                     TK_FOR_EACH(i, n) { x[i] = 2.0f; }\n}\n",
+            kernels: &["module_load_test_fill"],
+        };
+        for _ in 0..3 {
+            be.load_kernels(&FILE).unwrap();
+            let x = be
+                .upload(
+                    &[0.0; 5],
+                    &[5],
+                    DType::F32,
+                    MemoryCategory::Activations,
+                    "x",
+                )
+                .unwrap();
+            // SAFETY: the kernel takes a float pointer and its length.
+            unsafe {
+                be.launch_kernel(
+                    "module_load_test_fill",
+                    1,
+                    BLOCK,
+                    Args::new().ptr(ptr(&x).unwrap()).i64(5),
+                )
+            }
+            .unwrap();
+            assert_eq!(be.to_f32(&x).unwrap(), vec![2.0; 5]);
+        }
+        assert_eq!(be.module_loads(), start + 1);
+    }
 
     /// A library without an algorithm for the GELU epilogue: the product and the GELU run
     /// as two ops, with the same values, and the epilogue is not tried again.

@@ -1,34 +1,48 @@
-//! Compiled PTX cached on disk, so NVRTC runs once per kernel file, architecture and
-//! NVRTC version rather than at every start.
+//! Compiled kernels cached on disk, so NVRTC runs once per kernel file, architecture,
+//! NVRTC and driver version rather than at every start.
 //!
-//! An entry is named `<file stem>-<key>.ptx`, where the key is a 128-bit FNV-1a hash of the
-//! complete source (common prelude included), the NVRTC flags (architecture, include
-//! directory, math options) and the NVRTC version. FNV-1a is implemented here, so keys do
-//! not change with the Rust version (std's `DefaultHasher` may) or a crate's release; it
-//! is not a cryptographic hash, which a private cache does not need. Each entry ends with
-//! a checksum line of its PTX: an entry that is truncated, altered or unreadable is
-//! compiled again and rewritten, never an error. Entries are written atomically
-//! ([`write_atomically`]), so concurrent processes at worst both compile.
+//! An entry holds what NVRTC made of one file ([`Compiled`]): the machine code (CUBIN),
+//! which the backend loads as is, and the PTX, its fallback. It is named
+//! `<file stem>-<key>.module`, where the key is a 128-bit FNV-1a hash of the complete
+//! source (common prelude included), the NVRTC flags (architecture, include directory,
+//! math options), the NVRTC version and the driver's CUDA version. FNV-1a is implemented
+//! here, so keys do not change with the Rust version (std's `DefaultHasher` may) or a
+//! crate's release; it is not a cryptographic hash, which a private cache does not need.
+//!
+//! The entry's layout: the line `trainkit-module v2`, the PTX's length (u64, little
+//! endian) and bytes, the CUBIN's length (0 for none) and bytes, then a 128-bit FNV-1a
+//! checksum (little endian) of everything before it. An entry that is truncated, altered
+//! or unreadable is compiled again and rewritten, never an error. Entries are written
+//! atomically ([`write_atomically`]), so concurrent processes at worst both compile.
 //!
 //! The directory is `$TRAINKIT_CACHE_DIR` when set, else `$XDG_CACHE_HOME/trainkit/kernels`,
 //! else `~/.cache/trainkit/kernels`.
 
-use super::kernels::{self, CompileOptions, KernelFile};
+use super::kernels::{self, CompileOptions, Compiled, KernelFile};
 use crate::error::Result;
 use crate::save::write_atomically;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-/// Whether [`KernelCache::get_or_compile`] found the PTX or compiled it.
+/// Whether [`KernelCache::get_or_compile`] found the module or compiled it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheOutcome {
     /// A valid entry was on disk.
     Hit,
-    /// The PTX was compiled (no entry, or a corrupt one) and stored.
+    /// The module was compiled (no entry, or a corrupt one) and stored.
     Compiled,
 }
 
-/// A directory of compiled PTX, keyed by source, options and NVRTC version.
+/// The versions a compiled module depends on besides its source and flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Versions {
+    /// NVRTC's `(major, minor)`.
+    pub nvrtc: (i32, i32),
+    /// The driver's CUDA version (13000 for 13.0); 0 where there is no driver.
+    pub driver: i32,
+}
+
+/// A directory of compiled kernels, keyed by source, options, NVRTC and driver version.
 #[derive(Clone, Debug)]
 pub struct KernelCache {
     dir: PathBuf,
@@ -37,8 +51,8 @@ pub struct KernelCache {
 /// Environment variable naming the cache directory.
 pub const CACHE_ENV: &str = "TRAINKIT_CACHE_DIR";
 
-/// Marks the checksum line that ends every entry.
-const CHECKSUM_TAG: &str = "// trainkit-ptx-checksum ";
+/// The first line of every entry.
+const MAGIC: &[u8] = b"trainkit-module v2\n";
 
 impl KernelCache {
     /// A cache in `dir` (created when the first entry is written).
@@ -57,26 +71,27 @@ impl KernelCache {
         &self.dir
     }
 
-    /// The key of `source` compiled with `options` by NVRTC `nvrtc` (`(major, minor)`):
-    /// 32 hex digits.
-    pub fn key(source: &str, options: &CompileOptions, nvrtc: (i32, i32)) -> String {
+    /// The key of `source` compiled with `options` under `versions`: 32 hex digits.
+    pub fn key(source: &str, options: &CompileOptions, versions: Versions) -> String {
         let mut h = Fnv128::new();
-        h.field(b"trainkit kernel cache v1");
+        h.field(b"trainkit kernel cache v2");
         h.field(source.as_bytes());
         for flag in options.flags() {
             h.field(flag.as_bytes());
         }
-        h.field(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes());
+        let (major, minor) = versions.nvrtc;
+        h.field(format!("nvrtc {major}.{minor}").as_bytes());
+        h.field(format!("driver {}", versions.driver).as_bytes());
         format!("{:032x}", h.finish())
     }
 
     /// Where the entry for kernel file `file` (e.g. `gelu.cu`) with `key` lives.
     pub fn entry_path(&self, file: &str, key: &str) -> PathBuf {
         let stem = file.strip_suffix(".cu").unwrap_or(file);
-        self.dir.join(format!("{stem}-{key}.ptx"))
+        self.dir.join(format!("{stem}-{key}.module"))
     }
 
-    /// The PTX of `source` for `options`: from the cache when a valid entry exists, else
+    /// The compiled `source` for `options`: from the cache when a valid entry exists, else
     /// from `compile` (then stored). Only `compile`'s errors are returned; cache trouble
     /// (an unreadable or corrupt entry, a directory that cannot be written) is logged and
     /// worked around.
@@ -85,13 +100,13 @@ impl KernelCache {
         file: &str,
         source: &str,
         options: &CompileOptions,
-        nvrtc: (i32, i32),
-        compile: impl FnOnce(&str, &CompileOptions) -> Result<String>,
-    ) -> Result<(String, CacheOutcome)> {
-        let path = self.entry_path(file, &Self::key(source, options, nvrtc));
+        versions: Versions,
+        compile: impl FnOnce(&str, &CompileOptions) -> Result<Compiled>,
+    ) -> Result<(Compiled, CacheOutcome)> {
+        let path = self.entry_path(file, &Self::key(source, options, versions));
         match std::fs::read(&path) {
             Ok(bytes) => match decode_entry(&bytes) {
-                Some(ptx) => return Ok((ptx, CacheOutcome::Hit)),
+                Some(module) => return Ok((module, CacheOutcome::Hit)),
                 None => log::warn!(
                     "kernel cache entry {} is corrupt: compiling {file} again",
                     path.display()
@@ -103,22 +118,31 @@ impl KernelCache {
                 path.display()
             ),
         }
-        let ptx = compile(source, options)?;
+        let module = compile(source, options)?;
         let stored = std::fs::create_dir_all(&self.dir)
             .map_err(|e| crate::error::Error::io(&self.dir, e))
-            .and_then(|()| write_atomically(&path, encode_entry(&ptx).as_bytes()));
+            .and_then(|()| write_atomically(&path, &encode_entry(&module)));
         if let Err(e) = stored {
             log::warn!("could not store compiled {file} in the kernel cache: {e}");
         }
-        Ok((ptx, CacheOutcome::Compiled))
+        Ok((module, CacheOutcome::Compiled))
     }
 
-    /// The PTX of a kernel file for `options`, through the cache and NVRTC.
-    pub fn ptx(&self, file: &KernelFile, options: &CompileOptions) -> Result<String> {
-        let nvrtc = kernels::nvrtc_version()?;
+    /// A kernel file compiled for `options`, through the cache and NVRTC, for a driver of
+    /// CUDA version `driver` (0 where there is none).
+    pub fn module(
+        &self,
+        file: &KernelFile,
+        options: &CompileOptions,
+        driver: i32,
+    ) -> Result<Compiled> {
+        let versions = Versions {
+            nvrtc: kernels::nvrtc_version()?,
+            driver,
+        };
         let source = file.full_source();
-        self.get_or_compile(file.name, &source, options, nvrtc, kernels::compile)
-            .map(|(ptx, _)| ptx)
+        self.get_or_compile(file.name, &source, options, versions, kernels::compile)
+            .map(|(module, _)| module)
     }
 }
 
@@ -135,26 +159,45 @@ fn default_dir_with(env: &dyn Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
     set("HOME").map(|home| home.join(".cache").join("trainkit").join("kernels"))
 }
 
-/// The PTX followed by its checksum line.
-fn encode_entry(ptx: &str) -> String {
-    let sep = if ptx.ends_with('\n') { "" } else { "\n" };
-    format!("{ptx}{sep}{CHECKSUM_TAG}{:032x}\n", checksum(ptx))
+/// The entry's bytes (see the module documentation).
+fn encode_entry(module: &Compiled) -> Vec<u8> {
+    let cubin = module.cubin.as_deref().unwrap_or(&[]);
+    let mut out = Vec::with_capacity(MAGIC.len() + 32 + module.ptx.len() + cubin.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(module.ptx.len() as u64).to_le_bytes());
+    out.extend_from_slice(module.ptx.as_bytes());
+    out.extend_from_slice(&(cubin.len() as u64).to_le_bytes());
+    out.extend_from_slice(cubin);
+    let sum = checksum(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
 }
 
-/// The PTX of a well-formed entry whose checksum matches.
-fn decode_entry(bytes: &[u8]) -> Option<String> {
-    let text = std::str::from_utf8(bytes).ok()?;
-    let body_end = text.rfind(CHECKSUM_TAG)?;
-    let (body, tail) = text.split_at(body_end);
-    let sum = tail.strip_prefix(CHECKSUM_TAG)?.strip_suffix('\n')?;
-    let sum = u128::from_str_radix(sum, 16).ok()?;
-    // encode_entry added a newline when the PTX had none; PTX from NVRTC ends with one.
-    (sum == checksum(body) && !body.is_empty()).then(|| body.to_string())
+/// The module of a well-formed entry whose checksum matches.
+fn decode_entry(bytes: &[u8]) -> Option<Compiled> {
+    let (body, sum) = bytes.split_at_checked(bytes.len().checked_sub(16)?)?;
+    if u128::from_le_bytes(sum.try_into().ok()?) != checksum(body) {
+        return None;
+    }
+    let mut rest = body.strip_prefix(MAGIC)?;
+    let take = |rest: &mut &[u8]| -> Option<Vec<u8>> {
+        let (len, tail) = rest.split_at_checked(8)?;
+        let len = usize::try_from(u64::from_le_bytes(len.try_into().ok()?)).ok()?;
+        let (field, tail) = tail.split_at_checked(len)?;
+        *rest = tail;
+        Some(field.to_vec())
+    };
+    let ptx = String::from_utf8(take(&mut rest)?).ok()?;
+    let cubin = take(&mut rest)?;
+    (rest.is_empty() && !ptx.is_empty()).then_some(Compiled {
+        ptx,
+        cubin: (!cubin.is_empty()).then_some(cubin),
+    })
 }
 
-fn checksum(ptx: &str) -> u128 {
+fn checksum(bytes: &[u8]) -> u128 {
     let mut h = Fnv128::new();
-    h.field(ptx.as_bytes());
+    h.field(bytes);
     h.finish()
 }
 
@@ -203,15 +246,25 @@ mod tests {
 
     const PTX: &str = ".version 9.0\n.target sm_90\n.visible .entry k()\n{\n\tret;\n}\n";
 
-    /// A compile function that counts its calls.
+    /// A compile function that counts its calls; machine code for real architectures.
     fn counting<'a>(
         calls: &'a Cell<usize>,
-    ) -> impl Fn(&str, &CompileOptions) -> Result<String> + 'a {
+    ) -> impl Fn(&str, &CompileOptions) -> Result<Compiled> + 'a {
         move |src: &str, o: &CompileOptions| {
             calls.set(calls.get() + 1);
-            Ok(format!("{PTX}// {} {}\n", o.arch, src.len()))
+            Ok(Compiled {
+                ptx: format!("{PTX}// {} {}\n", o.arch, src.len()),
+                cubin: o
+                    .is_real()
+                    .then(|| format!("\x7fELF {}", o.arch).into_bytes()),
+            })
         }
     }
+
+    const V13: Versions = Versions {
+        nvrtc: (13, 0),
+        driver: 13000,
+    };
 
     #[test]
     fn fnv128_matches_the_reference_values() {
@@ -230,18 +283,19 @@ mod tests {
         let calls = Cell::new(0);
         let o = CompileOptions::new("sm_90", "/inc");
         let (a, first) = cache
-            .get_or_compile("gelu.cu", "src", &o, (13, 0), counting(&calls))
+            .get_or_compile("gelu.cu", "src", &o, V13, counting(&calls))
             .unwrap();
         let (b, second) = cache
-            .get_or_compile("gelu.cu", "src", &o, (13, 0), counting(&calls))
+            .get_or_compile("gelu.cu", "src", &o, V13, counting(&calls))
             .unwrap();
         assert_eq!((first, second), (CacheOutcome::Compiled, CacheOutcome::Hit));
         assert_eq!(a, b);
         assert_eq!(calls.get(), 1);
-        let key = KernelCache::key("src", &o, (13, 0));
+        let key = KernelCache::key("src", &o, V13);
         assert!(cache
             .entry_path("gelu.cu", &key)
-            .ends_with(format!("gelu-{key}.ptx")));
+            .ends_with(format!("gelu-{key}.module")));
+        assert!(a.cubin.is_some());
         let _ = std::fs::remove_dir_all(cache.dir());
     }
 
@@ -252,24 +306,41 @@ mod tests {
         let o90 = CompileOptions::new("sm_90", "/inc");
         let o80 = CompileOptions::new("sm_80", "/inc");
         let other_inc = CompileOptions::new("sm_90", "/other");
+        let nvrtc_13_1 = Versions {
+            nvrtc: (13, 1),
+            ..V13
+        };
+        let driver_13_1 = Versions {
+            driver: 13010,
+            ..V13
+        };
+        let ptx_only = CompileOptions::new("compute_90", "/inc");
         for (src, o, v) in [
-            ("src", &o90, (13, 0)),
-            ("src", &o80, (13, 0)),
-            ("src", &other_inc, (13, 0)),
-            ("src2", &o90, (13, 0)),
-            ("src", &o90, (13, 1)),
+            ("src", &o90, V13),
+            ("src", &o80, V13),
+            ("src", &other_inc, V13),
+            ("src2", &o90, V13),
+            ("src", &o90, nvrtc_13_1),
+            ("src", &o90, driver_13_1),
+            ("src", &ptx_only, V13),
         ] {
             let (_, outcome) = cache
                 .get_or_compile("gelu.cu", src, o, v, counting(&calls))
                 .unwrap();
             assert_eq!(outcome, CacheOutcome::Compiled, "{src} {o:?} {v:?}");
         }
-        assert_eq!(calls.get(), 5);
-        let (ptx, outcome) = cache
-            .get_or_compile("gelu.cu", "src", &o80, (13, 0), counting(&calls))
+        assert_eq!(calls.get(), 7);
+        // PTX alone round-trips as PTX alone.
+        let (module, outcome) = cache
+            .get_or_compile("gelu.cu", "src", &ptx_only, V13, counting(&calls))
+            .unwrap();
+        assert_eq!((outcome, module.cubin), (CacheOutcome::Hit, None));
+        let (module, outcome) = cache
+            .get_or_compile("gelu.cu", "src", &o80, V13, counting(&calls))
             .unwrap();
         assert_eq!(outcome, CacheOutcome::Hit);
-        assert!(ptx.contains("sm_80"));
+        assert!(module.ptx.contains("sm_80"));
+        assert_eq!(module.cubin.as_deref(), Some(&b"\x7fELF sm_80"[..]));
         let _ = std::fs::remove_dir_all(cache.dir());
     }
 
@@ -279,30 +350,32 @@ mod tests {
         let calls = Cell::new(0);
         let o = CompileOptions::new("sm_90", "/inc");
         let (good, _) = cache
-            .get_or_compile("adamw.cu", "src", &o, (13, 0), counting(&calls))
+            .get_or_compile("adamw.cu", "src", &o, V13, counting(&calls))
             .unwrap();
-        let path = cache.entry_path("adamw.cu", &KernelCache::key("src", &o, (13, 0)));
+        let path = cache.entry_path("adamw.cu", &KernelCache::key("src", &o, V13));
         let full = std::fs::read(&path).unwrap();
         let corruptions: Vec<Vec<u8>> = vec![
             full[..full.len() / 2].to_vec(),         // truncated
             full.iter().map(|b| b ^ 0x20).collect(), // altered
-            vec![0xff, 0xfe, 0x00],                  // not UTF-8
+            vec![0xff, 0xfe, 0x00],                  // garbage
             Vec::new(),                              // empty
-            good.as_bytes().to_vec(),                // no checksum
+            full[..full.len() - 16].to_vec(),        // no checksum
+            {
+                // A well-formed checksum over a wrong layout.
+                let mut b = b"trainkit-module v1\n".to_vec();
+                b.extend_from_slice(&checksum(&b).to_le_bytes());
+                b
+            },
         ];
         for (i, bad) in corruptions.into_iter().enumerate() {
             std::fs::write(&path, bad).unwrap();
-            let (ptx, outcome) = cache
-                .get_or_compile("adamw.cu", "src", &o, (13, 0), counting(&calls))
+            let (module, outcome) = cache
+                .get_or_compile("adamw.cu", "src", &o, V13, counting(&calls))
                 .unwrap();
-            assert_eq!(
-                (outcome, ptx.as_str()),
-                (CacheOutcome::Compiled, good.as_str()),
-                "{i}"
-            );
+            assert_eq!((outcome, &module), (CacheOutcome::Compiled, &good), "{i}");
             // Rewritten: the next request hits.
             let (_, outcome) = cache
-                .get_or_compile("adamw.cu", "src", &o, (13, 0), counting(&calls))
+                .get_or_compile("adamw.cu", "src", &o, V13, counting(&calls))
                 .unwrap();
             assert_eq!(outcome, CacheOutcome::Hit, "{i}");
         }
@@ -310,7 +383,7 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::fs::create_dir(&path).unwrap();
         let (_, outcome) = cache
-            .get_or_compile("adamw.cu", "src", &o, (13, 0), counting(&calls))
+            .get_or_compile("adamw.cu", "src", &o, V13, counting(&calls))
             .unwrap();
         assert_eq!(outcome, CacheOutcome::Compiled);
         let _ = std::fs::remove_dir_all(cache.dir());
@@ -321,7 +394,7 @@ mod tests {
         let cache = temp_cache("error");
         let o = CompileOptions::new("sm_90", "/inc");
         let err = cache
-            .get_or_compile("gelu.cu", "src", &o, (13, 0), |_, _| {
+            .get_or_compile("gelu.cu", "src", &o, V13, |_, _| {
                 Err(crate::Error::Backend {
                     backend: "cuda",
                     message: "no NVRTC".into(),

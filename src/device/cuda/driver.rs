@@ -2,25 +2,39 @@
 //! bindings.
 //!
 //! One context and one stream per backend, and a second stream for copies to and from
-//! host memory (offloaded activations, [`super::pinned`]). Memory comes from the device's default
-//! stream-ordered pool (`cuMemAllocFromPoolAsync`) with its release threshold raised to
-//! the maximum, so freed memory stays in the pool and is reused instead of going back to
-//! the driver at every synchronization. Kernels are compiled by NVRTC for the device's own
-//! architecture, through the on-disk PTX cache, and every kernel of every file is
-//! resolved once at start-up. Products go through cuBLASLt, with the algorithm chosen by
-//! its heuristic once per shape and kept.
+//! host memory (offloaded activations, [`super::pinned`]). Memory comes from the device's
+//! default stream-ordered pool (`cuMemAllocFromPoolAsync`) with its release threshold at
+//! [`release_threshold`]: freed memory stays in the pool and is reused instead of going
+//! back to the driver at every synchronization, except the last slice of the device,
+//! which is given back so that what the driver allocates outside the pool (kernels loaded
+//! lazily, cuBLASLt's kernels for a new shape, local memory of spilling kernels) finds
+//! room. An allocation that fails trims the pool and is tried once more; every
+//! `CUDA_ERROR_OUT_OF_MEMORY` (allocation, launch, product, module load) is
+//! [`Error::OutOfMemory`].
+//!
+//! Kernels are compiled by NVRTC for the device's own architecture, through the on-disk
+//! cache ([`super::cache`]), and their machine code (CUBIN) is loaded as is; the PTX is
+//! the fallback, assembled by the driver, with its log in any error. Every kernel of
+//! every file is resolved once at start-up. Products go through cuBLASLt, with the
+//! algorithm chosen by its heuristic once per shape and kept; a product it has no
+//! algorithm for is reported as such ([`GemmRun::NoAlgorithm`]) and runs as a plain
+//! kernel. NVRTC and cuBLASLt are opened by trainkit itself, by their versioned names
+//! ([`super::libraries`]).
 
+use super::cublaslt::{CublasLt, Status};
 use super::gpu::{
-    AllocError, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout, MatrixType,
-    Ticket,
+    AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
+    MatrixType, Ticket, UploadStats,
 };
-use super::kernels::{find_include_dir, with_common, CompileOptions, KERNEL_FILES};
+use super::kernels::{find_include_dir, with_common, CompileOptions, Compiled, KERNEL_FILES};
+use super::libraries;
+use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
-use super::staging::Staging;
+use super::staging::{Staged, Staging};
 use super::KernelCache;
 use crate::error::{Error, Result};
-use cudarc::cublaslt::{result as lt, sys as lt_sys};
+use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -36,18 +50,104 @@ pub(crate) fn gemm_workspace_bytes(major: i32) -> usize {
     }
 }
 
-/// A driver call's failure as trainkit's error, saying what was being done.
+/// A driver call's failure as trainkit's error, saying what was being done:
+/// [`Error::OutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY` (the backend adds its figures).
 pub(super) fn driver_error(what: &str, e: drv::DriverError) -> Error {
+    if is_oom(e) {
+        return Error::OutOfMemory {
+            message: format!("{what}: the GPU is out of memory (CUDA_ERROR_OUT_OF_MEMORY)"),
+        };
+    }
     Error::Backend {
         backend: "cuda",
         message: format!("{what}: {e}"),
     }
 }
 
-fn blas_error(what: &str, e: lt::CublasError) -> Error {
+fn is_oom(e: drv::DriverError) -> bool {
+    e.0 == drv_sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
+}
+
+/// A cuBLASLt failure as trainkit's error: [`Error::OutOfMemory`] when it could not get
+/// memory (`CUBLAS_STATUS_ALLOC_FAILED`).
+fn blas_error(what: &str, e: Status) -> Error {
+    if e.is_out_of_memory() {
+        return Error::OutOfMemory {
+            message: format!("cuBLASLt {what}: the GPU is out of memory ({e})"),
+        };
+    }
     Error::Backend {
         backend: "cuda",
-        message: format!("cuBLASLt {what}: {e:?}"),
+        message: format!("cuBLASLt {what}: {e}"),
+    }
+}
+
+/// The pool's release threshold on a device of `total` bytes: all of it but the larger
+/// of 1 GiB and 1/32 of the device. Across a synchronization the pool keeps at most this
+/// much of the memory it holds unused; the rest goes back to the driver, for what the
+/// driver allocates outside the pool.
+pub(crate) fn release_threshold(total: u64) -> u64 {
+    total.saturating_sub((1u64 << 30).max(total / 32))
+}
+
+/// Loads a compiled kernel file: its machine code, or, where there is none or the driver
+/// refuses it, its PTX, assembled by the driver, with the driver's log in any error.
+fn load_module(compiled: &Compiled, file: &str) -> Result<drv_sys::CUmodule> {
+    if let Some(cubin) = &compiled.cubin {
+        // SAFETY: the image is a complete CUBIN that outlives the call; the context is
+        // current.
+        match unsafe { drv::module::load_data(cubin.as_ptr() as *const c_void) } {
+            Ok(module) => return Ok(module),
+            Err(e) if is_oom(e) => {
+                return Err(driver_error(
+                    &format!("loading the machine code of {file}"),
+                    e,
+                ))
+            }
+            Err(e) => log::warn!(
+                "the driver refused the machine code of {file} ({e}); assembling its PTX"
+            ),
+        }
+    }
+    load_ptx(&compiled.ptx, file)
+}
+
+/// Loads PTX through `cuModuleLoadDataEx`, with the driver's error log in the message.
+fn load_ptx(ptx: &str, file: &str) -> Result<drv_sys::CUmodule> {
+    let image = CString::new(ptx).map_err(|_| Error::Backend {
+        backend: "cuda",
+        message: format!("the PTX of {file} contains a NUL byte"),
+    })?;
+    let mut log = vec![0u8; 16 << 10];
+    let mut options = [
+        drv_sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        drv_sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
+    let mut module: drv_sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: the image is NUL-terminated PTX; the log buffer holds the size given; the
+    // context is current.
+    let status = unsafe {
+        drv_sys::cuModuleLoadDataEx(
+            &mut module,
+            image.as_ptr() as *const c_void,
+            options.len() as u32,
+            options.as_mut_ptr(),
+            values.as_mut_ptr(),
+        )
+    };
+    match status.result() {
+        Ok(()) => Ok(module),
+        Err(e) => {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            let text = String::from_utf8_lossy(&log[..end]);
+            let what = if text.trim().is_empty() {
+                format!("loading the PTX of {file}")
+            } else {
+                format!("loading the PTX of {file} ({})", text.trim())
+            };
+            Err(driver_error(&what, e))
+        }
     }
 }
 
@@ -71,11 +171,19 @@ pub(crate) struct DriverGpu {
     options: CompileOptions,
     /// Kernel files written outside trainkit, loaded on first use: modules and functions.
     custom: LoadedFiles<drv_sys::CUmodule, drv_sys::CUfunction>,
+    blas: &'static CublasLt,
     lt: lt_sys::cublasLtHandle_t,
-    algos: Mutex<HashMap<GemmKey, lt_sys::cublasLtMatmulAlgo_t>>,
+    /// The heuristic's algorithm per product, or `None` where it has none.
+    algos: Mutex<HashMap<GemmKey, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
     max_blocks: u32,
     /// Downloads and synchronizations so far.
     waits: AtomicU64,
+    /// Modules loaded so far (kernel files, trainkit's and others').
+    module_loads: AtomicU64,
+    /// Uploads so far.
+    uploads: AtomicU64,
+    /// The files NVRTC, cuBLASLt and the driver were loaded from, for [`Gpu::describe`].
+    libraries: String,
 }
 
 // SAFETY: the raw handles are used only through the driver, which is thread-safe once the
@@ -135,7 +243,7 @@ impl DriverGpu {
         let pool = unsafe {
             let pool = drv::device::get_default_mem_pool(ctx.cu_device())
                 .map_err(|e| driver_error("finding the device's memory pool", e))?;
-            let mut threshold = u64::MAX;
+            let mut threshold = release_threshold(info.total_memory);
             drv::mem_pool::set_attribute(
                 pool,
                 drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -146,24 +254,24 @@ impl DriverGpu {
         };
         let staging = Staging::new()?;
         let pinned = Pinned::new()?;
+        let backend = |message: String| Error::Backend {
+            backend: "cuda",
+            message,
+        };
+        let nvrtc = Nvrtc::get().map_err(backend)?;
+        let blas = CublasLt::get().map_err(backend)?;
         let include = find_include_dir()?;
-        let (major, minor) = info.compute_capability;
-        let options = CompileOptions::for_compute_capability(major, minor, include);
+        let options =
+            CompileOptions::for_device(info.compute_capability, nvrtc.supported_archs(), include);
         let cache = KernelCache::in_default_dir();
         let mut modules = Vec::new();
         let mut functions = HashMap::new();
         for file in KERNEL_FILES {
-            let ptx = match &cache {
-                Some(cache) => cache.ptx(file, &options)?,
+            let compiled = match &cache {
+                Some(cache) => cache.module(file, &options, info.driver_version)?,
                 None => super::compile(&file.full_source(), &options)?,
             };
-            let image = CString::new(ptx).map_err(|_| Error::Backend {
-                backend: "cuda",
-                message: format!("the PTX of {} contains a NUL byte", file.name),
-            })?;
-            // SAFETY: the image is a NUL-terminated PTX string; the context is current.
-            let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
-                .map_err(|e| driver_error(&format!("loading the PTX of {}", file.name), e))?;
+            let module = load_module(&compiled, file.name)?;
             modules.push(module);
             for &name in file.kernels {
                 let cname = CString::new(name).expect("kernel names have no NUL");
@@ -173,7 +281,20 @@ impl DriverGpu {
                 functions.insert(name, f);
             }
         }
-        let lt = lt::create_handle().map_err(|e| blas_error("creating a handle", e))?;
+        let lt = blas
+            .create_handle()
+            .map_err(|e| blas_error("creating a handle", e))?;
+        let (major, minor) = nvrtc.version();
+        let libraries = format!(
+            "NVRTC {major}.{minor} {}, cuBLASLt {} {}, driver {}",
+            nvrtc.path().display(),
+            blas.version(),
+            blas.path().display(),
+            libraries::driver_file()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "(file unknown)".to_string())
+        );
+        let module_loads = AtomicU64::new(modules.len() as u64);
         let sms = ctx
             .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("reading the multiprocessor count", e))?;
@@ -189,10 +310,14 @@ impl DriverGpu {
             functions,
             options,
             custom: LoadedFiles::new(),
+            blas,
             lt,
             algos: Mutex::new(HashMap::new()),
             max_blocks: (sms.max(1) as u32) * 8,
             waits: AtomicU64::new(0),
+            module_loads,
+            uploads: AtomicU64::new(0),
+            libraries,
         })
     }
 
@@ -228,7 +353,7 @@ impl Drop for DriverGpu {
         let _ = self.copy.synchronize();
         // SAFETY: the handle and modules were created here and are not used after this.
         unsafe {
-            let _ = lt::destroy_handle(self.lt);
+            let _ = self.blas.destroy_handle(self.lt);
             for &m in &self.modules {
                 let _ = drv::module::unload(m);
             }
@@ -250,6 +375,7 @@ fn data_type(t: MatrixType) -> lt_sys::cudaDataType {
 
 /// A cuBLASLt descriptor destroyed on drop.
 struct Descriptors {
+    lt: &'static CublasLt,
     desc: lt_sys::cublasLtMatmulDesc_t,
     layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
 }
@@ -258,9 +384,11 @@ impl Drop for Descriptors {
     fn drop(&mut self) {
         // SAFETY: created by cuBLASLt below and destroyed once.
         unsafe {
-            let _ = lt::destroy_matmul_desc(self.desc);
+            let _ = self.lt.destroy_matmul_desc(self.desc);
             for l in self.layouts {
-                let _ = lt::destroy_matrix_layout(l);
+                if !l.is_null() {
+                    let _ = self.lt.destroy_matrix_layout(l);
+                }
             }
         }
     }
@@ -269,19 +397,21 @@ impl Drop for Descriptors {
 /// The cuBLASLt matmul descriptor and the three matrix layouts of `g`: compute type, the
 /// operands' transposes, the epilogue (bias, GELU with its auxiliary output) and the
 /// epilogue's pointers. Host calls only: no device or handle is needed.
-fn descriptors(g: &Gemm) -> Result<Descriptors> {
+fn descriptors(lt: &'static CublasLt, g: &Gemm) -> Result<Descriptors> {
     let compute = if g.allow_tf32 && g.a_layout.ty == MatrixType::F32 {
         lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
     } else {
         lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
     };
-    let desc = lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F)
+    let desc = lt
+        .create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F)
         .map_err(|e| blas_error("creating a matmul descriptor", e))?;
     let layout = |l: &MatrixLayout| {
-        lt::create_matrix_layout(data_type(l.ty), l.rows, l.cols, l.ld)
+        lt.create_matrix_layout(data_type(l.ty), l.rows, l.cols, l.ld)
             .map_err(|e| blas_error("creating a matrix layout", e))
     };
     let mut d = Descriptors {
+        lt,
         desc,
         layouts: [std::ptr::null_mut(); 3],
     };
@@ -292,7 +422,7 @@ fn descriptors(g: &Gemm) -> Result<Descriptors> {
     let op = |t: bool| t as i32;
     let set = |attr: lt_sys::cublasLtMatmulDescAttributes_t, ptr: *const c_void, size| {
         // SAFETY: each value below has the size and type its attribute documents.
-        unsafe { lt::set_matmul_desc_attribute(desc, attr, ptr, size) }
+        unsafe { lt.set_matmul_desc_attribute(desc, attr, ptr, size) }
             .map_err(|e| blas_error("setting a matmul attribute", e))
     };
     use lt_sys::cublasLtMatmulDescAttributes_t as A;
@@ -375,15 +505,21 @@ fn alignment(ptr: DevicePtr) -> u32 {
 
 /// A matmul preference allowing `workspace` bytes of scratch memory and matrices A, B, C
 /// and D aligned to `align` bytes each (so the heuristic picks no algorithm that needs
-/// more than the pointers have). Destroyed by the caller with `lt::destroy_matmul_pref`.
-fn preference(workspace: usize, align: [u32; 4]) -> Result<lt_sys::cublasLtMatmulPreference_t> {
+/// more than the pointers have). Destroyed by the caller with `destroy_matmul_pref`.
+fn preference(
+    lt: &CublasLt,
+    workspace: usize,
+    align: [u32; 4],
+) -> Result<lt_sys::cublasLtMatmulPreference_t> {
     use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
-    let pref = lt::create_matmul_pref().map_err(|e| blas_error("creating preferences", e))?;
+    let pref = lt
+        .create_matmul_pref()
+        .map_err(|e| blas_error("creating preferences", e))?;
     let bytes = workspace as u64;
     // SAFETY: the preference was just created; each value has its attribute's documented
     // type (u64 for the workspace, u32 for the alignments).
     let set = unsafe {
-        lt::set_matmul_pref_attribute(
+        lt.set_matmul_pref_attribute(
             pref,
             P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             &bytes as *const u64 as *const c_void,
@@ -397,7 +533,7 @@ fn preference(workspace: usize, align: [u32; 4]) -> Result<lt_sys::cublasLtMatmu
                 P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             ];
             attrs.iter().zip(&align).try_for_each(|(&attr, a)| {
-                lt::set_matmul_pref_attribute(
+                lt.set_matmul_pref_attribute(
                     pref,
                     attr,
                     a as *const u32 as *const c_void,
@@ -408,7 +544,7 @@ fn preference(workspace: usize, align: [u32; 4]) -> Result<lt_sys::cublasLtMatmu
     };
     if let Err(e) = set {
         // SAFETY: created above, destroyed once.
-        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let _ = unsafe { lt.destroy_matmul_pref(pref) };
         return Err(blas_error("setting the matmul preferences", e));
     }
     Ok(pref)
@@ -420,7 +556,7 @@ impl DriverGpu {
         g: &Gemm,
         d: &Descriptors,
         workspace: usize,
-    ) -> Result<lt_sys::cublasLtMatmulAlgo_t> {
+    ) -> Result<Option<lt_sys::cublasLtMatmulAlgo_t>> {
         let key = GemmKey {
             trans_a: g.trans_a,
             trans_b: g.trans_b,
@@ -446,11 +582,12 @@ impl DriverGpu {
         if let Some(a) = algos.get(&key) {
             return Ok(*a);
         }
-        let pref = preference(workspace, key.align)?;
+        let lt = self.blas;
+        let pref = preference(lt, workspace, key.align)?;
         // SAFETY: the handle, descriptors and preference are live; the preference is
         // destroyed once, after the query.
-        let heuristic = unsafe {
-            let found = lt::get_matmul_algo_heuristic(
+        let found = unsafe {
+            let found = lt.best_algorithm(
                 self.lt,
                 d.desc,
                 d.layouts[0],
@@ -459,7 +596,7 @@ impl DriverGpu {
                 d.layouts[2],
                 pref,
             );
-            let _ = lt::destroy_matmul_pref(pref);
+            let _ = lt.destroy_matmul_pref(pref);
             found
         }
         .map_err(|e| {
@@ -471,14 +608,39 @@ impl DriverGpu {
                 e,
             )
         })?;
-        algos.insert(key, heuristic.algo);
-        Ok(heuristic.algo)
+        algos.insert(key, found);
+        Ok(found)
+    }
+
+    /// Gives the pool's unused memory back to the driver, after waiting for both streams
+    /// (so that every free queued so far has happened): done once before an allocation,
+    /// launch or product that ran out of memory is tried again.
+    fn trim(&self) {
+        let _ = self.synchronize();
+        // SAFETY: the pool belongs to this device; trimming only releases unused memory.
+        if let Err(e) = unsafe { drv_sys::cuMemPoolTrimTo(self.pool, 0) }.result() {
+            log::warn!("trimming the GPU memory pool failed: {e}");
+        }
+    }
+
+    /// `f`, and once more after [`DriverGpu::trim`] when it ran out of memory.
+    fn retry_trimmed<T>(&self, mut f: impl FnMut() -> Result<T>) -> Result<T> {
+        match f() {
+            Err(Error::OutOfMemory { .. }) => {
+                self.trim();
+                f()
+            }
+            other => other,
+        }
     }
 }
 
 impl Gpu for DriverGpu {
     fn describe(&self) -> String {
-        format!("{} ({})", self.info.name, self.info.arch())
+        format!(
+            "{} ({}; {})",
+            self.info.name, self.options.arch, self.libraries
+        )
     }
 
     fn max_blocks(&self) -> u32 {
@@ -492,11 +654,20 @@ impl Gpu for DriverGpu {
     fn alloc(&self, bytes: usize) -> std::result::Result<DevicePtr, AllocError> {
         self.bind().map_err(|e| AllocError::Other(e.to_string()))?;
         // SAFETY: the pool and stream belong to this context.
-        match unsafe { drv::mem_pool::alloc_async(self.pool, bytes, self.stream.cu_stream()) } {
-            Ok(ptr) => Ok(ptr),
-            Err(drv::DriverError(drv_sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
-                Err(AllocError::OutOfMemory)
+        let alloc =
+            || unsafe { drv::mem_pool::alloc_async(self.pool, bytes, self.stream.cu_stream()) };
+        let first = match alloc() {
+            Err(e) if is_oom(e) => {
+                // Freed memory may wait on a stream, or lie in pieces too small: trim the
+                // pool and try once more.
+                self.trim();
+                alloc()
             }
+            other => other,
+        };
+        match first {
+            Ok(ptr) => Ok(ptr),
+            Err(e) if is_oom(e) => Err(AllocError::OutOfMemory),
             Err(e) => Err(AllocError::Other(e.to_string())),
         }
     }
@@ -513,21 +684,25 @@ impl Gpu for DriverGpu {
 
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.bind()?;
+        self.uploads.fetch_add(1, Ordering::Relaxed);
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes; the
         // context is bound.
         match unsafe { staging.upload(dst, src, self.stream.cu_stream()) }? {
-            Some(waited) => {
-                if waited {
-                    self.waits.fetch_add(1, Ordering::Relaxed);
-                }
+            Staged::Queued => Ok(()),
+            Staged::Waited => {
+                self.waits.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            // Larger than a slot (weights, once): from pageable memory, which the driver
-            // stages before returning, so `src` may be reused at once.
-            // SAFETY: as above.
-            None => unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-                .map_err(|e| driver_error("copying to the GPU", e)),
+            // Larger than the ring may grow (weights, once): from pageable memory, which
+            // the driver stages before returning, so `src` may be reused at once; the
+            // driver may wait for the stream first, so it counts as a wait.
+            Staged::TooLarge => {
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: as above.
+                unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+                    .map_err(|e| driver_error("copying to the GPU", e))
+            }
         }
     }
 
@@ -618,37 +793,41 @@ impl Gpu for DriverGpu {
                 message: format!("no kernel named {kernel}"),
             })?,
         };
-        drv::launch_kernel(
-            f,
-            (grid.max(1), 1, 1),
-            (block, 1, 1),
-            0,
-            self.stream.cu_stream(),
-            params,
-        )
-        .map_err(|e| driver_error(&format!("launching {kernel}"), e))
+        // A launch that fails queues nothing, so it may be tried again.
+        self.retry_trimmed(|| {
+            // SAFETY: the caller's contract.
+            unsafe {
+                drv::launch_kernel(
+                    f,
+                    (grid.max(1), 1, 1),
+                    (block, 1, 1),
+                    0,
+                    self.stream.cu_stream(),
+                    params,
+                )
+            }
+            .map_err(|e| driver_error(&format!("launching {kernel}"), e))
+        })
     }
 
     fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()> {
         self.custom.get_or_load(file, source, kernels, || {
             self.bind()?;
             let full = with_common(file, source);
-            let ptx = match KernelCache::in_default_dir() {
+            let compiled = match KernelCache::in_default_dir() {
                 Some(cache) => {
-                    let nvrtc = super::nvrtc_version()?;
+                    let versions = super::cache::Versions {
+                        nvrtc: super::nvrtc_version()?,
+                        driver: self.info.driver_version,
+                    };
                     cache
-                        .get_or_compile(file, &full, &self.options, nvrtc, super::compile)?
+                        .get_or_compile(file, &full, &self.options, versions, super::compile)?
                         .0
                 }
                 None => super::compile(&full, &self.options)?,
             };
-            let image = CString::new(ptx).map_err(|_| Error::Backend {
-                backend: "cuda",
-                message: format!("the PTX of {file} contains a NUL byte"),
-            })?;
-            // SAFETY: the image is a NUL-terminated PTX string; the context is current.
-            let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
-                .map_err(|e| driver_error(&format!("loading the PTX of {file}"), e))?;
+            let module = self.retry_trimmed(|| load_module(&compiled, file))?;
+            self.module_loads.fetch_add(1, Ordering::Relaxed);
             let mut functions = Vec::with_capacity(kernels.len());
             for &name in kernels {
                 let found = CString::new(name)
@@ -678,30 +857,36 @@ impl Gpu for DriverGpu {
         })
     }
 
-    unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+    unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun> {
         self.bind()?;
         let (workspace, workspace_bytes) = (g.workspace, g.workspace_bytes);
-        let d = descriptors(g)?;
-        let algo = self.algorithm(g, &d, workspace_bytes)?;
-        lt::matmul(
-            self.lt,
-            d.desc,
-            &g.alpha as *const f32 as *const c_void,
-            &g.beta as *const f32 as *const c_void,
-            g.a as *const c_void,
-            d.layouts[0],
-            g.b as *const c_void,
-            d.layouts[1],
-            g.d as *const c_void,
-            d.layouts[2],
-            g.d as *mut c_void,
-            d.layouts[2],
-            &algo,
-            workspace as *mut c_void,
-            workspace_bytes,
-            self.stream.cu_stream() as lt_sys::cudaStream_t,
-        )
-        .map_err(|e| blas_error("running a matmul", e))
+        let d = descriptors(self.blas, g)?;
+        let Some(algo) = self.algorithm(g, &d, workspace_bytes)? else {
+            return Ok(GemmRun::NoAlgorithm);
+        };
+        self.retry_trimmed(|| {
+            // SAFETY: the caller's contract: every pointer addresses its layout.
+            unsafe {
+                self.blas.matmul(
+                    self.lt,
+                    d.desc,
+                    &g.alpha as *const f32 as *const c_void,
+                    g.a as *const c_void,
+                    d.layouts[0],
+                    g.b as *const c_void,
+                    d.layouts[1],
+                    &g.beta as *const f32 as *const c_void,
+                    g.d as *mut c_void,
+                    d.layouts[2],
+                    &algo,
+                    workspace as *mut c_void,
+                    workspace_bytes,
+                    self.stream.cu_stream() as lt_sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| blas_error("running a matmul", e))
+        })?;
+        Ok(GemmRun::Done)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -713,6 +898,18 @@ impl Gpu for DriverGpu {
 
     fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
+    }
+
+    fn module_loads(&self) -> u64 {
+        self.module_loads.load(Ordering::Relaxed)
+    }
+
+    fn upload_stats(&self) -> UploadStats {
+        let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        UploadStats {
+            uploads: self.uploads.load(Ordering::Relaxed),
+            ring_bytes: staging.capacity() as u64,
+        }
     }
 
     fn memory(&self) -> Option<GpuMemory> {
@@ -757,7 +954,7 @@ mod tests {
     #[test]
     fn cublaslt_accepts_every_descriptor_the_backend_builds() {
         // SAFETY: only tries to dlopen the library by its usual names.
-        if !unsafe { lt_sys::is_culib_present() } {
+        let Ok(lt) = CublasLt::get() else {
             if std::env::var_os("TRAINKIT_REQUIRE_CUBLASLT").is_some() {
                 panic!("cuBLASLt is required (TRAINKIT_REQUIRE_CUBLASLT) but did not load");
             }
@@ -767,7 +964,7 @@ mod tests {
                 "cuBLASLt descriptor check SKIPPED: libcublasLt.so.13 did not load"
             );
             return;
-        }
+        };
         let layout = |ty, rows, cols| MatrixLayout {
             ty,
             rows,
@@ -813,7 +1010,7 @@ mod tests {
                                 workspace: 0,
                                 workspace_bytes: 0,
                             };
-                            if let Err(e) = descriptors(&g) {
+                            if let Err(e) = descriptors(lt, &g) {
                                 panic!("cuBLASLt refused the descriptors of {g:?}: {e}");
                             }
                             built += 1;
@@ -828,11 +1025,19 @@ mod tests {
             (gemm_workspace_bytes(8), [16, 2, 4, 8]),
             (gemm_workspace_bytes(9), [256, 128, 64, 32]),
         ] {
-            let pref = preference(bytes, align)
+            let pref = preference(lt, bytes, align)
                 .unwrap_or_else(|e| panic!("{bytes} bytes, alignments {align:?}: {e}"));
             // SAFETY: created above, destroyed once.
-            unsafe { lt::destroy_matmul_pref(pref) }.unwrap();
+            unsafe { lt.destroy_matmul_pref(pref) }.unwrap();
         }
+    }
+
+    #[test]
+    fn the_pool_gives_back_the_last_slice_of_the_device() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(release_threshold(80 * GIB), 80 * GIB - 80 * GIB / 32);
+        assert_eq!(release_threshold(24 * GIB), 23 * GIB);
+        assert_eq!(release_threshold(GIB / 2), 0);
     }
 
     #[test]

@@ -12,9 +12,11 @@
 use super::emulated_offload::EmulatedOffload;
 use super::emulator::KernelEmulator;
 use super::gpu::{
-    AllocError, DevicePtr, Gemm, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout, MatrixType,
-    Ticket,
+    AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
+    MatrixType, Ticket, UploadStats,
 };
+use super::kernels::KERNEL_FILES;
+use super::staging::{Place, RingPlan, FIRST_BYTES, MAX_BYTES};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
@@ -55,6 +57,20 @@ pub(crate) struct EmulatedGpu {
     /// Refuse products with a bias-gradient epilogue, as a library without an algorithm
     /// for one would.
     pub(crate) refuse_bias_grad_epilogue: bool,
+    /// Have no algorithm for any product (to test the plain product).
+    pub(crate) refuse_products: bool,
+    /// Fail this many of the next launches with `CUDA_ERROR_OUT_OF_MEMORY`, as a kernel
+    /// whose local memory finds no room would (to test the mapping to
+    /// [`Error::OutOfMemory`]).
+    pub(crate) failing_launches: AtomicU64,
+    /// Kernel files loaded: trainkit's at start-up, then others' on first use.
+    module_loads: AtomicU64,
+    /// The page-locked ring a GPU copies uploads through, as planned (see
+    /// [`super::staging`]): an upload is in flight until the next wait for the device, so
+    /// the ring grows as it would where the device lags behind the host.
+    ring: Mutex<(RingPlan, u64)>,
+    /// Uploads so far.
+    uploads: AtomicU64,
 }
 
 impl std::fmt::Debug for EmulatedGpu {
@@ -76,11 +92,54 @@ impl EmulatedGpu {
             offload: EmulatedOffload::default(),
             refuse_gelu_epilogue: false,
             refuse_bias_grad_epilogue: false,
+            refuse_products: false,
+            failing_launches: AtomicU64::new(0),
+            module_loads: AtomicU64::new(KERNEL_FILES.len() as u64),
+            ring: Mutex::new((RingPlan::new(FIRST_BYTES), 0)),
+            uploads: AtomicU64::new(0),
         })
     }
 
     fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
         self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a wait for the device: every upload has then been copied.
+    fn waited(&self) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.ring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .retire_all();
+    }
+
+    /// Plans an upload of `len` bytes through the ring as the GPU's staging does,
+    /// counting the waits it would make.
+    fn stage(&self, len: usize) {
+        self.uploads.fetch_add(1, Ordering::Relaxed);
+        if len > MAX_BYTES {
+            self.waited();
+            return;
+        }
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let (plan, tag) = &mut *ring;
+        loop {
+            match plan.place(len) {
+                Place::At(start) => {
+                    plan.push(start, len, *tag);
+                    *tag += 1;
+                    return;
+                }
+                Place::Busy(_) | Place::TooLarge => match plan.grown(len) {
+                    Some(bigger) => *plan = bigger,
+                    None => {
+                        self.waits.fetch_add(1, Ordering::Relaxed);
+                        plan.retire_oldest();
+                    }
+                },
+            }
+        }
     }
 }
 
@@ -191,13 +250,14 @@ impl Gpu for EmulatedGpu {
     }
 
     fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.stage(src.len());
         // SAFETY: the caller's buffer at `dst` holds at least `src.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
 
     fn download(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.waited();
         // SAFETY: the buffer at `src` holds at least `dst.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
@@ -243,7 +303,7 @@ impl Gpu for EmulatedGpu {
     }
 
     fn read_host(&self, dst: &mut [u8], src: HostPtr) -> Result<()> {
-        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.waited();
         // SAFETY: the buffer at `src` holds at least `dst.len()` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
@@ -257,6 +317,17 @@ impl Gpu for EmulatedGpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let dims = ((grid.max(1), 1, 1), (block, 1, 1));
+        let fail = self
+            .failing_launches
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if fail.is_ok() {
+            return Err(Error::OutOfMemory {
+                message: format!(
+                    "launching {kernel}: the GPU is out of memory (CUDA_ERROR_OUT_OF_MEMORY, \
+                     simulated)"
+                ),
+            });
+        }
         if self.kernels.has_kernel(kernel) {
             return self.kernels.launch(kernel, dims.0, dims.1, 0, params);
         }
@@ -271,22 +342,17 @@ impl Gpu for EmulatedGpu {
         self.custom.get_or_load(file, source, kernels, || {
             let full = super::kernels::with_common(file, source);
             let emu = Arc::new(KernelEmulator::build_file(file, full, kernels)?);
+            self.module_loads.fetch_add(1, Ordering::Relaxed);
             Ok((Arc::clone(&emu), vec![emu; kernels.len()]))
         })
     }
 
-    unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
-        if g.gelu_aux != 0 && self.refuse_gelu_epilogue {
-            return Err(Error::Backend {
-                backend: "cuda-emulator",
-                message: "no algorithm for the GELU epilogue (refused on request)".into(),
-            });
-        }
-        if g.bias_grad != 0 && self.refuse_bias_grad_epilogue {
-            return Err(Error::Backend {
-                backend: "cuda-emulator",
-                message: "no algorithm for the bias-gradient epilogue (refused on request)".into(),
-            });
+    unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun> {
+        if self.refuse_products
+            || (g.gelu_aux != 0 && self.refuse_gelu_epilogue)
+            || (g.bias_grad != 0 && self.refuse_bias_grad_epilogue)
+        {
+            return Ok(GemmRun::NoAlgorithm);
         }
         let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
         let ldd = g.d_layout.ld as usize;
@@ -341,17 +407,29 @@ impl Gpu for EmulatedGpu {
                 unsafe { store(g.d_layout.ty, g.bias_grad, idx, acc) };
             }
         }
-        Ok(())
+        Ok(GemmRun::Done)
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.waited();
         self.offload.flush();
         Ok(())
     }
 
     fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
+    }
+
+    fn module_loads(&self) -> u64 {
+        self.module_loads.load(Ordering::Relaxed)
+    }
+
+    fn upload_stats(&self) -> UploadStats {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        UploadStats {
+            uploads: self.uploads.load(Ordering::Relaxed),
+            ring_bytes: ring.0.capacity() as u64,
+        }
     }
 
     fn memory(&self) -> Option<GpuMemory> {

@@ -228,11 +228,12 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// kernel name another file defines, is an error.
     fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()>;
 
-    /// Runs one matrix product.
+    /// Runs one matrix product, or says that the library has no algorithm for it
+    /// (nothing was written: the caller runs it another way).
     ///
     /// # Safety
     /// The layouts must describe memory that the pointers address.
-    unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
+    unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun>;
 
     /// Waits until all queued work is done.
     fn synchronize(&self) -> Result<()>;
@@ -246,6 +247,32 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// How many times the host has waited for the device so far: each
     /// [`Gpu::download`] and [`Gpu::synchronize`] counts once.
     fn host_waits(&self) -> u64;
+
+    /// How many kernel modules have been loaded so far: one per kernel file at start-up,
+    /// then one per file written outside trainkit, on its first use.
+    fn module_loads(&self) -> u64;
+
+    /// The uploads so far and the size of the page-locked ring they go through.
+    fn upload_stats(&self) -> UploadStats;
+}
+
+/// What [`Gpu::upload_stats`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UploadStats {
+    /// Uploads so far ([`Gpu::upload`] calls).
+    pub uploads: u64,
+    /// The size of the page-locked ring uploads are copied through, in bytes: it grows to
+    /// what the uploads between two waits for the device need.
+    pub ring_bytes: u64,
+}
+
+/// What [`Gpu::gemm`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmRun {
+    /// The product ran (is queued).
+    Done,
+    /// The library has no algorithm for this product; nothing was written.
+    NoAlgorithm,
 }
 
 /// Where a [`DeviceBuffer`]'s bytes are.
@@ -419,52 +446,88 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Kernel arguments in cuLaunchKernel's form: each value in its own 8-byte slot, and a
-/// pointer to each slot.
+/// Kernel arguments in cuLaunchKernel's form: each scalar in its own 8-byte slot, each
+/// value passed by value ([`Args::bytes`]) in a buffer of its own, and a pointer to each.
 #[derive(Debug, Default)]
 pub struct Args {
     slots: Vec<u64>,
+    /// Values passed by value, 8-byte aligned.
+    blobs: Vec<Vec<u64>>,
+    /// Each argument in order: `Ok(slot)` or `Err(blob)`.
+    order: Vec<std::result::Result<usize, usize>>,
 }
+
+/// The largest value [`Args::bytes`] passes: the 4 KiB of parameters every architecture
+/// takes, less room for the scalars beside it.
+pub const MAX_BY_VALUE: usize = 2048;
 
 impl Args {
     /// No arguments yet.
     pub fn new() -> Self {
         Args {
             slots: Vec::with_capacity(16),
+            blobs: Vec::new(),
+            order: Vec::with_capacity(16),
         }
     }
 
-    /// A device pointer.
-    pub fn ptr(mut self, p: DevicePtr) -> Self {
-        self.slots.push(p);
+    fn slot(mut self, v: u64) -> Self {
+        self.order.push(Ok(self.slots.len()));
+        self.slots.push(v);
         self
+    }
+
+    /// A value passed by value, such as a struct of a fixed-size array (`struct { float
+    /// f[256]; }`): `data` must be exactly the parameter's size, at most
+    /// [`MAX_BY_VALUE`] bytes. It travels with the launch, so it needs no upload.
+    pub fn bytes(mut self, data: &[u8]) -> Self {
+        let mut blob = vec![0u64; data.len().div_ceil(8)];
+        for (i, b) in data.iter().enumerate() {
+            blob[i / 8] |= (*b as u64) << (8 * (i % 8));
+        }
+        self.order.push(Err(self.blobs.len()));
+        self.blobs.push(blob);
+        self
+    }
+
+    /// A device pointer.
+    pub fn ptr(self, p: DevicePtr) -> Self {
+        self.slot(p)
     }
 
     /// A 64-bit integer (`i64` in the kernels).
-    pub fn i64(mut self, v: usize) -> Self {
-        self.slots.push(v as i64 as u64);
-        self
+    pub fn i64(self, v: usize) -> Self {
+        self.slot(v as i64 as u64)
     }
 
     /// An `int`.
-    pub fn i32(mut self, v: i32) -> Self {
-        self.slots.push(v as u32 as u64);
-        self
+    pub fn i32(self, v: i32) -> Self {
+        self.slot(v as u32 as u64)
     }
 
     /// A `float`.
-    pub fn f32(mut self, v: f32) -> Self {
-        self.slots.push(v.to_bits() as u64);
-        self
+    pub fn f32(self, v: f32) -> Self {
+        self.slot(v.to_bits() as u64)
     }
 
-    /// Pointers to the slots, for the launch. Values narrower than 8 bytes sit in the low
-    /// bytes of their slot, which is where a little-endian read of the narrower type
+    /// The size of the largest value passed by value, in bytes (0 when none is).
+    pub(crate) fn largest_by_value(&self) -> usize {
+        self.blobs.iter().map(|b| 8 * b.len()).max().unwrap_or(0)
+    }
+
+    /// Pointers to the arguments, for the launch. Values narrower than 8 bytes sit in the
+    /// low bytes of their slot, which is where a little-endian read of the narrower type
     /// finds them.
     pub(crate) fn params(&mut self) -> Vec<*mut c_void> {
-        self.slots
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
+        let slots = self.slots.as_mut_ptr();
+        let blobs: Vec<*mut u64> = self.blobs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        self.order
+            .iter()
+            .map(|o| match *o {
+                // SAFETY: the index is inside `slots`, which outlives the launch.
+                Ok(i) => (unsafe { slots.add(i) }) as *mut c_void,
+                Err(i) => blobs[i] as *mut c_void,
+            })
             .collect()
     }
 }

@@ -12,6 +12,7 @@
 //! NVRTC does not ship `cuda_bf16.h`: the include directory of a CUDA toolkit, or of the
 //! `nvidia-cuda-runtime` pip wheel, is passed in (see [`find_include_dir`]).
 
+use super::nvrtc::{Nvrtc, Output};
 use super::ops;
 use crate::device::CustomKernel;
 use crate::error::{Error, Result};
@@ -72,6 +73,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     crate::ops::glu::cuda::KERNELS,
     crate::ops::lora::cuda::KERNELS,
     crate::ops::nf4::cuda::KERNELS,
+    ops::matmul::KERNELS,
 ];
 
 /// The kernel file named `name` (e.g. `gelu.cu`).
@@ -83,9 +85,10 @@ pub fn kernel_file(name: &str) -> Option<&'static KernelFile> {
 /// holding `cuda_bf16.h`. Everything else is fixed (see [`CompileOptions::flags`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CompileOptions {
-    /// Virtual-to-real target, `sm_XY`: `sm_90` for Hopper, `sm_80` for Ampere, or the
-    /// device's own (see [`CompileOptions::for_compute_capability`]). Always set:
-    /// NVRTC's default (sm_75 in 13.0) would not use the device's features.
+    /// The target: a real architecture, `sm_XY` (`sm_90` for Hopper, `sm_80` for
+    /// Ampere), for PTX and machine code; or a virtual one, `compute_XY`, for PTX alone
+    /// (see [`CompileOptions::for_device`]). Always set: NVRTC's default (sm_75 in 13.0)
+    /// would not use the device's features.
     pub arch: String,
     /// Directory holding `cuda_bf16.h` (see [`find_include_dir`]).
     pub include_dir: PathBuf,
@@ -103,6 +106,25 @@ impl CompileOptions {
     /// Options for a device of compute capability `major.minor` (`sm_90` for 9.0).
     pub fn for_compute_capability(major: i32, minor: i32, include_dir: impl Into<PathBuf>) -> Self {
         Self::new(format!("sm_{major}{minor}"), include_dir)
+    }
+
+    /// Options for a device of compute capability `cc` when NVRTC makes machine code for
+    /// the real architectures `supported` (`XY` numbers, as
+    /// [`Nvrtc::supported_archs`] gives them): the device's own `sm_XY` when NVRTC knows
+    /// it (or does not say), else PTX for the newest virtual architecture it knows,
+    /// `compute_XY`, which the driver assembles for the device when it loads it.
+    pub fn for_device(cc: (i32, i32), supported: &[i32], include_dir: impl Into<PathBuf>) -> Self {
+        let own = cc.0 * 10 + cc.1;
+        match supported.iter().copied().filter(|&a| a <= own).max() {
+            Some(a) if a != own => Self::new(format!("compute_{a}"), include_dir),
+            _ => Self::for_compute_capability(cc.0, cc.1, include_dir),
+        }
+    }
+
+    /// Whether the target is a real architecture (`sm_XY`), for which NVRTC also makes
+    /// machine code.
+    pub fn is_real(&self) -> bool {
+        self.arch.starts_with("sm_")
     }
 
     /// The NVRTC command-line options, in order; also part of the cache key.
@@ -127,13 +149,17 @@ impl CompileOptions {
     }
 
     fn check_arch(&self) -> Result<()> {
-        let digits = self.arch.strip_prefix("sm_").unwrap_or("");
+        let digits = self
+            .arch
+            .strip_prefix("sm_")
+            .or_else(|| self.arch.strip_prefix("compute_"))
+            .unwrap_or("");
         if digits.len() >= 2 && digits.chars().all(|c| c.is_ascii_digit()) {
             Ok(())
         } else {
             Err(backend_error(format!(
                 "`{}` is not a CUDA architecture; use sm_XY, e.g. sm_90 for Hopper or sm_80 \
-                 for Ampere",
+                 for Ampere (or compute_XY for PTX alone)",
                 self.arch
             )))
         }
@@ -147,64 +173,56 @@ fn backend_error(message: impl Into<String>) -> Error {
     }
 }
 
-/// How to get NVRTC, for error messages.
-const NVRTC_HELP: &str = "install a CUDA 13.0 toolkit, or the pip wheels \
-     (`python3 -m pip install 'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'`), \
-     and put the directory holding libnvrtc.so.13 (a toolkit's lib64/, or the wheel's \
-     site-packages/nvidia/cu13/lib) on LD_LIBRARY_PATH";
-
-/// Fails unless libnvrtc can be loaded (cudarc would panic on its first call otherwise).
-fn ensure_nvrtc() -> Result<()> {
-    // SAFETY: only tries to dlopen the library by its usual names.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(backend_error(format!(
-            "NVRTC (libnvrtc) was not found, so the CUDA kernels cannot be compiled: {NVRTC_HELP}"
-        )))
-    }
+/// The process's NVRTC as trainkit's error.
+fn nvrtc() -> Result<&'static Nvrtc> {
+    Nvrtc::get().map_err(backend_error)
 }
 
 /// The version of the NVRTC library found, `(major, minor)`: an error, not a panic, when
 /// there is none.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    ensure_nvrtc()?;
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: the library is present (checked above); the pointers are valid for writes.
-    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(backend_error(format!(
-            "nvrtcVersion failed ({status:?}): {NVRTC_HELP}"
-        )));
-    }
-    Ok((major, minor))
+    Ok(nvrtc()?.version())
 }
 
-/// Compiles one CUDA C source to PTX with NVRTC.
+/// What NVRTC made of one kernel file: the PTX, and the machine code for a real
+/// architecture (`sm_XY`), which the backend loads without a second compilation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Compiled {
+    /// The PTX: the fallback the driver assembles when the machine code does not load.
+    pub ptx: String,
+    /// The CUBIN for `sm_XY`; `None` when the target was virtual (`compute_XY`).
+    pub cubin: Option<Vec<u8>>,
+}
+
+/// Compiles one CUDA C source with NVRTC: PTX, and machine code when `options.arch` is
+/// a real architecture.
 ///
 /// Returns an error (never panics) when NVRTC is missing, naming how to install it, and
 /// NVRTC's log when the source does not compile.
-pub fn compile(source: &str, options: &CompileOptions) -> Result<String> {
+pub fn compile(source: &str, options: &CompileOptions) -> Result<Compiled> {
+    run_nvrtc(source, options, false).map(|o| Compiled {
+        ptx: o.ptx,
+        cubin: o.cubin,
+    })
+}
+
+fn run_nvrtc(source: &str, options: &CompileOptions, verbose: bool) -> Result<Output> {
     options.check_arch()?;
     if source.contains('\0') {
         return Err(backend_error("a kernel source contains a NUL byte"));
     }
-    ensure_nvrtc()?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: options.flags(),
-        ..Default::default()
-    };
-    match cudarc::nvrtc::compile_ptx_with_opts(source, opts) {
-        Ok(ptx) => Ok(ptx.to_src()),
-        Err(cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. }) => {
-            Err(backend_error(format!(
-                "NVRTC could not compile for {} ({nvrtc:?}):\n{}",
-                options.arch,
-                log.to_string_lossy().trim_end()
-            )))
-        }
-        Err(e) => Err(backend_error(format!("NVRTC failed: {e}"))),
+    let mut flags = options.flags();
+    if verbose {
+        flags.push("--ptxas-options=--verbose".to_string());
     }
+    nvrtc()?
+        .compile(source, "kernel.cu", &flags)
+        .map_err(|log| {
+            backend_error(format!(
+                "NVRTC could not compile for {}:\n{}",
+                options.arch, log
+            ))
+        })
 }
 
 /// One kernel's resources as ptxas assigned them for an architecture.
@@ -228,80 +246,31 @@ pub struct KernelResources {
 /// kernel's resources.
 #[derive(Clone, Debug)]
 pub struct Assembly {
-    /// The PTX (what the backend loads, and the driver assembles on the GPU).
+    /// The PTX (the fallback the driver assembles when the machine code does not load).
     pub ptx: String,
-    /// The machine code for the architecture.
+    /// The machine code for the architecture (what the backend loads).
     pub cubin: Vec<u8>,
     /// Per kernel, as ptxas reported them.
     pub kernels: Vec<KernelResources>,
 }
 
-/// Compiles one CUDA C source as [`compile`] does, then through ptxas to machine code for
-/// `options.arch`, with ptxas's report of each kernel's registers, shared memory, stack
-/// and spills. Needs no GPU: it is what the driver does to the PTX when it loads it, so a
-/// kernel that assembles here also assembles on the device (same CUDA release), and its
-/// resources can be checked before it runs.
+/// Compiles one CUDA C source as [`compile`] does, for a real architecture, with
+/// ptxas's report of each kernel's registers, shared memory, stack and spills. Needs no
+/// GPU: the machine code is what the backend loads on the device, so its resources can be
+/// checked before it runs.
 pub fn assemble(source: &str, options: &CompileOptions) -> Result<Assembly> {
-    use cudarc::nvrtc::{result, sys};
-    options.check_arch()?;
-    if source.contains('\0') {
-        return Err(backend_error("a kernel source contains a NUL byte"));
-    }
-    ensure_nvrtc()?;
-    let src = std::ffi::CString::new(source).expect("NUL bytes refused above");
-    let prog = result::create_program(&src, None)
-        .map_err(|e| backend_error(format!("NVRTC failed: {e:?}")))?;
-    let mut flags = options.flags();
-    flags.push("--ptxas-options=--verbose".to_string());
-    // SAFETY: `prog` was created above and is destroyed once, below, on every path.
-    let out = unsafe {
-        let compiled = result::compile_program(prog, &flags);
-        let log = result::get_program_log(prog)
-            .map(|l| c_text(&l))
-            .unwrap_or_default();
-        let out = match compiled {
-            Err(e) => Err(backend_error(format!(
-                "NVRTC could not compile for {} ({e:?}):\n{}",
-                options.arch,
-                log.trim_end()
-            ))),
-            Ok(()) => {
-                let ptx = result::get_ptx(prog).map(|p| c_text(&p));
-                let mut size = 0usize;
-                let cubin = sys::nvrtcGetCUBINSize(prog, &mut size)
-                    .result()
-                    .and_then(|()| {
-                        let mut cubin = vec![0u8; size];
-                        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
-                            .result()
-                            .map(|()| cubin)
-                    });
-                match (ptx, cubin) {
-                    (Ok(ptx), Ok(cubin)) => Ok(Assembly {
-                        ptx,
-                        cubin,
-                        kernels: ptxas_resources(&log),
-                    }),
-                    (Err(e), _) | (_, Err(e)) => {
-                        Err(backend_error(format!("NVRTC gave no code: {e:?}")))
-                    }
-                }
-            }
-        };
-        let _ = result::destroy_program(prog);
-        out
-    };
-    out
-}
-
-/// The text of a NUL-terminated C string buffer from NVRTC.
-fn c_text(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars
-        .iter()
-        .map(|&c| c as u8)
-        .take_while(|&c| c != 0)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+    let out = run_nvrtc(source, options, true)?;
+    let cubin = out.cubin.ok_or_else(|| {
+        backend_error(format!(
+            "NVRTC gave no machine code for {}: assemble needs a real architecture (sm_XY)",
+            options.arch
+        ))
+    })?;
+    Ok(Assembly {
+        ptx: out.ptx,
+        cubin,
+        kernels: ptxas_resources(&out.log),
+    })
 }
 
 /// Each kernel's resources from ptxas's `--verbose` report, in the order it reports them.
@@ -511,7 +480,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 170);
+        assert_eq!(seen.len(), 175);
     }
 
     #[test]
@@ -538,6 +507,28 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
             .check_arch()
             .unwrap_err();
         assert!(err.to_string().contains("sm_90"), "{err}");
+    }
+
+    #[test]
+    fn a_device_nvrtc_does_not_know_gets_ptx_for_the_newest_it_knows() {
+        let known = [75, 80, 86, 89, 90, 100, 120];
+        assert_eq!(
+            CompileOptions::for_device((9, 0), &known, "/i").arch,
+            "sm_90"
+        );
+        assert_eq!(
+            CompileOptions::for_device((8, 6), &known, "/i").arch,
+            "sm_86"
+        );
+        let newer = CompileOptions::for_device((13, 0), &known, "/i");
+        assert_eq!(newer.arch, "compute_120");
+        assert!(!newer.is_real() && newer.check_arch().is_ok());
+        assert_eq!(
+            CompileOptions::for_device((8, 7), &known, "/i").arch,
+            "compute_86"
+        );
+        // An NVRTC that does not list its architectures: the device's own.
+        assert_eq!(CompileOptions::for_device((9, 0), &[], "/i").arch, "sm_90");
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //!
 //! The probe checks each CUDA library before calling into it (cudarc panics on the first
 //! call into a library it cannot load), in the order the backend needs them: the driver,
-//! NVRTC, cuBLAS, cuBLASLt; then the driver's CUDA version (NVRTC 13.0's PTX needs a CUDA
-//! 13.0 driver, 580 or newer); only then does it create a context on the device and read
-//! its name, compute capability and memory. Whatever is missing comes back as a sentence
+//! NVRTC, cuBLASLt; then the driver's CUDA version (NVRTC 13.0's code needs a CUDA 13.0
+//! driver, 580 or newer) and that NVRTC is no newer than the driver; only then does it
+//! create a context on the device and read its name, compute capability and memory. Whatever is missing comes back as a sentence
 //! saying what and how to fix it.
 
 use std::fmt;
@@ -73,6 +73,8 @@ pub fn probe_device(ordinal: usize) -> Result<CudaInfo, String> {
             driver_version % 1000 / 10
         ));
     }
+    let nvrtc = super::nvrtc::Nvrtc::get()?;
+    super::nvrtc::check_against_driver(nvrtc.version(), nvrtc.path(), driver_version)?;
     // The libraries are present, so cudarc should return errors rather than panic; a
     // driver too old for a symbol cudarc binds would still panic, so catch that too.
     let described = std::panic::catch_unwind(|| describe(ordinal, driver_version));
@@ -92,41 +94,19 @@ pub fn probe_device(ordinal: usize) -> Result<CudaInfo, String> {
 }
 
 /// Fails with a reason unless every CUDA library the backend uses can be loaded, checked
-/// in order: the driver, NVRTC, cuBLAS, cuBLASLt.
+/// in order: the driver (cudarc's), then NVRTC and cuBLASLt, which trainkit opens itself
+/// by their versioned names ([`super::libraries`]).
 fn check_libraries() -> Result<(), String> {
-    /// cudarc's `is_culib_present` of one library.
-    type Present = unsafe fn() -> bool;
-    let checks: [(Present, &str); 4] = [
-        (
-            cudarc::driver::sys::is_culib_present,
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(
             "the CUDA driver library (libcuda.so) was not found: this machine has no \
-             NVIDIA driver, or its library is not on the loader's path",
-        ),
-        (
-            cudarc::nvrtc::sys::is_culib_present,
-            "NVRTC (libnvrtc.so.13) was not found: install a CUDA 13.0 toolkit or \
-             `python3 -m pip install 'nvidia-cuda-nvrtc==13.0.*'`, and put its lib \
-             directory (site-packages/nvidia/cu13/lib for the wheel) on LD_LIBRARY_PATH",
-        ),
-        (
-            cudarc::cublas::sys::is_culib_present,
-            "cuBLAS (libcublas.so.13) was not found: install it from a CUDA 13 toolkit or \
-             the `nvidia-cublas` pip wheel for CUDA 13, and put its lib directory on \
-             LD_LIBRARY_PATH",
-        ),
-        (
-            cudarc::cublaslt::sys::is_culib_present,
-            "cuBLASLt (libcublasLt.so.13) was not found: it comes with cuBLAS (a CUDA 13 \
-             toolkit or the `nvidia-cublas` pip wheel); put its lib directory on \
-             LD_LIBRARY_PATH",
-        ),
-    ];
-    for (present, reason) in checks {
-        // SAFETY: each check only tries to dlopen the library by its usual names.
-        if !unsafe { present() } {
-            return Err(reason.to_string());
-        }
+                    NVIDIA driver, or its library is not on the loader's path"
+                .to_string(),
+        );
     }
+    super::nvrtc::Nvrtc::get()?;
+    super::cublaslt::CublasLt::get()?;
     Ok(())
 }
 

@@ -1,56 +1,216 @@
 //! Page-locked staging for uploads. A copy from pageable host memory may make the driver
 //! wait for the stream before it stages the bytes, an implicit round trip; copies from
-//! page-locked memory are queued like kernels. Small uploads (a micro-batch's token ids,
-//! the embedding backward's buckets) therefore go through a ring of page-locked slots,
-//! each reused once the copy queued from it has run.
+//! page-locked memory are queued like kernels. Every upload (a micro-batch's token ids and
+//! targets, the embedding backward's buckets, a run's constants) therefore goes through a
+//! ring of page-locked bytes: each upload takes the next free bytes, and its bytes are
+//! free again once the copy queued from them has run.
+//!
+//! The ring is sized from what a step needs: where the next bytes are still being copied,
+//! the host does not wait for them; the ring grows instead (a new buffer twice as large;
+//! the old one is freed once its copies have run). Copies on one stream run in order, so
+//! the bytes in flight are one stretch of the ring, oldest first ([`RingPlan`]). A step
+//! waits for the device once, to read its loss; every copy queued before has run by then,
+//! so after the first steps the ring holds a step's uploads and never grows again. Only
+//! an upload larger than [`MAX_BYTES`] (weights, once, at load) is copied from pageable
+//! memory, and counted as a wait.
 
 use super::driver::driver_error;
 use crate::error::Result;
 use cudarc::driver::{result as drv, sys as drv_sys};
+use std::collections::VecDeque;
 use std::ffi::c_void;
 
-/// Slots in the ring: a step with many micro-batches queues several uploads per
-/// micro-batch before the host waits for its loss.
-const SLOTS: usize = 64;
-/// Bytes per slot: the token ids of 64k positions, or a 50k vocabulary's offsets.
-pub(crate) const SLOT_BYTES: usize = 256 << 10;
+/// The ring's first size.
+pub(crate) const FIRST_BYTES: usize = 4 << 20;
+/// The largest the ring grows to; larger uploads are copied from pageable memory.
+pub(crate) const MAX_BYTES: usize = 256 << 20;
+/// Every upload starts at a multiple of this.
+const ALIGN: usize = 256;
 
-/// A ring of page-locked slots, each with the event recorded after its last copy.
-pub(crate) struct Staging {
-    host: *mut u8,
-    events: Vec<drv_sys::CUevent>,
-    recorded: Vec<bool>,
-    next: usize,
+/// Where an upload goes in a ring of bytes, and which bytes are still being copied: the
+/// bookkeeping of [`Staging`], shared with the emulated GPU, which has no copies to wait
+/// for but counts the same uploads and sizes.
+#[derive(Debug)]
+pub(crate) struct RingPlan {
+    capacity: usize,
+    /// Where the next upload starts looking.
+    head: usize,
+    /// The uploads in flight, oldest first: `(start, end, tag)`.
+    in_flight: VecDeque<(usize, usize, u64)>,
 }
 
-// SAFETY: the host buffer and events are only touched under the owner's lock, with the
+/// What [`RingPlan::place`] found for an upload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// These bytes are free: the upload goes at this offset.
+    At(usize),
+    /// The oldest upload in flight (its tag) holds bytes the upload needs: it must have
+    /// run first, or the ring must grow.
+    Busy(u64),
+    /// The upload is larger than the ring.
+    TooLarge,
+}
+
+impl RingPlan {
+    /// An empty ring of `capacity` bytes.
+    pub(crate) fn new(capacity: usize) -> Self {
+        RingPlan {
+            capacity,
+            head: 0,
+            in_flight: VecDeque::new(),
+        }
+    }
+
+    /// The ring's size in bytes.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Where `len` bytes would go: right after the newest upload, or at the ring's start
+    /// when they do not fit before its end, provided no upload in flight holds them.
+    pub(crate) fn place(&self, len: usize) -> Place {
+        let len = len.max(1).next_multiple_of(ALIGN);
+        if len > self.capacity {
+            return Place::TooLarge;
+        }
+        let start = if self.head + len <= self.capacity {
+            self.head
+        } else {
+            0
+        };
+        let end = start + len;
+        // The bytes in flight run from the oldest upload's start to the head, wrapping
+        // at most once; an overlap can only be with the oldest ones.
+        for &(s, e, tag) in &self.in_flight {
+            if s < end && start < e {
+                return Place::Busy(tag);
+            }
+        }
+        Place::At(start)
+    }
+
+    /// Records an upload of `len` bytes at `start` (from [`RingPlan::place`]), in flight
+    /// until retired.
+    pub(crate) fn push(&mut self, start: usize, len: usize, tag: u64) {
+        let end = start + len.max(1).next_multiple_of(ALIGN);
+        self.head = end;
+        self.in_flight.push_back((start, end, tag));
+    }
+
+    /// The oldest upload in flight, if any.
+    pub(crate) fn oldest(&self) -> Option<u64> {
+        self.in_flight.front().map(|&(_, _, tag)| tag)
+    }
+
+    /// Forgets the oldest upload in flight: its copy has run.
+    pub(crate) fn retire_oldest(&mut self) {
+        self.in_flight.pop_front();
+    }
+
+    /// Forgets every upload in flight: the device has caught up.
+    pub(crate) fn retire_all(&mut self) {
+        self.in_flight.clear();
+    }
+
+    /// The plan of the ring that replaces this one when `len` bytes find no room: twice
+    /// the size, or enough for `len` with room to spare, up to [`MAX_BYTES`]; `None` when
+    /// the ring is that large already.
+    pub(crate) fn grown(&self, len: usize) -> Option<RingPlan> {
+        if self.capacity >= MAX_BYTES {
+            return None;
+        }
+        let want = (2 * self.capacity).max((2 * len).next_power_of_two());
+        Some(RingPlan::new(want.min(MAX_BYTES)))
+    }
+}
+
+/// A page-locked buffer of the ring and its plan.
+struct Buffer {
+    host: *mut u8,
+    plan: RingPlan,
+}
+
+/// The ring of page-locked bytes uploads are copied through, with one event per copy in
+/// flight.
+pub(crate) struct Staging {
+    current: Buffer,
+    /// Buffers the ring outgrew, each freed once the event after its last copy passed.
+    retired: Vec<(*mut u8, drv_sys::CUevent)>,
+    /// The event of each upload in flight, by tag.
+    events: VecDeque<(u64, drv_sys::CUevent)>,
+    /// Events no upload uses.
+    free_events: Vec<drv_sys::CUevent>,
+    next_tag: u64,
+}
+
+// SAFETY: the host buffers and events are only touched under the owner's lock, with the
 // context bound.
 unsafe impl Send for Staging {}
 
+fn host_buffer(bytes: usize) -> Result<*mut u8> {
+    // SAFETY: a plain page-locked allocation; freed in Drop or once retired.
+    unsafe { drv::malloc_host(bytes, 0) }
+        .map(|p| p as *mut u8)
+        .map_err(|e| driver_error("allocating page-locked staging memory", e))
+}
+
+/// What [`Staging::upload`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Staged {
+    /// Queued from the ring without waiting.
+    Queued,
+    /// Queued from the ring after the host waited for an earlier copy (the ring is at
+    /// its largest).
+    Waited,
+    /// Too large for the ring: the caller copies it from pageable memory.
+    TooLarge,
+}
+
 impl Staging {
-    /// Allocates the ring (the context must be current).
+    /// Allocates the ring at its first size (the context must be current).
     pub(crate) fn new() -> Result<Staging> {
-        // SAFETY: a plain page-locked allocation; freed in Drop.
-        let host = unsafe { drv::malloc_host(SLOTS * SLOT_BYTES, 0) }
-            .map_err(|e| driver_error("allocating page-locked staging memory", e))?
-            as *mut u8;
-        let mut s = Staging {
-            host,
-            events: Vec::with_capacity(SLOTS),
-            recorded: vec![false; SLOTS],
-            next: 0,
-        };
-        for _ in 0..SLOTS {
-            let e = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| driver_error("creating a staging event", e))?;
-            s.events.push(e);
-        }
-        Ok(s)
+        Ok(Staging {
+            current: Buffer {
+                host: host_buffer(FIRST_BYTES)?,
+                plan: RingPlan::new(FIRST_BYTES),
+            },
+            retired: Vec::new(),
+            events: VecDeque::new(),
+            free_events: Vec::new(),
+            next_tag: 0,
+        })
     }
 
-    /// Queues the copy of `src` to `dst` on `stream` through the next slot. Returns
-    /// `Ok(None)` when `src` is larger than a slot (the caller copies it another way),
-    /// else whether the host had to wait for the slot's previous copy.
+    /// The ring's size in bytes.
+    pub(crate) fn capacity(&self) -> usize {
+        self.current.plan.capacity()
+    }
+
+    /// Forgets the copies that have run, oldest first, and frees outgrown buffers whose
+    /// copies have all run.
+    fn retire_done(&mut self) {
+        while let Some(&(tag, event)) = self.events.front() {
+            // SAFETY: the event was created and recorded here.
+            if unsafe { drv::event::query(event) }.is_err() {
+                break;
+            }
+            self.events.pop_front();
+            self.free_events.push(event);
+            if self.current.plan.oldest() == Some(tag) {
+                self.current.plan.retire_oldest();
+            }
+        }
+        self.retired.retain(|&(host, event)| {
+            // SAFETY: as above; the buffer is freed once, when its last copy has run.
+            let done = unsafe { drv::event::query(event) }.is_ok();
+            if done {
+                let _ = unsafe { drv::free_host(host as *mut c_void) };
+            }
+            !done
+        });
+    }
+
+    /// Queues the copy of `src` to `dst` on `stream` through the ring.
     ///
     /// # Safety
     /// `dst` must address at least `src.len()` bytes of device memory, and the context
@@ -60,27 +220,57 @@ impl Staging {
         dst: drv_sys::CUdeviceptr,
         src: &[u8],
         stream: drv_sys::CUstream,
-    ) -> Result<Option<bool>> {
-        if src.len() > SLOT_BYTES {
-            return Ok(None);
+    ) -> Result<Staged> {
+        if src.len() > MAX_BYTES {
+            return Ok(Staged::TooLarge);
         }
-        let slot = self.next;
-        self.next = (self.next + 1) % SLOTS;
-        let event = self.events[slot];
+        self.retire_done();
         let mut waited = false;
-        if self.recorded[slot] {
-            // SAFETY: the event was created and recorded here.
-            if unsafe { drv::event::query(event) }.is_err() {
-                waited = true;
-                unsafe { drv::event::synchronize(event) }
-                    .map_err(|e| driver_error("waiting for a staging slot", e))?;
+        let start = loop {
+            match self.current.plan.place(src.len()) {
+                Place::At(start) => break start,
+                Place::TooLarge | Place::Busy(_) => match self.current.plan.grown(src.len()) {
+                    Some(plan) => {
+                        let host = host_buffer(plan.capacity())?;
+                        let old = std::mem::replace(&mut self.current, Buffer { host, plan });
+                        // The old buffer is freed after the newest copy from it.
+                        match self.events.back() {
+                            Some(&(_, event)) => {
+                                let keep = self.event()?;
+                                // SAFETY: recorded after every copy queued so far.
+                                unsafe { drv::event::record(keep, stream) }
+                                    .map_err(|e| driver_error("recording a staging event", e))?;
+                                let _ = event;
+                                self.retired.push((old.host, keep));
+                            }
+                            // SAFETY: no copy reads it.
+                            None => unsafe {
+                                let _ = drv::free_host(old.host as *mut c_void);
+                            },
+                        }
+                    }
+                    None => {
+                        // At its largest: wait for the oldest copy in flight.
+                        let Some((_, event)) = self.events.pop_front() else {
+                            return Ok(Staged::TooLarge);
+                        };
+                        waited = true;
+                        // SAFETY: the event was created and recorded here.
+                        unsafe { drv::event::synchronize(event) }
+                            .map_err(|e| driver_error("waiting for a staging copy", e))?;
+                        self.free_events.push(event);
+                        self.current.plan.retire_oldest();
+                    }
+                },
             }
-        }
-        // SAFETY: the slot is `SLOT_BYTES` long and no queued copy reads it any more.
+        };
+        // SAFETY: the bytes `start..start + len` of the ring are inside it and no queued
+        // copy reads them any more.
         let host =
-            unsafe { std::slice::from_raw_parts_mut(self.host.add(slot * SLOT_BYTES), src.len()) };
+            unsafe { std::slice::from_raw_parts_mut(self.current.host.add(start), src.len()) };
         host.copy_from_slice(src);
-        // SAFETY: the caller's contract; the slot stays untouched until the event passes.
+        let event = self.event()?;
+        // SAFETY: the caller's contract; the bytes stay untouched until the event passes.
         unsafe {
             drv_sys::cuMemcpyHtoDAsync_v2(dst, host.as_ptr() as *const c_void, src.len(), stream)
                 .result()
@@ -88,20 +278,77 @@ impl Staging {
             drv::event::record(event, stream)
                 .map_err(|e| driver_error("recording a staging event", e))?;
         }
-        self.recorded[slot] = true;
-        Ok(Some(waited))
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        self.current.plan.push(start, src.len(), tag);
+        self.events.push_back((tag, event));
+        Ok(if waited {
+            Staged::Waited
+        } else {
+            Staged::Queued
+        })
+    }
+
+    fn event(&mut self) -> Result<drv_sys::CUevent> {
+        match self.free_events.pop() {
+            Some(e) => Ok(e),
+            None => drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| driver_error("creating a staging event", e)),
+        }
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
         // The owner synchronizes its stream before dropping this.
-        // SAFETY: created in `new`, not used after this.
+        // SAFETY: created here, not used after this.
         unsafe {
-            for &e in &self.events {
+            for (_, e) in self.events.drain(..) {
                 let _ = drv::event::destroy(e);
             }
-            let _ = drv::free_host(self.host as *mut c_void);
+            for e in self.free_events.drain(..) {
+                let _ = drv::event::destroy(e);
+            }
+            for (host, e) in self.retired.drain(..) {
+                let _ = drv::event::destroy(e);
+                let _ = drv::free_host(host as *mut c_void);
+            }
+            let _ = drv::free_host(self.current.host as *mut c_void);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uploads_take_the_next_free_bytes_and_wrap() {
+        let mut r = RingPlan::new(4 * ALIGN);
+        assert_eq!(r.place(10), Place::At(0));
+        r.push(0, 10, 0);
+        assert_eq!(r.place(ALIGN + 1), Place::At(ALIGN));
+        r.push(ALIGN, ALIGN + 1, 1);
+        // Three aligned blocks used; one left before the end.
+        assert_eq!(r.place(ALIGN), Place::At(3 * ALIGN));
+        r.push(3 * ALIGN, ALIGN, 2);
+        // Wrapping to the start finds the oldest still in flight.
+        assert_eq!(r.place(1), Place::Busy(0));
+        r.retire_oldest();
+        assert_eq!(r.place(ALIGN), Place::At(0));
+        assert_eq!(r.place(2 * ALIGN), Place::Busy(1));
+        r.retire_all();
+        assert_eq!(r.place(4 * ALIGN), Place::At(0));
+        assert_eq!(r.place(4 * ALIGN + 1), Place::TooLarge);
+    }
+
+    #[test]
+    fn the_ring_grows_to_what_is_asked_up_to_its_largest() {
+        let r = RingPlan::new(FIRST_BYTES);
+        assert_eq!(r.grown(10).unwrap().capacity(), 2 * FIRST_BYTES);
+        // A large upload: twice its size, rounded to a power of two.
+        assert_eq!(r.grown(5 << 20).unwrap().capacity(), 16 << 20);
+        assert_eq!(r.grown(200 << 20).unwrap().capacity(), MAX_BYTES);
+        assert!(RingPlan::new(MAX_BYTES).grown(1).is_none());
     }
 }

@@ -20,19 +20,23 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     ],
 };
 
+/// The rows of `logits` against targets `start..` of `all` (checked by the caller). The
+/// whole list is uploaded once and kept while the calls ask for the same list (the chunks
+/// of one loss), each chunk reading its rows of it.
 pub(crate) fn forward(
     be: &CudaBackend,
     logits: &mut Tensor,
-    targets: &[u32],
+    all: &[u32],
+    start: usize,
     vocab: usize,
     grad_scale: Option<f32>,
     losses: &mut Tensor,
 ) -> Result<()> {
-    let (rows, vp) = (targets.len(), logits.rows_cols().1);
+    let (rows, vp) = logits.rows_cols();
     if rows == 0 {
         return Ok(());
     }
-    let tg = be.upload_u32(targets, "cross_entropy.targets")?;
+    let targets = be.kept_u32(all, "cross_entropy.targets")? + 4 * start as u64;
     be.launch(
         &format!("cross_entropy_{}", logits.dtype()),
         be.grid_rows(rows),
@@ -40,7 +44,7 @@ pub(crate) fn forward(
         Args::new()
             .ptr(ptr(logits)?)
             .ptr(ptr(losses)?)
-            .ptr(ptr(&tg)?)
+            .ptr(targets)
             .i64(rows)
             .i64(vp)
             .i64(vocab)

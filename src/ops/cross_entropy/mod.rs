@@ -34,19 +34,51 @@ pub fn forward(
     grad_scale: Option<f32>,
     losses: &mut Tensor,
 ) -> Result<()> {
+    forward_rows(be, logits, targets, 0, vocab, grad_scale, losses)
+}
+
+/// [`forward`] for rows `start..start + rows` of a longer list of targets, `all`, whose
+/// row `start` is the logits' first: the chunks of one chunked loss share one list, which
+/// the CUDA backend then uploads once rather than once per chunk.
+pub fn forward_rows(
+    be: &dyn Backend,
+    logits: &mut Tensor,
+    all: &[u32],
+    start: usize,
+    vocab: usize,
+    grad_scale: Option<f32>,
+    losses: &mut Tensor,
+) -> Result<()> {
+    let rows = logits.rows_cols().0;
+    let end = start.checked_add(rows).filter(|&e| e <= all.len());
+    let Some(end) = end else {
+        return Err(Error::shape(
+            "cross_entropy",
+            format!(
+                "rows {start}..{start} + {rows} of the logits are beyond the {} targets",
+                all.len()
+            ),
+        ));
+    };
     be.run(&mut Forward {
         logits,
-        targets,
+        targets: &all[start..end],
+        all,
+        start,
         vocab,
         grad_scale,
         losses,
     })
 }
 
-/// The call of [`forward`].
+/// The call of [`forward_rows`].
 struct Forward<'a> {
     logits: &'a mut Tensor,
+    /// The targets of the logits' rows.
     targets: &'a [u32],
+    /// The list they are part of, from row `start` on.
+    all: &'a [u32],
+    start: usize,
     vocab: usize,
     grad_scale: Option<f32>,
     losses: &'a mut Tensor,
@@ -90,7 +122,8 @@ impl OpKernel for Forward<'_> {
         cuda::forward(
             be,
             self.logits,
-            self.targets,
+            self.all,
+            self.start,
             self.vocab,
             self.grad_scale,
             self.losses,

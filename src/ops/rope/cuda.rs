@@ -3,13 +3,17 @@
 //!
 //! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/rope.cu`, listed once in [`KERNELS`].
 
+use crate::device::cpu::ensure;
 use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
 use crate::device::cuda::Args;
 use crate::device::cuda::KernelFile;
-use crate::device::{Backend, Heads};
+use crate::device::Heads;
 use crate::error::Result;
-use crate::memory::MemoryCategory;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
+
+/// The most frequencies the kernel takes (`TK_ROPE_MAX_PAIRS` in kernels/rope.cu): heads
+/// up to 512 wide.
+const MAX_PAIRS: usize = 256;
 
 /// The kernels of `kernels/rope.cu`, named once: the backend launches these names, NVRTC
 /// and the emulator build this source.
@@ -39,14 +43,19 @@ fn rotate(
     if rows * w == 0 {
         return Ok(());
     }
-    // The frequencies (D/2 values) go up with the call, a workspace tensor the ledger counts.
-    let freq = be.upload_kernel(
-        inv_freq,
-        &[inv_freq.len()],
-        DType::F32,
-        MemoryCategory::Workspace,
-        "rope.inv_freq",
-    )?;
+    // The frequencies (D/2 values) travel with the launch, by value: nothing is uploaded.
+    let mut freq = [0f32; MAX_PAIRS];
+    ensure(inv_freq.len() <= MAX_PAIRS, op, || {
+        format!(
+            "{} rotary frequencies (heads {} wide); the CUDA kernel takes at most {MAX_PAIRS} \
+             (heads up to {} wide)",
+            inv_freq.len(),
+            2 * inv_freq.len(),
+            2 * MAX_PAIRS
+        )
+    })?;
+    freq[..inv_freq.len()].copy_from_slice(inv_freq);
+    let bytes: Vec<u8> = freq.iter().flat_map(|f| f.to_le_bytes()).collect();
     be.launch(
         &format!("rope_{dt}"),
         be.grid(rows * w),
@@ -54,7 +63,7 @@ fn rotate(
         Args::new()
             .ptr(ptr(out)?)
             .ptr(ptr(x)?)
-            .ptr(ptr(&freq)?)
+            .bytes(&bytes)
             .i64(rows)
             .i64(t)
             .i64(w)

@@ -1,16 +1,31 @@
 //! Matrix products through cuBLASLt (the `Gpu` layer's `gemm`), with the bias and GELU
-//! epilogues; no kernel file of trainkit's own.
+//! epilogues; a product cuBLASLt has no algorithm for runs as the plain kernel of
+//! `kernels/matmul.cu`.
 //!
 //! CPU twin: `src/device/cpu/matmul.rs`.
 
 use super::super::backend::{ptr, CudaBackend, BLOCK};
-use super::super::gpu::{Args, DevicePtr, Gemm, MatrixLayout, MatrixType};
+use super::super::gpu::{Args, DevicePtr, Gemm, GemmRun, MatrixLayout, MatrixType};
+use super::super::KernelFile;
 use super::elementwise::launch_cast;
 use crate::device::cpu::{self, ensure};
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 use std::sync::atomic::Ordering;
+
+/// The kernels of `kernels/matmul.cu`: the plain product, per operand and output type.
+pub(crate) const KERNELS: KernelFile = KernelFile {
+    name: "matmul.cu",
+    source: include_str!("../../../../kernels/matmul.cu"),
+    kernels: &[
+        "gemm_plain_f32_f32",
+        "gemm_plain_bf16_bf16",
+        "gemm_plain_bf16_f32",
+        "gemm_plain_f16_f16",
+        "gemm_plain_f16_f32",
+    ],
+};
 
 /// The cuBLASLt workspace (allocated once, in the ledger).
 pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {
@@ -146,7 +161,58 @@ pub(crate) fn gemm(
         workspace_bytes,
     };
     // SAFETY: the layouts are the tensors' own shapes, checked above.
-    unsafe { be.gpu.gemm(&g) }
+    match unsafe { be.gpu.gemm(&g) }.map_err(|e| be.explain(e))? {
+        GemmRun::Done => Ok(()),
+        // The callers of an epilogue run the product and the epilogue apart.
+        GemmRun::NoAlgorithm if g.gelu_aux != 0 || g.bias_grad != 0 => Err(Error::Backend {
+            backend: "cuda",
+            message: "cuBLASLt has no algorithm for this product with its epilogue".into(),
+        }),
+        GemmRun::NoAlgorithm => plain_gemm(be, &g),
+    }
+}
+
+/// The product `g` by the plain kernel (`kernels/matmul.cu`), for one cuBLASLt has no
+/// algorithm for (said once per process).
+fn plain_gemm(be: &CudaBackend, g: &Gemm) -> Result<()> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        log::warn!(
+            "cuBLASLt has no algorithm for a product ({:?} × {:?} → {:?}); such products run \
+             as trainkit's plain kernel, more slowly",
+            g.a_layout,
+            g.b_layout,
+            g.d_layout
+        );
+    }
+    let name = |t: MatrixType| match t {
+        MatrixType::F32 => "f32",
+        MatrixType::Bf16 => "bf16",
+        MatrixType::F16 => "f16",
+    };
+    let kernel = format!("gemm_plain_{}_{}", name(g.a_layout.ty), name(g.d_layout.ty));
+    const TILE: u64 = 16;
+    let tiles = g.m.div_ceil(TILE) * g.n.div_ceil(TILE);
+    be.launch(
+        &kernel,
+        be.grid(tiles as usize * BLOCK as usize),
+        BLOCK,
+        Args::new()
+            .i32(g.trans_a as i32)
+            .i32(g.trans_b as i32)
+            .i64(g.m as usize)
+            .i64(g.n as usize)
+            .i64(g.k as usize)
+            .ptr(g.a)
+            .i64(g.a_layout.ld as usize)
+            .ptr(g.b)
+            .i64(g.b_layout.ld as usize)
+            .ptr(g.d)
+            .i64(g.d_layout.ld as usize)
+            .ptr(g.bias)
+            .f32(g.alpha)
+            .f32(g.beta),
+    )
 }
 
 /// [`crate::ops::linear::matmul_bias_gelu`] with cuBLASLt's GELU epilogue: `Ok(true)`
