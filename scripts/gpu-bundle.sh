@@ -13,7 +13,8 @@
 #                   tests/offset_norm.rs: a fused op of a downstream crate, loaded through
 #                   CudaBackend::load_kernels),
 #                   the GPU benchmark (examples/gpu_bench.rs) and the trainkit binary,
-#                   release builds, stripped; the kernels are embedded in them
+#                   release builds, stripped and gzipped (run.sh unpacks them); the
+#                   kernels are embedded in them
 #   data/           tinyshakespeare as GPT-2 tokens in llm.c's format (train and _val
 #                   files), written by `trainkit prepare`
 #   gpt2-124m.toml  the config of `trainkit train`'s GPT-2 124M run
@@ -88,6 +89,13 @@ done
 echo "== token file (trainkit prepare, GPT-2 BPE, llm.c's format)"
 "$bundle/bin/trainkit" prepare --text "$text" --out "$bundle/data/tinyshakespeare.bin"
 
+# The newest glibc symbol the binaries need, for MANIFEST.txt; then gzipped, they take
+# about a third of their size (run.sh unpacks them).
+glibc="$(objdump -T "$bundle"/bin/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n1)"
+for f in "$bundle"/bin/*; do
+  gzip -9 -n "$f"
+done
+
 cp examples/configs/gpt2-124m.toml "$bundle/gpt2-124m.toml"
 cp benches/reference/pytorch_gpt2.py "$bundle/reference/"
 cp scripts/gpu-bundle/run.sh "$bundle/run.sh"
@@ -113,7 +121,6 @@ echo "== MANIFEST.txt"
     commit="$commit (with uncommitted changes)"
   fi
   echo "trainkit $commit, bundle built $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  glibc="$(objdump -T "$bundle"/bin/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -n1)"
   echo "$(rustc --version), $(uname -sm); the binaries need glibc ${glibc#GLIBC_} or newer"
   echo "token file: $(basename "$text") -> data/tinyshakespeare.bin, data/tinyshakespeare_val.bin"
   if [ -f "$bundle/llmc/COMMIT" ]; then

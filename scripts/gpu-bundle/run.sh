@@ -564,7 +564,16 @@ say "C++ compiler for the CUDA emulator: ${cxx_found:-none (the emulator checks 
 export TRAINKIT_CACHE_DIR="$work/kernel-cache"
 export TRAINKIT_EMU_DIR="$work/emu"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-bin="$here/bin"
+# The binaries travel gzipped (the bundle must fit what one call carries): unpacked into
+# this run's own folder.
+bin="$work/bin"
+mkdir -p "$bin"
+for f in "$here"/bin/*; do
+  case "$f" in
+    *.gz) gzip -dc "$f" >"$bin/$(basename "$f" .gz)" && chmod +x "$bin/$(basename "$f" .gz)" ;;
+    *) ln -sf "$f" "$bin/$(basename "$f")" ;;
+  esac
+done
 data="$here/data/tinyshakespeare.bin"
 val="$here/data/tinyshakespeare_val.bin"
 
