@@ -451,6 +451,100 @@ fn train_saves_the_tokenizer_and_sample_uses_it() {
     assert!(stdout.starts_with("hello world"), "{stdout}");
 }
 
+/// A new user's path: `prepare --tokenizer M`, `train --init-from M` (no --tokenizer),
+/// `sample`. The model directory's tokenizer files (tokenizer.json, tokenizer_config.json,
+/// chat_template.jinja) go with the model into --out, and sample decodes with them.
+#[test]
+fn init_from_carries_the_model_directory_tokenizer_into_out() {
+    let dir = TempDir::new("init-from");
+    let file = dir.path("src/tokenizer.json");
+    write_json(&file, &byte_level_bpe(&["<|endoftext|>"]));
+    fs::write(
+        dir.path("src/tokenizer_config.json"),
+        r#"{"eos_token": "<|endoftext|>"}"#,
+    )
+    .unwrap();
+    let template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}";
+    fs::write(dir.path("src/chat_template.jinja"), template).unwrap();
+    let text = dir.path("t.txt");
+    fs::write(&text, TEXT.repeat(20)).unwrap();
+    let shape = [
+        "--vocab-size",
+        "264",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "1",
+        "--n-embd",
+        "8",
+        "--n-positions",
+        "8",
+    ];
+    let run = |args: &[&str]| {
+        let (ok, stdout, stderr) = trainkit(args);
+        assert!(ok, "{args:?}\n{stdout}\n{stderr}");
+        stdout
+    };
+    let common = ["--seq-len", "8", "--batch-size", "2", "--device", "cpu"];
+    // The "downloaded" model: a directory with weights, config and tokenizer files.
+    let base = dir.path("base");
+    let mut args = vec!["train", "--data", s(&text), "--tokenizer", s(&file)];
+    args.extend(shape);
+    args.extend(common);
+    args.extend(["--steps", "1", "--out", s(&base)]);
+    run(&args);
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        assert!(base.join(name).is_file(), "{name} not in the base model");
+    }
+    // prepare with the model directory, train from it with no --tokenizer.
+    let tokens = dir.path("data/tokens.bin");
+    run(&[
+        "prepare",
+        "--text",
+        s(&text),
+        "--tokenizer",
+        s(&base),
+        "--out",
+        s(&tokens),
+    ]);
+    let out = dir.path("tuned");
+    let mut args = vec!["train", "--data", s(&tokens), "--init-from", s(&base)];
+    args.extend(common);
+    args.extend(["--steps", "2", "--out", s(&out)]);
+    run(&args);
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        assert_eq!(
+            fs::read(out.join(name)).unwrap(),
+            fs::read(base.join(name)).unwrap(),
+            "{name}"
+        );
+    }
+    let cfg = fs::read_to_string(out.join("trainkit.toml")).unwrap();
+    assert!(cfg.contains("tokenizer.json"), "{cfg}");
+    let stdout = run(&[
+        "sample",
+        "--model",
+        s(&out),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "3",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+    ]);
+    assert!(stdout.starts_with("hello world"), "{stdout}");
+}
+
 #[test]
 fn configs_take_a_tokenizer_path() {
     use trainkit::config::{DataConfig, RunConfig};

@@ -12,6 +12,10 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The file beside `tokenizer.json` that names the end-of-sequence token (`eos_token`).
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// The file beside `tokenizer.json` that holds the model's chat template (Jinja), where
+/// transformers writes it apart from `tokenizer_config.json`.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
 /// End-of-text tokens looked for, in this order, among a file's special tokens when no
 /// `tokenizer_config.json` names one: GPT-2's and Qwen's, Llama 3's, Llama 2's and
 /// Mistral's, Gemma's, ChatML's.

@@ -17,7 +17,9 @@ pub use crate::model::Batch;
 pub use corpus::SyntheticCorpus;
 pub use dataset::{is_shard_spec, is_val_shard, TokenDataset};
 pub use gpt2_tokenizer::Gpt2Tokenizer;
-pub use hf_tokenizer::{HfTokenizer, END_OF_TEXT_TOKENS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
+pub use hf_tokenizer::{
+    HfTokenizer, CHAT_TEMPLATE_FILE, END_OF_TEXT_TOKENS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
 pub use loader::{DataCursor, DataLoader};
 pub use prepare::{
     prepare, prepare_with, val_path_for, InputKind, PrepareOptions, PrepareProgress, PrepareReport,

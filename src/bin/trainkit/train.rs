@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use trainkit::config::{Overrides, RunConfig};
 use trainkit::data::{
-    DataLoader, HfTokenizer, TokenizerKind, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+    DataLoader, HfTokenizer, TokenizerKind, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
 };
 use trainkit::memory::CategoryBytes;
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
@@ -35,8 +36,9 @@ pub struct TrainArgs {
     #[arg(long)]
     shuffle: bool,
     /// Tokenizer of the data: gpt2, bytes, or a Hugging Face tokenizer.json (or a model
-    /// directory that holds one), copied into --out (text files default to bytes, token
-    /// files to gpt2).
+    /// directory that holds one), copied into --out with its tokenizer_config.json and
+    /// chat_template.jinja (default: --init-from's tokenizer.json when it has one, else
+    /// bytes for text files and gpt2 for token files).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
     /// Start from the weights of a model directory (trainkit's or transformers'
@@ -343,6 +345,14 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         overrides.n_kv_head = None;
         overrides.ffn = None;
         overrides.rope_theta = None;
+    }
+    // Data given with --init-from was tokenized by the model's own tokenizer: without
+    // --tokenizer, the directory's tokenizer.json is the data's (and goes with the model
+    // into --out).
+    if let (Some(dir), None, Some(_)) = (&init_dir, &args.tokenizer, &args.data) {
+        if dir.join(TOKENIZER_FILE).is_file() {
+            overrides.tokenizer = Some(TokenizerKind::HuggingFace(dir.join(TOKENIZER_FILE)));
+        }
     }
     // A model from scratch gets the context its sequences need.
     if let (None, None, None, Some(t)) = (&init_dir, &args.resume, args.n_positions, args.seq_len) {
@@ -918,8 +928,9 @@ fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
 }
 
 /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
-/// beside it if there is one) into the model directory `dir`, where `sample` and `eval`
-/// look for it. A failure is a warning: the model itself is saved.
+/// and `chat_template.jinja` beside it if there are) into the model directory `dir`,
+/// where `sample` and `eval` look for it. A failure is a warning: the model itself is
+/// saved.
 fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
     let Some(path) = kind.hf_path() else {
         return;
@@ -940,6 +951,7 @@ fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
             file.with_file_name(TOKENIZER_CONFIG_FILE),
             TOKENIZER_CONFIG_FILE,
         ),
+        (file.with_file_name(CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE),
     ] {
         let to = dir.join(name);
         let same = matches!(
