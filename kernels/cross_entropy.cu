@@ -2,7 +2,8 @@
 // CPU twin: src/ops/cross_entropy/cpu.rs.
 //
 // Layouts: logits is [rows, Vp] (columns from `vocab` on are padding, ignored),
-// targets holds `rows` token ids (< vocab, checked on the host), losses is [>= rows] f32
+// targets holds `rows` token ids (< vocab, checked on the host, or TK_IGNORE: a position
+// left out, which adds 0 to its loss and gets a zero gradient row), losses is [>= rows] f32
 // and each row's loss is added to its element: the losses of a step's micro-batches stay
 // on the device until `grad_guard` sums them in f64, in row order, as the CPU does.
 //
@@ -13,6 +14,9 @@
 // losses[row] += ln Σ_j exp(l_j − max) + max − l_target. With `write_grad`, the row is
 // overwritten by grad_scale · (softmax − onehot(target)), rounded once, and its padding
 // columns by 0; without, logits are only read.
+// The target of a position left out of the loss (trainkit's cross_entropy::IGNORE).
+#define TK_IGNORE 0xffffffffu
+
 template <typename T>
 __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* targets,
                                    i64 rows, i64 vp, i64 vocab, float grad_scale,
@@ -20,6 +24,13 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
     const int lane = lane16();
     TK_FOR_EACH_ROW(row, rows) {
         const i64 base = row * vp;
+        if (targets[row] == TK_IGNORE) {
+            // As the CPU: 0 added, the gradient row zero.
+            if (lane == 0) losses[row] += 0.0f;
+            if (write_grad)
+                for (i64 j = lane; j < vp; j += TK_LANES) store(logits, base + j, 0.0f);
+            continue;
+        }
         const i64 t = targets[row];
         // Read before any lane overwrites the row.
         const float target_logit = load(logits, base + t);

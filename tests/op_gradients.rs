@@ -350,9 +350,10 @@ fn cross_entropy_gradient_matches_finite_differences() {
     let be = cpu();
     let be = be.as_ref();
     let mut rng = Rng::new(6);
-    let (rows, vp, vocab) = (4, 12, 10);
+    let (rows, vp, vocab) = (5, 12, 10);
     let logits = randn(&mut rng, rows * vp, 2.0);
-    let targets = vec![0u32, 9, 3, 3];
+    // The last position is left out: no loss, a zero gradient row.
+    let targets = vec![0u32, 9, 3, 3, cross_entropy::IGNORE];
     let loss = |l: &[f32]| {
         let mut t = tensor(be, l, &[rows, vp]);
         ce(be, &mut t, &targets, vocab, None)
@@ -373,7 +374,13 @@ fn cross_entropy_gradient_matches_finite_differences() {
             "padding gets no gradient"
         );
     }
+    assert!(analytic[4 * vp..].iter().all(|v| *v == 0.0));
     check_gradient("cross_entropy", &logits, &analytic, &loss);
+    let mut ignored = tensor(be, &logits[4 * vp..], &[1, vp]);
+    assert_eq!(
+        ce(be, &mut ignored, &[cross_entropy::IGNORE], vocab, None),
+        0.0
+    );
     // Reference value: -log softmax at the target.
     let row = &logits[..vocab];
     let lse = row.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln();
@@ -437,6 +444,16 @@ fn shape_mismatches_are_errors_not_panics() {
     let mut losses = tensor(be, &[0.0; 2], &[2]);
     let err = cross_entropy::forward(be, &mut l, &[0, 7], 3, None, &mut losses).unwrap_err();
     assert!(err.to_string().contains("beyond the vocabulary"), "{err}");
+    // Only u32::MAX means "left out"; the ids just beyond it are errors.
+    let ignore = cross_entropy::IGNORE;
+    cross_entropy::forward(be, &mut l, &[0, ignore], 3, None, &mut losses).unwrap();
+    let err =
+        cross_entropy::forward(be, &mut l, &[ignore - 1, 0], 3, None, &mut losses).unwrap_err();
+    assert!(err.to_string().contains("beyond the vocabulary"), "{err}");
+    // Forward over rows beyond the targets is an error naming both.
+    let err =
+        cross_entropy::forward_rows(be, &mut l, &[0, 1, 2], 2, 3, None, &mut losses).unwrap_err();
+    assert!(err.to_string().contains("beyond the 3 targets"), "{err}");
     let mut short = tensor(be, &[0.0; 1], &[1]);
     let err = cross_entropy::forward(be, &mut l, &[0, 1], 3, None, &mut short).unwrap_err();
     assert!(err.to_string().contains("at least 2 elements"), "{err}");

@@ -200,14 +200,15 @@ impl Staging {
                 self.current.plan.retire_oldest();
             }
         }
-        self.retired.retain(|&(host, event)| {
+        for (host, event) in std::mem::take(&mut self.retired) {
             // SAFETY: as above; the buffer is freed once, when its last copy has run.
-            let done = unsafe { drv::event::query(event) }.is_ok();
-            if done {
+            if unsafe { drv::event::query(event) }.is_ok() {
                 let _ = unsafe { drv::free_host(host as *mut c_void) };
+                self.free_events.push(event);
+            } else {
+                self.retired.push((host, event));
             }
-            !done
-        });
+        }
     }
 
     /// Queues the copy of `src` to `dst` on `stream` through the ring.
@@ -230,36 +231,14 @@ impl Staging {
             match self.current.plan.place(src.len()) {
                 Place::At(start) => break start,
                 Place::TooLarge | Place::Busy(_) => match self.current.plan.grown(src.len()) {
-                    Some(plan) => {
-                        let host = host_buffer(plan.capacity())?;
-                        let old = std::mem::replace(&mut self.current, Buffer { host, plan });
-                        // The old buffer is freed after the newest copy from it.
-                        match self.events.back() {
-                            Some(&(_, event)) => {
-                                let keep = self.event()?;
-                                // SAFETY: recorded after every copy queued so far.
-                                unsafe { drv::event::record(keep, stream) }
-                                    .map_err(|e| driver_error("recording a staging event", e))?;
-                                let _ = event;
-                                self.retired.push((old.host, keep));
-                            }
-                            // SAFETY: no copy reads it.
-                            None => unsafe {
-                                let _ = drv::free_host(old.host as *mut c_void);
-                            },
-                        }
-                    }
+                    Some(plan) => self.grow(plan, stream)?,
                     None => {
-                        // At its largest: wait for the oldest copy in flight.
-                        let Some((_, event)) = self.events.pop_front() else {
+                        // At its largest: wait for the copy of the ring's oldest bytes.
+                        let Some(oldest) = self.current.plan.oldest() else {
                             return Ok(Staged::TooLarge);
                         };
+                        self.wait_for(oldest)?;
                         waited = true;
-                        // SAFETY: the event was created and recorded here.
-                        unsafe { drv::event::synchronize(event) }
-                            .map_err(|e| driver_error("waiting for a staging copy", e))?;
-                        self.free_events.push(event);
-                        self.current.plan.retire_oldest();
                     }
                 },
             }
@@ -287,6 +266,45 @@ impl Staging {
         } else {
             Staged::Queued
         })
+    }
+
+    /// Replaces the ring by a larger one; the old buffer is freed once the copies queued
+    /// from it have run (an event recorded after them).
+    fn grow(&mut self, plan: RingPlan, stream: drv_sys::CUstream) -> Result<()> {
+        let host = host_buffer(plan.capacity())?;
+        let old = std::mem::replace(&mut self.current, Buffer { host, plan });
+        if self.events.is_empty() {
+            // SAFETY: no queued copy reads it.
+            let _ = unsafe { drv::free_host(old.host as *mut c_void) };
+            return Ok(());
+        }
+        let after = self.event()?;
+        // SAFETY: recorded after every copy queued so far, the old buffer's included.
+        unsafe { drv::event::record(after, stream) }
+            .map_err(|e| driver_error("recording a staging event", e))?;
+        self.retired.push((old.host, after));
+        Ok(())
+    }
+
+    /// Waits for the copy of upload `tag` of the current ring; it and every copy queued
+    /// before it (copies run in order) are then done and forgotten.
+    fn wait_for(&mut self, tag: u64) -> Result<()> {
+        let Some(&(_, event)) = self.events.iter().find(|(t, _)| *t == tag) else {
+            return Ok(());
+        };
+        // SAFETY: the event was created and recorded here.
+        unsafe { drv::event::synchronize(event) }
+            .map_err(|e| driver_error("waiting for a staging copy", e))?;
+        while let Some((t, e)) = self.events.pop_front() {
+            self.free_events.push(e);
+            if self.current.plan.oldest() == Some(t) {
+                self.current.plan.retire_oldest();
+            }
+            if t == tag {
+                break;
+            }
+        }
+        Ok(())
     }
 
     fn event(&mut self) -> Result<drv_sys::CUevent> {

@@ -1,6 +1,7 @@
 //! Softmax cross-entropy over the vocabulary, fused with its gradient, on the CPU: the
 //! reference of `kernels/cross_entropy.cu`.
 
+use super::IGNORE;
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write};
 use crate::error::Result;
@@ -23,7 +24,11 @@ pub(crate) fn forward(
             l.par_chunks(vp)
                 .zip(losses.par_iter_mut())
                 .zip(targets.par_iter())
-                .for_each(|((row, loss), &t)| *loss = row_loss(&row[..vocab], t as usize));
+                .for_each(|((row, loss), &t)| {
+                    if t != IGNORE {
+                        *loss = row_loss(&row[..vocab], t as usize);
+                    }
+                });
         }
         Some(scale) => {
             write(logits, true, |l| {
@@ -31,6 +36,10 @@ pub(crate) fn forward(
                     .zip(losses.par_iter_mut())
                     .zip(targets.par_iter())
                     .for_each(|((row, loss), &t)| {
+                        if t == IGNORE {
+                            row.fill(0.0);
+                            return;
+                        }
                         let (row, pad) = row.split_at_mut(vocab);
                         *loss = row_loss_and_grad(row, t as usize, scale);
                         pad.fill(0.0);

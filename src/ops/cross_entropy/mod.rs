@@ -20,8 +20,13 @@ use crate::tensor::{DType, Tensor};
 const FLOPS: u64 = 4;
 const FLOPS_GRAD: u64 = 5;
 
+/// The target of a position left out of the loss (PyTorch's `ignore_index`): its row adds
+/// nothing to its loss and, with a gradient, gets a zero gradient row.
+pub const IGNORE: u32 = u32::MAX;
+
 /// Cross-entropy of each row of `logits` (`[rows, Vp]`, columns from `vocab` on are
-/// padding and ignored) against `targets`, in f32. Each row's loss is added to
+/// padding and ignored) against `targets`, in f32; a row whose target is [`IGNORE`] adds
+/// 0 and its gradient is 0. Each row's loss is added to
 /// `losses[row]` (f32, at least `rows` elements), which stays on the device: a
 /// training step reads its losses once, at its end. With `grad_scale`, `logits` is
 /// overwritten by its gradient `grad_scale · (softmax - onehot)` (0 on padding
@@ -141,7 +146,10 @@ fn check(logits: &Tensor, targets: &[u32], vocab: usize) -> Result<(usize, usize
     ensure(vocab > 0 && vocab <= vp, "cross_entropy", || {
         format!("vocab {vocab} must be in 1..={vp} (the logits' width)")
     })?;
-    if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+    if let Some(bad) = targets
+        .iter()
+        .find(|&&t| t != IGNORE && t as usize >= vocab)
+    {
         return Err(Error::data(
             "targets",
             format!("token id {bad} is beyond the vocabulary of {vocab}; use a tokenizer that matches the model's vocab_size"),
