@@ -694,7 +694,7 @@ impl Gpu for DriverGpu {
                 self.waits.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            // Larger than the ring may grow (weights, once): from pageable memory, which
+            // Larger than the ring takes (weights, once): from pageable memory, which
             // the driver stages before returning, so `src` may be reused at once; the
             // driver may wait for the stream first, so it counts as a wait.
             Staged::TooLarge => {

@@ -16,7 +16,7 @@ use super::gpu::{
     MatrixType, Ticket, UploadStats,
 };
 use super::kernels::KERNEL_FILES;
-use super::staging::{Place, RingPlan, FIRST_BYTES, MAX_BYTES};
+use super::staging::{Place, RingPlan, FIRST_BYTES, MAX_UPLOAD};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
@@ -118,7 +118,7 @@ impl EmulatedGpu {
     /// counting the waits it would make.
     fn stage(&self, len: usize) {
         self.uploads.fetch_add(1, Ordering::Relaxed);
-        if len > MAX_BYTES {
+        if len > MAX_UPLOAD {
             self.waited();
             return;
         }

@@ -7,8 +7,9 @@
 //! Everything here builds and runs where no CUDA is installed: NVRTC and cuBLASLt are
 //! opened by trainkit on first use ([`libraries`]), the driver by cudarc lazily
 //! (`dynamic-loading`), and every entry point first checks that the library it needs is
-//! present, returning an error (or, for the probe, a reason) instead of panicking. [`CudaBackend`] is the [`Backend`](super::Backend); it runs
-//! on a GPU, or on the CUDA emulator where there is none (for tests).
+//! present, returning an error (or, for the probe, a reason) instead of panicking.
+//! [`CudaBackend`] is the [`Backend`](super::Backend); it runs on a GPU, or on the CUDA
+//! emulator where there is none (for tests).
 
 pub(crate) mod backend;
 pub mod cache;

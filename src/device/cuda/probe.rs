@@ -4,8 +4,8 @@
 //! call into a library it cannot load), in the order the backend needs them: the driver,
 //! NVRTC, cuBLASLt; then the driver's CUDA version (NVRTC 13.0's code needs a CUDA 13.0
 //! driver, 580 or newer) and that NVRTC is no newer than the driver; only then does it
-//! create a context on the device and read its name, compute capability and memory. Whatever is missing comes back as a sentence
-//! saying what and how to fix it.
+//! create a context on the device and read its name, compute capability and memory.
+//! Whatever is missing comes back as a sentence saying what and how to fix it.
 
 use std::fmt;
 

@@ -11,7 +11,7 @@
 //! the bytes in flight are one stretch of the ring, oldest first ([`RingPlan`]). A step
 //! waits for the device once, to read its loss; every copy queued before has run by then,
 //! so after the first steps the ring holds a step's uploads and never grows again. Only
-//! an upload larger than [`MAX_BYTES`] (weights, once, at load) is copied from pageable
+//! an upload larger than [`MAX_UPLOAD`] (weights, once, at load) is copied from pageable
 //! memory, and counted as a wait.
 
 use super::driver::driver_error;
@@ -22,8 +22,13 @@ use std::ffi::c_void;
 
 /// The ring's first size.
 pub(crate) const FIRST_BYTES: usize = 4 << 20;
-/// The largest the ring grows to; larger uploads are copied from pageable memory.
-pub(crate) const MAX_BYTES: usize = 256 << 20;
+/// The largest the ring grows to.
+pub(crate) const MAX_BYTES: usize = 64 << 20;
+/// The largest upload that goes through the ring: a step's uploads are far smaller (a
+/// micro-batch's ids and targets, a vocabulary's bucket offsets); larger ones are weights,
+/// uploaded once at load, which are copied from pageable memory rather than growing the
+/// ring for good.
+pub(crate) const MAX_UPLOAD: usize = 16 << 20;
 /// Every upload starts at a multiple of this.
 const ALIGN: usize = 256;
 
@@ -222,7 +227,7 @@ impl Staging {
         src: &[u8],
         stream: drv_sys::CUstream,
     ) -> Result<Staged> {
-        if src.len() > MAX_BYTES {
+        if src.len() > MAX_UPLOAD {
             return Ok(Staged::TooLarge);
         }
         self.retire_done();
@@ -366,7 +371,14 @@ mod tests {
         assert_eq!(r.grown(10).unwrap().capacity(), 2 * FIRST_BYTES);
         // A large upload: twice its size, rounded to a power of two.
         assert_eq!(r.grown(5 << 20).unwrap().capacity(), 16 << 20);
-        assert_eq!(r.grown(200 << 20).unwrap().capacity(), MAX_BYTES);
+        assert_eq!(
+            r.grown(MAX_UPLOAD).unwrap().capacity(),
+            MAX_BYTES.min(2 * MAX_UPLOAD)
+        );
+        assert_eq!(
+            RingPlan::new(48 << 20).grown(1).unwrap().capacity(),
+            MAX_BYTES
+        );
         assert!(RingPlan::new(MAX_BYTES).grown(1).is_none());
     }
 }
