@@ -72,6 +72,10 @@ pub struct CudaBackend {
     kept: Mutex<Option<(Vec<u32>, Tensor)>>,
 }
 
+/// How the figures of an out-of-memory error begin ([`CudaBackend::explain`] adds them
+/// once).
+const FIGURES: &str = "trainkit holds";
+
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaBackend({} on {})", self.device, self.gpu.describe())
@@ -184,7 +188,9 @@ impl CudaBackend {
             },
         })?;
         if zero && bytes > 0 {
-            self.gpu.zero(buf.ptr(), bytes as usize)?;
+            self.gpu
+                .zero(buf.ptr(), bytes as usize)
+                .map_err(|e| self.explain(e))?;
         }
         Tensor::new(Storage::Device(buf), shape, category, label, &self.ledger)
     }
@@ -201,7 +207,7 @@ impl CudaBackend {
     }
 
     /// What trainkit holds, by category, what the device has free and its pool holds, and
-    /// what to try: the body of every out-of-memory error.
+    /// what to try: the body of every out-of-memory error (it starts with [`FIGURES`]).
     fn memory_figures(&self) -> String {
         let snap = self.ledger.snapshot();
         let live: Vec<String> = snap
@@ -220,7 +226,7 @@ impl CudaBackend {
             _ => String::new(),
         };
         format!(
-            "trainkit holds {} ({}){device}; use a smaller batch with more accumulation \
+            "{FIGURES} {} ({}){device}; use a smaller batch with more accumulation \
              steps, a recompute policy or mixed precision (`trainkit memory` and `trainkit \
              train --autofit` say what fits)",
             format_bytes(snap.live.total()),
@@ -249,7 +255,9 @@ impl CudaBackend {
         let t = self.scratch(values.len() * 4, label)?;
         if !values.is_empty() {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            self.gpu.upload(ptr(&t)?, &bytes)?;
+            self.gpu
+                .upload(ptr(&t)?, &bytes)
+                .map_err(|e| self.explain(e))?;
         }
         Ok(t)
     }
@@ -365,11 +373,11 @@ impl CudaBackend {
     }
 
     /// `e`, with the ledger's and the device's figures and what to try added when it is
-    /// an out-of-memory error from outside an allocation (a launch, a product, a module
-    /// load).
+    /// an out-of-memory error from outside an allocation (a launch, a product, a copy, a
+    /// module load) that does not carry them yet.
     pub(crate) fn explain(&self, e: Error) -> Error {
         match e {
-            Error::OutOfMemory { message } => Error::OutOfMemory {
+            Error::OutOfMemory { message } if !message.contains(FIGURES) => Error::OutOfMemory {
                 message: format!("{message}: {}", self.memory_figures()),
             },
             other => other,
@@ -441,7 +449,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.gpu.synchronize()
+        self.gpu.synchronize().map_err(|e| self.explain(e))
     }
 
     fn device_memory(&self) -> Option<GpuMemory> {
@@ -453,7 +461,7 @@ impl Backend for CudaBackend {
     }
 
     fn dispatch(&self, call: &mut dyn crate::device::OpKernel) -> Result<()> {
-        call.cuda(self)
+        call.cuda(self).map_err(|e| self.explain(e))
     }
 
     fn zeros(
@@ -486,14 +494,14 @@ impl Backend for CudaBackend {
     ) -> Result<Tensor> {
         let t = self.alloc(shape, dtype, category, label, false)?;
         if let Storage::Device(d) = t.storage() {
-            d.write_f32(data)?;
+            d.write_f32(data).map_err(|e| self.explain(e))?;
         }
         Ok(t)
     }
 
     fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
         match t.storage() {
-            Storage::Device(d) => d.to_f32(),
+            Storage::Device(d) => d.to_f32().map_err(|e| self.explain(e)),
             _ => Err(Error::Backend {
                 backend: "cuda",
                 message: format!("`{}` lives in host memory, not on the GPU", t.label()),
@@ -504,7 +512,9 @@ impl Backend for CudaBackend {
     fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
         let out = self.alloc(t.shape(), t.dtype(), category, label, false)?;
         if t.bytes() > 0 {
-            self.gpu.copy(ptr(&out)?, ptr(t)?, t.bytes() as usize)?;
+            self.gpu
+                .copy(ptr(&out)?, ptr(t)?, t.bytes() as usize)
+                .map_err(|e| self.explain(e))?;
         }
         Ok(out)
     }
@@ -522,8 +532,9 @@ impl Backend for CudaBackend {
                 message: format!("`{}` is offloaded already", t.label()),
             });
         }
-        let host = DeviceBuffer::alloc_host(&self.gpu, d.len(), d.dtype())?;
-        d.offload_into(&host)?;
+        let host =
+            DeviceBuffer::alloc_host(&self.gpu, d.len(), d.dtype()).map_err(|e| self.explain(e))?;
+        d.offload_into(&host).map_err(|e| self.explain(e))?;
         let out = Tensor::new(
             Storage::Device(host),
             t.shape(),
@@ -548,7 +559,7 @@ impl Backend for CudaBackend {
         }
         let out = self.alloc(t.shape(), t.dtype(), category, &label, false)?;
         if let Storage::Device(d) = out.storage() {
-            h.fetch_into(d)?;
+            h.fetch_into(d).map_err(|e| self.explain(e))?;
         }
         drop(t);
         Ok(out)
@@ -701,9 +712,10 @@ mod tests {
         let Some(gpu) = emulated() else {
             return;
         };
+        let gpu = Arc::new(gpu);
         gpu.failing_launches
             .store(1, std::sync::atomic::Ordering::Relaxed);
-        let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
+        let be = CudaBackend::on(gpu.clone(), Device::Cuda(0), CudaOptions::default());
         let x = be
             .upload(
                 &[1.0, -2.0, 3.0],
@@ -728,6 +740,18 @@ mod tests {
         }
         let y = be.as_dtype(&x, DType::Bf16).unwrap();
         assert_eq!(be.to_f32(&y).unwrap(), vec![1.0, -2.0, 3.0]);
+        // Through an op's door: the figures are added once.
+        gpu.failing_launches
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        let mut out = be
+            .empty(&[3], DType::F32, MemoryCategory::Activations, "y")
+            .unwrap();
+        let err = crate::ops::gelu::forward(&be, &mut out, &x).unwrap_err();
+        let Error::OutOfMemory { message } = &err else {
+            panic!("not an out-of-memory error: {err}");
+        };
+        assert!(message.contains("launching gelu_"), "{message}");
+        assert_eq!(message.matches(FIGURES).count(), 1, "{message}");
     }
 
     /// The emulator counts module loads as the driver does: one per kernel file at
