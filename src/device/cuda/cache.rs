@@ -136,12 +136,23 @@ impl KernelCache {
         options: &CompileOptions,
         driver: i32,
     ) -> Result<Compiled> {
+        self.compiled(file.name, &file.full_source(), options, driver)
+    }
+
+    /// [`KernelCache::module`] for the file named `file` whose complete source (common
+    /// prelude included) is `source`: a kernel file written outside trainkit.
+    pub fn compiled(
+        &self,
+        file: &str,
+        source: &str,
+        options: &CompileOptions,
+        driver: i32,
+    ) -> Result<Compiled> {
         let versions = Versions {
             nvrtc: kernels::nvrtc_version()?,
             driver,
         };
-        let source = file.full_source();
-        self.get_or_compile(file.name, &source, options, versions, kernels::compile)
+        self.get_or_compile(file, source, options, versions, kernels::compile)
             .map(|(module, _)| module)
     }
 }

@@ -123,6 +123,13 @@ fn check(call: &'static str, code: R) -> Result<(), Status> {
     }
 }
 
+/// What a cuBLASLt `…Create` call writes through its first argument, or its status.
+fn created<T>(call: &'static str, create: impl FnOnce(*mut *mut T) -> R) -> Result<*mut T, Status> {
+    let mut out = std::ptr::null_mut();
+    check(call, create(&mut out))?;
+    Ok(out)
+}
+
 impl CublasLt {
     /// Opens cuBLASLt where `search` says (see [`super::libraries`]).
     pub fn open(search: Search<'_>) -> Result<CublasLt, String> {
@@ -175,10 +182,8 @@ impl CublasLt {
 
     /// A new handle.
     pub fn create_handle(&self) -> Result<lt::cublasLtHandle_t, Status> {
-        let mut h = std::ptr::null_mut();
         // SAFETY: the pointer is valid for writes.
-        check("cublasLtCreate", unsafe { (self.create)(&mut h) })?;
-        Ok(h)
+        created("cublasLtCreate", |h| unsafe { (self.create)(h) })
     }
 
     /// Destroys a handle.
@@ -196,12 +201,10 @@ impl CublasLt {
         compute: lt::cublasComputeType_t,
         scale: lt::cudaDataType_t,
     ) -> Result<lt::cublasLtMatmulDesc_t, Status> {
-        let mut d = std::ptr::null_mut();
         // SAFETY: the pointer is valid for writes.
-        check("cublasLtMatmulDescCreate", unsafe {
-            (self.desc_create)(&mut d, compute, scale)
-        })?;
-        Ok(d)
+        created("cublasLtMatmulDescCreate", |d| unsafe {
+            (self.desc_create)(d, compute, scale)
+        })
     }
 
     /// Sets a matmul descriptor attribute.
@@ -240,12 +243,10 @@ impl CublasLt {
         cols: u64,
         ld: i64,
     ) -> Result<lt::cublasLtMatrixLayout_t, Status> {
-        let mut l = std::ptr::null_mut();
         // SAFETY: the pointer is valid for writes.
-        check("cublasLtMatrixLayoutCreate", unsafe {
-            (self.layout_create)(&mut l, ty, rows, cols, ld)
-        })?;
-        Ok(l)
+        created("cublasLtMatrixLayoutCreate", |l| unsafe {
+            (self.layout_create)(l, ty, rows, cols, ld)
+        })
     }
 
     /// Destroys a matrix layout.
@@ -264,12 +265,10 @@ impl CublasLt {
 
     /// A matmul preference.
     pub fn create_matmul_pref(&self) -> Result<lt::cublasLtMatmulPreference_t, Status> {
-        let mut p = std::ptr::null_mut();
         // SAFETY: the pointer is valid for writes.
-        check("cublasLtMatmulPreferenceCreate", unsafe {
-            (self.pref_create)(&mut p)
-        })?;
-        Ok(p)
+        created("cublasLtMatmulPreferenceCreate", |p| unsafe {
+            (self.pref_create)(p)
+        })
     }
 
     /// Sets a preference attribute.

@@ -90,6 +90,21 @@ pub(crate) fn release_threshold(total: u64) -> u64 {
     total.saturating_sub((1u64 << 30).max(total / 32))
 }
 
+/// Kernel file `file`, whose complete source is `source`, compiled for `options` on the
+/// device `info` describes: through the on-disk cache where there is one, else by NVRTC.
+fn compile(
+    cache: Option<&KernelCache>,
+    file: &str,
+    source: &str,
+    options: &CompileOptions,
+    info: &CudaInfo,
+) -> Result<Compiled> {
+    match cache {
+        Some(cache) => cache.compiled(file, source, options, info.driver_version),
+        None => super::compile(source, options),
+    }
+}
+
 /// Loads a compiled kernel file: its machine code, or, where there is none or the driver
 /// refuses it, its PTX, assembled by the driver, with the driver's log in any error.
 fn load_module(compiled: &Compiled, file: &str) -> Result<drv_sys::CUmodule> {
@@ -267,10 +282,8 @@ impl DriverGpu {
         let mut modules = Vec::new();
         let mut functions = HashMap::new();
         for file in KERNEL_FILES {
-            let compiled = match &cache {
-                Some(cache) => cache.module(file, &options, info.driver_version)?,
-                None => super::compile(&file.full_source(), &options)?,
-            };
+            let source = file.full_source();
+            let compiled = compile(cache.as_ref(), file.name, &source, &options, &info)?;
             let module = load_module(&compiled, file.name)?;
             modules.push(module);
             for &name in file.kernels {
@@ -814,18 +827,8 @@ impl Gpu for DriverGpu {
         self.custom.get_or_load(file, source, kernels, || {
             self.bind()?;
             let full = with_common(file, source);
-            let compiled = match KernelCache::in_default_dir() {
-                Some(cache) => {
-                    let versions = super::cache::Versions {
-                        nvrtc: super::nvrtc_version()?,
-                        driver: self.info.driver_version,
-                    };
-                    cache
-                        .get_or_compile(file, &full, &self.options, versions, super::compile)?
-                        .0
-                }
-                None => super::compile(&full, &self.options)?,
-            };
+            let cache = KernelCache::in_default_dir();
+            let compiled = compile(cache.as_ref(), file, &full, &self.options, &self.info)?;
             let module = self.retry_trimmed(|| load_module(&compiled, file))?;
             self.module_loads.fetch_add(1, Ordering::Relaxed);
             let mut functions = Vec::with_capacity(kernels.len());

@@ -16,7 +16,7 @@ use super::gpu::{
     MatrixType, Ticket, UploadStats,
 };
 use super::kernels::KERNEL_FILES;
-use super::staging::{Place, RingPlan, FIRST_BYTES, MAX_UPLOAD};
+use super::staging::{Next, RingPlan, FIRST_BYTES, MAX_UPLOAD};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
@@ -125,19 +125,22 @@ impl EmulatedGpu {
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let (plan, tag) = &mut *ring;
         loop {
-            match plan.place(len) {
-                Place::At(start) => {
+            match plan.next(len) {
+                Next::At(start) => {
                     plan.push(start, len, *tag);
                     *tag += 1;
                     return;
                 }
-                Place::Busy(_) | Place::TooLarge => match plan.grown(len) {
-                    Some(bigger) => *plan = bigger,
-                    None => {
-                        self.waits.fetch_add(1, Ordering::Relaxed);
-                        plan.retire_oldest();
-                    }
-                },
+                Next::Grow(bigger) => *plan = bigger,
+                // The oldest upload in flight is the oldest of the plan.
+                Next::WaitFor(_) => {
+                    self.waits.fetch_add(1, Ordering::Relaxed);
+                    plan.retire_oldest();
+                }
+                Next::TooLarge => {
+                    self.waits.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
             }
         }
     }

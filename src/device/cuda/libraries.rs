@@ -140,32 +140,37 @@ pub fn driver_file() -> Option<PathBuf> {
 
 /// Builds shared libraries exporting the given C functions, for tests of the loading
 /// order: each `(file name, C source)` is compiled by the host's C compiler into `dir`.
-/// `Ok(false)` when there is no C compiler.
+/// False (the test is skipped) when there is no C compiler, unless
+/// `TRAINKIT_REQUIRE_EMULATOR` is set; panics on any other failure.
 #[cfg(test)]
-pub(crate) fn build_fake_libraries(dir: &Path, libs: &[(&str, String)]) -> Result<bool, String> {
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+pub(crate) fn build_fake_libraries(dir: &Path, libs: &[(&str, String)]) -> bool {
+    std::fs::create_dir_all(dir).unwrap();
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
     for (file, source) in libs {
         let src = dir.join(format!("{file}.c"));
-        std::fs::write(&src, source).map_err(|e| e.to_string())?;
+        std::fs::write(&src, source).unwrap();
         let out = std::process::Command::new(&cc)
             .args(["-shared", "-fPIC", "-o"])
             .arg(dir.join(file))
             .arg(&src)
             .output();
         match out {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(format!("{cc}: {e}")),
-            Ok(o) if !o.status.success() => {
-                return Err(format!(
-                    "{cc} failed on {file}: {}",
-                    String::from_utf8_lossy(&o.stderr)
-                ))
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                assert!(
+                    std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_none(),
+                    "no C compiler ({cc}) to build the fake libraries"
+                );
+                return false;
             }
-            Ok(_) => {}
+            Err(e) => panic!("{cc}: {e}"),
+            Ok(o) => assert!(
+                o.status.success(),
+                "{cc} failed on {file}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
         }
     }
-    Ok(true)
+    true
 }
 
 #[cfg(test)]
@@ -185,14 +190,7 @@ mod tests {
     fn the_versioned_file_wins_and_its_path_is_reported() {
         let dir = std::env::temp_dir().join(format!("trainkit-libs-{}", std::process::id()));
         let lib = |v: i32| format!("int fake_version(void) {{ return {v}; }}\n");
-        let built =
-            build_fake_libraries(&dir, &[("libfake.so", lib(1)), ("libfake.so.13", lib(13))])
-                .unwrap();
-        if !built {
-            assert!(
-                std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_none(),
-                "no C compiler to build the fake libraries"
-            );
+        if !build_fake_libraries(&dir, &[("libfake.so", lib(1)), ("libfake.so.13", lib(13))]) {
             return;
         }
         type Version = unsafe extern "C" fn() -> i32;

@@ -117,6 +117,20 @@ impl RingPlan {
         self.in_flight.clear();
     }
 
+    /// What an upload of `len` bytes needs next ([`Next`]): its place, or else a larger
+    /// ring, or else (at the largest size) the oldest upload's copy to have run. The one
+    /// policy of the GPU's staging and of the emulator's plan of it.
+    pub(crate) fn next(&self, len: usize) -> Next {
+        match self.place(len) {
+            Place::At(start) => Next::At(start),
+            Place::TooLarge | Place::Busy(_) => match (self.grown(len), self.oldest()) {
+                (Some(bigger), _) => Next::Grow(bigger),
+                (None, Some(tag)) => Next::WaitFor(tag),
+                (None, None) => Next::TooLarge,
+            },
+        }
+    }
+
     /// The plan of the ring that replaces this one when `len` bytes find no room: twice
     /// the size, or enough for `len` with room to spare, up to [`MAX_BYTES`]; `None` when
     /// the ring is that large already.
@@ -127,6 +141,19 @@ impl RingPlan {
         let want = (2 * self.capacity).max((2 * len).next_power_of_two());
         Some(RingPlan::new(want.min(MAX_BYTES)))
     }
+}
+
+/// See [`RingPlan::next`].
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// The upload goes at this offset.
+    At(usize),
+    /// The ring is replaced by this larger one, then asked again.
+    Grow(RingPlan),
+    /// The copy of this upload (the oldest in flight) must have run; then ask again.
+    WaitFor(u64),
+    /// No ring takes it: copied another way.
+    TooLarge,
 }
 
 /// A page-locked buffer of the ring and its plan.
@@ -233,19 +260,14 @@ impl Staging {
         self.retire_done();
         let mut waited = false;
         let start = loop {
-            match self.current.plan.place(src.len()) {
-                Place::At(start) => break start,
-                Place::TooLarge | Place::Busy(_) => match self.current.plan.grown(src.len()) {
-                    Some(plan) => self.grow(plan, stream)?,
-                    None => {
-                        // At its largest: wait for the copy of the ring's oldest bytes.
-                        let Some(oldest) = self.current.plan.oldest() else {
-                            return Ok(Staged::TooLarge);
-                        };
-                        self.wait_for(oldest)?;
-                        waited = true;
-                    }
-                },
+            match self.current.plan.next(src.len()) {
+                Next::At(start) => break start,
+                Next::Grow(plan) => self.grow(plan, stream)?,
+                Next::WaitFor(tag) => {
+                    self.wait_for(tag)?;
+                    waited = true;
+                }
+                Next::TooLarge => return Ok(Staged::TooLarge),
             }
         };
         // SAFETY: the bytes `start..start + len` of the ring are inside it and no queued
@@ -380,5 +402,18 @@ mod tests {
             MAX_BYTES
         );
         assert!(RingPlan::new(MAX_BYTES).grown(1).is_none());
+    }
+
+    #[test]
+    fn the_next_step_is_a_place_a_larger_ring_or_a_wait() {
+        let mut r = RingPlan::new(FIRST_BYTES);
+        assert!(matches!(r.next(10), Next::At(0)));
+        r.push(0, FIRST_BYTES, 7);
+        assert!(matches!(r.next(10), Next::Grow(p) if p.capacity() == 2 * FIRST_BYTES));
+        let mut full = RingPlan::new(MAX_BYTES);
+        full.push(0, MAX_BYTES, 9);
+        assert!(matches!(full.next(10), Next::WaitFor(9)));
+        full.retire_all();
+        assert!(matches!(full.next(MAX_BYTES + 1), Next::TooLarge));
     }
 }
