@@ -19,7 +19,7 @@ use trainkit::ops::{gelu, glu, Gate};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, Llama, LlamaConfig,
     MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Result, Rng, Selective, Tensor,
-    Trainer, TrainerOptions,
+    Trainer,
 };
 
 /// The downstream family: Llama's config, with norm gains stored as offsets from 1, the
@@ -300,18 +300,7 @@ fn emulated() -> Option<CudaBackend> {
 fn gradients_match_finite_differences() {
     let (b, t) = (2, 12);
     let batch = corpus_loader(4_000, 7, b, t).next_batch();
-    let model = Decoder::new(family()).unwrap();
-    let mut trainer = Trainer::builder(model, cpu(), corpus_loader(4_000, 7, b, t))
-        .optimizer(AdamW {
-            lr: 0.0,
-            ..AdamW::default()
-        })
-        .options(TrainerOptions {
-            grad_clip: 0.0,
-            ..TrainerOptions::default()
-        })
-        .build()
-        .unwrap();
+    let mut trainer = common::gradient_probe(Decoder::new(family()).unwrap(), b, t);
     trainer.step().unwrap();
     let g = grads(&trainer);
     let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
@@ -328,23 +317,8 @@ fn gradients_match_finite_differences() {
         ("model.layers.0.mlp.gate_up_proj.weight", 48 * 32 + 40),
     ] {
         let i = names.iter().position(|n| n == name).unwrap();
-        let original = values(&trainer)[i].clone();
-        let h = 1e-2f32;
-        let mut loss_at = |delta: f32| {
-            let mut v = original.clone();
-            v[at] += delta;
-            let be = trainer.backend().clone();
-            trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
-            trainer.loss_on(&batch).unwrap() / (b * t) as f64
-        };
-        let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
-        loss_at(0.0);
         let analytic = g[i][at] as f64;
-        let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
-        assert!(
-            err < 2e-2,
-            "{name}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}"
-        );
+        common::check_central_difference("family", &mut trainer, &batch, (i, at), analytic);
     }
 }
 

@@ -13,7 +13,7 @@ use trainkit::model::{Rope, RopeScaling};
 use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
 use trainkit::{
     AdamW, CheckpointPolicy, Constant, Full, Llama, LlamaConfig, MemoryCategory, MixedBf16, Model,
-    NoRecompute, Precision, Selective, Trainer, TrainerOptions,
+    NoRecompute, Precision, Selective, Trainer,
 };
 
 /// A small Llama: 2 layers, 32 wide, 4 query heads of 8 sharing `kv` key/value heads, an
@@ -51,24 +51,9 @@ fn gradients_match_finite_differences() {
         let config = tiny(kv, tied);
         let (b, t) = (2, 12);
         let batch = corpus_loader(4_000, 7, b, t).next_batch();
-        let mut trainer = Trainer::builder(
-            Llama::new(config.clone()).unwrap(),
-            cpu(),
-            corpus_loader(4_000, 7, b, t),
-        )
-        .optimizer(AdamW {
-            lr: 0.0,
-            ..AdamW::default()
-        })
-        .options(TrainerOptions {
-            grad_clip: 0.0,
-            ..TrainerOptions::default()
-        })
-        .build()
-        .unwrap();
+        let mut trainer = common::gradient_probe(Llama::new(config.clone()).unwrap(), b, t);
         trainer.step().unwrap();
         let g = grads(&trainer);
-        let tokens = (b * t) as f64;
         let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
         let heads = config.heads();
         let c = config.hidden_size;
@@ -103,23 +88,9 @@ fn gradients_match_finite_differences() {
             } else {
                 row * cols + row % cols.max(1)
             };
-            let original = values(&trainer)[i].clone();
-            let h = 1e-2f32;
-            let mut loss_at = |delta: f32| {
-                let mut v = original.clone();
-                v[at] += delta;
-                let be = trainer.backend().clone();
-                trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
-                trainer.loss_on(&batch).unwrap() / tokens
-            };
-            let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
-            loss_at(0.0);
+            let what = format!("kv {kv} tied {tied}");
             let analytic = g[i][at] as f64;
-            let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
-            assert!(
-                err < 2e-2,
-                "kv {kv} tied {tied}: {name}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}"
-            );
+            common::check_central_difference(&what, &mut trainer, &batch, (i, at), analytic);
         }
     }
 }

@@ -11,14 +11,13 @@ use common::{corpus_loader, cpu, grads, randn, scratch, values};
 use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
 use trainkit::device::Heads;
-use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{Family, Rope, RopeScaling};
 use trainkit::ops::qk_norm;
 use trainkit::save::read_model_dir;
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, LlamaConfig, MemoryCategory,
     MixedBf16, Model, ModelConfig, NoRecompute, Precision, Qwen2, Qwen2Config, Qwen3, Qwen3Config,
-    Rng, Selective, Tensor, Trainer, TrainerOptions,
+    Rng, Selective, Tensor, Trainer,
 };
 
 /// A small Llama-like base: 2 layers, 32 wide, 4 query heads of `head_dim` sharing 2
@@ -80,22 +79,9 @@ fn gradients_match_finite_differences() {
     for (what, config) in models() {
         let (b, t) = (2, 12);
         let batch = corpus_loader(4_000, 7, b, t).next_batch();
-        let mut trainer = Trainer::builder(config.build().unwrap(), cpu(), {
-            corpus_loader(4_000, 7, b, t)
-        })
-        .optimizer(AdamW {
-            lr: 0.0,
-            ..AdamW::default()
-        })
-        .options(TrainerOptions {
-            grad_clip: 0.0,
-            ..TrainerOptions::default()
-        })
-        .build()
-        .unwrap();
+        let mut trainer = common::gradient_probe(config.build().unwrap(), b, t);
         trainer.step().unwrap();
         let g = grads(&trainer);
-        let tokens = (b * t) as f64;
         let names: Vec<String> = trainer.params().iter().map(|p| p.name().into()).collect();
         for name in [
             "self_attn.qkv_proj.bias",
@@ -116,24 +102,8 @@ fn gradients_match_finite_differences() {
             } else {
                 (i * 7 + 3) % n
             };
-            let original = values(&trainer)[i].clone();
-            let h = 1e-2f32;
-            let mut loss_at = |delta: f32| {
-                let mut v = original.clone();
-                v[at] += delta;
-                let be = trainer.backend().clone();
-                trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
-                trainer.loss_on(&batch).unwrap() / tokens
-            };
-            let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
-            loss_at(0.0);
             let analytic = g[i][at] as f64;
-            let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
-            assert!(
-                err < 2e-2,
-                "{what}: {}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}",
-                names[i]
-            );
+            common::check_central_difference(what, &mut trainer, &batch, (i, at), analytic);
         }
     }
 }
@@ -182,42 +152,13 @@ fn every_policy_is_bitwise_equal_in_both_precisions() {
 /// The meta backend's prediction equals the ledger, category by category.
 #[test]
 fn the_exact_prediction_equals_the_ledger() {
+    let policies = [
+        Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+        Box::new(Selective),
+        Box::new(Full),
+    ];
     for (what, config) in models() {
-        for policy in [
-            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
-            Box::new(Selective),
-            Box::new(Full),
-        ] {
-            let precision = MixedBf16 { fp32_grads: false };
-            let predicted = predict(
-                config.build().unwrap(),
-                MicroBatch {
-                    batch_size: 2,
-                    seq_len: 16,
-                },
-                &precision,
-                policy.as_ref(),
-                &AdamW::default(),
-            )
-            .unwrap();
-            let mut t = Trainer::builder(config.build().unwrap(), cpu(), {
-                corpus_loader(8_000, 3, 2, 16)
-            })
-            .precision(precision)
-            .checkpoint(policy.clone())
-            .build()
-            .unwrap();
-            for step in 1..=2 {
-                let s = t.step().unwrap();
-                for c in MemoryCategory::ALL {
-                    assert_eq!(
-                        s.memory.peak.get(c),
-                        predicted.peak.get(c),
-                        "step {step} {c} of {what} {policy:?}"
-                    );
-                }
-            }
-        }
+        common::prediction_equals_ledger(what, &|| config.build().unwrap(), &policies);
     }
 }
 

@@ -97,6 +97,107 @@ where
     per_param(t, |p| p.value())
 }
 
+/// A trainer on `corpus_loader(4_000, 7, b, t)` whose steps compute gradients and change
+/// no weight (AdamW at learning rate 0, no clipping): for gradient checks.
+pub fn gradient_probe(
+    model: impl trainkit::Model + 'static,
+    b: usize,
+    t: usize,
+) -> trainkit::Trainer<
+    trainkit::Fp32,
+    trainkit::NoRecompute,
+    trainkit::AdamW,
+    trainkit::Constant,
+    trainkit::PeakTracker,
+> {
+    trainkit::Trainer::builder(model, cpu(), corpus_loader(4_000, 7, b, t))
+        .optimizer(trainkit::AdamW {
+            lr: 0.0,
+            ..trainkit::AdamW::default()
+        })
+        .options(trainkit::TrainerOptions {
+            grad_clip: 0.0,
+            ..trainkit::TrainerOptions::default()
+        })
+        .build()
+        .unwrap()
+}
+
+/// Holds `analytic`, the gradient of element `at` of parameter `i`, to the central
+/// difference of the mean loss on `batch` (step 1e-2): relative error under 2 %, with a
+/// floor of 1e-3. The parameter is restored after.
+pub fn check_central_difference<P, C, O, A, M>(
+    what: &str,
+    trainer: &mut trainkit::Trainer<P, C, O, A, M>,
+    batch: &trainkit::data::Batch,
+    (i, at): (usize, usize),
+    analytic: f64,
+) where
+    P: trainkit::Precision,
+    C: trainkit::CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
+    let original = values(trainer)[i].clone();
+    let tokens = batch.tokens() as f64;
+    let h = 1e-2f32;
+    let mut loss_at = |delta: f32| {
+        let mut v = original.clone();
+        v[at] += delta;
+        let be = trainer.backend().clone();
+        trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
+        trainer.loss_on(batch).unwrap() / tokens
+    };
+    let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
+    loss_at(0.0);
+    let err = (numeric - analytic).abs() / (1e-3 + numeric.abs().max(analytic.abs()));
+    assert!(
+        err < 2e-2,
+        "{what}: {}[{at}]: numeric {numeric:.6}, analytic {analytic:.6}",
+        trainer.params()[i].name()
+    );
+}
+
+/// The meta backend's prediction of `model()` equals the ledger, category by category,
+/// over two steps under each of `policies` (bf16, batch 2 × 16).
+pub fn prediction_equals_ledger(
+    what: &str,
+    model: &dyn Fn() -> Box<dyn trainkit::Model>,
+    policies: &[Box<dyn trainkit::CheckpointPolicy>],
+) {
+    use trainkit::MemoryCategory;
+    for policy in policies {
+        let precision = trainkit::MixedBf16 { fp32_grads: false };
+        let predicted = trainkit::estimate::predict(
+            model(),
+            trainkit::estimate::MicroBatch {
+                batch_size: 2,
+                seq_len: 16,
+            },
+            &precision,
+            policy.as_ref(),
+            &trainkit::AdamW::default(),
+        )
+        .unwrap();
+        let mut t = trainkit::Trainer::builder(model(), cpu(), corpus_loader(8_000, 3, 2, 16))
+            .precision(precision)
+            .checkpoint(policy.clone())
+            .build()
+            .unwrap();
+        for step in 1..=2 {
+            let s = t.step().unwrap();
+            for c in MemoryCategory::ALL {
+                assert_eq!(
+                    s.memory.peak.get(c),
+                    predicted.peak.get(c),
+                    "step {step} {c} of {what} {policy:?}"
+                );
+            }
+        }
+    }
+}
+
 /// A fresh, empty directory for one test (unique to this test binary's process).
 pub fn scratch(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("trainkit-test-{}-{name}", std::process::id()));
