@@ -52,7 +52,8 @@ pub trait Backend: Debug + Send + Sync {
     fn device(&self) -> Device;
 
     /// What the backend runs on, in words: its name, or for a GPU the device, its
-    /// architecture and the library files it loaded.
+    /// architecture and the library files it loaded (`NVIDIA H100 80GB HBM3 (sm_90; NVRTC
+    /// 13.0 /…/libnvrtc.so.13, cuBLASLt 130000 /…/libcublasLt.so.13, driver /…)`).
     fn describe(&self) -> String {
         self.name().to_string()
     }

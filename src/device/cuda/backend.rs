@@ -134,11 +134,6 @@ impl CudaBackend {
         }
     }
 
-    /// What the backend runs on, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
-    pub fn describe(&self) -> String {
-        self.gpu.describe()
-    }
-
     /// The settings this backend was made with.
     pub fn options(&self) -> CudaOptions {
         self.options
