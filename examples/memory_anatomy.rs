@@ -1,6 +1,8 @@
 //! Measures the memory anatomy of a training step with the ledger and prints the tables
 //! of docs/memory.md: step 1 against step 2, activations against sequence length and
-//! batch size for each recompute policy, and how mixed precision redistributes bytes.
+//! batch size for each recompute policy, and how mixed precision redistributes bytes,
+//! with the materialized attention and logits (the fused paths are measured by the
+//! `loss_floor` example).
 //! Each measurement sits next to the exact model's prediction. Plots go to the directory
 //! given as the first argument (default `docs/img`).
 //!
@@ -10,8 +12,9 @@ use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
-use trainkit::estimate::{predict_gpt2, MicroBatch};
+use trainkit::estimate::{predict, MicroBatch};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
+use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::prelude::*;
 use trainkit::{CpuBackend, Timeline};
 
@@ -28,6 +31,13 @@ fn model() -> Gpt2Config {
     }
 }
 
+/// [`model`] with the materialized attention probabilities and logits.
+fn build() -> Result<Gpt2> {
+    Gpt2::new(model())?
+        .with_attention(AttentionPath::Materialized)
+        .with_loss(LossPath::Materialized, None)
+}
+
 struct Setup {
     batch: usize,
     seq: usize,
@@ -39,7 +49,7 @@ struct Setup {
 fn measure(setup: &Setup, tokens: &[u32], steps: usize) -> Result<Vec<(CategoryBytes, u64)>> {
     let data = DataLoader::new(tokens.to_vec(), setup.batch, setup.seq)?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
-    let mut t = Trainer::builder(Gpt2::new(model())?, backend, data)
+    let mut t = Trainer::builder(build()?, backend, data)
         .precision(setup.precision.clone())
         .checkpoint(setup.policy.clone())
         .optimizer(AdamW::default())
@@ -53,7 +63,7 @@ fn measure(setup: &Setup, tokens: &[u32], steps: usize) -> Result<Vec<(CategoryB
 fn profile(setup: &Setup, tokens: &[u32], svg: &Path) -> Result<()> {
     let data = DataLoader::new(tokens.to_vec(), setup.batch, setup.seq)?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
-    let mut t = Trainer::builder(Gpt2::new(model())?, backend, data)
+    let mut t = Trainer::builder(build()?, backend, data)
         .precision(setup.precision.clone())
         .checkpoint(setup.policy.clone())
         .optimizer(AdamW::default())
@@ -74,8 +84,8 @@ fn profile(setup: &Setup, tokens: &[u32], svg: &Path) -> Result<()> {
 }
 
 fn predicted(setup: &Setup) -> Result<trainkit::estimate::MemoryPrediction> {
-    predict_gpt2(
-        &model(),
+    predict(
+        Box::new(build()?),
         MicroBatch {
             batch_size: setup.batch,
             seq_len: setup.seq,

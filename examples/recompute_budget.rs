@@ -12,7 +12,9 @@ use trainkit::memory::format_bytes;
 use trainkit::prelude::*;
 use trainkit::CpuBackend;
 
-/// docs/memory.md's model: GPT-2's vocabulary and context, six layers of 384.
+/// docs/memory.md's model: GPT-2's vocabulary and context, six layers of 384, run with
+/// the materialized attention (whose probabilities are what selective recomputation and
+/// a budget choose to drop) and the fused loss.
 fn model() -> Gpt2Config {
     Gpt2Config {
         n_layer: 6,
@@ -40,14 +42,18 @@ fn measure(
 ) -> Result<Row> {
     let data = DataLoader::new(tokens.to_vec(), 4, 256)?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
-    let mut t = Trainer::builder(Gpt2::new(model())?, backend, data)
-        .checkpoint(policy)
-        .optimizer(AdamW::default())
-        .options(TrainerOptions {
-            offload_activations: offload,
-            ..TrainerOptions::default()
-        })
-        .build()?;
+    let mut t = Trainer::builder(
+        Gpt2::new(model())?.with_attention(trainkit::ops::AttentionPath::Materialized),
+        backend,
+        data,
+    )
+    .checkpoint(policy)
+    .optimizer(AdamW::default())
+    .options(TrainerOptions {
+        offload_activations: offload,
+        ..TrainerOptions::default()
+    })
+    .build()?;
     t.step()?;
     t.step()?;
     let start = Instant::now();

@@ -26,6 +26,15 @@ pub enum Init {
         /// The half-width of the interval.
         bound: f64,
     },
+    /// The first `rows` rows (of the parameter's first dimension) drawn as `init`, the
+    /// rest zero: a vocabulary padded to an aligned width ([`crate::model::Shape`]'s
+    /// `padded_vocab`), drawing from the stream exactly as the unpadded parameter would.
+    Rows {
+        /// Rows drawn as `init`.
+        rows: usize,
+        /// How they are drawn.
+        init: Box<Init>,
+    },
 }
 
 /// A parameter's name, shape and initialisation, as a model declares it. Values are drawn
@@ -56,14 +65,28 @@ impl ParamInit {
     /// The initial values, row-major f32, drawing from `rng` for random initialisations
     /// (parameters are drawn in model order from one stream).
     pub fn values(&self, rng: &mut Rng) -> Vec<f32> {
-        let n = self.numel();
-        match &self.init {
-            Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
-            Init::Constant(v) => vec![*v; n],
-            Init::Values(v) => v.clone(),
-            Init::Uniform { bound } => (0..n)
-                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
-                .collect(),
+        draw(&self.init, &self.shape, rng)
+    }
+}
+
+/// `n` values of `shape` drawn as `init` says.
+fn draw(init: &Init, shape: &[usize], rng: &mut Rng) -> Vec<f32> {
+    let n = shape.iter().product();
+    match init {
+        Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+        Init::Constant(v) => vec![*v; n],
+        Init::Values(v) => v.clone(),
+        Init::Uniform { bound } => (0..n)
+            .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+            .collect(),
+        Init::Rows { rows, init } => {
+            let mut part = shape.to_vec();
+            if let Some(first) = part.first_mut() {
+                *first = (*rows).min(*first);
+            }
+            let mut values = draw(init, &part, rng);
+            values.resize(n, 0.0);
+            values
         }
     }
 }

@@ -1909,7 +1909,7 @@ fn qk_norm_and_geglu_match_the_cpu() {
 }
 
 /// A small Llama: grouped-query attention, rotary embeddings with llama3 scaling, SwiGLU,
-/// an untied head.
+/// an untied head, a vocabulary of 200 (its embedding and head padded to 256 rows).
 fn tiny_llama() -> trainkit::Llama {
     trainkit::Llama::new(trainkit::LlamaConfig {
         hidden_size: 32,
@@ -1918,7 +1918,7 @@ fn tiny_llama() -> trainkit::Llama {
         num_attention_heads: 4,
         num_key_value_heads: 2,
         head_dim: 8,
-        vocab_size: 256,
+        vocab_size: 200,
         max_position_embeddings: 32,
         rms_norm_eps: 1e-5,
         tie_word_embeddings: false,

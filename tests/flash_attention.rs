@@ -339,7 +339,7 @@ fn activation_peak_grows_linearly_with_the_fused_attention() {
 
 /// GPT-2 124M in bf16 with full recomputation, B = 1, T = 1024: with the fused attention
 /// and the fused loss the exact activation peak is under 64 MB (the materialized
-/// attention and logits peaked at 126.5 MB).
+/// attention and logits peak at 126.6 MB).
 #[test]
 fn gpt2_124m_full_recompute_peaks_under_64_mb() {
     let micro = MicroBatch {
@@ -361,5 +361,7 @@ fn gpt2_124m_full_recompute_peaks_under_64_mb() {
     let fused = peak(AttentionPath::Fused, LossPath::Fused);
     assert!(fused < 64_000_000, "{fused} bytes");
     let materialized = peak(AttentionPath::Materialized, LossPath::Materialized);
-    assert_eq!(materialized, 126_527_488);
+    // [1024, 50304] bf16 logits (the vocabulary padded to a multiple of 64) and the
+    // attention's probabilities.
+    assert_eq!(materialized, 126_623_744);
 }

@@ -390,3 +390,91 @@ fn the_fused_loss_matches_the_materialized_head() {
         }
     }
 }
+
+/// A vocabulary of 200 is held padded to 256 rows (a multiple of 64), tied or not, for
+/// either loss path: the padding rows start at zero; whatever they hold changes neither
+/// the loss nor any other gradient bit, nor the logits (200 wide); they get no gradient;
+/// files keep 200 rows and reload padded with zeros; a token of the padding is refused.
+#[test]
+fn the_padded_vocabulary_stays_out_of_loss_logits_and_files() {
+    use trainkit::ops::LossPath;
+    let (v, vp, c) = (200, 256, 32);
+    let tokens: Vec<u32> = (0..4_000u32).map(|i| (i * 37 + i / 7) % 200).collect();
+    for tied in [true, false] {
+        for path in [LossPath::Fused, LossPath::Materialized] {
+            let config = LlamaConfig {
+                vocab_size: v,
+                ..tiny(2, tied)
+            };
+            let make = || {
+                let model = Llama::new(config.clone())
+                    .unwrap()
+                    .with_loss(path, None)
+                    .unwrap();
+                let data = trainkit::data::DataLoader::new(tokens.clone(), 2, 16).unwrap();
+                Trainer::builder(model, cpu(), data)
+                    .optimizer(trainkit::Sgd {
+                        lr: 0.1,
+                        momentum: 0.0,
+                        weight_decay: 0.0,
+                    })
+                    .build()
+                    .unwrap()
+            };
+            let (mut plain, mut filled) = (make(), make());
+            let padded: Vec<usize> = (0..plain.params().len())
+                .filter(|&i| plain.params()[i].shape()[0] == vp)
+                .collect();
+            assert_eq!(padded.len(), if tied { 1 } else { 2 });
+            let be = cpu();
+            let initial = values(&plain);
+            for &i in &padded {
+                let w = &initial[i];
+                assert_eq!(plain.params()[i].shape(), [vp, c]);
+                assert!(w[v * c..].iter().all(|&x| x == 0.0), "padding starts at 0");
+                let mut garbage = w.clone();
+                for (j, x) in garbage[v * c..].iter_mut().enumerate() {
+                    *x = 1e3 * ((j % 7) as f32 - 3.0);
+                }
+                filled.params_mut()[i]
+                    .set_value(be.as_ref(), &garbage)
+                    .unwrap();
+            }
+            let (a, b) = (plain.step().unwrap(), filled.step().unwrap());
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "tied {tied}, {path:?}");
+            let (ga, gb) = (grads(&plain), grads(&filled));
+            for (i, (ga, gb)) in ga.iter().zip(&gb).enumerate() {
+                if padded.contains(&i) {
+                    assert_eq!(ga[..v * c], gb[..v * c], "tied {tied}, {path:?}");
+                    assert!(ga[v * c..].iter().chain(&gb[v * c..]).all(|&g| g == 0.0));
+                } else {
+                    assert_eq!(ga, gb, "tied {tied}, {path:?}, parameter {i}");
+                }
+            }
+            let row = &tokens[..16];
+            let logits = plain.logits(row).unwrap();
+            assert_eq!(logits.len(), 16 * v);
+            let other = filled.logits(row).unwrap();
+            assert_eq!(logits, other, "tied {tied}, {path:?}");
+            let e = plain.logits(&[3, 230]).unwrap_err().to_string();
+            assert!(e.contains("token id 230") && e.contains("200"), "{e}");
+
+            let dir = scratch(&format!("llama-padded-{tied}-{path:?}"));
+            filled.save(&dir, None).unwrap();
+            let files = trainkit::save::read_safetensors(&dir.join("model.safetensors")).unwrap();
+            let rows: Vec<usize> = files
+                .iter()
+                .filter(|t| t.name.contains("embed_tokens") || t.name.contains("lm_head"))
+                .map(|t| t.shape[0])
+                .collect();
+            assert_eq!(rows, vec![v; padded.len()]);
+            let mut again = make();
+            again.load_weights(&read_model_dir(&dir).unwrap()).unwrap();
+            let (saved, loaded) = (values(&filled), values(&again));
+            for &i in &padded {
+                assert_eq!(saved[i][..v * c], loaded[i][..v * c]);
+                assert!(loaded[i][v * c..].iter().all(|&x| x == 0.0));
+            }
+        }
+    }
+}

@@ -185,7 +185,8 @@ pub trait AnyFamily {
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
     /// A model directory's tensors by the names the family reads them under.
     fn file_tensors(&self, tensors: Vec<NamedTensor>) -> BTreeMap<String, NamedTensor>;
-    /// The tensors by parameter name (see [`Family::import_tensors`]).
+    /// The tensors by parameter name (see [`Family::import_tensors`]), the embedding and
+    /// head padded to [`Shape::padded_vocab`] rows.
     fn import_tensors(
         &self,
         tensors: BTreeMap<String, NamedTensor>,
@@ -229,7 +230,7 @@ impl<F: Family> AnyFamily for F {
         &self,
         tensors: BTreeMap<String, NamedTensor>,
     ) -> Result<BTreeMap<String, NamedTensor>> {
-        Family::import_tensors(self, tensors)
+        super::decoder::import_tensors(self, tensors)
     }
 
     fn build_with(

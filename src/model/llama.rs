@@ -107,10 +107,7 @@ impl LlamaConfig {
 
     /// The number of parameters (a tied head counted once).
     pub fn num_params(&self) -> usize {
-        self.param_shapes()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+        super::decoder::num_params(&self.shape())
     }
 
     /// The Llama config of `arch`, if it is Llama shaped: RMSNorm, a SwiGLU MLP, no

@@ -29,7 +29,7 @@ pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
 pub use qwen2::{Qwen2, Qwen2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
-pub use shape::{Positions, Shape};
+pub use shape::{Positions, Shape, VOCAB_MULTIPLE};
 
 use crate::adapter::Adapter;
 use crate::checkpoint::CheckpointPolicy;

@@ -35,7 +35,8 @@ pub struct Shape {
     pub head_dim: usize,
     /// Inner width of the MLP.
     pub ffn: usize,
-    /// Vocabulary size.
+    /// Vocabulary size (the tokenizer's; the model's embedding and classifier hold
+    /// [`Shape::padded_vocab`] rows).
     pub vocab: usize,
     /// Longest sequence.
     pub context: usize,
@@ -67,7 +68,19 @@ pub struct Shape {
     pub scaled_residual_init: bool,
 }
 
+/// The embedding and the classifier hold the vocabulary rounded up to a multiple of
+/// this many rows (llm.c's 50304 for GPT-2's 50257), so the classifier's products have
+/// an aligned leading dimension; the padding rows stay zero and their logits never reach
+/// the loss, sampling or saved files.
+pub const VOCAB_MULTIPLE: usize = 64;
+
 impl Shape {
+    /// Rows of the token embedding and the classifier: [`Shape::vocab`] rounded up to a
+    /// multiple of [`VOCAB_MULTIPLE`].
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab.div_ceil(VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    }
+
     /// The heads of each attention layer.
     pub fn heads(&self) -> Heads {
         Heads {

@@ -17,6 +17,7 @@ use crate::save::{
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -370,6 +371,7 @@ where
                 .map(|t| (t.0.name.clone(), t))
                 .collect();
         let be = self.backend.as_ref();
+        let vocab = self.model.vocab_size();
         for p in &mut self.params {
             let names = state.optimizer_state.get(p.name()).ok_or_else(|| {
                 Error::data(&what, format!("has no optimizer state for `{}`", p.name()))
@@ -383,7 +385,8 @@ where
                             format!("is missing `{n}`; the checkpoint is incomplete"),
                         )
                     })?;
-                    be.upload(&t.data, &t.shape, *dtype, MemoryCategory::OptimizerState, n)
+                    let (data, shape) = padded_state(t, *dtype, p.shape(), vocab);
+                    be.upload(&data, &shape, *dtype, MemoryCategory::OptimizerState, n)
                 })
                 .collect::<Result<Vec<_>>>()?;
             p.set_state(slots);
@@ -402,5 +405,57 @@ where
         self.rng = state.rng;
         self.flush_events();
         Ok(())
+    }
+}
+
+/// An optimizer state tensor as saved, or, when it is an f32 state of the embedding or
+/// head saved with the tokenizer's `vocab` rows (by a trainkit that did not pad the
+/// vocabulary), the same with zero rows up to the parameter's padded rows: exactly the
+/// state those rows have, as no gradient reaches them.
+fn padded_state<'t>(
+    t: &'t NamedTensor,
+    dtype: DType,
+    param: &[usize],
+    vocab: usize,
+) -> (Cow<'t, [f32]>, Vec<usize>) {
+    let rows_short = dtype == DType::F32
+        && t.shape.len() == param.len()
+        && t.shape.first() == Some(&vocab)
+        && param.first().is_some_and(|&r| r > vocab)
+        && t.shape[1..] == param[1..];
+    if !rows_short {
+        return (Cow::Borrowed(&t.data), t.shape.clone());
+    }
+    let mut data = t.data.clone();
+    data.resize(param.iter().product(), 0.0);
+    (Cow::Owned(data), param.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f32 state saved with the tokenizer's rows gains zero rows up to the padded
+    /// parameter's; any other state is uploaded as saved.
+    #[test]
+    fn state_saved_unpadded_is_padded_with_zero_rows() {
+        let t = NamedTensor {
+            name: "m".into(),
+            shape: vec![3, 2],
+            data: vec![1.0; 6],
+        };
+        let (data, shape) = padded_state(&t, DType::F32, &[64, 2], 3);
+        assert_eq!(shape, vec![64, 2]);
+        assert_eq!(data[..6], [1.0; 6]);
+        assert!(data[6..].iter().all(|&x| x == 0.0) && data.len() == 128);
+        for (dtype, param, vocab) in [
+            (DType::U8, [64, 2], 3),
+            (DType::F32, [64, 3], 3),
+            (DType::F32, [64, 2], 5),
+            (DType::F32, [3, 2], 3),
+        ] {
+            let (data, shape) = padded_state(&t, dtype, &param, vocab);
+            assert_eq!((&*data, shape), (&t.data[..], t.shape.clone()));
+        }
     }
 }

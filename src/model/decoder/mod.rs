@@ -6,6 +6,7 @@
 mod adapters;
 mod block;
 mod fused;
+mod vocab;
 
 pub(crate) use fused::{split_fused, stack_fused};
 
@@ -190,12 +191,10 @@ impl<F: Family> Decoder<F> {
             .collect()
     }
 
-    /// The number of parameters (a tied head counted once).
+    /// The number of parameters (a tied head counted once), as Hugging Face counts them:
+    /// without the rows that pad the vocabulary ([`Shape::padded_vocab`]).
     pub fn num_params(&self) -> usize {
-        param_slots(&self.shape)
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+        num_params(&self.shape)
     }
 
     /// The Hugging Face modules an NF4 projection weight holds, each quantized on its own
@@ -257,8 +256,21 @@ impl<F: Family> Decoder<F> {
         overridden(graph, &self.overrides)
     }
 
+    /// Fails unless `batch` fits the context and its inputs are tokens of the vocabulary
+    /// (the embedding's padding rows are no tokens).
     fn check_batch(&self, batch: &Batch) -> Result<()> {
-        batch.check(self.shape.context, F::CONTEXT_FIELD)
+        batch.check(self.shape.context, F::CONTEXT_FIELD)?;
+        let vocab = self.shape.vocab;
+        match batch.inputs.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(Error::data(
+                "tokens",
+                format!(
+                    "token id {bad} is beyond the vocabulary of {vocab}; use a tokenizer that \
+                     matches the model's vocab_size"
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 }
 
@@ -277,7 +289,27 @@ fn params<F: Family>(family: &F, shape: &Shape) -> Vec<(Slot, String, Vec<usize>
         .collect()
 }
 
-/// Every parameter's name and shape for `family`'s config, in model order.
+/// The number of parameters of `shape` (a tied head counted once) without the
+/// vocabulary's padding rows.
+pub(crate) fn num_params(shape: &Shape) -> usize {
+    let stored: usize = param_slots(shape)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    stored - vocab::padding_params(shape)
+}
+
+/// A file's tensors by `family`'s parameter names ([`Family::import_tensors`]), the
+/// embedding and head padded to [`Shape::padded_vocab`] rows.
+pub(crate) fn import_tensors<F: Family>(
+    family: &F,
+    tensors: BTreeMap<String, NamedTensor>,
+) -> Result<BTreeMap<String, NamedTensor>> {
+    vocab::pad(family, family.import_tensors(tensors)?)
+}
+
+/// Every parameter's name and shape for `family`'s config, in model order (the
+/// embedding and head with [`Shape::padded_vocab`] rows).
 pub(crate) fn param_shapes<F: Family>(family: &F) -> Vec<(String, Vec<usize>)> {
     params(family, &family.shape())
         .into_iter()
@@ -338,8 +370,9 @@ pub(crate) fn check(shape: &Shape) -> Result<()> {
 /// Every parameter's slot and shape for `shape`, in model order, weights `[out, in]`
 /// (a family that stores them `[in, out]`, [`Family::out_in`], has them transposed by
 /// [`Decoder::params`]).
+/// The embedding and the head hold [`Shape::padded_vocab`] rows.
 fn param_slots(shape: &Shape) -> Vec<(Slot, Vec<usize>)> {
-    let (c, v) = (shape.hidden, shape.vocab);
+    let (c, v) = (shape.hidden, shape.padded_vocab());
     let heads = shape.heads();
     let layer_norm = shape.norm == Norm::LayerNorm;
     let mut out = vec![(Slot::Embed, vec![v, c])];
@@ -392,10 +425,17 @@ fn is_projection(slot: Slot) -> bool {
 /// How `slot`'s values start (transformers' `_init_weights`): norm gains 1 (0 stored as
 /// offsets from 1), biases 0,
 /// the residual projections normal with `init_std / √(2·layers)` when the shape scales
-/// them (GPT-2), every other weight normal with `init_std`.
+/// them (GPT-2), every other weight normal with `init_std`; the rows that pad the
+/// vocabulary of the embedding and the head 0.
 fn init(shape: &Shape, slot: Slot) -> Init {
     use LayerSlot as L;
     match slot {
+        Slot::Embed | Slot::Head if shape.padded_vocab() > shape.vocab => Init::Rows {
+            rows: shape.vocab,
+            init: Box::new(Init::Normal {
+                std: shape.init_std,
+            }),
+        },
         Slot::FinalNorm | Slot::Layer(_, L::Norm1 | L::Norm2 | L::QNorm | L::KNorm) => {
             Init::Constant(if shape.norm_offset { 0.0 } else { 1.0 })
         }
@@ -499,7 +539,8 @@ impl<F: Family> Model for Decoder<F> {
 
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
         self.check_batch(batch)?;
-        exec::logits(&self.graph, pass, batch)
+        let logits = exec::logits(&self.graph, pass, batch)?;
+        Ok(vocab::unpad_logits(&self.shape, logits))
     }
 
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {
@@ -517,14 +558,15 @@ impl<F: Family> Model for Decoder<F> {
     }
 
     fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
-        self.config.export_tensors(tensors)
+        self.config
+            .export_tensors(vocab::unpad(&self.config, tensors))
     }
 
     fn import_tensors(
         &self,
         tensors: BTreeMap<String, NamedTensor>,
     ) -> Result<BTreeMap<String, NamedTensor>> {
-        self.config.import_tensors(tensors)
+        import_tensors(&self.config, tensors)
     }
 
     fn weights_in_out(&self) -> bool {
