@@ -83,3 +83,73 @@ fn the_trainer_follows_a_ramp() {
     // and 96 tokens, i.e. 1, 1 (48 rounds down), 2 and 3 micro-batches of 32 tokens.
     assert_eq!(counts, vec![1, 1, 2, 3]);
 }
+
+/// With a loss mask that trains some rows fully and others at one position in seven, the
+/// step's loss and gradients are the sum over trained positions divided by their number
+/// over the whole step: 4 micro-batches of 2 rows make the update of one batch of 8 (a
+/// mean of micro-batch means would weigh the sparse rows' positions more), and the step's
+/// loss is the batch's summed loss over its trained positions.
+#[test]
+fn masked_micro_batches_equal_one_big_batch() {
+    use trainkit::data::token_flags::TRAINED;
+    use trainkit::data::Tokenizer;
+    use trainkit::data::{ByteTokenizer, DataLoader, Shard, SyntheticCorpus, TokenDataset};
+    let tokens = ByteTokenizer.encode(&SyntheticCorpus::builtin().generate(50_000, 3));
+    let flags: Vec<u8> = (0..tokens.len())
+        .map(|i| {
+            let dense = (i / 16) % 3 == 0;
+            if dense || i % 7 == 0 {
+                TRAINED
+            } else {
+                0
+            }
+        })
+        .collect();
+    let loader = |batch: usize| {
+        let shard = Shard::from_tokens_and_flags(tokens.clone(), flags.clone()).unwrap();
+        DataLoader::new(TokenDataset::from_shards(vec![shard]), batch, 16).unwrap()
+    };
+    let train = |batch: usize, k: usize| {
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let mut t = Trainer::builder(model, cpu(), loader(batch))
+            .accumulation(Constant::new(k))
+            .build()
+            .unwrap();
+        let stats: Vec<_> = (0..3).map(|_| t.step().unwrap()).collect();
+        (values(&t), stats)
+    };
+    let (big, big_stats) = train(8, 1);
+    let (acc, acc_stats) = train(2, 4);
+    for (a, b) in big_stats.iter().zip(&acc_stats) {
+        assert!(a.trained_tokens < a.tokens && a.trained_tokens == b.trained_tokens);
+        assert!(
+            (a.loss - b.loss).abs() < 1e-5 * a.loss.abs(),
+            "{} vs {}",
+            a.loss,
+            b.loss
+        );
+    }
+    let mut worst = 0f32;
+    for (pa, pb) in big.iter().zip(&acc) {
+        for (a, b) in pa.iter().zip(pb) {
+            worst = worst.max((a - b).abs() / (1e-3 + a.abs()));
+        }
+    }
+    assert!(worst < 1e-3, "parameters differ by {worst} (relative)");
+    // The first step's loss is the first batch's summed loss over its trained positions.
+    let mut fresh = Trainer::builder(Gpt2::new(tiny_config()).unwrap(), cpu(), loader(8))
+        .build()
+        .unwrap();
+    let batch = loader(8).next_batch();
+    let mean = fresh.loss_on(&batch).unwrap() / batch.counted() as f64;
+    let first = big_stats[0].loss;
+    assert!((first - mean).abs() < 1e-6 * mean, "{first} vs {mean}");
+    // Evaluation weighs every trained position alike, over all its batches.
+    let mut two = loader(8);
+    let (b1, b2) = (two.next_batch(), two.next_batch());
+    let want = (fresh.loss_on(&b1).unwrap() + fresh.loss_on(&b2).unwrap())
+        / (b1.counted() + b2.counted()) as f64;
+    let got = fresh.evaluate(&mut loader(8), 2).unwrap();
+    assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+    assert_ne!(b1.counted(), b2.counted());
+}

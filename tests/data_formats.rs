@@ -449,3 +449,53 @@ fn prepare_tinyshakespeare_head() {
     let bytes_per_token = head.len() as f64 / ids.len() as f64;
     assert!((2.5..6.0).contains(&bytes_per_token), "{bytes_per_token}");
 }
+
+/// A token file's sibling `.mask` (prepare's flags) is found by whatever opens the token
+/// file, across shards: a target whose token is not flagged trained becomes
+/// `cross_entropy::IGNORE`; a token file without one trains everything; a flags file that
+/// does not belong to its tokens is refused by name.
+#[test]
+fn flags_beside_a_token_file_mask_the_targets() {
+    use trainkit::data::token_flags::{flags_path_for, write_flags_file, TRAINED};
+    use trainkit::data::{DataLoader, TokenDataset};
+    use trainkit::ops::cross_entropy::IGNORE;
+    let dir = TempDir::new("flags");
+    let tokens: Vec<u32> = (0..40).collect();
+    // Shard a: tokens 10..20 and 30..40 trained; shard b has no flags.
+    let flags: Vec<u8> = (0..40u32)
+        .map(|i| {
+            if (10..20).contains(&i) || i >= 30 {
+                TRAINED
+            } else {
+                0
+            }
+        })
+        .collect();
+    let (a, b) = (dir.path("d_000.bin"), dir.path("d_001.bin"));
+    write_token_file(&a, &tokens).unwrap();
+    write_token_file(&b, &tokens).unwrap();
+    write_flags_file(&flags_path_for(&a), &flags).unwrap();
+    let data = TokenDataset::open(&dir.path("d_*.bin")).unwrap();
+    assert!(data.shards()[0].has_flags() && !data.shards()[1].has_flags());
+    let mut loader = DataLoader::new(data, 1, 39).unwrap();
+    let masked = loader.next_batch();
+    for (i, &t) in masked.targets.iter().enumerate() {
+        let want = if flags[i + 1] == TRAINED {
+            i as u32 + 1
+        } else {
+            IGNORE
+        };
+        assert_eq!(t, want, "position {i}");
+    }
+    assert_eq!(masked.counted(), 20);
+    assert_eq!(masked.inputs, tokens[..39]);
+    let plain = loader.next_batch();
+    assert_eq!(plain.targets, tokens[1..]);
+    assert_eq!(plain.counted(), 39);
+
+    write_flags_file(&flags_path_for(&b), &flags[..30]).unwrap();
+    let e = TokenDataset::open(&dir.path("d_*.bin"))
+        .unwrap_err()
+        .to_string();
+    assert_contains(&e, &["d_001.mask", "30 tokens", "holds 40"]);
+}

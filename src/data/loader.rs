@@ -1,8 +1,10 @@
 //! Batching with llm.c's semantics, across shards, optionally shuffled.
 
+use super::token_flags::TRAINED;
 use super::{TokenDataset, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Batch;
+use crate::ops::cross_entropy::IGNORE;
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -252,13 +254,24 @@ impl DataLoader {
             }
         };
         let mut tokens = Vec::with_capacity(span + 1);
-        self.data.shards()[shard].read_into(window * span, span + 1, &mut tokens);
+        let source = &self.data.shards()[shard];
+        source.read_into(window * span, span + 1, &mut tokens);
+        let mut targets = tokens[1..].to_vec();
+        let mut flags = Vec::new();
+        if source.read_flags_into(window * span, span + 1, &mut flags) {
+            // A target whose token is not trained leaves its position out of the loss.
+            for (t, f) in targets.iter_mut().zip(&flags[1..]) {
+                if f & TRAINED == 0 {
+                    *t = IGNORE;
+                }
+            }
+        }
         self.cursor.window += 1;
         Batch {
             batch_size: self.batch_size,
             seq_len: self.seq_len,
             inputs: tokens[..span].to_vec(),
-            targets: tokens[1..].to_vec(),
+            targets,
         }
     }
 

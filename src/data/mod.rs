@@ -10,6 +10,7 @@ mod loader;
 mod prepare;
 mod shard;
 mod token_file;
+pub mod token_flags;
 mod tokenizer;
 mod tokenizer_kind;
 

@@ -1,7 +1,9 @@
 //! One shard of token data: an llm.c token file mapped into memory (never read whole), or
-//! tokens already in memory; either viewed whole or as a range.
+//! tokens already in memory; either viewed whole or as a range, with the tokens' flags
+//! (loss mask, document starts: [`super::token_flags`]) when the data has them.
 
 use super::token_file::{parse_header, TokenFormat, TOKEN_FILE_HEADER_BYTES};
+use super::token_flags::{check_flags_file, flags_path_for};
 use crate::error::{Error, Result};
 use memmap2::Mmap;
 use std::fmt;
@@ -31,8 +33,13 @@ enum Source {
         path: PathBuf,
         map: Mmap,
         format: TokenFormat,
+        /// The sibling flags file, mapped (header included).
+        flags: Option<Mmap>,
     },
-    Memory(Arc<[u32]>),
+    Memory {
+        tokens: Arc<[u32]>,
+        flags: Option<Arc<[u8]>>,
+    },
 }
 
 impl Shard {
@@ -59,11 +66,13 @@ impl Shard {
                 "changed size while it was being opened; is it still being written?",
             ));
         }
+        let flags = open_flags(&flags_path_for(path), len)?;
         Ok(Shard {
             source: Arc::new(Source::Mapped {
                 path: path.to_path_buf(),
                 map,
                 format,
+                flags,
             }),
             start: 0,
             len,
@@ -76,8 +85,74 @@ impl Shard {
         Shard {
             start: 0,
             len: tokens.len(),
-            source: Arc::new(Source::Memory(tokens)),
+            source: Arc::new(Source::Memory {
+                tokens,
+                flags: None,
+            }),
         }
+    }
+
+    /// A shard of ids held in memory with their flags (one byte per token, see
+    /// [`super::token_flags`]); fails unless there is one flag per token.
+    pub fn from_tokens_and_flags(
+        tokens: impl Into<Arc<[u32]>>,
+        flags: impl Into<Arc<[u8]>>,
+    ) -> Result<Shard> {
+        let (tokens, flags) = (tokens.into(), flags.into());
+        if tokens.len() != flags.len() {
+            return Err(Error::data(
+                "token flags",
+                format!(
+                    "{} flags for {} tokens; give one flag byte per token",
+                    flags.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        Ok(Shard {
+            start: 0,
+            len: tokens.len(),
+            source: Arc::new(Source::Memory {
+                tokens,
+                flags: Some(flags),
+            }),
+        })
+    }
+
+    /// Whether the shard's tokens carry flags (a loss mask, document starts).
+    pub fn has_flags(&self) -> bool {
+        match &*self.source {
+            Source::Mapped { flags, .. } => flags.is_some(),
+            Source::Memory { flags, .. } => flags.is_some(),
+        }
+    }
+
+    /// Appends the flags of tokens `start .. start + n` to `out` and returns true, or
+    /// returns false when the shard has none (every target trains).
+    ///
+    /// # Panics
+    /// If the range is not within the shard.
+    pub fn read_flags_into(&self, start: usize, n: usize, out: &mut Vec<u8>) -> bool {
+        assert!(
+            start + n <= self.len,
+            "read past the end of {}",
+            self.name()
+        );
+        let first = self.start + start;
+        match &*self.source {
+            Source::Memory {
+                flags: Some(flags), ..
+            } => out.extend_from_slice(&flags[first..first + n]),
+            Source::Mapped {
+                flags: Some(map), ..
+            } => {
+                let begin = TOKEN_FILE_HEADER_BYTES + first;
+                out.extend_from_slice(&map[begin..begin + n]);
+                release(map, begin, n);
+            }
+            _ => return false,
+        }
+        true
     }
 
     /// Tokens in the shard.
@@ -94,7 +169,7 @@ impl Shard {
     pub fn path(&self) -> Option<&Path> {
         match &*self.source {
             Source::Mapped { path, .. } => Some(path),
-            Source::Memory(_) => None,
+            Source::Memory { .. } => None,
         }
     }
 
@@ -102,7 +177,7 @@ impl Shard {
     pub fn format(&self) -> Option<TokenFormat> {
         match &*self.source {
             Source::Mapped { format, .. } => Some(*format),
-            Source::Memory(_) => None,
+            Source::Memory { .. } => None,
         }
     }
 
@@ -111,7 +186,7 @@ impl Shard {
     pub fn name(&self) -> String {
         let whole = match &*self.source {
             Source::Mapped { path, .. } => format!("token file {}", path.display()),
-            Source::Memory(_) => "tokens in memory".to_string(),
+            Source::Memory { .. } => "tokens in memory".to_string(),
         };
         if self.start == 0 && self.len == self.source_len() {
             whole
@@ -125,7 +200,7 @@ impl Shard {
             Source::Mapped { map, format, .. } => {
                 (map.len() - TOKEN_FILE_HEADER_BYTES) / format.token_bytes()
             }
-            Source::Memory(t) => t.len(),
+            Source::Memory { tokens, .. } => tokens.len(),
         }
     }
 
@@ -154,7 +229,7 @@ impl Shard {
         );
         let first = self.start + start;
         match &*self.source {
-            Source::Memory(tokens) => out.extend_from_slice(&tokens[first..first + n]),
+            Source::Memory { tokens, .. } => out.extend_from_slice(&tokens[first..first + n]),
             Source::Mapped { map, format, .. } => {
                 let w = format.token_bytes();
                 let begin = TOKEN_FILE_HEADER_BYTES + first * w;
@@ -180,7 +255,7 @@ impl Shard {
             )
         };
         match &*self.source {
-            Source::Memory(tokens) => {
+            Source::Memory { tokens, .. } => {
                 let view = &tokens[self.start..self.start + self.len];
                 match view.iter().position(|&id| u64::from(id) >= limit) {
                     Some(i) => Err(bad(self.start + i, u64::from(view[i]))),
@@ -208,6 +283,21 @@ impl Shard {
             }
         }
     }
+}
+
+/// Maps the flags file at `path` when there is one, checked against its token file's
+/// `tokens` tokens.
+fn open_flags(path: &Path, tokens: usize) -> Result<Option<Mmap>> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    // SAFETY: as for the token file in `Shard::open`: a read-only shared mapping of a file
+    // written once, atomically.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    check_flags_file(path, &map, tokens)?;
+    Ok(Some(map))
 }
 
 /// Hands the pages of `map[offset .. offset + len]` back to the kernel, so that pages a

@@ -84,6 +84,15 @@ impl Batch {
         self.batch_size * self.seq_len
     }
 
+    /// Positions whose target is trained: those not left out by
+    /// [`crate::ops::cross_entropy::IGNORE`] (a loss mask, a document's separator).
+    pub fn counted(&self) -> usize {
+        self.targets
+            .iter()
+            .filter(|&&t| t != crate::ops::cross_entropy::IGNORE)
+            .count()
+    }
+
     /// Fails unless the batch is non-empty, its rows fit a model whose context is
     /// `context` (named `context_name` in the error, e.g. `n_positions`) and it holds as
     /// many inputs and targets as its shape says.

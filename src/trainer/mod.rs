@@ -103,7 +103,9 @@ pub struct StepMemory {
 pub struct StepStats {
     /// The step just completed (1-based).
     pub step: u64,
-    /// Mean cross-entropy over the step's tokens (nats).
+    /// Mean cross-entropy over the step's trained positions (nats): the summed loss of
+    /// every position whose target is not masked out, divided by their number over all
+    /// the step's micro-batches.
     pub loss: f64,
     /// Global L2 norm of the gradients before clipping.
     pub grad_norm: f64,
@@ -115,8 +117,14 @@ pub struct StepStats {
     pub micro_batches: usize,
     /// Wall time of the step.
     pub seconds: f64,
-    /// Throughput.
+    /// Throughput, every position counted.
     pub tokens_per_s: f64,
+    /// Positions of the step whose target trained (all of them without a loss mask).
+    #[serde(default)]
+    pub trained_tokens: u64,
+    /// Throughput, trained positions only.
+    #[serde(default)]
+    pub trained_tokens_per_s: f64,
     /// Whether the update was skipped because the loss or gradients were not finite.
     pub skipped: bool,
     /// The factor the step's loss was multiplied by before backward (1 without loss
@@ -423,14 +431,16 @@ where
         }
     }
 
-    /// Mean loss over `batches` batches of `data`, without touching gradients.
+    /// Mean loss over `batches` batches of `data`, without touching gradients: the sum
+    /// over every counted position (a masked target counts for nothing) divided by their
+    /// number, so batches with few trained positions weigh as little as they hold.
     pub fn evaluate(&mut self, data: &mut DataLoader, batches: usize) -> Result<f64> {
         let mut sum = 0.0;
         let mut n = 0usize;
         for _ in 0..batches {
             let batch = data.next_batch();
             sum += self.loss_on(&batch)?;
-            n += batch.tokens();
+            n += batch.counted();
         }
         self.flush_events();
         Ok(sum / n.max(1) as f64)

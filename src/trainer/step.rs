@@ -9,7 +9,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
-use crate::model::{Param, Pass, StashStats};
+use crate::model::{Batch, Param, Pass, StashStats};
 use crate::optim::{guard, GradScale, Optimizer, StepRecord};
 use crate::precision::Precision;
 use crate::tensor::{DType, Tensor};
@@ -22,6 +22,9 @@ struct Plan {
     k: usize,
     /// Tokens of one micro-batch.
     tokens_per_micro: u64,
+    /// Positions of the whole step whose target is trained (not masked out): what the
+    /// summed loss and the gradients are divided by.
+    counted: u64,
     /// The precision's loss scale.
     loss_scale: f32,
     /// What the per-position losses are multiplied by before backward.
@@ -68,7 +71,7 @@ where
         let be = backend.as_ref();
         be.ledger().reset_peaks();
         be.reset_device_peak();
-        let plan = self.plan()?;
+        let (plan, batches) = self.plan()?;
         for p in &mut self.params {
             p.zero_grad(be)?;
         }
@@ -91,14 +94,18 @@ where
             norm_squares: 0.0,
             all_finite: true,
         };
-        let stash = self.micro_batches(be, &plan, &mut buffers, &mut inside)?;
+        let stash = self.micro_batches(be, &plan, batches, &mut buffers, &mut inside)?;
         let record = self.update(be, &plan, buffers, &inside)?;
         self.keep_books(&plan, &record)?;
         Ok(self.report(be, &plan, &record, stash, start))
     }
 
-    /// The step's micro-batches, scales and learning rate.
-    fn plan(&mut self) -> Result<Plan> {
+    /// The step's plan (scales and learning rate) and its micro-batches, read up front:
+    /// the loss and gradients are divided by the trained positions of all of them, so
+    /// accumulating k micro-batches gives the update of one batch k times as large, masks
+    /// or not (a mean of micro-batch means would weigh a position of a sparsely trained
+    /// micro-batch more).
+    fn plan(&mut self) -> Result<(Plan, Vec<Batch>)> {
         let tokens_per_micro = (self.data.batch_size() * self.data.seq_len()) as u64;
         let k = self.accumulation.micro_batches(&AccumulationContext {
             step: self.step,
@@ -116,18 +123,29 @@ where
             return Err(in_backward_accumulates(self.step + 1, k));
         }
         let loss_scale = self.precision.loss_scale();
-        Ok(Plan {
+        let batches: Vec<Batch> = (0..k).map(|_| self.data.next_batch()).collect();
+        let counted = batches.iter().map(|b| b.counted() as u64).sum::<u64>();
+        if counted == 0 {
+            log::warn!(
+                "step {}: every target of its {k} micro-batches is masked out; no position \
+                 trains, so the update moves only what decays",
+                self.step + 1
+            );
+        }
+        let plan = Plan {
             k,
             tokens_per_micro,
+            counted,
             loss_scale,
-            grad_scale: loss_scale / (tokens_per_micro as f32 * k as f32),
+            grad_scale: loss_scale / counted.max(1) as f32,
             lr: self.options.lr_schedule.lr(
                 self.optimizer.learning_rate(),
                 self.step,
                 self.options.total_steps,
             ),
             in_backward,
-        })
+        };
+        Ok((plan, batches))
     }
 
     /// Forward and backward of each micro-batch, gradients accumulated; inside backward,
@@ -136,14 +154,14 @@ where
         &mut self,
         be: &dyn Backend,
         plan: &Plan,
+        batches: Vec<Batch>,
         buffers: &mut Buffers,
         inside: &mut InBackward,
     ) -> Result<StashStats> {
         let ledger = be.ledger().clone();
         let mut stash = StashStats::default();
-        for j in 0..plan.k {
+        for (j, batch) in batches.into_iter().enumerate() {
             ledger.phase_begin(Phase::MicroBatch(j));
-            let batch = self.data.next_batch();
             let optimizer = &mut self.optimizer;
             let record = &mut buffers.record;
             let step = self.step + 1;
@@ -254,7 +272,7 @@ where
     /// counts as skipped (and towards divergence), the counters move on; too many bad
     /// steps in a row end training with [`Error::Diverged`].
     fn keep_books(&mut self, plan: &Plan, r: &StepRecord) -> Result<()> {
-        let loss = r.loss_sum as f64 / plan.tokens() as f64;
+        let loss = r.loss_sum as f64 / plan.counted.max(1) as f64;
         let grad_norm = r.grad_norm as f64;
         let finite = r.finite();
         // An overflow of the scaled gradients with a finite loss is the loss scale's to
@@ -324,7 +342,9 @@ where
         };
         StepStats {
             step: self.step,
-            loss: r.loss_sum as f64 / tokens as f64,
+            loss: r.loss_sum as f64 / plan.counted.max(1) as f64,
+            trained_tokens: plan.counted,
+            trained_tokens_per_s: plan.counted as f64 / seconds.max(1e-12),
             grad_norm: r.grad_norm as f64,
             lr: plan.lr,
             tokens,

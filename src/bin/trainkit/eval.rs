@@ -86,13 +86,28 @@ pub fn run(args: EvalArgs) -> Result<()> {
         &args.device,
         data.clone(),
     )?;
+    // The positions the loss counts: all of them unless the data carries a loss mask.
+    let trained: usize = {
+        let mut ahead = data.clone();
+        (0..args.batches)
+            .map(|_| ahead.next_batch().counted())
+            .sum()
+    };
     let loss = trainer.evaluate(&mut data, args.batches)?;
     let tokens = args.batches * args.batch_size * args.seq_len;
     if args.json {
-        println!("{}", serde_json::json!({ "loss": loss, "tokens": tokens }));
-    } else {
         println!(
-            "loss {loss:.6} nats/token over {tokens} positions (perplexity {:.3})",
+            "{}",
+            serde_json::json!({ "loss": loss, "tokens": tokens, "trained_tokens": trained })
+        );
+    } else {
+        let over = if trained < tokens {
+            format!("the {trained} trained of {tokens} positions")
+        } else {
+            format!("{tokens} positions")
+        };
+        println!(
+            "loss {loss:.6} nats/token over {over} (perplexity {:.3})",
             loss.exp()
         );
     }

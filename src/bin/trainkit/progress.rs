@@ -63,26 +63,37 @@ impl Progress {
             (Some(m), Some(h)) => format!("MFU {:.1}% | HFU {:.1}%", 100.0 * m, 100.0 * h),
             _ => format!("{:.1} GFLOP/s", s.model_flops / seconds / 1e9),
         };
+        // With a loss mask, the trained positions' rate beside every position's.
+        let rate = if s.trained_tokens < s.tokens {
+            format!(
+                "{:.0} tok/s ({:.0} trained)",
+                s.tokens_per_s, s.trained_tokens_per_s
+            )
+        } else {
+            format!("{:.0} tok/s", s.tokens_per_s)
+        };
         match &self.bar {
             Some(bar) => {
                 bar.set_position(s.step);
                 bar.set_message(format!(
-                    "loss {:.4} | {:.0} tok/s | {speed} | peak {peak}",
-                    s.loss, s.tokens_per_s
+                    "loss {:.4} | {rate} | {speed} | peak {peak}",
+                    s.loss
                 ));
             }
             None => println!(
-                "step {:>5}/{} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.0} tok/s | {:.0} ms | \
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {rate} | {:.0} ms | \
                  {speed} | peak {peak}{}",
                 s.step,
                 self.total,
                 s.loss,
                 s.lr,
                 s.grad_norm,
-                s.tokens_per_s,
                 s.seconds * 1e3,
                 match (s.skipped, s.loss_scale != 1.0) {
-                    (true, true) => format!(" | update skipped (not finite at loss scale {})", s.loss_scale),
+                    (true, true) => format!(
+                        " | update skipped (not finite at loss scale {})",
+                        s.loss_scale
+                    ),
                     (true, false) => " | update skipped (not finite)".to_string(),
                     (false, _) => String::new(),
                 }
@@ -102,6 +113,8 @@ impl Progress {
                 "micro_batches": s.micro_batches,
                 "seconds": s.seconds,
                 "tokens_per_s": s.tokens_per_s,
+                "trained_tokens": s.trained_tokens,
+                "trained_tokens_per_s": s.trained_tokens_per_s,
                 "skipped": s.skipped,
                 "loss_scale": s.loss_scale,
                 "model_flops": s.model_flops,
