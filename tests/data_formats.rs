@@ -474,7 +474,7 @@ fn flags_beside_a_token_file_mask_the_targets() {
     let (a, b) = (dir.path("d_000.bin"), dir.path("d_001.bin"));
     write_token_file(&a, &tokens).unwrap();
     write_token_file(&b, &tokens).unwrap();
-    write_flags_file(&flags_path_for(&a), &flags).unwrap();
+    write_flags_file(&flags_path_for(&a), &flags, None).unwrap();
     let data = TokenDataset::open(&dir.path("d_*.bin")).unwrap();
     assert!(data.shards()[0].has_flags() && !data.shards()[1].has_flags());
     let mut loader = DataLoader::new(data, 1, 39).unwrap();
@@ -493,7 +493,7 @@ fn flags_beside_a_token_file_mask_the_targets() {
     assert_eq!(plain.targets, tokens[1..]);
     assert_eq!(plain.counted(), 39);
 
-    write_flags_file(&flags_path_for(&b), &flags[..30]).unwrap();
+    write_flags_file(&flags_path_for(&b), &flags[..30], None).unwrap();
     let e = TokenDataset::open(&dir.path("d_*.bin"))
         .unwrap_err()
         .to_string();

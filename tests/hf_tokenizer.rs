@@ -629,3 +629,139 @@ fn long_text_files_encode_as_a_whole() {
         );
     }
 }
+
+/// `prepare --chat` with a model directory's tokenizer and its chat template (in
+/// tokenizer_config.json): the three row forms, a bad row reported by file and line (or
+/// skipped), one example per row of --seq-len tokens equal to the `tokenizers` library's
+/// ids of the rendered text, trained exactly where the assistant speaks; `train` takes the
+/// data with its --seq-len and refuses another.
+#[test]
+fn prepare_chat_masks_what_the_assistant_says() {
+    use trainkit::data::token_flags::{flags_path_for, DOCUMENT_START, TRAINED};
+    let dir = TempDir::new("chat");
+    let model = dir.path("model");
+    write_json(
+        &model.join("tokenizer.json"),
+        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    );
+    let template = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + \
+                    message['content'].strip() + '<|im_end|>' + '\n' }}{% endfor %}\
+                    {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    write_json(
+        &model.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
+    );
+    let rows = [
+        r#"{"messages":[{"role":"system","content":"Be kind."},{"role":"user","content":"hello"},{"role":"assistant","content":"hello world"}]}"#,
+        r#"{"instruction":"Say","input":"hi","output":"world"}"#,
+        r#"{"conversations":[{"from":"human","value":"a"},{"from":"gpt","value":"b"},{"from":"human","value":"c"},{"from":"gpt","value":"d"}]}"#,
+        r#"{"messages":[]}"#,
+    ];
+    let chat = dir.path("chat.jsonl");
+    fs::write(&chat, rows.join("\n")).unwrap();
+    let out = dir.path("data/chat.bin");
+    let prepare = |extra: &[&str]| {
+        let mut args = vec![
+            "prepare",
+            "--chat",
+            s(&chat),
+            "--tokenizer",
+            s(&model),
+            "--out",
+            s(&out),
+            "--seq-len",
+            "64",
+            "--val-fraction",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        trainkit(&args)
+    };
+    let (ok, _, err) = prepare(&[]);
+    assert!(!ok);
+    assert!(
+        err.contains("chat.jsonl line 4") && err.contains("empty conversation"),
+        "{err}"
+    );
+    let (ok, stdout, err) = prepare(&["--skip-bad-rows"]);
+    assert!(ok, "{stdout}\n{err}");
+    assert!(
+        stdout.contains("3 conversations") && stdout.contains("1 rows"),
+        "{stdout}"
+    );
+
+    let tokens = read_token_file(&out).unwrap();
+    let flags = fs::read(flags_path_for(&out)).unwrap()[1024..].to_vec();
+    assert_eq!((tokens.len(), flags.len()), (3 * 64 + 1, 3 * 64 + 1));
+    let tok = HfTokenizer::open(&model).unwrap();
+    let rendered = [
+        "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n\
+         <|im_start|>assistant\nhello world<|im_end|>\n",
+        "<|im_start|>user\nSay\n\nhi<|im_end|>\n<|im_start|>assistant\nworld<|im_end|>\n",
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\n\
+         c<|im_end|>\n<|im_start|>assistant\nd<|im_end|>\n",
+    ];
+    let trained = [
+        vec!["hello world<|im_end|>\n"],
+        vec!["world<|im_end|>\n"],
+        vec!["b<|im_end|>\n", "d<|im_end|>\n"],
+    ];
+    let eot = tok.end_of_text().unwrap();
+    for (r, (text, want)) in rendered.iter().zip(&trained).enumerate() {
+        let row = &tokens[r * 64..(r + 1) * 64];
+        let f = &flags[r * 64..(r + 1) * 64];
+        let ids = reference_ids(&model.join("tokenizer.json"), text);
+        assert_eq!(row[..ids.len()], ids[..], "row {r}");
+        assert!(
+            row[ids.len()..].iter().all(|&t| t == eot),
+            "row {r} padding"
+        );
+        assert_eq!(f[0], DOCUMENT_START);
+        assert!(f[ids.len()..].iter().all(|&x| x == 0));
+        // The trained runs, decoded, are what the assistant says with its end of turn.
+        let mut runs: Vec<String> = Vec::new();
+        let mut run = Vec::new();
+        for (&t, &x) in row.iter().zip(f) {
+            if x & TRAINED != 0 {
+                run.push(t);
+            } else if !run.is_empty() {
+                runs.push(tok.decode(&std::mem::take(&mut run)));
+            }
+        }
+        assert_eq!(runs, *want, "row {r}");
+    }
+
+    let train = |seq: &str| {
+        trainkit(&[
+            "train",
+            "--data",
+            s(&out),
+            "--tokenizer",
+            s(&model),
+            "--vocab-size",
+            "265",
+            "--n-layer",
+            "1",
+            "--n-head",
+            "1",
+            "--n-embd",
+            "8",
+            "--n-positions",
+            "64",
+            "--seq-len",
+            seq,
+            "--batch-size",
+            "1",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+        ])
+    };
+    let (ok, stdout, err) = train("64");
+    assert!(ok, "{stdout}\n{err}");
+    assert!(stdout.contains("trained)"), "{stdout}");
+    let (ok, _, err) = train("32");
+    assert!(!ok);
+    assert!(err.contains("--seq-len 64"), "{err}");
+}

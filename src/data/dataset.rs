@@ -140,13 +140,22 @@ impl TokenDataset {
     }
 
     /// Splits off the last `n` tokens of the last shard: `(the rest, those n)`; the held-out
-    /// part of a dataset that has no validation shards.
+    /// part of a dataset that has no validation shards. A shard of rows (one example each,
+    /// [`Shard::row_len`]) is split between rows, holding out at least `n` tokens.
     pub fn split_tail(&self, n: usize) -> (TokenDataset, TokenDataset) {
         let mut head = self.shards.clone();
         let last = head.pop().unwrap_or_else(|| Shard::from_tokens(Vec::new()));
         let n = n.min(last.len());
-        let split = last.len() - n;
-        head.push(last.slice(0..split));
+        // Rows of examples are split between rows; the head keeps the next row's first
+        // token (untrained) as its last row's final target.
+        let (split, head_end) = match last.row_len() {
+            Some(t) => {
+                let split = (last.len() - n) / t * t;
+                (split, (split + 1).min(last.len()))
+            }
+            None => (last.len() - n, last.len() - n),
+        };
+        head.push(last.slice(0..head_end));
         (
             TokenDataset { shards: head },
             TokenDataset {

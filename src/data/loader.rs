@@ -65,6 +65,21 @@ impl DataLoader {
         if seq_len == 0 {
             return Err(Error::config("seq_len", "must be at least 1"));
         }
+        if let Some(shard) = data
+            .shards()
+            .iter()
+            .find(|s| s.row_len().is_some_and(|t| t != seq_len))
+        {
+            let t = shard.row_len().unwrap_or_default();
+            return Err(Error::config(
+                "seq_len",
+                format!(
+                    "{seq_len}, but {} holds one example per row of {t} tokens (prepared with \
+                     --seq-len {t}); train with --seq-len {t}, or prepare the data again",
+                    shard.name()
+                ),
+            ));
+        }
         let span = batch_size * seq_len;
         let need = span + 1;
         let windows: Vec<usize> = data

@@ -2,6 +2,7 @@
 //! `tokenizer.json`), the built-in synthetic corpus,
 //! llm.c-style batching, and `prepare`, which streams text into token shards.
 
+pub mod chat;
 mod corpus;
 mod dataset;
 mod gpt2_tokenizer;

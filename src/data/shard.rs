@@ -35,6 +35,8 @@ enum Source {
         format: TokenFormat,
         /// The sibling flags file, mapped (header included).
         flags: Option<Mmap>,
+        /// The rows the flags file says the tokens are laid out in.
+        row_len: Option<usize>,
     },
     Memory {
         tokens: Arc<[u32]>,
@@ -66,13 +68,17 @@ impl Shard {
                 "changed size while it was being opened; is it still being written?",
             ));
         }
-        let flags = open_flags(&flags_path_for(path), len)?;
+        let (flags, row_len) = match open_flags(&flags_path_for(path), len)? {
+            Some((map, row_len)) => (Some(map), row_len),
+            None => (None, None),
+        };
         Ok(Shard {
             source: Arc::new(Source::Mapped {
                 path: path.to_path_buf(),
                 map,
                 format,
                 flags,
+                row_len,
             }),
             start: 0,
             len,
@@ -117,6 +123,16 @@ impl Shard {
                 flags: Some(flags),
             }),
         })
+    }
+
+    /// The length of the rows the tokens are laid out in (one example each, as `prepare
+    /// --chat` writes them): a loader must read rows of exactly this length. `None` for a
+    /// stream.
+    pub fn row_len(&self) -> Option<usize> {
+        match &*self.source {
+            Source::Mapped { row_len, .. } => *row_len,
+            Source::Memory { .. } => None,
+        }
     }
 
     /// Whether the shard's tokens carry flags (a loss mask, document starts).
@@ -286,8 +302,8 @@ impl Shard {
 }
 
 /// Maps the flags file at `path` when there is one, checked against its token file's
-/// `tokens` tokens.
-fn open_flags(path: &Path, tokens: usize) -> Result<Option<Mmap>> {
+/// `tokens` tokens, with its row length.
+fn open_flags(path: &Path, tokens: usize) -> Result<Option<(Mmap, Option<usize>)>> {
     let file = match File::open(path) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -296,8 +312,8 @@ fn open_flags(path: &Path, tokens: usize) -> Result<Option<Mmap>> {
     // SAFETY: as for the token file in `Shard::open`: a read-only shared mapping of a file
     // written once, atomically.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    check_flags_file(path, &map, tokens)?;
-    Ok(Some(map))
+    let row_len = check_flags_file(path, &map, tokens)?;
+    Ok(Some((map, row_len)))
 }
 
 /// Hands the pages of `map[offset .. offset + len]` back to the kernel, so that pages a

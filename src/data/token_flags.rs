@@ -5,8 +5,9 @@
 //! every target, as before.
 //!
 //! The file: a header of 256 little-endian i32 (1024 bytes, as a token file's) holding
-//! [`FLAGS_FILE_MAGIC`], [`FLAGS_FILE_VERSION`] and the number of tokens, then one byte per
-//! token: bit 0 ([`TRAINED`]) set when the position that predicts this token is in the
+//! [`FLAGS_FILE_MAGIC`], [`FLAGS_FILE_VERSION`], the number of tokens and the row length
+//! (0 for a stream; `prepare --chat` writes rows of `--seq-len` tokens, one example each,
+//! which train only with that sequence length), then one byte per token: bit 0 ([`TRAINED`]) set when the position that predicts this token is in the
 //! loss, bit 1 ([`DOCUMENT_START`]) set on a document's first token.
 
 use super::token_file::TOKEN_FILE_HEADER_BYTES;
@@ -32,8 +33,9 @@ pub fn flags_path_for(tokens: &Path) -> PathBuf {
     tokens.with_extension("mask")
 }
 
-/// Writes `flags`, one byte per token, as a flags file at `path` (atomically).
-pub fn write_flags_file(path: &Path, flags: &[u8]) -> Result<()> {
+/// Writes `flags`, one byte per token, as a flags file at `path` (atomically), for tokens
+/// laid out in rows of `row_len` (`None`: a stream).
+pub fn write_flags_file(path: &Path, flags: &[u8], row_len: Option<usize>) -> Result<()> {
     let count = i32::try_from(flags.len()).map_err(|_| {
         Error::data(
             format!("token flags for {}", path.display()),
@@ -44,8 +46,10 @@ pub fn write_flags_file(path: &Path, flags: &[u8]) -> Result<()> {
             ),
         )
     })?;
+    let row_len = i32::try_from(row_len.unwrap_or(0))
+        .map_err(|_| Error::config("--seq-len", "does not fit a flags file's i32 header"))?;
     let mut bytes = vec![0u8; TOKEN_FILE_HEADER_BYTES];
-    for (i, v) in [FLAGS_FILE_MAGIC, FLAGS_FILE_VERSION, count]
+    for (i, v) in [FLAGS_FILE_MAGIC, FLAGS_FILE_VERSION, count, row_len]
         .into_iter()
         .enumerate()
     {
@@ -56,8 +60,9 @@ pub fn write_flags_file(path: &Path, flags: &[u8]) -> Result<()> {
 }
 
 /// Checks the header of the flags file `path` (`bytes` the whole file) against its token
-/// file's `tokens` tokens; errors name the file and the fix.
-pub(crate) fn check_flags_file(path: &Path, bytes: &[u8], tokens: usize) -> Result<()> {
+/// file's `tokens` tokens and returns its row length (`None` for a stream); errors name
+/// the file and the fix.
+pub(crate) fn check_flags_file(path: &Path, bytes: &[u8], tokens: usize) -> Result<Option<usize>> {
     let what = || format!("token flags {}", path.display());
     if bytes.len() < TOKEN_FILE_HEADER_BYTES {
         return Err(Error::data(
@@ -95,7 +100,14 @@ pub(crate) fn check_flags_file(path: &Path, bytes: &[u8], tokens: usize) -> Resu
             ),
         ));
     }
-    Ok(())
+    match int(3) {
+        0 => Ok(None),
+        n if n > 0 => Ok(Some(n as usize)),
+        n => Err(Error::data(
+            what(),
+            format!("has a negative row length ({n}); re-create it with `trainkit prepare`"),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -109,9 +121,12 @@ mod tests {
         let path = flags_path_for(&dir.join("x.bin"));
         assert_eq!(path.file_name().unwrap(), "x.mask");
         let flags = [DOCUMENT_START, TRAINED, TRAINED | DOCUMENT_START, 0];
-        write_flags_file(&path, &flags).unwrap();
+        write_flags_file(&path, &flags, None).unwrap();
         let bytes = std::fs::read(&path).unwrap();
-        check_flags_file(&path, &bytes, 4).unwrap();
+        assert_eq!(check_flags_file(&path, &bytes, 4).unwrap(), None);
+        write_flags_file(&path, &flags, Some(2)).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(check_flags_file(&path, &bytes, 4).unwrap(), Some(2));
         assert_eq!(&bytes[TOKEN_FILE_HEADER_BYTES..], &flags);
         let e = check_flags_file(&path, &bytes, 5).unwrap_err().to_string();
         assert!(e.contains("x.mask") && e.contains("holds 5"), "{e}");

@@ -433,7 +433,8 @@ where
 
     /// Mean loss over `batches` batches of `data`, without touching gradients: the sum
     /// over every counted position (a masked target counts for nothing) divided by their
-    /// number, so batches with few trained positions weigh as little as they hold.
+    /// number, so batches with few trained positions weigh as little as they hold; NaN when
+    /// no position of them trains.
     pub fn evaluate(&mut self, data: &mut DataLoader, batches: usize) -> Result<f64> {
         let mut sum = 0.0;
         let mut n = 0usize;
@@ -443,7 +444,8 @@ where
             n += batch.counted();
         }
         self.flush_events();
-        Ok(sum / n.max(1) as f64)
+        // No trained position (a loss mask that leaves every one of them out): no loss.
+        Ok(if n == 0 { f64::NAN } else { sum / n as f64 })
     }
 
     /// Sum of per-position losses on one batch (forward only).

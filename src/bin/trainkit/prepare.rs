@@ -3,6 +3,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use trainkit::data::chat::{prepare_chat, ChatOptions, MaskMode, Overflow};
 use trainkit::data::{prepare_with, InputKind, PrepareOptions, TokenizerKind};
 use trainkit::Result;
 
@@ -17,6 +18,31 @@ pub struct PrepareArgs {
     /// several, or a quoted glob. Read after the --text files.
     #[arg(long, num_args = 1.., value_name = "FILE")]
     jsonl: Vec<PathBuf>,
+    /// Chat or instruction JSON-lines files (`messages`, Alpaca or ShareGPT rows); several,
+    /// or a quoted glob. Each conversation is rendered with the tokenizer's chat template
+    /// (or --template) and written as rows of --seq-len tokens with a loss mask beside them
+    /// (NAME.mask).
+    #[arg(long, num_args = 1.., value_name = "FILE", conflicts_with_all = ["text", "jsonl"])]
+    chat: Vec<PathBuf>,
+    /// With --chat: tokens per row, the --seq-len the data trains with.
+    #[arg(long, requires = "chat")]
+    seq_len: Option<usize>,
+    /// With --chat: which positions train: assistant (what the assistant says, with its
+    /// end-of-turn marker), all, or last (the last assistant turn).
+    #[arg(long, value_enum, default_value = "assistant", requires = "chat")]
+    mask: MaskMode,
+    /// With --chat: an example longer than --seq-len is truncated, dropped, or split over
+    /// several rows.
+    #[arg(long, value_enum, default_value = "truncate", requires = "chat")]
+    overflow: Overflow,
+    /// With --chat: a built-in chat template (chatml or llama3) instead of the
+    /// tokenizer's; needed for a tokenizer that ships none (gpt2, bytes).
+    #[arg(long, requires = "chat")]
+    template: Option<String>,
+    /// With --chat: skip rows that are not a conversation (reported with file and line)
+    /// instead of stopping at the first.
+    #[arg(long, requires = "chat")]
+    skip_bad_rows: bool,
     /// The train token file to write (e.g. data/shakespeare.bin; the val file becomes
     /// data/shakespeare_val.bin); with --shard-tokens, the name shards are numbered from.
     #[arg(long)]
@@ -36,6 +62,9 @@ pub struct PrepareArgs {
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
+    if !args.chat.is_empty() {
+        return run_chat(args);
+    }
     let mut inputs: Vec<(PathBuf, InputKind)> = args
         .text
         .iter()
@@ -138,6 +167,63 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     println!(
         "train on them with: trainkit train --data {data} --tokenizer {}{vocab}",
         args.tokenizer,
+    );
+    Ok(())
+}
+
+/// `prepare --chat`: conversations to rows of tokens with a loss mask.
+fn run_chat(args: PrepareArgs) -> Result<()> {
+    if args.shard_tokens.is_some() {
+        return Err(trainkit::Error::config(
+            "--shard-tokens",
+            "is for --text and --jsonl; --chat writes one train and one val file",
+        ));
+    }
+    let seq_len = args.seq_len.ok_or_else(|| {
+        trainkit::Error::config(
+            "--seq-len",
+            "--chat writes one example per row of --seq-len tokens; give the sequence length \
+             you will train with, e.g. --seq-len 1024",
+        )
+    })?;
+    let r = prepare_chat(&ChatOptions {
+        inputs: args.chat.clone(),
+        out: args.out.clone(),
+        tokenizer: args.tokenizer.clone(),
+        template: args.template.clone(),
+        seq_len,
+        mask: args.mask,
+        overflow: args.overflow,
+        val_fraction: args.val_fraction,
+        skip_bad_rows: args.skip_bad_rows,
+    })?;
+    println!("template: {}", r.template);
+    println!(
+        "{} conversations in {} train and {} val rows of {seq_len} tokens; {} trained \
+         positions in the train rows",
+        r.examples, r.train_rows, r.val_rows, r.trained_tokens
+    );
+    if r.too_long > 0 {
+        let what = match args.overflow {
+            Overflow::Truncate => "truncated",
+            Overflow::Drop => "dropped",
+            Overflow::Split => "split over several rows",
+        };
+        println!(
+            "{} conversations longer than {seq_len} tokens: {what}",
+            r.too_long
+        );
+    }
+    if r.bad_rows > 0 {
+        println!("{} rows that are not conversations: skipped", r.bad_rows);
+    }
+    for f in &r.files {
+        println!("wrote {} and its .mask", f.display());
+    }
+    println!(
+        "train on them with: trainkit train --data {} --seq-len {seq_len} --tokenizer {}",
+        args.out.display(),
+        args.tokenizer
     );
     Ok(())
 }

@@ -1,0 +1,523 @@
+//! Chat and instruction data for fine-tuning: `prepare --chat` reads conversations
+//! (`messages`, Alpaca or ShareGPT JSON lines, [`conversation`]), renders each with the
+//! model's chat template ([`template`]), tokenizes it and writes one row of `seq_len`
+//! tokens per example (longer ones truncated, dropped or split, shorter ones padded),
+//! with a loss mask beside the tokens ([`crate::data::token_flags`]): by default only what
+//! the assistant says is trained.
+
+pub mod conversation;
+pub mod template;
+
+use super::token_file::{write_token_file_as, TokenFormat};
+use super::token_flags::{flags_path_for, write_flags_file, DOCUMENT_START, TRAINED};
+use super::{val_path_for, HfTokenizer, Tokenizer, TokenizerKind};
+use crate::error::{Error, Result};
+use conversation::Message;
+use std::path::PathBuf;
+use template::{ChatTemplate, Segment};
+
+/// Which positions of a conversation train.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MaskMode {
+    /// What every assistant turn says, with its end-of-turn marker (torchtune's
+    /// `train_on_assistant`, the default).
+    #[default]
+    Assistant,
+    /// Every token but the padding.
+    All,
+    /// The last assistant turn only.
+    Last,
+}
+
+/// What becomes of an example longer than a row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Overflow {
+    /// Keep its first `seq_len` tokens.
+    #[default]
+    Truncate,
+    /// Leave it out.
+    Drop,
+    /// Continue it in the next rows (each row attends within itself only).
+    Split,
+}
+
+/// What [`prepare_chat`] reads and writes.
+#[derive(Clone, Debug)]
+pub struct ChatOptions {
+    /// JSON-lines files or globs, read in order.
+    pub inputs: Vec<PathBuf>,
+    /// The train token file (its mask beside it); val files as [`val_path_for`] names.
+    pub out: PathBuf,
+    /// The tokenizer: a Hugging Face `tokenizer.json` (or model directory) brings its
+    /// chat template; gpt2 and bytes need `template`.
+    pub tokenizer: TokenizerKind,
+    /// A built-in template by name, used instead of the tokenizer's.
+    pub template: Option<String>,
+    /// Tokens per row: the `--seq-len` the data trains with.
+    pub seq_len: usize,
+    /// Which positions train.
+    pub mask: MaskMode,
+    /// What becomes of an example longer than a row.
+    pub overflow: Overflow,
+    /// Fraction of the examples, from the end, written to the val files, in `[0, 1)`.
+    pub val_fraction: f64,
+    /// Skip (and count) rows that are not a conversation instead of failing on the first.
+    pub skip_bad_rows: bool,
+}
+
+/// What [`prepare_chat`] wrote.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChatReport {
+    /// Conversations written.
+    pub examples: usize,
+    /// Examples longer than a row (then truncated, dropped or split per the overflow).
+    pub too_long: usize,
+    /// Examples left out as longer than a row (`--overflow drop`).
+    pub dropped: usize,
+    /// Examples continued over several rows (`--overflow split`).
+    pub split: usize,
+    /// Rows of the input that were not conversations, skipped.
+    pub bad_rows: usize,
+    /// Rows of `seq_len` tokens in the train and val files.
+    pub train_rows: usize,
+    /// Rows in the val files.
+    pub val_rows: usize,
+    /// Trained positions in the train file.
+    pub trained_tokens: usize,
+    /// The files written: train tokens, then val tokens (each with its `.mask`).
+    pub files: Vec<PathBuf>,
+    /// Where the template came from.
+    pub template: String,
+}
+
+/// One example as tokens and their flags.
+struct Example {
+    tokens: Vec<u32>,
+    flags: Vec<u8>,
+}
+
+/// Tokens of a rendered conversation, each with the segment it starts in.
+enum Encoder {
+    /// A Hugging Face tokenizer, with the special tokens the template writes parsed as
+    /// theirs (as `apply_chat_template` tokenizes): the whole text at once, tokens
+    /// assigned to segments by their offsets.
+    Hf(Box<tokenizers::Tokenizer>),
+    /// GPT-2's or the byte tokenizer: each segment on its own.
+    Plain(Box<dyn Tokenizer>),
+}
+
+impl Encoder {
+    fn encode(&self, segments: &[Segment]) -> std::result::Result<(Vec<u32>, Vec<usize>), String> {
+        match self {
+            Encoder::Hf(t) => {
+                let text: String = segments.iter().map(|s| s.text.as_str()).collect();
+                let encoding = t.encode(text.as_str(), false).map_err(|e| e.to_string())?;
+                let mut ends = Vec::with_capacity(segments.len());
+                let mut at = 0;
+                for s in segments {
+                    at += s.text.len();
+                    ends.push(at);
+                }
+                let of = encoding
+                    .get_offsets()
+                    .iter()
+                    .map(|&(start, _)| ends.partition_point(|&end| end <= start))
+                    .map(|i| i.min(segments.len().saturating_sub(1)))
+                    .collect();
+                Ok((encoding.get_ids().to_vec(), of))
+            }
+            Encoder::Plain(t) => {
+                let mut ids = Vec::new();
+                let mut of = Vec::new();
+                for (i, s) in segments.iter().enumerate() {
+                    let part = t.try_encode(&s.text).map_err(|e| e.to_string())?;
+                    of.extend(std::iter::repeat_n(i, part.len()));
+                    ids.extend(part);
+                }
+                Ok((ids, of))
+            }
+        }
+    }
+}
+
+/// Renders, tokenizes and masks every conversation of the inputs and writes them as rows
+/// of `seq_len` tokens: `out` and its `.mask`, and the last `val_fraction` of the examples
+/// to [`val_path_for`]`(out)` and its `.mask`.
+///
+/// Each example fills one row (a longer one is cut per `overflow`), padded with the
+/// tokenizer's end-of-text token (untrained); a row's last position predicts the next
+/// row's first token, which trains only when `split` continues the same example there. The
+/// mask files record the row length, and `train` refuses another `--seq-len`.
+///
+/// Fails, naming the file and line, on a row that is not a conversation (unless
+/// `skip_bad_rows`), when no template is found, when a template fails on a conversation,
+/// or when no example or too few for the val fraction remain.
+pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
+    let t = options.seq_len;
+    if t == 0 {
+        return Err(Error::config("--seq-len", "must be at least 1"));
+    }
+    if !(0.0..1.0).contains(&options.val_fraction) {
+        return Err(Error::config(
+            "--val-fraction",
+            format!("{} is not in [0, 1)", options.val_fraction),
+        ));
+    }
+    let tokenizer = options.tokenizer.build()?;
+    let pad = tokenizer.end_of_text().unwrap_or(0);
+    let (template, encoder) = match options.tokenizer.hf_path() {
+        Some(path) => {
+            let file = HfTokenizer::resolve(path)?;
+            let own = match &options.template {
+                Some(_) => None,
+                None => ChatTemplate::of_tokenizer(&file)?,
+            };
+            let eos = HfTokenizer::open(&file)?
+                .end_of_text_token()
+                .unwrap_or_default()
+                .to_string();
+            let template = match (own, &options.template) {
+                (Some(own), _) => own,
+                (None, Some(name)) => ChatTemplate::builtin(name, "", &eos)?,
+                (None, None) => return Err(no_template(&options.tokenizer)),
+            };
+            let raw = tokenizers::Tokenizer::from_file(&file).map_err(|e| {
+                Error::data(file.display().to_string(), format!("cannot be read ({e})"))
+            })?;
+            (template, Encoder::Hf(Box::new(raw)))
+        }
+        None => {
+            let name = options
+                .template
+                .as_deref()
+                .ok_or_else(|| no_template(&options.tokenizer))?;
+            let eos = match tokenizer.end_of_text() {
+                Some(id) => tokenizer.decode(&[id]),
+                None => String::new(),
+            };
+            (
+                ChatTemplate::builtin(name, "", &eos)?,
+                Encoder::Plain(tokenizer),
+            )
+        }
+    };
+    let mut report = ChatReport {
+        template: template.source().to_string(),
+        ..ChatReport::default()
+    };
+    let mut rows: Vec<Example> = Vec::new();
+    let mut examples_rows: Vec<usize> = Vec::new();
+    for path in input_files(&options.inputs)? {
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let at = || format!("{} line {}", path.display(), n + 1);
+            let messages = match conversation::parse(line) {
+                Ok(m) => m,
+                Err(e) if options.skip_bad_rows => {
+                    log::warn!("{}: {e}; skipped", at());
+                    report.bad_rows += 1;
+                    continue;
+                }
+                Err(e) => {
+                    return Err(Error::data(
+                        at(),
+                        format!("{e} (--skip-bad-rows skips such rows)"),
+                    ))
+                }
+            };
+            let example = encode(&template, &encoder, &messages, options.mask)
+                .map_err(|e| Error::data(at(), e))?;
+            let before = rows.len();
+            place(example, t, pad, options.overflow, &mut rows, &mut report);
+            if rows.len() > before {
+                report.examples += 1;
+                examples_rows.push(rows.len() - before);
+            }
+        }
+    }
+    if report.examples == 0 {
+        return Err(Error::data(
+            "--chat",
+            "no conversation was written: every row was bad or, with --overflow drop, \
+             longer than --seq-len",
+        ));
+    }
+    let val_examples = (report.examples as f64 * options.val_fraction).round() as usize;
+    if options.val_fraction > 0.0 && (val_examples == 0 || val_examples == report.examples) {
+        return Err(Error::data(
+            "--chat",
+            format!(
+                "{} examples cannot be split by --val-fraction {} into non-empty train and \
+                 val parts; use more data or --val-fraction 0",
+                report.examples, options.val_fraction
+            ),
+        ));
+    }
+    let val_rows: usize = examples_rows[report.examples - val_examples..].iter().sum();
+    let train_rows = rows.len() - val_rows;
+    let val = rows.split_off(train_rows);
+    report.train_rows = train_rows;
+    report.val_rows = val_rows;
+    report.trained_tokens = rows
+        .iter()
+        .flat_map(|r| &r.flags)
+        .filter(|&&f| f & TRAINED != 0)
+        .count();
+    let format = TokenFormat::for_vocab(options.tokenizer.vocab_size()?);
+    let mut outputs = vec![(options.out.clone(), rows)];
+    if !val.is_empty() {
+        outputs.push((val_path_for(&options.out), val));
+    }
+    for (path, rows) in outputs {
+        let mut tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let mut flags: Vec<u8> = rows.iter().flat_map(|r| r.flags.iter().copied()).collect();
+        // One more token: the last row's last position needs a target.
+        tokens.push(pad);
+        flags.push(DOCUMENT_START);
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        write_token_file_as(&path, &tokens, format)?;
+        write_flags_file(&flags_path_for(&path), &flags, Some(t))?;
+        report.files.push(path);
+    }
+    Ok(report)
+}
+
+/// The error for a tokenizer without a template and no `--template`.
+fn no_template(tokenizer: &TokenizerKind) -> Error {
+    Error::config(
+        "--template",
+        format!(
+            "the tokenizer {tokenizer} ships no chat template (no chat_template.jinja, no \
+             chat_template in tokenizer_config.json); name a built-in one: --template {}",
+            template::BUILTIN_TEMPLATES
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(" or ")
+        ),
+    )
+}
+
+/// The files of `inputs`, each a file or a glob (its matches in sorted order).
+fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for input in inputs {
+        let text = input.to_string_lossy();
+        if text.contains(['*', '?', '[']) {
+            let mut found: Vec<PathBuf> = glob::glob(&text)
+                .map_err(|e| Error::config("--chat", format!("`{text}` is not a glob ({e})")))?
+                .filter_map(|p| p.ok())
+                .collect();
+            if found.is_empty() {
+                return Err(Error::data(text.to_string(), "matches no file"));
+            }
+            found.sort();
+            files.extend(found);
+        } else {
+            files.push(input.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// One conversation's tokens and flags: trained where `mask` says, the first token a
+/// document start and never trained.
+fn encode(
+    template: &ChatTemplate,
+    encoder: &Encoder,
+    messages: &[Message],
+    mask: MaskMode,
+) -> std::result::Result<Example, String> {
+    let segments = match mask {
+        MaskMode::All => vec![Segment {
+            text: template.render(messages, false)?,
+            turn: 0,
+            content: true,
+        }],
+        _ => template.segments(messages)?,
+    };
+    let last = messages.iter().rposition(|m| m.role == "assistant");
+    let trains = |s: &Segment| match mask {
+        MaskMode::All => true,
+        MaskMode::Assistant => s.content && messages[s.turn].role == "assistant",
+        MaskMode::Last => s.content && Some(s.turn) == last,
+    };
+    let (tokens, of) = encoder.encode(&segments)?;
+    if tokens.is_empty() {
+        return Err("renders to no token".into());
+    }
+    let mut flags: Vec<u8> = of
+        .iter()
+        .map(|&i| if trains(&segments[i]) { TRAINED } else { 0 })
+        .collect();
+    flags[0] = DOCUMENT_START;
+    Ok(Example { tokens, flags })
+}
+
+/// Places `example` in rows of `t` tokens, per `overflow`, padding the last with `pad`.
+fn place(
+    mut example: Example,
+    t: usize,
+    pad: u32,
+    overflow: Overflow,
+    rows: &mut Vec<Example>,
+    report: &mut ChatReport,
+) {
+    if example.tokens.len() > t {
+        report.too_long += 1;
+        match overflow {
+            Overflow::Truncate => {
+                example.tokens.truncate(t);
+                example.flags.truncate(t);
+            }
+            Overflow::Drop => {
+                report.dropped += 1;
+                return;
+            }
+            Overflow::Split => report.split += 1,
+        }
+    }
+    for start in (0..example.tokens.len()).step_by(t) {
+        let end = (start + t).min(example.tokens.len());
+        let mut tokens = example.tokens[start..end].to_vec();
+        let mut flags = example.flags[start..end].to_vec();
+        tokens.resize(t, pad);
+        flags.resize(t, 0);
+        rows.push(Example { tokens, flags });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::read_token_file;
+
+    /// Runs `prepare_chat` over `rows` with the byte tokenizer and ChatML, returning the
+    /// report, the tokens and the flags written.
+    fn run(
+        name: &str,
+        rows: &[&str],
+        seq_len: usize,
+        mask: MaskMode,
+        overflow: Overflow,
+    ) -> Result<(ChatReport, Vec<u32>, Vec<u8>)> {
+        let dir = std::env::temp_dir().join(format!("trainkit-chat-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let input = dir.join("c.jsonl");
+        std::fs::write(&input, rows.join("\n")).unwrap();
+        let out = dir.join("c.bin");
+        let report = prepare_chat(&ChatOptions {
+            inputs: vec![input],
+            out: out.clone(),
+            tokenizer: TokenizerKind::Bytes,
+            template: Some("chatml".into()),
+            seq_len,
+            mask,
+            overflow,
+            val_fraction: 0.0,
+            skip_bad_rows: false,
+        });
+        let result = report.map(|r| {
+            let tokens = read_token_file(&out).unwrap();
+            let flags = std::fs::read(flags_path_for(&out)).unwrap()[1024..].to_vec();
+            (r, tokens, flags)
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+        result
+    }
+
+    const ROW: &str = r#"{"messages":[{"role":"user","content":"ab"},{"role":"assistant","content":"cd"},{"role":"user","content":"ef"},{"role":"assistant","content":"gh"}]}"#;
+
+    /// The trained bytes of each row, as text.
+    fn trained(tokens: &[u32], flags: &[u8], t: usize) -> Vec<String> {
+        (0..tokens.len() / t)
+            .map(|r| {
+                let bytes: Vec<u8> = (r * t..(r + 1) * t)
+                    .filter(|&i| flags[i] & TRAINED != 0)
+                    .map(|i| tokens[i] as u8)
+                    .collect();
+                String::from_utf8(bytes).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn masks_choose_the_trained_turns() {
+        let end = "<|im_end|>\n";
+        let (_, tokens, flags) = run(
+            "assistant",
+            &[ROW],
+            200,
+            MaskMode::Assistant,
+            Overflow::Truncate,
+        )
+        .unwrap();
+        assert_eq!(trained(&tokens, &flags, 200), [format!("cd{end}gh{end}")]);
+        let (_, tokens, flags) =
+            run("last", &[ROW], 200, MaskMode::Last, Overflow::Truncate).unwrap();
+        assert_eq!(trained(&tokens, &flags, 200), [format!("gh{end}")]);
+        let (r, tokens, flags) =
+            run("all", &[ROW], 200, MaskMode::All, Overflow::Truncate).unwrap();
+        let all = trained(&tokens, &flags, 200).remove(0);
+        // Every token but the first (a document's first token is never a target) and the
+        // padding.
+        assert_eq!(all.len(), r.trained_tokens);
+        assert!(all.starts_with("|im_start|>user\nab") && all.ends_with(&format!("gh{end}")));
+        assert_eq!(tokens.len(), 201);
+        assert_eq!(flags[0], DOCUMENT_START);
+    }
+
+    #[test]
+    fn long_examples_are_truncated_dropped_or_split() {
+        let short = r#"{"instruction":"x","output":"y"}"#;
+        let (r, tokens, _) = run(
+            "truncate",
+            &[ROW, short],
+            64,
+            MaskMode::Assistant,
+            Overflow::Truncate,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.examples, r.too_long, r.train_rows, tokens.len()),
+            (2, 1, 2, 129)
+        );
+        let (r, _, _) = run(
+            "drop",
+            &[ROW, short],
+            64,
+            MaskMode::Assistant,
+            Overflow::Drop,
+        )
+        .unwrap();
+        assert_eq!((r.examples, r.dropped, r.train_rows), (1, 1, 1));
+        let (r, tokens, flags) = run(
+            "split",
+            &[ROW, short],
+            64,
+            MaskMode::Assistant,
+            Overflow::Split,
+        )
+        .unwrap();
+        assert_eq!((r.examples, r.split), (2, 1));
+        // The split example's trained text runs on across its rows.
+        let rows = trained(&tokens, &flags, 64);
+        assert_eq!(rows.len(), r.train_rows);
+        assert!(r.train_rows >= 3, "{}", r.train_rows);
+        let split: String = rows[..r.train_rows - 1].concat();
+        assert_eq!(split, "cd<|im_end|>\ngh<|im_end|>\n");
+        let e = run("none", &[ROW], 10, MaskMode::Assistant, Overflow::Drop).unwrap_err();
+        assert!(e.to_string().contains("no conversation"), "{e}");
+        let e = run("bad", &[ROW, "{"], 64, MaskMode::Assistant, Overflow::Drop).unwrap_err();
+        assert!(
+            e.to_string().contains("line 2") && e.to_string().contains("not JSON"),
+            "{e}"
+        );
+    }
+}

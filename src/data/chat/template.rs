@@ -1,0 +1,303 @@
+//! Chat templates: the Jinja template a model ships (`chat_template.jinja`, or
+//! `chat_template` in `tokenizer_config.json`), run by minijinja with the Python
+//! compatibility Hugging Face templates need (`.strip()`, `.startswith()`,
+//! `raise_exception`, `trim_blocks` and `lstrip_blocks` as transformers sets them); or a
+//! built-in one by name for a tokenizer that has none. A conversation renders to text cut
+//! into [`Segment`]s, so that a loss mask can say which text is an assistant's.
+
+use super::conversation::Message;
+use crate::data::{CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
+use crate::error::{Error, Result};
+use minijinja::{context, Environment};
+use serde_json::Value;
+use std::path::Path;
+
+/// The built-in templates, by name: ChatML (Qwen's turn markers) and Llama 3's.
+pub const BUILTIN_TEMPLATES: [(&str, &str); 2] = [
+    (
+        "chatml",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+         {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ),
+    (
+        "llama3",
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}\
+         <|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}\
+         {% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n\
+         {% endif %}",
+    ),
+];
+
+/// A template ready to render, with the special tokens it may name.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// Where it came from, for messages.
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// A piece of a rendered conversation: the text one turn added, and whether it is the
+/// turn's own content (for an assistant, what it says and its end-of-turn marker) or the
+/// text before it (the assistant header a generation prompt adds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// The text.
+    pub text: String,
+    /// The turn it belongs to.
+    pub turn: usize,
+    /// Whether it is what the turn says (not the header before an assistant's turn).
+    pub content: bool,
+}
+
+impl ChatTemplate {
+    /// The built-in template `name` (see [`BUILTIN_TEMPLATES`]), with `bos` and `eos` as
+    /// its special tokens' text.
+    pub fn builtin(name: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        let source = BUILTIN_TEMPLATES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| *s)
+            .ok_or_else(|| {
+                Error::config(
+                    "--template",
+                    format!(
+                        "`{name}` is not a built-in template; use one of {}, or a tokenizer \
+                         that ships its own",
+                        names()
+                    ),
+                )
+            })?;
+        ChatTemplate::new(
+            source.to_string(),
+            format!("built-in template {name}"),
+            bos,
+            eos,
+        )
+    }
+
+    /// The template a tokenizer ships beside `tokenizer_json` (a model directory's
+    /// `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`, its
+    /// `default` entry when it lists several), with that config's `bos_token` and
+    /// `eos_token`; `None` when there is none.
+    pub fn of_tokenizer(tokenizer_json: &Path) -> Result<Option<ChatTemplate>> {
+        let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
+        let config_path = dir.join(TOKENIZER_CONFIG_FILE);
+        let config: Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+                Error::data(
+                    config_path.display().to_string(),
+                    format!("is not JSON ({e})"),
+                )
+            })?,
+            Err(_) => Value::Null,
+        };
+        let token = |key: &str| -> String {
+            match config.get(key) {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Object(o)) => o
+                    .get("content")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+                _ => String::new(),
+            }
+        };
+        let (bos, eos) = (token("bos_token"), token("eos_token"));
+        let file = dir.join(CHAT_TEMPLATE_FILE);
+        if file.is_file() {
+            let source = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+            let name = file.display().to_string();
+            return ChatTemplate::new(source, name, &bos, &eos).map(Some);
+        }
+        let source = match config.get("chat_template") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(list)) => {
+                let named = |n: &str| {
+                    list.iter().find_map(|t| {
+                        (t.get("name").and_then(Value::as_str) == Some(n))
+                            .then(|| t.get("template").and_then(Value::as_str))
+                            .flatten()
+                    })
+                };
+                match named("default") {
+                    Some(s) => s.to_string(),
+                    None => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        let name = format!("the chat_template of {}", config_path.display());
+        ChatTemplate::new(source, name, &bos, &eos).map(Some)
+    }
+
+    fn new(source: String, name: String, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_template_owned("chat", source).map_err(|e| {
+            Error::data(
+                &name,
+                format!("is not a Jinja template minijinja can read ({e})"),
+            )
+        })?;
+        Ok(ChatTemplate {
+            env,
+            source: name,
+            bos_token: bos.to_string(),
+            eos_token: eos.to_string(),
+        })
+    }
+
+    /// Where the template came from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The text of `messages`, with the assistant header after them when
+    /// `add_generation_prompt` (what `sample --chat` continues).
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, String> {
+        let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        template
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(|e| format!("the template {} failed: {e}", self.source))
+    }
+
+    /// The conversation's text cut at each turn: rendering the turns one more at a time,
+    /// each adds a segment (an assistant turn two: the header a generation prompt adds,
+    /// then its content). Fails when a rendering is not the start of the next (a template
+    /// that rewrites earlier turns once later ones come, as some do with reasoning text):
+    /// turns cannot be told apart then.
+    pub fn segments(&self, messages: &[Message]) -> std::result::Result<Vec<Segment>, String> {
+        let mut done = String::new();
+        let mut out = Vec::new();
+        let mut add = |text: String, turn: usize, content: bool, out: &mut Vec<Segment>| match text
+            .strip_prefix(done.as_str())
+        {
+            Some(new) => {
+                out.push(Segment {
+                    text: new.to_string(),
+                    turn,
+                    content,
+                });
+                done = text;
+                Ok(())
+            }
+            None => Err(format!(
+                "the template {} renders the turns before turn {turn} differently once it \
+                     is added, so its turns cannot be told apart; use --mask all, or a \
+                     template that renders each turn once (--template {})",
+                self.source,
+                names()
+            )),
+        };
+        for (i, m) in messages.iter().enumerate() {
+            if m.role == "assistant" {
+                add(self.render(&messages[..i], true)?, i, false, &mut out)?;
+            }
+            add(self.render(&messages[..=i], false)?, i, true, &mut out)?;
+        }
+        Ok(out)
+    }
+}
+
+/// The built-in templates' names, for messages.
+fn names() -> String {
+    BUILTIN_TEMPLATES
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conversation() -> Vec<Message> {
+        [
+            ("system", "Be brief."),
+            ("user", "Hi"),
+            ("assistant", "Hello!"),
+            ("user", "Bye"),
+            ("assistant", "Bye."),
+        ]
+        .iter()
+        .map(|(r, c)| Message {
+            role: r.to_string(),
+            content: c.to_string(),
+        })
+        .collect()
+    }
+
+    #[test]
+    fn chatml_renders_and_cuts_at_turns() {
+        let t = ChatTemplate::builtin("chatml", "", "<|im_end|>").unwrap();
+        let m = conversation();
+        let text = t.render(&m[..2], true).unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let segments = t.segments(&m).unwrap();
+        let joined: String = segments.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(joined, t.render(&m, false).unwrap());
+        let assistant: Vec<&str> = segments
+            .iter()
+            .filter(|s| s.content && m[s.turn].role == "assistant")
+            .map(|s| s.text.as_str())
+            .collect();
+        assert_eq!(assistant, ["Hello!<|im_end|>\n", "Bye.<|im_end|>\n"]);
+        let headers: Vec<&str> = segments
+            .iter()
+            .filter(|s| !s.content)
+            .map(|s| s.text.as_str())
+            .collect();
+        assert_eq!(headers, ["<|im_start|>assistant\n"; 2]);
+    }
+
+    #[test]
+    fn hugging_face_templates_run_with_python_methods_and_exceptions() {
+        // Python string methods and raise_exception, as Hugging Face templates use them.
+        let source = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be \
+                      user') }}{% endif %}{% for m in messages %}{{ m.role.upper() }}: \
+                      {{ m.content.strip() }}\n{% endfor %}";
+        let t = ChatTemplate::new(source.into(), "test".into(), "", "").unwrap();
+        let m = conversation();
+        assert_eq!(
+            t.render(&m[1..3], false).unwrap(),
+            "USER: Hi\nASSISTANT: Hello!\n"
+        );
+        let e = t.render(&m, false).unwrap_err();
+        assert!(e.contains("first must be user"), "{e}");
+        // A template that rewrites earlier turns cannot be cut.
+        let source = "{% for m in messages %}{{ m.content }}{% if loop.last %}.{% endif %}\
+                      {% endfor %}";
+        let t = ChatTemplate::new(source.into(), "rewriting".into(), "", "").unwrap();
+        let e = t.segments(&m).unwrap_err();
+        assert!(e.contains("rewriting") && e.contains("--mask all"), "{e}");
+        assert!(ChatTemplate::builtin("nope", "", "").is_err());
+        assert!(ChatTemplate::new("{% for %}".into(), "bad".into(), "", "").is_err());
+    }
+}
