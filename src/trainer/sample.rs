@@ -67,6 +67,19 @@ where
         options: SamplingOptions,
         rng: &mut Rng,
     ) -> Result<Vec<u32>> {
+        self.generate_until(prompt, max_new_tokens, options, &[], rng)
+    }
+
+    /// [`Trainer::generate`] that ends early at the first token of `stop` it draws (a
+    /// chat template's end of turn), which is not returned.
+    pub fn generate_until(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        options: SamplingOptions,
+        stop: &[u32],
+        rng: &mut Rng,
+    ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             return Err(Error::config(
                 "prompt",
@@ -92,7 +105,11 @@ where
             let ctx = &tokens[tokens.len().saturating_sub(ctx_len)..];
             let logits = self.logits(ctx)?;
             let last = &logits[(ctx.len() - 1) * vocab..ctx.len() * vocab];
-            tokens.push(pick(last, options, rng) as u32);
+            let next = pick(last, options, rng) as u32;
+            if stop.contains(&next) {
+                break;
+            }
+            tokens.push(next);
         }
         Ok(tokens[prompt.len()..].to_vec())
     }
@@ -149,5 +166,41 @@ mod tests {
         // p(1) / p(3) = e^0.5 ≈ 1.65.
         let ratio = counts[1] as f64 / counts[3] as f64;
         assert!((ratio - 0.5f64.exp()).abs() < 0.15, "{ratio}");
+    }
+
+    /// Generation ends before the first stop token it draws: greedy decoding that would
+    /// draw `t` at step 3 returns the two tokens before it.
+    #[test]
+    fn generation_stops_at_a_stop_token() {
+        use crate::data::DataLoader;
+        use crate::{CpuBackend, Gpt2, Gpt2Config, Trainer};
+        let config = Gpt2Config {
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 8,
+            n_positions: 16,
+            vocab_size: 64,
+            layer_norm_epsilon: 1e-5,
+        };
+        let data = DataLoader::new(vec![0; 4], 1, 2).unwrap();
+        let mut t = Trainer::builder(
+            Gpt2::new(config).unwrap(),
+            std::sync::Arc::new(CpuBackend::new()),
+            data,
+        )
+        .build()
+        .unwrap();
+        let greedy = SamplingOptions {
+            temperature: 0.0,
+            top_k: 0,
+        };
+        let mut rng = Rng::new(1);
+        let all = t.generate(&[1, 2], 6, greedy, &mut rng).unwrap();
+        assert_eq!(all.len(), 6);
+        let at = all.iter().position(|&x| x == all[2]).unwrap();
+        let cut = t
+            .generate_until(&[1, 2], 6, greedy, &[all[2]], &mut rng)
+            .unwrap();
+        assert_eq!(cut, all[..at]);
     }
 }

@@ -3,6 +3,8 @@
 use crate::eval::{default_tokenizer, model_dir_tokenizer};
 use std::path::PathBuf;
 use trainkit::config::RunConfig;
+use trainkit::data::chat::conversation::Message;
+use trainkit::data::chat::{chat_prompt, END_OF_TURN};
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
 use trainkit::{Error, Result, Rng, SamplingOptions};
@@ -22,8 +24,18 @@ pub struct SampleArgs {
     #[arg(long)]
     qlora: bool,
     /// Text to continue.
+    #[arg(long, required_unless_present = "chat", conflicts_with = "chat")]
+    prompt: Option<String>,
+    /// A user message: rendered with the model's chat template (and --system) with the
+    /// generation prompt; the reply stops at the template's end of turn.
     #[arg(long)]
-    prompt: String,
+    chat: Option<String>,
+    /// With --chat: a system message before it.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// With --chat: a built-in template (chatml or llama3) instead of the tokenizer's.
+    #[arg(long, requires = "chat")]
+    template: Option<String>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 100)]
     max_new_tokens: usize,
@@ -66,7 +78,24 @@ pub fn run(args: SampleArgs) -> Result<()> {
             ),
         ));
     }
-    let prompt = tok.try_encode(&args.prompt)?;
+    let (prompt, stop) = match (&args.chat, &args.prompt) {
+        (Some(message), _) => {
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(Message {
+                    role: "system".into(),
+                    content: system.clone(),
+                });
+            }
+            messages.push(Message {
+                role: "user".into(),
+                content: message.clone(),
+            });
+            chat_prompt(&tokenizer, args.template.as_deref(), &messages)?
+        }
+        (None, Some(text)) => (tok.try_encode(text)?, Vec::new()),
+        (None, None) => return Err(Error::config("--prompt", "give --prompt or --chat")),
+    };
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
     let mut trainer = crate::trainer_for(
         &dir,
@@ -76,15 +105,29 @@ pub fn run(args: SampleArgs) -> Result<()> {
         placeholder,
     )?;
     let mut rng = Rng::new(args.seed);
-    let new = trainer.generate(
+    let new = trainer.generate_until(
         &prompt,
         args.max_new_tokens,
         SamplingOptions {
             temperature: args.temperature,
             top_k: args.top_k,
         },
+        &stop,
         &mut rng,
     )?;
-    println!("{}{}", args.prompt, tok.decode(&new));
+    let text = tok.decode(&new);
+    match &args.prompt {
+        Some(prompt) => println!("{prompt}{text}"),
+        None => {
+            // The reply ends at the first end-of-turn marker (a tokenizer without them as
+            // single tokens writes them as text).
+            let end = END_OF_TURN
+                .iter()
+                .filter_map(|m| text.find(m))
+                .min()
+                .unwrap_or(text.len());
+            println!("{}", &text[..end]);
+        }
+    }
     Ok(())
 }

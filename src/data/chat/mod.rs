@@ -163,44 +163,9 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
             format!("{} is not in [0, 1)", options.val_fraction),
         ));
     }
-    let tokenizer = options.tokenizer.build()?;
-    let pad = tokenizer.end_of_text().unwrap_or(0);
-    let (template, encoder) = match options.tokenizer.hf_path() {
-        Some(path) => {
-            let file = HfTokenizer::resolve(path)?;
-            let own = match &options.template {
-                Some(_) => None,
-                None => ChatTemplate::of_tokenizer(&file)?,
-            };
-            let eos = HfTokenizer::open(&file)?
-                .end_of_text_token()
-                .unwrap_or_default()
-                .to_string();
-            let template = match (own, &options.template) {
-                (Some(own), _) => own,
-                (None, Some(name)) => ChatTemplate::builtin(name, "", &eos)?,
-                (None, None) => return Err(no_template(&options.tokenizer)),
-            };
-            let raw = tokenizers::Tokenizer::from_file(&file).map_err(|e| {
-                Error::data(file.display().to_string(), format!("cannot be read ({e})"))
-            })?;
-            (template, Encoder::Hf(Box::new(raw)))
-        }
-        None => {
-            let name = options
-                .template
-                .as_deref()
-                .ok_or_else(|| no_template(&options.tokenizer))?;
-            let eos = match tokenizer.end_of_text() {
-                Some(id) => tokenizer.decode(&[id]),
-                None => String::new(),
-            };
-            (
-                ChatTemplate::builtin(name, "", &eos)?,
-                Encoder::Plain(tokenizer),
-            )
-        }
-    };
+    let pad = options.tokenizer.build()?.end_of_text().unwrap_or(0);
+    let (template, encoder) =
+        template_and_encoder(&options.tokenizer, options.template.as_deref())?;
     let mut report = ChatReport {
         template: template.source().to_string(),
         ..ChatReport::default()
@@ -285,6 +250,82 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
         report.files.push(path);
     }
     Ok(report)
+}
+
+/// The template to render with (`template` by name, else the tokenizer's own) and the
+/// encoder of its text.
+fn template_and_encoder(
+    kind: &TokenizerKind,
+    template: Option<&str>,
+) -> Result<(ChatTemplate, Encoder)> {
+    let Some(path) = kind.hf_path() else {
+        let tokenizer = kind.build()?;
+        let name = template.ok_or_else(|| no_template(kind))?;
+        let eos = match tokenizer.end_of_text() {
+            Some(id) => tokenizer.decode(&[id]),
+            None => String::new(),
+        };
+        return Ok((
+            ChatTemplate::builtin(name, "", &eos)?,
+            Encoder::Plain(tokenizer),
+        ));
+    };
+    let file = HfTokenizer::resolve(path)?;
+    let own = match template {
+        Some(_) => None,
+        None => ChatTemplate::of_tokenizer(&file)?,
+    };
+    let eos = HfTokenizer::open(&file)?
+        .end_of_text_token()
+        .unwrap_or_default()
+        .to_string();
+    let template = match (own, template) {
+        (Some(own), _) => own,
+        (None, Some(name)) => ChatTemplate::builtin(name, "", &eos)?,
+        (None, None) => return Err(no_template(kind)),
+    };
+    let raw = tokenizers::Tokenizer::from_file(&file)
+        .map_err(|e| Error::data(file.display().to_string(), format!("cannot be read ({e})")))?;
+    Ok((template, Encoder::Hf(Box::new(raw))))
+}
+
+/// End-of-turn markers of the common templates: generation stops at whichever of them is
+/// one token of the vocabulary, and a reply is cut at the first of them in its text.
+pub const END_OF_TURN: [&str; 6] = [
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+];
+
+/// A prompt for the model to continue as the assistant: `messages` rendered with the
+/// generation prompt (`template` by name, else the tokenizer's own), as token ids, and the
+/// ids generation stops at (the tokenizer's end of text and the [`END_OF_TURN`] markers it
+/// has as single tokens).
+pub fn chat_prompt(
+    kind: &TokenizerKind,
+    template: Option<&str>,
+    messages: &[Message],
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let (template, encoder) = template_and_encoder(kind, template)?;
+    let text = template
+        .render(messages, true)
+        .map_err(|e| Error::data("--chat", e))?;
+    let segment = Segment {
+        text,
+        turn: 0,
+        content: true,
+    };
+    let (ids, _) = encoder
+        .encode(std::slice::from_ref(&segment))
+        .map_err(|e| Error::data("--chat", e))?;
+    let mut stop: Vec<u32> = kind.build()?.end_of_text().into_iter().collect();
+    if let Encoder::Hf(t) = &encoder {
+        stop.extend(END_OF_TURN.iter().filter_map(|m| t.token_to_id(m)));
+    }
+    Ok((ids, stop))
 }
 
 /// The error for a tokenizer without a template and no `--template`.

@@ -132,6 +132,9 @@ impl ChatTemplate {
     }
 
     fn new(source: String, name: String, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        // transformers' `{% generation %}` blocks mark assistant text for its own masks;
+        // the turns are told apart here by rendering, so the tags render as nothing.
+        let source = strip_generation_tags(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -221,6 +224,27 @@ impl ChatTemplate {
     }
 }
 
+/// `source` without transformers' `{% generation %}` and `{% endgeneration %}` tags (their
+/// whitespace control dropped with them), keeping what they enclose.
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let Some(len) = rest[start..].find("%}") else {
+            break;
+        };
+        let tag = &rest[start + 2..start + len];
+        let word = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        out.push_str(&rest[..start]);
+        if word != "generation" && word != "endgeneration" {
+            out.push_str(&rest[start..start + len + 2]);
+        }
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The built-in templates' names, for messages.
 fn names() -> String {
     BUILTIN_TEMPLATES
@@ -298,6 +322,12 @@ mod tests {
         let e = t.segments(&m).unwrap_err();
         assert!(e.contains("rewriting") && e.contains("--mask all"), "{e}");
         assert!(ChatTemplate::builtin("nope", "", "").is_err());
+        // transformers' generation blocks render as what they enclose.
+        let source = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}\
+                      {{ m.content }}{%- endgeneration -%}{% else %}{{ m.content }}{% endif %}\
+                      {% endfor %}";
+        let t = ChatTemplate::new(source.into(), "generation".into(), "", "").unwrap();
+        assert_eq!(t.render(&m[1..3], false).unwrap(), "HiHello!");
         assert!(ChatTemplate::new("{% for %}".into(), "bad".into(), "", "").is_err());
     }
 }
