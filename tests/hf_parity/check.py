@@ -23,6 +23,11 @@ same losses and adapter weights on both sides, `PeftModel.from_pretrained` on tr
 trained adapter gives `trainkit eval --adapter`'s loss, and trainkit evaluates the adapter
 PEFT saved as PEFT does.
 
+And chat data against transformers' `apply_chat_template`: a byte-level BPE tokenizer
+with ChatML's special tokens and a template whose assistant turns are `{% generation %}`
+blocks; `trainkit prepare --chat` writes the token ids `apply_chat_template` gives and
+trains exactly the positions of its `assistant_masks`.
+
 Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
 torch, transformers, peft, safetensors and numpy installed:
 
@@ -174,6 +179,7 @@ def main():
         ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
     ok &= check_lora(tk, work, tokens_bin, tokens)
     ok &= check_qlora(tk, work, tokens_bin, tokens)
+    ok &= check_chat(tk, work, args.text)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 
@@ -497,3 +503,69 @@ def check_qlora(tk, work, tokens_bin, tokens):
 
 if __name__ == "__main__":
     main()
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}"
+    "{{- message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def check_chat(tk, work, text_path):
+    """`prepare --chat` against `apply_chat_template(..., return_assistant_tokens_mask)`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()[:20000]
+    bpe.train_from_iterator([text], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    model_dir = os.path.join(work, "chat_model")
+    tok.save_pretrained(model_dir)
+    lines = text.split("\n")
+    conversations = []
+    for i in range(0, 60, 6):
+        turns = [{"role": "system", "content": "Speak as in the play."}] if i % 12 == 0 else []
+        for j, role in enumerate(["user", "assistant", "user", "assistant"]):
+            turns.append({"role": role, "content": lines[i + j].strip() or "Ay."})
+        conversations.append(turns)
+    chat = os.path.join(work, "chat.jsonl")
+    with open(chat, "w", encoding="utf-8") as f:
+        for c in conversations:
+            f.write(json.dumps({"messages": c}) + "\n")
+    out = os.path.join(work, "chat.bin")
+    seq = 256
+    run([tk, "prepare", "--chat", chat, "--tokenizer", model_dir, "--out", out, "--seq-len",
+         str(seq), "--val-fraction", "0"])
+    dtype = np.uint16
+    ids = np.fromfile(out, dtype=dtype, offset=1024).astype(np.int64)
+    flags = np.fromfile(out[:-4] + ".mask", dtype=np.uint8, offset=1024)
+    ok, counted = True, 0
+    for r, c in enumerate(conversations):
+        hf = tok.apply_chat_template(c, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        want, mask = list(hf["input_ids"]), list(hf["assistant_masks"])
+        assert len(want) <= seq, len(want)
+        row = ids[r * seq:r * seq + len(want)].tolist()
+        trained = (flags[r * seq:r * seq + len(want)] & 1).tolist()
+        counted += sum(mask)
+        if row != want or trained != mask:
+            print(f"chat row {r}: ids equal {row == want}, trained positions equal "
+                  f"{trained == mask} ({sum(trained)} against {sum(mask)})")
+            ok = False
+    ok &= counted > 0
+    print(f"chat: {len(conversations)} conversations ({counted} assistant tokens), ids and "
+          f"trained positions "
+          f"{'equal' if ok else 'DIFFER'} to apply_chat_template's input_ids and "
+          f"assistant_masks")
+    return ok
