@@ -317,3 +317,65 @@ fn the_command_line_chooses_the_loss() {
     assert!(out.contains("loss = \"materialized\""), "{out}");
     assert!(out.contains("loss_chunk = 7"), "{out}");
 }
+
+/// With a loss mask, the fused loss runs its chunks over the runs of trained positions
+/// only: the loss and every gradient still match the materialized path (which computes
+/// every position and leaves the masked ones out), for any chunk, and the step executes
+/// fewer FLOPs than the same step on the same tokens without a mask.
+#[test]
+fn masked_positions_cost_no_work_and_change_nothing() {
+    use trainkit::data::token_flags::TRAINED;
+    use trainkit::data::Tokenizer;
+    use trainkit::data::{ByteTokenizer, DataLoader, Shard, SyntheticCorpus, TokenDataset};
+    let tokens = ByteTokenizer.encode(&SyntheticCorpus::builtin().generate(20_000, 5));
+    // Rows of 16: the first 10 positions of each untrained (a prompt), the rest trained,
+    // and every 13th token untrained too.
+    let flags: Vec<u8> = (0..tokens.len())
+        .map(|i| {
+            if i % 16 >= 10 && i % 13 != 0 {
+                TRAINED
+            } else {
+                0
+            }
+        })
+        .collect();
+    let run = |path: LossPath, chunk: Option<usize>, masked: bool| {
+        let shard = if masked {
+            Shard::from_tokens_and_flags(tokens.clone(), flags.clone()).unwrap()
+        } else {
+            Shard::from_tokens(tokens.clone())
+        };
+        let data = DataLoader::new(TokenDataset::from_shards(vec![shard]), 2, 16).unwrap();
+        let mut t = Trainer::builder(model(path, chunk), cpu(), data)
+            .precision(Fp32)
+            .checkpoint(NoRecompute)
+            .optimizer(Sgd {
+                lr: 0.1,
+                momentum: 0.0,
+                weight_decay: 0.0,
+            })
+            .accumulation(Constant::new(2))
+            .build()
+            .unwrap();
+        let s = t.step().unwrap();
+        (s.loss, grads(&t), s.hardware_flops, s.trained_tokens)
+    };
+    let (l0, g0, _, counted) = run(LossPath::Materialized, None, true);
+    assert!(counted > 0 && counted < 64, "{counted}");
+    for chunk in [None, Some(3), Some(16)] {
+        let (l, g, flops, _) = run(LossPath::Fused, chunk, true);
+        assert!(
+            ((l - l0) / l0).abs() < 1e-5,
+            "chunk {chunk:?}: loss {l} vs {l0}"
+        );
+        for (i, (a, b)) in g.iter().zip(&g0).enumerate() {
+            let err = rel_err(a, b);
+            assert!(err < 1e-5, "chunk {chunk:?}: gradient {i} off by {err}");
+        }
+        let (_, _, all, _) = run(LossPath::Fused, chunk, false);
+        assert!(
+            flops < all,
+            "chunk {chunk:?}: {flops} FLOPs masked, {all} unmasked"
+        );
+    }
+}

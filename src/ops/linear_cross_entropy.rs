@@ -170,15 +170,34 @@ impl FusedLoss for LinearCrossEntropy {
         }
         let chunk = self.chunk_rows(rows, vocab_rows, x.dtype());
         // Whether the input's gradient exists already (then it is added to).
-        let existed = cx.grads_in.first().is_some_and(|g| g.tensor.is_some());
+        let mut existed = cx.grads_in.first().is_some_and(|g| g.tensor.is_some());
+        // Positions left out of the loss (a loss mask) cost no work: the chunks cover the
+        // runs of counted positions only, and the input's gradient starts at zero so that
+        // the rows of the others stay zero.
+        let runs = counted_runs(cx.targets);
+        if runs != [(0, rows)] {
+            if cx.grad_scale.is_some() && !existed {
+                cx.grads_in
+                    .first_mut()
+                    .ok_or_else(|| super::missing("the fused loss's input gradient"))?
+                    .accumulate(cx.backend)?;
+                existed = true;
+            }
+            if runs.is_empty() && cx.grad_scale.is_some() && cx.params[0].trains() {
+                // Nothing counts: the weight's gradient still exists, untouched.
+                cx.params[0].grad_mut(cx.backend)?;
+            }
+        }
         // The per-position losses, read as a column so that a chunk's can be added to its
         // rows; the shape is restored at the end, also on error.
         let losses_shape = cx.losses.shape().to_vec();
         let total = cx.losses.numel();
         cx.losses.reshape(&[total, 1])?;
-        let result = (0..rows)
-            .step_by(chunk)
-            .try_for_each(|start| self.chunk(cx, x, start, chunk.min(rows - start), existed));
+        let result = runs.iter().try_for_each(|&(from, to)| {
+            (from..to)
+                .step_by(chunk)
+                .try_for_each(|start| self.chunk(cx, x, start, chunk.min(to - start), existed))
+        });
         cx.losses.reshape(&losses_shape)?;
         result
     }
@@ -201,6 +220,27 @@ impl FusedLoss for LinearCrossEntropy {
         backend.matmul(&mut logits, x, w, None, false, true, false)?;
         Ok(logits)
     }
+}
+
+/// The maximal runs `(from, to)` of positions whose target counts (is not
+/// [`cross_entropy::IGNORE`]), in order: `[(0, n)]` when every one does.
+fn counted_runs(targets: &[u32]) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut start = None;
+    for (i, &t) in targets.iter().enumerate() {
+        match (t != cross_entropy::IGNORE, start) {
+            (true, None) => start = Some(i),
+            (false, Some(from)) => {
+                runs.push((from, i));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(from) = start {
+        runs.push((from, targets.len()));
+    }
+    runs
 }
 
 impl LinearCrossEntropy {
