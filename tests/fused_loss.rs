@@ -32,13 +32,14 @@ fn model(path: LossPath, chunk: Option<usize>) -> Gpt2 {
         .unwrap()
 }
 
-/// Loss and every gradient after one step (SGD, no clipping), and the eval loss after it.
-fn step(
+/// A trainer of [`model`] on `data`: SGD at 0.1, two micro-batches a step.
+fn sgd_trainer(
     path: LossPath,
     chunk: Option<usize>,
     precision: Box<dyn Precision>,
-) -> (f64, Vec<Vec<f32>>, f64) {
-    let mut t = Trainer::builder(model(path, chunk), cpu(), corpus_loader(20_000, 5, 2, 16))
+    data: trainkit::data::DataLoader,
+) -> Trainer<Box<dyn Precision>, NoRecompute, Sgd, Constant, trainkit::PeakTracker> {
+    Trainer::builder(model(path, chunk), cpu(), data)
         .precision(precision)
         .checkpoint(NoRecompute)
         .optimizer(Sgd {
@@ -48,7 +49,16 @@ fn step(
         })
         .accumulation(Constant::new(2))
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// Loss and every gradient after one step (SGD, no clipping), and the eval loss after it.
+fn step(
+    path: LossPath,
+    chunk: Option<usize>,
+    precision: Box<dyn Precision>,
+) -> (f64, Vec<Vec<f32>>, f64) {
+    let mut t = sgd_trainer(path, chunk, precision, corpus_loader(20_000, 5, 2, 16));
     let s = t.step().unwrap();
     let mut val = corpus_loader(4_000, 9, 2, 16);
     let eval = t.evaluate(&mut val, 2).unwrap();
@@ -346,17 +356,7 @@ fn masked_positions_cost_no_work_and_change_nothing() {
             Shard::from_tokens(tokens.clone())
         };
         let data = DataLoader::new(TokenDataset::from_shards(vec![shard]), 2, 16).unwrap();
-        let mut t = Trainer::builder(model(path, chunk), cpu(), data)
-            .precision(Fp32)
-            .checkpoint(NoRecompute)
-            .optimizer(Sgd {
-                lr: 0.1,
-                momentum: 0.0,
-                weight_decay: 0.0,
-            })
-            .accumulation(Constant::new(2))
-            .build()
-            .unwrap();
+        let mut t = sgd_trainer(path, chunk, Box::new(Fp32), data);
         let s = t.step().unwrap();
         (s.loss, grads(&t), s.hardware_flops, s.trained_tokens)
     };

@@ -731,8 +731,8 @@ fn prepare_chat_masks_what_the_assistant_says() {
         assert_eq!(runs, *want, "row {r}");
     }
 
-    let train = |seq: &str| {
-        trainkit(&[
+    let train = |seq: &str, extra: &[&str]| {
+        let mut args = vec![
             "train",
             "--data",
             s(&out),
@@ -756,40 +756,16 @@ fn prepare_chat_masks_what_the_assistant_says() {
             "2",
             "--device",
             "cpu",
-        ])
+        ];
+        args.extend_from_slice(extra);
+        trainkit(&args)
     };
-    let (ok, stdout, err) = train("64");
+    let (ok, stdout, err) = train("64", &[]);
     assert!(ok, "{stdout}\n{err}");
     assert!(stdout.contains("trained)"), "{stdout}");
     // The tokenizer's files go with the model; sample --chat renders its template.
     let saved = dir.path("tuned");
-    let (ok, stdout, err) = trainkit(&[
-        "train",
-        "--data",
-        s(&out),
-        "--tokenizer",
-        s(&model),
-        "--vocab-size",
-        "265",
-        "--n-layer",
-        "1",
-        "--n-head",
-        "1",
-        "--n-embd",
-        "8",
-        "--n-positions",
-        "64",
-        "--seq-len",
-        "64",
-        "--batch-size",
-        "1",
-        "--steps",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        s(&saved),
-    ]);
+    let (ok, stdout, err) = train("64", &["--out", s(&saved)]);
     assert!(ok, "{stdout}\n{err}");
     assert!(saved.join("tokenizer_config.json").is_file());
     let (ok, stdout, err) = trainkit(&[
@@ -811,7 +787,7 @@ fn prepare_chat_masks_what_the_assistant_says() {
     assert!(!stdout.contains("<|im_end|>"), "{stdout}");
     let (ok, _, err) = trainkit(&["sample", "--model", s(&saved), "--device", "cpu"]);
     assert!(!ok && err.contains("--prompt"), "{err}");
-    let (ok, _, err) = train("32");
+    let (ok, _, err) = train("32", &[]);
     assert!(!ok);
     assert!(err.contains("--seq-len 64"), "{err}");
 }

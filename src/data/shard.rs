@@ -149,12 +149,7 @@ impl Shard {
     /// # Panics
     /// If the range is not within the shard.
     pub fn read_flags_into(&self, start: usize, n: usize, out: &mut Vec<u8>) -> bool {
-        assert!(
-            start + n <= self.len,
-            "read past the end of {}",
-            self.name()
-        );
-        let first = self.start + start;
+        let first = self.source_index(start, n);
         match &*self.source {
             Source::Memory {
                 flags: Some(flags), ..
@@ -211,6 +206,19 @@ impl Shard {
         }
     }
 
+    /// The index in the source of this view's token `start`, for a read of `n` tokens.
+    ///
+    /// # Panics
+    /// If the range is not within the shard.
+    fn source_index(&self, start: usize, n: usize) -> usize {
+        assert!(
+            start + n <= self.len,
+            "read past the end of {}",
+            self.name()
+        );
+        self.start + start
+    }
+
     fn source_len(&self) -> usize {
         match &*self.source {
             Source::Mapped { map, format, .. } => {
@@ -238,12 +246,7 @@ impl Shard {
     /// # Panics
     /// If the range is not within the shard.
     pub fn read_into(&self, start: usize, n: usize, out: &mut Vec<u32>) {
-        assert!(
-            start + n <= self.len,
-            "read past the end of {}",
-            self.name()
-        );
-        let first = self.start + start;
+        let first = self.source_index(start, n);
         match &*self.source {
             Source::Memory { tokens, .. } => out.extend_from_slice(&tokens[first..first + n]),
             Source::Mapped { map, format, .. } => {
