@@ -117,19 +117,7 @@ fn check_model(
         .unwrap();
     for step in 1..=2 {
         let s = t.step().unwrap();
-        for c in MemoryCategory::ALL {
-            assert_eq!(
-                s.memory.peak.get(c),
-                predicted.peak.get(c),
-                "step {step} {c} of {what}"
-            );
-        }
-        let total = if step == 1 {
-            predicted.first_step_peak_total(micro_batches)
-        } else {
-            predicted.peak_total
-        };
-        assert_eq!(s.memory.peak_total, total, "step {step} total of {what}");
+        common::step_matches_prediction(&s, &predicted, step, micro_batches, &what);
         let k = micro_batches as u64;
         let a = predicted.activations;
         assert_eq!(s.stash.kept_bytes, k * a.kept_bytes, "kept, {what}");

@@ -259,19 +259,7 @@ fn the_exact_prediction_equals_the_ledger_with_offloading() {
                 .unwrap();
             for step in 1..=2 {
                 let s = tr.step().unwrap();
-                for c in MemoryCategory::ALL {
-                    assert_eq!(
-                        s.memory.peak.get(c),
-                        predicted.peak.get(c),
-                        "step {step} {c}: {what}"
-                    );
-                }
-                let total = if step == 1 {
-                    predicted.first_step_peak_total(1)
-                } else {
-                    predicted.peak_total
-                };
-                assert_eq!(s.memory.peak_total, total, "step {step} total: {what}");
+                common::step_matches_prediction(&s, &predicted, step, 1, &what);
                 assert_eq!(
                     s.stash.offloaded_bytes, predicted.activations.offloaded_bytes,
                     "{what}"

@@ -166,7 +166,6 @@ pub fn prediction_equals_ledger(
     model: &dyn Fn() -> Box<dyn trainkit::Model>,
     policies: &[Box<dyn trainkit::CheckpointPolicy>],
 ) {
-    use trainkit::MemoryCategory;
     for policy in policies {
         let precision = trainkit::MixedBf16 { fp32_grads: false };
         let predicted = trainkit::estimate::predict(
@@ -187,15 +186,44 @@ pub fn prediction_equals_ledger(
             .unwrap();
         for step in 1..=2 {
             let s = t.step().unwrap();
-            for c in MemoryCategory::ALL {
-                assert_eq!(
-                    s.memory.peak.get(c),
-                    predicted.peak.get(c),
-                    "step {step} {c} of {what} {policy:?}"
-                );
-            }
+            categories_match_prediction(&s, &predicted, step, &format!("{what} {policy:?}"));
         }
     }
+}
+
+/// Every category's peak in the ledger of step `step` (1-based) equals `predicted`'s.
+pub fn categories_match_prediction(
+    s: &trainkit::StepStats,
+    predicted: &trainkit::estimate::MemoryPrediction,
+    step: u64,
+    what: &str,
+) {
+    for c in MemoryCategory::ALL {
+        assert_eq!(
+            s.memory.peak.get(c),
+            predicted.peak.get(c),
+            "step {step} {c} of {what}"
+        );
+    }
+}
+
+/// The ledger of step `step` (1-based) of `micro_batches` micro-batches equals
+/// `predicted`: every category's peak, and the total (the first step's without optimizer
+/// state until the update).
+pub fn step_matches_prediction(
+    s: &trainkit::StepStats,
+    predicted: &trainkit::estimate::MemoryPrediction,
+    step: u64,
+    micro_batches: usize,
+    what: &str,
+) {
+    categories_match_prediction(s, predicted, step, what);
+    let total = if step == 1 {
+        predicted.first_step_peak_total(micro_batches)
+    } else {
+        predicted.peak_total
+    };
+    assert_eq!(s.memory.peak_total, total, "step {step} total of {what}");
 }
 
 /// A fresh, empty directory for one test (unique to this test binary's process).
