@@ -66,24 +66,31 @@ __device__ void attention_scores_backward_impl(T* dqkv, const T* dscores, const 
     }
 }
 
-// Row softmax over j <= i (rows of B·H·T, each T wide); 0 above the diagonal.
+// Row softmax over j <= i (rows of B·H·T, each T wide); 0 above the diagonal. With
+// positions (`pos`, u32 [B, T], or null), row i of batch row b runs over its document's
+// keys only, first = i − pos[b, i] ..= i, 0 elsewhere; the masked entries add 0 in the
+// same lanes, so the sums keep the CPU's order.
 // probs[i, j] = exp(s_j − max) · (1 / Σ exp(s − max)), rounded once.
 template <typename T>
-__device__ void softmax_causal_impl(T* probs, const T* scores, i64 rows, i64 t_len) {
+__device__ void softmax_causal_impl(T* probs, const T* scores, i64 rows, i64 t_len,
+                                    i64 n_head, const unsigned* pos) {
     const int lane = lane16();
     TK_FOR_EACH_ROW(row, rows) {
         const i64 base = row * t_len, i = row % t_len;
+        const i64 first = pos ? i - (i64)pos[row / (n_head * t_len) * t_len + i] : 0;
         float m = TK_NEG_INF;
         for (i64 j = lane; j <= i; j += TK_LANES) {
             float v = load(scores, base + j);
-            m = v > m ? v : m;
+            m = (j >= first && v > m) ? v : m;
         }
         const float max = half_max(m);
         float acc = 0.0f;
-        for (i64 j = lane; j <= i; j += TK_LANES) acc += tk_exp(load(scores, base + j) - max);
+        for (i64 j = lane; j <= i; j += TK_LANES) {
+            acc += j >= first ? tk_exp(load(scores, base + j) - max) : 0.0f;
+        }
         const float inv = 1.0f / half_sum(acc);
         for (i64 j = lane; j < t_len; j += TK_LANES) {
-            float p = j <= i ? tk_exp(load(scores, base + j) - max) * inv : 0.0f;
+            float p = (j <= i && j >= first) ? tk_exp(load(scores, base + j) - max) * inv : 0.0f;
             store(probs, base + j, p);
         }
     }
@@ -176,8 +183,9 @@ __device__ void attention_values_backward_dv_impl(T* dqkv, const T* dout, const 
                                           hd, scale);                                       \
     }                                                                                       \
     extern "C" __global__ void softmax_causal_##N(T* probs, const T* scores, i64 rows,      \
-                                                  i64 t_len) {                              \
-        softmax_causal_impl<T>(probs, scores, rows, t_len);                                 \
+                                                  i64 t_len, i64 n_head,                    \
+                                                  const unsigned* pos) {                    \
+        softmax_causal_impl<T>(probs, scores, rows, t_len, n_head, pos);                    \
     }                                                                                       \
     extern "C" __global__ void softmax_causal_backward_##N(                                 \
         T* dscores, const T* dprobs, const T* probs, i64 rows, i64 t_len) {                 \

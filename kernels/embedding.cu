@@ -7,19 +7,22 @@
 // (`TokenBuckets` in src/device/cuda/embedding.rs: the distinct tokens, and for each the
 // rows that hold it, in row order), and one thread owns each (token, column) of dwte: it
 // loads the gradient, adds the rows in row order in f32 and rounds once, which is the
-// CPU's order and rounding. dwpe is the same with position p owning rows p, p + T, ...
+// CPU's order and rounding. dwpe is the same with position p owning rows p, p + T, ...;
+// where rows hold several documents (`pos`: each token's position in its document, u32
+// [B·T]), the host groups the rows by position instead and dwpe takes the dwte kernel.
 
-// out[row, c] = wte[tokens[row], c] + wpe[row % T, c], or wte[tokens[row], c] alone when
-// has_wpe is 0 (no position embeddings; wpe is not read).
+// out[row, c] = wte[tokens[row], c] + wpe[p, c] with p = pos[row] (or row % T with pos
+// null), or wte[tokens[row], c] alone when has_wpe is 0 (no position embeddings; wpe is
+// not read).
 template <typename T>
 __device__ void embedding_impl(T* out, const unsigned* tokens, const T* wte, const T* wpe,
-                               i64 rows, i64 t_len, i64 c, i64 has_wpe) {
+                               i64 rows, i64 t_len, i64 c, i64 has_wpe, const unsigned* pos) {
     TK_FOR_EACH(i, rows * c) {
         i64 row = i / c, col = i % c;
         i64 tok = tokens[row];
-        i64 pos = row % t_len;
+        i64 p = pos ? (i64)pos[row] : row % t_len;
         float v = load(wte, tok * c + col);
-        if (has_wpe) v = v + load(wpe, pos * c + col);
+        if (has_wpe) v = v + load(wpe, p * c + col);
         store(out, i, v);
     }
 }
@@ -60,8 +63,8 @@ __device__ void embedding_backward_wpe_impl(G* dwpe, const T* dout, i64 batch, i
 #define TK_EMBEDDING(T, N)                                                                  \
     extern "C" __global__ void embedding_##N(T* out, const unsigned* tokens, const T* wte,  \
                                              const T* wpe, i64 rows, i64 t_len, i64 c,      \
-                                             i64 has_wpe) {                                 \
-        embedding_impl<T>(out, tokens, wte, wpe, rows, t_len, c, has_wpe);                  \
+                                             i64 has_wpe, const unsigned* pos) {            \
+        embedding_impl<T>(out, tokens, wte, wpe, rows, t_len, c, has_wpe, pos);             \
     }
 TK_DTYPES(TK_EMBEDDING)
 

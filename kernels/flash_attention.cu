@@ -23,6 +23,12 @@
 // kernels' dot products bit for bit. The probabilities and their gradients enter the
 // second products in the dtype of qkv (rounded to bf16 or f16 for the tensor cores).
 //
+// Documents: `pos` (u32 [B, T], or null for one document per row) gives each token its
+// position in its document; query i attends keys i − pos[i] ..= i only. Starts never
+// decrease along a row (trainkit::ops::positions checks it), so the key tiles before a
+// query tile's first row's document are skipped, and a dK/dV block stops at the first
+// query step whose documents all start after its keys.
+//
 // Backward: `flash_attention_backward_delta` computes delta_i = Σ_d dout_i · out_i;
 // `flash_attention_backward_dkv` runs over key tiles (dK and dV summed over the group's
 // query heads and the query tiles at or after the key tile); `flash_attention_backward_dq`
@@ -156,6 +162,12 @@ __device__ __forceinline__ void fa_load(T* dst, int rows, const T* src, i64 stri
     }
 }
 
+// The first key query i (< t_len) of batch row b attends: the start of its document, or 0
+// without positions.
+__device__ __forceinline__ i64 fa_first(const unsigned* pos, i64 b, i64 t_len, i64 i) {
+    return (pos && i < t_len) ? i - (i64)pos[b * t_len + i] : 0;
+}
+
 // The maximum and the sum over the four lanes that share a row of a fragment.
 __device__ __forceinline__ float fa_quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -191,7 +203,7 @@ __device__ __forceinline__ FaBlock fa_block(i64 chunks, i64 tiles, i64 heads) {
 template <typename T>
 __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i64 batch,
                                              i64 t_len, i64 n_head, i64 n_kv, i64 hd,
-                                             float scale) {
+                                             float scale, const unsigned* pos) {
     __shared__ T qs[FA_BQ * FA_SP];
     __shared__ T ks[FA_BK * FA_SP];
     __shared__ T vs[FA_BK * FA_SP];
@@ -208,7 +220,9 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
     const T* kg = qkv + b * t_len * w + (n_head + h / group) * hd;
     const T* vg = kg + n_kv * hd;
     const i64 row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const i64 first[2] = {fa_first(pos, b, t_len, row[0]), fa_first(pos, b, t_len, row[1])};
     const i64 q_end = q0 + FA_BQ < t_len ? q0 + FA_BQ : t_len;
+    const i64 k_begin = fa_first(pos, b, t_len, q0) / FA_BK * FA_BK;
 
     float o[FA_FWD_OC / 8][4];
 #pragma unroll
@@ -217,7 +231,7 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
         for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
     float m[2] = {TK_NEG_INF, TK_NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (i64 k0 = 0; k0 < q_end; k0 += FA_BK) {
+    for (i64 k0 = k_begin; k0 < q_end; k0 += FA_BK) {
         // s = q · kᵀ over the whole head, slice by slice.
         float s[FA_BK / 8][4];
 #pragma unroll
@@ -245,7 +259,8 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
             for (int i = 0; i < 4; ++i) {
                 const i64 j = k0 + n * 8 + 2 * t4 + (i & 1);
                 const float v = scale * s[n][i];
-                s[n][i] = (j <= row[i >> 1] && j < t_len) ? v : TK_NEG_INF;
+                const int r = i >> 1;
+                s[n][i] = (j <= row[r] && j >= first[r] && j < t_len) ? v : TK_NEG_INF;
                 mx[i >> 1] = fmaxf(mx[i >> 1], s[n][i]);
             }
         float alpha[2], rs[2] = {0.0f, 0.0f};
@@ -332,7 +347,7 @@ template <typename T>
 __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const float* lse,
                                                   const float* delta, const T* qkv, i64 batch,
                                                   i64 t_len, i64 n_head, i64 n_kv, i64 hd,
-                                                  float scale) {
+                                                  float scale, const unsigned* pos) {
     __shared__ T ks[FA_BQ * FA_SP];
     __shared__ T vs[FA_BQ * FA_SP];
     __shared__ T qs[FA_BS * FA_SP];
@@ -341,6 +356,7 @@ __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const 
     __shared__ T dsts[FA_BQ * FA_SP];
     __shared__ float lse_s[FA_BS];
     __shared__ float delta_s[FA_BS];
+    __shared__ i64 first_s[FA_BS];
     const i64 w = (n_head + 2 * n_kv) * hd, group = n_head / n_kv, c = n_head * hd;
     const i64 k_tiles = (t_len + FA_BQ - 1) / FA_BQ, chunks = (hd + FA_BWD_OC - 1) / FA_BWD_OC;
     const FaBlock at = fa_block(chunks, k_tiles, n_kv);
@@ -365,6 +381,8 @@ __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const 
         const float* lse_h = lse + (b * n_head + h) * t_len;
         const float* delta_h = delta + (b * n_head + h) * t_len;
         for (i64 q0 = k0; q0 < t_len; q0 += FA_BS) {
+            // These queries' documents, and all later ones, start after this block's keys.
+            if (fa_first(pos, b, t_len, q0) >= k0 + FA_BQ) break;
             float s[FA_BS / 8][4], dp[FA_BS / 8][4];
 #pragma unroll
             for (int n = 0; n < FA_BS / 8; ++n)
@@ -380,6 +398,7 @@ __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const 
                     const i64 q = q0 + threadIdx.x;
                     lse_s[threadIdx.x] = q < t_len ? lse_h[q] : 0.0f;
                     delta_s[threadIdx.x] = q < t_len ? delta_h[q] : 0.0f;
+                    first_s[threadIdx.x] = fa_first(pos, b, t_len, q);
                 }
                 __syncthreads();
                 for (int kk = 0; kk < FA_DS && d0 + kk < hd; kk += 16) {
@@ -398,7 +417,7 @@ __device__ void flash_attention_backward_dkv_impl(T* dqkv, const T* dout, const 
                 for (int i = 0; i < 4; ++i) {
                     const int r = i >> 1, col = n * 8 + 2 * t4 + (i & 1);
                     const i64 q = q0 + col;
-                    const float p = (key[r] <= q && q < t_len)
+                    const float p = (key[r] <= q && key[r] >= first_s[col] && q < t_len)
                                         ? tk_exp(scale * s[n][i] - lse_s[col])
                                         : 0.0f;
                     const int at = (warp * 16 + g + 8 * r) * FA_SP + col;
@@ -451,7 +470,7 @@ template <typename T>
 __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const float* lse,
                                                  const float* delta, const T* qkv, i64 batch,
                                                  i64 t_len, i64 n_head, i64 n_kv, i64 hd,
-                                                 float scale) {
+                                                 float scale, const unsigned* pos) {
     __shared__ T qs[FA_BQ * FA_SP];
     __shared__ T dos[FA_BQ * FA_SP];
     __shared__ T ks[FA_BS * FA_SP];
@@ -478,6 +497,8 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
         delta_r[r] = in ? delta[(b * n_head + h) * t_len + row[r]] : 0.0f;
     }
     const i64 q_end = q0 + FA_BQ < t_len ? q0 + FA_BQ : t_len;
+    const i64 first[2] = {fa_first(pos, b, t_len, row[0]), fa_first(pos, b, t_len, row[1])};
+    const i64 k_begin = fa_first(pos, b, t_len, q0) / FA_BS * FA_BS;
 
     float dq[FA_BWD_OC / 8][4];
 #pragma unroll
@@ -485,7 +506,7 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
 #pragma unroll
         for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
 
-    for (i64 k0 = 0; k0 < q_end; k0 += FA_BS) {
+    for (i64 k0 = k_begin; k0 < q_end; k0 += FA_BS) {
         float s[FA_BS / 8][4], dp[FA_BS / 8][4];
 #pragma unroll
         for (int n = 0; n < FA_BS / 8; ++n)
@@ -514,7 +535,7 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
             for (int i = 0; i < 4; ++i) {
                 const int r = i >> 1, col = n * 8 + 2 * t4 + (i & 1);
                 const i64 j = k0 + col;
-                const float p = (j <= row[r] && row[r] < t_len)
+                const float p = (j <= row[r] && j >= first[r] && row[r] < t_len)
                                     ? tk_exp(scale * s[n][i] - lse_r[r])
                                     : 0.0f;
                 dss[(warp * 16 + g + 8 * r) * FA_SP + col] = fa_narrow<T>(p * (dp[n][i] - delta_r[r]));
@@ -553,8 +574,9 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
 #define TK_FLASH_ATTENTION(T, N)                                                              \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_##N(    \
         T* out, float* lse, const T* qkv, i64 batch, i64 t_len, i64 n_head, i64 n_kv,         \
-        i64 hd, float scale) {                                                                \
-        flash_attention_forward_impl<T>(out, lse, qkv, batch, t_len, n_head, n_kv, hd, scale); \
+        i64 hd, float scale, const unsigned* pos) {                                           \
+        flash_attention_forward_impl<T>(out, lse, qkv, batch, t_len, n_head, n_kv, hd, scale, \
+                                        pos);                                                 \
     }                                                                                         \
     extern "C" __global__ void flash_attention_backward_delta_##N(                            \
         float* delta, const T* dout, const T* out, i64 batch, i64 t_len, i64 n_head, i64 hd) { \
@@ -562,14 +584,16 @@ __device__ void flash_attention_backward_dq_impl(T* dqkv, const T* dout, const f
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dkv_##N( \
         T* dqkv, const T* dout, const float* lse, const float* delta, const T* qkv,           \
-        i64 batch, i64 t_len, i64 n_head, i64 n_kv, i64 hd, float scale) {                    \
+        i64 batch, i64 t_len, i64 n_head, i64 n_kv, i64 hd, float scale,                      \
+        const unsigned* pos) {                                                                \
         flash_attention_backward_dkv_impl<T>(dqkv, dout, lse, delta, qkv, batch, t_len,       \
-                                             n_head, n_kv, hd, scale);                        \
+                                             n_head, n_kv, hd, scale, pos);                   \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_##N( \
         T* dqkv, const T* dout, const float* lse, const float* delta, const T* qkv,           \
-        i64 batch, i64 t_len, i64 n_head, i64 n_kv, i64 hd, float scale) {                    \
+        i64 batch, i64 t_len, i64 n_head, i64 n_kv, i64 hd, float scale,                      \
+        const unsigned* pos) {                                                                \
         flash_attention_backward_dq_impl<T>(dqkv, dout, lse, delta, qkv, batch, t_len,        \
-                                            n_head, n_kv, hd, scale);                         \
+                                            n_head, n_kv, hd, scale, pos);                    \
     }
 TK_DTYPES(TK_FLASH_ATTENTION)

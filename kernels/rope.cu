@@ -2,7 +2,8 @@
 // a fused projection. CPU twin: src/ops/rope/cpu.rs.
 //
 // Layouts (trainkit::device::Heads): x and out are [rows, W], W = (H + 2·KV)·D, rows = B·T
-// with the position of row r being r % T; the first (H + KV)·D columns (queries, then
+// with the position of row r being pos[r] (u32 [B·T], each token's position in its
+// document) or, with pos null, r % T; the first (H + KV)·D columns (queries, then
 // keys) are turned in heads of D, element i with element i + D/2 by the angle
 // pos · inv_freq[i]; the values are copied. `sign` is +1 (forward) or −1 (backward, the
 // transpose). The D/2 f32 frequencies travel with the launch, by value (RopeFreqs, up to
@@ -20,7 +21,7 @@ struct RopeFreqs {
 
 template <typename T>
 __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i64 t_len,
-                          i64 w, i64 rotated, i64 hd, float sign) {
+                          i64 w, i64 rotated, i64 hd, float sign, const unsigned* pos) {
     const i64 half = hd / 2;
     TK_FOR_EACH(idx, rows * w) {
         const i64 col = idx % w, row = idx / w;
@@ -29,7 +30,8 @@ __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i
             continue;
         }
         const i64 head = col - col % hd, e = col % hd, i = e % half;
-        const float angle = (float)(row % t_len) * inv_freq[i];
+        const i64 p = pos ? (i64)pos[row] : row % t_len;
+        const float angle = (float)p * inv_freq[i];
         const float s = sign * sinf(angle), c = cosf(angle);
         const float x1 = load(x, row * w + head + i), x2 = load(x, row * w + head + i + half);
         store(out, idx, e < half ? x1 * c - x2 * s : x2 * c + x1 * s);
@@ -38,7 +40,8 @@ __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i
 
 #define TK_ROPE(T, N)                                                                       \
     extern "C" __global__ void rope_##N(T* out, const T* x, RopeFreqs freq, i64 rows,       \
-                                        i64 t_len, i64 w, i64 rotated, i64 hd, float sign) {\
-        rope_impl<T>(out, x, freq.f, rows, t_len, w, rotated, hd, sign);                    \
+                                        i64 t_len, i64 w, i64 rotated, i64 hd, float sign,  \
+                                        const unsigned* pos) {                              \
+        rope_impl<T>(out, x, freq.f, rows, t_len, w, rotated, hd, sign, pos);               \
     }
 TK_DTYPES(TK_ROPE)

@@ -2274,3 +2274,212 @@ fn lora_steps_match_the_cpu(nf4: bool) {
         }
     }
 }
+
+/// Rows of several documents (`ops::positions`): the fused attention (documents crossing
+/// and filling whole 64-row tiles, so tiles are skipped), the materialized softmax (bit for
+/// bit), rotary and learned position embeddings with their backward, against the CPU.
+#[test]
+fn document_masking_matches_the_cpu() {
+    use trainkit::ops::positions;
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(23);
+    for (name, cuda) in cuda_backends() {
+        // Row 0: documents of 5, 70, 1, 74 tokens; row 1: 150 and one more token.
+        let (b, t) = (2usize, 151usize);
+        let starts = [5usize, 75, 76, t + 150];
+        let pos = positions::from_document_starts(b, t, |k| starts.contains(&k));
+        for (h, kv, hd) in [(2usize, 1usize, 32usize), (1, 1, 16)] {
+            let heads = Heads {
+                n_head: h,
+                n_kv_head: kv,
+                head_dim: hd,
+            };
+            let (c, w) = (heads.q_width(), heads.qkv_width());
+            for dt in DTYPES {
+                let what = format!("documents {heads:?} {dt}");
+                let qkv = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, b * t * w, 1.0),
+                    &[b, t, w],
+                    dt,
+                );
+                let mut o = out(&cpu, &cuda, &[b, t, c], dt);
+                let mut lse = out(&cpu, &cuda, &[b, h, t], DType::F32);
+                for (be, o, lse, qkv) in [
+                    (&cpu as &dyn Backend, &mut o.cpu, &mut lse.cpu, &qkv.cpu),
+                    (
+                        &*cuda as &dyn Backend,
+                        &mut o.cuda,
+                        &mut lse.cuda,
+                        &qkv.cuda,
+                    ),
+                ] {
+                    flash_attention::forward_in_documents(be, o, lse, qkv, heads, Some(&pos))
+                        .unwrap();
+                }
+                compare(&format!("flash out {what}"), name, &cpu, &cuda, &o);
+                let want = cpu.to_f32(&lse.cpu).unwrap();
+                let got = cuda.to_f32(&lse.cuda).unwrap();
+                check(&format!("flash lse {what}"), name, &got, &want, dt);
+                let dout = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, b * t * c, 1.0),
+                    &[b, t, c],
+                    dt,
+                );
+                let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
+                for (be, dqkv, dout, o, lse, qkv) in [
+                    (
+                        &cpu as &dyn Backend,
+                        &mut dqkv.cpu,
+                        &dout.cpu,
+                        &o.cpu,
+                        &lse.cpu,
+                        &qkv.cpu,
+                    ),
+                    (
+                        &*cuda as &dyn Backend,
+                        &mut dqkv.cuda,
+                        &dout.cuda,
+                        &o.cuda,
+                        &lse.cuda,
+                        &qkv.cuda,
+                    ),
+                ] {
+                    flash_attention::backward_in_documents(
+                        be,
+                        dqkv,
+                        dout,
+                        o,
+                        lse,
+                        qkv,
+                        heads,
+                        Some(&pos),
+                    )
+                    .unwrap();
+                }
+                compare(&format!("flash dqkv {what}"), name, &cpu, &cuda, &dqkv);
+
+                // The materialized softmax over each document's keys: bit for bit.
+                let sq = [b, h, t, t];
+                let s = pair(&cpu, &cuda, &randn(&mut rng, b * h * t * t, 2.0), &sq, dt);
+                let mut p = out(&cpu, &cuda, &sq, dt);
+                attention::softmax_in_documents(&cpu, &mut p.cpu, &s.cpu, Some(&pos)).unwrap();
+                attention::softmax_in_documents(&*cuda, &mut p.cuda, &s.cuda, Some(&pos)).unwrap();
+                bitwise(&format!("softmax {what}"), name, &cpu, &cuda, &p);
+
+                // Rotary embeddings by position in the document.
+                let inv: Vec<f32> = (0..hd / 2)
+                    .map(|i| 1.0 / 500f32.powf(2.0 * i as f32 / hd as f32))
+                    .collect();
+                let mut y = out(&cpu, &cuda, &[b, t, w], dt);
+                rope::forward_in_documents(&cpu, &mut y.cpu, &qkv.cpu, &inv, heads, Some(&pos))
+                    .unwrap();
+                rope::forward_in_documents(&*cuda, &mut y.cuda, &qkv.cuda, &inv, heads, Some(&pos))
+                    .unwrap();
+                compare(&format!("rope {what}"), name, &cpu, &cuda, &y);
+                let mut dx = out(&cpu, &cuda, &[b, t, w], dt);
+                rope::backward_in_documents(&cpu, &mut dx.cpu, &qkv.cpu, &inv, heads, Some(&pos))
+                    .unwrap();
+                rope::backward_in_documents(
+                    &*cuda,
+                    &mut dx.cuda,
+                    &qkv.cuda,
+                    &inv,
+                    heads,
+                    Some(&pos),
+                )
+                .unwrap();
+                compare(&format!("rope backward {what}"), name, &cpu, &cuda, &dx);
+            }
+        }
+        // Learned position embeddings by position in the document, and their gradient.
+        let (v, cw) = (11usize, 16usize);
+        for dt in DTYPES {
+            let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
+            let wte = pair(&cpu, &cuda, &randn(&mut rng, v * cw, 1.0), &[v, cw], dt);
+            let wpe = pair(&cpu, &cuda, &randn(&mut rng, t * cw, 1.0), &[t, cw], dt);
+            let mut o = out(&cpu, &cuda, &[b, t, cw], dt);
+            embedding::forward_in_documents(
+                &cpu,
+                &mut o.cpu,
+                &tokens,
+                &wte.cpu,
+                Some(&wpe.cpu),
+                Some(&pos),
+            )
+            .unwrap();
+            embedding::forward_in_documents(
+                &*cuda,
+                &mut o.cuda,
+                &tokens,
+                &wte.cuda,
+                Some(&wpe.cuda),
+                Some(&pos),
+            )
+            .unwrap();
+            bitwise(
+                &format!("embedding in documents {dt}"),
+                name,
+                &cpu,
+                &cuda,
+                &o,
+            );
+            let dout = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, b * t * cw, 1.0),
+                &[b, t, cw],
+                dt,
+            );
+            let mut dwte = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, v * cw, 1.0),
+                &[v, cw],
+                DType::F32,
+            );
+            let mut dwpe = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, t * cw, 1.0),
+                &[t, cw],
+                DType::F32,
+            );
+            embedding::backward_in_documents(
+                &cpu,
+                &mut dwte.cpu,
+                Some(&mut dwpe.cpu),
+                &dout.cpu,
+                &tokens,
+                Some(&pos),
+            )
+            .unwrap();
+            embedding::backward_in_documents(
+                &*cuda,
+                &mut dwte.cuda,
+                Some(&mut dwpe.cuda),
+                &dout.cuda,
+                &tokens,
+                Some(&pos),
+            )
+            .unwrap();
+            bitwise(
+                &format!("embedding dwpe in documents {dt}"),
+                name,
+                &cpu,
+                &cuda,
+                &dwpe,
+            );
+            bitwise(
+                &format!("embedding dwte in documents {dt}"),
+                name,
+                &cpu,
+                &cuda,
+                &dwte,
+            );
+        }
+    }
+}

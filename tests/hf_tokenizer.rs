@@ -571,6 +571,8 @@ fn configs_take_a_tokenizer_path() {
         tokenizer: kind,
         val_fraction: 0.1,
         shuffle: false,
+        document_mask: false,
+        separator_id: None,
     };
     let err = data.load(8, 1 << 20).unwrap_err().to_string();
     assert!(

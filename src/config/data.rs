@@ -31,6 +31,15 @@ pub enum DataConfig {
         /// Visit the batches in a seeded random order (the run's seed), new every epoch.
         #[serde(default)]
         shuffle: bool,
+        /// Mask documents: each ends at the separator token (`separator_id`, else the
+        /// tokenizer's end-of-text token), attention stays within it, positions restart
+        /// at 0 after it, and the position holding the separator predicts nothing.
+        #[serde(default)]
+        document_mask: bool,
+        /// The token that ends a document, for `document_mask` (default: the tokenizer's
+        /// end-of-text token, e.g. GPT-2's 50256).
+        #[serde(default)]
+        separator_id: Option<u32>,
     },
     /// llm.c token files (`trainkit prepare` writes them), memory-mapped.
     Tokens {
@@ -51,6 +60,15 @@ pub enum DataConfig {
         /// epoch.
         #[serde(default)]
         shuffle: bool,
+        /// Mask documents: each ends at the separator token (`separator_id`, else the
+        /// tokenizer's end-of-text token), attention stays within it, positions restart
+        /// at 0 after it, and the position holding the separator predicts nothing.
+        #[serde(default)]
+        document_mask: bool,
+        /// The token that ends a document, for `document_mask` (default: the tokenizer's
+        /// end-of-text token, e.g. GPT-2's 50256).
+        #[serde(default)]
+        separator_id: Option<u32>,
     },
 }
 
@@ -88,6 +106,9 @@ pub struct Corpus {
     pub entropy_floor: Option<f64>,
     /// The tokenizer behind the ids.
     pub tokenizer: TokenizerKind,
+    /// The token that ends a document, where documents are masked
+    /// ([`crate::data::DataLoader::separated_by`]).
+    pub separator: Option<u32>,
     /// Where the tokens came from, for messages.
     pub description: String,
 }
@@ -103,6 +124,8 @@ impl DataConfig {
                 val: None,
                 tokenizer: tokenizer.unwrap_or(TokenizerKind::Gpt2),
                 shuffle: false,
+                document_mask: false,
+                separator_id: None,
             }
         } else {
             DataConfig::Text {
@@ -110,6 +133,45 @@ impl DataConfig {
                 tokenizer: tokenizer.unwrap_or(TokenizerKind::Bytes),
                 val_fraction: default_val_fraction(),
                 shuffle: false,
+                document_mask: false,
+                separator_id: None,
+            }
+        }
+    }
+
+    /// The token that ends a document where documents are masked (`document_mask`):
+    /// `separator_id`, else the tokenizer's end-of-text token; `None` without masking.
+    /// Fails when masking is asked for with neither.
+    pub fn separator(&self) -> Result<Option<u32>> {
+        match self {
+            DataConfig::Builtin { .. } => Ok(None),
+            DataConfig::Text {
+                document_mask,
+                separator_id,
+                tokenizer,
+                ..
+            }
+            | DataConfig::Tokens {
+                document_mask,
+                separator_id,
+                tokenizer,
+                ..
+            } => {
+                if !document_mask {
+                    return Ok(None);
+                }
+                if let Some(id) = separator_id {
+                    return Ok(Some(*id));
+                }
+                match tokenizer.build()?.end_of_text() {
+                    Some(id) => Ok(Some(id)),
+                    None => Err(Error::config(
+                        "data.separator_id",
+                        format!(
+                            "document masking needs the token that ends a document, and the                              {tokenizer} tokenizer has no end-of-text token; give it with                              --separator-id N"
+                        ),
+                    )),
+                }
             }
         }
     }
@@ -200,6 +262,7 @@ impl DataConfig {
                     shuffle: false,
                     entropy_floor: Some(c.entropy_per_byte()),
                     tokenizer: TokenizerKind::Bytes,
+                    separator: None,
                     description: "the built-in corpus".into(),
                 }
             }
@@ -208,6 +271,7 @@ impl DataConfig {
                 tokenizer,
                 val_fraction,
                 shuffle,
+                ..
             } => {
                 let tok = tokenizer.build()?;
                 check_vocab(tokenizer, tok.vocab_size(), vocab_size)?;
@@ -223,6 +287,7 @@ impl DataConfig {
                     shuffle: *shuffle,
                     entropy_floor: None,
                     tokenizer: tokenizer.clone(),
+                    separator: self.separator()?,
                     description: format!("{} ({tokenizer} tokens)", path.display()),
                 }
             }
@@ -231,6 +296,7 @@ impl DataConfig {
                 val,
                 tokenizer,
                 shuffle,
+                ..
             } => {
                 let train_data = TokenDataset::open(train)?;
                 let val_data = match val {
@@ -265,6 +331,7 @@ impl DataConfig {
                     shuffle: *shuffle,
                     entropy_floor: None,
                     tokenizer: tokenizer.clone(),
+                    separator: self.separator()?,
                     description,
                 }
             }

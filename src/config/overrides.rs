@@ -22,6 +22,10 @@ pub struct Overrides {
     pub val_data: Option<PathBuf>,
     /// Shuffle the training batches (`Some(true)`), or not.
     pub shuffle: Option<bool>,
+    /// `data.document_mask`.
+    pub document_mask: Option<bool>,
+    /// `data.separator_id` (and `data.document_mask` on).
+    pub separator_id: Option<u32>,
     /// Tokenizer for text data (and the one token files were made with).
     pub tokenizer: Option<TokenizerKind>,
     /// Model directory to start from.
@@ -332,6 +336,31 @@ impl Overrides {
                     return Err(Error::config(
                         "--shuffle",
                         "applies to --data files; the built-in corpus is generated in order",
+                    ))
+                }
+            }
+        }
+        if self.document_mask.is_some() || self.separator_id.is_some() {
+            match &mut cfg.data {
+                DataConfig::Tokens {
+                    document_mask,
+                    separator_id,
+                    ..
+                }
+                | DataConfig::Text {
+                    document_mask,
+                    separator_id,
+                    ..
+                } => {
+                    *document_mask = self.document_mask.unwrap_or(true);
+                    if self.separator_id.is_some() {
+                        *separator_id = self.separator_id;
+                    }
+                }
+                DataConfig::Builtin { .. } => {
+                    return Err(Error::config(
+                        "--document-mask",
+                        "applies to --data files; the built-in corpus is one document",
                     ))
                 }
             }

@@ -1,10 +1,11 @@
 //! Batching with llm.c's semantics, across shards, optionally shuffled.
 
-use super::token_flags::TRAINED;
+use super::token_flags::{DOCUMENT_START, TRAINED};
 use super::{TokenDataset, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Batch;
 use crate::ops::cross_entropy::IGNORE;
+use crate::ops::positions;
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -35,6 +36,14 @@ pub struct DataCursor {
 /// With [`DataLoader::shuffled`], every epoch visits the shards in a new order and each
 /// shard's windows in a new order, both drawn from the seed and the epoch (and the shard),
 /// so the [`DataCursor`] alone says where a run stands.
+///
+/// Documents. Where a row holds several documents, attention stays within each and
+/// positions restart at 0 at each ([`Batch::positions`]), and no position is trained to
+/// predict across a boundary: the target of the position before a document's first token
+/// is left out of the loss. Documents start where the token flags say so
+/// ([`DOCUMENT_START`]: packed examples) and, with [`DataLoader::separated_by`], after each
+/// separator token of a stream: the separator belongs to the document it ends, and the
+/// position holding it predicts nothing.
 #[derive(Clone, Debug)]
 pub struct DataLoader {
     data: TokenDataset,
@@ -50,6 +59,8 @@ pub struct DataLoader {
     window_order: Option<Vec<u32>>,
     /// The (epoch, shard) that `window_order` belongs to.
     window_order_of: Option<(u64, usize)>,
+    /// The token that ends a document in a stream ([`DataLoader::separated_by`]).
+    separator: Option<u32>,
 }
 
 impl DataLoader {
@@ -124,7 +135,20 @@ impl DataLoader {
             order,
             window_order: None,
             window_order_of: None,
+            separator: None,
         })
+    }
+
+    /// Masks documents at `separator` (`None`: only where the token flags mark them): each
+    /// document ends with a separator token, which belongs to it; the next starts after it.
+    pub fn separated_by(mut self, separator: Option<u32>) -> Self {
+        self.separator = separator;
+        self
+    }
+
+    /// The token that ends a document, with [`DataLoader::separated_by`].
+    pub fn separator(&self) -> Option<u32> {
+        self.separator
     }
 
     /// Shuffles with `seed` (or stops shuffling, with `None`): every epoch, the shard
@@ -273,7 +297,8 @@ impl DataLoader {
         source.read_into(window * span, span + 1, &mut tokens);
         let mut targets = tokens[1..].to_vec();
         let mut flags = Vec::new();
-        if source.read_flags_into(window * span, span + 1, &mut flags) {
+        let has_flags = source.read_flags_into(window * span, span + 1, &mut flags);
+        if has_flags {
             // A target whose token is not trained leaves its position out of the loss.
             for (t, f) in targets.iter_mut().zip(&flags[1..]) {
                 if f & TRAINED == 0 {
@@ -281,12 +306,26 @@ impl DataLoader {
                 }
             }
         }
+        // Token k starts a document (per its flags, or after a separator).
+        let starts = |k: usize| {
+            (has_flags && flags[k] & DOCUMENT_START != 0)
+                || (k > 0 && Some(tokens[k - 1]) == self.separator)
+        };
+        // No position predicts the first token of the next document.
+        for (k, t) in targets.iter_mut().enumerate() {
+            if starts(k + 1) {
+                *t = IGNORE;
+            }
+        }
+        let positions = positions::from_document_starts(self.batch_size, self.seq_len, starts);
+        let positions = positions::has_documents(&positions, self.seq_len).then_some(positions);
         self.cursor.window += 1;
         Batch {
             batch_size: self.batch_size,
             seq_len: self.seq_len,
             inputs: tokens[..span].to_vec(),
             targets,
+            positions,
         }
     }
 

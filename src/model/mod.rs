@@ -76,6 +76,11 @@ pub struct Batch {
     pub inputs: Vec<u32>,
     /// Target ids (inputs shifted by one), same layout.
     pub targets: Vec<u32>,
+    /// Each token's position in its document, same layout, where rows hold several
+    /// documents (packed examples, a stream cut at its separators): attention stays within
+    /// a document and positions restart at 0 at each one (see [`crate::ops::positions`]).
+    /// `None`: one document per row, positions `0..T`.
+    pub positions: Option<Vec<u32>>,
 }
 
 impl Batch {
@@ -121,6 +126,9 @@ impl Batch {
                     self.targets.len()
                 ),
             ));
+        }
+        if let Some(p) = &self.positions {
+            crate::ops::positions::check("batch", p, b, t)?;
         }
         Ok(())
     }

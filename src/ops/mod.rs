@@ -20,6 +20,7 @@ pub mod linear;
 mod linear_cross_entropy;
 pub mod lora;
 pub mod nf4;
+pub mod positions;
 pub mod qk_norm;
 pub mod rmsnorm;
 pub mod rope;
@@ -163,6 +164,9 @@ pub struct ForwardCx<'a> {
     pub weights: Vec<&'a Tensor>,
     /// The batch's token ids (read by embeddings).
     pub tokens: &'a [u32],
+    /// Each token's position in its document (`[B·T]`, see [`positions`]; `None`: one
+    /// document per row), read by attention and position embeddings.
+    pub positions: Option<&'a [u32]>,
     /// Outputs asked for.
     pub wanted: Vec<bool>,
     /// Outputs that already exist (during recomputation), which the op may read.
@@ -313,6 +317,8 @@ pub struct BackwardCx<'a> {
     pub params: Vec<&'a mut Param>,
     /// The batch's token ids (read by embeddings).
     pub tokens: &'a [u32],
+    /// Each token's position in its document, as [`ForwardCx::positions`].
+    pub positions: Option<&'a [u32]>,
     /// The gradient of each output (`None`: nothing flows back through it).
     pub grads_out: Vec<Option<Tensor>>,
     /// The ledger label of each output's gradient, e.g. `h.3.d_fc_out`, for a buffer

@@ -33,6 +33,7 @@ pub(super) fn check(
         seq_len: t,
         inputs: vec![0; b * t],
         targets: vec![0; b * t],
+        positions: None,
     };
     let mut losses = meta.zeros(
         &[b * t],

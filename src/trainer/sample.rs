@@ -43,6 +43,7 @@ where
             seq_len: tokens.len(),
             inputs: tokens.to_vec(),
             targets: tokens.to_vec(),
+            positions: None,
         };
         let mut pass = Pass {
             backend: self.backend.as_ref(),

@@ -29,6 +29,14 @@ pub struct EvalArgs {
     /// vocabulary, else bytes).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
+    /// Mask documents as `train --document-mask` does: each ends at the tokenizer's
+    /// end-of-text token (or --separator-id), attends only within itself, and the position
+    /// holding the separator is left out of the loss.
+    #[arg(long)]
+    document_mask: bool,
+    /// The token that ends a document (implies --document-mask).
+    #[arg(long, value_name = "ID")]
+    separator_id: Option<u32>,
     /// Rows per batch.
     #[arg(long, default_value_t = 4)]
     batch_size: usize,
@@ -75,10 +83,25 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .clone()
         .or_else(|| model_dir_tokenizer(&args.model))
         .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size()));
-    let source = DataConfig::from_path(&args.data, Some(tokenizer));
+    let mut source = DataConfig::from_path(&args.data, Some(tokenizer));
+    if let DataConfig::Tokens {
+        document_mask,
+        separator_id,
+        ..
+    }
+    | DataConfig::Text {
+        document_mask,
+        separator_id,
+        ..
+    } = &mut source
+    {
+        *document_mask = args.document_mask || args.separator_id.is_some();
+        *separator_id = args.separator_id;
+    }
     let tokens = source.train_dataset()?;
     tokens.check_ids(dir.config.vocab_size())?;
-    let mut data = DataLoader::new(tokens, args.batch_size, args.seq_len)?;
+    let mut data =
+        DataLoader::new(tokens, args.batch_size, args.seq_len)?.separated_by(source.separator()?);
     let mut trainer = crate::trainer_for(
         &dir,
         args.adapter.as_deref(),

@@ -43,6 +43,15 @@ pub struct PrepareArgs {
     /// instead of stopping at the first.
     #[arg(long, requires = "chat")]
     skip_bad_rows: bool,
+    /// With --chat: pack whole conversations greedily into each row while the next fits
+    /// (torchtune's packed=True); each attends only to itself and its positions start at
+    /// 0, so it trains as it would alone, with far less padding.
+    #[arg(long, requires = "chat")]
+    pack: bool,
+    /// With --chat: shuffle the train conversations with this seed before laying them out
+    /// (default: file order; the val ones stay in file order).
+    #[arg(long, value_name = "SEED", requires = "chat")]
+    shuffle_seed: Option<u64>,
     /// The train token file to write (e.g. data/shakespeare.bin; the val file becomes
     /// data/shakespeare_val.bin); with --shard-tokens, the name shards are numbered from.
     #[arg(long)]
@@ -196,12 +205,20 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
         overflow: args.overflow,
         val_fraction: args.val_fraction,
         skip_bad_rows: args.skip_bad_rows,
+        pack: args.pack,
+        shuffle_seed: args.shuffle_seed,
     })?;
     println!("template: {}", r.template);
     println!(
-        "{} conversations in {} train and {} val rows of {seq_len} tokens; {} trained \
-         positions in the train rows",
-        r.examples, r.train_rows, r.val_rows, r.trained_tokens
+        "{} conversations {} {} train and {} val rows of {seq_len} tokens; {} trained \
+         positions in the train rows, {} padding tokens ({:.1}%)",
+        r.examples,
+        if args.pack { "packed into" } else { "in" },
+        r.train_rows,
+        r.val_rows,
+        r.trained_tokens,
+        r.pad_tokens,
+        100.0 * r.pad_tokens as f64 / (r.train_rows * seq_len).max(1) as f64
     );
     if r.too_long > 0 {
         let what = match args.overflow {

@@ -35,6 +35,16 @@ pub struct TrainArgs {
     /// Visit shards and batches in a random order drawn from --seed, new every epoch.
     #[arg(long)]
     shuffle: bool,
+    /// Mask documents in the stream: each ends at the tokenizer's end-of-text token (or
+    /// --separator-id), attends only within itself, restarts its positions at 0, and the
+    /// position holding the separator predicts nothing. Packed data (prepare --chat
+    /// --pack) is masked by its own boundaries without this flag.
+    #[arg(long)]
+    document_mask: bool,
+    /// The token that ends a document, for --document-mask on a bare token file (implies
+    /// --document-mask).
+    #[arg(long, value_name = "ID")]
+    separator_id: Option<u32>,
     /// Tokenizer of the data: gpt2, bytes, or a Hugging Face tokenizer.json (or a model
     /// directory that holds one), copied into --out with its tokenizer_config.json and
     /// chat_template.jinja (default: --init-from's tokenizer.json when it has one, else
@@ -236,6 +246,8 @@ impl TrainArgs {
             data: self.data.clone(),
             val_data: self.val_data.clone(),
             shuffle: self.shuffle.then_some(true),
+            document_mask: self.document_mask.then_some(true),
+            separator_id: self.separator_id,
             tokenizer: self.tokenizer.clone(),
             init_from: self.init_from.clone(),
             out: self.out.clone(),
@@ -555,8 +567,9 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size())?;
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
-        .shuffled(corpus.shuffle.then_some(t.seed));
-    let val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?;
+        .shuffled(corpus.shuffle.then_some(t.seed))
+        .separated_by(corpus.separator);
+    let val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?.separated_by(corpus.separator);
     let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", corpus.description);

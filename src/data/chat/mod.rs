@@ -1,9 +1,10 @@
 //! Chat and instruction data for fine-tuning: `prepare --chat` reads conversations
 //! (`messages`, Alpaca or ShareGPT JSON lines, [`conversation`]), renders each with the
-//! model's chat template ([`template`]), tokenizes it and writes one row of `seq_len`
-//! tokens per example (longer ones truncated, dropped or split, shorter ones padded),
-//! with a loss mask beside the tokens ([`crate::data::token_flags`]): by default only what
-//! the assistant says is trained.
+//! model's chat template ([`template`]), tokenizes it and writes rows of `seq_len` tokens
+//! (longer examples truncated, dropped or split), one example per row padded to the end or,
+//! with packing, as many whole examples as fit, with a loss mask and the documents'
+//! starts beside the tokens ([`crate::data::token_flags`]): by default only what the
+//! assistant says is trained, and a packed example attends only to itself.
 
 pub mod conversation;
 pub mod template;
@@ -63,6 +64,12 @@ pub struct ChatOptions {
     pub val_fraction: f64,
     /// Skip (and count) rows that are not a conversation instead of failing on the first.
     pub skip_bad_rows: bool,
+    /// Pack whole examples greedily into rows (each starting a document) instead of one
+    /// per row.
+    pub pack: bool,
+    /// Shuffle the train examples with this seed before laying them out (`None`: file
+    /// order).
+    pub shuffle_seed: Option<u64>,
 }
 
 /// What [`prepare_chat`] wrote.
@@ -84,16 +91,21 @@ pub struct ChatReport {
     pub val_rows: usize,
     /// Trained positions in the train file.
     pub trained_tokens: usize,
+    /// Padding tokens in the train rows (what packing saves).
+    pub pad_tokens: usize,
     /// The files written: train tokens, then val tokens (each with its `.mask`).
     pub files: Vec<PathBuf>,
     /// Where the template came from.
     pub template: String,
 }
 
-/// One example as tokens and their flags.
+/// One example (or one row) as tokens and their flags.
+#[derive(Clone, Debug, Default)]
 struct Example {
     tokens: Vec<u32>,
     flags: Vec<u8>,
+    /// Tokens before the padding.
+    used: usize,
 }
 
 /// Tokens of a rendered conversation, each with the segment it starts in.
@@ -145,9 +157,12 @@ impl Encoder {
 /// to [`val_path_for`]`(out)` and its `.mask`.
 ///
 /// Each example fills one row (a longer one is cut per `overflow`), padded with the
-/// tokenizer's end-of-text token (untrained); a row's last position predicts the next
-/// row's first token, which trains only when `split` continues the same example there. The
-/// mask files record the row length, and `train` refuses another `--seq-len`.
+/// tokenizer's end-of-text token (untrained); with `pack`, whole examples follow each other
+/// in a row while the next fits, each flagged as a document start (attention stays within
+/// it; positions restart), and the rest of the row is padding (a document of its own). A
+/// row's last position predicts the next row's first token, which trains only when `split`
+/// continues the same example there. The mask files record the row length, and `train`
+/// refuses another `--seq-len`.
 ///
 /// Fails, naming the file and line, on a row that is not a conversation (unless
 /// `skip_bad_rows`), when no template is found, when a template fails on a conversation,
@@ -170,8 +185,8 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
         template: template.source().to_string(),
         ..ChatReport::default()
     };
-    let mut rows: Vec<Example> = Vec::new();
-    let mut examples_rows: Vec<usize> = Vec::new();
+    // Each example as the pieces of at most `t` tokens its overflow leaves.
+    let mut examples: Vec<Vec<Example>> = Vec::new();
     for path in input_files(&options.inputs)? {
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         for (n, line) in text.lines().enumerate() {
@@ -195,14 +210,12 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
             };
             let example = encode(&template, &encoder, &messages, options.mask)
                 .map_err(|e| Error::data(at(), e))?;
-            let before = rows.len();
-            place(example, t, pad, options.overflow, &mut rows, &mut report);
-            if rows.len() > before {
-                report.examples += 1;
-                examples_rows.push(rows.len() - before);
+            if let Some(pieces) = cut(example, t, options.overflow, &mut report) {
+                examples.push(pieces);
             }
         }
     }
+    report.examples = examples.len();
     if report.examples == 0 {
         return Err(Error::data(
             "--chat",
@@ -221,16 +234,20 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
             ),
         ));
     }
-    let val_rows: usize = examples_rows[report.examples - val_examples..].iter().sum();
-    let train_rows = rows.len() - val_rows;
-    let val = rows.split_off(train_rows);
-    report.train_rows = train_rows;
-    report.val_rows = val_rows;
+    let val_part = examples.split_off(report.examples - val_examples);
+    if let Some(seed) = options.shuffle_seed {
+        shuffle(&mut examples, seed);
+    }
+    let rows = lay_out(examples, t, pad, options.pack);
+    let val = lay_out(val_part, t, pad, options.pack);
+    report.train_rows = rows.len();
+    report.val_rows = val.len();
     report.trained_tokens = rows
         .iter()
         .flat_map(|r| &r.flags)
         .filter(|&&f| f & TRAINED != 0)
         .count();
+    report.pad_tokens = rows.iter().map(|r| r.tokens.len() - r.used).sum();
     let format = TokenFormat::for_vocab(options.tokenizer.vocab_size()?);
     let mut outputs = vec![(options.out.clone(), rows)];
     if !val.is_empty() {
@@ -397,18 +414,21 @@ fn encode(
         .map(|&i| if trains(&segments[i]) { TRAINED } else { 0 })
         .collect();
     flags[0] = DOCUMENT_START;
-    Ok(Example { tokens, flags })
+    Ok(Example {
+        used: tokens.len(),
+        tokens,
+        flags,
+    })
 }
 
-/// Places `example` in rows of `t` tokens, per `overflow`, padding the last with `pad`.
-fn place(
+/// `example` as pieces of at most `t` tokens per `overflow` (one piece unless split), or
+/// `None` when dropped; counted in `report`.
+fn cut(
     mut example: Example,
     t: usize,
-    pad: u32,
     overflow: Overflow,
-    rows: &mut Vec<Example>,
     report: &mut ChatReport,
-) {
+) -> Option<Vec<Example>> {
     if example.tokens.len() > t {
         report.too_long += 1;
         match overflow {
@@ -418,18 +438,64 @@ fn place(
             }
             Overflow::Drop => {
                 report.dropped += 1;
-                return;
+                return None;
             }
             Overflow::Split => report.split += 1,
         }
     }
-    for start in (0..example.tokens.len()).step_by(t) {
-        let end = (start + t).min(example.tokens.len());
-        let mut tokens = example.tokens[start..end].to_vec();
-        let mut flags = example.flags[start..end].to_vec();
-        tokens.resize(t, pad);
-        flags.resize(t, 0);
-        rows.push(Example { tokens, flags });
+    let n = example.tokens.len();
+    Some(
+        (0..n)
+            .step_by(t)
+            .map(|start| {
+                let end = (start + t).min(n);
+                Example {
+                    tokens: example.tokens[start..end].to_vec(),
+                    flags: example.flags[start..end].to_vec(),
+                    used: end - start,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// Rows of `t` tokens from the examples' pieces, in order: one piece per row or, with
+/// `pack`, each piece appended to the current row while it fits (greedily, in order) and a
+/// new row started when it does not. The rest of a row is `pad` (untrained; with `pack`
+/// its first token starts a document, so no example attends to the padding and the padding
+/// to no example).
+fn lay_out(examples: Vec<Vec<Example>>, t: usize, pad: u32, pack: bool) -> Vec<Example> {
+    let mut rows: Vec<Example> = Vec::new();
+    let mut row = Example::default();
+    let finish = |mut row: Example, rows: &mut Vec<Example>| {
+        if row.tokens.is_empty() {
+            return;
+        }
+        let used = row.tokens.len();
+        row.tokens.resize(t, pad);
+        row.flags.resize(t, 0);
+        if pack && used < t {
+            row.flags[used] = DOCUMENT_START;
+        }
+        row.used = used;
+        rows.push(row);
+    };
+    for piece in examples.into_iter().flatten() {
+        if !pack || row.tokens.len() + piece.tokens.len() > t {
+            finish(std::mem::take(&mut row), &mut rows);
+        }
+        row.tokens.extend(piece.tokens);
+        row.flags.extend(piece.flags);
+    }
+    finish(row, &mut rows);
+    rows
+}
+
+/// Shuffles `items` with a Fisher–Yates permutation drawn from `seed`.
+fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut rng = crate::rng::Rng::new(seed);
+    for i in (1..items.len()).rev() {
+        items.swap(i, rng.below(i + 1));
     }
 }
 
@@ -463,6 +529,8 @@ mod tests {
             overflow,
             val_fraction: 0.0,
             skip_bad_rows: false,
+            pack: false,
+            shuffle_seed: None,
         });
         let result = report.map(|r| {
             let tokens = read_token_file(&out).unwrap();

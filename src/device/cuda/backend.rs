@@ -68,8 +68,9 @@ pub struct CudaBackend {
     /// Set by [`CudaOptions::bias_grad_epilogue`]; cleared when cuBLASLt fails a product
     /// with a bias-gradient epilogue: the weight and bias gradients then run as two ops.
     pub(super) bias_grad_epilogue: AtomicBool,
-    /// The values [`CudaBackend::kept_u32`] keeps on the device, with their host copy.
-    kept: Mutex<Option<(Vec<u32>, Tensor)>>,
+    /// The values [`CudaBackend::kept_u32`] keeps on the device, with their host copy:
+    /// one list per label.
+    kept: Mutex<Vec<(Vec<u32>, Tensor)>>,
 }
 
 /// How the figures of an out-of-memory error begin ([`CudaBackend::explain`] adds them
@@ -130,7 +131,7 @@ impl CudaBackend {
             gemm_workspace: Mutex::new(None),
             gelu_epilogue: AtomicBool::new(true),
             bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
-            kept: Mutex::new(None),
+            kept: Mutex::new(Vec::new()),
         }
     }
 
@@ -257,22 +258,29 @@ impl CudaBackend {
         Ok(t)
     }
 
-    /// `values` on the device, uploaded once while the calls ask for the same values (the
-    /// targets of one loss, read chunk by chunk): the address of a workspace tensor the
-    /// backend keeps until it is asked for other values. One list is kept at a time.
+    /// `values` on the device, uploaded once while the calls ask for the same values under
+    /// the same label (the targets of one loss, read chunk by chunk; a batch's positions,
+    /// read by every layer): the address of a workspace tensor the backend keeps until it
+    /// is asked for other values under that label. One list is kept per label.
     pub(crate) fn kept_u32(&self, values: &[u32], label: &str) -> Result<DevicePtr> {
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((host, t)) = kept.as_ref() {
-            if host.as_slice() == values && t.label() == label {
+        if let Some((host, t)) = kept.iter().find(|(_, t)| t.label() == label) {
+            if host.as_slice() == values {
                 return ptr(t);
             }
         }
         // The old list is freed (stream-ordered, after the kernels that read it) first.
-        *kept = None;
+        kept.retain(|(_, t)| t.label() != label);
         let t = self.upload_u32(values, label)?;
         let p = ptr(&t)?;
-        *kept = Some((values.to_vec(), t));
+        kept.push((values.to_vec(), t));
         Ok(p)
+    }
+
+    /// The device address of a batch's `positions` ([`CudaBackend::kept_u32`], so every
+    /// layer reads one upload), or 0 (a null pointer: the kernels' plain layout) without.
+    pub(crate) fn positions_ptr(&self, positions: Option<&[u32]>) -> Result<DevicePtr> {
+        positions.map_or(Ok(0), |p| self.kept_u32(p, "batch.positions"))
     }
 
     /// `t` as `dtype`: `t` itself, or a cast copy in the workspace.

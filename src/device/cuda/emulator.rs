@@ -1293,18 +1293,31 @@ extern "C" __global__ void traps(int* out) {
         let shape = [b, h, t, t];
         let scores = random(b * h * t * t, 2.0, 11);
         let x = upload(&be, &scores, &shape, DType::F32);
-        let mut probs = zeros(&be, &shape, DType::F32);
-        attention::softmax(&be, &mut probs, &x).unwrap();
-        let want = be.to_f32(&probs).unwrap();
-        let mut s = scores.clone();
-        let mut p = vec![f32::NAN; s.len()];
-        let a = Args::new()
-            .ptr(&mut p)
-            .ptr(&mut s)
-            .arg((b * h * t) as i64)
-            .arg(t as i64);
-        launch(emu, "softmax_causal_f32", 4, 128, 0, a).unwrap();
-        assert_bitwise("softmax_causal_f32", &p, &want);
+        // One document per row, and rows of several documents (the second row's starting
+        // past a half-warp).
+        let starts = [3, 20, 21, t + 19];
+        let mut documents =
+            crate::ops::positions::from_document_starts(b, t, |k| starts.contains(&k));
+        for positions in [None, Some(&mut documents)] {
+            let mut probs = zeros(&be, &shape, DType::F32);
+            let pos = positions.as_deref().map(|p| &p[..]);
+            attention::softmax_in_documents(&be, &mut probs, &x, pos).unwrap();
+            let want = be.to_f32(&probs).unwrap();
+            let mut s = scores.clone();
+            let mut p = vec![f32::NAN; s.len()];
+            let a = Args::new()
+                .ptr(&mut p)
+                .ptr(&mut s)
+                .arg((b * h * t) as i64)
+                .arg(t as i64)
+                .arg(h as i64);
+            let a = match positions {
+                Some(d) => a.ptr(d),
+                None => a.arg(std::ptr::null_mut::<u32>()),
+            };
+            launch(emu, "softmax_causal_f32", 4, 128, 0, a).unwrap();
+            assert_bitwise("softmax_causal_f32", &p, &want);
+        }
     }
 
     /// A device buffer of any float dtype, as the kernels see it.
@@ -1494,7 +1507,8 @@ extern "C" __global__ void traps(int* out) {
                     .arg((b * t) as i64)
                     .arg(t as i64)
                     .arg(c as i64)
-                    .arg(with_wpe as i64);
+                    .arg(with_wpe as i64)
+                    .arg(std::ptr::null_mut::<u32>());
                 launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
                 assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
             }
@@ -1610,7 +1624,9 @@ extern "C" __global__ void traps(int* out) {
                 .buf(&mut probs)
                 .buf(&mut scores)
                 .arg(rows as i64)
-                .arg(t as i64);
+                .arg(t as i64)
+                .arg(h as i64)
+                .arg(std::ptr::null_mut::<u32>());
             launch(emu, &format!("softmax_causal_{sfx}"), 2, 64, 0, a).unwrap();
             let probs_want = be.to_f32(&probs_cpu).unwrap();
             assert_bitwise("probs", &probs.values(), &probs_want);

@@ -175,16 +175,28 @@ pub(crate) fn scores_backward(
     Ok(())
 }
 
-pub(crate) fn softmax(probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+pub(crate) fn softmax(
+    probs: &mut Tensor,
+    scores: &Tensor,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     let t = square_side(scores);
     if t == 0 {
         return Ok(());
     }
+    let heads = scores.shape()[1].max(1);
     let s = read(scores);
     write(probs, false, |p| {
         p.par_chunks_mut(t * t)
             .zip(s.par_chunks(t * t))
-            .for_each(|(p, s)| softmax_block(p, s, t))
+            .enumerate()
+            .for_each(|(k, (p, s))| match positions {
+                None => softmax_block(p, s, t),
+                Some(pos) => {
+                    let b = k / heads;
+                    softmax_block_in_documents(p, s, t, &pos[b * t..(b + 1) * t])
+                }
+            })
     });
     Ok(())
 }
@@ -375,6 +387,29 @@ simd_fn! {
             for (o, v) in out.iter_mut().zip(row) {
                 *o = simd::exp(v - max);
             }
+            let inv = 1.0 / simd::sum(out);
+            for o in out.iter_mut() {
+                *o *= inv;
+            }
+            above.fill(0.0);
+        }
+    }
+}
+
+simd_fn! {
+    /// [`softmax_block`] with row `i` over keys `i − pos[i] ..= i` only (its document's),
+    /// 0 elsewhere. The maximum and the sum run over the whole causal prefix with the
+    /// masked entries left out (as the GPU's lanes do), so they add up in the same order.
+    fn softmax_block_in_documents(p: &mut [f32], s: &[f32], t: usize, pos: &[u32]) {
+        for i in 0..t {
+            let first = i - pos[i] as usize;
+            let row = &s[i * t..i * t + i + 1];
+            let (out, above) = p[i * t..(i + 1) * t].split_at_mut(i + 1);
+            let max = simd::max(&row[first..]);
+            for (o, v) in out.iter_mut().zip(row) {
+                *o = simd::exp(v - max);
+            }
+            out[..first].fill(0.0);
             let inv = 1.0 / simd::sum(out);
             for o in out.iter_mut() {
                 *o *= inv;

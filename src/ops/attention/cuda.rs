@@ -102,7 +102,12 @@ pub(crate) fn scores_backward(
     )
 }
 
-pub(crate) fn softmax(be: &CudaBackend, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
+pub(crate) fn softmax(
+    be: &CudaBackend,
+    probs: &mut Tensor,
+    scores: &Tensor,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     let t = square_side(scores);
     ensure_dtype(probs, scores.dtype(), "softmax_causal")?;
     let rows = scores.numel().checked_div(t).unwrap_or(0);
@@ -117,7 +122,9 @@ pub(crate) fn softmax(be: &CudaBackend, probs: &mut Tensor, scores: &Tensor) -> 
             .ptr(ptr(probs)?)
             .ptr(ptr(scores)?)
             .i64(rows)
-            .i64(t),
+            .i64(t)
+            .i64(scores.shape()[1])
+            .ptr(be.positions_ptr(positions)?),
     )
 }
 

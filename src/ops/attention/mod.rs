@@ -103,7 +103,24 @@ pub fn scores_backward(
 
 /// Row softmax of causal scores over `j <= i` (statistics in f32); 0 above the diagonal.
 pub fn softmax(be: &dyn Backend, probs: &mut Tensor, scores: &Tensor) -> Result<()> {
-    be.run(&mut Softmax { probs, scores })
+    softmax_in_documents(be, probs, scores, None)
+}
+
+/// [`softmax`] over rows that hold several documents: row `i` of batch row `b` over
+/// `i − positions[b, i] ..= i` only, its own document's keys (`positions` `[B·T]`, see
+/// [`crate::ops::positions`]; `None` is [`softmax`]); 0 elsewhere. [`softmax_backward`]
+/// needs no positions: it reads the zeros.
+pub fn softmax_in_documents(
+    be: &dyn Backend,
+    probs: &mut Tensor,
+    scores: &Tensor,
+    positions: Option<&[u32]>,
+) -> Result<()> {
+    be.run(&mut Softmax {
+        probs,
+        scores,
+        positions,
+    })
 }
 
 /// Backward of [`softmax`]: `dscores = probs · (dprobs - Σ probs · dprobs)` on `j <= i`,
@@ -233,6 +250,7 @@ impl OpKernel for ScoresBackward<'_> {
 struct Softmax<'a> {
     probs: &'a mut Tensor,
     scores: &'a Tensor,
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Softmax<'_> {
@@ -246,7 +264,11 @@ impl OpKernel for Softmax<'_> {
 
     fn check(&self) -> Result<()> {
         ensure_float("softmax_causal", &[self.probs, self.scores])?;
-        check::check_softmax(self.probs, self.scores)
+        check::check_softmax(self.probs, self.scores)?;
+        match (self.positions, self.scores.shape()) {
+            (Some(p), &[b, _, t, _]) => super::positions::check("softmax_causal", p, b, t),
+            _ => Ok(()),
+        }
     }
 
     fn flops(&self) -> u64 {
@@ -254,11 +276,11 @@ impl OpKernel for Softmax<'_> {
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
-        cpu::softmax(self.probs, self.scores)
+        cpu::softmax(self.probs, self.scores, self.positions)
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
-        cuda::softmax(be, self.probs, self.scores)
+        cuda::softmax(be, self.probs, self.scores, self.positions)
     }
 }
 
@@ -392,7 +414,8 @@ impl OpKernel for ValuesBackward<'_> {
 }
 
 /// Causal attention: `out = softmax(q·kᵀ/√D, causal) · v` per query head, with the key
-/// and value head it shares, from `qkv` `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says.
+/// and value head it shares, from `qkv` `[B, T, (H + 2·KV)·D]` laid out as [`Heads`] says;
+/// within each document where the batch has positions ([`ForwardCx::positions`]).
 ///
 /// Input: `qkv`. Outputs: `probs` (`[B, H, T, T]`, grows with T²) and `out`
 /// (`[B, T, H·D]`).
@@ -440,7 +463,7 @@ impl Op for CausalAttention {
             let mut scores = be.empty(shape, *dtype, MemoryCategory::Activations, &label)?;
             self::scores(be, &mut scores, qkv, self.heads)?;
             let mut probs = cx.alloc(0)?;
-            softmax(be, &mut probs, &scores)?;
+            softmax_in_documents(be, &mut probs, &scores, cx.positions)?;
             drop(scores);
             cx.outputs[0] = Some(probs);
         }

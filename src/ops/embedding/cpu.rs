@@ -13,7 +13,13 @@ fn time_width(x: &Tensor) -> (usize, usize) {
     }
 }
 
-pub(crate) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Option<&Tensor>) {
+pub(crate) fn forward(
+    out: &mut Tensor,
+    tokens: &[u32],
+    wte: &Tensor,
+    wpe: Option<&Tensor>,
+    positions: Option<&[u32]>,
+) {
     let (t, c) = time_width(out);
     if t * c == 0 {
         return;
@@ -26,7 +32,7 @@ pub(crate) fn forward(out: &mut Tensor, tokens: &[u32], wte: &Tensor, wpe: Optio
             let w = &we[tok * c..(tok + 1) * c];
             match &pe {
                 Some(pe) => {
-                    let pos = row % t;
+                    let pos = positions.map_or(row % t, |p| p[row] as usize);
                     let p = &pe[pos * c..(pos + 1) * c];
                     for i in 0..c {
                         o[i] = w[i] + p[i];
@@ -43,6 +49,7 @@ pub(crate) fn backward(
     dwpe: Option<&mut Tensor>,
     dout: &Tensor,
     tokens: &[u32],
+    positions: Option<&[u32]>,
 ) {
     let (t, c) = time_width(dout);
     if t * c == 0 {
@@ -61,7 +68,7 @@ pub(crate) fn backward(
     let Some(dwpe) = dwpe else { return };
     write(dwpe, true, |dp| {
         for (row, g) in d.chunks_exact(c).enumerate() {
-            let pos = row % t;
+            let pos = positions.map_or(row % t, |p| p[row] as usize);
             for (a, v) in dp[pos * c..(pos + 1) * c].iter_mut().zip(g) {
                 *a += v;
             }

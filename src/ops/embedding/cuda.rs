@@ -44,6 +44,7 @@ pub(crate) fn forward(
     tokens: &[u32],
     wte: &Tensor,
     wpe: Option<&Tensor>,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     let (b, t, c) = btc(out);
     if b * t * c == 0 {
@@ -67,7 +68,38 @@ pub(crate) fn forward(
             .i64(b * t)
             .i64(t)
             .i64(c)
-            .i64(has_wpe as usize),
+            .i64(has_wpe as usize)
+            .ptr(be.positions_ptr(positions)?),
+    )
+}
+
+/// `table[index[r]] += dout[r]` for every row `r` of `dout`, in row order per index: the
+/// rows grouped on the host ([`TokenBuckets`]) and added by `embedding_backward_wte_*`.
+fn add_rows_by_index(
+    be: &CudaBackend,
+    table: &mut Tensor,
+    dout: &Tensor,
+    index: &[u32],
+    label: &str,
+) -> Result<()> {
+    let c = btc(dout).2;
+    let buckets = TokenBuckets::new(index);
+    let bt = be.upload_u32(&buckets.tokens, &format!("{label}.tokens"))?;
+    let bo = be.upload_u32(&buckets.offsets, &format!("{label}.offsets"))?;
+    let br = be.upload_u32(&buckets.rows, &format!("{label}.rows"))?;
+    let suffix = format!("{}_{}", dout.dtype(), table.dtype());
+    be.launch(
+        &format!("embedding_backward_wte_{suffix}"),
+        be.grid(buckets.len() * c),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(table)?)
+            .ptr(ptr(dout)?)
+            .ptr(ptr(&bt)?)
+            .ptr(ptr(&bo)?)
+            .ptr(ptr(&br)?)
+            .i64(buckets.len())
+            .i64(c),
     )
 }
 
@@ -85,30 +117,18 @@ pub(crate) fn backward(
     dwpe: Option<&mut Tensor>,
     dout: &Tensor,
     tokens: &[u32],
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     let (b, t, c) = btc(dout);
     if b * t == 0 || c == 0 {
         return Ok(());
     }
-    let buckets = TokenBuckets::new(tokens);
-    let bt = be.upload_u32(&buckets.tokens, "embedding_backward.tokens")?;
-    let bo = be.upload_u32(&buckets.offsets, "embedding_backward.offsets")?;
-    let br = be.upload_u32(&buckets.rows, "embedding_backward.rows")?;
-    let suffix = format!("{}_{}", dout.dtype(), dwte.dtype());
-    be.launch(
-        &format!("embedding_backward_wte_{suffix}"),
-        be.grid(buckets.len() * c),
-        BLOCK,
-        Args::new()
-            .ptr(ptr(dwte)?)
-            .ptr(ptr(dout)?)
-            .ptr(ptr(&bt)?)
-            .ptr(ptr(&bo)?)
-            .ptr(ptr(&br)?)
-            .i64(buckets.len())
-            .i64(c),
-    )?;
+    add_rows_by_index(be, dwte, dout, tokens, "embedding_backward")?;
     let Some(dwpe) = dwpe else { return Ok(()) };
+    if let Some(positions) = positions {
+        // Rows grouped by their position in their document, as tokens are grouped.
+        return add_rows_by_index(be, dwpe, dout, positions, "embedding_backward.positions");
+    }
     let dwpe_kernel = format!("embedding_backward_wpe_{}_{}", dout.dtype(), dwpe.dtype());
     let dwpe_ptr = ptr(dwpe)?;
     be.launch(

@@ -29,11 +29,25 @@ pub fn forward(
     wte: &Tensor,
     wpe: Option<&Tensor>,
 ) -> Result<()> {
+    forward_in_documents(be, out, tokens, wte, wpe, None)
+}
+
+/// [`forward`] with each token's position embedding that of its position in its document
+/// (`positions` `[B·T]`, see [`crate::ops::positions`]; `None` is [`forward`]).
+pub fn forward_in_documents(
+    be: &(impl Backend + ?Sized),
+    out: &mut Tensor,
+    tokens: &[u32],
+    wte: &Tensor,
+    wpe: Option<&Tensor>,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Forward {
         out,
         tokens,
         wte,
         wpe,
+        positions,
     })
 }
 
@@ -46,11 +60,24 @@ pub fn backward(
     dout: &Tensor,
     tokens: &[u32],
 ) -> Result<()> {
+    backward_in_documents(be, dwte, dwpe, dout, tokens, None)
+}
+
+/// Backward of [`forward_in_documents`] (the same `positions`).
+pub fn backward_in_documents(
+    be: &(impl Backend + ?Sized),
+    dwte: &mut Tensor,
+    dwpe: Option<&mut Tensor>,
+    dout: &Tensor,
+    tokens: &[u32],
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Backward {
         dwte,
         dwpe,
         dout,
         tokens,
+        positions,
     })
 }
 
@@ -59,6 +86,7 @@ struct Forward<'a> {
     tokens: &'a [u32],
     wte: &'a Tensor,
     wpe: Option<&'a Tensor>,
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Forward<'_> {
@@ -73,7 +101,9 @@ impl OpKernel for Forward<'_> {
     fn check(&self) -> Result<()> {
         ensure_float("embedding", &[self.out, self.wte])?;
         ensure_float("embedding", self.wpe.as_slice())?;
-        check("embedding", self.out, self.tokens, self.wte, self.wpe).map(drop)
+        let (b, t, ..) = check("embedding", self.out, self.tokens, self.wte, self.wpe)?;
+        self.positions
+            .map_or(Ok(()), |p| super::positions::check("embedding", p, b, t))
     }
 
     fn flops(&self) -> u64 {
@@ -81,12 +111,19 @@ impl OpKernel for Forward<'_> {
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
-        cpu::forward(self.out, self.tokens, self.wte, self.wpe);
+        cpu::forward(self.out, self.tokens, self.wte, self.wpe, self.positions);
         Ok(())
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
-        cuda::forward(be, self.out, self.tokens, self.wte, self.wpe)
+        cuda::forward(
+            be,
+            self.out,
+            self.tokens,
+            self.wte,
+            self.wpe,
+            self.positions,
+        )
     }
 }
 
@@ -95,6 +132,7 @@ struct Backward<'a> {
     dwpe: Option<&'a mut Tensor>,
     dout: &'a Tensor,
     tokens: &'a [u32],
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Backward<'_> {
@@ -110,7 +148,9 @@ impl OpKernel for Backward<'_> {
         let op = "embedding_backward";
         ensure_float(op, &[self.dwte, self.dout])?;
         ensure_float(op, self.dwpe.as_deref().as_slice())?;
-        check(op, self.dout, self.tokens, self.dwte, self.dwpe.as_deref()).map(drop)
+        let (b, t, ..) = check(op, self.dout, self.tokens, self.dwte, self.dwpe.as_deref())?;
+        self.positions
+            .map_or(Ok(()), |p| super::positions::check(op, p, b, t))
     }
 
     fn flops(&self) -> u64 {
@@ -123,13 +163,14 @@ impl OpKernel for Backward<'_> {
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
-        cpu::backward(self.dwte, self.dwpe.as_deref_mut(), self.dout, self.tokens);
+        let dwpe = self.dwpe.as_deref_mut();
+        cpu::backward(self.dwte, dwpe, self.dout, self.tokens, self.positions);
         Ok(())
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
         let dwpe = self.dwpe.as_deref_mut();
-        cuda::backward(be, self.dwte, dwpe, self.dout, self.tokens)
+        cuda::backward(be, self.dwte, dwpe, self.dout, self.tokens, self.positions)
     }
 }
 
@@ -201,12 +242,13 @@ impl Op for LearnedEmbedding {
 
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
         let mut out = cx.alloc(0)?;
-        forward(
+        forward_in_documents(
             cx.backend,
             &mut out,
             cx.tokens,
             cx.weights[0],
             Some(cx.weights[1]),
+            cx.positions,
         )?;
         cx.outputs[0] = Some(out);
         Ok(())
@@ -224,7 +266,8 @@ impl Op for LearnedEmbedding {
             // The kernel writes both (a frozen wte's gradient is freed after this node).
             (_, true) => {
                 let dwpe = wpe.grad_mut(be)?;
-                backward(be, wte.grad_mut(be)?, Some(dwpe), &dout, cx.tokens)
+                let (tokens, positions) = (cx.tokens, cx.positions);
+                backward_in_documents(be, wte.grad_mut(be)?, Some(dwpe), &dout, tokens, positions)
             }
         }
     }

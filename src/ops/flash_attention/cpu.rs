@@ -24,6 +24,7 @@ use crate::device::cpu::{read, write, Blas, SendPtr};
 use crate::device::Heads;
 use crate::error::Result;
 use crate::ops::attention::Dims;
+use crate::ops::positions;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -78,6 +79,7 @@ pub(crate) fn forward(
     lse: &mut Tensor,
     qkv: &Tensor,
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     let d = Dims::of(qkv, heads);
     if d.t == 0 || d.b == 0 {
@@ -98,7 +100,18 @@ pub(crate) fn forward(
                     let rows = QUERY_ROWS.min(t - i0);
                     // SAFETY: each task writes rows i0..i0+rows of its own head's columns
                     // of `out` and of its own `lse` row; `q` covers every read.
-                    unsafe { forward_block(blas, &d, &q, bh, i0, rows, scratch, out_ptr, lse_ptr) }
+                    unsafe {
+                        forward_block(
+                            blas,
+                            &d,
+                            &q,
+                            positions,
+                            [bh, i0, rows],
+                            scratch,
+                            out_ptr,
+                            lse_ptr,
+                        )
+                    }
                 },
             )
         })
@@ -106,13 +119,14 @@ pub(crate) fn forward(
     Ok(())
 }
 
-/// Per-thread buffers of the forward: a score tile, the f32 output accumulator, and the
-/// running maximum and sum of each row.
+/// Per-thread buffers of the forward: a score tile, the f32 output accumulator, the
+/// running maximum and sum of each row, and each row's first key.
 struct Scratch {
     s: Vec<f32>,
     acc: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
+    first: Vec<usize>,
 }
 
 impl Scratch {
@@ -122,11 +136,29 @@ impl Scratch {
             acc: vec![0.0; QUERY_ROWS * hs],
             max: vec![0.0; QUERY_ROWS],
             sum: vec![0.0; QUERY_ROWS],
+            first: vec![0; QUERY_ROWS],
         }
     }
 }
 
-/// The forward of query rows `i0..i0 + rows` of head `bh` (batch row · H + head).
+/// The first key of each of query rows `i0..i0 + rows` of batch row `bi`, into `first`;
+/// returns the first key tile any of them reads (tiles wholly before every row's document
+/// are skipped).
+fn first_keys(
+    positions: Option<&[u32]>,
+    t: usize,
+    bi: usize,
+    i0: usize,
+    first: &mut [usize],
+) -> usize {
+    for (r, f) in first.iter_mut().enumerate() {
+        *f = positions::first_key(positions, t, bi, i0 + r);
+    }
+    first.first().map_or(0, |&f| f / KEY_TILE * KEY_TILE)
+}
+
+/// The forward of query rows `i0..i0 + rows` of head `bh` (batch row · H + head), given
+/// as `[bh, i0, rows]`.
 ///
 /// # Safety
 /// `out` must be the `[B, T, H·D]` output and `lse` the `[B, H, T]` log-sum-exp; no other
@@ -136,9 +168,8 @@ unsafe fn forward_block(
     blas: Option<&Blas>,
     d: &Dims,
     q: &[f32],
-    bh: usize,
-    i0: usize,
-    rows: usize,
+    positions: Option<&[u32]>,
+    [bh, i0, rows]: [usize; 3],
     sc: &mut Scratch,
     out: SendPtr<f32>,
     lse: SendPtr<f32>,
@@ -150,8 +181,9 @@ unsafe fn forward_block(
     sc.acc[..rows * hs].fill(0.0);
     sc.max[..rows].fill(f32::NEG_INFINITY);
     sc.sum[..rows].fill(0.0);
+    let kstart = first_keys(positions, t, bi, i0, &mut sc.first[..rows]);
     let kend = i0 + rows;
-    for j0 in (0..kend).step_by(KEY_TILE) {
+    for j0 in (kstart..kend).step_by(KEY_TILE) {
         let cols = KEY_TILE.min(kend - j0);
         // S = scale · Q_i · K_jᵀ
         for (r0, rn, cn) in pieces(i0, rows, j0, cols) {
@@ -181,6 +213,7 @@ unsafe fn forward_block(
             &mut sc.acc,
             &mut sc.max,
             &mut sc.sum,
+            &sc.first,
             [rows, cols, i0, j0, hs],
         );
         // O_i += P · V_j
@@ -222,35 +255,38 @@ unsafe fn forward_block(
 
 simd_fn! {
     /// One key tile of the online softmax over `rows` query rows (`dims` = rows, cols,
-    /// first query row, first key, head width): turns the scores `s` (rows of
-    /// [`KEY_TILE`]) into `exp(s - max)` with the causally masked entries 0, raises each
-    /// row's running maximum, and rescales its running sum and output accumulator to it.
+    /// first query row, first key, head width; `first` each row's first key): turns the
+    /// scores `s` (rows of [`KEY_TILE`]) into `exp(s - max)` with the masked entries (after
+    /// the row, or before its document) 0, raises each row's running maximum, and rescales
+    /// its running sum and output accumulator to it.
     fn online_softmax(
         s: &mut [f32],
         acc: &mut [f32],
         max: &mut [f32],
         sum: &mut [f32],
+        first: &[usize],
         dims: [usize; 5],
     ) {
         let [rows, cols, i0, j0, hs] = dims;
         for r in 0..rows {
             let row = &mut s[r * KEY_TILE..r * KEY_TILE + cols];
-            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
-            if valid == 0 {
+            let (lo, hi) = visible(first[r], i0 + r, j0, cols);
+            if lo >= hi {
                 row.fill(0.0);
                 continue;
             }
-            let m_new = max[r].max(simd::max(&row[..valid]));
+            let m_new = max[r].max(simd::max(&row[lo..hi]));
             let correction = if max[r] == f32::NEG_INFINITY {
                 0.0
             } else {
                 simd::exp(max[r] - m_new)
             };
-            for x in row[..valid].iter_mut() {
+            for x in row[lo..hi].iter_mut() {
                 *x = simd::exp(*x - m_new);
             }
-            row[valid..].fill(0.0);
-            sum[r] = sum[r] * correction + simd::sum(&row[..valid]);
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+            sum[r] = sum[r] * correction + simd::sum(&row[lo..hi]);
             if correction != 1.0 {
                 for a in acc[r * hs..(r + 1) * hs].iter_mut() {
                     *a *= correction;
@@ -261,6 +297,15 @@ simd_fn! {
     }
 }
 
+/// The columns `lo..hi` of a key tile starting at `j0` (`cols` wide) that query `i`, whose
+/// document starts at key `first`, attends.
+#[inline(always)]
+fn visible(first: usize, i: usize, j0: usize, cols: usize) -> (usize, usize) {
+    let hi = (i + 1).saturating_sub(j0).min(cols);
+    (first.saturating_sub(j0).min(hi), hi)
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     blas: Option<&Blas>,
     dqkv: &mut Tensor,
@@ -269,6 +314,7 @@ pub(crate) fn backward(
     lse: &Tensor,
     qkv: &Tensor,
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     let d = Dims::of(qkv, heads);
     if d.t == 0 || d.b == 0 {
@@ -292,7 +338,7 @@ pub(crate) fn backward(
             // SAFETY: each (batch row, key/value head) task writes the rows of batch row
             // `bi` in its own key and value columns and in the query columns of the query
             // heads sharing them.
-            unsafe { backward_group(blas, &d, &ins, bi, kvh, dst) }
+            unsafe { backward_group(blas, &d, &ins, positions, [bi, kvh], dst) }
         })
     });
     Ok(())
@@ -315,8 +361,8 @@ unsafe fn backward_group(
     blas: Option<&Blas>,
     d: &Dims,
     x: &BackwardInputs<'_>,
-    bi: usize,
-    kvh: usize,
+    positions: Option<&[u32]>,
+    [bi, kvh]: [usize; 2],
     dqkv: SendPtr<f32>,
 ) {
     let (t, w, c, hs, heads) = (d.t, d.w, d.c, d.hs(), d.heads);
@@ -330,6 +376,7 @@ unsafe fn backward_group(
     let mut p = vec![0f32; QUERY_ROWS * KEY_TILE];
     let mut dp = vec![0f32; QUERY_ROWS * KEY_TILE];
     let mut delta = [0f32; QUERY_ROWS];
+    let mut first = [0usize; QUERY_ROWS];
     for hi in kvh * group..(kvh + 1) * group {
         let bh = bi * d.h() + hi;
         dqh.fill(0.0);
@@ -340,8 +387,9 @@ unsafe fn backward_group(
                 *dl = simd::dot(&x.dout[row..row + hs], &x.out[row..row + hs]);
             }
             let lse = &x.lse[bh * t + i0..bh * t + i0 + rows];
+            let kstart = first_keys(positions, t, bi, i0, &mut first[..rows]);
             let kend = i0 + rows;
-            for j0 in (0..kend).step_by(KEY_TILE) {
+            for j0 in (kstart..kend).step_by(KEY_TILE) {
                 let cols = KEY_TILE.min(kend - j0);
                 let run = |m, n, k, dst, dst_rs, acc, a, a_rs, a_cs, b, b_rs, b_cs, scale| {
                     gemm_raw(
@@ -405,9 +453,9 @@ unsafe fn backward_group(
                         1.0,
                     );
                 }
-                probabilities(&mut p, lse, [rows, cols, i0, j0]);
-                // dS = P ∘ (dP - rowsum(dO ∘ O)), 0 above the diagonal.
-                score_grads(&mut dp, &p, &delta, [rows, cols, i0, j0]);
+                probabilities(&mut p, lse, &first, [rows, cols, i0, j0]);
+                // dS = P ∘ (dP - rowsum(dO ∘ O)), 0 where masked.
+                score_grads(&mut dp, &p, &delta, &first, [rows, cols, i0, j0]);
                 let dvj = dv.as_mut_ptr().add(j0 * hs);
                 let dkj = dk.as_mut_ptr().add(j0 * hs);
                 let dqi = dqh.as_mut_ptr().add(i0 * hs);
@@ -481,35 +529,39 @@ unsafe fn put_columns(dst: SendPtr<f32>, src: &[f32], at: usize, t: usize, w: us
 }
 
 simd_fn! {
-    /// `p = exp(s - lse)` in place on a tile of scores (rows of [`KEY_TILE`]), 0 above
-    /// the diagonal (`dims` = rows, cols, first query row, first key).
-    fn probabilities(p: &mut [f32], lse: &[f32], dims: [usize; 4]) {
+    /// `p = exp(s - lse)` in place on a tile of scores (rows of [`KEY_TILE`]), 0 where
+    /// masked: above the diagonal and before each row's `first` key (`dims` = rows, cols,
+    /// first query row, first key).
+    fn probabilities(p: &mut [f32], lse: &[f32], first: &[usize], dims: [usize; 4]) {
         let [rows, cols, i0, j0] = dims;
         for r in 0..rows {
             let row = &mut p[r * KEY_TILE..r * KEY_TILE + cols];
-            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
+            let (lo, hi) = visible(first[r], i0 + r, j0, cols);
             let l = lse[r];
-            for x in row[..valid].iter_mut() {
+            for x in row[lo..hi].iter_mut() {
                 *x = simd::exp(*x - l);
             }
-            row[valid..].fill(0.0);
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
         }
     }
 }
 
 simd_fn! {
     /// `dp = p ∘ (dp - delta)` in place on a tile (rows of [`KEY_TILE`]): the score
-    /// gradients from the probability gradients, 0 above the diagonal (`dims` = rows,
-    /// cols, first query row, first key), where `dp` was not computed.
-    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], dims: [usize; 4]) {
+    /// gradients from the probability gradients, 0 where masked (above the diagonal, where
+    /// `dp` was not computed, and before each row's `first` key; `dims` = rows, cols,
+    /// first query row, first key).
+    fn score_grads(dp: &mut [f32], p: &[f32], delta: &[f32], first: &[usize], dims: [usize; 4]) {
         let [rows, cols, i0, j0] = dims;
         for (r, &dl) in delta.iter().enumerate().take(rows) {
             let at = r * KEY_TILE;
-            let valid = (i0 + r + 1).saturating_sub(j0).min(cols);
-            for (g, pv) in dp[at..at + valid].iter_mut().zip(&p[at..at + valid]) {
+            let (lo, hi) = visible(first[r], i0 + r, j0, cols);
+            for (g, pv) in dp[at + lo..at + hi].iter_mut().zip(&p[at + lo..at + hi]) {
                 *g = pv * (*g - dl);
             }
-            dp[at + valid..at + cols].fill(0.0);
+            dp[at..at + lo].fill(0.0);
+            dp[at + hi..at + cols].fill(0.0);
         }
     }
 }

@@ -73,6 +73,7 @@ pub(crate) fn forward(
     lse: &mut Tensor,
     qkv: &Tensor,
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     const OP: &str = "flash_attention";
     ensure_dtype(out, qkv.dtype(), OP)?;
@@ -93,7 +94,8 @@ pub(crate) fn forward(
             .i64(heads.n_head)
             .i64(heads.n_kv_head)
             .i64(heads.head_dim)
-            .f32(scale(&d)),
+            .f32(scale(&d))
+            .ptr(be.positions_ptr(positions)?),
     )
 }
 
@@ -101,6 +103,7 @@ pub(crate) fn forward(
 /// output, given its gradient `dout`, the output `out` and the `lse` the forward pass wrote.
 /// Three launches: `delta_i = dout_i · out_i` (an f32 workspace `[B, H, T]`), dK and dV
 /// over key tiles, dQ over query tiles.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     be: &CudaBackend,
     dqkv: &mut Tensor,
@@ -109,6 +112,7 @@ pub(crate) fn backward(
     lse: &Tensor,
     qkv: &Tensor,
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
     const OP: &str = "flash_attention_backward";
     let d = Dims::of(qkv, heads);
@@ -134,6 +138,7 @@ pub(crate) fn backward(
             .i64(heads.n_head)
             .i64(heads.head_dim),
     )?;
+    let pos = be.positions_ptr(positions)?;
     let args = || -> Result<Args> {
         Ok(Args::new()
             .ptr(ptr(dqkv)?)
@@ -146,7 +151,8 @@ pub(crate) fn backward(
             .i64(heads.n_head)
             .i64(heads.n_kv_head)
             .i64(heads.head_dim)
-            .f32(scale(&d)))
+            .f32(scale(&d))
+            .ptr(pos))
     };
     be.launch(
         &format!("flash_attention_backward_dkv_{dt}"),
@@ -271,9 +277,9 @@ mod tests {
         // Fused.
         let mut out = nan(&[b, t, c], dt);
         let mut lse = nan(&[b, h, t], DType::F32);
-        forward(be, &mut out, &mut lse, &qkv, heads).unwrap();
+        forward(be, &mut out, &mut lse, &qkv, heads, None).unwrap();
         let mut dqkv = nan(&[b, t, w], dt);
-        backward(be, &mut dqkv, &dout, &out, &lse, &qkv, heads).unwrap();
+        backward(be, &mut dqkv, &dout, &out, &lse, &qkv, heads, None).unwrap();
 
         let what = format!("{dt} B={b} T={t} H={h} KV={kv} D={hd}");
         let get = |x: &Tensor| be.to_f32(x).unwrap();

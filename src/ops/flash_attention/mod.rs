@@ -88,6 +88,22 @@ pub(crate) fn check_backward(
     ensure_f32(lse, op)
 }
 
+/// Checks `positions` against the `[B, T, ·]` of `qkv` (nothing to check without them).
+pub(crate) fn check_positions(
+    op: &'static str,
+    qkv: &Tensor,
+    heads: Heads,
+    positions: Option<&[u32]>,
+) -> Result<()> {
+    match positions {
+        Some(p) => {
+            let d = dims(qkv, heads, op)?;
+            super::positions::check(op, p, d.b, d.t)
+        }
+        None => Ok(()),
+    }
+}
+
 /// Floating-point operations of the fused attention with these operands, over the causal
 /// entries its tiles compute (the materialized attention's block triangle): forward
 /// `4·D + 5` per entry (the scores, the online softmax, the weighted values), backward
@@ -131,11 +147,27 @@ pub fn forward(
     qkv: &Tensor,
     heads: Heads,
 ) -> Result<()> {
+    forward_in_documents(be, out, lse, qkv, heads, None)
+}
+
+/// [`forward`] over rows that hold several documents: query `i` attends only keys
+/// `i − positions[i] ..= i`, its own document's (`positions` `[B·T]`, see
+/// [`crate::ops::positions`]; `None` is [`forward`]). Key tiles that lie wholly before
+/// every query of a tile's document are skipped.
+pub fn forward_in_documents(
+    be: &dyn Backend,
+    out: &mut Tensor,
+    lse: &mut Tensor,
+    qkv: &Tensor,
+    heads: Heads,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Forward {
         out,
         lse,
         qkv,
         heads,
+        positions,
     })
 }
 
@@ -152,6 +184,21 @@ pub fn backward(
     qkv: &Tensor,
     heads: Heads,
 ) -> Result<()> {
+    backward_in_documents(be, dqkv, dout, out, lse, qkv, heads, None)
+}
+
+/// Backward of [`forward_in_documents`] (the same `positions`).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_in_documents(
+    be: &dyn Backend,
+    dqkv: &mut Tensor,
+    dout: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    qkv: &Tensor,
+    heads: Heads,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Backward {
         dqkv,
         dout,
@@ -159,6 +206,7 @@ pub fn backward(
         lse,
         qkv,
         heads,
+        positions,
     })
 }
 
@@ -168,6 +216,7 @@ struct Forward<'a> {
     lse: &'a mut Tensor,
     qkv: &'a Tensor,
     heads: Heads,
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Forward<'_> {
@@ -181,7 +230,8 @@ impl OpKernel for Forward<'_> {
 
     fn check(&self) -> Result<()> {
         ensure_float("flash_attention", &[self.out, self.qkv])?;
-        check(self.out, self.lse, self.qkv, self.heads)
+        check(self.out, self.lse, self.qkv, self.heads)?;
+        check_positions("flash_attention", self.qkv, self.heads, self.positions)
     }
 
     fn flops(&self) -> u64 {
@@ -189,11 +239,18 @@ impl OpKernel for Forward<'_> {
     }
 
     fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
-        cpu::forward(be.blas(), self.out, self.lse, self.qkv, self.heads)
+        cpu::forward(
+            be.blas(),
+            self.out,
+            self.lse,
+            self.qkv,
+            self.heads,
+            self.positions,
+        )
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
-        cuda::forward(be, self.out, self.lse, self.qkv, self.heads)
+        cuda::forward(be, self.out, self.lse, self.qkv, self.heads, self.positions)
     }
 }
 
@@ -205,6 +262,7 @@ struct Backward<'a> {
     lse: &'a Tensor,
     qkv: &'a Tensor,
     heads: Heads,
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Backward<'_> {
@@ -219,7 +277,8 @@ impl OpKernel for Backward<'_> {
     fn check(&self) -> Result<()> {
         let (dqkv, dout, out, lse, qkv) = (&*self.dqkv, self.dout, self.out, self.lse, self.qkv);
         ensure_float("flash_attention_backward", &[dqkv, dout, out, qkv])?;
-        check_backward(dqkv, dout, out, lse, qkv, self.heads)
+        check_backward(dqkv, dout, out, lse, qkv, self.heads)?;
+        check_positions("flash_attention_backward", qkv, self.heads, self.positions)
     }
 
     fn flops(&self) -> u64 {
@@ -235,12 +294,20 @@ impl OpKernel for Backward<'_> {
             self.lse,
             self.qkv,
             self.heads,
+            self.positions,
         )
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
         cuda::backward(
-            be, self.dqkv, self.dout, self.out, self.lse, self.qkv, self.heads,
+            be,
+            self.dqkv,
+            self.dout,
+            self.out,
+            self.lse,
+            self.qkv,
+            self.heads,
+            self.positions,
         )
     }
 }
@@ -292,7 +359,14 @@ impl Op for FlashAttention {
         let qkv = cx.input(0)?;
         let mut lse = cx.alloc(0)?;
         let mut out = cx.alloc(1)?;
-        forward(cx.backend, &mut out, &mut lse, qkv, self.heads)?;
+        forward_in_documents(
+            cx.backend,
+            &mut out,
+            &mut lse,
+            qkv,
+            self.heads,
+            cx.positions,
+        )?;
         if cx.wanted[0] && cx.present[0].is_none() {
             cx.outputs[0] = Some(lse);
         }
@@ -309,7 +383,10 @@ impl Op for FlashAttention {
         let qkv = cx.inputs[0].get()?;
         let lse = cx.outputs[0].get()?;
         let out = cx.outputs[1].get()?;
-        cx.grads_in[0].overwrite(be, |dqkv| backward(be, dqkv, &dout, out, lse, qkv, heads))?;
+        let positions = cx.positions;
+        cx.grads_in[0].overwrite(be, |dqkv| {
+            backward_in_documents(be, dqkv, &dout, out, lse, qkv, heads, positions)
+        })?;
         drop(dout);
         cx.outputs[0].release();
         cx.outputs[1].release();

@@ -1,8 +1,9 @@
 //! Rotary position embedding in Hugging Face's rotate-half layout (Llama), applied to the
 //! queries and keys of a fused `[B, T, (H + 2·KV)·D]` projection (see [`Heads`]): in each
 //! query and key head, element `i` and element `i + D/2` are rotated together by the angle
-//! `t · inv_freq[i]` of the token's position `t` (`0..T` in each row of the batch); the
-//! values are copied as they are.
+//! `t · inv_freq[i]` of the token's position `t` (`0..T` in each row of the batch, or its
+//! position in its document where the batch gives positions); the values are copied as
+//! they are.
 
 use crate::device::cpu::{read, write};
 use crate::device::Heads;
@@ -12,7 +13,14 @@ use rayon::prelude::*;
 
 /// Rotates each pair by `+angle` (forward) or `−angle` (backward: the transpose), on
 /// checked operands.
-fn rotate(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads, sign: f32) {
+fn rotate(
+    out: &mut Tensor,
+    x: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    positions: Option<&[u32]>,
+    sign: f32,
+) {
     let (t, w) = match *x.shape() {
         [_, t, w] => (t, w),
         _ => return,
@@ -38,7 +46,8 @@ fn rotate(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads, sign: f3
             .zip(x.par_chunks(w))
             .enumerate()
             .for_each(|(row, (o, x))| {
-                let angles = &table[(row % t) * half..(row % t + 1) * half];
+                let pos = positions.map_or(row % t, |p| p[row] as usize);
+                let angles = &table[pos * half..(pos + 1) * half];
                 for h in (0..rotated).step_by(d) {
                     let (o1, o2) = o[h..h + d].split_at_mut(half);
                     let (x1, x2) = x[h..h + d].split_at(half);
@@ -54,13 +63,25 @@ fn rotate(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads, sign: f3
 }
 
 /// The forward, on checked operands.
-pub(crate) fn forward(out: &mut Tensor, x: &Tensor, inv_freq: &[f32], heads: Heads) {
-    rotate(out, x, inv_freq, heads, 1.0)
+pub(crate) fn forward(
+    out: &mut Tensor,
+    x: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    positions: Option<&[u32]>,
+) {
+    rotate(out, x, inv_freq, heads, positions, 1.0)
 }
 
 /// The backward (the rotation by the opposite angles), on checked operands.
-pub(crate) fn backward(dx: &mut Tensor, dout: &Tensor, inv_freq: &[f32], heads: Heads) {
-    rotate(dx, dout, inv_freq, heads, -1.0)
+pub(crate) fn backward(
+    dx: &mut Tensor,
+    dout: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    positions: Option<&[u32]>,
+) {
+    rotate(dx, dout, inv_freq, heads, positions, -1.0)
 }
 
 #[cfg(test)]

@@ -24,12 +24,14 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
 };
 
 /// Turns the query and key heads of `x` into `out` by `sign` times each angle.
+#[allow(clippy::too_many_arguments)]
 fn rotate(
     be: &CudaBackend,
     out: &mut Tensor,
     x: &Tensor,
     inv_freq: &[f32],
     heads: Heads,
+    positions: Option<&[u32]>,
     sign: f32,
     op: &'static str,
 ) -> Result<()> {
@@ -69,7 +71,8 @@ fn rotate(
             .i64(w)
             .i64(heads.q_width() + heads.kv_width())
             .i64(heads.head_dim)
-            .f32(sign),
+            .f32(sign)
+            .ptr(be.positions_ptr(positions)?),
     )
 }
 
@@ -79,8 +82,9 @@ pub(crate) fn forward(
     x: &Tensor,
     inv_freq: &[f32],
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
-    rotate(be, out, x, inv_freq, heads, 1.0, "rope")
+    rotate(be, out, x, inv_freq, heads, positions, 1.0, "rope")
 }
 
 pub(crate) fn backward(
@@ -89,6 +93,16 @@ pub(crate) fn backward(
     dout: &Tensor,
     inv_freq: &[f32],
     heads: Heads,
+    positions: Option<&[u32]>,
 ) -> Result<()> {
-    rotate(be, dx, dout, inv_freq, heads, -1.0, "rope_backward")
+    rotate(
+        be,
+        dx,
+        dout,
+        inv_freq,
+        heads,
+        positions,
+        -1.0,
+        "rope_backward",
+    )
 }

@@ -28,12 +28,26 @@ pub fn forward(
     inv_freq: &[f32],
     heads: Heads,
 ) -> Result<()> {
+    forward_in_documents(be, out, x, inv_freq, heads, None)
+}
+
+/// [`forward`] with each token turned by its position in its document (`positions`
+/// `[B·T]`, see [`crate::ops::positions`]; `None` is [`forward`]).
+pub fn forward_in_documents(
+    be: &(impl Backend + ?Sized),
+    out: &mut Tensor,
+    x: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Rotate {
         name: "rope",
         out,
         x,
         inv_freq,
         heads,
+        positions,
     })
 }
 
@@ -45,12 +59,25 @@ pub fn backward(
     inv_freq: &[f32],
     heads: Heads,
 ) -> Result<()> {
+    backward_in_documents(be, dx, dout, inv_freq, heads, None)
+}
+
+/// Backward of [`forward_in_documents`] (the same `positions`).
+pub fn backward_in_documents(
+    be: &(impl Backend + ?Sized),
+    dx: &mut Tensor,
+    dout: &Tensor,
+    inv_freq: &[f32],
+    heads: Heads,
+    positions: Option<&[u32]>,
+) -> Result<()> {
     be.run(&mut Rotate {
         name: "rope_backward",
         out: dx,
         x: dout,
         inv_freq,
         heads,
+        positions,
     })
 }
 
@@ -61,6 +88,7 @@ struct Rotate<'a> {
     x: &'a Tensor,
     inv_freq: &'a [f32],
     heads: Heads,
+    positions: Option<&'a [u32]>,
 }
 
 impl OpKernel for Rotate<'_> {
@@ -74,7 +102,11 @@ impl OpKernel for Rotate<'_> {
 
     fn check(&self) -> Result<()> {
         ensure_float(self.name, &[self.out, self.x])?;
-        check(self.name, self.out, self.x, self.inv_freq, self.heads)
+        check(self.name, self.out, self.x, self.inv_freq, self.heads)?;
+        match (self.positions, self.x.shape()) {
+            (Some(p), &[b, t, _]) => super::positions::check(self.name, p, b, t),
+            _ => Ok(()),
+        }
     }
 
     fn flops(&self) -> u64 {
@@ -84,19 +116,21 @@ impl OpKernel for Rotate<'_> {
     }
 
     fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        let (inv_freq, heads, positions) = (self.inv_freq, self.heads, self.positions);
         if self.name == "rope" {
-            cpu::forward(self.out, self.x, self.inv_freq, self.heads);
+            cpu::forward(self.out, self.x, inv_freq, heads, positions);
         } else {
-            cpu::backward(self.out, self.x, self.inv_freq, self.heads);
+            cpu::backward(self.out, self.x, inv_freq, heads, positions);
         }
         Ok(())
     }
 
     fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        let (inv_freq, heads, positions) = (self.inv_freq, self.heads, self.positions);
         if self.name == "rope" {
-            cuda::forward(be, self.out, self.x, self.inv_freq, self.heads)
+            cuda::forward(be, self.out, self.x, inv_freq, heads, positions)
         } else {
-            cuda::backward(be, self.out, self.x, self.inv_freq, self.heads)
+            cuda::backward(be, self.out, self.x, inv_freq, heads, positions)
         }
     }
 }
@@ -145,7 +179,8 @@ pub(crate) fn check(
 
 /// Rotary position embedding in Hugging Face's rotate-half layout (see
 /// [`forward`]) of the query and key heads of `x`
-/// (`[B, T, (H + 2·KV)·D]`); the values pass through.
+/// (`[B, T, (H + 2·KV)·D]`); the values pass through. Each token turns by its position in
+/// its document where the batch has positions ([`ForwardCx::positions`]).
 ///
 /// Input: `x`. Output: the rotated projection, shaped as `x`. Backward reads nothing (the
 /// rotation is linear), so `x` is freed as soon as it is rotated.
@@ -179,12 +214,13 @@ impl Op for Rope {
 
     fn forward(&self, cx: &mut ForwardCx<'_>) -> Result<()> {
         let mut out = cx.alloc(0)?;
-        forward(
+        forward_in_documents(
             cx.backend,
             &mut out,
             cx.input(0)?,
             &self.inv_freq,
             self.heads,
+            cx.positions,
         )?;
         cx.outputs[0] = Some(out);
         Ok(())
@@ -193,6 +229,9 @@ impl Op for Rope {
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
         let dout = cx.take_grad_out(0)?;
-        cx.grads_in[0].overwrite(be, |dx| backward(be, dx, &dout, &self.inv_freq, self.heads))
+        let positions = cx.positions;
+        cx.grads_in[0].overwrite(be, |dx| {
+            backward_in_documents(be, dx, &dout, &self.inv_freq, self.heads, positions)
+        })
     }
 }
