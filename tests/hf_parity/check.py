@@ -28,6 +28,13 @@ with ChatML's special tokens and a template whose assistant turns are `{% genera
 blocks; `trainkit prepare --chat` writes the token ids `apply_chat_template` gives and
 trains exactly the positions of its `assistant_masks`.
 
+And document masking against each document run alone, in float64: rows that hold several
+documents, each ending at a separator (`train --document-mask --separator-id`), on a GPT-2
+(learned positions) and a Llama (rotary) made by transformers: trainkit's loss of one step
+(and `eval --document-mask`) is the token-weighted mean of the documents' solo losses, and
+its gradient (read back from one plain SGD step of learning rate 1) their token-weighted
+mean gradient; the position holding a separator predicts nothing.
+
 Not part of `cargo test` (it needs PyTorch): run it by hand, with a Python that has
 torch, transformers, peft, safetensors and numpy installed:
 
@@ -180,6 +187,7 @@ def main():
     ok &= check_lora(tk, work, tokens_bin, tokens)
     ok &= check_qlora(tk, work, tokens_bin, tokens)
     ok &= check_chat(tk, work, args.text)
+    ok &= check_documents(tk, work)
     print("OK" if ok else "MISMATCH")
     sys.exit(0 if ok else 1)
 
@@ -568,4 +576,80 @@ def check_chat(tk, work, text_path):
           f"trained positions "
           f"{'equal' if ok else 'DIFFER'} to apply_chat_template's input_ids and "
           f"assistant_masks")
+    return ok
+
+
+def check_documents(tk, work):
+    """Rows of several documents against each document alone (float64)."""
+    from transformers import GPT2Config
+    rng = np.random.default_rng(3)
+    sep, seq, lengths = 0, 48, [[11, 30, 7], [20, 28]]
+    docs = []
+    for row in lengths:
+        assert sum(row) == seq
+        for n in row:
+            docs.append(np.concatenate([rng.integers(1, 256, n - 1), [sep]]))
+    stream = np.concatenate(docs + [np.array([sep])]).astype(np.uint16)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, len(stream)]
+    data = os.path.join(work, "documents.bin")
+    with open(data, "wb") as f:
+        f.write(header.tobytes())
+        f.write(stream.tobytes())
+    counted = sum(len(d) - 1 for d in docs)
+    ok = True
+    models = [
+        ("gpt2", GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256,
+                                            n_positions=64, attn_implementation="eager"))),
+        ("llama", LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=64,
+            rms_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            attn_implementation="eager"))),
+    ]
+    for name, model in models:
+        torch.manual_seed(1)
+        start = os.path.join(work, f"documents-{name}")
+        model.float().save_pretrained(start)
+        # Each document alone, in float64: the token-weighted mean of their losses.
+        ref = model.double().eval()  # no dropout
+        ref.zero_grad()
+        total = 0
+        for d in docs:
+            ids = torch.tensor(d[None, :], dtype=torch.int64)
+            logits = ref(ids).logits[0]
+            total = total + F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+        loss = total / counted
+        loss.backward()
+        grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+        flags = ["--document-mask", "--separator-id", str(sep), "--batch-size",
+                 str(len(lengths)), "--seq-len", str(seq), "--device", "cpu"]
+        log = os.path.join(work, f"documents-{name}.jsonl")
+        out = os.path.join(work, f"documents-{name}-trained")
+        run([tk, "train", "--data", data, "--val-data", data, "--tokenizer", "bytes",
+             "--init-from", start,
+             "--steps", "1", "--optimizer", "sgd", "--lr", "1", "--lr-schedule", "constant",
+             "--warmup-steps", "0", "--weight-decay", "0", "--grad-clip", "0",
+             "--eval-every", "0", "--log-json", log, "--out", out] + flags)
+        tk_loss = json.loads(open(log).readline())["loss"]
+        tk_eval = json.loads(run([tk, "eval", "--model", start, "--data", data, "--tokenizer",
+                                  "bytes", "--batches", "1", "--json"] + flags))
+        before = load_file(os.path.join(start, "model.safetensors"))
+        after = load_file(os.path.join(out, "model.safetensors"))
+        worst, scale = 0.0, max(np.abs(g).max() for g in grads.values())
+        for n, g in grads.items():
+            if n not in after:
+                continue  # a tied head: the embedding's gradient covers it
+            got = before[n].astype(np.float64) - after[n].astype(np.float64)
+            worst = max(worst, np.abs(got - g).max())
+        d_loss = max(abs(tk_loss - loss.item()), abs(tk_eval["loss"] - loss.item()))
+        good = d_loss < 1e-5 and worst < 1e-5 * max(scale, 1.0) and \
+            tk_eval["trained_tokens"] == counted
+        print(f"documents {name}: {len(docs)} documents in {len(lengths)} rows of {seq}; "
+              f"loss trainkit {tk_loss:.7f} (eval {tk_eval['loss']:.7f}) against each "
+              f"document alone {loss.item():.7f}; gradients max |diff| {worst:.2e} "
+              f"(largest {scale:.2e}); {tk_eval['trained_tokens']} of {counted} positions "
+              f"trained {'OK' if good else 'MISMATCH'}")
+        ok &= good
     return ok
