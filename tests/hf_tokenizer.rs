@@ -662,7 +662,7 @@ fn prepare_chat_masks_what_the_assistant_says() {
     let chat = dir.path("chat.jsonl");
     fs::write(&chat, rows.join("\n")).unwrap();
     let out = dir.path("data/chat.bin");
-    let prepare = |extra: &[&str]| {
+    let prepare = |seq: &str, extra: &[&str]| {
         let mut args = vec![
             "prepare",
             "--chat",
@@ -672,20 +672,20 @@ fn prepare_chat_masks_what_the_assistant_says() {
             "--out",
             s(&out),
             "--seq-len",
-            "64",
+            seq,
             "--val-fraction",
             "0",
         ];
         args.extend_from_slice(extra);
         trainkit(&args)
     };
-    let (ok, _, err) = prepare(&[]);
+    let (ok, _, err) = prepare("64", &[]);
     assert!(!ok);
     assert!(
         err.contains("chat.jsonl line 4") && err.contains("empty conversation"),
         "{err}"
     );
-    let (ok, stdout, err) = prepare(&["--skip-bad-rows"]);
+    let (ok, stdout, err) = prepare("64", &["--skip-bad-rows"]);
     assert!(ok, "{stdout}\n{err}");
     assert!(
         stdout.contains("3 conversations") && stdout.contains("1 rows"),
@@ -749,7 +749,7 @@ fn prepare_chat_masks_what_the_assistant_says() {
             "--n-embd",
             "8",
             "--n-positions",
-            "64",
+            seq,
             "--seq-len",
             seq,
             "--batch-size",
@@ -792,4 +792,50 @@ fn prepare_chat_masks_what_the_assistant_says() {
     let (ok, _, err) = train("32", &[]);
     assert!(!ok);
     assert!(err.contains("--seq-len 64"), "{err}");
+
+    // Packed: the three conversations whole in one row of 256, each a document of its own
+    // (its first token flagged), then padding that is a document too.
+    let (ok, stdout, err) = prepare("256", &["--skip-bad-rows", "--pack"]);
+    assert!(ok, "{stdout}\n{err}");
+    assert!(stdout.contains("packed into 1 train"), "{stdout}");
+    let tokens = read_token_file(&out).unwrap();
+    let flags = fs::read(flags_path_for(&out)).unwrap()[1024..].to_vec();
+    assert_eq!(tokens.len(), 257);
+    let mut at = 0;
+    for text in rendered {
+        let ids = reference_ids(&model.join("tokenizer.json"), text);
+        assert_eq!(tokens[at..at + ids.len()], ids[..]);
+        assert_eq!(flags[at], DOCUMENT_START);
+        assert!(flags[at + 1..at + ids.len()]
+            .iter()
+            .all(|&f| f & DOCUMENT_START == 0));
+        at += ids.len();
+    }
+    assert_eq!(flags[at], DOCUMENT_START, "the padding starts a document");
+    assert!(tokens[at..256].iter().all(|&t| t == eot));
+    let packed = dir.path("packed");
+    let (ok, stdout, err) = train("256", &["--out", s(&packed), "--val-data", s(&out)]);
+    assert!(ok, "{stdout}\n{err}");
+    let (ok, stdout, err) = trainkit(&[
+        "eval",
+        "--model",
+        s(&packed),
+        "--data",
+        s(&out),
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "1",
+        "--batches",
+        "1",
+        "--json",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{stdout}\n{err}");
+    let trained = flags[1..].iter().filter(|&&f| f & TRAINED != 0).count();
+    assert!(
+        stdout.contains(&format!("\"trained_tokens\":{trained}")),
+        "{stdout}"
+    );
 }

@@ -392,6 +392,40 @@ mod tests {
         assert_eq!(l.cursor().epoch, 1);
     }
 
+    /// A stream cut at a separator: the separator ends its document, the position holding
+    /// it predicts nothing, positions restart after it (and at every row).
+    #[test]
+    fn separators_end_documents() {
+        const S: u32 = 9;
+        let tokens = vec![1, 2, S, 3, 4, 5, S, 6, 7, S, 8];
+        let mut l = DataLoader::new(tokens, 2, 5).unwrap().separated_by(Some(S));
+        let b = l.next_batch();
+        assert_eq!(b.inputs, [1, 2, S, 3, 4, 5, S, 6, 7, S]);
+        assert_eq!(b.targets, [2, S, IGNORE, 4, 5, S, IGNORE, 7, S, IGNORE]);
+        assert_eq!(b.positions.unwrap(), [0, 1, 2, 0, 1, 0, 1, 0, 1, 2]);
+        // Without the separator: one document per row, every target trained.
+        let mut l = DataLoader::new(vec![1, 2, S, 3, 4, 5], 1, 5).unwrap();
+        let b = l.next_batch();
+        assert_eq!((b.positions.is_none(), b.counted()), (true, 5));
+    }
+
+    /// Packed rows: documents start where the flags say, and no position predicts the
+    /// next document's first token, whatever its trained flag.
+    #[test]
+    fn flagged_documents_restart_positions() {
+        use crate::data::token_flags::DOCUMENT_START as D;
+        const T: u8 = TRAINED;
+        let shard = Shard::from_tokens_and_flags(
+            vec![1u32, 2, 3, 4, 5, 6, 7],
+            vec![D, T, T, D | T, T, D, D],
+        )
+        .unwrap();
+        let mut l = DataLoader::new(TokenDataset::from_shards(vec![shard]), 1, 6).unwrap();
+        let b = l.next_batch();
+        assert_eq!(b.targets, [2, 3, IGNORE, 5, IGNORE, IGNORE]);
+        assert_eq!(b.positions.unwrap(), [0, 1, 2, 0, 1, 0]);
+    }
+
     #[test]
     fn too_little_data_is_an_error() {
         let err = DataLoader::new(vec![1u32; 10], 2, 5).unwrap_err();

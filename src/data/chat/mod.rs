@@ -557,6 +557,41 @@ mod tests {
     }
 
     #[test]
+    fn packing_fills_rows_with_whole_examples_in_order() {
+        let piece = |n: usize| {
+            vec![Example {
+                tokens: vec![n as u32; n],
+                flags: std::iter::once(DOCUMENT_START)
+                    .chain(std::iter::repeat_n(TRAINED, n - 1))
+                    .collect(),
+                used: n,
+            }]
+        };
+        let rows = lay_out(vec![piece(3), piece(4), piece(2), piece(5)], 8, 0, true);
+        let tokens: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
+        assert_eq!(
+            tokens,
+            [vec![3, 3, 3, 4, 4, 4, 4, 0], vec![2, 2, 5, 5, 5, 5, 5, 0]]
+        );
+        let d = DOCUMENT_START;
+        assert_eq!(rows[0].flags, [d, 1, 1, d, 1, 1, 1, d]);
+        assert_eq!(rows.iter().map(|r| r.used).collect::<Vec<_>>(), [7, 7]);
+        // Unpacked: one example per row, the padding in the example's document.
+        let rows = lay_out(vec![piece(3), piece(4)], 8, 0, false);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].flags, [d, 1, 1, 0, 0, 0, 0, 0]);
+        // The seeded shuffle is a permutation, the same for the same seed.
+        let mut a: Vec<u32> = (0..20).collect();
+        let mut b = a.clone();
+        shuffle(&mut a, 4);
+        shuffle(&mut b, 4);
+        assert_eq!(a, b);
+        assert_ne!(a, (0..20).collect::<Vec<_>>());
+        a.sort();
+        assert_eq!(a, (0..20).collect::<Vec<_>>());
+    }
+
+    #[test]
     fn masks_choose_the_trained_turns() {
         let end = "<|im_end|>\n";
         let (_, tokens, flags) = run(
