@@ -162,3 +162,41 @@ fn a_packed_row_gives_each_document_its_solo_loss_and_gradients() {
         }
     }
 }
+
+/// Document masking needs a separator: the bytes tokenizer has none, so it must be named;
+/// the built-in corpus is one document.
+#[test]
+fn document_masking_without_a_separator_is_a_clear_error() {
+    let dir = common::scratch("documents-cli");
+    let text = dir.join("t.txt");
+    std::fs::write(&text, "to be or not to be\n".repeat(200)).unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--steps",
+            "1",
+            "--n-layer",
+            "1",
+            "--n-head",
+            "1",
+            "--n-embd",
+            "8",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "1",
+            "--device",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        common::trainkit(&args)
+    };
+    let t = text.to_str().unwrap();
+    let (ok, _, err) = train(&["--data", t, "--tokenizer", "bytes", "--document-mask"]);
+    assert!(!ok && err.contains("--separator-id"), "{err}");
+    let (ok, _, err) = train(&["--document-mask"]);
+    assert!(!ok && err.contains("--document-mask"), "{err}");
+    // With the newline as the separator it trains.
+    let (ok, out, err) = train(&["--data", t, "--tokenizer", "bytes", "--separator-id", "10"]);
+    assert!(ok, "{out}\n{err}");
+}
