@@ -802,9 +802,12 @@ fn attention_matches_the_cpu() {
 
 /// The fused attention (forward: output and log-sum-exp; backward: all of dqkv) against
 /// the CPU's, for multi-head, grouped-query and multi-query heads, head widths from 16 to
-/// 128 and sequences that do not fill a tile.
+/// 128 and sequences that do not fill a tile; and over rows of several documents
+/// (`ops::positions`), which start inside tiles and on a 64-row tile's first row (so whole
+/// tiles are skipped).
 #[test]
 fn flash_attention_matches_the_cpu() {
+    use trainkit::ops::positions;
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(11);
     for (name, cuda) in cuda_backends() {
@@ -815,6 +818,7 @@ fn flash_attention_matches_the_cpu() {
             (1, 33, 4, 1, 128),
             (2, 19, 4, 1, 32),
             (1, 1, 1, 1, 8),
+            (2, 151, 2, 1, 32),
         ] {
             let heads = Heads {
                 n_head: h,
@@ -822,8 +826,11 @@ fn flash_attention_matches_the_cpu() {
                 head_dim: hd,
             };
             let (c, w) = (heads.q_width(), heads.qkv_width());
-            for dt in DTYPES {
-                let what = format!("b={b} t={t} {heads:?} {dt}");
+            let starts = [t / 3, 64, 65, t + t / 2];
+            let documents = positions::from_document_starts(b, t, |k| starts.contains(&k));
+            let layouts = [None, Some(&documents[..])];
+            for (dt, pos) in DTYPES.into_iter().flat_map(|d| layouts.map(|p| (d, p))) {
+                let what = format!("b={b} t={t} {heads:?} {dt} documents {}", pos.is_some());
                 let qkv = pair(
                     &cpu,
                     &cuda,
@@ -833,9 +840,17 @@ fn flash_attention_matches_the_cpu() {
                 );
                 let mut o = out(&cpu, &cuda, &[b, t, c], dt);
                 let mut lse = out(&cpu, &cuda, &[b, h, t], DType::F32);
-                flash_attention::forward(&cpu, &mut o.cpu, &mut lse.cpu, &qkv.cpu, heads).unwrap();
-                flash_attention::forward(&*cuda, &mut o.cuda, &mut lse.cuda, &qkv.cuda, heads)
-                    .unwrap();
+                for (be, o, lse, qkv) in [
+                    (&cpu as &dyn Backend, &mut o.cpu, &mut lse.cpu, &qkv.cpu),
+                    (
+                        &*cuda as &dyn Backend,
+                        &mut o.cuda,
+                        &mut lse.cuda,
+                        &qkv.cuda,
+                    ),
+                ] {
+                    flash_attention::forward_in_documents(be, o, lse, qkv, heads, pos).unwrap();
+                }
                 compare(
                     &format!("flash_attention out {what}"),
                     name,
@@ -860,26 +875,27 @@ fn flash_attention_matches_the_cpu() {
                     dt,
                 );
                 let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
-                flash_attention::backward(
-                    &cpu,
-                    &mut dqkv.cpu,
-                    &dout.cpu,
-                    &o.cpu,
-                    &lse.cpu,
-                    &qkv.cpu,
-                    heads,
-                )
-                .unwrap();
-                flash_attention::backward(
-                    &*cuda,
-                    &mut dqkv.cuda,
-                    &dout.cuda,
-                    &o.cuda,
-                    &lse.cuda,
-                    &qkv.cuda,
-                    heads,
-                )
-                .unwrap();
+                for (be, dqkv, dout, o, lse, qkv) in [
+                    (
+                        &cpu as &dyn Backend,
+                        &mut dqkv.cpu,
+                        &dout.cpu,
+                        &o.cpu,
+                        &lse.cpu,
+                        &qkv.cpu,
+                    ),
+                    (
+                        &*cuda as &dyn Backend,
+                        &mut dqkv.cuda,
+                        &dout.cuda,
+                        &o.cuda,
+                        &lse.cuda,
+                        &qkv.cuda,
+                    ),
+                ] {
+                    flash_attention::backward_in_documents(be, dqkv, dout, o, lse, qkv, heads, pos)
+                        .unwrap();
+                }
                 compare(
                     &format!("flash_attention_backward dqkv {what}"),
                     name,
@@ -2275,9 +2291,9 @@ fn lora_steps_match_the_cpu(nf4: bool) {
     }
 }
 
-/// Rows of several documents (`ops::positions`): the fused attention (documents crossing
-/// and filling whole 64-row tiles, so tiles are skipped), the materialized softmax (bit for
-/// bit), rotary and learned position embeddings with their backward, against the CPU.
+/// Rows of several documents (`ops::positions`; the fused attention's are in
+/// `flash_attention_matches_the_cpu`): the materialized softmax (bit for bit), rotary and
+/// learned position embeddings with their backward, against the CPU.
 #[test]
 fn document_masking_matches_the_cpu() {
     use trainkit::ops::positions;
@@ -2294,7 +2310,7 @@ fn document_masking_matches_the_cpu() {
                 n_kv_head: kv,
                 head_dim: hd,
             };
-            let (c, w) = (heads.q_width(), heads.qkv_width());
+            let w = heads.qkv_width();
             for dt in DTYPES {
                 let what = format!("documents {heads:?} {dt}");
                 let qkv = pair(
@@ -2304,64 +2320,6 @@ fn document_masking_matches_the_cpu() {
                     &[b, t, w],
                     dt,
                 );
-                let mut o = out(&cpu, &cuda, &[b, t, c], dt);
-                let mut lse = out(&cpu, &cuda, &[b, h, t], DType::F32);
-                for (be, o, lse, qkv) in [
-                    (&cpu as &dyn Backend, &mut o.cpu, &mut lse.cpu, &qkv.cpu),
-                    (
-                        &*cuda as &dyn Backend,
-                        &mut o.cuda,
-                        &mut lse.cuda,
-                        &qkv.cuda,
-                    ),
-                ] {
-                    flash_attention::forward_in_documents(be, o, lse, qkv, heads, Some(&pos))
-                        .unwrap();
-                }
-                compare(&format!("flash out {what}"), name, &cpu, &cuda, &o);
-                let want = cpu.to_f32(&lse.cpu).unwrap();
-                let got = cuda.to_f32(&lse.cuda).unwrap();
-                check(&format!("flash lse {what}"), name, &got, &want, dt);
-                let dout = pair(
-                    &cpu,
-                    &cuda,
-                    &randn(&mut rng, b * t * c, 1.0),
-                    &[b, t, c],
-                    dt,
-                );
-                let mut dqkv = out(&cpu, &cuda, &[b, t, w], dt);
-                for (be, dqkv, dout, o, lse, qkv) in [
-                    (
-                        &cpu as &dyn Backend,
-                        &mut dqkv.cpu,
-                        &dout.cpu,
-                        &o.cpu,
-                        &lse.cpu,
-                        &qkv.cpu,
-                    ),
-                    (
-                        &*cuda as &dyn Backend,
-                        &mut dqkv.cuda,
-                        &dout.cuda,
-                        &o.cuda,
-                        &lse.cuda,
-                        &qkv.cuda,
-                    ),
-                ] {
-                    flash_attention::backward_in_documents(
-                        be,
-                        dqkv,
-                        dout,
-                        o,
-                        lse,
-                        qkv,
-                        heads,
-                        Some(&pos),
-                    )
-                    .unwrap();
-                }
-                compare(&format!("flash dqkv {what}"), name, &cpu, &cuda, &dqkv);
-
                 // The materialized softmax over each document's keys: bit for bit.
                 let sq = [b, h, t, t];
                 let s = pair(&cpu, &cuda, &randn(&mut rng, b * h * t * t, 2.0), &sq, dt);
@@ -2480,6 +2438,65 @@ fn document_masking_matches_the_cpu() {
                 &cuda,
                 &dwte,
             );
+        }
+    }
+}
+
+/// Two steps on packed rows (documents flagged in the mask, as `prepare --chat --pack`
+/// writes them): a GPT-2 (learned positions) and a Llama (rotary) on CUDA track the CPU's
+/// losses, gradients and weights in f32 and bf16.
+#[test]
+fn packed_rows_train_as_on_the_cpu() {
+    use trainkit::data::token_flags::{DOCUMENT_START, TRAINED};
+    use trainkit::data::{DataLoader, Shard, TokenDataset};
+    let mut rng = Rng::new(9);
+    let (mut tokens, mut flags) = (Vec::new(), Vec::new());
+    for n in [5usize, 20, 7, 10, 22, 32, 1, 31] {
+        for i in 0..n {
+            // Within both models' vocabularies (the Llama's has 200 ids).
+            tokens.push(rng.below(200) as u32);
+            flags.push(if i == 0 { DOCUMENT_START } else { TRAINED });
+        }
+    }
+    tokens.push(0);
+    flags.push(DOCUMENT_START);
+    let shard = Shard::from_tokens_and_flags(tokens, flags).unwrap();
+    let data = DataLoader::new(TokenDataset::from_shards(vec![shard]), 2, 32).unwrap();
+    let run = |backend: Arc<dyn Backend>, llama: bool, bf16: bool, steps: usize| {
+        let model: Box<dyn trainkit::Model> = if llama {
+            Box::new(tiny_llama())
+        } else {
+            Box::new(Gpt2::new(tiny_config()).unwrap())
+        };
+        let precision: Box<dyn Precision> = if bf16 {
+            Box::new(MixedBf16::default())
+        } else {
+            Box::new(trainkit::Fp32)
+        };
+        let mut t = Trainer::builder(model, backend, data.clone())
+            .precision(precision)
+            .build()
+            .unwrap();
+        let losses: Vec<f64> = (0..steps).map(|_| t.step().unwrap().loss).collect();
+        let grads = if steps > 0 { grads(&t) } else { Vec::new() };
+        (losses, grads, values(&t))
+    };
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    for llama in [false, true] {
+        let init = run(cpu.clone(), llama, false, 0).2;
+        for bf16 in [false, true] {
+            let want = run(cpu.clone(), llama, bf16, 2);
+            for (name, cuda) in cuda_backends() {
+                let got = run(cuda.clone(), llama, bf16, 2);
+                let dt = if bf16 { DType::Bf16 } else { DType::F32 };
+                check_run(
+                    &format!("{name} packed llama={llama}"),
+                    &got,
+                    &want,
+                    &init,
+                    dt,
+                );
+            }
         }
     }
 }

@@ -70,7 +70,7 @@ pub struct CudaBackend {
     pub(super) bias_grad_epilogue: AtomicBool,
     /// The values [`CudaBackend::kept_u32`] keeps on the device, with their host copy:
     /// one list per label.
-    kept: Mutex<Vec<(Vec<u32>, Tensor)>>,
+    kept: Mutex<Vec<(Vec<u32>, Arc<Tensor>)>>,
 }
 
 /// How the figures of an out-of-memory error begin ([`CudaBackend::explain`] adds them
@@ -260,27 +260,32 @@ impl CudaBackend {
 
     /// `values` on the device, uploaded once while the calls ask for the same values under
     /// the same label (the targets of one loss, read chunk by chunk; a batch's positions,
-    /// read by every layer): the address of a workspace tensor the backend keeps until it
-    /// is asked for other values under that label. One list is kept per label.
-    pub(crate) fn kept_u32(&self, values: &[u32], label: &str) -> Result<DevicePtr> {
+    /// read by every layer): a workspace tensor the backend keeps until it is asked for
+    /// other values under that label (one list per label). The caller holds the handle
+    /// while it queues the launches that read it, so a call from another thread that
+    /// replaces the list cannot free it under them.
+    pub(crate) fn kept_u32(&self, values: &[u32], label: &str) -> Result<Arc<Tensor>> {
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((host, t)) = kept.iter().find(|(_, t)| t.label() == label) {
             if host.as_slice() == values {
-                return ptr(t);
+                return Ok(t.clone());
             }
         }
-        // The old list is freed (stream-ordered, after the kernels that read it) first.
+        // The old list is freed (stream-ordered, after the kernels that read it) once
+        // nobody holds it.
         kept.retain(|(_, t)| t.label() != label);
-        let t = self.upload_u32(values, label)?;
-        let p = ptr(&t)?;
-        kept.push((values.to_vec(), t));
-        Ok(p)
+        let t = Arc::new(self.upload_u32(values, label)?);
+        kept.push((values.to_vec(), t.clone()));
+        Ok(t)
     }
 
-    /// The device address of a batch's `positions` ([`CudaBackend::kept_u32`], so every
-    /// layer reads one upload), or 0 (a null pointer: the kernels' plain layout) without.
-    pub(crate) fn positions_ptr(&self, positions: Option<&[u32]>) -> Result<DevicePtr> {
-        positions.map_or(Ok(0), |p| self.kept_u32(p, "batch.positions"))
+    /// A batch's `positions` on the device ([`CudaBackend::kept_u32`], so every layer
+    /// reads one upload), or none (the kernels' plain layout, a null pointer).
+    pub(crate) fn positions(&self, positions: Option<&[u32]>) -> Result<KeptPositions> {
+        positions
+            .map(|p| self.kept_u32(p, "batch.positions"))
+            .transpose()
+            .map(KeptPositions)
     }
 
     /// `t` as `dtype`: `t` itself, or a cast copy in the workspace.
@@ -405,6 +410,17 @@ impl std::ops::Deref for Operand<'_> {
             Operand::Borrowed(t) => t,
             Operand::Owned(t) => t,
         }
+    }
+}
+
+/// A batch's positions on the device while launches that read them are queued
+/// ([`CudaBackend::positions`]).
+pub(crate) struct KeptPositions(Option<Arc<Tensor>>);
+
+impl KeptPositions {
+    /// The address the kernels take: the positions, or 0 (null) without.
+    pub(crate) fn ptr(&self) -> Result<DevicePtr> {
+        self.0.as_deref().map_or(Ok(0), ptr)
     }
 }
 

@@ -114,6 +114,7 @@ pub(crate) fn softmax(
     if rows == 0 {
         return Ok(());
     }
+    let pos = be.positions(positions)?;
     be.launch(
         &format!("softmax_causal_{}", scores.dtype()),
         be.grid_rows(rows),
@@ -124,7 +125,7 @@ pub(crate) fn softmax(
             .i64(rows)
             .i64(t)
             .i64(scores.shape()[1])
-            .ptr(be.positions_ptr(positions)?),
+            .ptr(pos.ptr()?),
     )
 }
 

@@ -36,7 +36,8 @@ pub(crate) fn forward(
     if rows == 0 {
         return Ok(());
     }
-    let targets = be.kept_u32(all, "cross_entropy.targets")? + 4 * start as u64;
+    let kept = be.kept_u32(all, "cross_entropy.targets")?;
+    let targets = ptr(&kept)? + 4 * start as u64;
     be.launch(
         &format!("cross_entropy_{}", logits.dtype()),
         be.grid_rows(rows),

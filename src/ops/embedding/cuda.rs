@@ -56,6 +56,7 @@ pub(crate) fn forward(
     let has_wpe = wpe.is_some();
     let wpe = be.as_dtype(wpe.unwrap_or(&wte), dt)?;
     let toks = be.upload_u32(tokens, "embedding.tokens")?;
+    let pos = be.positions(positions)?;
     be.launch(
         &format!("embedding_{dt}"),
         be.grid(b * t * c),
@@ -69,7 +70,7 @@ pub(crate) fn forward(
             .i64(t)
             .i64(c)
             .i64(has_wpe as usize)
-            .ptr(be.positions_ptr(positions)?),
+            .ptr(pos.ptr()?),
     )
 }
 

@@ -81,6 +81,7 @@ pub(crate) fn forward(
     if out.numel() == 0 {
         return Ok(());
     }
+    let pos = be.positions(positions)?;
     be.launch(
         &format!("flash_attention_forward_{}", qkv.dtype()),
         blocks(&d, heads.n_head, FORWARD_COLS, OP)?,
@@ -95,7 +96,7 @@ pub(crate) fn forward(
             .i64(heads.n_kv_head)
             .i64(heads.head_dim)
             .f32(scale(&d))
-            .ptr(be.positions_ptr(positions)?),
+            .ptr(pos.ptr()?),
     )
 }
 
@@ -138,7 +139,7 @@ pub(crate) fn backward(
             .i64(heads.n_head)
             .i64(heads.head_dim),
     )?;
-    let pos = be.positions_ptr(positions)?;
+    let pos = be.positions(positions)?;
     let args = || -> Result<Args> {
         Ok(Args::new()
             .ptr(ptr(dqkv)?)
@@ -152,7 +153,7 @@ pub(crate) fn backward(
             .i64(heads.n_kv_head)
             .i64(heads.head_dim)
             .f32(scale(&d))
-            .ptr(pos))
+            .ptr(pos.ptr()?))
     };
     be.launch(
         &format!("flash_attention_backward_dkv_{dt}"),

@@ -58,6 +58,7 @@ fn rotate(
     })?;
     freq[..inv_freq.len()].copy_from_slice(inv_freq);
     let bytes: Vec<u8> = freq.iter().flat_map(|f| f.to_le_bytes()).collect();
+    let pos = be.positions(positions)?;
     be.launch(
         &format!("rope_{dt}"),
         be.grid(rows * w),
@@ -72,7 +73,7 @@ fn rotate(
             .i64(heads.q_width() + heads.kv_width())
             .i64(heads.head_dim)
             .f32(sign)
-            .ptr(be.positions_ptr(positions)?),
+            .ptr(pos.ptr()?),
     )
 }
 
