@@ -130,6 +130,29 @@ fn plot_draws_every_policy() {
     for name in ["none", "selective", "full", "model state", "8k"] {
         assert!(svg.contains(name), "{name} missing from the plot");
     }
+    // GPT-2's context ends at 1024: beyond it trainkit builds no model, so the plot is the
+    // formula's, and says so.
+    assert!(
+        svg.contains("recompute full, formula"),
+        "the legend names the source"
+    );
+    assert!(
+        out.contains("the playbook's formula (trainkit builds no exact"),
+        "{out}"
+    );
+
+    // A rotary model of any length: trainkit's exact figures, the formula dashed.
+    let (ok, out, err) = trainkit(&["--model", "smollm2-135m", "--plot", path.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("trainkit's exact figures"), "{out}");
+    let svg = std::fs::read_to_string(&path).unwrap();
+    for name in [
+        "trainkit exact (fused attention, fused loss)",
+        "recompute none, exact",
+        "recompute full, playbook formula",
+    ] {
+        assert!(svg.contains(name), "{name} missing from the plot");
+    }
 }
 
 #[test]

@@ -1,5 +1,7 @@
 //! The playbook's "activation explosion" figure: activation memory against sequence
-//! length for each recompute policy, beside the model state, as an SVG file.
+//! length for each recompute policy, beside the model state, as an SVG file: trainkit's
+//! exact figures (meta runs of the model it builds) where it has them, with the playbook's
+//! formula drawn dashed beside them for reference.
 
 use super::formulas::ActivationShape;
 use crate::checkpoint::by_cost;
@@ -18,8 +20,11 @@ pub struct ActivationSweep {
     /// Sequence lengths, increasing (powers of two and points between them).
     pub seq_lens: Vec<u64>,
     /// Activation bytes per sequence length, for each shipped recompute policy (by its
-    /// `kind`, in the order of [`crate::checkpoint::by_cost`]).
+    /// `kind`, in the order of [`crate::checkpoint::by_cost`]): the formula's from
+    /// [`ActivationSweep::new`], trainkit's exact ones after [`ActivationSweep::with_exact`].
     pub curves: Vec<(String, Vec<u64>)>,
+    /// The formula's curves, drawn dashed, when `curves` are trainkit's exact figures.
+    pub reference: Vec<(String, Vec<u64>)>,
     /// Model-state bytes (weights, gradients, master weights, optimizer state): the
     /// horizontal line activations are compared with.
     pub model_state: u64,
@@ -74,8 +79,36 @@ impl ActivationSweep {
         Ok(ActivationSweep {
             seq_lens,
             curves,
+            reference: Vec::new(),
             model_state,
         })
+    }
+
+    /// The sweep with `exact(policy, seq_len)`'s bytes as its curves (trainkit's exact
+    /// figures) and the formula's kept as the dashed reference; unchanged (the formula
+    /// alone) when `exact` has no figure for some point (`Ok(None)`).
+    pub fn with_exact(
+        mut self,
+        mut exact: impl FnMut(&dyn crate::checkpoint::CheckpointPolicy, u64) -> Result<Option<u64>>,
+    ) -> Result<Self> {
+        let mut curves = Vec::new();
+        for policy in by_cost() {
+            let mut ys = Vec::with_capacity(self.seq_lens.len());
+            for &s in &self.seq_lens {
+                match exact(policy.as_ref(), s)? {
+                    Some(b) => ys.push(b),
+                    None => return Ok(self),
+                }
+            }
+            curves.push((policy.typetag_name().to_string(), ys));
+        }
+        self.reference = std::mem::replace(&mut self.curves, curves);
+        Ok(self)
+    }
+
+    /// Whether the curves are trainkit's exact figures ([`ActivationSweep::with_exact`]).
+    pub fn is_exact(&self) -> bool {
+        !self.reference.is_empty()
     }
 
     /// Draws the sweep as an SVG line chart (GiB against sequence length on a log2 axis)
@@ -106,10 +139,10 @@ impl ActivationSweep {
         let y1 = if top > 0.0 { top * 1.08 } else { 1.0 };
 
         let mut svg = String::new();
-        let root = SVGBackend::with_string(&mut svg, (900, 560)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (1100, 600)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| fail(&e))?;
         let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
+            .caption(title, ("sans-serif", 15))
             .margin(16)
             .x_label_area_size(44)
             .y_label_area_size(70)
@@ -144,6 +177,11 @@ impl ActivationSweep {
             .draw()
             .map_err(|e| fail(&e))?;
         let colors = [RED, BLUE, RGBColor(0, 150, 0)];
+        let exact = if self.is_exact() {
+            ", exact"
+        } else {
+            ", formula"
+        };
         for ((policy, ys), color) in self.curves.iter().zip(colors) {
             let points = self
                 .seq_lens
@@ -153,8 +191,26 @@ impl ActivationSweep {
             chart
                 .draw_series(LineSeries::new(points, color.stroke_width(2)))
                 .map_err(|e| fail(&e))?
-                .label(format!("recompute {policy}"))
+                .label(format!("recompute {policy}{exact}"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        // The formula's curves run to the top of the chart, which the exact figures set
+        // (the formula's materialized attention reaches far above them).
+        for ((policy, ys), color) in self.reference.iter().zip(colors) {
+            let points = clip_to(
+                self.seq_lens
+                    .iter()
+                    .zip(ys)
+                    .map(|(&s, &b)| ((s as f64).log2(), gib(b))),
+                y1,
+            );
+            chart
+                .draw_series(DashedLineSeries::new(points, 6, 4, color.stroke_width(1)))
+                .map_err(|e| fail(&e))?
+                .label(format!("recompute {policy}, playbook formula"))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 8, y)], color.stroke_width(1))
+                });
         }
         let state = gib(self.model_state);
         chart
@@ -177,6 +233,23 @@ impl ActivationSweep {
         drop(root);
         Ok(svg)
     }
+}
+
+/// The points of a line up to where it leaves the top `y1` of the chart, with the point
+/// where it crosses it.
+fn clip_to(points: impl Iterator<Item = (f64, f64)>, y1: f64) -> Vec<(f64, f64)> {
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for (x, y) in points {
+        if y <= y1 {
+            out.push((x, y));
+            continue;
+        }
+        if let Some(&(x0, y0)) = out.last() {
+            out.push((x0 + (x - x0) * (y1 - y0) / (y - y0), y1));
+        }
+        break;
+    }
+    out
 }
 
 #[cfg(test)]
@@ -212,7 +285,25 @@ mod tests {
             assert!(ys.windows(2).all(|w| w[0] < w[1]));
         }
         let svg = sweep.to_svg("tiny").unwrap();
-        assert!(svg.starts_with("<svg") && svg.contains("recompute selective"));
+        assert!(svg.starts_with("<svg") && svg.contains("recompute selective, formula"));
+        assert!(!sweep.is_exact());
+        // Exact figures take the curves' place; the formula stays, dashed.
+        let exact = sweep.clone().with_exact(|_, s| Ok(Some(s * 1000))).unwrap();
+        assert!(exact.is_exact());
+        assert_eq!(exact.reference, sweep.curves);
+        assert_eq!(exact.curves[2].1[0], 256_000);
+        let svg = exact.to_svg("tiny").unwrap();
+        assert!(svg.contains("recompute full, exact") && svg.contains("playbook formula"));
+        assert_eq!(
+            clip_to([(0.0, 1.0), (1.0, 3.0), (2.0, 9.0)].into_iter(), 2.0),
+            [(0.0, 1.0), (0.5, 2.0)]
+        );
+        // A missing exact figure leaves the formula alone.
+        let partial = sweep
+            .clone()
+            .with_exact(|_, s| Ok((s < 4096).then_some(s)))
+            .unwrap();
+        assert_eq!(partial, sweep);
         assert!(ActivationSweep::new(shape, &bf16, 0, 0, 8).is_err());
         assert!(ActivationSweep::new(shape, &bf16, 0, 16, 8).is_err());
     }

@@ -439,27 +439,6 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         .map(|a| a.playbook_params().map_err(as_flag))
         .transpose()?;
 
-    if let (Some(path), Some(shape)) = (&args.plot, shape) {
-        let (lo, hi) = ActivationSweep::default_range(seq_len);
-        let sweep = ActivationSweep::new(shape, precision, state_total, lo, hi).map_err(as_flag)?;
-        let title = format!(
-            "{}: activations vs sequence length ({}, micro-batch {})",
-            subject.name.unwrap_or("model"),
-            precision_name,
-            args.batch_size
-        );
-        sweep.write_svg(path, &title)?;
-        let note = format!(
-            "plot: {} (activation memory, {lo} to {hi} tokens, per recompute policy)",
-            path.display()
-        );
-        if args.json {
-            eprintln!("{note}");
-        } else {
-            println!("{note}");
-        }
-    }
-
     let paths = (
         trainkit::ops::AttentionPath::parse("--attention", &args.attention)?,
         trainkit::ops::LossPath::parse("--loss", &args.loss)?,
@@ -483,6 +462,62 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         )
     };
     let exact = exact_with(args.offload_activations)?;
+    if let (Some(path), Some(shape)) = (&args.plot, shape) {
+        let (lo, hi) = ActivationSweep::default_range(seq_len);
+        // trainkit's exact activations (meta runs of the model it builds, every policy at
+        // every length), with the playbook's formula beside them, dashed.
+        let sweep = ActivationSweep::new(shape, precision, state_total, lo, hi)
+            .map_err(as_flag)?
+            .with_exact(|policy, s| {
+                let p = trainkit_exact(
+                    &subject,
+                    s,
+                    args.batch_size,
+                    precision,
+                    policy,
+                    optimizer,
+                    args.optimizer_in_backward,
+                    false,
+                    paths,
+                    adapter,
+                )?;
+                Ok(p.map(|p| p.peak.get(MemoryCategory::Activations)))
+            })?;
+        let title = if sweep.is_exact() {
+            format!(
+                "{}: activation memory vs sequence length, trainkit exact ({} attention, {} \
+                 loss); dashed: the playbook's formula (materialized attention); {}, micro-batch {}",
+                subject.name.unwrap_or("model"),
+                paths.0,
+                paths.1,
+                precision_name,
+                args.batch_size
+            )
+        } else {
+            format!(
+                "{}: activation memory vs sequence length, the playbook's formula (materialized \
+                 attention); {}, micro-batch {}",
+                subject.name.unwrap_or("model"),
+                precision_name,
+                args.batch_size
+            )
+        };
+        sweep.write_svg(path, &title)?;
+        let note = format!(
+            "plot: {} (activation memory, {lo} to {hi} tokens, per recompute policy: {})",
+            path.display(),
+            if sweep.is_exact() {
+                "trainkit's exact figures, the playbook's formula dashed"
+            } else {
+                "the playbook's formula (trainkit builds no exact model for this subject)"
+            }
+        );
+        if args.json {
+            eprintln!("{note}");
+        } else {
+            println!("{note}");
+        }
+    }
     let savings = if args.techniques {
         let arch = exact_arch(&subject, seq_len).ok_or_else(|| {
             flag_error(
