@@ -2500,3 +2500,67 @@ fn packed_rows_train_as_on_the_cpu() {
         }
     }
 }
+
+/// Writing f32 updates back into bf16 weights (pure bf16): the widening with the Kahan
+/// compensation and the three roundings, bit for bit as on the CPU, stochastic rounding's
+/// random bits included.
+#[test]
+fn update_rounding_matches_the_cpu_bit_for_bit() {
+    use trainkit::ops::update_rounding::{self, stream_key, UpdateRounding};
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(17);
+    let n = 1000;
+    for (name, cuda) in cuda_backends() {
+        let w = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], DType::Bf16);
+        let comp0 = randn(&mut rng, n, 1e-3);
+        let comp = pair(&cpu, &cuda, &comp0, &[n], DType::Bf16);
+        let mut master = out(&cpu, &cuda, &[n], DType::F32);
+        update_rounding::expand(&cpu, &mut master.cpu, &w.cpu, Some(&comp.cpu)).unwrap();
+        update_rounding::expand(&*cuda, &mut master.cuda, &w.cuda, Some(&comp.cuda)).unwrap();
+        bitwise("update_rounding_expand", name, &cpu, &cuda, &master);
+        // An update, some of it far below bf16's resolution, and values that are not finite.
+        let mut x = randn(&mut rng, n, 1.0);
+        for (i, v) in x.iter_mut().enumerate() {
+            *v += 1e-4 * (i as f32).sin();
+        }
+        x[3] = f32::INFINITY;
+        x[4] = f32::MAX;
+        let master = pair(&cpu, &cuda, &x, &[n], DType::F32);
+        for mode in [
+            UpdateRounding::Nearest,
+            UpdateRounding::Stochastic,
+            UpdateRounding::Kahan,
+        ] {
+            let key = stream_key(5, 9, 2);
+            let mut w = out(&cpu, &cuda, &[n], DType::Bf16);
+            let mut c = pair(&cpu, &cuda, &comp0, &[n], DType::Bf16);
+            let kahan = mode.compensated();
+            update_rounding::round(
+                &cpu,
+                &mut w.cpu,
+                kahan.then_some(&mut c.cpu),
+                &master.cpu,
+                mode,
+                key,
+            )
+            .unwrap();
+            update_rounding::round(
+                &*cuda,
+                &mut w.cuda,
+                kahan.then_some(&mut c.cuda),
+                &master.cuda,
+                mode,
+                key,
+            )
+            .unwrap();
+            bitwise(&format!("update_rounding {mode}"), name, &cpu, &cuda, &w);
+            bitwise(
+                &format!("update_rounding {mode} compensation"),
+                name,
+                &cpu,
+                &cuda,
+                &c,
+            );
+        }
+    }
+}

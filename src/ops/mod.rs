@@ -24,6 +24,7 @@ pub mod positions;
 pub mod qk_norm;
 pub mod rmsnorm;
 pub mod rope;
+pub mod update_rounding;
 
 pub use attention::CausalAttention;
 pub use classifier::Classifier;

@@ -64,6 +64,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     crate::ops::flash_attention::cuda::KERNELS,
     crate::ops::cross_entropy::cuda::KERNELS,
     crate::optim::adamw::cuda::KERNELS,
+    crate::ops::update_rounding::cuda::KERNELS,
     crate::optim::adamw8bit::cuda::KERNELS,
     ops::elementwise::KERNELS,
     ops::reductions::KERNELS,

@@ -1,0 +1,45 @@
+// Writing an f32 update back into bf16 weights that have no f32 master copy (pure bf16).
+// CPU twin: src/ops/update_rounding/cpu.rs; bit for bit equal to it.
+//
+// `expand` widens the weights (plus the Kahan compensation, when there is one) into an
+// f32 buffer the optimizer updates; `round` writes the result back: to nearest, or
+// stochastically (up with probability equal to the distance from the lower bf16, so the
+// expected value is the f32 result), or to nearest with the rounding error kept in the
+// bf16 compensation buffer (Kahan-compensated summation). The random bits of element i
+// are a counter-based hash (splitmix64's finalizer) of the launch's `key` (the host's hash
+// of seed, step and parameter) and i: no state, the same on every device and thread
+// count, so a resumed run draws the same bits.
+
+__device__ __forceinline__ unsigned long long tk_splitmix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// master[i] = w[i] + comp[i] (comp null: w[i] alone), in f32.
+extern "C" __global__ void update_rounding_expand(float* master, const bf16* w,
+                                                  const bf16* comp, i64 n) {
+    TK_FOR_EACH(i, n) {
+        float v = __bfloat162float(w[i]);
+        if (comp) v += __bfloat162float(comp[i]);
+        master[i] = v;
+    }
+}
+
+// mode 0: w = rn(master); 1: stochastic; 2: w = rn(master), comp = rn(master − w).
+extern "C" __global__ void update_rounding_round(bf16* w, bf16* comp, const float* master,
+                                                 i64 n, i64 mode, i64 key) {
+    TK_FOR_EACH(i, n) {
+        const float x = master[i];
+        bf16 r = __float2bfloat16_rn(x);
+        if (mode == 1 && isfinite(x)) {
+            const unsigned long long h =
+                tk_splitmix((unsigned long long)key + (unsigned long long)(i + 1) *
+                                                          0x9E3779B97F4A7C15ull);
+            const unsigned bits = __float_as_uint(x) + (unsigned)(h >> 48);
+            r = __ushort_as_bfloat16((unsigned short)(bits >> 16));
+        }
+        w[i] = r;
+        if (mode == 2) comp[i] = __float2bfloat16_rn(x - __bfloat162float(r));
+    }
+}
