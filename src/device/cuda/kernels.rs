@@ -481,7 +481,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 175);
+        assert_eq!(seen.len(), 177);
     }
 
     #[test]
