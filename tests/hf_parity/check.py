@@ -509,9 +509,6 @@ def check_qlora(tk, work, tokens_bin, tokens):
     return ok
 
 
-if __name__ == "__main__":
-    main()
-
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -598,6 +595,7 @@ def check_documents(tk, work):
         f.write(stream.tobytes())
     counted = sum(len(d) - 1 for d in docs)
     ok = True
+    torch.manual_seed(1)
     models = [
         ("gpt2", GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256,
                                             n_positions=64, attn_implementation="eager"))),
@@ -609,7 +607,6 @@ def check_documents(tk, work):
             attn_implementation="eager"))),
     ]
     for name, model in models:
-        torch.manual_seed(1)
         start = os.path.join(work, f"documents-{name}")
         model.float().save_pretrained(start)
         # Each document alone, in float64: the token-weighted mean of their losses.
@@ -649,7 +646,11 @@ def check_documents(tk, work):
         print(f"documents {name}: {len(docs)} documents in {len(lengths)} rows of {seq}; "
               f"loss trainkit {tk_loss:.7f} (eval {tk_eval['loss']:.7f}) against each "
               f"document alone {loss.item():.7f}; gradients max |diff| {worst:.2e} "
-              f"(largest {scale:.2e}); {tk_eval['trained_tokens']} of {counted} positions "
-              f"trained {'OK' if good else 'MISMATCH'}")
+              f"(largest {scale:.2e}); {tk_eval['trained_tokens']} positions trained of "
+              f"{len(stream) - 1}, as alone: {counted} {'OK' if good else 'MISMATCH'}")
         ok &= good
     return ok
+
+
+if __name__ == "__main__":
+    main()
