@@ -2,6 +2,17 @@
 
 use serde::{Deserialize, Serialize};
 
+/// SplitMix64's increment: the `n`-th number of the stream seeded with `s` is
+/// `mix64(s + n · GAMMA)`.
+pub(crate) const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's finalizer: a bijective mix of 64 bits.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Deterministic pseudo-random numbers; the whole state is one `u64`, so a run's RNG can be
 /// saved and restored exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,11 +28,16 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.state = self.state.wrapping_add(GAMMA);
+        mix64(self.state)
+    }
+
+    /// Shuffles `items` in place (Fisher–Yates, one draw per element from the last).
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            items.swap(i, j);
+        }
     }
 
     /// Uniform in `[0, 1)`.
@@ -39,5 +55,23 @@ impl Rng {
         let u1 = self.uniform().max(f64::MIN_POSITIVE);
         let u2 = self.uniform();
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The seeded shuffle is a permutation, the same for the same seed.
+    #[test]
+    fn shuffles_reproducibly() {
+        let mut a: Vec<u32> = (0..20).collect();
+        let mut b = a.clone();
+        Rng::new(4).shuffle(&mut a);
+        Rng::new(4).shuffle(&mut b);
+        assert_eq!(a, b);
+        assert_ne!(a, (0..20).collect::<Vec<_>>());
+        a.sort();
+        assert_eq!(a, (0..20).collect::<Vec<_>>());
     }
 }

@@ -139,6 +139,34 @@ impl DataConfig {
         }
     }
 
+    /// Turns document masking on (`on`) or off, with `separator_id` as the token that ends
+    /// a document when given (else the one already set, or the tokenizer's end-of-text
+    /// token). Fails for the built-in corpus, which is one document.
+    pub fn set_document_mask(&mut self, on: bool, separator: Option<u32>) -> Result<()> {
+        match self {
+            DataConfig::Tokens {
+                document_mask,
+                separator_id,
+                ..
+            }
+            | DataConfig::Text {
+                document_mask,
+                separator_id,
+                ..
+            } => {
+                *document_mask = on;
+                if separator.is_some() {
+                    *separator_id = separator;
+                }
+                Ok(())
+            }
+            DataConfig::Builtin { .. } => Err(Error::config(
+                "--document-mask",
+                "applies to --data files; the built-in corpus is one document",
+            )),
+        }
+    }
+
     /// The token that ends a document where documents are masked (`document_mask`):
     /// `separator_id`, else the tokenizer's end-of-text token; `None` without masking.
     /// Fails when masking is asked for with neither.
@@ -168,7 +196,9 @@ impl DataConfig {
                     None => Err(Error::config(
                         "data.separator_id",
                         format!(
-                            "document masking needs the token that ends a document, and the                              {tokenizer} tokenizer has no end-of-text token; give it with                              --separator-id N"
+                            "document masking needs the token that ends a document, and the \
+                             {tokenizer} tokenizer has no end-of-text token; give it with \
+                             --separator-id N"
                         ),
                     )),
                 }

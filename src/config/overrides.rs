@@ -341,29 +341,8 @@ impl Overrides {
             }
         }
         if self.document_mask.is_some() || self.separator_id.is_some() {
-            match &mut cfg.data {
-                DataConfig::Tokens {
-                    document_mask,
-                    separator_id,
-                    ..
-                }
-                | DataConfig::Text {
-                    document_mask,
-                    separator_id,
-                    ..
-                } => {
-                    *document_mask = self.document_mask.unwrap_or(true);
-                    if self.separator_id.is_some() {
-                        *separator_id = self.separator_id;
-                    }
-                }
-                DataConfig::Builtin { .. } => {
-                    return Err(Error::config(
-                        "--document-mask",
-                        "applies to --data files; the built-in corpus is one document",
-                    ))
-                }
-            }
+            cfg.data
+                .set_document_mask(self.document_mask.unwrap_or(true), self.separator_id)?;
         }
         let t = &mut cfg.training;
         set(&mut t.init_from, self.init_from.clone().map(Some));

@@ -351,12 +351,8 @@ fn mix(seed: u64, epoch: u64, shard: u64) -> u64 {
 
 /// A uniformly random permutation of `0..n` (Fisher–Yates) drawn from `seed`.
 fn permutation(n: usize, seed: u64) -> Vec<u32> {
-    let mut rng = Rng::new(seed);
     let mut p: Vec<u32> = (0..n as u32).collect();
-    for i in (1..n).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        p.swap(i, j);
-    }
+    Rng::new(seed).shuffle(&mut p);
     p
 }
 

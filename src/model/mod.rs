@@ -127,10 +127,7 @@ impl Batch {
                 ),
             ));
         }
-        if let Some(p) = &self.positions {
-            crate::ops::positions::check("batch", p, b, t)?;
-        }
-        Ok(())
+        crate::ops::positions::check("batch", self.positions.as_deref(), b, t)
     }
 }
 

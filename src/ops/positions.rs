@@ -17,8 +17,12 @@
 use crate::error::{Error, Result};
 
 /// Fails unless `positions` holds `b · t` valid positions: each row's first 0, each next
-/// either 0 or one more than the one before it. `op` names the call in the error.
-pub fn check(op: &'static str, positions: &[u32], b: usize, t: usize) -> Result<()> {
+/// either 0 or one more than the one before it (`None`, the plain layout, always passes).
+/// `op` names the call in the error.
+pub fn check(op: &'static str, positions: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+    let Some(positions) = positions else {
+        return Ok(());
+    };
     if positions.len() != b * t {
         return Err(Error::shape(
             op,
@@ -86,7 +90,8 @@ mod tests {
     fn positions_restart_at_each_document_and_row() {
         let p = from_document_starts(2, 5, |k| k == 3 || k == 8);
         assert_eq!(p, [0, 1, 2, 0, 1, 0, 1, 2, 0, 1]);
-        check("t", &p, 2, 5).unwrap();
+        check("t", Some(&p), 2, 5).unwrap();
+        check("t", None, 2, 5).unwrap();
         assert!(has_documents(&p, 5));
         assert!(!has_documents(&from_document_starts(2, 5, |_| false), 5));
         assert_eq!(first_key(Some(&p), 5, 0, 4), 3);
@@ -96,11 +101,13 @@ mod tests {
 
     #[test]
     fn bad_positions_are_named() {
-        let e = check("rope", &[0, 1, 3], 1, 3).unwrap_err().to_string();
+        let e = check("rope", Some(&[0, 1, 3]), 1, 3)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("position 3 at row 0, token 2"), "{e}");
-        let e = check("rope", &[1, 2], 1, 2).unwrap_err().to_string();
+        let e = check("rope", Some(&[1, 2]), 1, 2).unwrap_err().to_string();
         assert!(e.contains("each row starts"), "{e}");
-        let e = check("rope", &[0, 1], 2, 2).unwrap_err().to_string();
+        let e = check("rope", Some(&[0, 1]), 2, 2).unwrap_err().to_string();
         assert!(e.contains("2 positions for a batch of 2 rows"), "{e}");
     }
 }

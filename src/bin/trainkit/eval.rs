@@ -84,19 +84,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .or_else(|| model_dir_tokenizer(&args.model))
         .unwrap_or_else(|| default_tokenizer(dir.config.vocab_size()));
     let mut source = DataConfig::from_path(&args.data, Some(tokenizer));
-    if let DataConfig::Tokens {
-        document_mask,
-        separator_id,
-        ..
-    }
-    | DataConfig::Text {
-        document_mask,
-        separator_id,
-        ..
-    } = &mut source
-    {
-        *document_mask = args.document_mask || args.separator_id.is_some();
-        *separator_id = args.separator_id;
+    if args.document_mask || args.separator_id.is_some() {
+        source.set_document_mask(true, args.separator_id)?;
     }
     let tokens = source.train_dataset()?;
     tokens.check_ids(dir.config.vocab_size())?;

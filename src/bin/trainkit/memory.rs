@@ -483,25 +483,21 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 )?;
                 Ok(p.map(|p| p.peak.get(MemoryCategory::Activations)))
             })?;
-        let title = if sweep.is_exact() {
+        let source = if sweep.is_exact() {
             format!(
-                "{}: activation memory vs sequence length, trainkit exact ({} attention, {} \
-                 loss); dashed: the playbook's formula (materialized attention); {}, micro-batch {}",
-                subject.name.unwrap_or("model"),
-                paths.0,
-                paths.1,
-                precision_name,
-                args.batch_size
+                "trainkit exact ({} attention, {} loss); dashed: the playbook's formula",
+                paths.0, paths.1
             )
         } else {
-            format!(
-                "{}: activation memory vs sequence length, the playbook's formula (materialized \
-                 attention); {}, micro-batch {}",
-                subject.name.unwrap_or("model"),
-                precision_name,
-                args.batch_size
-            )
+            "the playbook's formula".to_string()
         };
+        let title = format!(
+            "{}: activation memory vs sequence length, {source} (materialized attention); {}, \
+             micro-batch {}",
+            subject.name.unwrap_or("model"),
+            precision_name,
+            args.batch_size
+        );
         sweep.write_svg(path, &title)?;
         let note = format!(
             "plot: {} (activation memory, {lo} to {hi} tokens, per recompute policy: {})",

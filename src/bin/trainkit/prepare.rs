@@ -191,7 +191,7 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
     let seq_len = args.seq_len.ok_or_else(|| {
         trainkit::Error::config(
             "--seq-len",
-            "--chat writes one example per row of --seq-len tokens; give the sequence length \
+            "--chat writes rows of --seq-len tokens; give the sequence length \
              you will train with, e.g. --seq-len 1024",
         )
     })?;

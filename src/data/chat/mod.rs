@@ -104,8 +104,6 @@ pub struct ChatReport {
 struct Example {
     tokens: Vec<u32>,
     flags: Vec<u8>,
-    /// Tokens before the padding.
-    used: usize,
 }
 
 /// Tokens of a rendered conversation, each with the segment it starts in.
@@ -236,10 +234,10 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
     }
     let val_part = examples.split_off(report.examples - val_examples);
     if let Some(seed) = options.shuffle_seed {
-        shuffle(&mut examples, seed);
+        crate::rng::Rng::new(seed).shuffle(&mut examples);
     }
-    let rows = lay_out(examples, t, pad, options.pack);
-    let val = lay_out(val_part, t, pad, options.pack);
+    let (rows, pad_tokens) = lay_out(examples, t, pad, options.pack);
+    let (val, _) = lay_out(val_part, t, pad, options.pack);
     report.train_rows = rows.len();
     report.val_rows = val.len();
     report.trained_tokens = rows
@@ -247,7 +245,7 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
         .flat_map(|r| &r.flags)
         .filter(|&&f| f & TRAINED != 0)
         .count();
-    report.pad_tokens = rows.iter().map(|r| r.tokens.len() - r.used).sum();
+    report.pad_tokens = pad_tokens;
     let format = TokenFormat::for_vocab(options.tokenizer.vocab_size()?);
     let mut outputs = vec![(options.out.clone(), rows)];
     if !val.is_empty() {
@@ -414,11 +412,7 @@ fn encode(
         .map(|&i| if trains(&segments[i]) { TRAINED } else { 0 })
         .collect();
     flags[0] = DOCUMENT_START;
-    Ok(Example {
-        used: tokens.len(),
-        tokens,
-        flags,
-    })
+    Ok(Example { tokens, flags })
 }
 
 /// `example` as pieces of at most `t` tokens per `overflow` (one piece unless split), or
@@ -452,7 +446,6 @@ fn cut(
                 Example {
                     tokens: example.tokens[start..end].to_vec(),
                     flags: example.flags[start..end].to_vec(),
-                    used: end - start,
                 }
             })
             .collect(),
@@ -463,11 +456,12 @@ fn cut(
 /// `pack`, each piece appended to the current row while it fits (greedily, in order) and a
 /// new row started when it does not. The rest of a row is `pad` (untrained; with `pack`
 /// its first token starts a document, so no example attends to the padding and the padding
-/// to no example).
-fn lay_out(examples: Vec<Vec<Example>>, t: usize, pad: u32, pack: bool) -> Vec<Example> {
+/// to no example). Returns the rows and the number of padding tokens in them.
+fn lay_out(examples: Vec<Vec<Example>>, t: usize, pad: u32, pack: bool) -> (Vec<Example>, usize) {
     let mut rows: Vec<Example> = Vec::new();
+    let mut padding = 0;
     let mut row = Example::default();
-    let finish = |mut row: Example, rows: &mut Vec<Example>| {
+    let mut finish = |mut row: Example, rows: &mut Vec<Example>| {
         if row.tokens.is_empty() {
             return;
         }
@@ -477,7 +471,7 @@ fn lay_out(examples: Vec<Vec<Example>>, t: usize, pad: u32, pack: bool) -> Vec<E
         if pack && used < t {
             row.flags[used] = DOCUMENT_START;
         }
-        row.used = used;
+        padding += t - used;
         rows.push(row);
     };
     for piece in examples.into_iter().flatten() {
@@ -488,15 +482,7 @@ fn lay_out(examples: Vec<Vec<Example>>, t: usize, pad: u32, pack: bool) -> Vec<E
         row.flags.extend(piece.flags);
     }
     finish(row, &mut rows);
-    rows
-}
-
-/// Shuffles `items` with a Fisher–Yates permutation drawn from `seed`.
-fn shuffle<T>(items: &mut [T], seed: u64) {
-    let mut rng = crate::rng::Rng::new(seed);
-    for i in (1..items.len()).rev() {
-        items.swap(i, rng.below(i + 1));
-    }
+    (rows, padding)
 }
 
 #[cfg(test)]
@@ -564,10 +550,9 @@ mod tests {
                 flags: std::iter::once(DOCUMENT_START)
                     .chain(std::iter::repeat_n(TRAINED, n - 1))
                     .collect(),
-                used: n,
             }]
         };
-        let rows = lay_out(vec![piece(3), piece(4), piece(2), piece(5)], 8, 0, true);
+        let (rows, padding) = lay_out(vec![piece(3), piece(4), piece(2), piece(5)], 8, 0, true);
         let tokens: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
         assert_eq!(
             tokens,
@@ -575,20 +560,14 @@ mod tests {
         );
         let d = DOCUMENT_START;
         assert_eq!(rows[0].flags, [d, 1, 1, d, 1, 1, 1, d]);
-        assert_eq!(rows.iter().map(|r| r.used).collect::<Vec<_>>(), [7, 7]);
+        assert_eq!(
+            padding, 2,
+            "one padding token in each row of 7 example tokens"
+        );
         // Unpacked: one example per row, the padding in the example's document.
-        let rows = lay_out(vec![piece(3), piece(4)], 8, 0, false);
-        assert_eq!(rows.len(), 2);
+        let (rows, padding) = lay_out(vec![piece(3), piece(4)], 8, 0, false);
+        assert_eq!((rows.len(), padding), (2, 5 + 4));
         assert_eq!(rows[0].flags, [d, 1, 1, 0, 0, 0, 0, 0]);
-        // The seeded shuffle is a permutation, the same for the same seed.
-        let mut a: Vec<u32> = (0..20).collect();
-        let mut b = a.clone();
-        shuffle(&mut a, 4);
-        shuffle(&mut b, 4);
-        assert_eq!(a, b);
-        assert_ne!(a, (0..20).collect::<Vec<_>>());
-        a.sort();
-        assert_eq!(a, (0..20).collect::<Vec<_>>());
     }
 
     #[test]

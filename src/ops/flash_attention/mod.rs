@@ -88,22 +88,6 @@ pub(crate) fn check_backward(
     ensure_f32(lse, op)
 }
 
-/// Checks `positions` against the `[B, T, ·]` of `qkv` (nothing to check without them).
-pub(crate) fn check_positions(
-    op: &'static str,
-    qkv: &Tensor,
-    heads: Heads,
-    positions: Option<&[u32]>,
-) -> Result<()> {
-    match positions {
-        Some(p) => {
-            let d = dims(qkv, heads, op)?;
-            super::positions::check(op, p, d.b, d.t)
-        }
-        None => Ok(()),
-    }
-}
-
 /// Floating-point operations of the fused attention with these operands, over the causal
 /// entries its tiles compute (the materialized attention's block triangle): forward
 /// `4·D + 5` per entry (the scores, the online softmax, the weighted values), backward
@@ -231,7 +215,8 @@ impl OpKernel for Forward<'_> {
     fn check(&self) -> Result<()> {
         ensure_float("flash_attention", &[self.out, self.qkv])?;
         check(self.out, self.lse, self.qkv, self.heads)?;
-        check_positions("flash_attention", self.qkv, self.heads, self.positions)
+        let d = Dims::of(self.qkv, self.heads);
+        super::positions::check("flash_attention", self.positions, d.b, d.t)
     }
 
     fn flops(&self) -> u64 {
@@ -278,7 +263,8 @@ impl OpKernel for Backward<'_> {
         let (dqkv, dout, out, lse, qkv) = (&*self.dqkv, self.dout, self.out, self.lse, self.qkv);
         ensure_float("flash_attention_backward", &[dqkv, dout, out, qkv])?;
         check_backward(dqkv, dout, out, lse, qkv, self.heads)?;
-        check_positions("flash_attention_backward", qkv, self.heads, self.positions)
+        let d = Dims::of(qkv, self.heads);
+        super::positions::check("flash_attention_backward", self.positions, d.b, d.t)
     }
 
     fn flops(&self) -> u64 {

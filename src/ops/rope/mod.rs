@@ -103,10 +103,8 @@ impl OpKernel for Rotate<'_> {
     fn check(&self) -> Result<()> {
         ensure_float(self.name, &[self.out, self.x])?;
         check(self.name, self.out, self.x, self.inv_freq, self.heads)?;
-        match (self.positions, self.x.shape()) {
-            (Some(p), &[b, t, _]) => super::positions::check(self.name, p, b, t),
-            _ => Ok(()),
-        }
+        let s = self.x.shape();
+        super::positions::check(self.name, self.positions, s[0], s[1])
     }
 
     fn flops(&self) -> u64 {

@@ -2,16 +2,10 @@
 
 use super::UpdateRounding;
 use crate::device::cpu::{read, write};
+use crate::rng::{mix64, GAMMA};
 use crate::tensor::{Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
-
-/// splitmix64's finalizer: a bijective mix of 64 bits.
-pub(crate) fn splitmix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// `x` rounded to bf16 stochastically with the random bits of element `i` of stream `key`:
 /// up with probability equal to its distance from the bf16 below (in units of the gap),
@@ -20,7 +14,8 @@ pub(crate) fn stochastic(x: f32, key: u64, i: u64) -> bf16 {
     if !x.is_finite() {
         return bf16::from_f32(x);
     }
-    let h = splitmix(key.wrapping_add((i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    // The (i + 1)-th number of the SplitMix64 stream seeded with `key`.
+    let h = mix64(key.wrapping_add((i + 1).wrapping_mul(GAMMA)));
     let bits = x.to_bits().wrapping_add((h >> 48) as u32);
     bf16::from_bits((bits >> 16) as u16)
 }
