@@ -26,7 +26,8 @@ extern "C" __global__ void update_rounding_expand(float* master, const bf16* w,
     }
 }
 
-// mode 0: w = rn(master); 1: stochastic; 2: w = rn(master), comp = rn(master − w).
+// mode 0: w = rn(master); 1: stochastic; 2: w = rn(master), comp = rn(master − w)
+// (0 where that is not finite).
 extern "C" __global__ void update_rounding_round(bf16* w, bf16* comp, const float* master,
                                                  i64 n, i64 mode, i64 key) {
     TK_FOR_EACH(i, n) {
@@ -40,6 +41,11 @@ extern "C" __global__ void update_rounding_round(bf16* w, bf16* comp, const floa
             r = __ushort_as_bfloat16((unsigned short)(bits >> 16));
         }
         w[i] = r;
-        if (mode == 2) comp[i] = __float2bfloat16_rn(x - __bfloat162float(r));
+        if (mode == 2) {
+            // Where the weight is not finite the compensation is 0 (not a NaN, whose
+            // bits would differ between devices).
+            const float d = x - __bfloat162float(r);
+            comp[i] = __float2bfloat16_rn(isfinite(d) ? d : 0.0f);
+        }
     }
 }

@@ -1173,12 +1173,16 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
                         );
                     }
                 }
+                // The moments spread over the 8-bit map: most of its 256 codes in the
+                // larger tensors, and well over a quarter of them in 300 elements (two
+                // blocks), however the random draws fall.
                 let codes = cuda.to_f32(&m.cuda).unwrap();
                 let distinct: std::collections::BTreeSet<u32> =
                     codes.iter().map(|c| *c as u32).collect();
+                let least = if n < 1000 { 80 } else { 128 };
                 assert!(
-                    distinct.len() > 100,
-                    "{name}: only {} codes used",
+                    distinct.len() >= least,
+                    "{name}: only {} codes used in {n} elements",
                     distinct.len()
                 );
             }

@@ -42,7 +42,8 @@
 #
 # Settings (environment): STEPS (optimizer steps of the training runs, default 50),
 # BATCH (rows of 1024 tokens, default 8), STEP_TIMEOUT (seconds a step may take before it
-# is stopped and failed; default per step), TRAINKIT_CUDA_WHEELS (a pip --target folder
+# is stopped and failed; default per step), TEST_THREADS (threads of the unit tests, default
+# 2), TRAINKIT_CUDA_WHEELS (a pip --target folder
 # holding nvidia/cu13 from the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels), CUDA_HOME,
 # PYTHON (the python with torch, default python3).
 set -euo pipefail
@@ -582,9 +583,9 @@ phase_tests() {
   # The library's own unit tests; where cuBLASLt was found, its descriptor check must run.
   if [ -n "${found[libcublasLt.so.13]}" ]; then
     TRAINKIT_REQUIRE_CUBLASLT=1 run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" \
-      --test-threads=2
+      --test-threads="${TEST_THREADS:-2}"
   else
-    run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" --test-threads=2
+    run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" --test-threads="${TEST_THREADS:-2}"
   fi
   if [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
     # A kernel that does not compile fails, rather than skips.

@@ -55,17 +55,41 @@ pub(crate) fn forward(
     Ok(())
 }
 
+/// The partial sums of a row's exponentials: the kernel's threads of a row, each adding
+/// every 256th column in order.
+const ROW_LANES: usize = 256;
+
+/// The sum of a row's partials in the kernel's order: `a[i] += a[i + w]` for
+/// `w = 128, 64, ..., 1`.
+#[inline(always)]
+fn pairwise(mut a: [f32; ROW_LANES]) -> f32 {
+    let mut w = ROW_LANES / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// `Σ f(v)` over the row, in the kernel's 256 interleaved partial sums.
+#[inline(always)]
+fn row_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; ROW_LANES];
+    for c in row.chunks(ROW_LANES) {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += f(*v);
+        }
+    }
+    pairwise(acc)
+}
+
 simd_fn! {
     /// `logsumexp(row) - row[t]`.
     fn row_loss(row: &[f32], t: usize) -> f32 {
         let max = simd::max(row);
-        let mut acc = [0f32; 16];
-        for c in row.chunks(16) {
-            for (a, v) in acc.iter_mut().zip(c) {
-                *a += simd::exp(v - max);
-            }
-        }
-        let sum = simd::sum(&acc);
+        let sum = row_sum(row, |v| simd::exp(v - max));
         sum.ln() + max - row[t]
     }
 }
@@ -78,7 +102,7 @@ simd_fn! {
         for v in row.iter_mut() {
             *v = simd::exp(*v - max);
         }
-        let sum = simd::sum(row);
+        let sum = row_sum(row, |v| v);
         let loss = sum.ln() + max - target_logit;
         let k = scale / sum;
         for v in row.iter_mut() {

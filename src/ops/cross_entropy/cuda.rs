@@ -38,9 +38,10 @@ pub(crate) fn forward(
     }
     let kept = be.kept_u32(all, "cross_entropy.targets")?;
     let targets = ptr(&kept)? + 4 * start as u64;
+    // One block of BLOCK (the kernel's TK_CE_LANES) threads per row.
     be.launch(
         &format!("cross_entropy_{}", logits.dtype()),
-        be.grid_rows(rows),
+        be.grid(rows * BLOCK as usize),
         BLOCK,
         Args::new()
             .ptr(ptr(logits)?)

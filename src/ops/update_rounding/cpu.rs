@@ -70,7 +70,8 @@ pub(crate) fn round(
                 .enumerate()
                 .for_each(|(i, (w, c))| {
                     *w = r(i, m[i]);
-                    *c = bf16::from_f32(m[i] - w.to_f32());
+                    let d = m[i] - w.to_f32();
+                    *c = bf16::from_f32(if d.is_finite() { d } else { 0.0 });
                 });
         }
         _ => w

@@ -14,7 +14,8 @@
 //!   GPU draw the same bits;
 //! - [`UpdateRounding::Kahan`]: round to nearest and keep the rounding error in a bf16
 //!   compensation buffer (2 bytes per parameter), which the next [`expand`] adds back, so
-//!   updates too small for bf16 accumulate until they count (optimi's Kahan summation).
+//!   updates too small for bf16 accumulate until they count (optimi's Kahan summation);
+//!   where the weight is not finite its compensation is 0.
 //!
 //! The family: the kernel calls with their operand checks, the CPU twin (`cpu.rs`) and the
 //! CUDA launches (`cuda.rs`, over `kernels/update_rounding.cu`), bit for bit equal.
