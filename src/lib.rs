@@ -45,7 +45,7 @@ pub use model::{
     Qwen3Config,
 };
 pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
-pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision};
+pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision, PureBf16};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};
 pub use trainer::{SamplingOptions, StepStats, Trainer, TrainerOptions};
@@ -62,7 +62,7 @@ pub mod prelude {
     pub use crate::memory::{LogObserver, MemoryCategory, MemoryObserver, PeakTracker, Timeline};
     pub use crate::model::{Gpt2, Gpt2Config, Model};
     pub use crate::optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Sgd};
-    pub use crate::precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision};
+    pub use crate::precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision, PureBf16};
     pub use crate::tensor::DType;
     pub use crate::trainer::{StepStats, Trainer, TrainerOptions};
 }

@@ -4,6 +4,7 @@
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
+use crate::ops::update_rounding::{self, UpdateRounding};
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
@@ -111,6 +112,10 @@ pub struct Param {
     weight_fresh: bool,
     /// Whether the parameter trains (a frozen one keeps no master copy and no state).
     trains: bool,
+    /// How updates are written back into weights without a master copy (pure bf16).
+    rounding: Option<UpdateRounding>,
+    /// The Kahan compensation of pure bf16 weights (bf16, the weights' rounding error).
+    compensation: Option<Tensor>,
 }
 
 /// What an optimizer needs to update one parameter, with the compute weights it may
@@ -209,20 +214,38 @@ impl Param {
             None => backend.zeros(shape, dtype, category, name),
         };
         let compute = precision.compute_dtype();
+        let rounding = precision.update_rounding().filter(|_| trains);
         let master = if precision.master_weights() && trains {
             Some(place(DType::F32, MemoryCategory::MasterWeights)?)
         } else {
-            if compute != DType::F32 && trains {
+            if compute != DType::F32 && trains && rounding.is_none() {
                 return Err(Error::config(
                     "precision",
                     format!(
-                        "a precision without master weights must compute in f32, not {compute}"
+                        "a precision without master weights must compute in f32, not \
+                         {compute}, or say how updates are rounded (`update_rounding`)"
                     ),
                 ));
             }
             None
         };
+        if rounding.is_some() && compute != DType::Bf16 {
+            return Err(Error::config(
+                "precision",
+                format!("update rounding writes bf16 weights, not {compute}"),
+            ));
+        }
         let weight = place(stored.unwrap_or(compute), MemoryCategory::Weights)?;
+        // The compensation starts at zero: the weights are the initial values rounded.
+        let compensation = match rounding {
+            Some(r) if r.compensated() => Some(backend.zeros(
+                shape,
+                DType::Bf16,
+                MemoryCategory::MasterWeights,
+                &compensation_label(name),
+            )?),
+            _ => None,
+        };
         Ok(Param {
             name: name.to_string(),
             weight,
@@ -232,6 +255,8 @@ impl Param {
             state: Vec::new(),
             weight_fresh: false,
             trains,
+            rounding,
+            compensation,
         })
     }
 
@@ -293,6 +318,8 @@ impl Param {
     pub fn update_parts_fused(&mut self) -> Result<UpdateParts<'_>> {
         let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
         let (value, compute) = match self.master.as_mut() {
+            // Pure bf16: the update is rounded as the precision says, after the step.
+            Some(master) if self.rounding.is_some() => (master, None),
             Some(master) => {
                 self.weight_fresh = true;
                 (master, Some(&mut self.weight))
@@ -305,6 +332,71 @@ impl Param {
             grad,
             state: &mut self.state,
         })
+    }
+
+    /// How updates are written back into the weights when they have no f32 master copy
+    /// ([`crate::precision::PureBf16`]); `None` otherwise.
+    pub fn update_rounding(&self) -> Option<UpdateRounding> {
+        self.rounding
+    }
+
+    /// The Kahan compensation of pure bf16 weights (`{name}.kahan`), when kept.
+    pub fn compensation(&self) -> Option<&Tensor> {
+        self.compensation.as_ref()
+    }
+
+    /// Replaces the Kahan compensation (a resumed checkpoint's); an error when the
+    /// parameter keeps none or the shape differs.
+    pub(crate) fn set_compensation(&mut self, backend: &dyn Backend, data: &[f32]) -> Result<()> {
+        let label = compensation_label(&self.name);
+        if self.compensation.is_none() || data.len() != self.numel() {
+            return Err(Error::data(
+                &label,
+                format!(
+                    "has {} values for a parameter of {} that {}",
+                    data.len(),
+                    self.numel(),
+                    if self.compensation.is_some() {
+                        "keeps one per element"
+                    } else {
+                        "keeps no compensation (the run's update rounding is not kahan)"
+                    }
+                ),
+            ));
+        }
+        let shape = self.shape().to_vec();
+        self.compensation = Some(backend.upload(
+            data,
+            &shape,
+            DType::Bf16,
+            MemoryCategory::MasterWeights,
+            &label,
+        )?);
+        Ok(())
+    }
+
+    /// Before an optimizer updates a parameter without master weights whose values are
+    /// bf16 (pure bf16): widens the weights (plus their compensation) into a transient f32
+    /// buffer, which [`Param::update_parts`] then hands out as the values to update, until
+    /// [`Param::refresh_after_step`] rounds them back and frees it. A no-op otherwise.
+    pub fn begin_update(&mut self, backend: &dyn Backend) -> Result<()> {
+        if self.rounding.is_none() || self.master.is_some() {
+            return Ok(());
+        }
+        let mut values = backend.zeros(
+            self.weight.shape(),
+            DType::F32,
+            MemoryCategory::MasterWeights,
+            &format!("{}.update", self.name),
+        )?;
+        update_rounding::expand(
+            backend,
+            &mut values,
+            &self.weight,
+            self.compensation.as_ref(),
+        )?;
+        self.master = Some(values);
+        Ok(())
     }
 
     /// Optimizer state slots (empty until the optimizer's first step).
@@ -396,12 +488,36 @@ impl Param {
     }
 
     /// Copies the master weights into the compute weights after an optimizer step,
-    /// unless the optimizer already wrote them ([`Param::update_parts_fused`]).
-    pub(crate) fn refresh_after_step(&mut self, backend: &dyn Backend) -> Result<()> {
+    /// unless the optimizer already wrote them ([`Param::update_parts_fused`]); for pure
+    /// bf16, rounds the updated values back into the weights (stochastic rounding draws
+    /// from stream `key`, [`update_rounding::stream_key`]) and frees them.
+    pub(crate) fn refresh_after_step(&mut self, backend: &dyn Backend, key: u64) -> Result<()> {
+        if let Some(mode) = self.rounding {
+            let Some(values) = self.master.take() else {
+                return Ok(());
+            };
+            return update_rounding::round(
+                backend,
+                &mut self.weight,
+                self.compensation.as_mut(),
+                &values,
+                mode,
+                key,
+            );
+        }
         if std::mem::take(&mut self.weight_fresh) {
             return Ok(());
         }
         self.refresh_weight(backend)
+    }
+
+    /// The key of this parameter's stochastic-rounding stream at `step` of a run seeded
+    /// with `seed`: a hash of its name, so that it does not depend on the model's order.
+    pub(crate) fn rounding_key(&self, seed: u64, step: u64) -> u64 {
+        let name = self.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        update_rounding::stream_key(seed, step, name)
     }
 
     pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {
@@ -411,6 +527,11 @@ impl Param {
         }
         Ok(())
     }
+}
+
+/// The label of parameter `name`'s Kahan compensation.
+fn compensation_label(name: &str) -> String {
+    format!("{name}.kahan")
 }
 
 /// The gradient an optimizer updates parameter `name` with, or the error of a parameter

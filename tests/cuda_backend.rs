@@ -1276,6 +1276,7 @@ fn a_training_step_matches_the_cpu_in_every_precision() {
     let want32 = two_steps::<trainkit::Fp32>(cpu.clone(), NoRecompute);
     let want16 = two_steps::<MixedBf16>(cpu.clone(), NoRecompute);
     let wantf16 = two_steps::<MixedFp16>(cpu.clone(), NoRecompute);
+    let wantpure = two_steps::<trainkit::PureBf16>(cpu.clone(), NoRecompute);
     // The initial values: the same seed on every backend.
     let model = Gpt2::new(tiny_config()).unwrap();
     let fresh = Trainer::builder(model, cpu, corpus_loader(20_000, 1, 2, 16))
@@ -1289,6 +1290,14 @@ fn a_training_step_matches_the_cpu_in_every_precision() {
         check_run(&format!("{name} bf16"), &got, &want16, &init, DType::Bf16);
         let got = two_steps::<MixedFp16>(cuda.clone(), NoRecompute);
         check_run(&format!("{name} fp16"), &got, &wantf16, &init, DType::F16);
+        let got = two_steps::<trainkit::PureBf16>(cuda.clone(), NoRecompute);
+        check_run(
+            &format!("{name} pure bf16"),
+            &got,
+            &wantpure,
+            &init,
+            DType::Bf16,
+        );
     }
 }
 

@@ -5,7 +5,7 @@ mod common;
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
 use trainkit::{
-    AdamW, AdamW8bit, Constant, DType, Gpt2, MixedBf16, Optimizer, Precision, Trainer,
+    AdamW, AdamW8bit, Constant, DType, Gpt2, MixedBf16, Optimizer, Precision, PureBf16, Trainer,
     TrainerOptions,
 };
 
@@ -119,6 +119,50 @@ fn resume_is_bitwise_exact_with_adamw8bit() {
 #[test]
 fn resume_is_bitwise_exact_in_mixed_precision() {
     resume_is_exact(MixedBf16 { fp32_grads: false }, "bf16");
+}
+
+/// Pure bf16 in every update rounding: the stochastic stream goes on where it stopped
+/// (keyed by seed, step and parameter), and the Kahan compensation is saved and restored.
+#[test]
+fn resume_is_bitwise_exact_in_pure_bf16() {
+    use trainkit::ops::update_rounding::UpdateRounding;
+    for rounding in [
+        UpdateRounding::Nearest,
+        UpdateRounding::Stochastic,
+        UpdateRounding::Kahan,
+    ] {
+        resume_is_exact(PureBf16 { rounding }, &format!("pure-{rounding}"));
+    }
+    // The compensation itself, after a resume.
+    let dir = scratch("pure-kahan-state").join("ckpt");
+    let kahan = PureBf16 {
+        rounding: UpdateRounding::Kahan,
+    };
+    let mut first = trainer(kahan);
+    for _ in 0..3 {
+        first.step().unwrap();
+    }
+    first.save(&dir, None).unwrap();
+    let mut resumed = trainer(kahan);
+    resumed.resume_from(&dir).unwrap();
+    let comp = |t: &Trainer<PureBf16, _, _, _, _>| per_param(t, |p| p.compensation().unwrap());
+    assert_eq!(comp(&first), comp(&resumed));
+    assert!(
+        comp(&first).iter().flatten().any(|&c| c != 0.0),
+        "the compensation holds rounding errors"
+    );
+    // A run that keeps no compensation cannot continue one that did, nor the reverse.
+    let e = trainer(PureBf16::default())
+        .resume_from(&dir)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--update-rounding kahan"), "{e}");
+    let plain = scratch("pure-nearest-state").join("ckpt");
+    let mut t = trainer(PureBf16::default());
+    t.step().unwrap();
+    t.save(&plain, None).unwrap();
+    let e = trainer(kahan).resume_from(&plain).unwrap_err().to_string();
+    assert!(e.contains(".kahan") && e.contains("update rounding"), "{e}");
 }
 
 #[test]

@@ -54,8 +54,12 @@ pub struct Overrides {
     pub grad_clip: Option<f32>,
     /// Run the optimizer inside backward.
     pub optimizer_in_backward: Option<bool>,
-    /// `fp32` or `bf16`.
+    /// `fp32`, `bf16` or `fp16`.
     pub precision: Option<String>,
+    /// `f32` or `none` (pure bf16, [`crate::precision::PureBf16`]).
+    pub master_weights: Option<String>,
+    /// `nearest`, `stochastic` or `kahan`: how a pure-bf16 update is rounded.
+    pub update_rounding: Option<String>,
     /// `none`, `full`, `selective` or `budget:SIZE`.
     pub recompute: Option<String>,
     /// Offload the activations the recompute policy keeps to host memory.
@@ -368,6 +372,13 @@ impl Overrides {
         if let Some(p) = &self.precision {
             cfg.precision =
                 crate::precision::named(p, false).map_err(|e| e.for_field("--precision"))?;
+        }
+        if self.master_weights.is_some() || self.update_rounding.is_some() {
+            cfg.precision = crate::precision::with_master_weights(
+                std::mem::replace(&mut cfg.precision, Box::new(crate::precision::Fp32)),
+                self.master_weights.as_deref(),
+                self.update_rounding.as_deref(),
+            )?;
         }
         if let Some(r) = &self.recompute {
             cfg.checkpoint = crate::checkpoint::named(r).map_err(|e| e.for_field("--recompute"))?;

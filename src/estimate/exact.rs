@@ -51,6 +51,14 @@ pub struct MemoryPrediction {
     /// The peak of the total over the first micro-batch of the first step, while
     /// gradients appear one by one during the first backward (no optimizer state yet).
     pub first_micro_batch_peak_total: u64,
+    /// The peak of the total in the first step's optimizer phase, while the optimizer
+    /// creates its state (one parameter after another; under pure bf16 beside one
+    /// parameter's transient f32 copy).
+    pub first_update_peak_total: u64,
+    /// What lives between steps, per category: the model state (weights, master weights
+    /// or the Kahan compensation, gradients unless the optimizer runs inside backward,
+    /// optimizer state), without the transients of a step.
+    pub kept: CategoryBytes,
     /// The activation profile of a micro-batch.
     pub activations: ActivationProfile,
 }
@@ -60,15 +68,17 @@ impl MemoryPrediction {
     /// gradients appear during the first backward, optimizer state only at the update.
     pub fn first_step_peak_total(&self, micro_batches: usize) -> u64 {
         let p = &self.peak;
-        let before_optimizer = p.get(MemoryCategory::Weights)
-            + p.get(MemoryCategory::MasterWeights)
-            + p.get(MemoryCategory::Gradients)
-            + p.get(MemoryCategory::Workspace);
         let mut peak = self
             .first_micro_batch_peak_total
-            .max(before_optimizer + p.get(MemoryCategory::OptimizerState));
+            .max(self.first_update_peak_total);
         if micro_batches > 1 {
-            peak = peak.max(before_optimizer + self.activations.peak);
+            // Later micro-batches: every gradient exists, no optimizer state yet, and
+            // the master weights without any transient copy of an update.
+            let gradients_kept = p.get(MemoryCategory::Weights)
+                + self.kept.get(MemoryCategory::MasterWeights)
+                + p.get(MemoryCategory::Gradients)
+                + p.get(MemoryCategory::Workspace);
+            peak = peak.max(gradients_kept + self.activations.peak);
         }
         peak
     }
@@ -176,11 +186,14 @@ pub fn predict_with(
     )?;
     trainer.step()?;
     let later = trainer.step()?;
+    let kept = trainer.backend().ledger().snapshot().live;
     let observed = trainer.observer();
     Ok(MemoryPrediction {
         peak: later.memory.peak,
         peak_total: later.memory.peak_total,
         first_micro_batch_peak_total: observed.first_micro_batch_peak_total,
+        first_update_peak_total: observed.first_update_peak_total,
+        kept,
         activations: ActivationProfile {
             peak: later.memory.peak.get(MemoryCategory::Activations),
             peak_phase: observed.activation_peak_phase,
@@ -206,6 +219,8 @@ struct PredictionObserver {
     #[serde(skip)]
     first_micro_batch_peak_total: u64,
     #[serde(skip)]
+    first_update_peak_total: u64,
+    #[serde(skip)]
     activation_peak: u64,
     #[serde(skip)]
     activation_peak_phase: Option<Phase>,
@@ -222,6 +237,10 @@ impl MemoryObserver for PredictionObserver {
                 if self.steps_done == 0 && self.phases.first() == Some(&Phase::MicroBatch(0)) {
                     self.first_micro_batch_peak_total =
                         self.first_micro_batch_peak_total.max(self.live.total());
+                }
+                if self.steps_done == 0 && self.phases.first() == Some(&Phase::Optimizer) {
+                    self.first_update_peak_total =
+                        self.first_update_peak_total.max(self.live.total());
                 }
                 let activations = self.live.get(MemoryCategory::Activations);
                 if self.steps_done == 1 && activations > self.activation_peak {

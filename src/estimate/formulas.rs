@@ -48,12 +48,19 @@ pub fn playbook_params(layers: u64, hidden: u64, vocab: u64) -> Result<u64> {
 
 /// Bytes per parameter by category (weights, master weights, gradients, optimizer
 /// state) as the playbook counts them for `precision` and `optimizer`: the compute
-/// weights, an f32 master copy when the precision keeps one, gradients in the compute
+/// weights, an f32 master copy when the precision keeps one (or pure bf16's 2-byte Kahan
+/// compensation), gradients in the compute
 /// dtype plus an f32 accumulation buffer when they accumulate in f32 apart from bf16
 /// compute (the playbook's 20 bytes of mixed precision), and the optimizer's state.
 pub fn bytes_per_param(precision: &dyn Precision, optimizer: &dyn Optimizer) -> CategoryBytes {
     let compute = precision.compute_dtype().size() as u64;
-    let master = if precision.master_weights() { 4 } else { 0 };
+    let kahan = precision.update_rounding().is_some_and(|r| r.compensated());
+    let master = match (precision.master_weights(), kahan) {
+        (true, _) => 4,
+        // Pure bf16's Kahan compensation, in the master weights' place.
+        (false, true) => 2,
+        (false, false) => 0,
+    };
     let f32_grads = precision.grad_dtype() == DType::F32 && precision.compute_dtype() != DType::F32;
     let grads = compute + if f32_grads { 4 } else { 0 };
     let mut out = CategoryBytes::default();
@@ -229,6 +236,15 @@ mod tests {
         assert_eq!(per(&Fp32), [4, 0, 4, 8, 0]);
         assert_eq!(per(&MixedBf16 { fp32_grads: false }), [2, 4, 2, 8, 0]);
         assert_eq!(per(&MixedBf16 { fp32_grads: true }), [2, 4, 6, 8, 0]);
+        use crate::ops::update_rounding::UpdateRounding;
+        use crate::precision::PureBf16;
+        for (rounding, master) in [
+            (UpdateRounding::Nearest, 0),
+            (UpdateRounding::Stochastic, 0),
+            (UpdateRounding::Kahan, 2),
+        ] {
+            assert_eq!(per(&PureBf16 { rounding }), [2, master, 2, 8, 0]);
+        }
     }
 
     #[test]

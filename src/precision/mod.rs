@@ -4,6 +4,8 @@ mod loss_scale;
 
 pub use loss_scale::{LossScale, LossScaleState};
 
+use crate::error::{Error, Result};
+use crate::ops::update_rounding::UpdateRounding;
 use crate::tensor::DType;
 use dyn_clone::DynClone;
 use serde::{Deserialize, Serialize};
@@ -27,6 +29,14 @@ pub trait Precision: DynClone + Debug + Send + Sync {
     /// Dtype gradients are accumulated in across micro-batches.
     fn grad_dtype(&self) -> DType;
 
+    /// How an update is written back into weights narrower than f32 that have no master
+    /// copy ([`PureBf16`]); `None` for the others, whose optimizer updates f32 values
+    /// (the master copy, or f32 weights). A precision without master weights must compute
+    /// in f32 or say this.
+    fn update_rounding(&self) -> Option<UpdateRounding> {
+        None
+    }
+
     /// Factor the loss is multiplied by before backward (1 without loss scaling).
     fn loss_scale(&self) -> f32 {
         1.0
@@ -39,7 +49,7 @@ pub trait Precision: DynClone + Debug + Send + Sync {
 
     /// Fails, naming the setting and its valid range, when the precision's settings cannot
     /// work; [`crate::Trainer::new`] calls it before the first step.
-    fn validate(&self) -> crate::error::Result<()> {
+    fn validate(&self) -> Result<()> {
         Ok(())
     }
 
@@ -58,7 +68,7 @@ pub trait Precision: DynClone + Debug + Send + Sync {
     }
 
     /// Restores what [`Precision::state`] returned.
-    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
         let _ = state;
         Ok(())
     }
@@ -76,13 +86,16 @@ impl<'a> Precision for Box<dyn Precision + 'a> {
     fn grad_dtype(&self) -> DType {
         (**self).grad_dtype()
     }
+    fn update_rounding(&self) -> Option<UpdateRounding> {
+        (**self).update_rounding()
+    }
     fn loss_scale(&self) -> f32 {
         (**self).loss_scale()
     }
     fn update_loss_scale(&mut self, finite: bool) {
         (**self).update_loss_scale(finite)
     }
-    fn validate(&self) -> crate::error::Result<()> {
+    fn validate(&self) -> Result<()> {
         (**self).validate()
     }
     fn overflow_expected(&self) -> bool {
@@ -91,7 +104,7 @@ impl<'a> Precision for Box<dyn Precision + 'a> {
     fn state(&self) -> Option<serde_json::Value> {
         (**self).state()
     }
-    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
         (**self).load_state(state)
     }
     #[doc(hidden)]
@@ -160,15 +173,111 @@ impl Precision for MixedBf16 {
     }
 }
 
+/// bf16 weights without an f32 master copy ("pure bf16", torchtune's full fine-tunes):
+/// weights, activations and gradients in bf16, and only the optimizer state in f32 (or 8
+/// bits). Each parameter's update is computed in f32, in a transient buffer the weights
+/// are widened into one parameter at a time, and written back as `rounding` says:
+/// to nearest (torchtune's; updates below half a bf16 step are lost), stochastically
+/// (unbiased), or Kahan-compensated (the rounding error kept in a bf16 buffer per
+/// parameter, `{name}.kahan`: +2 bytes per parameter, saved in checkpoints). See
+/// [`crate::ops::update_rounding`].
+///
+/// Per parameter it keeps 2 bytes of weights and 2 of gradient where mixed bf16 keeps 2,
+/// 4 and 4 (f32 gradients) or 2: 6 to 8 bytes less per parameter, 48 to 64 GB for an 8B
+/// model. In a config: `precision = { kind = "pure_bf16", rounding = "kahan" }`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PureBf16 {
+    /// How updates are written back into the bf16 weights.
+    #[serde(default)]
+    pub rounding: UpdateRounding,
+}
+
+#[typetag::serde(name = "pure_bf16")]
+impl Precision for PureBf16 {
+    fn compute_dtype(&self) -> DType {
+        DType::Bf16
+    }
+    fn master_weights(&self) -> bool {
+        false
+    }
+    fn grad_dtype(&self) -> DType {
+        DType::Bf16
+    }
+    fn update_rounding(&self) -> Option<UpdateRounding> {
+        Some(self.rounding)
+    }
+}
+
+/// `precision` with the master-weight choice of `--master-weights` (`f32`, or `none` for
+/// [`PureBf16`]) and the rounding of `--update-rounding` applied; errors name the flag
+/// and what would work: no master copy needs bf16 compute (fp32 weights are their own
+/// f32 values; fp16 needs f32 master weights for its loss scale), and an update rounding
+/// needs weights without a master copy.
+pub fn with_master_weights(
+    precision: Box<dyn Precision>,
+    master: Option<&str>,
+    rounding: Option<&str>,
+) -> Result<Box<dyn Precision>> {
+    let rounding = rounding
+        .map(|r| UpdateRounding::parse("--update-rounding", r))
+        .transpose()?;
+    let pure = precision.update_rounding().is_some();
+    let rounding_needs_pure = |precision: &dyn Precision| {
+        Error::config(
+            "--update-rounding",
+            match precision.compute_dtype() {
+                DType::F32 => {
+                    "fp32 updates its f32 weights exactly, there is nothing to round: \
+                               the update rounding is for bf16 weights without a master copy \
+                               (--precision bf16 --master-weights none)"
+                }
+                _ => {
+                    "the update is rounded only where the weights have no f32 master copy: \
+                      add --master-weights none"
+                }
+            },
+        )
+    };
+    match (master, rounding) {
+        (None, None) => Ok(precision),
+        (None, Some(rounding)) if pure => Ok(Box::new(PureBf16 { rounding })),
+        (None | Some("f32"), Some(_)) => Err(rounding_needs_pure(precision.as_ref())),
+        // `--master-weights f32` over a pure-bf16 config: mixed bf16.
+        (Some("f32"), None) if pure => Ok(Box::new(MixedBf16::default())),
+        (Some("f32"), None) => Ok(precision),
+        (Some("none"), _) => match precision.compute_dtype() {
+            DType::Bf16 => Ok(Box::new(PureBf16 {
+                rounding: rounding.or(precision.update_rounding()).unwrap_or_default(),
+            })),
+            DType::F32 => Err(Error::config(
+                "--master-weights",
+                "fp32 keeps no master copy (its weights are f32): `none` needs --precision bf16",
+            )),
+            other => Err(Error::config(
+                "--master-weights",
+                format!(
+                    "{other} weights need an f32 master copy (for the loss scale, and a 5-bit \
+                     exponent); `none` needs --precision bf16"
+                ),
+            )),
+        },
+        (Some(other), _) => Err(Error::config(
+            "--master-weights",
+            format!("`{other}` is not a master-weight choice; use f32 or none"),
+        )),
+    }
+}
+
 /// The precision a `--precision` value names: `fp32` ([`Fp32`]), `bf16`
 /// ([`MixedBf16`], with f32 gradient accumulation when `fp32_grads`) or `fp16`
 /// ([`MixedFp16`] with GradScaler's defaults; its gradients are always f32).
-pub fn named(name: &str, fp32_grads: bool) -> crate::error::Result<Box<dyn Precision>> {
+pub fn named(name: &str, fp32_grads: bool) -> Result<Box<dyn Precision>> {
     match name {
         "fp32" => Ok(Box::new(Fp32)),
         "bf16" => Ok(Box::new(MixedBf16 { fp32_grads })),
         "fp16" => Ok(Box::new(MixedFp16::default())),
-        other => Err(crate::error::Error::config(
+        other => Err(Error::config(
             "precision",
             format!("`{other}` is not a precision; use fp32, bf16 or fp16"),
         )),
@@ -187,6 +296,10 @@ pub fn describe(precision: &dyn Precision) -> String {
         (DType::F32, false, _) => "fp32".to_string(),
         (DType::Bf16, true, DType::Bf16) => "bf16 mixed".to_string(),
         (DType::Bf16, true, DType::F32) => "bf16 mixed, f32 gradient accumulation".to_string(),
+        (DType::Bf16, false, _) => match precision.update_rounding() {
+            Some(r) => format!("bf16 pure (no master copy), {r} update rounding"),
+            None => precision.typetag_name().to_string(),
+        },
         (DType::F16, true, DType::F32) => {
             format!("fp16 mixed, dynamic loss scale {}", precision.loss_scale())
         }
@@ -250,7 +363,7 @@ impl Precision for MixedFp16 {
     fn update_loss_scale(&mut self, finite: bool) {
         self.state = Some(self.scale.next(self.scale_state(), finite));
     }
-    fn validate(&self) -> crate::error::Result<()> {
+    fn validate(&self) -> Result<()> {
         self.scale.validate()
     }
     fn overflow_expected(&self) -> bool {
@@ -260,9 +373,9 @@ impl Precision for MixedFp16 {
     fn state(&self) -> Option<serde_json::Value> {
         serde_json::to_value(self.scale_state()).ok()
     }
-    fn load_state(&mut self, state: &serde_json::Value) -> crate::error::Result<()> {
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
         let s: LossScaleState = serde_json::from_value(state.clone()).map_err(|e| {
-            crate::error::Error::data(
+            Error::data(
                 "trainer state",
                 format!("`precision_state` is not a loss-scale state ({e}); was the checkpoint saved with --precision fp16?"),
             )

@@ -51,6 +51,10 @@ struct TrainerState {
     /// Per parameter, the names of its optimizer-state tensors in
     /// `trainer_state.safetensors`, in slot order.
     optimizer_state: BTreeMap<String, Vec<String>>,
+    /// The Kahan compensations of pure bf16 weights in `trainer_state.safetensors`
+    /// (`{name}.kahan`), when the run keeps them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    compensation: Vec<String>,
     precision: serde_json::Value,
     /// The precision's running state (a dynamic loss scale and its counters), if any.
     #[serde(default)]
@@ -136,6 +140,17 @@ where
             }
             optimizer_state.insert(p.name().to_string(), names);
         }
+        let mut compensation = Vec::new();
+        for t in self.params.iter().filter_map(|p| p.compensation()) {
+            state_tensors.push(NamedTensor {
+                name: t.label().to_string(),
+                shape: t.shape().to_vec(),
+                data: self.backend.to_f32(t)?,
+            });
+            // bf16 values, exact in f32.
+            state_dtypes.push(DType::F32);
+            compensation.push(t.label().to_string());
+        }
         let typed: Vec<_> = state_tensors.iter().zip(state_dtypes).collect();
         write_typed(&w.path(STATE_TENSORS_FILE), &typed, None)?;
         let json = |v: Result<serde_json::Value, serde_json::Error>| {
@@ -154,6 +169,7 @@ where
             data_shuffle: self.data.shuffle_seed(),
             rng: self.rng.clone(),
             optimizer_state,
+            compensation,
             precision: json(serde_json::to_value(&self.precision as &dyn Precision))?,
             precision_state: self.precision.state(),
             checkpoint: json(serde_json::to_value(
@@ -391,6 +407,7 @@ where
                 .collect::<Result<Vec<_>>>()?;
             p.set_state(slots);
         }
+        self.restore_compensation(&state.compensation, &tensors)?;
         match state.data_cursor {
             Some(cursor) => self.data.set_cursor(cursor)?,
             None => self.data.set_position(state.data_position)?,
@@ -404,6 +421,50 @@ where
         self.bad_streak = state.bad_streak;
         self.rng = state.rng;
         self.flush_events();
+        Ok(())
+    }
+}
+
+impl<P, C, O, A, M> Trainer<P, C, O, A, M>
+where
+    P: Precision,
+    C: CheckpointPolicy,
+    O: Optimizer,
+    A: AccumulationSchedule,
+    M: MemoryObserver,
+{
+    /// Loads the Kahan compensations a checkpoint saved (`saved`, their names) into the
+    /// parameters that keep one: both sides must agree on which do, or the resume would
+    /// not continue the run.
+    fn restore_compensation(
+        &mut self,
+        saved: &[String],
+        tensors: &HashMap<String, (NamedTensor, DType)>,
+    ) -> Result<()> {
+        let be = self.backend.as_ref();
+        let keeps = self.params.iter().any(|p| p.compensation().is_some());
+        if !saved.is_empty() && !keeps {
+            return Err(Error::data(
+                STATE_FILE,
+                "was saved by a pure-bf16 run with Kahan-compensated updates; resume with \
+                 --master-weights none --update-rounding kahan",
+            ));
+        }
+        for p in self.params.iter_mut() {
+            let Some(label) = p.compensation().map(|t| t.label().to_string()) else {
+                continue;
+            };
+            let (t, _) = tensors.get(&label).ok_or_else(|| {
+                Error::data(
+                    STATE_TENSORS_FILE,
+                    format!(
+                        "has no `{label}`: the checkpoint was not saved with Kahan-compensated \
+                         updates (resume with the update rounding it was saved with)"
+                    ),
+                )
+            })?;
+            p.set_compensation(be, &t.data)?;
+        }
         Ok(())
     }
 }

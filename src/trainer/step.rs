@@ -165,6 +165,7 @@ where
             let optimizer = &mut self.optimizer;
             let record = &mut buffers.record;
             let step = self.step + 1;
+            let seed = self.options.seed;
             let inside = &mut *inside;
             let mut update = |p: &mut Param, losses: &Tensor| -> Result<()> {
                 let Some(grad) = p.grad() else {
@@ -174,6 +175,7 @@ where
                 let r = StepRecord::read(be, record)?;
                 inside.norm_squares += (r.grad_norm as f64).powi(2);
                 inside.all_finite &= r.finite();
+                p.begin_update(be)?;
                 optimizer.step(
                     be,
                     std::slice::from_mut(p),
@@ -181,7 +183,7 @@ where
                     GradScale::new(record)?,
                     step,
                 )?;
-                p.refresh_after_step(be)?;
+                p.refresh_after_step(be, p.rounding_key(seed, step))?;
                 p.drop_grad();
                 Ok(())
             };
@@ -239,15 +241,31 @@ where
                     plan.loss_scale,
                 )?;
             }
-            self.optimizer.step(
-                be,
-                &mut self.params,
-                plan.lr,
-                GradScale::new(&record)?,
-                self.step + 1,
-            )?;
-            for p in &mut self.params {
-                p.refresh_after_step(be)?;
+            let (step, seed) = (self.step + 1, self.options.seed);
+            if self.precision.update_rounding().is_some() {
+                // Pure bf16: one parameter at a time, so that one f32 copy exists at once.
+                for p in &mut self.params {
+                    p.begin_update(be)?;
+                    self.optimizer.step(
+                        be,
+                        std::slice::from_mut(p),
+                        plan.lr,
+                        GradScale::new(&record)?,
+                        step,
+                    )?;
+                    p.refresh_after_step(be, p.rounding_key(seed, step))?;
+                }
+            } else {
+                self.optimizer.step(
+                    be,
+                    &mut self.params,
+                    plan.lr,
+                    GradScale::new(&record)?,
+                    step,
+                )?;
+                for p in &mut self.params {
+                    p.refresh_after_step(be, 0)?;
+                }
             }
         }
         let mut r = StepRecord::read(be, &record)?;

@@ -55,6 +55,14 @@ pub struct MemoryArgs {
     /// With bf16: also accumulate gradients in f32 (4 more bytes per parameter).
     #[arg(long)]
     fp32_grads: bool,
+    /// f32 (an f32 master copy of bf16 weights, the default) or none (pure bf16: no master
+    /// copy, bf16 gradients; each update computed in one parameter's transient f32 copy).
+    #[arg(long)]
+    master_weights: Option<String>,
+    /// With --master-weights none: nearest, stochastic, or kahan (a bf16 compensation, 2
+    /// bytes per parameter).
+    #[arg(long)]
+    update_rounding: Option<String>,
     /// Activation recomputation: none, full, selective or budget:SIZE (e.g. budget:2GiB).
     #[arg(long, default_value = "none")]
     recompute: String,
@@ -387,6 +395,11 @@ const STATE: [MemoryCategory; 4] = [
 pub fn run(args: MemoryArgs) -> Result<()> {
     let precision = trainkit::precision::named(&args.precision, args.fp32_grads)
         .map_err(|e| e.for_field("--precision"))?;
+    let precision = trainkit::precision::with_master_weights(
+        precision,
+        args.master_weights.as_deref(),
+        args.update_rounding.as_deref(),
+    )?;
     let precision = precision.as_ref();
     let recompute =
         trainkit::checkpoint::named(&args.recompute).map_err(|e| e.for_field("--recompute"))?;
@@ -608,6 +621,8 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "batch_size": args.batch_size,
                 "precision": args.precision,
                 "fp32_grads": args.fp32_grads,
+                "master_weights": if precision.master_weights() || precision.compute_dtype() == trainkit::DType::F32 { "f32" } else { "none" },
+                "update_rounding": precision.update_rounding().map(|r| r.name()),
                 "recompute": recompute_name,
                 "optimizer": optimizer_name,
             },

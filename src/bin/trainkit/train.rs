@@ -118,6 +118,15 @@ pub struct TrainArgs {
     /// master weights and gradients, and a dynamic loss scale).
     #[arg(long)]
     precision: Option<String>,
+    /// f32 (the default: an f32 master copy of bf16 weights) or none (pure bf16: bf16
+    /// weights and gradients, the update rounded back into the weights; with --precision
+    /// bf16).
+    #[arg(long)]
+    master_weights: Option<String>,
+    /// How a pure-bf16 update is written back into the weights: nearest (the default),
+    /// stochastic (unbiased) or kahan (the rounding error kept, +2 bytes per parameter).
+    #[arg(long)]
+    update_rounding: Option<String>,
     /// Activation recomputation: none, full, selective, or budget:SIZE (keep the
     /// activations that save the most recompute per byte up to SIZE, e.g. budget:2GiB).
     #[arg(long)]
@@ -264,6 +273,8 @@ impl TrainArgs {
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
             offload_activations: self.offload_activations.then_some(true),
             precision: self.precision.clone(),
+            master_weights: self.master_weights.clone(),
+            update_rounding: self.update_rounding.clone(),
             recompute: self.recompute.clone(),
             loss: self.loss.clone(),
             loss_chunk: self.loss_chunk,
