@@ -69,6 +69,14 @@ fn bad_input_is_a_one_line_error() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["train", "--device", "tpu"], "auto, cpu or cuda"),
         (
+            vec!["train", "--update-rounding", "kahan", "--precision", "fp32"],
+            "--update-rounding",
+        ),
+        (
+            vec!["train", "--master-weights", "none", "--precision", "fp16"],
+            "--master-weights",
+        ),
+        (
             vec!["train", "--data", "/nonexistent/file.txt"],
             "/nonexistent/file.txt",
         ),
@@ -233,6 +241,36 @@ fn resume_through_the_cli_is_bitwise_exact_with_adamw8bit() {
     assert!(
         header.contains("exp_avg.codes") && header.contains("\"U8\""),
         "{header}"
+    );
+}
+
+/// Pure bf16 with Kahan-compensated updates: the flags reach the run (its line says so),
+/// the compensation is saved, and the resumed run continues bit for bit.
+#[test]
+fn resume_through_the_cli_is_bitwise_exact_in_pure_bf16() {
+    let flags = [
+        "--precision",
+        "bf16",
+        "--master-weights",
+        "none",
+        "--update-rounding",
+        "kahan",
+    ];
+    let dir = resume_through_the_cli(&flags, "resume-pure");
+    let state = std::fs::read_to_string(dir.join("b/trainkit.toml")).unwrap();
+    assert!(
+        state.contains("pure_bf16") && state.contains("kahan"),
+        "{state}"
+    );
+    let bytes = std::fs::read(dir.join("b/trainer_state.safetensors")).unwrap();
+    let header = String::from_utf8_lossy(&bytes[..bytes.len().min(20_000)]).to_string();
+    assert!(header.contains(".kahan"), "{header}");
+    let (ok, out, err) =
+        trainkit(&[&["train", "--steps", "1", "--device", "cpu"][..], &flags].concat());
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("precision pure_bf16 (no master copy, kahan update rounding)"),
+        "{out}"
     );
 }
 

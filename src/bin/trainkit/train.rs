@@ -589,9 +589,13 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         _ => format!("{device} ({})", backend.describe()),
     };
     println!(
-        "device: {device}; precision {}; recompute {}{}; optimizer {}{}; {} micro-batch rows × \
+        "device: {device}; precision {}{}; recompute {}{}; optimizer {}{}; {} micro-batch rows × \
          {} tokens",
         kind(&cfg.precision)?,
+        match cfg.precision.update_rounding() {
+            Some(r) => format!(" (no master copy, {r} update rounding)"),
+            None => String::new(),
+        },
         trainkit::estimate::policy_name(cfg.checkpoint.as_ref()),
         if t.offload_activations {
             ", kept activations offloaded to host memory"
