@@ -14,6 +14,7 @@ use std::sync::Arc;
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
+use trainkit::ops::update_rounding::UpdateRounding;
 use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::prelude::*;
 use trainkit::{CpuBackend, Timeline};
@@ -229,14 +230,32 @@ fn main() -> Result<()> {
 
     // 4. Mixed precision.
     println!("## Where mixed precision moves the bytes (B=4, T=256, no recompute, step 2)\n");
-    println!("| category | fp32 | bf16, f32 gradients | bf16, bf16 gradients |\n|---|---|---|---|");
-    let precisions: [Box<dyn Precision>; 3] = [
-        Box::new(Fp32),
-        Box::new(MixedBf16 { fp32_grads: true }),
-        Box::new(MixedBf16 { fp32_grads: false }),
+    let precisions: [(&str, Box<dyn Precision>); 5] = [
+        ("fp32", Box::new(Fp32)),
+        (
+            "bf16, f32 gradients",
+            Box::new(MixedBf16 { fp32_grads: true }),
+        ),
+        (
+            "bf16, bf16 gradients",
+            Box::new(MixedBf16 { fp32_grads: false }),
+        ),
+        ("pure bf16, nearest", Box::new(PureBf16::default())),
+        (
+            "pure bf16, Kahan",
+            Box::new(PureBf16 {
+                rounding: UpdateRounding::Kahan,
+            }),
+        ),
     ];
+    let names: Vec<&str> = precisions.iter().map(|p| p.0).collect();
+    println!(
+        "| category | {} |\n|---|{}",
+        names.join(" | "),
+        "---|".repeat(names.len())
+    );
     let mut columns = Vec::new();
-    for precision in precisions {
+    for (_, precision) in precisions {
         let s = Setup {
             batch: 4,
             seq: 256,
@@ -246,19 +265,17 @@ fn main() -> Result<()> {
         columns.push(measure(&s, &tokens, 2)?[1]);
     }
     for c in MemoryCategory::ALL {
-        println!(
-            "| {c} | {} | {} | {} |",
-            format_bytes(columns[0].0.get(c)),
-            format_bytes(columns[1].0.get(c)),
-            format_bytes(columns[2].0.get(c))
-        );
+        let cells: Vec<String> = columns
+            .iter()
+            .map(|col| format_bytes(col.0.get(c)))
+            .collect();
+        println!("| {c} | {} |", cells.join(" | "));
     }
-    println!(
-        "| **total peak** | **{}** | **{}** | **{}** |",
-        format_bytes(columns[0].1),
-        format_bytes(columns[1].1),
-        format_bytes(columns[2].1)
-    );
+    let totals: Vec<String> = columns
+        .iter()
+        .map(|col| format!("**{}**", format_bytes(col.1)))
+        .collect();
+    println!("| **total peak** | {} |", totals.join(" | "));
     Ok(())
 }
 
