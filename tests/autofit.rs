@@ -560,3 +560,45 @@ fn adapters_are_chosen_only_when_named_and_nothing_cheaper_fits() {
     assert!(ch.flags().ends_with("--qlora"), "{}", ch.flags());
     assert!(!Techniques::ALL.contains(Technique::Lora));
 }
+
+/// Pure bf16 changes how each update is rounded: autofit uses it only when named, and
+/// then only when nothing cheaper fits; the plan trains as predicted, and a request that
+/// does not name it hears that it would fit.
+#[test]
+fn pure_bf16_is_chosen_only_when_named_and_nothing_cheaper_fits() {
+    let (c, opt) = (config(), AdamW::default());
+    let roomy = every_technique(&c, &Fp32, &opt, 2, u64::MAX);
+    let tightest = technique_savings(&roomy).unwrap().all.peak;
+    let named = FitRequest {
+        techniques: Techniques::ALL.with(Technique::PureBf16),
+        budget: tightest - 1,
+        ..roomy
+    };
+    let e = autofit(&FitRequest {
+        budget: tightest - 1,
+        ..roomy
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--autofit-techniques all,pure-bf16"), "{e}");
+    let ch = autofit(&named).unwrap().choice;
+    assert!(ch.techniques.contains(Technique::PureBf16), "{}", ch.describe());
+    assert!(!ch.techniques.contains(Technique::Bf16), "{}", ch.describe());
+    assert!(
+        ch.flags()
+            .contains("--master-weights none --update-rounding stochastic"),
+        "{}",
+        ch.flags()
+    );
+    assert_eq!(
+        ch.precision.update_rounding(),
+        Some(trainkit::ops::update_rounding::UpdateRounding::Stochastic)
+    );
+    let highest = train_choice(&c, &ch, cpu());
+    assert_eq!(highest, ch.peak, "{}", ch.describe());
+    assert!(!Techniques::ALL.contains(Technique::PureBf16));
+    assert_eq!(
+        Techniques::parse("all,pure-bf16").unwrap(),
+        Techniques::ALL.with(Technique::PureBf16)
+    );
+}

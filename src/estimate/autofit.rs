@@ -10,9 +10,10 @@ use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
 use crate::model::Architecture;
+use crate::ops::update_rounding::UpdateRounding;
 use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
-use crate::precision::{MixedBf16, Precision};
+use crate::precision::{MixedBf16, Precision, PureBf16};
 use crate::trainer::TrainerOptions;
 use std::sync::Arc;
 
@@ -167,6 +168,10 @@ impl FitCandidate {
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
             (Technique::Offload, " --offload-activations"),
             (Technique::Bf16, " --precision bf16"),
+            (
+                Technique::PureBf16,
+                " --precision bf16 --master-weights none --update-rounding stochastic",
+            ),
             (
                 Technique::Lora,
                 " --lora-rank 8 --lora-alpha 16 --lora-targets all-linear",
@@ -411,6 +416,11 @@ impl Spec {
             Technique::OptimizerInBackward => s.in_backward = true,
             Technique::Offload => s.offload = true,
             Technique::Bf16 => s.precision = Box::new(MixedBf16 { fp32_grads: false }),
+            Technique::PureBf16 => {
+                s.precision = Box::new(PureBf16 {
+                    rounding: UpdateRounding::Stochastic,
+                })
+            }
             Technique::Lora => s.adapter = Some(Arc::new(autofit_lora())),
             Technique::Qlora => {
                 let lora = match s.adapter.as_ref().and_then(|a| a.as_lora()) {
@@ -482,6 +492,13 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
             "the run's precision is {} already",
             crate::precision::describe(req.precision)
         )),
+        Technique::PureBf16 if req.precision.update_rounding().is_some() => Some(format!(
+            "the run's precision is {} already",
+            crate::precision::describe(req.precision)
+        )),
+        Technique::PureBf16 if req.precision.compute_dtype() == crate::tensor::DType::F16 => {
+            Some("the run is fp16, whose loss scale needs f32 master weights".into())
+        }
         Technique::Lora if req.adapter.is_some() => {
             Some("the run trains an adapter already".into())
         }
@@ -530,6 +547,7 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
         Technique::OptimizerInBackward,
         Technique::Offload,
         Technique::Bf16,
+        Technique::PureBf16,
         Technique::Lora,
         Technique::Qlora,
     ]
@@ -548,8 +566,11 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
             if on.contains(&Technique::Offload) && *policy != keeps_least {
                 continue;
             }
-            // QLoRA brings its LoRA: the two together are QLoRA alone.
-            if on.contains(&Technique::Lora) && on.contains(&Technique::Qlora) {
+            // QLoRA brings its LoRA: the two together are QLoRA alone; pure bf16 is bf16
+            // compute already.
+            if on.contains(&Technique::Lora) && on.contains(&Technique::Qlora)
+                || on.contains(&Technique::Bf16) && on.contains(&Technique::PureBf16)
+            {
                 continue;
             }
             let mut spec = base.clone();
@@ -795,6 +816,23 @@ fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> 
         if fits(req, &c) {
             fixes.push(format!(
                 "letting autofit use {extra} (--autofit-techniques all; {}: peak {})",
+                c.describe(),
+                format_bytes(c.peak)
+            ));
+        }
+    }
+    // Pure bf16, when the request did not name it.
+    let named = FitRequest {
+        techniques: req.techniques.with(Technique::PureBf16),
+        ..*req
+    };
+    if !allowed.contains(Technique::PureBf16) && why_not(&named, Technique::PureBf16).is_none() {
+        let spec = Spec::of(least).with(Technique::PureBf16)?;
+        let c = evaluate(&named, &spec, least.micro_batch)?;
+        if fits(req, &c) {
+            fixes.push(format!(
+                "bf16 weights without an f32 master copy, updates rounded stochastically \
+                 (--autofit-techniques all,pure-bf16: {}: peak {})",
                 c.describe(),
                 format_bytes(c.peak)
             ));

@@ -29,11 +29,16 @@ use crate::error::{Error, Result};
 ///    on a GPU, but it changes the arithmetic of every product and activation the run was
 ///    configured to do in f32, so autofit takes it last of those that train the same
 ///    weights.
-/// 9. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
-///    frozen model instead of every weight. It changes what is trained, so autofit uses it
-///    only when it is named (`--autofit-techniques all,lora`): [`Techniques::ALL`] leaves
-///    it out.
-/// 10. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
+/// 9. [`Technique::PureBf16`]: bf16 weights and gradients without an f32 master copy
+///    ([`crate::PureBf16`]), each update rounded back stochastically: 4 to 6 bytes per
+///    parameter less than mixed bf16, and one parameter's f32 copy at a time. Each update
+///    is rounded to 8 significant bits, unbiased but noisier than an f32 master copy's, so
+///    autofit uses it only when it is named (`--autofit-techniques all,pure-bf16`).
+/// 10. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
+///     frozen model instead of every weight. It changes what is trained, so autofit uses
+///     it only when it is named (`--autofit-techniques all,lora`): [`Techniques::ALL`]
+///     leaves it out.
+/// 11. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
 ///     run's own LoRA, or the one above): dequantizing each weight in every product costs
 ///     time and the base's precision. Named like LoRA (`all,qlora`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -57,6 +62,9 @@ pub enum Technique {
     /// bf16 compute with f32 master weights and bf16 gradients ([`crate::MixedBf16`]) in
     /// place of fp32.
     Bf16,
+    /// bf16 weights and gradients without an f32 master copy, updates rounded
+    /// stochastically ([`crate::PureBf16`]).
+    PureBf16,
     /// A LoRA adapter on the frozen model ([`crate::Lora`], rank 8, α 16, `all-linear`).
     Lora,
     /// LoRA over an NF4 base ([`crate::adapter::BaseWeights::Nf4`]).
@@ -65,7 +73,7 @@ pub enum Technique {
 
 impl Technique {
     /// Every technique, in autofit's cost order.
-    pub const ALL: [Technique; 10] = [
+    pub const ALL: [Technique; 11] = [
         Technique::Accumulation,
         Technique::Selective,
         Technique::Adamw8bit,
@@ -74,6 +82,7 @@ impl Technique {
         Technique::Full,
         Technique::Offload,
         Technique::Bf16,
+        Technique::PureBf16,
         Technique::Lora,
         Technique::Qlora,
     ];
@@ -89,6 +98,7 @@ impl Technique {
             Technique::Full => "full",
             Technique::Offload => "offload",
             Technique::Bf16 => "bf16",
+            Technique::PureBf16 => "pure-bf16",
             Technique::Lora => "lora",
             Technique::Qlora => "qlora",
         }
@@ -104,7 +114,7 @@ impl Technique {
                     "autofit_techniques",
                     format!(
                         "`{name}` is not a technique autofit knows; use all, or a comma-separated \
-                         list of {}, lora, qlora",
+                         list of {}, pure-bf16, lora, qlora",
                         Techniques::ALL
                     ),
                 )
@@ -141,8 +151,9 @@ pub struct Techniques(u16);
 impl Techniques {
     /// No technique.
     pub const NONE: Techniques = Techniques(0);
-    /// Every technique that trains the same weights (`--autofit-techniques all`, and
-    /// autofit's default): all but [`Technique::Lora`] and [`Technique::Qlora`], which
+    /// Every technique that trains the same weights with the run's arithmetic for the
+    /// update (`--autofit-techniques all`, and autofit's default): all but
+    /// [`Technique::PureBf16`], [`Technique::Lora`] and [`Technique::Qlora`], which
     /// autofit uses only when they are named.
     pub const ALL: Techniques = Techniques((1 << (Technique::Bf16 as u16 + 1)) - 1);
     /// Micro-batch and accumulation with the recompute policies that take no setting

@@ -938,8 +938,10 @@ fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
         Some(list) => Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?,
         None => Techniques::ALL,
     };
-    if args.precision.is_some() {
-        techniques = techniques.without(Technique::Bf16);
+    if args.precision.is_some() || args.master_weights.is_some() || args.update_rounding.is_some() {
+        techniques = techniques
+            .without(Technique::Bf16)
+            .without(Technique::PureBf16);
     }
     if args.optimizer.is_some() {
         techniques = techniques.without(Technique::Adamw8bit);
