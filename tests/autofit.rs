@@ -582,8 +582,16 @@ fn pure_bf16_is_chosen_only_when_named_and_nothing_cheaper_fits() {
     .to_string();
     assert!(e.contains("--autofit-techniques all,pure-bf16"), "{e}");
     let ch = autofit(&named).unwrap().choice;
-    assert!(ch.techniques.contains(Technique::PureBf16), "{}", ch.describe());
-    assert!(!ch.techniques.contains(Technique::Bf16), "{}", ch.describe());
+    assert!(
+        ch.techniques.contains(Technique::PureBf16),
+        "{}",
+        ch.describe()
+    );
+    assert!(
+        !ch.techniques.contains(Technique::Bf16),
+        "{}",
+        ch.describe()
+    );
     assert!(
         ch.flags()
             .contains("--master-weights none --update-rounding stochastic"),

@@ -423,16 +423,7 @@ where
         self.flush_events();
         Ok(())
     }
-}
 
-impl<P, C, O, A, M> Trainer<P, C, O, A, M>
-where
-    P: Precision,
-    C: CheckpointPolicy,
-    O: Optimizer,
-    A: AccumulationSchedule,
-    M: MemoryObserver,
-{
     /// Loads the Kahan compensations a checkpoint saved (`saved`, their names) into the
     /// parameters that keep one: both sides must agree on which do, or the resume would
     /// not continue the run.

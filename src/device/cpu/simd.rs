@@ -151,11 +151,13 @@ pub(crate) fn max(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, v| if *v > m { *v } else { m })
 }
 
+/// The sum of `N` partial sums (`N` a power of two) pairwise, in a fixed order:
+/// `a[i] += a[i + w]` for `w = N/2, ..., 1` (the order the kernels' shuffles and block
+/// reductions add in).
 #[inline(always)]
-fn reduce(acc: [f32; LANES]) -> f32 {
-    // Pairwise, in a fixed order.
+pub(crate) fn reduce<const N: usize>(acc: [f32; N]) -> f32 {
     let mut a = acc;
-    let mut width = LANES / 2;
+    let mut width = N / 2;
     while width > 0 {
         for i in 0..width {
             a[i] += a[i + width];

@@ -59,20 +59,6 @@ pub(crate) fn forward(
 /// every 256th column in order.
 const ROW_LANES: usize = 256;
 
-/// The sum of a row's partials in the kernel's order: `a[i] += a[i + w]` for
-/// `w = 128, 64, ..., 1`.
-#[inline(always)]
-fn pairwise(mut a: [f32; ROW_LANES]) -> f32 {
-    let mut w = ROW_LANES / 2;
-    while w > 0 {
-        for i in 0..w {
-            a[i] += a[i + w];
-        }
-        w /= 2;
-    }
-    a[0]
-}
-
 /// `Σ f(v)` over the row, in the kernel's 256 interleaved partial sums.
 #[inline(always)]
 fn row_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
@@ -82,7 +68,7 @@ fn row_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
             *a += f(*v);
         }
     }
-    pairwise(acc)
+    simd::reduce(acc)
 }
 
 simd_fn! {
