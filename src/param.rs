@@ -383,7 +383,8 @@ impl Param {
         if self.rounding.is_none() || self.master.is_some() {
             return Ok(());
         }
-        let mut values = backend.zeros(
+        // `expand` writes every element.
+        let mut values = backend.empty(
             self.weight.shape(),
             DType::F32,
             MemoryCategory::MasterWeights,

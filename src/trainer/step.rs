@@ -175,15 +175,15 @@ where
                 let r = StepRecord::read(be, record)?;
                 inside.norm_squares += (r.grad_norm as f64).powi(2);
                 inside.all_finite &= r.finite();
-                p.begin_update(be)?;
-                optimizer.step(
+                update_one(
                     be,
-                    std::slice::from_mut(p),
+                    optimizer,
+                    p,
                     plan.lr,
                     GradScale::new(record)?,
                     step,
+                    seed,
                 )?;
-                p.refresh_after_step(be, p.rounding_key(seed, step))?;
                 p.drop_grad();
                 Ok(())
             };
@@ -245,15 +245,8 @@ where
             if self.precision.update_rounding().is_some() {
                 // Pure bf16: one parameter at a time, so that one f32 copy exists at once.
                 for p in &mut self.params {
-                    p.begin_update(be)?;
-                    self.optimizer.step(
-                        be,
-                        std::slice::from_mut(p),
-                        plan.lr,
-                        GradScale::new(&record)?,
-                        step,
-                    )?;
-                    p.refresh_after_step(be, p.rounding_key(seed, step))?;
+                    let scale = GradScale::new(&record)?;
+                    update_one(be, &mut self.optimizer, p, plan.lr, scale, step, seed)?;
                 }
             } else {
                 self.optimizer.step(
@@ -384,4 +377,21 @@ where
             stash,
         }
     }
+}
+
+/// One parameter's update at `step`: its values made ready ([`Param::begin_update`], the
+/// transient f32 copy of pure bf16), the optimizer's step, and the compute weights
+/// refreshed (pure bf16's rounding, keyed by `seed`, `step` and the parameter).
+fn update_one(
+    be: &dyn Backend,
+    optimizer: &mut impl Optimizer,
+    p: &mut Param,
+    lr: f32,
+    scale: GradScale<'_>,
+    step: u64,
+    seed: u64,
+) -> Result<()> {
+    p.begin_update(be)?;
+    optimizer.step(be, std::slice::from_mut(p), lr, scale, step)?;
+    p.refresh_after_step(be, p.rounding_key(seed, step))
 }
