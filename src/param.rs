@@ -8,6 +8,7 @@ use crate::ops::update_rounding::{self, UpdateRounding};
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
+use std::sync::Arc;
 
 /// How a parameter's initial values are drawn.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,6 +117,9 @@ pub struct Param {
     rounding: Option<UpdateRounding>,
     /// The Kahan compensation of pure bf16 weights (bf16, the weights' rounding error).
     compensation: Option<Tensor>,
+    /// With the optimizer offloaded, the host memory its side of the parameter lives in
+    /// (master weights, compensation, optimizer state): [`Backend::host`].
+    host: Option<Arc<dyn Backend>>,
 }
 
 /// What an optimizer needs to update one parameter, with the compute weights it may
@@ -141,7 +145,16 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
-        Self::build(backend, name, shape, Some(init), precision, true, None)
+        Self::build(
+            backend,
+            None,
+            name,
+            shape,
+            Some(init),
+            precision,
+            true,
+            None,
+        )
     }
 
     /// A frozen parameter ([`Param::trains`] false) initialised from `init`: compute
@@ -153,7 +166,16 @@ impl Param {
         init: &[f32],
         precision: &dyn Precision,
     ) -> Result<Param> {
-        Self::build(backend, name, shape, Some(init), precision, false, None)
+        Self::build(
+            backend,
+            None,
+            name,
+            shape,
+            Some(init),
+            precision,
+            false,
+            None,
+        )
     }
 
     /// The parameter `spec` declares, its values drawn from `rng` in model order; on a
@@ -165,10 +187,26 @@ impl Param {
         rng: &mut Rng,
         precision: &dyn Precision,
     ) -> Result<Param> {
+        Self::init_with_host(backend, None, spec, rng, precision)
+    }
+
+    /// As [`Param::init`], with the optimizer's side of a parameter that trains (its f32
+    /// master weights, a Kahan compensation, the optimizer state the optimizer creates) in
+    /// `host` memory, [`Backend::host`], when given: the device keeps the compute weights
+    /// and the gradient, and [`Param::update_on_host`] runs the update there.
+    pub fn init_with_host(
+        backend: &dyn Backend,
+        host: Option<&Arc<dyn Backend>>,
+        spec: &ParamInit,
+        rng: &mut Rng,
+        precision: &dyn Precision,
+    ) -> Result<Param> {
+        let host = host.filter(|_| spec.trains);
         if backend.holds_data() {
             let values = spec.values(rng);
             Self::build(
                 backend,
+                host,
                 &spec.name,
                 &spec.shape,
                 Some(&values),
@@ -179,6 +217,7 @@ impl Param {
         } else {
             Self::build(
                 backend,
+                host,
                 &spec.name,
                 &spec.shape,
                 None,
@@ -189,8 +228,10 @@ impl Param {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn build(
         backend: &dyn Backend,
+        host: Option<&Arc<dyn Backend>>,
         name: &str,
         shape: &[usize],
         init: Option<&[f32]>,
@@ -209,36 +250,40 @@ impl Param {
                 ));
             }
         }
-        let place = |dtype: DType, category: MemoryCategory| match init {
-            Some(values) => backend.upload(values, shape, dtype, category, name),
-            None => backend.zeros(shape, dtype, category, name),
+        let side: &dyn Backend = host.map_or(backend, |h| h.as_ref());
+        let place = |be: &dyn Backend, dtype: DType, category: MemoryCategory| match init {
+            Some(values) => be.upload(values, shape, dtype, category, name),
+            None => be.zeros(shape, dtype, category, name),
         };
         let compute = precision.compute_dtype();
         let rounding = precision.update_rounding().filter(|_| trains);
-        let master = if precision.master_weights() && trains {
-            Some(place(DType::F32, MemoryCategory::MasterWeights)?)
-        } else {
-            if compute != DType::F32 && trains && rounding.is_none() {
-                return Err(Error::config(
-                    "precision",
-                    format!(
-                        "a precision without master weights must compute in f32, not \
+        // Offloaded, the f32 values are kept on the host even where the precision keeps
+        // none apart (fp32): the device's weights are their copy.
+        let master =
+            if (precision.master_weights() || host.is_some() && rounding.is_none()) && trains {
+                Some(place(side, DType::F32, MemoryCategory::MasterWeights)?)
+            } else {
+                if compute != DType::F32 && trains && rounding.is_none() {
+                    return Err(Error::config(
+                        "precision",
+                        format!(
+                            "a precision without master weights must compute in f32, not \
                          {compute}, or say how updates are rounded (`update_rounding`)"
-                    ),
-                ));
-            }
-            None
-        };
+                        ),
+                    ));
+                }
+                None
+            };
         if rounding.is_some() && compute != DType::Bf16 {
             return Err(Error::config(
                 "precision",
                 format!("update rounding writes bf16 weights, not {compute}"),
             ));
         }
-        let weight = place(stored.unwrap_or(compute), MemoryCategory::Weights)?;
+        let weight = place(backend, stored.unwrap_or(compute), MemoryCategory::Weights)?;
         // The compensation starts at zero: the weights are the initial values rounded.
         let compensation = match rounding {
-            Some(r) if r.compensated() => Some(backend.zeros(
+            Some(r) if r.compensated() => Some(side.zeros(
                 shape,
                 DType::Bf16,
                 MemoryCategory::MasterWeights,
@@ -257,6 +302,7 @@ impl Param {
             trains,
             rounding,
             compensation,
+            host: host.cloned(),
         })
     }
 
@@ -318,8 +364,10 @@ impl Param {
     pub fn update_parts_fused(&mut self) -> Result<UpdateParts<'_>> {
         let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
         let (value, compute) = match self.master.as_mut() {
-            // Pure bf16: the update is rounded as the precision says, after the step.
-            Some(master) if self.rounding.is_some() => (master, None),
+            // Pure bf16: the update is rounded as the precision says, after the step; an
+            // offloaded update rounds its compute weights from the master copy after the
+            // step too, so that a skipped step leaves them as they were.
+            Some(master) if self.rounding.is_some() || self.host.is_some() => (master, None),
             Some(master) => {
                 self.weight_fresh = true;
                 (master, Some(&mut self.weight))
@@ -365,7 +413,8 @@ impl Param {
             ));
         }
         let shape = self.shape().to_vec();
-        self.compensation = Some(backend.upload(
+        let side = self.host.as_deref().unwrap_or(backend);
+        self.compensation = Some(side.upload(
             data,
             &shape,
             DType::Bf16,
@@ -460,9 +509,10 @@ impl Param {
             ));
         }
         let shape = self.shape().to_vec();
+        let side = self.host.as_deref().unwrap_or(backend);
         match &mut self.master {
             Some(master) => {
-                *master = backend.upload(
+                *master = side.upload(
                     data,
                     &shape,
                     DType::F32,
@@ -523,11 +573,89 @@ impl Param {
 
     pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {
         self.weight_fresh = false;
-        if let Some(master) = &self.master {
-            backend.cast(&mut self.weight, master)?;
+        let Some(master) = &self.master else {
+            return Ok(());
+        };
+        match self.host.as_deref() {
+            // The master copy is in host memory and the weights on the device: rounded on
+            // the host, then copied over.
+            Some(host) if !is_same(host, backend) => {
+                let mut rounded = host.empty(
+                    self.weight.shape(),
+                    self.weight.dtype(),
+                    MemoryCategory::Weights,
+                    &self.name,
+                )?;
+                host.cast(&mut rounded, master)?;
+                backend.transfer(&mut self.weight, &rounded)
+            }
+            _ => backend.cast(&mut self.weight, master),
         }
-        Ok(())
     }
+
+    /// Whether the optimizer's side of this parameter is in host memory
+    /// ([`Param::init_with_host`]).
+    pub fn offloaded(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The backend the optimizer's side of this parameter lives on (its master weights,
+    /// compensation and state): its host memory when the optimizer is offloaded, else
+    /// `backend`.
+    pub fn state_backend<'a>(&'a self, backend: &'a dyn Backend) -> &'a dyn Backend {
+        self.host.as_deref().unwrap_or(backend)
+    }
+
+    /// Runs `update` (one optimizer update of this parameter, given the backend to run it
+    /// on) where the parameter's optimizer side lives. Without offload that is `backend`
+    /// itself. With the optimizer offloaded ([`Param::init_with_host`]) the gradient is
+    /// copied to host memory, the update runs there on the compute weights' host copy
+    /// (pure bf16 reads the weights, so they are copied over first; with master weights
+    /// the update writes them from the master copy), and the new compute weights are
+    /// copied back to `backend`. The host copies are freed when it returns; the device
+    /// gradient is left as it was.
+    pub fn update_on_host(
+        &mut self,
+        backend: &dyn Backend,
+        update: impl FnOnce(&dyn Backend, &mut Param) -> Result<()>,
+    ) -> Result<()> {
+        let Some(host) = self.host.clone() else {
+            return update(backend, self);
+        };
+        let Some(device_grad) = self.grad.take() else {
+            // No gradient: the optimizer's own error (or its skip) says so.
+            return update(host.as_ref(), self);
+        };
+        let shape = self.weight.shape().to_vec();
+        let mut grad = host.empty(
+            &shape,
+            device_grad.dtype(),
+            MemoryCategory::Gradients,
+            &self.name,
+        )?;
+        backend.transfer(&mut grad, &device_grad)?;
+        self.grad = Some(grad);
+        let mut weights = host.empty(
+            &shape,
+            self.weight.dtype(),
+            MemoryCategory::Weights,
+            &self.name,
+        )?;
+        if self.rounding.is_some() {
+            backend.transfer(&mut weights, &self.weight)?;
+        }
+        std::mem::swap(&mut self.weight, &mut weights);
+        let result = update(host.as_ref(), self);
+        std::mem::swap(&mut self.weight, &mut weights);
+        self.grad = Some(device_grad);
+        result?;
+        backend.transfer(&mut self.weight, &weights)
+    }
+}
+
+/// Whether `a` and `b` are the same backend.
+fn is_same(a: &dyn Backend, b: &dyn Backend) -> bool {
+    std::ptr::addr_eq(a as *const dyn Backend, b as *const dyn Backend)
 }
 
 /// The label of parameter `name`'s Kahan compensation.

@@ -1301,6 +1301,77 @@ fn a_training_step_matches_the_cpu_in_every_precision() {
     }
 }
 
+/// With the optimizer offloaded, the update runs on the host's CPU kernels instead of the
+/// device's, and the weights cross over and back: two steps end in the same bits as on
+/// the device alone, in every precision, after the step and inside backward.
+#[test]
+fn the_offloaded_optimizer_is_bitwise_the_one_on_the_device() {
+    fn run<P: Precision + Default>(
+        backend: Arc<dyn Backend>,
+        offload: bool,
+        in_backward: bool,
+    ) -> (Vec<u64>, Vec<Vec<u32>>) {
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+            .precision(P::default())
+            .options(trainkit::TrainerOptions {
+                optimizer_offload: offload,
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 1.0 },
+                ..trainkit::TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let losses = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
+        let be = t.backend().clone();
+        let bits = t
+            .params()
+            .iter()
+            .flat_map(|p| {
+                let mut ts = vec![p.weight(), p.value()];
+                ts.extend(p.state());
+                ts.into_iter()
+                    .map(|x| be.to_f32(x).unwrap().iter().map(|v| v.to_bits()).collect())
+                    .collect::<Vec<Vec<u32>>>()
+            })
+            .collect();
+        (losses, bits)
+    }
+    for (name, cuda) in cuda_backends() {
+        let be: Arc<dyn Backend> = cuda;
+        let same = |what: &str, a: (Vec<u64>, Vec<Vec<u32>>), b: (Vec<u64>, Vec<Vec<u32>>)| {
+            assert_eq!(a.0, b.0, "{name} {what}: losses");
+            let differ = a.1.iter().zip(&b.1).filter(|(x, y)| x != y).count();
+            assert_eq!(differ, 0, "{name} {what}: tensors differ");
+        };
+        same(
+            "fp32",
+            run::<trainkit::Fp32>(be.clone(), false, false),
+            run::<trainkit::Fp32>(be.clone(), true, false),
+        );
+        same(
+            "bf16",
+            run::<MixedBf16>(be.clone(), false, false),
+            run::<MixedBf16>(be.clone(), true, false),
+        );
+        same(
+            "bf16 in backward",
+            run::<MixedBf16>(be.clone(), false, true),
+            run::<MixedBf16>(be.clone(), true, true),
+        );
+        same(
+            "fp16",
+            run::<MixedFp16>(be.clone(), false, false),
+            run::<MixedFp16>(be.clone(), true, false),
+        );
+        same(
+            "pure bf16",
+            run::<trainkit::PureBf16>(be.clone(), false, false),
+            run::<trainkit::PureBf16>(be.clone(), true, false),
+        );
+    }
+}
+
 #[test]
 fn the_fused_loss_in_chunks_matches_the_cpu() {
     // 32 positions in chunks of 5: the chunked path (rows copied in and out) on each
@@ -1620,6 +1691,7 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
                 peak_flops: None,
                 optimizer_in_backward: t.optimizer_in_backward,
                 offload_activations: t.offload_activations,
+                optimizer_offload: cfg.optimizer_offload,
             },
         )
         .unwrap();

@@ -133,6 +133,13 @@ pub struct RunConfig {
     /// Optimizer (`kind = "adamw"`, `"adamw8bit"` or `"sgd"`).
     #[serde(default = "default_optimizer")]
     pub optimizer: Box<dyn Optimizer>,
+    /// `[optimizer] offload = true`: the optimizer's side of the parameters (master
+    /// weights, optimizer state) in host memory, the update on the CPU (see
+    /// [`crate::TrainerOptions::optimizer_offload`]). Read from and written to the
+    /// `[optimizer]` table by [`RunConfig::from_toml`] and [`RunConfig::to_toml`], beside
+    /// the optimizer's own settings.
+    #[serde(skip)]
+    pub optimizer_offload: bool,
     /// Accumulation schedule (`kind = "constant"`, `"tokens_per_step"` or `"ramp"`).
     #[serde(default = "default_accumulation")]
     pub accumulation: Box<dyn AccumulationSchedule>,
@@ -143,6 +150,30 @@ pub struct RunConfig {
     /// every parameter, [`crate::adapter::FullFineTune`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<Box<dyn Adapter>>,
+}
+
+/// `text` without the `offload` key of its `[optimizer]` table (which the optimizer's own
+/// settings do not hold), and that key's value (false when absent). `text` itself when it
+/// has none, so that parse errors point into the file as written.
+fn take_offload(text: &str) -> Result<(String, bool)> {
+    let Ok(mut table) = text.parse::<toml::Table>() else {
+        // Not TOML: the full parse reports where.
+        return Ok((text.to_string(), false));
+    };
+    let Some(toml::Value::Table(optimizer)) = table.get_mut("optimizer") else {
+        return Ok((text.to_string(), false));
+    };
+    let Some(value) = optimizer.remove("offload") else {
+        return Ok((text.to_string(), false));
+    };
+    let toml::Value::Boolean(offload) = value else {
+        return Err(Error::config(
+            "optimizer.offload",
+            format!("must be true or false, not {value}"),
+        ));
+    };
+    let text = toml::to_string(&table).map_err(|e| Error::Serde(format!("config: {e}")))?;
+    Ok((text, offload))
 }
 
 fn default_precision() -> Box<dyn Precision> {
@@ -174,6 +205,7 @@ impl Default for RunConfig {
             precision: default_precision(),
             checkpoint: default_checkpoint(),
             optimizer: default_optimizer(),
+            optimizer_offload: false,
             accumulation: default_accumulation(),
             observer: default_observer(),
             adapter: None,
@@ -184,7 +216,9 @@ impl Default for RunConfig {
 impl RunConfig {
     /// Parses a TOML document and validates it.
     pub fn from_toml(text: &str) -> Result<Self> {
-        let cfg: RunConfig = toml::from_str(text).map_err(|e| {
+        let (text, offload) = take_offload(text)?;
+        let text = text.as_str();
+        let mut cfg: RunConfig = toml::from_str(text).map_err(|e| {
             let message = e.message().trim().replace('\n', "; ");
             match e.span() {
                 Some(span) => {
@@ -200,6 +234,7 @@ impl RunConfig {
                 None => Error::Serde(format!("config: {message}")),
             }
         })?;
+        cfg.optimizer_offload = offload;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -216,7 +251,15 @@ impl RunConfig {
 
     /// The config as TOML.
     pub fn to_toml(&self) -> Result<String> {
-        toml::to_string_pretty(self).map_err(|e| Error::Serde(format!("config: {e}")))
+        let err = |e: &dyn std::fmt::Display| Error::Serde(format!("config: {e}"));
+        if !self.optimizer_offload {
+            return toml::to_string_pretty(self).map_err(|e| err(&e));
+        }
+        let mut table = toml::Table::try_from(self).map_err(|e| err(&e))?;
+        if let Some(toml::Value::Table(o)) = table.get_mut("optimizer") {
+            o.insert("offload".to_string(), toml::Value::Boolean(true));
+        }
+        toml::to_string_pretty(&table).map_err(|e| err(&e))
     }
 
     /// The model this run trains: `[model]` with `[training]`'s attention, loss path and

@@ -54,6 +54,8 @@ pub struct Overrides {
     pub grad_clip: Option<f32>,
     /// Run the optimizer inside backward.
     pub optimizer_in_backward: Option<bool>,
+    /// Keep master weights and optimizer state in host memory, the update on the CPU.
+    pub optimizer_offload: Option<bool>,
     /// `fp32`, `bf16` or `fp16`.
     pub precision: Option<String>,
     /// `f32` or `none` (pure bf16, [`crate::precision::PureBf16`]).
@@ -357,6 +359,7 @@ impl Overrides {
         set(&mut t.optimizer_in_backward, self.optimizer_in_backward);
         set(&mut t.offload_activations, self.offload_activations);
         set(&mut t.seed, self.seed);
+        set(&mut cfg.optimizer_offload, self.optimizer_offload);
         set(&mut t.eval_every, self.eval_every);
         set(&mut cfg.output.out, self.out.clone().map(Some));
         set(&mut cfg.output.save_every, self.save_every);

@@ -26,6 +26,7 @@ use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Tensor};
 use std::fmt::Debug;
+use std::sync::Arc;
 
 /// The seam between model code and hardware: a device's buffers and ops.
 ///
@@ -166,6 +167,43 @@ pub trait Backend: Debug + Send + Sync {
     fn fetch(&self, t: Tensor, category: MemoryCategory) -> Result<Tensor> {
         let op = self.ledger().op("fetch", 0, t.label());
         op.finish(self.fetch_kernel(t, category))
+    }
+
+    /// Host memory for an optimizer that runs on the host
+    /// ([`crate::TrainerOptions::optimizer_offload`]): a CPU backend whose tensors live in
+    /// host memory and are counted in this backend's ledger under
+    /// [`MemoryCategory::Offloaded`], whatever category they are created with, so that
+    /// one ledger shows device and host bytes apart. Every call returns the same backend.
+    /// `None` for a backend with no host memory of its own (the default: a backend written
+    /// outside trainkit says how it reaches the host by overriding this and
+    /// [`Backend::transfer_kernel`]).
+    fn host(&self) -> Option<Arc<dyn Backend>> {
+        None
+    }
+
+    /// `dst = src` across the host boundary, bytes as they are: one of the two is this
+    /// backend's tensor and the other its [`Backend::host`]'s (a gradient on its way to
+    /// the host, updated weights on their way back). Both have the same dtype and number
+    /// of elements.
+    fn transfer(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        cpu::ensure(
+            dst.dtype() == src.dtype() && dst.numel() == src.numel(),
+            "transfer",
+            || {
+                format!(
+                    "`{}` ({} × {}) cannot receive `{}` ({} × {}): the dtype and the number \
+                     of elements must agree",
+                    dst.label(),
+                    dst.numel(),
+                    dst.dtype(),
+                    src.label(),
+                    src.numel(),
+                    src.dtype()
+                )
+            },
+        )?;
+        let op = self.ledger().op("transfer", 0, dst.label());
+        op.finish(self.transfer_kernel(dst, src))
     }
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
@@ -316,6 +354,19 @@ pub trait Backend: Debug + Send + Sync {
     fn fetch_kernel(&self, t: Tensor, category: MemoryCategory) -> Result<Tensor> {
         let label = t.label().to_string();
         self.copy_kernel(&t, category, &label)
+    }
+
+    /// The kernel of [`Backend::transfer`]: dtypes and sizes agree. The default refuses,
+    /// as the default [`Backend::host`] has no host memory.
+    fn transfer_kernel(&self, dst: &mut Tensor, _src: &Tensor) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: self.name(),
+            message: format!(
+                "cannot copy `{}` across the host boundary: this backend has no host memory \
+                 (Backend::host)",
+                dst.label()
+            ),
+        })
     }
 
     /// The kernel of [`Backend::matmul`]: the shapes agree (`out` is `[m, n]`, `op(a)`

@@ -13,6 +13,7 @@ use super::{Backend, Device};
 use crate::error::Result;
 use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
+use std::sync::{Arc, OnceLock};
 
 /// A backend whose tensors hold no data: allocations, frees, operand checks and op spans
 /// only.
@@ -22,6 +23,11 @@ use crate::tensor::{DType, Storage, Tensor};
 #[derive(Debug, Default)]
 pub struct MetaBackend {
     ledger: Ledger,
+    /// Host memory held for a device ([`Backend::host`]): every tensor is counted under
+    /// [`MemoryCategory::Offloaded`].
+    for_device: bool,
+    /// This backend's [`Backend::host`], made on first use.
+    host: OnceLock<Arc<MetaBackend>>,
 }
 
 impl MetaBackend {
@@ -38,6 +44,11 @@ impl MetaBackend {
         label: &str,
     ) -> Result<Tensor> {
         let len = shape.iter().product();
+        let category = if self.for_device {
+            MemoryCategory::Offloaded
+        } else {
+            category
+        };
         Tensor::new(
             Storage::Meta { len, dtype },
             shape,
@@ -96,6 +107,24 @@ impl Backend for MetaBackend {
 
     fn copy_kernel(&self, t: &Tensor, category: MemoryCategory, label: &str) -> Result<Tensor> {
         self.alloc(t.shape(), t.dtype(), category, label)
+    }
+
+    fn host(&self) -> Option<Arc<dyn Backend>> {
+        if self.for_device {
+            return None;
+        }
+        let host = self.host.get_or_init(|| {
+            Arc::new(MetaBackend {
+                ledger: self.ledger.clone(),
+                for_device: true,
+                host: OnceLock::new(),
+            })
+        });
+        Some(Arc::clone(host) as Arc<dyn Backend>)
+    }
+
+    fn transfer_kernel(&self, _dst: &mut Tensor, _src: &Tensor) -> Result<()> {
+        Ok(())
     }
 
     fn matmul_kernel(

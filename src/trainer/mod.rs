@@ -52,6 +52,16 @@ pub struct TrainerOptions {
     /// the rest (the ledger's [`MemoryCategory::Offloaded`]). The policy must keep
     /// something: one that recomputes every activation is refused by [`Trainer::new`].
     pub offload_activations: bool,
+    /// Keeps the optimizer's side of every parameter that trains in host memory
+    /// ([`Backend::host`]): the f32 master weights, a Kahan compensation and the optimizer
+    /// state, counted under
+    /// [`crate::memory::MemoryCategory::Offloaded`]. The device holds the compute
+    /// weights and the gradients; each parameter's gradient is copied to the host, updated
+    /// there on the CPU's threads, and its new compute weights copied back (inside
+    /// backward with [`TrainerOptions::optimizer_in_backward`], else after it). The update
+    /// is bitwise the one without offload. A backend without host memory is refused by
+    /// [`Trainer::new`].
+    pub optimizer_offload: bool,
 }
 
 impl Default for TrainerOptions {
@@ -65,6 +75,7 @@ impl Default for TrainerOptions {
             peak_flops: None,
             optimizer_in_backward: false,
             offload_activations: false,
+            optimizer_offload: false,
         }
     }
 }
@@ -396,12 +407,28 @@ where
         if options.offload_activations {
             offload::check(model.as_ref(), &data, &precision, &checkpoint)?;
         }
+        let host = if options.optimizer_offload {
+            Some(backend.host().ok_or_else(|| {
+                Error::config(
+                    "optimizer_offload",
+                    format!(
+                        "the {} backend has no host memory to offload the optimizer to \
+                         (Backend::host); drop --optimizer-offload (optimizer.offload)",
+                        backend.name()
+                    ),
+                )
+            })?)
+        } else {
+            None
+        };
         backend.ledger().set_recording(true);
         let mut rng = Rng::new(options.seed);
         let params = model
             .init_params()
             .iter()
-            .map(|p| Param::init(backend.as_ref(), p, &mut rng, &precision))
+            .map(|p| {
+                Param::init_with_host(backend.as_ref(), host.as_ref(), p, &mut rng, &precision)
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut trainer = Trainer {
             model,

@@ -402,7 +402,13 @@ where
                         )
                     })?;
                     let (data, shape) = padded_state(t, *dtype, p.shape(), vocab);
-                    be.upload(&data, &shape, *dtype, MemoryCategory::OptimizerState, n)
+                    p.state_backend(be).upload(
+                        &data,
+                        &shape,
+                        *dtype,
+                        MemoryCategory::OptimizerState,
+                        n,
+                    )
                 })
                 .collect::<Result<Vec<_>>>()?;
             p.set_state(slots);

@@ -175,15 +175,7 @@ where
                 let r = StepRecord::read(be, record)?;
                 inside.norm_squares += (r.grad_norm as f64).powi(2);
                 inside.all_finite &= r.finite();
-                update_one(
-                    be,
-                    optimizer,
-                    p,
-                    plan.lr,
-                    GradScale::new(record)?,
-                    step,
-                    seed,
-                )?;
+                update_one(be, optimizer, p, plan.lr, record, step, seed)?;
                 p.drop_grad();
                 Ok(())
             };
@@ -242,11 +234,11 @@ where
                 )?;
             }
             let (step, seed) = (self.step + 1, self.options.seed);
-            if self.precision.update_rounding().is_some() {
-                // Pure bf16: one parameter at a time, so that one f32 copy exists at once.
+            if self.precision.update_rounding().is_some() || self.options.optimizer_offload {
+                // Pure bf16: one parameter at a time, so that one f32 copy exists at once;
+                // offloaded: one at a time through host memory.
                 for p in &mut self.params {
-                    let scale = GradScale::new(&record)?;
-                    update_one(be, &mut self.optimizer, p, plan.lr, scale, step, seed)?;
+                    update_one(be, &mut self.optimizer, p, plan.lr, &record, step, seed)?;
                 }
             } else {
                 self.optimizer.step(
@@ -379,19 +371,44 @@ where
     }
 }
 
-/// One parameter's update at `step`: its values made ready ([`Param::begin_update`], the
-/// transient f32 copy of pure bf16), the optimizer's step, and the compute weights
-/// refreshed (pure bf16's rounding, keyed by `seed`, `step` and the parameter).
+/// One parameter's update at `step`, where its optimizer side lives
+/// ([`Param::update_on_host`]: in host memory when offloaded, with `record`, the guard's
+/// decision, copied there): its values made ready ([`Param::begin_update`], the transient
+/// f32 copy of pure bf16), the optimizer's step, and the compute weights refreshed (pure
+/// bf16's rounding, keyed by `seed`, `step` and the parameter).
 fn update_one(
     be: &dyn Backend,
     optimizer: &mut impl Optimizer,
     p: &mut Param,
     lr: f32,
-    scale: GradScale<'_>,
+    record: &Tensor,
     step: u64,
     seed: u64,
 ) -> Result<()> {
-    p.begin_update(be)?;
-    optimizer.step(be, std::slice::from_mut(p), lr, scale, step)?;
-    p.refresh_after_step(be, p.rounding_key(seed, step))
+    let offloaded = p.offloaded();
+    p.update_on_host(be, |side, p| {
+        let host_record;
+        let record = if offloaded {
+            let mut r = side.empty(
+                record.shape(),
+                DType::F32,
+                MemoryCategory::Workspace,
+                record.label(),
+            )?;
+            be.transfer(&mut r, record)?;
+            host_record = r;
+            &host_record
+        } else {
+            record
+        };
+        p.begin_update(side)?;
+        optimizer.step(
+            side,
+            std::slice::from_mut(p),
+            lr,
+            GradScale::new(record)?,
+            step,
+        )?;
+        p.refresh_after_step(side, p.rounding_key(seed, step))
+    })
 }

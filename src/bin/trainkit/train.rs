@@ -187,6 +187,11 @@ pub struct TrainArgs {
     /// --grad-clip 0.
     #[arg(long)]
     optimizer_in_backward: bool,
+    /// Keep the f32 master weights and the optimizer state in host memory and run the
+    /// update on the CPU's threads (the device keeps the compute weights and gradients);
+    /// the update is bitwise the one without.
+    #[arg(long)]
+    optimizer_offload: bool,
     /// Context length of a model from scratch (rows of its position embedding); by
     /// default the config's, raised to --seq-len when that is longer.
     #[arg(long)]
@@ -271,6 +276,7 @@ impl TrainArgs {
             optimizer: self.optimizer.clone(),
             grad_clip: self.grad_clip,
             optimizer_in_backward: self.optimizer_in_backward.then_some(true),
+            optimizer_offload: self.optimizer_offload.then_some(true),
             offload_activations: self.offload_activations.then_some(true),
             precision: self.precision.clone(),
             master_weights: self.master_weights.clone(),
@@ -603,10 +609,12 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             ""
         },
         kind(&cfg.optimizer)?,
-        if t.optimizer_in_backward {
-            " inside backward"
-        } else {
-            ""
+        match (t.optimizer_in_backward, cfg.optimizer_offload) {
+            (true, true) =>
+                " inside backward, on the host (master weights and state in host memory)",
+            (true, false) => " inside backward",
+            (false, true) => " on the host (master weights and state in host memory)",
+            (false, false) => "",
         },
         t.batch_size,
         t.seq_len
@@ -644,6 +652,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             peak_flops: plan.peak_flops,
             optimizer_in_backward: t.optimizer_in_backward,
             offload_activations: t.offload_activations,
+            optimizer_offload: cfg.optimizer_offload,
         },
     )?;
     let adapted = cfg.adapter.is_some();

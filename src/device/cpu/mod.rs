@@ -33,7 +33,7 @@ use half::{bf16, f16};
 pub(crate) use pool::BufferPool;
 use rayon::prelude::*;
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Elements per parallel chunk of element-wise work.
 pub(crate) const CHUNK: usize = 1 << 14;
@@ -52,6 +52,11 @@ pub struct CpuBackend {
     ledger: Ledger,
     pool: Arc<BufferPool>,
     blas: Option<Arc<Blas>>,
+    /// Host memory held for a device ([`Backend::host`]): every tensor is counted under
+    /// [`MemoryCategory::Offloaded`].
+    for_device: bool,
+    /// This backend's [`Backend::host`], made on first use.
+    host: OnceLock<Arc<CpuBackend>>,
 }
 
 impl Default for CpuBackend {
@@ -69,6 +74,30 @@ impl CpuBackend {
             pool: Arc::new(BufferPool::new(ledger.clone())),
             ledger,
             blas: None,
+            for_device: false,
+            host: OnceLock::new(),
+        }
+    }
+
+    /// Host memory held for a device whose ledger is `ledger`: a CPU backend counting
+    /// every tensor it makes there under [`MemoryCategory::Offloaded`] (what
+    /// [`Backend::host`] returns).
+    pub fn host_for(ledger: &Ledger) -> Self {
+        CpuBackend {
+            pool: Arc::new(BufferPool::new(ledger.clone())),
+            ledger: ledger.clone(),
+            blas: None,
+            for_device: true,
+            host: OnceLock::new(),
+        }
+    }
+
+    /// The category a tensor made as `category` is counted under.
+    fn place(&self, category: MemoryCategory) -> MemoryCategory {
+        if self.for_device {
+            MemoryCategory::Offloaded
+        } else {
+            category
         }
     }
 
@@ -110,6 +139,7 @@ impl CpuBackend {
         label: &str,
         zero: bool,
     ) -> Result<Tensor> {
+        let category = self.place(category);
         let n: usize = shape.iter().product();
         let bytes = dtype.bytes(n) as u64;
         // Ask the ledger first so a refused allocation never touches host memory.
@@ -153,6 +183,43 @@ impl CpuBackend {
         };
         Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
             .with_pool(Arc::clone(&self.pool)))
+    }
+}
+
+/// The bytes of a host tensor's elements, laid out as on a device (little-endian
+/// elements, which is the host's order on every platform trainkit builds for); `None` for
+/// a tensor that is not in host memory.
+pub(crate) fn host_bytes(storage: &Storage) -> Option<&[u8]> {
+    fn bytes_of<T>(v: &[T]) -> &[u8] {
+        // SAFETY: f32, bf16, f16 and u8 are plain values without padding; the slice
+        // covers exactly the vector's initialized elements.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+    match storage {
+        Storage::F32(v) => Some(bytes_of(v)),
+        Storage::Bf16(v) => Some(bytes_of(v)),
+        Storage::F16(v) => Some(bytes_of(v)),
+        Storage::U8(v) => Some(v),
+        Storage::Nf4 { bytes, .. } => Some(bytes),
+        Storage::Device(_) | Storage::Meta { .. } => None,
+    }
+}
+
+/// [`host_bytes`], writable.
+pub(crate) fn host_bytes_mut(storage: &mut Storage) -> Option<&mut [u8]> {
+    fn bytes_of<T>(v: &mut [T]) -> &mut [u8] {
+        // SAFETY: as in `host_bytes`; every bit pattern is a valid f32, bf16, f16 or u8.
+        unsafe {
+            std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        }
+    }
+    match storage {
+        Storage::F32(v) => Some(bytes_of(v)),
+        Storage::Bf16(v) => Some(bytes_of(v)),
+        Storage::F16(v) => Some(bytes_of(v)),
+        Storage::U8(v) => Some(v),
+        Storage::Nf4 { bytes, .. } => Some(bytes),
+        Storage::Device(_) | Storage::Meta { .. } => None,
     }
 }
 
@@ -391,7 +458,7 @@ impl Backend for CpuBackend {
         Tensor::new(
             host_storage(Cow::Borrowed(data), dtype),
             shape,
-            category,
+            self.place(category),
             label,
             &self.ledger,
         )
@@ -418,7 +485,44 @@ impl Backend for CpuBackend {
             },
             Storage::Device(d) => host_storage(Cow::Owned(d.to_f32()?), d.dtype()),
         };
-        Tensor::new(storage, t.shape(), category, label, &self.ledger)
+        Tensor::new(
+            storage,
+            t.shape(),
+            self.place(category),
+            label,
+            &self.ledger,
+        )
+    }
+
+    fn host(&self) -> Option<Arc<dyn Backend>> {
+        if self.for_device {
+            return None;
+        }
+        let host = self
+            .host
+            .get_or_init(|| Arc::new(CpuBackend::host_for(&self.ledger)));
+        Some(Arc::clone(host) as Arc<dyn Backend>)
+    }
+
+    fn transfer_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        match (dst.storage_mut(), src.storage()) {
+            (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
+            (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
+            (Storage::F16(d), Storage::F16(s)) => d.copy_from_slice(s),
+            (Storage::U8(d), Storage::U8(s)) => d.copy_from_slice(s),
+            (Storage::Nf4 { bytes: d, .. }, Storage::Nf4 { bytes: s, .. }) => d.copy_from_slice(s),
+            _ => {
+                return Err(Error::Backend {
+                    backend: "cpu",
+                    message: format!(
+                        "`{}` and `{}` are not both in host memory",
+                        dst.label(),
+                        src.label()
+                    ),
+                })
+            }
+        }
+        Ok(())
     }
 
     fn matmul_kernel(

@@ -21,13 +21,14 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory, UploadStats, MAX_BY_VALUE};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{elementwise, matmul};
-use crate::device::cpu::ensure;
+use crate::device::cpu::{ensure, host_bytes, host_bytes_mut};
+use crate::device::CpuBackend;
 use crate::device::{Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads per block of every kernel but `sum_squares_finish` (32).
 pub const BLOCK: u32 = 256;
@@ -71,6 +72,8 @@ pub struct CudaBackend {
     /// The values [`CudaBackend::kept_u32`] keeps on the device, with their host copy:
     /// one list per label.
     kept: Mutex<Vec<(Vec<u32>, Arc<Tensor>)>>,
+    /// The host memory of [`Backend::host`], made on first use.
+    host: OnceLock<Arc<CpuBackend>>,
 }
 
 /// How the figures of an out-of-memory error begin ([`CudaBackend::explain`] adds them
@@ -132,6 +135,7 @@ impl CudaBackend {
             gelu_epilogue: AtomicBool::new(true),
             bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
             kept: Mutex::new(Vec::new()),
+            host: OnceLock::new(),
         }
     }
 
@@ -521,9 +525,34 @@ impl Backend for CudaBackend {
     fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {
         match t.storage() {
             Storage::Device(d) => d.to_f32().map_err(|e| self.explain(e)),
-            _ => Err(Error::Backend {
+            // A tensor of this backend's host memory (`Backend::host`).
+            _ => Ok(crate::device::cpu::read(t).into_owned()),
+        }
+    }
+
+    fn host(&self) -> Option<Arc<dyn Backend>> {
+        let host = self
+            .host
+            .get_or_init(|| Arc::new(CpuBackend::host_for(&self.ledger)));
+        Some(Arc::clone(host) as Arc<dyn Backend>)
+    }
+
+    fn transfer_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        let label = dst.label().to_string();
+        let (dst, src) = (dst.storage_mut(), src.storage());
+        let done = match (dst, src) {
+            (Storage::Device(d), host) => host_bytes(host).map(|b| d.write_bytes(b)),
+            (host, Storage::Device(s)) => host_bytes_mut(host).map(|b| s.read_bytes(b)),
+            _ => None,
+        };
+        match done {
+            Some(r) => r.map_err(|e| self.explain(e)),
+            None => Err(Error::Backend {
                 backend: "cuda",
-                message: format!("`{}` lives in host memory, not on the GPU", t.label()),
+                message: format!(
+                    "`{label}`: a transfer copies between the GPU and its host memory, one \
+                     tensor on each side"
+                ),
             }),
         }
     }

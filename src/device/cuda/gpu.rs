@@ -404,6 +404,29 @@ impl DeviceBuffer {
         Ok(self.dtype.decode(&raw, self.len))
     }
 
+    /// Copies the elements' bytes into `dst` (as many bytes; waits for queued work).
+    pub(crate) fn read_bytes(&self, dst: &mut [u8]) -> Result<()> {
+        debug_assert_eq!(dst.len(), self.bytes());
+        self.ready()?;
+        if dst.is_empty() {
+            Ok(())
+        } else if self.is_host() {
+            self.gpu.read_host(dst, self.ptr)
+        } else {
+            self.gpu.download(dst, self.ptr)
+        }
+    }
+
+    /// Overwrites the elements with the bytes `src` (as many bytes).
+    pub(crate) fn write_bytes(&self, src: &[u8]) -> Result<()> {
+        debug_assert_eq!(src.len(), self.bytes());
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ready()?;
+        self.gpu.upload(self.ptr, src)
+    }
+
     /// Overwrites the elements with `data`, rounded to the buffer's dtype.
     pub(crate) fn write_f32(&self, data: &[f32]) -> Result<()> {
         debug_assert_eq!(data.len(), self.len);

@@ -1,0 +1,374 @@
+//! Optimizer offload: master weights and optimizer state in host memory, the update on
+//! the host, bitwise the update without offload.
+
+mod common;
+
+use common::{corpus_loader, cpu, scratch, tiny_config};
+use std::sync::Arc;
+use trainkit::ops::update_rounding::UpdateRounding;
+use trainkit::{
+    AdamW, AdamW8bit, Backend, Constant, CpuBackend, DType, Gpt2, MemoryCategory, MixedBf16,
+    MixedFp16, Optimizer, Precision, PureBf16, Sgd, Trainer, TrainerOptions,
+};
+
+type Boxed = Trainer<
+    Box<dyn Precision>,
+    trainkit::NoRecompute,
+    Box<dyn Optimizer>,
+    Constant,
+    trainkit::PeakTracker,
+>;
+
+/// A trainer of the tiny GPT-2 on `backend`.
+fn trainer_on(
+    backend: Arc<dyn Backend>,
+    precision: Box<dyn Precision>,
+    optimizer: Box<dyn Optimizer>,
+    options: TrainerOptions,
+    accumulation: usize,
+) -> trainkit::Result<Boxed> {
+    Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        backend,
+        corpus_loader(20_000, 3, 2, 16),
+    )
+    .precision(precision)
+    .optimizer(optimizer)
+    .accumulation(Constant::new(accumulation))
+    .options(options)
+    .build()
+}
+
+/// Every parameter's weights, values, and optimizer state, as bits.
+fn bits(t: &Boxed) -> Vec<(String, Vec<u32>)> {
+    let be = t.backend();
+    let mut out = Vec::new();
+    for p in t.params() {
+        let mut push = |what: &str, x: &trainkit::Tensor| {
+            let v = be.to_f32(x).unwrap();
+            out.push((
+                format!("{} {what}", p.name()),
+                v.iter().map(|x| x.to_bits()).collect(),
+            ));
+        };
+        push("weight", p.weight());
+        push("value", p.value());
+        for (i, s) in p.state().iter().enumerate() {
+            push(&format!("state {i}"), s);
+        }
+        if let Some(c) = p.compensation() {
+            push("kahan", c);
+        }
+    }
+    out
+}
+
+fn precisions() -> Vec<(&'static str, Box<dyn Precision>)> {
+    vec![
+        ("fp32", Box::new(trainkit::Fp32)),
+        ("bf16", Box::new(MixedBf16::default())),
+        ("bf16 bf16-grads", Box::new(MixedBf16 { fp32_grads: false })),
+        ("fp16", Box::new(MixedFp16::default())),
+        (
+            "pure bf16 stochastic",
+            Box::new(PureBf16 {
+                rounding: UpdateRounding::Stochastic,
+            }),
+        ),
+        (
+            "pure bf16 kahan",
+            Box::new(PureBf16 {
+                rounding: UpdateRounding::Kahan,
+            }),
+        ),
+    ]
+}
+
+/// Three steps with and without offload end in the same bits: weights, master weights,
+/// optimizer state and compensation, and the same losses and norms. In every precision,
+/// with clipping and two micro-batches, and with the update inside backward.
+#[test]
+fn the_offloaded_update_is_bitwise_the_update_on_the_device() {
+    for (name, precision) in precisions() {
+        for in_backward in [false, true] {
+            let options = TrainerOptions {
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 0.5 },
+                ..TrainerOptions::default()
+            };
+            let k = if in_backward { 1 } else { 2 };
+            let optimizer: Box<dyn Optimizer> = Box::new(AdamW {
+                lr: 3e-3,
+                ..AdamW::default()
+            });
+            let run = |offload: bool| {
+                let mut t = trainer_on(
+                    cpu(),
+                    precision.clone(),
+                    optimizer.clone(),
+                    TrainerOptions {
+                        optimizer_offload: offload,
+                        ..options.clone()
+                    },
+                    k,
+                )
+                .unwrap();
+                let stats: Vec<(u64, u64)> = (0..3)
+                    .map(|_| {
+                        let s = t.step().unwrap();
+                        (s.loss.to_bits(), s.grad_norm.to_bits())
+                    })
+                    .collect();
+                (bits(&t), stats, t)
+            };
+            let (on_device, device_stats, _) = run(false);
+            let (offloaded, host_stats, t) = run(true);
+            let what = format!("{name}, in backward {in_backward}");
+            assert_eq!(device_stats, host_stats, "losses and norms, {what}");
+            assert_eq!(on_device.len(), offloaded.len(), "{what}");
+            for (a, b) in on_device.iter().zip(&offloaded) {
+                assert!(a == b, "{} differs, {what}", a.0);
+            }
+            // The optimizer's side is in host memory, the weights on the device.
+            let p = &t.params()[0];
+            assert!(p.offloaded(), "{what}");
+            for s in p.state() {
+                assert_eq!(s.category(), MemoryCategory::Offloaded, "{what}");
+            }
+            assert_eq!(p.weight().category(), MemoryCategory::Weights, "{what}");
+        }
+    }
+}
+
+/// 8-bit AdamW and SGD with momentum run on the host too, bitwise.
+#[test]
+fn every_shipped_optimizer_runs_offloaded_bitwise() {
+    let optimizers: Vec<Box<dyn Optimizer>> = vec![
+        Box::new(AdamW8bit {
+            lr: 3e-3,
+            ..AdamW8bit::default()
+        }),
+        Box::new(Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            ..Sgd::default()
+        }),
+    ];
+    for optimizer in optimizers {
+        let run = |offload: bool| {
+            let mut t = trainer_on(
+                cpu(),
+                Box::new(MixedBf16::default()),
+                optimizer.clone(),
+                TrainerOptions {
+                    optimizer_offload: offload,
+                    ..TrainerOptions::default()
+                },
+                1,
+            )
+            .unwrap();
+            for _ in 0..3 {
+                t.step().unwrap();
+            }
+            bits(&t)
+        };
+        assert!(run(false) == run(true), "{optimizer:?}");
+    }
+}
+
+/// The ledger moves the master weights and optimizer state from the device's categories
+/// to host memory (`offloaded`): the device total drops by exactly their bytes.
+#[test]
+fn the_ledger_counts_master_weights_and_state_in_host_memory() {
+    let run = |offload: bool| {
+        let mut t = trainer_on(
+            cpu(),
+            Box::new(MixedBf16::default()),
+            Box::new(AdamW::default()),
+            TrainerOptions {
+                optimizer_offload: offload,
+                ..TrainerOptions::default()
+            },
+            1,
+        )
+        .unwrap();
+        t.step().unwrap();
+        let s = t.step().unwrap();
+        let n: u64 = t.params().iter().map(|p| p.numel() as u64).sum();
+        (s.memory, n, t.backend().ledger().snapshot())
+    };
+    let (device, n, _) = run(false);
+    let (host, _, live) = run(true);
+    // f32 master copy and two f32 moments: 12 bytes per parameter.
+    assert_eq!(device.peak.get(MemoryCategory::MasterWeights), 4 * n);
+    assert_eq!(device.peak.get(MemoryCategory::OptimizerState), 8 * n);
+    assert_eq!(host.peak.get(MemoryCategory::MasterWeights), 0);
+    assert_eq!(host.peak.get(MemoryCategory::OptimizerState), 0);
+    assert_eq!(live.live.get(MemoryCategory::Offloaded), 12 * n);
+    // The host also holds one parameter's gradient and compute weights while it updates.
+    assert!(host.peak.host() > 12 * n);
+    assert_eq!(
+        host.peak.get(MemoryCategory::Weights),
+        device.peak.get(MemoryCategory::Weights)
+    );
+    assert!(host.peak_total < device.peak_total - 12 * n + n);
+}
+
+/// A run saved with offload resumes bitwise, offloaded or not, and the reverse.
+#[test]
+fn offloaded_runs_save_and_resume_bitwise() {
+    for precision in [
+        Box::new(MixedBf16::default()) as Box<dyn Precision>,
+        Box::new(PureBf16 {
+            rounding: UpdateRounding::Kahan,
+        }),
+    ] {
+        let make = |offload: bool| {
+            trainer_on(
+                cpu(),
+                precision.clone(),
+                Box::new(AdamW::default()),
+                TrainerOptions {
+                    optimizer_offload: offload,
+                    ..TrainerOptions::default()
+                },
+                1,
+            )
+            .unwrap()
+        };
+        let mut straight = make(true);
+        for _ in 0..4 {
+            straight.step().unwrap();
+        }
+        for (saved_offloaded, resumed_offloaded) in [(true, true), (true, false), (false, true)] {
+            let dir = scratch(&format!(
+                "offload-resume-{}-{saved_offloaded}-{resumed_offloaded}",
+                precision.compute_dtype()
+            ))
+            .join("ckpt");
+            let mut first = make(saved_offloaded);
+            for _ in 0..2 {
+                first.step().unwrap();
+            }
+            first.save(&dir, None).unwrap();
+            let mut resumed = make(resumed_offloaded);
+            resumed.resume_from(&dir).unwrap();
+            for _ in 0..2 {
+                resumed.step().unwrap();
+            }
+            assert!(
+                bits(&straight) == bits(&resumed),
+                "{precision:?} saved offloaded {saved_offloaded}, resumed offloaded \
+                 {resumed_offloaded}"
+            );
+        }
+    }
+}
+
+/// A backend written outside trainkit that names no host memory.
+#[derive(Debug, Default)]
+struct NoHost(CpuBackend);
+
+impl Backend for NoHost {
+    fn name(&self) -> &'static str {
+        "no-host"
+    }
+    fn device(&self) -> trainkit::Device {
+        self.0.device()
+    }
+    fn ledger(&self) -> &trainkit::memory::Ledger {
+        self.0.ledger()
+    }
+    fn dispatch(&self, call: &mut dyn trainkit::device::OpKernel) -> trainkit::Result<()> {
+        self.0.dispatch(call)
+    }
+    fn zeros(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> trainkit::Result<trainkit::Tensor> {
+        self.0.zeros(shape, dtype, category, label)
+    }
+    fn upload_kernel(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        category: MemoryCategory,
+        label: &str,
+    ) -> trainkit::Result<trainkit::Tensor> {
+        self.0.upload_kernel(data, shape, dtype, category, label)
+    }
+    fn to_f32_kernel(&self, t: &trainkit::Tensor) -> trainkit::Result<Vec<f32>> {
+        self.0.to_f32_kernel(t)
+    }
+    fn copy_kernel(
+        &self,
+        t: &trainkit::Tensor,
+        category: MemoryCategory,
+        label: &str,
+    ) -> trainkit::Result<trainkit::Tensor> {
+        self.0.copy_kernel(t, category, label)
+    }
+    fn matmul_kernel(
+        &self,
+        out: &mut trainkit::Tensor,
+        a: &trainkit::Tensor,
+        b: &trainkit::Tensor,
+        bias: Option<&trainkit::Tensor>,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) -> trainkit::Result<()> {
+        self.0
+            .matmul_kernel(out, a, b, bias, trans_a, trans_b, accumulate)
+    }
+}
+
+/// Offloading to a backend without host memory is an error naming the backend and the
+/// flag; a transfer such a backend is asked for says it has none.
+#[test]
+fn a_backend_without_host_memory_is_refused_with_a_clear_error() {
+    let be: Arc<dyn Backend> = Arc::new(NoHost::default());
+    let e = trainer_on(
+        Arc::clone(&be),
+        Box::new(MixedBf16::default()),
+        Box::new(AdamW::default()),
+        TrainerOptions {
+            optimizer_offload: true,
+            ..TrainerOptions::default()
+        },
+        1,
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains("no-host") && e.contains("--optimizer-offload") && e.contains("host memory"),
+        "{e}"
+    );
+    // Without offload it trains.
+    let mut t = trainer_on(
+        be,
+        Box::new(MixedBf16::default()),
+        Box::new(AdamW::default()),
+        TrainerOptions::default(),
+        1,
+    )
+    .unwrap();
+    t.step().unwrap();
+    // A transfer of mismatched tensors is refused before any copy.
+    let cpu = cpu();
+    let host = cpu.host().unwrap();
+    let mut a = host
+        .zeros(&[4], DType::F32, MemoryCategory::Workspace, "a")
+        .unwrap();
+    let b = cpu
+        .zeros(&[4], DType::Bf16, MemoryCategory::Workspace, "b")
+        .unwrap();
+    let e = cpu.transfer(&mut a, &b).unwrap_err().to_string();
+    assert!(e.contains("dtype"), "{e}");
+    assert_eq!(a.category(), MemoryCategory::Offloaded);
+}
