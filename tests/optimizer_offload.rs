@@ -372,3 +372,64 @@ fn a_backend_without_host_memory_is_refused_with_a_clear_error() {
     assert!(e.contains("dtype"), "{e}");
     assert_eq!(a.category(), MemoryCategory::Offloaded);
 }
+
+/// The meta backend predicts the offloaded run's ledger exactly: every category, the host
+/// bytes (`offloaded`) among them, and the device totals of the first and later steps.
+#[test]
+fn the_prediction_equals_the_ledger_host_bytes_included() {
+    for (name, precision) in precisions() {
+        for in_backward in [false, true] {
+            let options = TrainerOptions {
+                optimizer_offload: true,
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 1.0 },
+                ..TrainerOptions::default()
+            };
+            let optimizer: Box<dyn Optimizer> = Box::new(AdamW::default());
+            let predicted = trainkit::estimate::predict_with(
+                Box::new(Gpt2::new(tiny_config()).unwrap()),
+                trainkit::estimate::MicroBatch {
+                    batch_size: 2,
+                    seq_len: 16,
+                },
+                precision.as_ref(),
+                &trainkit::NoRecompute,
+                optimizer.as_ref(),
+                &options,
+            )
+            .unwrap();
+            let mut t = trainer_on(cpu(), precision.clone(), optimizer, options, 1).unwrap();
+            let what = format!("{name}, in backward {in_backward}");
+            // The first step creates the optimizer state parameter by parameter, so its
+            // host peak (beside the last transient copies) is below a later step's, which
+            // the prediction gives; its device categories and total are predicted.
+            let first = t.step().unwrap();
+            for c in MemoryCategory::ALL.into_iter().filter(|c| c.on_device()) {
+                assert_eq!(
+                    first.memory.peak.get(c),
+                    predicted.peak.get(c),
+                    "step 1 {c}, {what}"
+                );
+            }
+            assert_eq!(
+                first.memory.peak_total,
+                predicted.first_step_peak_total(1),
+                "step 1 total, {what}"
+            );
+            assert!(first.memory.peak.host() <= predicted.host_bytes(), "{what}");
+            let later = t.step().unwrap();
+            common::step_matches_prediction(&later, &predicted, 2, 1, &what);
+            assert!(predicted.host_bytes() > 0, "{what}");
+            assert_eq!(
+                predicted.peak.get(MemoryCategory::MasterWeights),
+                0,
+                "{what}"
+            );
+            assert_eq!(
+                predicted.peak.get(MemoryCategory::OptimizerState),
+                0,
+                "{what}"
+            );
+        }
+    }
+}

@@ -83,6 +83,13 @@ impl MemoryPrediction {
         peak
     }
 
+    /// The host memory a step holds at its peak: the master weights and optimizer state
+    /// of an offloaded optimizer (with one parameter's gradient and compute weights
+    /// while it updates) and offloaded activations, [`MemoryCategory::Offloaded`].
+    pub fn host_bytes(&self) -> u64 {
+        self.peak.host()
+    }
+
     /// Weights, master weights, gradients and optimizer state: what a step keeps between
     /// steps.
     pub fn model_state_bytes(&self) -> u64 {

@@ -79,6 +79,11 @@ pub struct MemoryArgs {
     /// once its parameter is updated; no clipping, one micro-batch).
     #[arg(long)]
     optimizer_in_backward: bool,
+    /// trainkit's exact figures with the optimizer offloaded: f32 master weights and
+    /// optimizer state in host memory, the update on the CPU (the device keeps the compute
+    /// weights and gradients); the host bytes are printed beside the device's.
+    #[arg(long)]
+    optimizer_offload: bool,
     /// trainkit's exact figures with this attention: fused (the default; no [B, H, T, T]
     /// tensor) or materialized.
     #[arg(long, default_value = "fused")]
@@ -470,6 +475,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer,
             args.optimizer_in_backward,
             offload,
+            args.optimizer_offload,
             paths,
             adapter,
         )
@@ -491,6 +497,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                     optimizer,
                     args.optimizer_in_backward,
                     false,
+                    args.optimizer_offload,
                     paths,
                     adapter,
                 )?;
@@ -581,7 +588,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "peak_total_bytes": p.peak_total,
                 "optimizer_in_backward": args.optimizer_in_backward,
                 "offload_activations": args.offload_activations,
+                "optimizer_offload": args.optimizer_offload,
                 "offloaded_bytes": p.peak.get(MemoryCategory::Offloaded),
+                "host_bytes": p.host_bytes(),
                 "peak_total_bytes_without_offload": kept.as_ref().map(|k| k.peak_total),
                 "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
             })
@@ -712,12 +721,18 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!(
             "trainkit's model, exact (what its ledger measures; activations include the \
              fused loss's chunk of logits){}:",
-            match (args.optimizer_in_backward, args.offload_activations) {
-                (true, true) => ", optimizer inside backward, activations offloaded",
-                (true, false) => ", optimizer inside backward",
-                (false, true) => ", activations offloaded",
-                (false, false) => "",
-            }
+            [
+                (args.optimizer_in_backward, ", optimizer inside backward"),
+                (
+                    args.optimizer_offload,
+                    ", optimizer offloaded (master weights and state in host memory)",
+                ),
+                (args.offload_activations, ", activations offloaded"),
+            ]
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, s)| *s)
+            .collect::<String>()
         );
         let parts: Vec<String> = MemoryCategory::ALL
             .iter()
@@ -726,12 +741,18 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             .collect();
         println!("  {}", parts.join(", "));
         println!(
-            "  peak {} GiB, activations peaking in the {} phase",
+            "  peak {} GiB on the device, activations peaking in the {} phase",
             gib(p.peak_total),
             p.activations
                 .peak_phase
                 .map_or("-".to_string(), |x| x.to_string())
         );
+        if p.host_bytes() > 0 {
+            println!(
+                "  host memory {} GiB at its peak (the offloaded category)",
+                gib(p.host_bytes())
+            );
+        }
         if let Some(k) = kept {
             println!(
                 "  offloading saves {} GiB of device memory (peak {} GiB without it, {} GiB \
@@ -905,6 +926,7 @@ fn trainkit_exact(
     optimizer: &dyn trainkit::Optimizer,
     optimizer_in_backward: bool,
     offload_activations: bool,
+    optimizer_offload: bool,
     (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<MemoryPrediction>> {
@@ -934,6 +956,7 @@ fn trainkit_exact(
         trainkit::TrainerOptions::default()
     };
     options.offload_activations = offload_activations;
+    options.optimizer_offload = optimizer_offload;
     trainkit::estimate::predict_with(
         model,
         MicroBatch {
