@@ -5,6 +5,7 @@ use crate::device::cpu::simd::simd_fn;
 use crate::device::cpu::{read, CHUNK};
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// The update, on checked operands (the compute copy is the caller's).
@@ -23,7 +24,18 @@ pub(crate) fn update(
     if !device_scale.is_finite() {
         return Ok(());
     }
-    let g = read(grad);
+    // A bf16 or f16 gradient is widened chunk by chunk inside the pass, not as a whole
+    // f32 copy first: the update streams each byte of state once.
+    let widened;
+    let g = match grad.storage() {
+        Storage::F32(v) => Grad::F32(v),
+        Storage::Bf16(v) => Grad::Bf16(v),
+        Storage::F16(v) => Grad::F16(v),
+        _ => {
+            widened = read(grad);
+            Grad::F32(&widened)
+        }
+    };
     let (Storage::F32(p), Storage::F32(mv), Storage::F32(vv)) =
         (param.storage_mut(), m.storage_mut(), v.storage_mut())
     else {
@@ -45,8 +57,24 @@ pub(crate) fn update(
     let grad_scale = grad_scale * device_scale;
     p.par_chunks_mut(CHUNK)
         .zip(mv.par_chunks_mut(CHUNK))
-        .zip(vv.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)))
-        .for_each(|((p, m), (v, g))| {
+        .zip(vv.par_chunks_mut(CHUNK))
+        .enumerate()
+        .for_each(|(i, ((p, m), v))| {
+            let range = i * CHUNK..i * CHUNK + p.len();
+            let mut buf = Vec::new();
+            let g: &[f32] = match g {
+                Grad::F32(g) => &g[range],
+                Grad::Bf16(g) => {
+                    buf.resize(p.len(), 0.0);
+                    g[range].convert_to_f32_slice(&mut buf);
+                    &buf
+                }
+                Grad::F16(g) => {
+                    buf.resize(p.len(), 0.0);
+                    g[range].convert_to_f32_slice(&mut buf);
+                    &buf
+                }
+            };
             update_chunk(
                 p,
                 m,
@@ -64,6 +92,14 @@ pub(crate) fn update(
             )
         });
     Ok(())
+}
+
+/// The gradient's elements as stored.
+#[derive(Clone, Copy)]
+enum Grad<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
 }
 
 /// Per-step constants of the update.
