@@ -433,3 +433,86 @@ fn the_prediction_equals_the_ledger_host_bytes_included() {
         }
     }
 }
+
+/// `[optimizer] offload = true` sits beside the optimizer's own settings, survives a
+/// round trip, and anything but a boolean is refused naming the key.
+#[test]
+fn the_config_reads_and_writes_optimizer_offload() {
+    use trainkit::config::RunConfig;
+    let cfg =
+        RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nlr = 1e-3\noffload = true\n").unwrap();
+    assert!(cfg.optimizer_offload);
+    assert_eq!(cfg.optimizer.learning_rate(), 1e-3);
+    let text = cfg.to_toml().unwrap();
+    assert!(text.contains("offload = true"), "{text}");
+    assert!(RunConfig::from_toml(&text).unwrap().optimizer_offload);
+    let plain = RunConfig::from_toml("[optimizer]\nkind = \"sgd\"\n").unwrap();
+    assert!(!plain.optimizer_offload);
+    assert!(!plain.to_toml().unwrap().contains("offload = true"));
+    let e = RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\noffload = \"yes\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("optimizer.offload") && e.contains("true or false"),
+        "{e}"
+    );
+}
+
+/// Through the CLI: an offloaded run ends in the same weights as one on the device, says
+/// where its optimizer runs, and resumes bitwise from its checkpoint, which records the
+/// offload.
+#[test]
+fn the_cli_trains_offloaded_bitwise_and_resumes() {
+    let dir = scratch("offload-cli");
+    let run = |extra: &[&str]| {
+        let mut args: Vec<&str> = common::TINY_TRAIN.to_vec();
+        args.extend_from_slice(&["--batch-size", "4", "--precision", "bf16"]);
+        args.extend_from_slice(&["--lr-schedule", "constant", "--lr", "1e-3"]);
+        args.extend_from_slice(extra);
+        let (ok, out, err) = common::trainkit(&args);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    let (device, straight, first) = (dir.join("d"), dir.join("a"), dir.join("b"));
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    run(&["--steps", "4", "--out", &path(&device)]);
+    let out = run(&[
+        "--steps",
+        "4",
+        "--optimizer-offload",
+        "--out",
+        &path(&straight),
+    ]);
+    assert!(out.contains("on the host"), "{out}");
+    run(&[
+        "--steps",
+        "2",
+        "--optimizer-offload",
+        "--out",
+        &path(&first),
+    ]);
+    let config = std::fs::read_to_string(first.join("trainkit.toml")).unwrap();
+    assert!(config.contains("offload = true"), "{config}");
+    let (ok, out, err) = common::trainkit(&[
+        "train",
+        "--resume",
+        &path(&first),
+        "--steps",
+        "4",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("at step 2") && out.contains("on the host"),
+        "{out}"
+    );
+    let file = |d: &std::path::Path, f: &str| std::fs::read(d.join(f)).unwrap();
+    for f in ["model.safetensors", "trainer_state.safetensors"] {
+        assert!(
+            file(&straight, f) == file(&first, f),
+            "{f} after the resume"
+        );
+        assert!(file(&straight, f) == file(&device, f), "{f} on the device");
+    }
+}
