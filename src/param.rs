@@ -120,6 +120,23 @@ pub struct Param {
     /// With the optimizer offloaded, the host memory its side of the parameter lives in
     /// (master weights, compensation, optimizer state): [`Backend::host`].
     host: Option<Arc<dyn Backend>>,
+    /// The host copy an offloaded update runs on ([`HostUpdate`]): the optimizer leaves
+    /// the compute weights to the refresh after its step, so that a skipped step leaves
+    /// them as they were.
+    refresh_deferred: bool,
+}
+
+/// An offloaded parameter's update, taken out of its [`Param`] to run on a host thread
+/// while the device goes on: the parameter's optimizer side (master weights, optimizer
+/// state, compensation) with host copies of its gradient and compute weights, and the
+/// guard's record. Every buffer is allocated and freed by the thread that starts and
+/// finishes it ([`Param::start_host_update`], [`Param::finish_host_update`]); the host
+/// thread only runs the optimizer's step on it.
+pub(crate) struct HostUpdate {
+    /// The host-only parameter the optimizer updates.
+    pub(crate) param: Param,
+    /// The guard's record ([`crate::optim::StepRecord`]), in host memory.
+    pub(crate) record: Tensor,
 }
 
 /// What an optimizer needs to update one parameter, with the compute weights it may
@@ -193,7 +210,7 @@ impl Param {
     /// As [`Param::init`], with the optimizer's side of a parameter that trains (its f32
     /// master weights, a Kahan compensation, the optimizer state the optimizer creates) in
     /// `host` memory, [`Backend::host`], when given: the device keeps the compute weights
-    /// and the gradient, and [`Param::update_on_host`] runs the update there.
+    /// and the gradient, and the update runs on the host.
     pub fn init_with_host(
         backend: &dyn Backend,
         host: Option<&Arc<dyn Backend>>,
@@ -303,6 +320,7 @@ impl Param {
             rounding,
             compensation,
             host: host.cloned(),
+            refresh_deferred: false,
         })
     }
 
@@ -366,8 +384,8 @@ impl Param {
         let (value, compute) = match self.master.as_mut() {
             // Pure bf16: the update is rounded as the precision says, after the step; an
             // offloaded update rounds its compute weights from the master copy after the
-            // step too, so that a skipped step leaves them as they were.
-            Some(master) if self.rounding.is_some() || self.host.is_some() => (master, None),
+            // step too.
+            Some(master) if self.rounding.is_some() || self.refresh_deferred => (master, None),
             Some(master) => {
                 self.weight_fresh = true;
                 (master, Some(&mut self.weight))
@@ -606,26 +624,24 @@ impl Param {
         self.host.as_deref().unwrap_or(backend)
     }
 
-    /// Runs `update` (one optimizer update of this parameter, given the backend to run it
-    /// on) where the parameter's optimizer side lives. Without offload that is `backend`
-    /// itself. With the optimizer offloaded ([`Param::init_with_host`]) the gradient is
-    /// copied to host memory, the update runs there on the compute weights' host copy
-    /// (pure bf16 reads the weights, so they are copied over first; with master weights
-    /// the update writes them from the master copy), and the new compute weights are
-    /// copied back to `backend`. The host copies are freed when it returns; the device
-    /// gradient is left as it was.
-    pub fn update_on_host(
+    /// Takes this offloaded parameter's update out for a host thread
+    /// ([`Param::offloaded`]): its gradient and `record` (the guard's) are copied to host
+    /// memory, pure bf16's weights too (the update reads them), and its optimizer side
+    /// moves into the returned [`HostUpdate`], made ready for the optimizer
+    /// ([`Param::begin_update`]). The device keeps the compute weights and the gradient
+    /// until [`Param::finish_host_update`] puts the update back.
+    pub(crate) fn start_host_update(
         &mut self,
         backend: &dyn Backend,
-        update: impl FnOnce(&dyn Backend, &mut Param) -> Result<()>,
-    ) -> Result<()> {
+        record: &Tensor,
+    ) -> Result<HostUpdate> {
         let Some(host) = self.host.clone() else {
-            return update(backend, self);
+            return Err(Error::Backend {
+                backend: "optimizer",
+                message: format!("`{}` keeps its optimizer state on the device", self.name),
+            });
         };
-        let Some(device_grad) = self.grad.take() else {
-            // No gradient: the optimizer's own error (or its skip) says so.
-            return update(host.as_ref(), self);
-        };
+        let device_grad = grad_for_update(&self.name, self.trains, &self.grad)?;
         let shape = self.weight.shape().to_vec();
         let mut grad = host.empty(
             &shape,
@@ -633,23 +649,68 @@ impl Param {
             MemoryCategory::Gradients,
             &self.name,
         )?;
-        backend.transfer(&mut grad, &device_grad)?;
-        self.grad = Some(grad);
-        let mut weights = host.empty(
+        backend.transfer(&mut grad, device_grad)?;
+        let mut weight = host.empty(
             &shape,
             self.weight.dtype(),
             MemoryCategory::Weights,
             &self.name,
         )?;
         if self.rounding.is_some() {
-            backend.transfer(&mut weights, &self.weight)?;
+            backend.transfer(&mut weight, &self.weight)?;
         }
-        std::mem::swap(&mut self.weight, &mut weights);
-        let result = update(host.as_ref(), self);
-        std::mem::swap(&mut self.weight, &mut weights);
-        self.grad = Some(device_grad);
-        result?;
-        backend.transfer(&mut self.weight, &weights)
+        let mut host_record = host.empty(
+            record.shape(),
+            record.dtype(),
+            MemoryCategory::Workspace,
+            record.label(),
+        )?;
+        backend.transfer(&mut host_record, record)?;
+        let mut param = Param {
+            name: self.name.clone(),
+            weight,
+            master: self.master.take(),
+            grad: Some(grad),
+            grad_dtype: self.grad_dtype,
+            state: std::mem::take(&mut self.state),
+            weight_fresh: false,
+            trains: self.trains,
+            rounding: self.rounding,
+            compensation: self.compensation.take(),
+            host: None,
+            refresh_deferred: true,
+        };
+        param.begin_update(host.as_ref())?;
+        Ok(HostUpdate {
+            param,
+            record: host_record,
+        })
+    }
+
+    /// Puts back an update [`Param::start_host_update`] took out, once the optimizer has
+    /// stepped it: the compute weights are refreshed on the host (rounded from the master
+    /// copy, or pure bf16's rounding keyed by `key`), copied to the device, and the
+    /// optimizer side returns to this parameter; the host copies are freed.
+    pub(crate) fn finish_host_update(
+        &mut self,
+        backend: &dyn Backend,
+        mut done: HostUpdate,
+        key: u64,
+    ) -> Result<()> {
+        let host = self.host.clone();
+        let refreshed = match host.as_deref() {
+            Some(host) => done.param.refresh_after_step(host, key),
+            None => Ok(()),
+        };
+        let copied =
+            refreshed.and_then(|()| backend.transfer(&mut self.weight, &done.param.weight));
+        // The optimizer side comes back whatever happened, so the parameter stays whole.
+        if done.param.rounding.is_none() {
+            self.master = done.param.master.take();
+        }
+        self.state = std::mem::take(&mut done.param.state);
+        self.compensation = done.param.compensation.take();
+        copied
     }
 }
 

@@ -810,7 +810,7 @@ impl<'r> Run<'r> {
                     let left = &mut ready.remaining[p];
                     *left = left.saturating_sub(1);
                     if *left == 0 && params[p].trains() {
-                        (ready.hook)(&mut params[p], ready.losses)?;
+                        (ready.hook)(params, p, ready.losses)?;
                     }
                 }
             }

@@ -55,15 +55,18 @@ pub struct Pass<'a> {
     /// Offload to host memory every activation the policy keeps, fetching it back for
     /// backward ([`crate::Retention::Offload`]).
     pub offload: bool,
-    /// Called during backward with each parameter as soon as its gradient is complete
-    /// (no node left in backward reads it) and the step's per-position losses: the
-    /// optimizer step inside backward. `None` leaves gradients to the end of the pass.
+    /// Called during backward as soon as a parameter's gradient is complete (no node left
+    /// in backward reads it), with the parameters, that one's index and the step's
+    /// per-position losses: the optimizer step inside backward. `None` leaves gradients
+    /// to the end of the pass.
     pub grad_ready: Option<&'a mut GradReady<'a>>,
 }
 
-/// The hook of [`Pass::grad_ready`]: a parameter whose gradient is complete, and the
-/// step's per-position losses (complete since the loss ran before backward).
-pub type GradReady<'h> = dyn FnMut(&mut Param, &Tensor) -> Result<()> + 'h;
+/// The hook of [`Pass::grad_ready`]: the parameters, the index of one whose gradient is
+/// complete, and the step's per-position losses (complete since the loss ran before
+/// backward). Every parameter is passed so that the hook can also finish work it started
+/// on one whose gradient was complete before (an offloaded update in flight).
+pub type GradReady<'h> = dyn FnMut(&mut [Param], usize, &Tensor) -> Result<()> + 'h;
 
 /// One micro-batch of token ids: `inputs[b, t]` predicts `targets[b, t]`.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,6 +3,7 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
+use super::host_update::HostWorker;
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
@@ -159,52 +160,107 @@ where
         inside: &mut InBackward,
     ) -> Result<StashStats> {
         let ledger = be.ledger().clone();
-        let mut stash = StashStats::default();
-        for (j, batch) in batches.into_iter().enumerate() {
-            ledger.phase_begin(Phase::MicroBatch(j));
-            let optimizer = &mut self.optimizer;
-            let record = &mut buffers.record;
-            let step = self.step + 1;
-            let seed = self.options.seed;
-            let inside = &mut *inside;
-            let mut update = |p: &mut Param, losses: &Tensor| -> Result<()> {
-                let Some(grad) = p.grad() else {
-                    return Ok(());
+        let host = self.host_for_offload()?;
+        let (step, seed) = (self.step + 1, self.options.seed);
+        let Trainer {
+            model,
+            params,
+            precision,
+            checkpoint,
+            optimizer,
+            observer,
+            data: _,
+            options,
+            ..
+        } = self;
+        std::thread::scope(|scope| {
+            // Offloaded, the updates inside backward run on a host thread.
+            let (mut optimizer, mut worker) = match &host {
+                Some(h) if plan.in_backward => (
+                    None,
+                    Some(HostWorker::spawn(
+                        scope,
+                        h.as_ref(),
+                        optimizer,
+                        plan.lr,
+                        step,
+                        seed,
+                    )),
+                ),
+                _ => (Some(optimizer), None),
+            };
+            let mut stash = StashStats::default();
+            for (j, batch) in batches.into_iter().enumerate() {
+                ledger.phase_begin(Phase::MicroBatch(j));
+                let record = &mut buffers.record;
+                let inside = &mut *inside;
+                let worker = &mut worker;
+                let optimizer = &mut optimizer;
+                let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
+                    let Some(grad) = ps[i].grad() else {
+                        return Ok(());
+                    };
+                    guard::grad_guard(be, record, &[grad], losses, 0.0, plan.loss_scale)?;
+                    let r = StepRecord::read(be, record)?;
+                    inside.norm_squares += (r.grad_norm as f64).powi(2);
+                    inside.all_finite &= r.finite();
+                    match (worker.as_mut(), optimizer.as_deref_mut()) {
+                        (Some(w), _) => w.submit(be, ps, i, record)?,
+                        (None, Some(o)) => {
+                            update_one(be, o, &mut ps[i], plan.lr, record, step, seed)?
+                        }
+                        (None, None) => unreachable!("the optimizer is on one thread or the other"),
+                    }
+                    ps[i].drop_grad();
+                    Ok(())
                 };
-                guard::grad_guard(be, record, &[grad], losses, 0.0, plan.loss_scale)?;
-                let r = StepRecord::read(be, record)?;
-                inside.norm_squares += (r.grad_norm as f64).powi(2);
-                inside.all_finite &= r.finite();
-                update_one(be, optimizer, p, plan.lr, record, step, seed)?;
-                p.drop_grad();
-                Ok(())
-            };
-            let mut pass = Pass {
-                backend: be,
-                params: &mut self.params,
-                checkpoint: &self.checkpoint,
-                dtype: self.precision.compute_dtype(),
-                offload: self.options.offload_activations,
-                grad_ready: if plan.in_backward {
-                    Some(&mut update)
-                } else {
-                    None
-                },
-            };
-            let s = self.model.forward_backward(
-                &mut pass,
-                &batch,
-                plan.grad_scale,
-                &mut buffers.losses,
-            )?;
-            stash.kept_bytes += s.stash.kept_bytes;
-            stash.dropped_bytes += s.stash.dropped_bytes;
-            stash.recomputed_bytes += s.stash.recomputed_bytes;
-            stash.offloaded_bytes += s.stash.offloaded_bytes;
-            ledger.phase_end(Phase::MicroBatch(j));
-            self.flush_events();
+                let mut pass = Pass {
+                    backend: be,
+                    params,
+                    checkpoint: &*checkpoint,
+                    dtype: precision.compute_dtype(),
+                    offload: options.offload_activations,
+                    grad_ready: if plan.in_backward {
+                        Some(&mut update)
+                    } else {
+                        None
+                    },
+                };
+                let s = model.forward_backward(
+                    &mut pass,
+                    &batch,
+                    plan.grad_scale,
+                    &mut buffers.losses,
+                )?;
+                stash.kept_bytes += s.stash.kept_bytes;
+                stash.dropped_bytes += s.stash.dropped_bytes;
+                stash.recomputed_bytes += s.stash.recomputed_bytes;
+                stash.offloaded_bytes += s.stash.offloaded_bytes;
+                if j + 1 == plan.k {
+                    // The last update in flight is back before the micro-batch ends.
+                    if let Some(w) = worker.take() {
+                        w.close(be, params)?;
+                    }
+                }
+                ledger.phase_end(Phase::MicroBatch(j));
+                for e in ledger.drain_events() {
+                    observer.on_event(&e);
+                }
+            }
+            Ok(stash)
+        })
+    }
+
+    /// The host memory of an offloaded optimizer ([`Backend::host`]), `None` without
+    /// offload.
+    fn host_for_offload(&self) -> Result<Option<Arc<dyn Backend>>> {
+        if !self.options.optimizer_offload {
+            return Ok(None);
         }
-        Ok(stash)
+        self.backend.host().map(Some).ok_or_else(|| Error::Backend {
+            backend: self.backend.name(),
+            message: "the backend lost its host memory".to_string(),
+        })
     }
 
     /// The optimizer phase: unless the parameters were updated inside backward, the
@@ -234,9 +290,22 @@ where
                 )?;
             }
             let (step, seed) = (self.step + 1, self.options.seed);
-            if self.precision.update_rounding().is_some() || self.options.optimizer_offload {
-                // Pure bf16: one parameter at a time, so that one f32 copy exists at once;
-                // offloaded: one at a time through host memory.
+            if let Some(host) = self.host_for_offload()? {
+                // Offloaded: one parameter after another through the host thread, the
+                // next one's copies beside the current one's update.
+                let (params, optimizer) = (&mut self.params, &mut self.optimizer);
+                std::thread::scope(|scope| {
+                    let mut w =
+                        HostWorker::spawn(scope, host.as_ref(), optimizer, plan.lr, step, seed);
+                    for i in 0..params.len() {
+                        if params[i].trains() {
+                            w.submit(be, params, i, &record)?;
+                        }
+                    }
+                    w.close(be, params)
+                })?;
+            } else if self.precision.update_rounding().is_some() {
+                // Pure bf16: one parameter at a time, so that one f32 copy exists at once.
                 for p in &mut self.params {
                     update_one(be, &mut self.optimizer, p, plan.lr, &record, step, seed)?;
                 }
@@ -371,11 +440,10 @@ where
     }
 }
 
-/// One parameter's update at `step`, where its optimizer side lives
-/// ([`Param::update_on_host`]: in host memory when offloaded, with `record`, the guard's
-/// decision, copied there): its values made ready ([`Param::begin_update`], the transient
-/// f32 copy of pure bf16), the optimizer's step, and the compute weights refreshed (pure
-/// bf16's rounding, keyed by `seed`, `step` and the parameter).
+/// One parameter's update at `step` on the device: its values made ready
+/// ([`Param::begin_update`], the transient f32 copy of pure bf16), the optimizer's step
+/// with `record`, the guard's decision, and the compute weights refreshed (pure bf16's
+/// rounding, keyed by `seed`, `step` and the parameter).
 fn update_one(
     be: &dyn Backend,
     optimizer: &mut impl Optimizer,
@@ -385,30 +453,13 @@ fn update_one(
     step: u64,
     seed: u64,
 ) -> Result<()> {
-    let offloaded = p.offloaded();
-    p.update_on_host(be, |side, p| {
-        let host_record;
-        let record = if offloaded {
-            let mut r = side.empty(
-                record.shape(),
-                DType::F32,
-                MemoryCategory::Workspace,
-                record.label(),
-            )?;
-            be.transfer(&mut r, record)?;
-            host_record = r;
-            &host_record
-        } else {
-            record
-        };
-        p.begin_update(side)?;
-        optimizer.step(
-            side,
-            std::slice::from_mut(p),
-            lr,
-            GradScale::new(record)?,
-            step,
-        )?;
-        p.refresh_after_step(side, p.rounding_key(seed, step))
-    })
+    p.begin_update(be)?;
+    optimizer.step(
+        be,
+        std::slice::from_mut(p),
+        lr,
+        GradScale::new(record)?,
+        step,
+    )?;
+    p.refresh_after_step(be, p.rounding_key(seed, step))
 }
