@@ -9,7 +9,11 @@
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
 //! `-- --model gpt2|gpt2-xl|llama-3.2-1b|... --batch 8 --seq 1024 --steps 10 --warmup 3
 //! --recompute none|selective|full --tf32 --precision all|fp32|bf16|fp16 --ops
-//! --peak-tflops 989 --bias-grad-epilogue`.
+//! --peak-tflops 989 --bias-grad-epilogue --optimizer-offload --optimizer-in-backward`.
+//!
+//! `--optimizer-offload` keeps the master weights and optimizer state in host memory and
+//! runs the update there (`TrainerOptions::optimizer_offload`);
+//! `--optimizer-in-backward` updates each parameter inside backward (without clipping).
 //!
 //! `--bias-grad-epilogue` computes bias gradients in the weight gradient's cuBLASLt
 //! epilogue instead of trainkit's column-sum kernel (`CudaOptions::bias_grad_epilogue`),
@@ -42,6 +46,8 @@ struct Args {
     precision: String,
     ops: bool,
     bias_grad_epilogue: bool,
+    optimizer_offload: bool,
+    optimizer_in_backward: bool,
 }
 
 fn args() -> trainkit::Result<Args> {
@@ -96,6 +102,8 @@ fn args() -> trainkit::Result<Args> {
         precision: one_of("--precision", "all", &["all", "fp32", "bf16", "fp16"])?,
         ops: a.iter().any(|x| x == "--ops"),
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
+        optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
+        optimizer_in_backward: a.iter().any(|x| x == "--optimizer-in-backward"),
     })
 }
 
@@ -120,6 +128,12 @@ fn run<P: Precision + Default>(
         .precision(P::default())
         .checkpoint(policy)
         .observer(OpProfile::default())
+        .options(trainkit::TrainerOptions {
+            optimizer_offload: a.optimizer_offload,
+            optimizer_in_backward: a.optimizer_in_backward,
+            grad_clip: if a.optimizer_in_backward { 0.0 } else { 1.0 },
+            ..trainkit::TrainerOptions::default()
+        })
         .build()?;
     for _ in 0..a.warmup {
         t.step()?;

@@ -71,12 +71,13 @@ trap 'rm -f "$messages"' EXIT
 cargo test --release --locked --no-run --lib --test cuda_backend --test nvrtc_kernels \
   --test custom_op --test offset_norm \
   --message-format=json >"$messages"
-cargo build --release --locked --bin trainkit --example gpu_bench \
+cargo build --release --locked --bin trainkit --example gpu_bench --example host_adamw \
   --message-format=json >>"$messages"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/data" "$bundle/reference"
-for name in unit_tests cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench trainkit; do
+for name in unit_tests cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench host_adamw \
+  trainkit; do
   path="$(executables "$messages" | awk -v n="$name" '$1 == n { print $2 }' | tail -n1)"
   if [ -z "$path" ] || [ ! -x "$path" ]; then
     echo "cargo announced no executable for $name" >&2

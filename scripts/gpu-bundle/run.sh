@@ -25,6 +25,10 @@
 #   xl         GPT-2 XL (1.5B), bf16: trainkit without recomputation and with full
 #              recomputation, PyTorch eager and torch.compile without, eager with full
 #   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile
+#   offload    the optimizer on the host: the host's AdamW against its memory bandwidth
+#              (host_adamw), then GPT-2 124M bf16 with and without --optimizer-offload,
+#              after backward and inside it, and the offloaded step op by op (the
+#              transfers' time over the host link)
 #   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
 #              global access in bounds) on each op's parity test, racecheck (no shared-
 #              memory race) on the fused attention's and the norms'
@@ -59,7 +63,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench train reference llmc xl llama)
+all_phases=(tests bench train reference llmc xl llama offload)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -364,6 +368,14 @@ figures_gpu_ops() {
     while IFS='|' read -r op pct gflops; do
       printf 'op_%s_pct=%s;op_%s_gflops=%s;' "$op" "$pct" "$op" "$gflops"
     done
+  return 0
+}
+
+figures_host_adamw() {
+  # "memory bandwidth: copy 26.7 GB/s ..., in place 34.1 GB/s ..." and "host AdamW: 988 M
+  # params/s (median 970), 33.6 GB/s of state traffic ...".
+  sed -n -E 's#^memory bandwidth: copy ([0-9.]+) GB/s.* in place ([0-9.]+) GB/s.*#copy_gbs=\1;in_place_gbs=\2;#p' "$1"
+  sed -n -E 's#^host AdamW: ([0-9.]+) M params/s.*, ([0-9.]+) GB/s of state traffic.*#adamw_mparams_per_s=\1;adamw_gbs=\2;#p' "$1"
   return 0
 }
 
@@ -780,6 +792,22 @@ phase_xl() {
 
 phase_llama() {
   large_step llama-3.2-1b none eager compile
+}
+
+phase_offload() {
+  run_step host_adamw 300 figures_host_adamw "$bin/host_adamw"
+  if [ -n "$no_gpu" ]; then
+    skip gpu_bench_offload "$bin/gpu_bench --optimizer-offload" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local common=(--batch "$batch" --precision bf16 --warmup 2 --steps 5)
+  gpu_bench_step gpu_bench_offload 300 figures_gpu_bench "${common[@]}" --optimizer-offload
+  gpu_bench_step gpu_bench_in_backward 300 figures_gpu_bench "${common[@]}" \
+    --optimizer-in-backward
+  gpu_bench_step gpu_bench_offload_in_backward 300 figures_gpu_bench "${common[@]}" \
+    --optimizer-in-backward --optimizer-offload
+  gpu_bench_step gpu_bench_offload_ops 300 figures_gpu_ops --batch "$batch" \
+    --precision bf16 --optimizer-offload --ops --warmup 1 --steps 2
 }
 
 phase_sanitize() {
