@@ -243,6 +243,7 @@ fn setup_peak(
     optimizer: &dyn Optimizer,
     in_backward: bool,
     offload: bool,
+    optimizer_offload: bool,
 ) -> u64 {
     let model = trainkit::model::build_with(
         &req.model,
@@ -255,6 +256,7 @@ fn setup_peak(
         grad_clip: 0.0,
         optimizer_in_backward: in_backward,
         offload_activations: offload,
+        optimizer_offload,
         ..TrainerOptions::default()
     };
     let p = predict_with(
@@ -291,6 +293,7 @@ fn least_without(req: &FitRequest<'_>, c: &FitCandidate, t: Technique) -> u64 {
     };
     let in_backward = c.optimizer_in_backward && t != Technique::OptimizerInBackward;
     let offload = c.offload_activations && t != Technique::Offload;
+    let optimizer_offload = c.optimizer_offload && t != Technique::OptimizerOffload;
     let micro = if in_backward { req.global_batch } else { 1 };
     setup_peak(
         req,
@@ -300,6 +303,7 @@ fn least_without(req: &FitRequest<'_>, c: &FitCandidate, t: Technique) -> u64 {
         optimizer.as_ref(),
         in_backward,
         offload,
+        optimizer_offload,
     )
 }
 
@@ -337,6 +341,7 @@ fn every_technique_is_taken_only_when_the_cheaper_ones_do_not_fit() {
                     ch.optimizer.as_ref(),
                     ch.optimizer_in_backward,
                     ch.offload_activations,
+                    ch.optimizer_offload,
                 )
             );
             for t in ch.techniques.iter() {
@@ -374,6 +379,7 @@ fn every_technique_is_taken_only_when_the_cheaper_ones_do_not_fit() {
         Technique::Budget,
         Technique::Full,
         Technique::Offload,
+        Technique::OptimizerOffload,
         Technique::Bf16,
     ] {
         assert!(seen.contains(t), "{t} never chosen; seen {seen}");
@@ -396,7 +402,15 @@ fn the_prediction_of_a_plan_with_every_technique_equals_the_ledger() {
         let roomy = every_technique(&c, precision, &opt, global, u64::MAX);
         let tightest = technique_savings(&roomy).unwrap().all.peak;
         let most = autofit(&roomy).unwrap().unconstrained.peak;
-        for budget in [tightest, tightest + (most - tightest) / 8] {
+        // The least that fits with the optimizer's state on the device.
+        let on_device = technique_savings(&FitRequest {
+            techniques: Techniques::ALL.without(Technique::OptimizerOffload),
+            ..roomy
+        })
+        .unwrap()
+        .all
+        .peak;
+        for budget in [tightest, on_device, tightest + (most - tightest) / 8] {
             let plan = autofit(&FitRequest { budget, ..roomy }).unwrap();
             let ch = plan.choice;
             checked = Techniques::from_iter(checked.iter().chain(ch.techniques.iter()));
@@ -412,6 +426,7 @@ fn the_prediction_of_a_plan_with_every_technique_equals_the_ledger() {
         Technique::OptimizerInBackward,
         Technique::Full,
         Technique::Offload,
+        Technique::OptimizerOffload,
         Technique::Bf16,
     ] {
         assert!(checked.contains(t), "no plan used {t}: {checked}");
@@ -491,6 +506,7 @@ fn train_choice(
             grad_clip: 0.0,
             optimizer_in_backward: ch.optimizer_in_backward,
             offload_activations: ch.offload_activations,
+            optimizer_offload: ch.optimizer_offload,
             ..TrainerOptions::default()
         },
     )
@@ -514,10 +530,18 @@ fn train_choice(
 #[test]
 fn adapters_are_chosen_only_when_named_and_nothing_cheaper_fits() {
     let (c, opt) = (config(), AdamW::default());
-    let roomy = every_technique(&c, &Fp32, &opt, 2, u64::MAX);
+    // With the optimizer on the host the device holds the compute weights and (inside
+    // backward) one gradient at a time, trained by an adapter or not: leave it out.
+    let roomy = FitRequest {
+        techniques: Techniques::ALL.without(Technique::OptimizerOffload),
+        ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
+    };
     let tightest = technique_savings(&roomy).unwrap().all.peak;
     let named = FitRequest {
-        techniques: Techniques::ALL.with(Technique::Lora).with(Technique::Qlora),
+        techniques: roomy
+            .techniques
+            .with(Technique::Lora)
+            .with(Technique::Qlora),
         budget: tightest - 1,
         ..roomy
     };
@@ -537,7 +561,7 @@ fn adapters_are_chosen_only_when_named_and_nothing_cheaper_fits() {
     assert_eq!(highest, ch.peak, "{}", ch.describe());
     // QLoRA alone, on a budget below what LoRA needs at its least.
     let qlora_only = FitRequest {
-        techniques: Techniques::ALL.with(Technique::Qlora),
+        techniques: roomy.techniques.with(Technique::Qlora),
         ..named
     };
     let lora_least = technique_savings(&FitRequest {
@@ -567,10 +591,15 @@ fn adapters_are_chosen_only_when_named_and_nothing_cheaper_fits() {
 #[test]
 fn pure_bf16_is_chosen_only_when_named_and_nothing_cheaper_fits() {
     let (c, opt) = (config(), AdamW::default());
-    let roomy = every_technique(&c, &Fp32, &opt, 2, u64::MAX);
+    // With the optimizer on the host the device holds bf16 weights and gradients with a
+    // master copy or without: leave it out.
+    let roomy = FitRequest {
+        techniques: Techniques::ALL.without(Technique::OptimizerOffload),
+        ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
+    };
     let tightest = technique_savings(&roomy).unwrap().all.peak;
     let named = FitRequest {
-        techniques: Techniques::ALL.with(Technique::PureBf16),
+        techniques: roomy.techniques.with(Technique::PureBf16),
         budget: tightest - 1,
         ..roomy
     };
@@ -609,4 +638,184 @@ fn pure_bf16_is_chosen_only_when_named_and_nothing_cheaper_fits() {
         Techniques::parse("all,pure-bf16").unwrap(),
         Techniques::ALL.with(Technique::PureBf16)
     );
+}
+
+/// An fp32 run whose optimizer state does not fit the device with every cheaper technique:
+/// autofit keeps the master weights and state on the host (the run stays fp32, no bf16),
+/// its prediction fits the budget and counts the host bytes, and the plan says so. With a
+/// budget the cheaper techniques fit, it does not offload.
+#[test]
+fn optimizer_offload_is_taken_when_nothing_cheaper_fits() {
+    let (c, opt) = (config(), AdamW::default());
+    let roomy = every_technique(&c, &Fp32, &opt, 2, u64::MAX);
+    let cheaper = technique_savings(&FitRequest {
+        techniques: Techniques::ALL
+            .without(Technique::OptimizerOffload)
+            .without(Technique::Bf16),
+        ..roomy
+    })
+    .unwrap()
+    .all
+    .peak;
+    // Everything cheaper fits at its least: no offload.
+    let plan = autofit(&FitRequest {
+        budget: cheaper,
+        ..roomy
+    })
+    .unwrap();
+    assert!(!plan.choice.optimizer_offload, "{}", plan.choice.describe());
+    assert!(!plan.choice.techniques.contains(Technique::OptimizerOffload));
+    // A byte less: the optimizer goes to the host, in fp32.
+    let req = FitRequest {
+        budget: cheaper - 1,
+        ..roomy
+    };
+    let plan = autofit(&req).unwrap();
+    let ch = &plan.choice;
+    assert!(ch.optimizer_offload, "{}", ch.describe());
+    assert!(ch.techniques.contains(Technique::OptimizerOffload));
+    assert!(
+        !ch.techniques.contains(Technique::Bf16),
+        "{}",
+        ch.describe()
+    );
+    assert_eq!(ch.precision.typetag_name(), "fp32");
+    assert!(ch.peak <= req.budget);
+    assert_eq!(
+        ch.peak,
+        setup_peak(
+            &req,
+            ch.micro_batch,
+            ch.precision.as_ref(),
+            ch.recompute.as_ref(),
+            ch.optimizer.as_ref(),
+            ch.optimizer_in_backward,
+            ch.offload_activations,
+            true,
+        )
+    );
+    // The host holds an f32 copy of every weight and AdamW's two f32 moments at least.
+    let params = c.architecture().exact_params().unwrap();
+    assert!(ch.host_bytes() >= 12 * params, "{}", ch.host_bytes());
+    assert_eq!(ch.host_bytes(), ch.prediction.host_bytes());
+    assert!(
+        ch.describe().contains("optimizer-offload"),
+        "{}",
+        ch.describe()
+    );
+    assert!(
+        ch.flags().contains(" --optimizer-offload"),
+        "{}",
+        ch.flags()
+    );
+    let text = plan.explain().join("\n");
+    assert!(
+        text.contains("host memory: ") && text.contains("master weights and optimizer state"),
+        "{text}"
+    );
+    assert!(
+        text.contains("offload < optimizer-offload < bf16"),
+        "{text}"
+    );
+    // Trained as planned, the ledger records the prediction, host bytes included.
+    let highest = train_choice(&c, ch, cpu());
+    assert_eq!(highest, ch.peak, "{}", ch.describe());
+    // A host without room for the state rules it out: what fits then keeps the state on
+    // the device, or nothing does and the error says the host is short.
+    let no_host = FitRequest {
+        host_budget: Some(ch.host_bytes() / 2),
+        ..req
+    };
+    match autofit(&no_host) {
+        Ok(plan) => assert!(
+            plan.choice.host_bytes() <= ch.host_bytes() / 2,
+            "{}",
+            plan.choice.describe()
+        ),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(
+                e.contains("of host memory") && e.contains("a host with at least"),
+                "{e}"
+            );
+        }
+    }
+}
+
+/// A run that keeps its optimizer on the host already stays so: autofit does not add it
+/// (no flag), says why it leaves it out, and counts its host bytes in every setup.
+#[test]
+fn a_run_offloading_its_optimizer_keeps_it() {
+    let (c, opt) = (config(), AdamW::default());
+    let req = FitRequest {
+        optimizer_offload: true,
+        ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
+    };
+    let plan = autofit(&req).unwrap();
+    let ch = &plan.choice;
+    assert!(ch.optimizer_offload && plan.unconstrained.optimizer_offload);
+    assert!(!ch.techniques.contains(Technique::OptimizerOffload));
+    assert!(
+        !ch.flags().contains("--optimizer-offload"),
+        "{}",
+        ch.flags()
+    );
+    assert!(ch.host_bytes() > 0);
+    let why = plan
+        .left_out
+        .iter()
+        .find(|(t, _)| *t == Technique::OptimizerOffload)
+        .map(|(_, w)| w.as_str());
+    assert_eq!(why, Some("on already (the run's own setting)"));
+    let text = plan.explain().join("\n");
+    assert!(
+        text.contains("optimizer-offload      not considered: on already"),
+        "{text}"
+    );
+    // At the tightest budget every plan keeps it.
+    let tightest = technique_savings(&req).unwrap().all.peak;
+    let ch = autofit(&FitRequest {
+        budget: tightest,
+        ..req
+    })
+    .unwrap()
+    .choice;
+    assert!(ch.optimizer_offload, "{}", ch.describe());
+    assert!(ch.peak <= tightest);
+}
+
+/// Llama 3.1 8B, batch 2 × 2048, on 24 GiB: nothing that keeps the optimizer on the
+/// device fits; with the f32 master weights and AdamW's f32 moments on the host (bf16
+/// compute, the update inside backward) it does.
+#[test]
+fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
+    let arch = trainkit::estimate::preset("llama-3.1-8b")
+        .unwrap()
+        .architecture;
+    let opt = AdamW::default();
+    let req = FitRequest {
+        grad_clip: 0.0,
+        ..FitRequest::new(arch, 2048, 2, 24 << 30, &Fp32, &opt)
+    };
+    let e = autofit(&FitRequest {
+        techniques: Techniques::ALL.without(Technique::OptimizerOffload),
+        ..req
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("nothing fits"), "{e}");
+    let plan = autofit(&req).unwrap();
+    for line in plan.explain() {
+        println!("{line}");
+    }
+    let ch = &plan.choice;
+    assert!(ch.peak <= 24 << 30);
+    assert!(
+        ch.optimizer_offload && ch.optimizer_in_backward,
+        "{}",
+        ch.describe()
+    );
+    assert_eq!(ch.optimizer.typetag_name(), "adamw");
+    assert_eq!(ch.precision.typetag_name(), "mixed_bf16");
+    assert!(ch.host_bytes() >= 12 * arch.exact_params().unwrap());
 }

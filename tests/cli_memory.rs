@@ -193,15 +193,20 @@ fn autofit_applies_every_technique_it_chooses_and_the_report_agrees() {
     let device = out.lines().find(|l| l.starts_with("device:")).unwrap();
     // At the tightest budget autofit needs more than batch and recompute; each technique
     // it names is the run's.
+    let setup: Vec<&str> = line.split(": peak").next().unwrap().split(", ").collect();
     let mut applied = 0;
     for (technique, shown) in [
         ("adamw8bit", "optimizer adamw8bit"),
         ("optimizer-in-backward", "inside backward"),
         ("offload", "offloaded to host memory"),
+        (
+            "optimizer-offload",
+            "on the host (master weights and state in host memory)",
+        ),
         ("bf16", "precision mixed_bf16"),
-        ("budget:", "recompute budget:"),
+        ("recompute budget:", "recompute budget:"),
     ] {
-        if line.contains(technique) {
+        if setup.iter().any(|s| s.starts_with(technique)) {
             assert!(device.contains(shown), "{line}\n{device}");
             applied += 1;
         }
@@ -247,4 +252,37 @@ fn autofit_keeps_the_flags_given() {
         out.contains("bf16                   not considered"),
         "{out}"
     );
+}
+
+/// `--optimizer-offload` stays on under autofit: the plan does not add it, says why, and
+/// the config it prints keeps the optimizer on the host.
+#[test]
+fn autofit_keeps_the_optimizer_on_the_host_when_asked() {
+    let run = [
+        "--steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--grad-clip",
+        "0",
+        "--optimizer-offload",
+    ];
+    let budget = tightest_budget(&run);
+    let mut args = run.to_vec();
+    args.extend_from_slice(&["--autofit", "--memory-budget", &budget, "--print-config"]);
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.starts_with("autofit:")).unwrap();
+    assert!(!line.contains("optimizer-offload"), "{line}");
+    assert!(
+        out.contains("optimizer-offload      not considered: on already"),
+        "{out}"
+    );
+    assert!(
+        out.contains("(master weights and optimizer state)"),
+        "{out}"
+    );
+    let toml = &out[out.find("[accumulation]").unwrap_or(0)..];
+    let cfg: toml::Value = toml::from_str(toml).unwrap();
+    assert_eq!(cfg["optimizer"]["offload"].as_bool(), Some(true), "{toml}");
 }

@@ -425,6 +425,7 @@ fn techniques_shows_what_each_saves_as_its_own_flags_would() {
         ("optimizer-in-backward", &["--optimizer-in-backward"][..]),
         ("full", &["--recompute", "full"][..]),
         ("offload", &["--offload-activations"][..]),
+        ("optimizer-offload", &["--optimizer-offload"][..]),
         ("accumulation", &["--batch-size", "1"][..]),
     ] {
         let r = row(name);
@@ -439,6 +440,28 @@ fn techniques_shows_what_each_saves_as_its_own_flags_would() {
         assert!(peak < baseline, "{name}: {peak} of {baseline}");
     }
     assert!(row("offload")["offloaded_bytes"].as_u64().unwrap() > 0);
+    // The optimizer on the host: its host bytes are the flag's.
+    let mut offloaded = base.to_vec();
+    offloaded.push("--optimizer-offload");
+    let host = json(&offloaded)["trainkit_exact"]["host_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!(host > 0);
+    assert_eq!(row("optimizer-offload")["offloaded_bytes"], host);
+    assert!(row("optimizer-offload")["flags"]
+        .as_str()
+        .unwrap()
+        .ends_with(" --optimizer-offload"));
+    // A setup with it already says so.
+    offloaded.push("--techniques");
+    let already = json(&offloaded)["techniques"]["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["technique"] == "optimizer-offload")
+        .unwrap()["not_applicable"]
+        .clone();
+    assert_eq!(already, "on already (the run's own setting)");
     assert!(row("budget")["flags"]
         .as_str()
         .unwrap()
@@ -463,6 +486,7 @@ fn techniques_shows_what_each_saves_as_its_own_flags_would() {
         "budget",
         "full",
         "offload",
+        "optimizer-offload",
         "bf16",
         "all that combine",
     ] {

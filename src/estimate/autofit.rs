@@ -1,7 +1,8 @@
 //! Autofit: the cheapest setup that fits a memory budget, chosen with the exact memory
 //! model among micro-batch and accumulation, recomputation (selective, a byte budget,
-//! full), 8-bit AdamW state, the optimizer inside backward, activation offloading and
-//! bf16 precision, and, when named, LoRA and QLoRA, in the cost order of [`Technique`].
+//! full), 8-bit AdamW state, the optimizer inside backward, activation offloading, the
+//! optimizer offloaded to the host and bf16 precision, and, when named, pure bf16, LoRA and
+//! QLoRA, in the cost order of [`Technique`].
 
 use super::exact::{predict_with, MemoryPrediction, MicroBatch};
 use super::techniques::{Technique, Techniques};
@@ -55,7 +56,11 @@ pub struct FitRequest<'a> {
     pub optimizer_in_backward: bool,
     /// The run offloads its kept activations already: kept on.
     pub offload_activations: bool,
-    /// Host memory the offloaded activations may take (`None`: not checked).
+    /// The run keeps its master weights and optimizer state in host memory already
+    /// ([`TrainerOptions::optimizer_offload`]): kept on.
+    pub optimizer_offload: bool,
+    /// Host memory the setup may take: offloaded activations, and an offloaded
+    /// optimizer's master weights and state (`None`: not checked).
     pub host_budget: Option<u64>,
     /// The run's adapter (LoRA): which parameters train, the updates it adds (`None`:
     /// every parameter trains).
@@ -65,7 +70,7 @@ pub struct FitRequest<'a> {
 impl<'a> FitRequest<'a> {
     /// A request with the defaults of a run: fused attention and loss, no recomputation,
     /// clipping at [`TrainerOptions::default`]'s threshold, neither the optimizer inside
-    /// backward nor offloading, every technique allowed, host memory unchecked.
+    /// backward nor any offloading, every technique allowed, host memory unchecked.
     pub fn new(
         model: Architecture,
         seq_len: usize,
@@ -89,6 +94,7 @@ impl<'a> FitRequest<'a> {
             grad_clip: TrainerOptions::default().grad_clip,
             optimizer_in_backward: false,
             offload_activations: false,
+            optimizer_offload: false,
             host_budget: None,
             adapter: None,
         }
@@ -112,6 +118,9 @@ pub struct FitCandidate {
     pub optimizer_in_backward: bool,
     /// Whether the kept activations are offloaded to host memory.
     pub offload_activations: bool,
+    /// Whether the master weights and optimizer state are in host memory, the update on
+    /// the CPU.
+    pub optimizer_offload: bool,
     /// The adapter: the request's, or the LoRA autofit added (`None`: every parameter
     /// trains).
     pub adapter: Option<Arc<dyn Adapter>>,
@@ -124,9 +133,23 @@ pub struct FitCandidate {
 }
 
 impl FitCandidate {
-    /// Host memory its offloaded activations take.
+    /// Host memory it takes at its peak: offloaded activations, and an offloaded
+    /// optimizer's master weights and state ([`MemoryCategory::Offloaded`]).
     pub fn host_bytes(&self) -> u64 {
         self.prediction.peak.get(MemoryCategory::Offloaded)
+    }
+
+    /// What its host memory holds: `offloaded activations`, `master weights and optimizer
+    /// state`, both, or nothing.
+    pub fn host_contents(&self) -> String {
+        let mut what = Vec::new();
+        if self.offload_activations {
+            what.push("offloaded activations");
+        }
+        if self.optimizer_offload {
+            what.push("master weights and optimizer state");
+        }
+        what.join(", ")
     }
 
     /// `micro-batch 2 × 4 micro-batches, recompute full, adamw8bit, offload`: the shape and
@@ -155,7 +178,7 @@ impl FitCandidate {
     /// The `trainkit train` flags of this setup: `--batch-size 2 --grad-accum 4
     /// --recompute full`, then one flag for each other technique autofit added
     /// (`--optimizer adamw8bit`, `--optimizer-in-backward`, `--offload-activations`,
-    /// `--precision bf16`).
+    /// `--optimizer-offload`, `--precision bf16`).
     pub fn flags(&self) -> String {
         let mut flags = format!(
             "--batch-size {} --grad-accum {} --recompute {}",
@@ -167,6 +190,7 @@ impl FitCandidate {
             (Technique::Adamw8bit, " --optimizer adamw8bit"),
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
             (Technique::Offload, " --offload-activations"),
+            (Technique::OptimizerOffload, " --optimizer-offload"),
             (Technique::Bf16, " --precision bf16"),
             (
                 Technique::PureBf16,
@@ -251,8 +275,9 @@ impl FitPlan {
         )];
         if c.host_bytes() > 0 {
             lines.push(format!(
-                "  host memory for the offloaded activations: {}",
-                format_bytes(c.host_bytes())
+                "  host memory: {} ({})",
+                format_bytes(c.host_bytes()),
+                c.host_contents()
             ));
         }
         let u = &self.unconstrained;
@@ -291,12 +316,17 @@ impl FitPlan {
             lines.push(match (&row.outcome, left_out) {
                 (_, Some((_, why))) => format!("    {:<22} not considered: {why}", t.name()),
                 (Ok(r), None) => format!(
-                    "    {:<22} peak {}, {}{}{used}",
+                    "    {:<22} peak {}, {}{}{}{used}",
                     t.name(),
                     format_bytes(r.peak),
                     saving_text(s.baseline.peak, r.peak),
+                    if r.host_bytes() > 0 {
+                        format!(", host {}", format_bytes(r.host_bytes()))
+                    } else {
+                        String::new()
+                    },
                     if t == Technique::Offload && chooses {
-                        " offloading what no recomputation keeps (autofit offloads only \
+                        ", offloading what no recomputation keeps (autofit offloads only \
                          what full recomputation keeps)"
                     } else {
                         ""
@@ -355,6 +385,7 @@ struct Spec {
     optimizer: Box<dyn Optimizer>,
     in_backward: bool,
     offload: bool,
+    optimizer_offload: bool,
     adapter: Option<Arc<dyn Adapter>>,
 }
 
@@ -384,6 +415,7 @@ impl Spec {
             optimizer: dyn_clone::clone_box(req.optimizer),
             in_backward: req.optimizer_in_backward,
             offload: req.offload_activations,
+            optimizer_offload: req.optimizer_offload,
             adapter: req.adapter.map(|a| Arc::from(dyn_clone::clone_box(a))),
         }
     }
@@ -397,6 +429,7 @@ impl Spec {
             optimizer: c.optimizer.clone(),
             in_backward: c.optimizer_in_backward,
             offload: c.offload_activations,
+            optimizer_offload: c.optimizer_offload,
             adapter: c.adapter.clone(),
         }
     }
@@ -415,8 +448,11 @@ impl Spec {
             }
             Technique::OptimizerInBackward => s.in_backward = true,
             Technique::Offload => s.offload = true,
+            Technique::OptimizerOffload => s.optimizer_offload = true,
             Technique::Bf16 => s.precision = Box::new(MixedBf16 { fp32_grads: false }),
             Technique::PureBf16 => {
+                // Pure bf16 computes in bf16 already: it replaces mixed bf16.
+                s.techniques = s.techniques.without(Technique::Bf16);
                 s.precision = Box::new(PureBf16 {
                     rounding: UpdateRounding::Stochastic,
                 })
@@ -488,6 +524,9 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::Offload if req.offload_activations => {
             Some("on already (the run's own setting)".into())
         }
+        Technique::OptimizerOffload if req.optimizer_offload => {
+            Some("on already (the run's own setting)".into())
+        }
         Technique::Bf16 if req.precision.typetag_name() != "fp32" => Some(format!(
             "the run's precision is {} already",
             crate::precision::describe(req.precision)
@@ -546,6 +585,7 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
         Technique::Adamw8bit,
         Technique::OptimizerInBackward,
         Technique::Offload,
+        Technique::OptimizerOffload,
         Technique::Bf16,
         Technique::PureBf16,
         Technique::Lora,
@@ -600,6 +640,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         grad_clip: req.grad_clip,
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
+        optimizer_offload: spec.optimizer_offload,
         ..TrainerOptions::default()
     };
     let prediction = predict_with(
@@ -626,6 +667,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer: spec.optimizer.clone(),
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
+        optimizer_offload: spec.optimizer_offload,
         adapter: spec.adapter.clone(),
         techniques,
         peak: prediction
@@ -635,7 +677,8 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
     })
 }
 
-/// Whether `c` fits the request's device budget and, with offloading, its host budget.
+/// Whether `c` fits the request's device budget and, with anything offloaded, its host
+/// budget.
 fn fits(req: &FitRequest<'_>, c: &FitCandidate) -> bool {
     c.peak <= req.budget && req.host_budget.is_none_or(|h| c.host_bytes() <= h)
 }
@@ -763,10 +806,15 @@ pub fn autofit(req: &FitRequest<'_>) -> Result<FitPlan> {
 
 /// The message of a run that cannot fit: what it needs and what would fit.
 fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> {
-    let least = tried
+    // Of the setups that fit the device (but not the host), the one that needs the least
+    // host memory; else the least device peak.
+    let on_device = tried
         .iter()
         .map(|a| &a.least)
-        .min_by_key(|c| c.peak)
+        .filter(|c| c.peak <= req.budget)
+        .min_by_key(|c| (c.host_bytes(), c.peak));
+    let least = on_device
+        .or_else(|| tried.iter().map(|a| &a.least).min_by_key(|c| c.peak))
         .ok_or_else(|| Error::config("autofit", "no setup to try"))?;
     let state = least.prediction.model_state_bytes();
     let mut msg = format!(
@@ -778,15 +826,22 @@ fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> 
         format_bytes(state),
         format_bytes(least.prediction.peak.get(MemoryCategory::Activations))
     );
+    let mut fixes = Vec::new();
     if least.peak <= req.budget {
         // It fits the device but not the host.
         msg.push_str(&format!(
-            ", and {} of offloaded activations, more than the host's {}",
+            ", and {} of host memory ({}), more than the host's {} available",
             format_bytes(least.host_bytes()),
+            least.host_contents(),
             format_bytes(req.host_budget.unwrap_or(0))
         ));
+        fixes.push(format!(
+            "a host with at least {} of memory available",
+            format_bytes(least.host_bytes())
+        ));
+    } else {
+        fixes.push(format!("a budget of at least {}", format_bytes(least.peak)));
     }
-    let mut fixes = vec![format!("a budget of at least {}", format_bytes(least.peak))];
     // Techniques the request did not allow, all at once where they combine.
     let all = FitRequest {
         techniques: Techniques::ALL,
@@ -801,6 +856,7 @@ fn what_would_fit(req: &FitRequest<'_>, tried: &[FitAttempt]) -> Result<String> 
             Technique::Full,
             Technique::Adamw8bit,
             Technique::Offload,
+            Technique::OptimizerOffload,
             Technique::Bf16,
         ] {
             if more.contains(t) {
@@ -922,8 +978,9 @@ pub struct TechniqueSavings {
     /// One row per technique, in cost order.
     pub rows: Vec<TechniqueSaving>,
     /// Every technique that combines at once: full recomputation, 8-bit state, the
-    /// optimizer inside backward and offloading where each applies, and bf16 where it
-    /// applies and lowers the peak (one micro-batch).
+    /// optimizer inside backward, activation offloading and the optimizer offloaded to the
+    /// host where each applies, and bf16 where it applies and lowers the peak (one
+    /// micro-batch).
     pub all: FitCandidate,
 }
 
@@ -994,6 +1051,7 @@ pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
         Technique::Adamw8bit,
         Technique::OptimizerInBackward,
         Technique::Offload,
+        Technique::OptimizerOffload,
     ] {
         // Offloading joins full recomputation even where the setup's own policy would
         // keep nothing to offload.

@@ -25,20 +25,28 @@ use crate::error::{Error, Result};
 ///    which can overlap with compute but need not. Autofit offloads only under the policy
 ///    that keeps the least it may choose: moving every activation over the link twice
 ///    costs more time than recomputing them.
-/// 8. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32. Faster
+/// 8. [`Technique::OptimizerOffload`]: the f32 master weights and the optimizer state in
+///    host memory, the update on the CPU ([`crate::TrainerOptions::optimizer_offload`]); the
+///    device keeps the compute weights and gradients. The update is bitwise the one on the
+///    device, but every step each parameter's gradient crosses to the host and its compute
+///    weights come back (2 + 2 bytes per parameter in bf16 over PCIe), and the host's AdamW
+///    streams the master weights and state (about 16 bytes read and 12 written per
+///    parameter with f32 moments): on a large model at small batches that takes longer than
+///    the GPU's forward and backward.
+/// 9. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32. Faster
 ///    on a GPU, but it changes the arithmetic of every product and activation the run was
 ///    configured to do in f32, so autofit takes it last of those that train the same
 ///    weights.
-/// 9. [`Technique::PureBf16`]: bf16 weights and gradients without an f32 master copy
-///    ([`crate::PureBf16`]), each update rounded back stochastically: 4 to 6 bytes per
-///    parameter less than mixed bf16, and one parameter's f32 copy at a time. Each update
-///    is rounded to 8 significant bits, unbiased but noisier than an f32 master copy's, so
-///    autofit uses it only when it is named (`--autofit-techniques all,pure-bf16`).
-/// 10. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
+/// 10. [`Technique::PureBf16`]: bf16 weights and gradients without an f32 master copy
+///     ([`crate::PureBf16`]), each update rounded back stochastically: 4 to 6 bytes per
+///     parameter less than mixed bf16, and one parameter's f32 copy at a time. Each update
+///     is rounded to 8 significant bits, unbiased but noisier than an f32 master copy's, so
+///     autofit uses it only when it is named (`--autofit-techniques all,pure-bf16`).
+/// 11. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
 ///     frozen model instead of every weight. It changes what is trained, so autofit uses
 ///     it only when it is named (`--autofit-techniques all,lora`): [`Techniques::ALL`]
 ///     leaves it out.
-/// 11. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
+/// 12. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
 ///     run's own LoRA, or the one above): dequantizing each weight in every product costs
 ///     time and the base's precision. Named like LoRA (`all,qlora`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -59,6 +67,9 @@ pub enum Technique {
     Full,
     /// Activation offloading ([`crate::TrainerOptions::offload_activations`]).
     Offload,
+    /// Master weights and optimizer state in host memory, the update on the CPU
+    /// ([`crate::TrainerOptions::optimizer_offload`]).
+    OptimizerOffload,
     /// bf16 compute with f32 master weights and bf16 gradients ([`crate::MixedBf16`]) in
     /// place of fp32.
     Bf16,
@@ -73,7 +84,7 @@ pub enum Technique {
 
 impl Technique {
     /// Every technique, in autofit's cost order.
-    pub const ALL: [Technique; 11] = [
+    pub const ALL: [Technique; 12] = [
         Technique::Accumulation,
         Technique::Selective,
         Technique::Adamw8bit,
@@ -81,6 +92,7 @@ impl Technique {
         Technique::Budget,
         Technique::Full,
         Technique::Offload,
+        Technique::OptimizerOffload,
         Technique::Bf16,
         Technique::PureBf16,
         Technique::Lora,
@@ -97,6 +109,7 @@ impl Technique {
             Technique::Budget => "budget",
             Technique::Full => "full",
             Technique::Offload => "offload",
+            Technique::OptimizerOffload => "optimizer-offload",
             Technique::Bf16 => "bf16",
             Technique::PureBf16 => "pure-bf16",
             Technique::Lora => "lora",
@@ -243,7 +256,12 @@ mod tests {
         let full = Techniques::NONE.with(Technique::Full);
         assert!(cheaper.cost() < full.cost());
         assert!(full.cost() < full.with(Technique::Selective).cost());
-        assert_eq!(Techniques::ALL.iter().count(), 8);
+        assert_eq!(Techniques::ALL.iter().count(), 9);
+        assert!(Techniques::ALL.contains(Technique::OptimizerOffload));
+        let offload = Techniques::NONE.with(Technique::OptimizerOffload);
+        let cheaper: Techniques = Technique::ALL[..7].iter().copied().collect();
+        assert!(cheaper.cost() < offload.cost());
+        assert!(offload.cost() < Techniques::NONE.with(Technique::Bf16).cost());
     }
 
     #[test]
@@ -256,6 +274,10 @@ mod tests {
         let with_qlora = Techniques::parse("all, qlora").unwrap();
         assert!(with_qlora.contains(Technique::Qlora) && !with_qlora.contains(Technique::Lora));
         assert!(!Techniques::ALL.contains(Technique::Lora));
+        assert_eq!(
+            Technique::parse("optimizer-offload").unwrap(),
+            Technique::OptimizerOffload
+        );
         let e = Techniques::parse("full,fast").unwrap_err().to_string();
         assert!(
             e.contains("`fast`") && e.contains("optimizer-in-backward"),

@@ -56,7 +56,8 @@ pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
 pub struct FitScope {
     /// The techniques autofit may use.
     pub techniques: Techniques,
-    /// Host memory offloaded activations may take.
+    /// Host memory the setup may take: offloaded activations, and an offloaded optimizer's
+    /// master weights and state.
     pub host_budget: Option<u64>,
 }
 
@@ -71,6 +72,7 @@ fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) 
         grad_clip: t.grad_clip,
         optimizer_in_backward: t.optimizer_in_backward,
         offload_activations: t.offload_activations,
+        optimizer_offload: cfg.optimizer_offload,
         host_budget: scope.host_budget,
         adapter: cfg.adapter.as_deref(),
         ..FitRequest::new(
@@ -85,8 +87,9 @@ fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) 
 }
 
 /// Chooses the cheapest setup that fits `budget` (micro-batch, accumulation, recompute,
-/// 8-bit state, the optimizer inside backward, offloading, precision: those `scope`
-/// allows), prints the explanation and writes the choice into `cfg`.
+/// 8-bit state, the optimizer inside backward, offloading activations or the optimizer,
+/// precision: those `scope` allows), prints the explanation and writes the choice into
+/// `cfg`.
 pub fn apply_autofit(
     cfg: &mut RunConfig,
     global: usize,
@@ -105,6 +108,7 @@ pub fn apply_autofit(
     cfg.optimizer = c.optimizer;
     cfg.training.optimizer_in_backward = c.optimizer_in_backward;
     cfg.training.offload_activations = c.offload_activations;
+    cfg.optimizer_offload = c.optimizer_offload;
     if let Some(a) = c.adapter {
         cfg.adapter = Some(dyn_clone::clone_box(&*a));
     }
@@ -169,6 +173,7 @@ pub fn write_report(
         grad_clip: t.grad_clip,
         optimizer_in_backward: t.optimizer_in_backward,
         offload_activations: t.offload_activations,
+        optimizer_offload: cfg.optimizer_offload,
         ..trainkit::TrainerOptions::default()
     };
     let prediction = trainkit::estimate::predict_with(

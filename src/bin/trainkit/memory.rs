@@ -95,8 +95,8 @@ pub struct MemoryArgs {
     /// Also show what each memory technique saves on its own for this model, batch and
     /// sequence (trainkit's exact figures): the setup the other flags describe with
     /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
-    /// bf16, LoRA (rank 8 on every projection) or QLoRA added, and with all that combine
-    /// (those that train every weight).
+    /// optimizer-offload, bf16, LoRA (rank 8 on every projection) or QLoRA added, and with
+    /// all that combine (those that train every weight).
     #[arg(long)]
     techniques: bool,
     /// trainkit's exact figures for a LoRA adapter of this rank on the frozen model (bf16
@@ -550,6 +550,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             grad_clip: 0.0,
             optimizer_in_backward: args.optimizer_in_backward,
             offload_activations: args.offload_activations,
+            optimizer_offload: args.optimizer_offload,
             adapter,
             // The table shows LoRA and QLoRA too (autofit uses them only when named).
             techniques: trainkit::estimate::Techniques::ALL
