@@ -211,13 +211,14 @@ pub struct TrainArgs {
     /// Choose the cheapest setup that fits the memory budget (--memory-budget, else the
     /// device's free memory) for the global batch: --batch-size and --grad-accum, then in
     /// cost order --recompute, 8-bit AdamW state, the optimizer inside backward,
-    /// --offload-activations and bf16; a flag given on the command line stays as given.
+    /// --offload-activations, the optimizer on the host (--optimizer-offload) and bf16; a
+    /// flag given on the command line stays as given.
     #[arg(long)]
     autofit: bool,
     /// The techniques --autofit may use: all (the default), or a comma-separated list of
     /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
-    /// bf16, and lora or qlora, which change what is trained and are used only when named
-    /// (all,qlora).
+    /// optimizer-offload, bf16; pure-bf16, lora or qlora, which change how updates land
+    /// or what is trained, are used only when named (all,qlora).
     #[arg(long, value_name = "LIST")]
     autofit_techniques: Option<String>,
     /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
