@@ -516,3 +516,67 @@ fn the_cli_trains_offloaded_bitwise_and_resumes() {
         assert!(file(&straight, f) == file(&device, f), "{f} on the device");
     }
 }
+
+/// A LoRA run offloads only what trains: the adapter's master weights and state go to the
+/// host, the frozen base stays on the device alone, and the update is bitwise.
+#[test]
+fn a_lora_run_offloads_the_adapter_alone_bitwise() {
+    use trainkit::Model;
+    let run = |offload: bool| {
+        let model: Box<dyn Model> = Box::new(Gpt2::new(tiny_config()).unwrap());
+        let adapter: Arc<dyn trainkit::Adapter> =
+            Arc::new(trainkit::Lora::new(4, 8.0, &["c_attn", "c_fc"]).unwrap());
+        let model = model.with_adapter(adapter).unwrap();
+        let mut t = Trainer::builder(model, cpu(), corpus_loader(20_000, 3, 2, 16))
+            .precision(Box::new(MixedBf16::default()) as Box<dyn Precision>)
+            .optimizer(Box::new(AdamW {
+                lr: 3e-3,
+                ..AdamW::default()
+            }) as Box<dyn Optimizer>)
+            .options(TrainerOptions {
+                optimizer_offload: offload,
+                ..TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        let be = t.backend().clone();
+        let trained: Vec<bool> = t.params().iter().map(|p| p.offloaded()).collect();
+        let frozen_state = t
+            .params()
+            .iter()
+            .filter(|p| !p.trains())
+            .all(|p| p.state().is_empty() && !p.offloaded());
+        let bits: Vec<Vec<u32>> = t
+            .params()
+            .iter()
+            .flat_map(|p| {
+                let mut ts = vec![p.weight(), p.value()];
+                ts.extend(p.state());
+                ts.into_iter()
+                    .map(|x| be.to_f32(x).unwrap().iter().map(|v| v.to_bits()).collect())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        (
+            bits,
+            trained,
+            frozen_state,
+            t.params().iter().map(|p| p.trains()).collect::<Vec<_>>(),
+        )
+    };
+    let (device, _, _, trains) = run(false);
+    let (host, offloaded, frozen_alone, _) = run(true);
+    assert!(
+        device == host,
+        "LoRA offloaded differs from LoRA on the device"
+    );
+    assert_eq!(
+        offloaded, trains,
+        "exactly the parameters that train are offloaded"
+    );
+    assert!(trains.iter().any(|t| !t) && trains.iter().any(|t| *t));
+    assert!(frozen_alone);
+}
