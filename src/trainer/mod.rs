@@ -50,7 +50,7 @@ pub struct TrainerOptions {
     /// Offloads every activation the checkpoint policy keeps to host memory after forward
     /// and fetches it back before its backward ([`crate::Retention::Offload`]): the device
     /// holds about one layer's kept activations instead of every layer's, the host holds
-    /// the rest (the ledger's [`MemoryCategory::Offloaded`]). The policy must keep
+    /// the rest (the ledger's [`crate::memory::MemoryCategory::Offloaded`]). The policy must keep
     /// something: one that recomputes every activation is refused by [`Trainer::new`].
     pub offload_activations: bool,
     /// Keeps the optimizer's side of every parameter that trains in host memory

@@ -256,10 +256,10 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     fn upload_stats(&self) -> UploadStats;
 }
 
-/// What [`Gpu::upload_stats`] reports.
+/// What `Gpu::upload_stats` reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UploadStats {
-    /// Uploads so far ([`Gpu::upload`] calls).
+    /// Uploads so far (`Gpu::upload` calls).
     pub uploads: u64,
     /// The size of the page-locked ring uploads are copied through, in bytes: it grows to
     /// what the uploads between two waits for the device need.
@@ -502,7 +502,7 @@ impl Args {
 
     /// A value passed by value, such as a struct of a fixed-size array (`struct { float
     /// f[256]; }`): `data` must be exactly the parameter's size, at most
-    /// [`MAX_BY_VALUE`] bytes. It travels with the launch, so it needs no upload.
+    /// `MAX_BY_VALUE` bytes. It travels with the launch, so it needs no upload.
     pub fn bytes(mut self, data: &[u8]) -> Self {
         let mut blob = vec![0u64; data.len().div_ceil(8)];
         for (i, b) in data.iter().enumerate() {

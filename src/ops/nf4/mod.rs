@@ -1,9 +1,9 @@
 //! NF4: frozen projection weights in 4.127 bits per element, as QLoRA stores them.
 //!
-//! - [`format`] ([`crate::tensor::nf4`]): bitsandbytes' NF4 with double-quantized
+//! - [`format`](mod@format) ([`crate::tensor::nf4`]): bitsandbytes' NF4 with double-quantized
 //!   absmaxes, on the host: quantization (when a checkpoint is loaded) and the reference
 //!   dequantization.
-//! - [`DType::Nf4`] is the packed dtype, in [`Parts`] (one per Hugging Face module of a
+//! - [`DType::Nf4`](crate::tensor::DType::Nf4) is the packed dtype, in [`Parts`] (one per Hugging Face module of a
 //!   fused weight): the ledger and the meta backend count its exact bytes; uploading f32
 //!   values to it quantizes them.
 //! - [`dequantize`]: elements of an NF4 tensor dequantized to a float tensor, one door
