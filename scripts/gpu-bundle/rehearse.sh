@@ -15,7 +15,7 @@ if [ ! -x "$bundle/run.sh" ]; then
   echo "no bundle at $bundle: build it first with bash scripts/gpu-bundle.sh" >&2
   exit 1
 fi
-phases=(tests bench train reference llmc xl llama sanitize ncu)
+phases=(tests bench train reference llmc xl llama offload sanitize ncu)
 out="$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-rehearsal.XXXXXX")"
 mkdir -p "$out/plain" "$out/pretend"  # run.sh writes into $OUT only when it is a directory
 clean_env=(env -u TRAINKIT_REQUIRE_NVRTC -u TRAINKIT_REQUIRE_EMULATOR -u TRAINKIT_REQUIRE_CUBLASLT STEPS=3)
@@ -42,9 +42,9 @@ plain, pretend = (json.load(open(p)) for p in sys.argv[1:])
 bad = []
 if plain["failed"]:
     bad.append(f"without a GPU, {plain['failed']} step(s) failed")
-# Steps that need no GPU (the unit tests, the NVRTC compile check) may pass with a
+# Steps that need no GPU (the unit tests, the NVRTC compile check, the host AdamW) may pass with a
 # pretended one; every other must not.
-no_gpu_needed = {"unit_tests", "nvrtc_kernels"}
+no_gpu_needed = {"unit_tests", "nvrtc_kernels", "host_adamw"}
 for s in pretend["steps"]:
     if s["name"] in no_gpu_needed:
         continue
