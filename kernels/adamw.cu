@@ -1,9 +1,10 @@
 // The AdamW update, PyTorch semantics, one fused pass per parameter tensor.
 // CPU twin: src/optim/adamw/cpu.rs.
 //
-// Kernels `adamw_{G}_{C}`: G the gradient's dtype, C the compute copy's (bf16 or f16).
-// Reads the f32 master value, the gradient and the f32
-// moments, and, when `scale` is not null, a device multiplier of the gradient (the step's
+// Kernels `adamw_{G}_{C}`: G the gradient's dtype, C the compute copy's (bf16 or f16);
+// `adamw_{G}_{C}_bf16m` keep the moments in bf16 (widened when read, rounded to nearest
+// even when written, as the CPU twin does). Reads the f32 master value, the gradient and
+// the moments, and, when `scale` is not null, a device multiplier of the gradient (the step's
 // clipping coefficient over its loss scale, from `grad_guard`): when that is not finite
 // the step's loss or gradient norm was not, and the kernel writes nothing at all; writes the
 // value and the moments and, when `compute` is not null, the 16-bit compute copy of the weight in the same pass (the cast the precision would run next,
@@ -19,8 +20,8 @@
 //   p = p · decay − step_size · m / (sqrt(v) / bc2_sqrt + eps)
 // With --fmad=false and IEEE division and square root this is bitwise the CPU's update.
 
-template <typename G, typename C>
-__device__ void adamw_impl(float* param, const G* grad, float* m, float* v,
+template <typename G, typename C, typename M>
+__device__ void adamw_impl(float* param, const G* grad, M* m, M* v,
                            const float* scale, C* compute, i64 n, float beta1, float beta2,
                            float eps, float grad_scale, float step_size, float bc2_sqrt,
                            float decay) {
@@ -31,26 +32,32 @@ __device__ void adamw_impl(float* param, const G* grad, float* m, float* v,
     }
     TK_FOR_EACH(i, n) {
         float g = load(grad, i) * grad_scale;
-        float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        // A bf16 moment is updated from its stored value and stored rounded: the update
+        // reads the moment as stored, as the next step will.
+        float mi = beta1 * load(m, i) + (1.0f - beta1) * g;
+        float vi = beta2 * load(v, i) + (1.0f - beta2) * g * g;
+        store(m, i, mi);
+        store(v, i, vi);
+        mi = load(m, i);
+        vi = load(v, i);
         float denom = sqrtf(vi) / bc2_sqrt + eps;
         float p = param[i] * decay - step_size * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
         param[i] = p;
         if (compute != nullptr) store(compute, i, p);
     }
 }
 
-#define TK_ADAMW(G, GN, C, CN)                                                              \
-    extern "C" __global__ void adamw_##GN##_##CN(                                           \
-        float* param, const G* grad, float* m, float* v, const float* scale, C* compute,    \
+#define TK_ADAMW(G, GN, C, CN, M, MN)                                                       \
+    extern "C" __global__ void adamw_##GN##_##CN##MN(                                       \
+        float* param, const G* grad, M* m, M* v, const float* scale, C* compute,            \
         i64 n, float beta1, float beta2, float eps, float grad_scale, float step_size,      \
         float bc2_sqrt, float decay) {                                                      \
-        adamw_impl<G, C>(param, grad, m, v, scale, compute, n, beta1, beta2, eps,          \
-                         grad_scale, step_size, bc2_sqrt, decay);                           \
+        adamw_impl<G, C, M>(param, grad, m, v, scale, compute, n, beta1, beta2, eps,       \
+                            grad_scale, step_size, bc2_sqrt, decay);                        \
     }
-TK_ADAMW(float, f32, bf16, bf16)
-TK_ADAMW(float, f32, f16, f16)
-TK_ADAMW(bf16, bf16, bf16, bf16)
-TK_ADAMW(f16, f16, f16, f16)
+TK_ADAMW(float, f32, bf16, bf16, float, )
+TK_ADAMW(float, f32, f16, f16, float, )
+TK_ADAMW(bf16, bf16, bf16, bf16, float, )
+TK_ADAMW(f16, f16, f16, f16, float, )
+TK_ADAMW(float, f32, bf16, bf16, bf16, _bf16m)
+TK_ADAMW(bf16, bf16, bf16, bf16, bf16, _bf16m)

@@ -1064,6 +1064,125 @@ fn cross_entropy_and_adamw_match_the_cpu() {
     }
 }
 
+/// AdamW with bf16 moments gives the CPU's bits: values, both moments (updated in f32,
+/// stored rounded) and the bf16 compute copy, over four steps with an f32 or a bf16
+/// gradient, with and without the compute copy and a device scale, and a NaN scale that
+/// skips the update; bf16 moments beside an f16 gradient are refused on both backends.
+#[test]
+fn adamw_with_bf16_moments_matches_the_cpu_bit_for_bit() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(17);
+    let bits = |be: &dyn Backend, t: &Tensor| -> Vec<u32> {
+        be.to_f32(t).unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for (name, cuda) in cuda_backends() {
+        for n in [1usize, 257, 3000] {
+            for (dg, with_copy) in [(DType::F32, true), (DType::Bf16, true), (DType::F32, false)] {
+                let mut p = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], DType::F32);
+                let g = pair(&cpu, &cuda, &randn(&mut rng, n, 0.1), &[n], dg);
+                let zeros = vec![0.0; n];
+                let mut m = pair(&cpu, &cuda, &zeros, &[n], DType::Bf16);
+                let mut v = pair(&cpu, &cuda, &zeros, &[n], DType::Bf16);
+                let mut w = out(&cpu, &cuda, &[n], DType::Bf16);
+                if !with_copy {
+                    w = pair(&cpu, &cuda, &zeros, &[n], DType::Bf16);
+                }
+                let scales = [
+                    pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
+                    pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
+                ];
+                for step in 1..=4 {
+                    let scale = match step {
+                        3 => Some(&scales[0]),
+                        4 => Some(&scales[1]),
+                        _ => None,
+                    };
+                    let hp = AdamWStep {
+                        lr: 6e-4,
+                        beta1: 0.9,
+                        beta2: 0.999,
+                        eps: 1e-8,
+                        weight_decay: 0.1,
+                        step,
+                        grad_scale: 0.5,
+                    };
+                    adamw::update(
+                        &cpu,
+                        &mut p.cpu,
+                        &g.cpu,
+                        &mut m.cpu,
+                        &mut v.cpu,
+                        &hp,
+                        scale.map(|s| &s.cpu),
+                        with_copy.then_some(&mut w.cpu),
+                    )
+                    .unwrap();
+                    adamw::update(
+                        &*cuda,
+                        &mut p.cuda,
+                        &g.cuda,
+                        &mut m.cuda,
+                        &mut v.cuda,
+                        &hp,
+                        scale.map(|s| &s.cuda),
+                        with_copy.then_some(&mut w.cuda),
+                    )
+                    .unwrap();
+                }
+                for (what, t) in [
+                    ("value", &p),
+                    ("exp_avg", &m),
+                    ("exp_avg_sq", &v),
+                    ("copy", &w),
+                ] {
+                    assert_eq!(
+                        bits(&cpu, &t.cpu),
+                        bits(&*cuda, &t.cuda),
+                        "{name}: adamw bf16 moments {what}, n {n}, gradient {dg}"
+                    );
+                }
+                assert!(
+                    bits(&cpu, &m.cpu).iter().any(|&b| b != 0),
+                    "the moments moved"
+                );
+            }
+        }
+        // bf16 moments take no f16 gradient, on either backend.
+        let mut p = pair(&cpu, &cuda, &[1.0; 4], &[4], DType::F32);
+        let g = pair(&cpu, &cuda, &[0.1; 4], &[4], DType::F16);
+        let mut m = out(&cpu, &cuda, &[4], DType::Bf16);
+        let mut v = out(&cpu, &cuda, &[4], DType::Bf16);
+        let hp = AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+            grad_scale: 1.0,
+        };
+        let e = adamw::update(
+            &*cuda,
+            &mut p.cuda,
+            &g.cuda,
+            &mut m.cuda,
+            &mut v.cuda,
+            &hp,
+            None,
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("bf16 moments"), "{e}");
+        let e = adamw::update(
+            &cpu, &mut p.cpu, &g.cpu, &mut m.cpu, &mut v.cpu, &hp, None, None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("bf16 moments"), "{e}");
+    }
+}
+
 /// The 8-bit AdamW update gives the CPU's bits: values, codes, block maxima and the bf16
 /// compute copy, over several steps from zero state (so the codes are the kernel's own),
 /// with a partial last block, with and without a device scale, and a NaN scale that

@@ -321,3 +321,101 @@ fn the_prediction_equals_the_ledger() {
         }
     }
 }
+
+/// AdamW's moments in bf16 (`state_dtype = "bf16"`, as PyTorch keeps the state of bf16
+/// parameters): 4 bytes of state per parameter, predicted exactly, the loss going down,
+/// resume bitwise (the moments saved as bf16), and a dtype it has no kernel for refused.
+#[test]
+fn adamw_moments_in_bf16_halve_the_state_and_resume_bitwise() {
+    let adamw = AdamW {
+        lr: 3e-3,
+        weight_decay: 0.0,
+        state_dtype: DType::Bf16,
+        ..AdamW::default()
+    };
+    let make = || {
+        Trainer::builder(
+            Gpt2::new(tiny_config()).unwrap(),
+            cpu(),
+            corpus_loader(20_000, 3, 2, 16),
+        )
+        .precision(pure(UpdateRounding::Stochastic))
+        .optimizer(adamw)
+        .options(TrainerOptions {
+            grad_clip: 0.0,
+            ..TrainerOptions::default()
+        })
+        .build()
+        .unwrap()
+    };
+    let predicted = trainkit::estimate::predict_with(
+        Box::new(Gpt2::new(tiny_config()).unwrap()),
+        trainkit::estimate::MicroBatch {
+            batch_size: 2,
+            seq_len: 16,
+        },
+        &pure(UpdateRounding::Stochastic),
+        &trainkit::NoRecompute,
+        &adamw,
+        &TrainerOptions {
+            grad_clip: 0.0,
+            ..TrainerOptions::default()
+        },
+    )
+    .unwrap();
+    let mut t = make();
+    let first = t.step().unwrap().loss;
+    let mut last = first;
+    for step in 2..=6 {
+        let s = t.step().unwrap();
+        if step == 2 {
+            common::step_matches_prediction(&s, &predicted, 2, 1, "bf16 moments");
+        }
+        last = s.loss;
+    }
+    assert!(last < first, "{first} -> {last}");
+    let n: u64 = t.params().iter().map(|p| p.numel() as u64).sum();
+    assert_eq!(predicted.peak.get(MemoryCategory::OptimizerState), 4 * n);
+    for p in t.params() {
+        assert!(p.state().iter().all(|s| s.dtype() == DType::Bf16));
+    }
+    // Resume: three steps, saved, three more, against six straight.
+    let dir = common::scratch("bf16-moments").join("ckpt");
+    let mut a = make();
+    for _ in 0..3 {
+        a.step().unwrap();
+    }
+    a.save(&dir, None).unwrap();
+    let mut b = make();
+    b.resume_from(&dir).unwrap();
+    for _ in 0..3 {
+        b.step().unwrap();
+    }
+    let dtypes: Vec<DType> = b.params().iter().map(|p| p.state()[0].dtype()).collect();
+    assert!(dtypes.iter().all(|d| *d == DType::Bf16), "{dtypes:?}");
+    let state = |t: &Trainer<PureBf16, _, _, _, _>| per_param(t, |p| &p.state()[1]);
+    assert_eq!(per_param(&t, |p| p.weight()), per_param(&b, |p| p.weight()));
+    assert_eq!(state(&t), state(&b));
+    // The config takes it; a dtype without a kernel is refused by name.
+    let cfg =
+        RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nstate_dtype = \"bf16\"\n").unwrap();
+    assert_eq!(cfg.optimizer.state_bytes_per_param(), 4);
+    let e = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 3, 2, 16),
+    )
+    .optimizer(AdamW {
+        state_dtype: DType::F16,
+        ..AdamW::default()
+    })
+    .build()
+    .unwrap()
+    .step()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("state_dtype") && e.contains("f32 or bf16"),
+        "{e}"
+    );
+}

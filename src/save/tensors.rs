@@ -84,7 +84,8 @@ pub fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<NamedTensor>> 
 }
 
 /// Reads every tensor of a safetensors file with the dtype a tensor of trainkit keeps it
-/// in: u8 for u8 (optimizer codes), f32 for the rest.
+/// in: u8 for u8 (optimizer codes), bf16 for bf16 (AdamW's bf16 moments), f32 for the
+/// rest.
 pub(crate) fn read_typed(path: &Path) -> Result<Vec<(NamedTensor, DType)>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     parse_typed(path, &bytes, true)
@@ -119,11 +120,11 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
                 }
             };
             let data = file_dtype.decode(raw, view.shape().iter().product());
-            // Floats come back as f32; u8 codes stay codes.
-            let dtype = if file_dtype == DType::U8 {
-                DType::U8
-            } else {
-                DType::F32
+            // u8 codes stay codes and bf16 stays bf16 (AdamW's bf16 moments); other floats
+            // come back as f32.
+            let dtype = match file_dtype {
+                DType::U8 | DType::Bf16 => file_dtype,
+                _ => DType::F32,
             };
             let t = NamedTensor {
                 name,

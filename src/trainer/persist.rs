@@ -131,9 +131,11 @@ where
                     shape: t.shape().to_vec(),
                     data: self.backend.to_f32(t)?,
                 });
-                // u8 codes are stored as bytes, floats as f32 (exact for both).
+                // u8 codes are stored as bytes, bf16 moments as bf16 (so that a resumed
+                // run keeps them in bf16), other floats as f32: exact for all.
                 state_dtypes.push(match t.dtype() {
                     DType::U8 => DType::U8,
+                    DType::Bf16 => DType::Bf16,
                     _ => DType::F32,
                 });
                 names.push(name);

@@ -20,6 +20,8 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "adamw_f32_f16",
         "adamw_bf16_bf16",
         "adamw_f16_f16",
+        "adamw_f32_bf16_bf16m",
+        "adamw_bf16_bf16_bf16m",
     ],
 };
 
@@ -63,9 +65,15 @@ pub(crate) fn update(
     }
     // The kernel writes a 16-bit compute copy in its pass; another is cast after.
     let (suffix, fused, after) = compute_copy(grad.dtype(), compute)?;
+    // bf16 moments (with an f32 or bf16 gradient: the shared check).
+    let moments = if m.dtype() == DType::Bf16 {
+        "_bf16m"
+    } else {
+        ""
+    };
     let (step_size, bc2_sqrt, decay) = hp.constants();
     be.launch(
-        &format!("adamw_{suffix}"),
+        &format!("adamw_{suffix}{moments}"),
         be.grid(n),
         BLOCK,
         Args::new()

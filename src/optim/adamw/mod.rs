@@ -109,6 +109,17 @@ impl OpKernel for Update<'_> {
         }
         if let Some(c) = &self.compute {
             same_len(c, self.param, "adamw")?;
+            ensure(
+                self.m.dtype() == DType::F32 || c.dtype() != DType::F16,
+                "adamw",
+                || {
+                    format!(
+                        "`{}`: bf16 moments with fp16 compute weights are not supported; keep \
+                         f32 moments with fp16",
+                        self.param.label()
+                    )
+                },
+            )?;
         }
         Ok(())
     }
@@ -139,12 +150,35 @@ impl OpKernel for Update<'_> {
     }
 }
 
-/// Checks AdamW's operands (the contract every backend shares): f32 value and moments,
-/// all four the same size.
+/// Checks AdamW's operands (the contract every backend shares): an f32 value, both
+/// moments f32 or both bf16 (then with an f32 or bf16 gradient), all four the same size.
 fn check(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
-    for t in [param, m, v] {
-        ensure_f32(t, "adamw")?;
-    }
+    ensure_f32(param, "adamw")?;
+    let moments = m.dtype();
+    ensure(
+        matches!(moments, DType::F32 | DType::Bf16) && v.dtype() == moments,
+        "adamw",
+        || {
+            format!(
+                "`{}`: the moments must be both f32 or both bf16, not {} and {}",
+                param.label(),
+                m.dtype(),
+                v.dtype()
+            )
+        },
+    )?;
+    ensure(
+        moments == DType::F32 || matches!(grad.dtype(), DType::F32 | DType::Bf16),
+        "adamw",
+        || {
+            format!(
+                "`{}`: bf16 moments take an f32 or bf16 gradient, not {} (keep f32 moments \
+                 with fp16)",
+                param.label(),
+                grad.dtype()
+            )
+        },
+    )?;
     let n = param.numel();
     ensure(
         grad.numel() == n && m.numel() == n && v.numel() == n,
@@ -188,6 +222,15 @@ pub struct AdamW {
     pub eps: f32,
     /// Decoupled weight decay for matrices and embeddings.
     pub weight_decay: f32,
+    /// The dtype of the two moments: f32 (the default, 8 bytes per parameter) or bf16 (4
+    /// bytes: each moment is updated in f32 and stored rounded to nearest even, as
+    /// PyTorch keeps the state of bf16 parameters). `state_dtype = "bf16"` in a config.
+    #[serde(skip_serializing_if = "is_f32")]
+    pub state_dtype: DType,
+}
+
+fn is_f32(d: &DType) -> bool {
+    *d == DType::F32
 }
 
 impl Default for AdamW {
@@ -198,6 +241,7 @@ impl Default for AdamW {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            state_dtype: DType::F32,
         }
     }
 }
@@ -236,6 +280,12 @@ impl AdamW {
                 return Err(Error::config(field, format!("must be {valid}")));
             }
         }
+        if !matches!(self.state_dtype, DType::F32 | DType::Bf16) {
+            return Err(Error::config(
+                "optimizer.state_dtype",
+                format!("must be f32 or bf16, not {}", self.state_dtype),
+            ));
+        }
         Ok(())
     }
 }
@@ -264,13 +314,13 @@ impl Optimizer for AdamW {
             if state.is_empty() {
                 state.push(backend.zeros(
                     &shape,
-                    DType::F32,
+                    self.state_dtype,
                     MemoryCategory::OptimizerState,
                     &format!("{name}.exp_avg"),
                 )?);
                 state.push(backend.zeros(
                     &shape,
-                    DType::F32,
+                    self.state_dtype,
                     MemoryCategory::OptimizerState,
                     &format!("{name}.exp_avg_sq"),
                 )?);
@@ -299,7 +349,7 @@ impl Optimizer for AdamW {
     }
 
     fn state_bytes_per_param(&self) -> usize {
-        8
+        2 * self.state_dtype.size()
     }
 }
 
