@@ -505,24 +505,19 @@ impl Backend for CpuBackend {
     }
 
     fn transfer_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
-        match (dst.storage_mut(), src.storage()) {
-            (Storage::F32(d), Storage::F32(s)) => d.copy_from_slice(s),
-            (Storage::Bf16(d), Storage::Bf16(s)) => d.copy_from_slice(s),
-            (Storage::F16(d), Storage::F16(s)) => d.copy_from_slice(s),
-            (Storage::U8(d), Storage::U8(s)) => d.copy_from_slice(s),
-            (Storage::Nf4 { bytes: d, .. }, Storage::Nf4 { bytes: s, .. }) => d.copy_from_slice(s),
-            _ => {
-                return Err(Error::Backend {
-                    backend: "cpu",
-                    message: format!(
-                        "`{}` and `{}` are not both in host memory",
-                        dst.label(),
-                        src.label()
-                    ),
-                })
-            }
+        // Dtypes and sizes agree (the shared check), so the bytes do too.
+        if let (Some(d), Some(s)) = (host_bytes_mut(dst.storage_mut()), host_bytes(src.storage())) {
+            d.copy_from_slice(s);
+            return Ok(());
         }
-        Ok(())
+        Err(Error::Backend {
+            backend: "cpu",
+            message: format!(
+                "`{}` and `{}` are not both in host memory",
+                dst.label(),
+                src.label()
+            ),
+        })
     }
 
     fn matmul_kernel(

@@ -393,14 +393,7 @@ impl DeviceBuffer {
     /// The elements as f32 (waits for queued work).
     pub(crate) fn to_f32(&self) -> Result<Vec<f32>> {
         let mut raw = vec![0u8; self.bytes()];
-        self.ready()?;
-        if !raw.is_empty() {
-            if self.is_host() {
-                self.gpu.read_host(&mut raw, self.ptr)?;
-            } else {
-                self.gpu.download(&mut raw, self.ptr)?;
-            }
-        }
+        self.read_bytes(&mut raw)?;
         Ok(self.dtype.decode(&raw, self.len))
     }
 
@@ -430,12 +423,7 @@ impl DeviceBuffer {
     /// Overwrites the elements with `data`, rounded to the buffer's dtype.
     pub(crate) fn write_f32(&self, data: &[f32]) -> Result<()> {
         debug_assert_eq!(data.len(), self.len);
-        let raw = self.dtype.encode(data);
-        if raw.is_empty() {
-            return Ok(());
-        }
-        self.ready()?;
-        self.gpu.upload(self.ptr, &raw)
+        self.write_bytes(&self.dtype.encode(data))
     }
 }
 
