@@ -400,6 +400,17 @@ impl Param {
         })
     }
 
+    /// The dtype this parameter's values are kept in between steps: its f32 master copy's
+    /// when it keeps one, else its weights' (bf16 under pure bf16, whose update runs in an
+    /// f32 copy made for it alone). Optimizers whose state follows the weights (AdamW's
+    /// moments by default) key on it.
+    pub fn kept_dtype(&self) -> DType {
+        match &self.master {
+            Some(master) if self.rounding.is_none() => master.dtype(),
+            _ => self.weight.dtype(),
+        }
+    }
+
     /// How updates are written back into the weights when they have no f32 master copy
     /// ([`crate::precision::PureBf16`]); `None` otherwise.
     pub fn update_rounding(&self) -> Option<UpdateRounding> {

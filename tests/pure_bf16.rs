@@ -154,9 +154,10 @@ fn flags_and_configs_choose_pure_bf16_and_refuse_what_cannot_work() {
     );
 }
 
-/// Weights and gradients are bf16 and nothing f32 of the weights' size outlives a step:
-/// between steps the master-weight category holds the Kahan compensation (2 bytes per
-/// parameter) or nothing; during the update, one parameter's f32 copy at a time.
+/// Weights, gradients and AdamW's moments are bf16 and nothing f32 of the weights' size
+/// outlives a step: between steps the master-weight category holds the Kahan compensation
+/// (2 bytes per parameter) or nothing; during the update, one parameter's f32 copy at a
+/// time.
 #[test]
 fn bytes_are_laid_out_as_documented() {
     let n = tiny_config().num_params() as u64;
@@ -175,7 +176,7 @@ fn bytes_are_laid_out_as_documented() {
         assert_eq!(live.get(MemoryCategory::Weights), 2 * n, "{r}");
         assert_eq!(live.get(MemoryCategory::MasterWeights), comp, "{r}");
         assert_eq!(live.get(MemoryCategory::Gradients), 2 * n, "{r}");
-        assert_eq!(live.get(MemoryCategory::OptimizerState), 8 * n, "{r}");
+        assert_eq!(live.get(MemoryCategory::OptimizerState), 4 * n, "{r}");
         assert_eq!(
             s.memory.peak.get(MemoryCategory::MasterWeights),
             comp + 4 * largest,
@@ -322,17 +323,19 @@ fn the_prediction_equals_the_ledger() {
     }
 }
 
-/// AdamW's moments in bf16 (`state_dtype = "bf16"`, as PyTorch keeps the state of bf16
-/// parameters): 4 bytes of state per parameter, predicted exactly, the loss going down,
-/// resume bitwise (the moments saved as bf16), and a dtype it has no kernel for refused.
+/// AdamW's moments follow the weights by default, as `torch.optim.AdamW` keeps the state
+/// of bf16 parameters: bf16 under pure bf16 (4 bytes of state per parameter, predicted
+/// exactly, by the formula too), the loss going down, resume bitwise (the moments saved as
+/// bf16); f32 beside a master copy or when `state_dtype` says so; a dtype it has no kernel
+/// for refused.
 #[test]
-fn adamw_moments_in_bf16_halve_the_state_and_resume_bitwise() {
+fn adamw_moments_follow_pure_bf16_weights_halve_the_state_and_resume_bitwise() {
     let adamw = AdamW {
         lr: 3e-3,
         weight_decay: 0.0,
-        state_dtype: DType::Bf16,
         ..AdamW::default()
     };
+    assert_eq!(adamw.state_dtype, None);
     let make = || {
         Trainer::builder(
             Gpt2::new(tiny_config()).unwrap(),
@@ -396,17 +399,65 @@ fn adamw_moments_in_bf16_halve_the_state_and_resume_bitwise() {
     let state = |t: &Trainer<PureBf16, _, _, _, _>| per_param(t, |p| &p.state()[1]);
     assert_eq!(per_param(&t, |p| p.weight()), per_param(&b, |p| p.weight()));
     assert_eq!(state(&t), state(&b));
-    // The config takes it; a dtype without a kernel is refused by name.
+    // The playbook's formula counts the same 4 bytes under pure bf16, 8 beside a master copy.
+    let pure_bytes = trainkit::estimate::bytes_per_param(&pure(UpdateRounding::Stochastic), &adamw);
+    assert_eq!(pure_bytes.get(MemoryCategory::OptimizerState), 4);
+    let mixed_bytes = trainkit::estimate::bytes_per_param(&MixedBf16::default(), &adamw);
+    assert_eq!(mixed_bytes.get(MemoryCategory::OptimizerState), 8);
+    // f32 moments when asked for, under pure bf16 too: 8 bytes, as predicted.
+    let f32_moments = AdamW {
+        state_dtype: Some(DType::F32),
+        ..adamw
+    };
+    let mut f = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 3, 2, 16),
+    )
+    .precision(pure(UpdateRounding::Stochastic))
+    .optimizer(f32_moments)
+    .build()
+    .unwrap();
+    f.step().unwrap();
+    assert!(f
+        .params()
+        .iter()
+        .all(|p| p.state()[0].dtype() == DType::F32));
+    let f32_bytes =
+        trainkit::estimate::bytes_per_param(&pure(UpdateRounding::Stochastic), &f32_moments);
+    assert_eq!(f32_bytes.get(MemoryCategory::OptimizerState), 8);
+    // Mixed bf16 keeps f32 moments beside its f32 master copy.
+    let mut m = Trainer::builder(
+        Gpt2::new(tiny_config()).unwrap(),
+        cpu(),
+        corpus_loader(20_000, 3, 2, 16),
+    )
+    .precision(MixedBf16::default())
+    .optimizer(adamw)
+    .build()
+    .unwrap();
+    m.step().unwrap();
+    assert!(m
+        .params()
+        .iter()
+        .all(|p| p.state()[0].dtype() == DType::F32));
+    // The config takes either; a dtype without a kernel is refused by name.
     let cfg =
         RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nstate_dtype = \"bf16\"\n").unwrap();
     assert_eq!(cfg.optimizer.state_bytes_per_param(), 4);
+    let cfg =
+        RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\nstate_dtype = \"f32\"\n").unwrap();
+    assert_eq!(cfg.optimizer.state_bytes_for(DType::Bf16), 8);
+    let cfg = RunConfig::from_toml("[optimizer]\nkind = \"adamw\"\n").unwrap();
+    assert_eq!(cfg.optimizer.state_bytes_for(DType::Bf16), 4);
+    assert_eq!(cfg.optimizer.state_bytes_for(DType::F32), 8);
     let e = Trainer::builder(
         Gpt2::new(tiny_config()).unwrap(),
         cpu(),
         corpus_loader(20_000, 3, 2, 16),
     )
     .optimizer(AdamW {
-        state_dtype: DType::F16,
+        state_dtype: Some(DType::F16),
         ..AdamW::default()
     })
     .build()

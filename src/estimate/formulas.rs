@@ -51,7 +51,8 @@ pub fn playbook_params(layers: u64, hidden: u64, vocab: u64) -> Result<u64> {
 /// weights, an f32 master copy when the precision keeps one (or pure bf16's 2-byte Kahan
 /// compensation), gradients in the compute
 /// dtype plus an f32 accumulation buffer when they accumulate in f32 apart from bf16
-/// compute (the playbook's 20 bytes of mixed precision), and the optimizer's state.
+/// compute (the playbook's 20 bytes of mixed precision), and the optimizer's state for the
+/// tensor it updates ([`Optimizer::state_bytes_for`]).
 pub fn bytes_per_param(precision: &dyn Precision, optimizer: &dyn Optimizer) -> CategoryBytes {
     let compute = precision.compute_dtype().size() as u64;
     let kahan = precision.update_rounding().is_some_and(|r| r.compensated());
@@ -67,7 +68,13 @@ pub fn bytes_per_param(precision: &dyn Precision, optimizer: &dyn Optimizer) -> 
     *out.get_mut(MemoryCategory::Weights) = compute;
     *out.get_mut(MemoryCategory::MasterWeights) = master;
     *out.get_mut(MemoryCategory::Gradients) = grads;
-    *out.get_mut(MemoryCategory::OptimizerState) = optimizer.state_bytes_per_param() as u64;
+    // The optimizer updates the master copy, or without one the compute weights.
+    let value = if precision.master_weights() {
+        DType::F32
+    } else {
+        precision.compute_dtype()
+    };
+    *out.get_mut(MemoryCategory::OptimizerState) = optimizer.state_bytes_for(value) as u64;
     out
 }
 
@@ -243,7 +250,8 @@ mod tests {
             (UpdateRounding::Stochastic, 0),
             (UpdateRounding::Kahan, 2),
         ] {
-            assert_eq!(per(&PureBf16 { rounding }), [2, master, 2, 8, 0]);
+            // AdamW's moments follow the bf16 weights.
+            assert_eq!(per(&PureBf16 { rounding }), [2, master, 2, 4, 0]);
         }
     }
 

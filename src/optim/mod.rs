@@ -17,6 +17,7 @@ pub use sgd::Sgd;
 
 use crate::device::Backend;
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use dyn_clone::DynClone;
 use std::fmt::Debug;
 
@@ -45,8 +46,18 @@ pub trait Optimizer: DynClone + Debug + Send + Sync {
         step: u64,
     ) -> Result<()>;
 
-    /// Bytes of optimizer state per parameter element (8 for Adam's two f32 moments).
+    /// Bytes of optimizer state per parameter element (8 for Adam's two f32 moments), for
+    /// a parameter updated in f32 (an f32 master copy or f32 weights).
     fn state_bytes_per_param(&self) -> usize;
+
+    /// Bytes of optimizer state per parameter element for a parameter whose updated value
+    /// (its master copy, or without one its weights) is `value`: what
+    /// [`Optimizer::state_bytes_per_param`] says unless the state follows the weights'
+    /// dtype (AdamW's moments are bf16 beside pure bf16's bf16 weights).
+    fn state_bytes_for(&self, value: DType) -> usize {
+        let _ = value;
+        self.state_bytes_per_param()
+    }
 }
 
 dyn_clone::clone_trait_object!(Optimizer);
@@ -110,6 +121,9 @@ impl<'a> Optimizer for Box<dyn Optimizer + 'a> {
     }
     fn state_bytes_per_param(&self) -> usize {
         (**self).state_bytes_per_param()
+    }
+    fn state_bytes_for(&self, value: DType) -> usize {
+        (**self).state_bytes_for(value)
     }
     #[doc(hidden)]
     fn typetag_name(&self) -> &'static str {

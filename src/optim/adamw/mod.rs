@@ -222,15 +222,25 @@ pub struct AdamW {
     pub eps: f32,
     /// Decoupled weight decay for matrices and embeddings.
     pub weight_decay: f32,
-    /// The dtype of the two moments: f32 (the default, 8 bytes per parameter) or bf16 (4
-    /// bytes: each moment is updated in f32 and stored rounded to nearest even, as
-    /// PyTorch keeps the state of bf16 parameters). `state_dtype = "bf16"` in a config.
-    #[serde(skip_serializing_if = "is_f32")]
-    pub state_dtype: DType,
+    /// The dtype of the two moments. `None` (the default) follows the tensor the update
+    /// writes, as `torch.optim.AdamW`'s `zeros_like(p)` does: f32 (8 bytes per parameter)
+    /// beside an f32 master copy or f32 weights, bf16 (4 bytes) for pure bf16's bf16
+    /// weights. `Some(F32)` or `Some(Bf16)` fixes it (`state_dtype = "f32"` or `"bf16"` in
+    /// a config). A bf16 moment is updated in f32 and stored rounded to nearest even.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dtype: Option<DType>,
 }
 
-fn is_f32(d: &DType) -> bool {
-    *d == DType::F32
+impl AdamW {
+    /// The dtype of the moments of a parameter kept in `value` ([`Param::kept_dtype`]: its
+    /// master copy's, or without one its weights'): [`AdamW::state_dtype`] when set, else
+    /// bf16 for bf16 values and f32 for every other.
+    pub fn moment_dtype(&self, value: DType) -> DType {
+        self.state_dtype.unwrap_or(match value {
+            DType::Bf16 => DType::Bf16,
+            _ => DType::F32,
+        })
+    }
 }
 
 impl Default for AdamW {
@@ -241,7 +251,7 @@ impl Default for AdamW {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
-            state_dtype: DType::F32,
+            state_dtype: None,
         }
     }
 }
@@ -280,10 +290,13 @@ impl AdamW {
                 return Err(Error::config(field, format!("must be {valid}")));
             }
         }
-        if !matches!(self.state_dtype, DType::F32 | DType::Bf16) {
+        if let Some(d) = self
+            .state_dtype
+            .filter(|d| !matches!(d, DType::F32 | DType::Bf16))
+        {
             return Err(Error::config(
                 "optimizer.state_dtype",
-                format!("must be f32 or bf16, not {}", self.state_dtype),
+                format!("must be f32 or bf16 (or left out to follow the weights), not {d}"),
             ));
         }
         Ok(())
@@ -309,18 +322,19 @@ impl Optimizer for AdamW {
             let decay = if p.decays() { self.weight_decay } else { 0.0 };
             let name = p.name().to_string();
             let shape = p.shape().to_vec();
+            let moments = self.moment_dtype(p.kept_dtype());
             let parts = p.update_parts_fused()?;
             let (value, grad, state) = (parts.value, parts.grad, parts.state);
             if state.is_empty() {
                 state.push(backend.zeros(
                     &shape,
-                    self.state_dtype,
+                    moments,
                     MemoryCategory::OptimizerState,
                     &format!("{name}.exp_avg"),
                 )?);
                 state.push(backend.zeros(
                     &shape,
-                    self.state_dtype,
+                    moments,
                     MemoryCategory::OptimizerState,
                     &format!("{name}.exp_avg_sq"),
                 )?);
@@ -349,7 +363,11 @@ impl Optimizer for AdamW {
     }
 
     fn state_bytes_per_param(&self) -> usize {
-        2 * self.state_dtype.size()
+        self.state_bytes_for(DType::F32)
+    }
+
+    fn state_bytes_for(&self, value: DType) -> usize {
+        2 * self.moment_dtype(value).size()
     }
 }
 

@@ -263,7 +263,7 @@ impl AdamW8bit {
             beta2: self.beta2,
             eps: self.eps,
             weight_decay: self.weight_decay,
-            state_dtype: DType::F32,
+            state_dtype: Some(DType::F32),
         }
     }
 }
