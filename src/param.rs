@@ -139,6 +139,18 @@ pub(crate) struct HostUpdate {
     pub(crate) record: Tensor,
 }
 
+impl HostUpdate {
+    /// Waits until the copies into the update's host tensors have run (the gradient's
+    /// copy is queued where the host memory is page-locked), before the step reads them.
+    pub(crate) fn settle(&self, device: &dyn Backend) -> Result<()> {
+        if let Some(g) = &self.param.grad {
+            device.settle(g)?;
+        }
+        device.settle(&self.param.weight)?;
+        device.settle(&self.record)
+    }
+}
+
 /// What an optimizer needs to update one parameter, with the compute weights it may
 /// write in the same pass ([`Param::update_parts_fused`]).
 pub struct UpdateParts<'a> {
@@ -616,7 +628,7 @@ impl Param {
                     &self.name,
                 )?;
                 host.cast(&mut rounded, master)?;
-                backend.transfer(&mut self.weight, &rounded)
+                backend.transfer_queued(&mut self.weight, &rounded)
             }
             _ => backend.cast(&mut self.weight, master),
         }
@@ -660,7 +672,9 @@ impl Param {
             MemoryCategory::Gradients,
             &self.name,
         )?;
-        backend.transfer(&mut grad, device_grad)?;
+        // Queued where the host memory is page-locked: the host thread settles it before
+        // the step reads it, and the trainer goes on meanwhile.
+        backend.transfer_queued(&mut grad, device_grad)?;
         let mut weight = host.empty(
             &shape,
             self.weight.dtype(),
@@ -713,8 +727,10 @@ impl Param {
             Some(host) => done.param.refresh_after_step(host, key),
             None => Ok(()),
         };
+        // Queued where the host memory is page-locked; its buffer is reused only once the
+        // copy has run.
         let copied =
-            refreshed.and_then(|()| backend.transfer(&mut self.weight, &done.param.weight));
+            refreshed.and_then(|()| backend.transfer_queued(&mut self.weight, &done.param.weight));
         // The optimizer side comes back whatever happened, so the parameter stays whole.
         if done.param.rounding.is_none() {
             self.master = done.param.master.take();

@@ -184,8 +184,19 @@ pub trait Backend: Debug + Send + Sync {
     /// `dst = src` across the host boundary, bytes as they are: one of the two is this
     /// backend's tensor and the other its [`Backend::host`]'s (a gradient on its way to
     /// the host, updated weights on their way back). Both have the same dtype and number
-    /// of elements.
+    /// of elements. The copy is done when this returns: the host side may be read or
+    /// written at once ([`Backend::transfer_queued`] does not wait).
     fn transfer(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        self.transfer_queued(dst, src)?;
+        self.settle(dst)?;
+        self.settle(src)
+    }
+
+    /// [`Backend::transfer`], queued where the backend can copy asynchronously (CUDA, from
+    /// and to page-locked host memory, on its copy stream): the device side is ordered as
+    /// usual, but the host side must not be read (`dst`) or written (`src`) before
+    /// [`Backend::settle`] has waited for it. Dropping it is safe at any time.
+    fn transfer_queued(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
         cpu::ensure(
             dst.dtype() == src.dtype() && dst.numel() == src.numel(),
             "transfer",
@@ -204,6 +215,14 @@ pub trait Backend: Debug + Send + Sync {
         )?;
         let op = self.ledger().op("transfer", 0, dst.label());
         op.finish(self.transfer_kernel(dst, src))
+    }
+
+    /// Waits on the host until the copies [`Backend::transfer_queued`] queued into or out
+    /// of the host tensor `t` have run. The default does nothing: a backend whose
+    /// transfers finish before they return has nothing to wait for.
+    fn settle(&self, t: &Tensor) -> Result<()> {
+        let _ = t;
+        Ok(())
     }
 
     /// `dst = src`, converting (and rounding) to `dst`'s dtype.
@@ -356,7 +375,8 @@ pub trait Backend: Debug + Send + Sync {
         self.copy_kernel(&t, category, &label)
     }
 
-    /// The kernel of [`Backend::transfer`]: dtypes and sizes agree. The default refuses,
+    /// The kernel of [`Backend::transfer_queued`]: dtypes and sizes agree. It may return
+    /// before a copy has run where [`Backend::settle`] waits for it. The default refuses,
     /// as the default [`Backend::host`] has no host memory.
     fn transfer_kernel(&self, dst: &mut Tensor, _src: &Tensor) -> Result<()> {
         Err(crate::error::Error::Backend {

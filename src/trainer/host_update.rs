@@ -31,9 +31,11 @@ pub(super) struct HostWorker<'scope> {
 
 impl<'scope> HostWorker<'scope> {
     /// Starts the host thread of step `step` (1-based) at learning rate `lr`, running
-    /// `optimizer` on `host` memory; `seed` keys pure bf16's stochastic rounding.
+    /// `optimizer` on `host` memory, the host memory of `device` (whose queued copies it
+    /// waits for); `seed` keys pure bf16's stochastic rounding.
     pub(super) fn spawn<'env, O: Optimizer>(
         scope: &'scope Scope<'scope, 'env>,
+        device: &'env dyn Backend,
         host: &'env dyn Backend,
         optimizer: &'env mut O,
         lr: f32,
@@ -44,9 +46,13 @@ impl<'scope> HostWorker<'scope> {
         let (outbox, done) = channel();
         let thread = scope.spawn(move || {
             for (i, mut job) in inbox {
-                let result = GradScale::new(&job.record).and_then(|scale| {
-                    optimizer.step(host, std::slice::from_mut(&mut job.param), lr, scale, step)
-                });
+                let result = job
+                    .settle(device)
+                    .and_then(|()| GradScale::new(&job.record))
+                    .and_then(|scale| {
+                        let param = std::slice::from_mut(&mut job.param);
+                        optimizer.step(host, param, lr, scale, step)
+                    });
                 if outbox.send((i, job, result)).is_err() {
                     return;
                 }

@@ -180,6 +180,7 @@ where
                     None,
                     Some(HostWorker::spawn(
                         scope,
+                        be,
                         h.as_ref(),
                         optimizer,
                         plan.lr,
@@ -296,7 +297,7 @@ where
                 let (params, optimizer) = (&mut self.params, &mut self.optimizer);
                 std::thread::scope(|scope| {
                     let mut w =
-                        HostWorker::spawn(scope, host.as_ref(), optimizer, plan.lr, step, seed);
+                        HostWorker::spawn(scope, be, host.as_ref(), optimizer, plan.lr, step, seed);
                     for i in 0..params.len() {
                         if params[i].trains() {
                             w.submit(be, params, i, &record)?;

@@ -30,7 +30,7 @@ use crate::memory::{Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
 pub use blas::{Blas, BLAS_ENV};
 use half::{bf16, f16};
-pub(crate) use pool::BufferPool;
+pub(crate) use pool::{BufferPool, HostPin};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
@@ -84,12 +84,28 @@ impl CpuBackend {
     /// [`Backend::host`] returns).
     pub fn host_for(ledger: &Ledger) -> Self {
         CpuBackend {
-            pool: Arc::new(BufferPool::new(ledger.clone())),
+            pool: Arc::new(BufferPool::for_host(ledger.clone(), None)),
             ledger: ledger.clone(),
             blas: None,
             for_device: true,
             host: OnceLock::new(),
         }
+    }
+
+    /// [`CpuBackend::host_for`] whose weights and gradients (the tensors that cross to the
+    /// device) are page-locked by `pin` when first made, so that the device copies them
+    /// asynchronously; master weights and optimizer state stay pageable.
+    pub(crate) fn host_for_pinned(ledger: &Ledger, pin: Arc<dyn HostPin>) -> Self {
+        CpuBackend {
+            pool: Arc::new(BufferPool::for_host(ledger.clone(), Some(pin))),
+            ..Self::host_for(ledger)
+        }
+    }
+
+    /// How many of this backend's buffers are page-locked now
+    /// ([`CpuBackend::host_for_pinned`]).
+    pub fn pinned_buffers(&self) -> usize {
+        self.pool.pinned_buffers()
     }
 
     /// The category a tensor made as `category` is counted under.
@@ -139,6 +155,11 @@ impl CpuBackend {
         label: &str,
         zero: bool,
     ) -> Result<Tensor> {
+        // Weights and gradients cross to the device: locked where the pool locks buffers.
+        let crosses = matches!(
+            category,
+            MemoryCategory::Weights | MemoryCategory::Gradients
+        );
         let category = self.place(category);
         let n: usize = shape.iter().product();
         let bytes = dtype.bytes(n) as u64;
@@ -146,6 +167,7 @@ impl CpuBackend {
         if let Some(err) = self.ledger.would_refuse(category, bytes, label) {
             return Err(err);
         }
+        let mut fresh = false;
         let storage = match dtype {
             DType::F32 => Storage::F32(match self.pool.take_f32(n) {
                 Some(mut v) => {
@@ -154,7 +176,10 @@ impl CpuBackend {
                     }
                     v
                 }
-                None => vec![0.0; n],
+                None => {
+                    fresh = true;
+                    vec![0.0; n]
+                }
             }),
             DType::Bf16 => Storage::Bf16(match self.pool.take_bf16(n) {
                 Some(mut v) => {
@@ -163,7 +188,10 @@ impl CpuBackend {
                     }
                     v
                 }
-                None => vec![bf16::ZERO; n],
+                None => {
+                    fresh = true;
+                    vec![bf16::ZERO; n]
+                }
             }),
             DType::F16 => Storage::F16(match self.pool.take_f16(n) {
                 Some(mut v) => {
@@ -172,7 +200,10 @@ impl CpuBackend {
                     }
                     v
                 }
-                None => vec![f16::ZERO; n],
+                None => {
+                    fresh = true;
+                    vec![f16::ZERO; n]
+                }
             }),
             DType::U8 => Storage::U8(vec![0; n]),
             DType::Nf4(parts) => Storage::Nf4 {
@@ -181,8 +212,13 @@ impl CpuBackend {
                 parts,
             },
         };
-        Ok(Tensor::new(storage, shape, category, label, &self.ledger)?
-            .with_pool(Arc::clone(&self.pool)))
+        let t = Tensor::new(storage, shape, category, label, &self.ledger)?
+            .with_pool(Arc::clone(&self.pool));
+        if fresh && crosses {
+            // Locked once it is the pool's to free (and unlock).
+            self.pool.pin(t.storage());
+        }
+        Ok(t)
     }
 }
 

@@ -18,16 +18,18 @@
 //! the ledger still counts every byte trainkit holds on the device.
 
 use super::emulated::EmulatedGpu;
-use super::gpu::{Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory, UploadStats, MAX_BY_VALUE};
+use super::gpu::{
+    Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory, HostPtr, UploadStats, MAX_BY_VALUE,
+};
 use super::kernels::{KernelFile, KERNEL_FILES};
 use super::ops::{elementwise, matmul};
-use crate::device::cpu::{ensure, host_bytes, host_bytes_mut};
+use crate::device::cpu::{ensure, host_bytes, host_bytes_mut, HostPin};
 use crate::device::CpuBackend;
 use crate::device::{Backend, Device};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, Ledger, MemoryCategory};
 use crate::tensor::{DType, Storage, Tensor};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads per block of every kernel but `sum_squares_finish` (32).
@@ -74,6 +76,45 @@ pub struct CudaBackend {
     kept: Mutex<Vec<(Vec<u32>, Arc<Tensor>)>>,
     /// The host memory of [`Backend::host`], made on first use.
     host: OnceLock<Arc<CpuBackend>>,
+    /// Transfers queued on the copy stream (page-locked host side) and copied at once
+    /// (pageable host side).
+    queued_transfers: AtomicU64,
+    waited_transfers: AtomicU64,
+}
+
+/// How [`Backend::transfer_queued`] moved tensors between the GPU and its host memory
+/// ([`CudaBackend::host_transfers`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostTransfers {
+    /// Copies queued on the copy stream, their host side page-locked: compute and the
+    /// host go on while they run.
+    pub queued: u64,
+    /// Copies from or to pageable host memory (small tensors, or memory the driver would
+    /// not lock): the host waits for each.
+    pub waited: u64,
+    /// Host buffers page-locked now.
+    pub pinned_buffers: usize,
+}
+
+/// Page-locking for the host memory of [`Backend::host`], through the GPU's
+/// `cuMemHostRegister`.
+#[derive(Debug)]
+struct GpuPin(Arc<dyn Gpu>);
+
+impl HostPin for GpuPin {
+    fn pin(&self, ptr: usize, bytes: usize) -> bool {
+        self.0.register_host(ptr as HostPtr, bytes)
+    }
+
+    fn settle(&self, ptr: usize) {
+        if let Err(e) = self.0.settle_host(ptr as HostPtr) {
+            log::error!("{e}");
+        }
+    }
+
+    fn unpin(&self, ptr: usize) {
+        self.0.unregister_host(ptr as HostPtr)
+    }
 }
 
 /// How the figures of an out-of-memory error begin ([`CudaBackend::explain`] adds them
@@ -136,6 +177,18 @@ impl CudaBackend {
             bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
             kept: Mutex::new(Vec::new()),
             host: OnceLock::new(),
+            queued_transfers: AtomicU64::new(0),
+            waited_transfers: AtomicU64::new(0),
+        }
+    }
+
+    /// How transfers between the GPU and its host memory ran so far: queued on the copy
+    /// stream from and to page-locked memory, or waited for (pageable memory).
+    pub fn host_transfers(&self) -> HostTransfers {
+        HostTransfers {
+            queued: self.queued_transfers.load(Ordering::Relaxed),
+            waited: self.waited_transfers.load(Ordering::Relaxed),
+            pinned_buffers: self.host.get().map_or(0, |h| h.pinned_buffers()),
         }
     }
 
@@ -531,9 +584,10 @@ impl Backend for CudaBackend {
     }
 
     fn host(&self) -> Option<Arc<dyn Backend>> {
-        let host = self
-            .host
-            .get_or_init(|| Arc::new(CpuBackend::host_for(&self.ledger)));
+        let host = self.host.get_or_init(|| {
+            let pin = Arc::new(GpuPin(Arc::clone(&self.gpu)));
+            Arc::new(CpuBackend::host_for_pinned(&self.ledger, pin))
+        });
         Some(Arc::clone(host) as Arc<dyn Backend>)
     }
 
@@ -541,8 +595,26 @@ impl Backend for CudaBackend {
         let label = dst.label().to_string();
         let (dst, src) = (dst.storage_mut(), src.storage());
         let done = match (dst, src) {
-            (Storage::Device(d), host) => host_bytes(host).map(|b| d.write_bytes(b)),
-            (host, Storage::Device(s)) => host_bytes_mut(host).map(|b| s.read_bytes(b)),
+            (Storage::Device(d), host) => host_bytes(host).map(|b| {
+                let at = b.as_ptr() as HostPtr;
+                if self.gpu.host_registered(at, b.len()) {
+                    self.queued_transfers.fetch_add(1, Ordering::Relaxed);
+                    d.fetch_from_registered(at)
+                } else {
+                    self.waited_transfers.fetch_add(1, Ordering::Relaxed);
+                    d.write_bytes(b)
+                }
+            }),
+            (host, Storage::Device(s)) => host_bytes_mut(host).map(|b| {
+                let at = b.as_mut_ptr() as HostPtr;
+                if self.gpu.host_registered(at, b.len()) {
+                    self.queued_transfers.fetch_add(1, Ordering::Relaxed);
+                    s.download_to_registered(at)
+                } else {
+                    self.waited_transfers.fetch_add(1, Ordering::Relaxed);
+                    s.read_bytes(b)
+                }
+            }),
             _ => None,
         };
         match done {
@@ -554,6 +626,16 @@ impl Backend for CudaBackend {
                      tensor on each side"
                 ),
             }),
+        }
+    }
+
+    fn settle(&self, t: &Tensor) -> Result<()> {
+        match host_bytes(t.storage()) {
+            Some(b) if self.gpu.host_registered(b.as_ptr() as HostPtr, b.len()) => self
+                .gpu
+                .settle_host(b.as_ptr() as HostPtr)
+                .map_err(|e| self.explain(e)),
+            _ => Ok(()),
         }
     }
 

@@ -791,6 +791,45 @@ impl Gpu for DriverGpu {
         Ok(())
     }
 
+    fn register_host(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.bind().is_ok() && self.pinned().register(ptr, bytes)
+    }
+
+    fn host_registered(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.pinned().registered(ptr, bytes)
+    }
+
+    fn settle_host(&self, ptr: HostPtr) -> Result<()> {
+        self.bind()?;
+        // Waited for outside the lock, so the trainer's thread queues copies meanwhile.
+        let Some(event) = self.pinned().last_copy(ptr) else {
+            return Ok(());
+        };
+        // SAFETY: the event lives until `ptr` is unregistered, which its owner does not do
+        // while it waits here.
+        unsafe { drv::event::synchronize(event) }
+            .map_err(|e| driver_error("waiting for a copy to host memory", e))
+    }
+
+    fn unregister_host(&self, ptr: HostPtr) {
+        if self.bind().is_ok() {
+            self.pinned().unregister(ptr);
+        }
+    }
+
+    fn download_queued(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<Option<Ticket>> {
+        self.bind()?;
+        let (compute, copy) = (self.stream.cu_stream(), self.copy.cu_stream());
+        // SAFETY: the caller's buffers hold `bytes` each, `dst` registered; both streams
+        // are this context's.
+        unsafe { self.pinned().download(dst, src, bytes, compute, copy) }.map(Some)
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,

@@ -312,6 +312,32 @@ impl Gpu for EmulatedGpu {
         Ok(())
     }
 
+    fn register_host(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.offload.register(ptr, bytes)
+    }
+
+    fn host_registered(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.offload.registered(ptr, bytes)
+    }
+
+    fn settle_host(&self, ptr: HostPtr) -> Result<()> {
+        self.offload.settle(ptr);
+        Ok(())
+    }
+
+    fn unregister_host(&self, ptr: HostPtr) {
+        self.offload.unregister(ptr)
+    }
+
+    fn download_queued(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<Option<Ticket>> {
+        Ok(Some(self.offload.download(dst, src, bytes)))
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,

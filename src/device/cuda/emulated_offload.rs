@@ -5,6 +5,12 @@
 //! while a copy from it waits is freed after that copy. A kernel that read a fetched buffer without
 //! waiting for its ticket would read the poison of a fresh allocation, so the emulator
 //! checks that the backend waits where it must.
+//!
+//! "Registered" host memory (the caller's, as `cuMemHostRegister` locks it) is copied
+//! both ways late: a copy to or from it runs when compute waits for its ticket, when the
+//! host settles the memory, or when the device synchronizes. A host that read a gradient
+//! before settling would read the last step's bytes, and one that wrote weights while
+//! their copy was queued would send the new bytes: the emulator checks both waits.
 
 use super::gpu::{DevicePtr, HostPtr, Ticket};
 use crate::error::{Error, Result};
@@ -14,11 +20,11 @@ use std::sync::Mutex;
 
 const ALIGN: usize = 256;
 
-/// A copy to the device that has not run yet.
+/// A copy that has not run yet (to the device, or from it to registered memory).
 #[derive(Clone, Copy, Debug)]
 struct Pending {
-    dst: DevicePtr,
-    src: HostPtr,
+    dst: u64,
+    src: u64,
     bytes: usize,
 }
 
@@ -30,6 +36,8 @@ struct State {
     next: Ticket,
     /// Host buffers returned while a copy from them was still queued: freed after it.
     returned: Vec<HostPtr>,
+    /// Registered host memory by address, with its size.
+    registered: HashMap<HostPtr, usize>,
 }
 
 impl State {
@@ -121,10 +129,61 @@ impl EmulatedOffload {
         self.state().run(ticket);
     }
 
+    /// Registers `bytes` of the caller's host memory at `ptr`; false when it is known
+    /// already.
+    pub(crate) fn register(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.state().registered.insert(ptr, bytes).is_none()
+    }
+
+    /// Whether `bytes` at `ptr` are registered.
+    pub(crate) fn registered(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.state()
+            .registered
+            .get(&ptr)
+            .is_some_and(|&b| b >= bytes)
+    }
+
+    /// Runs the queued copies from or to the registered memory at `ptr`.
+    pub(crate) fn settle(&self, ptr: HostPtr) {
+        let mut s = self.state();
+        let mut tickets: Vec<Ticket> = s
+            .pending
+            .iter()
+            .filter(|(_, p)| p.src == ptr || p.dst == ptr)
+            .map(|(&t, _)| t)
+            .collect();
+        tickets.sort_unstable();
+        for t in tickets {
+            s.run(t);
+        }
+    }
+
+    /// Runs the queued copies on the registered memory at `ptr` and forgets it.
+    pub(crate) fn unregister(&self, ptr: HostPtr) {
+        self.settle(ptr);
+        if self.state().registered.remove(&ptr).is_none() {
+            log::error!(
+                "the CUDA emulator was asked to unregister host memory at {ptr:#x}, which \
+                 is not registered"
+            );
+        }
+    }
+
+    /// Queues a copy from the device to registered memory; it runs when its ticket is
+    /// waited for or the memory is settled.
+    pub(crate) fn download(&self, dst: HostPtr, src: DevicePtr, bytes: usize) -> Ticket {
+        let mut s = self.state();
+        let t = s.next;
+        s.next += 1;
+        s.pending.insert(t, Pending { dst, src, bytes });
+        t
+    }
+
     /// Runs every queued copy.
     pub(crate) fn flush(&self) {
         let mut s = self.state();
-        let tickets: Vec<Ticket> = s.pending.keys().copied().collect();
+        let mut tickets: Vec<Ticket> = s.pending.keys().copied().collect();
+        tickets.sort_unstable();
         for t in tickets {
             s.run(t);
         }
@@ -152,7 +211,7 @@ impl Drop for EmulatedOffload {
     }
 }
 
-/// Copies `p.bytes` from the host to the device.
+/// Copies `p.bytes` from `p.src` to `p.dst`.
 fn run(p: Pending) {
     // SAFETY: `fetch`'s caller guarantees both buffers hold `bytes`; the source is freed
     // only after its pending copies ran (`free`), the destination only after its ticket
@@ -183,5 +242,35 @@ mod tests {
         o.wait(t);
         assert_eq!(late, [7; 8]);
         assert_eq!(o.live(), 0);
+    }
+
+    #[test]
+    fn copies_with_registered_memory_land_when_settled_or_waited_for() {
+        let o = EmulatedOffload::default();
+        let mut host = [0u8; 8];
+        let at = host.as_mut_ptr() as HostPtr;
+        assert!(o.register(at, 8));
+        assert!(!o.register(at, 8), "once");
+        assert!(o.registered(at, 8) && !o.registered(at, 9));
+        // A gradient's copy to the host: not there before the host settles.
+        let device = [5u8; 8];
+        o.download(at, device.as_ptr() as DevicePtr, 8);
+        // SAFETY: reading the array through its address, as the copy writes it.
+        let read = || unsafe { std::ptr::read_volatile(at as *const [u8; 8]) };
+        assert_eq!(read(), [0; 8]);
+        o.settle(at);
+        assert_eq!(read(), [5; 8]);
+        // Weights' copy to the device: lands when compute waits for it, or when the
+        // host settles the memory before writing it again.
+        let mut dst = [0u8; 8];
+        let t = o.fetch(dst.as_mut_ptr() as DevicePtr, at, 8);
+        o.settle(at);
+        assert_eq!(dst, [5; 8]);
+        o.wait(t);
+        let mut again = [0u8; 8];
+        o.fetch(again.as_mut_ptr() as DevicePtr, at, 8);
+        o.unregister(at);
+        assert_eq!(again, [5; 8], "unregistering runs the copies first");
+        assert!(!o.registered(at, 8));
     }
 }

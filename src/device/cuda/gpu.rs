@@ -208,6 +208,30 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// are done.
     fn read_host(&self, dst: &mut [u8], src: HostPtr) -> Result<()>;
 
+    /// Page-locks `bytes` of host memory the caller owns at `ptr` (a host tensor that
+    /// crosses to the device), so that [`Gpu::fetch`] and [`Gpu::download_queued`] copy
+    /// it asynchronously; false when it stays pageable (too small to be worth it, or the
+    /// driver refused). The caller unlocks it ([`Gpu::unregister_host`]) before freeing.
+    fn register_host(&self, ptr: HostPtr, bytes: usize) -> bool;
+
+    /// Whether `bytes` at `ptr` are host memory [`Gpu::register_host`] locked.
+    fn host_registered(&self, ptr: HostPtr, bytes: usize) -> bool;
+
+    /// Waits on the host until the copies queued on the registered memory at `ptr` have
+    /// run.
+    fn settle_host(&self, ptr: HostPtr) -> Result<()>;
+
+    /// Waits for the copies queued on the registered memory at `ptr`, then unlocks it.
+    fn unregister_host(&self, ptr: HostPtr);
+
+    /// Queues the copy of `bytes` from the device at `src` to registered host memory at
+    /// `dst` on the copy stream, after the work queued so far on the compute stream;
+    /// compute goes on. Returns the ticket compute waits for before it touches `src`
+    /// again ([`Gpu::wait_fetched`]), or `None` when the copy is already done; the host
+    /// waits with [`Gpu::settle_host`] before it reads `dst`.
+    fn download_queued(&self, dst: HostPtr, src: DevicePtr, bytes: usize)
+        -> Result<Option<Ticket>>;
+
     /// Launches `kernel` on a 1-D grid of 1-D blocks.
     ///
     /// # Safety
@@ -294,7 +318,8 @@ pub(crate) struct DeviceBuffer {
     place: Place,
     /// The last reader is a copy to the host: freed after it, on the copy stream.
     copied_out: AtomicBool,
-    /// A copy into this buffer compute has not waited for yet (its ticket + 1; 0: none).
+    /// A copy into or out of this buffer compute has not waited for yet (its ticket + 1;
+    /// 0: none).
     pending: AtomicU64,
 }
 
@@ -359,6 +384,35 @@ impl DeviceBuffer {
         if self.bytes() > 0 {
             self.gpu.offload(host.ptr, self.ptr, self.bytes())?;
             self.copied_out.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Copies the registered host memory at `src` ([`Gpu::register_host`], as many bytes
+    /// as this buffer holds) into this buffer on the copy stream; compute waits for it
+    /// where this buffer is next used, and the host must not write `src` before
+    /// [`Gpu::settle_host`].
+    pub(crate) fn fetch_from_registered(&self, src: HostPtr) -> Result<()> {
+        self.ready()?;
+        if self.bytes() == 0 {
+            return Ok(());
+        }
+        if let Some(t) = self.gpu.fetch(self.ptr, src, self.bytes())? {
+            self.pending.store(t + 1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Copies this buffer into the registered host memory at `dst` (as many bytes) on
+    /// the copy stream; compute waits for the copy before it touches this buffer again,
+    /// and the host before it reads `dst` ([`Gpu::settle_host`]).
+    pub(crate) fn download_to_registered(&self, dst: HostPtr) -> Result<()> {
+        self.ready()?;
+        if self.bytes() == 0 {
+            return Ok(());
+        }
+        if let Some(t) = self.gpu.download_queued(dst, self.ptr, self.bytes())? {
+            self.pending.store(t + 1, Ordering::Release);
         }
         Ok(())
     }

@@ -28,7 +28,9 @@ pub mod probe;
 mod staging;
 
 pub use crate::ops::embedding::TokenBuckets;
-pub use backend::{ptr as device_ptr, CudaBackend, CudaOptions, Operand, BLOCK, ROWS_PER_BLOCK};
+pub use backend::{
+    ptr as device_ptr, CudaBackend, CudaOptions, HostTransfers, Operand, BLOCK, ROWS_PER_BLOCK,
+};
 pub use cache::{CacheOutcome, KernelCache, Versions};
 pub use emulator::KernelEmulator;
 pub(crate) use gpu::DeviceBuffer;

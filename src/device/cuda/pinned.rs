@@ -1,5 +1,6 @@
-//! Page-locked host memory for offloaded tensors, and the events that order the copies
-//! between the compute stream and the copy stream.
+//! Page-locked host memory for offloaded tensors (allocated here) and for the host
+//! tensors of an offloaded optimizer (the caller's memory, locked here), and the events
+//! that order the copies between the compute stream and the copy stream.
 //!
 //! An offload waits on the device for the compute work queued so far (an event recorded
 //! on the compute stream), then copies to the host on the copy stream; the device memory
@@ -22,7 +23,14 @@ struct Block {
     bytes: usize,
     event: drv_sys::CUevent,
     recorded: bool,
+    /// Memory the caller owns, locked by [`Pinned::register`] (unlocked, never freed or
+    /// reused, here).
+    registered: bool,
 }
+
+/// The smallest host buffer worth locking: below it the lock costs more than the faster
+/// copy saves, and small buffers share pages with others.
+const MIN_REGISTERED: usize = 1 << 20;
 
 /// The page-locked buffers of offloaded tensors, the ordering event and the tickets.
 pub(crate) struct Pinned {
@@ -63,7 +71,9 @@ impl Pinned {
         let reusable = self.idle.iter().position(|p| {
             let b = &self.blocks[p];
             // SAFETY: the event was created here.
-            b.bytes == bytes && (!b.recorded || unsafe { drv::event::query(b.event) }.is_ok())
+            !b.registered
+                && b.bytes == bytes
+                && (!b.recorded || unsafe { drv::event::query(b.event) }.is_ok())
         });
         if let Some(i) = reusable {
             return Ok(self.idle.swap_remove(i));
@@ -76,6 +86,7 @@ impl Pinned {
             bytes,
             event: event()?,
             recorded: false,
+            registered: false,
         };
         self.blocks.insert(ptr, block);
         Ok(ptr)
@@ -83,9 +94,96 @@ impl Pinned {
 
     /// Marks `ptr` idle: reused once its last copy has run.
     pub(crate) fn release(&mut self, ptr: HostPtr) {
-        if self.blocks.contains_key(&ptr) {
+        if self.blocks.get(&ptr).is_some_and(|b| !b.registered) {
             self.idle.push(ptr);
         }
+    }
+
+    /// Page-locks `bytes` of the caller's host memory at `ptr`; false when they stay
+    /// pageable (under [`MIN_REGISTERED`], already known here, or refused by the driver).
+    pub(crate) fn register(&mut self, ptr: HostPtr, bytes: usize) -> bool {
+        if bytes < MIN_REGISTERED || self.blocks.contains_key(&ptr) {
+            return false;
+        }
+        let Ok(event) = event() else {
+            return false;
+        };
+        // SAFETY: the caller owns `bytes` at `ptr` and unregisters them before freeing.
+        let locked = unsafe { drv_sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 0) };
+        if let Err(e) = locked.result() {
+            log::debug!("page-locking {bytes} bytes of host memory at {ptr:#x} failed: {e}");
+            // SAFETY: created just above, never recorded.
+            let _ = unsafe { drv::event::destroy(event) };
+            return false;
+        }
+        let block = Block {
+            bytes,
+            event,
+            recorded: false,
+            registered: true,
+        };
+        self.blocks.insert(ptr, block);
+        true
+    }
+
+    /// Whether `bytes` at `ptr` are memory [`Pinned::register`] locked.
+    pub(crate) fn registered(&self, ptr: HostPtr, bytes: usize) -> bool {
+        self.blocks
+            .get(&ptr)
+            .is_some_and(|b| b.registered && b.bytes >= bytes)
+    }
+
+    /// The event after the last copy queued on the buffer at `ptr`, if one was queued.
+    pub(crate) fn last_copy(&self, ptr: HostPtr) -> Option<drv_sys::CUevent> {
+        self.blocks
+            .get(&ptr)
+            .filter(|b| b.recorded)
+            .map(|b| b.event)
+    }
+
+    /// Waits for the copies queued on the registered memory at `ptr`, then unlocks it.
+    pub(crate) fn unregister(&mut self, ptr: HostPtr) {
+        if !self.blocks.get(&ptr).is_some_and(|b| b.registered) {
+            return;
+        }
+        if let Err(e) = self.settle(ptr) {
+            log::error!("{e}");
+        }
+        if let Some(b) = self.blocks.remove(&ptr) {
+            // SAFETY: locked by `register` and not unlocked since; the event was created
+            // there.
+            unsafe {
+                if let Err(e) = drv_sys::cuMemHostUnregister(ptr as *mut c_void).result() {
+                    log::error!("unlocking host memory at {ptr:#x} failed: {e}");
+                }
+                let _ = drv::event::destroy(b.event);
+            }
+        }
+    }
+
+    /// Queues the copy of `bytes` from the device at `src` to the registered host memory
+    /// at `dst` on `copy`, after the work queued so far on `compute`; returns the ticket
+    /// compute waits for before it touches `src` again.
+    ///
+    /// # Safety
+    /// `src` must address `bytes` of device memory and `dst` registered memory of as many;
+    /// the streams belong to the current context.
+    pub(crate) unsafe fn download(
+        &mut self,
+        dst: HostPtr,
+        src: drv_sys::CUdeviceptr,
+        bytes: usize,
+        compute: drv_sys::CUstream,
+        copy: drv_sys::CUstream,
+    ) -> Result<Ticket> {
+        unsafe {
+            self.after(compute, copy)?;
+            drv_sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, copy)
+                .result()
+                .map_err(|e| driver_error("copying a gradient to host memory", e))?;
+        }
+        self.mark(dst, copy)?;
+        self.ticket(copy)
     }
 
     /// Queues the copy of `bytes` from the device at `src` to the host at `dst` on `copy`,
@@ -132,6 +230,11 @@ impl Pinned {
                 .map_err(|e| driver_error("copying an activation back to the GPU", e))?;
         }
         self.mark(src, copy)?;
+        self.ticket(copy)
+    }
+
+    /// A ticket recorded after the copy just queued on `copy`.
+    fn ticket(&mut self, copy: drv_sys::CUstream) -> Result<Ticket> {
         let ticket = match self.free_tickets.pop() {
             Some(t) => t,
             None => {
@@ -209,7 +312,11 @@ impl Drop for Pinned {
         unsafe {
             for (ptr, b) in self.blocks.drain() {
                 let _ = drv::event::destroy(b.event);
-                let _ = drv::free_host(ptr as *mut c_void);
+                if b.registered {
+                    let _ = drv_sys::cuMemHostUnregister(ptr as *mut c_void);
+                } else {
+                    let _ = drv::free_host(ptr as *mut c_void);
+                }
             }
             for &e in &self.tickets {
                 let _ = drv::event::destroy(e);
