@@ -146,6 +146,7 @@ fn run<P: Precision + Default>(
     let mut skipped = 0;
     let mut waits = vec![];
     let uploads = backend.upload_stats().uploads;
+    let moved = backend.host_transfers();
     for _ in 0..a.steps {
         let start = Instant::now();
         let before = backend.host_waits();
@@ -186,6 +187,21 @@ fn run<P: Precision + Default>(
         (stats.uploads - uploads) as f64 / a.steps as f64,
         format_bytes(stats.ring_bytes)
     );
+    if a.optimizer_offload {
+        // How the gradients and weights crossed to and from the host's optimizer: queued
+        // on the copy stream from page-locked memory, or waited for (pageable).
+        let now = backend.host_transfers();
+        let (queued, waited) = (now.queued - moved.queued, now.waited - moved.waited);
+        let host = t.backend().ledger().snapshot().peak.host();
+        println!(
+            "{name}: host transfers per step {:.1} queued (page-locked), {:.1} waited \
+             (pageable), {} buffers locked; host memory peak {}",
+            queued as f64 / a.steps as f64,
+            waited as f64 / a.steps as f64,
+            now.pinned_buffers,
+            format_bytes(host)
+        );
+    }
     if a.ops {
         print!(
             "{}",

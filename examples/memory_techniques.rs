@@ -1,7 +1,7 @@
 //! torchtune's Llama 3.2 3B memory ablation (batch 2, sequence 4096: bf16, then chunked
 //! cross-entropy, activation checkpointing, the optimizer in backward, activation
 //! offloading and 8-bit AdamW, one after the other) row by row with trainkit's exact
-//! figures; then the largest model that trains with f32 master weights on one 80 GB GPU
+//! figures, in mixed bf16 and in pure bf16 (torchtune's bf16); then the largest model that trains with f32 master weights on one 80 GB GPU
 //! and on a 24 GB one at sequence 4096: Llama 3.1 8B's layer stacked as deep as autofit can
 //! fit, with AdamW and with 8-bit AdamW, with the optimizer on the device and on the host. Exact figures from the meta backend, as `trainkit memory` and
 //! `trainkit train --autofit` print them.
@@ -13,6 +13,7 @@ use trainkit::estimate::{
     Technique, Techniques,
 };
 use trainkit::memory::format_bytes;
+use trainkit::ops::update_rounding::UpdateRounding;
 use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::prelude::*;
 use trainkit::CheckpointPolicy;
@@ -36,7 +37,11 @@ struct Row {
     optimizer: Box<dyn Optimizer>,
 }
 
-fn predict_row(arch: &Architecture, row: &Row) -> Result<MemoryPrediction> {
+fn predict_row(
+    arch: &Architecture,
+    row: &Row,
+    precision: &dyn Precision,
+) -> Result<MemoryPrediction> {
     let model = trainkit::model::build_with(arch, 4096, AttentionPath::Fused, row.loss, None)?;
     let options = TrainerOptions {
         grad_clip: 0.0,
@@ -50,7 +55,7 @@ fn predict_row(arch: &Architecture, row: &Row) -> Result<MemoryPrediction> {
             batch_size: 2,
             seq_len: 4096,
         },
-        &MixedBf16 { fp32_grads: false },
+        precision,
         row.recompute.as_ref(),
         row.optimizer.as_ref(),
         &options,
@@ -130,20 +135,18 @@ fn ablation() -> Result<()> {
     ];
     println!(
         "| setup | torchtune (GiB) | trainkit peak (GiB) | weights | master weights | gradients \
-         | optimizer state | activations | host (offloaded) | trainkit less its f32 master copy, \
-         with bf16 moments (GiB) |"
+         | optimizer state | activations | host (offloaded) | trainkit in pure bf16 (GiB) |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mixed = MixedBf16 { fp32_grads: false };
+    // torchtune's bf16: no master copy, updates rounded to nearest, AdamW's moments bf16.
+    let pure = PureBf16 {
+        rounding: UpdateRounding::Nearest,
+    };
     for row in &rows {
-        let p = predict_row(&arch, row)?;
+        let p = predict_row(&arch, row, &mixed)?;
         let c = |cat| gib(p.peak.get(cat));
-        // AdamW's f32 moments (8 bytes per parameter) against torchtune's bf16 ones (4).
-        let moments = if row.optimizer.typetag_name() == "adamw" {
-            4 * n
-        } else {
-            0
-        };
-        let like_torchtune = p.peak_total - p.peak.get(MemoryCategory::MasterWeights) - moments;
+        let like_torchtune = predict_row(&arch, row, &pure)?.peak_total;
         println!(
             "| {} (`{}`) | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             row.adds,
