@@ -15,6 +15,10 @@
 //! runs the update there (`TrainerOptions::optimizer_offload`);
 //! `--optimizer-in-backward` updates each parameter inside backward (without clipping).
 //!
+//! `--host-link` measures the link to host memory instead: a 256 MiB bf16 tensor copied
+//! each way through `Backend::transfer`, from and to page-locked host memory (as the
+//! offloaded optimizer's weights and gradients are) and pageable memory.
+//!
 //! `--bias-grad-epilogue` computes bias gradients in the weight gradient's cuBLASLt
 //! epilogue instead of trainkit's column-sum kernel (`CudaOptions::bias_grad_epilogue`),
 //! to compare.
@@ -28,9 +32,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::memory::{format_bytes, OpProfile};
+use trainkit::memory::{format_bytes, MemoryCategory, OpProfile};
 use trainkit::{
-    Backend, CheckpointPolicy, Fp32, Full, MixedBf16, MixedFp16, ModelConfig, NoRecompute,
+    Backend, CheckpointPolicy, DType, Fp32, Full, MixedBf16, MixedFp16, ModelConfig, NoRecompute,
     Precision, Rng, Selective, Trainer,
 };
 
@@ -48,6 +52,7 @@ struct Args {
     bias_grad_epilogue: bool,
     optimizer_offload: bool,
     optimizer_in_backward: bool,
+    host_link: bool,
 }
 
 fn args() -> trainkit::Result<Args> {
@@ -104,6 +109,7 @@ fn args() -> trainkit::Result<Args> {
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
         optimizer_in_backward: a.iter().any(|x| x == "--optimizer-in-backward"),
+        host_link: a.iter().any(|x| x == "--host-link"),
     })
 }
 
@@ -211,6 +217,45 @@ fn run<P: Precision + Default>(
     Ok(())
 }
 
+/// The GPU's link to its host memory: a 256 MiB bf16 tensor copied each way, from and to
+/// page-locked and pageable host memory; the median and the best of 7 copies after one.
+fn host_link(backend: &CudaBackend) -> trainkit::Result<()> {
+    let n = 128 << 20;
+    let bytes = 2.0 * n as f64;
+    let host = backend.host().expect("the CUDA backend has host memory");
+    let mut device = backend.zeros(&[n], DType::Bf16, MemoryCategory::Gradients, "link")?;
+    // Gradients are page-locked in host memory held for the GPU; a workspace is not.
+    for (kind, category) in [
+        ("page-locked", MemoryCategory::Gradients),
+        ("pageable", MemoryCategory::Workspace),
+    ] {
+        let mut h = host.zeros(&[n], DType::Bf16, category, "link")?;
+        let time = |f: &mut dyn FnMut() -> trainkit::Result<()>| {
+            f()?;
+            let mut s = vec![];
+            for _ in 0..7 {
+                let start = Instant::now();
+                f()?;
+                s.push(start.elapsed().as_secs_f64());
+            }
+            s.sort_by(f64::total_cmp);
+            Ok::<_, trainkit::Error>((bytes / s[3] / 1e9, bytes / s[0] / 1e9))
+        };
+        let down = time(&mut || backend.transfer(&mut h, &device))?;
+        let up = time(&mut || backend.transfer(&mut device, &h))?;
+        println!(
+            "host link, {kind}: device to host {:.1} GB/s (best {:.1}), host to device {:.1} \
+             GB/s (best {:.1}); {:?}",
+            down.0,
+            down.1,
+            up.0,
+            up.1,
+            backend.host_transfers()
+        );
+    }
+    Ok(())
+}
+
 fn policy(name: &str) -> Box<dyn CheckpointPolicy> {
     match name {
         "selective" => Box::new(Selective),
@@ -245,6 +290,9 @@ fn bench() -> trainkit::Result<()> {
         },
     )?);
     println!("libraries: {}", backend.describe());
+    if a.host_link {
+        return host_link(&backend);
+    }
     if a.ops {
         println!("profiling: every op waits for the GPU at both ends (slower steps)");
     }

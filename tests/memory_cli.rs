@@ -426,6 +426,15 @@ fn techniques_shows_what_each_saves_as_its_own_flags_would() {
         ("full", &["--recompute", "full"][..]),
         ("offload", &["--offload-activations"][..]),
         ("optimizer-offload", &["--optimizer-offload"][..]),
+        (
+            "pure-bf16",
+            &[
+                "--master-weights",
+                "none",
+                "--update-rounding",
+                "stochastic",
+            ][..],
+        ),
         ("accumulation", &["--batch-size", "1"][..]),
     ] {
         let r = row(name);

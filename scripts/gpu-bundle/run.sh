@@ -26,9 +26,10 @@
 #              recomputation, PyTorch eager and torch.compile without, eager with full
 #   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile
 #   offload    the optimizer on the host: the host's AdamW against its memory bandwidth
-#              (host_adamw), then GPT-2 124M bf16 with and without --optimizer-offload,
-#              after backward and inside it, and the offloaded step op by op (the
-#              transfers' time over the host link)
+#              (host_adamw), the GPU's link to host memory, page-locked and pageable
+#              (gpu_bench --host-link), then GPT-2 124M bf16 with and without
+#              --optimizer-offload, after backward and inside it, and the offloaded step
+#              op by op (the transfers' time over the host link)
 #   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
 #              global access in bounds) on each op's parity test, racecheck (no shared-
 #              memory race) on the fused attention's and the norms'
@@ -801,6 +802,7 @@ phase_offload() {
     return 0
   fi
   local common=(--batch "$batch" --precision bf16 --warmup 2 --steps 5)
+  gpu_bench_step gpu_bench_host_link 120 - --host-link
   gpu_bench_step gpu_bench_offload 300 figures_gpu_bench "${common[@]}" --optimizer-offload
   gpu_bench_step gpu_bench_in_backward 300 figures_gpu_bench "${common[@]}" \
     --optimizer-in-backward

@@ -552,10 +552,12 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             offload_activations: args.offload_activations,
             optimizer_offload: args.optimizer_offload,
             adapter,
-            // The table shows LoRA and QLoRA too (autofit uses them only when named).
+            // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
+            // named).
             techniques: trainkit::estimate::Techniques::ALL
                 .with(trainkit::estimate::Technique::Lora)
-                .with(trainkit::estimate::Technique::Qlora),
+                .with(trainkit::estimate::Technique::Qlora)
+                .with(trainkit::estimate::Technique::PureBf16),
             ..FitRequest::new(
                 arch,
                 usize_of(seq_len),
