@@ -1,8 +1,9 @@
 //! An optimizer written outside trainkit, with a kernel of its own: Lion
 //! (examples/lion/lion.rs), whose update is a `CustomKernel` with CUDA C source and a CPU
-//! twin. It matches its closed form on the CPU, trains the tiny GPT-2, gives the CPU's
-//! results on the CUDA emulator, compiles with NVRTC, and round-trips through a config
-//! file as `[optimizer] kind = "lion"`.
+//! twin. It matches its closed form on the CPU, trains the tiny GPT-2, runs on the host
+//! (optimizer offload) bitwise as on the device, gives the CPU's results on the CUDA
+//! emulator, compiles with NVRTC, and round-trips through a config file as
+//! `[optimizer] kind = "lion"`.
 //!
 //! The emulator checks skip with a printed reason where no C++ compiler runs, unless
 //! `TRAINKIT_REQUIRE_EMULATOR` is set; the NVRTC check skips where NVRTC or the CUDA
@@ -157,6 +158,55 @@ fn lion_trains_the_tiny_gpt2_on_the_cpu() {
         assert_eq!(p.state()[0].shape(), p.shape());
     }
     assert_eq!(t.optimizer().state_bytes_per_param(), 4);
+}
+
+/// Lion on the host (`optimizer_offload`): its state and the f32 master weights in host
+/// memory, its CPU twin run there on a host thread, bitwise the update on the device, in
+/// mixed bf16 after backward (with clipping) and inside it.
+#[test]
+fn lion_on_the_host_is_bitwise_lion_on_the_device() {
+    let run = |offload: bool, in_backward: bool| {
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let mut t = Trainer::builder(model, common::cpu(), corpus_loader(50_000, 2, 4, 16))
+            .precision(trainkit::MixedBf16::default())
+            .optimizer(Lion {
+                lr: 3e-3,
+                weight_decay: 0.1,
+                ..Lion::default()
+            })
+            .options(trainkit::TrainerOptions {
+                optimizer_offload: offload,
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 1.0 },
+                ..trainkit::TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let losses: Vec<u64> = (0..3).map(|_| t.step().unwrap().loss.to_bits()).collect();
+        let host = t.backend().ledger().snapshot().live.host();
+        let state: Vec<Vec<u32>> = t
+            .params()
+            .iter()
+            .map(|p| {
+                assert_eq!(p.offloaded(), offload, "{}", p.name());
+                let be = p.state_backend(t.backend().as_ref());
+                let m = be.to_f32(&p.state()[0]).unwrap();
+                m.iter().map(|x| x.to_bits()).collect()
+            })
+            .collect();
+        (losses, values(&t), state, host)
+    };
+    for in_backward in [false, true] {
+        let (device, host) = (run(false, in_backward), run(true, in_backward));
+        assert_eq!(device.0, host.0, "losses, in backward {in_backward}");
+        assert_eq!(device.1, host.1, "weights, in backward {in_backward}");
+        assert_eq!(device.2, host.2, "momentum, in backward {in_backward}");
+        assert_eq!(device.3, 0);
+        assert!(
+            host.3 > 0,
+            "the momentum and master weights live in host memory"
+        );
+    }
 }
 
 /// The kernel on the emulator against its CPU twin, bit for bit (both round where the
