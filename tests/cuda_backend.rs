@@ -978,54 +978,14 @@ fn cross_entropy_and_adamw_match_the_cpu() {
                 // The compute copy written in the same pass, in both dtypes. Steps 3 and 4
                 // take a device multiplier; step 4's is NaN, so it changes nothing.
                 let mut w = out(&cpu, &cuda, &[n], dg);
-                let scales = [
-                    pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
-                    pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
-                ];
-                let mut after_3 = vec![];
-                for step in 1..=4 {
-                    let scale = match step {
-                        3 => Some(&scales[0]),
-                        4 => Some(&scales[1]),
-                        _ => None,
-                    };
-                    let hp = AdamWStep {
-                        lr: 6e-4,
-                        beta1: 0.9,
-                        beta2: 0.95,
-                        eps: 1e-8,
-                        weight_decay: 0.1,
-                        step,
-                        grad_scale: 0.5,
-                    };
-                    adamw::update(
-                        &cpu,
-                        &mut p.cpu,
-                        &g.cpu,
-                        &mut m.cpu,
-                        &mut v.cpu,
-                        &hp,
-                        scale.map(|s| &s.cpu),
-                        Some(&mut w.cpu),
-                    )
-                    .unwrap();
-                    adamw::update(
-                        &*cuda,
-                        &mut p.cuda,
-                        &g.cuda,
-                        &mut m.cuda,
-                        &mut v.cuda,
-                        &hp,
-                        scale.map(|s| &s.cuda),
-                        Some(&mut w.cuda),
-                    )
-                    .unwrap();
-                    if step == 3 {
-                        after_3 = [&p.cuda, &m.cuda, &v.cuda, &w.cuda]
-                            .map(|t| cuda.to_f32(t).unwrap())
-                            .to_vec();
-                    }
-                }
+                let after_3 = four_adamw_steps(
+                    &cpu,
+                    &cuda,
+                    [&mut p, &mut m, &mut v],
+                    &g,
+                    Some(&mut w),
+                    0.95,
+                );
                 let after_4 = [&p.cuda, &m.cuda, &v.cuda, &w.cuda].map(|t| cuda.to_f32(t).unwrap());
                 for (a, b) in after_3.iter().zip(&after_4) {
                     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -1064,6 +1024,71 @@ fn cross_entropy_and_adamw_match_the_cpu() {
     }
 }
 
+/// Four AdamW steps of `[value, exp_avg, exp_avg_sq]` with gradient `g`, each on the CPU
+/// and on `cuda`: steps 3 and 4 take a device multiplier, 0.7 and then NaN (which must
+/// change nothing), and the compute copy `w` is written in the same pass when given.
+/// Returns `cuda`'s value, moments and copy after step 3.
+fn four_adamw_steps(
+    cpu: &CpuBackend,
+    cuda: &CudaBackend,
+    [p, m, v]: [&mut Pair; 3],
+    g: &Pair,
+    mut w: Option<&mut Pair>,
+    beta2: f32,
+) -> Vec<Vec<f32>> {
+    let scales = [
+        pair(cpu, cuda, &[0.7], &[1], DType::F32),
+        pair(cpu, cuda, &[f32::NAN], &[1], DType::F32),
+    ];
+    let mut after_3 = vec![];
+    for step in 1..=4 {
+        let scale = match step {
+            3 => Some(&scales[0]),
+            4 => Some(&scales[1]),
+            _ => None,
+        };
+        let hp = AdamWStep {
+            lr: 6e-4,
+            beta1: 0.9,
+            beta2,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+            grad_scale: 0.5,
+        };
+        adamw::update(
+            cpu,
+            &mut p.cpu,
+            &g.cpu,
+            &mut m.cpu,
+            &mut v.cpu,
+            &hp,
+            scale.map(|s| &s.cpu),
+            w.as_deref_mut().map(|w| &mut w.cpu),
+        )
+        .unwrap();
+        adamw::update(
+            cuda,
+            &mut p.cuda,
+            &g.cuda,
+            &mut m.cuda,
+            &mut v.cuda,
+            &hp,
+            scale.map(|s| &s.cuda),
+            w.as_deref_mut().map(|w| &mut w.cuda),
+        )
+        .unwrap();
+        if step == 3 {
+            after_3 = [&p.cuda, &m.cuda, &v.cuda]
+                .into_iter()
+                .chain(w.as_deref().map(|w| &w.cuda))
+                .map(|t| cuda.to_f32(t).unwrap())
+                .collect();
+        }
+    }
+    after_3
+}
+
 /// AdamW with bf16 moments gives the CPU's bits: values, both moments (updated in f32,
 /// stored rounded) and the bf16 compute copy, over four steps with an f32 or a bf16
 /// gradient, with and without the compute copy and a device scale, and a NaN scale that
@@ -1087,48 +1112,14 @@ fn adamw_with_bf16_moments_matches_the_cpu_bit_for_bit() {
                 if !with_copy {
                     w = pair(&cpu, &cuda, &zeros, &[n], DType::Bf16);
                 }
-                let scales = [
-                    pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
-                    pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
-                ];
-                for step in 1..=4 {
-                    let scale = match step {
-                        3 => Some(&scales[0]),
-                        4 => Some(&scales[1]),
-                        _ => None,
-                    };
-                    let hp = AdamWStep {
-                        lr: 6e-4,
-                        beta1: 0.9,
-                        beta2: 0.999,
-                        eps: 1e-8,
-                        weight_decay: 0.1,
-                        step,
-                        grad_scale: 0.5,
-                    };
-                    adamw::update(
-                        &cpu,
-                        &mut p.cpu,
-                        &g.cpu,
-                        &mut m.cpu,
-                        &mut v.cpu,
-                        &hp,
-                        scale.map(|s| &s.cpu),
-                        with_copy.then_some(&mut w.cpu),
-                    )
-                    .unwrap();
-                    adamw::update(
-                        &*cuda,
-                        &mut p.cuda,
-                        &g.cuda,
-                        &mut m.cuda,
-                        &mut v.cuda,
-                        &hp,
-                        scale.map(|s| &s.cuda),
-                        with_copy.then_some(&mut w.cuda),
-                    )
-                    .unwrap();
-                }
+                four_adamw_steps(
+                    &cpu,
+                    &cuda,
+                    [&mut p, &mut m, &mut v],
+                    &g,
+                    with_copy.then_some(&mut w),
+                    0.999,
+                );
                 for (what, t) in [
                     ("value", &p),
                     ("exp_avg", &m),
@@ -1442,19 +1433,7 @@ fn the_offloaded_optimizer_is_bitwise_the_one_on_the_device() {
             .build()
             .unwrap();
         let losses = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
-        let be = t.backend().clone();
-        let bits = t
-            .params()
-            .iter()
-            .flat_map(|p| {
-                let mut ts = vec![p.weight(), p.value()];
-                ts.extend(p.state());
-                ts.into_iter()
-                    .map(|x| be.to_f32(x).unwrap().iter().map(|v| v.to_bits()).collect())
-                    .collect::<Vec<Vec<u32>>>()
-            })
-            .collect();
-        (losses, bits)
+        (losses, common::update_bits(&t))
     }
     for (name, cuda) in cuda_backends() {
         let be: Arc<dyn Backend> = cuda.clone();

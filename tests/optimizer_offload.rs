@@ -542,24 +542,13 @@ fn a_lora_run_offloads_the_adapter_alone_bitwise() {
         for _ in 0..3 {
             t.step().unwrap();
         }
-        let be = t.backend().clone();
         let trained: Vec<bool> = t.params().iter().map(|p| p.offloaded()).collect();
         let frozen_state = t
             .params()
             .iter()
             .filter(|p| !p.trains())
             .all(|p| p.state().is_empty() && !p.offloaded());
-        let bits: Vec<Vec<u32>> = t
-            .params()
-            .iter()
-            .flat_map(|p| {
-                let mut ts = vec![p.weight(), p.value()];
-                ts.extend(p.state());
-                ts.into_iter()
-                    .map(|x| be.to_f32(x).unwrap().iter().map(|v| v.to_bits()).collect())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let bits = common::update_bits(&t);
         (
             bits,
             trained,

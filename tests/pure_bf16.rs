@@ -26,17 +26,27 @@ fn trainer<P: Precision>(
     lr: f32,
     in_backward: bool,
 ) -> Trainer<P, trainkit::NoRecompute, AdamW, Constant, trainkit::PeakTracker> {
+    let adamw = AdamW {
+        lr,
+        weight_decay: 0.0,
+        ..AdamW::default()
+    };
+    trainer_with(precision, adamw, in_backward)
+}
+
+/// [`trainer`] with its own AdamW.
+fn trainer_with<P: Precision>(
+    precision: P,
+    adamw: AdamW,
+    in_backward: bool,
+) -> Trainer<P, trainkit::NoRecompute, AdamW, Constant, trainkit::PeakTracker> {
     Trainer::builder(
         Gpt2::new(tiny_config()).unwrap(),
         cpu(),
         corpus_loader(20_000, 3, 2, 16),
     )
     .precision(precision)
-    .optimizer(AdamW {
-        lr,
-        weight_decay: 0.0,
-        ..AdamW::default()
-    })
+    .optimizer(adamw)
     .options(TrainerOptions {
         optimizer_in_backward: in_backward,
         grad_clip: 0.0,
@@ -336,21 +346,7 @@ fn adamw_moments_follow_pure_bf16_weights_halve_the_state_and_resume_bitwise() {
         ..AdamW::default()
     };
     assert_eq!(adamw.state_dtype, None);
-    let make = || {
-        Trainer::builder(
-            Gpt2::new(tiny_config()).unwrap(),
-            cpu(),
-            corpus_loader(20_000, 3, 2, 16),
-        )
-        .precision(pure(UpdateRounding::Stochastic))
-        .optimizer(adamw)
-        .options(TrainerOptions {
-            grad_clip: 0.0,
-            ..TrainerOptions::default()
-        })
-        .build()
-        .unwrap()
-    };
+    let make = || trainer_with(pure(UpdateRounding::Stochastic), adamw, false);
     let predicted = trainkit::estimate::predict_with(
         Box::new(Gpt2::new(tiny_config()).unwrap()),
         trainkit::estimate::MicroBatch {
@@ -409,15 +405,7 @@ fn adamw_moments_follow_pure_bf16_weights_halve_the_state_and_resume_bitwise() {
         state_dtype: Some(DType::F32),
         ..adamw
     };
-    let mut f = Trainer::builder(
-        Gpt2::new(tiny_config()).unwrap(),
-        cpu(),
-        corpus_loader(20_000, 3, 2, 16),
-    )
-    .precision(pure(UpdateRounding::Stochastic))
-    .optimizer(f32_moments)
-    .build()
-    .unwrap();
+    let mut f = trainer_with(pure(UpdateRounding::Stochastic), f32_moments, false);
     f.step().unwrap();
     assert!(f
         .params()
@@ -427,15 +415,7 @@ fn adamw_moments_follow_pure_bf16_weights_halve_the_state_and_resume_bitwise() {
         trainkit::estimate::bytes_per_param(&pure(UpdateRounding::Stochastic), &f32_moments);
     assert_eq!(f32_bytes.get(MemoryCategory::OptimizerState), 8);
     // Mixed bf16 keeps f32 moments beside its f32 master copy.
-    let mut m = Trainer::builder(
-        Gpt2::new(tiny_config()).unwrap(),
-        cpu(),
-        corpus_loader(20_000, 3, 2, 16),
-    )
-    .precision(MixedBf16::default())
-    .optimizer(adamw)
-    .build()
-    .unwrap();
+    let mut m = trainer_with(MixedBf16::default(), adamw, false);
     m.step().unwrap();
     assert!(m
         .params()

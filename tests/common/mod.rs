@@ -73,6 +73,30 @@ where
         .collect()
 }
 
+/// The bits of every parameter's weights, value (its master copy where it keeps one) and
+/// optimizer state, in model order, wherever they live (host memory too): what an update
+/// run two ways must leave bitwise equal.
+pub fn update_bits<P, C, O, A, M>(t: &trainkit::Trainer<P, C, O, A, M>) -> Vec<Vec<u32>>
+where
+    P: trainkit::Precision,
+    C: trainkit::CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
+    let be = t.backend();
+    t.params()
+        .iter()
+        .flat_map(|p| {
+            let mut ts = vec![p.weight(), p.value()];
+            ts.extend(p.state());
+            ts.into_iter()
+                .map(|x| be.to_f32(x).unwrap().iter().map(|v| v.to_bits()).collect())
+                .collect::<Vec<Vec<u32>>>()
+        })
+        .collect()
+}
+
 /// Every parameter's gradient (f32), in model order.
 pub fn grads<P, C, O, A, M>(t: &trainkit::Trainer<P, C, O, A, M>) -> Vec<Vec<f32>>
 where

@@ -50,14 +50,9 @@ pub(crate) struct BufferPool {
 }
 
 /// The address of a host storage's first element, with its size in bytes (`None` for
-/// storage that is not a host vector of floats).
+/// storage that is not in host memory).
 fn address(storage: &Storage) -> Option<(usize, usize)> {
-    match storage {
-        Storage::F32(v) => Some((v.as_ptr() as usize, v.len() * 4)),
-        Storage::Bf16(v) => Some((v.as_ptr() as usize, v.len() * 2)),
-        Storage::F16(v) => Some((v.as_ptr() as usize, v.len() * 2)),
-        _ => None,
-    }
+    super::host_bytes(storage).map(|b| (b.as_ptr() as usize, b.len()))
 }
 
 impl BufferPool {

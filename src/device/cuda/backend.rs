@@ -594,24 +594,29 @@ impl Backend for CudaBackend {
     fn transfer_kernel(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
         let label = dst.label().to_string();
         let (dst, src) = (dst.storage_mut(), src.storage());
+        // Whether the host side is page-locked (the copy is queued), counted either way.
+        let queued = |b: &[u8]| {
+            let locked = self.gpu.host_registered(b.as_ptr() as HostPtr, b.len());
+            let count = if locked {
+                &self.queued_transfers
+            } else {
+                &self.waited_transfers
+            };
+            count.fetch_add(1, Ordering::Relaxed);
+            locked
+        };
         let done = match (dst, src) {
             (Storage::Device(d), host) => host_bytes(host).map(|b| {
-                let at = b.as_ptr() as HostPtr;
-                if self.gpu.host_registered(at, b.len()) {
-                    self.queued_transfers.fetch_add(1, Ordering::Relaxed);
-                    d.fetch_from_registered(at)
+                if queued(b) {
+                    d.fetch_from_registered(b.as_ptr() as HostPtr)
                 } else {
-                    self.waited_transfers.fetch_add(1, Ordering::Relaxed);
                     d.write_bytes(b)
                 }
             }),
             (host, Storage::Device(s)) => host_bytes_mut(host).map(|b| {
-                let at = b.as_mut_ptr() as HostPtr;
-                if self.gpu.host_registered(at, b.len()) {
-                    self.queued_transfers.fetch_add(1, Ordering::Relaxed);
-                    s.download_to_registered(at)
+                if queued(b) {
+                    s.download_to_registered(b.as_mut_ptr() as HostPtr)
                 } else {
-                    self.waited_transfers.fetch_add(1, Ordering::Relaxed);
                     s.read_bytes(b)
                 }
             }),

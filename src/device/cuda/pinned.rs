@@ -176,13 +176,8 @@ impl Pinned {
         compute: drv_sys::CUstream,
         copy: drv_sys::CUstream,
     ) -> Result<Ticket> {
-        unsafe {
-            self.after(compute, copy)?;
-            drv_sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, copy)
-                .result()
-                .map_err(|e| driver_error("copying a gradient to host memory", e))?;
-        }
-        self.mark(dst, copy)?;
+        // SAFETY: as the caller promises; `dst` is registered here, so `offload` marks it.
+        unsafe { self.offload(dst, src, bytes, compute, copy) }?;
         self.ticket(copy)
     }
 
@@ -190,8 +185,8 @@ impl Pinned {
     /// after the work queued so far on `compute`.
     ///
     /// # Safety
-    /// `src` must address `bytes` of device memory and `dst` a buffer of this pool; the
-    /// streams belong to the current context.
+    /// `src` must address `bytes` of device memory and `dst` a buffer of this pool (or
+    /// registered here); the streams belong to the current context.
     pub(crate) unsafe fn offload(
         &mut self,
         dst: HostPtr,
@@ -204,7 +199,7 @@ impl Pinned {
             self.after(compute, copy)?;
             drv_sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, copy)
                 .result()
-                .map_err(|e| driver_error("copying an activation to host memory", e))?;
+                .map_err(|e| driver_error("copying to host memory", e))?;
         }
         self.mark(dst, copy)
     }
