@@ -50,6 +50,7 @@ struct Args {
     precision: String,
     ops: bool,
     bias_grad_epilogue: bool,
+    tiled_attention: bool,
     optimizer_offload: bool,
     optimizer_in_backward: bool,
     host_link: bool,
@@ -107,6 +108,7 @@ fn args() -> trainkit::Result<Args> {
         precision: one_of("--precision", "all", &["all", "fp32", "bf16", "fp16"])?,
         ops: a.iter().any(|x| x == "--ops"),
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
+        tiled_attention: a.iter().any(|x| x == "--tiled-attention"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
         optimizer_in_backward: a.iter().any(|x| x == "--optimizer-in-backward"),
         host_link: a.iter().any(|x| x == "--host-link"),
@@ -287,6 +289,7 @@ fn bench() -> trainkit::Result<()> {
             allow_tf32: a.tf32,
             sync_ops: a.ops,
             bias_grad_epilogue: a.bias_grad_epilogue,
+            tiled_attention: a.tiled_attention,
         },
     )?);
     println!("libraries: {}", backend.describe());

@@ -324,6 +324,23 @@ constexpr unsigned arity(void (*)(Args...)) {
 }  // namespace tk_emu
 
 // ---------------------------------------------------------------------------------------
+// Vector types and atomics. A launch's blocks run one after another and its threads switch
+// only at barriers and warp collectives, so a read-modify-write is atomic here.
+
+struct __align__(16) uint4 {
+    unsigned int x, y, z, w;
+};
+struct __align__(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float atomicAdd(float* p, float v) {
+    const float old = *p;
+    *p = old + v;
+    return old;
+}
+
+// ---------------------------------------------------------------------------------------
 // Tensor cores: PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (and .f16), D = A·B + C for
 // a 16x16 A, a 16x8 B and a 16x8 C and D, in the instruction's own fragment layout, so a
 // kernel that packs its fragments wrongly gets wrong results here too. Lane 4·g + t holds
@@ -371,6 +388,34 @@ inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b, Widen w
     // Nobody reuses the exchange before every lane has read it.
     warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
     for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// PTX's ldmatrix.sync.aligned.m8n8.x4.shared.b16 (and .trans): lane l names, in `p`, row
+// l % 8 of matrix l / 8 (16 bytes of 16-bit values); register i of lane 4·g + t gets
+// matrix i's (row g, columns 2t and 2t + 1), or with `trans` its (rows 2t and 2t + 1,
+// column g), the first in the low half. Every lane of the warp must take part.
+inline void ldmatrix_x4(unsigned* r, const void* p, bool trans,
+                        const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    static thread_local const unsigned short* rows[32][32];
+    const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned warp = (tid / 32) % 32, lane = tid % 32;
+    rows[warp][lane] = static_cast<const unsigned short*>(p);
+    warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
+    const int g = (int)lane >> 2, t = (int)lane & 3;
+    unsigned out[4];
+    for (int i = 0; i < 4; ++i) {
+        unsigned lo, hi;
+        if (trans) {
+            lo = rows[warp][8 * i + 2 * t][g];
+            hi = rows[warp][8 * i + 2 * t + 1][g];
+        } else {
+            lo = rows[warp][8 * i + g][2 * t];
+            hi = rows[warp][8 * i + g][2 * t + 1];
+        }
+        out[i] = lo | (hi << 16);
+    }
+    warp_collective(Op::SyncWarp, 0xffffffffu, 0, 0, 0x1f, 32, file, line);
+    for (int i = 0; i < 4; ++i) r[i] = out[i];
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.

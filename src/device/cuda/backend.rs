@@ -55,6 +55,11 @@ pub struct CudaOptions {
     /// the same epilogue but sums with a kernel of its own: which is faster is for a GPU
     /// to measure (`gpu_bench --bias-grad-epilogue`).
     pub bias_grad_epilogue: bool,
+    /// Run the fused attention on `flash_attention.cu`'s tiled kernels even where the
+    /// tensor-core kernels (`flash_attention_mma.cu`: bf16 and f16, heads of 64, 80, 96
+    /// or 128 columns, sm_80 and later) apply. For comparison (`gpu_bench
+    /// --tiled-attention`); off by default.
+    pub tiled_attention: bool,
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on
@@ -359,6 +364,12 @@ impl CudaBackend {
         )?;
         elementwise::launch_cast(self, &mut c, t)?;
         Ok(Operand::Owned(c))
+    }
+
+    /// The device's compute capability, `(major, minor)` (`(9, 0)` on Hopper and on the
+    /// emulator).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.gpu.compute_capability()
     }
 
     /// Blocks (of [`BLOCK`] threads) for a grid-stride loop over `n` elements.

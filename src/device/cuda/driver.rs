@@ -660,6 +660,10 @@ impl Gpu for DriverGpu {
         self.max_blocks
     }
 
+    fn compute_capability(&self) -> (i32, i32) {
+        self.info.compute_capability
+    }
+
     fn gemm_workspace_bytes(&self) -> usize {
         gemm_workspace_bytes(self.info.compute_capability.0)
     }

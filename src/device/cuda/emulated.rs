@@ -210,6 +210,10 @@ impl Gpu for EmulatedGpu {
         4
     }
 
+    fn compute_capability(&self) -> (i32, i32) {
+        (9, 0)
+    }
+
     fn gemm_workspace_bytes(&self) -> usize {
         0
     }

@@ -157,6 +157,10 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// The most blocks worth launching for a grid-stride kernel of 256 threads.
     fn max_blocks(&self) -> u32;
 
+    /// The device's compute capability, `(major, minor)`: `(9, 0)` on Hopper. The
+    /// emulator reports `(9, 0)`: it runs every instruction trainkit's kernels use.
+    fn compute_capability(&self) -> (i32, i32);
+
     /// Scratch bytes [`Gpu::gemm`] wants (the backend allocates them, in the ledger).
     fn gemm_workspace_bytes(&self) -> usize;
 

@@ -10,7 +10,7 @@ use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOC
 use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::attention::Dims;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The kernels of `kernels/flash_attention.cu`, named once: the backend launches these
 /// names, NVRTC and the emulator build this source.
@@ -32,6 +32,82 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "flash_attention_backward_dq_f16",
     ],
 };
+
+/// The tensor-core kernels of `kernels/flash_attention_mma.cu` (FlashAttention-2's form),
+/// which [`forward`] and [`backward`] run where [`mma_head`] allows.
+pub(crate) const MMA_KERNELS: KernelFile = KernelFile {
+    name: "flash_attention_mma.cu",
+    source: include_str!("../../../kernels/flash_attention_mma.cu"),
+    kernels: &[
+        "flash_attention_mma_backward_prep_bf16",
+        "flash_attention_mma_backward_dq_bf16",
+        "flash_attention_mma_forward_d64_bf16",
+        "flash_attention_mma_backward_d64_bf16",
+        "flash_attention_mma_forward_d80_bf16",
+        "flash_attention_mma_backward_d80_bf16",
+        "flash_attention_mma_forward_d96_bf16",
+        "flash_attention_mma_backward_d96_bf16",
+        "flash_attention_mma_forward_d128_bf16",
+        "flash_attention_mma_backward_d128_bf16",
+        "flash_attention_mma_backward_prep_f16",
+        "flash_attention_mma_backward_dq_f16",
+        "flash_attention_mma_forward_d64_f16",
+        "flash_attention_mma_backward_d64_f16",
+        "flash_attention_mma_forward_d80_f16",
+        "flash_attention_mma_backward_d80_f16",
+        "flash_attention_mma_forward_d96_f16",
+        "flash_attention_mma_backward_d96_f16",
+        "flash_attention_mma_forward_d128_f16",
+        "flash_attention_mma_backward_d128_f16",
+    ],
+};
+
+/// Head sizes the tensor-core kernels are built for.
+const MMA_HEADS: [usize; 4] = [64, 80, 96, 128];
+/// Threads of a tensor-core block (`FA2_THREADS`).
+const MMA_THREADS: u32 = 128;
+/// Rows of a tensor-core tile (`FA2_BM`, `FA2_BN`): queries of a forward block, keys of a
+/// backward block.
+const MMA_TILE: usize = 64;
+
+/// The head size whose tensor-core kernels run this call, or `None` for the tiled
+/// kernels: bf16 or f16, a head of 64, 80, 96 or 128 columns, a device of compute
+/// capability 8.0 or later, every buffer 16-byte aligned, sizes within 32-bit indexing,
+/// and [`CudaOptions::tiled_attention`](crate::device::cuda::CudaOptions) off.
+fn mma_head(be: &CudaBackend, d: &Dims, tensors: &[&Tensor]) -> Result<Option<usize>> {
+    let hd = d.hs();
+    if be.options().tiled_attention
+        || !matches!(tensors[0].dtype(), DType::Bf16 | DType::F16)
+        || !MMA_HEADS.contains(&hd)
+        || be.compute_capability().0 < 8
+        || d.b * d.t * d.w >= i32::MAX as usize
+    {
+        return Ok(None);
+    }
+    for t in tensors {
+        if ptr(t)? % 16 != 0 {
+            return Ok(None);
+        }
+    }
+    Ok(Some(hd))
+}
+
+/// Blocks of a tensor-core launch: one per (64-row tile, head of `heads`, batch row).
+fn mma_blocks(d: &Dims, heads: usize, op: &'static str) -> Result<u32> {
+    let n = d.b * heads * d.t.div_ceil(MMA_TILE);
+    u32::try_from(n)
+        .ok()
+        .filter(|&n| n as usize <= MAX_GRID_X)
+        .ok_or_else(|| {
+            Error::shape(
+                op,
+                format!(
+                    "{n} blocks do not fit in a grid (at most {MAX_GRID_X}); use a smaller \
+                     batch or context"
+                ),
+            )
+        })
+}
 
 /// Threads of a tiled block (`FA_THREADS`: four warps).
 const THREADS: u32 = 128;
@@ -82,6 +158,23 @@ pub(crate) fn forward(
         return Ok(());
     }
     let pos = be.positions(positions)?;
+    if let Some(hd) = mma_head(be, &d, &[out, qkv])? {
+        return be.launch(
+            &format!("flash_attention_mma_forward_d{hd}_{}", qkv.dtype()),
+            mma_blocks(&d, heads.n_head, OP)?,
+            MMA_THREADS,
+            Args::new()
+                .ptr(ptr(out)?)
+                .ptr(ptr(lse)?)
+                .ptr(ptr(qkv)?)
+                .i32(d.b as i32)
+                .i32(d.t as i32)
+                .i32(heads.n_head as i32)
+                .i32(heads.n_kv_head as i32)
+                .f32(scale(&d))
+                .ptr(pos.ptr()?),
+        );
+    }
     be.launch(
         &format!("flash_attention_forward_{}", qkv.dtype()),
         blocks(&d, heads.n_head, FORWARD_COLS, OP)?,
@@ -126,6 +219,9 @@ pub(crate) fn backward(
     let out = be.as_dtype(out, dt)?;
     let rows = d.b * d.t * heads.n_head;
     let delta = be.scratch(rows * 4, "flash_attention_backward.delta")?;
+    if let Some(hd) = mma_head(be, &d, &[dqkv, &dout, &out, qkv])? {
+        return mma_backward(be, hd, &d, dqkv, &dout, &out, lse, qkv, &delta, positions);
+    }
     be.launch(
         &format!("flash_attention_backward_delta_{dt}"),
         be.grid_rows(rows),
@@ -169,6 +265,75 @@ pub(crate) fn backward(
     )
 }
 
+/// The tensor-core backward: `delta` and the zeroed f32 dQ accumulators (`[B, T, H·D]`, a
+/// workspace), dK, dV and the dQ sums over key tiles, then dQ scaled and rounded into
+/// `dqkv`.
+#[allow(clippy::too_many_arguments)]
+fn mma_backward(
+    be: &CudaBackend,
+    hd: usize,
+    d: &Dims,
+    dqkv: &mut Tensor,
+    dout: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    qkv: &Tensor,
+    delta: &Tensor,
+    positions: Option<&[u32]>,
+) -> Result<()> {
+    const OP: &str = "flash_attention_backward";
+    let dt = qkv.dtype();
+    let heads = d.heads;
+    let rows = d.b * d.t * heads.n_head;
+    let dq = be.scratch(rows * hd * 4, "flash_attention_backward.dq")?;
+    let dims = |a: Args| {
+        a.i32(d.b as i32)
+            .i32(d.t as i32)
+            .i32(heads.n_head as i32)
+    };
+    be.launch(
+        &format!("flash_attention_mma_backward_prep_{dt}"),
+        be.grid_rows(rows),
+        BLOCK,
+        dims(
+            Args::new()
+                .ptr(ptr(delta)?)
+                .ptr(ptr(&dq)?)
+                .ptr(ptr(dout)?)
+                .ptr(ptr(out)?),
+        )
+        .i32(hd as i32),
+    )?;
+    let pos = be.positions(positions)?;
+    be.launch(
+        &format!("flash_attention_mma_backward_d{hd}_{dt}"),
+        mma_blocks(d, heads.n_kv_head, OP)?,
+        MMA_THREADS,
+        dims(
+            Args::new()
+                .ptr(ptr(&dq)?)
+                .ptr(ptr(dqkv)?)
+                .ptr(ptr(dout)?)
+                .ptr(ptr(lse)?)
+                .ptr(ptr(delta)?)
+                .ptr(ptr(qkv)?),
+        )
+        .i32(heads.n_kv_head as i32)
+        .f32(scale(d))
+        .ptr(pos.ptr()?),
+    )?;
+    let per_row = d.b * d.t * heads.n_head * hd / 8;
+    be.launch(
+        &format!("flash_attention_mma_backward_dq_{dt}"),
+        be.grid(per_row),
+        BLOCK,
+        dims(Args::new().ptr(ptr(dqkv)?).ptr(ptr(&dq)?))
+            .i32(heads.n_kv_head as i32)
+            .i32(hd as i32)
+            .f32(scale(d)),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,7 +369,6 @@ mod tests {
     }
     use crate::memory::MemoryCategory;
     use crate::ops::attention;
-    use crate::tensor::DType;
 
     /// The emulated backend, or `None` where the emulator cannot be built (a failure when
     /// `TRAINKIT_REQUIRE_EMULATOR` is set).
@@ -324,6 +488,85 @@ mod tests {
         (1, 40, 2, 1, 32),
         (1, 21, 2, 2, 144),
     ];
+
+    /// The tensor-core kernels against the tiled ones (the same inputs, on the emulator):
+    /// output, log-sum-exp and every block of dqkv, for each head size they are built for,
+    /// grouped heads, lengths that end inside a tile, and rows of several documents.
+    #[test]
+    fn tensor_core_kernels_match_the_tiled_ones() {
+        let Some(fast) = emulated() else { return };
+        let tiled = CudaBackend::emulated_with(
+            None,
+            crate::device::cuda::CudaOptions {
+                tiled_attention: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        // (B, T, H, KV, D, documents)
+        let cases: &[(usize, usize, usize, usize, usize, bool)] = &[
+            (2, 130, 4, 2, 64, false),
+            (1, 150, 2, 1, 64, true),
+            (1, 70, 2, 1, 80, false),
+            (1, 81, 3, 3, 96, true),
+            (1, 100, 2, 1, 128, false),
+            (1, 90, 2, 2, 128, true),
+        ];
+        for &(b, t, h, kv, hd, docs) in cases {
+            let heads = Heads {
+                n_head: h,
+                n_kv_head: kv,
+                head_dim: hd,
+            };
+            let (w, c) = (heads.qkv_width(), heads.q_width());
+            // Documents of 5, 60, 1 and the rest tokens in row 0; the others one document.
+            let pos = docs.then(|| {
+                crate::ops::positions::from_document_starts(b, t, |k| [5, 65, 66].contains(&k))
+            });
+            for dt in [DType::Bf16, DType::F16] {
+                let what = format!("{dt} B={b} T={t} H={h} KV={kv} D={hd} documents={docs}");
+                let cat = MemoryCategory::Activations;
+                let run = |be: &CudaBackend| {
+                    let up = |v: &[f32], s: &[usize], dt| be.upload(v, s, dt, cat, "x").unwrap();
+                    let nan = |s: &[usize], dt| up(&vec![f32::NAN; s.iter().product()], s, dt);
+                    let qkv = up(&values(b * t * w, 3, 2.0), &[b, t, w], dt);
+                    let dout = up(&values(b * t * c, 4, 1.0), &[b, t, c], dt);
+                    let mut out = nan(&[b, t, c], dt);
+                    let mut lse = nan(&[b, h, t], DType::F32);
+                    forward(be, &mut out, &mut lse, &qkv, heads, pos.as_deref()).unwrap();
+                    let mut dqkv = nan(&[b, t, w], dt);
+                    backward(be, &mut dqkv, &dout, &out, &lse, &qkv, heads, pos.as_deref())
+                        .unwrap();
+                    let get = |x: &Tensor| be.to_f32(x).unwrap();
+                    (get(&out), get(&lse), get(&dqkv))
+                };
+                let d = Dims {
+                    b,
+                    t,
+                    heads,
+                    w,
+                    c,
+                };
+                let probe = fast.upload(&[0.0; 8], &[8], dt, cat, "p").unwrap();
+                assert_eq!(mma_head(&fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
+                assert_eq!(mma_head(&tiled, &d, &[&probe]).unwrap(), None, "{what}");
+                let (out, lse, dqkv) = run(&fast);
+                let (want_out, want_lse, want_dqkv) = run(&tiled);
+                let e = rel_err(&out, &want_out);
+                assert!(e <= 1e-2, "{what}: out relative error {e:.3e}");
+                let e = rel_err(&lse, &want_lse);
+                assert!(e <= 1e-3, "{what}: lse relative error {e:.3e}");
+                // Each block (queries, keys, values) on its own scale.
+                for (name, lo, hi) in [("dq", 0, c), ("dk", c, c + kv * hd), ("dv", c + kv * hd, w)] {
+                    let pick = |x: &[f32]| {
+                        x.chunks(w).flat_map(|r| r[lo..hi].to_vec()).collect::<Vec<_>>()
+                    };
+                    let e = rel_err(&pick(&dqkv), &pick(&want_dqkv));
+                    assert!(e <= 2e-2, "{what}: {name} relative error {e:.3e}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn flash_attention_matches_the_materialized_path_f32() {

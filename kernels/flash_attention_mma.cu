@@ -1,0 +1,644 @@
+// Fused causal attention on the tensor cores, in FlashAttention-2's form, for bf16 and f16
+// heads of 64, 80, 96 or 128 columns on sm_80 and later (flash_attention.cu's tiled kernels
+// take every other case: f32, other head sizes, older devices, unaligned buffers).
+//
+// Layouts are flash_attention.cu's (trainkit::device::Heads): qkv [B, T, W], W = (H + 2·KV)·D,
+// queries in columns [0, H·D), keys in [H·D, (H+KV)·D), values after; query head h reads
+// key and value head h / (H / KV); out and dout [B, T, H·D]; lse and delta [B, H, T] f32
+// (lse the natural log of the softmax's denominator). `pos` (u32 [B, T] or null) gives each
+// token its position in its document: query i attends keys i − pos[i] ..= i.
+//
+// How it is fast:
+// - tiles move global → shared memory with 16-byte `cp.async` copies, the next tile's copy
+//   in flight while the current one is multiplied (K and V in the forward pass, Q and dO in
+//   the backward);
+// - shared tiles are swizzled (the 16-byte chunk c of row r sits at chunk c ^ (r mod 8)), so
+//   `ldmatrix` reads 8 rows without bank conflicts and no padding is needed;
+// - fragments come from `ldmatrix` (`.trans` where the operand is read down its columns),
+//   the forward's queries once for the whole block, and the probabilities go from the first
+//   product's accumulators straight into the second product's operand registers;
+// - the softmax runs in base 2 with scale·log2(e) folded into one multiply, on the fast
+//   `ex2.approx` (this file's arithmetic is held to the CPU twin by tolerance, not bits);
+// - causal tiles past the diagonal (and, with documents, before a tile's first document)
+//   are never visited; only tiles the diagonal or a boundary crosses are masked.
+// - the backward computes S and dP once per (key tile, query tile) pair, as FlashAttention-2
+//   does: dK and dV stay in registers, dQ is added into an f32 workspace with atomicAdd (so
+//   its summation order, and dQ's last bits, may differ from run to run on a GPU; the
+//   emulator runs blocks in order), then scaled and rounded by a last small kernel.
+//
+// Work split. Blocks of FA2_THREADS = 128 threads, four warps of 16 rows each.
+// Forward: a block per (query tile of 64 rows, head, batch row), the longest tiles first;
+// steps of 64 keys. Backward: a block per (key tile of 64 keys, key/value head, batch row),
+// the longest first; steps of FA2_BWD_BM(D) queries of each query head of the group.
+// Shared memory stays within the 48 KiB a block gets without opting in: forward
+// Q, K, V tiles (3 · 64 · SD elements, SD the head rounded up to 64 columns), backward
+// K, V (2 · 64 · SD), Q and dO (2 · BM · SD) and dSᵀ (64 · BM).
+
+#define FA2_THREADS 128
+#define FA2_BM 64  // query rows of a forward block
+#define FA2_BN 64  // keys of a forward step, and of a backward block
+#define FA2_LOG2E 1.4426950408889634f
+#define FA2_LN2 0.6931471805599453f
+
+#if defined(TRAINKIT_EMU_H) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define FA2_ON 1
+#else
+#define FA2_ON 0
+#endif
+
+// Shared row length (elements) for a head of D columns: a multiple of 64, so that a row
+// holds whole groups of eight 16-byte chunks for the swizzle.
+template <int D>
+struct Fa2Dims {
+    static constexpr int SD = (D + 63) / 64 * 64;
+    static constexpr int CH = SD / 8;  // 16-byte chunks a shared row holds
+    static constexpr int DC = D / 8;   // chunks a head's row fills
+    static constexpr int KS = D / 16;  // k-steps of a product over the head
+    static constexpr int NT = D / 8;   // n-tiles of 8 columns over the head
+    // Queries per backward step: as many as the 48 KiB allow.
+    static constexpr int BWD_BM = SD == 64 ? 64 : 16;
+};
+
+// The element offset of (row r, chunk c) in a swizzled shared tile of CH chunks a row.
+template <int CH>
+__device__ __forceinline__ int fa2_at(int r, int c) {
+    if constexpr (CH >= 8) {
+        return r * CH * 8 + ((c & ~7) | ((c ^ r) & 7)) * 8;
+    } else {
+        return r * CH * 8 + (c ^ (r & (CH - 1))) * 8;
+    }
+}
+
+// 16 bytes global → shared, asynchronously; zeros when `valid` is false (the source is
+// then not read).
+__device__ __forceinline__ void fa2_cp16(void* smem, const void* gmem, bool valid) {
+#if defined(TRAINKIT_EMU_H)
+    if (valid) {
+        memcpy(smem, gmem, 16);
+    } else {
+        memset(smem, 0, 16);
+    }
+#elif FA2_ON
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+#endif
+}
+
+__device__ __forceinline__ void fa2_commit() {
+#if !defined(TRAINKIT_EMU_H) && FA2_ON
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits for every copy this thread issued (each thread then meets the block at a barrier).
+__device__ __forceinline__ void fa2_wait_all() {
+#if !defined(TRAINKIT_EMU_H) && FA2_ON
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// ldmatrix.x4: lane l names row l % 8 of matrix l / 8; register i of every lane gets its
+// share of matrix i (row lane / 4, columns 2·(lane % 4) and the next; `.trans`: rows
+// 2·(lane % 4) and the next, column lane / 4).
+__device__ __forceinline__ void fa2_ldm(unsigned* r, const void* p) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::ldmatrix_x4(r, p, false);
+#elif FA2_ON
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+#endif
+}
+__device__ __forceinline__ void fa2_ldm_t(unsigned* r, const void* p) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::ldmatrix_x4(r, p, true);
+#elif FA2_ON
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+#endif
+}
+
+// d[0..4] += A · B, mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32.
+__device__ __forceinline__ void fa2_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::mma_m16n8k16_bf16(d, a, b);
+#elif FA2_ON
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+__device__ __forceinline__ void fa2_mma(float* d, const unsigned* a, const unsigned* b, f16) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::mma_m16n8k16_f16(d, a, b);
+#elif FA2_ON
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Two floats rounded to nearest into one register of 16-bit values, `lo` in the low half.
+__device__ __forceinline__ unsigned fa2_pack(float lo, float hi, bf16) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+__device__ __forceinline__ unsigned fa2_pack(float lo, float hi, f16) {
+    return (unsigned)__half_as_ushort(__float2half_rn(lo)) |
+           ((unsigned)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+
+// 2^x on the special function unit (ex2.approx: 2^−∞ = 0).
+__device__ __forceinline__ float fa2_exp2(float x) {
+#if defined(TRAINKIT_EMU_H)
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+__device__ __forceinline__ float fa2_quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float fa2_quad_sum(float v) {
+    v = v + __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Rows [r0, r0 + ROWS) of a row-major matrix (row stride `stride` elements, rows at or past
+// `t_len` read as zeros), its first D columns, into a swizzled shared tile. The whole block
+// calls it; the copies are asynchronous (commit, then wait).
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void fa2_load(T* dst, const T* src, int stride, int r0, int t_len) {
+    constexpr int DC = Fa2Dims<D>::DC, CH = Fa2Dims<D>::CH;
+    for (int e = threadIdx.x; e < ROWS * DC; e += FA2_THREADS) {
+        const int r = e / DC, c = e - r * DC, row = r0 + r;
+        const bool valid = row < t_len;
+        fa2_cp16(dst + fa2_at<CH>(r, c), src + (i64)(valid ? row : 0) * stride + c * 8, valid);
+    }
+}
+
+// The first key query i attends (< t_len): its document's start, or 0 without positions.
+__device__ __forceinline__ int fa2_first(const unsigned* pos, i64 b, int t_len, int i) {
+    return (pos && i < t_len) ? i - (int)pos[b * t_len + i] : 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward: out_i = Σ_j p_ij v_j / l_i, p_ij = 2^(s_ij·scale·log2 e − m_i) with m_i the
+// running maximum (base 2) and l_i the running sum; lse_i = (m_i + log2 l_i)·ln 2.
+
+template <typename T, int D>
+__device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, int t_len,
+                                 int n_head, int n_kv, float scale, const unsigned* pos) {
+#if FA2_ON
+    typedef Fa2Dims<D> Dm;
+    constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
+    __shared__ __align__(128) T qs[FA2_BM * SD];
+    __shared__ __align__(128) T ks[FA2_BN * SD];
+    __shared__ __align__(128) T vs[FA2_BN * SD];
+
+    const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv;
+    const int q_tiles = (t_len + FA2_BM - 1) / FA2_BM, nbh = batch * n_head;
+    const int tile = q_tiles - 1 - (int)(blockIdx.x / nbh), bh = (int)(blockIdx.x % nbh);
+    const int b = bh / n_head, h = bh - b * n_head;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int q0 = tile * FA2_BM;
+    const T* base = qkv + (i64)b * t_len * w;
+    const T* qg = base + h * D;
+    const T* kg = base + (n_head + h / group) * D;
+    const T* vg = kg + n_kv * D;
+    const float sl2 = scale * FA2_LOG2E;
+
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const int first[2] = {fa2_first(pos, b, t_len, row[0]), fa2_first(pos, b, t_len, row[1])};
+    const int q_last = (q0 + FA2_BM < t_len ? q0 + FA2_BM : t_len) - 1;
+    const int kt_begin = fa2_first(pos, b, t_len, q0) / FA2_BN, kt_end = q_last / FA2_BN;
+
+    fa2_load<T, D, FA2_BM>(qs, qg, w, q0, t_len);
+    fa2_load<T, D, FA2_BN>(ks, kg, w, kt_begin * FA2_BN, t_len);
+    fa2_commit();
+    fa2_wait_all();
+    __syncthreads();
+
+    // The warp's 16 query rows as A fragments, for every k-step of the head.
+    unsigned qf[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        fa2_ldm(qf[kk], qs + fa2_at<CH>(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                        2 * kk + (lane >> 4)));
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    float m[2] = {TK_NEG_INF, TK_NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (int kt = kt_begin; kt <= kt_end; ++kt) {
+        const int k0 = kt * FA2_BN;
+        fa2_load<T, D, FA2_BN>(vs, vg, w, k0, t_len);
+        fa2_commit();
+
+        // s = q · kᵀ, 16 rows × 64 keys a warp.
+        float s[FA2_BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA2_BN / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int np = 0; np < FA2_BN / 16; ++np) {
+                unsigned kf[4];
+                fa2_ldm(kf, ks + fa2_at<CH>(np * 16 + (lane & 7) + 8 * (lane >> 4),
+                                            2 * kk + ((lane >> 3) & 1)));
+                fa2_mma(s[2 * np], qf[kk], kf, T());
+                fa2_mma(s[2 * np + 1], qf[kk], kf + 2, T());
+            }
+        }
+
+        // Scale (base 2), mask where the diagonal, a document start or the end crosses.
+        const bool masked = pos != nullptr || k0 + FA2_BN - 1 > q0 + warp * 16 ||
+                            k0 + FA2_BN > t_len;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < FA2_BN / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = i >> 1;
+                float x = s[n][i] * sl2;
+                if (masked) {
+                    const int j = k0 + n * 8 + 2 * t4 + (i & 1);
+                    if (!(j <= row[r] && j >= first[r] && j < t_len)) x = TK_NEG_INF;
+                }
+                s[n][i] = x;
+                mx[r] = fmaxf(mx[r], x);
+            }
+        float alpha[2], mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fa2_quad_max(mx[r]);
+            mu[r] = mx[r] == TK_NEG_INF ? 0.0f : mx[r];
+            alpha[r] = fa2_exp2(m[r] - mu[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < FA2_BN / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float p = fa2_exp2(s[n][i] - mu[i >> 1]);
+                s[n][i] = p;
+                l[i >> 1] += p;
+            }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+
+        // V has landed and every warp is done with K: the next K's copy overlaps p · v.
+        fa2_wait_all();
+        __syncthreads();
+        if (kt < kt_end) {
+            fa2_load<T, D, FA2_BN>(ks, kg, w, k0 + FA2_BN, t_len);
+            fa2_commit();
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA2_BN / 16; ++kk) {
+            unsigned pa[4];
+            pa[0] = fa2_pack(s[2 * kk][0], s[2 * kk][1], T());
+            pa[1] = fa2_pack(s[2 * kk][2], s[2 * kk][3], T());
+            pa[2] = fa2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
+            pa[3] = fa2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned vf[4];
+                fa2_ldm_t(vf, vs + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                              2 * np + (lane >> 4)));
+                fa2_mma(o[2 * np], pa, vf, T());
+                fa2_mma(o[2 * np + 1], pa, vf + 2, T());
+            }
+        }
+        fa2_wait_all();
+        __syncthreads();
+    }
+
+    const int c = n_head * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = fa2_quad_sum(l[r]);
+        if (row[r] >= t_len) continue;
+        const float inv = 1.0f / sum;
+        T* dst = out + ((i64)b * t_len + row[r]) * c + h * D + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            *(unsigned*)(dst + n * 8) = fa2_pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv, T());
+        }
+        if (t4 == 0) lse[((i64)b * n_head + h) * t_len + row[r]] = (m[r] + log2f(sum)) * FA2_LN2;
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward, before the main kernel: delta[b, h, i] = Σ_d dout · out over the row (f32,
+// [B, H, T]), and the row's dQ accumulators zeroed (f32, [B, T, H·D]). A half-warp per
+// (b, i, h) row, 16-byte loads; D a multiple of 8, at most 128.
+
+template <typename T>
+__device__ void fa2_backward_prep_impl(float* delta, float* dq_acc, const T* dout, const T* out,
+                                       int batch, int t_len, int n_head, int hd) {
+    const int lane = lane16();
+    TK_FOR_EACH_ROW(row, (i64)batch * t_len * n_head) {
+        const int h = (int)(row % n_head);
+        const i64 bt = row / n_head, b = bt / t_len, i = bt - b * t_len;
+        float acc = 0.0f;
+        const int c = lane * 8;
+        if (c < hd) {
+            const uint4 dv = *(const uint4*)(dout + row * hd + c);
+            const uint4 ov = *(const uint4*)(out + row * hd + c);
+            const T* dp = (const T*)&dv;
+            const T* op = (const T*)&ov;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(load(dp, e), load(op, e), acc);
+            float4* z = (float4*)(dq_acc + row * hd + c);
+            z[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        acc = half_sum(acc);
+        if (lane == 0) delta[(b * n_head + h) * t_len + i] = acc;
+    }
+}
+
+// The queries' block of dqkv: scale · dQ, rounded, from the f32 accumulators; a thread per
+// 8 values.
+template <typename T>
+__device__ void fa2_backward_dq_impl(T* dqkv, const float* dq_acc, int batch, int t_len,
+                                     int n_head, int n_kv, int hd, float scale) {
+    const int c = n_head * hd, w = (n_head + 2 * n_kv) * hd, per_row = c / 8;
+    TK_FOR_EACH(e, (i64)batch * t_len * per_row) {
+        const i64 bt = e / per_row;
+        const int k = (int)(e - bt * per_row) * 8;
+        const float4 a = *(const float4*)(dq_acc + bt * c + k);
+        const float4 z = *(const float4*)(dq_acc + bt * c + k + 4);
+        uint4 v;
+        v.x = fa2_pack(a.x * scale, a.y * scale, T());
+        v.y = fa2_pack(a.z * scale, a.w * scale, T());
+        v.z = fa2_pack(z.x * scale, z.y * scale, T());
+        v.w = fa2_pack(z.z * scale, z.w * scale, T());
+        *(uint4*)(dqkv + bt * w + k) = v;
+    }
+}
+
+// dK, dV and dQ. A block per (key tile of 64 keys, key/value head, batch row); for each
+// query head of the group and each step of BM queries at or after the tile (and in a
+// document that can reach it): sᵀ = k · qᵀ, dpᵀ = v · doᵀ, pᵀ = 2^(sᵀ·scale·log2 e −
+// lse·log2 e), dsᵀ = pᵀ ∘ (dpᵀ − delta); dv += pᵀ · do, dk += dsᵀ · q in registers, and
+// dq += ds · k added into dq_acc. dk is scaled once at the end, dq by the last kernel.
+template <typename T, int D>
+__device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const float* lse,
+                                  const float* delta, const T* qkv, int batch, int t_len,
+                                  int n_head, int n_kv, float scale, const unsigned* pos) {
+#if FA2_ON
+    typedef Fa2Dims<D> Dm;
+    constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT, BM = Dm::BWD_BM;
+    constexpr int CHB = BM / 8;  // chunks a row of the dSᵀ tile holds
+    // dQ's split over the warps: RG groups of 16 query rows, each row group's columns in
+    // CS parts of whole 16-column pairs.
+    constexpr int RG = BM / 16, CS = 4 / RG, PAIRS = (NT / 2 + CS - 1) / CS;
+    __shared__ __align__(128) T ks[FA2_BN * SD];
+    __shared__ __align__(128) T vs[FA2_BN * SD];
+    __shared__ __align__(128) T qs[BM * SD];
+    __shared__ __align__(128) T dos[BM * SD];
+    __shared__ __align__(128) T dss[FA2_BN * BM];
+    __shared__ float lse_s[BM];
+    __shared__ float delta_s[BM];
+    __shared__ int first_s[BM];
+
+    const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv, c = n_head * D;
+    const int nbk = batch * n_kv;
+    const int kt = (int)(blockIdx.x / nbk), bk = (int)(blockIdx.x % nbk);
+    const int b = bk / n_kv, kvh = bk - b * n_kv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int k0 = kt * FA2_BN;
+    const T* base = qkv + (i64)b * t_len * w;
+    const T* kg = base + (n_head + kvh) * D;
+    const T* vg = kg + n_kv * D;
+    const T* dbase = dout + (i64)b * t_len * c;
+    float* qacc = dq_acc + (i64)b * t_len * c;
+    const float sl2 = scale * FA2_LOG2E;
+    const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+
+    // Whether the step of queries from q0 exists (and reaches this tile's keys).
+    auto live = [&](int q0) {
+        return q0 < t_len && fa2_first(pos, b, t_len, q0) < k0 + FA2_BN;
+    };
+    // The copies of a step: its queries' rows of q and dout, and their statistics.
+    auto stage = [&](int h, int q0) {
+        fa2_load<T, D, BM>(qs, base + h * D, w, q0, t_len);
+        fa2_load<T, D, BM>(dos, dbase + h * D, c, q0, t_len);
+        fa2_commit();
+        if (threadIdx.x < BM) {
+            const int q = q0 + threadIdx.x;
+            const i64 at = ((i64)b * n_head + h) * t_len + q;
+            lse_s[threadIdx.x] = q < t_len ? lse[at] * FA2_LOG2E : 0.0f;
+            delta_s[threadIdx.x] = q < t_len ? delta[at] : 0.0f;
+            first_s[threadIdx.x] = fa2_first(pos, b, t_len, q);
+        }
+    };
+
+    float dv[NT][4], dk[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dv[n][i] = dk[n][i] = 0.0f;
+
+    fa2_load<T, D, FA2_BN>(ks, kg, w, k0, t_len);
+    fa2_load<T, D, FA2_BN>(vs, vg, w, k0, t_len);
+    int h = kvh * group, q0 = k0;
+    const int h_end = (kvh + 1) * group;
+    if (live(q0)) stage(h, q0);
+    while (live(q0)) {
+        fa2_wait_all();
+        __syncthreads();
+
+        // sᵀ and dpᵀ: 16 keys × BM queries a warp.
+        float st[BM / 8][4], dpt[BM / 8][4];
+#pragma unroll
+        for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) st[n][i] = dpt[n][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            unsigned kf[4], vf[4];
+            const int ar = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), ac = 2 * kk + (lane >> 4);
+            fa2_ldm(kf, ks + fa2_at<CH>(ar, ac));
+            fa2_ldm(vf, vs + fa2_at<CH>(ar, ac));
+#pragma unroll
+            for (int np = 0; np < BM / 16; ++np) {
+                unsigned qf[4], of[4];
+                const int br = np * 16 + (lane & 7) + 8 * (lane >> 4), bc = 2 * kk + ((lane >> 3) & 1);
+                fa2_ldm(qf, qs + fa2_at<CH>(br, bc));
+                fa2_ldm(of, dos + fa2_at<CH>(br, bc));
+                fa2_mma(st[2 * np], kf, qf, T());
+                fa2_mma(st[2 * np + 1], kf, qf + 2, T());
+                fa2_mma(dpt[2 * np], vf, of, T());
+                fa2_mma(dpt[2 * np + 1], vf, of + 2, T());
+            }
+        }
+        // pᵀ and dsᵀ.
+#pragma unroll
+        for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int col = n * 8 + 2 * t4 + (i & 1), q = q0 + col, kr = key[i >> 1];
+                const bool in = kr <= q && q < t_len && kr >= first_s[col];
+                const float p = in ? fa2_exp2(st[n][i] * sl2 - lse_s[col]) : 0.0f;
+                st[n][i] = p;
+                dpt[n][i] = p * (dpt[n][i] - delta_s[col]);
+            }
+        // dv += pᵀ · do, dk += dsᵀ · q (k over the step's queries).
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            unsigned pa[4], da[4];
+            pa[0] = fa2_pack(st[2 * kk][0], st[2 * kk][1], T());
+            pa[1] = fa2_pack(st[2 * kk][2], st[2 * kk][3], T());
+            pa[2] = fa2_pack(st[2 * kk + 1][0], st[2 * kk + 1][1], T());
+            pa[3] = fa2_pack(st[2 * kk + 1][2], st[2 * kk + 1][3], T());
+            da[0] = fa2_pack(dpt[2 * kk][0], dpt[2 * kk][1], T());
+            da[1] = fa2_pack(dpt[2 * kk][2], dpt[2 * kk][3], T());
+            da[2] = fa2_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1], T());
+            da[3] = fa2_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3], T());
+            // dsᵀ into shared memory (rows: keys), for dq.
+            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2) + 2 * t4) = da[0];
+            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2) + 2 * t4) = da[1];
+            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2 + 1) + 2 * t4) = da[2];
+            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2 + 1) + 2 * t4) = da[3];
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned of[4], qf[4];
+                const int br = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), bc = 2 * np + (lane >> 4);
+                fa2_ldm_t(of, dos + fa2_at<CH>(br, bc));
+                fa2_ldm_t(qf, qs + fa2_at<CH>(br, bc));
+                fa2_mma(dv[2 * np], pa, of, T());
+                fa2_mma(dv[2 * np + 1], pa, of + 2, T());
+                fa2_mma(dk[2 * np], da, qf, T());
+                fa2_mma(dk[2 * np + 1], da, qf + 2, T());
+            }
+        }
+        __syncthreads();
+
+        // The next step's copies overlap dq.
+        const int done_q0 = q0, done_h = h;
+        q0 += BM;
+        if (!live(q0) && h + 1 < h_end) {
+            ++h;
+            q0 = k0;
+        }
+        if (live(q0)) stage(h, q0);
+
+        // dq[rows of the step] += ds · k over the tile's 64 keys: warp = (column part,
+        // row group).
+        const int rg = warp % RG, cs = warp / RG;
+        float acc[PAIRS][2][4];
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[p][j][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < FA2_BN / 16; ++kk) {
+            unsigned a[4];
+            fa2_ldm_t(a, dss + fa2_at<CHB>(kk * 16 + (lane & 7) + 8 * (lane >> 4),
+                                           2 * rg + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int p = 0; p < PAIRS; ++p) {
+                const int np = cs + p * CS;
+                if (np < NT / 2) {
+                    unsigned kf[4];
+                    fa2_ldm_t(kf, ks + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                  2 * np + (lane >> 4)));
+                    fa2_mma(acc[p][0], a, kf, T());
+                    fa2_mma(acc[p][1], a, kf + 2, T());
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int q = done_q0 + rg * 16 + g + 8 * r;
+            if (q >= t_len) continue;
+            float* dst = qacc + (i64)q * c + done_h * D + 2 * t4;
+#pragma unroll
+            for (int p = 0; p < PAIRS; ++p) {
+                const int np = cs + p * CS;
+                if (np < NT / 2) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        atomicAdd(dst + (2 * np + j) * 8, acc[p][j][2 * r]);
+                        atomicAdd(dst + (2 * np + j) * 8 + 1, acc[p][j][2 * r + 1]);
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (key[r] >= t_len) continue;
+        T* dst = dqkv + ((i64)b * t_len + key[r]) * w + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            *(unsigned*)(dst + (n_head + kvh) * D + n * 8) =
+                fa2_pack(scale * dk[n][2 * r], scale * dk[n][2 * r + 1], T());
+            *(unsigned*)(dst + (n_head + n_kv + kvh) * D + n * 8) =
+                fa2_pack(dv[n][2 * r], dv[n][2 * r + 1], T());
+        }
+    }
+#endif
+}
+
+#define TK_FA2_HEAD(T, N, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
+        flash_attention_mma_forward_d##D##_##N(T* out, float* lse, const T* qkv, int batch,   \
+                                               int t_len, int n_head, int n_kv, float scale,   \
+                                               const unsigned* pos) {                          \
+        fa2_forward_impl<T, D>(out, lse, qkv, batch, t_len, n_head, n_kv, scale, pos);         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
+        flash_attention_mma_backward_d##D##_##N(                                               \
+            float* dq_acc, T* dqkv, const T* dout, const float* lse, const float* delta,       \
+            const T* qkv, int batch, int t_len, int n_head, int n_kv, float scale,             \
+            const unsigned* pos) {                                                             \
+        fa2_backward_impl<T, D>(dq_acc, dqkv, dout, lse, delta, qkv, batch, t_len, n_head,     \
+                                n_kv, scale, pos);                                             \
+    }
+
+#define TK_FA2(T, N)                                                                           \
+    extern "C" __global__ void flash_attention_mma_backward_prep_##N(                          \
+        float* delta, float* dq_acc, const T* dout, const T* out, int batch, int t_len,        \
+        int n_head, int hd) {                                                                  \
+        fa2_backward_prep_impl<T>(delta, dq_acc, dout, out, batch, t_len, n_head, hd);         \
+    }                                                                                          \
+    extern "C" __global__ void flash_attention_mma_backward_dq_##N(                            \
+        T* dqkv, const float* dq_acc, int batch, int t_len, int n_head, int n_kv, int hd,      \
+        float scale) {                                                                         \
+        fa2_backward_dq_impl<T>(dqkv, dq_acc, batch, t_len, n_head, n_kv, hd, scale);          \
+    }                                                                                          \
+    TK_FA2_HEAD(T, N, 64)                                                                      \
+    TK_FA2_HEAD(T, N, 80)                                                                      \
+    TK_FA2_HEAD(T, N, 96)                                                                      \
+    TK_FA2_HEAD(T, N, 128)
+TK_FA2(bf16, bf16)
+TK_FA2(f16, f16)
