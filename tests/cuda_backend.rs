@@ -819,6 +819,11 @@ fn flash_attention_matches_the_cpu() {
             (2, 19, 4, 1, 32),
             (1, 1, 1, 1, 8),
             (2, 151, 2, 1, 32),
+            // The tensor-core kernels' head sizes (16-bit dtypes), grouped heads, three
+            // tiles and a ragged end.
+            (2, 150, 4, 2, 64),
+            (1, 90, 2, 1, 80),
+            (1, 130, 2, 1, 128),
         ] {
             let heads = Heads {
                 n_head: h,

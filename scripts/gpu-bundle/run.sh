@@ -64,7 +64,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench train reference llmc xl llama offload)
+all_phases=(tests bench attention train reference llmc xl llama offload)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -666,6 +666,50 @@ phase_bench() {
     --precision bf16 --bias-grad-epilogue ${peak_tflops:+--peak-tflops "$peak_tflops"}
   # Where the device's time goes, op by op (every op waits for the GPU: slower steps).
   gpu_bench_step gpu_bench_ops 300 figures_gpu_ops --batch "$batch" \
+    --precision bf16 --ops --warmup 2 --steps 3
+}
+
+# The fused attention: its parity tests on the GPU (every kernel against the CPU, the
+# tensor-core kernels' head sizes among them), then the attention alone at the models'
+# shapes (GPT-2 124M, Llama 3.2 1B and 3.1 8B) on trainkit's tensor-core and tiled kernels
+# and on PyTorch's SDPA backends (JSON lines in the logs), then whole GPT-2 124M bf16 steps
+# on each of trainkit's kernels, alternating, and the tensor-core run op by op.
+phase_attention() {
+  if [ -n "$no_gpu" ]; then
+    skip attention_parity "$bin/cuda_backend flash_attention" "GPU checks skipped: $no_gpu"
+    skip attention_bench "$bin/attention_bench" "GPU checks skipped: $no_gpu"
+    skip attention_sdpa "$python reference/attention_sdpa.py" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  # On the GPU alone (the emulator's run of these is CI's).
+  run_step attention_parity 300 figures_cargo_test env CXX=false "$bin/cuda_backend" \
+    flash_attention document_masking --nocapture --test-threads=1
+  if grep -q 'GPU checks SKIPPED' "$report/logs/attention_parity.log"; then
+    amend_last fail "a GPU is here, but the attention tests did not use it"
+  fi
+  run_step attention_bench 300 - "$bin/attention_bench" --iters "${ATTENTION_ITERS:-10}" \
+    --json "$report/logs/attention_bench.jsonl"
+  if grep -q 'attention_bench needs a GPU' "$report/logs/attention_bench.log"; then
+    amend_last fail "a GPU is here, but $(grep -m1 -o 'attention_bench needs a GPU.*' "$report/logs/attention_bench.log")"
+  fi
+  if py -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    run_step attention_sdpa 300 - env LD_LIBRARY_PATH="$orig_ld_path" "$python" \
+      "$here/reference/attention_sdpa.py" --iters "${ATTENTION_ITERS:-10}" \
+      --json "$report/logs/attention_sdpa.jsonl"
+  else
+    skip attention_sdpa "$python reference/attention_sdpa.py" \
+      "$python with torch (CUDA available) is missing: $python_torch"
+  fi
+  local round
+  for round in 1 2; do
+    gpu_bench_step "gpu_bench_tensor_core_attention_$round" 300 figures_gpu_bench \
+      --batch "$batch" --precision bf16 --warmup 3 --steps 10 \
+      ${peak_tflops:+--peak-tflops "$peak_tflops"}
+    gpu_bench_step "gpu_bench_tiled_attention_$round" 300 figures_gpu_bench \
+      --batch "$batch" --precision bf16 --warmup 3 --steps 10 --tiled-attention \
+      ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  done
+  gpu_bench_step gpu_bench_tensor_core_attention_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --ops --warmup 2 --steps 3
 }
 

@@ -286,11 +286,7 @@ fn mma_backward(
     let heads = d.heads;
     let rows = d.b * d.t * heads.n_head;
     let dq = be.scratch(rows * hd * 4, "flash_attention_backward.dq")?;
-    let dims = |a: Args| {
-        a.i32(d.b as i32)
-            .i32(d.t as i32)
-            .i32(heads.n_head as i32)
-    };
+    let dims = |a: Args| a.i32(d.b as i32).i32(d.t as i32).i32(heads.n_head as i32);
     be.launch(
         &format!("flash_attention_mma_backward_prep_{dt}"),
         be.grid_rows(rows),
@@ -535,18 +531,21 @@ mod tests {
                     let mut lse = nan(&[b, h, t], DType::F32);
                     forward(be, &mut out, &mut lse, &qkv, heads, pos.as_deref()).unwrap();
                     let mut dqkv = nan(&[b, t, w], dt);
-                    backward(be, &mut dqkv, &dout, &out, &lse, &qkv, heads, pos.as_deref())
-                        .unwrap();
+                    backward(
+                        be,
+                        &mut dqkv,
+                        &dout,
+                        &out,
+                        &lse,
+                        &qkv,
+                        heads,
+                        pos.as_deref(),
+                    )
+                    .unwrap();
                     let get = |x: &Tensor| be.to_f32(x).unwrap();
                     (get(&out), get(&lse), get(&dqkv))
                 };
-                let d = Dims {
-                    b,
-                    t,
-                    heads,
-                    w,
-                    c,
-                };
+                let d = Dims { b, t, heads, w, c };
                 let probe = fast.upload(&[0.0; 8], &[8], dt, cat, "p").unwrap();
                 assert_eq!(mma_head(&fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
                 assert_eq!(mma_head(&tiled, &d, &[&probe]).unwrap(), None, "{what}");
@@ -557,9 +556,12 @@ mod tests {
                 let e = rel_err(&lse, &want_lse);
                 assert!(e <= 1e-3, "{what}: lse relative error {e:.3e}");
                 // Each block (queries, keys, values) on its own scale.
-                for (name, lo, hi) in [("dq", 0, c), ("dk", c, c + kv * hd), ("dv", c + kv * hd, w)] {
+                for (name, lo, hi) in [("dq", 0, c), ("dk", c, c + kv * hd), ("dv", c + kv * hd, w)]
+                {
                     let pick = |x: &[f32]| {
-                        x.chunks(w).flat_map(|r| r[lo..hi].to_vec()).collect::<Vec<_>>()
+                        x.chunks(w)
+                            .flat_map(|r| r[lo..hi].to_vec())
+                            .collect::<Vec<_>>()
                     };
                     let e = rel_err(&pick(&dqkv), &pick(&want_dqkv));
                     assert!(e <= 2e-2, "{what}: {name} relative error {e:.3e}");
