@@ -68,6 +68,22 @@ __device__ void layernorm_backward_dx_impl(T* dx, const T* dout, const T* x, con
     }
 }
 
+// Adds rows [0, n) of one column (x and dout from `xp` and `dp`, row stride c; stats from
+// `sp`) to dw (norm * dout) and db (dout), in row order. The loop is unrolled so that the
+// loads of many rows are in flight at once; the sums keep their order.
+template <typename T, int UNROLL>
+__device__ __forceinline__ void layernorm_params_rows(float& dw, float& db, const T* xp,
+                                                      const T* dp, const float* sp, int n,
+                                                      i64 c) {
+#pragma unroll UNROLL
+    for (int r = 0; r < n; ++r) {
+        const float norm = (load(xp, r * c) - sp[2 * r]) * sp[2 * r + 1];
+        const float d = load(dp, r * c);
+        dw += norm * d;
+        db += d;
+    }
+}
+
 // partial[blk, 0, col] = sum over the block's rows of norm * dout, partial[blk, 1, col] =
 // sum of dout, rows in order.
 template <typename T>
@@ -75,14 +91,16 @@ __device__ void layernorm_backward_params_impl(float* partial, const T* dout, co
                                                const float* stats, i64 rows, i64 c) {
     const i64 blocks = (rows + TK_LN_ROW_BLOCK - 1) / TK_LN_ROW_BLOCK;
     TK_FOR_EACH(i, blocks * c) {
-        const i64 blk = i / c, col = i % c;
-        const i64 end = min(rows, (blk + 1) * TK_LN_ROW_BLOCK);
+        const i64 blk = i / c, col = i % c, r0 = blk * TK_LN_ROW_BLOCK;
+        const int n = (int)(min(rows, r0 + TK_LN_ROW_BLOCK) - r0);
+        const T* xp = x + r0 * c + col;
+        const T* dp = dout + r0 * c + col;
+        const float* sp = stats + 2 * r0;
         float dw = 0.0f, db = 0.0f;
-        for (i64 r = blk * TK_LN_ROW_BLOCK; r < end; ++r) {
-            float norm = (load(x, r * c + col) - stats[2 * r]) * stats[2 * r + 1];
-            float d = load(dout, r * c + col);
-            dw += norm * d;
-            db += d;
+        if (n == TK_LN_ROW_BLOCK) {
+            layernorm_params_rows<T, 16>(dw, db, xp, dp, sp, TK_LN_ROW_BLOCK, c);
+        } else {
+            layernorm_params_rows<T, 1>(dw, db, xp, dp, sp, n, c);
         }
         partial[(2 * blk) * c + col] = dw;
         partial[(2 * blk + 1) * c + col] = db;

@@ -54,17 +54,31 @@ __device__ void rmsnorm_backward_dx_impl(T* dx, const T* dout, const T* x, const
     }
 }
 
+// Adds rows [0, n) of one column (x and dout from `xp` and `dp`, row stride c) to dw, in
+// row order, unrolled so that many rows' loads are in flight; the sum keeps its order.
+template <typename T, int UNROLL>
+__device__ __forceinline__ void rmsnorm_params_rows(float& dw, const T* xp, const T* dp,
+                                                    const float* rp, int n, i64 c) {
+#pragma unroll UNROLL
+    for (int r = 0; r < n; ++r) dw += load(xp, r * c) * rp[r] * load(dp, r * c);
+}
+
 // partial[blk, col] = sum over the block's rows of x * rstd * dout, rows in order.
 template <typename T>
 __device__ void rmsnorm_backward_params_impl(float* partial, const T* dout, const T* x,
                                              const float* rstd, i64 rows, i64 c) {
     const i64 blocks = (rows + TK_RMS_ROW_BLOCK - 1) / TK_RMS_ROW_BLOCK;
     TK_FOR_EACH(i, blocks * c) {
-        const i64 blk = i / c, col = i % c;
-        const i64 end = min(rows, (blk + 1) * TK_RMS_ROW_BLOCK);
+        const i64 blk = i / c, col = i % c, r0 = blk * TK_RMS_ROW_BLOCK;
+        const int n = (int)(min(rows, r0 + TK_RMS_ROW_BLOCK) - r0);
+        const T* xp = x + r0 * c + col;
+        const T* dp = dout + r0 * c + col;
+        const float* rp = rstd + r0;
         float dw = 0.0f;
-        for (i64 r = blk * TK_RMS_ROW_BLOCK; r < end; ++r) {
-            dw += load(x, r * c + col) * rstd[r] * load(dout, r * c + col);
+        if (n == TK_RMS_ROW_BLOCK) {
+            rmsnorm_params_rows<T, 16>(dw, xp, dp, rp, TK_RMS_ROW_BLOCK, c);
+        } else {
+            rmsnorm_params_rows<T, 1>(dw, xp, dp, rp, n, c);
         }
         partial[blk * c + col] = dw;
     }
