@@ -51,7 +51,8 @@ __device__ void layernorm_backward_dx_impl(T* dx, const T* dout, const T* x, con
         const i64 base = row * c;
         const float mean = stats[2 * row], rstd = stats[2 * row + 1];
         float acc_dn = 0.0f, acc_dnn = 0.0f;
-        for (i64 i = lane; i < c; i += TK_LANES) {
+#pragma unroll 4
+        for (int i = lane; i < (int)c; i += TK_LANES) {
             float norm = (load(x, base + i) - mean) * rstd;
             float dn = load(weight, i) * load(dout, base + i);
             acc_dn += dn;
@@ -60,7 +61,8 @@ __device__ void layernorm_backward_dx_impl(T* dx, const T* dout, const T* x, con
         // The CPU sums its 16 accumulators with `simd::sum`, which starts from 0.
         const float mean_dn = half_sum(0.0f + acc_dn) / (float)c;
         const float mean_dn_n = half_sum(0.0f + acc_dnn) / (float)c;
-        for (i64 i = lane; i < c; i += TK_LANES) {
+#pragma unroll 4
+        for (int i = lane; i < (int)c; i += TK_LANES) {
             float norm = (load(x, base + i) - mean) * rstd;
             float dn = load(weight, i) * load(dout, base + i);
             store(dx, base + i, load(dx, base + i) + rstd * (dn - mean_dn - norm * mean_dn_n));

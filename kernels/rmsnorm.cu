@@ -42,12 +42,14 @@ __device__ void rmsnorm_backward_dx_impl(T* dx, const T* dout, const T* x, const
         const i64 base = row * c;
         const float r = rstd[row];
         float acc = 0.0f;
-        for (i64 i = lane; i < c; i += TK_LANES) {
+#pragma unroll 4
+        for (int i = lane; i < (int)c; i += TK_LANES) {
             acc += load(weight, i) * load(dout, base + i) * load(x, base + i);
         }
         // The CPU sums its 16 accumulators with `simd::sum`, which starts from 0.
         const float k = half_sum(0.0f + acc) / (float)c * r * r;
-        for (i64 i = lane; i < c; i += TK_LANES) {
+#pragma unroll 4
+        for (int i = lane; i < (int)c; i += TK_LANES) {
             float g = r * (load(weight, i) * load(dout, base + i) - load(x, base + i) * k);
             store(dx, base + i, load(dx, base + i) + g);
         }
