@@ -471,7 +471,10 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 // Every name appears in its file, whole or as a macro's prefix.
                 let mut stem = *k;
                 for _ in 0..3 {
-                    for suffix in ["_bf16m", "_f32", "_bf16", "_f16"] {
+                    // Dtypes, and the tensor-core attention's head sizes.
+                    for suffix in [
+                        "_bf16m", "_f32", "_bf16", "_f16", "_d64", "_d80", "_d96", "_d128",
+                    ] {
                         stem = stem.trim_end_matches(suffix);
                     }
                 }
