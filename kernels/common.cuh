@@ -130,6 +130,53 @@ __device__ __forceinline__ float gelu_grad(float x) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Tensor cores (the fused attention's two kernel files). TK_HAS_MMA: whether this target
+// runs mma.sync with 16-bit operands (sm_80 and later, and the emulator).
+
+#if defined(TRAINKIT_EMU_H) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define TK_HAS_MMA 1
+#else
+#define TK_HAS_MMA 0
+#endif
+
+// d[0..4] += A · B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
+// the operands' type chosen by the last argument (A: four registers, B: two, each two
+// 16-bit values, in the instruction's fragment layout). The emulator runs its host model
+// of the instruction (kernels/emu/emu.h), which takes the same fragments.
+__device__ __forceinline__ void tk_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::mma_m16n8k16_bf16(d, a, b);
+#elif TK_HAS_MMA
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+__device__ __forceinline__ void tk_mma(float* d, const unsigned* a, const unsigned* b, f16) {
+#if defined(TRAINKIT_EMU_H)
+    ::tk_emu::mma_m16n8k16_f16(d, a, b);
+#elif TK_HAS_MMA
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// The maximum and the sum over the four lanes that share a row of an mma fragment.
+__device__ __forceinline__ float tk_quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float tk_quad_sum(float v) {
+    v = v + __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// ---------------------------------------------------------------------------------------
 // Instantiation: each kernel is a template `NAME_impl<...>` and extern "C" wrappers give
 // every dtype combination a fixed name, `NAME_<dtype>[_<dtype>...]`, that the Rust side
 // loads.

@@ -44,12 +44,6 @@
 #define FA_FWD_OC 128   // output columns of a forward block
 #define FA_BWD_OC 64    // output columns of a backward block
 
-#if defined(TRAINKIT_EMU_H) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
-#define FA_HAS_MMA 1
-#else
-#define FA_HAS_MMA 0
-#endif
-
 // Whether T is a 16-bit float the tensor cores take (bf16, f16).
 template <typename T>
 struct fa_is_half {
@@ -86,32 +80,6 @@ __device__ __forceinline__ unsigned fa_pack(f16 lo, f16 hi) {
     return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
 }
 
-// d[0..4] += A · B for one warp: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
-// the operands' type chosen by the last argument. The emulator runs its host model of the
-// instruction (kernels/emu/emu.h), which takes the same fragments in the same layout.
-__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
-#if defined(TRAINKIT_EMU_H)
-    ::tk_emu::mma_m16n8k16_bf16(d, a, b);
-#elif FA_HAS_MMA
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b, f16) {
-#if defined(TRAINKIT_EMU_H)
-    ::tk_emu::mma_m16n8k16_f16(d, a, b);
-#elif FA_HAS_MMA
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
 // One 16x8x16 tile product of a warp: c (this lane's four accumulators) += A · B with
 // A(r, k) = a[r·ars + k·aks] and B(k, n) = b[k·bks + n·bns], r, k < 16, n < 8. Every lane
 // of the warp calls it with the same operands.
@@ -119,7 +87,7 @@ template <typename T>
 __device__ __forceinline__ void fa_tile(float* c, const T* a, int ars, int aks, const T* b,
                                         int bks, int bns) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#if FA_HAS_MMA
+#if TK_HAS_MMA
     if constexpr (fa_is_half<T>::value) {
         unsigned ra[4], rb[2];
 #pragma unroll
@@ -132,7 +100,7 @@ __device__ __forceinline__ void fa_tile(float* c, const T* a, int ars, int aks, 
             const int k = 2 * t + 8 * i;
             rb[i] = fa_pack(b[k * bks + g * bns], b[(k + 1) * bks + g * bns]);
         }
-        fa_mma(c, ra, rb, T());
+        tk_mma(c, ra, rb, T());
     } else
 #endif
     {
@@ -166,16 +134,6 @@ __device__ __forceinline__ void fa_load(T* dst, int rows, const T* src, i64 stri
 // without positions.
 __device__ __forceinline__ i64 fa_first(const unsigned* pos, i64 b, i64 t_len, i64 i) {
     return (pos && i < t_len) ? i - (i64)pos[b * t_len + i] : 0;
-}
-
-// The maximum and the sum over the four lanes that share a row of a fragment.
-__device__ __forceinline__ float fa_quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float fa_quad_sum(float v) {
-    v = v + __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // Forward. One block per (b, h, query tile of FA_BQ rows, chunk of FA_FWD_OC output
@@ -266,7 +224,7 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
         float alpha[2], rs[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mx[r] = fa_quad_max(mx[r]);
+            mx[r] = tk_quad_max(mx[r]);
             alpha[r] = m[r] == TK_NEG_INF ? 0.0f : tk_exp(m[r] - mx[r]);
         }
 #pragma unroll
@@ -281,7 +239,7 @@ __device__ void flash_attention_forward_impl(T* out, float* lse, const T* qkv, i
             }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            l[r] = l[r] * alpha[r] + fa_quad_sum(rs[r]);
+            l[r] = l[r] * alpha[r] + tk_quad_sum(rs[r]);
             m[r] = mx[r];
         }
 #pragma unroll

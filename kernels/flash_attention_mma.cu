@@ -40,11 +40,6 @@
 #define FA2_LOG2E 1.4426950408889634f
 #define FA2_LN2 0.6931471805599453f
 
-#if defined(TRAINKIT_EMU_H) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
-#define FA2_ON 1
-#else
-#define FA2_ON 0
-#endif
 
 // Shared row length (elements) for a head of D columns: a multiple of 64, so that a row
 // holds whole groups of eight 16-byte chunks for the swizzle.
@@ -78,7 +73,7 @@ __device__ __forceinline__ void fa2_cp16(void* smem, const void* gmem, bool vali
     } else {
         memset(smem, 0, 16);
     }
-#elif FA2_ON
+#elif TK_HAS_MMA
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
                  "r"(valid ? 16 : 0));
@@ -86,14 +81,14 @@ __device__ __forceinline__ void fa2_cp16(void* smem, const void* gmem, bool vali
 }
 
 __device__ __forceinline__ void fa2_commit() {
-#if !defined(TRAINKIT_EMU_H) && FA2_ON
+#if !defined(TRAINKIT_EMU_H) && TK_HAS_MMA
     asm volatile("cp.async.commit_group;\n" ::);
 #endif
 }
 
 // Waits for every copy this thread issued (each thread then meets the block at a barrier).
 __device__ __forceinline__ void fa2_wait_all() {
-#if !defined(TRAINKIT_EMU_H) && FA2_ON
+#if !defined(TRAINKIT_EMU_H) && TK_HAS_MMA
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
@@ -104,7 +99,7 @@ __device__ __forceinline__ void fa2_wait_all() {
 __device__ __forceinline__ void fa2_ldm(unsigned* r, const void* p) {
 #if defined(TRAINKIT_EMU_H)
     ::tk_emu::ldmatrix_x4(r, p, false);
-#elif FA2_ON
+#elif TK_HAS_MMA
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -114,35 +109,11 @@ __device__ __forceinline__ void fa2_ldm(unsigned* r, const void* p) {
 __device__ __forceinline__ void fa2_ldm_t(unsigned* r, const void* p) {
 #if defined(TRAINKIT_EMU_H)
     ::tk_emu::ldmatrix_x4(r, p, true);
-#elif FA2_ON
+#elif TK_HAS_MMA
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s));
-#endif
-}
-
-// d[0..4] += A · B, mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32.
-__device__ __forceinline__ void fa2_mma(float* d, const unsigned* a, const unsigned* b, bf16) {
-#if defined(TRAINKIT_EMU_H)
-    ::tk_emu::mma_m16n8k16_bf16(d, a, b);
-#elif FA2_ON
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-__device__ __forceinline__ void fa2_mma(float* d, const unsigned* a, const unsigned* b, f16) {
-#if defined(TRAINKIT_EMU_H)
-    ::tk_emu::mma_m16n8k16_f16(d, a, b);
-#elif FA2_ON
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
 
@@ -165,15 +136,6 @@ __device__ __forceinline__ float fa2_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 #endif
-}
-
-__device__ __forceinline__ float fa2_quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float fa2_quad_sum(float v) {
-    v = v + __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // Rows [r0, r0 + ROWS) of a row-major matrix (row stride `stride` elements, rows at or past
@@ -201,7 +163,7 @@ __device__ __forceinline__ int fa2_first(const unsigned* pos, i64 b, int t_len, 
 template <typename T, int D>
 __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, int t_len,
                                  int n_head, int n_kv, float scale, const unsigned* pos) {
-#if FA2_ON
+#if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
     constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
     __shared__ __align__(128) T qs[FA2_BM * SD];
@@ -264,8 +226,8 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
                 unsigned kf[4];
                 fa2_ldm(kf, ks + fa2_at<CH>(np * 16 + (lane & 7) + 8 * (lane >> 4),
                                             2 * kk + ((lane >> 3) & 1)));
-                fa2_mma(s[2 * np], qf[kk], kf, T());
-                fa2_mma(s[2 * np + 1], qf[kk], kf + 2, T());
+                tk_mma(s[2 * np], qf[kk], kf, T());
+                tk_mma(s[2 * np + 1], qf[kk], kf + 2, T());
             }
         }
 
@@ -289,7 +251,7 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
         float alpha[2], mu[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mx[r] = fa2_quad_max(mx[r]);
+            mx[r] = tk_quad_max(mx[r]);
             mu[r] = mx[r] == TK_NEG_INF ? 0.0f : mx[r];
             alpha[r] = fa2_exp2(m[r] - mu[r]);
             m[r] = mx[r];
@@ -327,8 +289,8 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
                 unsigned vf[4];
                 fa2_ldm_t(vf, vs + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                               2 * np + (lane >> 4)));
-                fa2_mma(o[2 * np], pa, vf, T());
-                fa2_mma(o[2 * np + 1], pa, vf + 2, T());
+                tk_mma(o[2 * np], pa, vf, T());
+                tk_mma(o[2 * np + 1], pa, vf + 2, T());
             }
         }
         fa2_wait_all();
@@ -338,7 +300,7 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
     const int c = n_head * D;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float sum = fa2_quad_sum(l[r]);
+        const float sum = tk_quad_sum(l[r]);
         if (row[r] >= t_len) continue;
         const float inv = 1.0f / sum;
         T* dst = out + ((i64)b * t_len + row[r]) * c + h * D + 2 * t4;
@@ -410,7 +372,7 @@ template <typename T, int D>
 __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const float* lse,
                                   const float* delta, const T* qkv, int batch, int t_len,
                                   int n_head, int n_kv, float scale, const unsigned* pos) {
-#if FA2_ON
+#if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
     constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT, BM = Dm::BWD_BM;
     constexpr int CHB = BM / 8;  // chunks a row of the dSᵀ tile holds
@@ -491,10 +453,10 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                 const int br = np * 16 + (lane & 7) + 8 * (lane >> 4), bc = 2 * kk + ((lane >> 3) & 1);
                 fa2_ldm(qf, qs + fa2_at<CH>(br, bc));
                 fa2_ldm(of, dos + fa2_at<CH>(br, bc));
-                fa2_mma(st[2 * np], kf, qf, T());
-                fa2_mma(st[2 * np + 1], kf, qf + 2, T());
-                fa2_mma(dpt[2 * np], vf, of, T());
-                fa2_mma(dpt[2 * np + 1], vf, of + 2, T());
+                tk_mma(st[2 * np], kf, qf, T());
+                tk_mma(st[2 * np + 1], kf, qf + 2, T());
+                tk_mma(dpt[2 * np], vf, of, T());
+                tk_mma(dpt[2 * np + 1], vf, of + 2, T());
             }
         }
         // pᵀ and dsᵀ.
@@ -531,10 +493,10 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                 const int br = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), bc = 2 * np + (lane >> 4);
                 fa2_ldm_t(of, dos + fa2_at<CH>(br, bc));
                 fa2_ldm_t(qf, qs + fa2_at<CH>(br, bc));
-                fa2_mma(dv[2 * np], pa, of, T());
-                fa2_mma(dv[2 * np + 1], pa, of + 2, T());
-                fa2_mma(dk[2 * np], da, qf, T());
-                fa2_mma(dk[2 * np + 1], da, qf + 2, T());
+                tk_mma(dv[2 * np], pa, of, T());
+                tk_mma(dv[2 * np + 1], pa, of + 2, T());
+                tk_mma(dk[2 * np], da, qf, T());
+                tk_mma(dk[2 * np + 1], da, qf + 2, T());
             }
         }
         __syncthreads();
@@ -570,8 +532,8 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                     unsigned kf[4];
                     fa2_ldm_t(kf, ks + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                                   2 * np + (lane >> 4)));
-                    fa2_mma(acc[p][0], a, kf, T());
-                    fa2_mma(acc[p][1], a, kf + 2, T());
+                    tk_mma(acc[p][0], a, kf, T());
+                    tk_mma(acc[p][1], a, kf + 2, T());
                 }
             }
         }

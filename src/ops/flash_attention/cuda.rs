@@ -66,9 +66,6 @@ pub(crate) const MMA_KERNELS: KernelFile = KernelFile {
 const MMA_HEADS: [usize; 4] = [64, 80, 96, 128];
 /// Threads of a tensor-core block (`FA2_THREADS`).
 const MMA_THREADS: u32 = 128;
-/// Rows of a tensor-core tile (`FA2_BM`, `FA2_BN`): queries of a forward block, keys of a
-/// backward block.
-const MMA_TILE: usize = 64;
 
 /// The head size whose tensor-core kernels run this call, or `None` for the tiled
 /// kernels: bf16 or f16, a head of 64, 80, 96 or 128 columns, a device of compute
@@ -92,26 +89,10 @@ fn mma_head(be: &CudaBackend, d: &Dims, tensors: &[&Tensor]) -> Result<Option<us
     Ok(Some(hd))
 }
 
-/// Blocks of a tensor-core launch: one per (64-row tile, head of `heads`, batch row).
-fn mma_blocks(d: &Dims, heads: usize, op: &'static str) -> Result<u32> {
-    let n = d.b * heads * d.t.div_ceil(MMA_TILE);
-    u32::try_from(n)
-        .ok()
-        .filter(|&n| n as usize <= MAX_GRID_X)
-        .ok_or_else(|| {
-            Error::shape(
-                op,
-                format!(
-                    "{n} blocks do not fit in a grid (at most {MAX_GRID_X}); use a smaller \
-                     batch or context"
-                ),
-            )
-        })
-}
-
 /// Threads of a tiled block (`FA_THREADS`: four warps).
 const THREADS: u32 = 128;
-/// Rows of a block's tile (`FA_BQ`): query rows (forward, dQ) or key rows (dK, dV).
+/// Rows of a block's tile (`FA_BQ`, and the tensor-core kernels' `FA2_BM` and `FA2_BN`):
+/// query rows (forward, dQ) or key rows (dK, dV).
 const TILE: usize = 64;
 /// Output columns of a forward block (`FA_FWD_OC`).
 const FORWARD_COLS: usize = 128;
@@ -122,7 +103,8 @@ const BACKWARD_COLS: usize = 64;
 const MAX_GRID_X: usize = (1 << 31) - 1;
 
 /// Blocks of a launch: one per (batch row, head of `heads`, 64-row tile of the sequence,
-/// chunk of `cols` columns of a head), at most [`MAX_GRID_X`].
+/// chunk of `cols` columns of a head), at most [`MAX_GRID_X`]. The tensor-core kernels
+/// take whole heads: `cols` is the head size.
 fn blocks(d: &Dims, heads: usize, cols: usize, op: &'static str) -> Result<u32> {
     let n = d.b * heads * d.t.div_ceil(TILE) * d.hs().div_ceil(cols);
     match u32::try_from(n) {
@@ -161,7 +143,7 @@ pub(crate) fn forward(
     if let Some(hd) = mma_head(be, &d, &[out, qkv])? {
         return be.launch(
             &format!("flash_attention_mma_forward_d{hd}_{}", qkv.dtype()),
-            mma_blocks(&d, heads.n_head, OP)?,
+            blocks(&d, heads.n_head, d.hs(), OP)?,
             MMA_THREADS,
             Args::new()
                 .ptr(ptr(out)?)
@@ -303,7 +285,7 @@ fn mma_backward(
     let pos = be.positions(positions)?;
     be.launch(
         &format!("flash_attention_mma_backward_d{hd}_{dt}"),
-        mma_blocks(d, heads.n_kv_head, OP)?,
+        blocks(d, heads.n_kv_head, d.hs(), OP)?,
         MMA_THREADS,
         dims(
             Args::new()
