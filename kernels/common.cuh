@@ -80,6 +80,93 @@ __device__ __forceinline__ float half_max(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Warp rows: a warp per row for rows that are read at full bandwidth. Lane l holds 8
+// consecutive elements of every 256, [256·t + 8·l, 256·t + 8·l + 8), read in 16-byte loads
+// (one for bf16 and f16, two for f32) when the row allows. A sum over the row accumulates
+// element e in slot e mod 256 (lane (e mod 256) / 8, register e mod 8) in order of e, then
+// combines each lane's 8 slots pairwise at distances 4, 2, 1 and the lanes at distances 16,
+// 8, 4, 2, 1: the order of the CPU's `simd::warp_reduce` over 256 slots, so these sums are
+// bitwise equal to the CPU's. Kernels that use them are launched with blockDim.x a
+// multiple of 32 (any grid).
+
+#define TK_ROW_SLOTS 256
+
+__device__ __forceinline__ i64 global_warp() { return global_thread() / 32; }
+__device__ __forceinline__ i64 global_warps() { return global_threads() / 32; }
+
+#define TK_FOR_EACH_WARP_ROW(row, rows) \
+    for (i64 row = global_warp(); row < (rows); row += global_warps())
+
+// Whether p is 16-byte aligned.
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return ((unsigned long long)p & 15ull) == 0;
+}
+
+// v = p[0..8) widened to f32, in 16-byte loads (p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load8_vec(float (&v)[8], const T* __restrict__ p) {
+    constexpr int per = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < 8; k += per) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p + k);
+        const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int j = 0; j < per; ++j) v[k + j] = load(e, j);
+    }
+}
+
+// p[0..8) = v rounded to T, in 16-byte stores (p 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store8_vec(T* __restrict__ p, const float (&v)[8]) {
+    constexpr int per = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < 8; k += per) {
+        uint4 u;
+        T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+        for (int j = 0; j < per; ++j) store(e, j, v[k + j]);
+        *reinterpret_cast<uint4*>(p + k) = u;
+    }
+}
+
+// v = p[i..i + 8) widened to f32, elements at or past n read as 0: in 16-byte loads when
+// `vec` (n a multiple of 8 and p 16-byte aligned, so a chunk that starts below n is whole).
+template <typename T>
+__device__ __forceinline__ void load8(float (&v)[8], const T* __restrict__ p, int i, int n,
+                                      bool vec) {
+    if (vec) {
+        load8_vec(v, p + i);
+    } else {
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = i + m < n ? load(p, i + m) : 0.0f;
+    }
+}
+
+// p[i..i + 8) = v, elements at or past n left alone; 16-byte stores when `vec`.
+template <typename T>
+__device__ __forceinline__ void store8(T* __restrict__ p, int i, int n, bool vec,
+                                      const float (&v)[8]) {
+    if (vec) {
+        store8_vec(p + i, v);
+    } else {
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            if (i + m < n) store(p, i + m, v[m]);
+        }
+    }
+}
+
+// The row sum of slots accumulated as above: the lane's 8 slots pairwise at distances 4,
+// 2, 1, then the lanes at 16, 8, 4, 2, 1. Every lane ends with the total.
+__device__ __forceinline__ float warp_row_sum(const float (&a)[8]) {
+    const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+    float v = (b0 + b2) + (b1 + b3);
+#pragma unroll
+    for (int w = 16; w > 0; w >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, w);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
 // exp, the CPU's `simd::exp` operation for operation: the same clamp, the same Cody-Waite
 // reduction and degree-7 polynomial, the same constants (hex literals of the CPU's f32
 // values). With --fmad=false every step rounds as on the CPU, so the results are equal

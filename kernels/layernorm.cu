@@ -4,8 +4,9 @@
 // Layouts: x, out, dout, dx are [rows, C]; weight, bias, dweight, dbias have C elements;
 // stats is [rows, 2] f32 = (mean, rstd).
 //
-// Row statistics run on a half-warp per row (16 lanes, the CPU's lane order), so mean,
-// rstd and the output are bitwise equal to the CPU's. The parameter gradients are summed
+// Row statistics run on a half-warp per row (16 lanes, the CPU's lane order), and the
+// input gradient on a warp per row (256 slots, the CPU's slot order), so mean, rstd, the
+// output and dx are bitwise equal to the CPU's. The parameter gradients are summed
 // in two passes without atomics: `layernorm_backward_params_*` writes the partial sums of
 // each block of TK_LN_ROW_BLOCK rows (the CPU's ROW_BLOCK) to an f32 workspace
 // [blocks, 2, C], and `layernorm_backward_params_finish_*` adds them to dweight and dbias
@@ -42,30 +43,56 @@ __device__ void layernorm_impl(T* out, float* stats, const T* x, const T* weight
 }
 
 // dx += rstd * (dn - mean(dn) - norm * mean(dn * norm)), dn = weight * dout,
-// norm = (x - mean) * rstd.
+// norm = (x - mean) * rstd. A warp per row (common.cuh's warp rows): the two sums in the
+// CPU's slot order, the row read in 16-byte loads (its second reading mostly from L1).
 template <typename T>
-__device__ void layernorm_backward_dx_impl(T* dx, const T* dout, const T* x, const T* weight,
-                                           const float* stats, i64 rows, i64 c) {
-    const int lane = lane16();
-    TK_FOR_EACH_ROW(row, rows) {
-        const i64 base = row * c;
+__device__ void layernorm_backward_dx_impl(T* __restrict__ dx, const T* __restrict__ dout,
+                                           const T* __restrict__ x,
+                                           const T* __restrict__ weight,
+                                           const float* __restrict__ stats, i64 rows, i64 c64) {
+    const int c = (int)c64;
+    const int lane = threadIdx.x & 31;
+    const bool vec = c % 8 == 0 && aligned16(dx) && aligned16(dout) && aligned16(x) &&
+                     aligned16(weight);
+    TK_FOR_EACH_WARP_ROW(row, rows) {
+        const T* xr = x + row * c64;
+        const T* dr = dout + row * c64;
+        T* dxr = dx + row * c64;
         const float mean = stats[2 * row], rstd = stats[2 * row + 1];
-        float acc_dn = 0.0f, acc_dnn = 0.0f;
-#pragma unroll 4
-        for (int i = lane; i < (int)c; i += TK_LANES) {
-            float norm = (load(x, base + i) - mean) * rstd;
-            float dn = load(weight, i) * load(dout, base + i);
-            acc_dn += dn;
-            acc_dnn += dn * norm;
+        float acc_dn[8], acc_dnn[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc_dn[m] = acc_dnn[m] = 0.0f;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], dv[8], wv[8];
+            load8(xv, xr, i, c, vec);
+            load8(dv, dr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
+                const float norm = (xv[m] - mean) * rstd;
+                const float dn = wv[m] * dv[m];
+                acc_dn[m] += dn;
+                acc_dnn[m] += dn * norm;
+            }
         }
-        // The CPU sums its 16 accumulators with `simd::sum`, which starts from 0.
-        const float mean_dn = half_sum(0.0f + acc_dn) / (float)c;
-        const float mean_dn_n = half_sum(0.0f + acc_dnn) / (float)c;
-#pragma unroll 4
-        for (int i = lane; i < (int)c; i += TK_LANES) {
-            float norm = (load(x, base + i) - mean) * rstd;
-            float dn = load(weight, i) * load(dout, base + i);
-            store(dx, base + i, load(dx, base + i) + rstd * (dn - mean_dn - norm * mean_dn_n));
+        const float mean_dn = warp_row_sum(acc_dn) / (float)c;
+        const float mean_dn_n = warp_row_sum(acc_dnn) / (float)c;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], dv[8], wv[8], o[8];
+            load8(xv, xr, i, c, vec);
+            load8(dv, dr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+            load8(o, dxr, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const float norm = (xv[m] - mean) * rstd;
+                const float dn = wv[m] * dv[m];
+                o[m] = o[m] + rstd * (dn - mean_dn - norm * mean_dn_n);
+            }
+            store8(dxr, i, c, vec, o);
         }
     }
 }

@@ -4,7 +4,8 @@
 // Layouts: x, out, dout, dx are [rows, C]; weight and dweight have C elements; rstd is
 // [rows] f32.
 //
-// Row sums run on a half-warp per row (16 lanes, the CPU's lane order), so rstd, the
+// The forward's row sums run on a half-warp per row (16 lanes, the CPU's lane order) and
+// the input gradient's on a warp per row (256 slots, the CPU's slot order), so rstd, the
 // output and dx are bitwise equal to the CPU's. The weight gradient is summed in two
 // passes without atomics: `rmsnorm_backward_params_*` writes the partial sums of each
 // block of TK_RMS_ROW_BLOCK rows (the CPU's ROW_BLOCK) to an f32 workspace [blocks, C], and
@@ -33,25 +34,48 @@ __device__ void rmsnorm_impl(T* out, float* rstd_out, const T* x, const T* weigh
     }
 }
 
-// dx += rstd * (w·dy − x · k), k = mean(w·dy·x) · rstd².
+// dx += rstd * (w·dy − x · k), k = mean(w·dy·x) · rstd². A warp per row (common.cuh's
+// warp rows): the sum in the CPU's slot order, the row read in 16-byte loads (its second
+// reading mostly from L1).
 template <typename T>
-__device__ void rmsnorm_backward_dx_impl(T* dx, const T* dout, const T* x, const T* weight,
-                                         const float* rstd, i64 rows, i64 c) {
-    const int lane = lane16();
-    TK_FOR_EACH_ROW(row, rows) {
-        const i64 base = row * c;
+__device__ void rmsnorm_backward_dx_impl(T* __restrict__ dx, const T* __restrict__ dout,
+                                         const T* __restrict__ x, const T* __restrict__ weight,
+                                         const float* __restrict__ rstd, i64 rows, i64 c64) {
+    const int c = (int)c64;
+    const int lane = threadIdx.x & 31;
+    const bool vec = c % 8 == 0 && aligned16(dx) && aligned16(dout) && aligned16(x) &&
+                     aligned16(weight);
+    TK_FOR_EACH_WARP_ROW(row, rows) {
+        const T* xr = x + row * c64;
+        const T* dr = dout + row * c64;
+        T* dxr = dx + row * c64;
         const float r = rstd[row];
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int i = lane; i < (int)c; i += TK_LANES) {
-            acc += load(weight, i) * load(dout, base + i) * load(x, base + i);
+        float acc[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], dv[8], wv[8];
+            load8(xv, xr, i, c, vec);
+            load8(dv, dr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
+                acc[m] += wv[m] * dv[m] * xv[m];
+            }
         }
-        // The CPU sums its 16 accumulators with `simd::sum`, which starts from 0.
-        const float k = half_sum(0.0f + acc) / (float)c * r * r;
-#pragma unroll 4
-        for (int i = lane; i < (int)c; i += TK_LANES) {
-            float g = r * (load(weight, i) * load(dout, base + i) - load(x, base + i) * k);
-            store(dx, base + i, load(dx, base + i) + g);
+        const float k = warp_row_sum(acc) / (float)c * r * r;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], dv[8], wv[8], o[8];
+            load8(xv, xr, i, c, vec);
+            load8(dv, dr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+            load8(o, dxr, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) o[m] = o[m] + r * (wv[m] * dv[m] - xv[m] * k);
+            store8(dxr, i, c, vec, o);
         }
     }
 }

@@ -611,7 +611,8 @@ fn layernorm_and_gelu_match_the_cpu() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(4);
     for (name, cuda) in cuda_backends() {
-        for &(rows, c) in &[(1usize, 1usize), (3, 17), (130, 48), (40, 100)] {
+        // Widths of one and of several warp rows (256 columns), vector loads and not.
+        for &(rows, c) in &[(1usize, 1usize), (3, 17), (130, 48), (40, 100), (9, 600)] {
             for dt in DTYPES {
                 let x = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 2.0), &[rows, c], dt);
                 let w = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);
@@ -1907,8 +1908,9 @@ fn llama_ops_match_the_cpu() {
     let mut rng = Rng::new(11);
     for (name, cuda) in cuda_backends() {
         for dt in DTYPES {
-            // RMSNorm over 1 and over 2 blocks of 128 rows, widths off the 16 lanes.
-            for (rows, c) in [(5usize, 24usize), (130, 40)] {
+            // RMSNorm over 1 and over 2 blocks of 128 rows, widths off the 16 lanes, of
+            // several warp rows (256 columns), and not a multiple of 8 (no vector loads).
+            for (rows, c) in [(5usize, 24usize), (130, 40), (9, 600), (3, 13)] {
                 let what = format!("rmsnorm {rows}x{c} {dt}");
                 let x = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
                 let w = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);

@@ -167,6 +167,22 @@ pub(crate) fn reduce<const N: usize>(acc: [f32; N]) -> f32 {
     a[0]
 }
 
+/// Slots of the row sums in [`warp_reduce`]: the CUDA warp-per-row kernels' 32 lanes of 8
+/// consecutive elements (common.cuh's warp rows). Element `i` of a row adds into slot
+/// `i % ROW_SLOTS`, in order of `i`.
+pub(crate) const ROW_SLOTS: usize = 256;
+
+/// The sum of [`ROW_SLOTS`] partial sums in the order of the warp-per-row kernels: each
+/// lane's 8 slots pairwise at distances 4, 2, 1, then the 32 lanes at 16, 8, 4, 2, 1.
+#[inline(always)]
+pub(crate) fn warp_reduce(acc: &[f32; ROW_SLOTS]) -> f32 {
+    let mut lanes = [0f32; 32];
+    for (l, a) in lanes.iter_mut().zip(acc.chunks_exact(8)) {
+        *l = reduce([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+    }
+    reduce(lanes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -384,6 +384,13 @@ impl CudaBackend {
             .clamp(1, self.gpu.max_blocks() as usize * 4) as u32
     }
 
+    /// Blocks (of [`BLOCK`] threads) for a warp-per-row kernel over `rows` rows
+    /// (kernels/common.cuh's warp rows).
+    pub fn grid_warp_rows(&self, rows: usize) -> u32 {
+        rows.div_ceil(BLOCK as usize / 32)
+            .clamp(1, self.gpu.max_blocks() as usize * 8) as u32
+    }
+
     /// Makes the kernels of `file` (CUDA C written outside trainkit) launchable by
     /// [`CudaBackend::launch_kernel`]: on a GPU, compiled by NVRTC for the device (with
     /// `kernels/common.cuh` prepended, and the kernel cache on disk) and loaded the first

@@ -1,7 +1,7 @@
 //! Layer normalization over the last dimension, statistics in f32.
 
 use crate::device::cpu::elementwise::ROW_BLOCK;
-use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::simd::{self, simd_fn, ROW_SLOTS};
 use crate::device::cpu::{read, write};
 use crate::error::Result;
 use crate::tensor::{Storage, Tensor};
@@ -116,9 +116,13 @@ simd_fn! {
     fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], st: &[f32]) {
         let c = x.len();
         let (mean, rstd) = (st[0], st[1]);
-        let mut acc_dn = [0f32; 16];
-        let mut acc_dnn = [0f32; 16];
-        for (xc, (dc, wc)) in x.chunks(16).zip(d.chunks(16).zip(w.chunks(16))) {
+        // The slots of the CUDA kernel's warp per row, summed in its order.
+        let mut acc_dn = [0f32; ROW_SLOTS];
+        let mut acc_dnn = [0f32; ROW_SLOTS];
+        for (xc, (dc, wc)) in x
+            .chunks(ROW_SLOTS)
+            .zip(d.chunks(ROW_SLOTS).zip(w.chunks(ROW_SLOTS)))
+        {
             for i in 0..xc.len() {
                 let norm = (xc[i] - mean) * rstd;
                 let dn = wc[i] * dc[i];
@@ -126,8 +130,8 @@ simd_fn! {
                 acc_dnn[i] += dn * norm;
             }
         }
-        let mean_dn = simd::sum(&acc_dn) / c as f32;
-        let mean_dn_n = simd::sum(&acc_dnn) / c as f32;
+        let mean_dn = simd::warp_reduce(&acc_dn) / c as f32;
+        let mean_dn_n = simd::warp_reduce(&acc_dnn) / c as f32;
         for i in 0..c {
             let norm = (x[i] - mean) * rstd;
             let dn = w[i] * d[i];

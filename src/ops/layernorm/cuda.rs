@@ -89,7 +89,7 @@ pub(crate) fn backward(
     let weight = be.as_dtype(weight, dt)?;
     be.launch(
         &format!("layernorm_backward_dx_{dx_dt}"),
-        be.grid_rows(rows),
+        be.grid_warp_rows(rows),
         BLOCK,
         Args::new()
             .ptr(ptr(dx)?)

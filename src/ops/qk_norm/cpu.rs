@@ -1,13 +1,15 @@
 //! The per-head q/k norm on the CPU, the reference of `kernels/qk_norm.cu`: each query
-//! and key head is a row of [`crate::ops::rmsnorm`]'s CPU twin (the same 16-lane sums),
+//! and key head is a row of [`crate::ops::rmsnorm`]'s CPU twin (its forward; the input
+//! gradient's sum in 16 lanes, as the kernel's half-warp per head),
 //! and each gain's gradient is summed over its group's rows (token after token) per block
 //! of `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
 
 use crate::device::cpu::elementwise::ROW_BLOCK;
+use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write};
 use crate::device::Heads;
 use crate::error::Result;
-use crate::ops::rmsnorm::cpu::{forward_row, input_grad_row, weight_grad_row};
+use crate::ops::rmsnorm::cpu::{forward_row, weight_grad_row};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -110,4 +112,22 @@ pub(crate) fn backward(
         });
     }
     Ok(())
+}
+
+simd_fn! {
+    /// One head's input gradient, `dx += rstd·(w·dy − x·rstd²·mean(w·dy·x))`, its sum in 16
+    /// interleaved lanes (the kernel's half-warp per head).
+    fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], rstd: f32) {
+        let c = x.len();
+        let mut acc = [0f32; 16];
+        for (xc, (dc, wc)) in x.chunks(16).zip(d.chunks(16).zip(w.chunks(16))) {
+            for i in 0..xc.len() {
+                acc[i] += wc[i] * dc[i] * xc[i];
+            }
+        }
+        let k = simd::sum(&acc) / c as f32 * rstd * rstd;
+        for i in 0..c {
+            o[i] += rstd * (w[i] * d[i] - x[i] * k);
+        }
+    }
 }

@@ -5,7 +5,7 @@
 //! `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
 
 use crate::device::cpu::elementwise::ROW_BLOCK;
-use crate::device::cpu::simd::{self, simd_fn};
+use crate::device::cpu::simd::{self, simd_fn, ROW_SLOTS};
 use crate::device::cpu::{read, write};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -100,13 +100,17 @@ simd_fn! {
 simd_fn! {
     pub(crate) fn input_grad_row(o: &mut [f32], x: &[f32], d: &[f32], w: &[f32], rstd: f32) {
         let c = x.len();
-        let mut acc = [0f32; 16];
-        for (xc, (dc, wc)) in x.chunks(16).zip(d.chunks(16).zip(w.chunks(16))) {
+        // The slots of the CUDA kernel's warp per row, summed in its order.
+        let mut acc = [0f32; ROW_SLOTS];
+        for (xc, (dc, wc)) in x
+            .chunks(ROW_SLOTS)
+            .zip(d.chunks(ROW_SLOTS).zip(w.chunks(ROW_SLOTS)))
+        {
             for i in 0..xc.len() {
                 acc[i] += wc[i] * dc[i] * xc[i];
             }
         }
-        let k = simd::sum(&acc) / c as f32 * rstd * rstd;
+        let k = simd::warp_reduce(&acc) / c as f32 * rstd * rstd;
         for i in 0..c {
             o[i] += rstd * (w[i] * d[i] - x[i] * k);
         }

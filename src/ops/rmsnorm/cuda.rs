@@ -82,7 +82,7 @@ pub(crate) fn backward(
     let weight = be.as_dtype(weight, dt)?;
     be.launch(
         &format!("rmsnorm_backward_dx_{dt}"),
-        be.grid_rows(rows),
+        be.grid_warp_rows(rows),
         BLOCK,
         Args::new()
             .ptr(ptr(dx)?)
