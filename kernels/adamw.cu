@@ -61,3 +61,150 @@ TK_ADAMW(bf16, bf16, bf16, bf16, float, )
 TK_ADAMW(f16, f16, f16, f16, float, )
 TK_ADAMW(float, f32, bf16, bf16, bf16, _bf16m)
 TK_ADAMW(bf16, bf16, bf16, bf16, bf16, _bf16m)
+
+// ---------------------------------------------------------------------------------------
+// Many tensors in one launch: `adamw_multi_{G}_{C}{M}` updates up to TK_ADAMW_TENSORS
+// parameter tensors of the same dtypes, each element exactly as `adamw_*` updates it (the
+// same operations in the same order, so bitwise the same). The tensors travel by value in
+// the launch's parameters; block b takes the b-th chunk of TK_ADAMW_CHUNK elements, counting
+// the tensors' chunks in order, and each thread 8 consecutive elements of it (16-byte loads
+// and stores where the tensor's buffers are aligned and the 8 are whole). Each tensor has
+// its own decay factor (1 − lr · its weight decay, from the host); `compute` may be null.
+
+#define TK_ADAMW_TENSORS 32
+#define TK_ADAMW_CHUNK 2048
+
+struct AdamWTensor {
+    float* param;
+    const void* grad;
+    void* m;
+    void* v;
+    void* compute;
+    i64 n;
+    float decay;
+    int unused;
+};
+
+struct AdamWTable {
+    AdamWTensor t[TK_ADAMW_TENSORS];
+    i64 count;
+};
+
+// The update of 8 elements held in registers: as adamw_impl, element by element.
+template <typename M>
+__device__ __forceinline__ void adamw_elements(float (&p)[8], const float (&g)[8],
+                                               float (&m)[8], float (&v)[8], float beta1,
+                                               float beta2, float eps, float grad_scale,
+                                               float step_size, float bc2_sqrt,
+                                               float decay) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float gj = g[j] * grad_scale;
+        float mi = beta1 * m[j] + (1.0f - beta1) * gj;
+        float vi = beta2 * v[j] + (1.0f - beta2) * gj * gj;
+        // A bf16 moment is used as stored (rounded), as adamw_impl reads it back.
+        M ms[1], vs[1];
+        store(ms, 0, mi);
+        store(vs, 0, vi);
+        mi = load(ms, 0);
+        vi = load(vs, 0);
+        m[j] = mi;
+        v[j] = vi;
+        const float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p[j] = p[j] * decay - step_size * mi / denom;
+    }
+}
+
+template <typename G, typename C, typename M>
+__device__ void adamw_multi_impl(const AdamWTable& tab, const float* scale, float beta1,
+                                 float beta2, float eps, float grad_scale, float step_size,
+                                 float bc2_sqrt) {
+    if (scale != nullptr) {
+        const float s = scale[0];
+        if (!isfinite(s)) return;
+        grad_scale *= s;
+    }
+    // This block's tensor and chunk.
+    i64 b = blockIdx.x;
+    int k = 0;
+    for (; k < (int)tab.count; ++k) {
+        const i64 chunks = (tab.t[k].n + TK_ADAMW_CHUNK - 1) / TK_ADAMW_CHUNK;
+        if (b < chunks) break;
+        b -= chunks;
+    }
+    if (k >= (int)tab.count) return;
+    const AdamWTensor t = tab.t[k];
+    float* __restrict__ param = t.param;
+    const G* __restrict__ grad = static_cast<const G*>(t.grad);
+    M* __restrict__ mp = static_cast<M*>(t.m);
+    M* __restrict__ vp = static_cast<M*>(t.v);
+    C* __restrict__ compute = static_cast<C*>(t.compute);
+    const float dk = t.decay;
+    const i64 i = b * TK_ADAMW_CHUNK + 8 * (i64)threadIdx.x;
+    for (i64 base = i; base < min(t.n, (b + 1) * TK_ADAMW_CHUNK);
+         base += 8 * (i64)blockDim.x) {
+        const bool whole = base + 8 <= t.n;
+        const bool vec = whole && aligned16(param + base) && aligned16(grad + base) &&
+                         aligned16(mp + base) && aligned16(vp + base) &&
+                         (compute == nullptr || aligned16(compute + base));
+        float p[8], g[8], m[8], v[8];
+        if (vec) {
+#pragma unroll
+            for (int j = 0; j < 8; j += 4) {
+                const float4 q = *reinterpret_cast<const float4*>(param + base + j);
+                p[j] = q.x;
+                p[j + 1] = q.y;
+                p[j + 2] = q.z;
+                p[j + 3] = q.w;
+            }
+            load8_vec(g, grad + base);
+            load8_vec(m, mp + base);
+            load8_vec(v, vp + base);
+            adamw_elements<M>(p, g, m, v, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt,
+                              dk);
+            store8_vec(mp + base, m);
+            store8_vec(vp + base, v);
+#pragma unroll
+            for (int j = 0; j < 8; j += 4) {
+                *reinterpret_cast<float4*>(param + base + j) =
+                    make_float4(p[j], p[j + 1], p[j + 2], p[j + 3]);
+            }
+            if (compute != nullptr) store8_vec(compute + base, p);
+        } else {
+            const int n = (int)min((i64)8, t.n - base);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const bool in = j < n;
+                p[j] = in ? param[base + j] : 0.0f;
+                g[j] = in ? load(grad, base + j) : 0.0f;
+                m[j] = in ? load(mp, base + j) : 0.0f;
+                v[j] = in ? load(vp, base + j) : 0.0f;
+            }
+            adamw_elements<M>(p, g, m, v, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt,
+                              dk);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j < n) {
+                    store(mp, base + j, m[j]);
+                    store(vp, base + j, v[j]);
+                    param[base + j] = p[j];
+                    if (compute != nullptr) store(compute, base + j, p[j]);
+                }
+            }
+        }
+    }
+}
+
+#define TK_ADAMW_MULTI(G, GN, C, CN, M, MN)                                                 \
+    extern "C" __global__ void adamw_multi_##GN##_##CN##MN(                                 \
+        AdamWTable tab, const float* scale, float beta1, float beta2, float eps,            \
+        float grad_scale, float step_size, float bc2_sqrt) {                                \
+        adamw_multi_impl<G, C, M>(tab, scale, beta1, beta2, eps, grad_scale, step_size,     \
+                                  bc2_sqrt);                                                \
+    }
+TK_ADAMW_MULTI(float, f32, bf16, bf16, float, )
+TK_ADAMW_MULTI(float, f32, f16, f16, float, )
+TK_ADAMW_MULTI(bf16, bf16, bf16, bf16, float, )
+TK_ADAMW_MULTI(f16, f16, f16, f16, float, )
+TK_ADAMW_MULTI(float, f32, bf16, bf16, bf16, _bf16m)
+TK_ADAMW_MULTI(bf16, bf16, bf16, bf16, bf16, _bf16m)

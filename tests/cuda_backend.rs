@@ -1095,6 +1095,122 @@ fn four_adamw_steps(
     after_3
 }
 
+/// The CPU's or the device's tensor of a pair.
+fn side(t: &mut Pair, on_cpu: bool) -> &mut Tensor {
+    if on_cpu {
+        &mut t.cpu
+    } else {
+        &mut t.cuda
+    }
+}
+
+/// AdamW over many tensors at once (`update_many`: a few launches of the multi-tensor
+/// kernels) gives the CPU's bits for every tensor: sizes off and on the kernels' 8-element
+/// groups and 2048-element blocks, more tensors of one kind than a launch takes (32), every
+/// dtype combination the kernels have plus a compute copy they cannot write (f32, cast
+/// after), tensors with and without weight decay, over three steps: plain, with a device
+/// scale, and with a NaN scale that must change nothing.
+#[test]
+fn adamw_over_many_tensors_matches_the_cpu_bit_for_bit() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(23);
+    // (gradient, moments, compute copy)
+    let kinds = [
+        (DType::F32, DType::F32, Some(DType::Bf16)),
+        (DType::Bf16, DType::F32, Some(DType::Bf16)),
+        (DType::F32, DType::F32, None),
+        (DType::F16, DType::F32, Some(DType::F16)),
+        (DType::F32, DType::F32, Some(DType::F16)),
+        (DType::F32, DType::Bf16, Some(DType::Bf16)),
+        (DType::Bf16, DType::Bf16, None),
+        (DType::F32, DType::F32, Some(DType::F32)),
+    ];
+    let sizes = [1usize, 7, 8, 2048, 2049, 5000, 300];
+    for (name, cuda) in cuda_backends() {
+        // 40 tensors of the first kind (two launches), 5 of each other kind.
+        let mut specs = vec![];
+        for i in 0..40 {
+            specs.push((kinds[0], sizes[i % sizes.len()], i % 3 != 0));
+        }
+        for (k, kind) in kinds.iter().enumerate().skip(1) {
+            for i in 0..5 {
+                specs.push((*kind, sizes[(i + k) % sizes.len()], (i + k) % 2 == 0));
+            }
+        }
+        let mut state: Vec<[Pair; 5]> = specs
+            .iter()
+            .map(|&((dg, dm, dc), n, _)| {
+                let zeros = vec![0.0; n];
+                [
+                    pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], DType::F32),
+                    pair(&cpu, &cuda, &randn(&mut rng, n, 0.1), &[n], dg),
+                    pair(&cpu, &cuda, &zeros, &[n], dm),
+                    pair(&cpu, &cuda, &zeros, &[n], dm),
+                    pair(&cpu, &cuda, &zeros, &[n], dc.unwrap_or(DType::F32)),
+                ]
+            })
+            .collect();
+        let scales = [
+            pair(&cpu, &cuda, &[0.7], &[1], DType::F32),
+            pair(&cpu, &cuda, &[f32::NAN], &[1], DType::F32),
+        ];
+        for step in 1..=3u64 {
+            let scale = match step {
+                2 => Some(&scales[0]),
+                3 => Some(&scales[1]),
+                _ => None,
+            };
+            let hp = AdamWStep {
+                lr: 6e-4,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step,
+                grad_scale: 0.5,
+            };
+            for on_cpu in [true, false] {
+                let be: &dyn Backend = if on_cpu { &cpu } else { &*cuda };
+                let mut tensors: Vec<adamw::AdamWTensor<'_>> = state
+                    .iter_mut()
+                    .zip(&specs)
+                    .map(
+                        |([p, g, m, v, w], &((_, _, dc), _, decays))| adamw::AdamWTensor {
+                            param: side(p, on_cpu),
+                            grad: if on_cpu { &g.cpu } else { &g.cuda },
+                            m: side(m, on_cpu),
+                            v: side(v, on_cpu),
+                            compute: dc.map(|_| side(w, on_cpu)),
+                            decays,
+                        },
+                    )
+                    .collect();
+                let s = scale.map(|s| if on_cpu { &s.cpu } else { &s.cuda });
+                adamw::update_many(be, &mut tensors, &hp, s).unwrap();
+            }
+        }
+        let bits = |be: &dyn Backend, t: &Tensor| -> Vec<u32> {
+            be.to_f32(t).unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for (i, (ts, &((dg, dm, dc), n, decays))) in state.iter().zip(&specs).enumerate() {
+            for (what, t) in ["value", "gradient", "exp_avg", "exp_avg_sq", "copy"]
+                .iter()
+                .zip(ts)
+            {
+                if *what == "copy" && dc.is_none() {
+                    continue;
+                }
+                assert_eq!(
+                    bits(&cpu, &t.cpu),
+                    bits(&*cuda, &t.cuda),
+                    "{name}: adamw over many tensors, tensor {i} (n {n}, gradient {dg}, \
+                     moments {dm}, copy {dc:?}, decays {decays}): {what}"
+                );
+            }
+        }
+    }
+}
+
 /// AdamW with bf16 moments gives the CPU's bits: values, both moments (updated in f32,
 /// stored rounded) and the bf16 compute copy, over four steps with an f32 or a bf16
 /// gradient, with and without the compute copy and a device scale, and a NaN scale that

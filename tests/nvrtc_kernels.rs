@@ -253,3 +253,41 @@ fn a_kernel_that_does_not_compile_reports_nvrtc_log() {
         .to_string();
     assert!(err.contains("broken.cu") && err.contains("\"y\""), "{err}");
 }
+
+/// The kernels written for bandwidth read in 16-byte loads and keep their operands in
+/// registers: the norms' input gradients (a warp per row) and the multi-tensor AdamW,
+/// whose table of tensors, passed by value and indexed by the block, is read from the
+/// parameter space rather than copied to local memory.
+#[test]
+fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
+    let Some((include, _)) = nvrtc_or_skip() else {
+        return;
+    };
+    let cases = [
+        ("layernorm.cu", "layernorm_backward_dx"),
+        ("rmsnorm.cu", "rmsnorm_backward_dx"),
+        ("adamw.cu", "adamw_multi_f32"),
+    ];
+    for arch in ARCHS {
+        for (file, prefix) in cases {
+            let file = KERNEL_FILES
+                .iter()
+                .find(|f| f.name == file)
+                .expect("a kernel file of trainkit's");
+            let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include))
+                .unwrap()
+                .ptx;
+            for kernel in file.kernels.iter().filter(|k| k.starts_with(prefix)) {
+                let body = entry_body(&ptx, kernel);
+                assert!(
+                    body.contains(".v4.u32") || body.contains(".v4.f32"),
+                    "{arch}: `{kernel}` has no 16-byte load or store"
+                );
+                assert!(
+                    !body.contains(".local"),
+                    "{arch}: `{kernel}` uses local memory"
+                );
+            }
+        }
+    }
+}

@@ -103,25 +103,14 @@ impl OpKernel for Update<'_> {
     }
 
     fn check(&self) -> Result<()> {
-        check(self.param, self.grad, self.m, self.v)?;
-        if let Some(s) = self.scale {
-            check_scale(s)?;
-        }
-        if let Some(c) = &self.compute {
-            same_len(c, self.param, "adamw")?;
-            ensure(
-                self.m.dtype() == DType::F32 || c.dtype() != DType::F16,
-                "adamw",
-                || {
-                    format!(
-                        "`{}`: bf16 moments with fp16 compute weights are not supported; keep \
-                         f32 moments with fp16",
-                        self.param.label()
-                    )
-                },
-            )?;
-        }
-        Ok(())
+        check_update(
+            self.param,
+            self.grad,
+            self.m,
+            self.v,
+            self.scale,
+            self.compute.as_deref(),
+        )
     }
 
     fn flops(&self) -> u64 {
@@ -148,6 +137,126 @@ impl OpKernel for Update<'_> {
             self.compute.as_deref_mut(),
         )
     }
+}
+
+/// One parameter tensor of [`update_many`]: its f32 value, gradient, moments, optional
+/// compute copy, and whether it takes the weight decay.
+#[derive(Debug)]
+pub struct AdamWTensor<'a> {
+    /// The f32 value the update writes (a master copy, or f32 weights).
+    pub param: &'a mut Tensor,
+    /// Its gradient.
+    pub grad: &'a Tensor,
+    /// The first moment.
+    pub m: &'a mut Tensor,
+    /// The second moment.
+    pub v: &'a mut Tensor,
+    /// The compute weights written beside the value, rounded to their dtype.
+    pub compute: Option<&'a mut Tensor>,
+    /// Whether [`AdamWStep::weight_decay`] applies (else the tensor takes none).
+    pub decays: bool,
+}
+
+/// [`update`] of many tensors: each exactly as [`update`] would update it, with
+/// `hp.weight_decay` for the tensors that decay and none for the others. On a GPU the
+/// tensors of the same dtypes share a launch (up to 32 a launch), instead of one launch
+/// each.
+pub fn update_many(
+    be: &dyn Backend,
+    tensors: &mut [AdamWTensor<'_>],
+    hp: &AdamWStep,
+    scale: Option<&Tensor>,
+) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    be.run(&mut UpdateMany { tensors, hp, scale })
+}
+
+/// The call of [`update_many`].
+struct UpdateMany<'a, 'b> {
+    tensors: &'a mut [AdamWTensor<'b>],
+    hp: &'a AdamWStep,
+    scale: Option<&'a Tensor>,
+}
+
+impl UpdateMany<'_, '_> {
+    /// The hyper-parameters of tensor `t`: its weight decay or none.
+    fn step_of(hp: &AdamWStep, t: &AdamWTensor<'_>) -> AdamWStep {
+        AdamWStep {
+            weight_decay: if t.decays { hp.weight_decay } else { 0.0 },
+            ..*hp
+        }
+    }
+}
+
+impl OpKernel for UpdateMany<'_, '_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn label(&self) -> &str {
+        self.tensors[0].param.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        self.tensors.iter().try_for_each(|t| {
+            check_update(t.param, t.grad, t.m, t.v, self.scale, t.compute.as_deref())
+        })
+    }
+
+    fn flops(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| each(t.param.numel(), FLOPS))
+            .sum()
+    }
+
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        for t in self.tensors.iter_mut() {
+            let hp = Self::step_of(self.hp, t);
+            cpu::update(t.param, t.grad, t.m, t.v, &hp, self.scale)?;
+            if let Some(c) = t.compute.as_deref_mut() {
+                cast(c, t.param);
+            }
+        }
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::update_many(be, self.tensors, self.hp, self.scale)
+    }
+}
+
+/// Checks one update's operands: [`check`], the scale, and the compute copy's length and
+/// dtype.
+fn check_update(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    scale: Option<&Tensor>,
+    compute: Option<&Tensor>,
+) -> Result<()> {
+    check(param, grad, m, v)?;
+    if let Some(s) = scale {
+        check_scale(s)?;
+    }
+    if let Some(c) = compute {
+        same_len(c, param, "adamw")?;
+        ensure(
+            m.dtype() == DType::F32 || c.dtype() != DType::F16,
+            "adamw",
+            || {
+                format!(
+                    "`{}`: bf16 moments with fp16 compute weights are not supported; keep f32 \
+                 moments with fp16",
+                    param.label()
+                )
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Checks AdamW's operands (the contract every backend shares): an f32 value, both
@@ -318,13 +427,16 @@ impl Optimizer for AdamW {
         step: u64,
     ) -> Result<()> {
         self.validate()?;
+        // Every tensor's state first (zeros at the first step), then one update of them
+        // all (a few launches on a GPU).
+        let mut tensors = Vec::new();
         for p in params.iter_mut().filter(|p| p.trains()) {
-            let decay = if p.decays() { self.weight_decay } else { 0.0 };
+            let decays = p.decays();
             let name = p.name().to_string();
             let shape = p.shape().to_vec();
             let moments = self.moment_dtype(p.kept_dtype());
             let parts = p.update_parts_fused()?;
-            let (value, grad, state) = (parts.value, parts.grad, parts.state);
+            let state = parts.state;
             if state.is_empty() {
                 state.push(backend.zeros(
                     &shape,
@@ -340,26 +452,29 @@ impl Optimizer for AdamW {
                 )?);
             }
             let (m, v) = state.split_at_mut(1);
-            update(
-                backend,
-                value,
-                grad,
-                &mut m[0],
-                &mut v[0],
-                &AdamWStep {
-                    lr,
-                    beta1: self.beta1,
-                    beta2: self.beta2,
-                    eps: self.eps,
-                    weight_decay: decay,
-                    step,
-                    grad_scale: 1.0,
-                },
-                Some(grad_scale.tensor()),
-                parts.compute,
-            )?;
+            tensors.push(AdamWTensor {
+                param: parts.value,
+                grad: parts.grad,
+                m: &mut m[0],
+                v: &mut v[0],
+                compute: parts.compute,
+                decays,
+            });
         }
-        Ok(())
+        update_many(
+            backend,
+            &mut tensors,
+            &AdamWStep {
+                lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+                step,
+                grad_scale: 1.0,
+            },
+            Some(grad_scale.tensor()),
+        )
     }
 
     fn state_bytes_per_param(&self) -> usize {
