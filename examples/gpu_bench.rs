@@ -9,7 +9,8 @@
 //! or newer, NVRTC 13.0 and the CUDA headers; see docs/guide.md). Options:
 //! `-- --model gpt2|gpt2-xl|llama-3.2-1b|... --batch 8 --seq 1024 --steps 10 --warmup 3
 //! --recompute none|selective|full --tf32 --precision all|fp32|bf16|fp16 --ops
-//! --peak-tflops 989 --bias-grad-epilogue --optimizer-offload --optimizer-in-backward`.
+//! --kernels --peak-tflops 989 --bias-grad-epilogue --optimizer-offload
+//! --optimizer-in-backward`.
 //!
 //! `--optimizer-offload` keeps the master weights and optimizer state in host memory and
 //! runs the update there (`TrainerOptions::optimizer_offload`);
@@ -23,6 +24,11 @@
 //! epilogue instead of trainkit's column-sum kernel (`CudaOptions::bias_grad_epilogue`),
 //! to compare.
 //!
+//! `--kernels` times every kernel launch and cuBLASLt product of the timed steps with CUDA
+//! events (`CudaBackend::time_kernels`), the launches queued as in a plain run, and prints
+//! them per kernel: device time per step, calls per step, time per call and share of the
+//! steps' wall time, the longest first.
+//!
 //! `--ops` profiles instead: the backend waits for the GPU at both ends of every op
 //! (`CudaOptions::sync_ops`), and after the timed steps each precision prints where the
 //! device's time went, op by op (time, calls, GFLOP/s). Its tokens/s are those of the
@@ -31,7 +37,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
-use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
+use trainkit::device::cuda::{probe, CudaBackend, CudaOptions, KernelTime};
 use trainkit::memory::{format_bytes, MemoryCategory, OpProfile};
 use trainkit::{
     Backend, CheckpointPolicy, DType, Fp32, Full, MixedBf16, MixedFp16, ModelConfig, NoRecompute,
@@ -49,6 +55,7 @@ struct Args {
     tf32: bool,
     precision: String,
     ops: bool,
+    kernels: bool,
     bias_grad_epilogue: bool,
     tiled_attention: bool,
     optimizer_offload: bool,
@@ -107,6 +114,7 @@ fn args() -> trainkit::Result<Args> {
         tf32: a.iter().any(|x| x == "--tf32"),
         precision: one_of("--precision", "all", &["all", "fp32", "bf16", "fp16"])?,
         ops: a.iter().any(|x| x == "--ops"),
+        kernels: a.iter().any(|x| x == "--kernels"),
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
         tiled_attention: a.iter().any(|x| x == "--tiled-attention"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
@@ -155,6 +163,10 @@ fn run<P: Precision + Default>(
     let mut waits = vec![];
     let uploads = backend.upload_stats().uploads;
     let moved = backend.host_transfers();
+    if a.kernels {
+        backend.kernel_times()?;
+        backend.time_kernels(true);
+    }
     for _ in 0..a.steps {
         let start = Instant::now();
         let before = backend.host_waits();
@@ -216,7 +228,39 @@ fn run<P: Precision + Default>(
             t.observer().since(&before_timed).table(secs.iter().sum())
         );
     }
+    if a.kernels {
+        let times = backend.kernel_times()?;
+        backend.time_kernels(false);
+        kernel_table(name, &times, a.steps, secs.iter().sum());
+    }
     Ok(())
+}
+
+/// The per-kernel table of `--kernels`: per step over `steps` steps that took `wall`
+/// seconds in all.
+fn kernel_table(name: &str, times: &[KernelTime], steps: usize, wall: f64) {
+    let total: f64 = times.iter().map(|t| t.millis).sum();
+    let per_step = |v: f64| v / steps as f64;
+    println!(
+        "{name}: kernels, device time per step {:.2} ms of {:.2} ms wall ({} kinds)",
+        per_step(total),
+        per_step(wall * 1e3),
+        times.len()
+    );
+    println!(
+        "{:<56} {:>9} {:>7} {:>10} {:>6}",
+        "kernel", "ms/step", "calls", "us/call", "share"
+    );
+    for t in times {
+        println!(
+            "{:<56} {:>9.3} {:>7.1} {:>10.1} {:>5.1}%",
+            t.name,
+            per_step(t.millis),
+            per_step(t.calls as f64),
+            1e3 * t.millis / t.calls as f64,
+            100.0 * t.millis / (wall * 1e3)
+        );
+    }
 }
 
 /// The GPU's link to its host memory: a 256 MiB bf16 tensor copied each way, from and to

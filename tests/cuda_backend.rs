@@ -2880,3 +2880,61 @@ fn update_rounding_matches_the_cpu_bit_for_bit() {
         }
     }
 }
+
+/// Per-kernel timing: off, nothing is recorded; on, every kernel launch and every product
+/// is, summed per kernel with its calls counted, and reading the times empties the record.
+#[test]
+fn kernel_times_count_every_launch_and_product() {
+    if emulated().is_none() {
+        return;
+    }
+    // A backend of its own: the shared one runs other tests' launches meanwhile.
+    let cuda = CudaBackend::emulated().unwrap();
+    let mut rng = Rng::new(5);
+    let up = |v: &[f32], shape: &[usize], dt: DType| {
+        cuda.upload(v, shape, dt, MemoryCategory::Activations, "t")
+            .unwrap()
+    };
+    let (rows, c) = (4, 32);
+    let x = up(&randn(&mut rng, rows * c, 1.0), &[rows, c], DType::Bf16);
+    let w = up(&randn(&mut rng, c, 1.0), &[c], DType::Bf16);
+    let b = up(&randn(&mut rng, c, 1.0), &[c], DType::Bf16);
+    let wt = up(&randn(&mut rng, c * 8, 1.0), &[c, 8], DType::Bf16);
+    let zeros = |shape: &[usize], dt: DType| {
+        cuda.zeros(shape, dt, MemoryCategory::Activations, "out")
+            .unwrap()
+    };
+    let (mut y, mut st) = (
+        zeros(&[rows, c], DType::Bf16),
+        zeros(&[rows, 2], DType::F32),
+    );
+    let mut p = zeros(&[rows, 8], DType::Bf16);
+    let norm = |y: &mut Tensor, st: &mut Tensor| {
+        layernorm::forward(&cuda, y, st, &x, &w, &b, 1e-5).unwrap();
+    };
+    norm(&mut y, &mut st);
+    assert!(cuda.kernel_times().unwrap().is_empty(), "timing is off");
+    cuda.time_kernels(true);
+    norm(&mut y, &mut st);
+    norm(&mut y, &mut st);
+    cuda.matmul(&mut p, &y, &wt, None, false, false, false)
+        .unwrap();
+    let times = cuda.kernel_times().unwrap();
+    let calls = |name: &str| {
+        times
+            .iter()
+            .filter(|t| t.name.starts_with(name))
+            .map(|t| t.calls)
+            .sum::<u64>()
+    };
+    assert_eq!(calls("layernorm_bf16"), 2, "{times:?}");
+    assert_eq!(calls("cublasLt "), 1, "{times:?}");
+    assert!(times.iter().all(|t| t.millis >= 0.0), "{times:?}");
+    assert!(cuda.kernel_times().unwrap().is_empty(), "read once");
+    cuda.time_kernels(false);
+    norm(&mut y, &mut st);
+    assert!(
+        cuda.kernel_times().unwrap().is_empty(),
+        "timing is off again"
+    );
+}

@@ -16,7 +16,8 @@
 #              the default run's first 50 steps against the CPU
 #   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16),
 #              then bf16 with the bias gradients in the cuBLASLt epilogue instead of
-#              trainkit's own kernel, then bf16 again with every op timed on the device
+#              trainkit's own kernel, then bf16 with every kernel timed by CUDA events
+#              (--kernels), then bf16 again with every op timed on the device
 #   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
 #   reference  the PyTorch reference on the same token file and batch, eager then
 #              torch.compile (needs python3 with torch and transformers)
@@ -24,7 +25,8 @@
 #              and run on the same token file and batch
 #   xl         GPT-2 XL (1.5B), bf16: trainkit without recomputation and with full
 #              recomputation, PyTorch eager and torch.compile without, eager with full
-#   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile
+#   llama      a Llama 3.2 1B shape, bf16: trainkit, PyTorch eager and torch.compile, then
+#              trainkit's kernels timed by CUDA events
 #   offload    the optimizer on the host: the host's AdamW against its memory bandwidth
 #              (host_adamw), the GPU's link to host memory, page-locked and pageable
 #              (gpu_bench --host-link), then GPT-2 124M bf16 with and without
@@ -372,6 +374,20 @@ figures_gpu_ops() {
   return 0
 }
 
+figures_gpu_kernels() {
+  # "bf16 mixed: kernels, device time per step 33.10 ms of 35.20 ms wall (61 kinds)", then
+  # rows "NAME   ms/step  calls/step  us/call  share%": the device time per step, and the
+  # twelve kernels that took the most, as kernel_<name>_ms and kernel_<name>_us_per_call.
+  sed -n -E 's#^[^:]+: kernels, device time per step ([0-9.]+) ms of ([0-9.]+) ms wall.*#kernels_ms_per_step=\1;wall_ms_per_step=\2;#p' "$1"
+  sed -n -E 's#^(.*[^ ]) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)%$#\1|\2|\4#p' "$1" |
+    grep -v '^kernel|' | head -n 12 |
+    while IFS='|' read -r name ms us; do
+      key="$(tr -c 'a-z0-9\n' '_' <<<"$(tr 'A-Z' 'a-z' <<<"$name")")"
+      printf 'kernel_%s_ms=%s;kernel_%s_us_per_call=%s;' "$key" "$ms" "$key" "$us"
+    done
+  return 0
+}
+
 figures_host_adamw() {
   # "memory bandwidth: copy 26.7 GB/s ..., in place 34.1 GB/s ..." and "host AdamW: 988 M
   # params/s (median 970), 33.6 GB/s of state traffic ...".
@@ -664,6 +680,10 @@ phase_bench() {
   # kernel, to compare.
   gpu_bench_step gpu_bench_bias_grad_epilogue 300 figures_gpu_bench --batch "$batch" \
     --precision bf16 --bias-grad-epilogue ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  # Every kernel's own device time (CUDA events around each launch and product, queued
+  # as in a plain run).
+  gpu_bench_step gpu_bench_kernels 300 figures_gpu_kernels --batch "$batch" \
+    --precision bf16 --kernels --warmup 2 --steps 5
   # Where the device's time goes, op by op (every op waits for the GPU: slower steps).
   gpu_bench_step gpu_bench_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --ops --warmup 2 --steps 3
@@ -837,6 +857,10 @@ phase_xl() {
 
 phase_llama() {
   large_step llama-3.2-1b none eager compile
+  if [ -z "$no_gpu" ]; then
+    gpu_bench_step gpu_bench_llama_3_2_1b_kernels 300 figures_gpu_kernels \
+      --model llama-3.2-1b --precision bf16 --batch "$batch" --kernels --warmup 2 --steps 3
+  fi
 }
 
 phase_offload() {

@@ -384,6 +384,20 @@ impl CudaBackend {
             .clamp(1, self.gpu.max_blocks() as usize * 4) as u32
     }
 
+    /// Turns per-kernel timing on or off (off by default): while on, every kernel launch
+    /// and cuBLASLt product is bracketed by CUDA events (on the emulator, timed by the
+    /// host's clock), which [`CudaBackend::kernel_times`] reads. The launches stay queued;
+    /// each costs two event records more.
+    pub fn time_kernels(&self, on: bool) {
+        self.gpu.time_kernels(on);
+    }
+
+    /// The device time of the launches and products timed since timing was turned on or
+    /// last read, summed per kernel, the longest first. Waits for them to end.
+    pub fn kernel_times(&self) -> Result<Vec<super::KernelTime>> {
+        self.gpu.kernel_times()
+    }
+
     /// Blocks (of [`BLOCK`] threads) for a warp-per-row kernel over `rows` rows
     /// (kernels/common.cuh's warp rows).
     pub fn grid_warp_rows(&self, rows: usize) -> u32 {

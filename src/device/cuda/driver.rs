@@ -32,6 +32,7 @@ use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
 use super::staging::{Staged, Staging};
+use super::timing::{gemm_name, EventTimer};
 use super::KernelCache;
 use crate::error::{Error, Result};
 use cudarc::cublaslt::sys as lt_sys;
@@ -199,6 +200,8 @@ pub(crate) struct DriverGpu {
     uploads: AtomicU64,
     /// The files NVRTC, cuBLASLt and the driver were loaded from, for [`Gpu::describe`].
     libraries: String,
+    /// Events around launches and products while per-kernel timing is on.
+    timer: EventTimer,
 }
 
 // SAFETY: the raw handles are used only through the driver, which is thread-safe once the
@@ -331,6 +334,7 @@ impl DriverGpu {
             module_loads,
             uploads: AtomicU64::new(0),
             libraries,
+            timer: EventTimer::new(),
         })
     }
 
@@ -364,6 +368,7 @@ impl Drop for DriverGpu {
         }
         let _ = self.stream.synchronize();
         let _ = self.copy.synchronize();
+        self.timer.destroy();
         // SAFETY: the handle and modules were created here and are not used after this.
         unsafe {
             let _ = self.blas.destroy_handle(self.lt);
@@ -849,6 +854,7 @@ impl Gpu for DriverGpu {
                 message: format!("no kernel named {kernel}"),
             })?,
         };
+        let timed = self.timer.start(self.stream.cu_stream())?;
         // A launch that fails queues nothing, so it may be tried again.
         self.retry_trimmed(|| {
             // SAFETY: the caller's contract.
@@ -863,7 +869,9 @@ impl Gpu for DriverGpu {
                 )
             }
             .map_err(|e| driver_error(&format!("launching {kernel}"), e))
-        })
+        })?;
+        self.timer
+            .stop(timed, || kernel.to_string(), self.stream.cu_stream())
     }
 
     fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()> {
@@ -910,6 +918,7 @@ impl Gpu for DriverGpu {
         let Some(algo) = self.algorithm(g, &d, workspace_bytes)? else {
             return Ok(GemmRun::NoAlgorithm);
         };
+        let timed = self.timer.start(self.stream.cu_stream())?;
         self.retry_trimmed(|| {
             // SAFETY: the caller's contract: every pointer addresses its layout.
             unsafe {
@@ -932,6 +941,8 @@ impl Gpu for DriverGpu {
             }
             .map_err(|e| blas_error("running a matmul", e))
         })?;
+        self.timer
+            .stop(timed, || gemm_name(g), self.stream.cu_stream())?;
         Ok(GemmRun::Done)
     }
 
@@ -948,6 +959,15 @@ impl Gpu for DriverGpu {
 
     fn module_loads(&self) -> u64 {
         self.module_loads.load(Ordering::Relaxed)
+    }
+
+    fn time_kernels(&self, on: bool) {
+        self.timer.set(on);
+    }
+
+    fn kernel_times(&self) -> Result<Vec<super::KernelTime>> {
+        self.bind()?;
+        self.timer.take()
     }
 
     fn upload_stats(&self) -> UploadStats {

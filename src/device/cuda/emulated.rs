@@ -17,6 +17,7 @@ use super::gpu::{
 };
 use super::kernels::KERNEL_FILES;
 use super::staging::{Next, RingPlan, FIRST_BYTES, MAX_UPLOAD};
+use super::timing::{gemm_name, HostTimer};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::alloc::Layout;
@@ -71,6 +72,8 @@ pub(crate) struct EmulatedGpu {
     ring: Mutex<(RingPlan, u64)>,
     /// Uploads so far.
     uploads: AtomicU64,
+    /// The host's clock around launches and products while per-kernel timing is on.
+    timer: HostTimer,
 }
 
 impl std::fmt::Debug for EmulatedGpu {
@@ -97,6 +100,7 @@ impl EmulatedGpu {
             module_loads: AtomicU64::new(KERNEL_FILES.len() as u64),
             ring: Mutex::new((RingPlan::new(FIRST_BYTES), 0)),
             uploads: AtomicU64::new(0),
+            timer: HostTimer::new(),
         })
     }
 
@@ -200,7 +204,131 @@ unsafe fn op_element(
     load(layout.ty, base, sr + sc * layout.ld as usize)
 }
 
+impl EmulatedGpu {
+    /// A launch, untimed (the caller's contract as [`Gpu::launch`]'s).
+    unsafe fn launch_untimed(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let dims = ((grid.max(1), 1, 1), (block, 1, 1));
+        let fail = self
+            .failing_launches
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if fail.is_ok() {
+            return Err(Error::OutOfMemory {
+                message: format!(
+                    "launching {kernel}: the GPU is out of memory (CUDA_ERROR_OUT_OF_MEMORY, \
+                     simulated)"
+                ),
+            });
+        }
+        if self.kernels.has_kernel(kernel) {
+            return self.kernels.launch(kernel, dims.0, dims.1, 0, params);
+        }
+        match self.custom.get(kernel) {
+            Some(emu) => emu.launch(kernel, dims.0, dims.1, 0, params),
+            // trainkit's library names the kernel in its error.
+            None => self.kernels.launch(kernel, dims.0, dims.1, 0, params),
+        }
+    }
+
+    /// A product, untimed (the caller's contract as [`Gpu::gemm`]'s).
+    unsafe fn gemm_untimed(&self, g: &Gemm) -> Result<GemmRun> {
+        if self.refuse_products
+            || (g.gelu_aux != 0 && self.refuse_gelu_epilogue)
+            || (g.bias_grad != 0 && self.refuse_bias_grad_epilogue)
+        {
+            return Ok(GemmRun::NoAlgorithm);
+        }
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let ldd = g.d_layout.ld as usize;
+        let bias_ty = g.d_layout.ty;
+        let g = *g;
+        (0..n).into_par_iter().for_each(|j| {
+            for i in 0..m {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    // SAFETY (whole block): the layouts describe the memory (the caller's
+                    // contract), and every index is inside them.
+                    unsafe {
+                        let a = op_element(&g.a_layout, g.a, g.trans_a, i, l);
+                        let b = op_element(&g.b_layout, g.b, g.trans_b, l, j);
+                        acc = a.mul_add(b, acc);
+                    }
+                }
+                unsafe {
+                    let at = i + j * ldd;
+                    let mut v = g.alpha * acc;
+                    if g.beta != 0.0 {
+                        v += g.beta * load(g.d_layout.ty, g.d, at);
+                    }
+                    if g.bias != 0 {
+                        v += load(bias_ty, g.bias, i);
+                    }
+                    if g.gelu_aux != 0 {
+                        store(g.d_layout.ty, g.gelu_aux, at, v);
+                        v = gelu_tanh(v);
+                    }
+                    store(g.d_layout.ty, g.d, at, v);
+                }
+            }
+        });
+        if g.bias_grad != 0 {
+            // BGRADA: Σ_l op(A)[i, l] for each row i of D; BGRADB: Σ_l op(B)[l, j] for each
+            // column j. Summed in f32, written in D's type.
+            let len = if g.bias_grad_of_b { n } else { m };
+            for idx in 0..len {
+                let mut acc = 0f32;
+                for l in 0..k {
+                    // SAFETY: as above.
+                    acc += unsafe {
+                        if g.bias_grad_of_b {
+                            op_element(&g.b_layout, g.b, g.trans_b, l, idx)
+                        } else {
+                            op_element(&g.a_layout, g.a, g.trans_a, idx, l)
+                        }
+                    };
+                }
+                // SAFETY: the bias gradient holds one element per row (or column) of D.
+                unsafe { store(g.d_layout.ty, g.bias_grad, idx, acc) };
+            }
+        }
+        Ok(GemmRun::Done)
+    }
+}
+
 impl Gpu for EmulatedGpu {
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.timer.time(
+            || kernel.to_string(),
+            // SAFETY: the caller's contract.
+            || unsafe { self.launch_untimed(kernel, grid, block, params) },
+        )
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun> {
+        // SAFETY: the caller's contract.
+        self.timer
+            .time(|| gemm_name(g), || unsafe { self.gemm_untimed(g) })
+    }
+
+    fn time_kernels(&self, on: bool) {
+        self.timer.set(on);
+    }
+
+    fn kernel_times(&self) -> Result<Vec<super::KernelTime>> {
+        Ok(self.timer.take())
+    }
+
     fn describe(&self) -> String {
         "the CUDA emulator (trainkit's kernels on the CPU)".to_string()
     }
@@ -342,35 +470,6 @@ impl Gpu for EmulatedGpu {
         Ok(Some(self.offload.download(dst, src, bytes)))
     }
 
-    unsafe fn launch(
-        &self,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        let dims = ((grid.max(1), 1, 1), (block, 1, 1));
-        let fail = self
-            .failing_launches
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-        if fail.is_ok() {
-            return Err(Error::OutOfMemory {
-                message: format!(
-                    "launching {kernel}: the GPU is out of memory (CUDA_ERROR_OUT_OF_MEMORY, \
-                     simulated)"
-                ),
-            });
-        }
-        if self.kernels.has_kernel(kernel) {
-            return self.kernels.launch(kernel, dims.0, dims.1, 0, params);
-        }
-        match self.custom.get(kernel) {
-            Some(emu) => emu.launch(kernel, dims.0, dims.1, 0, params),
-            // trainkit's library names the kernel in its error.
-            None => self.kernels.launch(kernel, dims.0, dims.1, 0, params),
-        }
-    }
-
     fn load_file(&self, file: &str, source: &str, kernels: &[&str]) -> Result<()> {
         self.custom.get_or_load(file, source, kernels, || {
             let full = super::kernels::with_common(file, source);
@@ -378,69 +477,6 @@ impl Gpu for EmulatedGpu {
             self.module_loads.fetch_add(1, Ordering::Relaxed);
             Ok((Arc::clone(&emu), vec![emu; kernels.len()]))
         })
-    }
-
-    unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun> {
-        if self.refuse_products
-            || (g.gelu_aux != 0 && self.refuse_gelu_epilogue)
-            || (g.bias_grad != 0 && self.refuse_bias_grad_epilogue)
-        {
-            return Ok(GemmRun::NoAlgorithm);
-        }
-        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-        let ldd = g.d_layout.ld as usize;
-        let bias_ty = g.d_layout.ty;
-        let g = *g;
-        (0..n).into_par_iter().for_each(|j| {
-            for i in 0..m {
-                let mut acc = 0f32;
-                for l in 0..k {
-                    // SAFETY (whole block): the layouts describe the memory (the caller's
-                    // contract), and every index is inside them.
-                    unsafe {
-                        let a = op_element(&g.a_layout, g.a, g.trans_a, i, l);
-                        let b = op_element(&g.b_layout, g.b, g.trans_b, l, j);
-                        acc = a.mul_add(b, acc);
-                    }
-                }
-                unsafe {
-                    let at = i + j * ldd;
-                    let mut v = g.alpha * acc;
-                    if g.beta != 0.0 {
-                        v += g.beta * load(g.d_layout.ty, g.d, at);
-                    }
-                    if g.bias != 0 {
-                        v += load(bias_ty, g.bias, i);
-                    }
-                    if g.gelu_aux != 0 {
-                        store(g.d_layout.ty, g.gelu_aux, at, v);
-                        v = gelu_tanh(v);
-                    }
-                    store(g.d_layout.ty, g.d, at, v);
-                }
-            }
-        });
-        if g.bias_grad != 0 {
-            // BGRADA: Σ_l op(A)[i, l] for each row i of D; BGRADB: Σ_l op(B)[l, j] for each
-            // column j. Summed in f32, written in D's type.
-            let len = if g.bias_grad_of_b { n } else { m };
-            for idx in 0..len {
-                let mut acc = 0f32;
-                for l in 0..k {
-                    // SAFETY: as above.
-                    acc += unsafe {
-                        if g.bias_grad_of_b {
-                            op_element(&g.b_layout, g.b, g.trans_b, l, idx)
-                        } else {
-                            op_element(&g.a_layout, g.a, g.trans_a, idx, l)
-                        }
-                    };
-                }
-                // SAFETY: the bias gradient holds one element per row (or column) of D.
-                unsafe { store(g.d_layout.ty, g.bias_grad, idx, acc) };
-            }
-        }
-        Ok(GemmRun::Done)
     }
 
     fn synchronize(&self) -> Result<()> {

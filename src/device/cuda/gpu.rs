@@ -282,6 +282,13 @@ pub(crate) trait Gpu: Debug + Send + Sync {
 
     /// The uploads so far and the size of the page-locked ring they go through.
     fn upload_stats(&self) -> UploadStats;
+
+    /// Turns per-kernel timing on or off ([`super::timing`]).
+    fn time_kernels(&self, on: bool);
+
+    /// The device time of the launches and products timed since timing was turned on or
+    /// last read, summed per kernel; waits for them to end.
+    fn kernel_times(&self) -> Result<Vec<super::KernelTime>>;
 }
 
 /// What `Gpu::upload_stats` reports.

@@ -26,6 +26,7 @@ pub(crate) mod ops;
 mod pinned;
 pub mod probe;
 mod staging;
+pub mod timing;
 
 pub use crate::ops::embedding::TokenBuckets;
 pub use backend::{
@@ -39,3 +40,4 @@ pub use kernels::{
     compile, find_include_dir, nvrtc_version, CompileOptions, Compiled, KernelFile, KERNEL_FILES,
 };
 pub use probe::{probe, CudaInfo};
+pub use timing::KernelTime;
