@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 use trainkit::config::RunConfig;
+use trainkit::data::chat::conversation::Message;
+use trainkit::data::chat::template::ChatTemplate;
 use trainkit::data::parse_token_file;
 use trainkit::save::{parse_hf_config, parse_safetensors};
 
@@ -50,4 +52,33 @@ fn hf_config_seeds() {
         let text = std::fs::read_to_string(&f).unwrap();
         let _ = parse_hf_config(&f, &text);
     }
+}
+
+#[test]
+fn chat_template_seeds() {
+    let conversation: Vec<Message> = [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "Bye"),
+        ("assistant", "Bye."),
+    ]
+    .iter()
+    .map(|(role, content)| Message {
+        role: role.to_string(),
+        content: content.to_string(),
+    })
+    .collect();
+    let mut rendered = 0;
+    for f in inputs("chat_template") {
+        let text = std::fs::read_to_string(&f).unwrap();
+        match ChatTemplate::from_source(&text, "chat_template.jinja", "<s>", "</s>") {
+            Ok(t) => {
+                rendered += t.render(&conversation, true).is_ok() as usize;
+                let _ = t.segments(&conversation);
+            }
+            Err(e) => assert!(e.to_string().contains("chat_template.jinja"), "{e}"),
+        }
+    }
+    assert!(rendered >= 3, "the well-formed seeds render");
 }

@@ -131,10 +131,17 @@ impl ChatTemplate {
         ChatTemplate::new(source, name, &bos, &eos).map(Some)
     }
 
+    /// The template whose Jinja text is `source` (as a `chat_template.jinja` holds it),
+    /// named `name` in messages, with `bos` and `eos` as its special tokens' text; an
+    /// error naming `name` when it is not a template minijinja can read.
+    pub fn from_source(source: &str, name: &str, bos: &str, eos: &str) -> Result<ChatTemplate> {
+        Self::new(source.to_string(), name.to_string(), bos, eos)
+    }
+
     fn new(source: String, name: String, bos: &str, eos: &str) -> Result<ChatTemplate> {
         // transformers' `{% generation %}` blocks mark assistant text for its own masks;
-        // the turns are told apart here by rendering, so the tags render as nothing.
-        let source = strip_generation_tags(&source);
+        // the turns are told apart here by rendering, so the blocks render what they hold.
+        let source = generation_blocks(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -224,22 +231,47 @@ impl ChatTemplate {
     }
 }
 
-/// `source` without transformers' `{% generation %}` and `{% endgeneration %}` tags (their
-/// whitespace control dropped with them), keeping what they enclose.
-fn strip_generation_tags(source: &str) -> String {
+/// `source` with transformers' `{% generation %}` and `{% endgeneration %}` tags (a block
+/// transformers' Jinja extension adds to mark assistant text) written as `{% if true %}`
+/// and `{% endif %}`, their whitespace control (`-`, `+`) kept: a block that renders what
+/// it encloses, so `trim_blocks` and `lstrip_blocks` treat the text around it as
+/// transformers does (a newline right after `{% endgeneration %}` is dropped). Other text,
+/// however malformed, is left as it is for the parser to judge.
+fn generation_blocks(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(start) = rest.find("{%") {
-        let Some(len) = rest[start..].find("%}") else {
+        // The tag's end, searched past its opening (`{%}` is not a tag).
+        let Some(len) = rest[start + 2..].find("%}") else {
             break;
         };
-        let tag = &rest[start + 2..start + len];
-        let word = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let inner = &rest[start + 2..start + 2 + len];
+        let after = start + 2 + len + 2;
+        let left = inner.strip_prefix(['-', '+']).map(|_| &inner[..1]);
+        let body = left.map_or(inner, |_| &inner[1..]);
+        let right = body
+            .strip_suffix(['-', '+'])
+            .map(|_| &body[body.len() - 1..]);
+        let body = right.map_or(body, |_| &body[..body.len() - 1]);
+        let word = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
         out.push_str(&rest[..start]);
-        if word != "generation" && word != "endgeneration" {
-            out.push_str(&rest[start..start + len + 2]);
+        match word {
+            Some(word) => {
+                out.push_str("{%");
+                out.push_str(left.unwrap_or(""));
+                out.push(' ');
+                out.push_str(word);
+                out.push(' ');
+                out.push_str(right.unwrap_or(""));
+                out.push_str("%}");
+            }
+            None => out.push_str(&rest[start..after]),
         }
-        rest = &rest[start + len + 2..];
+        rest = &rest[after..];
     }
     out.push_str(rest);
     out
@@ -329,5 +361,44 @@ mod tests {
         let t = ChatTemplate::new(source.into(), "generation".into(), "", "").unwrap();
         assert_eq!(t.render(&m[1..3], false).unwrap(), "HiHello!");
         assert!(ChatTemplate::new("{% for %}".into(), "bad".into(), "", "").is_err());
+    }
+
+    /// A generation block is a block: `trim_blocks` drops the newline after
+    /// `{% endgeneration %}` as after any block tag (transformers renders so), whitespace
+    /// control on the tags works, and text that only looks like a tag is left to the
+    /// parser: an error or a rendering, never a panic.
+    #[test]
+    fn generation_blocks_keep_jinja_whitespace_rules() {
+        let m = conversation();
+        let source = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}\n\
+                      {{ m.content }}{% endgeneration %}\n{% else %}{{ m.content }}\n\
+                      {% endif %}{% endfor %}";
+        let t = ChatTemplate::new(source.into(), "generation".into(), "", "").unwrap();
+        assert_eq!(t.render(&m[1..4], false).unwrap(), "Hi\nHello!Bye\n");
+        let source = "{% for m in messages %}{{ m.content }}  {%- generation +%}  [{{ m.role }}]\
+                      {%+ endgeneration -%}  |{% endfor %}";
+        let t = ChatTemplate::new(source.into(), "control".into(), "", "").unwrap();
+        assert_eq!(
+            t.render(&m[1..3], false).unwrap(),
+            "Hi  [user]|Hello!  [assistant]|"
+        );
+        assert_eq!(
+            generation_blocks("{%- generation -%}x{%+endgeneration%}"),
+            "{%- if true -%}x{%+ endif %}"
+        );
+        for text in [
+            "{%}",
+            "{{%}",
+            "{%-%}",
+            "{%+}",
+            "{% generation",
+            "%}{%",
+            "{%%}",
+        ] {
+            if let Ok(t) = ChatTemplate::new(text.into(), "odd".into(), "", "") {
+                let _ = t.render(&m, true);
+                let _ = t.segments(&m);
+            }
+        }
     }
 }
