@@ -9,9 +9,22 @@ use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// The bytes a chunk's logits aim at when the chunk is chosen automatically: the rows of
-/// a chunk are `LOGITS_CHUNK_BYTES / (vocab · element size)`, rounded down to a multiple
-/// of 256 (the CPU's product tiles), and at least 256.
+/// a chunk are at least `LOGITS_CHUNK_BYTES / (vocab · element size)`, rounded down to a
+/// multiple of 256 (the CPU's product tiles), and at least 256; more (up to
+/// [`LOGITS_CHUNK_MAX_BYTES`]) where that would take more than [`MAX_LOSS_CHUNKS`] chunks.
 pub const LOGITS_CHUNK_BYTES: usize = 32 << 20;
+
+/// The most bytes an automatic chunk's logits grow to so as to keep to
+/// [`MAX_LOSS_CHUNKS`] chunks.
+pub const LOGITS_CHUNK_MAX_BYTES: usize = 128 << 20;
+
+/// The chunks an automatic chunk size aims at, at most. Each chunk's weight-gradient
+/// product reads and writes the whole classifier gradient (`dW += dlogitsᵀ · x`, f32
+/// beside a mixed-precision model), so the chunk count sets that traffic: GPT-2 124M's
+/// head (50257 × 768) at 8 × 1024 positions in bf16 takes 8 chunks of 1024 (2.5 GB of
+/// gradient traffic a step, 103 MB of logits) where chunks of 32 MiB took 32 of 256
+/// (9.9 GB), while a batch of 1 × 1024 keeps 4 chunks of 256 (26 MB of logits).
+pub const MAX_LOSS_CHUNKS: usize = 8;
 
 /// Automatic chunks are a multiple of this many rows (the CPU's product tiles).
 const CHUNK_ALIGN: usize = 256;
@@ -104,12 +117,27 @@ impl LinearCrossEntropy {
 
     /// Positions per chunk for `rows` positions over a vocabulary of `vocab` (the
     /// weight's rows) in `dtype`: the configured chunk, else the rows whose logits take
-    /// about [`LOGITS_CHUNK_BYTES`] (a multiple of 256, at least 256); never more than
-    /// `rows`.
+    /// about [`LOGITS_CHUNK_BYTES`] (a multiple of 256, at least 256), or, where that
+    /// makes more than [`MAX_LOSS_CHUNKS`] chunks, an eighth of the positions (rounded up
+    /// to a multiple of 256) up to the rows of [`LOGITS_CHUNK_MAX_BYTES`]; then the
+    /// positions split evenly over that many chunks (rounded up to a multiple of 256, no
+    /// larger). Never more than `rows`.
     pub fn chunk_rows(&self, rows: usize, vocab: usize, dtype: DType) -> usize {
         let chunk = self.chunk.unwrap_or_else(|| {
-            let fit = LOGITS_CHUNK_BYTES / vocab.max(1).saturating_mul(dtype.size());
-            (fit / CHUNK_ALIGN * CHUNK_ALIGN).max(MIN_CHUNK)
+            let row_bytes = vocab.max(1).saturating_mul(dtype.size());
+            let fit = |bytes: usize| (bytes / row_bytes / CHUNK_ALIGN * CHUNK_ALIGN).max(MIN_CHUNK);
+            let (small, large) = (fit(LOGITS_CHUNK_BYTES), fit(LOGITS_CHUNK_MAX_BYTES));
+            let chunk = if rows.div_ceil(small) <= MAX_LOSS_CHUNKS {
+                small
+            } else {
+                rows.div_ceil(MAX_LOSS_CHUNKS)
+                    .next_multiple_of(CHUNK_ALIGN)
+                    .min(large)
+            };
+            let chunks = rows.div_ceil(chunk).max(1);
+            rows.div_ceil(chunks)
+                .next_multiple_of(CHUNK_ALIGN)
+                .min(chunk)
         });
         chunk.clamp(1, rows.max(1))
     }

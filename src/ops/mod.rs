@@ -33,7 +33,9 @@ pub use flash_attention::{AttentionPath, FlashAttention};
 pub use glu::{Gate, Glu};
 pub use layernorm::LayerNorm;
 pub use linear::{Linear, LinearGelu, LinearResidual};
-pub use linear_cross_entropy::{LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES};
+pub use linear_cross_entropy::{
+    LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES, LOGITS_CHUNK_MAX_BYTES, MAX_LOSS_CHUNKS,
+};
 pub use qk_norm::QkNorm;
 pub use rmsnorm::{OffsetRmsNorm, RmsNorm};
 pub use rope::Rope;
