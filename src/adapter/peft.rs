@@ -26,15 +26,22 @@ pub struct BaseInfo {
     pub fan_in_fan_out: bool,
 }
 
-/// The `adapter_config.json` PEFT writes for `lora`.
+/// The `adapter_config.json` PEFT writes for `lora`. Targets of [`super::ALL_LINEAR`] are
+/// written as PEFT's string form `"all-linear"` (a list holding it is not one PEFT reads);
+/// [`write`] writes the module names it expanded to instead, as PEFT does when it saves.
 pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
+    let targets = if lora.targets.iter().any(|t| t == super::ALL_LINEAR) {
+        json!(super::ALL_LINEAR)
+    } else {
+        json!(lora.targets)
+    };
     json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base.name_or_path,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "target_modules": lora.targets,
+        "target_modules": targets,
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": lora.rslora,
@@ -51,10 +58,37 @@ pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
     })
 }
 
+/// The projections `tensors` (named by trainkit, `{module}.lora_A.weight`) adapt, by the
+/// last part of their module names, sorted: what `all-linear` expanded to on this model.
+fn adapted_projections(tensors: &[NamedTensor]) -> Vec<String> {
+    let mut names: Vec<String> = tensors
+        .iter()
+        .filter_map(|t| {
+            let module = t
+                .name
+                .strip_suffix(".lora_A.weight")
+                .or_else(|| t.name.strip_suffix(".lora_B.weight"))?;
+            Some(module.rsplit('.').next().unwrap_or(module).to_string())
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// Writes the adapter into `dir` (created if missing): its config, and `tensors` (named
-/// by trainkit, `{module}.lora_A.weight`) under PEFT's names.
+/// by trainkit, `{module}.lora_A.weight`) under PEFT's names. An `all-linear` adapter's
+/// config lists the projections it adapts, as PEFT writes it.
 pub fn write(dir: &Path, lora: &Lora, base: &BaseInfo, tensors: &[NamedTensor]) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let expanded = adapted_projections(tensors);
+    let lora = &match lora.targets.iter().any(|t| t == super::ALL_LINEAR) {
+        true if !expanded.is_empty() => Lora {
+            targets: expanded,
+            ..lora.clone()
+        },
+        _ => lora.clone(),
+    };
     let text = serde_json::to_string_pretty(&adapter_config(lora, base))
         .map_err(|e| Error::Serde(e.to_string()))?;
     write_atomically(&dir.join(ADAPTER_CONFIG), text.as_bytes())?;
@@ -214,6 +248,42 @@ mod tests {
         let (back, tensors) = read(&dir).unwrap();
         assert_eq!(back, lora);
         assert_eq!(tensors, vec![t]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `all-linear` is written as PEFT writes it: the projections it adapted, or PEFT's
+    /// string form where there are no tensors to tell; both read back.
+    #[test]
+    fn all_linear_is_written_in_a_form_peft_reads() {
+        let dir = std::env::temp_dir().join(format!("trainkit-peft-all-{}", std::process::id()));
+        let lora = Lora::new(4, 8.0, &[crate::adapter::ALL_LINEAR]).unwrap();
+        let config = adapter_config(&lora, &BaseInfo::default());
+        assert_eq!(config["target_modules"], json!("all-linear"));
+        assert_eq!(parse_config(&config).unwrap(), lora);
+        let tensor = |name: &str| NamedTensor {
+            name: name.into(),
+            shape: vec![1, 1],
+            data: vec![0.0],
+        };
+        let tensors: Vec<NamedTensor> = [
+            "model.layers.0.self_attn.q_proj.lora_A.weight",
+            "model.layers.0.self_attn.q_proj.lora_B.weight",
+            "model.layers.1.mlp.down_proj.lora_A.weight",
+            "model.layers.1.mlp.down_proj.lora_B.weight",
+            "model.layers.0.self_attn.o_proj.lora_A.weight",
+        ]
+        .iter()
+        .map(|n| tensor(n))
+        .collect();
+        write(&dir, &lora, &BaseInfo::default(), &tensors).unwrap();
+        let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
+        let written: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            written["target_modules"],
+            json!(["down_proj", "o_proj", "q_proj"])
+        );
+        let (back, _) = read(&dir).unwrap();
+        assert_eq!(back.targets, ["down_proj", "o_proj", "q_proj"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
