@@ -693,4 +693,48 @@ fn merge_writes_the_adapted_model() {
         "u8",
     ]);
     assert!(!ok && err.contains("--dtype"), "{err}");
+    // Merged into the adapter's own directory, transformers would apply the adapter a
+    // second time on top of the merged weights: refused, the adapter untouched.
+    let adapter_bytes = std::fs::read(dir.join("llama-adapter/adapter_model.safetensors")).unwrap();
+    let (ok, _, err) = common::trainkit(&[
+        "merge",
+        "--model",
+        &path("llama-base"),
+        "--adapter",
+        &path("llama-adapter"),
+        "--out",
+        &path("llama-adapter"),
+    ]);
+    assert!(
+        !ok && err.contains("--out") && err.contains("adapter_config.json"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("llama-adapter/adapter_model.safetensors")).unwrap(),
+        adapter_bytes
+    );
+    // A full fine-tune saved where an adapter was replaces it: no stale adapter_config.json
+    // for transformers to apply on top of the model; other files are kept.
+    std::fs::write(dir.join("llama-adapter/notes.txt"), "mine").unwrap();
+    run(&[
+        &[
+            "train",
+            "--init-from",
+            &path("llama-base"),
+            "--steps",
+            "1",
+            "--out",
+            &path("llama-adapter"),
+        ][..],
+        &small[..],
+    ]
+    .concat());
+    let out_dir = dir.join("llama-adapter");
+    assert!(out_dir.join("model.safetensors").is_file());
+    assert!(!out_dir.join("adapter_config.json").exists());
+    assert!(!out_dir.join("adapter_model.safetensors").exists());
+    assert_eq!(
+        std::fs::read_to_string(out_dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
 }

@@ -140,6 +140,17 @@ pub fn write_merged(
             ),
         ));
     }
+    if out.join(super::peft::ADAPTER_CONFIG).is_file() {
+        return Err(Error::config(
+            "--out",
+            format!(
+                "{} holds an adapter ({}): transformers would apply it again on top of the \
+                 merged weights; write the merged model to another directory",
+                out.display(),
+                super::peft::ADAPTER_CONFIG
+            ),
+        ));
+    }
     if !dtype.is_float() {
         return Err(Error::config(
             "--dtype",

@@ -39,6 +39,9 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 pub struct DirectoryWriter {
     target: PathBuf,
     staging: PathBuf,
+    /// Files of the old target that what is written replaces even where it writes no file
+    /// of that name (a model's files supersede an adapter's): not carried over.
+    superseded: Vec<String>,
 }
 
 impl DirectoryWriter {
@@ -53,7 +56,16 @@ impl DirectoryWriter {
         Ok(DirectoryWriter {
             target: target.to_path_buf(),
             staging,
+            superseded: Vec::new(),
         })
+    }
+
+    /// Files of the old target not to carry over into the new one: what is written
+    /// supersedes them (a full model saved where an adapter was: transformers would
+    /// otherwise load the stale adapter on top of it). Each one dropped is named in a
+    /// warning.
+    pub fn supersede(&mut self, names: &[&str]) {
+        self.superseded.extend(names.iter().map(|n| n.to_string()));
     }
 
     /// Where to write the file called `name`.
@@ -88,6 +100,15 @@ impl DirectoryWriter {
                 let entry = entry.map_err(io(&self.target))?;
                 let dest = self.staging.join(entry.file_name());
                 if !dest.exists() && entry.file_type().map_err(io(&entry.path()))?.is_file() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if self.superseded.contains(&name) {
+                        log::warn!(
+                            "{}: the previous {name} was removed: what was saved there now \
+                             supersedes it",
+                            self.target.display()
+                        );
+                        continue;
+                    }
                     fs::copy(entry.path(), &dest).map_err(io(&dest))?;
                 }
             }

@@ -98,7 +98,7 @@ where
     /// (`adapter_config.json`, `adapter_model.safetensors`): the base stays where it was
     /// read from (`--init-from`), or is drawn again from the seed.
     pub fn save(&self, dir: &Path, run_config: Option<&str>) -> Result<()> {
-        let w = DirectoryWriter::new(dir)?;
+        let mut w = DirectoryWriter::new(dir)?;
         match self.lora() {
             Some(lora) => {
                 let base = peft::BaseInfo {
@@ -108,6 +108,9 @@ where
                 peft::write(&w.path(""), lora, &base, &self.adapter_tensors()?)?;
             }
             None => {
+                // A full model replaces an adapter saved there before: transformers would
+                // apply the stale adapter on top of the model.
+                w.supersede(&[peft::ADAPTER_CONFIG, peft::ADAPTER_WEIGHTS]);
                 self.model.write_config(&w.path(""))?;
                 let mut meta = HashMap::new();
                 meta.insert("format".to_string(), "pt".to_string());
