@@ -107,6 +107,10 @@ fn bad_input_is_a_one_line_error() {
             "n_positions",
         ),
         (vec!["train", "--lr=-1"], "--lr"),
+        // A negative number is the flag's value (refused by name), not a flag of its own.
+        (vec!["train", "--lr", "-1"], "--lr"),
+        (vec!["train", "--lora-rank", "-1"], "--lora-rank"),
+        (vec!["eval", "--batches", "-2"], "--batches"),
         (vec!["train", "--tokenizer", "wordpiece"], "gpt2"),
         (vec!["train", "--data", path(&binary)], "not UTF-8"),
         (vec!["train", "--resume", path(&dir)], "--init-from"),

@@ -404,6 +404,27 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
         bytes("a") == bytes("straight"),
         "a resumed adapter differs from the straight run"
     );
+    // Flags that would change the resumed run's base or adapter are refused by name, and
+    // nothing is written.
+    for (flag, value) in [
+        ("--qlora", None),
+        ("--lora-rank", Some("8")),
+        ("--lora-targets", Some("q_proj")),
+        ("--init-from", Some("elsewhere")),
+    ] {
+        let resumed = path("a");
+        let mut a = vec!["train", "--resume", &resumed, "--steps", "7", flag];
+        a.extend(value);
+        let (ok, _, err) = common::trainkit(&a);
+        assert!(
+            !ok && err.contains(flag) && err.contains("LoRA rank 4"),
+            "{flag}: {err}"
+        );
+    }
+    assert!(
+        bytes("a") == bytes("straight"),
+        "a refused resume wrote nothing"
+    );
     // Continued from the adapter's files.
     let out = run(&[
         &[

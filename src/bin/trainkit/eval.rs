@@ -9,6 +9,8 @@ use trainkit::{Error, Result};
 /// Mean cross-entropy of a saved model over `--batches` batches of token data (every
 /// one of the K·B·T positions counts once).
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct EvalArgs {
     /// A model directory (config.json and model.safetensors).
     #[arg(long)]

@@ -14,6 +14,8 @@ use trainkit::{Error, Result};
 /// and optimizer state per parameter, and activations per token for each recompute
 /// policy.
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct MemoryArgs {
     /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, smollm2-135m, smollm2-360m,
     /// smollm2-1.7b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-1b, llama-8b, llama-70b

@@ -7,6 +7,8 @@ use trainkit::{Error, Result};
 /// Merge a PEFT LoRA adapter into its base model: `W + (α/r)·B·A` for every projection it
 /// adapts, written as a model directory transformers loads.
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct MergeArgs {
     /// The base model directory (config.json and model.safetensors).
     #[arg(long)]

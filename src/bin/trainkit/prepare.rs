@@ -10,6 +10,8 @@ use trainkit::Result;
 /// Tokenize text files or JSON lines into llm.c token files: the train file (or shards)
 /// at --out and, with a nonzero --val-fraction, `_val` files beside it.
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct PrepareArgs {
     /// UTF-8 text files, each one document; several, or a quoted glob ('books/*.txt').
     #[arg(long, num_args = 1.., value_name = "FILE")]

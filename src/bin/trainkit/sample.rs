@@ -11,6 +11,8 @@ use trainkit::{Error, Result, Rng, SamplingOptions};
 
 /// Generate text from a saved model.
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct SampleArgs {
     /// A model directory (config.json and model.safetensors).
     #[arg(long)]

@@ -19,6 +19,8 @@ use trainkit::{
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
 #[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// A TOML run config (see examples/configs/); flags override it.
     #[arg(long)]
@@ -337,6 +339,9 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         (None, Some(path)) => RunConfig::from_file(path)?,
         (None, None) => RunConfig::default(),
     };
+    if let Some(dir) = &args.resume {
+        resumed_base_and_adapter(&cfg, dir, args)?;
+    }
     let init_dir = args
         .init_from
         .clone()
@@ -395,6 +400,67 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
         adapter_settings(&mut cfg, dir, args)?;
     }
     Ok(cfg)
+}
+
+/// A resumed run keeps the base model and the adapter it was saved with: flags that would
+/// change them (`--init-from`, `--qlora`, the LoRA flags) may only repeat them, else the
+/// error names the flag and what the run in `dir` is.
+fn resumed_base_and_adapter(cfg: &RunConfig, dir: &Path, args: &TrainArgs) -> Result<()> {
+    let lora = cfg.adapter.as_ref().and_then(|a| a.as_lora());
+    let nf4 = cfg
+        .adapter
+        .as_ref()
+        .is_some_and(|a| a.base_dtype().is_some());
+    let what = match lora {
+        Some(l) => format!(
+            "{} rank {}, α {}, targets {}",
+            if nf4 { "QLoRA (NF4 base)" } else { "LoRA" },
+            l.rank,
+            l.alpha,
+            l.targets.join(",")
+        ),
+        None => "a full model (no adapter)".to_string(),
+    };
+    let refuse = |flag: &str| {
+        Err(Error::config(
+            flag,
+            format!(
+                "the run in {} trains {what}, and a resumed run keeps its base model and \
+                 adapter: drop {flag} (or start a new run with --init-from)",
+                dir.display()
+            ),
+        ))
+    };
+    if args.qlora && !nf4 {
+        return refuse("--qlora");
+    }
+    if args
+        .lora_rank
+        .is_some_and(|r| lora.is_none_or(|l| l.rank != r))
+    {
+        return refuse("--lora-rank");
+    }
+    if args
+        .lora_alpha
+        .is_some_and(|a| lora.is_none_or(|l| l.alpha != a))
+    {
+        return refuse("--lora-alpha");
+    }
+    if args
+        .lora_targets
+        .as_ref()
+        .is_some_and(|t| lora.is_none_or(|l| l.targets != *t))
+    {
+        return refuse("--lora-targets");
+    }
+    if args
+        .init_from
+        .as_ref()
+        .is_some_and(|d| cfg.training.init_from.as_ref() != Some(d))
+    {
+        return refuse("--init-from");
+    }
+    Ok(())
 }
 
 /// `--adapter DIR`: the run trains the PEFT adapter in `dir` on the base model of
