@@ -129,6 +129,16 @@ pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     let tensors = read_safetensors(&weights)?
         .into_iter()
         .map(|t| {
+            if let Some(bad) = t.data.iter().find(|v| !v.is_finite()) {
+                return Err(Error::data(
+                    weights.display().to_string(),
+                    format!(
+                        "`{}` holds {bad}: the adapter is damaged (a run that diverged?); \
+                         use an earlier checkpoint of it",
+                        t.name
+                    ),
+                ));
+            }
             let name = t
                 .name
                 .strip_prefix(PREFIX)
@@ -284,6 +294,27 @@ mod tests {
         );
         let (back, _) = read(&dir).unwrap();
         assert_eq!(back.targets, ["down_proj", "o_proj", "q_proj"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An adapter holding a NaN or an infinity is refused when read, naming the tensor.
+    #[test]
+    fn a_non_finite_adapter_is_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("trainkit-peft-nan-{}", std::process::id()));
+        let lora = Lora::new(1, 2.0, &["q_proj"]).unwrap();
+        for bad in [f32::NAN, f32::INFINITY] {
+            let t = NamedTensor {
+                name: "model.layers.0.self_attn.q_proj.lora_B.weight".into(),
+                shape: vec![2, 1],
+                data: vec![0.5, bad],
+            };
+            write(&dir, &lora, &BaseInfo::default(), &[t]).unwrap();
+            let e = read(&dir).unwrap_err().to_string();
+            assert!(
+                e.contains("q_proj.lora_B.weight") && e.contains("damaged"),
+                "{e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

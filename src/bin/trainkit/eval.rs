@@ -108,6 +108,20 @@ pub fn run(args: EvalArgs) -> Result<()> {
             .sum()
     };
     let loss = trainer.evaluate(&mut data, args.batches)?;
+    if !loss.is_finite() {
+        return Err(Error::data(
+            args.adapter
+                .as_deref()
+                .unwrap_or(&args.model)
+                .display()
+                .to_string(),
+            format!(
+                "gives a loss of {loss} on {}: its weights (or the data's ids) do not make a \
+                 finite loss",
+                args.data.display()
+            ),
+        ));
+    }
     let tokens = args.batches * args.batch_size * args.seq_len;
     if args.json {
         println!(
