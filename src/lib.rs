@@ -48,7 +48,7 @@ pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
 pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision, PureBf16};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};
-pub use trainer::{SamplingOptions, StepStats, Trainer, TrainerOptions};
+pub use trainer::{Evaluation, SamplingOptions, StepStats, Trainer, TrainerOptions};
 
 /// Everything a training script needs, in one import.
 pub mod prelude {

@@ -379,6 +379,38 @@ fn saved_models_evaluate_and_sample() {
     assert_eq!(v["tokens"], 2 * 16 * 3);
     let loss = v["loss"].as_f64().unwrap();
     assert!(loss > 0.5 && loss < 6.0, "{loss}");
+    // By default every position of the data once (960 bytes: 959 positions, 30 batches of
+    // 2 × 16, the last one partly padding); more batches than the data holds never wrap.
+    let whole = |batches: Option<&str>| {
+        let mut a = vec![
+            "eval",
+            "--model",
+            path(&model),
+            "--data",
+            path(&text),
+            "--tokenizer",
+            "bytes",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--json",
+            "--device",
+            "cpu",
+        ];
+        if let Some(b) = batches {
+            a.extend(["--batches", b]);
+        }
+        let (ok, out, err) = trainkit(&a);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()
+    };
+    let all = whole(None);
+    assert_eq!(all["tokens"], 959);
+    assert_eq!(all["trained_tokens"], 959);
+    assert_eq!(all["batches"], 30);
+    assert_eq!(all["whole_data"], true);
+    assert_eq!(whole(Some("100")), all);
 
     let sample = || {
         let (ok, out, err) = trainkit(&[

@@ -38,7 +38,8 @@ pub struct TrainingConfig {
     pub lr_schedule: LrSchedule,
     /// Evaluate on held-out data every this many steps (0 = only at the end).
     pub eval_every: u64,
-    /// Batches per evaluation.
+    /// Batches per periodic evaluation: the first ones of the validation data, the same
+    /// each time (the final evaluation reads all of it once, as `trainkit eval` does).
     pub eval_batches: usize,
     /// Start from the weights of this model directory instead of a random
     /// initialisation.

@@ -263,6 +263,46 @@ impl DataLoader {
         Ok(())
     }
 
+    /// Every position of the data once, in order (shard after shard, each from its start,
+    /// whatever the loader's shuffling and cursor): the shard's whole batches, then its
+    /// remaining positions in one batch whose other positions are padding, left out of the
+    /// loss. What evaluation reads: each target counts exactly once, none twice.
+    pub fn each_once(&self) -> impl Iterator<Item = Batch> + '_ {
+        let span = self.batch_size * self.seq_len;
+        (0..self.windows.len()).flat_map(move |shard| {
+            let whole = self.windows[shard];
+            let rest = self.data.shards()[shard].len().saturating_sub(1) - whole * span;
+            (0..whole)
+                .map(move |w| self.batch_at(shard, w * span, span))
+                .chain((rest > 0).then(|| self.batch_at(shard, whole * span, rest)))
+        })
+    }
+
+    /// The positions of data (padding not counted) in the first `batches` batches of
+    /// [`DataLoader::each_once`] (all of them with `None`).
+    pub fn positions_once(&self, batches: Option<usize>) -> usize {
+        let span = self.batch_size * self.seq_len;
+        let mut left = batches.unwrap_or(usize::MAX);
+        let mut positions = 0;
+        for s in self.data.shards() {
+            let n = s.len().saturating_sub(1);
+            let take = n.div_ceil(span).min(left);
+            positions += (take * span).min(n);
+            left -= take;
+        }
+        positions
+    }
+
+    /// The batches of [`DataLoader::each_once`].
+    pub fn batches_once(&self) -> usize {
+        let span = self.batch_size * self.seq_len;
+        self.data
+            .shards()
+            .iter()
+            .map(|s| s.len().saturating_sub(1).div_ceil(span))
+            .sum()
+    }
+
     /// The next micro-batch.
     pub fn next_batch(&mut self) -> Batch {
         let span = self.batch_size * self.seq_len;
@@ -292,12 +332,28 @@ impl DataLoader {
                     .map_or(0, |p| p[self.cursor.window] as usize)
             }
         };
+        let batch = self.batch_at(shard, window * span, span);
+        self.cursor.window += 1;
+        batch
+    }
+
+    /// The batch of `B·T` positions from token `start` of shard `shard`, of which the first
+    /// `real` have their targets in the shard; the others, past its end, are padding
+    /// (token 0 in, left out of the loss), which the causal model never lets a real
+    /// position see.
+    fn batch_at(&self, shard: usize, start: usize, real: usize) -> Batch {
+        let span = self.batch_size * self.seq_len;
         let mut tokens = Vec::with_capacity(span + 1);
         let source = &self.data.shards()[shard];
-        source.read_into(window * span, span + 1, &mut tokens);
+        source.read_into(start, real + 1, &mut tokens);
+        tokens.resize(span + 1, 0);
         let mut targets = tokens[1..].to_vec();
+        for t in &mut targets[real..] {
+            *t = IGNORE;
+        }
         let mut flags = Vec::new();
-        let has_flags = source.read_flags_into(window * span, span + 1, &mut flags);
+        let has_flags = source.read_flags_into(start, real + 1, &mut flags);
+        flags.resize(span + 1, 0);
         if has_flags {
             // A target whose token is not trained leaves its position out of the loss.
             for (t, f) in targets.iter_mut().zip(&flags[1..]) {
@@ -319,7 +375,6 @@ impl DataLoader {
         }
         let positions = positions::from_document_starts(self.batch_size, self.seq_len, starts);
         let positions = positions::has_documents(&positions, self.seq_len).then_some(positions);
-        self.cursor.window += 1;
         Batch {
             batch_size: self.batch_size,
             seq_len: self.seq_len,
@@ -358,6 +413,30 @@ fn permutation(n: usize, seed: u64) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Every target of the data counts once in `each_once`, however the data divides into
+    /// batches, the last batch padded with positions left out of the loss.
+    #[test]
+    fn each_once_counts_every_target_exactly_once() {
+        for n in [9usize, 17, 24, 25, 40] {
+            let tokens: Vec<u32> = (0..n as u32).collect();
+            let loader = DataLoader::new(tokens, 2, 4).unwrap();
+            let mut seen = Vec::new();
+            for b in loader.each_once() {
+                for (i, t) in b.inputs.iter().zip(&b.targets) {
+                    if *t != IGNORE {
+                        seen.push((*i, *t));
+                    }
+                }
+            }
+            let want: Vec<(u32, u32)> = (0..n as u32 - 1).map(|i| (i, i + 1)).collect();
+            assert_eq!(seen, want, "{n} tokens");
+            assert_eq!(loader.batches_once(), loader.each_once().count());
+            assert_eq!(loader.positions_once(None), n - 1);
+            assert_eq!(loader.positions_once(Some(1)), 8.min(n - 1));
+        }
+    }
+
     use super::*;
     use crate::data::Shard;
 

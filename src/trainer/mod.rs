@@ -22,6 +22,17 @@ mod step;
 
 pub use sample::SamplingOptions;
 
+/// The mean loss of [`Trainer::evaluate_once`] and what it covered.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    /// Mean cross-entropy per counted position (NaN when none trains).
+    pub loss: f64,
+    /// Positions counted (those a loss mask or padding leaves out are not).
+    pub counted: usize,
+    /// Batches read.
+    pub batches: usize,
+}
+
 /// Settings of the loop that are not policies.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -474,6 +485,33 @@ where
         self.flush_events();
         // No trained position (a loss mask that leaves every one of them out): no loss.
         Ok(if n == 0 { f64::NAN } else { sum / n as f64 })
+    }
+
+    /// The mean loss over every position of `data` once ([`DataLoader::each_once`]: no
+    /// position twice, none left out, the loader's own position untouched), or over its
+    /// first `max_batches` batches of that pass; with the positions it counted. NaN when
+    /// none trains.
+    pub fn evaluate_once(
+        &mut self,
+        data: &DataLoader,
+        max_batches: Option<usize>,
+    ) -> Result<Evaluation> {
+        let (mut sum, mut counted, mut batches) = (0.0, 0usize, 0usize);
+        for batch in data.each_once().take(max_batches.unwrap_or(usize::MAX)) {
+            sum += self.loss_on(&batch)?;
+            counted += batch.counted();
+            batches += 1;
+        }
+        self.flush_events();
+        Ok(Evaluation {
+            loss: if counted == 0 {
+                f64::NAN
+            } else {
+                sum / counted as f64
+            },
+            counted,
+            batches,
+        })
     }
 
     /// Sum of per-position losses on one batch (forward only).

@@ -6,8 +6,8 @@ use trainkit::data::{DataLoader, TokenizerKind, TOKENIZER_FILE};
 use trainkit::save::read_model_dir;
 use trainkit::{Error, Result};
 
-/// Mean cross-entropy of a saved model over `--batches` batches of token data (every
-/// one of the K·B·T positions counts once).
+/// Mean cross-entropy of a saved model over token data: every position once (the last
+/// batch padded, its padding left out), or the first `--batches` batches of that pass.
 #[derive(clap::Args)]
 // Negative numbers are values (then refused by their parser with the flag's name), not flags.
 #[command(allow_negative_numbers = true)]
@@ -45,9 +45,10 @@ pub struct EvalArgs {
     /// Tokens per row.
     #[arg(long, default_value_t = 64)]
     seq_len: usize,
-    /// Batches, read in order from the start of the data (wrapping at its end).
-    #[arg(long, default_value_t = 8)]
-    batches: usize,
+    /// At most this many batches, in order from the start of the data (default: the
+    /// whole data once; never wrapping around it).
+    #[arg(long)]
+    batches: Option<usize>,
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -73,7 +74,7 @@ pub fn default_tokenizer(vocab_size: usize) -> TokenizerKind {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    if args.batches == 0 || args.batch_size == 0 || args.seq_len == 0 {
+    if args.batches == Some(0) || args.batch_size == 0 || args.seq_len == 0 {
         return Err(Error::config(
             "--batches/--batch-size/--seq-len",
             "must each be at least 1",
@@ -91,7 +92,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let tokens = source.train_dataset()?;
     tokens.check_ids(dir.config.vocab_size())?;
-    let mut data =
+    let data =
         DataLoader::new(tokens, args.batch_size, args.seq_len)?.separated_by(source.separator()?);
     let mut trainer = crate::trainer_for(
         &dir,
@@ -100,14 +101,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
         &args.device,
         data.clone(),
     )?;
-    // The positions the loss counts: all of them unless the data carries a loss mask.
-    let trained: usize = {
-        let mut ahead = data.clone();
-        (0..args.batches)
-            .map(|_| ahead.next_batch().counted())
-            .sum()
-    };
-    let loss = trainer.evaluate(&mut data, args.batches)?;
+    let eval = trainer.evaluate_once(&data, args.batches)?;
+    let loss = eval.loss;
     if !loss.is_finite() {
         return Err(Error::data(
             args.adapter
@@ -116,26 +111,40 @@ pub fn run(args: EvalArgs) -> Result<()> {
                 .display()
                 .to_string(),
             format!(
-                "gives a loss of {loss} on {}: its weights (or the data's ids) do not make a \
+                "gives a loss of {loss} on {} ({} positions counted): its weights (or the \
+                 data's ids, or a loss mask that leaves every position out) do not make a \
                  finite loss",
-                args.data.display()
+                args.data.display(),
+                eval.counted
             ),
         ));
     }
-    let tokens = args.batches * args.batch_size * args.seq_len;
+    let of = data.batches_once();
+    let positions = data.positions_once(args.batches);
     if args.json {
         println!(
             "{}",
-            serde_json::json!({ "loss": loss, "tokens": tokens, "trained_tokens": trained })
+            serde_json::json!({
+                "loss": loss,
+                "tokens": positions,
+                "trained_tokens": eval.counted,
+                "batches": eval.batches,
+                "whole_data": eval.batches == of,
+            })
         );
     } else {
-        let over = if trained < tokens {
-            format!("the {trained} trained of {tokens} positions")
+        let over = if eval.batches == of {
+            "the whole data once".to_string()
         } else {
-            format!("{tokens} positions")
+            format!("the first {} of its {of} batches", eval.batches)
+        };
+        let counted = if eval.counted < positions {
+            format!("the {} trained of {positions} positions", eval.counted)
+        } else {
+            format!("{positions} positions")
         };
         println!(
-            "loss {loss:.6} nats/token over {over} (perplexity {:.3})",
+            "loss {loss:.6} nats/token over {counted}, {over} (perplexity {:.3})",
             loss.exp()
         );
     }

@@ -904,8 +904,9 @@ fn train_loop(job: &mut Job, interrupted: &AtomicUsize) -> Result<Ended> {
             return Ok(Ended::Interrupted);
         }
         if t.eval_every > 0 && s.step % t.eval_every == 0 && s.step < t.steps {
-            let v = job.trainer.evaluate(&mut job.val, t.eval_batches)?;
-            progress.println(&format!("step {:>5} | val loss {v:.4}", s.step));
+            // The same first batches of the validation data each time.
+            let v = job.trainer.evaluate_once(&job.val, Some(t.eval_batches))?;
+            progress.println(&format!("step {:>5} | val loss {:.4}", s.step, v.loss));
         }
         if let Some(dir) = &out {
             let every = job.plan.cfg.output.save_every;
@@ -957,8 +958,13 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
         fit::write_report(path, &job.plan.cfg, &peaks, peak_total)?;
         println!("memory report: {}", path.display());
     }
-    let v = job.trainer.evaluate(&mut job.val, t.eval_batches)?;
-    println!("final train loss {last_loss:.4}; final val loss {v:.4}");
+    // The whole validation data once: the figure `trainkit eval` gives on it by default.
+    let v = job.trainer.evaluate_once(&job.val, None)?;
+    println!(
+        "final train loss {last_loss:.4}; final val loss {:.4} (all {} positions of the \
+         validation data, once)",
+        v.loss, v.counted
+    );
     if let (Some(first), Some(floor)) = (first_loss, job.entropy_floor) {
         println!(
             "train loss {first:.4} -> {last_loss:.4}; the floor is {floor:.4} ({:.1}% of the gap closed)",
