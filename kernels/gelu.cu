@@ -7,15 +7,45 @@
 
 // gelu_value and gelu_grad live in common.cuh (GeGLU's gate uses them too).
 
+// Each thread takes 8 consecutive elements at a time: in 16-byte loads and stores where the
+// buffers are aligned and the 8 are whole, else one by one (the same values either way).
 template <typename T>
-__device__ void gelu_impl(T* out, const T* x, i64 n) {
-    TK_FOR_EACH(i, n) store(out, i, gelu_value(load(x, i)));
+__device__ void gelu_impl(T* __restrict__ out, const T* __restrict__ x, i64 n) {
+    const bool vec = aligned16(out) && aligned16(x);
+    TK_FOR_EACH(c, (n + 7) / 8) {
+        const i64 i = 8 * c;
+        if (vec && i + 8 <= n) {
+            float v[8];
+            load8_vec(v, x + i);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) v[m] = gelu_value(v[m]);
+            store8_vec(out + i, v);
+        } else {
+            for (i64 j = i; j < n && j < i + 8; ++j) store(out, j, gelu_value(load(x, j)));
+        }
+    }
 }
 
-// dx = gelu'(x) · dout (overwrites dx).
+// dx = gelu'(x) · dout (overwrites dx), 8 elements a thread as above.
 template <typename T>
-__device__ void gelu_backward_impl(T* dx, const T* x, const T* dout, i64 n) {
-    TK_FOR_EACH(i, n) store(dx, i, gelu_grad(load(x, i)) * load(dout, i));
+__device__ void gelu_backward_impl(T* __restrict__ dx, const T* __restrict__ x,
+                                   const T* __restrict__ dout, i64 n) {
+    const bool vec = aligned16(dx) && aligned16(x) && aligned16(dout);
+    TK_FOR_EACH(c, (n + 7) / 8) {
+        const i64 i = 8 * c;
+        if (vec && i + 8 <= n) {
+            float v[8], d[8];
+            load8_vec(v, x + i);
+            load8_vec(d, dout + i);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) v[m] = gelu_grad(v[m]) * d[m];
+            store8_vec(dx + i, v);
+        } else {
+            for (i64 j = i; j < n && j < i + 8; ++j) {
+                store(dx, j, gelu_grad(load(x, j)) * load(dout, j));
+            }
+        }
+    }
 }
 
 #define TK_GELU(T, N)                                                                       \

@@ -255,7 +255,7 @@ fn a_kernel_that_does_not_compile_reports_nvrtc_log() {
 }
 
 /// The kernels written for bandwidth read in 16-byte loads and keep their operands in
-/// registers: the norms' input gradients (a warp per row) and the multi-tensor AdamW,
+/// registers: the norms' input gradients (a warp per row), GELU and the multi-tensor AdamW,
 /// whose table of tensors, passed by value and indexed by the block, is read from the
 /// parameter space rather than copied to local memory.
 #[test]
@@ -267,6 +267,7 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
         ("layernorm.cu", "layernorm_backward_dx"),
         ("rmsnorm.cu", "rmsnorm_backward_dx"),
         ("adamw.cu", "adamw_multi_f32"),
+        ("gelu.cu", "gelu_"),
     ];
     for arch in ARCHS {
         for (file, prefix) in cases {

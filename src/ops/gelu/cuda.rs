@@ -31,7 +31,7 @@ pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, x: &Tensor) -> Result<
     }
     be.launch(
         &format!("gelu_{}", x.dtype()),
-        be.grid(n),
+        be.grid(n.div_ceil(8)),
         BLOCK,
         Args::new().ptr(ptr(out)?).ptr(ptr(x)?).i64(n),
     )
@@ -46,7 +46,7 @@ pub(crate) fn backward(be: &CudaBackend, dx: &mut Tensor, x: &Tensor, dout: &Ten
     let dout = be.as_dtype(dout, x.dtype())?;
     be.launch(
         &format!("gelu_backward_{}", x.dtype()),
-        be.grid(n),
+        be.grid(n.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(dx)?)
