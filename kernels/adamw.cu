@@ -20,28 +20,45 @@
 //   p = p · decay − step_size · m / (sqrt(v) / bc2_sqrt + eps)
 // With --fmad=false and IEEE division and square root this is bitwise the CPU's update.
 
+// Folds the device multiplier `scale` (when not null) into `grad_scale`; false when it is
+// not finite, and the update must write nothing.
+__device__ __forceinline__ bool adamw_scale(const float* scale, float& grad_scale) {
+    if (scale == nullptr) return true;
+    const float s = scale[0];
+    if (!isfinite(s)) return false;
+    grad_scale *= s;
+    return true;
+}
+
+// One element's update, `g` the gradient already scaled: the moments `m` and `v` (as
+// stored: read before, rounded to M after, since the update reads a bf16 moment as stored,
+// as the next step will) and the value `p`. Every kernel of this file updates an element
+// through it.
+template <typename M>
+__device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v,
+                                              float beta1, float beta2, float eps,
+                                              float step_size, float bc2_sqrt, float decay) {
+    M ms[1], vs[1];
+    store(ms, 0, beta1 * m + (1.0f - beta1) * g);
+    store(vs, 0, beta2 * v + (1.0f - beta2) * g * g);
+    m = load(ms, 0);
+    v = load(vs, 0);
+    const float denom = sqrtf(v) / bc2_sqrt + eps;
+    p = p * decay - step_size * m / denom;
+}
+
 template <typename G, typename C, typename M>
 __device__ void adamw_impl(float* param, const G* grad, M* m, M* v,
                            const float* scale, C* compute, i64 n, float beta1, float beta2,
                            float eps, float grad_scale, float step_size, float bc2_sqrt,
                            float decay) {
-    if (scale != nullptr) {
-        const float s = scale[0];
-        if (!isfinite(s)) return;
-        grad_scale *= s;
-    }
+    if (!adamw_scale(scale, grad_scale)) return;
     TK_FOR_EACH(i, n) {
-        float g = load(grad, i) * grad_scale;
-        // A bf16 moment is updated from its stored value and stored rounded: the update
-        // reads the moment as stored, as the next step will.
-        float mi = beta1 * load(m, i) + (1.0f - beta1) * g;
-        float vi = beta2 * load(v, i) + (1.0f - beta2) * g * g;
+        float p = param[i], mi = load(m, i), vi = load(v, i);
+        adamw_element<M>(p, load(grad, i) * grad_scale, mi, vi, beta1, beta2, eps, step_size,
+                         bc2_sqrt, decay);
         store(m, i, mi);
         store(v, i, vi);
-        mi = load(m, i);
-        vi = load(v, i);
-        float denom = sqrtf(vi) / bc2_sqrt + eps;
-        float p = param[i] * decay - step_size * mi / denom;
         param[i] = p;
         if (compute != nullptr) store(compute, i, p);
     }
@@ -90,7 +107,7 @@ struct AdamWTable {
     i64 count;
 };
 
-// The update of 8 elements held in registers: as adamw_impl, element by element.
+// The update of 8 elements held in registers, element by element.
 template <typename M>
 __device__ __forceinline__ void adamw_elements(float (&p)[8], const float (&g)[8],
                                                float (&m)[8], float (&v)[8], float beta1,
@@ -99,19 +116,8 @@ __device__ __forceinline__ void adamw_elements(float (&p)[8], const float (&g)[8
                                                float decay) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const float gj = g[j] * grad_scale;
-        float mi = beta1 * m[j] + (1.0f - beta1) * gj;
-        float vi = beta2 * v[j] + (1.0f - beta2) * gj * gj;
-        // A bf16 moment is used as stored (rounded), as adamw_impl reads it back.
-        M ms[1], vs[1];
-        store(ms, 0, mi);
-        store(vs, 0, vi);
-        mi = load(ms, 0);
-        vi = load(vs, 0);
-        m[j] = mi;
-        v[j] = vi;
-        const float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p[j] = p[j] * decay - step_size * mi / denom;
+        adamw_element<M>(p[j], g[j] * grad_scale, m[j], v[j], beta1, beta2, eps, step_size,
+                         bc2_sqrt, decay);
     }
 }
 
@@ -119,11 +125,7 @@ template <typename G, typename C, typename M>
 __device__ void adamw_multi_impl(const AdamWTable& tab, const float* scale, float beta1,
                                  float beta2, float eps, float grad_scale, float step_size,
                                  float bc2_sqrt) {
-    if (scale != nullptr) {
-        const float s = scale[0];
-        if (!isfinite(s)) return;
-        grad_scale *= s;
-    }
+    if (!adamw_scale(scale, grad_scale)) return;
     // This block's tensor and chunk.
     i64 b = blockIdx.x;
     int k = 0;

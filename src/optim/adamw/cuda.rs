@@ -157,6 +157,7 @@ pub(crate) fn update_many(
         weight_decay: 0.0,
         ..*hp
     };
+    let no_decay_factor = no_decay.constants().2;
     // The kernel of each group and its tensors, in the order first met.
     let mut groups: Vec<(String, Vec<Entry>)> = Vec::new();
     for t in tensors.iter_mut() {
@@ -187,11 +188,7 @@ pub(crate) fn update_many(
         let entry = Entry {
             ptrs: [ptr(t.param)?, ptr(t.grad)?, ptr(t.m)?, ptr(t.v)?, fused],
             n,
-            decay: if t.decays {
-                decay
-            } else {
-                no_decay.constants().2
-            },
+            decay: if t.decays { decay } else { no_decay_factor },
         };
         let kernel = format!("adamw_multi_{suffix}{moments}");
         match groups.iter_mut().find(|(k, _)| *k == kernel) {
