@@ -366,6 +366,10 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
             "4",
             "--lora-targets",
             "q_proj,v_proj,down_proj",
+            // A run resumed to more steps equals the longer run under a constant rate (a
+            // cosine decays over whichever total the run had when it took each step).
+            "--lr-schedule",
+            "constant",
             "--steps",
             steps,
             "--out",

@@ -325,6 +325,9 @@ fn the_cli_trains_resumes_and_evaluates_over_an_nf4_base() {
             "--lora-targets",
             "all-linear",
             "--qlora",
+            // Resumed to more steps equals the longer run under a constant rate.
+            "--lr-schedule",
+            "constant",
             "--steps",
             steps,
             "--out",

@@ -15,9 +15,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 mod data;
+mod finetune;
 mod overrides;
 
 pub use data::{Corpus, DataConfig};
+pub use finetune::FineTuning;
 pub use overrides::{small_llama, Overrides};
 
 /// Settings of the loop.

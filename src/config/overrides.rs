@@ -396,12 +396,9 @@ impl Overrides {
         if let Some(a) = &self.attention {
             cfg.training.attention = crate::ops::AttentionPath::parse("--attention", a)?;
         }
-        let warmup_now = match cfg.training.lr_schedule {
-            LrSchedule::Constant { warmup_steps } | LrSchedule::Cosine { warmup_steps, .. } => {
-                warmup_steps
-            }
-        };
-        let warmup = self.warmup_steps.unwrap_or(warmup_now);
+        let warmup = self
+            .warmup_steps
+            .unwrap_or(cfg.training.lr_schedule.warmup_steps());
         if let Some(s) = &self.lr_schedule {
             cfg.training.lr_schedule = match s.as_str() {
                 "constant" => LrSchedule::Constant {
@@ -472,7 +469,7 @@ fn set<T>(slot: &mut T, value: Option<T>) {
 
 /// Sets `field` of any optimizer through its serialized form, so an optimizer from
 /// another crate takes `--lr` the moment it has an `lr` field.
-fn set_optimizer_field(
+pub(super) fn set_optimizer_field(
     opt: &dyn Optimizer,
     field: &str,
     flag: &str,

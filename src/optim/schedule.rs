@@ -34,6 +34,15 @@ impl Default for LrSchedule {
 }
 
 impl LrSchedule {
+    /// Steps of linear warmup.
+    pub fn warmup_steps(&self) -> u64 {
+        match *self {
+            LrSchedule::Constant { warmup_steps } | LrSchedule::Cosine { warmup_steps, .. } => {
+                warmup_steps
+            }
+        }
+    }
+
     /// Learning rate of optimizer step `step` (0-based) for a base rate `base` in a run of
     /// `total_steps` steps. Warmup follows llm.c: `base · (step + 1) / warmup_steps`.
     pub fn lr(&self, base: f32, step: u64, total_steps: u64) -> f32 {
