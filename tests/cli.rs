@@ -734,3 +734,117 @@ fn profile_ops_prints_the_time_per_op() {
     let out = run_ok(&tiny_run(&["--steps", "1", "--profile-ops"]));
     assert!(out.contains("one step only"), "{out}");
 }
+
+/// The optimizer's and the schedule's settings of `trainkit train ARGS --print-config`.
+fn printed_settings(args: &[&str]) -> (f32, f32, f32, toml::Value) {
+    let mut all = args.to_vec();
+    all.push("--print-config");
+    let (ok, out, err) = trainkit(&all);
+    assert!(ok, "{all:?}: {err}");
+    let v = toml::Value::Table(out.parse::<toml::Table>().unwrap());
+    let f = |k: &str| v["optimizer"][k].as_float().unwrap() as f32;
+    (
+        f("lr"),
+        f("beta2"),
+        f("weight_decay"),
+        v["training"]["lr_schedule"].clone(),
+    )
+}
+
+#[test]
+fn runs_from_a_model_get_fine_tuning_defaults_that_flags_and_configs_override() {
+    let dir = scratch("finetune-defaults");
+    let base = dir.join("base");
+    run_ok(&tiny_run(&["--steps", "0", "--out", path(&base)]));
+    let from = ["train", "--init-from", path(&base), "--steps", "100"];
+    let (lr, beta2, wd, schedule) = printed_settings(&from);
+    assert_eq!((lr, beta2, wd), (2e-5, 0.999, 0.0));
+    assert_eq!(schedule["kind"].as_str(), Some("cosine"));
+    assert_eq!(schedule["warmup_steps"].as_integer(), Some(3));
+    assert_eq!(schedule["min_lr_ratio"].as_float(), Some(0.0));
+    // LoRA and QLoRA: 2e-4.
+    for adapter in [&["--lora-rank", "4"][..], &["--lora-rank", "4", "--qlora"]] {
+        let (lr, ..) = printed_settings(&[&from[..], adapter].concat());
+        assert_eq!(lr, 2e-4, "{adapter:?}");
+    }
+    // Flags win, each alone.
+    let flags = [
+        "--lr",
+        "0.001",
+        "--weight-decay",
+        "0.05",
+        "--warmup-steps",
+        "7",
+        "--lr-schedule",
+        "constant",
+    ];
+    let (lr, beta2, wd, schedule) = printed_settings(&[&from[..], &flags].concat());
+    assert_eq!((lr, beta2, wd), (1e-3, 0.999, 0.05));
+    assert_eq!(schedule["kind"].as_str(), Some("constant"));
+    assert_eq!(schedule["warmup_steps"].as_integer(), Some(7));
+    // A config file's settings stand as written.
+    let config = dir.join("run.toml");
+    std::fs::write(&config, "[optimizer]\nkind = \"adamw\"\nlr = 0.0007\n").unwrap();
+    let (lr, beta2, ..) = printed_settings(&[&from[..], &["--config", path(&config)]].concat());
+    assert_eq!((lr, beta2), (7e-4, 0.95));
+    // The run says what it set, and the first step trains at the full rate after one
+    // warmup step.
+    let log = dir.join("log.jsonl");
+    // The base's generation settings go with a full fine-tune (not with an adapter).
+    let generation = r#"{"do_sample": true, "temperature": 0.6}"#;
+    std::fs::write(base.join("generation_config.json"), generation).unwrap();
+    let tuned = dir.join("tuned");
+    let out = run_ok(
+        &[
+            "train",
+            "--init-from",
+            path(&base),
+            "--out",
+            path(&tuned),
+            "--steps",
+            "2",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--log-json",
+            path(&log),
+        ]
+        .map(String::from),
+    );
+    assert!(
+        out.contains("fine-tuning defaults (a full fine-tune)"),
+        "{out}"
+    );
+    assert!(out.contains("learning rate 2e-5, warmup 1 steps"), "{out}");
+    let first = std::fs::read_to_string(&log).unwrap();
+    let first: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    assert_eq!(first["lr"].as_f64().unwrap() as f32, 2e-5);
+    let copied = std::fs::read_to_string(tuned.join("generation_config.json")).unwrap();
+    assert_eq!(copied, generation);
+}
+
+#[test]
+fn a_warmup_longer_than_the_run_is_warned_of() {
+    let (ok, _, err) = trainkit(
+        &tiny_run(&["--steps", "2", "--warmup-steps", "4"])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("warning: the warmup (4 steps) is longer than the run (2 steps)")
+            && err.contains("peaks at 1.000e-3"),
+        "{err}"
+    );
+    let (ok, _, err) = trainkit(
+        &tiny_run(&["--steps", "2", "--warmup-steps", "2"])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(ok && !err.contains("warmup"), "{err}");
+}

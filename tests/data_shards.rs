@@ -259,11 +259,13 @@ fn prepare_streams_json_lines_and_text_into_shards() {
             jsonl.push('\n'); // blank lines are skipped
         }
     }
+    // A UTF-8 byte-order mark opening a file (as some editors write) is not text.
     let jl = dir.join("a.jsonl");
-    fs::write(&jl, &jsonl).unwrap();
+    fs::write(&jl, format!("\u{feff}{jsonl}")).unwrap();
     let texts = ["A text file of its own.\n", "And another, the last.\n"];
     for (i, t) in texts.iter().enumerate() {
-        fs::write(dir.join(format!("t{i}.txt")), t).unwrap();
+        let mark = if i == 0 { "\u{feff}" } else { "" };
+        fs::write(dir.join(format!("t{i}.txt")), format!("{mark}{t}")).unwrap();
     }
     let out = dir.join("out/corpus.bin");
     let report = prepare_with(
@@ -319,6 +321,16 @@ fn prepare_streams_json_lines_and_text_into_shards() {
         .unwrap();
     assert_eq!(corpus.train.len_tokens(), n - n_val);
     assert_eq!(corpus.val.len_tokens(), n_val);
+    // Text given to `train` directly drops the mark too.
+    let long = texts[0].repeat(20);
+    fs::write(dir.join("long.txt"), format!("\u{feff}{long}")).unwrap();
+    let corpus = DataConfig::from_path(&dir.join("long.txt"), Some(TokenizerKind::Gpt2))
+        .load(2, 50257)
+        .unwrap();
+    assert_eq!(
+        corpus.train.len_tokens() + corpus.val.len_tokens(),
+        Gpt2Tokenizer.encode(&long).len()
+    );
 }
 
 #[test]

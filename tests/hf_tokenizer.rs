@@ -839,3 +839,147 @@ fn prepare_chat_masks_what_the_assistant_says() {
         "{stdout}"
     );
 }
+
+/// The words of the `trainkit ...` command in the line of `out` that starts with `lead`,
+/// split as a shell splits them (quotes removed).
+fn printed_command(out: &str, lead: &str) -> Vec<String> {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(lead))
+        .unwrap_or_else(|| panic!("no line starting {lead:?} in:\n{out}"));
+    let command = &line[line.find("trainkit ").unwrap() + "trainkit ".len()..];
+    let (mut words, mut word, mut quote) = (Vec::new(), String::new(), None);
+    for c in command.chars() {
+        match (quote, c) {
+            (None, '"' | '\'') => quote = Some(c),
+            (Some(q), c) if c == q => quote = None,
+            (None, ' ') if !word.is_empty() => words.push(std::mem::take(&mut word)),
+            (None, ' ') => {}
+            (_, c) => word.push(c),
+        }
+    }
+    words.extend((!word.is_empty()).then_some(word));
+    words
+}
+
+/// Runs a printed command with `extra` flags appended (a short run's).
+fn run_printed(words: &[String], extra: &[&str]) -> String {
+    let mut args: Vec<&str> = words.iter().map(String::as_str).collect();
+    args.extend_from_slice(extra);
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{args:?}:\n{out}\n{err}");
+    out
+}
+
+/// `prepare --chat`'s hint trains as printed: from scratch with a bare tokenizer, as a
+/// fine-tune of the model when the tokenizer is a model directory's; the fine-tune's
+/// sample hint replies to a chat message and keeps `--qlora`.
+#[test]
+fn prepare_and_train_hints_run_as_printed() {
+    let dir = TempDir::new("hints");
+    let tokenizer = dir.path("tokenizer");
+    write_json(
+        &tokenizer.join("tokenizer.json"),
+        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    );
+    let template = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + \
+                    message['content'] + '<|im_end|>\n' }}{% endfor %}\
+                    {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    write_json(
+        &tokenizer.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
+    );
+    let chat = dir.path("chat.jsonl");
+    let row = r#"{"messages":[{"role":"user","content":"hello"},{"role":"assistant","content":"hi there"}]}"#;
+    fs::write(&chat, [row; 8].join("\n")).unwrap();
+    let prepare = |tok: &Path, name: &str| {
+        let out = dir.path(name);
+        let (ok, stdout, err) = trainkit(&[
+            "prepare",
+            "--chat",
+            s(&chat),
+            "--tokenizer",
+            s(tok),
+            "--out",
+            s(&out),
+            "--seq-len",
+            "32",
+        ]);
+        assert!(ok, "{stdout}\n{err}");
+        stdout
+    };
+    let small = [
+        "--steps",
+        "1",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "1",
+        "--n-embd",
+        "8",
+    ];
+    // A built-in template whose markers the tokenizer lacks is warned of, by name.
+    for (template, warned) in [("llama3", true), ("chatml", false)] {
+        let (ok, _, err) = trainkit(&[
+            "prepare",
+            "--chat",
+            s(&chat),
+            "--tokenizer",
+            s(&tokenizer),
+            "--out",
+            s(&dir.path("t.bin")),
+            "--seq-len",
+            "256",
+            "--template",
+            template,
+        ]);
+        assert!(ok, "{err}");
+        let says = err.contains("does not have as single tokens")
+            && err.contains("<|start_header_id|>, <|end_header_id|>, <|eot_id|>");
+        assert_eq!(says, warned, "{template}: {err}");
+    }
+    // A tokenizer without a model: a model from scratch, with its vocabulary.
+    let stdout = prepare(&tokenizer, "data/chat.bin");
+    assert!(!stdout.contains("--init-from"), "{stdout}");
+    let scratch = dir.path("scratch");
+    let command = printed_command(&stdout, "train a model from scratch");
+    run_printed(&command, &[&small[..], &["--out", s(&scratch)]].concat());
+    // The saved model's directory as the tokenizer: a fine-tune of it.
+    let stdout = prepare(&scratch, "data/again.bin");
+    let command = printed_command(&stdout, "fine-tune the model");
+    assert!(
+        command.contains(&"--init-from".to_string()) && command.contains(&s(&scratch).to_string()),
+        "{command:?}"
+    );
+    assert!(stdout.contains("--lora-rank 16"), "{stdout}");
+    let out = run_printed(
+        &command,
+        &[
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--device",
+            "cpu",
+            "--lora-rank",
+            "2",
+            "--qlora",
+        ],
+    );
+    assert!(
+        dir.path("data/again-tuned/adapter_config.json").is_file(),
+        "{out}"
+    );
+    let mut sample = printed_command(&out, "sample from it");
+    assert!(
+        sample.contains(&"--chat".to_string()) && sample.contains(&"--qlora".to_string()),
+        "{sample:?}"
+    );
+    let n = sample.iter().position(|w| w == "--max-new-tokens").unwrap();
+    sample[n + 1] = "2".to_string();
+    run_printed(&sample, &["--device", "cpu"]);
+}

@@ -508,3 +508,49 @@ fn techniques_shows_what_each_saves_as_its_own_flags_would() {
     assert!(!ok);
     assert!(err.contains("--techniques"), "{err}");
 }
+
+/// A LoRA or QLoRA run prints one table, trainkit's exact figures for that run (the
+/// playbook's formulas count full training and are left out), with the parameters that
+/// train; a subject without dimensions cannot have those figures and is refused.
+#[test]
+fn a_lora_run_prints_its_own_exact_table() {
+    let args = [
+        "--model",
+        "gpt2",
+        "--lora-rank",
+        "8",
+        "--qlora",
+        "--seq-len",
+        "256",
+    ];
+    let (ok, out, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    // GPT-2's c_attn in 12 layers: rank 8 × (768 in + 2304 out).
+    assert!(
+        out.contains("QLoRA rank 8, α 16 on c_attn: 294,912 of"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("bytes/param") && !out.contains("model state"),
+        "{out}"
+    );
+    let v = json(&args);
+    assert_eq!(v["adapter"]["trainable_params"], 294_912);
+    assert_eq!(v["adapter"]["kind"], "qlora");
+    assert!(v["model_state_bytes"].is_null() && v["total_bytes"].is_null());
+    let peak = v["trainkit_exact"]["peak_total_bytes"].as_u64().unwrap();
+    let row = format!("{:.2}", peak as f64 / (1u64 << 30) as f64);
+    let line = out.lines().find(|l| l.starts_with("peak ")).unwrap();
+    assert!(
+        line.split_whitespace().nth(1) == Some(row.as_str()),
+        "{line} vs {row}"
+    );
+    // A full fine-tune keeps the formulas.
+    let full = json(&["--model", "gpt2", "--seq-len", "256"]);
+    assert!(full["adapter"].is_null() && full["total_bytes"].as_u64().is_some());
+    let (ok, _, err) = trainkit(&["--params", "8B", "--lora-rank", "8"]);
+    assert!(
+        !ok && err.contains("--lora-rank") && err.contains("--params has none"),
+        "{err}"
+    );
+}

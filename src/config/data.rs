@@ -402,7 +402,8 @@ fn read_text(path: &Path, tok: &dyn Tokenizer) -> Result<Vec<u32>> {
             ),
         )
     })?;
-    tok.try_encode(&text)
+    // A UTF-8 byte-order mark is not text of the document.
+    tok.try_encode(text.strip_prefix('\u{feff}').unwrap_or(&text))
 }
 
 /// Fails, naming the tokenizer and the fix, when its `vocab` ids do not fit in the

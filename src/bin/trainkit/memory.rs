@@ -483,6 +483,20 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         )
     };
     let exact = exact_with(args.offload_activations)?;
+    // A LoRA run's figures are trainkit's exact ones (the playbook's formulas count full
+    // training): without them the flags cannot be honoured.
+    let adapted = match (&lora, &exact) {
+        (Some(l), Some(_)) => Some((l, trainable_params(&subject, seq_len, paths, adapter)?)),
+        (Some(_), None) => {
+            return Err(flag_error(
+                "--lora-rank",
+                "a LoRA's memory is trainkit's exact figure, which needs the model's \
+                 dimensions (--model NAME, or --layers, --hidden, --heads and --vocab; \
+                 --params has none) and a --seq-len within its context",
+            ))
+        }
+        (None, _) => None,
+    };
     if let (Some(path), Some(shape)) = (&args.plot, shape) {
         let (lo, hi) = ActivationSweep::default_range(seq_len);
         // trainkit's exact activations (meta runs of the model it builds, every policy at
@@ -611,15 +625,34 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 .collect::<serde_json::Map<_, _>>()
         });
         let a = subject.arch;
+        // The formulas count full training: a LoRA run has its exact figures alone.
+        let full = |v: serde_json::Value| {
+            if adapted.is_some() {
+                serde_json::Value::Null
+            } else {
+                v
+            }
+        };
+        let adapter_json = adapted.map(|(l, (trained, all))| {
+            serde_json::json!({
+                "kind": if args.qlora { "qlora" } else { "lora" },
+                "rank": l.rank,
+                "alpha": l.alpha,
+                "targets": l.targets,
+                "trainable_params": trained,
+                "params": all,
+            })
+        });
         let out = serde_json::json!({
             "model": subject.name,
             "params": subject.params,
             "params_playbook": playbook,
-            "bytes": bytes,
-            "model_state_bytes": state_total,
-            "activation_bytes": activations,
-            "activation_bytes_by_recompute": by_policy,
-            "total_bytes": total,
+            "adapter": adapter_json,
+            "bytes": full(bytes.into()),
+            "model_state_bytes": full(state_total.into()),
+            "activation_bytes": full(activations.into()),
+            "activation_bytes_by_recompute": full(by_policy.into()),
+            "total_bytes": full(total.into()),
             "trainkit_exact": exact_json,
             "techniques": savings.as_ref().map(savings_json),
             "inputs": {
@@ -661,6 +694,30 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             args.batch_size
         ),
         None => println!("training   {precision_name}, {optimizer_name}"),
+    }
+    if let (Some((l, (trained, all))), Some(p)) = (adapted, &exact) {
+        println!(
+            "adapter    {} rank {}, α {} on {}: {} of {} parameters train ({:.3}%), the base \
+             frozen{}",
+            if args.qlora { "QLoRA" } else { "LoRA" },
+            l.rank,
+            l.alpha,
+            l.targets.join(", "),
+            group(trained),
+            group(all),
+            100.0 * trained as f64 / all.max(1) as f64,
+            if args.qlora {
+                " (its projections in NF4)"
+            } else {
+                ""
+            }
+        );
+        println!();
+        print_exact_table(p, kept.as_ref(), &args);
+        if let Some(s) = &savings {
+            print_savings(s);
+        }
+        return Ok(());
     }
     println!();
     println!(
@@ -781,6 +838,80 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The parameters of the model `subject` builds with `adapter` that train, and all of
+/// them.
+fn trainable_params(
+    subject: &Subject,
+    seq_len: u64,
+    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    adapter: Option<&(dyn trainkit::Adapter + 'static)>,
+) -> Result<(u64, u64)> {
+    let arch = exact_arch(subject, seq_len)
+        .ok_or_else(|| flag_error("--seq-len", "exceeds the model's context"))?;
+    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
+    let mut model = trainkit::model::build_with(&arch, context, attention, loss, None)?;
+    if let Some(a) = adapter {
+        model = model
+            .with_adapter(std::sync::Arc::from(dyn_clone::clone_box(a)))
+            .map_err(|e| e.for_field("--lora-targets"))?;
+    }
+    let params = model.init_params();
+    let count = |trains: bool| {
+        params
+            .iter()
+            .filter(|p| trains || !p.trains)
+            .map(|p| p.numel() as u64)
+            .sum::<u64>()
+    };
+    let all = count(true);
+    Ok((all - count(false), all))
+}
+
+/// trainkit's exact figures as the table of a run (a LoRA's): each category's peak, the
+/// peak total on the device, and what offloading moves to the host.
+fn print_exact_table(p: &MemoryPrediction, kept: Option<&MemoryPrediction>, args: &MemoryArgs) {
+    println!(
+        "trainkit's exact figures (what its ledger measures; activations include the fused \
+         loss's chunk of logits):"
+    );
+    println!("{:<16} {:>12} {:>12}", "category", "GiB", "GB");
+    for c in MemoryCategory::ALL {
+        let b = p.peak.get(c);
+        if b > 0 && c != MemoryCategory::Offloaded {
+            println!("{:<16} {:>12} {:>12}", c.name(), gib(b), gb(b));
+        }
+    }
+    println!(
+        "{:<16} {:>12} {:>12}   on the device, activations peaking in the {} phase",
+        "peak",
+        gib(p.peak_total),
+        gb(p.peak_total),
+        p.activations
+            .peak_phase
+            .map_or("-".to_string(), |x| x.to_string())
+    );
+    if p.host_bytes() > 0 {
+        println!(
+            "{:<16} {:>12} {:>12}   in host memory at its peak{}",
+            "host",
+            gib(p.host_bytes()),
+            gb(p.host_bytes()),
+            if args.optimizer_offload {
+                " (the optimizer's side)"
+            } else {
+                " (offloaded activations)"
+            }
+        );
+    }
+    if let Some(k) = kept {
+        println!(
+            "offloading the activations saves {} GiB of device memory (peak {} GiB without it)",
+            gib(k.peak_total.saturating_sub(p.peak_total)),
+            gib(k.peak_total),
+        );
+    }
 }
 
 /// `1.25` GiB, `-0.50` when it costs memory.

@@ -2,7 +2,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use trainkit::data::chat::{prepare_chat, ChatOptions, MaskMode, Overflow};
 use trainkit::data::{prepare_with, InputKind, PrepareOptions, TokenizerKind};
 use trainkit::Result;
@@ -50,8 +50,9 @@ pub struct PrepareArgs {
     /// 0, so it trains as it would alone, with far less padding.
     #[arg(long, requires = "chat")]
     pack: bool,
-    /// With --chat: shuffle the train conversations with this seed before laying them out
-    /// (default: file order; the val ones stay in file order).
+    /// With --chat: shuffle the conversations with this seed before the val part is drawn
+    /// (at random, from every input) and the rows are laid out (default: the files' order,
+    /// the val conversations spread evenly over it).
     #[arg(long, value_name = "SEED", requires = "chat")]
     shuffle_seed: Option<u64>,
     /// The train token file to write (e.g. data/shakespeare.bin; the val file becomes
@@ -63,9 +64,14 @@ pub struct PrepareArgs {
     /// before every document.
     #[arg(long, default_value = "gpt2")]
     tokenizer: TokenizerKind,
-    /// Fraction of the tokens, from the end, written to the val file(s).
+    /// Fraction written to the val file(s): of the tokens, from the end, for --text and
+    /// --jsonl; of the conversations, drawn from every input, for --chat.
     #[arg(long, default_value_t = 0.1)]
     val_fraction: f64,
+    /// With --chat: JSON-lines files (or a quoted glob) of the val conversations, written
+    /// to the val file instead of a --val-fraction of the --chat ones.
+    #[arg(long, num_args = 1.., value_name = "FILE", requires = "chat", conflicts_with = "val_fraction")]
+    val: Vec<PathBuf>,
     /// Write shards of this many tokens: NAME_000000.bin, NAME_000001.bin, ... and
     /// NAME_val_000000.bin, ... (llm.c's FineWeb shards hold 100000000).
     #[arg(long, value_name = "N")]
@@ -171,15 +177,59 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         (_, Some(first)) => first.display().to_string(),
         _ => String::new(),
     };
-    let vocab = match &args.tokenizer {
+    for hint in train_hints(&args.tokenizer, &data, "")? {
+        println!("{hint}");
+    }
+    Ok(())
+}
+
+/// The model directory a Hugging Face tokenizer came from: the directory given as
+/// `--tokenizer`, or the one holding the `tokenizer.json` given, when it holds the model's
+/// `config.json` too.
+fn model_dir_of(tokenizer: &TokenizerKind) -> Option<PathBuf> {
+    let TokenizerKind::HuggingFace(path) = tokenizer else {
+        return None;
+    };
+    let dir = if path.is_dir() {
+        path.clone()
+    } else {
+        path.parent()?.to_path_buf()
+    };
+    dir.join("config.json").is_file().then_some(dir)
+}
+
+/// Commands that train on the data just written, as they run when pasted: fine-tune the
+/// model the tokenizer came from (its directory's tokenizer is then the data's), and a
+/// model from scratch with the tokenizer's vocabulary. `extra` holds flags both need
+/// (`--seq-len N`).
+fn train_hints(tokenizer: &TokenizerKind, data: &str, extra: &str) -> Result<Vec<String>> {
+    let mut hints = Vec::new();
+    if let Some(dir) = model_dir_of(tokenizer) {
+        // The run's directory beside the data: `data/chat.bin` -> `data/chat-tuned`.
+        let data_path = Path::new(data.trim_matches('\''));
+        let stem = data_path.file_stem().map_or("data".into(), |s| {
+            s.to_string_lossy().replace(['*', '?'], "")
+        });
+        let out = data_path
+            .with_file_name(format!("{}-tuned", stem.trim_end_matches('_')))
+            .display()
+            .to_string();
+        hints.push(format!(
+            "fine-tune the model on them: trainkit train --init-from {} --data {data}{extra} \
+             --out {out}",
+            dir.display(),
+        ));
+        hints.push("  (add --lora-rank 16 for LoRA, and --qlora with it for QLoRA)".to_string());
+    }
+    let vocab = match tokenizer {
         TokenizerKind::Bytes => String::new(),
         kind => format!(" --vocab-size {}", kind.vocab_size()?),
     };
-    println!(
-        "train on them with: trainkit train --data {data} --tokenizer {}{vocab}",
-        args.tokenizer,
-    );
-    Ok(())
+    hints.push(format!(
+        "train a model from scratch on them: trainkit train --data {data}{extra} --tokenizer \
+         {tokenizer}{vocab}"
+    ));
+    Ok(hints)
 }
 
 /// `prepare --chat`: conversations to rows of tokens with a loss mask.
@@ -205,7 +255,12 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
         seq_len,
         mask: args.mask,
         overflow: args.overflow,
-        val_fraction: args.val_fraction,
+        val_fraction: if args.val.is_empty() {
+            args.val_fraction
+        } else {
+            0.0
+        },
+        val_inputs: args.val.clone(),
         skip_bad_rows: args.skip_bad_rows,
         pack: args.pack,
         shuffle_seed: args.shuffle_seed,
@@ -236,13 +291,28 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
     if r.bad_rows > 0 {
         println!("{} rows that are not conversations: skipped", r.bad_rows);
     }
+    if r.untrained > 0 {
+        println!(
+            "{} train conversations keep no trained token (their {} part is past --seq-len \
+             {seq_len}, or the mask selects nothing in them): they teach nothing; a longer \
+             --seq-len or --overflow split keeps them",
+            r.untrained,
+            match args.mask {
+                MaskMode::All => "trained",
+                MaskMode::Assistant | MaskMode::Last => "assistant",
+            }
+        );
+    }
     for f in &r.files {
         println!("wrote {} and its .mask", f.display());
     }
-    println!(
-        "train on them with: trainkit train --data {} --seq-len {seq_len} --tokenizer {}",
-        args.out.display(),
-        args.tokenizer
-    );
+    let data = args.out.display().to_string();
+    let hints = train_hints(&args.tokenizer, &data, &format!(" --seq-len {seq_len}"))?;
+    // Chat data fine-tunes a model; training one from scratch on it is the odd case, so
+    // it is offered alone only when the tokenizer names no model.
+    let fine_tune = model_dir_of(&args.tokenizer).is_some();
+    for hint in &hints[..if fine_tune { 2 } else { hints.len() }] {
+        println!("{hint}");
+    }
     Ok(())
 }

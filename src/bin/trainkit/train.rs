@@ -311,8 +311,10 @@ impl TrainArgs {
     }
 }
 
-/// The run config: the file, or the resumed checkpoint's, with the flags laid over it.
-fn resolve(args: &TrainArgs) -> Result<RunConfig> {
+/// The run config: the file, or the resumed checkpoint's, with the flags laid over it;
+/// a new run from a model without `--config` gets the fine-tuning defaults, and the line
+/// saying which.
+fn resolve(args: &TrainArgs) -> Result<(RunConfig, Option<String>)> {
     let mut cfg = match (&args.resume, &args.config) {
         (Some(_), Some(_)) => {
             return Err(Error::config(
@@ -399,7 +401,11 @@ fn resolve(args: &TrainArgs) -> Result<RunConfig> {
     if let Some(dir) = &args.adapter {
         adapter_settings(&mut cfg, dir, args)?;
     }
-    Ok(cfg)
+    let defaults = match (&init_dir, &args.resume, &args.config) {
+        (Some(_), None, None) => Some(cfg.apply_fine_tuning_defaults(&overrides)?),
+        _ => None,
+    };
+    Ok((cfg, defaults))
 }
 
 /// A resumed run keeps the base model and the adapter it was saved with: flags that would
@@ -513,6 +519,54 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
     Ok(())
 }
 
+/// The learning rate's course and the optimizer's settings, in one line:
+/// `learning rate 0.0002, warmup 3 steps, cosine to 0 at step 100; beta1 0.9, ...`.
+fn schedule_line(cfg: &RunConfig) -> Result<String> {
+    let t = &cfg.training;
+    let base = cfg.optimizer.learning_rate();
+    let course = match t.lr_schedule {
+        trainkit::optim::LrSchedule::Constant { .. } => "then constant".to_string(),
+        trainkit::optim::LrSchedule::Cosine {
+            decay_steps,
+            min_lr_ratio,
+            ..
+        } => format!(
+            "cosine to {min_lr_ratio}× at step {}",
+            if decay_steps == 0 {
+                t.steps
+            } else {
+                decay_steps
+            }
+        ),
+    };
+    let settings = serde_json::to_value(&cfg.optimizer).map_err(|e| Error::Serde(e.to_string()))?;
+    let named: Vec<String> = ["beta1", "beta2", "eps", "weight_decay", "momentum"]
+        .iter()
+        .filter_map(|k| {
+            Some(format!(
+                "{k} {}",
+                number(settings.get(*k)?.as_f64()? as f32)
+            ))
+        })
+        .collect();
+    Ok(format!(
+        "learning rate {}, warmup {} steps, {course}; {} {}",
+        number(base),
+        t.lr_schedule.warmup_steps(),
+        kind(&cfg.optimizer)?,
+        named.join(", ")
+    ))
+}
+
+/// `x` as a person writes it: `2e-5`, `0.999`, `0`.
+fn number(x: f32) -> String {
+    if x != 0.0 && x.abs() < 1e-3 {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
 /// A training run, resolved: its config (autofit applied), device and limits.
 struct Plan {
     cfg: RunConfig,
@@ -520,6 +574,8 @@ struct Plan {
     device: trainkit::Device,
     scope: fit::FitScope,
     peak_flops: Option<f64>,
+    /// What the fine-tuning defaults set, when they applied.
+    defaults: Option<String>,
 }
 
 /// A trainer of a run config's boxed policies.
@@ -539,6 +595,8 @@ struct Job {
     trainer: RunTrainer,
     val: DataLoader,
     entropy_floor: Option<f64>,
+    /// Whether the data is rows with a loss mask (`prepare --chat`).
+    chat_data: bool,
     data_tokenizer: TokenizerKind,
     profile: Option<SharedOpProfile>,
     timeline_steps: Option<u64>,
@@ -581,7 +639,7 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
 /// The run config with the flags laid over it, autofit applied, and the device, budget,
 /// autofit scope and peak FLOP/s the flags give.
 fn plan(args: &TrainArgs) -> Result<Plan> {
-    let mut cfg = resolve(args)?;
+    let (mut cfg, defaults) = resolve(args)?;
     let memory_budget = match &args.memory_budget {
         Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
             Error::Config { message, .. } => Error::config("--memory-budget", message),
@@ -628,6 +686,7 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
         device,
         scope,
         peak_flops,
+        defaults,
     })
 }
 
@@ -650,6 +709,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     }
     let t = cfg.training.clone();
     let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size())?;
+    let chat_data = corpus.train.shards().iter().any(|s| s.row_len().is_some());
     let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
         .shuffled(corpus.shuffle.then_some(t.seed))
         .separated_by(corpus.separator);
@@ -759,12 +819,20 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             100.0 * trained as f64 / all as f64
         );
     }
+    if let Some(line) = &plan.defaults {
+        println!("{line}");
+    }
+    println!("{}", schedule_line(cfg)?);
+    if let Some(w) = cfg.warmup_warning() {
+        eprintln!("warning: {w}");
+    }
     let run_config = cfg.to_toml()?;
     Ok(Job {
         backend,
         trainer,
         val,
         entropy_floor: corpus.entropy_floor,
+        chat_data,
         data_tokenizer: corpus.tokenizer,
         profile,
         timeline_steps,
@@ -793,6 +861,12 @@ impl Job {
     fn save(&self, dir: &Path) -> Result<()> {
         self.trainer.save(dir, Some(&self.run_config))?;
         copy_tokenizer(&self.plan.cfg.data.tokenizer(), dir);
+        // A full model keeps its base's generation settings (`generate()` reads them), as
+        // `merge` keeps them; an adapter's directory holds the adapter alone.
+        if let (Some(base), false) = (&self.plan.cfg.training.init_from, self.saves_adapter()) {
+            let name = GENERATION_CONFIG_FILE;
+            copy_files(dir, [(base.join(name), name)]);
+        }
         Ok(())
     }
 }
@@ -989,14 +1063,23 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
                 (_, false) => Some(dir.display().to_string()),
             };
             if let Some(model) = model {
+                // Chat data (rows with a loss mask) samples a reply to a message, rendered
+                // with the tokenizer's template; an NF4 base is quantized as it trained.
+                let prompt = match (job.chat_data, &job.data_tokenizer) {
+                    (true, _) => "--chat \"Hello!\"",
+                    (false, TokenizerKind::Bytes) => "--prompt \"the \"",
+                    (false, _) => "--prompt \"Once upon a time\"",
+                };
+                let nf4 = job
+                    .plan
+                    .cfg
+                    .adapter
+                    .as_ref()
+                    .is_some_and(|a| a.base_dtype().is_some());
                 println!(
-                    "sample from it: trainkit sample --model {model} --prompt \"{}\" \
+                    "sample from it: trainkit sample --model {model}{} {prompt} \
                      --max-new-tokens 200",
-                    if job.data_tokenizer == TokenizerKind::Bytes {
-                        "the "
-                    } else {
-                        "Once upon a time"
-                    }
+                    if nf4 { " --qlora" } else { "" }
                 );
             }
             println!(
@@ -1039,6 +1122,9 @@ fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
     })
 }
 
+/// transformers' generation settings beside a model's weights.
+const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
 /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
 /// and `chat_template.jinja` beside it if there are) into the model directory `dir`,
 /// where `sample` and `eval` look for it. A failure is a warning: the model itself is
@@ -1057,14 +1143,23 @@ fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
             return;
         }
     };
-    for (from, name) in [
-        (file.clone(), TOKENIZER_FILE),
-        (
-            file.with_file_name(TOKENIZER_CONFIG_FILE),
-            TOKENIZER_CONFIG_FILE,
-        ),
-        (file.with_file_name(CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE),
-    ] {
+    copy_files(
+        dir,
+        [
+            (file.clone(), TOKENIZER_FILE),
+            (
+                file.with_file_name(TOKENIZER_CONFIG_FILE),
+                TOKENIZER_CONFIG_FILE,
+            ),
+            (file.with_file_name(CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE),
+        ],
+    );
+}
+
+/// Copies each file `from` that exists into `dir` as `name`; a failure is a warning, as
+/// the model itself is saved.
+fn copy_files<const N: usize>(dir: &Path, files: [(PathBuf, &str); N]) {
+    for (from, name) in files {
         let to = dir.join(name);
         let same = matches!(
             (std::fs::canonicalize(&from), std::fs::canonicalize(&to)),

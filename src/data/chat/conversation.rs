@@ -73,19 +73,42 @@ fn messages(
     list.iter()
         .enumerate()
         .map(|(i, turn)| {
-            let text = |key: &str| turn.get(key).and_then(Value::as_str);
-            let who = text(role_key)
+            let who = turn
+                .get(role_key)
+                .and_then(Value::as_str)
                 .ok_or_else(|| format!("turn {i} of `{field}` has no `{role_key}` string"))?;
-            let content = text(content_key)
-                .ok_or_else(|| format!("turn {i} of `{field}` has no `{content_key}` string"))?;
+            let content = content(turn.get(content_key), content_key)
+                .map_err(|e| format!("turn {i} of `{field}` {e}"))?;
             let role = role(who)
                 .ok_or_else(|| format!("turn {i} of `{field}` is from unknown speaker `{who}`"))?;
-            Ok(Message {
-                role,
-                content: content.to_string(),
-            })
+            Ok(Message { role, content })
         })
         .collect()
+}
+
+/// A turn's text: a string, or OpenAI's list of content parts (`[{"type": "text", "text":
+/// "..."}]`), whose texts are joined as OpenAI joins them (with nothing between). Parts
+/// of other types (images, audio) are refused: a text model cannot train on them.
+fn content(value: Option<&Value>, key: &str) -> Result<String, String> {
+    match value {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .enumerate()
+            .map(|(j, part)| {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("text") | None, Some(text)) => Ok(text),
+                    (Some(other), _) if other != "text" => Err(format!(
+                        "has a content part of type `{other}` (part {j}); only text parts \
+                         can be trained on"
+                    )),
+                    _ => Err(format!("has content part {j} without a `text` string")),
+                }
+            })
+            .collect(),
+        _ => Err(format!("has no `{key}` string (or list of text parts)")),
+    }
 }
 
 /// An Alpaca record as a user turn (the instruction, then the input after a blank line)
@@ -161,6 +184,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(roles(&m), ["user", "assistant"]);
+        // OpenAI's list of content parts: the texts joined.
+        let m = parse(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},
+            {"type":"text","text":"b"}]},{"role":"assistant","content":[{"type":"text","text":"c"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!((m[0].content.as_str(), m[1].content.as_str()), ("ab", "c"));
     }
 
     #[test]
@@ -171,6 +201,14 @@ mod tests {
             (r#"{"text":"x"}"#, "has none of"),
             (r#"{"messages":[]}"#, "empty conversation"),
             (r#"{"messages":[{"role":"user"}]}"#, "no `content` string"),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+                "of type `image_url` (part 0)",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"text"}]}]}"#,
+                "part 0 without a `text` string",
+            ),
             (
                 r#"{"messages":[{"role":"robot","content":"x"}]}"#,
                 "role `robot`",

@@ -60,15 +60,20 @@ pub struct ChatOptions {
     pub mask: MaskMode,
     /// What becomes of an example longer than a row.
     pub overflow: Overflow,
-    /// Fraction of the examples, from the end, written to the val files, in `[0, 1)`.
+    /// Fraction of the examples written to the val files, in `[0, 1)`: drawn from every
+    /// input, at random with `shuffle_seed`, else spread evenly over the inputs' order.
+    /// Must be 0 when `val_inputs` are given.
     pub val_fraction: f64,
+    /// JSON-lines files or globs of the val conversations (`prepare --val`); none: the
+    /// val part is `val_fraction` of `inputs`.
+    pub val_inputs: Vec<PathBuf>,
     /// Skip (and count) rows that are not a conversation instead of failing on the first.
     pub skip_bad_rows: bool,
     /// Pack whole examples greedily into rows (each starting a document) instead of one
     /// per row.
     pub pack: bool,
-    /// Shuffle the train examples with this seed before laying them out (`None`: file
-    /// order).
+    /// Shuffle the examples with this seed before the val part is drawn and the train
+    /// rows are laid out (`None`: the inputs' order).
     pub shuffle_seed: Option<u64>,
 }
 
@@ -85,6 +90,9 @@ pub struct ChatReport {
     pub split: usize,
     /// Rows of the input that were not conversations, skipped.
     pub bad_rows: usize,
+    /// Train examples that keep no trained token (their trained part truncated away, or
+    /// a mask that trains nothing in them): written, but they teach nothing.
+    pub untrained: usize,
     /// Rows of `seq_len` tokens in the train and val files.
     pub train_rows: usize,
     /// Rows in the val files.
@@ -117,6 +125,17 @@ enum Encoder {
 }
 
 impl Encoder {
+    /// Those of `markers` that this encoder does not read as one token.
+    fn split_markers(&self, markers: Vec<String>) -> Vec<String> {
+        markers
+            .into_iter()
+            .filter(|m| match self {
+                Encoder::Hf(t) => t.token_to_id(m).is_none(),
+                Encoder::Plain(t) => t.encode(m).len() != 1,
+            })
+            .collect()
+    }
+
     fn encode(&self, segments: &[Segment]) -> std::result::Result<(Vec<u32>, Vec<usize>), String> {
         match self {
             Encoder::Hf(t) => {
@@ -151,7 +170,8 @@ impl Encoder {
 }
 
 /// Renders, tokenizes and masks every conversation of the inputs and writes them as rows
-/// of `seq_len` tokens: `out` and its `.mask`, and the last `val_fraction` of the examples
+/// of `seq_len` tokens: `out` and its `.mask`, and the val part (the conversations of
+/// `val_inputs`, or `val_fraction` of the examples drawn from every input, [`draw_val`])
 /// to [`val_path_for`]`(out)` and its `.mask`.
 ///
 /// Each example fills one row (a longer one is cut per `overflow`), padded with the
@@ -164,7 +184,8 @@ impl Encoder {
 ///
 /// Fails, naming the file and line, on a row that is not a conversation (unless
 /// `skip_bad_rows`), when no template is found, when a template fails on a conversation,
-/// or when no example or too few for the val fraction remain.
+/// when no example or too few for the val fraction remain, or when no train example keeps
+/// a trained token.
 pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
     let t = options.seq_len;
     if t == 0 {
@@ -183,58 +204,54 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
         template: template.source().to_string(),
         ..ChatReport::default()
     };
-    // Each example as the pieces of at most `t` tokens its overflow leaves.
-    let mut examples: Vec<Vec<Example>> = Vec::new();
-    for path in input_files(&options.inputs)? {
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        for (n, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let at = || format!("{} line {}", path.display(), n + 1);
-            let messages = match conversation::parse(line) {
-                Ok(m) => m,
-                Err(e) if options.skip_bad_rows => {
-                    log::warn!("{}: {e}; skipped", at());
-                    report.bad_rows += 1;
-                    continue;
-                }
-                Err(e) => {
-                    return Err(Error::data(
-                        at(),
-                        format!("{e} (--skip-bad-rows skips such rows)"),
-                    ))
-                }
-            };
-            let example = encode(&template, &encoder, &messages, options.mask)
-                .map_err(|e| Error::data(at(), e))?;
-            if let Some(pieces) = cut(example, t, options.overflow, &mut report) {
-                examples.push(pieces);
-            }
-        }
-    }
-    report.examples = examples.len();
-    if report.examples == 0 {
+    let read = |inputs: &[PathBuf], report: &mut ChatReport| {
+        read_examples(inputs, &template, &encoder, options, report)
+    };
+    let mut examples = read(&options.inputs, &mut report)?;
+    let mut val_part = read(&options.val_inputs, &mut report)?;
+    report.examples = examples.len() + val_part.len();
+    if examples.is_empty() {
         return Err(Error::data(
             "--chat",
             "no conversation was written: every row was bad or, with --overflow drop, \
              longer than --seq-len",
         ));
     }
-    let val_examples = (report.examples as f64 * options.val_fraction).round() as usize;
-    if options.val_fraction > 0.0 && (val_examples == 0 || val_examples == report.examples) {
+    if let Some(seed) = options.shuffle_seed {
+        crate::rng::Rng::new(seed).shuffle(&mut examples);
+    }
+    if !options.val_inputs.is_empty() {
+        if options.val_fraction > 0.0 {
+            return Err(Error::config(
+                "--val-fraction",
+                "the val conversations are given (--val): drop --val-fraction",
+            ));
+        }
+        if val_part.is_empty() {
+            return Err(Error::data("--val", "holds no conversation"));
+        }
+    } else {
+        val_part = draw_val(&mut examples, options.val_fraction, options.shuffle_seed)?;
+    }
+    report.untrained = examples
+        .iter()
+        .filter(|pieces| {
+            pieces
+                .iter()
+                .all(|p| p.flags.iter().all(|&f| f & TRAINED == 0))
+        })
+        .count();
+    if report.untrained == examples.len() {
         return Err(Error::data(
             "--chat",
             format!(
-                "{} examples cannot be split by --val-fraction {} into non-empty train and \
-                 val parts; use more data or --val-fraction 0",
-                report.examples, options.val_fraction
+                "none of the {} train conversations keeps a trained token: the mask ({}) \
+                 selects nothing in them, or --seq-len {t} truncates every reply away; use a \
+                 longer --seq-len, --overflow split, or another --mask",
+                examples.len(),
+                format!("{:?}", options.mask).to_lowercase()
             ),
         ));
-    }
-    let val_part = examples.split_off(report.examples - val_examples);
-    if let Some(seed) = options.shuffle_seed {
-        crate::rng::Rng::new(seed).shuffle(&mut examples);
     }
     let (rows, pad_tokens) = lay_out(examples, t, pad, options.pack);
     let (val, _) = lay_out(val_part, t, pad, options.pack);
@@ -267,9 +284,110 @@ pub fn prepare_chat(options: &ChatOptions) -> Result<ChatReport> {
     Ok(report)
 }
 
+/// Every conversation of `inputs` as the pieces of at most `seq_len` tokens its overflow
+/// leaves (none for a dropped one), counted in `report`; a row that is not a conversation
+/// fails, naming the file and line, unless skipped. A UTF-8 byte-order mark opening a file
+/// is not part of its first row.
+fn read_examples(
+    inputs: &[PathBuf],
+    template: &ChatTemplate,
+    encoder: &Encoder,
+    options: &ChatOptions,
+    report: &mut ChatReport,
+) -> Result<Vec<Vec<Example>>> {
+    let mut examples = Vec::new();
+    for path in input_files(inputs)? {
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let at = || format!("{} line {}", path.display(), n + 1);
+            let messages = match conversation::parse(line) {
+                Ok(m) => m,
+                Err(e) if options.skip_bad_rows => {
+                    log::warn!("{}: {e}; skipped", at());
+                    report.bad_rows += 1;
+                    continue;
+                }
+                Err(e) => {
+                    return Err(Error::data(
+                        at(),
+                        format!("{e} (--skip-bad-rows skips such rows)"),
+                    ))
+                }
+            };
+            let example = encode(template, encoder, &messages, options.mask)
+                .map_err(|e| Error::data(at(), e))?;
+            if let Some(pieces) = cut(example, options.seq_len, options.overflow, report) {
+                examples.push(pieces);
+            }
+        }
+    }
+    Ok(examples)
+}
+
+/// Takes `fraction` of `examples` out as the val part: the last ones (after the seed's
+/// shuffle, so drawn at random from every input) with `seed`, else spread evenly over the
+/// inputs' order (the i-th of n is val when ⌊(i+1)·v/n⌋ > ⌊i·v/n⌋), so every input gives
+/// its share. Fails when the split would leave either part empty.
+fn draw_val(
+    examples: &mut Vec<Vec<Example>>,
+    fraction: f64,
+    seed: Option<u64>,
+) -> Result<Vec<Vec<Example>>> {
+    let n = examples.len();
+    let v = (n as f64 * fraction).round() as usize;
+    if fraction > 0.0 && (v == 0 || v == n) {
+        return Err(Error::data(
+            "--chat",
+            format!(
+                "{n} examples cannot be split by --val-fraction {fraction} into non-empty \
+                 train and val parts; use more data, --val FILE or --val-fraction 0"
+            ),
+        ));
+    }
+    if seed.is_some() {
+        return Ok(examples.split_off(n - v));
+    }
+    let (mut train, mut val) = (Vec::with_capacity(n - v), Vec::with_capacity(v));
+    for (i, e) in std::mem::take(examples).into_iter().enumerate() {
+        if (i + 1) * v / n > i * v / n {
+            val.push(e);
+        } else {
+            train.push(e);
+        }
+    }
+    *examples = train;
+    Ok(val)
+}
+
 /// The template to render with (`template` by name, else the tokenizer's own) and the
-/// encoder of its text.
+/// encoder of its text. A built-in template whose markers (`<|im_start|>`, ...) the
+/// tokenizer does not hold as single tokens is warned of: each marker would be split into
+/// ordinary tokens, which the model has to learn as text.
 fn template_and_encoder(
+    kind: &TokenizerKind,
+    template: Option<&str>,
+) -> Result<(ChatTemplate, Encoder)> {
+    let (chat, encoder) = template_and_encoder_unchecked(kind, template)?;
+    if let Some(name) = template {
+        let split = encoder.split_markers(chat.markers());
+        if !split.is_empty() {
+            log::warn!(
+                "the built-in template {name} writes {}, which the tokenizer {kind} does not \
+                 have as single tokens: each is split into ordinary tokens that the model \
+                 must learn as text; use the model's own template (drop --template) or a \
+                 tokenizer that has them",
+                split.join(", ")
+            );
+        }
+    }
+    Ok((chat, encoder))
+}
+
+fn template_and_encoder_unchecked(
     kind: &TokenizerKind,
     template: Option<&str>,
 ) -> Result<(ChatTemplate, Encoder)> {
@@ -514,6 +632,7 @@ mod tests {
             mask,
             overflow,
             val_fraction: 0.0,
+            val_inputs: Vec::new(),
             skip_bad_rows: false,
             pack: false,
             shuffle_seed: None,
@@ -642,5 +761,123 @@ mod tests {
             e.to_string().contains("line 2") && e.to_string().contains("not JSON"),
             "{e}"
         );
+    }
+
+    /// A conversation whose reply is `reply`, after a user turn of `question`.
+    fn chat_row(question: &str, reply: &str) -> String {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"{question}"}},{{"role":"assistant","content":"{reply}"}}]}}"#
+        )
+    }
+
+    /// The replies trained in each row of the token file `path` (rows of `t` bytes).
+    fn replies(path: &std::path::Path, t: usize) -> Vec<String> {
+        let tokens = read_token_file(path).unwrap();
+        let flags = std::fs::read(flags_path_for(path)).unwrap()[1024..].to_vec();
+        trained(&tokens, &flags, t)
+            .into_iter()
+            .map(|r| r.trim_end_matches("<|im_end|>\n").to_string())
+            .collect()
+    }
+
+    #[test]
+    fn val_is_drawn_from_every_input_or_read_from_its_own_files() {
+        let dir = std::env::temp_dir().join(format!("trainkit-chat-val-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, bom: bool, replies: &[String]| {
+            let rows: Vec<String> = replies.iter().map(|r| chat_row("q", r)).collect();
+            let path = dir.join(name);
+            let mark = if bom { "\u{feff}" } else { "" };
+            std::fs::write(&path, format!("{mark}{}", rows.join("\n"))).unwrap();
+            path
+        };
+        let names = |p: &str| (0..10).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
+        // The first file opens with a byte-order mark, which is no part of its first row.
+        let a = file("a.jsonl", true, &names("a"));
+        let b = file("b.jsonl", false, &names("b"));
+        let out = dir.join("c.bin");
+        let prepare = |val_fraction: f64, seed: Option<u64>, val_inputs: Vec<PathBuf>| {
+            prepare_chat(&ChatOptions {
+                inputs: vec![a.clone(), b.clone()],
+                out: out.clone(),
+                tokenizer: TokenizerKind::Bytes,
+                template: Some("chatml".into()),
+                seq_len: 64,
+                mask: MaskMode::Assistant,
+                overflow: Overflow::Truncate,
+                val_fraction,
+                val_inputs,
+                skip_bad_rows: false,
+                pack: false,
+                shuffle_seed: seed,
+            })
+        };
+        let all: Vec<String> = [names("a"), names("b")].concat();
+        // No seed: spread evenly over the inputs' order, so each file gives its share.
+        let r = prepare(0.1, None, Vec::new()).unwrap();
+        assert_eq!((r.examples, r.train_rows, r.val_rows), (20, 18, 2));
+        let val = replies(&val_path_for(&out), 64);
+        assert_eq!(val, ["a9", "b9"]);
+        let train = replies(&out, 64);
+        let rest: Vec<String> = all.iter().filter(|r| !val.contains(r)).cloned().collect();
+        assert_eq!(train, rest, "the train rows keep the inputs' order");
+        // A seed: shuffled, then the val part drawn; together they are every example.
+        prepare(0.2, Some(7), Vec::new()).unwrap();
+        let (train, val) = (replies(&out, 64), replies(&val_path_for(&out), 64));
+        assert_eq!(val.len(), 4);
+        assert_ne!(train, all[..16], "shuffled");
+        let mut both = [train, val].concat();
+        both.sort();
+        let mut sorted = all.clone();
+        sorted.sort();
+        assert_eq!(both, sorted);
+        // Val files of their own: every input trains.
+        let c = file("c.jsonl", false, &["c0".to_string()]);
+        let r = prepare(0.0, None, vec![c.clone()]).unwrap();
+        assert_eq!((r.train_rows, r.val_rows), (20, 1));
+        assert_eq!(replies(&out, 64), all);
+        assert_eq!(replies(&val_path_for(&out), 64), ["c0"]);
+        let e = prepare(0.1, None, vec![c]).unwrap_err().to_string();
+        assert!(e.contains("--val-fraction"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn examples_left_without_a_trained_token_are_counted_and_all_of_them_refused() {
+        let long = chat_row(&"x".repeat(80), "y");
+        let short = chat_row("q", "z");
+        let (r, ..) = run(
+            "untrained",
+            &[&long, &short],
+            64,
+            MaskMode::Assistant,
+            Overflow::Truncate,
+        )
+        .unwrap();
+        assert_eq!((r.examples, r.untrained), (2, 1));
+        let e = run(
+            "untrained-all",
+            &[&long],
+            64,
+            MaskMode::Assistant,
+            Overflow::Truncate,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("keeps a trained token") && e.contains("--seq-len 64"),
+            "{e}"
+        );
+        // Split, the long reply trains in the next row.
+        let (r, ..) = run(
+            "untrained-split",
+            &[&long],
+            64,
+            MaskMode::Assistant,
+            Overflow::Split,
+        )
+        .unwrap();
+        assert_eq!(r.untrained, 0);
     }
 }

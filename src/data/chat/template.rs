@@ -35,6 +35,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    /// The special-token markers (`<|...|>`) written literally in the template.
+    markers: Vec<String>,
 }
 
 /// A piece of a rendered conversation: the text one turn added, and whether it is the
@@ -48,6 +50,25 @@ pub struct Segment {
     pub turn: usize,
     /// Whether it is what the turn says (not the header before an assistant's turn).
     pub content: bool,
+}
+
+/// The `<|...|>` markers in `source`, each once, in order.
+fn literal_markers(source: &str) -> Vec<String> {
+    let mut found: Vec<String> = Vec::new();
+    let mut rest = source;
+    while let Some(start) = rest.find("<|") {
+        let Some(len) = rest[start + 2..].find("|>") else {
+            break;
+        };
+        let marker = &rest[start..start + 2 + len + 2];
+        if !marker[2..marker.len() - 2].contains(char::is_whitespace)
+            && !found.iter().any(|m| m == marker)
+        {
+            found.push(marker.to_string());
+        }
+        rest = &rest[start + 2 + len + 2..];
+    }
+    found
 }
 
 impl ChatTemplate {
@@ -142,6 +163,7 @@ impl ChatTemplate {
         // transformers' `{% generation %}` blocks mark assistant text for its own masks;
         // the turns are told apart here by rendering, so the blocks render what they hold.
         let source = generation_blocks(&source);
+        let markers = literal_markers(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -167,7 +189,14 @@ impl ChatTemplate {
             source: name,
             bos_token: bos.to_string(),
             eos_token: eos.to_string(),
+            markers,
         })
+    }
+
+    /// The special-token markers (`<|im_start|>`, `<|eot_id|>`, ...) the template writes
+    /// literally, each once, in order of first appearance.
+    pub fn markers(&self) -> Vec<String> {
+        self.markers.clone()
     }
 
     /// Where the template came from.
@@ -361,6 +390,17 @@ mod tests {
         let t = ChatTemplate::new(source.into(), "generation".into(), "", "").unwrap();
         assert_eq!(t.render(&m[1..3], false).unwrap(), "HiHello!");
         assert!(ChatTemplate::new("{% for %}".into(), "bad".into(), "", "").is_err());
+    }
+
+    #[test]
+    fn the_markers_a_template_writes_are_listed_once() {
+        let markers = |name: &str| ChatTemplate::builtin(name, "", "").unwrap().markers();
+        assert_eq!(markers("chatml"), ["<|im_start|>", "<|im_end|>"]);
+        assert_eq!(
+            markers("llama3"),
+            ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        );
+        assert_eq!(literal_markers("a <| x |> <|b|> <|b|> <|"), ["<|b|>"]);
     }
 
     /// A generation block is a block: `trim_blocks` drops the newline after

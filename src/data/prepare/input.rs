@@ -33,6 +33,9 @@ pub(super) struct Piece {
     pub text: String,
 }
 
+/// The UTF-8 byte-order mark some editors write at the start of a file.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// Text past which a stretch with no exact cut is cut anyway.
 const FORCED_CUT_BYTES: usize = 64 << 10;
 
@@ -148,6 +151,11 @@ impl TextStream {
                          directly instead of preparing it",
                     ));
                 }
+                // A UTF-8 byte-order mark is not text of the document.
+                if self.offset == 0 && self.carry.starts_with(BOM) {
+                    self.carry.drain(..BOM.len());
+                    self.offset = BOM.len() as u64;
+                }
             }
             if self.carry.is_empty() {
                 if self.started {
@@ -202,7 +210,13 @@ impl TextStream {
                 starts_document,
                 text,
             };
-            return Ok(Some((piece, cut as u64)));
+            // The first piece counts the mark it passed over.
+            let consumed = if starts_document {
+                self.offset
+            } else {
+                cut as u64
+            };
+            return Ok(Some((piece, consumed)));
         }
     }
 
@@ -287,6 +301,9 @@ impl JsonStream {
                 return Ok(None);
             }
             self.line_number += 1;
+            if self.line_number == 1 && self.line.starts_with(BOM) {
+                self.line.drain(..BOM.len());
+            }
             if self.line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
