@@ -39,6 +39,18 @@ pub enum MathDtype {
     Fp32,
 }
 
+impl MathDtype {
+    /// The math trainkit's CUDA products run for a compute dtype: bf16 and fp16 on tensor
+    /// cores, f32 on the CUDA cores (TF32 is opt-in and not assumed).
+    pub fn of_compute(dtype: crate::tensor::DType) -> MathDtype {
+        match dtype {
+            crate::tensor::DType::Bf16 => MathDtype::Bf16,
+            crate::tensor::DType::F16 => MathDtype::Fp16,
+            _ => MathDtype::Fp32,
+        }
+    }
+}
+
 /// Peak dense throughput of one GPU model, in FLOP/s per format (`None`: no such math).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GpuPeak {
@@ -356,5 +368,16 @@ mod tests {
         assert_eq!(crate::model::Model::flops_per_token(&model, 1024), f);
         assert!((mfu(1000.0, 1e9, 4e12) - 0.25).abs() < 1e-12);
         assert_eq!(mfu(1000.0, 1e9, 0.0), 0.0);
+    }
+
+    #[test]
+    fn a_run_compares_with_the_peak_of_its_compute_dtype() {
+        use crate::tensor::DType;
+        let h100 = "NVIDIA H100 80GB HBM3 (sm_90; cuBLASLt 13.0)";
+        let of = |d: DType| tflops(h100, MathDtype::of_compute(d));
+        assert_eq!(of(DType::Bf16), Some(989.5));
+        assert_eq!(of(DType::F16), Some(989.5));
+        assert_eq!(of(DType::F32), tflops(h100, MathDtype::Fp32));
+        assert!(of(DType::F32).unwrap() < 100.0);
     }
 }

@@ -235,7 +235,8 @@ pub struct TrainArgs {
     #[arg(long)]
     memory_report: Option<PathBuf>,
     /// The device's peak TFLOP/s in the compute dtype, for MFU and HFU in the log
-    /// (e.g. 989 for an H100 SXM in bf16); without it only achieved FLOP/s are shown.
+    /// (e.g. 989 for an H100 SXM in bf16); without it a GPU of trainkit's table uses its
+    /// datasheet figure, and elsewhere only achieved FLOP/s are shown.
     #[arg(long)]
     peak_tflops: Option<f64>,
     /// Record memory and op timings of the first --timeline-steps steps and write
@@ -558,6 +559,26 @@ fn schedule_line(cfg: &RunConfig) -> Result<String> {
     ))
 }
 
+/// The peak FLOP/s of the GPU `backend` runs on in the run's compute dtype (bf16 and fp16
+/// on tensor cores, f32 on the CUDA cores), from trainkit's table of datasheet figures,
+/// announced with how to change it; `None` on the CPU or an unknown GPU (then
+/// `--peak-tflops` gives MFU).
+fn device_peak(backend: &dyn trainkit::Backend, cfg: &RunConfig) -> Option<f64> {
+    if backend.device() == trainkit::Device::Cpu {
+        return None;
+    }
+    let dtype = trainkit::estimate::MathDtype::of_compute(cfg.precision.compute_dtype());
+    let name = backend.describe();
+    let gpu = trainkit::estimate::gpu_peak(&name)?;
+    let peak = gpu.get(dtype)?;
+    println!(
+        "MFU against the {} peak of {:.1} TFLOP/s ({dtype:?}, dense; --peak-tflops sets another)",
+        gpu.name,
+        peak / 1e12
+    );
+    Some(peak)
+}
+
 /// `x` as a person writes it: `2e-5`, `0.999`, `0`.
 fn number(x: f32) -> String {
     if x != 0.0 && x.abs() < 1e-3 {
@@ -753,6 +774,9 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             (cfg.model.vocab_size() as f64).ln()
         );
     }
+    let peak_flops = plan
+        .peak_flops
+        .or_else(|| device_peak(backend.as_ref(), cfg));
     let (observer, timeline_steps) = observer(cfg, args)?;
     let profile = args.profile_ops.then(SharedOpProfile::default);
     let observer: Box<dyn MemoryObserver> = match &profile {
@@ -776,7 +800,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             total_steps: t.steps,
             seed: t.seed,
             max_bad_steps: t.max_bad_steps,
-            peak_flops: plan.peak_flops,
+            peak_flops,
             optimizer_in_backward: t.optimizer_in_backward,
             offload_activations: t.offload_activations,
             optimizer_offload: cfg.optimizer_offload,
