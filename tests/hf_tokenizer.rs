@@ -983,3 +983,73 @@ fn prepare_and_train_hints_run_as_printed() {
     sample[n + 1] = "2".to_string();
     run_printed(&sample, &["--device", "cpu"]);
 }
+
+/// A template in Qwen3's style, which drops earlier assistant turns' reasoning once later
+/// turns come: `prepare --chat` locates each reply in the whole rendering (after the
+/// template's assistant header, or after --response-marker) and trains what it says.
+#[test]
+fn replies_of_a_template_that_rewrites_turns_are_trained() {
+    use trainkit::data::token_flags::{flags_path_for, TRAINED};
+    let dir = TempDir::new("rewrites");
+    let model = dir.path("model");
+    write_json(
+        &model.join("tokenizer.json"),
+        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    );
+    let template = r#"{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set content = m.content.split('</think>')[-1].lstrip('\n') %}{%- if loop.last and '</think>' in m.content %}{{- '<|im_start|>assistant\n<think>\n' + m.content.split('</think>')[0].split('<think>')[-1].strip('\n') + '\n</think>\n\n' + content + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
+    write_json(
+        &model.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
+    );
+    let row = json!({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "<think>\nok\n</think>\n\nBye."},
+    ]});
+    let chat = dir.path("chat.jsonl");
+    fs::write(&chat, row.to_string()).unwrap();
+    let out = dir.path("chat.bin");
+    let tok = HfTokenizer::open(&model).unwrap();
+    for extra in [&[][..], &["--response-marker", "<|im_start|>assistant\\n"]] {
+        let mut args = vec![
+            "prepare",
+            "--chat",
+            s(&chat),
+            "--tokenizer",
+            s(&model),
+            "--out",
+            s(&out),
+            "--seq-len",
+            "128",
+            "--val-fraction",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, stdout, err) = trainkit(&args);
+        assert!(ok, "{extra:?}: {stdout}\n{err}");
+        assert!(
+            stdout.contains("1 conversations had their replies located"),
+            "{stdout}"
+        );
+        let tokens = read_token_file(&out).unwrap();
+        let flags = fs::read(flags_path_for(&out)).unwrap()[1024..].to_vec();
+        let mut runs: Vec<String> = Vec::new();
+        let mut run = Vec::new();
+        for (&t, &f) in tokens.iter().zip(&flags) {
+            if f & TRAINED != 0 {
+                run.push(t);
+            } else if !run.is_empty() {
+                runs.push(tok.decode(&std::mem::take(&mut run)));
+            }
+        }
+        assert_eq!(
+            runs,
+            [
+                "Hello!<|im_end|>\n",
+                "<think>\nok\n</think>\n\nBye.<|im_end|>\n"
+            ],
+            "{extra:?}"
+        );
+    }
+}

@@ -41,10 +41,18 @@ pub struct PrepareArgs {
     /// tokenizer's; needed for a tokenizer that ships none (gpt2, bytes).
     #[arg(long, requires = "chat")]
     template: Option<String>,
-    /// With --chat: skip rows that are not a conversation (reported with file and line)
-    /// instead of stopping at the first.
+    /// With --chat: skip rows that are not a conversation, or that the template cannot
+    /// render or mask (reported with file and line), instead of stopping at the first.
     #[arg(long, requires = "chat")]
     skip_bad_rows: bool,
+    /// With --chat: the text that opens each assistant reply (TRL's response_template,
+    /// Unsloth's response_part), e.g. '<|im_start|>assistant\n' (`\n` and `\t` are read as
+    /// a newline and a tab): each reply is located after it in the whole rendered
+    /// conversation and trained up to its end-of-turn marker. Without it, turns are told
+    /// apart by rendering them one at a time, or located after the template's assistant
+    /// header where the template renders earlier turns anew (Qwen3).
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    response_marker: Option<String>,
     /// With --chat: pack whole conversations greedily into each row while the next fits
     /// (torchtune's packed=True); each attends only to itself and its positions start at
     /// 0, so it trains as it would alone, with far less padding.
@@ -264,6 +272,10 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
         skip_bad_rows: args.skip_bad_rows,
         pack: args.pack,
         shuffle_seed: args.shuffle_seed,
+        response_marker: args
+            .response_marker
+            .as_ref()
+            .map(|m| m.replace("\\n", "\n").replace("\\t", "\t")),
     })?;
     println!("template: {}", r.template);
     println!(
@@ -289,7 +301,27 @@ fn run_chat(args: PrepareArgs) -> Result<()> {
         );
     }
     if r.bad_rows > 0 {
-        println!("{} rows that are not conversations: skipped", r.bad_rows);
+        println!(
+            "{} rows that are not conversations, or that the template or the marker could \
+             not render or mask: skipped (the warnings above say why)",
+            r.bad_rows
+        );
+    }
+    if r.located > 0 {
+        println!(
+            "{} conversations had their replies located in the whole rendering ({}): {}",
+            r.located,
+            match &args.response_marker {
+                Some(m) => format!("after --response-marker `{m}`"),
+                None => "after the template's assistant header".to_string(),
+            },
+            if args.response_marker.is_some() {
+                "each trained up to its end-of-turn marker"
+            } else {
+                "the template renders earlier turns anew once later ones come, so they \
+                 cannot be told apart one at a time"
+            }
+        );
     }
     if r.untrained > 0 {
         println!(

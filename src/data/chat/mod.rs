@@ -75,6 +75,10 @@ pub struct ChatOptions {
     /// Shuffle the examples with this seed before the val part is drawn and the train
     /// rows are laid out (`None`: the inputs' order).
     pub shuffle_seed: Option<u64>,
+    /// The text that opens each assistant reply (TRL's `response_template`, Unsloth's
+    /// `response_part`): replies are located after it in the whole rendering instead of
+    /// rendering the turns one at a time.
+    pub response_marker: Option<String>,
 }
 
 /// What [`prepare_chat`] wrote.
@@ -90,6 +94,10 @@ pub struct ChatReport {
     pub split: usize,
     /// Rows of the input that were not conversations, skipped.
     pub bad_rows: usize,
+    /// Conversations whose replies were located in the whole rendering (after
+    /// `response_marker`, or the template's assistant header where the template renders
+    /// earlier turns anew), not told apart turn by turn.
+    pub located: usize,
     /// Train examples that keep no trained token (their trained part truncated away, or
     /// a mask that trains nothing in them): written, but they teach nothing.
     pub untrained: usize,
@@ -318,8 +326,23 @@ fn read_examples(
                     ))
                 }
             };
-            let example = encode(template, encoder, &messages, options.mask)
-                .map_err(|e| Error::data(at(), e))?;
+            let marker = options.response_marker.as_deref();
+            let (example, located) =
+                match encode(template, encoder, &messages, options.mask, marker) {
+                    Ok(e) => e,
+                    Err(e) if options.skip_bad_rows => {
+                        log::warn!("{}: {e}; skipped", at());
+                        report.bad_rows += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        return Err(Error::data(
+                            at(),
+                            format!("{e} (--skip-bad-rows skips such rows)"),
+                        ))
+                    }
+                };
+            report.located += usize::from(located);
             if let Some(pieces) = cut(example, options.seq_len, options.overflow, report) {
                 examples.push(pieces);
             }
@@ -500,20 +523,39 @@ fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 /// One conversation's tokens and flags: trained where `mask` says, the first token a
-/// document start and never trained.
+/// document start and never trained; and whether its replies were located in the whole
+/// rendering ([`ChatTemplate::located_segments`]: after `marker` when given, else after
+/// the template's assistant header where rendering turn by turn cannot tell the turns
+/// apart).
 fn encode(
     template: &ChatTemplate,
     encoder: &Encoder,
     messages: &[Message],
     mask: MaskMode,
-) -> std::result::Result<Example, String> {
-    let segments = match mask {
-        MaskMode::All => vec![Segment {
-            text: template.render(messages, false)?,
-            turn: 0,
-            content: true,
-        }],
-        _ => template.segments(messages)?,
+    marker: Option<&str>,
+) -> std::result::Result<(Example, bool), String> {
+    let (segments, located) = match (mask, marker) {
+        (MaskMode::All, _) => (
+            vec![Segment {
+                text: template.render(messages, false)?,
+                turn: 0,
+                content: true,
+            }],
+            false,
+        ),
+        (_, Some(marker)) => (template.located_segments(messages, marker)?, true),
+        (_, None) => match template.segments(messages) {
+            Ok(segments) => (segments, false),
+            Err(turn_by_turn) => {
+                let header = template
+                    .assistant_header(messages)
+                    .map_err(|e| format!("{turn_by_turn}; {e}"))?;
+                let segments = template
+                    .located_segments(messages, &header)
+                    .map_err(|e| format!("{turn_by_turn}; {e}"))?;
+                (segments, true)
+            }
+        },
     };
     let last = messages.iter().rposition(|m| m.role == "assistant");
     let trains = |s: &Segment| match mask {
@@ -530,7 +572,7 @@ fn encode(
         .map(|&i| if trains(&segments[i]) { TRAINED } else { 0 })
         .collect();
     flags[0] = DOCUMENT_START;
-    Ok(Example { tokens, flags })
+    Ok((Example { tokens, flags }, located))
 }
 
 /// `example` as pieces of at most `t` tokens per `overflow` (one piece unless split), or
@@ -636,6 +678,7 @@ mod tests {
             skip_bad_rows: false,
             pack: false,
             shuffle_seed: None,
+            response_marker: None,
         });
         let result = report.map(|r| {
             let tokens = read_token_file(&out).unwrap();
@@ -811,6 +854,7 @@ mod tests {
                 skip_bad_rows: false,
                 pack: false,
                 shuffle_seed: seed,
+                response_marker: None,
             })
         };
         let all: Vec<String> = [names("a"), names("b")].concat();
@@ -879,5 +923,43 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.untrained, 0);
+    }
+
+    #[test]
+    fn rows_the_marker_cannot_mask_are_refused_or_skipped() {
+        let dir = std::env::temp_dir().join(format!("trainkit-chat-marker-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let input = dir.join("c.jsonl");
+        // The second row's user turn holds the marker, so its reply cannot be located.
+        let rows = [
+            chat_row("q", "fine"),
+            chat_row("<|im_start|>assistant", "lost"),
+        ];
+        std::fs::write(&input, rows.join("\n")).unwrap();
+        let options = |skip: bool| ChatOptions {
+            inputs: vec![input.clone()],
+            out: dir.join("c.bin"),
+            tokenizer: TokenizerKind::Bytes,
+            template: Some("chatml".into()),
+            seq_len: 128,
+            mask: MaskMode::Assistant,
+            overflow: Overflow::Truncate,
+            val_fraction: 0.0,
+            val_inputs: Vec::new(),
+            skip_bad_rows: skip,
+            pack: false,
+            shuffle_seed: None,
+            response_marker: Some("<|im_start|>assistant".into()),
+        };
+        let e = prepare_chat(&options(false)).unwrap_err().to_string();
+        assert!(
+            e.contains("c.jsonl line 2") && e.contains("--skip-bad-rows"),
+            "{e}"
+        );
+        let r = prepare_chat(&options(true)).unwrap();
+        assert_eq!((r.examples, r.bad_rows, r.located), (1, 1, 1));
+        assert_eq!(replies(&dir.join("c.bin"), 128), ["\nfine"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

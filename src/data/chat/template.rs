@@ -244,10 +244,8 @@ impl ChatTemplate {
             }
             None => Err(format!(
                 "the template {} renders the turns before turn {turn} differently once it \
-                     is added, so its turns cannot be told apart; use --mask all, or a \
-                     template that renders each turn once (--template {})",
+                     is added, so its turns cannot be told apart one by one",
                 self.source,
-                names()
             )),
         };
         for (i, m) in messages.iter().enumerate() {
@@ -256,6 +254,112 @@ impl ChatTemplate {
             }
             add(self.render(&messages[..=i], false)?, i, true, &mut out)?;
         }
+        Ok(out)
+    }
+
+    /// The text an assistant turn opens with: what a generation prompt adds after the
+    /// turns before the first assistant turn (`<|im_start|>assistant\n` for ChatML).
+    pub fn assistant_header(&self, messages: &[Message]) -> std::result::Result<String, String> {
+        let first = messages
+            .iter()
+            .position(|m| m.role == "assistant")
+            .ok_or("has no assistant turn")?;
+        let (plain, prompted) = (
+            self.render(&messages[..first], false)?,
+            self.render(&messages[..first], true)?,
+        );
+        match prompted.strip_prefix(plain.as_str()) {
+            Some(header) if !header.is_empty() => Ok(header.to_string()),
+            _ => Err(format!(
+                "the template {} adds no assistant header of its own with a generation \
+                 prompt, so its replies cannot be located; name the text that opens a reply \
+                 with --response-marker, or use --mask all",
+                self.source
+            )),
+        }
+    }
+
+    /// The whole conversation rendered once, cut around each assistant reply located in
+    /// it: the reply starts after the k-th `marker` (the assistant header, for the k-th
+    /// assistant turn) and ends after the first end-of-turn marker ([`END_OF_TURN`] or the
+    /// template's end-of-sequence token) that follows, with the whitespace right after it,
+    /// as [`ChatTemplate::segments`] cuts a turn (else at the next `marker`, or the end).
+    /// The reply's segment belongs to its turn (`content`); the text before it to that
+    /// turn too, not as content. For templates that render earlier turns anew once later
+    /// ones come (Qwen3 drops earlier turns' reasoning), where `segments` cannot tell the
+    /// turns apart. Fails when a marker is missing or a located reply does not hold what
+    /// the turn says (its answer after any `</think>`).
+    pub fn located_segments(
+        &self,
+        messages: &[Message],
+        marker: &str,
+    ) -> std::result::Result<Vec<Segment>, String> {
+        if marker.is_empty() {
+            return Err("the response marker is empty".into());
+        }
+        let text = self.render(messages, false)?;
+        let mut ends: Vec<&str> = crate::data::chat::END_OF_TURN.to_vec();
+        if !self.eos_token.is_empty() {
+            ends.push(&self.eos_token);
+        }
+        let mut out = Vec::new();
+        let mut cursor = 0;
+        for (i, m) in messages.iter().enumerate() {
+            if m.role != "assistant" {
+                continue;
+            }
+            let Some(found) = text[cursor..].find(marker) else {
+                return Err(format!(
+                    "the rendered conversation has no `{}` before assistant turn {i}, so the \
+                     reply cannot be located; use --mask all, or --response-marker with the \
+                     text that opens each reply",
+                    marker.escape_debug()
+                ));
+            };
+            let start = cursor + found + marker.len();
+            let next = text[start..]
+                .find(marker)
+                .map_or(text.len(), |at| start + at);
+            let end = ends
+                .iter()
+                .filter_map(|e| text[start..next].find(e).map(|at| start + at + e.len()))
+                .min()
+                .map_or(next, |end| {
+                    let ws = text[end..next].len() - text[end..next].trim_start().len();
+                    end + ws
+                });
+            let answer = m
+                .content
+                .rsplit("</think>")
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches('\n')
+                .trim_end();
+            if !text[start..end].contains(answer) {
+                return Err(format!(
+                    "the reply located after `{}` for assistant turn {i} does not hold what \
+                     the turn says; use --mask all",
+                    marker.escape_debug()
+                ));
+            }
+            out.push(Segment {
+                text: text[cursor..start].to_string(),
+                turn: i,
+                content: false,
+            });
+            out.push(Segment {
+                text: text[start..end].to_string(),
+                turn: i,
+                content: true,
+            });
+            cursor = end;
+        }
+        out.push(Segment {
+            text: text[cursor..].to_string(),
+            turn: messages.len().saturating_sub(1),
+            content: false,
+        });
+        out.retain(|s| !s.text.is_empty());
         Ok(out)
     }
 }
@@ -381,7 +485,7 @@ mod tests {
                       {% endfor %}";
         let t = ChatTemplate::new(source.into(), "rewriting".into(), "", "").unwrap();
         let e = t.segments(&m).unwrap_err();
-        assert!(e.contains("rewriting") && e.contains("--mask all"), "{e}");
+        assert!(e.contains("rewriting") && e.contains("cannot be told apart"), "{e}");
         assert!(ChatTemplate::builtin("nope", "", "").is_err());
         // transformers' generation blocks render as what they enclose.
         let source = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}\
@@ -390,6 +494,86 @@ mod tests {
         let t = ChatTemplate::new(source.into(), "generation".into(), "", "").unwrap();
         assert_eq!(t.render(&m[1..3], false).unwrap(), "HiHello!");
         assert!(ChatTemplate::new("{% for %}".into(), "bad".into(), "", "").is_err());
+    }
+
+    /// A template in Qwen3's style: an assistant turn's reasoning (`<think>...</think>`)
+    /// is rendered for the last turn only, so earlier turns render anew once later come.
+    pub(crate) const THINKING: &str = "{%- for m in messages %}\
+        {%- if m.role == 'assistant' %}\
+        {%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}\
+        {%- if loop.last and '</think>' in m.content %}\
+        {%- set reasoning = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}\
+        {{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}\
+        {%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}\
+        {%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}\
+        {%- endfor %}\
+        {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+    fn thinking_conversation() -> Vec<Message> {
+        [
+            ("user", "Hi"),
+            ("assistant", "<think>\nhmm\n</think>\n\nHello!"),
+            ("user", "Bye"),
+            ("assistant", "<think>\nok\n</think>\n\nBye."),
+        ]
+        .iter()
+        .map(|(r, c)| Message {
+            role: r.to_string(),
+            content: c.to_string(),
+        })
+        .collect()
+    }
+
+    fn trained(segments: &[Segment]) -> Vec<(usize, &str)> {
+        segments
+            .iter()
+            .filter(|s| s.content)
+            .map(|s| (s.turn, s.text.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn replies_of_a_template_that_rewrites_turns_are_located_in_one_rendering() {
+        let t = ChatTemplate::from_source(THINKING, "thinking", "", "<|im_end|>").unwrap();
+        let m = thinking_conversation();
+        let e = t.segments(&m).unwrap_err();
+        assert!(e.contains("cannot be told apart"), "{e}");
+        let header = t.assistant_header(&m).unwrap();
+        assert_eq!(header, "<|im_start|>assistant\n");
+        let located = t.located_segments(&m, &header).unwrap();
+        // Earlier turns' reasoning is gone from the text; the last keeps it, trained.
+        assert_eq!(
+            trained(&located),
+            [
+                (1, "Hello!<|im_end|>\n"),
+                (3, "<think>\nok\n</think>\n\nBye.<|im_end|>\n")
+            ]
+        );
+        let whole: String = located.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(whole, t.render(&m, false).unwrap());
+        // Where the turn-by-turn cut works, locating after the header agrees with it.
+        let chatml = ChatTemplate::builtin("chatml", "", "").unwrap();
+        let m = conversation();
+        let by_turn = chatml.segments(&m).unwrap();
+        let located = chatml
+            .located_segments(&m, &chatml.assistant_header(&m).unwrap())
+            .unwrap();
+        let replies = |s: &[Segment]| -> Vec<(usize, String)> {
+            trained(s)
+                .into_iter()
+                .filter(|(turn, _)| m[*turn].role == "assistant")
+                .map(|(turn, text)| (turn, text.to_string()))
+                .collect()
+        };
+        assert_eq!(replies(&located), replies(&by_turn));
+        // A marker the rendering does not hold, or one that finds the wrong text.
+        let e = chatml.located_segments(&m, "<|assistant|>").unwrap_err();
+        assert!(
+            e.contains("no `<|assistant|>` before assistant turn 2"),
+            "{e}"
+        );
+        let e = chatml.located_segments(&m, "user\n").unwrap_err();
+        assert!(e.contains("does not hold what the turn says"), "{e}");
     }
 
     #[test]
