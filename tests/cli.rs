@@ -848,3 +848,81 @@ fn a_warmup_longer_than_the_run_is_warned_of() {
     );
     assert!(ok && !err.contains("warmup"), "{err}");
 }
+
+/// `--init-from org/name` (and `eval --model org/name`) read the model's snapshot from the
+/// Hugging Face cache as huggingface_hub lays it out; a revision names another snapshot;
+/// an id missing from the cache, with no way to download it, is an error naming the id,
+/// the cache and how to fetch it.
+#[test]
+fn model_ids_resolve_from_the_hugging_face_cache() {
+    let dir = scratch("hub");
+    let base = dir.join("base");
+    run_ok(&tiny_run(&["--steps", "0", "--out", path(&base)]));
+    let hub = dir.join("hf/hub/models--acme--tiny");
+    let snapshot = hub.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(hub.join("refs")).unwrap();
+    std::fs::write(hub.join("refs/main"), "0123abcd").unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(base.join(f), snapshot.join(f)).unwrap();
+    }
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
+            .args(args)
+            .env("HF_HOME", dir.join("hf"))
+            .env_remove("HF_HUB_CACHE")
+            // Nothing listens here: a download fails at once.
+            .env("HF_ENDPOINT", "http://127.0.0.1:9")
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let next = dir.join("next");
+    let (ok, out, err) = run(&[
+        "train",
+        "--init-from",
+        "acme/tiny",
+        "--steps",
+        "0",
+        "--out",
+        path(&next),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+    ]);
+    assert!(ok, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("weights from {}", snapshot.display())),
+        "{out}"
+    );
+    assert_eq!(weights(&base), weights(&next));
+    let (ok, _, err) = run(&[
+        "sample",
+        "--model",
+        "acme/tiny@0123abcd",
+        "--tokenizer",
+        "bytes",
+        "--prompt",
+        "the ",
+        "--max-new-tokens",
+        "2",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&["train", "--init-from", "acme/missing", "--steps", "1"]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("acme/missing@main")
+            && err.contains("is not in the Hugging Face cache")
+            && err.contains(&dir.join("hf/hub").display().to_string())
+            && err.contains("hf download acme/missing"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

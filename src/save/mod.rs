@@ -7,6 +7,7 @@
 
 pub mod atomic;
 pub mod files;
+pub mod hub;
 pub mod tensors;
 
 pub use crate::model::{parse_hf_config, read_hf_config};

@@ -73,7 +73,9 @@ pub fn default_tokenizer(vocab_size: usize) -> TokenizerKind {
     }
 }
 
-pub fn run(args: EvalArgs) -> Result<()> {
+pub fn run(mut args: EvalArgs) -> Result<()> {
+    // A Hugging Face model id (`org/name`) names its snapshot in the local cache.
+    args.model = trainkit::save::hub::resolve_model(&args.model)?;
     if args.batches == Some(0) || args.batch_size == 0 || args.seq_len == 0 {
         return Err(Error::config(
             "--batches/--batch-size/--seq-len",

@@ -24,7 +24,9 @@ pub struct MergeArgs {
     dtype: Option<String>,
 }
 
-pub fn run(args: MergeArgs) -> Result<()> {
+pub fn run(mut args: MergeArgs) -> Result<()> {
+    // A Hugging Face model id (`org/name`) names its snapshot in the local cache.
+    args.model = trainkit::save::hub::resolve_model(&args.model)?;
     let base = trainkit::save::read_model_dir(&args.model)?;
     let (lora, updates) = trainkit::adapter::peft::read(&args.adapter)?;
     let dtype = match args.dtype.as_deref() {

@@ -60,7 +60,9 @@ pub struct SampleArgs {
     device: String,
 }
 
-pub fn run(args: SampleArgs) -> Result<()> {
+pub fn run(mut args: SampleArgs) -> Result<()> {
+    // A Hugging Face model id (`org/name`) names its snapshot in the local cache.
+    args.model = trainkit::save::hub::resolve_model(&args.model)?;
     let dir = read_model_dir(&args.model)?;
     let saved = args.model.join(RUN_CONFIG_FILE);
     let tokenizer = match (args.tokenizer, model_dir_tokenizer(&args.model)) {

@@ -54,7 +54,9 @@ pub struct TrainArgs {
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
     /// Start from the weights of a model directory (trainkit's or transformers'
-    /// save_pretrained); the model's shape comes from it.
+    /// save_pretrained), or of a Hugging Face model id (org/name, org/name@revision) in
+    /// the local Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub),
+    /// downloaded into it when missing; the model's shape comes from it.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Save the model and trainer state here (at the end and every --save-every steps); a
@@ -642,6 +644,12 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     // First of all: an interrupt while the model and data are still being built must
     // not kill the process without a word; the loop sees it and saves after one step.
     let interrupted = interrupt_flag();
+    let mut args = args;
+    // A Hugging Face model id (`org/name`) names its snapshot in the local cache
+    // (downloaded into it first when missing and the network allows).
+    if let Some(spec) = &args.init_from {
+        args.init_from = Some(trainkit::save::hub::resolve_model(spec)?);
+    }
     let plan = plan(&args)?;
     if args.print_config {
         print!("{}", plan.cfg.to_toml()?);

@@ -485,7 +485,10 @@ mod tests {
                       {% endfor %}";
         let t = ChatTemplate::new(source.into(), "rewriting".into(), "", "").unwrap();
         let e = t.segments(&m).unwrap_err();
-        assert!(e.contains("rewriting") && e.contains("cannot be told apart"), "{e}");
+        assert!(
+            e.contains("rewriting") && e.contains("cannot be told apart"),
+            "{e}"
+        );
         assert!(ChatTemplate::builtin("nope", "", "").is_err());
         // transformers' generation blocks render as what they enclose.
         let source = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}\
