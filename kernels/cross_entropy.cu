@@ -7,13 +7,17 @@
 // and each row's loss is added to its element: the losses of a step's micro-batches stay
 // on the device until `grad_guard` sums them in f64, in row order, as the CPU does.
 //
-// One block of 256 threads per row: thread i accumulates columns i, i + 256, ... (the CPU's
-// 256 interleaved partial sums, in its order), and the block adds the 256 partials
-// pairwise as the CPU does (s[i] += s[i + w], w = 128, ..., 1). The maximum, the sum of
-// exponentials (tk_exp, the CPU's exp) and the gradient are bitwise equal to the CPU's.
-// The loss uses CUDA's logf where the CPU uses the host's `ln`: the two may differ in the
-// last bit. Launched with blockDim.x == TK_CE_LANES (any grid).
+// One block of 256 threads per row. Thread i holds 8 consecutive columns of every 2048,
+// [2048·k + 8·i, 2048·k + 8·i + 8), read and written in 16-byte accesses when the rows are
+// aligned (vp a multiple of 8), element by element otherwise. A sum over the row
+// accumulates column c in slot c mod 2048 (thread (c mod 2048) / 8, register c mod 8) in
+// order of c, then each thread's 8 slots pairwise at distances 4, 2, 1 and the 256 threads
+// pairwise (s[i] += s[i + w], w = 128, ..., 1): the order of the CPU twin's `row_sum`. The
+// maximum, the sum of exponentials (tk_exp, the CPU's exp) and the gradient are bitwise
+// equal to the CPU's. The loss uses CUDA's logf where the CPU uses the host's `ln`: the
+// two may differ in the last bit. Launched with blockDim.x == TK_CE_LANES (any grid).
 #define TK_CE_LANES 256
+#define TK_CE_SLOTS (8 * TK_CE_LANES)
 
 // losses[row] += ln Σ_j exp(l_j − max) + max − l_target. With `write_grad`, the row is
 // overwritten by grad_scale · (softmax − onehot(target)), rounded once, and its padding
@@ -56,39 +60,60 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
                                    i64 rows, i64 vp, i64 vocab, float grad_scale,
                                    int write_grad) {
     __shared__ float partial[TK_CE_LANES];
-    const int lane = threadIdx.x;
+    const int first = 8 * (int)threadIdx.x;
+    const int nv = (int)vocab, np = (int)vp;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        const i64 base = row * vp;
+        T* __restrict__ r = logits + row * vp;
+        // Every chunk of 8 that starts inside an aligned row is whole.
+        const bool vec = aligned16(r) && np % 8 == 0;
         if (targets[row] == TK_IGNORE) {
             // As the CPU: 0 added, the gradient row zero.
-            if (lane == 0) losses[row] += 0.0f;
-            if (write_grad)
-                for (i64 j = lane; j < vp; j += TK_CE_LANES) store(logits, base + j, 0.0f);
+            if (threadIdx.x == 0) losses[row] += 0.0f;
+            if (write_grad) {
+                const float zero[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                for (int c = first; c < np; c += TK_CE_SLOTS) store8(r, c, np, vec, zero);
+            }
             continue;
         }
-        const i64 t = targets[row];
+        const int t = (int)targets[row];
         // Read before any thread overwrites the row (the reductions below wait for all).
-        const float target_logit = load(logits, base + t);
+        const float target_logit = load(r, t);
+        float v[8];
         float m = TK_NEG_INF;
-        for (i64 j = lane; j < vocab; j += TK_CE_LANES) {
-            const float v = load(logits, base + j);
-            m = v > m ? v : m;
+        for (int c = first; c < nv; c += TK_CE_SLOTS) {
+            load8(v, r, c, np, vec);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (c + j < nv) m = v[j] > m ? v[j] : m;
+            }
         }
         const float max = ce_block_max(partial, m);
-        float acc = 0.0f;
-        for (i64 j = lane; j < vocab; j += TK_CE_LANES)
-            acc += tk_exp(load(logits, base + j) - max);
-        const float sum = ce_block_sum(partial, acc);
-        if (lane == 0) losses[row] += logf(sum) + max - target_logit;
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = first; c < nv; c += TK_CE_SLOTS) {
+            load8(v, r, c, np, vec);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (c + j < nv) acc[j] += tk_exp(v[j] - max);
+            }
+        }
+        const float mine = ((acc[0] + acc[4]) + (acc[2] + acc[6])) +
+                           ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        const float sum = ce_block_sum(partial, mine);
+        if (threadIdx.x == 0) losses[row] += logf(sum) + max - target_logit;
         if (write_grad) {
             const float k = grad_scale / sum;
-            for (i64 j = lane; j < vp; j += TK_CE_LANES) {
-                float g = 0.0f;
-                if (j < vocab) {
-                    g = tk_exp(load(logits, base + j) - max) * k;
-                    if (j == t) g -= grad_scale;
+            for (int c = first; c < np; c += TK_CE_SLOTS) {
+                load8(v, r, c, np, vec);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    float g = 0.0f;
+                    if (c + j < nv) {
+                        g = tk_exp(v[j] - max) * k;
+                        if (c + j == t) g -= grad_scale;
+                    }
+                    v[j] = g;
                 }
-                store(logits, base + j, g);
+                store8(r, c, np, vec, v);
             }
         }
     }

@@ -268,6 +268,7 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
         ("rmsnorm.cu", "rmsnorm_backward_dx"),
         ("adamw.cu", "adamw_multi_f32"),
         ("gelu.cu", "gelu_"),
+        ("cross_entropy.cu", "cross_entropy_"),
     ];
     for arch in ARCHS {
         for (file, prefix) in cases {

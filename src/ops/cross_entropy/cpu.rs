@@ -55,20 +55,28 @@ pub(crate) fn forward(
     Ok(())
 }
 
-/// The partial sums of a row's exponentials: the kernel's threads of a row, each adding
-/// every 256th column in order.
+/// Threads of the kernel's block per row.
 const ROW_LANES: usize = 256;
 
-/// `Σ f(v)` over the row, in the kernel's 256 interleaved partial sums.
+/// The partial sums of a row's exponentials: the kernel's 256 threads of 8 consecutive
+/// columns of every 2048 (column `c` adds into slot `c % 2048`, in order of `c`).
+const ROW_SLOTS: usize = 8 * ROW_LANES;
+
+/// `Σ f(v)` over the row in the kernel's order: [`ROW_SLOTS`] partial sums, each thread's 8
+/// pairwise (distances 4, 2, 1), then the 256 threads pairwise (128, ..., 1).
 #[inline(always)]
 fn row_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0f32; ROW_LANES];
-    for c in row.chunks(ROW_LANES) {
+    let mut acc = [0f32; ROW_SLOTS];
+    for c in row.chunks(ROW_SLOTS) {
         for (a, v) in acc.iter_mut().zip(c) {
             *a += f(*v);
         }
     }
-    simd::reduce(acc)
+    let mut lanes = [0f32; ROW_LANES];
+    for (l, a) in lanes.iter_mut().zip(acc.chunks_exact(8)) {
+        *l = simd::reduce([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+    }
+    simd::reduce(lanes)
 }
 
 simd_fn! {
