@@ -19,22 +19,41 @@ struct RopeFreqs {
     float f[TK_ROPE_MAX_PAIRS];
 };
 
+// One thread per pair (i, i + D/2) of one head of one row: one angle and one sine and
+// cosine for both elements (they share them), 32-bit index arithmetic where the pairs
+// number fewer than 2^31; then the value columns copied.
 template <typename T>
 __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i64 t_len,
                           i64 w, i64 rotated, i64 hd, float sign, const unsigned* pos) {
-    const i64 half = hd / 2;
-    TK_FOR_EACH(idx, rows * w) {
-        const i64 col = idx % w, row = idx / w;
-        if (col >= rotated) {
-            store(out, idx, load(x, idx));
-            continue;
+    const int half = (int)(hd / 2);
+    const i64 per_row = rotated / 2;
+    const i64 pairs = rows * per_row;
+    const bool narrow = pairs <= 0x7fffffff && t_len <= 0x7fffffff;
+    TK_FOR_EACH(idx, pairs) {
+        i64 row;
+        int k;
+        if (narrow) {
+            row = (unsigned)idx / (unsigned)per_row;
+            k = (int)((unsigned)idx % (unsigned)per_row);
+        } else {
+            row = idx / per_row;
+            k = (int)(idx % per_row);
         }
-        const i64 head = col - col % hd, e = col % hd, i = e % half;
-        const i64 p = pos ? (i64)pos[row] : row % t_len;
+        const int head = k / half, i = k % half;
+        const i64 p = pos ? (i64)pos[row]
+                          : (narrow ? (i64)((unsigned)row % (unsigned)t_len) : row % t_len);
         const float angle = (float)p * inv_freq[i];
         const float s = sign * sinf(angle), c = cosf(angle);
-        const float x1 = load(x, row * w + head + i), x2 = load(x, row * w + head + i + half);
-        store(out, idx, e < half ? x1 * c - x2 * s : x2 * c + x1 * s);
+        const i64 a = row * w + (i64)head * hd + i, b = a + half;
+        const float x1 = load(x, a), x2 = load(x, b);
+        store(out, a, x1 * c - x2 * s);
+        store(out, b, x2 * c + x1 * s);
+    }
+    const i64 rest = w - rotated;
+    if (rest == 0) return;
+    TK_FOR_EACH(idx, rows * rest) {
+        const i64 at = (idx / rest) * w + rotated + idx % rest;
+        store(out, at, load(x, at));
     }
 }
 
