@@ -269,6 +269,8 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
         ("adamw.cu", "adamw_multi_f32"),
         ("gelu.cu", "gelu_"),
         ("cross_entropy.cu", "cross_entropy_"),
+        ("glu.cu", "swiglu_"),
+        ("glu.cu", "geglu_"),
     ];
     for arch in ARCHS {
         for (file, prefix) in cases {

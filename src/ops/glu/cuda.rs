@@ -45,7 +45,7 @@ pub(crate) fn forward(
     }
     be.launch(
         &format!("{}_{dt}", gate.name()),
-        be.grid(rows * f),
+        be.grid(rows * f.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(out)?)
@@ -71,7 +71,7 @@ pub(crate) fn backward(
     let dout = be.as_dtype(dout, dt)?;
     be.launch(
         &format!("{}_{dt}", gate.backward_name()),
-        be.grid(rows * f),
+        be.grid(rows * f.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(dgate_up)?)
@@ -99,7 +99,7 @@ pub(crate) fn backward_in_place(
     let p = ptr(gate_up)?;
     be.launch(
         &format!("{}_{dt}", gate.backward_name()),
-        be.grid(rows * f),
+        be.grid(rows * f.div_ceil(8)),
         BLOCK,
         Args::new().ptr(p).ptr(ptr(&dout)?).ptr(p).i64(rows).i64(f),
     )
