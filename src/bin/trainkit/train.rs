@@ -855,8 +855,9 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         println!("{line}");
     }
     println!("{}", schedule_line(cfg)?);
+    // Among the run's first lines (stdout): stderr stays the one line of an error.
     if let Some(w) = cfg.warmup_warning() {
-        eprintln!("warning: {w}");
+        println!("warning: {w}");
     }
     let run_config = cfg.to_toml()?;
     Ok(Job {
