@@ -44,9 +44,68 @@ extern "C" __global__ void sum_squares_finish(double* out, const double* partial
     if (threadIdx.x == 0) out[0] = acc;
 }
 
+// Many tensors in one launch: `sum_squares_multi_*` leaves, for each of up to
+// TK_SQUARES_TENSORS tensors of one dtype, the partials `sum_squares_partial_*` would leave
+// with a grid of `grid` blocks, at partial[slot ..]: block b of the launch takes the b-th
+// block of the tensors' grids in order, and walks its tensor as that block would (the same
+// elements in the same order, the same reduction), so the partials are bitwise the same.
+#define TK_SQUARES_TENSORS 32
+
+struct SquaresTensor {
+    const void* x;
+    i64 n;
+    i64 slot;
+    i64 grid;
+};
+
+struct SquaresTable {
+    SquaresTensor t[TK_SQUARES_TENSORS];
+    i64 count;
+};
+
+// The sum of the block's threads' values in warp 0's lane 0 (the partial kernels' tree).
+__device__ __forceinline__ double block_sum_f64(double acc) {
+    __shared__ double warps[32];
+    acc = warp_sum_f64(acc);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) warps[warp] = acc;
+    __syncthreads();
+    double v = 0.0;
+    if (warp == 0) {
+        const int n_warps = blockDim.x / 32;
+        v = lane < n_warps ? warps[lane] : 0.0;
+        v = warp_sum_f64(v);
+    }
+    return v;
+}
+
+template <typename T>
+__device__ void sum_squares_multi_impl(double* partial, const SquaresTable& tab) {
+    i64 b = blockIdx.x;
+    int k = 0;
+    for (; k < (int)tab.count; ++k) {
+        if (b < tab.t[k].grid) break;
+        b -= tab.t[k].grid;
+    }
+    // The same for every thread of the block: none waits at the barrier alone.
+    if (k >= (int)tab.count) return;
+    const T* x = static_cast<const T*>(tab.t[k].x);
+    const i64 n = tab.t[k].n, stride = tab.t[k].grid * (i64)blockDim.x;
+    double acc = 0.0;
+    for (i64 i = b * (i64)blockDim.x + threadIdx.x; i < n; i += stride) {
+        double v = (double)load(x, i);
+        acc += v * v;
+    }
+    const double v = block_sum_f64(acc);
+    if (threadIdx.x == 0) partial[tab.t[k].slot + b] = v;
+}
+
 #define TK_SUM_SQUARES(T, N)                                                                \
     extern "C" __global__ void sum_squares_partial_##N(double* partial, const T* x, i64 n) { \
         sum_squares_partial_impl<T>(partial, x, n);                                         \
+    }                                                                                       \
+    extern "C" __global__ void sum_squares_multi_##N(double* partial, SquaresTable tab) {   \
+        sum_squares_multi_impl<T>(partial, tab);                                            \
     }
 TK_DTYPES(TK_SUM_SQUARES)
 

@@ -216,6 +216,30 @@ fn elementwise_ops_match_the_cpu() {
                 assert_eq!(cuda.to_f32(&c).unwrap(), cpu.to_f32(&s.cpu).unwrap());
             }
         }
+        // The sum of squares of many tensors (more than one multi-tensor launch holds, of
+        // every dtype in turn, an empty one among them), with one read back.
+        let tensors: Vec<_> = (0..70usize)
+            .map(|k| {
+                let n = [0usize, 1, 17, 300, 2049][k % 5] + k;
+                pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, n, 1.5),
+                    &[n],
+                    DTYPES[k % DTYPES.len()],
+                )
+            })
+            .collect();
+        let (want, got) = (
+            cpu.sum_squares_all(&tensors.iter().map(|t| &t.cpu).collect::<Vec<_>>())
+                .unwrap(),
+            cuda.sum_squares_all(&tensors.iter().map(|t| &t.cuda).collect::<Vec<_>>())
+                .unwrap(),
+        );
+        assert!(
+            ((got - want) / want).abs() < 1e-12,
+            "{name}: sum_squares_all of 70 tensors: {got} vs {want}"
+        );
     }
 }
 

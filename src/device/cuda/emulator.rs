@@ -1039,6 +1039,74 @@ extern "C" __global__ void traps(int* out) {
         out[0]
     }
 
+    /// One tensor of `sum_squares_multi_*`'s table (kernels/reductions.cu's `SquaresTensor`).
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct SquaresTensor {
+        x: *const c_void,
+        n: i64,
+        slot: i64,
+        grid: i64,
+    }
+
+    /// kernels/reductions.cu's `SquaresTable`, passed by value.
+    #[repr(C)]
+    struct SquaresTable {
+        t: [SquaresTensor; 32],
+        count: i64,
+    }
+
+    #[test]
+    fn the_multi_tensor_sum_of_squares_leaves_each_tensors_partials() {
+        let Some(emu) = emulator() else { return };
+        // Tensors with grids of 3, 1 and 2 blocks of 256 threads (the first walks its
+        // elements more than once a thread), in one launch and one launch each.
+        let sizes_grids = [(3000usize, 3i64), (17, 1), (1025, 2)];
+        for dtype in DTYPES {
+            let mut xs: Vec<Buf> = sizes_grids
+                .iter()
+                .enumerate()
+                .map(|(k, &(n, _))| Buf::new(&random(n, 2.0, 80 + k as u64), dtype))
+                .collect();
+            let slots: i64 = sizes_grids.iter().map(|(_, g)| g).sum();
+            let kernel = |what: &str| format!("sum_squares_{what}_{}", suffix(dtype));
+            let mut want = vec![f64::NAN; slots as usize];
+            let mut at = 0usize;
+            for (x, &(n, grid)) in xs.iter_mut().zip(&sizes_grids) {
+                let mut part = vec![f64::NAN; grid as usize];
+                let a = Args::new().ptr(&mut part).buf(x).arg(n as i64);
+                launch(emu, &kernel("partial"), grid as u32, 256, 0, a).unwrap();
+                want[at..at + grid as usize].copy_from_slice(&part);
+                at += grid as usize;
+            }
+            let empty = SquaresTensor {
+                x: std::ptr::null(),
+                n: 0,
+                slot: 0,
+                grid: 0,
+            };
+            let mut table = SquaresTable {
+                t: [empty; 32],
+                count: sizes_grids.len() as i64,
+            };
+            let mut slot = 0;
+            for (k, (x, &(n, grid))) in xs.iter_mut().zip(&sizes_grids).enumerate() {
+                table.t[k] = SquaresTensor {
+                    x: x.ptr() as *const c_void,
+                    n: n as i64,
+                    slot,
+                    grid,
+                };
+                slot += grid;
+            }
+            let mut got = vec![f64::NAN; slots as usize];
+            let a = Args::new().ptr(&mut got).arg(table);
+            launch(emu, &kernel("multi"), slots as u32, 256, 0, a).unwrap();
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{dtype:?}");
+        }
+    }
+
     #[test]
     fn sum_squares_matches_the_cpu_to_f64_rounding() {
         let Some(emu) = emulator() else { return };

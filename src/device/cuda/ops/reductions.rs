@@ -22,8 +22,28 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "sum_squares_finish",
         "grad_guard",
         "sum_squares_partial_f16",
+        "sum_squares_multi_f32",
+        "sum_squares_multi_bf16",
+        "sum_squares_multi_f16",
     ],
 };
+
+/// Tensors per `sum_squares_multi_*` launch (`TK_SQUARES_TENSORS` in kernels/reductions.cu).
+const MULTI_TENSORS: usize = 32;
+
+/// The kernels' `SquaresTable` for `entries` (pointer, elements, first slot, grid; at most
+/// [`MULTI_TENSORS`]), as the launch passes it by value: four 8-byte fields per tensor,
+/// then the count.
+fn squares_table(entries: &[[u64; 4]]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(MULTI_TENSORS * 32 + 8);
+    for i in 0..MULTI_TENSORS {
+        for field in entries.get(i).copied().unwrap_or([0; 4]) {
+            b.extend(field.to_le_bytes());
+        }
+    }
+    b.extend((entries.len() as u64).to_le_bytes());
+    b
+}
 
 /// The f64 partial sums of squares of every tensor of `xs` in one workspace buffer
 /// (one per block of each tensor's grid), and how many there are.
@@ -45,21 +65,38 @@ pub(crate) fn square_partials(
     let slots: usize = grids.iter().map(|&g| g as usize).sum();
     let partial = be.scratch(slots.max(1) * 8, label)?;
     let base = ptr(&partial)?;
-    let mut at = 0usize;
+    // Each tensor's partials at its slots, in the order of `xs`; the tensors of one dtype
+    // MULTI_TENSORS to a launch, each block as its own tensor's launch would run it.
+    let mut groups: Vec<(String, Vec<[u64; 4]>)> = Vec::new();
+    let mut at = 0u64;
     for (x, &grid) in xs.iter().zip(&grids) {
         if grid == 0 {
             continue;
         }
-        be.launch(
-            &format!("sum_squares_partial_{}", x.dtype()),
-            grid,
-            BLOCK,
-            Args::new()
-                .ptr(base + (at * 8) as u64)
-                .ptr(ptr(x)?)
-                .i64(x.numel()),
-        )?;
-        at += grid as usize;
+        let kernel = format!("sum_squares_multi_{}", x.dtype());
+        let entry = [ptr(x)?, x.numel() as u64, at, u64::from(grid)];
+        match groups.iter_mut().find(|(k, _)| *k == kernel) {
+            Some((_, entries)) => entries.push(entry),
+            None => groups.push((kernel, vec![entry])),
+        }
+        at += u64::from(grid);
+    }
+    for (kernel, entries) in &groups {
+        for part in entries.chunks(MULTI_TENSORS) {
+            let blocks: u64 = part.iter().map(|e| e[3]).sum();
+            let blocks = u32::try_from(blocks).map_err(|_| {
+                crate::error::Error::config(
+                    "sum_squares",
+                    format!("{blocks} blocks do not fit one launch"),
+                )
+            })?;
+            be.launch(
+                kernel,
+                blocks,
+                BLOCK,
+                Args::new().ptr(base).bytes(&squares_table(part)),
+            )?;
+        }
     }
     Ok((partial, slots))
 }
