@@ -427,3 +427,28 @@ fn init_from_a_small_vocabulary_trains_on_token_files() {
     assert!(!ok);
     assert_contains(&err, &["ids.bin", "is id 300", "vocabulary of 300"]);
 }
+
+/// A token file whose loss mask trains no position is refused when the data loads (the
+/// loss would average nothing), naming the fix; one trained position is enough.
+#[test]
+fn a_mask_that_trains_nothing_is_refused() {
+    use trainkit::data::token_flags::{flags_path_for, write_flags_file, TRAINED};
+    let dir = scratch("all-masked");
+    let path = dir.join("chat.bin");
+    let tokens: Vec<u32> = (0..3000).map(|i| i % 200).collect();
+    write_token_file(&path, &tokens).unwrap();
+    let mut flags = vec![0u8; tokens.len()];
+    write_flags_file(&flags_path_for(&path), &flags, None).unwrap();
+    let load = || DataConfig::from_path(&path, None).load(33, 50257);
+    let e = load()
+        .err()
+        .expect("an all-masked file is refused")
+        .to_string();
+    assert!(
+        e.contains("trains no position") && e.contains(".mask"),
+        "{e}"
+    );
+    flags[2000] = TRAINED;
+    write_flags_file(&flags_path_for(&path), &flags, None).unwrap();
+    load().unwrap();
+}

@@ -385,6 +385,15 @@ impl DataConfig {
             }
             stream.check_ids(vocab_size)?;
         }
+        if !corpus.train.trains_any() {
+            return Err(Error::data(
+                &corpus.description,
+                "its loss mask (the .mask beside each token file) trains no position: every \
+                 target is masked out, so the loss has nothing to average; prepare the data \
+                 again (`prepare --chat` counts the conversations that keep no trained \
+                 token), or delete the .mask files to train on every token",
+            ));
+        }
         Ok(corpus)
     }
 }

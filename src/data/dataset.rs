@@ -134,6 +134,22 @@ impl TokenDataset {
         self.shards.first().and_then(Shard::format)
     }
 
+    /// Whether any position trains: a shard without flags trains every target; with flags,
+    /// one [`super::token_flags::TRAINED`] bit is enough (read a megabyte at a time, up to
+    /// the first).
+    pub fn trains_any(&self) -> bool {
+        const CHUNK: usize = 1 << 20;
+        let mut flags = Vec::with_capacity(CHUNK);
+        self.shards.iter().any(|s| {
+            (0..s.len()).step_by(CHUNK).any(|start| {
+                flags.clear();
+                let n = CHUNK.min(s.len() - start);
+                !s.read_flags_into(start, n, &mut flags)
+                    || flags.iter().any(|f| f & super::token_flags::TRAINED != 0)
+            })
+        })
+    }
+
     /// Checks every id of every shard against `vocab_size` (see [`Shard::check_ids`]).
     pub fn check_ids(&self, vocab_size: usize) -> Result<()> {
         self.shards.iter().try_for_each(|s| s.check_ids(vocab_size))
