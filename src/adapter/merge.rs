@@ -106,16 +106,6 @@ pub fn merge(
     Ok(tensors.into_values().collect())
 }
 
-/// The files beside the weights that a merged directory keeps from its base, when there.
-const CARRIED: [&str; 6] = [
-    crate::save::CONFIG_FILE,
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-];
-
 /// Writes `tensors` (the merged weights) as a Hugging Face model directory `out`, in
 /// `dtype`, with the base directory's `config.json`, generation config and tokenizer
 /// files; the directory is swapped in whole ([`crate::save::DirectoryWriter`]), so a
@@ -158,7 +148,7 @@ pub fn write_merged(
         ));
     }
     let w = crate::save::DirectoryWriter::new(out)?;
-    for f in CARRIED {
+    for f in crate::save::MODEL_SIDE_FILES {
         let from = base_dir.join(f);
         if from.is_file() {
             std::fs::copy(&from, w.path(f)).map_err(|e| Error::io(&from, e))?;

@@ -13,3 +13,18 @@ pub const RUN_CONFIG_FILE: &str = "trainkit.toml";
 
 /// The index of a sharded checkpoint (`weight_map`: each tensor's file).
 pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// transformers' generation settings beside a model's weights (`generate()` reads them).
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The files of a Hugging Face model directory besides its weights: the config, the
+/// generation settings and the tokenizer's files. A merged model keeps its base's; a model
+/// fetched by its id downloads them.
+pub const MODEL_SIDE_FILES: [&str; 6] = [
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];

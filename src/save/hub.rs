@@ -96,18 +96,6 @@ pub fn resolve_model(spec: &Path) -> Result<PathBuf> {
     download(&cache, &id)
 }
 
-/// The files a model directory needs besides its weights, fetched when the repository has
-/// them.
-#[cfg(feature = "hub")]
-const MODEL_FILES: [&str; 6] = [
-    crate::save::CONFIG_FILE,
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-];
-
 #[cfg(feature = "hub")]
 fn download(cache: &Path, id: &ModelId) -> Result<PathBuf> {
     use hf_hub::api::sync::ApiBuilder;
@@ -149,7 +137,11 @@ fn download(cache: &Path, id: &ModelId) -> Result<PathBuf> {
         ));
     };
     let mut config = None;
-    for file in MODEL_FILES.iter().map(|f| f.to_string()).chain(weights) {
+    for file in crate::save::MODEL_SIDE_FILES
+        .iter()
+        .map(|f| f.to_string())
+        .chain(weights)
+    {
         if !listed(&file) {
             continue;
         }

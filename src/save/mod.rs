@@ -13,7 +13,8 @@ pub mod tensors;
 pub use crate::model::{parse_hf_config, read_hf_config};
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
 pub use files::{
-    CONFIG_FILE, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
+    CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_SIDE_FILES, RUN_CONFIG_FILE, STATE_FILE,
+    STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
 };
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 pub(crate) use tensors::{read_typed, write_typed};

@@ -845,18 +845,11 @@ pub fn run(args: MemoryArgs) -> Result<()> {
 fn trainable_params(
     subject: &Subject,
     seq_len: u64,
-    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    paths: (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<(u64, u64)> {
-    let arch = exact_arch(subject, seq_len)
+    let model = exact_model(subject, seq_len, paths, adapter)?
         .ok_or_else(|| flag_error("--seq-len", "exceeds the model's context"))?;
-    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let mut model = trainkit::model::build_with(&arch, context, attention, loss, None)?;
-    if let Some(a) = adapter {
-        model = model
-            .with_adapter(std::sync::Arc::from(dyn_clone::clone_box(a)))
-            .map_err(|e| e.for_field("--lora-targets"))?;
-    }
     let params = model.init_params();
     let count = |trains: bool| {
         params
@@ -867,6 +860,30 @@ fn trainable_params(
     };
     let all = count(true);
     Ok((all - count(false), all))
+}
+
+/// The model trainkit's exact figures run for `subject` at `seq_len`, with `adapter`:
+/// `None` for architectures trainkit does not build (the formulas alone describe them).
+fn exact_model(
+    subject: &Subject,
+    seq_len: u64,
+    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    adapter: Option<&(dyn trainkit::Adapter + 'static)>,
+) -> Result<Option<Box<dyn trainkit::Model>>> {
+    let Some(arch) = exact_arch(subject, seq_len) else {
+        return Ok(None);
+    };
+    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
+    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
+        return Ok(None);
+    };
+    match adapter {
+        Some(a) => model
+            .with_adapter(std::sync::Arc::from(dyn_clone::clone_box(a)))
+            .map(Some)
+            .map_err(|e| e.for_field("--lora-targets")),
+        None => Ok(Some(model)),
+    }
 }
 
 /// trainkit's exact figures as the table of a run (a LoRA's): each category's peak, the
@@ -1066,21 +1083,9 @@ fn trainkit_exact(
     (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<MemoryPrediction>> {
-    let Some(arch) = exact_arch(subject, seq_len) else {
+    let Some(model) = exact_model(subject, seq_len, (attention, loss), adapter)? else {
         return Ok(None);
     };
-    // Exact figures for the architectures trainkit builds; the formulas alone for others.
-    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(mut model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
-        return Ok(None);
-    };
-    if let Some(a) = adapter {
-        let a: std::sync::Arc<dyn trainkit::Adapter> =
-            std::sync::Arc::from(dyn_clone::clone_box(a));
-        model = model
-            .with_adapter(a)
-            .map_err(|e| e.for_field("--lora-targets"))?;
-    }
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     let mut options = if optimizer_in_backward {
         trainkit::TrainerOptions {

@@ -897,7 +897,7 @@ impl Job {
         // A full model keeps its base's generation settings (`generate()` reads them), as
         // `merge` keeps them; an adapter's directory holds the adapter alone.
         if let (Some(base), false) = (&self.plan.cfg.training.init_from, self.saves_adapter()) {
-            let name = GENERATION_CONFIG_FILE;
+            let name = trainkit::save::GENERATION_CONFIG_FILE;
             copy_files(dir, [(base.join(name), name)]);
         }
         Ok(())
@@ -1154,9 +1154,6 @@ fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
         host_budget: trainkit::estimate::host_available_memory(),
     })
 }
-
-/// transformers' generation settings beside a model's weights.
-const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
 /// and `chat_template.jinja` beside it if there are) into the model directory `dir`,

@@ -312,8 +312,11 @@ fn read_examples(
                 continue;
             }
             let at = || format!("{} line {}", path.display(), n + 1);
-            let messages = match conversation::parse(line) {
-                Ok(m) => m,
+            let marker = options.response_marker.as_deref();
+            let row = conversation::parse(line)
+                .and_then(|m| encode(template, encoder, &m, options.mask, marker));
+            let (example, located) = match row {
+                Ok(e) => e,
                 Err(e) if options.skip_bad_rows => {
                     log::warn!("{}: {e}; skipped", at());
                     report.bad_rows += 1;
@@ -326,22 +329,6 @@ fn read_examples(
                     ))
                 }
             };
-            let marker = options.response_marker.as_deref();
-            let (example, located) =
-                match encode(template, encoder, &messages, options.mask, marker) {
-                    Ok(e) => e,
-                    Err(e) if options.skip_bad_rows => {
-                        log::warn!("{}: {e}; skipped", at());
-                        report.bad_rows += 1;
-                        continue;
-                    }
-                    Err(e) => {
-                        return Err(Error::data(
-                            at(),
-                            format!("{e} (--skip-bad-rows skips such rows)"),
-                        ))
-                    }
-                };
             report.located += usize::from(located);
             if let Some(pieces) = cut(example, options.seq_len, options.overflow, report) {
                 examples.push(pieces);
