@@ -440,10 +440,10 @@ fn a_mask_that_trains_nothing_is_refused() {
     let mut flags = vec![0u8; tokens.len()];
     write_flags_file(&flags_path_for(&path), &flags, None).unwrap();
     let load = || DataConfig::from_path(&path, None).load(33, 50257);
-    let e = load()
-        .err()
-        .expect("an all-masked file is refused")
-        .to_string();
+    let Err(e) = load() else {
+        panic!("an all-masked file is refused")
+    };
+    let e = e.to_string();
     assert!(
         e.contains("trains no position") && e.contains(".mask"),
         "{e}"
