@@ -2252,12 +2252,14 @@ extern "C" __global__ void traps(int* out) {
         for file in KERNEL_FILES {
             for k in file.kernels {
                 assert!(emu.has_kernel(k), "{k}");
-                assert!(emu.arity(k).unwrap() >= 3, "{k}");
+                // An output and something to compute it from (a table by value counts one).
+                assert!(emu.arity(k).unwrap() >= 2, "{k}");
             }
         }
         assert_eq!(emu.arity("gelu_f32"), Some(3));
         assert_eq!(emu.arity("adamw_bf16_bf16"), Some(14));
         assert_eq!(emu.arity("adamw8bit_f32_f16"), Some(16));
+        assert_eq!(emu.arity("sum_squares_multi_bf16"), Some(2));
     }
 
     #[test]
