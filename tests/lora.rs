@@ -481,6 +481,35 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
             .unwrap()
     };
     assert_ne!(eval(None), eval(Some("a")), "the adapter changes the model");
+    // An adapter trained with PEFT's dropout (its recipes' 0.05) evaluates as it is, the
+    // dropout off as in PEFT's eval mode; continuing it here is refused (trainkit trains
+    // without dropout).
+    let dropped = dir.join("dropped");
+    std::fs::create_dir_all(&dropped).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(dir.join("a").join(f), dropped.join(f)).unwrap();
+    }
+    let config = dropped.join("adapter_config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["lora_dropout"] = serde_json::json!(0.05);
+    std::fs::write(&config, c.to_string()).unwrap();
+    assert_eq!(eval(Some("dropped")), eval(Some("a")));
+    let (ok, _, err) = common::trainkit(
+        &[
+            &[
+                "train",
+                "--init-from",
+                &path("base"),
+                "--adapter",
+                &path("dropped"),
+            ][..],
+            &["--steps", "1"][..],
+            &small[..],
+        ]
+        .concat(),
+    );
+    assert!(!ok && err.contains("lora_dropout 0.05"), "{err}");
     // Bad input, each named.
     for (bad, says) in [
         (

@@ -110,8 +110,8 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 
 /// Reads a PEFT LoRA adapter from `dir`: its settings and its tensors, named by trainkit
 /// (`{module}.lora_A.weight`). Errors name the file and the field: an adapter that is not
-/// LoRA, target modules given as a pattern, dropout, biases or DoRA trainkit does not
-/// train.
+/// LoRA, target modules given as a pattern, biases or DoRA trainkit does not train. A
+/// `lora_dropout` is read past (it acts in training only; see [`dropout`]).
 pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     let path = dir.join(ADAPTER_CONFIG);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
@@ -159,6 +159,15 @@ pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     Ok((lora, tensors))
 }
 
+/// The `lora_dropout` the adapter in `dir` was trained with (0 when its config has none).
+pub fn dropout(dir: &Path) -> Result<f64> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::data(path.display().to_string(), format!("is not JSON: {e}")))?;
+    Ok(v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
+}
+
 /// The LoRA settings of an `adapter_config.json`, or what is wrong with them.
 fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
     let field = |k: &str| v.get(k).filter(|x| !x.is_null());
@@ -195,10 +204,12 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
         }
         _ => return Err("has no `target_modules`".into()),
     };
-    if let Some(p) = field("lora_dropout").and_then(Value::as_f64) {
-        if p != 0.0 {
+    // `lora_dropout` acts in training only: the adapter evaluates, samples and merges as
+    // PEFT's does in eval mode ([`dropout`] tells `train --adapter` what it was).
+    if let Some(p) = field("lora_dropout") {
+        if !p.as_f64().is_some_and(|p| (0.0..1.0).contains(&p)) {
             return Err(format!(
-                "sets `lora_dropout` to {p}; trainkit trains LoRA without dropout (set it to 0)"
+                "sets `lora_dropout` to {p}, not a number in [0, 1)"
             ));
         }
     }
@@ -318,6 +329,29 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// PEFT's recipes train with `lora_dropout` 0.05: the adapter reads (dropout is off at
+    /// inference, in PEFT as here) and says what it was.
+    #[test]
+    fn an_adapter_trained_with_dropout_reads() {
+        let dir = std::env::temp_dir().join(format!("trainkit-peft-drop-{}", std::process::id()));
+        let lora = Lora::new(2, 4.0, &["q_proj"]).unwrap();
+        let t = NamedTensor {
+            name: "model.layers.0.self_attn.q_proj.lora_A.weight".into(),
+            shape: vec![2, 3],
+            data: vec![0.5; 6],
+        };
+        write(&dir, &lora, &BaseInfo::default(), std::slice::from_ref(&t)).unwrap();
+        assert_eq!(dropout(&dir).unwrap(), 0.0);
+        let path = dir.join(ADAPTER_CONFIG);
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config["lora_dropout"] = json!(0.05);
+        std::fs::write(&path, config.to_string()).unwrap();
+        assert_eq!(read(&dir).unwrap(), (lora, vec![t]));
+        assert_eq!(dropout(&dir).unwrap(), 0.05);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn configs_trainkit_does_not_train_are_refused_by_name() {
         let base =
@@ -325,7 +359,7 @@ mod tests {
         assert!(parse_config(&base).is_ok());
         for (k, v, says) in [
             ("peft_type", json!("IA3"), "IA3"),
-            ("lora_dropout", json!(0.1), "lora_dropout"),
+            ("lora_dropout", json!(1.5), "lora_dropout"),
             ("bias", json!("all"), "bias"),
             ("use_dora", json!(true), "DoRA"),
             ("target_modules", json!(".*proj"), "pattern"),

@@ -489,6 +489,19 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
         ));
     }
     let (lora, _) = trainkit::adapter::peft::read(dir)?;
+    let p = trainkit::adapter::peft::dropout(dir)?;
+    if p > 0.0 {
+        return Err(Error::config(
+            "--adapter",
+            format!(
+                "the adapter in {} was trained with lora_dropout {p}, and trainkit trains LoRA \
+                 without dropout, so continuing it would change its recipe; evaluate, sample \
+                 or merge it (dropout is off there, as in PEFT), or train a new adapter with \
+                 --lora-rank",
+                dir.display()
+            ),
+        ));
+    }
     if args.lora_rank.is_some_and(|r| r != lora.rank)
         || args.lora_alpha.is_some_and(|a| a != lora.alpha)
         || args
