@@ -860,19 +860,16 @@ fn model_ids_resolve_from_the_hugging_face_cache() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(base.join(f), snapshot.join(f)).unwrap();
     }
+    let hf_home = dir.join("hf");
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
-            .args(args)
-            .env("HF_HOME", dir.join("hf"))
-            .env_remove("HF_HUB_CACHE")
-            // Nothing listens here: a download fails at once.
-            .env("HF_ENDPOINT", "http://127.0.0.1:9")
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
+        common::trainkit_with_env(
+            args,
+            &[
+                ("HF_HOME", hf_home.as_os_str()),
+                // Nothing listens here: a download fails at once.
+                ("HF_ENDPOINT", "http://127.0.0.1:9".as_ref()),
+            ],
+            &["HF_HUB_CACHE"],
         )
     };
     let next = dir.join("next");

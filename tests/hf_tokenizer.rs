@@ -632,6 +632,38 @@ fn long_text_files_encode_as_a_whole() {
     }
 }
 
+/// A model directory's tokenizer in `dir`: a byte-level BPE with ChatML's markers and
+/// `<|endoftext|>`, and `template` as its chat template (`<|im_end|>` its end of
+/// sequence).
+fn write_chat_tokenizer(dir: &Path, template: &str) {
+    write_json(
+        &dir.join("tokenizer.json"),
+        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    );
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
+    );
+}
+
+/// The runs of consecutive trained tokens (flags with TRAINED) of `tokens`, decoded.
+fn trained_runs(tok: &HfTokenizer, tokens: &[u32], flags: &[u8]) -> Vec<String> {
+    let trained = trainkit::data::token_flags::TRAINED;
+    let mut runs = Vec::new();
+    let mut run = Vec::new();
+    for (&t, &f) in tokens.iter().zip(flags) {
+        if f & trained != 0 {
+            run.push(t);
+        } else if !run.is_empty() {
+            runs.push(tok.decode(&std::mem::take(&mut run)));
+        }
+    }
+    if !run.is_empty() {
+        runs.push(tok.decode(&run));
+    }
+    runs
+}
+
 /// `prepare --chat` with a model directory's tokenizer and its chat template (in
 /// tokenizer_config.json): the three row forms, a bad row reported by file and line (or
 /// skipped), one example per row of --seq-len tokens equal to the `tokenizers` library's
@@ -642,17 +674,10 @@ fn prepare_chat_masks_what_the_assistant_says() {
     use trainkit::data::token_flags::{flags_path_for, DOCUMENT_START, TRAINED};
     let dir = TempDir::new("chat");
     let model = dir.path("model");
-    write_json(
-        &model.join("tokenizer.json"),
-        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
-    );
     let template = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + \
                     message['content'].strip() + '<|im_end|>' + '\n' }}{% endfor %}\
                     {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-    write_json(
-        &model.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
-    );
+    write_chat_tokenizer(&model, template);
     let rows = [
         r#"{"messages":[{"role":"system","content":"Be kind."},{"role":"user","content":"hello"},{"role":"assistant","content":"hello world"}]}"#,
         r#"{"instruction":"Say","input":"hi","output":"world"}"#,
@@ -721,15 +746,7 @@ fn prepare_chat_masks_what_the_assistant_says() {
         assert_eq!(f[0], DOCUMENT_START);
         assert!(f[ids.len()..].iter().all(|&x| x == 0));
         // The trained runs, decoded, are what the assistant says with its end of turn.
-        let mut runs: Vec<String> = Vec::new();
-        let mut run = Vec::new();
-        for (&t, &x) in row.iter().zip(f) {
-            if x & TRAINED != 0 {
-                run.push(t);
-            } else if !run.is_empty() {
-                runs.push(tok.decode(&std::mem::take(&mut run)));
-            }
-        }
+        let runs = trained_runs(&tok, row, f);
         assert_eq!(runs, *want, "row {r}");
     }
 
@@ -878,17 +895,10 @@ fn run_printed(words: &[String], extra: &[&str]) -> String {
 fn prepare_and_train_hints_run_as_printed() {
     let dir = TempDir::new("hints");
     let tokenizer = dir.path("tokenizer");
-    write_json(
-        &tokenizer.join("tokenizer.json"),
-        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
-    );
     let template = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + \
                     message['content'] + '<|im_end|>\n' }}{% endfor %}\
                     {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-    write_json(
-        &tokenizer.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
-    );
+    write_chat_tokenizer(&tokenizer, template);
     let chat = dir.path("chat.jsonl");
     let row = r#"{"messages":[{"role":"user","content":"hello"},{"role":"assistant","content":"hi there"}]}"#;
     fs::write(&chat, [row; 8].join("\n")).unwrap();
@@ -989,18 +999,11 @@ fn prepare_and_train_hints_run_as_printed() {
 /// template's assistant header, or after --response-marker) and trains what it says.
 #[test]
 fn replies_of_a_template_that_rewrites_turns_are_trained() {
-    use trainkit::data::token_flags::{flags_path_for, TRAINED};
+    use trainkit::data::token_flags::flags_path_for;
     let dir = TempDir::new("rewrites");
     let model = dir.path("model");
-    write_json(
-        &model.join("tokenizer.json"),
-        &byte_level_bpe(&["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
-    );
     let template = r#"{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set content = m.content.split('</think>')[-1].lstrip('\n') %}{%- if loop.last and '</think>' in m.content %}{{- '<|im_start|>assistant\n<think>\n' + m.content.split('</think>')[0].split('<think>')[-1].strip('\n') + '\n</think>\n\n' + content + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
-    write_json(
-        &model.join("tokenizer_config.json"),
-        &json!({"eos_token": "<|im_end|>", "chat_template": template}),
-    );
+    write_chat_tokenizer(&model, template);
     let row = json!({"messages": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello!"},
@@ -1034,15 +1037,7 @@ fn replies_of_a_template_that_rewrites_turns_are_trained() {
         );
         let tokens = read_token_file(&out).unwrap();
         let flags = fs::read(flags_path_for(&out)).unwrap()[1024..].to_vec();
-        let mut runs: Vec<String> = Vec::new();
-        let mut run = Vec::new();
-        for (&t, &f) in tokens.iter().zip(&flags) {
-            if f & TRAINED != 0 {
-                run.push(t);
-            } else if !run.is_empty() {
-                runs.push(tok.decode(&std::mem::take(&mut run)));
-            }
-        }
+        let runs = trained_runs(&tok, &tokens, &flags);
         assert_eq!(
             runs,
             [

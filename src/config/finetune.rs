@@ -120,7 +120,7 @@ impl RunConfig {
             "the warmup ({warmup} steps) is longer than the run ({steps} steps): the \
              learning rate peaks at {peak:.3e} on the last step, never at the base {base:.3e}; \
              lower --warmup-steps (e.g. {}) or raise --steps",
-            (steps as f64 * 0.03).ceil() as u64
+            FineTuning::new(self.adapter.is_some()).warmup_steps(steps)
         ))
     }
 }

@@ -9,10 +9,21 @@ use trainkit::{Backend, CpuBackend, DType, MemoryCategory, Rng, Tensor};
 
 /// Runs the `trainkit` binary with `args`: whether it succeeded, its stdout and stderr.
 pub fn trainkit(args: &[&str]) -> (bool, String, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"))
-        .args(args)
-        .output()
-        .expect("run trainkit");
+    trainkit_with_env(args, &[], &[])
+}
+
+/// [`trainkit`] with the environment variables `set` set and `unset` removed.
+pub fn trainkit_with_env(
+    args: &[&str],
+    set: &[(&str, &std::ffi::OsStr)],
+    unset: &[&str],
+) -> (bool, String, String) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_trainkit"));
+    command.args(args).envs(set.iter().copied());
+    for name in unset {
+        command.env_remove(name);
+    }
+    let out = command.output().expect("run trainkit");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
