@@ -122,11 +122,12 @@ struct Example {
     flags: Vec<u8>,
 }
 
-/// Tokens of a rendered conversation, each with the segment it starts in.
+/// Tokens of a rendered conversation, each with the byte range of the text it stands
+/// for.
 enum Encoder {
     /// A Hugging Face tokenizer, with the special tokens the template writes parsed as
-    /// theirs (as `apply_chat_template` tokenizes): the whole text at once, tokens
-    /// assigned to segments by their offsets.
+    /// theirs (as `apply_chat_template` tokenizes): the whole text at once, each token's
+    /// range its offsets.
     Hf(Box<tokenizers::Tokenizer>),
     /// GPT-2's or the byte tokenizer: each segment on its own.
     Plain(Box<dyn Tokenizer>),
@@ -144,34 +145,29 @@ impl Encoder {
             .collect()
     }
 
-    fn encode(&self, segments: &[Segment]) -> std::result::Result<(Vec<u32>, Vec<usize>), String> {
+    /// The tokens of the segments' text and each token's byte range in it (for the
+    /// plain tokenizers, which encode each segment on its own, the segment's range).
+    fn encode(
+        &self,
+        segments: &[Segment],
+    ) -> std::result::Result<(Vec<u32>, Vec<(usize, usize)>), String> {
         match self {
             Encoder::Hf(t) => {
                 let text: String = segments.iter().map(|s| s.text.as_str()).collect();
                 let encoding = t.encode(text.as_str(), false).map_err(|e| e.to_string())?;
-                let mut ends = Vec::with_capacity(segments.len());
-                let mut at = 0;
-                for s in segments {
-                    at += s.text.len();
-                    ends.push(at);
-                }
-                let of = encoding
-                    .get_offsets()
-                    .iter()
-                    .map(|&(start, _)| ends.partition_point(|&end| end <= start))
-                    .map(|i| i.min(segments.len().saturating_sub(1)))
-                    .collect();
-                Ok((encoding.get_ids().to_vec(), of))
+                Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
             }
             Encoder::Plain(t) => {
                 let mut ids = Vec::new();
-                let mut of = Vec::new();
-                for (i, s) in segments.iter().enumerate() {
+                let mut ranges = Vec::new();
+                let mut at = 0;
+                for s in segments {
                     let part = t.try_encode(&s.text).map_err(|e| e.to_string())?;
-                    of.extend(std::iter::repeat_n(i, part.len()));
+                    ranges.extend(std::iter::repeat_n((at, at + s.text.len()), part.len()));
                     ids.extend(part);
+                    at += s.text.len();
                 }
-                Ok((ids, of))
+                Ok((ids, ranges))
             }
         }
     }
@@ -513,7 +509,9 @@ fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
 /// document start and never trained; and whether its replies were located in the whole
 /// rendering ([`ChatTemplate::located_segments`]: after `marker` when given, else after
 /// the template's assistant header where rendering turn by turn cannot tell the turns
-/// apart).
+/// apart). A template with `{% generation %}` blocks trains what they enclose
+/// ([`ChatTemplate::generation_segments`]), each token that overlaps a block as
+/// transformers' `return_assistant_tokens_mask` marks it (a response `marker` goes first).
 fn encode(
     template: &ChatTemplate,
     encoder: &Encoder,
@@ -521,8 +519,13 @@ fn encode(
     mask: MaskMode,
     marker: Option<&str>,
 ) -> std::result::Result<(Example, bool), String> {
-    let (segments, located) = match (mask, marker) {
-        (MaskMode::All, _) => (
+    let generation = match (mask, marker) {
+        (MaskMode::All, _) | (_, Some(_)) => None,
+        _ => template.generation_segments(messages)?,
+    };
+    let by_overlap = generation.is_some();
+    let (segments, located) = match (mask, marker, generation) {
+        (MaskMode::All, _, _) => (
             vec![Segment {
                 text: template.render(messages, false)?,
                 turn: 0,
@@ -530,8 +533,9 @@ fn encode(
             }],
             false,
         ),
-        (_, Some(marker)) => (template.located_segments(messages, marker)?, true),
-        (_, None) => match template.segments(messages) {
+        (_, Some(marker), _) => (template.located_segments(messages, marker)?, true),
+        (_, None, Some(segments)) => (segments, false),
+        (_, None, None) => match template.segments(messages) {
             Ok(segments) => (segments, false),
             Err(turn_by_turn) => {
                 let header = template
@@ -550,13 +554,39 @@ fn encode(
         MaskMode::Assistant => s.content && messages[s.turn].role == "assistant",
         MaskMode::Last => s.content && Some(s.turn) == last,
     };
-    let (tokens, of) = encoder.encode(&segments)?;
+    let (tokens, ranges) = encoder.encode(&segments)?;
     if tokens.is_empty() {
         return Err("renders to no token".into());
     }
-    let mut flags: Vec<u8> = of
+    // Each segment's byte range in the whole text.
+    let mut bounds = Vec::with_capacity(segments.len());
+    let mut at = 0;
+    for s in &segments {
+        bounds.push((at, at + s.text.len()));
+        at += s.text.len();
+    }
+    let starts_in = |start: usize| {
+        bounds
+            .partition_point(|&(_, end)| end <= start)
+            .min(segments.len().saturating_sub(1))
+    };
+    let mut flags: Vec<u8> = ranges
         .iter()
-        .map(|&i| if trains(&segments[i]) { TRAINED } else { 0 })
+        .map(|&(start, end)| {
+            let trained = if by_overlap && end > start {
+                segments
+                    .iter()
+                    .zip(&bounds)
+                    .any(|(s, &(a, b))| trains(s) && a < end && b > start)
+            } else {
+                trains(&segments[starts_in(start)])
+            };
+            if trained {
+                TRAINED
+            } else {
+                0
+            }
+        })
         .collect();
     flags[0] = DOCUMENT_START;
     Ok((Example { tokens, flags }, located))

@@ -37,7 +37,15 @@ pub struct ChatTemplate {
     eos_token: String,
     /// The special-token markers (`<|...|>`) written literally in the template.
     markers: Vec<String>,
+    /// Whether the template marks assistant text with `{% generation %}` blocks.
+    generation: bool,
 }
+
+/// Where a `{% generation %}` block opens in a rendering: a Unicode noncharacter (for a
+/// program's own use), which no conversation may hold.
+const GENERATION_OPEN: char = '\u{FDD0}';
+/// Where a `{% generation %}` block closes in a rendering.
+const GENERATION_CLOSE: char = '\u{FDD1}';
 
 /// A piece of a rendered conversation: the text one turn added, and whether it is the
 /// turn's own content (for an assistant, what it says and its end-of-turn marker) or the
@@ -160,9 +168,10 @@ impl ChatTemplate {
     }
 
     fn new(source: String, name: String, bos: &str, eos: &str) -> Result<ChatTemplate> {
-        // transformers' `{% generation %}` blocks mark assistant text for its own masks;
-        // the turns are told apart here by rendering, so the blocks render what they hold.
-        let source = generation_blocks(&source);
+        // transformers' `{% generation %}` blocks mark the text its assistant masks
+        // train; they render what they hold between two marks that
+        // [`ChatTemplate::generation_segments`] cuts at.
+        let (source, generation) = generation_blocks(&source);
         let markers = literal_markers(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -190,6 +199,7 @@ impl ChatTemplate {
             bos_token: bos.to_string(),
             eos_token: eos.to_string(),
             markers,
+            generation,
         })
     }
 
@@ -211,6 +221,31 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> std::result::Result<String, String> {
+        let mut text = self.render_marked(messages, add_generation_prompt)?;
+        if self.generation {
+            text.retain(|c| c != GENERATION_OPEN && c != GENERATION_CLOSE);
+        }
+        Ok(text)
+    }
+
+    /// [`ChatTemplate::render`] with [`GENERATION_OPEN`] and [`GENERATION_CLOSE`] where
+    /// the template's generation blocks open and close; fails on a conversation that
+    /// holds either.
+    fn render_marked(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, String> {
+        let reserved = |t: &str| t.contains([GENERATION_OPEN, GENERATION_CLOSE]);
+        if let Some(i) = messages
+            .iter()
+            .position(|m| reserved(&m.content) || reserved(&m.role))
+        {
+            return Err(format!(
+                "turn {i} holds U+FDD0 or U+FDD1, Unicode noncharacters that no text should \
+                 hold (trainkit marks generation blocks with them); remove them"
+            ));
+        }
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
         template
             .render(context! {
@@ -220,6 +255,58 @@ impl ChatTemplate {
                 eos_token => &self.eos_token,
             })
             .map_err(|e| format!("the template {} failed: {e}", self.source))
+    }
+
+    /// The whole conversation rendered once, cut at the template's `{% generation %}`
+    /// blocks, as transformers' `return_assistant_tokens_mask` reads them: each block's
+    /// text is a content segment, the text between blocks is not. The k-th block belongs
+    /// to the k-th assistant turn (blocks past the last assistant turn to that turn).
+    /// `None` when the template has no generation block.
+    pub fn generation_segments(
+        &self,
+        messages: &[Message],
+    ) -> std::result::Result<Option<Vec<Segment>>, String> {
+        if !self.generation {
+            return Ok(None);
+        }
+        let text = self.render_marked(messages, false)?;
+        let assistants: Vec<usize> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.role == "assistant")
+            .map(|(i, _)| i)
+            .collect();
+        let turn_of = |k: usize| {
+            assistants
+                .get(k)
+                .or(assistants.last())
+                .copied()
+                .unwrap_or(messages.len().saturating_sub(1))
+        };
+        let mut out: Vec<Segment> = Vec::new();
+        let (mut piece, mut open, mut blocks) = (String::new(), false, 0);
+        for c in text.chars() {
+            let opens = c == GENERATION_OPEN && !open;
+            let closes = c == GENERATION_CLOSE && open;
+            if c != GENERATION_OPEN && c != GENERATION_CLOSE {
+                piece.push(c);
+            } else if opens || closes {
+                out.push(Segment {
+                    text: std::mem::take(&mut piece),
+                    turn: turn_of(blocks),
+                    content: open,
+                });
+                blocks += usize::from(closes);
+                open = opens;
+            }
+        }
+        out.push(Segment {
+            text: piece,
+            turn: turn_of(blocks),
+            content: open,
+        });
+        out.retain(|s| !s.text.is_empty());
+        Ok(Some(out))
     }
 
     /// The conversation's text cut at each turn: rendering the turns one more at a time,
@@ -365,12 +452,15 @@ impl ChatTemplate {
 }
 
 /// `source` with transformers' `{% generation %}` and `{% endgeneration %}` tags (a block
-/// transformers' Jinja extension adds to mark assistant text) written as `{% if true %}`
-/// and `{% endif %}`, their whitespace control (`-`, `+`) kept: a block that renders what
-/// it encloses, so `trim_blocks` and `lstrip_blocks` treat the text around it as
-/// transformers does (a newline right after `{% endgeneration %}` is dropped). Other text,
-/// however malformed, is left as it is for the parser to judge.
-fn generation_blocks(source: &str) -> String {
+/// transformers' Jinja extension adds to mark assistant text) written as blocks that
+/// render what they enclose between [`GENERATION_OPEN`] and [`GENERATION_CLOSE`]:
+/// `{% if true %}{{ OPEN }}{% if true %}` and `{% endif %}{{ CLOSE }}{% endif %}`, the
+/// tag's whitespace control (`-`, `+`) kept on the outer side of each, so `trim_blocks`
+/// and `lstrip_blocks` treat the text around them as transformers does (a newline right
+/// after `{% endgeneration %}` is dropped). Other text, however malformed, is left as it
+/// is for the parser to judge. Also says whether there was a generation tag.
+fn generation_blocks(source: &str) -> (String, bool) {
+    let mut found = false;
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(start) = rest.find("{%") {
@@ -386,28 +476,25 @@ fn generation_blocks(source: &str) -> String {
             .strip_suffix(['-', '+'])
             .map(|_| &body[body.len() - 1..]);
         let body = right.map_or(body, |_| &body[..body.len() - 1]);
-        let word = match body.trim() {
-            "generation" => Some("if true"),
-            "endgeneration" => Some("endif"),
-            _ => None,
+        let (word, mark) = match body.trim() {
+            "generation" => ("if true", GENERATION_OPEN),
+            "endgeneration" => ("endif", GENERATION_CLOSE),
+            _ => ("", ' '),
         };
         out.push_str(&rest[..start]);
-        match word {
-            Some(word) => {
-                out.push_str("{%");
-                out.push_str(left.unwrap_or(""));
-                out.push(' ');
-                out.push_str(word);
-                out.push(' ');
-                out.push_str(right.unwrap_or(""));
-                out.push_str("%}");
-            }
-            None => out.push_str(&rest[start..after]),
+        if word.is_empty() {
+            out.push_str(&rest[start..after]);
+        } else {
+            found = true;
+            let (left, right) = (left.unwrap_or(""), right.unwrap_or(""));
+            out.push_str(&format!(
+                "{{%{left} {word} %}}{{{{ \"{mark}\" }}}}{{% {word} {right}%}}"
+            ));
         }
         rest = &rest[after..];
     }
     out.push_str(rest);
-    out
+    (out, found)
 }
 
 /// The built-in templates' names, for messages.
@@ -579,6 +666,55 @@ mod tests {
         assert!(e.contains("does not hold what the turn says"), "{e}");
     }
 
+    /// Generation blocks cut one rendering: each block's text is content of the k-th
+    /// assistant turn, the rest is not, and the marks never reach the text.
+    #[test]
+    fn generation_blocks_cut_the_rendering_at_their_edges() {
+        let source = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
+                      {% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>\
+                      {% endgeneration %}\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}\
+                      {% endfor %}";
+        let t = ChatTemplate::from_source(source, "generation", "", "").unwrap();
+        let m = conversation();
+        let segments = t.generation_segments(&m).unwrap().unwrap();
+        let whole: String = segments.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(whole, t.render(&m, false).unwrap());
+        assert!(!whole.contains([GENERATION_OPEN, GENERATION_CLOSE]));
+        // The newline after `{% endgeneration %}` is the template's, outside the block.
+        assert_eq!(
+            trained(&segments),
+            [(2, "Hello!<|im_end|>"), (4, "Bye.<|im_end|>")]
+        );
+        // Reasoning rewritten by later turns needs no turn-by-turn cut.
+        let thinking = THINKING
+            .replace(
+                "{{- '<|im_start|>assistant\\n<think>\\n'",
+                "{{- '<|im_start|>assistant\\n' }}{% generation %}{{ '<think>\\n'",
+            )
+            .replace(
+                "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}",
+                "{% endgeneration %}{%- else %}{{- '<|im_start|>assistant\\n' }}\
+                 {% generation %}{{ content + '<|im_end|>\\n' }}{% endgeneration %}",
+            );
+        assert!(thinking.matches("generation %}").count() == 4, "{thinking}");
+        let t = ChatTemplate::from_source(&thinking, "thinking", "", "").unwrap();
+        let m = thinking_conversation();
+        assert_eq!(
+            trained(&t.generation_segments(&m).unwrap().unwrap()),
+            [
+                (1, "Hello!<|im_end|>\n"),
+                (3, "<think>\nok\n</think>\n\nBye.<|im_end|>\n")
+            ]
+        );
+        // No blocks, no cut; a conversation holding a mark is refused.
+        let chatml = ChatTemplate::builtin("chatml", "", "").unwrap();
+        assert_eq!(chatml.generation_segments(&m).unwrap(), None);
+        let mut marked = conversation();
+        marked[2].content.push(GENERATION_OPEN);
+        let e = t.render(&marked, false).unwrap_err();
+        assert!(e.contains("turn 2 holds U+FDD0"), "{e}");
+    }
+
     #[test]
     fn the_markers_a_template_writes_are_listed_once() {
         let markers = |name: &str| ChatTemplate::builtin(name, "", "").unwrap().markers();
@@ -611,7 +747,16 @@ mod tests {
         );
         assert_eq!(
             generation_blocks("{%- generation -%}x{%+endgeneration%}"),
-            "{%- if true -%}x{%+ endif %}"
+            (
+                "{%- if true %}{{ \"\u{FDD0}\" }}{% if true -%}x\
+                 {%+ endif %}{{ \"\u{FDD1}\" }}{% endif %}"
+                    .to_string(),
+                true
+            )
+        );
+        assert_eq!(
+            generation_blocks("{% if x %}"),
+            ("{% if x %}".into(), false)
         );
         for text in [
             "{%}",
