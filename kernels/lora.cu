@@ -1,8 +1,15 @@
 // The column blocks a LoRA update adds to inside a fused projection (the query block of
-// q/k/v, the gate block of gate/up). CPU twin: src/ops/lora/cpu.rs.
+// q/k/v, the gate block of gate/up), and the dropout of an update's input. CPU twin:
+// src/ops/lora/cpu.rs.
 //
 // dst and src are row-major: `rows` rows of `cols` (the fused width) and of `width`.
 // Arithmetic is f32 with one rounding at the store, bitwise the CPU's.
+
+__device__ __forceinline__ unsigned long long tk_lora_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
 
 // dst[r, offset + c] += src[r, c]: an update added to its columns.
 template <typename T>
@@ -25,6 +32,21 @@ __device__ void lora_take_cols_impl(T* dst, const T* src, i64 rows, i64 cols, i6
     }
 }
 
+// dst[i] = keep(i) ? src[i] * scale : 0 (accumulate: dst[i] += that), where keep(i) is
+// whether the top 24 bits of the (i + 1)-th number of the splitmix64 stream seeded with
+// `key` reach `threshold` (p · 2^24): a counter-based draw, the same on every device, in
+// forward, in its recomputation and in backward.
+template <typename T>
+__device__ void lora_dropout_impl(T* dst, const T* src, i64 n, i64 key, i64 threshold,
+                                  float scale, i64 accumulate) {
+    TK_FOR_EACH(i, n) {
+        const unsigned long long h = tk_lora_mix(
+            (unsigned long long)key + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull);
+        const float v = (i64)(h >> 40) >= threshold ? load(src, i) * scale : 0.0f;
+        store(dst, i, accumulate ? load(dst, i) + v : v);
+    }
+}
+
 #define TK_LORA(T, N)                                                                       \
     extern "C" __global__ void lora_add_cols_##N(T* dst, const T* src, i64 rows, i64 cols,  \
                                                  i64 offset, i64 width) {                   \
@@ -33,5 +55,10 @@ __device__ void lora_take_cols_impl(T* dst, const T* src, i64 rows, i64 cols, i6
     extern "C" __global__ void lora_take_cols_##N(T* dst, const T* src, i64 rows, i64 cols, \
                                                   i64 offset, i64 width) {                  \
         lora_take_cols_impl<T>(dst, src, rows, cols, offset, width);                        \
+    }                                                                                       \
+    extern "C" __global__ void lora_dropout_##N(T* dst, const T* src, i64 n, i64 key,       \
+                                                i64 threshold, float scale,                 \
+                                                i64 accumulate) {                           \
+        lora_dropout_impl<T>(dst, src, n, key, threshold, scale, accumulate);               \
     }
 TK_DTYPES(TK_LORA)

@@ -243,6 +243,52 @@ fn elementwise_ops_match_the_cpu() {
     }
 }
 
+/// LoRA's dropout draws the same mask on the GPU as on the CPU, bit for bit, overwriting
+/// or accumulating, in every dtype; about `p` of the elements are dropped and the others
+/// scaled by `1/(1 − p)`.
+#[test]
+fn lora_dropout_matches_the_cpu_bit_for_bit() {
+    use trainkit::ops::lora::{dropout, Keep};
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(5);
+    let n = 4099;
+    for (name, cuda) in cuda_backends() {
+        for dt in DTYPES {
+            for (p, key) in [(0.1f32, 7u64), (0.5, 1 << 40)] {
+                let keep = Keep::new(p, key);
+                let x = randn(&mut rng, n, 1.0);
+                let src = pair(&cpu, &cuda, &x, &[n], dt);
+                for accumulate in [false, true] {
+                    let init = randn(&mut rng, n, 1.0);
+                    let mut dst = pair(&cpu, &cuda, &init, &[n], dt);
+                    dropout(&cpu, &mut dst.cpu, &src.cpu, keep, accumulate).unwrap();
+                    dropout(cuda.as_ref(), &mut dst.cuda, &src.cuda, keep, accumulate).unwrap();
+                    let (want, got) = (
+                        cpu.to_f32(&dst.cpu).unwrap(),
+                        cuda.to_f32(&dst.cuda).unwrap(),
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "{name}: lora_dropout {dt} p {p} accumulate {accumulate}"
+                    );
+                    if accumulate || dt != DType::F32 {
+                        continue;
+                    }
+                    let dropped = want.iter().filter(|v| **v == 0.0).count() as f64 / n as f64;
+                    assert!(
+                        (dropped - p as f64).abs() < 0.03,
+                        "dropped {dropped}, p {p}"
+                    );
+                    for (w, x) in want.iter().zip(&x) {
+                        assert!(*w == 0.0 || *w == x * keep.scale, "{w} from {x}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn copy_rows_matches_the_cpu() {
     let cpu = CpuBackend::new();
@@ -2487,7 +2533,8 @@ fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
 }
 
 /// A trainer of [`tiny_qwen`] (version 2: q/k/v biases) or of the tiny GPT-2 through LoRA
-/// on every projection (`B` drawn at random), with selective recomputation.
+/// on every projection (`B` drawn at random, PEFT's dropout 0.05), with selective
+/// recomputation.
 fn lora_trainer<P: Precision + Default>(
     gpt2: bool,
     nf4: bool,
@@ -2510,7 +2557,10 @@ fn lora_trainer<P: Precision + Default>(
         ];
         (tiny_qwen(2), &ALL)
     };
-    let lora = trainkit::Lora::new(4, 8.0, targets).unwrap();
+    let lora = trainkit::Lora {
+        dropout: 0.05,
+        ..trainkit::Lora::new(4, 8.0, targets).unwrap()
+    };
     let lora = if nf4 { lora.with_nf4_base() } else { lora };
     let model = base.with_adapter(Arc::new(lora)).unwrap();
     let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use trainkit::model::{Rope, RopeScaling};
 use trainkit::{
     AdamW, Adapter, CheckpointPolicy, DType, Fp32, Full, Gpt2, Llama, LlamaConfig, Lora,
-    MemoryCategory, MixedBf16, Model, NoRecompute, Precision, Qwen2Config, Selective, Trainer,
+    MemoryCategory, MixedBf16, Model, NoRecompute, PeakTracker, Precision, Qwen2Config, Selective,
+    Trainer,
 };
 
 /// A small Llama-like config: 2 layers, 32 wide, 4 query heads of 8 sharing 2 key/value
@@ -69,14 +70,29 @@ fn base(what: &str) -> Box<dyn Model> {
     }
 }
 
+/// The projections model `what` adapts.
+fn targets(what: &str) -> &'static [&'static str] {
+    match what {
+        "llama" => &ALL,
+        "qwen2" => &["q_proj", "v_proj"],
+        "gpt2" => &["c_attn", "c_proj", "c_fc"],
+        _ => &["c_attn"],
+    }
+}
+
 /// The LoRA adapter `what` is tested with.
 fn adapter(what: &str) -> Arc<dyn Adapter> {
-    match what {
-        "llama" => lora(&ALL),
-        "qwen2" => lora(&["q_proj", "v_proj"]),
-        "gpt2" => lora(&["c_attn", "c_proj", "c_fc"]),
-        _ => lora(&["c_attn"]),
-    }
+    lora(targets(what))
+}
+
+/// The model `what` names, with its adapter trained with dropout `p` (PEFT's
+/// `lora_dropout`).
+fn dropout_model(what: &str, p: f64) -> Box<dyn Model> {
+    let lora = Lora {
+        dropout: p,
+        ..Lora::new(4, 8.0, targets(what)).unwrap()
+    };
+    base(what).with_adapter(Arc::new(lora)).unwrap()
 }
 
 /// The model `what` names, with its adapter.
@@ -283,6 +299,92 @@ fn every_policy_is_bitwise_equal_in_both_precisions() {
     }
 }
 
+/// LoRA dropout: the gradients of a training step are those of the loss with the
+/// step's masks (central differences of [`Trainer::training_loss_on`]), so backward draws
+/// the masks forward drew, through every adapted projection.
+#[test]
+fn dropout_gradients_match_finite_differences() {
+    for what in MODELS {
+        common::adapters::gradients_match_finite_differences(what, dropout_model(what, 0.3), 8);
+    }
+}
+
+type Trained = Trainer<Fp32, NoRecompute, AdamW, trainkit::Constant, PeakTracker>;
+
+fn dropout_trainer(what: &str, p: f64) -> Trained {
+    Trainer::builder(
+        dropout_model(what, p),
+        cpu(),
+        corpus_loader(20_000, 1, 2, 16),
+    )
+    .build()
+    .unwrap()
+}
+
+/// Dropout acts in training only: it changes the adapters' gradients and so the
+/// training, each step and micro-batch drawing its own masks, while evaluation of the
+/// same weights equals the model without dropout, bit for bit.
+#[test]
+fn dropout_acts_in_training_and_never_in_evaluation() {
+    let mut plain = dropout_trainer("llama", 0.0);
+    let mut dropped = dropout_trainer("llama", 0.3);
+    // B starts at zero, so the first loss is the base model's either way.
+    assert_eq!(plain.step().unwrap().loss, dropped.step().unwrap().loss);
+    assert!(bits(&trained_grads(&plain)) != bits(&trained_grads(&dropped)));
+    let (lp, ld) = (plain.step().unwrap().loss, dropped.step().unwrap().loss);
+    assert_ne!(lp, ld, "dropout changes training");
+    let batch = corpus_loader(4_000, 9, 2, 16).next_batch();
+    let be = plain.backend().clone();
+    for (p, v) in plain.params_mut().iter_mut().zip(values(&dropped)) {
+        p.set_value(be.as_ref(), &v).unwrap();
+    }
+    let eval = plain.loss_on(&batch).unwrap();
+    assert_eq!(dropped.loss_on(&batch).unwrap().to_bits(), eval.to_bits());
+    // In training the same batch loses another amount, and another again at another
+    // step or micro-batch; the same step and micro-batch draw the same masks.
+    let at = |t: &mut Trained, step, micro| t.training_loss_on(&batch, step, micro).unwrap();
+    let step3 = at(&mut dropped, 3, 0);
+    assert_ne!(step3, eval);
+    assert_ne!(step3, at(&mut dropped, 4, 0));
+    assert_ne!(step3, at(&mut dropped, 3, 1));
+    assert_eq!(step3.to_bits(), at(&mut dropped, 3, 0).to_bits());
+    assert_eq!(at(&mut plain, 3, 0).to_bits(), eval.to_bits());
+}
+
+/// Recomputation draws the masks forward drew: every policy trains bit for bit alike
+/// with dropout, in both precisions.
+#[test]
+fn dropout_is_bitwise_equal_under_every_policy() {
+    for what in ["llama", "gpt2"] {
+        for precision in [
+            Box::new(Fp32) as Box<dyn Precision>,
+            Box::new(MixedBf16 { fp32_grads: true }),
+        ] {
+            let run = |policy: Box<dyn CheckpointPolicy>| {
+                let mut t = Trainer::builder(
+                    dropout_model(what, 0.2),
+                    cpu(),
+                    corpus_loader(20_000, 1, 2, 16),
+                )
+                .precision(precision.clone())
+                .checkpoint(policy)
+                .build()
+                .unwrap();
+                let losses: Vec<f64> = (0..3).map(|_| t.step().unwrap().loss).collect();
+                (bits(&trained_grads(&t)), bits(&values(&t)), losses)
+            };
+            let want = run(Box::new(NoRecompute));
+            for policy in [
+                Box::new(Full) as Box<dyn CheckpointPolicy>,
+                Box::new(Selective),
+            ] {
+                let label = format!("{what} {precision:?} {policy:?}");
+                assert!(run(policy) == want, "{label}");
+            }
+        }
+    }
+}
+
 /// The meta backend's prediction equals the ledger, category by category: frozen
 /// weights without master copies or gradients, the adapters' state, the intermediates.
 #[test]
@@ -290,6 +392,8 @@ fn the_exact_prediction_equals_the_ledger() {
     for what in MODELS {
         common::adapters::prediction_equals_ledger(what, &|| model(what));
     }
+    // Dropout's transient buffers are predicted too.
+    common::adapters::prediction_equals_ledger("llama dropout", &|| dropout_model("llama", 0.1));
 }
 
 #[test]
@@ -370,6 +474,10 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
             // cosine decays over whichever total the run had when it took each step).
             "--lr-schedule",
             "constant",
+            // PEFT's recipes' dropout: its masks are drawn from the seed, the step and the
+            // micro-batch, so the resumed run draws what the straight run drew.
+            "--lora-dropout",
+            "0.1",
             "--steps",
             steps,
             "--out",
@@ -382,6 +490,7 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
     };
     let out = run(&args(&lora("3", "a")));
     assert!(out.contains("adapter: LoRA rank 4, α 8"), "{out}");
+    assert!(out.contains("down_proj, dropout 0.1:"), "{out}");
     for f in [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -400,6 +509,7 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
         serde_json::json!(["q_proj", "v_proj", "down_proj"])
     );
     assert_eq!(config["base_model_name_or_path"], path("base"));
+    assert_eq!(config["lora_dropout"], 0.1);
     // Resumed to 6 steps: bitwise the straight 6-step run.
     run(&["train", "--resume", &path("a"), "--steps", "6"]);
     run(&args(&lora("6", "straight")));
@@ -414,6 +524,7 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
         ("--qlora", None),
         ("--lora-rank", Some("8")),
         ("--lora-targets", Some("q_proj")),
+        ("--lora-dropout", Some("0.2")),
         ("--init-from", Some("elsewhere")),
     ] {
         let resumed = path("a");
@@ -482,8 +593,8 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
     };
     assert_ne!(eval(None), eval(Some("a")), "the adapter changes the model");
     // An adapter trained with PEFT's dropout (its recipes' 0.05) evaluates as it is, the
-    // dropout off as in PEFT's eval mode; continuing it here is refused (trainkit trains
-    // without dropout).
+    // dropout off as in PEFT's eval mode, and trains on with its dropout (or the one
+    // --lora-dropout gives).
     let dropped = dir.join("dropped");
     std::fs::create_dir_all(&dropped).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
@@ -495,21 +606,32 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
     c["lora_dropout"] = serde_json::json!(0.05);
     std::fs::write(&config, c.to_string()).unwrap();
     assert_eq!(eval(Some("dropped")), eval(Some("a")));
-    let (ok, _, err) = common::trainkit(
-        &[
+    let go_on = |more: &[&str]| {
+        common::trainkit(
             &[
-                "train",
-                "--init-from",
-                &path("base"),
-                "--adapter",
-                &path("dropped"),
-            ][..],
-            &["--steps", "1"][..],
-            &small[..],
-        ]
-        .concat(),
+                &[
+                    "train",
+                    "--init-from",
+                    &path("base"),
+                    "--adapter",
+                    &path("dropped"),
+                ][..],
+                &["--steps", "1"][..],
+                more,
+                &small[..],
+            ]
+            .concat(),
+        )
+    };
+    let (ok, out, err) = go_on(&[]);
+    assert!(ok && out.contains("dropout 0.05:"), "{out}\n{err}");
+    let (ok, out, err) = go_on(&["--lora-dropout", "0.2"]);
+    assert!(ok && out.contains("dropout 0.2:"), "{out}\n{err}");
+    let (ok, _, err) = go_on(&["--lora-dropout", "1"]);
+    assert!(
+        !ok && err.contains("--lora-dropout") && err.contains("[0, 1)"),
+        "{err}"
     );
-    assert!(!ok && err.contains("lora_dropout 0.05"), "{err}");
     // Bad input, each named.
     for (bad, says) in [
         (

@@ -29,6 +29,9 @@ pub struct LowRank {
     pub rank: usize,
     /// The scale applied to `B·A` (LoRA's `α/r`, rsLoRA's `α/√r`).
     pub scale: f32,
+    /// The probability that an element of the update's input is zeroed in training
+    /// (PEFT's `lora_dropout`; the kept ones scaled by `1/(1 − p)`); 0 for none.
+    pub dropout: f32,
 }
 
 /// Which parameters of a model train, and which projections get a low-rank update.
@@ -160,6 +163,16 @@ pub struct Lora {
     /// (QLoRA, Dettmers et al., 2023).
     #[serde(default, skip_serializing_if = "BaseWeights::is_compute")]
     pub base: BaseWeights,
+    /// PEFT's `lora_dropout`: in training, each element of an update's input is zeroed
+    /// with this probability (the rest scaled by `1/(1 − p)`), drawn anew for every
+    /// micro-batch and every adapted projection; evaluation, sampling and merging use no
+    /// dropout. In `[0, 1)`; 0 (the default) for none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dropout: f64,
+}
+
+fn is_zero(p: &f64) -> bool {
+    *p == 0.0
 }
 
 /// How [`Lora`] stores the frozen weights of the base model's projections.
@@ -214,6 +227,7 @@ impl Lora {
             targets: targets.iter().map(|t| t.to_string()).collect(),
             rslora: false,
             base: BaseWeights::Compute,
+            dropout: 0.0,
         };
         lora.validate()?;
         Ok(lora)
@@ -233,6 +247,16 @@ impl Lora {
                 format!(
                     "{} is not a positive number (α = 2·r is common)",
                     self.alpha
+                ),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::config(
+                "adapter.dropout",
+                format!(
+                    "{} is not a dropout probability in [0, 1) (PEFT's recipes use 0.05; 0 \
+                     for none)",
+                    self.dropout
                 ),
             ));
         }
@@ -292,6 +316,7 @@ impl Adapter for Lora {
         self.targets_module(module).then(|| LowRank {
             rank: self.rank,
             scale: self.scale(),
+            dropout: self.dropout as f32,
         })
     }
 

@@ -42,7 +42,7 @@ pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "target_modules": targets,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "bias": "none",
         "use_rslora": lora.rslora,
         "fan_in_fan_out": base.fan_in_fan_out,
@@ -159,15 +159,6 @@ pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     Ok((lora, tensors))
 }
 
-/// The `lora_dropout` the adapter in `dir` was trained with (0 when its config has none).
-pub fn dropout(dir: &Path) -> Result<f64> {
-    let path = dir.join(ADAPTER_CONFIG);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::data(path.display().to_string(), format!("is not JSON: {e}")))?;
-    Ok(v.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
-}
-
 /// The LoRA settings of an `adapter_config.json`, or what is wrong with them.
 fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
     let field = |k: &str| v.get(k).filter(|x| !x.is_null());
@@ -205,14 +196,18 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
         _ => return Err("has no `target_modules`".into()),
     };
     // `lora_dropout` acts in training only: the adapter evaluates, samples and merges as
-    // PEFT's does in eval mode ([`dropout`] tells `train --adapter` what it was).
-    if let Some(p) = field("lora_dropout") {
-        if !p.as_f64().is_some_and(|p| (0.0..1.0).contains(&p)) {
-            return Err(format!(
-                "sets `lora_dropout` to {p}, not a number in [0, 1)"
-            ));
-        }
-    }
+    // PEFT's does in eval mode, and `train --adapter` continues it with its dropout.
+    let dropout = match field("lora_dropout") {
+        None | Some(Value::Null) => 0.0,
+        Some(p) => match p.as_f64() {
+            Some(p) if (0.0..1.0).contains(&p) => p,
+            _ => {
+                return Err(format!(
+                    "sets `lora_dropout` to {p}, not a number in [0, 1)"
+                ))
+            }
+        },
+    };
     if let Some(b) = field("bias").and_then(Value::as_str) {
         if b != "none" {
             return Err(format!(
@@ -249,6 +244,7 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         base: super::BaseWeights::Compute,
+        dropout,
     })
 }
 
@@ -329,8 +325,8 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// PEFT's recipes train with `lora_dropout` 0.05: the adapter reads (dropout is off at
-    /// inference, in PEFT as here) and says what it was.
+    /// PEFT's recipes train with `lora_dropout` 0.05: it is written and read back with
+    /// the adapter (dropout is off at inference, in PEFT as here).
     #[test]
     fn an_adapter_trained_with_dropout_reads() {
         let dir = std::env::temp_dir().join(format!("trainkit-peft-drop-{}", std::process::id()));
@@ -341,14 +337,26 @@ mod tests {
             data: vec![0.5; 6],
         };
         write(&dir, &lora, &BaseInfo::default(), std::slice::from_ref(&t)).unwrap();
-        assert_eq!(dropout(&dir).unwrap(), 0.0);
+        assert_eq!(read(&dir).unwrap().0.dropout, 0.0);
         let path = dir.join(ADAPTER_CONFIG);
         let mut config: Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         config["lora_dropout"] = json!(0.05);
         std::fs::write(&path, config.to_string()).unwrap();
-        assert_eq!(read(&dir).unwrap(), (lora, vec![t]));
-        assert_eq!(dropout(&dir).unwrap(), 0.05);
+        let dropped = Lora {
+            dropout: 0.05,
+            ..lora.clone()
+        };
+        assert_eq!(read(&dir).unwrap(), (dropped.clone(), vec![t.clone()]));
+        // What trainkit writes, it reads back.
+        write(
+            &dir,
+            &dropped,
+            &BaseInfo::default(),
+            std::slice::from_ref(&t),
+        )
+        .unwrap();
+        assert_eq!(read(&dir).unwrap().0, dropped);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

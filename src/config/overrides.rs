@@ -109,6 +109,8 @@ pub struct Overrides {
     pub lora_targets: Option<Vec<String>>,
     /// QLoRA: the LoRA's frozen base projections stored in NF4.
     pub qlora: bool,
+    /// LoRA's dropout probability in training (PEFT's `lora_dropout`).
+    pub lora_dropout: Option<f64>,
 }
 
 impl Overrides {
@@ -120,6 +122,7 @@ impl Overrides {
         if self.lora_rank.is_none()
             && self.lora_alpha.is_none()
             && self.lora_targets.is_none()
+            && self.lora_dropout.is_none()
             && !self.qlora
         {
             return Ok(());
@@ -131,8 +134,8 @@ impl Overrides {
             .ok_or_else(|| {
                 Error::config(
                     "--lora-rank",
-                    "--lora-alpha, --lora-targets and --qlora adapt a LoRA: give its rank too \
-                     (--lora-rank 8 is common)",
+                    "--lora-alpha, --lora-targets, --lora-dropout and --qlora adapt a LoRA: \
+                     give its rank too (--lora-rank 8 is common)",
                 )
             })?;
         let alpha = self
@@ -153,6 +156,10 @@ impl Overrides {
             alpha,
             targets,
             rslora: current.as_ref().is_some_and(|l| l.rslora),
+            dropout: self
+                .lora_dropout
+                .or(current.as_ref().map(|l| l.dropout))
+                .unwrap_or(0.0),
             base: if self.qlora {
                 BaseWeights::Nf4
             } else {
@@ -163,6 +170,7 @@ impl Overrides {
             let flag = match &e {
                 Error::Config { field, .. } if field == "adapter.rank" => "--lora-rank",
                 Error::Config { field, .. } if field == "adapter.alpha" => "--lora-alpha",
+                Error::Config { field, .. } if field == "adapter.dropout" => "--lora-dropout",
                 _ => "--lora-targets",
             };
             e.for_field(flag)

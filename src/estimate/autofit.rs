@@ -398,6 +398,7 @@ fn autofit_lora() -> Lora {
         targets: vec![ALL_LINEAR.to_string()],
         rslora: false,
         base: crate::adapter::BaseWeights::Compute,
+        dropout: 0.0,
     }
 }
 

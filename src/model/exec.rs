@@ -63,6 +63,7 @@ pub fn forward_backward(
     let ledger = pass.backend.ledger().clone();
     let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     run.offload = pass.offload;
+    run.rng_key = pass.rng_key;
     run.plan(pass.params)?;
     let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
 
@@ -142,6 +143,7 @@ fn uses(graph: &Graph, n: usize) -> Vec<usize> {
 /// Forward and loss only: the sum of the per-position losses.
 pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> Result<f64> {
     let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
+    run.rng_key = pass.rng_key;
     let x = run.forward_layers(pass.params)?;
     let mut losses = pass.backend.zeros(
         &[batch.tokens()],
@@ -241,6 +243,8 @@ struct Run<'r> {
     offload: bool,
     /// The policy's plan, by layer and value, where it made one.
     plan: Vec<Vec<Option<Retention>>>,
+    /// The pass's random key ([`Pass::rng_key`]).
+    rng_key: Option<u64>,
 }
 
 impl<'r> Run<'r> {
@@ -263,7 +267,23 @@ impl<'r> Run<'r> {
             stats: StashStats::default(),
             offload: false,
             plan: Vec::new(),
+            rng_key: None,
         }
+    }
+
+    /// The random key of `node` of `sec` ([`ForwardCx::rng_key`]): the pass's key mixed
+    /// with the FNV-1a hash of the node's first output's name, so a recomputation and the
+    /// backward of the node draw what its forward drew.
+    fn node_key(&self, sec: &Section, node: &Node) -> Option<u64> {
+        let key = self.rng_key?;
+        let label = node
+            .outputs
+            .first()
+            .map_or("", |&v| sec.values[v].label.as_str());
+        let name = label.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        Some(crate::rng::mix64(key ^ name))
     }
 
     /// Asks the policy for a plan of the whole pass ([`CheckpointPolicy::plan`]): runs the
@@ -283,6 +303,7 @@ impl<'r> Run<'r> {
             stats: StashStats::default(),
             offload: false,
             plan: Vec::new(),
+            rng_key: self.rng_key,
         };
         let flops = || meta.ledger().flops();
         let before = flops();
@@ -412,6 +433,7 @@ impl<'r> Run<'r> {
             weights,
             tokens: self.tokens,
             positions: self.positions,
+            rng_key: self.node_key(sec, node),
             present: node.outputs.iter().map(|&v| st.stash[v].as_ref()).collect(),
             wanted,
             outputs: (0..node.outputs.len()).map(|_| None).collect(),
@@ -779,6 +801,7 @@ impl<'r> Run<'r> {
                 params: params_mut(params, &node.params)?,
                 tokens: self.tokens,
                 positions: self.positions,
+                rng_key: self.node_key(sec, node),
                 grads_out: node.outputs.iter().map(|&v| grads[v].take()).collect(),
                 grad_labels_out: node
                     .outputs

@@ -60,6 +60,10 @@ pub struct Pass<'a> {
     /// per-position losses: the optimizer step inside backward. `None` leaves gradients
     /// to the end of the pass.
     pub grad_ready: Option<&'a mut GradReady<'a>>,
+    /// The key of the pass's random draws (LoRA dropout): each node draws from it mixed
+    /// with the node's name ([`crate::ops::ForwardCx::rng_key`]). `None` for a pass that
+    /// draws nothing: evaluation, sampling.
+    pub rng_key: Option<u64>,
 }
 
 /// The hook of [`Pass::grad_ready`]: the parameters, the index of one whose gradient is

@@ -170,6 +170,11 @@ pub struct ForwardCx<'a> {
     /// Each token's position in its document (`[B·T]`, see [`positions`]; `None`: one
     /// document per row), read by attention and position embeddings.
     pub positions: Option<&'a [u32]>,
+    /// The key of this node's random draws (dropout) in this pass: the same in its
+    /// forward, its recomputation and its backward, another for every node and
+    /// micro-batch; `None` in a pass that draws nothing (evaluation), where an op that
+    /// would draw is the identity.
+    pub rng_key: Option<u64>,
     /// Outputs asked for.
     pub wanted: Vec<bool>,
     /// Outputs that already exist (during recomputation), which the op may read.
@@ -322,6 +327,8 @@ pub struct BackwardCx<'a> {
     pub tokens: &'a [u32],
     /// Each token's position in its document, as [`ForwardCx::positions`].
     pub positions: Option<&'a [u32]>,
+    /// The key of this node's random draws, as [`ForwardCx::rng_key`].
+    pub rng_key: Option<u64>,
     /// The gradient of each output (`None`: nothing flows back through it).
     pub grads_out: Vec<Option<Tensor>>,
     /// The ledger label of each output's gradient, e.g. `h.3.d_fc_out`, for a buffer

@@ -523,6 +523,24 @@ where
             dtype: self.precision.compute_dtype(),
             offload: false,
             grad_ready: None,
+            rng_key: None,
+        };
+        self.model.loss(&mut pass, batch)
+    }
+
+    /// Sum of per-position losses on one batch as training computes it when the batch is
+    /// micro-batch `micro` (from 0) of step `step` (from 1): with the random draws of that
+    /// micro-batch (LoRA dropout's masks), forward only. Without random ops it is
+    /// [`Trainer::loss_on`].
+    pub fn training_loss_on(&mut self, batch: &Batch, step: u64, micro: usize) -> Result<f64> {
+        let mut pass = Pass {
+            backend: self.backend.as_ref(),
+            params: &mut self.params,
+            checkpoint: &self.checkpoint,
+            dtype: self.precision.compute_dtype(),
+            offload: false,
+            grad_ready: None,
+            rng_key: Some(step::micro_batch_key(self.options.seed, step, micro)),
         };
         self.model.loss(&mut pass, batch)
     }

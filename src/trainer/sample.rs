@@ -52,6 +52,7 @@ where
             dtype: self.precision.compute_dtype(),
             offload: false,
             grad_ready: None,
+            rng_key: None,
         };
         let out = self.model.logits(&mut pass, &batch);
         self.flush_events();

@@ -226,6 +226,7 @@ where
                     } else {
                         None
                     },
+                    rng_key: Some(micro_batch_key(seed, step, j)),
                 };
                 let s = model.forward_backward(
                     &mut pass,
@@ -463,4 +464,13 @@ fn update_one(
         step,
     )?;
     p.refresh_after_step(be, p.rounding_key(seed, step))
+}
+
+/// The random key of micro-batch `j` of step `step` in a run seeded `seed`
+/// ([`Pass::rng_key`]): its own for every micro-batch, the same when a resumed run
+/// replays the step, and apart from the keys of the update rounding.
+pub(crate) fn micro_batch_key(seed: u64, step: u64, j: usize) -> u64 {
+    use crate::rng::mix64;
+    const DROPOUT: u64 = 0x6c6f_7261_5f64_726f; // "lora_dro"
+    mix64(mix64(mix64(seed ^ DROPOUT) ^ step) ^ j as u64)
 }

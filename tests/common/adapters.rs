@@ -1,6 +1,6 @@
 //! Checks shared by the adapter tests (LoRA over a float base, QLoRA over an NF4 one).
 
-use super::{check_central_difference, gradient_probe, per_param};
+use super::{check_central_difference_in_step, gradient_probe, per_param};
 use trainkit::{CheckpointPolicy, Full, Model, NoRecompute};
 
 /// The gradients of every parameter that trains (the `B`s made non-zero first) against
@@ -29,7 +29,8 @@ pub fn gradients_match_finite_differences(what: &str, model: Box<dyn Model>, min
         }
         let n = gi.len();
         for at in [(i * 7 + 3) % n, (i * 13 + 1) % n] {
-            check_central_difference(what, &mut trainer, &batch, (i, at), gi[at] as f64);
+            let (analytic, spot) = (gi[at] as f64, (i, at));
+            check_central_difference_in_step(what, &mut trainer, &batch, spot, analytic, 1);
             checked += 1;
         }
     }

@@ -174,6 +174,42 @@ pub fn check_central_difference<P, C, O, A, M>(
     A: trainkit::AccumulationSchedule,
     M: trainkit::MemoryObserver,
 {
+    check_difference(what, trainer, batch, (i, at), analytic, None)
+}
+
+/// [`check_central_difference`] of the loss training computes for `batch` as the first
+/// micro-batch of step `step`: with that micro-batch's random draws (LoRA dropout).
+pub fn check_central_difference_in_step<P, C, O, A, M>(
+    what: &str,
+    trainer: &mut trainkit::Trainer<P, C, O, A, M>,
+    batch: &trainkit::data::Batch,
+    (i, at): (usize, usize),
+    analytic: f64,
+    step: u64,
+) where
+    P: trainkit::Precision,
+    C: trainkit::CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
+    check_difference(what, trainer, batch, (i, at), analytic, Some(step))
+}
+
+fn check_difference<P, C, O, A, M>(
+    what: &str,
+    trainer: &mut trainkit::Trainer<P, C, O, A, M>,
+    batch: &trainkit::data::Batch,
+    (i, at): (usize, usize),
+    analytic: f64,
+    step: Option<u64>,
+) where
+    P: trainkit::Precision,
+    C: trainkit::CheckpointPolicy,
+    O: trainkit::Optimizer,
+    A: trainkit::AccumulationSchedule,
+    M: trainkit::MemoryObserver,
+{
     let original = values(trainer)[i].clone();
     let tokens = batch.tokens() as f64;
     let h = 1e-2f32;
@@ -182,7 +218,10 @@ pub fn check_central_difference<P, C, O, A, M>(
         v[at] += delta;
         let be = trainer.backend().clone();
         trainer.params_mut()[i].set_value(be.as_ref(), &v).unwrap();
-        trainer.loss_on(batch).unwrap() / tokens
+        match step {
+            Some(step) => trainer.training_loss_on(batch, step, 0).unwrap() / tokens,
+            None => trainer.loss_on(batch).unwrap() / tokens,
+        }
     };
     let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
     loss_at(0.0);

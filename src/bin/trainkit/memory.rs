@@ -112,6 +112,10 @@ pub struct MemoryArgs {
     /// c_attn); see `trainkit train --help`.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     lora_targets: Option<Vec<String>>,
+    /// LoRA's dropout in training (it adds a transient buffer of each adapted
+    /// projection's input).
+    #[arg(long, value_name = "P")]
+    lora_dropout: Option<f64>,
     /// QLoRA: the frozen base projections in NF4 (4.127 bits per weight).
     #[arg(long)]
     qlora: bool,
@@ -697,12 +701,17 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     }
     if let (Some((l, (trained, all))), Some(p)) = (adapted, &exact) {
         println!(
-            "adapter    {} rank {}, α {} on {}: {} of {} parameters train ({:.3}%), the base \
+            "adapter    {} rank {}, α {} on {}{}: {} of {} parameters train ({:.3}%), the base \
              frozen{}",
             if args.qlora { "QLoRA" } else { "LoRA" },
             l.rank,
             l.alpha,
             l.targets.join(", "),
+            if l.dropout > 0.0 {
+                format!(", dropout {}", l.dropout)
+            } else {
+                String::new()
+            },
             group(trained),
             group(all),
             100.0 * trained as f64 / all.max(1) as f64,
@@ -1033,10 +1042,15 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
 /// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
 fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
     let Some(rank) = args.lora_rank else {
-        if args.lora_alpha.is_some() || args.lora_targets.is_some() || args.qlora {
+        if args.lora_alpha.is_some()
+            || args.lora_targets.is_some()
+            || args.lora_dropout.is_some()
+            || args.qlora
+        {
             return Err(flag_error(
                 "--lora-rank",
-                "--lora-alpha, --lora-targets and --qlora describe a LoRA: give its rank too",
+                "--lora-alpha, --lora-targets, --lora-dropout and --qlora describe a LoRA: give \
+                 its rank too",
             ));
         }
         return Ok(None);
@@ -1057,13 +1071,20 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         alpha: args.lora_alpha.unwrap_or(2.0 * rank as f64),
         targets,
         rslora: false,
+        dropout: args.lora_dropout.unwrap_or(0.0),
         base: if args.qlora {
             trainkit::adapter::BaseWeights::Nf4
         } else {
             trainkit::adapter::BaseWeights::Compute
         },
     };
-    lora.validate().map_err(|e| e.for_field("--lora-rank"))?;
+    lora.validate().map_err(|e| {
+        let flag = match &e {
+            Error::Config { field, .. } if field == "adapter.dropout" => "--lora-dropout",
+            _ => "--lora-rank",
+        };
+        e.for_field(flag)
+    })?;
     Ok(Some(lora))
 }
 

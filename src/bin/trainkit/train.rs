@@ -75,6 +75,12 @@ pub struct TrainArgs {
     /// c_proj, c_fc), or all-linear (default: q_proj,v_proj; GPT-2: c_attn).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     lora_targets: Option<Vec<String>>,
+    /// LoRA's dropout in training (PEFT's lora_dropout; its recipes use 0.05): each
+    /// element of an update's input is zeroed with this probability, the rest scaled by
+    /// 1/(1 − P); none in evaluation, sampling and merging (default 0; with --adapter, the
+    /// adapter's).
+    #[arg(long, value_name = "P")]
+    lora_dropout: Option<f64>,
     /// QLoRA: store the frozen base projections in NF4 (4.127 bits per weight, quantized
     /// as bitsandbytes does when the weights load); needs --lora-rank or --adapter.
     #[arg(long)]
@@ -308,7 +314,9 @@ impl TrainArgs {
             lora_rank: self.lora_rank,
             lora_alpha: self.lora_alpha,
             lora_targets: self.lora_targets.clone(),
-            // With --adapter the LoRA comes from its directory, QLoRA with it.
+            // With --adapter the LoRA comes from its directory, QLoRA and the dropout
+            // with it (adapter_settings).
+            lora_dropout: self.lora_dropout.filter(|_| self.adapter.is_none()),
             qlora: self.qlora && self.adapter.is_none(),
         }
     }
@@ -463,6 +471,12 @@ fn resumed_base_and_adapter(cfg: &RunConfig, dir: &Path, args: &TrainArgs) -> Re
         return refuse("--lora-targets");
     }
     if args
+        .lora_dropout
+        .is_some_and(|p| lora.is_none_or(|l| l.dropout != p))
+    {
+        return refuse("--lora-dropout");
+    }
+    if args
         .init_from
         .as_ref()
         .is_some_and(|d| cfg.training.init_from.as_ref() != Some(d))
@@ -488,19 +502,11 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
              adapter was made for)",
         ));
     }
-    let (lora, _) = trainkit::adapter::peft::read(dir)?;
-    let p = trainkit::adapter::peft::dropout(dir)?;
-    if p > 0.0 {
-        return Err(Error::config(
-            "--adapter",
-            format!(
-                "the adapter in {} was trained with lora_dropout {p}, and trainkit trains LoRA \
-                 without dropout, so continuing it would change its recipe; evaluate, sample \
-                 or merge it (dropout is off there, as in PEFT), or train a new adapter with \
-                 --lora-rank",
-                dir.display()
-            ),
-        ));
+    let (mut lora, _) = trainkit::adapter::peft::read(dir)?;
+    // The adapter goes on with its dropout unless --lora-dropout says otherwise.
+    if let Some(p) = args.lora_dropout {
+        lora.dropout = p;
+        lora.validate().map_err(|e| e.for_field("--lora-dropout"))?;
     }
     if args.lora_rank.is_some_and(|r| r != lora.rank)
         || args.lora_alpha.is_some_and(|a| a != lora.alpha)
@@ -856,8 +862,14 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
             trainkit::adapter::BaseWeights::Nf4 => "QLoRA (NF4 base)",
             trainkit::adapter::BaseWeights::Compute => "LoRA",
         };
+        let dropout = if lora.dropout > 0.0 {
+            format!(", dropout {}", lora.dropout)
+        } else {
+            String::new()
+        };
         println!(
-            "adapter: {kind} rank {}, α {} on {}: {trained} of {all} parameters train ({:.2}%)",
+            "adapter: {kind} rank {}, α {} on {}{dropout}: {trained} of {all} parameters train \
+             ({:.2}%)",
             lora.rank,
             lora.alpha,
             lora.targets.join(", "),

@@ -122,6 +122,9 @@ struct Example {
     flags: Vec<u8>,
 }
 
+/// A byte range of a rendered conversation: `(start, end)`.
+type Span = (usize, usize);
+
 /// Tokens of a rendered conversation, each with the byte range of the text it stands
 /// for.
 enum Encoder {
@@ -147,10 +150,7 @@ impl Encoder {
 
     /// The tokens of the segments' text and each token's byte range in it (for the
     /// plain tokenizers, which encode each segment on its own, the segment's range).
-    fn encode(
-        &self,
-        segments: &[Segment],
-    ) -> std::result::Result<(Vec<u32>, Vec<(usize, usize)>), String> {
+    fn encode(&self, segments: &[Segment]) -> std::result::Result<(Vec<u32>, Vec<Span>), String> {
         match self {
             Encoder::Hf(t) => {
                 let text: String = segments.iter().map(|s| s.text.as_str()).collect();

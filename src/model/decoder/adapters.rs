@@ -159,6 +159,7 @@ pub(crate) fn update_refs(
                         width: p.width,
                         rank: r.rank,
                         scale: r.scale,
+                        dropout: r.dropout,
                     },
                     a: first + 2 * k,
                     b: first + 2 * k + 1,

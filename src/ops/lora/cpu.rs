@@ -1,9 +1,34 @@
 //! The column blocks of a fused projection on the CPU: an update added to its columns,
-//! and the gradient of those columns taken out. f32 arithmetic, one rounding at the store,
-//! as `kernels/lora.cu`.
+//! and the gradient of those columns taken out; and the dropout of an update's input.
+//! f32 arithmetic, one rounding at the store, as `kernels/lora.cu`.
 
+use super::Keep;
 use crate::device::cpu::{read, write};
+use crate::rng::{mix64, GAMMA};
 use crate::tensor::Tensor;
+use rayon::prelude::*;
+
+/// Whether element `i` is kept: the top 24 bits of the `(i + 1)`-th number of the
+/// SplitMix64 stream seeded with `keep.key` reach `keep.threshold`.
+pub(crate) fn kept(keep: &Keep, i: usize) -> bool {
+    let h = mix64(keep.key.wrapping_add((i as u64 + 1).wrapping_mul(GAMMA)));
+    (h >> 40) >= keep.threshold
+}
+
+/// `dst = kept ? src · scale : 0` (or `dst += …` when `accumulate`), on checked operands.
+pub(crate) fn dropout(dst: &mut Tensor, src: &Tensor, keep: &Keep, accumulate: bool) {
+    let s = read(src);
+    write(dst, accumulate, |d| {
+        d.par_iter_mut().enumerate().for_each(|(i, d)| {
+            let v = if kept(keep, i) {
+                s[i] * keep.scale
+            } else {
+                0.0
+            };
+            *d = if accumulate { *d + v } else { v };
+        })
+    });
+}
 
 /// `dst[r, offset..offset + width] += src[r, ..]`, on checked operands.
 pub(crate) fn add_cols(dst: &mut Tensor, offset: usize, src: &Tensor) {

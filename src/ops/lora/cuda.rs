@@ -20,6 +20,9 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "lora_take_cols_f32",
         "lora_take_cols_bf16",
         "lora_take_cols_f16",
+        "lora_dropout_f32",
+        "lora_dropout_bf16",
+        "lora_dropout_f16",
     ],
 };
 
@@ -61,6 +64,33 @@ pub(crate) fn add_cols(
 ) -> Result<()> {
     let (cols, width) = (dst.rows_cols().1, src.rows_cols().1);
     launch(be, "lora_add_cols", dst, src, cols, offset, width)
+}
+
+pub(crate) fn dropout(
+    be: &CudaBackend,
+    dst: &mut Tensor,
+    src: &Tensor,
+    keep: super::Keep,
+    accumulate: bool,
+) -> Result<()> {
+    let (n, dt) = (src.numel(), src.dtype());
+    ensure_dtype(dst, dt, "lora_dropout")?;
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("lora_dropout_{dt}"),
+        be.grid(n),
+        BLOCK,
+        Args::new()
+            .ptr(ptr(dst)?)
+            .ptr(ptr(src)?)
+            .i64(n)
+            .i64(keep.key as usize)
+            .i64(keep.threshold as usize)
+            .f32(keep.scale)
+            .i64(usize::from(accumulate)),
+    )
 }
 
 pub(crate) fn take_cols(

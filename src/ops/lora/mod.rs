@@ -13,6 +13,11 @@
 //! - [`add_cols`] and [`take_cols`] move a block of columns between a fused projection's
 //!   output (or its gradient) and a block-wide tensor: the CPU twin (`cpu.rs`) and the
 //!   CUDA launches (`cuda.rs`, over `kernels/lora.cu`).
+//! - [`dropout`] zeroes elements of an update's input in training (PEFT's
+//!   `lora_dropout`): `h = s·(m ⊙ x / (1 − p)) Aᵀ`. The mask `m` is a counter-based draw
+//!   ([`Keep`]) keyed by the pass's random key ([`ForwardCx::rng_key`]) and the adapter, so
+//!   it is never stored: backward and a recomputation draw it again, bit for bit.
+//!   Evaluation (no key) and `p = 0` use no mask, exactly the plain update.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
@@ -38,6 +43,39 @@ pub struct Adapted {
     pub rank: usize,
     /// The scale `s` of `B·A`.
     pub scale: f32,
+    /// The dropout probability of its input in training (0: none).
+    pub dropout: f32,
+}
+
+/// One dropout mask, drawn without state: element `i` is kept when the top 24 bits of
+/// the `(i + 1)`-th number of the SplitMix64 stream seeded with `key` reach `threshold`
+/// (`p · 2²⁴`, rounded), and a kept element is scaled by `scale` (`1/(1 − p)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Keep {
+    /// The stream's seed.
+    pub key: u64,
+    /// Draws below it are dropped.
+    pub threshold: u64,
+    /// The factor of a kept element, as f32 bits compare.
+    pub scale: f32,
+}
+
+impl Keep {
+    /// The mask of dropout probability `p` (in `[0, 1)`) drawn from stream `key`.
+    pub fn new(p: f32, key: u64) -> Keep {
+        let p = f64::from(p);
+        Keep {
+            key,
+            threshold: (p * (1u64 << 24) as f64).round() as u64,
+            scale: (1.0 / (1.0 - p)) as f32,
+        }
+    }
+
+    /// The mask of adapter `j` of a node whose pass key is `node_key`.
+    fn of_adapter(p: f32, node_key: u64, j: usize) -> Keep {
+        use crate::rng::{mix64, GAMMA};
+        Keep::new(p, mix64(node_key ^ (j as u64 + 1).wrapping_mul(GAMMA)))
+    }
 }
 
 /// `dst[r, offset..offset + width] += src[r, ..]` where `dst` is `[rows, cols]` and `src`
@@ -64,6 +102,67 @@ pub fn take_cols(
     offset: usize,
 ) -> Result<()> {
     be.run(&mut TakeCols { dst, src, offset })
+}
+
+/// `dst = m ⊙ src · scale`, or `dst += m ⊙ src · scale` when `accumulate`, with the
+/// mask `m` that `keep` draws (see [`Keep`]); `dst` and `src` of one shape and dtype.
+pub fn dropout(
+    be: &(impl Backend + ?Sized),
+    dst: &mut Tensor,
+    src: &Tensor,
+    keep: Keep,
+    accumulate: bool,
+) -> Result<()> {
+    be.run(&mut Dropout {
+        dst,
+        src,
+        keep,
+        accumulate,
+    })
+}
+
+struct Dropout<'a> {
+    dst: &'a mut Tensor,
+    src: &'a Tensor,
+    keep: Keep,
+    accumulate: bool,
+}
+
+impl OpKernel for Dropout<'_> {
+    fn name(&self) -> &'static str {
+        "lora_dropout"
+    }
+    fn label(&self) -> &str {
+        self.dst.label()
+    }
+    fn check(&self) -> Result<()> {
+        ensure_float("lora_dropout", &[self.dst, self.src])?;
+        ensure(
+            self.dst.shape() == self.src.shape() && self.dst.dtype() == self.src.dtype(),
+            "lora_dropout",
+            || {
+                format!(
+                    "`{}` {:?} ({}) and `{}` {:?} ({}) must be of one shape and dtype",
+                    self.dst.label(),
+                    self.dst.shape(),
+                    self.dst.dtype(),
+                    self.src.label(),
+                    self.src.shape(),
+                    self.src.dtype()
+                )
+            },
+        )
+    }
+    fn flops(&self) -> u64 {
+        self.src.numel() as u64
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        cpu::dropout(self.dst, self.src, &self.keep, self.accumulate);
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        cuda::dropout(be, self.dst, self.src, self.keep, self.accumulate)
+    }
 }
 
 /// The check of both column calls: `wide` is `[rows, cols]`, `block` `[rows, width]`,
@@ -152,6 +251,12 @@ impl OpKernel for TakeCols<'_> {
 ///
 /// Input: `x`. Parameters: `A_1, …, A_n` (`[rank_j, in]`). Outputs: `h_1, …, h_n`.
 /// Backward reads `x`: `dA_j += s_j · dh_jᵀ x` and `dx += s_j · dh_j A_j`.
+///
+/// With an adapter's dropout `p > 0` in a pass that has a random key
+/// ([`ForwardCx::rng_key`]), `x` is replaced by `x_j = m_j ⊙ x / (1 − p)` (a mask of its
+/// own per adapter, as PEFT's one dropout module per adapted projection):
+/// `dA_j += s_j · dh_jᵀ x_j` and `dx += m_j ⊙ (s_j · dh_j A_j) / (1 − p)`, the mask drawn
+/// again in backward. Each costs a transient buffer of `x`'s size.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraDown {
     /// The adapters, in parameter order.
@@ -192,7 +297,13 @@ impl Op for LoraDown {
                 continue;
             }
             let mut h = cx.alloc(j)?;
-            be.matmul(&mut h, x, cx.weights[j], None, false, true, false)?;
+            match keep(a, cx.rng_key, j) {
+                Some(keep) => {
+                    let dropped = dropped_input(be, x, keep, &cx.labels[j])?;
+                    be.matmul(&mut h, &dropped, cx.weights[j], None, false, true, false)?;
+                }
+                None => be.matmul(&mut h, x, cx.weights[j], None, false, true, false)?,
+            }
             be.scale(&mut h, a.scale)?;
             cx.outputs[j] = Some(h);
         }
@@ -207,15 +318,69 @@ impl Op for LoraDown {
             };
             be.scale(&mut dh, a.scale)?;
             let x = cx.inputs[0].get()?;
+            let Some(keep) = keep(a, cx.rng_key, j) else {
+                if cx.params[j].trains() {
+                    be.matmul(cx.params[j].grad_mut(be)?, &dh, x, None, true, false, true)?;
+                }
+                let (buf, fresh) = cx.grads_in[0].buffer(be)?;
+                be.matmul(buf, &dh, cx.params[j].weight(), None, false, false, !fresh)?;
+                continue;
+            };
+            let label = &cx.grad_labels_out[j];
             if cx.params[j].trains() {
-                be.matmul(cx.params[j].grad_mut(be)?, &dh, x, None, true, false, true)?;
+                let dropped = dropped_input(be, x, keep, label)?;
+                be.matmul(
+                    cx.params[j].grad_mut(be)?,
+                    &dh,
+                    &dropped,
+                    None,
+                    true,
+                    false,
+                    true,
+                )?;
             }
+            let mut dx = be.empty(
+                x.shape(),
+                x.dtype(),
+                MemoryCategory::Workspace,
+                &format!("{label}.dropout_grad"),
+            )?;
+            be.matmul(
+                &mut dx,
+                &dh,
+                cx.params[j].weight(),
+                None,
+                false,
+                false,
+                false,
+            )?;
             let (buf, fresh) = cx.grads_in[0].buffer(be)?;
-            be.matmul(buf, &dh, cx.params[j].weight(), None, false, false, !fresh)?;
+            dropout(be, buf, &dx, keep, !fresh)?;
         }
         cx.inputs[0].release();
         Ok(())
     }
+}
+
+/// The mask of adapter `j` (`a`) in a pass keyed `rng_key`: `None` where no dropout
+/// acts (no dropout, or no key: evaluation).
+fn keep(a: &Adapted, rng_key: Option<u64>, j: usize) -> Option<Keep> {
+    match rng_key {
+        Some(key) if a.dropout > 0.0 => Some(Keep::of_adapter(a.dropout, key, j)),
+        _ => None,
+    }
+}
+
+/// `m ⊙ x / (1 − p)` in a transient buffer (labelled after `label`).
+fn dropped_input(be: &dyn Backend, x: &Tensor, keep: Keep, label: &str) -> Result<Tensor> {
+    let mut out = be.empty(
+        x.shape(),
+        x.dtype(),
+        MemoryCategory::Workspace,
+        &format!("{label}.dropout"),
+    )?;
+    dropout(be, &mut out, x, keep, false)?;
+    Ok(out)
 }
 
 /// What a [`LoraProjection`] is without its adapters.
