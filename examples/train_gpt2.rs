@@ -74,6 +74,7 @@ fn main() -> trainkit::Result<()> {
         let options = SamplingOptions {
             temperature: 0.8,
             top_k: 20,
+            ..SamplingOptions::default()
         };
         let new = trainer.generate(&prompt, 80, options, &mut Rng::new(7))?;
         println!("sample: the {}", ByteTokenizer.decode(&new));

@@ -82,6 +82,7 @@ fn main() -> trainkit::Result<()> {
     let options = SamplingOptions {
         temperature: 0.8,
         top_k: 20,
+        ..SamplingOptions::default()
     };
     let new = trainer.generate(&prompt, 200, options, &mut Rng::new(7))?;
     println!("sample:\nROMEO:\n{}", ByteTokenizer.decode(&new));

@@ -209,3 +209,78 @@ __device__ void attention_values_backward_dv_impl(T* dqkv, const T* dout, const 
                                              hd);                                           \
     }
 TK_DTYPES(TK_ATTENTION)
+
+// ---------------------------------------------------------------------------------------
+// Incremental decoding: `n` new query rows (absolute positions start, ..., start + n − 1)
+// against a key/value cache `kv` of `[capacity, 2·KV·D]` rows (the keys of every kv head,
+// then their values) that already holds the new rows' keys and values. Three launches,
+// each a plain loop per thread, so every sum runs in the CPU twin's order (bitwise its
+// result): the scores of each (row, head) over keys 0..=position (−∞ past it), the
+// softmax of each (row, head), and each output element as the probabilities' sum over the
+// values. `p` is f32 scratch `[n·H, keys]`, keys = start + n.
+
+template <typename T>
+__device__ void attention_decode_scores_impl(float* p, const T* qkv, const T* kv, i64 n,
+                                             i64 start, i64 n_head, i64 n_kv, i64 hd,
+                                             float scale) {
+    const i64 keys = start + n, qkv_w = (n_head + 2 * n_kv) * hd, kv_w = 2 * n_kv * hd;
+    const i64 group = n_head / n_kv;
+    TK_FOR_EACH(idx, n * n_head * keys) {
+        const i64 j = idx % keys, row = idx / keys, h = row % n_head, i = row / n_head;
+        float acc = TK_NEG_INF;
+        if (j <= start + i) {
+            const i64 q = i * qkv_w + h * hd, k = j * kv_w + (h / group) * hd;
+            acc = 0.0f;
+            for (i64 d = 0; d < hd; ++d) acc = acc + load(qkv, q + d) * load(kv, k + d);
+            acc = acc * scale;
+        }
+        p[idx] = acc;
+    }
+}
+
+__device__ void attention_decode_softmax_impl(float* p, i64 rows, i64 keys) {
+    TK_FOR_EACH(row, rows) {
+        float* r = p + row * keys;
+        float m = TK_NEG_INF;
+        for (i64 j = 0; j < keys; ++j) m = r[j] > m ? r[j] : m;
+        float sum = 0.0f;
+        for (i64 j = 0; j < keys; ++j) {
+            const float e = r[j] == TK_NEG_INF ? 0.0f : tk_exp(r[j] - m);
+            r[j] = e;
+            sum = sum + e;
+        }
+        const float inv = 1.0f / sum;
+        for (i64 j = 0; j < keys; ++j) r[j] = r[j] * inv;
+    }
+}
+
+template <typename T>
+__device__ void attention_decode_values_impl(T* out, const float* p, const T* kv, i64 n,
+                                             i64 start, i64 n_head, i64 n_kv, i64 hd) {
+    const i64 keys = start + n, kv_w = 2 * n_kv * hd, group = n_head / n_kv;
+    TK_FOR_EACH(idx, n * n_head * hd) {
+        const i64 d = idx % hd, row = idx / hd, h = row % n_head;
+        const float* r = p + row * keys;
+        const i64 v = n_kv * hd + (h / group) * hd + d;
+        float acc = 0.0f;
+        for (i64 j = 0; j < keys; ++j) acc = acc + r[j] * load(kv, j * kv_w + v);
+        store(out, idx, acc);
+    }
+}
+
+extern "C" __global__ void attention_decode_softmax(float* p, i64 rows, i64 keys) {
+    attention_decode_softmax_impl(p, rows, keys);
+}
+
+#define TK_ATTENTION_DECODE(T, N)                                                           \
+    extern "C" __global__ void attention_decode_scores_##N(                                 \
+        float* p, const T* qkv, const T* kv, i64 n, i64 start, i64 n_head, i64 n_kv,        \
+        i64 hd, float scale) {                                                              \
+        attention_decode_scores_impl<T>(p, qkv, kv, n, start, n_head, n_kv, hd, scale);     \
+    }                                                                                       \
+    extern "C" __global__ void attention_decode_values_##N(                                 \
+        T* out, const float* p, const T* kv, i64 n, i64 start, i64 n_head, i64 n_kv,        \
+        i64 hd) {                                                                           \
+        attention_decode_values_impl<T>(out, p, kv, n, start, n_head, n_kv, hd);            \
+    }
+TK_DTYPES(TK_ATTENTION_DECODE)

@@ -41,7 +41,7 @@ pub use memory::{
     Timeline,
 };
 pub use model::{
-    Gpt2, Gpt2Config, Llama, LlamaConfig, Model, ModelConfig, Qwen2, Qwen2Config, Qwen3,
+    Gpt2, Gpt2Config, KvCache, Llama, LlamaConfig, Model, ModelConfig, Qwen2, Qwen2Config, Qwen3,
     Qwen3Config,
 };
 pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};

@@ -289,6 +289,106 @@ fn lora_dropout_matches_the_cpu_bit_for_bit() {
     }
 }
 
+/// Incremental decoding's attention: new query rows against a key/value cache, bit for
+/// bit the CPU's in every dtype (grouped-query heads, several rows, an empty and a filled
+/// cache); and whole models decoding through the cache agree with the CPU's.
+#[test]
+fn decoding_attention_matches_the_cpu_bit_for_bit() {
+    use trainkit::ops::attention::decode::{append, decode};
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(6);
+    let heads = Heads {
+        n_head: 4,
+        n_kv_head: 2,
+        head_dim: 8,
+    };
+    let (cap, kv_w) = (12, 2 * heads.kv_width());
+    for (name, cuda) in cuda_backends() {
+        for dt in DTYPES {
+            for (start, n) in [(0, 3), (5, 1), (7, 5)] {
+                let mut cache = pair(
+                    &cpu,
+                    &cuda,
+                    &randn(&mut rng, cap * kv_w, 1.0),
+                    &[cap, kv_w],
+                    dt,
+                );
+                let qkv_data = randn(&mut rng, n * heads.qkv_width(), 1.0);
+                let qkv = pair(&cpu, &cuda, &qkv_data, &[1, n, heads.qkv_width()], dt);
+                let mut scratch = out(&cpu, &cuda, &[n, kv_w], dt);
+                append(
+                    &cpu,
+                    &mut cache.cpu,
+                    &mut scratch.cpu,
+                    &qkv.cpu,
+                    heads,
+                    start,
+                )
+                .unwrap();
+                append(
+                    cuda.as_ref(),
+                    &mut cache.cuda,
+                    &mut scratch.cuda,
+                    &qkv.cuda,
+                    heads,
+                    start,
+                )
+                .unwrap();
+                let mut o = out(&cpu, &cuda, &[1, n, heads.q_width()], dt);
+                decode(&cpu, &mut o.cpu, &qkv.cpu, &cache.cpu, heads, start).unwrap();
+                decode(
+                    cuda.as_ref(),
+                    &mut o.cuda,
+                    &qkv.cuda,
+                    &cache.cuda,
+                    heads,
+                    start,
+                )
+                .unwrap();
+                let bits = |b: &dyn Backend, t: &Tensor| -> Vec<u32> {
+                    b.to_f32(t).unwrap().iter().map(|f| f.to_bits()).collect()
+                };
+                assert!(
+                    bits(&cpu, &cache.cpu) == bits(cuda.as_ref(), &cache.cuda),
+                    "{name}: kv cache {dt} start {start} n {n}"
+                );
+                assert!(
+                    bits(&cpu, &o.cpu) == bits(cuda.as_ref(), &o.cuda),
+                    "{name}: attention_decode {dt} start {start} n {n}"
+                );
+            }
+        }
+        for (what, model) in [
+            ("qwen3", tiny_qwen(3)),
+            (
+                "gpt2",
+                Box::new(Gpt2::new(tiny_config()).unwrap()) as Box<dyn trainkit::Model>,
+            ),
+        ] {
+            let decode_all = |backend: Arc<dyn Backend>, model: Box<dyn trainkit::Model>| {
+                let mut t = Trainer::builder(model, backend, corpus_loader(4_000, 1, 1, 8))
+                    .build()
+                    .unwrap();
+                let mut cache = trainkit::KvCache::new(20);
+                let tokens: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 251).collect();
+                let mut logits = t.logits_cached(&tokens[..9], &mut cache).unwrap();
+                for k in 9..20 {
+                    logits.extend(t.logits_cached(&tokens[k..k + 1], &mut cache).unwrap());
+                }
+                logits
+            };
+            let want = decode_all(Arc::new(CpuBackend::new()), model);
+            let model = if what == "qwen3" {
+                tiny_qwen(3)
+            } else {
+                Box::new(Gpt2::new(tiny_config()).unwrap())
+            };
+            let got = decode_all(cuda.clone(), model);
+            check(&format!("{what} decoding"), name, &got, &want, DType::F32);
+        }
+    }
+}
+
 #[test]
 fn copy_rows_matches_the_cpu() {
     let cpu = CpuBackend::new();

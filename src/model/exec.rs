@@ -28,13 +28,14 @@
 //! executor.
 
 use super::graph::{Graph, Node, Section};
-use super::{Batch, Param, Pass, PassStats};
+use super::{Batch, KvCache, Param, Pass, PassStats};
 use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, SiteCost};
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, Phase};
 use crate::ops::{cross_entropy, missing, BackwardCx, ForwardCx, GradIn, Saved};
 use crate::tensor::{DType, Tensor};
+use std::cell::RefCell;
 
 /// Bytes the checkpoint policy kept, offloaded and dropped during forward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -159,6 +160,43 @@ pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> 
 /// Forward only: the head's output (the logits, `[rows, vocab]`) as f32.
 pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
     let run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
+    head_logits(&run, graph, pass)
+}
+
+/// Forward only over `tokens`, continuing the sequence `cache` holds (incremental
+/// decoding): the new tokens run every op on their own rows at their positions in the
+/// sequence, and each attention node ([`crate::ops::Op::attention_heads`]) appends their
+/// keys and values to its cache and attends over every position so far. The logits
+/// `[tokens.len(), vocab]` (row-major f32) of the new tokens, as [`logits`] gives them
+/// for those rows of the whole sequence.
+pub fn logits_cached(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    tokens: &[u32],
+    cache: &mut KvCache,
+) -> Result<Vec<f32>> {
+    let n = tokens.len();
+    cache.check_room(n)?;
+    let start = cache.len();
+    let batch = Batch {
+        batch_size: 1,
+        seq_len: n,
+        inputs: tokens.to_vec(),
+        targets: tokens.to_vec(),
+        positions: Some((start..start + n).map(|p| p as u32).collect()),
+    };
+    let logits = {
+        let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, &batch);
+        run.cache = Some(RefCell::new(&mut *cache));
+        head_logits(&run, graph, pass)?
+    };
+    cache.advance(n);
+    Ok(logits)
+}
+
+/// The head's output of `run`'s batch: every layer forward, then the head (the
+/// classifier of a fused loss without the loss).
+fn head_logits(run: &Run<'_>, graph: &Graph, pass: &mut Pass<'_>) -> Result<Vec<f32>> {
     let x = run.forward_layers(pass.params)?;
     let mut st = State::new(&graph.head);
     st.put_input(x);
@@ -245,6 +283,9 @@ struct Run<'r> {
     plan: Vec<Vec<Option<Retention>>>,
     /// The pass's random key ([`Pass::rng_key`]).
     rng_key: Option<u64>,
+    /// Incremental decoding's key/value cache ([`logits_cached`]), which attention nodes
+    /// read and append to instead of running their forward.
+    cache: Option<RefCell<&'r mut KvCache>>,
 }
 
 impl<'r> Run<'r> {
@@ -268,6 +309,7 @@ impl<'r> Run<'r> {
             offload: false,
             plan: Vec::new(),
             rng_key: None,
+            cache: None,
         }
     }
 
@@ -304,6 +346,7 @@ impl<'r> Run<'r> {
             offload: false,
             plan: Vec::new(),
             rng_key: self.rng_key,
+            cache: None,
         };
         let flops = || meta.ledger().flops();
         let before = flops();
@@ -444,7 +487,19 @@ impl<'r> Run<'r> {
                 .collect(),
             shapes,
         };
-        node.op.forward(&mut cx)?;
+        match (&self.cache, node.op.attention_heads()) {
+            (Some(cache), Some(heads)) => {
+                let last = node.outputs.len() - 1;
+                let mut out = cx.alloc(last)?;
+                let qkv = cx.input(0)?;
+                let name = &cx.labels[last];
+                cache
+                    .borrow_mut()
+                    .attend(self.backend, name, &mut out, qkv, heads)?;
+                cx.outputs[last] = Some(out);
+            }
+            _ => node.op.forward(&mut cx)?,
+        }
         let outputs = std::mem::take(&mut cx.outputs);
         let shapes = std::mem::take(&mut cx.shapes);
         drop(cx);

@@ -9,6 +9,7 @@ pub mod families;
 mod family;
 mod gpt2;
 mod graph;
+mod kv_cache;
 mod llama;
 mod llama_config;
 mod model_config;
@@ -24,6 +25,7 @@ pub use families::{parse_hf_config, read_hf_config};
 pub use family::{llama_name, AnyFamily, Family, LayerSlot, Slot};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, OpOverride, Section, Value};
+pub use kv_cache::KvCache;
 pub use llama::Llama;
 pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
@@ -181,6 +183,29 @@ pub trait Model: Debug + Send + Sync {
     /// position of `batch`'s inputs (its targets are not read).
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>>;
 
+    /// Incremental decoding: the logits `[tokens.len(), vocab]` of `tokens` continuing
+    /// the sequence `cache` holds (their positions follow it), as [`Model::logits`] gives
+    /// them for those rows of the whole sequence, computing only the new rows and
+    /// appending their keys and values to `cache`. The default says the model does not
+    /// decode so; [`crate::Trainer::generate`] then reruns the whole context per token.
+    fn logits_cached(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>> {
+        let _ = (pass, tokens, cache);
+        Err(crate::Error::config(
+            "model",
+            format!("{} does not decode with a key/value cache", self.describe()),
+        ))
+    }
+
+    /// Whether [`Model::logits_cached`] is implemented.
+    fn decodes_incrementally(&self) -> bool {
+        false
+    }
+
     /// Writes the model's config into `dir` (for GPT-2, Hugging Face's `config.json`).
     fn write_config(&self, dir: &std::path::Path) -> Result<()>;
 
@@ -262,6 +287,19 @@ impl Model for Box<dyn Model> {
 
     fn logits(&self, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
         (**self).logits(pass, batch)
+    }
+
+    fn logits_cached(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>> {
+        (**self).logits_cached(pass, tokens, cache)
+    }
+
+    fn decodes_incrementally(&self) -> bool {
+        (**self).decodes_incrementally()
     }
 
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {

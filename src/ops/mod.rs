@@ -115,6 +115,15 @@ pub trait Op: Any + Debug + Send + Sync {
     fn as_loss(&self) -> Option<&dyn FusedLoss> {
         None
     }
+
+    /// The heads of causal attention when this op is one: its input 0 the fused `qkv`
+    /// (laid out as [`crate::device::Heads`] says), its last output the attended values
+    /// (`[B, T, H·D]`). Incremental decoding then runs it against a key/value cache
+    /// ([`crate::model::KvCache`]) instead of [`Op::forward`]. `None`, the default, for
+    /// every other op, which decoding runs on the new tokens' rows alone.
+    fn attention_heads(&self) -> Option<crate::device::Heads> {
+        None
+    }
 }
 
 /// A node that computes the loss from its inputs and parameters, without handing logits

@@ -13,6 +13,10 @@
 //! The invariant every backend relies on ([`check`]): each row starts at 0 and each next
 //! position is 0 (a document starts) or one more than the last. So the first key a query
 //! attends never decreases along a row, which lets the fused attention skip whole tiles.
+//! The ops that read a token's own position alone (rotary and learned position
+//! embeddings) also take a row that continues a document from any position
+//! ([`check_continued`]): incremental decoding runs the new tokens of a sequence whose
+//! earlier positions a key/value cache holds.
 
 use crate::error::{Error, Result};
 
@@ -20,6 +24,27 @@ use crate::error::{Error, Result};
 /// either 0 or one more than the one before it (`None`, the plain layout, always passes).
 /// `op` names the call in the error.
 pub fn check(op: &'static str, positions: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+    check_rows(op, positions, b, t, false)
+}
+
+/// [`check`], except that a row may start at any position (it continues a document whose
+/// earlier tokens ran before): for the ops that read each token's own position alone.
+pub fn check_continued(
+    op: &'static str,
+    positions: Option<&[u32]>,
+    b: usize,
+    t: usize,
+) -> Result<()> {
+    check_rows(op, positions, b, t, true)
+}
+
+fn check_rows(
+    op: &'static str,
+    positions: Option<&[u32]>,
+    b: usize,
+    t: usize,
+    continued: bool,
+) -> Result<()> {
     let Some(positions) = positions else {
         return Ok(());
     };
@@ -35,7 +60,7 @@ pub fn check(op: &'static str, positions: Option<&[u32]>, b: usize, t: usize) ->
     for (r, row) in positions.chunks_exact(t.max(1)).enumerate() {
         let mut last: Option<u32> = None;
         for (i, &p) in row.iter().enumerate() {
-            let ok = p == 0 || last.is_some_and(|l| p == l + 1);
+            let ok = p == 0 || last.map_or(continued, |l| p == l + 1);
             if !ok {
                 return Err(Error::shape(
                     op,
@@ -109,5 +134,8 @@ mod tests {
         assert!(e.contains("each row starts"), "{e}");
         let e = check("rope", Some(&[0, 1]), 2, 2).unwrap_err().to_string();
         assert!(e.contains("2 positions for a batch of 2 rows"), "{e}");
+        // A continued row may start anywhere, then counts on as any row.
+        check_continued("rope", Some(&[7, 8, 0, 1]), 1, 4).unwrap();
+        assert!(check_continued("rope", Some(&[7, 9]), 1, 2).is_err());
     }
 }

@@ -1,11 +1,13 @@
-//! Text generation from a trainer's model: temperature and top-k sampling.
+//! Text generation from a trainer's model: temperature and top-k sampling, with a
+//! key/value cache where the model decodes incrementally ([`crate::Model::logits_cached`]):
+//! the prompt runs once, then each new token runs the model on its own row.
 
 use super::Trainer;
 use crate::accumulate::AccumulationSchedule;
 use crate::checkpoint::CheckpointPolicy;
 use crate::error::{Error, Result};
 use crate::memory::MemoryObserver;
-use crate::model::{Batch, Pass};
+use crate::model::{Batch, KvCache, Pass};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
@@ -17,6 +19,9 @@ pub struct SamplingOptions {
     pub temperature: f32,
     /// Sample among the `top_k` most likely tokens only (0 = all).
     pub top_k: usize,
+    /// Decode through a key/value cache where the model can (transformers' `use_cache`);
+    /// `false` reruns the whole context for every token.
+    pub use_cache: bool,
 }
 
 impl Default for SamplingOptions {
@@ -24,6 +29,7 @@ impl Default for SamplingOptions {
         SamplingOptions {
             temperature: 1.0,
             top_k: 0,
+            use_cache: true,
         }
     }
 }
@@ -59,6 +65,23 @@ where
         out
     }
 
+    /// Logits `[tokens.len(), vocab]` of `tokens` continuing the sequence `cache` holds
+    /// (forward only, incremental decoding; see [`crate::Model::logits_cached`]).
+    pub fn logits_cached(&mut self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let mut pass = Pass {
+            backend: self.backend.as_ref(),
+            params: &mut self.params,
+            checkpoint: &self.checkpoint,
+            dtype: self.precision.compute_dtype(),
+            offload: false,
+            grad_ready: None,
+            rng_key: None,
+        };
+        let out = self.model.logits_cached(&mut pass, tokens, cache);
+        self.flush_events();
+        out
+    }
+
     /// Continues `prompt` by `max_new_tokens` tokens, each drawn from the model's next-token
     /// distribution (the context is cut to the model's last `max_seq_len` tokens).
     /// Returns the new tokens only.
@@ -82,6 +105,24 @@ where
         stop: &[u32],
         rng: &mut Rng,
     ) -> Result<Vec<u32>> {
+        self.generate_streaming(prompt, max_new_tokens, options, stop, rng, &mut |_| Ok(()))
+    }
+
+    /// [`Trainer::generate_until`] that hands each new token to `on_token` as it is drawn
+    /// (to print it as it comes). Where the model decodes incrementally, the prompt runs
+    /// once into a key/value cache and each token after it on its own row, until the
+    /// context is full; past it (a prompt and reply longer than the model's context)
+    /// every token reruns the last `max_seq_len` tokens, as without a cache. The tokens
+    /// drawn are the same either way, up to the rounding of the attention's sums.
+    pub fn generate_streaming(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        options: SamplingOptions,
+        stop: &[u32],
+        rng: &mut Rng,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             return Err(Error::config(
                 "prompt",
@@ -103,15 +144,30 @@ where
         }
         let ctx_len = self.model.max_seq_len();
         let mut tokens = prompt.to_vec();
+        // The cache holds what fits the context: the prompt, then each token drawn.
+        let mut cache =
+            (options.use_cache && self.model.decodes_incrementally() && prompt.len() <= ctx_len)
+                .then(|| KvCache::new((prompt.len() + max_new_tokens).min(ctx_len)));
         for _ in 0..max_new_tokens {
-            let ctx = &tokens[tokens.len().saturating_sub(ctx_len)..];
-            let logits = self.logits(ctx)?;
-            let last = &logits[(ctx.len() - 1) * vocab..ctx.len() * vocab];
-            let next = pick(last, options, rng) as u32;
+            let logits = match cache.as_mut() {
+                Some(c) if c.len() < c.capacity() => {
+                    let fresh = &tokens[c.len()..];
+                    let n = fresh.len();
+                    let logits = self.logits_cached(fresh, c)?;
+                    logits[(n - 1) * vocab..n * vocab].to_vec()
+                }
+                _ => {
+                    let ctx = &tokens[tokens.len().saturating_sub(ctx_len)..];
+                    let logits = self.logits(ctx)?;
+                    logits[(ctx.len() - 1) * vocab..ctx.len() * vocab].to_vec()
+                }
+            };
+            let next = pick(&logits, options, rng) as u32;
             if stop.contains(&next) {
                 break;
             }
             tokens.push(next);
+            on_token(next)?;
         }
         Ok(tokens[prompt.len()..].to_vec())
     }
@@ -154,11 +210,13 @@ mod tests {
         let greedy = SamplingOptions {
             temperature: 0.0,
             top_k: 0,
+            use_cache: true,
         };
         assert_eq!(pick(&logits, greedy, &mut rng), 1);
         let top2 = SamplingOptions {
             temperature: 1.0,
             top_k: 2,
+            use_cache: true,
         };
         let mut counts = [0usize; 4];
         for _ in 0..4000 {
@@ -195,6 +253,7 @@ mod tests {
         let greedy = SamplingOptions {
             temperature: 0.0,
             top_k: 0,
+            use_cache: true,
         };
         let mut rng = Rng::new(1);
         let all = t.generate(&[1, 2], 6, greedy, &mut rng).unwrap();

@@ -47,6 +47,10 @@ pub struct SampleArgs {
     /// Sample among the K most likely tokens only (0 = all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Rerun the whole context for every new token instead of decoding through a
+    /// key/value cache (transformers' use_cache=False): slower, for comparison.
+    #[arg(long)]
+    no_cache: bool,
     /// Seed of the sampling.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
@@ -109,29 +113,107 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         placeholder,
     )?;
     let mut rng = Rng::new(args.seed);
-    let new = trainer.generate_until(
+    // Tokens are printed as they are drawn; text that may still become an end-of-turn
+    // marker (with --chat) or a character cut between two tokens is held back until the
+    // next token settles it.
+    let chat = args.prompt.is_none();
+    let mut stream = Stream::default();
+    if let Some(prompt) = &args.prompt {
+        stream.write(prompt)?;
+    }
+    let started = std::time::Instant::now();
+    let new = trainer.generate_streaming(
         &prompt,
         args.max_new_tokens,
         SamplingOptions {
             temperature: args.temperature,
             top_k: args.top_k,
+            use_cache: !args.no_cache,
         },
         &stop,
         &mut rng,
+        &mut |token| {
+            stream.drawn.push(token);
+            let text = tok.decode(&stream.drawn);
+            stream.show(&text, reply_end(&text, chat, false))
+        },
     )?;
+    let seconds = started.elapsed().as_secs_f64();
     let text = tok.decode(&new);
-    match &args.prompt {
-        Some(prompt) => println!("{prompt}{text}"),
-        None => {
-            // The reply ends at the first end-of-turn marker (a tokenizer without them as
-            // single tokens writes them as text).
-            let end = END_OF_TURN
-                .iter()
-                .filter_map(|m| text.find(m))
-                .min()
-                .unwrap_or(text.len());
-            println!("{}", &text[..end]);
+    stream.show(&text, reply_end(&text, chat, true))?;
+    stream.write("\n")?;
+    eprintln!(
+        "sampled {} tokens after a prompt of {} in {seconds:.2} s: {:.1} tokens/s{}",
+        new.len(),
+        prompt.len(),
+        new.len() as f64 / seconds.max(1e-9),
+        if !args.no_cache && trainer.model().decodes_incrementally() {
+            " (key/value cache)"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
+/// What of the reply is printed so far.
+#[derive(Default)]
+struct Stream {
+    drawn: Vec<u32>,
+    shown: String,
+}
+
+impl Stream {
+    fn write(&mut self, text: &str) -> Result<()> {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())
+            .and_then(|_| out.flush())
+            .map_err(|e| Error::io("stdout", e))
+    }
+
+    /// Prints `text[..end]` past what is shown, where it continues what is shown.
+    fn show(&mut self, text: &str, end: usize) -> Result<()> {
+        let settled = &text[..end];
+        if settled.len() > self.shown.len() && settled.starts_with(self.shown.as_str()) {
+            let more = settled[self.shown.len()..].to_string();
+            self.write(&more)?;
+            self.shown.push_str(&more);
+        }
+        Ok(())
+    }
+}
+
+/// Where the printable part of `text` ends: with `chat`, at the first end-of-turn marker
+/// (a tokenizer without them as single tokens writes them as text). Before the end (`last` false) it also holds back a tail that may still grow into
+/// a marker and a character cut between tokens (U+FFFD).
+fn reply_end(text: &str, chat: bool, last: bool) -> usize {
+    if chat {
+        if let Some(at) = END_OF_TURN.iter().filter_map(|m| text.find(m)).min() {
+            return at;
         }
     }
-    Ok(())
+    if last {
+        return text.len();
+    }
+    let mut end = text.len();
+    if chat {
+        let held = END_OF_TURN
+            .iter()
+            .flat_map(|m| {
+                (1..m.len())
+                    .filter(move |&k| m.is_char_boundary(k))
+                    .map(move |k| &m[..k])
+            })
+            .filter(|prefix| text.ends_with(prefix))
+            .map(|prefix| prefix.len())
+            .max()
+            .unwrap_or(0);
+        end -= held;
+    }
+    let cut = '\u{FFFD}';
+    while text[..end].ends_with(cut) {
+        end -= cut.len_utf8();
+    }
+    end
 }

@@ -13,7 +13,9 @@ pub(crate) use fused::{split_fused, stack_fused};
 use super::exec;
 use super::graph::{overridden, Graph, OpOverride};
 use super::shape::{Positions, Shape};
-use super::{Batch, Family, Init, LayerSlot, Mlp, Model, Norm, ParamInit, Pass, PassStats, Slot};
+use super::{
+    Batch, Family, Init, KvCache, LayerSlot, Mlp, Model, Norm, ParamInit, Pass, PassStats, Slot,
+};
 use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
@@ -541,6 +543,38 @@ impl<F: Family> Model for Decoder<F> {
         self.check_batch(batch)?;
         let logits = exec::logits(&self.graph, pass, batch)?;
         Ok(vocab::unpad_logits(&self.shape, logits))
+    }
+
+    fn logits_cached(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>> {
+        self.check_batch(&Batch {
+            batch_size: 1,
+            seq_len: tokens.len(),
+            inputs: tokens.to_vec(),
+            targets: tokens.to_vec(),
+            positions: None,
+        })?;
+        if cache.capacity() > self.shape.context {
+            return Err(Error::config(
+                "kv cache",
+                format!(
+                    "holds up to {} positions, more than the model's {} = {}",
+                    cache.capacity(),
+                    F::CONTEXT_FIELD,
+                    self.shape.context
+                ),
+            ));
+        }
+        let logits = exec::logits_cached(&self.graph, pass, tokens, cache)?;
+        Ok(vocab::unpad_logits(&self.shape, logits))
+    }
+
+    fn decodes_incrementally(&self) -> bool {
+        true
     }
 
     fn write_config(&self, dir: &std::path::Path) -> Result<()> {

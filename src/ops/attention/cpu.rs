@@ -433,3 +433,58 @@ simd_fn! {
         }
     }
 }
+
+/// The CPU twin of `kernels/attention.cu`'s decode kernels ([`super::decode::decode`]),
+/// on checked operands: the same loops in the same order.
+pub(crate) fn decode(out: &mut Tensor, qkv: &Tensor, kv: &Tensor, heads: Heads, start: usize) {
+    let (q, kv) = (read(qkv), read(kv));
+    let (hd, n_head, n_kv) = (heads.head_dim, heads.n_head, heads.n_kv_head);
+    let n = q.len() / heads.qkv_width();
+    let keys = start + n;
+    let (qkv_w, kv_w, group) = (heads.qkv_width(), 2 * heads.kv_width(), heads.group());
+    let scale = 1.0 / (hd as f32).sqrt();
+    write(out, false, |o| {
+        o.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
+            let (h, i) = (row % n_head, row / n_head);
+            let g = h / group;
+            let mut p: Vec<f32> = (0..keys)
+                .map(|j| {
+                    if j > start + i {
+                        return f32::NEG_INFINITY;
+                    }
+                    let (qr, kr) = (i * qkv_w + h * hd, j * kv_w + g * hd);
+                    let mut acc = 0.0f32;
+                    for d in 0..hd {
+                        acc += q[qr + d] * kv[kr + d];
+                    }
+                    acc * scale
+                })
+                .collect();
+            let m = p
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
+            let mut sum = 0.0f32;
+            for s in p.iter_mut() {
+                let e = if *s == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    simd::exp(*s - m)
+                };
+                *s = e;
+                sum += e;
+            }
+            let inv = 1.0 / sum;
+            for s in p.iter_mut() {
+                *s *= inv;
+            }
+            for (d, o) in o.iter_mut().enumerate() {
+                let v = n_kv * hd + g * hd + d;
+                let mut acc = 0.0f32;
+                for (j, pj) in p.iter().enumerate() {
+                    acc += pj * kv[j * kv_w + v];
+                }
+                *o = acc;
+            }
+        })
+    });
+}

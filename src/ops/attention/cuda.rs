@@ -38,8 +38,69 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "attention_values_f16",
         "attention_values_backward_dprobs_f16",
         "attention_values_backward_dv_f16",
+        "attention_decode_softmax",
+        "attention_decode_scores_f32",
+        "attention_decode_scores_bf16",
+        "attention_decode_scores_f16",
+        "attention_decode_values_f32",
+        "attention_decode_values_bf16",
+        "attention_decode_values_f16",
     ],
 };
+
+/// The decode kernels ([`super::decode::decode`]): scores into f32 scratch `[n·H, keys]`,
+/// its softmax, the weighted values.
+pub(crate) fn decode(
+    be: &CudaBackend,
+    out: &mut Tensor,
+    qkv: &Tensor,
+    kv: &Tensor,
+    heads: Heads,
+    start: usize,
+) -> Result<()> {
+    use crate::device::Backend;
+    use crate::memory::MemoryCategory;
+    let dt = qkv.dtype();
+    let n = qkv.numel() / heads.qkv_width().max(1);
+    let (rows, keys) = (n * heads.n_head, start + n);
+    if rows == 0 {
+        return Ok(());
+    }
+    let p = be.empty(
+        &[rows, keys],
+        crate::tensor::DType::F32,
+        MemoryCategory::Workspace,
+        "attention_decode.probs",
+    )?;
+    let scale = 1.0 / (heads.head_dim as f32).sqrt();
+    let dims = |a: Args| {
+        a.i64(n)
+            .i64(start)
+            .i64(heads.n_head)
+            .i64(heads.n_kv_head)
+            .i64(heads.head_dim)
+    };
+    be.launch(
+        &format!("attention_decode_scores_{dt}"),
+        be.grid(rows * keys),
+        BLOCK,
+        dims(Args::new().ptr(ptr(&p)?).ptr(ptr(qkv)?).ptr(ptr(kv)?)).f32(scale),
+    )?;
+    be.launch(
+        "attention_decode_softmax",
+        be.grid(rows),
+        BLOCK,
+        Args::new().ptr(ptr(&p)?).i64(rows).i64(keys),
+    )?;
+    be.launch(
+        &format!("attention_decode_values_{dt}"),
+        be.grid(rows * heads.head_dim),
+        BLOCK,
+        dims(Args::new().ptr(ptr(out)?).ptr(ptr(&p)?).ptr(ptr(kv)?)),
+    )?;
+    drop(p);
+    Ok(())
+}
 
 pub(crate) fn scores(
     be: &CudaBackend,

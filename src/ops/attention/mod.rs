@@ -15,6 +15,7 @@
 mod check;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub mod decode;
 
 pub(crate) use check::{dims, square_side, Dims};
 
@@ -471,6 +472,10 @@ impl Op for CausalAttention {
             cx.outputs[1] = Some(out);
         }
         Ok(())
+    }
+
+    fn attention_heads(&self) -> Option<Heads> {
+        Some(self.heads)
     }
 
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {

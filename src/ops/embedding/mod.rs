@@ -102,7 +102,7 @@ impl OpKernel for Forward<'_> {
         ensure_float("embedding", &[self.out, self.wte])?;
         ensure_float("embedding", self.wpe.as_slice())?;
         let (b, t, ..) = check("embedding", self.out, self.tokens, self.wte, self.wpe)?;
-        super::positions::check("embedding", self.positions, b, t)
+        super::positions::check_continued("embedding", self.positions, b, t)
     }
 
     fn flops(&self) -> u64 {
@@ -148,7 +148,7 @@ impl OpKernel for Backward<'_> {
         ensure_float(op, &[self.dwte, self.dout])?;
         ensure_float(op, self.dwpe.as_deref().as_slice())?;
         let (b, t, ..) = check(op, self.dout, self.tokens, self.dwte, self.dwpe.as_deref())?;
-        super::positions::check(op, self.positions, b, t)
+        super::positions::check_continued(op, self.positions, b, t)
     }
 
     fn flops(&self) -> u64 {

@@ -362,6 +362,10 @@ impl Op for FlashAttention {
         Ok(())
     }
 
+    fn attention_heads(&self) -> Option<Heads> {
+        Some(self.heads)
+    }
+
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
         let heads = self.heads;

@@ -31,8 +31,10 @@ fn rotate(
     let (d, half) = (heads.head_dim, heads.head_dim / 2);
     let rotated = heads.q_width() + heads.kv_width();
     // The sine and cosine of every position's angles, once per call (every row of the
-    // batch at position p turns by the same angles).
-    let table: Vec<(f32, f32)> = (0..t)
+    // batch at position p turns by the same angles); positions reach past T where a row
+    // continues a sequence (incremental decoding).
+    let span = positions.map_or(t, |p| p.iter().max().map_or(0, |&m| m as usize + 1));
+    let table: Vec<(f32, f32)> = (0..span)
         .flat_map(|pos| {
             inv_freq.iter().map(move |&f| {
                 let angle = pos as f32 * f;

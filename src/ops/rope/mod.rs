@@ -104,7 +104,7 @@ impl OpKernel for Rotate<'_> {
         ensure_float(self.name, &[self.out, self.x])?;
         check(self.name, self.out, self.x, self.inv_freq, self.heads)?;
         let s = self.x.shape();
-        super::positions::check(self.name, self.positions, s[0], s[1])
+        super::positions::check_continued(self.name, self.positions, s[0], s[1])
     }
 
     fn flops(&self) -> u64 {
