@@ -187,6 +187,17 @@ impl ChatTemplate {
                 ))
             },
         );
+        // transformers' `strftime_now(format)` (Llama 3.2's "Today Date"), in UTC.
+        env.add_function(
+            "strftime_now",
+            |format: String| -> std::result::Result<String, minijinja::Error> {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs() as i64);
+                strftime(&format, now)
+                    .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e))
+            },
+        );
         env.add_template_owned("chat", source).map_err(|e| {
             Error::data(
                 &name,
@@ -497,6 +508,88 @@ fn generation_blocks(source: &str) -> (String, bool) {
     (out, found)
 }
 
+/// `format` with Python's `strftime` fields for `secs` seconds after the Unix epoch (UTC):
+/// `%d %m %Y %y %b %B %a %A %H %I %M %S %p %j %%`; another field is an error naming it.
+fn strftime(format: &str, secs: i64) -> std::result::Result<String, String> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // The civil date of a day count (H. Hinnant's days_from_civil, inverted).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    let yday = before + day + i64::from(leap && month > 2);
+    let (hour, minute, second) = (rem / 3_600, rem % 3_600 / 60, rem % 60);
+    let (month_name, day_name) = (
+        MONTHS[month as usize - 1],
+        DAYS[days.rem_euclid(7) as usize],
+    );
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let field = chars
+            .next()
+            .ok_or("strftime_now's format ends in a lone %")?;
+        match field {
+            'd' => out.push_str(&format!("{day:02}")),
+            'm' => out.push_str(&format!("{month:02}")),
+            'Y' => out.push_str(&year.to_string()),
+            'y' => out.push_str(&format!("{:02}", year % 100)),
+            'b' => out.push_str(&month_name[..3]),
+            'B' => out.push_str(month_name),
+            'a' => out.push_str(&day_name[..3]),
+            'A' => out.push_str(day_name),
+            'H' => out.push_str(&format!("{hour:02}")),
+            'I' => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
+            'M' => out.push_str(&format!("{minute:02}")),
+            'S' => out.push_str(&format!("{second:02}")),
+            'p' => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            'j' => out.push_str(&format!("{yday:03}")),
+            '%' => out.push('%'),
+            other => {
+                return Err(format!(
+                    "strftime_now does not know %{other}; it writes %d %m %Y %y %b %B %a %A \
+                     %H %I %M %S %p %j and %%"
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The built-in templates' names, for messages.
 fn names() -> String {
     BUILTIN_TEMPLATES
@@ -713,6 +806,39 @@ mod tests {
         marked[2].content.push(GENERATION_OPEN);
         let e = t.render(&marked, false).unwrap_err();
         assert!(e.contains("turn 2 holds U+FDD0"), "{e}");
+    }
+
+    /// transformers' `strftime_now` as Llama 3.2's template calls it, in UTC.
+    #[test]
+    fn strftime_now_writes_pythons_fields() {
+        // 2024-07-26 13:05:09 UTC, a Friday; 2000-02-29 (leap day), 1969-12-31 (before
+        // the epoch).
+        assert_eq!(strftime("%d %b %Y", 1_721_999_109).unwrap(), "26 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %d %y, %H:%M:%S %I%p day %j %%", 1_721_999_109).unwrap(),
+            "Friday July 26 24, 13:05:09 01PM day 208 %"
+        );
+        assert_eq!(
+            strftime("%Y-%m-%d %a", 951_782_400).unwrap(),
+            "2000-02-29 Tue"
+        );
+        assert_eq!(strftime("%Y-%m-%d %j", -86_400).unwrap(), "1969-12-31 365");
+        assert!(strftime("%Q", 0).unwrap_err().contains("%Q"));
+        assert!(strftime("50%", 0).is_err());
+        let t = ChatTemplate::from_source(
+            "{{ bos_token }}Today Date: {{ strftime_now('%d %b %Y') }}",
+            "llama3.2",
+            "<|begin_of_text|>",
+            "",
+        )
+        .unwrap();
+        let text = t.render(&conversation(), false).unwrap();
+        let date = text.strip_prefix("<|begin_of_text|>Today Date: ").unwrap();
+        let parts: Vec<&str> = date.split(' ').collect();
+        assert!(
+            parts.len() == 3 && parts[0].len() == 2 && parts[2].len() == 4,
+            "{text}"
+        );
     }
 
     #[test]
