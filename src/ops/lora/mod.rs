@@ -56,7 +56,7 @@ pub struct Keep {
     pub key: u64,
     /// Draws below it are dropped.
     pub threshold: u64,
-    /// The factor of a kept element, as f32 bits compare.
+    /// The factor of a kept element (`1/(1 − p)` rounded to f32 once, on the host).
     pub scale: f32,
 }
 
