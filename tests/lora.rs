@@ -385,6 +385,48 @@ fn dropout_is_bitwise_equal_under_every_policy() {
     }
 }
 
+/// PEFT's `modules_to_save`: the untied head and every norm train whole beside the
+/// adapter (their gradients against finite differences), the embedding stays frozen, the
+/// adapter's tensors hold them under their own names, and the prediction equals the
+/// ledger.
+#[test]
+fn modules_to_save_train_whole_beside_the_adapter() {
+    let saving = || -> Box<dyn Model> {
+        let lora = Lora {
+            modules_to_save: vec!["lm_head".into(), "norm".into()],
+            ..Lora::new(4, 8.0, &["q_proj", "v_proj"]).unwrap()
+        };
+        base("llama").with_adapter(Arc::new(lora)).unwrap()
+    };
+    common::adapters::gradients_match_finite_differences("llama saving", saving(), 8);
+    common::adapters::prediction_equals_ledger("llama saving", &saving);
+    let mut t = Trainer::builder(saving(), cpu(), corpus_loader(20_000, 1, 2, 16))
+        .build()
+        .unwrap();
+    let before = values(&t);
+    t.step().unwrap();
+    let after = values(&t);
+    for (i, p) in t.params().iter().enumerate() {
+        let name = p.name();
+        let whole = name == "lm_head.weight" || name.ends_with("norm.weight");
+        assert_eq!(p.trains(), whole || name.contains(".lora_"), "{name}");
+        if whole {
+            assert_ne!(before[i], after[i], "{name} trains");
+        } else if !name.contains(".lora_") {
+            assert_eq!(before[i], after[i], "{name} is frozen");
+        }
+    }
+    let saved: Vec<String> = t
+        .adapter_tensors()
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name)
+        .filter(|n| !n.contains(".lora_"))
+        .collect();
+    assert_eq!(saved.len(), 1 + 2 * 2 + 1, "{saved:?}");
+    assert!(saved.contains(&"lm_head.weight".to_string()), "{saved:?}");
+}
+
 /// The meta backend's prediction equals the ledger, category by category: frozen
 /// weights without master copies or gradients, the adapters' state, the intermediates.
 #[test]
@@ -478,6 +520,10 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
             // micro-batch, so the resumed run draws what the straight run drew.
             "--lora-dropout",
             "0.1",
+            // The norms trained whole beside the adapter (PEFT's modules_to_save), their
+            // optimizer state resumed with the adapter's.
+            "--modules-to-save",
+            "norm",
             "--steps",
             steps,
             "--out",
@@ -525,6 +571,7 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
         ("--lora-rank", Some("8")),
         ("--lora-targets", Some("q_proj")),
         ("--lora-dropout", Some("0.2")),
+        ("--modules-to-save", Some("model.norm")),
         ("--init-from", Some("elsewhere")),
     ] {
         let resumed = path("a");
@@ -760,9 +807,11 @@ fn merge_writes_the_adapted_model() {
             .as_f64()
             .unwrap()
     };
-    for (arch, targets) in [
-        ("llama", "q_proj,v_proj,down_proj"),
-        ("gpt2", "c_attn,c_fc"),
+    // Each with base modules trained whole beside the adapter (PEFT's modules_to_save):
+    // Llama's RMS norms (every module whose name ends with `norm`), GPT-2's final norm.
+    for (arch, targets, saved) in [
+        ("llama", "q_proj,v_proj,down_proj", "norm"),
+        ("gpt2", "c_attn,c_fc", "ln_f"),
     ] {
         let base = format!("{arch}-base");
         let adapter = format!("{arch}-adapter");
@@ -793,6 +842,8 @@ fn merge_writes_the_adapted_model() {
                 "4",
                 "--lora-targets",
                 targets,
+                "--modules-to-save",
+                saved,
                 "--steps",
                 "3",
                 "--lr",
@@ -803,6 +854,19 @@ fn merge_writes_the_adapted_model() {
             &small[..],
         ]
         .concat());
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(&adapter).join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["modules_to_save"], serde_json::json!([saved]));
+        let names =
+            common::safetensors_names(&dir.join(&adapter).join("adapter_model.safetensors"));
+        let norm = if arch == "llama" {
+            "base_model.model.model.norm.weight"
+        } else {
+            "base_model.model.transformer.ln_f.weight"
+        };
+        assert!(names.iter().any(|n| n == norm), "{arch}: {names:?}");
         let merged_path = path(&merged);
         let out = run(&[
             "merge",
@@ -827,6 +891,34 @@ fn merge_writes_the_adapted_model() {
         assert!(
             (adapted - merged_loss).abs() < 1e-5 * adapted.abs(),
             "{arch}: merged {merged_loss} vs base + adapter {adapted}"
+        );
+    }
+    // Modules to save that the model cannot: its tied embedding, a projection, nothing.
+    for (saved, says) in [
+        ("embed_tokens", "shares the token embedding"),
+        ("q_proj", "names a projection"),
+        ("nothing", "matches no module"),
+    ] {
+        let (ok, _, err) = common::trainkit(
+            &[
+                &[
+                    "train",
+                    "--init-from",
+                    &path("llama-base"),
+                    "--lora-rank",
+                    "4",
+                    "--modules-to-save",
+                    saved,
+                    "--steps",
+                    "1",
+                ][..],
+                &small[..],
+            ]
+            .concat(),
+        );
+        assert!(
+            !ok && err.contains("modules_to_save") && err.contains(says),
+            "{err}"
         );
     }
     // An adapter of another family, the base as --out, a dtype that is not one.

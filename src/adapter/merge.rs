@@ -10,8 +10,9 @@ use std::collections::BTreeMap;
 /// `W += s·B·A`, or `W += s·(B·A)ᵀ` when the base stores its projections `[in, out]`
 /// (`fan_in_fan_out`, GPT-2's `Conv1D`). `updates` are the adapter's tensors named by
 /// trainkit (`{module}.lora_A.weight`, `{module}.lora_B.weight`, as
-/// [`super::peft::read`] returns them); `what` names the adapter in errors. Products are
-/// summed in f64 and added to the f32 weight once.
+/// [`super::peft::read`] returns them) and the modules it saves whole
+/// (`modules_to_save`, by their own names), which replace the base's; `what` names the
+/// adapter in errors. Products are summed in f64 and added to the f32 weight once.
 pub fn merge(
     base: &ModelDir,
     lora: &Lora,
@@ -26,12 +27,31 @@ pub fn merge(
     let mut merged = 0;
     for (name, a) in &by_name {
         let Some(module) = name.strip_suffix(".lora_A.weight") else {
-            if !name.ends_with(".lora_B.weight") {
+            if name.ends_with(".lora_B.weight") {
+                continue;
+            }
+            // A module saved whole replaces the base's.
+            let kept = tensors.get_mut(*name).filter(|_| lora.saves(name));
+            let Some(w) = kept else {
                 return Err(Error::data(
                     what,
-                    format!("`{name}` is neither a `lora_A` nor a `lora_B` weight"),
+                    format!(
+                        "`{name}` is neither a `lora_A` nor a `lora_B` weight, nor a module the \
+                         adapter saves that the base model has"
+                    ),
+                ));
+            };
+            if w.shape != a.shape {
+                return Err(Error::data(
+                    what,
+                    format!(
+                        "`{name}` has shape {:?}, the base's {:?}: the adapter and the base \
+                         do not belong together",
+                        a.shape, w.shape
+                    ),
                 ));
             }
+            w.data.clone_from(&a.data);
             continue;
         };
         let b_name = format!("{module}.lora_B.weight");

@@ -56,6 +56,14 @@ pub trait Adapter: DynClone + Debug + Send + Sync {
         Ok(())
     }
 
+    /// Checks the policy against the names of every base parameter (`model.norm.weight`,
+    /// `lm_head.weight`, ...): an error names what matches nothing. The default accepts
+    /// everything.
+    fn check_params(&self, names: &[String]) -> Result<()> {
+        let _ = names;
+        Ok(())
+    }
+
     /// The dtype the frozen base projections' weights are stored in instead of the
     /// compute dtype: [`DType::Nf4`] for QLoRA. Embeddings, norms, biases and the output
     /// head are never quantized. The default stores them as the precision says.
@@ -169,6 +177,12 @@ pub struct Lora {
     /// dropout. In `[0, 1)`; 0 (the default) for none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dropout: f64,
+    /// PEFT's `modules_to_save`: base modules (not projections) trained whole beside the
+    /// adapter and saved with it, each matching every module whose name ends with it, as
+    /// PEFT matches them (`lm_head`, `embed_tokens`, `norm`). Not on a model whose head
+    /// shares the embedding (PEFT would train an untied copy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules_to_save: Vec<String>,
 }
 
 fn is_zero(p: &f64) -> bool {
@@ -228,6 +242,7 @@ impl Lora {
             rslora: false,
             base: BaseWeights::Compute,
             dropout: 0.0,
+            modules_to_save: Vec::new(),
         };
         lora.validate()?;
         Ok(lora)
@@ -299,6 +314,15 @@ impl Lora {
         self
     }
 
+    /// Whether the base parameter `name` (`{module}.weight` or `.bias`) belongs to a
+    /// module of [`Lora::modules_to_save`].
+    pub fn saves(&self, name: &str) -> bool {
+        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+        self.modules_to_save
+            .iter()
+            .any(|m| module.ends_with(m.as_str()))
+    }
+
     /// Whether the projection `module` is one of the targets.
     pub fn targets_module(&self, module: &str) -> bool {
         let last = module.rsplit('.').next().unwrap_or(module);
@@ -308,8 +332,8 @@ impl Lora {
 
 #[typetag::serde(name = "lora")]
 impl Adapter for Lora {
-    fn trains(&self, _name: &str) -> bool {
-        false
+    fn trains(&self, name: &str) -> bool {
+        self.saves(name)
     }
 
     fn low_rank(&self, module: &str, _in: usize, _out: usize) -> Option<LowRank> {
@@ -341,6 +365,52 @@ impl Adapter for Lora {
                     format!(
                         "this model has no `{t}` projection; its projections are {}",
                         names.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_params(&self, names: &[String]) -> Result<()> {
+        let module_of = |n: &str| -> String { n.rsplit_once('.').map_or(n, |(m, _)| m).into() };
+        let projection = |name: &str| {
+            let module = module_of(name);
+            let last = module.rsplit('.').next().unwrap_or(&module).to_string();
+            PROJECTIONS.contains(&last.as_str()) || last == "qkv_proj" || last == "gate_up_proj"
+        };
+        for m in &self.modules_to_save {
+            let matched: Vec<&String> = names
+                .iter()
+                .filter(|n| module_of(n).ends_with(m.as_str()))
+                .collect();
+            let hit = matched.iter().find(|n| projection(n)).map(|n| n.as_str());
+            if let Some(p) = hit.or(PROJECTIONS.contains(&m.as_str()).then_some(m.as_str())) {
+                return Err(Error::config(
+                    "adapter.modules_to_save",
+                    format!(
+                        "`{m}` names a projection (`{p}`): LoRA adapts projections \
+                         (adapter.targets), modules_to_save trains other modules whole"
+                    ),
+                ));
+            }
+            if matched.is_empty() {
+                let mut modules: Vec<String> = names
+                    .iter()
+                    .filter(|n| !projection(n))
+                    .map(|n| {
+                        let module = module_of(n);
+                        module.rsplit('.').next().unwrap_or(&module).to_string()
+                    })
+                    .collect();
+                modules.sort_unstable();
+                modules.dedup();
+                return Err(Error::config(
+                    "adapter.modules_to_save",
+                    format!(
+                        "`{m}` matches no module of this model; its modules besides the \
+                         projections are {}",
+                        modules.join(", ")
                     ),
                 ));
             }

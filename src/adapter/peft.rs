@@ -48,7 +48,11 @@ pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
         "fan_in_fan_out": base.fan_in_fan_out,
         "init_lora_weights": true,
         "inference_mode": true,
-        "modules_to_save": null,
+        "modules_to_save": if lora.modules_to_save.is_empty() {
+            Value::Null
+        } else {
+            json!(lora.modules_to_save)
+        },
         "layers_to_transform": null,
         "layers_pattern": null,
         "rank_pattern": {},
@@ -228,14 +232,22 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
             ));
         }
     }
-    if let Some(m) = field("modules_to_save").and_then(Value::as_array) {
-        if !m.is_empty() {
-            return Err(
-                "trains whole modules beside the adapter (`modules_to_save`); trainkit does not"
-                    .into(),
-            );
+    let modules_to_save = match field("modules_to_save") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|m| {
+                m.as_str()
+                    .map(str::to_string)
+                    .ok_or("lists a module to save that is not a string")
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
+        Some(other) => {
+            return Err(format!(
+                "gives `modules_to_save` as {other}; PEFT writes a list of module names"
+            ))
         }
-    }
+    };
     Ok(Lora {
         rank,
         alpha,
@@ -245,6 +257,7 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
             .unwrap_or(false),
         base: super::BaseWeights::Compute,
         dropout,
+        modules_to_save,
     })
 }
 

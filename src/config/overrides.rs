@@ -111,6 +111,8 @@ pub struct Overrides {
     pub qlora: bool,
     /// LoRA's dropout probability in training (PEFT's `lora_dropout`).
     pub lora_dropout: Option<f64>,
+    /// Base modules trained whole beside the LoRA (PEFT's `modules_to_save`).
+    pub modules_to_save: Option<Vec<String>>,
 }
 
 impl Overrides {
@@ -123,6 +125,7 @@ impl Overrides {
             && self.lora_alpha.is_none()
             && self.lora_targets.is_none()
             && self.lora_dropout.is_none()
+            && self.modules_to_save.is_none()
             && !self.qlora
         {
             return Ok(());
@@ -134,8 +137,8 @@ impl Overrides {
             .ok_or_else(|| {
                 Error::config(
                     "--lora-rank",
-                    "--lora-alpha, --lora-targets, --lora-dropout and --qlora adapt a LoRA: \
-                     give its rank too (--lora-rank 8 is common)",
+                    "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save and \
+                     --qlora adapt a LoRA: give its rank too (--lora-rank 8 is common)",
                 )
             })?;
         let alpha = self
@@ -160,6 +163,11 @@ impl Overrides {
                 .lora_dropout
                 .or(current.as_ref().map(|l| l.dropout))
                 .unwrap_or(0.0),
+            modules_to_save: self
+                .modules_to_save
+                .clone()
+                .or(current.as_ref().map(|l| l.modules_to_save.clone()))
+                .unwrap_or_default(),
             base: if self.qlora {
                 BaseWeights::Nf4
             } else {

@@ -200,11 +200,13 @@ where
         self.params.iter().any(|p| !p.trains()).then_some(lora)
     }
 
-    /// The low-rank updates' tensors (`{module}.lora_A.weight`, ...), in model order.
+    /// The adapter's tensors, in model order: the low-rank updates'
+    /// (`{module}.lora_A.weight`, ...) and, in a run that trains a LoRA, the base modules
+    /// it trains whole (`modules_to_save`, by their own names).
     pub fn adapter_tensors(&self) -> Result<Vec<NamedTensor>> {
         self.params
             .iter()
-            .filter(|p| is_update_param(p.name()))
+            .filter(|p| is_update_param(p.name()) || p.trains())
             .map(|p| {
                 Ok(NamedTensor {
                     name: p.name().to_string(),
@@ -244,10 +246,23 @@ where
                 ),
             ));
         }
+        if lora.modules_to_save != ours.modules_to_save {
+            return Err(Error::data(
+                &what,
+                format!(
+                    "saves the modules {:?} beside its updates, this run's LoRA {:?}",
+                    lora.modules_to_save, ours.modules_to_save
+                ),
+            ));
+        }
         let mut by_name: HashMap<String, NamedTensor> =
             tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
         let be = self.backend.as_ref();
-        for p in self.params.iter_mut().filter(|p| is_update_param(p.name())) {
+        for p in self
+            .params
+            .iter_mut()
+            .filter(|p| is_update_param(p.name()) || p.trains())
+        {
             let t = by_name.remove(p.name()).ok_or_else(|| {
                 Error::data(
                     &what,

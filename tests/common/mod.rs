@@ -354,3 +354,12 @@ impl trainkit::CheckpointPolicy for EveryOtherInput {
         }
     }
 }
+
+/// The tensor names in a safetensors file.
+pub fn safetensors_names(path: &std::path::Path) -> Vec<String> {
+    trainkit::save::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name)
+        .collect()
+}

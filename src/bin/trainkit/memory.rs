@@ -1072,6 +1072,7 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         targets,
         rslora: false,
         dropout: args.lora_dropout.unwrap_or(0.0),
+        modules_to_save: Vec::new(),
         base: if args.qlora {
             trainkit::adapter::BaseWeights::Nf4
         } else {

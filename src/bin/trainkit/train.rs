@@ -81,6 +81,11 @@ pub struct TrainArgs {
     /// adapter's).
     #[arg(long, value_name = "P")]
     lora_dropout: Option<f64>,
+    /// Base modules trained whole beside the LoRA and saved with it (PEFT's
+    /// modules_to_save), comma-separated: each matches every module whose name ends with
+    /// it, e.g. lm_head (an untied head), norm; not the projections LoRA adapts.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    modules_to_save: Option<Vec<String>>,
     /// QLoRA: store the frozen base projections in NF4 (4.127 bits per weight, quantized
     /// as bitsandbytes does when the weights load); needs --lora-rank or --adapter.
     #[arg(long)]
@@ -317,6 +322,10 @@ impl TrainArgs {
             // With --adapter the LoRA comes from its directory, QLoRA and the dropout
             // with it (adapter_settings).
             lora_dropout: self.lora_dropout.filter(|_| self.adapter.is_none()),
+            modules_to_save: self
+                .modules_to_save
+                .clone()
+                .filter(|_| self.adapter.is_none()),
             qlora: self.qlora && self.adapter.is_none(),
         }
     }
@@ -477,6 +486,13 @@ fn resumed_base_and_adapter(cfg: &RunConfig, dir: &Path, args: &TrainArgs) -> Re
         return refuse("--lora-dropout");
     }
     if args
+        .modules_to_save
+        .as_ref()
+        .is_some_and(|m| lora.is_none_or(|l| l.modules_to_save != *m))
+    {
+        return refuse("--modules-to-save");
+    }
+    if args
         .init_from
         .as_ref()
         .is_some_and(|d| cfg.training.init_from.as_ref() != Some(d))
@@ -510,6 +526,10 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
     }
     if args.lora_rank.is_some_and(|r| r != lora.rank)
         || args.lora_alpha.is_some_and(|a| a != lora.alpha)
+        || args
+            .modules_to_save
+            .as_ref()
+            .is_some_and(|m| *m != lora.modules_to_save)
         || args
             .lora_targets
             .as_ref()

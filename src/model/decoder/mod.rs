@@ -124,6 +124,25 @@ impl<F: Family> Decoder<F> {
             .map(|p| p.module)
             .collect();
         adapter.check(&modules)?;
+        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
+        adapter.check_params(&names)?;
+        if self.shape.tied_embeddings && adapter.as_lora().is_some() {
+            if let Some((_, name, _)) = self
+                .params()
+                .into_iter()
+                .find(|(slot, name, _)| *slot == Slot::Embed && adapter.trains(name))
+            {
+                return Err(Error::config(
+                    "adapter.modules_to_save",
+                    format!(
+                        "this model's head shares the token embedding (`{name}`), and PEFT's \
+                         modules_to_save would train an untied copy of one of them, which \
+                         trainkit does not build; train the whole model instead of a LoRA, \
+                         or save other modules"
+                    ),
+                ));
+            }
+        }
         self.adapter = adapter;
         self.graph = self.build_graph();
         Ok(self)
