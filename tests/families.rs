@@ -342,7 +342,7 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// Recomputation changes memory, never results, and the meta backend predicts the
-/// ledger, category by category.
+/// ledger, category by category and in total.
 #[test]
 fn recompute_is_exact_and_the_prediction_equals_the_ledger() {
     for precision in [
@@ -381,7 +381,7 @@ fn recompute_is_exact_and_the_prediction_equals_the_ledger() {
             .unwrap();
             for step in 1..=2 {
                 let s = t.step().unwrap();
-                common::categories_match_prediction(&s, &predicted, step, &what);
+                common::step_matches_prediction(&s, &predicted, step, 1, &what);
             }
         }
     }

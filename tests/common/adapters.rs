@@ -37,8 +37,8 @@ pub fn gradients_match_finite_differences(what: &str, model: Box<dyn Model>, min
     assert!(checked >= min_checks, "{what}: {checked} checks");
 }
 
-/// The meta backend's prediction of `model()` equals the ledger, category by category,
-/// over two steps, with no recomputation and with full (bf16, batch 2 × 16).
+/// The meta backend's prediction of `model()` equals the ledger, category by category and in
+/// total, over two steps, with no recomputation and with full (bf16, batch 2 × 16).
 pub fn prediction_equals_ledger(what: &str, model: &dyn Fn() -> Box<dyn Model>) {
     let policies = [
         Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,

@@ -233,8 +233,8 @@ fn check_difference<P, C, O, A, M>(
     );
 }
 
-/// The meta backend's prediction of `model()` equals the ledger, category by category,
-/// over two steps under each of `policies` (bf16, batch 2 × 16).
+/// The meta backend's prediction of `model()` equals the ledger, category by category and in
+/// total, over two steps under each of `policies` (bf16, batch 2 × 16).
 pub fn prediction_equals_ledger(
     what: &str,
     model: &dyn Fn() -> Box<dyn trainkit::Model>,
@@ -260,7 +260,7 @@ pub fn prediction_equals_ledger(
             .unwrap();
         for step in 1..=2 {
             let s = t.step().unwrap();
-            categories_match_prediction(&s, &predicted, step, &format!("{what} {policy:?}"));
+            step_matches_prediction(&s, &predicted, step, 1, &format!("{what} {policy:?}"));
         }
     }
 }
