@@ -9,28 +9,11 @@ mod common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use std::sync::Arc;
-use trainkit::model::{Rope, RopeScaling};
 use trainkit::ops::AttentionPath;
 use trainkit::{Gpt2, KvCache, Llama, LlamaConfig, Lora, Model, Rng, SamplingOptions, Trainer};
 
 fn llama_config() -> LlamaConfig {
-    LlamaConfig {
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        vocab_size: 256,
-        max_position_embeddings: 32,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: false,
-        initializer_range: 0.1,
-        rope: Rope {
-            theta: 10_000.0,
-            scaling: RopeScaling::Default,
-        },
-    }
+    common::tiny_llama_config()
 }
 
 /// The models decoding is checked on, by name.

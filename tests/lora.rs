@@ -8,7 +8,6 @@ mod common;
 
 use common::{corpus_loader, cpu, tiny_config, values};
 use std::sync::Arc;
-use trainkit::model::{Rope, RopeScaling};
 use trainkit::{
     AdamW, Adapter, CheckpointPolicy, DType, Fp32, Full, Gpt2, Llama, LlamaConfig, Lora,
     MemoryCategory, MixedBf16, Model, NoRecompute, PeakTracker, Precision, Qwen2Config, Selective,
@@ -18,23 +17,7 @@ use trainkit::{
 /// A small Llama-like config: 2 layers, 32 wide, 4 query heads of 8 sharing 2 key/value
 /// heads, an MLP of 48, bytes.
 fn llama_config() -> LlamaConfig {
-    LlamaConfig {
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        vocab_size: 256,
-        max_position_embeddings: 32,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: false,
-        initializer_range: 0.1,
-        rope: Rope {
-            theta: 10_000.0,
-            scaling: RopeScaling::Default,
-        },
-    }
+    common::tiny_llama_config()
 }
 
 const ALL: [&str; 7] = [

@@ -363,3 +363,25 @@ pub fn safetensors_names(path: &std::path::Path) -> Vec<String> {
         .map(|t| t.name)
         .collect()
 }
+
+/// A small Llama config: 2 layers, 32 wide, 4 query heads of 8 sharing 2 key/value heads,
+/// an MLP of 48, bytes, a context of 32, an untied head.
+pub fn tiny_llama_config() -> trainkit::LlamaConfig {
+    trainkit::LlamaConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        vocab_size: 256,
+        max_position_embeddings: 32,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        initializer_range: 0.1,
+        rope: trainkit::model::Rope {
+            theta: 10_000.0,
+            scaling: trainkit::model::RopeScaling::Default,
+        },
+    }
+}
