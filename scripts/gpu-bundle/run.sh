@@ -66,7 +66,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench attention train reference llmc xl llama offload)
+all_phases=(tests bench attention train decode reference llmc xl llama offload)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -393,6 +393,12 @@ figures_host_adamw() {
   # params/s (median 970), 33.6 GB/s of state traffic ...".
   sed -n -E 's#^memory bandwidth: copy ([0-9.]+) GB/s.* in place ([0-9.]+) GB/s.*#copy_gbs=\1;in_place_gbs=\2;#p' "$1"
   sed -n -E 's#^host AdamW: ([0-9.]+) M params/s.*, ([0-9.]+) GB/s of state traffic.*#adamw_mparams_per_s=\1;adamw_gbs=\2;#p' "$1"
+  return 0
+}
+
+figures_decode() {
+  # sample's last line: `sampled N tokens after a prompt of P in S s: R tokens/s ...`.
+  sed -n -E 's/^sampled ([0-9]+) tokens after a prompt of ([0-9]+) in .*: ([0-9.]+) tokens\/s.*/new_tokens=\1;prompt_tokens=\2;tokens_per_s=\3;/p' "$1" | tail -n1
   return 0
 }
 
@@ -752,6 +758,24 @@ phase_train() {
     --device cuda --log-json "$work/train-log.jsonl" \
     ${peak_tflops:+--peak-tflops "$peak_tflops"}
   cp "$work/train-log.jsonl" "$report/logs/trainkit_train_gpu.jsonl" 2>/dev/null || true
+}
+
+# Sampling through the key/value cache against rerunning the whole context (--no-cache):
+# GPT-2 124M as initialised, greedy, a prompt of about 400 tokens; the tokens/s of each.
+phase_decode() {
+  if [ -n "$no_gpu" ]; then
+    skip trainkit_decode "$bin/trainkit sample --device cuda ..." "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local model="$work/decode-gpt2" prompt
+  prompt="$(for _ in $(seq 40); do printf 'the quick brown fox jumps over the lazy dog. '; done)"
+  run_step trainkit_decode_init 300 - "$bin/trainkit" train --model gpt2 --steps 0 \
+    --device cuda --out "$model"
+  run_step trainkit_decode_cached 300 figures_decode "$bin/trainkit" sample --model "$model" \
+    --tokenizer gpt2 --prompt "$prompt" --max-new-tokens 256 --temperature 0 --device cuda
+  run_step trainkit_decode_uncached 300 figures_decode "$bin/trainkit" sample \
+    --model "$model" --tokenizer gpt2 --prompt "$prompt" --max-new-tokens 64 \
+    --temperature 0 --device cuda --no-cache
 }
 
 phase_reference() {
