@@ -553,4 +553,30 @@ fn a_lora_run_prints_its_own_exact_table() {
         !ok && err.contains("--lora-rank") && err.contains("--params has none"),
         "{err}"
     );
+    // Dropout and the modules trained whole beside the adapter: GPT-2's final norm adds
+    // its gain and bias (2 × 768) to what trains, in the line and the JSON.
+    let saving = [
+        &args[..],
+        &["--lora-dropout", "0.05", "--modules-to-save", "ln_f"],
+    ]
+    .concat();
+    let (ok, out, err) = trainkit(&saving);
+    assert!(ok, "{err}");
+    assert!(out.contains("on c_attn, dropout 0.05: 296,448 of"), "{out}");
+    assert_eq!(
+        json(&saving)["adapter"]["trainable_params"],
+        294_912 + 2 * 768
+    );
+    let (ok, _, err) = trainkit(&[
+        "--model",
+        "llama-3.2-1b",
+        "--lora-rank",
+        "8",
+        "--modules-to-save",
+        "embed_tokens",
+    ]);
+    assert!(
+        !ok && err.contains("--modules-to-save") && err.contains("shares the token embedding"),
+        "{err}"
+    );
 }

@@ -116,6 +116,10 @@ pub struct MemoryArgs {
     /// projection's input).
     #[arg(long, value_name = "P")]
     lora_dropout: Option<f64>,
+    /// Base modules trained whole beside the LoRA (PEFT's modules_to_save), as `train
+    /// --modules-to-save` takes them: their gradients, optimizer state and master weights.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    modules_to_save: Option<Vec<String>>,
     /// QLoRA: the frozen base projections in NF4 (4.127 bits per weight).
     #[arg(long)]
     qlora: bool,
@@ -890,7 +894,15 @@ fn exact_model(
         Some(a) => model
             .with_adapter(std::sync::Arc::from(dyn_clone::clone_box(a)))
             .map(Some)
-            .map_err(|e| e.for_field("--lora-targets")),
+            .map_err(|e| {
+                let flag = match &e {
+                    Error::Config { field, .. } if field == "adapter.modules_to_save" => {
+                        "--modules-to-save"
+                    }
+                    _ => "--lora-targets",
+                };
+                e.for_field(flag)
+            }),
         None => Ok(Some(model)),
     }
 }
@@ -1045,12 +1057,13 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         if args.lora_alpha.is_some()
             || args.lora_targets.is_some()
             || args.lora_dropout.is_some()
+            || args.modules_to_save.is_some()
             || args.qlora
         {
             return Err(flag_error(
                 "--lora-rank",
-                "--lora-alpha, --lora-targets, --lora-dropout and --qlora describe a LoRA: give \
-                 its rank too",
+                "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save and --qlora \
+                 describe a LoRA: give its rank too",
             ));
         }
         return Ok(None);
@@ -1072,7 +1085,7 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         targets,
         rslora: false,
         dropout: args.lora_dropout.unwrap_or(0.0),
-        modules_to_save: Vec::new(),
+        modules_to_save: args.modules_to_save.clone().unwrap_or_default(),
         base: if args.qlora {
             trainkit::adapter::BaseWeights::Nf4
         } else {
