@@ -167,6 +167,17 @@ __device__ __forceinline__ float warp_row_sum(const float (&a)[8]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Counter-based random bits, as the CPU's `rng::counter_bits`: the (i + 1)-th number of the
+// SplitMix64 stream seeded with `key` (its finalizer of key + (i + 1)·γ). No state: the
+// same bits on every device and thread count, in a recomputation and after a resume.
+__device__ __forceinline__ unsigned long long tk_counter_bits(unsigned long long key, i64 i) {
+    unsigned long long z = key + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// ---------------------------------------------------------------------------------------
 // exp, the CPU's `simd::exp` operation for operation: the same clamp, the same Cody-Waite
 // reduction and degree-7 polynomial, the same constants (hex literals of the CPU's f32
 // values). With --fmad=false every step rounds as on the CPU, so the results are equal

@@ -5,12 +5,6 @@
 // dst and src are row-major: `rows` rows of `cols` (the fused width) and of `width`.
 // Arithmetic is f32 with one rounding at the store, bitwise the CPU's.
 
-__device__ __forceinline__ unsigned long long tk_lora_mix(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 // dst[r, offset + c] += src[r, c]: an update added to its columns.
 template <typename T>
 __device__ void lora_add_cols_impl(T* dst, const T* src, i64 rows, i64 cols, i64 offset,
@@ -33,15 +27,14 @@ __device__ void lora_take_cols_impl(T* dst, const T* src, i64 rows, i64 cols, i6
 }
 
 // dst[i] = keep(i) ? src[i] * scale : 0 (accumulate: dst[i] += that), where keep(i) is
-// whether the top 24 bits of the (i + 1)-th number of the splitmix64 stream seeded with
-// `key` reach `threshold` (p · 2^24): a counter-based draw, the same on every device, in
+// whether the top 24 bits of `tk_counter_bits(key, i)` (common.cuh) reach `threshold`
+// (p · 2^24): a counter-based draw, the same on every device, in
 // forward, in its recomputation and in backward.
 template <typename T>
 __device__ void lora_dropout_impl(T* dst, const T* src, i64 n, i64 key, i64 threshold,
                                   float scale, i64 accumulate) {
     TK_FOR_EACH(i, n) {
-        const unsigned long long h = tk_lora_mix(
-            (unsigned long long)key + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull);
+        const unsigned long long h = tk_counter_bits((unsigned long long)key, i);
         const float v = (i64)(h >> 40) >= threshold ? load(src, i) * scale : 0.0f;
         store(dst, i, accumulate ? load(dst, i) + v : v);
     }

@@ -6,15 +6,9 @@
 // stochastically (up with probability equal to the distance from the lower bf16, so the
 // expected value is the f32 result), or to nearest with the rounding error kept in the
 // bf16 compensation buffer (Kahan-compensated summation). The random bits of element i
-// are a counter-based hash (splitmix64's finalizer) of the launch's `key` (the host's hash
-// of seed, step and parameter) and i: no state, the same on every device and thread
-// count, so a resumed run draws the same bits.
-
-__device__ __forceinline__ unsigned long long tk_splitmix(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+// are `tk_counter_bits` (common.cuh) of the launch's `key` (the host's hash of seed, step
+// and parameter) and i: no state, the same on every device and thread count, so a
+// resumed run draws the same bits.
 
 // master[i] = w[i] + comp[i] (comp null: w[i] alone), in f32.
 extern "C" __global__ void update_rounding_expand(float* master, const bf16* w,
@@ -34,9 +28,7 @@ extern "C" __global__ void update_rounding_round(bf16* w, bf16* comp, const floa
         const float x = master[i];
         bf16 r = __float2bfloat16_rn(x);
         if (mode == 1 && isfinite(x)) {
-            const unsigned long long h =
-                tk_splitmix((unsigned long long)key + (unsigned long long)(i + 1) *
-                                                          0x9E3779B97F4A7C15ull);
+            const unsigned long long h = tk_counter_bits((unsigned long long)key, i);
             const unsigned bits = __float_as_uint(x) + (unsigned)(h >> 48);
             r = __ushort_as_bfloat16((unsigned short)(bits >> 16));
         }

@@ -606,10 +606,7 @@ impl Param {
     /// The key of this parameter's stochastic-rounding stream at `step` of a run seeded
     /// with `seed`: a hash of its name, so that it does not depend on the model's order.
     pub(crate) fn rounding_key(&self, seed: u64, step: u64) -> u64 {
-        let name = self.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-        update_rounding::stream_key(seed, step, name)
+        update_rounding::stream_key(seed, step, crate::rng::name_hash(&self.name))
     }
 
     pub(crate) fn refresh_weight(&mut self, backend: &dyn Backend) -> Result<()> {

@@ -13,6 +13,28 @@ pub(crate) fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The FNV-1a hash of `name`: a stable number for a parameter's or a node's name, to key
+/// its own random stream.
+pub(crate) fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A key of its own for every `(seed, step, index)`: nested SplitMix64 finalizers, so
+/// neighbouring triples give unrelated keys (the key of a stream of [`counter_bits`]).
+pub(crate) fn stream_key(seed: u64, step: u64, index: u64) -> u64 {
+    mix64(mix64(mix64(seed) ^ step) ^ index)
+}
+
+/// The random bits of element `i` of the stream seeded with `key`: the `(i + 1)`-th number
+/// of that SplitMix64 stream, drawn without state (kernels/common.cuh's
+/// `tk_counter_bits`), so every device, thread count, recomputation and resumed run draws
+/// the same.
+pub(crate) fn counter_bits(key: u64, i: u64) -> u64 {
+    mix64(key.wrapping_add((i + 1).wrapping_mul(GAMMA)))
+}
+
 /// Deterministic pseudo-random numbers; the whole state is one `u64`, so a run's RNG can be
 /// saved and restored exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

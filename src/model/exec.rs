@@ -322,10 +322,7 @@ impl<'r> Run<'r> {
             .outputs
             .first()
             .map_or("", |&v| sec.values[v].label.as_str());
-        let name = label.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-        Some(crate::rng::mix64(key ^ name))
+        Some(crate::rng::mix64(key ^ crate::rng::name_hash(label)))
     }
 
     /// Asks the policy for a plan of the whole pass ([`CheckpointPolicy::plan`]): runs the

@@ -470,7 +470,6 @@ fn update_one(
 /// ([`Pass::rng_key`]): its own for every micro-batch, the same when a resumed run
 /// replays the step, and apart from the keys of the update rounding.
 pub(crate) fn micro_batch_key(seed: u64, step: u64, j: usize) -> u64 {
-    use crate::rng::mix64;
     const DROPOUT: u64 = 0x6c6f_7261_5f64_726f; // "lora_dro"
-    mix64(mix64(mix64(seed ^ DROPOUT) ^ step) ^ j as u64)
+    crate::rng::stream_key(seed ^ DROPOUT, step, j as u64)
 }

@@ -4,15 +4,14 @@
 
 use super::Keep;
 use crate::device::cpu::{read, write};
-use crate::rng::{mix64, GAMMA};
+use crate::rng::counter_bits;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
-/// Whether element `i` is kept: the top 24 bits of the `(i + 1)`-th number of the
-/// SplitMix64 stream seeded with `keep.key` reach `keep.threshold`.
+/// Whether element `i` is kept: the top 24 bits of its random bits (`counter_bits` of
+/// `keep.key`) reach `keep.threshold`.
 pub(crate) fn kept(keep: &Keep, i: usize) -> bool {
-    let h = mix64(keep.key.wrapping_add((i as u64 + 1).wrapping_mul(GAMMA)));
-    (h >> 40) >= keep.threshold
+    (counter_bits(keep.key, i as u64) >> 40) >= keep.threshold
 }
 
 /// `dst = kept ? src · scale : 0` (or `dst += …` when `accumulate`), on checked operands.

@@ -2,7 +2,7 @@
 
 use super::UpdateRounding;
 use crate::device::cpu::{read, write};
-use crate::rng::{mix64, GAMMA};
+use crate::rng::counter_bits;
 use crate::tensor::{Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
@@ -14,8 +14,7 @@ pub(crate) fn stochastic(x: f32, key: u64, i: u64) -> bf16 {
     if !x.is_finite() {
         return bf16::from_f32(x);
     }
-    // The (i + 1)-th number of the SplitMix64 stream seeded with `key`.
-    let h = mix64(key.wrapping_add((i + 1).wrapping_mul(GAMMA)));
+    let h = counter_bits(key, i);
     let bits = x.to_bits().wrapping_add((h >> 48) as u32);
     bf16::from_bits((bits >> 16) as u16)
 }

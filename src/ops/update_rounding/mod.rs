@@ -81,8 +81,7 @@ impl std::fmt::Display for UpdateRounding {
 /// hash of the run's seed, the step and the parameter's index, so every (seed, step,
 /// parameter, element) has its own bits, reproducibly.
 pub fn stream_key(seed: u64, step: u64, parameter: u64) -> u64 {
-    use crate::rng::mix64;
-    mix64(mix64(mix64(seed) ^ step) ^ parameter)
+    crate::rng::stream_key(seed, step, parameter)
 }
 
 /// `master = w + comp` in f32 (`comp` `None`: `w` alone): the buffer an optimizer updates
