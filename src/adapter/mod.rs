@@ -56,9 +56,9 @@ pub trait Adapter: DynClone + Debug + Send + Sync {
         Ok(())
     }
 
-    /// Checks the policy against the names of every base parameter (`model.norm.weight`,
-    /// `lm_head.weight`, ...): an error names what matches nothing. The default accepts
-    /// everything.
+    /// Checks the policy against the names of the base parameters outside the
+    /// projections (`model.norm.weight`, `lm_head.weight`, ...): an error names what
+    /// matches nothing. The default accepts everything.
     fn check_params(&self, names: &[String]) -> Result<()> {
         let _ = names;
         Ok(())
@@ -86,6 +86,11 @@ pub fn param_names(module: &str) -> [String; 2] {
         format!("{module}.lora_A.weight"),
         format!("{module}.lora_B.weight"),
     ]
+}
+
+/// The module a parameter belongs to: `name` without its last part (`.weight`, `.bias`).
+fn module_of(name: &str) -> &str {
+    name.rsplit_once('.').map_or(name, |(m, _)| m)
 }
 
 /// Whether `name` is the parameter of a low-rank update (`….lora_A.weight`,
@@ -317,7 +322,7 @@ impl Lora {
     /// Whether the base parameter `name` (`{module}.weight` or `.bias`) belongs to a
     /// module of [`Lora::modules_to_save`].
     pub fn saves(&self, name: &str) -> bool {
-        let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
+        let module = module_of(name);
         self.modules_to_save
             .iter()
             .any(|m| module.ends_with(m.as_str()))
@@ -346,6 +351,17 @@ impl Adapter for Lora {
 
     fn check(&self, modules: &[String]) -> Result<()> {
         self.validate()?;
+        for m in &self.modules_to_save {
+            if let Some(p) = modules.iter().find(|p| p.ends_with(m.as_str())) {
+                return Err(Error::config(
+                    "adapter.modules_to_save",
+                    format!(
+                        "`{m}` names a projection (`{p}`): LoRA adapts projections \
+                         (adapter.targets), modules_to_save trains other modules whole"
+                    ),
+                ));
+            }
+        }
         for t in &self.targets {
             if t == ALL_LINEAR {
                 continue;
@@ -373,35 +389,11 @@ impl Adapter for Lora {
     }
 
     fn check_params(&self, names: &[String]) -> Result<()> {
-        let module_of = |n: &str| -> String { n.rsplit_once('.').map_or(n, |(m, _)| m).into() };
-        let projection = |name: &str| {
-            let module = module_of(name);
-            let last = module.rsplit('.').next().unwrap_or(&module).to_string();
-            PROJECTIONS.contains(&last.as_str()) || last == "qkv_proj" || last == "gate_up_proj"
-        };
         for m in &self.modules_to_save {
-            let matched: Vec<&String> = names
-                .iter()
-                .filter(|n| module_of(n).ends_with(m.as_str()))
-                .collect();
-            let hit = matched.iter().find(|n| projection(n)).map(|n| n.as_str());
-            if let Some(p) = hit.or(PROJECTIONS.contains(&m.as_str()).then_some(m.as_str())) {
-                return Err(Error::config(
-                    "adapter.modules_to_save",
-                    format!(
-                        "`{m}` names a projection (`{p}`): LoRA adapts projections \
-                         (adapter.targets), modules_to_save trains other modules whole"
-                    ),
-                ));
-            }
-            if matched.is_empty() {
-                let mut modules: Vec<String> = names
+            if !names.iter().any(|n| module_of(n).ends_with(m.as_str())) {
+                let mut modules: Vec<&str> = names
                     .iter()
-                    .filter(|n| !projection(n))
-                    .map(|n| {
-                        let module = module_of(n);
-                        module.rsplit('.').next().unwrap_or(&module).to_string()
-                    })
+                    .map(|n| module_of(n).rsplit('.').next().unwrap_or_default())
                     .collect();
                 modules.sort_unstable();
                 modules.dedup();

@@ -114,8 +114,9 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 
 /// Reads a PEFT LoRA adapter from `dir`: its settings and its tensors, named by trainkit
 /// (`{module}.lora_A.weight`). Errors name the file and the field: an adapter that is not
-/// LoRA, target modules given as a pattern, biases or DoRA trainkit does not train. A
-/// `lora_dropout` is read past (it acts in training only; see [`dropout`]).
+/// LoRA, target modules given as a pattern, biases or DoRA trainkit does not train. Its
+/// `lora_dropout` (which acts in training only) and `modules_to_save` are read with the
+/// settings; the saved modules' tensors come by their own names.
 pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     let path = dir.join(ADAPTER_CONFIG);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;

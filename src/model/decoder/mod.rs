@@ -124,12 +124,16 @@ impl<F: Family> Decoder<F> {
             .map(|p| p.module)
             .collect();
         adapter.check(&modules)?;
-        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
-        adapter.check_params(&names)?;
+        let params = self.params();
+        let outside: Vec<String> = params
+            .iter()
+            .filter(|(slot, ..)| !in_projection(*slot))
+            .map(|(_, name, _)| name.clone())
+            .collect();
+        adapter.check_params(&outside)?;
         if self.shape.tied_embeddings && adapter.as_lora().is_some() {
-            if let Some((_, name, _)) = self
-                .params()
-                .into_iter()
+            if let Some((_, name, _)) = params
+                .iter()
                 .find(|(slot, name, _)| *slot == Slot::Embed && adapter.trains(name))
             {
                 return Err(Error::config(
@@ -443,6 +447,19 @@ fn is_projection(slot: Slot) -> bool {
     )
 }
 
+/// Whether `slot` is a projection's weight or bias: what LoRA adapts, never a module it
+/// saves whole.
+fn in_projection(slot: Slot) -> bool {
+    is_projection(slot)
+        || matches!(
+            slot,
+            Slot::Layer(
+                _,
+                LayerSlot::QkvBias | LayerSlot::OBias | LayerSlot::UpBias | LayerSlot::DownBias
+            )
+        )
+}
+
 /// How `slot`'s values start (transformers' `_init_weights`): norm gains 1 (0 stored as
 /// offsets from 1), biases 0,
 /// the residual projections normal with `init_std / √(2·layers)` when the shape scales
@@ -513,13 +530,7 @@ impl<F: Family> Model for Decoder<F> {
             .into_iter()
             .map(|(slot, name, shape)| {
                 let trains = self.adapter.trains(&name);
-                let projection = matches!(
-                    slot,
-                    Slot::Layer(
-                        _,
-                        LayerSlot::Qkv | LayerSlot::O | LayerSlot::Up | LayerSlot::Down
-                    )
-                );
+                let projection = is_projection(slot);
                 let dtype = self
                     .adapter
                     .base_dtype()
