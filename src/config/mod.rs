@@ -20,7 +20,7 @@ mod overrides;
 
 pub use data::{Corpus, DataConfig};
 pub use finetune::FineTuning;
-pub use overrides::{small_llama, Overrides};
+pub use overrides::{lora_flag, small_llama, Overrides};
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

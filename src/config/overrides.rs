@@ -175,16 +175,26 @@ impl Overrides {
             },
         };
         lora.validate().map_err(|e| {
-            let flag = match &e {
-                Error::Config { field, .. } if field == "adapter.rank" => "--lora-rank",
-                Error::Config { field, .. } if field == "adapter.alpha" => "--lora-alpha",
-                Error::Config { field, .. } if field == "adapter.dropout" => "--lora-dropout",
-                _ => "--lora-targets",
-            };
+            let flag = lora_flag(&e);
             e.for_field(flag)
         })?;
         cfg.adapter = Some(Box::new(lora));
         Ok(())
+    }
+}
+
+/// The command-line flag of the LoRA setting an error names (`adapter.dropout` is
+/// `--lora-dropout`, ...); `--lora-targets` for the targets and any other error.
+pub fn lora_flag(e: &Error) -> &'static str {
+    match e {
+        Error::Config { field, .. } => match field.as_str() {
+            "adapter.rank" => "--lora-rank",
+            "adapter.alpha" => "--lora-alpha",
+            "adapter.dropout" => "--lora-dropout",
+            "adapter.modules_to_save" => "--modules-to-save",
+            _ => "--lora-targets",
+        },
+        _ => "--lora-targets",
     }
 }
 

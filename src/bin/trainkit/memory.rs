@@ -895,12 +895,7 @@ fn exact_model(
             .with_adapter(std::sync::Arc::from(dyn_clone::clone_box(a)))
             .map(Some)
             .map_err(|e| {
-                let flag = match &e {
-                    Error::Config { field, .. } if field == "adapter.modules_to_save" => {
-                        "--modules-to-save"
-                    }
-                    _ => "--lora-targets",
-                };
+                let flag = trainkit::config::lora_flag(&e);
                 e.for_field(flag)
             }),
         None => Ok(Some(model)),
@@ -1093,10 +1088,7 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         },
     };
     lora.validate().map_err(|e| {
-        let flag = match &e {
-            Error::Config { field, .. } if field == "adapter.dropout" => "--lora-dropout",
-            _ => "--lora-rank",
-        };
+        let flag = trainkit::config::lora_flag(&e);
         e.for_field(flag)
     })?;
     Ok(Some(lora))
