@@ -14,7 +14,7 @@ use common::{corpus_loader, cpu, grads, randn, values};
 use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
 use trainkit::estimate::{predict, MicroBatch};
-use trainkit::model::{Decoder, Family, Mlp, Rope, RopeScaling, Shape};
+use trainkit::model::{Decoder, Family, Mlp, Shape};
 use trainkit::ops::{gelu, glu, Gate};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, Llama, LlamaConfig,
@@ -55,21 +55,8 @@ impl Family for Gemmaish {
 
 fn base(tied: bool) -> LlamaConfig {
     LlamaConfig {
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        vocab_size: 256,
-        max_position_embeddings: 32,
-        rms_norm_eps: 1e-6,
         tie_word_embeddings: tied,
-        initializer_range: 0.1,
-        rope: Rope {
-            theta: 10_000.0,
-            scaling: RopeScaling::Default,
-        },
+        ..common::tiny_llama_config()
     }
 }
 

@@ -5,7 +5,8 @@ use crate::device::{Backend, Heads};
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::ops::attention::decode;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 /// The keys and values every attention node of a model computed for the positions run
@@ -77,19 +78,15 @@ impl KvCache {
     ) -> Result<()> {
         let width = 2 * heads.kv_width();
         let n = qkv.numel() / heads.qkv_width().max(1);
-        if !self.nodes.contains_key(node) {
-            let cache = be.zeros(
+        let cache = match self.nodes.entry(node.to_string()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(be.zeros(
                 &[self.capacity, width],
                 qkv.dtype(),
                 MemoryCategory::Activations,
                 &format!("{node}.kv_cache"),
-            )?;
-            self.nodes.insert(node.to_string(), cache);
-        }
-        let cache = self
-            .nodes
-            .get_mut(node)
-            .ok_or_else(|| Error::config("kv cache", "lost a node's buffer"))?;
+            )?),
+        };
         let mut scratch = be.empty(
             &[n, width],
             qkv.dtype(),
@@ -104,10 +101,5 @@ impl KvCache {
     /// Counts `n` positions as held, once every node has appended them.
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
-    }
-
-    /// The dtype of the cached keys and values, once allocated.
-    pub fn dtype(&self) -> Option<DType> {
-        self.nodes.values().next().map(Tensor::dtype)
     }
 }

@@ -516,16 +516,8 @@ where
 
     /// Sum of per-position losses on one batch (forward only).
     pub fn loss_on(&mut self, batch: &Batch) -> Result<f64> {
-        let mut pass = Pass {
-            backend: self.backend.as_ref(),
-            params: &mut self.params,
-            checkpoint: &self.checkpoint,
-            dtype: self.precision.compute_dtype(),
-            offload: false,
-            grad_ready: None,
-            rng_key: None,
-        };
-        self.model.loss(&mut pass, batch)
+        let (model, mut pass) = self.forward_pass(None);
+        model.loss(&mut pass, batch)
     }
 
     /// Sum of per-position losses on one batch as training computes it when the batch is
@@ -533,16 +525,25 @@ where
     /// micro-batch (LoRA dropout's masks), forward only. Without random ops it is
     /// [`Trainer::loss_on`].
     pub fn training_loss_on(&mut self, batch: &Batch, step: u64, micro: usize) -> Result<f64> {
-        let mut pass = Pass {
+        let key = step::micro_batch_key(self.options.seed, step, micro);
+        let (model, mut pass) = self.forward_pass(Some(key));
+        model.loss(&mut pass, batch)
+    }
+
+    /// The model and a forward-only pass over the parameters (nothing offloaded, no
+    /// optimizer step inside it), its random draws keyed by `rng_key` (`None`:
+    /// evaluation, which draws nothing).
+    fn forward_pass(&mut self, rng_key: Option<u64>) -> (&dyn Model, Pass<'_>) {
+        let pass = Pass {
             backend: self.backend.as_ref(),
             params: &mut self.params,
             checkpoint: &self.checkpoint,
             dtype: self.precision.compute_dtype(),
             offload: false,
             grad_ready: None,
-            rng_key: Some(step::micro_batch_key(self.options.seed, step, micro)),
+            rng_key,
         };
-        self.model.loss(&mut pass, batch)
+        (self.model.as_ref(), pass)
     }
 
     /// The parameters, in the model's order.

@@ -48,6 +48,7 @@ pub(super) fn check(
         dtype: precision.compute_dtype(),
         offload: true,
         grad_ready: None,
+        // A training pass: dropout draws (its transient buffers counted), any key will do.
         rng_key: Some(0),
     };
     let stats = model.forward_backward(&mut pass, &batch, 1.0, &mut losses)?;

@@ -7,7 +7,7 @@ use crate::accumulate::AccumulationSchedule;
 use crate::checkpoint::CheckpointPolicy;
 use crate::error::{Error, Result};
 use crate::memory::MemoryObserver;
-use crate::model::{Batch, KvCache, Pass};
+use crate::model::{Batch, KvCache};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
@@ -51,16 +51,8 @@ where
             targets: tokens.to_vec(),
             positions: None,
         };
-        let mut pass = Pass {
-            backend: self.backend.as_ref(),
-            params: &mut self.params,
-            checkpoint: &self.checkpoint,
-            dtype: self.precision.compute_dtype(),
-            offload: false,
-            grad_ready: None,
-            rng_key: None,
-        };
-        let out = self.model.logits(&mut pass, &batch);
+        let (model, mut pass) = self.forward_pass(None);
+        let out = model.logits(&mut pass, &batch);
         self.flush_events();
         out
     }
@@ -68,16 +60,8 @@ where
     /// Logits `[tokens.len(), vocab]` of `tokens` continuing the sequence `cache` holds
     /// (forward only, incremental decoding; see [`crate::Model::logits_cached`]).
     pub fn logits_cached(&mut self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
-        let mut pass = Pass {
-            backend: self.backend.as_ref(),
-            params: &mut self.params,
-            checkpoint: &self.checkpoint,
-            dtype: self.precision.compute_dtype(),
-            offload: false,
-            grad_ready: None,
-            rng_key: None,
-        };
-        let out = self.model.logits_cached(&mut pass, tokens, cache);
+        let (model, mut pass) = self.forward_pass(None);
+        let out = model.logits_cached(&mut pass, tokens, cache);
         self.flush_events();
         out
     }

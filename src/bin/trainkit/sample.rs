@@ -119,7 +119,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     let chat = args.prompt.is_none();
     let mut stream = Stream::default();
     if let Some(prompt) = &args.prompt {
-        stream.write(prompt)?;
+        print_now(prompt)?;
     }
     let started = std::time::Instant::now();
     let new = trainer.generate_streaming(
@@ -141,7 +141,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     let seconds = started.elapsed().as_secs_f64();
     let text = tok.decode(&new);
     stream.show(&text, reply_end(&text, chat, true))?;
-    stream.write("\n")?;
+    print_now("\n")?;
     eprintln!(
         "sampled {} tokens after a prompt of {} in {seconds:.2} s: {:.1} tokens/s{}",
         new.len(),
@@ -164,29 +164,31 @@ struct Stream {
 }
 
 impl Stream {
-    fn write(&mut self, text: &str) -> Result<()> {
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        out.write_all(text.as_bytes())
-            .and_then(|_| out.flush())
-            .map_err(|e| Error::io("stdout", e))
-    }
-
     /// Prints `text[..end]` past what is shown, where it continues what is shown.
     fn show(&mut self, text: &str, end: usize) -> Result<()> {
         let settled = &text[..end];
         if settled.len() > self.shown.len() && settled.starts_with(self.shown.as_str()) {
-            let more = settled[self.shown.len()..].to_string();
-            self.write(&more)?;
-            self.shown.push_str(&more);
+            let more = &settled[self.shown.len()..];
+            print_now(more)?;
+            self.shown.push_str(more);
         }
         Ok(())
     }
 }
 
+/// Writes `text` to stdout at once (flushed).
+fn print_now(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| Error::io("stdout", e))
+}
+
 /// Where the printable part of `text` ends: with `chat`, at the first end-of-turn marker
-/// (a tokenizer without them as single tokens writes them as text). Before the end (`last` false) it also holds back a tail that may still grow into
-/// a marker and a character cut between tokens (U+FFFD).
+/// (a tokenizer without them as single tokens writes them as text). Before the end
+/// (`last` false) it also holds back a tail that may still grow into a marker and a
+/// character cut between tokens (U+FFFD).
 fn reply_end(text: &str, chat: bool, last: bool) -> usize {
     if chat {
         if let Some(at) = END_OF_TURN.iter().filter_map(|m| text.find(m)).min() {

@@ -297,18 +297,22 @@ impl ChatTemplate {
         let mut out: Vec<Segment> = Vec::new();
         let (mut piece, mut open, mut blocks) = (String::new(), false, 0);
         for c in text.chars() {
-            let opens = c == GENERATION_OPEN && !open;
-            let closes = c == GENERATION_CLOSE && open;
-            if c != GENERATION_OPEN && c != GENERATION_CLOSE {
-                piece.push(c);
-            } else if opens || closes {
+            // A mark that opens a closed block or closes an open one ends the piece; a
+            // nested or stray mark is dropped.
+            if c == if open {
+                GENERATION_CLOSE
+            } else {
+                GENERATION_OPEN
+            } {
                 out.push(Segment {
                     text: std::mem::take(&mut piece),
                     turn: turn_of(blocks),
                     content: open,
                 });
-                blocks += usize::from(closes);
-                open = opens;
+                blocks += usize::from(open);
+                open = !open;
+            } else if c != GENERATION_OPEN && c != GENERATION_CLOSE {
+                piece.push(c);
             }
         }
         out.push(Segment {
