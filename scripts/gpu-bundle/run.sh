@@ -924,13 +924,16 @@ phase_sanitize() {
     elementwise_ops_match_the_cpu bias_backward_and_embeddings_match_the_cpu
     weight_and_bias_gradients_match_the_cpu the_fused_bias_and_gelu_product_matches_the_cpu
     the_fused_loss_in_chunks_matches_the_cpu the_gradient_guard_matches_the_cpu
-    llama_ops_match_the_cpu copy_rows_matches_the_cpu)
+    llama_ops_match_the_cpu copy_rows_matches_the_cpu
+    adamw_over_many_tensors_matches_the_cpu_bit_for_bit qk_norm_and_geglu_match_the_cpu
+    lora_dropout_matches_the_cpu_bit_for_bit decoding_attention_matches_the_cpu_bit_for_bit)
   run_step sanitize_memcheck 540 figures_cargo_test "$sanitizer" --tool memcheck \
     --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact "${ops[@]}"
   used_the_gpu sanitize_memcheck
   run_step sanitize_racecheck 540 figures_cargo_test "$sanitizer" --tool racecheck \
     --error-exitcode 99 --print-limit 20 "$bin/cuda_backend" --test-threads=1 --exact \
-    flash_attention_matches_the_cpu layernorm_and_gelu_match_the_cpu llama_ops_match_the_cpu
+    flash_attention_matches_the_cpu layernorm_and_gelu_match_the_cpu llama_ops_match_the_cpu \
+    qk_norm_and_geglu_match_the_cpu decoding_attention_matches_the_cpu_bit_for_bit
   used_the_gpu sanitize_racecheck
 }
 
