@@ -2638,6 +2638,7 @@ fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
 fn lora_trainer<P: Precision + Default>(
     gpt2: bool,
     nf4: bool,
+    dora: bool,
     backend: Arc<dyn Backend>,
 ) -> Trainer<P, trainkit::Selective, trainkit::AdamW, trainkit::Constant, trainkit::PeakTracker> {
     let (base, targets): (Box<dyn trainkit::Model>, &[&str]) = if gpt2 {
@@ -2657,8 +2658,10 @@ fn lora_trainer<P: Precision + Default>(
         ];
         (tiny_qwen(2), &ALL)
     };
+    // DoRA takes no dropout.
     let lora = trainkit::Lora {
-        dropout: 0.05,
+        dropout: if dora { 0.0 } else { 0.05 },
+        dora,
         ..trainkit::Lora::new(4, 8.0, targets).unwrap()
     };
     let lora = if nf4 { lora.with_nf4_base() } else { lora };
@@ -2685,9 +2688,10 @@ fn lora_trainer<P: Precision + Default>(
 fn lora_two_steps<P: Precision + Default>(
     gpt2: bool,
     nf4: bool,
+    dora: bool,
     backend: Arc<dyn Backend>,
 ) -> (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let mut t = lora_trainer::<P>(gpt2, nf4, backend);
+    let mut t = lora_trainer::<P>(gpt2, nf4, dora, backend);
     let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
     let grads = t
         .params()
@@ -2702,7 +2706,15 @@ fn lora_two_steps<P: Precision + Default>(
 /// blocks) train on CUDA as on the CPU, in f32 and bf16.
 #[test]
 fn lora_training_steps_match_the_cpu() {
-    lora_steps_match_the_cpu(false);
+    lora_steps_match_the_cpu(false, false);
+}
+
+/// DoRA (its column norms, scaling and magnitude gradient in kernels/lora.cu) trains on
+/// CUDA as on the CPU, over float and NF4 bases, in f32 and bf16.
+#[test]
+fn dora_training_steps_match_the_cpu() {
+    lora_steps_match_the_cpu(false, true);
+    lora_steps_match_the_cpu(true, true);
 }
 
 /// NF4 rows dequantized by kernels/nf4.cu are the CPU's bit for bit, in every float
@@ -2754,28 +2766,33 @@ fn nf4_dequantize_matches_the_cpu_bit_for_bit() {
 /// a time) trains on CUDA as on the CPU, in f32 and bf16.
 #[test]
 fn qlora_training_steps_match_the_cpu() {
-    lora_steps_match_the_cpu(true);
+    lora_steps_match_the_cpu(true, false);
 }
 
-fn lora_steps_match_the_cpu(nf4: bool) {
+fn lora_steps_match_the_cpu(nf4: bool, dora: bool) {
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
     for gpt2 in [false, true] {
         let model = if gpt2 { "gpt2" } else { "qwen2" };
-        let want32 = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, cpu.clone());
-        let want16 = lora_two_steps::<MixedBf16>(gpt2, nf4, cpu.clone());
-        let init = values(&lora_trainer::<trainkit::Fp32>(gpt2, nf4, cpu.clone()));
+        let want32 = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, dora, cpu.clone());
+        let want16 = lora_two_steps::<MixedBf16>(gpt2, nf4, dora, cpu.clone());
+        let init = values(&lora_trainer::<trainkit::Fp32>(
+            gpt2,
+            nf4,
+            dora,
+            cpu.clone(),
+        ));
         for (name, cuda) in cuda_backends() {
-            let got = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, cuda.clone());
+            let got = lora_two_steps::<trainkit::Fp32>(gpt2, nf4, dora, cuda.clone());
             check_run(
-                &format!("{name} lora {model} nf4 {nf4} fp32"),
+                &format!("{name} lora {model} nf4 {nf4} dora {dora} fp32"),
                 &got,
                 &want32,
                 &init,
                 DType::F32,
             );
-            let got = lora_two_steps::<MixedBf16>(gpt2, nf4, cuda.clone());
+            let got = lora_two_steps::<MixedBf16>(gpt2, nf4, dora, cuda.clone());
             check_run(
-                &format!("{name} lora {model} nf4 {nf4} bf16"),
+                &format!("{name} lora {model} nf4 {nf4} dora {dora} bf16"),
                 &got,
                 &want16,
                 &init,

@@ -1,5 +1,6 @@
-//! A LoRA adapter merged into its base: `W + s·B·A` for every projection it updates, the
-//! full model PEFT's `merge_and_unload` gives, as Hugging Face weights.
+//! A LoRA adapter merged into its base: `W + s·B·A` for every projection it updates (with
+//! DoRA, each output feature's row of it rescaled to its magnitude), the full model PEFT's
+//! `merge_and_unload` gives, as Hugging Face weights.
 
 use super::Lora;
 use crate::error::{Error, Result};
@@ -10,9 +11,11 @@ use std::collections::BTreeMap;
 /// `W += s·B·A`, or `W += s·(B·A)ᵀ` when the base stores its projections `[in, out]`
 /// (`fan_in_fan_out`, GPT-2's `Conv1D`). `updates` are the adapter's tensors named by
 /// trainkit (`{module}.lora_A.weight`, `{module}.lora_B.weight`, as
-/// [`super::peft::read`] returns them) and the modules it saves whole
-/// (`modules_to_save`, by their own names), which replace the base's; `what` names the
-/// adapter in errors. Products are summed in f64 and added to the f32 weight once.
+/// [`super::peft::read`] returns them; a DoRA update's `{module}.lora_magnitude_vector`
+/// `m` rescales each output feature's row of `W + s·B·A` to `m / ‖row‖`) and the modules it
+/// saves whole (`modules_to_save`, by their own names), which replace the base's; `what`
+/// names the adapter in errors. Products are summed in f64 and added to the f32 weight
+/// once; DoRA's norms are taken in f64 of the merged f32 rows.
 pub fn merge(
     base: &ModelDir,
     lora: &Lora,
@@ -27,7 +30,7 @@ pub fn merge(
     let mut merged = 0;
     for (name, a) in &by_name {
         let Some(module) = name.strip_suffix(".lora_A.weight") else {
-            if name.ends_with(".lora_B.weight") {
+            if name.ends_with(".lora_B.weight") || name.ends_with(".lora_magnitude_vector") {
                 continue;
             }
             // A module saved whole replaces the base's.
@@ -118,12 +121,57 @@ pub fn merge(
                 w.data[at] += (scale * d) as f32;
             }
         }
+        let m_name = super::magnitude_name(module);
+        match by_name.get(m_name.as_str()) {
+            Some(m) if m.data.len() == outputs => rescale_rows(w, &m.data, fan_in_fan_out),
+            Some(m) => {
+                return Err(Error::data(
+                    what,
+                    format!(
+                        "`{m_name}` has shape {:?}: DoRA's magnitude must be [{outputs}]",
+                        m.shape
+                    ),
+                ))
+            }
+            None if lora.dora => {
+                return Err(Error::data(
+                    what,
+                    format!("is a DoRA adapter but has no `{m_name}`"),
+                ))
+            }
+            None => {}
+        }
         merged += 1;
     }
     if merged == 0 {
         return Err(Error::data(what, "holds no LoRA update to merge"));
     }
     Ok(tensors.into_values().collect())
+}
+
+/// DoRA's merge: each output feature's row of `w` (`[out, in]`, or `[in, out]` when
+/// `fan_in_fan_out`) scaled by `m[o] / ‖row‖`, the norm in f64.
+fn rescale_rows(w: &mut NamedTensor, m: &[f32], fan_in_fan_out: bool) {
+    let outputs = m.len();
+    let inputs = w.data.len() / outputs.max(1);
+    let at = |o: usize, i: usize| {
+        if fan_in_fan_out {
+            i * outputs + o
+        } else {
+            o * inputs + i
+        }
+    };
+    for (o, &m) in m.iter().enumerate() {
+        let norm = (0..inputs)
+            .map(|i| f64::from(w.data[at(o, i)]).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let g = f64::from(m) / norm;
+        for i in 0..inputs {
+            let v = &mut w.data[at(o, i)];
+            *v = (f64::from(*v) * g) as f32;
+        }
+    }
 }
 
 /// Writes `tensors` (the merged weights) as a Hugging Face model directory `out`, in

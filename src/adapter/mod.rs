@@ -32,6 +32,9 @@ pub struct LowRank {
     /// The probability that an element of the update's input is zeroed in training
     /// (PEFT's `lora_dropout`; the kept ones scaled by `1/(1 − p)`); 0 for none.
     pub dropout: f32,
+    /// DoRA (PEFT's `use_dora`): the adapted weight's rows rescaled to a trained
+    /// magnitude ([`crate::ops::lora::dora`]).
+    pub dora: bool,
 }
 
 /// Which parameters of a model train, and which projections get a low-rank update.
@@ -88,6 +91,12 @@ pub fn param_names(module: &str) -> [String; 2] {
     ]
 }
 
+/// Where a DoRA update of `module` keeps its magnitude (PEFT's name in its files):
+/// `{module}.lora_magnitude_vector`.
+pub fn magnitude_name(module: &str) -> String {
+    format!("{module}.lora_magnitude_vector")
+}
+
 /// The module a parameter belongs to: `name` without its last part (`.weight`, `.bias`).
 fn module_of(name: &str) -> &str {
     name.rsplit_once('.').map_or(name, |(m, _)| m)
@@ -96,7 +105,9 @@ fn module_of(name: &str) -> &str {
 /// Whether `name` is the parameter of a low-rank update (`….lora_A.weight`,
 /// `….lora_B.weight`) rather than of the base model.
 pub fn is_update_param(name: &str) -> bool {
-    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+    name.ends_with(".lora_A.weight")
+        || name.ends_with(".lora_B.weight")
+        || name.ends_with(".lora_magnitude_vector")
 }
 
 /// PEFT's default targets for a model whose projections are `modules`: the queries and
@@ -182,6 +193,13 @@ pub struct Lora {
     /// dropout. In `[0, 1)`; 0 (the default) for none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dropout: f64,
+    /// DoRA (Liu et al., 2024; PEFT's `use_dora`): each adapted projection's output
+    /// features are rescaled by a trained magnitude `m` over the norm of their row of
+    /// `W + (α/r)·B·A` (detached, as PEFT does), `m` starting at the base rows' norms so
+    /// that training starts from the base model exactly. The base must be frozen; its
+    /// update's input takes no dropout (`dropout` 0).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dora: bool,
     /// PEFT's `modules_to_save`: base modules (not projections) trained whole beside the
     /// adapter and saved with it, each matching every module whose name ends with it, as
     /// PEFT matches them (`lm_head`, `embed_tokens`, `norm`). Not on a model whose head
@@ -247,6 +265,7 @@ impl Lora {
             rslora: false,
             base: BaseWeights::Compute,
             dropout: 0.0,
+            dora: false,
             modules_to_save: Vec::new(),
         };
         lora.validate()?;
@@ -276,6 +295,15 @@ impl Lora {
                 format!(
                     "{} is not a dropout probability in [0, 1) (PEFT's recipes use 0.05; 0 \
                      for none)",
+                    self.dropout
+                ),
+            ));
+        }
+        if self.dora && self.dropout > 0.0 {
+            return Err(Error::config(
+                "adapter.dropout",
+                format!(
+                    "DoRA with dropout {} is not supported: PEFT then runs the base projection                      a second time on the dropped input, which trainkit's DoRA does not; use                      dropout 0 with DoRA, or plain LoRA with dropout",
                     self.dropout
                 ),
             ));
@@ -346,6 +374,7 @@ impl Adapter for Lora {
             rank: self.rank,
             scale: self.scale(),
             dropout: self.dropout as f32,
+            dora: self.dora,
         })
     }
 

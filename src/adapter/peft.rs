@@ -57,7 +57,7 @@ pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
         "layers_pattern": null,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "use_dora": false,
+        "use_dora": lora.dora,
         "revision": null,
     })
 }
@@ -114,7 +114,7 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 
 /// Reads a PEFT LoRA adapter from `dir`: its settings and its tensors, named by trainkit
 /// (`{module}.lora_A.weight`). Errors name the file and the field: an adapter that is not
-/// LoRA, target modules given as a pattern, biases or DoRA trainkit does not train. Its
+/// LoRA, target modules given as a pattern, or biases trainkit does not train. Its
 /// `lora_dropout` (which acts in training only) and `modules_to_save` are read with the
 /// settings; the saved modules' tensors come by their own names.
 pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
@@ -157,7 +157,12 @@ pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
             // PEFT versions before 0.7 kept the adapter's name in the tensor's.
             let name = name
                 .replace(".lora_A.default.", ".lora_A.")
-                .replace(".lora_B.default.", ".lora_B.");
+                .replace(".lora_B.default.", ".lora_B.")
+                .replace(
+                    ".lora_magnitude_vector.default.weight",
+                    ".lora_magnitude_vector",
+                )
+                .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
             Ok(NamedTensor { name, ..t })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -220,9 +225,6 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
             ));
         }
     }
-    if field("use_dora").and_then(Value::as_bool) == Some(true) {
-        return Err("is a DoRA adapter (`use_dora`); trainkit trains plain LoRA".into());
-    }
     for k in ["rank_pattern", "alpha_pattern"] {
         if field(k)
             .and_then(Value::as_object)
@@ -258,6 +260,7 @@ fn parse_config(v: &Value) -> std::result::Result<Lora, String> {
             .unwrap_or(false),
         base: super::BaseWeights::Compute,
         dropout,
+        dora: field("use_dora").and_then(Value::as_bool).unwrap_or(false),
         modules_to_save,
     })
 }
@@ -383,7 +386,6 @@ mod tests {
             ("peft_type", json!("IA3"), "IA3"),
             ("lora_dropout", json!(1.5), "lora_dropout"),
             ("bias", json!("all"), "bias"),
-            ("use_dora", json!(true), "DoRA"),
             ("target_modules", json!(".*proj"), "pattern"),
             ("rank_pattern", json!({"q_proj": 4}), "rank_pattern"),
         ] {
@@ -392,5 +394,16 @@ mod tests {
             let err = parse_config(&c).unwrap_err();
             assert!(err.contains(says), "{k}: {err}");
         }
+        // DoRA is read; with a dropout, validation refuses it by name.
+        let mut c = base.clone();
+        c["use_dora"] = json!(true);
+        assert!(parse_config(&c).unwrap().dora);
+        c["lora_dropout"] = json!(0.05);
+        let err = parse_config(&c)
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("DoRA"), "{err}");
     }
 }

@@ -113,6 +113,8 @@ pub struct Overrides {
     pub lora_dropout: Option<f64>,
     /// Base modules trained whole beside the LoRA (PEFT's `modules_to_save`).
     pub modules_to_save: Option<Vec<String>>,
+    /// DoRA: the LoRA's projections rescaled by trained magnitudes (PEFT's `use_dora`).
+    pub use_dora: bool,
 }
 
 impl Overrides {
@@ -127,6 +129,7 @@ impl Overrides {
             && self.lora_dropout.is_none()
             && self.modules_to_save.is_none()
             && !self.qlora
+            && !self.use_dora
         {
             return Ok(());
         }
@@ -163,6 +166,7 @@ impl Overrides {
                 .lora_dropout
                 .or(current.as_ref().map(|l| l.dropout))
                 .unwrap_or(0.0),
+            dora: self.use_dora || current.as_ref().is_some_and(|l| l.dora),
             modules_to_save: self
                 .modules_to_save
                 .clone()

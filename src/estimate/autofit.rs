@@ -399,6 +399,7 @@ fn autofit_lora() -> Lora {
         rslora: false,
         base: crate::adapter::BaseWeights::Compute,
         dropout: 0.0,
+        dora: false,
         modules_to_save: Vec::new(),
     }
 }

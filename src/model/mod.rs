@@ -251,6 +251,31 @@ pub trait Model: Debug + Send + Sync {
             format!("{} takes no adapter", self.describe()),
         ))
     }
+
+    /// The DoRA magnitudes among the parameters, each with what its starting value is
+    /// computed from (the norms of its block of `W + s·B·A`, set by the trainer once the
+    /// base weights are). The default has none.
+    fn magnitudes(&self) -> Vec<Magnitude> {
+        Vec::new()
+    }
+}
+
+/// A DoRA magnitude parameter and where its starting value comes from (parameter
+/// indices in [`Model::init_params`] order).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Magnitude {
+    /// The magnitude `m` (`[width]`).
+    pub param: usize,
+    /// The projection's base weight `W`.
+    pub weight: usize,
+    /// The update's `A`.
+    pub a: usize,
+    /// The update's `B`.
+    pub b: usize,
+    /// The update's scale `s`.
+    pub scale: f32,
+    /// Where the update lies in `W`.
+    pub block: crate::ops::lora::dora::Block,
 }
 
 /// A boxed model is a model: a trainer can be built from [`ModelConfig::build`]'s result.
@@ -331,6 +356,10 @@ impl Model for Box<dyn Model> {
 
     fn with_adapter(&self, adapter: Arc<dyn Adapter>) -> Result<Box<dyn Model>> {
         (**self).with_adapter(adapter)
+    }
+
+    fn magnitudes(&self) -> Vec<Magnitude> {
+        (**self).magnitudes()
     }
 }
 

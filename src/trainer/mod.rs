@@ -460,8 +460,33 @@ where
             rng,
             adapter_base: None,
         };
+        trainer.init_magnitudes(None)?;
         trainer.flush_events();
         Ok(trainer)
+    }
+
+    /// Sets DoRA's magnitudes (those named in `only`, or all) to the norms of their rows
+    /// of `W + s·B·A`, as PEFT starts them: the adapted model then equals the base model.
+    pub(crate) fn init_magnitudes(&mut self, only: Option<&[String]>) -> Result<()> {
+        let be = self.backend.as_ref();
+        for m in self.model.magnitudes() {
+            let name = self.params[m.param].name().to_string();
+            if only.is_some_and(|o| !o.contains(&name)) {
+                continue;
+            }
+            let n = crate::ops::lora::dora::weight_norm(
+                be,
+                self.params[m.weight].weight(),
+                self.params[m.a].weight(),
+                self.params[m.b].weight(),
+                m.scale,
+                m.block,
+                &name,
+            )?;
+            let values = be.to_f32(&n)?;
+            self.params[m.param].set_value(be, &values)?;
+        }
+        Ok(())
     }
 
     fn flush_events(&mut self) {

@@ -307,8 +307,10 @@ where
     pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
         let tensors = self.model.import_tensors(model.tensors.clone())?;
         let be = self.backend.as_ref();
+        let mut fresh = Vec::new();
         for p in &mut self.params {
             if is_update_param(p.name()) && !tensors.contains_key(p.name()) {
+                fresh.push(p.name().to_string());
                 continue;
             }
             let t = tensors.get(p.name()).ok_or_else(|| {
@@ -335,7 +337,8 @@ where
             }
             p.set_value(be, &t.data)?;
         }
-        Ok(())
+        // DoRA's magnitudes start from the base weights just read.
+        self.init_magnitudes(Some(&fresh))
     }
 
     /// Restores a directory written by [`Trainer::save`]: weights, optimizer state, step,

@@ -185,6 +185,7 @@ def main():
         ok &= check_qwen(tk, work, tokens_bin, tokens, 2, tied)
         ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
     ok &= check_lora(tk, work, tokens_bin, tokens)
+    ok &= check_lora(tk, work, tokens_bin, tokens, dora=True)
     ok &= check_qlora(tk, work, tokens_bin, tokens)
     ok &= check_chat(tk, work, args.text)
     ok &= check_documents(tk, work)
@@ -318,11 +319,11 @@ def adapter_steps(model, trainable, tokens):
     return losses
 
 
-def check_lora(tk, work, tokens_bin, tokens):
-    """LoRA on every projection of a small Llama, trainkit against PEFT."""
-    from peft import PeftModel, get_peft_model_state_dict
+def check_lora(tk, work, tokens_bin, tokens, dora=False):
+    """LoRA (or DoRA) on every projection of a small Llama, trainkit against PEFT."""
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-    what = "lora"
+    what = "dora" if dora else "lora"
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -330,23 +331,38 @@ def check_lora(tk, work, tokens_bin, tokens):
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                          attn_implementation="eager")
     torch.manual_seed(7)
-    base_dir = os.path.join(work, "lora-base")
+    base_dir = os.path.join(work, f"{what}-base")
     LlamaForCausalLM(config).float().save_pretrained(base_dir)
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", targets]
+    lora += ["--use-dora"] if dora else []
     shape = ["--seq-len", str(T), "--batch-size", str(B)]
-    # trainkit's initial adapter: A drawn, B zero.
-    start = os.path.join(work, "lora-start")
+    # trainkit's initial adapter: A drawn, B zero (DoRA: the magnitudes the base rows' norms).
+    start = os.path.join(work, f"{what}-start")
     run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
          "--init-from", base_dir, "--steps", "0", "--out", start] + lora + shape)
     base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, start, is_trainable=True)
     ok = True
     trainable = [p for p in model.parameters() if p.requires_grad]
-    ok &= len(trainable) == 2 * 2 * 7
+    ok &= len(trainable) == 2 * (3 if dora else 2) * 7
+    if dora:
+        # PEFT's own DoRA starts its magnitudes where trainkit's do.
+        own = get_peft_model(
+            LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+            LoraConfig(r=4, lora_alpha=8, target_modules=targets.split(","), use_dora=True))
+        own = {k: v.detach().numpy() for k, v in get_peft_model_state_dict(own).items()
+               if k.endswith("lora_magnitude_vector")}
+        mine = {k: v for k, v in load_file(os.path.join(start, "adapter_model.safetensors"))
+                .items() if k.endswith("lora_magnitude_vector")}
+        ok &= sorted(own) == sorted(mine) and len(own) == 2 * 7
+        d = max(np.abs(own[k] - mine[k]).max() / np.abs(own[k]).max() for k in own)
+        print(f"{what}: starting magnitudes, PEFT's against trainkit's: max relative "
+              f"|diff| {d:.2e} over {len(own)} modules")
+        ok &= d < 1e-6
     hf_losses = adapter_steps(model, trainable, tokens)
-    trained = os.path.join(work, "lora-trained")
-    log = os.path.join(work, "log-lora.jsonl")
+    trained = os.path.join(work, f"{what}-trained")
+    log = os.path.join(work, f"log-{what}.jsonl")
     run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
          "--init-from", base_dir, "--adapter", start, "--steps", str(STEPS), "--out", trained,
          "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
@@ -383,7 +399,7 @@ def check_lora(tk, work, tokens_bin, tokens):
           f"{tk_eval['loss']:.7f}, diff {d:.2e}")
     ok &= d < 1e-5
     # trainkit reads what PEFT saves.
-    saved = os.path.join(work, "lora-peft-saved")
+    saved = os.path.join(work, f"{what}-peft-saved")
     model.save_pretrained(saved)
     model.eval()
     with torch.no_grad():
@@ -398,7 +414,7 @@ def check_lora(tk, work, tokens_bin, tokens):
     ok &= d < 1e-5
     # `trainkit merge`: transformers loads the merged directory, and its logits are those of
     # PEFT's merge_and_unload of the same adapter.
-    merged = os.path.join(work, "lora-merged")
+    merged = os.path.join(work, f"{what}-merged")
     run([tk, "merge", "--model", base_dir, "--adapter", trained, "--out", merged])
     ours_merged = LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     theirs_merged = PeftModel.from_pretrained(

@@ -123,6 +123,10 @@ pub struct MemoryArgs {
     /// QLoRA: the frozen base projections in NF4 (4.127 bits per weight).
     #[arg(long)]
     qlora: bool,
+    /// DoRA (PEFT's use_dora): a magnitude per adapted output feature, and the transient
+    /// buffers of its norms.
+    #[arg(long)]
+    use_dora: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -1054,11 +1058,12 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
             || args.lora_dropout.is_some()
             || args.modules_to_save.is_some()
             || args.qlora
+            || args.use_dora
         {
             return Err(flag_error(
                 "--lora-rank",
-                "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save and --qlora \
-                 describe a LoRA: give its rank too",
+                "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save, --qlora and \
+                 --use-dora describe a LoRA: give its rank too",
             ));
         }
         return Ok(None);
@@ -1080,6 +1085,7 @@ fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> 
         targets,
         rslora: false,
         dropout: args.lora_dropout.unwrap_or(0.0),
+        dora: args.use_dora,
         modules_to_save: args.modules_to_save.clone().unwrap_or_default(),
         base: if args.qlora {
             trainkit::adapter::BaseWeights::Nf4

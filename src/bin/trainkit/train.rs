@@ -90,6 +90,11 @@ pub struct TrainArgs {
     /// as bitsandbytes does when the weights load); needs --lora-rank or --adapter.
     #[arg(long)]
     qlora: bool,
+    /// DoRA (PEFT's use_dora): each adapted projection's output features rescaled by a
+    /// trained magnitude over the norm of their row of W + (α/r)·B·A, starting at the base
+    /// rows' norms; with --lora-dropout 0 (default; with --adapter, the adapter's setting).
+    #[arg(long)]
+    use_dora: bool,
     /// Start from (or continue) a PEFT LoRA adapter saved in this directory, on the base
     /// model of --init-from; its rank, α and targets are the run's.
     #[arg(long, value_name = "DIR")]
@@ -327,6 +332,7 @@ impl TrainArgs {
                 .clone()
                 .filter(|_| self.adapter.is_none()),
             qlora: self.qlora && self.adapter.is_none(),
+            use_dora: self.use_dora && self.adapter.is_none(),
         }
     }
 }
@@ -492,6 +498,9 @@ fn resumed_base_and_adapter(cfg: &RunConfig, dir: &Path, args: &TrainArgs) -> Re
     {
         return refuse("--modules-to-save");
     }
+    if args.use_dora && lora.is_none_or(|l| !l.dora) {
+        return refuse("--use-dora");
+    }
     if args
         .init_from
         .as_ref()
@@ -526,6 +535,7 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result
     }
     if args.lora_rank.is_some_and(|r| r != lora.rank)
         || args.lora_alpha.is_some_and(|a| a != lora.alpha)
+        || (args.use_dora && !lora.dora)
         || args
             .modules_to_save
             .as_ref()

@@ -485,7 +485,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 218);
+        assert_eq!(seen.len(), 227);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! block of trainkit's fused `qkv_proj`, `gate_proj` of `gate_up_proj`).
 
 use super::super::{Family, Init, LayerSlot, Mlp, ParamInit, Shape, Slot};
-use crate::adapter::{param_names, Adapter, LowRank};
+use crate::adapter::{magnitude_name, param_names, Adapter, LowRank};
 use crate::ops::lora::Adapted;
 
 /// One linear projection as Hugging Face names it: a block of output rows of one of
@@ -97,12 +97,21 @@ pub(crate) fn updates<F: Family>(
 
 /// The parameters of `updates`, in order: each update's `A` (`[rank, in]`, Kaiming-uniform
 /// as `nn.Linear` initialises its weight: bound `1/√in`) then its `B` (`[width, rank]`,
-/// zeros), named after PEFT's `lora_A` and `lora_B`.
+/// zeros), named after PEFT's `lora_A` and `lora_B`, then a DoRA update's magnitude
+/// (`[width]`, PEFT's `lora_magnitude_vector`; its value, the norms of the base weight's
+/// rows, is set once the base weights are: [`crate::Trainer`] does it).
 pub(crate) fn update_params(updates: &[(Projection, LowRank)]) -> Vec<ParamInit> {
     updates
         .iter()
         .flat_map(|(p, r)| {
             let [a, b] = param_names(&p.module);
+            let magnitude = r.dora.then(|| ParamInit {
+                name: magnitude_name(&p.module),
+                shape: vec![p.width],
+                init: Init::Constant(1.0),
+                trains: true,
+                dtype: None,
+            });
             [
                 ParamInit {
                     name: a,
@@ -121,6 +130,8 @@ pub(crate) fn update_params(updates: &[(Projection, LowRank)]) -> Vec<ParamInit>
                     dtype: None,
                 },
             ]
+            .into_iter()
+            .chain(magnitude)
         })
         .collect()
 }
@@ -135,6 +146,8 @@ pub(crate) struct UpdateRef {
     pub a: usize,
     /// Its `B`.
     pub b: usize,
+    /// Its magnitude, when it is DoRA's.
+    pub magnitude: Option<usize>,
     /// The ledger label of its intermediate, e.g. `h.0.q_proj.lora`.
     pub label: String,
 }
@@ -145,11 +158,13 @@ pub(crate) fn update_refs(
     updates: &[(Projection, LowRank)],
     first: usize,
 ) -> Vec<(usize, LayerSlot, UpdateRef)> {
+    let mut at = first;
     updates
         .iter()
-        .enumerate()
-        .map(|(k, (p, r))| {
+        .map(|(p, r)| {
             let short = p.module.rsplit('.').next().unwrap_or(&p.module);
+            let a = at;
+            at += 2 + usize::from(r.dora);
             (
                 p.layer,
                 p.slot,
@@ -160,9 +175,11 @@ pub(crate) fn update_refs(
                         rank: r.rank,
                         scale: r.scale,
                         dropout: r.dropout,
+                        dora: r.dora,
                     },
-                    a: first + 2 * k,
-                    b: first + 2 * k + 1,
+                    a,
+                    b: a + 1,
+                    magnitude: r.dora.then_some(a + 2),
                     label: format!("h.{}.{short}.lora", p.layer),
                 },
             )

@@ -394,6 +394,12 @@ fn projection(
         .iter()
         .copied()
         .chain(updates.iter().map(|u| u.b))
+        .chain(
+            updates
+                .iter()
+                .filter_map(|u| u.magnitude.map(|m| [u.a, m]))
+                .flatten(),
+        )
         .collect();
     s.node(
         LoraProjection {

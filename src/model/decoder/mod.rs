@@ -637,6 +637,33 @@ impl<F: Family> Model for Decoder<F> {
         !self.config.out_in()
     }
 
+    fn magnitudes(&self) -> Vec<crate::model::Magnitude> {
+        let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
+        let refs = adapters::update_refs(&self.updates(), names.len());
+        let out_in = self.config.out_in();
+        refs.into_iter()
+            .zip(self.updates())
+            .filter_map(|((l, slot, r), (p, _))| {
+                let param = r.magnitude?;
+                let weight_name = self.config.param_name(Slot::Layer(l, slot));
+                let weight = names.iter().position(|n| *n == weight_name)?;
+                Some(crate::model::Magnitude {
+                    param,
+                    weight,
+                    a: r.a,
+                    b: r.b,
+                    scale: r.adapted.scale,
+                    block: crate::ops::lora::dora::Block {
+                        offset: r.adapted.offset,
+                        width: r.adapted.width,
+                        in_features: p.in_features,
+                        transposed: out_in,
+                    },
+                })
+            })
+            .collect()
+    }
+
     fn adapter(&self) -> Option<&dyn Adapter> {
         Some(self.adapter.as_ref())
     }

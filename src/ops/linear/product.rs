@@ -39,7 +39,7 @@ pub(crate) fn input_grad(
 
 /// `out (+)= a · op(W) (+ bias)` for a projection's weight `W` (`op(W) = Wᵀ` when
 /// `transposed`): the backend's `matmul`, or the dequantizing product for an NF4 `W`.
-fn weight_product(
+pub(crate) fn weight_product(
     be: &dyn Backend,
     out: &mut Tensor,
     a: &Tensor,

@@ -18,12 +18,17 @@
 //!   ([`Keep`]) keyed by the pass's random key ([`ForwardCx::rng_key`]) and the adapter, so
 //!   it is never stored: backward and a recomputation draw it again, bit for bit.
 //!   Evaluation (no key) and `p = 0` use no mask, exactly the plain update.
+//! - [`dora`]: DoRA's magnitude and direction (PEFT's `use_dora`), applied by
+//!   [`LoraProjection`] to the blocks of its DoRA adapters.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub mod dora;
 
 use super::linear::fused::matmul_bias_gelu;
-use super::linear::product::{input_grad, param_grads, product_shape, project, with_width};
+use super::linear::product::{
+    input_grad, param_grads, product_shape, project, weight_product, with_width,
+};
 use super::{gelu, BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{ensure, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
@@ -45,6 +50,9 @@ pub struct Adapted {
     pub scale: f32,
     /// The dropout probability of its input in training (0: none).
     pub dropout: f32,
+    /// Whether it is DoRA's ([`dora`]): its block of the output rescaled per feature by a
+    /// trained magnitude over the detached norm of `W + s·B·A`.
+    pub dora: bool,
 }
 
 /// One dropout mask, drawn without state: element `i` is kept when the top 24 bits of
@@ -404,8 +412,10 @@ pub enum Base {
 /// that trains.
 ///
 /// Inputs: as [`Base`] says, then `h_1, …, h_n` (from [`LoraDown`]). Parameters: `W`, `b`
-/// when `bias`, then `B_1, …, B_n` (`[width_j, rank_j]`). Backward reads the `h_j`, and
-/// `x` only when the base trains.
+/// when `bias`, then `B_1, …, B_n` (`[width_j, rank_j]`), then for each DoRA adapter in
+/// order its `A_j` (read for the norm, its gradient is [`LoraDown`]'s) and its magnitude
+/// `m_j` (`[width_j]`). Backward reads the `h_j`, and `x` when the base trains or an
+/// adapter is DoRA's (whose base must be frozen).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraProjection {
     /// The projection without its adapters.
@@ -432,6 +442,136 @@ impl LoraProjection {
     /// Which parameter is `B_1`.
     fn first_b(&self) -> usize {
         1 + usize::from(self.bias)
+    }
+
+    /// The parameters `(A_j, m_j)` of adapter `j` when it is DoRA's.
+    fn dora_params(&self, j: usize) -> Option<(usize, usize)> {
+        if !self.adapters[j].dora {
+            return None;
+        }
+        let before = self.adapters[..j].iter().filter(|a| a.dora).count();
+        let at = self.first_b() + self.adapters.len() + 2 * before;
+        Some((at, at + 1))
+    }
+
+    /// Whether any adapter is DoRA's.
+    fn has_dora(&self) -> bool {
+        self.adapters.iter().any(|a| a.dora)
+    }
+
+    /// Where adapter `a` lies in the base weight `w`.
+    fn block(&self, a: &Adapted, w: &Tensor) -> dora::Block {
+        let (rows, cols) = w.rows_cols();
+        dora::Block {
+            offset: a.offset,
+            width: a.width,
+            in_features: if self.transposed { cols } else { rows },
+            transposed: self.transposed,
+        }
+    }
+
+    /// DoRA's rescaling of its adapters' blocks of `y` (the base product with every update
+    /// added, bias included).
+    fn scale_dora(&self, cx: &ForwardCx<'_>, y: &mut Tensor) -> Result<()> {
+        let be = cx.backend;
+        let w = cx.weights[0];
+        for (j, a) in self.adapters.iter().enumerate() {
+            let Some((ai, mi)) = self.dora_params(j) else {
+                continue;
+            };
+            let b = cx.weights[self.first_b() + j];
+            let n = dora::weight_norm(
+                be,
+                w,
+                cx.weights[ai],
+                b,
+                a.scale,
+                self.block(a, w),
+                y.label(),
+            )?;
+            let bias = self.bias.then(|| cx.weights[1]);
+            dora::scale_cols(be, y, cx.weights[mi], &n, bias, a.offset)?;
+        }
+        Ok(())
+    }
+
+    /// DoRA's backward: each DoRA adapter's magnitude gradient from the unscaled `dy`, and
+    /// `dy` with their blocks rescaled (what the rest of the backward propagates).
+    fn dora_backward(&self, cx: &mut BackwardCx<'_>, dy: &Tensor) -> Result<Tensor> {
+        let be = cx.backend;
+        if self.base_trains {
+            return Err(crate::error::Error::config(
+                "adapter",
+                "a DoRA adapter's base projection must be frozen (its norm is taken from the                  base weight)",
+            ));
+        }
+        let (rows, cols) = dy.rows_cols();
+        let label = cx.grad_labels_out[0].clone();
+        let mut scaled = be.empty(dy.shape(), dy.dtype(), MemoryCategory::Activations, &label)?;
+        be.copy_rows(&mut scaled, 0, dy, 0, rows, false)?;
+        let xi = self.x();
+        let mut base: Option<Tensor> = None;
+        for (j, a) in self.adapters.iter().enumerate() {
+            let Some((ai, mi)) = self.dora_params(j) else {
+                continue;
+            };
+            let w = cx.params[0].weight();
+            let bj = self.first_b() + j;
+            let n = dora::weight_norm(
+                be,
+                w,
+                cx.params[ai].weight(),
+                cx.params[bj].weight(),
+                a.scale,
+                self.block(a, w),
+                &label,
+            )?;
+            // The block before the scaling: x·op(W) (no bias) and the update.
+            if base.is_none() {
+                let mut u = be.empty(
+                    dy.shape(),
+                    dy.dtype(),
+                    MemoryCategory::Workspace,
+                    &format!("{label}.dora_base_out"),
+                )?;
+                weight_product(
+                    be,
+                    &mut u,
+                    cx.inputs[xi].get()?,
+                    w,
+                    None,
+                    self.transposed,
+                    false,
+                )?;
+                base = Some(u);
+            }
+            let u = base.as_ref().expect("computed above");
+            let mut v = be.empty(
+                &with_width(dy.shape(), a.width),
+                dy.dtype(),
+                MemoryCategory::Workspace,
+                &format!("{label}.dora_direction"),
+            )?;
+            if a.offset == 0 && a.width == cols {
+                be.copy_rows(&mut v, 0, u, 0, rows, false)?;
+            } else {
+                take_cols(be, &mut v, u, a.offset)?;
+            }
+            let h = cx.inputs[xi + 1 + j].get()?;
+            be.matmul(&mut v, h, cx.params[bj].weight(), None, false, true, true)?;
+            if cx.params[mi].trains() {
+                let mut dm = be.empty(
+                    &[a.width],
+                    DType::F32,
+                    MemoryCategory::Workspace,
+                    &format!("{label}.dora_magnitude"),
+                )?;
+                dora::magnitude_grad(be, &mut dm, dy, &v, &n, a.offset)?;
+                be.axpy(cx.params[mi].grad_mut(be)?, 1.0, &dm)?;
+            }
+            dora::scale_cols(be, &mut scaled, cx.params[mi].weight(), &n, None, a.offset)?;
+        }
+        Ok(scaled)
     }
 
     /// Adds each adapter's `h_j B_jᵀ` to its columns of `y` (the base product).
@@ -482,7 +622,11 @@ impl Op for LoraProjection {
 
     fn saves(&self) -> Saves {
         let hs = ((1u32 << self.adapters.len()) - 1) << (self.x() + 1);
-        let x = if self.base_trains { 1 << self.x() } else { 0 };
+        let x = if self.base_trains || self.has_dora() {
+            1 << self.x()
+        } else {
+            0
+        };
         Saves {
             inputs: hs | x,
             outputs: u32::from(self.base == Base::Gelu),
@@ -525,6 +669,7 @@ impl Op for LoraProjection {
         }
         let mut y = project(cx, 0, x, self.bias, self.transposed)?;
         self.add_updates(cx, &mut y)?;
+        self.scale_dora(cx, &mut y)?;
         match self.base {
             Base::Linear => {}
             Base::Residual => be.axpy(&mut y, 1.0, cx.input(0)?)?,
@@ -542,7 +687,8 @@ impl Op for LoraProjection {
 
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
-        if cx.params.len() < self.first_b() + self.adapters.len() {
+        let dora = self.adapters.iter().filter(|a| a.dora).count();
+        if cx.params.len() < self.first_b() + self.adapters.len() + 2 * dora {
             return Err(super::missing("the weight of a linear layer"));
         }
         let dy = match self.base {
@@ -560,6 +706,14 @@ impl Op for LoraProjection {
                 dpre
             }
             _ => cx.take_grad_out(0)?,
+        };
+        // DoRA: the magnitudes' gradients, then the rest propagates the rescaled `dy`
+        // (the residual's gradient is the unscaled one).
+        let (dy, unscaled) = if self.has_dora() {
+            let scaled = self.dora_backward(cx, &dy)?;
+            (scaled, Some(dy))
+        } else {
+            (dy, None)
         };
         let xi = self.x();
         let cols = dy.rows_cols().1;
@@ -618,7 +772,7 @@ impl Op for LoraProjection {
         }
         cx.inputs[xi].release();
         match self.base {
-            Base::Residual => cx.grads_in[0].add(be, dy),
+            Base::Residual => cx.grads_in[0].add(be, unscaled.unwrap_or(dy)),
             _ => Ok(()),
         }
     }
