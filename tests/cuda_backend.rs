@@ -2658,9 +2658,8 @@ fn lora_trainer<P: Precision + Default>(
         ];
         (tiny_qwen(2), &ALL)
     };
-    // DoRA takes no dropout.
     let lora = trainkit::Lora {
-        dropout: if dora { 0.0 } else { 0.05 },
+        dropout: 0.05,
         dora,
         ..trainkit::Lora::new(4, 8.0, targets).unwrap()
     };

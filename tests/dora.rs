@@ -43,6 +43,17 @@ fn model(what: &str) -> Box<dyn Model> {
     base(what).with_adapter(adapter(what)).unwrap()
 }
 
+/// `what`'s DoRA adapter (or LoRA's, without `dora`) with dropout `p`.
+fn dropout_model(what: &str, p: f64, dora: bool) -> Box<dyn Model> {
+    let lora = adapter(what).as_lora().unwrap().clone();
+    let lora = Lora {
+        dropout: p,
+        dora,
+        ..lora
+    };
+    base(what).with_adapter(Arc::new(lora)).unwrap()
+}
+
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
     v.iter()
         .map(|x| x.iter().map(|f| f.to_bits()).collect())
@@ -148,12 +159,15 @@ fn update(values: &[Vec<f32>], m: &trainkit::model::Magnitude) -> Update {
 /// norm's own share is added to the analytic value: with `∂L/∂n_c = −(m_c/n_c)·∂L/∂m_c`,
 /// `B[c, k]` gains `∂L/∂n_c · s·(V_c · A_k)/n_c` and `A[k, i]` gains
 /// `Σ_c ∂L/∂n_c · s·B[c, k]·V[c, i]/n_c`.
+///
+/// With dropout (PEFT's DoRA then runs the base on the dropped input too), the
+/// differences are those of the training step's loss, with its masks.
 #[test]
 fn gradients_match_finite_differences_with_the_norm_detached() {
-    for what in MODELS {
+    for (what, p) in [("llama", 0.0), ("gpt2", 0.0), ("llama", 0.2), ("gpt2", 0.2)] {
         let (bsz, t) = (2, 12);
         let batch = corpus_loader(4_000, 7, bsz, t).next_batch();
-        let mut trainer = gradient_probe(model(what), bsz, t);
+        let mut trainer = gradient_probe(dropout_model(what, p, true), bsz, t);
         let be = trainer.backend().clone();
         let mut rng = trainkit::Rng::new(3);
         for p in trainer.params_mut() {
@@ -204,8 +218,20 @@ fn gradients_match_finite_differences_with_the_norm_detached() {
             checks.push(((m.a, at), f64::from(g[m.a][at]) + share));
         }
         assert!(checks.len() >= 9, "{what}: {} checks", checks.len());
+        let what = format!("{what} dropout {p}");
         for (spot, analytic) in checks {
-            common::check_central_difference(what, &mut trainer, &batch, spot, analytic);
+            if p > 0.0 {
+                common::check_central_difference_in_step(
+                    &what,
+                    &mut trainer,
+                    &batch,
+                    spot,
+                    analytic,
+                    1,
+                );
+            } else {
+                common::check_central_difference(&what, &mut trainer, &batch, spot, analytic);
+            }
         }
     }
 }
@@ -251,19 +277,56 @@ fn the_exact_prediction_equals_the_ledger() {
     }
 }
 
+/// Dropout: at magnitudes equal to the norms (`g = 1`) the training step's loss is plain LoRA's
+/// with the same masks (the base on the dropped input enters as `(g − 1)·z`), evaluation
+/// takes no dropout, and the transient buffers are predicted.
 #[test]
-fn what_dora_cannot_do_is_refused_by_name() {
-    let err = Lora {
-        dropout: 0.1,
-        ..dora(&["q_proj"])
+fn dropout_where_the_magnitudes_equal_the_norms_is_loras() {
+    for what in MODELS {
+        let batch = corpus_loader(4_000, 7, 2, 12).next_batch();
+        let trainer = |dora| {
+            let mut t = gradient_probe(dropout_model(what, 0.2, dora), 2, 12);
+            // B non-zero, so that the dropped update is more than zeros.
+            let be = t.backend().clone();
+            let mut rng = trainkit::Rng::new(5);
+            for p in t.params_mut() {
+                if p.name().contains(".lora_B") {
+                    let v: Vec<f32> = (0..p.numel())
+                        .map(|_| (rng.normal() * 0.2) as f32)
+                        .collect();
+                    p.set_value(be.as_ref(), &v).unwrap();
+                }
+            }
+            // The magnitudes at the norms of the rows with those B: g = 1 to f32 rounding.
+            let vals = values(&t);
+            for m in t.model().magnitudes() {
+                let n: Vec<f32> = update(&vals, &m).n.iter().map(|x| *x as f32).collect();
+                t.params_mut()[m.param].set_value(be.as_ref(), &n).unwrap();
+            }
+            t
+        };
+        let (mut lora, mut dora) = (trainer(false), trainer(true));
+        let (a, b) = (
+            lora.training_loss_on(&batch, 1, 0).unwrap(),
+            dora.training_loss_on(&batch, 1, 0).unwrap(),
+        );
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs(),
+            "{what}: LoRA {a}, DoRA {b}"
+        );
+        let (c, d) = (
+            dora.loss_on(&batch).unwrap(),
+            dora.training_loss_on(&batch, 1, 0).unwrap(),
+        );
+        assert_ne!(c, d, "{what}: the dropout acted");
+        common::adapters::prediction_equals_ledger(&format!("{what} dropout"), &|| {
+            dropout_model(what, 0.2, true)
+        });
     }
-    .validate()
-    .unwrap_err()
-    .to_string();
-    assert!(
-        err.contains("adapter.dropout") && err.contains("DoRA"),
-        "{err}"
-    );
+}
+
+#[test]
+fn what_dora_needs_is_asked_for_by_name() {
     let (ok, _, err) = common::trainkit(&["memory", "--model", "gpt2", "--use-dora"]);
     assert!(!ok && err.contains("--lora-rank"), "{err}");
 }
@@ -406,8 +469,16 @@ fn the_cli_trains_resumes_and_merges_a_dora_adapter() {
             (m - resumed).abs() < 1e-5,
             "{arch}: merged {m} against adapted {resumed}"
         );
-        // A DoRA adapter continued with --use-dora, and refused where it would change.
-        let err = common::trainkit(&[&lora[..], &["--lora-dropout", "0.1"], &small[..]].concat()).2;
-        assert!(err.contains("DoRA"), "{arch}: {err}");
+        // Trained with dropout, saved with it.
+        let dropped = path(&format!("{arch}-dropped"));
+        let with = ["--lora-dropout", "0.1", "--steps", "2", "--out", &dropped];
+        run(&[&lora[..], &with[..], &small[..]].concat());
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{arch}-dropped/adapter_config.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["use_dora"], true, "{arch}");
+        assert_eq!(config["lora_dropout"], 0.1, "{arch}");
     }
 }

@@ -196,8 +196,8 @@ pub struct Lora {
     /// DoRA (Liu et al., 2024; PEFT's `use_dora`): each adapted projection's output
     /// features are rescaled by a trained magnitude `m` over the norm of their row of
     /// `W + (α/r)·B·A` (detached, as PEFT does), `m` starting at the base rows' norms so
-    /// that training starts from the base model exactly. The base must be frozen; its
-    /// update's input takes no dropout (`dropout` 0).
+    /// that training starts from the base model exactly. The base must be frozen. With
+    /// `dropout`, the base also runs on the dropped input, as PEFT's DoRA does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dora: bool,
     /// PEFT's `modules_to_save`: base modules (not projections) trained whole beside the
@@ -295,15 +295,6 @@ impl Lora {
                 format!(
                     "{} is not a dropout probability in [0, 1) (PEFT's recipes use 0.05; 0 \
                      for none)",
-                    self.dropout
-                ),
-            ));
-        }
-        if self.dora && self.dropout > 0.0 {
-            return Err(Error::config(
-                "adapter.dropout",
-                format!(
-                    "DoRA with dropout {} is not supported: PEFT then runs the base projection                      a second time on the dropped input, which trainkit's DoRA does not; use                      dropout 0 with DoRA, or plain LoRA with dropout",
                     self.dropout
                 ),
             ));

@@ -17,7 +17,8 @@ few AdamW steps from it the losses and weights (saved under Hugging Face's names
 transformers loads back) equal PyTorch's. The same for small Qwen2 models (q/k/v biases)
 and Qwen3 models (per-head q/k norm, heads wider than hidden / heads), tied and untied.
 
-And LoRA against PEFT, on a small Llama made by transformers: PEFT loads the adapter
+And LoRA, then DoRA (`--use-dora`; PEFT's own DoRA also starts its magnitudes where
+trainkit's do), against PEFT, on a small Llama made by transformers: PEFT loads the adapter
 trainkit starts from (`train --steps 0`), three AdamW steps of the adapter alone give the
 same losses and adapter weights on both sides, `PeftModel.from_pretrained` on trainkit's
 trained adapter gives `trainkit eval --adapter`'s loss, and trainkit evaluates the adapter
@@ -59,6 +60,9 @@ from transformers import (GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2C
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 B, T, STEPS, LR, WD, CLIP = 4, 32, 3, 1e-3, 0.1, 1.0
+# AdamW's second-moment decay of every run here: trainkit's fine-tuning default (a run that
+# starts from a model, --init-from), Hugging Face's TrainingArguments' adam_beta2.
+BETA2 = 0.999
 
 
 def run(cmd):
@@ -126,7 +130,7 @@ def main():
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
                              {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+                            lr=LR, betas=(0.9, BETA2), eps=1e-8)
     hf_losses = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -198,7 +202,7 @@ def adamw(model):
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": WD},
                               {"params": rest, "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
+                             lr=LR, betas=(0.9, BETA2), eps=1e-8)
 
 
 def check_llama(tk, work, tokens_bin, tokens, kv, tied, rope):
@@ -306,7 +310,12 @@ def check_hf(tk, work, tokens_bin, tokens, cls, config, what, tag, model=None):
 
 def adapter_steps(model, trainable, tokens):
     """STEPS AdamW steps of a PEFT model's adapter, with trainkit's settings: the losses."""
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
+    # trainkit decays matrices alone (DoRA's magnitude vectors are not).
+    decay = [p for p in trainable if p.dim() >= 2]
+    rest = [p for p in trainable if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, BETA2), eps=1e-8)
     model.train()
     losses = []
     for step in range(STEPS):

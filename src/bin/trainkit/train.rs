@@ -92,7 +92,7 @@ pub struct TrainArgs {
     qlora: bool,
     /// DoRA (PEFT's use_dora): each adapted projection's output features rescaled by a
     /// trained magnitude over the norm of their row of W + (α/r)·B·A, starting at the base
-    /// rows' norms; with --lora-dropout 0 (default; with --adapter, the adapter's setting).
+    /// rows' norms (with --adapter, the adapter's setting).
     #[arg(long)]
     use_dora: bool,
     /// Start from (or continue) a PEFT LoRA adapter saved in this directory, on the base

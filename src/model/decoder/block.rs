@@ -376,19 +376,36 @@ fn projection(
         .map(|u| s.value("lora", u.label.clone(), tags | Tags::LOW_RANK))
         .collect();
     let adapted: Vec<_> = updates.iter().map(|u| u.adapted).collect();
+    // DoRA with dropout: the base product of what each dropout took away.
+    let zs: Vec<usize> = updates
+        .iter()
+        .filter(|u| u.adapted.dora && u.adapted.dropout > 0.0)
+        .map(|u| {
+            s.value(
+                "lora",
+                format!("{}.dora_dropped", u.label),
+                tags | Tags::LOW_RANK,
+            )
+        })
+        .collect();
     if !updates.is_empty() {
         let x = inputs[usize::from(p.base == Base::Residual)];
-        let a_params: Vec<usize> = updates.iter().map(|u| u.a).collect();
+        let mut a_params: Vec<usize> = updates.iter().map(|u| u.a).collect();
+        if !zs.is_empty() {
+            a_params.push(p.params[0]);
+        }
+        let outs: Vec<usize> = hs.iter().chain(&zs).copied().collect();
         s.node(
             LoraDown {
                 adapters: adapted.clone(),
+                transposed,
             },
             &[x],
-            &hs,
+            &outs,
             &a_params,
         );
     }
-    let all_inputs: Vec<usize> = inputs.iter().copied().chain(hs).collect();
+    let all_inputs: Vec<usize> = inputs.iter().copied().chain(hs).chain(zs).collect();
     let params: Vec<usize> = p
         .params
         .iter()

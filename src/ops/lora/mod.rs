@@ -265,10 +265,63 @@ impl OpKernel for TakeCols<'_> {
 /// own per adapter, as PEFT's one dropout module per adapted projection):
 /// `dA_j += s_j · dh_jᵀ x_j` and `dx += m_j ⊙ (s_j · dh_j A_j) / (1 − p)`, the mask drawn
 /// again in backward. Each costs a transient buffer of `x`'s size.
+///
+/// A DoRA adapter with dropout also gets, after every `h`, an output
+/// `z_j = (x_j − x)·W_jᵀ` (`[.., width_j]`, its block of the base product of what the
+/// dropout took away; zeros where no dropout acts): PEFT's DoRA runs the base projection
+/// on the dropped input, and [`LoraProjection`] adds `(g − 1) ⊙ z_j`. The base weight `W`
+/// is then the last parameter, and backward adds `(m_j ⊙ t / (1 − p)) − t` to `dx`,
+/// `t = dz_j·W_j`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraDown {
     /// The adapters, in parameter order.
     pub adapters: Vec<Adapted>,
+    /// Whether the base weight (a parameter when an adapter is DoRA's with dropout) is
+    /// stored `[out, in]`.
+    pub transposed: bool,
+}
+
+impl LoraDown {
+    /// The adapters that are DoRA's with dropout, by index, in order: each has a `z`
+    /// output.
+    fn dropped_dora(&self) -> impl Iterator<Item = usize> + '_ {
+        self.adapters
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.dora && a.dropout > 0.0)
+            .map(|(j, _)| j)
+    }
+
+    /// `z = (x_j − x)·op(W)ᵀ`'s block of adapter `a` into `out` (`x_j` the dropped input),
+    /// or zeros without a mask.
+    fn dropped_base(
+        &self,
+        be: &dyn Backend,
+        out: &mut Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        a: &Adapted,
+        keep: Option<Keep>,
+        label: &str,
+    ) -> Result<()> {
+        let Some(keep) = keep else {
+            return be.fill(out, 0.0);
+        };
+        let mut diff = dropped_input(be, x, keep, label)?;
+        be.axpy(&mut diff, -1.0, x)?;
+        let cols = product_shape(x, w, self.transposed);
+        if a.offset == 0 && cols.last() == Some(&a.width) {
+            return weight_product(be, out, &diff, w, None, self.transposed, false);
+        }
+        let mut full = be.empty(
+            &cols,
+            x.dtype(),
+            MemoryCategory::Workspace,
+            &format!("{label}.dora_dropped"),
+        )?;
+        weight_product(be, &mut full, &diff, w, None, self.transposed, false)?;
+        take_cols(be, out, &full, a.offset)
+    }
 }
 
 impl Op for LoraDown {
@@ -283,10 +336,14 @@ impl Op for LoraDown {
         dtype: DType,
         _batch: [usize; 2],
     ) -> Result<Vec<(Vec<usize>, DType)>> {
+        let z = self
+            .dropped_dora()
+            .map(|j| (with_width(inputs[0].shape(), self.adapters[j].width), dtype));
         Ok(self
             .adapters
             .iter()
             .map(|a| (with_width(inputs[0].shape(), a.rank), dtype))
+            .chain(z)
             .collect())
     }
 
@@ -314,6 +371,19 @@ impl Op for LoraDown {
             }
             be.scale(&mut h, a.scale)?;
             cx.outputs[j] = Some(h);
+        }
+        let n = self.adapters.len();
+        let dropped: Vec<usize> = self.dropped_dora().collect();
+        for (k, &j) in dropped.iter().enumerate() {
+            if !cx.wanted[n + k] {
+                continue;
+            }
+            let a = &self.adapters[j];
+            let mut z = cx.alloc(n + k)?;
+            let w = cx.weights[n];
+            let label = cx.labels[n + k].clone();
+            self.dropped_base(be, &mut z, x, w, a, keep(a, cx.rng_key, j), &label)?;
+            cx.outputs[n + k] = Some(z);
         }
         Ok(())
     }
@@ -364,6 +434,34 @@ impl Op for LoraDown {
             )?;
             let (buf, fresh) = cx.grads_in[0].buffer(be)?;
             dropout(be, buf, &dx, keep, !fresh)?;
+        }
+        // DoRA with dropout: `dx += m ⊙ t / (1 − p) − t`, `t = dz·op(W)` over the block.
+        let n = self.adapters.len();
+        let dropped: Vec<usize> = self.dropped_dora().collect();
+        for (k, &j) in dropped.iter().enumerate() {
+            let Some(dz) = cx.grads_out[n + k].take() else {
+                continue;
+            };
+            let a = &self.adapters[j];
+            let Some(keep) = keep(a, cx.rng_key, j) else {
+                continue;
+            };
+            let w = cx.params[n].weight();
+            let x = cx.inputs[0].get()?;
+            let label = &cx.grad_labels_out[n + k];
+            let (rows, cols) = (dz.rows_cols().0, product_shape(x, w, self.transposed));
+            let mut t = be.empty(x.shape(), x.dtype(), MemoryCategory::Workspace, label)?;
+            if a.offset == 0 && cols.last() == Some(&a.width) {
+                weight_product(be, &mut t, &dz, w, None, !self.transposed, false)?;
+            } else {
+                let mut full = be.zeros(&cols, dz.dtype(), MemoryCategory::Workspace, label)?;
+                add_cols(be, &mut full, a.offset, &dz)?;
+                weight_product(be, &mut t, &full, w, None, !self.transposed, false)?;
+            }
+            let _ = rows;
+            let (buf, fresh) = cx.grads_in[0].buffer(be)?;
+            dropout(be, buf, &t, keep, !fresh)?;
+            be.axpy(buf, -1.0, &t)?;
         }
         cx.inputs[0].release();
         Ok(())
@@ -459,6 +557,34 @@ impl LoraProjection {
         self.adapters.iter().any(|a| a.dora)
     }
 
+    /// The input holding `z_j` (see [`LoraDown`]) when adapter `j` is DoRA's with dropout.
+    fn z_input(&self, j: usize) -> Option<usize> {
+        let a = &self.adapters[j];
+        if !(a.dora && a.dropout > 0.0) {
+            return None;
+        }
+        let before = self.adapters[..j]
+            .iter()
+            .filter(|a| a.dora && a.dropout > 0.0)
+            .count();
+        Some(self.x() + 1 + self.adapters.len() + before)
+    }
+
+    /// `(g − 1) ⊙ t` over the block `a` (a new tensor, `t` being `[rows, width]`).
+    fn minus_one(
+        be: &dyn Backend,
+        t: &Tensor,
+        m: &Tensor,
+        n: &Tensor,
+        label: &str,
+    ) -> Result<Tensor> {
+        let mut out = be.empty(t.shape(), t.dtype(), MemoryCategory::Workspace, label)?;
+        be.copy_rows(&mut out, 0, t, 0, t.rows_cols().0, false)?;
+        dora::scale_cols(be, &mut out, m, n, None, 0)?;
+        be.axpy(&mut out, -1.0, t)?;
+        Ok(out)
+    }
+
     /// Where adapter `a` lies in the base weight `w`.
     fn block(&self, a: &Adapted, w: &Tensor) -> dora::Block {
         let (rows, cols) = w.rows_cols();
@@ -491,6 +617,16 @@ impl LoraProjection {
             )?;
             let bias = self.bias.then(|| cx.weights[1]);
             dora::scale_cols(be, y, cx.weights[mi], &n, bias, a.offset)?;
+            // With dropout in training, the base on the dropped input: `+ (g − 1) ⊙ z`.
+            if let (Some(zi), Some(_)) = (self.z_input(j), cx.rng_key) {
+                let label = format!("{}.dora_dropped", y.label());
+                let t = Self::minus_one(be, cx.input(zi)?, cx.weights[mi], &n, &label)?;
+                if a.offset == 0 && a.width == y.rows_cols().1 {
+                    be.axpy(y, 1.0, &t)?;
+                } else {
+                    add_cols(be, y, a.offset, &t)?;
+                }
+            }
         }
         Ok(())
     }
@@ -559,6 +695,24 @@ impl LoraProjection {
             }
             let h = cx.inputs[xi + 1 + j].get()?;
             be.matmul(&mut v, h, cx.params[bj].weight(), None, false, true, true)?;
+            if let Some(zi) = self.z_input(j) {
+                if cx.rng_key.is_some() {
+                    // The block's output before the scaling also holds `z`'s share, and
+                    // `z`'s gradient is `(g − 1) ⊙ dy`.
+                    let z = cx.inputs[zi].get()?;
+                    be.axpy(&mut v, 1.0, z)?;
+                    let mut dy_j = be.empty(
+                        &with_width(dy.shape(), a.width),
+                        dy.dtype(),
+                        MemoryCategory::Workspace,
+                        &format!("{label}.dora_dropped"),
+                    )?;
+                    take_cols(be, &mut dy_j, dy, a.offset)?;
+                    let dz = Self::minus_one(be, &dy_j, cx.params[mi].weight(), &n, &label)?;
+                    cx.grads_in[zi].add(be, dz)?;
+                }
+                cx.inputs[zi].release();
+            }
             if cx.params[mi].trains() {
                 let mut dm = be.empty(
                     &[a.width],
@@ -621,7 +775,10 @@ impl Op for LoraProjection {
     }
 
     fn saves(&self) -> Saves {
-        let hs = ((1u32 << self.adapters.len()) - 1) << (self.x() + 1);
+        let zs = (0..self.adapters.len())
+            .filter_map(|j| self.z_input(j))
+            .fold(0u32, |acc, i| acc | 1 << i);
+        let hs = zs | ((1u32 << self.adapters.len()) - 1) << (self.x() + 1);
         let x = if self.base_trains || self.has_dora() {
             1 << self.x()
         } else {
