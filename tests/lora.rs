@@ -876,9 +876,60 @@ fn merge_writes_the_adapted_model() {
             "{arch}: merged {merged_loss} vs base + adapter {adapted}"
         );
     }
-    // Modules to save that the model cannot: its tied embedding, a projection, nothing.
+    // A tied embedding saved whole: one tensor trained for the embedding and the head,
+    // written twice as PEFT's ensure_weight_tying writes it, merged back into the tied base.
+    let tied = path("llama-tied");
+    run(&[
+        &[
+            "train",
+            "--init-from",
+            &path("llama-base"),
+            "--lora-rank",
+            "4",
+            "--modules-to-save",
+            "embed_tokens",
+            "--lr",
+            "1e-2",
+            "--steps",
+            "2",
+            "--out",
+            &tied,
+        ][..],
+        &small[..],
+    ]
+    .concat());
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("llama-tied/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["ensure_weight_tying"], true);
+    let names = common::safetensors_names(&dir.join("llama-tied/adapter_model.safetensors"));
+    for n in ["model.embed_tokens.weight", "lm_head.weight"] {
+        assert!(
+            names.contains(&format!("base_model.model.{n}")),
+            "{names:?}"
+        );
+    }
+    run(&["train", "--resume", &tied, "--steps", "3"]);
+    run(&[
+        "merge",
+        "--model",
+        &path("llama-base"),
+        "--adapter",
+        &tied,
+        "--out",
+        &path("llama-tied-merged"),
+    ]);
+    let (adapted, merged_loss) = (
+        eval("llama-base", Some("llama-tied")),
+        eval("llama-tied-merged", None),
+    );
+    assert!(
+        (adapted - merged_loss).abs() < 1e-5 * adapted.abs(),
+        "tied: merged {merged_loss} vs base + adapter {adapted}"
+    );
+    // Modules to save that the model cannot: a projection, nothing.
     for (saved, says) in [
-        ("embed_tokens", "shares the token embedding"),
         ("q_proj", "names a projection"),
         ("nothing", "matches no module"),
     ] {

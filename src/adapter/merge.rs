@@ -33,6 +33,11 @@ pub fn merge(
             if name.ends_with(".lora_B.weight") || name.ends_with(".lora_magnitude_vector") {
                 continue;
             }
+            // The head's copy of a tied embedding saved whole (PEFT's ensure_weight_tying):
+            // a tied base has no head of its own, its embedding is the head.
+            if !tensors.contains_key(*name) && tied_copy(name, a, &by_name) {
+                continue;
+            }
             // A module saved whole replaces the base's.
             let kept = tensors.get_mut(*name).filter(|_| lora.saves(name));
             let Some(w) = kept else {
@@ -147,6 +152,15 @@ pub fn merge(
         return Err(Error::data(what, "holds no LoRA update to merge"));
     }
     Ok(tensors.into_values().collect())
+}
+
+/// Whether `name` is the tied head's copy of an embedding the adapter saves whole: named
+/// `lm_head.weight` and equal to a saved `…embed_tokens.weight` or `…wte.weight`.
+fn tied_copy(name: &str, t: &NamedTensor, saved: &BTreeMap<&str, &NamedTensor>) -> bool {
+    name == "lm_head.weight"
+        && saved.iter().any(|(n, e)| {
+            (n.ends_with("embed_tokens.weight") || n.ends_with("wte.weight")) && e.data == t.data
+        })
 }
 
 /// DoRA's merge: each output feature's row of `w` (`[out, in]`, or `[in, out]` when

@@ -202,8 +202,8 @@ pub struct Lora {
     pub dora: bool,
     /// PEFT's `modules_to_save`: base modules (not projections) trained whole beside the
     /// adapter and saved with it, each matching every module whose name ends with it, as
-    /// PEFT matches them (`lm_head`, `embed_tokens`, `norm`). Not on a model whose head
-    /// shares the embedding (PEFT would train an untied copy).
+    /// PEFT matches them (`lm_head`, `embed_tokens`, `norm`). A token embedding its head
+    /// shares trains once for both, as PEFT's `ensure_weight_tying` keeps them tied.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub modules_to_save: Vec<String>,
 }

@@ -24,6 +24,11 @@ pub struct BaseInfo {
     /// Whether the base stores its projections `[in, out]` (GPT-2's `Conv1D`: PEFT's
     /// `fan_in_fan_out`).
     pub fan_in_fan_out: bool,
+    /// When the base ties its head to the token embedding and the adapter trains that
+    /// embedding whole (`modules_to_save`): the head's name and the embedding's. PEFT's
+    /// `ensure_weight_tying`: the embedding is written again under the head's name, as
+    /// PEFT writes it.
+    pub tied_head: Option<(String, String)>,
 }
 
 /// The `adapter_config.json` PEFT writes for `lora`. Targets of [`super::ALL_LINEAR`] are
@@ -58,6 +63,7 @@ pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_dora": lora.dora,
+        "ensure_weight_tying": base.tied_head.is_some(),
         "revision": null,
     })
 }
@@ -103,8 +109,19 @@ pub fn write(dir: &Path, lora: &Lora, base: &BaseInfo, tensors: &[NamedTensor]) 
             shape: t.shape.clone(),
             data: t.data.clone(),
         })
+        .chain(tied_copy(tensors, base))
         .collect();
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), &named, None)
+}
+
+/// The tied head's copy of the trained embedding (see [`BaseInfo::tied_head`]).
+fn tied_copy(tensors: &[NamedTensor], base: &BaseInfo) -> Option<NamedTensor> {
+    let (head, embedding) = base.tied_head.as_ref()?;
+    let embedding = tensors.iter().find(|t| t.name == *embedding)?;
+    Some(NamedTensor {
+        name: format!("{PREFIX}{head}"),
+        ..embedding.clone()
+    })
 }
 
 /// Whether `dir` holds a PEFT adapter (its `adapter_config.json`).

@@ -252,6 +252,15 @@ pub trait Model: Debug + Send + Sync {
         ))
     }
 
+    /// When the model ties its output head to the token embedding: the name the Hugging
+    /// Face format gives the head (`lm_head.weight`) and the embedding's parameter name. A
+    /// PEFT adapter that trains the embedding whole (`modules_to_save`, with
+    /// `ensure_weight_tying`) holds it again under the head's name. `None` for an untied
+    /// head (the default).
+    fn tied_head(&self) -> Option<(String, String)> {
+        None
+    }
+
     /// The DoRA magnitudes among the parameters, each with what its starting value is
     /// computed from (the norms of its block of `W + s·B·A`, set by the trainer once the
     /// base weights are). The default has none.
@@ -360,6 +369,10 @@ impl Model for Box<dyn Model> {
 
     fn magnitudes(&self) -> Vec<Magnitude> {
         (**self).magnitudes()
+    }
+
+    fn tied_head(&self) -> Option<(String, String)> {
+        (**self).tied_head()
     }
 }
 

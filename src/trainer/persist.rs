@@ -101,9 +101,12 @@ where
         let mut w = DirectoryWriter::new(dir)?;
         match self.lora() {
             Some(lora) => {
+                let saved =
+                    |name: &String| self.params.iter().any(|p| p.name() == name && p.trains());
                 let base = peft::BaseInfo {
                     name_or_path: self.adapter_base.clone(),
                     fan_in_fan_out: self.model.weights_in_out(),
+                    tied_head: self.model.tied_head().filter(|(_, e)| saved(e)),
                 };
                 peft::write(&w.path(""), lora, &base, &self.adapter_tensors()?)?;
             }
@@ -257,6 +260,26 @@ where
         }
         let mut by_name: HashMap<String, NamedTensor> =
             tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+        // A head tied to a trained embedding: PEFT (ensure_weight_tying) writes the
+        // embedding again under the head's name; without it, PEFT trained an untied copy
+        // of the embedding, which this model cannot be.
+        if let Some((head, embedding)) = self.model.tied_head() {
+            let trained = self
+                .params
+                .iter()
+                .any(|p| p.name() == embedding && p.trains());
+            if trained && by_name.remove(&head).is_none() {
+                return Err(Error::data(
+                    &what,
+                    format!(
+                        "trains `{embedding}` whole but holds no `{head}`: PEFT trained an \
+                         untied copy of the embedding the head shares (ensure_weight_tying \
+                         false), which trainkit does not build; save the adapter with \
+                         ensure_weight_tying, or save other modules"
+                    ),
+                ));
+            }
+        }
         let be = self.backend.as_ref();
         for p in self
             .params

@@ -17,6 +17,10 @@ few AdamW steps from it the losses and weights (saved under Hugging Face's names
 transformers loads back) equal PyTorch's. The same for small Qwen2 models (q/k/v biases)
 and Qwen3 models (per-head q/k norm, heads wider than hidden / heads), tied and untied.
 
+And every family's adapters in PEFT: an `all-linear` LoRA, a DoRA trained with dropout, and
+the head and norms (untied) or the tied embedding (ensure_weight_tying) saved whole, on GPT-2, Llama, Qwen2 and Qwen3 made by
+transformers: `PeftModel.from_pretrained` gives `trainkit eval --adapter`'s loss.
+
 And LoRA, then DoRA (`--use-dora`; PEFT's own DoRA also starts its magnitudes where
 trainkit's do), against PEFT, on a small Llama made by transformers: PEFT loads the adapter
 trainkit starts from (`train --steps 0`), three AdamW steps of the adapter alone give the
@@ -190,6 +194,7 @@ def main():
         ok &= check_qwen(tk, work, tokens_bin, tokens, 3, tied)
     ok &= check_lora(tk, work, tokens_bin, tokens)
     ok &= check_lora(tk, work, tokens_bin, tokens, dora=True)
+    ok &= check_adapters_in_peft(tk, work, tokens_bin, tokens)
     ok &= check_qlora(tk, work, tokens_bin, tokens)
     ok &= check_chat(tk, work, args.text)
     ok &= check_documents(tk, work)
@@ -435,6 +440,94 @@ def check_lora(tk, work, tokens_bin, tokens, dora=False):
     print(f"{what}: trainkit merge in transformers against PEFT's merge_and_unload: "
           f"max |logit diff| {d:.2e}")
     ok &= d < 1e-5
+    return ok
+
+
+def check_adapters_in_peft(tk, work, tokens_bin, tokens):
+    """Every family's adapters as PEFT loads them: trainkit trains an `all-linear` LoRA, a
+    DoRA with dropout and modules trained whole beside the adapter (PEFT's modules_to_save:
+    an untied model's head and norms, a tied model's embedding with ensure_weight_tying), on GPT-2 (Conv1D, fan_in_fan_out), Llama, Qwen2 and Qwen3 made
+    by transformers; `PeftModel.from_pretrained` on each gives `trainkit eval --adapter`'s
+    loss."""
+    from peft import PeftModel
+
+    from transformers import GPT2Config
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=64, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  attn_implementation="eager")
+    families = [
+        ("gpt2", GPT2LMHeadModel, GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=256,
+                                             n_positions=64, attn_implementation="eager")),
+        ("llama", LlamaForCausalLM, LlamaConfig(head_dim=16, tie_word_embeddings=True,
+                                                **common)),
+        ("qwen2", Qwen2ForCausalLM, Qwen2Config(tie_word_embeddings=False,
+                                                use_sliding_window=False, **common)),
+        ("qwen3", Qwen3ForCausalLM, Qwen3Config(head_dim=32, tie_word_embeddings=True,
+                                                use_sliding_window=False, **common)),
+    ]
+    ok, k = True, 3
+    for name, cls, config in families:
+        torch.manual_seed(21)
+        base_dir = os.path.join(work, f"peft-{name}-base")
+        cls(config).float().save_pretrained(base_dir)
+        variants = [("lora all-linear", []),
+                    ("dora, dropout 0.05", ["--use-dora", "--lora-dropout", "0.05"])]
+        if not config.tie_word_embeddings:
+            variants.append(("lora, lm_head and norms saved", ["--modules-to-save",
+                                                                "lm_head,norm"]))
+        else:
+            # The embedding the head shares, trained whole once for both (PEFT's
+            # ensure_weight_tying).
+            embedding = "wte" if name == "gpt2" else "embed_tokens"
+            variants.append(("lora, the tied embedding saved", ["--modules-to-save",
+                                                                 embedding]))
+        for label, flags in variants:
+            out = os.path.join(work, f"peft-{name}-{len(flags)}")
+            run([tk, "train", "--device", "cpu", "--data", tokens_bin, "--tokenizer", "bytes",
+                 "--init-from", base_dir, "--lora-rank", "4", "--lora-targets", "all-linear",
+                 "--steps", "3", "--lr", "1e-2", "--eval-every", "0", "--out", out,
+                 "--seq-len", str(T), "--batch-size", str(B)] + flags)
+            model = PeftModel.from_pretrained(cls.from_pretrained(base_dir, dtype=torch.float32),
+                                              out).eval()
+            with torch.no_grad():
+                hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+                plain = cls.from_pretrained(base_dir, dtype=torch.float32).eval()
+                base = np.mean([loss_of(plain, *windows(tokens, i)).item() for i in range(k)])
+            tk_eval = json.loads(run([tk, "eval", "--model", base_dir, "--adapter", out,
+                                      "--data", tokens_bin, "--tokenizer", "bytes",
+                                      "--batch-size", str(B), "--seq-len", str(T), "--batches",
+                                      str(k), "--json", "--device", "cpu"]))
+            d = abs(hf - tk_eval["loss"])
+            print(f"peft {name} {label}: eval loss PEFT {hf:.7f}, trainkit "
+                  f"{tk_eval['loss']:.7f}, diff {d:.2e} (the base {base:.7f})")
+            ok &= d < 1e-5 and abs(hf - base) > 1e-3
+        if name == "llama":
+            # What PEFT saves with a tied embedding trained whole, trainkit reads.
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(cls.from_pretrained(base_dir, dtype=torch.float32),
+                                   LoraConfig(r=4, target_modules=["q_proj"],
+                                              modules_to_save=["embed_tokens"],
+                                              ensure_weight_tying=True))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if p.requires_grad:
+                        p.add_(0.05 * torch.randn_like(p))
+            saved = os.path.join(work, "peft-llama-tied-saved")
+            model.save_pretrained(saved)
+            model.eval()
+            with torch.no_grad():
+                hf = np.mean([loss_of(model, *windows(tokens, i)).item() for i in range(k)])
+            tk_eval = json.loads(run([tk, "eval", "--model", base_dir, "--adapter", saved,
+                                      "--data", tokens_bin, "--tokenizer", "bytes",
+                                      "--batch-size", str(B), "--seq-len", str(T), "--batches",
+                                      str(k), "--json", "--device", "cpu"]))
+            d = abs(hf - tk_eval["loss"])
+            print(f"peft llama: PEFT's adapter with the tied embedding saved, in trainkit: "
+                  f"eval loss PEFT {hf:.7f}, trainkit {tk_eval['loss']:.7f}, diff {d:.2e}")
+            ok &= d < 1e-5
     return ok
 
 

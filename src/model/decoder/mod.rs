@@ -22,6 +22,9 @@ use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
 use crate::save::tensors::NamedTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashMap};
+
+/// The Hugging Face name of every family's output head (GPT-2's, Llama's, Qwen's).
+const TIED_HEAD: &str = "lm_head.weight";
 use std::sync::Arc;
 
 /// A decoder-only transformer of family `F`, trainable on any backend with any
@@ -131,22 +134,6 @@ impl<F: Family> Decoder<F> {
             .map(|(_, name, _)| name.clone())
             .collect();
         adapter.check_params(&outside)?;
-        if self.shape.tied_embeddings && adapter.as_lora().is_some() {
-            if let Some((_, name, _)) = params
-                .iter()
-                .find(|(slot, name, _)| *slot == Slot::Embed && adapter.trains(name))
-            {
-                return Err(Error::config(
-                    "adapter.modules_to_save",
-                    format!(
-                        "this model's head shares the token embedding (`{name}`), and PEFT's \
-                         modules_to_save would train an untied copy of one of them, which \
-                         trainkit does not build; train the whole model instead of a LoRA, \
-                         or save other modules"
-                    ),
-                ));
-            }
-        }
         self.adapter = adapter;
         self.graph = self.build_graph();
         Ok(self)
@@ -635,6 +622,12 @@ impl<F: Family> Model for Decoder<F> {
 
     fn weights_in_out(&self) -> bool {
         !self.config.out_in()
+    }
+
+    fn tied_head(&self) -> Option<(String, String)> {
+        self.shape
+            .tied_embeddings
+            .then(|| (TIED_HEAD.to_string(), self.config.param_name(Slot::Embed)))
     }
 
     fn magnitudes(&self) -> Vec<crate::model::Magnitude> {
