@@ -411,16 +411,12 @@ mod tests {
             let err = parse_config(&c).unwrap_err();
             assert!(err.contains(says), "{k}: {err}");
         }
-        // DoRA is read; with a dropout, validation refuses it by name.
+        // DoRA is read, with its dropout.
         let mut c = base.clone();
         c["use_dora"] = json!(true);
-        assert!(parse_config(&c).unwrap().dora);
         c["lora_dropout"] = json!(0.05);
-        let err = parse_config(&c)
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("DoRA"), "{err}");
+        let lora = parse_config(&c).unwrap();
+        assert!(lora.dora && lora.dropout == 0.05);
+        lora.validate().unwrap();
     }
 }
