@@ -72,13 +72,13 @@ cargo test --release --locked --no-run --lib --test cuda_backend --test nvrtc_ke
   --test custom_op --test offset_norm \
   --message-format=json >"$messages"
 cargo build --release --locked --bin trainkit --example gpu_bench --example host_adamw \
-  --example attention_bench \
+  --example attention_bench --example kernel_bench \
   --message-format=json >>"$messages"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/data" "$bundle/reference"
 for name in unit_tests cuda_backend nvrtc_kernels custom_op offset_norm gpu_bench host_adamw \
-  attention_bench \
+  attention_bench kernel_bench \
   trainkit; do
   path="$(executables "$messages" | awk -v n="$name" '$1 == n { print $2 }' | tail -n1)"
   if [ -z "$path" ] || [ ! -x "$path" ]; then
@@ -100,7 +100,8 @@ for f in "$bundle"/bin/*; do
 done
 
 cp examples/configs/gpt2-124m.toml "$bundle/gpt2-124m.toml"
-cp benches/reference/pytorch_gpt2.py benches/reference/attention_sdpa.py "$bundle/reference/"
+cp benches/reference/pytorch_gpt2.py benches/reference/attention_sdpa.py \
+  benches/reference/norms_adamw.py "$bundle/reference/"
 cp scripts/gpu-bundle/run.sh "$bundle/run.sh"
 chmod +x "$bundle/run.sh"
 

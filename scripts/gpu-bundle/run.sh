@@ -18,6 +18,9 @@
 #              then bf16 with the bias gradients in the cuBLASLt epilogue instead of
 #              trainkit's own kernel, then bf16 with every kernel timed by CUDA events
 #              (--kernels), then bf16 again with every op timed on the device
+#   kernels    LayerNorm and RMSNorm forward and backward and AdamW over GPT-2 124M's
+#              parameters alone (kernel_bench), beside PyTorch's F.layer_norm, F.rms_norm
+#              and fused AdamW (reference/norms_adamw.py): ms, GB/s, share of bandwidth
 #   train      `trainkit train` on the bundle's token file (GPT-2 124M, bf16, batch 8)
 #   reference  the PyTorch reference on the same token file and batch, eager then
 #              torch.compile (needs python3 with torch and transformers)
@@ -66,7 +69,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench attention train decode reference llmc xl llama offload)
+all_phases=(tests bench attention kernels train decode reference llmc xl llama offload)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -737,6 +740,41 @@ phase_attention() {
   done
   gpu_bench_step gpu_bench_tensor_core_attention_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --ops --warmup 2 --steps 3
+}
+
+# The memory-bound kernels alone (LayerNorm and RMSNorm forward and backward, AdamW over
+# GPT-2 124M's parameters) beside PyTorch's F.layer_norm, F.rms_norm and fused AdamW at the
+# same shapes: milliseconds, GB/s and the share of the device's bandwidth (BANDWIDTH_GBS,
+# else known from the GPU's name), JSON lines in the logs.
+phase_kernels() {
+  if [ -n "$no_gpu" ]; then
+    skip kernel_bench "$bin/kernel_bench" "GPU checks skipped: $no_gpu"
+    skip norms_adamw "$python reference/norms_adamw.py" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local bw="${BANDWIDTH_GBS:-}"
+  if [ -z "$bw" ]; then
+    case "$gpu" in
+      *H200*) bw=4800 ;;
+      *H100*PCIe*) bw=2000 ;;
+      *H100*) bw=3350 ;;
+      *A100*) bw=2039 ;;
+      *) bw=3350 ;;
+    esac
+  fi
+  run_step kernel_bench 300 - "$bin/kernel_bench" --iters "${ATTENTION_ITERS:-10}" \
+    --bandwidth "$bw" --json "$report/logs/kernel_bench.jsonl"
+  if grep -q 'kernel_bench needs a GPU' "$report/logs/kernel_bench.log"; then
+    amend_last fail "a GPU is here, but $(grep -m1 -o 'kernel_bench needs a GPU.*' "$report/logs/kernel_bench.log")"
+  fi
+  if py -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    run_step norms_adamw 300 - env LD_LIBRARY_PATH="$orig_ld_path" "$python" \
+      "$here/reference/norms_adamw.py" --iters "${ATTENTION_ITERS:-10}" --bandwidth "$bw" \
+      --json "$report/logs/norms_adamw.jsonl"
+  else
+    skip norms_adamw "$python reference/norms_adamw.py" \
+      "$python with torch (CUDA available) is missing: $python_torch"
+  fi
 }
 
 phase_train() {
