@@ -300,8 +300,7 @@ impl LoraDown {
         out: &mut Tensor,
         x: &Tensor,
         w: &Tensor,
-        a: &Adapted,
-        keep: Option<Keep>,
+        (a, keep): (&Adapted, Option<Keep>),
         label: &str,
     ) -> Result<()> {
         let Some(keep) = keep else {
@@ -382,7 +381,7 @@ impl Op for LoraDown {
             let mut z = cx.alloc(n + k)?;
             let w = cx.weights[n];
             let label = cx.labels[n + k].clone();
-            self.dropped_base(be, &mut z, x, w, a, keep(a, cx.rng_key, j), &label)?;
+            self.dropped_base(be, &mut z, x, w, (a, keep(a, cx.rng_key, j)), &label)?;
             cx.outputs[n + k] = Some(z);
         }
         Ok(())
@@ -449,7 +448,7 @@ impl Op for LoraDown {
             let w = cx.params[n].weight();
             let x = cx.inputs[0].get()?;
             let label = &cx.grad_labels_out[n + k];
-            let (rows, cols) = (dz.rows_cols().0, product_shape(x, w, self.transposed));
+            let cols = product_shape(x, w, self.transposed);
             let mut t = be.empty(x.shape(), x.dtype(), MemoryCategory::Workspace, label)?;
             if a.offset == 0 && cols.last() == Some(&a.width) {
                 weight_product(be, &mut t, &dz, w, None, !self.transposed, false)?;
@@ -458,7 +457,6 @@ impl Op for LoraDown {
                 add_cols(be, &mut full, a.offset, &dz)?;
                 weight_product(be, &mut t, &full, w, None, !self.transposed, false)?;
             }
-            let _ = rows;
             let (buf, fresh) = cx.grads_in[0].buffer(be)?;
             dropout(be, buf, &t, keep, !fresh)?;
             be.axpy(buf, -1.0, &t)?;
@@ -570,7 +568,7 @@ impl LoraProjection {
         Some(self.x() + 1 + self.adapters.len() + before)
     }
 
-    /// `(g − 1) ⊙ t` over the block `a` (a new tensor, `t` being `[rows, width]`).
+    /// `(g − 1) ⊙ t` column by column (`t` is `[rows, width]`, `g = m / n`), a new tensor.
     fn minus_one(
         be: &dyn Backend,
         t: &Tensor,
