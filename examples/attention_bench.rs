@@ -10,8 +10,11 @@
 //! [--json FILE]`. Prints one line per (shape, kernels, direction), and with `--json`
 //! writes them as JSON lines. Needs a GPU; says so and exits 0 without one.
 
+#[path = "support/timing.rs"]
+mod timing;
+
 use std::io::Write;
-use std::time::Instant;
+use timing::time;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
 use trainkit::device::Heads;
 use trainkit::memory::MemoryCategory;
@@ -61,31 +64,6 @@ fn main() {
         eprintln!("attention_bench: {e}");
         std::process::exit(1);
     }
-}
-
-/// The median of `iters` timings of `f` in milliseconds, each a wait for the GPU, 5 calls,
-/// a wait, divided by 5; two untimed rounds first.
-fn time(
-    be: &CudaBackend,
-    iters: usize,
-    mut f: impl FnMut() -> trainkit::Result<()>,
-) -> trainkit::Result<f64> {
-    const CALLS: usize = 5;
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut ms = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        be.synchronize()?;
-        let start = Instant::now();
-        for _ in 0..CALLS {
-            f()?;
-        }
-        be.synchronize()?;
-        ms.push(start.elapsed().as_secs_f64() * 1e3 / CALLS as f64);
-    }
-    ms.sort_by(|a, b| a.total_cmp(b));
-    Ok(ms[ms.len() / 2])
 }
 
 fn bench() -> trainkit::Result<()> {

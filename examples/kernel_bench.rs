@@ -13,8 +13,11 @@
 //! [--json FILE] [--emulator]`. Needs a GPU; says so and exits 0 without one
 //! (`--emulator` runs the calls on the CUDA emulator instead, to try the code).
 
+#[path = "support/timing.rs"]
+mod timing;
+
 use std::io::Write;
-use std::time::Instant;
+use timing::time;
 use trainkit::device::cuda::{probe, CudaBackend};
 use trainkit::memory::MemoryCategory;
 use trainkit::ops::{layernorm, rmsnorm};
@@ -26,31 +29,6 @@ fn main() {
         eprintln!("kernel_bench: {e}");
         std::process::exit(1);
     }
-}
-
-/// The median of `iters` timings of `f` in milliseconds, each a wait for the GPU, 5 calls,
-/// a wait, divided by 5; two untimed rounds first.
-fn time(
-    be: &CudaBackend,
-    iters: usize,
-    mut f: impl FnMut() -> trainkit::Result<()>,
-) -> trainkit::Result<f64> {
-    const CALLS: usize = 5;
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut ms = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        be.synchronize()?;
-        let start = Instant::now();
-        for _ in 0..CALLS {
-            f()?;
-        }
-        be.synchronize()?;
-        ms.push(start.elapsed().as_secs_f64() * 1e3 / CALLS as f64);
-    }
-    ms.sort_by(|a, b| a.total_cmp(b));
-    Ok(ms[ms.len() / 2])
 }
 
 /// One timed kernel: its name, shape, time and bytes.

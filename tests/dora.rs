@@ -236,16 +236,12 @@ fn gradients_match_finite_differences_with_the_norm_detached() {
     }
 }
 
-type Run = (Vec<Vec<f32>>, Vec<f64>);
-
-fn run(what: &str, precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>) -> Run {
-    let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
-        .precision(precision)
-        .checkpoint(policy)
-        .build()
-        .unwrap();
-    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
-    (values(&t), losses)
+fn run(
+    what: &str,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+) -> (Vec<Vec<f32>>, Vec<f64>) {
+    common::adapters::two_steps(model(what), precision, policy)
 }
 
 /// Recomputation changes memory, never results, and training moves the loss.
@@ -339,53 +335,15 @@ fn what_dora_needs_is_asked_for_by_name() {
 fn the_cli_trains_resumes_and_merges_a_dora_adapter() {
     let dir = common::scratch("dora-cli");
     let path = |p: &str| dir.join(p).display().to_string();
-    let run = |args: &[&str]| {
-        let (ok, out, err) = common::trainkit(args);
-        assert!(ok, "{args:?}: {out}\n{err}");
-        out
-    };
-    let small = [
-        "--device",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-    ];
-    let text = dir.join("text.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog. ".repeat(40),
-    )
-    .unwrap();
-    let text = text.display().to_string();
-    let eval = |model: &str, adapter: Option<&str>| -> f64 {
-        let (m, a) = (path(model), adapter.map(path));
-        let mut args = vec![
-            "eval",
-            "--model",
-            &m,
-            "--data",
+    let run = common::trainkit_ok;
+    let small = common::SMALL_RUN;
+    let text = common::small_text(&dir);
+    let eval = |model: &str, adapter: Option<&str>| {
+        common::eval_loss(
+            &dir.join(model),
+            adapter.map(|a| dir.join(a)).as_deref(),
             &text,
-            "--tokenizer",
-            "bytes",
-            "--seq-len",
-            "32",
-            "--batches",
-            "2",
-            "--json",
-            "--device",
-            "cpu",
-        ];
-        if let Some(a) = &a {
-            args.extend(["--adapter", a]);
-        }
-        let out = run(&args);
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
+        )
     };
     for (arch, targets) in [
         ("llama", "q_proj,v_proj,down_proj"),

@@ -744,51 +744,15 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
 fn merge_writes_the_adapted_model() {
     let dir = common::scratch("lora-merge");
     let path = |p: &str| dir.join(p).display().to_string();
-    let run = |args: &[&str]| {
-        let (ok, out, err) = common::trainkit(args);
-        assert!(ok, "{args:?}: {out}\n{err}");
-        out
-    };
-    let small = [
-        "--device",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-    ];
-    let text = dir.join("text.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog. ".repeat(40),
-    )
-    .unwrap();
-    let eval = |model: &str, adapter: Option<&str>| -> f64 {
-        let mut a = vec![
-            "eval".to_string(),
-            "--model".into(),
-            path(model),
-            "--data".into(),
-            text.display().to_string(),
-            "--tokenizer".into(),
-            "bytes".into(),
-            "--seq-len".into(),
-            "32".into(),
-            "--batches".into(),
-            "2".into(),
-            "--json".into(),
-            "--device".into(),
-            "cpu".into(),
-        ];
-        if let Some(ad) = adapter {
-            a.extend(["--adapter".to_string(), path(ad)]);
-        }
-        let out = run(&args(&a));
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
+    let run = common::trainkit_ok;
+    let small = common::SMALL_RUN;
+    let text = common::small_text(&dir);
+    let eval = |model: &str, adapter: Option<&str>| {
+        common::eval_loss(
+            &dir.join(model),
+            adapter.map(|a| dir.join(a)).as_deref(),
+            &text,
+        )
     };
     // Each with base modules trained whole beside the adapter (PEFT's modules_to_save):
     // Llama's RMS norms (every module whose name ends with `norm`), GPT-2's final norm.

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, tiny_config, values};
+use common::{corpus_loader, cpu, tiny_config};
 use std::sync::Arc;
 use trainkit::model::{Rope, RopeScaling};
 use trainkit::ops::nf4;
@@ -234,16 +234,12 @@ fn gradients_match_finite_differences() {
     }
 }
 
-type Run = (Vec<Vec<f32>>, Vec<f64>);
-
-fn run(what: &str, precision: Box<dyn Precision>, policy: Box<dyn CheckpointPolicy>) -> Run {
-    let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
-        .precision(precision)
-        .checkpoint(policy)
-        .build()
-        .unwrap();
-    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
-    (values(&t), losses)
+fn run(
+    what: &str,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+) -> (Vec<Vec<f32>>, Vec<f64>) {
+    common::adapters::two_steps(model(what), precision, policy)
 }
 
 /// Recomputation changes memory, never results, over an NF4 base too.

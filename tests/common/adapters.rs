@@ -1,7 +1,7 @@
 //! Checks shared by the adapter tests (LoRA over a float base, QLoRA over an NF4 one).
 
 use super::{check_central_difference_in_step, gradient_probe, per_param};
-use trainkit::{CheckpointPolicy, Full, Model, NoRecompute};
+use trainkit::{CheckpointPolicy, Full, Model, NoRecompute, Precision, Trainer};
 
 /// The gradients of every parameter that trains (the `B`s made non-zero first) against
 /// central differences of the loss, two elements each: through every layer's updates, so
@@ -45,4 +45,20 @@ pub fn prediction_equals_ledger(what: &str, model: &dyn Fn() -> Box<dyn Model>) 
         Box::new(Full),
     ];
     super::prediction_equals_ledger(what, model, &policies);
+}
+
+/// Two steps of `model` on `corpus_loader(20_000, 1, 2, 16)` under `precision` and
+/// `policy`: the weights after them and the two losses.
+pub fn two_steps(
+    model: Box<dyn Model>,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+) -> (Vec<Vec<f32>>, Vec<f64>) {
+    let mut t = Trainer::builder(model, super::cpu(), super::corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .build()
+        .unwrap();
+    let losses = (0..2).map(|_| t.step().unwrap().loss).collect();
+    (super::values(&t), losses)
 }

@@ -31,6 +31,70 @@ pub fn trainkit_with_env(
     )
 }
 
+/// Runs the `trainkit` binary with `args`, which must succeed: its stdout.
+pub fn trainkit_ok(args: &[&str]) -> String {
+    let (ok, out, err) = trainkit(args);
+    assert!(ok, "{args:?}: {out}\n{err}");
+    out
+}
+
+/// The flags of a small run on the CPU: batch 2 × 32, no evaluation.
+pub const SMALL_RUN: [&str; 8] = [
+    "--device",
+    "cpu",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "0",
+];
+
+/// A short English text (1800 bytes) as `dir/text.txt`, for small runs on bytes.
+pub fn small_text(dir: &std::path::Path) -> std::path::PathBuf {
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    text
+}
+
+/// `trainkit eval --json`'s loss of the model in `model` (with the adapter in `adapter`)
+/// on the text file `text`, as bytes: two batches of 32.
+pub fn eval_loss(
+    model: &std::path::Path,
+    adapter: Option<&std::path::Path>,
+    text: &std::path::Path,
+) -> f64 {
+    let (m, t) = (model.display().to_string(), text.display().to_string());
+    let mut args = vec![
+        "eval",
+        "--model",
+        &m,
+        "--data",
+        &t,
+        "--tokenizer",
+        "bytes",
+        "--seq-len",
+        "32",
+        "--batches",
+        "2",
+        "--json",
+        "--device",
+        "cpu",
+    ];
+    let a = adapter.map(|a| a.display().to_string());
+    if let Some(a) = &a {
+        args.extend(["--adapter", a]);
+    }
+    let out = trainkit_ok(&args);
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+        .as_f64()
+        .unwrap()
+}
+
 /// A fresh CPU backend: its products run on the CBLAS library `$TRAINKIT_BLAS` names,
 /// if set, so the suite can be run against one.
 pub fn cpu() -> Arc<dyn Backend> {
