@@ -339,11 +339,9 @@ fn the_cli_trains_resumes_and_merges_a_dora_adapter() {
     let small = common::SMALL_RUN;
     let text = common::small_text(&dir);
     let eval = |model: &str, adapter: Option<&str>| {
-        common::eval_loss(
-            &dir.join(model),
-            adapter.map(|a| dir.join(a)).as_deref(),
-            &text,
-        )
+        let adapter = adapter.map(&path);
+        let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
+        common::eval_loss(&dir.join(model), &text, &extra)
     };
     for (arch, targets) in [
         ("llama", "q_proj,v_proj,down_proj"),

@@ -587,39 +587,11 @@ fn the_cli_trains_saves_and_resumes_an_adapter() {
     .concat());
     assert!(out.contains("adapter from"), "{out}");
     // Evaluated over its base.
-    let text = dir.join("text.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog. ".repeat(40),
-    )
-    .unwrap();
-    let eval = |adapter: Option<&str>| -> f64 {
-        let mut a: Vec<String> = [
-            "eval",
-            "--model",
-            &path("base"),
-            "--data",
-            &text.display().to_string(),
-            "--tokenizer",
-            "bytes",
-            "--seq-len",
-            "32",
-            "--batches",
-            "2",
-            "--json",
-            "--device",
-            "cpu",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        if let Some(ad) = adapter {
-            a.extend(["--adapter".to_string(), path(ad)]);
-        }
-        let out = run(&args(&a));
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
+    let text = common::small_text(&dir);
+    let eval = |adapter: Option<&str>| {
+        let adapter = adapter.map(&path);
+        let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
+        common::eval_loss(&dir.join("base"), &text, &extra)
     };
     assert_ne!(eval(None), eval(Some("a")), "the adapter changes the model");
     // An adapter trained with PEFT's dropout (its recipes' 0.05) evaluates as it is, the
@@ -748,11 +720,9 @@ fn merge_writes_the_adapted_model() {
     let small = common::SMALL_RUN;
     let text = common::small_text(&dir);
     let eval = |model: &str, adapter: Option<&str>| {
-        common::eval_loss(
-            &dir.join(model),
-            adapter.map(|a| dir.join(a)).as_deref(),
-            &text,
-        )
+        let adapter = adapter.map(&path);
+        let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
+        common::eval_loss(&dir.join(model), &text, &extra)
     };
     // Each with base modules trained whole beside the adapter (PEFT's modules_to_save):
     // Llama's RMS norms (every module whose name ends with `norm`), GPT-2's final norm.

@@ -343,34 +343,8 @@ fn the_cli_trains_resumes_and_evaluates_over_an_nf4_base() {
         bytes("a") == bytes("straight"),
         "a resumed QLoRA adapter differs from the straight run"
     );
-    let text = dir.join("text.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog. ".repeat(40),
-    )
-    .unwrap();
-    let eval = |extra: &[&str]| -> f64 {
-        let mut a = strings(&[
-            "eval",
-            "--model",
-            &path("base"),
-            "--data",
-            &text.display().to_string(),
-            "--tokenizer",
-            "bytes",
-            "--seq-len",
-            "32",
-            "--batches",
-            "2",
-            "--json",
-            "--device",
-            "cpu",
-        ]);
-        a.extend(strings(extra));
-        serde_json::from_str::<serde_json::Value>(&run(&a)).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
-    };
+    let text = common::small_text(&dir);
+    let eval = |extra: &[&str]| common::eval_loss(&dir.join("base"), &text, extra);
     let (full, quantized) = (eval(&[]), eval(&["--qlora"]));
     assert_ne!(full, quantized, "NF4 changes the model");
     assert!(

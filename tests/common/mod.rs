@@ -61,15 +61,11 @@ pub fn small_text(dir: &std::path::Path) -> std::path::PathBuf {
     text
 }
 
-/// `trainkit eval --json`'s loss of the model in `model` (with the adapter in `adapter`)
-/// on the text file `text`, as bytes: two batches of 32.
-pub fn eval_loss(
-    model: &std::path::Path,
-    adapter: Option<&std::path::Path>,
-    text: &std::path::Path,
-) -> f64 {
+/// `trainkit eval --json`'s loss of the model in `model` on the text file `text`, as
+/// bytes (two batches of 32), with the flags `extra` (`--adapter DIR`, `--qlora`).
+pub fn eval_loss(model: &std::path::Path, text: &std::path::Path, extra: &[&str]) -> f64 {
     let (m, t) = (model.display().to_string(), text.display().to_string());
-    let mut args = vec![
+    let base = [
         "eval",
         "--model",
         &m,
@@ -85,11 +81,7 @@ pub fn eval_loss(
         "--device",
         "cpu",
     ];
-    let a = adapter.map(|a| a.display().to_string());
-    if let Some(a) = &a {
-        args.extend(["--adapter", a]);
-    }
-    let out = trainkit_ok(&args);
+    let out = trainkit_ok(&[&base[..], extra].concat());
     serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
         .as_f64()
         .unwrap()
