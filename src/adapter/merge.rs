@@ -157,7 +157,7 @@ pub fn merge(
 /// Whether `name` is the tied head's copy of an embedding the adapter saves whole: named
 /// `lm_head.weight` and equal to a saved `…embed_tokens.weight` or `…wte.weight`.
 fn tied_copy(name: &str, t: &NamedTensor, saved: &BTreeMap<&str, &NamedTensor>) -> bool {
-    name == "lm_head.weight"
+    name == super::HEAD_WEIGHT
         && saved.iter().any(|(n, e)| {
             (n.ends_with("embed_tokens.weight") || n.ends_with("wte.weight")) && e.data == t.data
         })

@@ -91,6 +91,10 @@ pub fn param_names(module: &str) -> [String; 2] {
     ]
 }
 
+/// The Hugging Face name of every family's output head (GPT-2's, Llama's, Qwen's): where
+/// PEFT writes again an embedding the head is tied to (`ensure_weight_tying`).
+pub const HEAD_WEIGHT: &str = "lm_head.weight";
+
 /// Where a DoRA update of `module` keeps its magnitude (PEFT's name in its files):
 /// `{module}.lora_magnitude_vector`.
 pub fn magnitude_name(module: &str) -> String {

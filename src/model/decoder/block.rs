@@ -379,7 +379,7 @@ fn projection(
     // DoRA with dropout: the base product of what each dropout took away.
     let zs: Vec<usize> = updates
         .iter()
-        .filter(|u| u.adapted.dora && u.adapted.dropout > 0.0)
+        .filter(|u| u.adapted.drops_base_input())
         .map(|u| {
             s.value(
                 "lora",

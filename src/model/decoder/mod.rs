@@ -22,9 +22,6 @@ use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
 use crate::save::tensors::NamedTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashMap};
-
-/// The Hugging Face name of every family's output head (GPT-2's, Llama's, Qwen's).
-const TIED_HEAD: &str = "lm_head.weight";
 use std::sync::Arc;
 
 /// A decoder-only transformer of family `F`, trainable on any backend with any
@@ -625,17 +622,19 @@ impl<F: Family> Model for Decoder<F> {
     }
 
     fn tied_head(&self) -> Option<(String, String)> {
-        self.shape
-            .tied_embeddings
-            .then(|| (TIED_HEAD.to_string(), self.config.param_name(Slot::Embed)))
+        self.shape.tied_embeddings.then(|| {
+            let head = crate::adapter::HEAD_WEIGHT.to_string();
+            (head, self.config.param_name(Slot::Embed))
+        })
     }
 
     fn magnitudes(&self) -> Vec<crate::model::Magnitude> {
         let names: Vec<String> = self.params().into_iter().map(|(_, n, _)| n).collect();
-        let refs = adapters::update_refs(&self.updates(), names.len());
+        let updates = self.updates();
+        let refs = adapters::update_refs(&updates, names.len());
         let out_in = self.config.out_in();
         refs.into_iter()
-            .zip(self.updates())
+            .zip(updates)
             .filter_map(|((l, slot, r), (p, _))| {
                 let param = r.magnitude?;
                 let weight_name = self.config.param_name(Slot::Layer(l, slot));

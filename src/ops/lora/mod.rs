@@ -55,6 +55,20 @@ pub struct Adapted {
     pub dora: bool,
 }
 
+impl Adapted {
+    /// Whether it covers every one of the projection's `cols` output columns (no block of
+    /// a fused projection to add to or take from).
+    fn covers(&self, cols: usize) -> bool {
+        self.offset == 0 && self.width == cols
+    }
+
+    /// Whether it is DoRA's with dropout: the base projection then also runs on the
+    /// dropped input (the `z` of [`LoraDown`]).
+    pub fn drops_base_input(&self) -> bool {
+        self.dora && self.dropout > 0.0
+    }
+}
+
 /// One dropout mask, drawn without state: element `i` is kept when the top 24 bits of
 /// the `(i + 1)`-th number of the SplitMix64 stream seeded with `key` reach `threshold`
 /// (`p · 2²⁴`, rounded), and a kept element is scaled by `scale` (`1/(1 − p)`).
@@ -288,7 +302,7 @@ impl LoraDown {
         self.adapters
             .iter()
             .enumerate()
-            .filter(|(_, a)| a.dora && a.dropout > 0.0)
+            .filter(|(_, a)| a.drops_base_input())
             .map(|(j, _)| j)
     }
 
@@ -309,7 +323,7 @@ impl LoraDown {
         let mut diff = dropped_input(be, x, keep, label)?;
         be.axpy(&mut diff, -1.0, x)?;
         let cols = product_shape(x, w, self.transposed);
-        if a.offset == 0 && cols.last() == Some(&a.width) {
+        if cols.last().is_some_and(|&c| a.covers(c)) {
             return weight_product(be, out, &diff, w, None, self.transposed, false);
         }
         let mut full = be.empty(
@@ -450,7 +464,7 @@ impl Op for LoraDown {
             let label = &cx.grad_labels_out[n + k];
             let cols = product_shape(x, w, self.transposed);
             let mut t = be.empty(x.shape(), x.dtype(), MemoryCategory::Workspace, label)?;
-            if a.offset == 0 && cols.last() == Some(&a.width) {
+            if cols.last().is_some_and(|&c| a.covers(c)) {
                 weight_product(be, &mut t, &dz, w, None, !self.transposed, false)?;
             } else {
                 let mut full = be.zeros(&cols, dz.dtype(), MemoryCategory::Workspace, label)?;
@@ -558,12 +572,12 @@ impl LoraProjection {
     /// The input holding `z_j` (see [`LoraDown`]) when adapter `j` is DoRA's with dropout.
     fn z_input(&self, j: usize) -> Option<usize> {
         let a = &self.adapters[j];
-        if !(a.dora && a.dropout > 0.0) {
+        if !a.drops_base_input() {
             return None;
         }
         let before = self.adapters[..j]
             .iter()
-            .filter(|a| a.dora && a.dropout > 0.0)
+            .filter(|a| a.drops_base_input())
             .count();
         Some(self.x() + 1 + self.adapters.len() + before)
     }
@@ -619,7 +633,7 @@ impl LoraProjection {
             if let (Some(zi), Some(_)) = (self.z_input(j), cx.rng_key) {
                 let label = format!("{}.dora_dropped", y.label());
                 let t = Self::minus_one(be, cx.input(zi)?, cx.weights[mi], &n, &label)?;
-                if a.offset == 0 && a.width == y.rows_cols().1 {
+                if a.covers(y.rows_cols().1) {
                     be.axpy(y, 1.0, &t)?;
                 } else {
                     add_cols(be, y, a.offset, &t)?;
@@ -636,7 +650,8 @@ impl LoraProjection {
         if self.base_trains {
             return Err(crate::error::Error::config(
                 "adapter",
-                "a DoRA adapter's base projection must be frozen (its norm is taken from the                  base weight)",
+                "a DoRA adapter's base projection must be frozen (its norm is taken from the \
+                 base weight)",
             ));
         }
         let (rows, cols) = dy.rows_cols();
@@ -686,7 +701,7 @@ impl LoraProjection {
                 MemoryCategory::Workspace,
                 &format!("{label}.dora_direction"),
             )?;
-            if a.offset == 0 && a.width == cols {
+            if a.covers(cols) {
                 be.copy_rows(&mut v, 0, u, 0, rows, false)?;
             } else {
                 take_cols(be, &mut v, u, a.offset)?;
@@ -733,7 +748,7 @@ impl LoraProjection {
         for (j, a) in self.adapters.iter().enumerate() {
             let h = cx.input(self.x() + 1 + j)?;
             let b = cx.weights[self.first_b() + j];
-            if a.offset == 0 && a.width == cols {
+            if a.covers(cols) {
                 be.matmul(y, h, b, None, false, true, true)?;
             } else {
                 let mut t = be.empty(
@@ -874,7 +889,7 @@ impl Op for LoraProjection {
         let cols = dy.rows_cols().1;
         for (j, a) in self.adapters.iter().enumerate() {
             let part;
-            let dy_j = if a.offset == 0 && a.width == cols {
+            let dy_j = if a.covers(cols) {
                 &dy
             } else {
                 let mut t = be.empty(
