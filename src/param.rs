@@ -5,6 +5,7 @@ use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::ops::update_rounding::{self, UpdateRounding};
+use crate::optim::{ParamUpdate, StateSlot};
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
@@ -149,20 +150,6 @@ impl HostUpdate {
         device.settle(&self.param.weight)?;
         device.settle(&self.record)
     }
-}
-
-/// What an optimizer needs to update one parameter, with the compute weights it may
-/// write in the same pass ([`Param::update_parts_fused`]).
-pub struct UpdateParts<'a> {
-    /// The f32 values to update.
-    pub value: &'a mut Tensor,
-    /// The compute weights to overwrite with the updated values (rounded to their
-    /// dtype), when they are kept apart from `value`.
-    pub compute: Option<&'a mut Tensor>,
-    /// The accumulated gradient.
-    pub grad: &'a Tensor,
-    /// The optimizer's state slots.
-    pub state: &'a mut Vec<Tensor>,
 }
 
 impl Param {
@@ -379,36 +366,52 @@ impl Param {
         self.grad.as_ref()
     }
 
-    /// The values to update, the gradient and the optimizer state slots, together.
-    /// Fails if no backward has produced a gradient yet.
-    pub fn update_parts(&mut self) -> Result<(&mut Tensor, &Tensor, &mut Vec<Tensor>)> {
-        let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
-        let value = self.master.as_mut().unwrap_or(&mut self.weight);
-        Ok((value, grad, &mut self.state))
-    }
-
-    /// As [`Param::update_parts`], with the compute weights (when kept apart from the
-    /// values) for the optimizer to write in the same pass as its update, as the fused
-    /// AdamW kernel does. The optimizer must write them when it gets them: the trainer
-    /// then skips its own copy of the master weights into the compute weights.
-    pub fn update_parts_fused(&mut self) -> Result<UpdateParts<'_>> {
-        let grad = grad_for_update(&self.name, self.trains, &self.grad)?;
-        let (value, compute) = match self.master.as_mut() {
+    /// The parameter as an optimizer updates it ([`ParamUpdate`]), its state slots
+    /// allocated on `backend` as `slots` declares when it has none yet; with `fused`, the
+    /// compute weights (when kept apart from the values) for the optimizer to write in
+    /// the same pass, as the fused AdamW kernel does: the trainer then skips its own copy
+    /// of the master weights into them. Fails if no backward has produced a gradient yet.
+    pub(crate) fn for_update(
+        &mut self,
+        backend: &dyn Backend,
+        slots: &[StateSlot],
+        fused: bool,
+    ) -> Result<ParamUpdate<'_>> {
+        grad_for_update(&self.name, self.trains, &self.grad)?;
+        if self.state.is_empty() {
+            for slot in slots {
+                let label = format!("{}.{}", self.name, slot.name);
+                let t = backend.zeros(
+                    &slot.shape,
+                    slot.dtype,
+                    MemoryCategory::OptimizerState,
+                    &label,
+                )?;
+                self.state.push(t);
+            }
+        }
+        let decays = self.decays();
+        let grad = self.grad.as_ref().expect("checked above");
+        let (values, compute) = match self.master.as_mut() {
             // Pure bf16: the update is rounded as the precision says, after the step; an
             // offloaded update rounds its compute weights from the master copy after the
             // step too.
-            Some(master) if self.rounding.is_some() || self.refresh_deferred => (master, None),
+            Some(master) if !fused || self.rounding.is_some() || self.refresh_deferred => {
+                (master, None)
+            }
             Some(master) => {
                 self.weight_fresh = true;
                 (master, Some(&mut self.weight))
             }
             None => (&mut self.weight, None),
         };
-        Ok(UpdateParts {
-            value,
+        Ok(ParamUpdate {
+            name: &self.name,
+            values,
             compute,
             grad,
             state: &mut self.state,
+            decays,
         })
     }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use trainkit::accumulate::AccumulationContext;
 use trainkit::checkpoint::{ActivationSite, Retention, Tags};
 use trainkit::config::RunConfig;
-use trainkit::optim::{GradScale, Param};
+use trainkit::optim::{GradScale, ParamUpdate, StateSlot};
 use trainkit::{
     AccumulationSchedule, Backend, CheckpointPolicy, DType, Gpt2, MemoryEvent, MemoryObserver,
     Optimizer, Precision, Trainer,
@@ -72,10 +72,13 @@ impl Optimizer for Momentum {
     fn learning_rate(&self) -> f32 {
         self.lr
     }
-    fn step(
+    fn state_slots(&self, shape: &[usize], _kept: DType) -> Vec<StateSlot> {
+        vec![StateSlot::new("buf", shape, DType::F32)]
+    }
+    fn update(
         &mut self,
         backend: &dyn Backend,
-        params: &mut [Param],
+        params: &mut [ParamUpdate<'_>],
         lr: f32,
         grad_scale: GradScale<'_>,
         _step: u64,
@@ -84,21 +87,11 @@ impl Optimizer for Momentum {
         let Some(grad_scale) = grad_scale.read(backend)? else {
             return Ok(());
         };
-        for p in params {
-            let shape = p.shape().to_vec();
-            let label = format!("{}.buf", p.name());
-            let (value, grad, state) = p.update_parts()?;
-            if state.is_empty() {
-                state.push(backend.zeros(
-                    &shape,
-                    DType::F32,
-                    trainkit::MemoryCategory::OptimizerState,
-                    &label,
-                )?);
-            }
-            backend.scale(&mut state[0], self.beta)?;
-            backend.axpy(&mut state[0], grad_scale, grad)?;
-            backend.axpy(value, -lr, &state[0])?;
+        for p in params.iter_mut() {
+            let buf = &mut p.state[0];
+            backend.scale(buf, self.beta)?;
+            backend.axpy(buf, grad_scale, p.grad)?;
+            backend.axpy(p.values, -lr, buf)?;
         }
         Ok(())
     }

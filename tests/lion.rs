@@ -22,7 +22,7 @@ use trainkit::device::cuda::kernels::{
     compile, custom_full_source, find_include_dir, nvrtc_version, ptx_entries, CompileOptions,
 };
 use trainkit::device::cuda::CudaBackend;
-use trainkit::optim::{GradScale, Param};
+use trainkit::optim::GradScale;
 use trainkit::{
     Backend, CpuBackend, DType, Fp32, Gpt2, MemoryCategory, Optimizer, Tensor, Trainer,
 };
@@ -349,10 +349,9 @@ fn lion_round_trips_through_a_config_file() {
         beta1: 1.5,
         ..Lion::default()
     };
-    let mut params: Vec<Param> = vec![];
     let one = upload(&be, &[1.0], &[1], DType::F32, "scale");
     let err = bad
-        .step(&be, &mut params, 1e-3, GradScale::new(&one).unwrap(), 1)
+        .update(&be, &mut [], 1e-3, GradScale::new(&one).unwrap(), 1)
         .unwrap_err()
         .to_string();
     assert!(err.contains("optimizer.beta1"), "{err}");

@@ -17,8 +17,8 @@
 
 use serde::{Deserialize, Serialize};
 use trainkit::device::CustomKernel;
-use trainkit::optim::{GradScale, Param};
-use trainkit::{Backend, DType, Error, MemoryCategory, Optimizer, Result};
+use trainkit::optim::{GradScale, ParamUpdate, StateSlot};
+use trainkit::{Backend, DType, Error, Optimizer, Result};
 
 /// The Lion update of one parameter tensor: outputs `param` and `m` (f32), inputs the
 /// gradient and the one-element gradient multiplier, scalars `lr`, `beta1`, `beta2` and
@@ -169,33 +169,29 @@ impl Optimizer for Lion {
         self.lr
     }
 
-    fn step(
+    /// One f32 momentum tensor per parameter (the trainer allocates it, zeroed).
+    fn state_slots(&self, shape: &[usize], _kept: DType) -> Vec<StateSlot> {
+        vec![StateSlot::new("exp_avg", shape, DType::F32)]
+    }
+
+    /// Every parameter handed here trains: the trainer filters, allocates the state and
+    /// writes the compute weights afterwards.
+    fn update(
         &mut self,
         backend: &dyn Backend,
-        params: &mut [Param],
+        params: &mut [ParamUpdate<'_>],
         lr: f32,
         grad_scale: GradScale<'_>,
         _step: u64,
     ) -> Result<()> {
         self.validate()?;
-        for p in params.iter_mut().filter(|p| p.trains()) {
-            let wd = if p.decays() { self.weight_decay } else { 0.0 };
-            let label = format!("{}.exp_avg", p.name());
-            let shape = p.shape().to_vec();
-            let (value, grad, state) = p.update_parts()?;
-            if state.is_empty() {
-                state.push(backend.zeros(
-                    &shape,
-                    DType::F32,
-                    MemoryCategory::OptimizerState,
-                    &label,
-                )?);
-            }
+        for p in params.iter_mut() {
+            let wd = if p.decays { self.weight_decay } else { 0.0 };
             // The multiplier stays on the device: the kernel reads it (no wait here).
             backend.custom(
                 &LionUpdate,
-                &mut [value, &mut state[0]],
-                &[grad, grad_scale.tensor()],
+                &mut [&mut *p.values, &mut p.state[0]],
+                &[p.grad, grad_scale.tensor()],
                 &[lr, self.beta1, self.beta2, 1.0 - lr * wd],
             )?;
         }

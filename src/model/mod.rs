@@ -17,7 +17,7 @@ mod qwen2;
 mod qwen3;
 mod shape;
 
-pub use crate::param::{Init, Param, ParamInit, UpdateParts};
+pub use crate::param::{Init, Param, ParamInit};
 pub use architecture::{Architecture, Biases, Mlp, Norm};
 pub use decoder::Decoder;
 pub use exec::StashStats;

@@ -1,9 +1,8 @@
 //! Stochastic gradient descent with momentum and decoupled weight decay.
 
-use super::{GradScale, Optimizer, Param};
+use super::{state_layout, GradScale, Optimizer, ParamUpdate, StateSlot};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::memory::MemoryCategory;
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 
@@ -36,10 +35,17 @@ impl Optimizer for Sgd {
         self.lr
     }
 
-    fn step(
+    fn state_slots(&self, shape: &[usize], _kept: DType) -> Vec<StateSlot> {
+        if self.momentum == 0.0 {
+            return Vec::new();
+        }
+        vec![StateSlot::new("momentum", shape, DType::F32)]
+    }
+
+    fn update(
         &mut self,
         backend: &dyn Backend,
-        params: &mut [Param],
+        params: &mut [ParamUpdate<'_>],
         lr: f32,
         grad_scale: GradScale<'_>,
         _step: u64,
@@ -48,29 +54,27 @@ impl Optimizer for Sgd {
         let Some(grad_scale) = grad_scale.read(backend)? else {
             return Ok(());
         };
-        for p in params.iter_mut().filter(|p| p.trains()) {
-            let wd = if p.decays() { self.weight_decay } else { 0.0 };
-            let name = p.name().to_string();
-            let shape = p.shape().to_vec();
-            let (value, grad, state) = p.update_parts()?;
+        for p in params.iter_mut() {
+            let wd = if p.decays { self.weight_decay } else { 0.0 };
             if wd != 0.0 {
-                backend.scale(value, 1.0 - lr * wd)?;
+                backend.scale(p.values, 1.0 - lr * wd)?;
             }
-            if self.momentum == 0.0 {
-                backend.axpy(value, -lr * grad_scale, grad)?;
-                continue;
+            match &mut *p.state {
+                _ if self.momentum == 0.0 => backend.axpy(p.values, -lr * grad_scale, p.grad)?,
+                [buf] => {
+                    backend.scale(buf, self.momentum)?;
+                    backend.axpy(buf, grad_scale, p.grad)?;
+                    backend.axpy(p.values, -lr, buf)?;
+                }
+                other => {
+                    return Err(state_layout(
+                        "sgd",
+                        p.name,
+                        other.len(),
+                        "1 (the momentum) with momentum, none without",
+                    ))
+                }
             }
-            if state.is_empty() {
-                state.push(backend.zeros(
-                    &shape,
-                    DType::F32,
-                    MemoryCategory::OptimizerState,
-                    &format!("{name}.momentum"),
-                )?);
-            }
-            backend.scale(&mut state[0], self.momentum)?;
-            backend.axpy(&mut state[0], grad_scale, grad)?;
-            backend.axpy(value, -lr, &state[0])?;
         }
         Ok(())
     }

@@ -10,6 +10,7 @@
 //! threads interleave. The host thread only runs the optimizer's step, whose arithmetic is
 //! the same whichever thread runs it: the update is bitwise the one without offload.
 
+use super::update::step_optimizer;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::model::Param;
@@ -51,7 +52,7 @@ impl<'scope> HostWorker<'scope> {
                     .and_then(|()| GradScale::new(&job.record))
                     .and_then(|scale| {
                         let param = std::slice::from_mut(&mut job.param);
-                        optimizer.step(host, param, lr, scale, step)
+                        step_optimizer(host, optimizer, param, lr, scale, step)
                     });
                 if outbox.send((i, job, result)).is_err() {
                     return;

@@ -19,8 +19,10 @@ mod offload;
 mod persist;
 mod sample;
 mod step;
+mod update;
 
 pub use sample::SamplingOptions;
+pub use update::update_params;
 
 /// The mean loss of [`Trainer::evaluate_once`] and what it covered.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -3,7 +3,7 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
-use super::host_update::HostWorker;
+use super::update::Updater;
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
@@ -11,7 +11,7 @@ use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
 use crate::model::{Batch, Param, Pass, StashStats};
-use crate::optim::{guard, GradScale, Optimizer, StepRecord};
+use crate::optim::{guard, Optimizer, StepRecord};
 use crate::precision::Precision;
 use crate::tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -174,29 +174,17 @@ where
             ..
         } = self;
         std::thread::scope(|scope| {
-            // Offloaded, the updates inside backward run on a host thread.
-            let (mut optimizer, mut worker) = match &host {
-                Some(h) if plan.in_backward => (
-                    None,
-                    Some(HostWorker::spawn(
-                        scope,
-                        be,
-                        h.as_ref(),
-                        optimizer,
-                        plan.lr,
-                        step,
-                        seed,
-                    )),
-                ),
-                _ => (Some(optimizer), None),
-            };
+            // The updates inside backward (offloaded, on a host thread).
+            let mut updater = plan.in_backward.then(|| {
+                let host = host.as_deref();
+                Updater::start(scope, be, host, optimizer, (plan.lr, step, seed))
+            });
             let mut stash = StashStats::default();
             for (j, batch) in batches.into_iter().enumerate() {
                 ledger.phase_begin(Phase::MicroBatch(j));
                 let record = &mut buffers.record;
                 let inside = &mut *inside;
-                let worker = &mut worker;
-                let optimizer = &mut optimizer;
+                let updater_now = &mut updater;
                 let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
                     let Some(grad) = ps[i].grad() else {
                         return Ok(());
@@ -205,12 +193,8 @@ where
                     let r = StepRecord::read(be, record)?;
                     inside.norm_squares += (r.grad_norm as f64).powi(2);
                     inside.all_finite &= r.finite();
-                    match (worker.as_mut(), optimizer.as_deref_mut()) {
-                        (Some(w), _) => w.submit(be, ps, i, record)?,
-                        (None, Some(o)) => {
-                            update_one(be, o, &mut ps[i], plan.lr, record, step, seed)?
-                        }
-                        (None, None) => unreachable!("the optimizer is on one thread or the other"),
+                    if let Some(u) = updater_now.as_mut() {
+                        u.update(be, ps, Some(i), record)?;
                     }
                     ps[i].drop_grad();
                     Ok(())
@@ -240,8 +224,8 @@ where
                 stash.offloaded_bytes += s.stash.offloaded_bytes;
                 if j + 1 == plan.k {
                     // The last update in flight is back before the micro-batch ends.
-                    if let Some(w) = worker.take() {
-                        w.close(be, params)?;
+                    if let Some(u) = updater.take() {
+                        u.close(be, params)?;
                     }
                 }
                 ledger.phase_end(Phase::MicroBatch(j));
@@ -292,37 +276,16 @@ where
                 )?;
             }
             let (step, seed) = (self.step + 1, self.options.seed);
-            if let Some(host) = self.host_for_offload()? {
-                // Offloaded: one parameter after another through the host thread, the
-                // next one's copies beside the current one's update.
-                let (params, optimizer) = (&mut self.params, &mut self.optimizer);
-                std::thread::scope(|scope| {
-                    let mut w =
-                        HostWorker::spawn(scope, be, host.as_ref(), optimizer, plan.lr, step, seed);
-                    for i in 0..params.len() {
-                        if params[i].trains() {
-                            w.submit(be, params, i, &record)?;
-                        }
-                    }
-                    w.close(be, params)
-                })?;
-            } else if self.precision.update_rounding().is_some() {
-                // Pure bf16: one parameter at a time, so that one f32 copy exists at once.
-                for p in &mut self.params {
-                    update_one(be, &mut self.optimizer, p, plan.lr, &record, step, seed)?;
-                }
-            } else {
-                self.optimizer.step(
-                    be,
-                    &mut self.params,
-                    plan.lr,
-                    GradScale::new(&record)?,
-                    step,
-                )?;
-                for p in &mut self.params {
-                    p.refresh_after_step(be, 0)?;
-                }
-            }
+            let host = self.host_for_offload()?;
+            let (params, optimizer) = (&mut self.params, &mut self.optimizer);
+            std::thread::scope(|scope| {
+                // Every parameter at once on the device (pure bf16: one at a time);
+                // offloaded, one after another through the host thread.
+                let host = host.as_deref();
+                let mut u = Updater::start(scope, be, host, optimizer, (plan.lr, step, seed));
+                u.update(be, params, None, &record)?;
+                u.close(be, params)
+            })?;
         }
         let mut r = StepRecord::read(be, &record)?;
         if plan.in_backward {
@@ -440,30 +403,6 @@ where
             stash,
         }
     }
-}
-
-/// One parameter's update at `step` on the device: its values made ready
-/// ([`Param::begin_update`], the transient f32 copy of pure bf16), the optimizer's step
-/// with `record`, the guard's decision, and the compute weights refreshed (pure bf16's
-/// rounding, keyed by `seed`, `step` and the parameter).
-fn update_one(
-    be: &dyn Backend,
-    optimizer: &mut impl Optimizer,
-    p: &mut Param,
-    lr: f32,
-    record: &Tensor,
-    step: u64,
-    seed: u64,
-) -> Result<()> {
-    p.begin_update(be)?;
-    optimizer.step(
-        be,
-        std::slice::from_mut(p),
-        lr,
-        GradScale::new(record)?,
-        step,
-    )?;
-    p.refresh_after_step(be, p.rounding_key(seed, step))
 }
 
 /// The random key of micro-batch `j` of step `step` in a run seeded `seed`

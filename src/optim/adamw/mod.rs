@@ -7,12 +7,11 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
-use super::{GradScale, Optimizer, Param};
+use super::{state_layout, GradScale, Optimizer, ParamUpdate, StateSlot};
 use crate::device::cpu::elementwise::{cast, same_len};
 use crate::device::cpu::{each, ensure, ensure_f32};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::{Error, Result};
-use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -341,7 +340,7 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// The dtype of the moments of a parameter kept in `value` ([`Param::kept_dtype`]: its
+    /// The dtype of the moments of a parameter kept in `value` ([`crate::Param::kept_dtype`]: its
     /// master copy's, or without one its weights'): [`AdamW::state_dtype`] when set, else
     /// bf16 for bf16 values and f32 for every other.
     pub fn moment_dtype(&self, value: DType) -> DType {
@@ -418,47 +417,45 @@ impl Optimizer for AdamW {
         self.lr
     }
 
-    fn step(
+    fn state_slots(&self, shape: &[usize], kept: DType) -> Vec<StateSlot> {
+        let moments = self.moment_dtype(kept);
+        vec![
+            StateSlot::new("exp_avg", shape, moments),
+            StateSlot::new("exp_avg_sq", shape, moments),
+        ]
+    }
+
+    fn writes_compute(&self) -> bool {
+        true
+    }
+
+    fn update(
         &mut self,
         backend: &dyn Backend,
-        params: &mut [Param],
+        params: &mut [ParamUpdate<'_>],
         lr: f32,
         grad_scale: GradScale<'_>,
         step: u64,
     ) -> Result<()> {
         self.validate()?;
-        // Every tensor's state first (zeros at the first step), then one update of them
-        // all (a few launches on a GPU).
-        let mut tensors = Vec::new();
-        for p in params.iter_mut().filter(|p| p.trains()) {
-            let decays = p.decays();
-            let name = p.name().to_string();
-            let shape = p.shape().to_vec();
-            let moments = self.moment_dtype(p.kept_dtype());
-            let parts = p.update_parts_fused()?;
-            let state = parts.state;
-            if state.is_empty() {
-                state.push(backend.zeros(
-                    &shape,
-                    moments,
-                    MemoryCategory::OptimizerState,
-                    &format!("{name}.exp_avg"),
-                )?);
-                state.push(backend.zeros(
-                    &shape,
-                    moments,
-                    MemoryCategory::OptimizerState,
-                    &format!("{name}.exp_avg_sq"),
-                )?);
-            }
-            let (m, v) = state.split_at_mut(1);
+        // One update of them all (a few launches on a GPU).
+        let mut tensors = Vec::with_capacity(params.len());
+        for p in params.iter_mut() {
+            let [m, v] = &mut *p.state else {
+                return Err(state_layout(
+                    "adamw",
+                    p.name,
+                    p.state.len(),
+                    "2 (the moments)",
+                ));
+            };
             tensors.push(AdamWTensor {
-                param: parts.value,
-                grad: parts.grad,
-                m: &mut m[0],
-                v: &mut v[0],
-                compute: parts.compute,
-                decays,
+                param: &mut *p.values,
+                grad: p.grad,
+                m,
+                v,
+                compute: p.compute.as_deref_mut(),
+                decays: p.decays,
             });
         }
         update_many(
@@ -489,6 +486,20 @@ impl Optimizer for AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemoryCategory;
+    use crate::optim::Param;
+
+    /// One update of `params` as the trainer runs it.
+    fn update(
+        opt: &mut impl Optimizer,
+        be: &dyn Backend,
+        params: &mut [Param],
+        lr: f32,
+        scale: GradScale<'_>,
+        step: u64,
+    ) -> Result<()> {
+        crate::trainer::update_params(be, opt, params, lr, scale, step, 0)
+    }
     use crate::device::CpuBackend;
     use crate::precision::Fp32;
 
@@ -536,7 +547,7 @@ mod tests {
         let one = scale(&be, 1.0);
         for step in 1..=n {
             let s = GradScale::new(&one).unwrap();
-            opt_mut.step(&be, &mut params, opt.lr, s, step).unwrap();
+            update(&mut opt_mut, &be, &mut params, opt.lr, s, step).unwrap();
         }
         assert_eq!(
             params[0].state().len(),
@@ -585,8 +596,15 @@ mod tests {
             let lr = 1e-3 * step as f32;
             let clip = 0.5;
             let s = scale(&be, clip);
-            opt.step(&be, &mut params, lr, GradScale::new(&s).unwrap(), step)
-                .unwrap();
+            update(
+                &mut opt,
+                &be,
+                &mut params,
+                lr,
+                GradScale::new(&s).unwrap(),
+                step,
+            )
+            .unwrap();
             let (b1, b2, eps, wd) = (0.9f64, 0.95f64, 1e-8f64, 0.1f64);
             for i in 0..4 {
                 let gi = g[i] as f64 * clip as f64;
@@ -618,8 +636,15 @@ mod tests {
         let init = [0.1f32, -0.2, 0.3, 0.4];
         let mut params = vec![param(&be, "w", &[2, 2], &init, &[0.5, -0.5, 1.0, 2.0])];
         let one = scale(&be, 1.0);
-        opt.step(&be, &mut params, 1e-2, GradScale::new(&one).unwrap(), 1)
-            .unwrap();
+        update(
+            &mut opt,
+            &be,
+            &mut params,
+            1e-2,
+            GradScale::new(&one).unwrap(),
+            1,
+        )
+        .unwrap();
         let before = be.to_f32(params[0].value()).unwrap();
         let moments: Vec<Vec<f32>> = params[0]
             .state()
@@ -628,8 +653,15 @@ mod tests {
             .collect();
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let s = scale(&be, bad);
-            opt.step(&be, &mut params, 1e-2, GradScale::new(&s).unwrap(), 2)
-                .unwrap();
+            update(
+                &mut opt,
+                &be,
+                &mut params,
+                1e-2,
+                GradScale::new(&s).unwrap(),
+                2,
+            )
+            .unwrap();
             let after = be.to_f32(params[0].value()).unwrap();
             assert_eq!(
                 after.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),

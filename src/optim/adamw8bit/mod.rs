@@ -10,12 +10,11 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 
 use super::adamw::{self, check_scale, AdamWStep};
-use super::{AdamW, GradScale, Optimizer, Param};
+use super::{state_layout, AdamW, GradScale, Optimizer, ParamUpdate, StateSlot};
 use crate::device::cpu::elementwise::{cast, same_len};
 use crate::device::cpu::{each, ensure, ensure_f32, ensure_float};
 use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel, QUANT_BLOCK};
-use crate::error::{Error, Result};
-use crate::memory::MemoryCategory;
+use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -268,67 +267,56 @@ impl AdamW8bit {
     }
 }
 
-/// The state slots of a parameter of `shape`, zero (a block whose maximum is 0 holds
-/// zeros).
-fn new_state(
-    backend: &dyn Backend,
-    name: &str,
-    shape: &[usize],
-    quantized: bool,
-) -> Result<Vec<Tensor>> {
-    let state = MemoryCategory::OptimizerState;
-    if !quantized {
-        return ["exp_avg", "exp_avg_sq"]
-            .iter()
-            .map(|m| backend.zeros(shape, DType::F32, state, &format!("{name}.{m}")))
-            .collect();
-    }
-    let blocks = shape.iter().product::<usize>().div_ceil(QUANT_BLOCK);
-    let mut slots = Vec::with_capacity(4);
-    for m in ["exp_avg", "exp_avg_sq"] {
-        slots.push(backend.zeros(shape, DType::U8, state, &format!("{name}.{m}.codes"))?);
-        slots.push(backend.zeros(&[blocks], DType::F32, state, &format!("{name}.{m}.absmax"))?);
-    }
-    Ok(slots)
-}
-
 #[typetag::serde(name = "adamw8bit")]
 impl Optimizer for AdamW8bit {
     fn learning_rate(&self) -> f32 {
         self.lr
     }
 
-    fn step(
+    /// Two 8-bit moments (codes and per-block absmax each) for a tensor of at least
+    /// `min_8bit_size` elements, two f32 moments for a smaller one.
+    fn state_slots(&self, shape: &[usize], _kept: DType) -> Vec<StateSlot> {
+        if !self.quantizes(shape.iter().product()) {
+            return ["exp_avg", "exp_avg_sq"]
+                .map(|m| StateSlot::new(m, shape, DType::F32))
+                .to_vec();
+        }
+        let blocks = [shape.iter().product::<usize>().div_ceil(QUANT_BLOCK)];
+        let mut slots = Vec::with_capacity(4);
+        for m in ["exp_avg", "exp_avg_sq"] {
+            slots.push(StateSlot::new(&format!("{m}.codes"), shape, DType::U8));
+            slots.push(StateSlot::new(&format!("{m}.absmax"), &blocks, DType::F32));
+        }
+        slots
+    }
+
+    fn writes_compute(&self) -> bool {
+        true
+    }
+
+    fn update(
         &mut self,
         backend: &dyn Backend,
-        params: &mut [Param],
+        params: &mut [ParamUpdate<'_>],
         lr: f32,
         grad_scale: GradScale<'_>,
         step: u64,
     ) -> Result<()> {
         self.adamw().validate()?;
-        for p in params.iter_mut().filter(|p| p.trains()) {
-            let decay = if p.decays() { self.weight_decay } else { 0.0 };
-            let name = p.name().to_string();
-            let shape = p.shape().to_vec();
-            let quantized = self.quantizes(shape.iter().product());
-            let parts = p.update_parts_fused()?;
-            let (value, grad, state) = (parts.value, parts.grad, parts.state);
-            if state.is_empty() {
-                *state = new_state(backend, &name, &shape, quantized)?;
-            }
+        for p in params.iter_mut() {
             let hp = AdamWStep {
                 lr,
                 beta1: self.beta1,
                 beta2: self.beta2,
                 eps: self.eps,
-                weight_decay: decay,
+                weight_decay: if p.decays { self.weight_decay } else { 0.0 },
                 step,
                 grad_scale: 1.0,
             };
             let scale = Some(grad_scale.tensor());
+            let compute = p.compute.as_deref_mut();
             // The layout the state has (a resumed run keeps the one it was saved with).
-            match state.as_mut_slice() {
+            match &mut *p.state {
                 [m, m_absmax, v, v_absmax] => {
                     let moments = QuantizedMoments {
                         m,
@@ -336,18 +324,16 @@ impl Optimizer for AdamW8bit {
                         v,
                         v_absmax,
                     };
-                    update(backend, value, grad, moments, &hp, scale, parts.compute)?
+                    update(backend, p.values, p.grad, moments, &hp, scale, compute)?
                 }
-                [m, v] => adamw::update(backend, value, grad, m, v, &hp, scale, parts.compute)?,
+                [m, v] => adamw::update(backend, p.values, p.grad, m, v, &hp, scale, compute)?,
                 other => {
-                    return Err(Error::Backend {
-                        backend: "optimizer",
-                        message: format!(
-                            "`{name}` has {} optimizer state tensors; adamw8bit keeps 4 \
-                             (8-bit moments) or 2 (f32 moments)",
-                            other.len()
-                        ),
-                    })
+                    return Err(state_layout(
+                        "adamw8bit",
+                        p.name,
+                        other.len(),
+                        "4 (8-bit moments) or 2 (f32 moments)",
+                    ))
                 }
             }
         }
@@ -365,6 +351,20 @@ impl Optimizer for AdamW8bit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemoryCategory;
+    use crate::optim::Param;
+
+    /// One update of `params` as the trainer runs it.
+    fn run(
+        opt: &mut (impl Optimizer + ?Sized),
+        be: &dyn Backend,
+        params: &mut [Param],
+        lr: f32,
+        scale: GradScale<'_>,
+        step: u64,
+    ) -> Result<()> {
+        crate::trainer::update_params(be, opt, params, lr, scale, step, 0)
+    }
     use crate::device::{code_table, CpuBackend};
     use crate::precision::Fp32;
     use crate::rng::Rng;
@@ -420,8 +420,15 @@ mod tests {
         let mut params = vec![param(&be, "w", &shape, &randn(&mut rng, n, 0.5))];
         set_grad(&be, &mut params[0], &randn(&mut rng, n, 0.1));
         let one = scale(&be, 1.0);
-        opt.step(&be, &mut params, 1e-3, GradScale::new(&one).unwrap(), 1)
-            .unwrap();
+        run(
+            &mut opt,
+            &be,
+            &mut params,
+            1e-3,
+            GradScale::new(&one).unwrap(),
+            1,
+        )
+        .unwrap();
         let state: Vec<Vec<f32>> = params[0]
             .state()
             .iter()
@@ -433,8 +440,15 @@ mod tests {
         set_grad(&be, &mut params[0], &g);
         let (lr, clip, step) = (2e-3f32, 0.5f32, 2u64);
         let s = scale(&be, clip);
-        opt.step(&be, &mut params, lr, GradScale::new(&s).unwrap(), step)
-            .unwrap();
+        run(
+            &mut opt,
+            &be,
+            &mut params,
+            lr,
+            GradScale::new(&s).unwrap(),
+            step,
+        )
+        .unwrap();
 
         let (signed, unsigned) = (code_table(true), code_table(false));
         let (b1, b2, eps, wd) = (
@@ -525,8 +539,15 @@ mod tests {
                 for (p, g) in params.iter_mut().zip(&grads) {
                     set_grad(&be, p, g);
                 }
-                opt.step(&be, &mut params, 1e-2, GradScale::new(&one).unwrap(), step)
-                    .unwrap();
+                run(
+                    opt,
+                    &be,
+                    &mut params,
+                    1e-2,
+                    GradScale::new(&one).unwrap(),
+                    step,
+                )
+                .unwrap();
             }
             let state = be
                 .ledger()
@@ -572,8 +593,15 @@ mod tests {
         let mut params = vec![param(&be, "w", &[n], &randn(&mut rng, n, 1.0))];
         set_grad(&be, &mut params[0], &randn(&mut rng, n, 0.1));
         let one = scale(&be, 1.0);
-        opt.step(&be, &mut params, 1e-2, GradScale::new(&one).unwrap(), 1)
-            .unwrap();
+        run(
+            &mut opt,
+            &be,
+            &mut params,
+            1e-2,
+            GradScale::new(&one).unwrap(),
+            1,
+        )
+        .unwrap();
         let read = |p: &Param| -> Vec<Vec<u32>> {
             std::iter::once(p.value())
                 .chain(p.state())
@@ -583,8 +611,15 @@ mod tests {
         let before = read(&params[0]);
         for bad in [f32::NAN, f32::INFINITY] {
             let s = scale(&be, bad);
-            opt.step(&be, &mut params, 1e-2, GradScale::new(&s).unwrap(), 2)
-                .unwrap();
+            run(
+                &mut opt,
+                &be,
+                &mut params,
+                1e-2,
+                GradScale::new(&s).unwrap(),
+                2,
+            )
+            .unwrap();
             assert_eq!(read(&params[0]), before, "{bad}");
         }
     }
@@ -599,10 +634,16 @@ mod tests {
             beta2: 1.5,
             ..AdamW8bit::default()
         };
-        let err = opt
-            .step(&be, &mut params, 1e-2, GradScale::new(&one).unwrap(), 1)
-            .unwrap_err()
-            .to_string();
+        let err = run(
+            &mut opt,
+            &be,
+            &mut params,
+            1e-2,
+            GradScale::new(&one).unwrap(),
+            1,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("optimizer.beta2"), "{err}");
         // Codes of the wrong dtype or size are refused by the op's shared check.
         let mut p = be

@@ -1,0 +1,158 @@
+//! The update: the one path by which an optimizer changes the weights. It decides what
+//! trains (frozen parameters never reach an optimizer), allocates the optimizer's state
+//! slots, makes pure bf16's f32 copies and rounds them back, and runs the update where
+//! the run asks: over every parameter at once, one parameter at a time (pure bf16), on
+//! the host thread of an offloaded optimizer, or inside backward as each gradient is
+//! complete. [`Updater`] is that choice, made once per step; [`update_params`] is one
+//! update on the device, as the trainer runs it.
+
+use super::host_update::HostWorker;
+use crate::device::Backend;
+use crate::error::Result;
+use crate::model::Param;
+use crate::optim::{GradScale, Optimizer};
+use crate::tensor::Tensor;
+use std::thread::Scope;
+
+/// One update of `params` by `optimizer` at `step` (1-based) and learning rate `lr`, as
+/// the trainer runs it: parameters that do not train are skipped; each trainable one gets
+/// the state slots the optimizer declares ([`Optimizer::state_slots`]) before its first
+/// update; the optimizer updates them together ([`Optimizer::update`]), except pure
+/// bf16's, which are widened to f32, updated and rounded back one at a time (one f32 copy
+/// exists at once; stochastic rounding keyed by `seed`, `step` and the parameter's
+/// name); then the compute weights are refreshed from the master copies the optimizer did
+/// not write itself.
+pub fn update_params<O: Optimizer + ?Sized>(
+    backend: &dyn Backend,
+    optimizer: &mut O,
+    params: &mut [Param],
+    lr: f32,
+    grad_scale: GradScale<'_>,
+    step: u64,
+    seed: u64,
+) -> Result<()> {
+    if params.iter().any(|p| p.update_rounding().is_some()) {
+        for p in params.iter_mut() {
+            let one = std::slice::from_mut(p);
+            step_optimizer(backend, optimizer, one, lr, grad_scale, step)?;
+            refresh(backend, one, step, seed)?;
+        }
+        return Ok(());
+    }
+    step_optimizer(backend, optimizer, params, lr, grad_scale, step)?;
+    refresh(backend, params, step, seed)
+}
+
+/// The optimizer's update of the trainable `params` on `backend` (the device, or the host
+/// thread's memory), their values made ready ([`Param::begin_update`]) and their state
+/// slots allocated first; the compute weights are left to [`refresh`].
+pub(super) fn step_optimizer<O: Optimizer + ?Sized>(
+    backend: &dyn Backend,
+    optimizer: &mut O,
+    params: &mut [Param],
+    lr: f32,
+    grad_scale: GradScale<'_>,
+    step: u64,
+) -> Result<()> {
+    let fused = optimizer.writes_compute();
+    let mut updates = Vec::with_capacity(params.len());
+    for p in params.iter_mut().filter(|p| p.trains()) {
+        p.begin_update(backend)?;
+        let slots = optimizer.state_slots(p.shape(), p.kept_dtype());
+        updates.push(p.for_update(backend, &slots, fused)?);
+    }
+    if updates.is_empty() {
+        return Ok(());
+    }
+    optimizer.update(backend, &mut updates, lr, grad_scale, step)
+}
+
+/// The compute weights of the trainable `params` after their update: copied from the
+/// master weights unless the optimizer wrote them, or pure bf16's rounding.
+fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) -> Result<()> {
+    for p in params.iter_mut().filter(|p| p.trains()) {
+        let key = p.rounding_key(seed, step);
+        p.refresh_after_step(backend, key)?;
+    }
+    Ok(())
+}
+
+/// Where one step's updates run: on the device through [`update_params`], or on the host
+/// thread of an offloaded optimizer ([`HostWorker`]).
+pub(super) struct Updater<'scope, 'env, O: Optimizer> {
+    on: On<'scope, 'env, O>,
+    lr: f32,
+    step: u64,
+    seed: u64,
+}
+
+/// The two places an update runs.
+enum On<'scope, 'env, O> {
+    Device(&'env mut O),
+    Host(HostWorker<'scope>),
+}
+
+impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
+    /// The updates of step `step` (1-based) at learning rate `lr` in a run seeded `seed`:
+    /// on `device`, or with `host` (the device's host memory, [`Backend::host`]) on a host
+    /// thread of `scope`.
+    pub(super) fn start(
+        scope: &'scope Scope<'scope, 'env>,
+        device: &'env dyn Backend,
+        host: Option<&'env dyn Backend>,
+        optimizer: &'env mut O,
+        (lr, step, seed): (f32, u64, u64),
+    ) -> Self {
+        let on = match host {
+            Some(h) => On::Host(HostWorker::spawn(
+                scope, device, h, optimizer, lr, step, seed,
+            )),
+            None => On::Device(optimizer),
+        };
+        Updater { on, lr, step, seed }
+    }
+
+    /// Updates parameter `only`, or every parameter, of `params` with the guard's
+    /// `record` (its multiplier and skip decision): those that do not train are skipped.
+    /// On the host thread each parameter's update is in flight while the next one's
+    /// copies start; [`Updater::close`] waits for the last.
+    pub(super) fn update(
+        &mut self,
+        device: &dyn Backend,
+        params: &mut [Param],
+        only: Option<usize>,
+        record: &Tensor,
+    ) -> Result<()> {
+        let range = match only {
+            Some(i) => i..i + 1,
+            None => 0..params.len(),
+        };
+        match &mut self.on {
+            On::Device(optimizer) => update_params(
+                device,
+                &mut **optimizer,
+                &mut params[range],
+                self.lr,
+                GradScale::new(record)?,
+                self.step,
+                self.seed,
+            ),
+            On::Host(worker) => {
+                for i in range {
+                    if params[i].trains() {
+                        worker.submit(device, params, i, record)?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Finishes the update in flight on the host thread, if any, and ends the thread.
+    pub(super) fn close(self, device: &dyn Backend, params: &mut [Param]) -> Result<()> {
+        match self.on {
+            On::Device(_) => Ok(()),
+            On::Host(worker) => worker.close(device, params),
+        }
+    }
+}
