@@ -16,9 +16,9 @@ mod timing;
 use std::io::Write;
 use timing::time;
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::device::Heads;
 use trainkit::memory::MemoryCategory;
 use trainkit::ops::flash_attention;
+use trainkit::ops::Heads;
 use trainkit::{Backend, DType, Rng};
 
 /// A shape of the benchmark: its name, batch, sequence, query heads, key/value heads, head

@@ -5,6 +5,7 @@ use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::ops::update_rounding::{self, UpdateRounding};
+use crate::ops::ParamGrad;
 use crate::optim::{ParamUpdate, StateSlot};
 use crate::precision::Precision;
 use crate::rng::Rng;
@@ -498,11 +499,9 @@ impl Param {
         &self.state
     }
 
-    /// The gradient buffer, allocated (zeroed) on first use: what an op node's backward
-    /// accumulates its parameter's gradient into (add to it, never overwrite: several
-    /// nodes and micro-batches add up in it). Ops skip the gradients of frozen parameters
-    /// where they can; one that cannot (a norm's gain, computed with its input's gradient)
-    /// gets a buffer that the executor frees once the op's backward is done.
+    /// The gradient buffer, allocated (zeroed) on first use, for setting a gradient by
+    /// hand (tests, a custom loop); ops accumulate through [`Param::for_backward`], which
+    /// gives a frozen parameter none.
     pub fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
         if self.grad.is_none() {
             let g = backend.zeros(
@@ -516,11 +515,11 @@ impl Param {
         Ok(self.grad.as_mut().expect("allocated above"))
     }
 
-    /// The compute weights and the gradient buffer, for an op that reads one and
-    /// accumulates into the other.
-    pub fn weight_and_grad(&mut self, backend: &dyn Backend) -> Result<(&Tensor, &mut Tensor)> {
-        self.grad_mut(backend)?;
-        Ok((&self.weight, self.grad.as_mut().expect("allocated above")))
+    /// The parameter as an op's backward sees it ([`ParamGrad`]): its weights, and its
+    /// gradient when it trains.
+    pub fn for_backward(&mut self) -> ParamGrad<'_> {
+        let grad = self.trains.then_some(&mut self.grad);
+        ParamGrad::new(&self.name, &self.weight, grad, self.grad_dtype)
     }
 
     /// Frees the gradient (after the optimizer used it inside backward); the next

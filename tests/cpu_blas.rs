@@ -11,8 +11,8 @@ use common::{corpus_loader, randn, tensor, tiny_config};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
-use trainkit::device::Heads;
 use trainkit::ops::attention;
+use trainkit::ops::Heads;
 use trainkit::{Backend, Blas, CpuBackend, Error, Gpt2, Rng, Trainer};
 
 /// A CBLAS `sgemm` for both layouts and all transposes, counting its calls, plus OpenBLAS's

@@ -14,7 +14,7 @@ mod common;
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
 use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
-use trainkit::device::Heads;
+use trainkit::ops::Heads;
 use trainkit::ops::{
     attention, cross_entropy, embedding, flash_attention, gelu, glu, layernorm, linear, qk_norm,
     rmsnorm, rope, Gate,
@@ -1482,7 +1482,7 @@ fn adamw8bit_matches_the_cpu_bit_for_bit() {
     for (name, cuda) in cuda_backends() {
         for n in [300usize, 4096 + 77, 256 * 24] {
             for dg in DTYPES {
-                let blocks = n.div_ceil(trainkit::device::QUANT_BLOCK);
+                let blocks = n.div_ceil(trainkit::optim::adamw8bit::QUANT_BLOCK);
                 let mut p = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], DType::F32);
                 let mut m = pair(&cpu, &cuda, &vec![0.0; n], &[n], DType::U8);
                 let mut v = pair(&cpu, &cuda, &vec![0.0; n], &[n], DType::U8);

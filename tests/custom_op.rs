@@ -238,7 +238,7 @@ impl ReluSquaredGpt {
                 );
                 s.node(
                     trainkit::ops::CausalAttention {
-                        heads: trainkit::device::Heads::mha(config.n_head, config.n_embd),
+                        heads: trainkit::ops::Heads::mha(config.n_head, config.n_embd),
                     },
                     &[qkv],
                     &[probs, attn_out],
@@ -526,7 +526,7 @@ fn tracks_the_cpu(backend: Arc<dyn Backend>, name: &str, tolerance: f64) {
 }
 
 /// An op node of a downstream crate reaches its parameters' weights and gradient buffers
-/// as trainkit's own nodes do (`BackwardCx::params`).
+/// as trainkit's own nodes do (`BackwardCx::params`, a `ParamGrad` each).
 #[test]
 fn a_downstream_node_accumulates_parameter_gradients() {
     let be = CpuBackend::new();
@@ -542,10 +542,22 @@ fn a_downstream_node_accumulates_parameter_gradients() {
         )
         .unwrap();
     for _ in 0..2 {
-        let (weight, grad) = p.weight_and_grad(&be).unwrap();
+        let mut view = p.for_backward();
+        assert!(view.wants_grad());
+        let (weight, grad) = view.weight_and_grad(&be).unwrap();
         assert_eq!(be.to_f32(weight).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
         be.axpy(grad, 1.0, &delta).unwrap();
     }
     be.axpy(p.grad_mut(&be).unwrap(), 2.0, &delta).unwrap();
     assert_eq!(be.to_f32(p.grad().unwrap()).unwrap(), vec![2.0; 4]);
+    // A frozen parameter's view wants no gradient; an op that must write one anyway (a
+    // norm's gain) gets a buffer that goes with the view, never into the parameter.
+    let mut frozen =
+        trainkit::optim::Param::frozen(&be, "gain", &[4], &[1.0, 2.0, 3.0, 4.0], &Fp32).unwrap();
+    {
+        let mut view = frozen.for_backward();
+        assert!(!view.wants_grad());
+        be.axpy(view.grad_mut(&be).unwrap(), 1.0, &delta).unwrap();
+    }
+    assert!(frozen.grad().is_none());
 }

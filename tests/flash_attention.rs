@@ -7,9 +7,9 @@
 mod common;
 
 use common::{corpus_loader, cpu, randn, tiny_config};
-use trainkit::device::Heads;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::{Rope, RopeScaling};
+use trainkit::ops::Heads;
 use trainkit::ops::{attention, flash_attention, AttentionPath, LossPath};
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, Constant, DType, Fp32, Full, Gpt2, Gpt2Config, Llama,

@@ -197,7 +197,7 @@ fn the_op_matches_its_composed_reference() {
             let mut cx = LossCx {
                 backend: be,
                 inputs: vec![&x],
-                params: vec![&mut param],
+                params: vec![param.for_backward()],
                 targets: &targets,
                 vocab,
                 grad_scale: Some(scale),

@@ -1,5 +1,5 @@
 //! Every CUDA kernel file compiles with NVRTC, for Hopper (sm_90) and Ampere (sm_80), to
-//! PTX that defines exactly the kernels `KERNEL_FILES` lists, at a PTX version the CUDA
+//! PTX that defines exactly the kernels `kernel_files()` lists, at a PTX version the CUDA
 //! 13.0 driver (580) loads; and that PTX assembles (ptxas, inside NVRTC) to machine code
 //! whose every kernel fits a block's static shared memory (48 KiB). Each file's most
 //! register-hungry kernel and every kernel that spills registers are printed: a spill is
@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use trainkit::device::cuda::cache::{CacheOutcome, KernelCache, Versions};
 use trainkit::device::cuda::kernels::{
     self, assemble, compile, find_include_dir, nvrtc_version, ptx_entries, ptx_version,
-    CompileOptions, KERNEL_FILES,
+    CompileOptions,
 };
 
 /// The newest PTX ISA the 580 driver (CUDA 13.0) loads.
@@ -66,7 +66,7 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
         let options = CompileOptions::new(arch, &include);
         let mut kernels = 0;
         let mut versions = BTreeSet::new();
-        for file in KERNEL_FILES {
+        for file in kernels::kernel_files() {
             let start = std::time::Instant::now();
             let assembly = match assemble(&file.full_source(), &options) {
                 Ok(a) => a,
@@ -84,7 +84,7 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
                 assembly.kernels.iter().map(|k| k.name.as_str()).collect();
             if listed != assembled {
                 failures.push(format!(
-                    "{} for {arch}: ptxas assembled {assembled:?}, KERNEL_FILES lists {listed:?}",
+                    "{} for {arch}: ptxas assembled {assembled:?}, kernel_files() lists {listed:?}",
                     file.name
                 ));
             }
@@ -110,7 +110,7 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
             }
             for extra in entries.difference(&listed) {
                 failures.push(format!(
-                    "{} for {arch}: kernel `{extra}` is not listed in KERNEL_FILES",
+                    "{} for {arch}: kernel `{extra}` is not listed in kernel_files()",
                     file.name
                 ));
             }
@@ -144,7 +144,7 @@ fn every_kernel_compiles_for_sm90_and_sm80() {
         }
         say(&format!(
             "{arch}: {} files, {kernels} kernels, PTX .version {}",
-            KERNEL_FILES.len(),
+            kernels::kernel_files().len(),
             versions.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
@@ -169,7 +169,7 @@ fn the_16_bit_attention_kernels_use_the_tensor_cores() {
     let Some((include, _)) = nvrtc_or_skip() else {
         return;
     };
-    let file = KERNEL_FILES
+    let file = kernels::kernel_files()
         .iter()
         .find(|f| f.name == "flash_attention.cu")
         .expect("the fused attention's kernel file");
@@ -274,7 +274,7 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
     ];
     for arch in ARCHS {
         for (file, prefix) in cases {
-            let file = KERNEL_FILES
+            let file = kernels::kernel_files()
                 .iter()
                 .find(|f| f.name == file)
                 .expect("a kernel file of trainkit's");

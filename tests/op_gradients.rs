@@ -4,7 +4,7 @@
 mod common;
 
 use common::{cpu, randn, tensor};
-use trainkit::device::Heads;
+use trainkit::ops::Heads;
 use trainkit::ops::{attention, cross_entropy, embedding, gelu, layernorm};
 use trainkit::{Backend, Rng, Tensor};
 

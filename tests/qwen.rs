@@ -10,9 +10,9 @@ mod common;
 use common::{corpus_loader, cpu, grads, randn, scratch, values};
 use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
-use trainkit::device::Heads;
 use trainkit::model::{Family, Rope, RopeScaling};
 use trainkit::ops::qk_norm;
+use trainkit::ops::Heads;
 use trainkit::save::read_model_dir;
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, LlamaConfig, MemoryCategory,

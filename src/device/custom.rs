@@ -27,7 +27,7 @@
 //! its length, as the CPU twin's slices are.
 
 use super::cpu::{each, ensure_float, read, write, CpuBackend};
-use super::cuda::kernels::KERNEL_FILES;
+use super::cuda::kernels::kernel_files;
 use super::cuda::CudaBackend;
 use super::OpKernel;
 use crate::error::{Error, Result};
@@ -96,7 +96,7 @@ pub(crate) fn check(
                 .to_string(),
         ));
     }
-    if let Some(file) = KERNEL_FILES.iter().find(|f| f.kernels.contains(&name)) {
+    if let Some(file) = kernel_files().iter().find(|f| f.kernels.contains(&name)) {
         return Err(custom_error(
             name,
             format!(

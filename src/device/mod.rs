@@ -4,17 +4,14 @@ mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod custom;
-mod heads;
 mod kernel;
 mod meta;
 mod primitives;
 
 pub use backend::Backend;
-pub use cpu::quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 pub use cpu::{Blas, CpuBackend, BLAS_ENV};
 pub use cuda::CudaBackend;
 pub use custom::CustomKernel;
-pub use heads::Heads;
 pub use kernel::{ensure_same_shape, OpKernel};
 pub use meta::MetaBackend;
 

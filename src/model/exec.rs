@@ -33,7 +33,7 @@ use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, SiteCost};
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, Phase};
-use crate::ops::{cross_entropy, missing, BackwardCx, ForwardCx, GradIn, Saved};
+use crate::ops::{cross_entropy, missing, BackwardCx, ForwardCx, GradIn, ParamGrad, Saved};
 use crate::tensor::{DType, Tensor};
 use std::cell::RefCell;
 
@@ -866,6 +866,7 @@ impl<'r> Run<'r> {
             let BackwardCx {
                 inputs,
                 outputs,
+                params: views,
                 grads_out,
                 grads_in,
                 ..
@@ -875,11 +876,7 @@ impl<'r> Run<'r> {
                 grads[v] = g.tensor;
             }
             // A frozen parameter's gradient, where an op could not skip it, goes at once.
-            for &p in &node.params {
-                if !params[p].trains() {
-                    params[p].drop_grad();
-                }
-            }
+            drop(views);
             if let Some(ready) = ready.as_mut() {
                 for &p in &node.params {
                     let left = &mut ready.remaining[p];
@@ -910,12 +907,13 @@ fn grad_label(label: &str) -> String {
     }
 }
 
-/// The parameters at `indices`, mutably, in that order.
-fn params_mut<'p>(params: &'p mut [Param], indices: &[usize]) -> Result<Vec<&'p mut Param>> {
-    let mut found: Vec<Option<&'p mut Param>> = indices.iter().map(|_| None).collect();
+/// The parameters at `indices` as a node's backward sees them ([`ParamGrad`]), in that
+/// order.
+fn params_mut<'p>(params: &'p mut [Param], indices: &[usize]) -> Result<Vec<ParamGrad<'p>>> {
+    let mut found: Vec<Option<ParamGrad<'p>>> = indices.iter().map(|_| None).collect();
     for (i, p) in params.iter_mut().enumerate() {
         if let Some(k) = indices.iter().position(|&j| j == i) {
-            found[k] = Some(p);
+            found[k] = Some(p.for_backward());
         }
     }
     found

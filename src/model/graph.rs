@@ -2,7 +2,7 @@
 //! by handles.
 
 use crate::checkpoint::Tags;
-use crate::device::Heads;
+use crate::ops::Heads;
 use crate::ops::{AttentionPath, CausalAttention, FlashAttention, Op};
 use std::fmt::Debug;
 use std::sync::Arc;

@@ -1,10 +1,12 @@
 //! The key/value cache of incremental decoding: what each attention node of a model has
 //! seen, so the next token runs the model on its own row instead of the whole context.
 
-use crate::device::{Backend, Heads};
+use crate::device::Backend;
+
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::ops::attention::decode;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;

@@ -6,8 +6,8 @@
 
 use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Mlp, Norm};
 use super::{Positions, Rope, RopeScaling, Shape};
-use crate::device::Heads;
 use crate::error::{Error, Result};
+use crate::ops::Heads;
 use serde_json::json;
 
 /// A Llama-family model, trainable on any backend with any checkpoint policy and

@@ -5,7 +5,7 @@
 //! needed to build, run or count it.
 
 use super::{Architecture, Biases, Mlp, Norm, Rope};
-use crate::device::Heads;
+use crate::ops::Heads;
 
 /// How tokens learn their position.
 #[derive(Clone, Copy, Debug, PartialEq)]

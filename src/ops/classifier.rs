@@ -65,7 +65,7 @@ impl Op for Classifier {
             !fresh,
         )?;
         let x = cx.inputs[0].get()?;
-        if !cx.params[0].trains() {
+        if !cx.params[0].wants_grad() {
             drop(dlogits);
             cx.inputs[0].release();
             return Ok(());

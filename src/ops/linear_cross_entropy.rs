@@ -211,7 +211,7 @@ impl FusedLoss for LinearCrossEntropy {
                     .accumulate(cx.backend)?;
                 existed = true;
             }
-            if runs.is_empty() && cx.grad_scale.is_some() && cx.params[0].trains() {
+            if runs.is_empty() && cx.grad_scale.is_some() && cx.params[0].wants_grad() {
                 // Nothing counts: the weight's gradient still exists, untouched.
                 cx.params[0].grad_mut(cx.backend)?;
             }
@@ -323,7 +323,7 @@ impl LinearCrossEntropy {
             // A new gradient is written chunk by chunk; an existing one is added to.
             be.copy_rows(buf, start, &part, 0, n, existed)?;
         }
-        if !cx.params[0].trains() {
+        if !cx.params[0].wants_grad() {
             return Ok(());
         }
         be.matmul(

@@ -26,7 +26,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod update_rounding;
 
-pub use attention::CausalAttention;
+pub use attention::{CausalAttention, Heads};
 pub use classifier::Classifier;
 pub use embedding::{EmbeddingScale, LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
@@ -43,7 +43,6 @@ pub use rope::Rope;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
-use crate::param::Param;
 use crate::tensor::{DType, Tensor};
 use std::any::Any;
 use std::fmt::Debug;
@@ -117,11 +116,11 @@ pub trait Op: Any + Debug + Send + Sync {
     }
 
     /// The heads of causal attention when this op is one: its input 0 the fused `qkv`
-    /// (laid out as [`crate::device::Heads`] says), its last output the attended values
+    /// (laid out as [`crate::ops::Heads`] says), its last output the attended values
     /// (`[B, T, H·D]`). Incremental decoding then runs it against a key/value cache
     /// ([`crate::model::KvCache`]) instead of [`Op::forward`]. `None`, the default, for
     /// every other op, which decoding runs on the new tokens' rows alone.
-    fn attention_heads(&self) -> Option<crate::device::Heads> {
+    fn attention_heads(&self) -> Option<crate::ops::Heads> {
         None
     }
 }
@@ -152,8 +151,9 @@ pub struct LossCx<'a> {
     pub backend: &'a dyn Backend,
     /// The node's inputs.
     pub inputs: Vec<&'a Tensor>,
-    /// The node's parameters: weights and gradient buffers.
-    pub params: Vec<&'a mut Param>,
+    /// The node's parameters: their weights and the gradients to accumulate (none for a
+    /// frozen one).
+    pub params: Vec<ParamGrad<'a>>,
     /// The target id of each position (row-major over the batch).
     pub targets: &'a [u32],
     /// Valid ids are below this; wider weights are padding.
@@ -322,6 +322,84 @@ impl GradIn {
     }
 }
 
+/// One parameter of a node as its backward sees it: the weights, and the gradient to
+/// accumulate into when the parameter trains. Ops never see the optimizer's side of a
+/// parameter (master weights, state); which parameters train is the trainer's decision,
+/// made before backward runs.
+#[derive(Debug)]
+pub struct ParamGrad<'a> {
+    name: &'a str,
+    weight: &'a Tensor,
+    /// The parameter's gradient slot, when it trains.
+    grad: Option<&'a mut Option<Tensor>>,
+    /// The dtype gradients are kept in.
+    grad_dtype: DType,
+    /// A frozen parameter's gradient where an op could not skip it: freed with the view.
+    scratch: Option<Tensor>,
+}
+
+impl<'a> ParamGrad<'a> {
+    /// The view of parameter `name` with `weight`, whose gradient (kept in `grad_dtype`)
+    /// accumulates in `grad` when it trains (`None`: frozen).
+    pub fn new(
+        name: &'a str,
+        weight: &'a Tensor,
+        grad: Option<&'a mut Option<Tensor>>,
+        grad_dtype: DType,
+    ) -> Self {
+        ParamGrad {
+            name,
+            weight,
+            grad,
+            grad_dtype,
+            scratch: None,
+        }
+    }
+
+    /// The parameter's name.
+    pub fn name(&self) -> &str {
+        self.name
+    }
+
+    /// The weights (compute dtype).
+    pub fn weight(&self) -> &'a Tensor {
+        self.weight
+    }
+
+    /// Whether the parameter's gradient is wanted (it trains): an op skips the work that
+    /// only serves a gradient that is not.
+    pub fn wants_grad(&self) -> bool {
+        self.grad.is_some()
+    }
+
+    /// The gradient to accumulate into (add to it, never overwrite: several nodes and
+    /// micro-batches add up in it), allocated zeroed on first use. An op that cannot skip
+    /// a frozen parameter's gradient (a norm's gain, computed with its input's) gets a
+    /// buffer that is freed when its backward is done.
+    pub fn grad_mut(&mut self, backend: &dyn Backend) -> Result<&mut Tensor> {
+        let slot = match self.grad.as_deref_mut() {
+            Some(slot) => slot,
+            None => &mut self.scratch,
+        };
+        if slot.is_none() {
+            *slot = Some(backend.zeros(
+                self.weight.shape(),
+                self.grad_dtype,
+                MemoryCategory::Gradients,
+                self.name,
+            )?);
+        }
+        Ok(slot.as_mut().expect("allocated above"))
+    }
+
+    /// The weights and the gradient ([`ParamGrad::grad_mut`]), for an op that reads one
+    /// and accumulates into the other.
+    pub fn weight_and_grad(&mut self, backend: &dyn Backend) -> Result<(&'a Tensor, &mut Tensor)> {
+        let weight = self.weight;
+        Ok((weight, self.grad_mut(backend)?))
+    }
+}
+
 /// What a node's backward works with.
 pub struct BackwardCx<'a> {
     /// The backend every op runs on.
@@ -330,8 +408,9 @@ pub struct BackwardCx<'a> {
     pub inputs: Vec<Saved<'a>>,
     /// The saved outputs ([`Saves::outputs`]).
     pub outputs: Vec<Saved<'a>>,
-    /// The node's parameters: weights and gradient buffers.
-    pub params: Vec<&'a mut Param>,
+    /// The node's parameters: their weights and the gradients to accumulate (none for a
+    /// frozen one).
+    pub params: Vec<ParamGrad<'a>>,
     /// The batch's token ids (read by embeddings).
     pub tokens: &'a [u32],
     /// Each token's position in its document, as [`ForwardCx::positions`].

@@ -209,7 +209,7 @@ where
     pub fn adapter_tensors(&self) -> Result<Vec<NamedTensor>> {
         self.params
             .iter()
-            .filter(|p| is_update_param(p.name()) || p.trains())
+            .filter(|p| in_adapter(p))
             .map(|p| {
                 Ok(NamedTensor {
                     name: p.name().to_string(),
@@ -281,11 +281,7 @@ where
             }
         }
         let be = self.backend.as_ref();
-        for p in self
-            .params
-            .iter_mut()
-            .filter(|p| is_update_param(p.name()) || p.trains())
-        {
+        for p in self.params.iter_mut().filter(|p| in_adapter(p)) {
             let t = by_name.remove(p.name()).ok_or_else(|| {
                 Error::data(
                     &what,
@@ -533,6 +529,12 @@ fn padded_state<'t>(
     let mut data = t.data.clone();
     data.resize(param.iter().product(), 0.0);
     (Cow::Owned(data), param.to_vec())
+}
+
+/// Whether parameter `p` is saved in (and loaded from) the adapter: a low-rank update's
+/// tensor, or a base module the adapter trains whole (`modules_to_save`).
+fn in_adapter(p: &crate::model::Param) -> bool {
+    is_update_param(p.name()) || p.trains()
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ mod blas;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 mod pool;
-pub(crate) mod quantize;
 pub(crate) mod simd;
 
 use super::{Backend, Device};

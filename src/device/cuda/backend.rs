@@ -21,7 +21,7 @@ use super::emulated::EmulatedGpu;
 use super::gpu::{
     Args, DeviceBuffer, DevicePtr, Gpu, GpuMemory, HostPtr, UploadStats, MAX_BY_VALUE,
 };
-use super::kernels::{KernelFile, KERNEL_FILES};
+use super::kernels::{kernel_files, KernelFile};
 use super::ops::{elementwise, matmul};
 use crate::device::cpu::{ensure, host_bytes, host_bytes_mut, HostPin};
 use crate::device::CpuBackend;
@@ -413,7 +413,7 @@ impl CudaBackend {
     /// defines, is an error.
     pub fn load_kernels(&self, file: &KernelFile) -> Result<()> {
         if let Some((name, own)) = file.kernels.iter().find_map(|k| {
-            KERNEL_FILES
+            kernel_files()
                 .iter()
                 .find(|f| f.kernels.contains(k))
                 .map(|f| (k, f))
@@ -930,7 +930,7 @@ mod tests {
         };
         let be = CudaBackend::on(Arc::new(gpu), Device::Cuda(0), CudaOptions::default());
         let start = be.module_loads();
-        assert_eq!(start, KERNEL_FILES.len() as u64);
+        assert_eq!(start, kernel_files().len() as u64);
         const FILE: KernelFile = KernelFile {
             name: "module_load_test.cu",
             source: "extern \"C\" __global__ void module_load_test_fill(float* x, i64 n) {\n\

@@ -26,7 +26,8 @@ use super::gpu::{
     AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
     MatrixType, Ticket, UploadStats,
 };
-use super::kernels::{find_include_dir, with_common, CompileOptions, Compiled, KERNEL_FILES};
+use super::kernels::kernel_files;
+use super::kernels::{find_include_dir, with_common, CompileOptions, Compiled};
 use super::libraries;
 use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
@@ -284,7 +285,7 @@ impl DriverGpu {
         let cache = KernelCache::in_default_dir();
         let mut modules = Vec::new();
         let mut functions = HashMap::new();
-        for file in KERNEL_FILES {
+        for file in kernel_files() {
             let source = file.full_source();
             let compiled = compile(cache.as_ref(), file.name, &source, &options, &info)?;
             let module = load_module(&compiled, file.name)?;

@@ -15,7 +15,7 @@ use super::gpu::{
     AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
     MatrixType, Ticket, UploadStats,
 };
-use super::kernels::KERNEL_FILES;
+use super::kernels::kernel_files;
 use super::staging::{Next, RingPlan, FIRST_BYTES, MAX_UPLOAD};
 use super::timing::{gemm_name, HostTimer};
 use crate::error::{Error, Result};
@@ -97,7 +97,7 @@ impl EmulatedGpu {
             refuse_bias_grad_epilogue: false,
             refuse_products: false,
             failing_launches: AtomicU64::new(0),
-            module_loads: AtomicU64::new(KERNEL_FILES.len() as u64),
+            module_loads: AtomicU64::new(kernel_files().len() as u64),
             ring: Mutex::new((RingPlan::new(FIRST_BYTES), 0)),
             uploads: AtomicU64::new(0),
             timer: HostTimer::new(),

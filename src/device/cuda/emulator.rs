@@ -2,7 +2,7 @@
 //! compiler against a CPU emulation of the CUDA programming model (kernels/emu/), so the
 //! CUDA backend's kernels run, and are tested, where there is no GPU.
 //!
-//! Each file of [`KERNEL_FILES`] becomes one translation unit: `kernels/emu/emu.h` (the
+//! Each file of [`kernel_files`] becomes one translation unit: `kernels/emu/emu.h` (the
 //! CUDA builtins: thread and block indices, `__syncthreads`, the warp shuffles, ...), then
 //! the file's [`KernelFile::full_source`] (`#include <cuda_bf16.h>` finds the host stand-in
 //! `kernels/emu/cuda_bf16.h`), then one trampoline per kernel, `tk_emu_<kernel>`, which
@@ -18,7 +18,7 @@
 //! bit (everything but the last bit of `logf` and the like). See kernels/README.md for
 //! what the emulation does not check.
 
-use super::kernels::{KernelFile, KERNEL_FILES};
+use super::kernels::{kernel_files, KernelFile};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, OsString};
@@ -90,7 +90,7 @@ struct Entry {
 /// model.
 ///
 /// Built by [`KernelEmulator::new`] or [`KernelEmulator::build_in`]; launches go through
-/// [`KernelEmulator::launch`], by kernel name (the names of [`KERNEL_FILES`]). It can be
+/// [`KernelEmulator::launch`], by kernel name (the names of [`kernel_files`]). It can be
 /// shared between threads: launches from different threads run at the same time, each
 /// with its own shared memory.
 pub struct KernelEmulator {
@@ -323,7 +323,7 @@ impl KernelEmulator {
 
 /// Every kernel file of trainkit.
 fn trainkit_sources() -> Vec<KernelSource> {
-    KERNEL_FILES.iter().map(KernelSource::of).collect()
+    kernel_files().iter().map(|f| KernelSource::of(f)).collect()
 }
 
 /// `$TRAINKIT_EMU_DIR`, else `<temp dir>/trainkit-emu`.
@@ -1558,7 +1558,7 @@ extern "C" __global__ void traps(int* out) {
         let (b, t, c, v, p) = (3usize, 11usize, 24usize, 17usize, 16usize);
         let mut rng = Rng::new(30);
         let mut tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
-        let buckets = crate::device::cuda::TokenBuckets::new(&tokens);
+        let buckets = crate::ops::embedding::TokenBuckets::new(&tokens);
         let (wtes, wpes) = (random(v * c, 1.0, 31), random(p * c, 1.0, 32));
         let douts = random(b * t * c, 1.0, 33);
         for tt in DTYPES {
@@ -1644,7 +1644,7 @@ extern "C" __global__ void traps(int* out) {
         let be = CpuBackend::new();
         // Multi-head, grouped-query and multi-query heads.
         let layouts = [(3, 3, 4), (4, 2, 3), (4, 1, 5)].map(|(n_head, n_kv_head, head_dim)| {
-            crate::device::Heads {
+            crate::ops::Heads {
                 n_head,
                 n_kv_head,
                 head_dim,
@@ -2249,7 +2249,7 @@ extern "C" __global__ void traps(int* out) {
     #[test]
     fn every_kernel_of_every_file_is_loaded() {
         let Some(emu) = emulator() else { return };
-        for file in KERNEL_FILES {
+        for file in kernel_files() {
             for k in file.kernels {
                 assert!(emu.has_kernel(k), "{k}");
                 // An output and something to compute it from (a table by value counts one).

@@ -3,8 +3,8 @@
 //!
 //! Each file in kernels/ holds one op family; its kernels are `extern "C"` with a fixed
 //! name, `<op>_<dtype>[_<dtype>...]`, which the backend loads by name. The family's host
-//! code (`src/device/cuda/ops/<family>.rs`) declares the file and those names once;
-//! [`KERNEL_FILES`] gathers the declarations. kernels/common.cuh
+//! code (the family's `cuda.rs`) declares the file and those names once and registers it;
+//! [`kernel_files`] gathers the registrations. kernels/common.cuh
 //! (loads and stores, the half-warp reductions, the CPU's `exp`) is prepended to every
 //! file before compiling, with `#line` directives so NVRTC's messages name the right file
 //! and line.
@@ -13,11 +13,11 @@
 //! `nvidia-cuda-runtime` pip wheel, is passed in (see [`find_include_dir`]).
 
 use super::nvrtc::{Nvrtc, Output};
-use super::ops;
 use crate::device::CustomKernel;
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Helpers shared by every kernel file (prepended to each before compiling).
 pub const COMMON_SOURCE: &str = include_str!("../../../kernels/common.cuh");
@@ -53,34 +53,25 @@ pub fn custom_full_source(kernel: &dyn CustomKernel) -> String {
     with_common(&format!("{}.cu", kernel.name()), kernel.source())
 }
 
-/// Every kernel file of the CUDA backend, with the kernels each defines: each op family
-/// declares its file and kernel names once, beside the code that launches them
-/// (`KERNELS` in `src/device/cuda/ops/<family>.rs`).
-pub const KERNEL_FILES: &[KernelFile] = &[
-    crate::ops::embedding::cuda::KERNELS,
-    crate::ops::layernorm::cuda::KERNELS,
-    crate::ops::gelu::cuda::KERNELS,
-    crate::ops::attention::cuda::KERNELS,
-    crate::ops::flash_attention::cuda::KERNELS,
-    crate::ops::flash_attention::cuda::MMA_KERNELS,
-    crate::ops::cross_entropy::cuda::KERNELS,
-    crate::optim::adamw::cuda::KERNELS,
-    crate::ops::update_rounding::cuda::KERNELS,
-    crate::optim::adamw8bit::cuda::KERNELS,
-    ops::elementwise::KERNELS,
-    ops::reductions::KERNELS,
-    crate::ops::rmsnorm::cuda::KERNELS,
-    crate::ops::qk_norm::cuda::KERNELS,
-    crate::ops::rope::cuda::KERNELS,
-    crate::ops::glu::cuda::KERNELS,
-    crate::ops::lora::cuda::KERNELS,
-    crate::ops::nf4::cuda::KERNELS,
-    ops::matmul::KERNELS,
-];
+inventory::collect!(KernelFile);
+
+/// Every kernel file of the CUDA backend, with the kernels each defines, ordered by file
+/// name. Each op family registers its own file beside the code that launches it
+/// (`KERNELS` in the family's `cuda.rs`, submitted with `inventory::submit!`), so the
+/// backend names no family; a kernel file written outside trainkit goes through
+/// [`super::CudaBackend::load_kernels`] instead.
+pub fn kernel_files() -> &'static [&'static KernelFile] {
+    static FILES: OnceLock<Vec<&'static KernelFile>> = OnceLock::new();
+    FILES.get_or_init(|| {
+        let mut files: Vec<&'static KernelFile> = inventory::iter::<KernelFile>().collect();
+        files.sort_by_key(|f| f.name);
+        files
+    })
+}
 
 /// The kernel file named `name` (e.g. `gelu.cu`).
 pub fn kernel_file(name: &str) -> Option<&'static KernelFile> {
-    KERNEL_FILES.iter().find(|f| f.name == name)
+    kernel_files().iter().copied().find(|f| f.name == name)
 }
 
 /// How NVRTC compiles a kernel file: the target architecture and the include directory
@@ -464,7 +455,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
     #[test]
     fn kernel_names_are_unique_and_follow_the_naming_scheme() {
         let mut seen = HashSet::new();
-        for file in KERNEL_FILES {
+        for file in kernel_files() {
             assert!(!file.kernels.is_empty(), "{} defines no kernel", file.name);
             for k in file.kernels {
                 assert!(seen.insert(*k), "kernel {k} is listed twice");

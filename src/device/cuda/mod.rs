@@ -28,7 +28,6 @@ pub mod probe;
 mod staging;
 pub mod timing;
 
-pub use crate::ops::embedding::TokenBuckets;
 pub use backend::{
     ptr as device_ptr, CudaBackend, CudaOptions, HostTransfers, Operand, BLOCK, ROWS_PER_BLOCK,
 };
@@ -37,7 +36,7 @@ pub use emulator::KernelEmulator;
 pub(crate) use gpu::DeviceBuffer;
 pub use gpu::{Args, DevicePtr, GpuMemory, UploadStats};
 pub use kernels::{
-    compile, find_include_dir, nvrtc_version, CompileOptions, Compiled, KernelFile, KERNEL_FILES,
+    compile, find_include_dir, kernel_files, nvrtc_version, CompileOptions, Compiled, KernelFile,
 };
 pub use probe::{probe, CudaInfo};
 pub use timing::KernelTime;

@@ -3,8 +3,8 @@
 //! checks its operands with too.
 
 use crate::device::cpu::{ensure, ensure_shape};
-use crate::device::Heads;
 use crate::error::{Error, Result};
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 
 /// The dimensions of an attention op: batch, sequence, the heads, and the widths of a

@@ -8,8 +8,8 @@ use super::{square_side, Dims};
 use crate::device::cpu::matmul::{gemm_raw, Product};
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write, Blas, SendPtr};
-use crate::device::Heads;
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 

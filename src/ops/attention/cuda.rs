@@ -7,8 +7,8 @@
 use super::{square_side, Dims};
 use crate::device::cuda::backend::ensure_dtype;
 use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
-use crate::device::Heads;
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 
 /// The kernels of `kernels/attention.cu`, named once: the backend launches these names, NVRTC
@@ -47,6 +47,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "attention_decode_values_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// The decode kernels ([`super::decode::decode`]): scores into f32 scratch `[n·H, keys]`,
 /// its softmax, the weighted values.

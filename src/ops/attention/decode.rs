@@ -11,9 +11,10 @@
 
 use super::{cpu, cuda};
 use crate::device::cpu::{ensure, ensure_float};
-use crate::device::{Backend, CpuBackend, CudaBackend, Heads, OpKernel};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
 use crate::ops::lora::take_cols;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 
 /// Appends the keys and values of `qkv` (`n` rows of `(H + 2·KV)·D`, laid out as

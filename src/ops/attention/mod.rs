@@ -16,15 +16,17 @@ mod check;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub mod decode;
+mod heads;
 
 pub(crate) use check::{dims, square_side, Dims};
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::ensure_float;
-use crate::device::{Backend, CpuBackend, CudaBackend, Heads, OpKernel};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
 use crate::memory::MemoryCategory;
 use crate::tensor::{DType, Tensor};
+pub use heads::Heads;
 
 /// Floating-point operations per causal entry of the softmax and of its backward.
 const SOFTMAX_FLOPS: u64 = 5;

@@ -19,6 +19,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "cross_entropy_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// The rows of `logits` against targets `start..` of `all` (checked by the caller). The
 /// whole list is uploaded once and kept while the calls ask for the same list (the chunks

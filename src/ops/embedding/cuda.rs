@@ -37,6 +37,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "embedding_backward_wpe_f16_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn forward(
     be: &CudaBackend,

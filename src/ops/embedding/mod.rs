@@ -256,8 +256,8 @@ impl Op for LearnedEmbedding {
         let be = cx.backend;
         let dout = cx.take_grad_out(0)?;
         let (wte, wpe) = cx.params.split_at_mut(1);
-        let (wte, wpe) = (&mut *wte[0], &mut *wpe[0]);
-        match (wte.trains(), wpe.trains()) {
+        let (wte, wpe) = (&mut wte[0], &mut wpe[0]);
+        match (wte.wants_grad(), wpe.wants_grad()) {
             // Frozen embeddings: nothing to compute.
             (false, false) => Ok(()),
             (true, false) => backward(be, wte.grad_mut(be)?, None, &dout, cx.tokens),
@@ -308,7 +308,7 @@ impl Op for TokenEmbedding {
     fn backward(&self, cx: &mut BackwardCx<'_>) -> Result<()> {
         let be = cx.backend;
         let dout = cx.take_grad_out(0)?;
-        if !cx.params[0].trains() {
+        if !cx.params[0].wants_grad() {
             return Ok(());
         }
         let dwte = cx.params[0].grad_mut(be)?;

@@ -21,10 +21,10 @@
 use crate::device::cpu::matmul::{gemm_raw, Product};
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write, Blas, SendPtr};
-use crate::device::Heads;
 use crate::error::Result;
 use crate::ops::attention::Dims;
 use crate::ops::positions;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 

@@ -7,9 +7,9 @@
 
 use crate::device::cuda::backend::ensure_dtype;
 use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
-use crate::device::Heads;
 use crate::error::{Error, Result};
 use crate::ops::attention::Dims;
+use crate::ops::Heads;
 use crate::tensor::{DType, Tensor};
 
 /// The kernels of `kernels/flash_attention.cu`, named once: the backend launches these
@@ -32,6 +32,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "flash_attention_backward_dq_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// The tensor-core kernels of `kernels/flash_attention_mma.cu` (FlashAttention-2's form),
 /// which [`forward`] and [`backward`] run where [`mma_head`] allows.
@@ -61,6 +62,7 @@ pub(crate) const MMA_KERNELS: KernelFile = KernelFile {
         "flash_attention_mma_backward_d128_f16",
     ],
 };
+inventory::submit!(MMA_KERNELS);
 
 /// Head sizes the tensor-core kernels are built for.
 const MMA_HEADS: [usize; 4] = [64, 80, 96, 128];

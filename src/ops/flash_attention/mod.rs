@@ -12,9 +12,10 @@ pub(crate) mod cuda;
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{ensure_f32, ensure_float, ensure_shape};
-use crate::device::{Backend, CpuBackend, CudaBackend, Heads, OpKernel};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::{Error, Result};
 use crate::ops::attention::{dims, Dims};
+use crate::ops::Heads;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 

@@ -22,6 +22,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "gelu_backward_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn forward(be: &CudaBackend, out: &mut Tensor, x: &Tensor) -> Result<()> {
     let n = x.numel();

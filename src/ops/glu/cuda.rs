@@ -30,6 +30,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "geglu_backward_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn forward(
     be: &CudaBackend,

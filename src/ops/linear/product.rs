@@ -5,8 +5,8 @@ use super::fused::weight_bias_grad;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::ops::nf4;
+use crate::ops::ParamGrad;
 use crate::ops::{ForwardCx, GradIn};
-use crate::param::Param;
 use crate::tensor::Tensor;
 
 /// Output columns of `x · op(W)`, and the output shape: `x`'s leading dimensions and them.
@@ -60,14 +60,14 @@ pub(crate) fn weight_product(
 /// otherwise, nothing for a frozen projection.
 pub(crate) fn param_grads(
     be: &dyn Backend,
-    w: &mut Param,
-    bias: Option<&mut Param>,
+    w: &mut ParamGrad<'_>,
+    bias: Option<&mut ParamGrad<'_>>,
     x: &Tensor,
     dy: &Tensor,
     transposed: bool,
 ) -> Result<()> {
-    let bias = bias.filter(|b| b.trains());
-    match (w.trains(), bias) {
+    let bias = bias.filter(|b| b.wants_grad());
+    match (w.wants_grad(), bias) {
         (true, Some(b)) => {
             let dw = w.grad_mut(be)?;
             weight_bias_grad(be, dw, b.grad_mut(be)?, x, dy, transposed)

@@ -35,6 +35,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "dora_magnitude_grad_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// Launches `kernel` over `rows · width` elements of a `[rows, cols]` tensor's block.
 fn launch(

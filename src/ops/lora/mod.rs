@@ -410,7 +410,7 @@ impl Op for LoraDown {
             be.scale(&mut dh, a.scale)?;
             let x = cx.inputs[0].get()?;
             let Some(keep) = keep(a, cx.rng_key, j) else {
-                if cx.params[j].trains() {
+                if cx.params[j].wants_grad() {
                     be.matmul(cx.params[j].grad_mut(be)?, &dh, x, None, true, false, true)?;
                 }
                 let (buf, fresh) = cx.grads_in[0].buffer(be)?;
@@ -418,7 +418,7 @@ impl Op for LoraDown {
                 continue;
             };
             let label = &cx.grad_labels_out[j];
-            if cx.params[j].trains() {
+            if cx.params[j].wants_grad() {
                 let dropped = dropped_input(be, x, keep, label)?;
                 be.matmul(
                     cx.params[j].grad_mut(be)?,
@@ -726,7 +726,7 @@ impl LoraProjection {
                 }
                 cx.inputs[zi].release();
             }
-            if cx.params[mi].trains() {
+            if cx.params[mi].wants_grad() {
                 let mut dm = be.empty(
                     &[a.width],
                     DType::F32,
@@ -904,7 +904,7 @@ impl Op for LoraProjection {
             };
             let hi = xi + 1 + j;
             let bi = self.first_b() + j;
-            if cx.params[bi].trains() {
+            if cx.params[bi].wants_grad() {
                 let h = cx.inputs[hi].get()?;
                 be.matmul(
                     cx.params[bi].grad_mut(be)?,
@@ -930,10 +930,10 @@ impl Op for LoraProjection {
         )?;
         if self.base_trains {
             let (w, rest) = cx.params.split_at_mut(1);
-            let bias = if self.bias { Some(&mut *rest[0]) } else { None };
+            let bias = if self.bias { Some(&mut rest[0]) } else { None };
             param_grads(
                 be,
-                &mut *w[0],
+                &mut w[0],
                 bias,
                 cx.inputs[xi].get()?,
                 &dy,

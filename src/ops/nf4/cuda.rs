@@ -19,6 +19,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "nf4_dequantize_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// `out = elements start.. of `w` (packed NF4, in its parts), dequantized to `out`'s
 /// dtype.

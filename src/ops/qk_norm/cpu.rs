@@ -7,9 +7,9 @@
 use crate::device::cpu::elementwise::ROW_BLOCK;
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write};
-use crate::device::Heads;
 use crate::error::Result;
 use crate::ops::rmsnorm::cpu::{forward_row, weight_grad_row};
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 

@@ -7,8 +7,8 @@
 use crate::device::cpu::ensure_f32;
 use crate::device::cuda::backend::{ensure_dtype, ROW_BLOCK};
 use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
-use crate::device::Heads;
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 
 /// The kernels of `kernels/qk_norm.cu`, named once: the backend launches these names,
@@ -28,6 +28,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "qk_norm_backward_params_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(

@@ -13,8 +13,9 @@ pub(crate) mod cuda;
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{each, ensure, ensure_f32, ensure_float, ensure_shape};
-use crate::device::{Backend, CpuBackend, CudaBackend, Heads, OpKernel};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::{DType, Tensor};
 
 /// Floating-point operations per normalised element of the forward and of the backward

@@ -6,7 +6,7 @@
 //! they are.
 
 use crate::device::cpu::{read, write};
-use crate::device::Heads;
+use crate::ops::Heads;
 
 use crate::tensor::Tensor;
 use rayon::prelude::*;
@@ -88,10 +88,11 @@ pub(crate) fn backward(
 
 #[cfg(test)]
 mod tests {
-    use crate::device::{Backend, CpuBackend, Heads};
+    use crate::device::{Backend, CpuBackend};
     use crate::memory::MemoryCategory;
     use crate::model::{Rope, RopeScaling};
     use crate::ops::rope;
+    use crate::ops::Heads;
     use crate::tensor::DType;
 
     #[test]

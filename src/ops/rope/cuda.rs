@@ -7,8 +7,8 @@ use crate::device::cpu::ensure;
 use crate::device::cuda::backend::{ensure_dtype, ptr, CudaBackend, BLOCK};
 use crate::device::cuda::Args;
 use crate::device::cuda::KernelFile;
-use crate::device::Heads;
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::Tensor;
 
 /// The most frequencies the kernel takes (`TK_ROPE_MAX_PAIRS` in kernels/rope.cu): heads
@@ -22,6 +22,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     source: include_str!("../../../kernels/rope.cu"),
     kernels: &["rope_f32", "rope_bf16", "rope_f16"],
 };
+inventory::submit!(KERNELS);
 
 /// Turns the query and key heads of `x` into `out` by `sign` times each angle.
 #[allow(clippy::too_many_arguments)]

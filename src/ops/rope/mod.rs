@@ -10,8 +10,9 @@ pub(crate) mod cuda;
 
 use super::{BackwardCx, ForwardCx, Op, Saves};
 use crate::device::cpu::{btc, each, ensure, ensure_float};
-use crate::device::{Backend, CpuBackend, CudaBackend, Heads, OpKernel};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
+use crate::ops::Heads;
 use crate::tensor::{DType, Tensor};
 
 /// Floating-point operations per rotated element (two products and a sum); the copied

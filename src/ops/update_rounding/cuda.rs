@@ -14,6 +14,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
     source: include_str!("../../../kernels/update_rounding.cu"),
     kernels: &["update_rounding_expand", "update_rounding_round"],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn expand(
     be: &CudaBackend,

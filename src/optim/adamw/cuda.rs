@@ -30,6 +30,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "adamw_multi_bf16_bf16_bf16m",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// The kernel suffix `{G}_{C}` for a gradient of dtype `grad` and the device pointer of the
 /// compute copy the kernel writes in its pass (0 for none), or, for a copy no kernel

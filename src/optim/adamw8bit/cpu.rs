@@ -3,8 +3,8 @@
 //! as the AdamW update (`src/optim/adamw/cpu.rs`) does, and requantized, in one pass over
 //! each block.
 
+use super::quantize::{code_table, quantize, zero_code, QUANT_BLOCK};
 use super::QuantizedMoments;
-use crate::device::cpu::quantize::{code_table, quantize, zero_code, QUANT_BLOCK};
 use crate::device::cpu::read;
 use crate::error::{Error, Result};
 use crate::optim::adamw::AdamWStep;

@@ -5,9 +5,9 @@
 //! [`KERNELS`].
 
 use super::QuantizedMoments;
+use super::QUANT_BLOCK;
 use crate::device::cuda::ops::elementwise::launch_cast;
 use crate::device::cuda::{device_ptr as ptr, Args, CudaBackend, KernelFile, BLOCK};
-use crate::device::QUANT_BLOCK;
 use crate::error::Result;
 use crate::optim::adamw::cuda::compute_copy;
 use crate::optim::adamw::AdamWStep;
@@ -25,6 +25,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "adamw8bit_f16_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn update(
     be: &CudaBackend,

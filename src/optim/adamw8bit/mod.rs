@@ -4,16 +4,19 @@
 //! quantized moments ([`update`], an [`OpKernel`] call with its operand checks and FLOP
 //! count), the CPU twin (`cpu.rs`) and the CUDA launch (`cuda.rs`, over
 //! `kernels/adamw8bit.cu`). The block quantization itself is
-//! [`crate::device::quantize_block`]'s.
+//! [`quantize_block`]'s.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+mod quantize;
+
+pub use quantize::{code_table, code_value, dequantize_block, quantize_block, QUANT_BLOCK};
 
 use super::adamw::{self, check_scale, AdamWStep};
 use super::{state_layout, AdamW, GradScale, Optimizer, ParamUpdate, StateSlot};
 use crate::device::cpu::elementwise::{cast, same_len};
 use crate::device::cpu::{each, ensure, ensure_f32, ensure_float};
-use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel, QUANT_BLOCK};
+use crate::device::{Backend, CpuBackend, CudaBackend, OpKernel};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -27,7 +30,7 @@ const FLOPS: u64 = 21;
 /// reads and rewrites them: for each moment, one u8 code per element of the parameter and
 /// one f32 absolute maximum per block of [`QUANT_BLOCK`]
 /// elements (the last block may be shorter). The first moment uses the signed dynamic
-/// code, the second the unsigned one ([`crate::device::code_value`]); a block whose
+/// code, the second the unsigned one ([`code_value`]); a block whose
 /// maximum is 0 holds zeros whatever its codes.
 #[derive(Debug)]
 pub struct QuantizedMoments<'a> {
@@ -180,7 +183,7 @@ fn check(param: &Tensor, grad: &Tensor, moments: &QuantizedMoments<'_>) -> Resul
 
 /// [`AdamW`] whose two moments are stored in 8 bits: block-wise quantized over blocks of
 /// [`QUANT_BLOCK`] elements with a dynamic non-linear code (signed for the first moment,
-/// unsigned for the second, see [`crate::device::code_value`]) and one f32 absolute
+/// unsigned for the second, see [`code_value`]) and one f32 absolute
 /// maximum per block. Each step dequantizes a block, updates it in f32 with AdamW's
 /// arithmetic (PyTorch semantics: decoupled decay on tensors of rank >= 2, bias
 /// correction, eps outside the square root) and requantizes it, in one pass
@@ -365,7 +368,7 @@ mod tests {
     ) -> Result<()> {
         crate::trainer::update_params(be, opt, params, lr, scale, step, 0)
     }
-    use crate::device::{code_table, CpuBackend};
+    use crate::device::CpuBackend;
     use crate::precision::Fp32;
     use crate::rng::Rng;
 

@@ -58,6 +58,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "add_f16_f16_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 pub(crate) fn launch_cast(be: &CudaBackend, dst: &mut Tensor, src: &Tensor) -> Result<()> {
     let n = dst.numel();

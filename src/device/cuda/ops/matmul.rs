@@ -26,6 +26,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "gemm_plain_f16_f32",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// The cuBLASLt workspace (allocated once, in the ledger).
 pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {

@@ -7,7 +7,7 @@
 //! what its kernels require of dtypes, picks the kernel by the dtypes of its tensors and
 //! launches it; and each file with a
 //! kernel source declares that source and the names of its kernels once, in its
-//! `KERNELS` ([`KernelFile`](super::kernels::KernelFile)), from which [`super::kernels::KERNEL_FILES`] is assembled.
+//! `KERNELS` ([`KernelFile`](super::kernels::KernelFile)), registered for [`super::kernels::kernel_files`].
 //! [`super::CudaBackend`]'s `Backend` impl only dispatches here; `custom.rs` runs kernels
 //! written outside trainkit ([`crate::device::CustomKernel`]).
 

@@ -27,6 +27,7 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "sum_squares_multi_f16",
     ],
 };
+inventory::submit!(KERNELS);
 
 /// Tensors per `sum_squares_multi_*` launch (`TK_SQUARES_TENSORS` in kernels/reductions.cu).
 const MULTI_TENSORS: usize = 32;
