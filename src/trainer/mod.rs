@@ -14,7 +14,6 @@ use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-mod host_update;
 mod offload;
 mod persist;
 mod sample;

@@ -6,13 +6,14 @@
 //! complete. [`Updater`] is that choice, made once per step; [`update_params`] is one
 //! update on the device, as the trainer runs it.
 
-use super::host_update::HostWorker;
 use crate::device::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::Param;
 use crate::optim::{GradScale, Optimizer};
+use crate::param::HostUpdate;
 use crate::tensor::Tensor;
-use std::thread::Scope;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::{Scope, ScopedJoinHandle};
 
 /// One update of `params` by `optimizer` at `step` (1-based) and learning rate `lr`, as
 /// the trainer runs it: parameters that do not train are skipped; each trainable one gets
@@ -154,5 +155,120 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
             On::Device(_) => Ok(()),
             On::Host(worker) => worker.close(device, params),
         }
+    }
+}
+
+/// One step's host thread, where an offloaded optimizer's updates run, and the update in
+/// flight on it: each parameter's update runs there while the trainer goes on with
+/// backward (or, after backward, with the next parameter's copies).
+///
+/// The trainer's thread starts an update (`Param::start_host_update`: the gradient copied
+/// to host memory), hands it over, and finishes the one before it
+/// (`Param::finish_host_update`: the compute weights refreshed and copied back): one
+/// update is in flight at a time, so the host holds at most two parameters' copies, and
+/// every buffer the trainer's thread handles is allocated and freed in the same order on
+/// every run, so the ledger (and the meta backend's prediction of it) does not depend on
+/// how the threads interleave. The host thread runs only [`step_optimizer`], whose
+/// arithmetic is the same whichever thread runs it: the update is bitwise the one without
+/// offload.
+struct HostWorker<'scope> {
+    jobs: Option<Sender<(usize, HostUpdate)>>,
+    done: Receiver<(usize, HostUpdate, Result<()>)>,
+    thread: Option<ScopedJoinHandle<'scope, ()>>,
+    in_flight: Option<usize>,
+    step: u64,
+    seed: u64,
+}
+
+impl<'scope> HostWorker<'scope> {
+    /// Starts the host thread of step `step` (1-based) at learning rate `lr`, running
+    /// `optimizer` on `host` memory, the host memory of `device` (whose queued copies it
+    /// waits for); `seed` keys pure bf16's stochastic rounding.
+    fn spawn<'env, O: Optimizer>(
+        scope: &'scope Scope<'scope, 'env>,
+        device: &'env dyn Backend,
+        host: &'env dyn Backend,
+        optimizer: &'env mut O,
+        lr: f32,
+        step: u64,
+        seed: u64,
+    ) -> Self {
+        let (jobs, inbox) = channel::<(usize, HostUpdate)>();
+        let (outbox, done) = channel();
+        let thread = scope.spawn(move || {
+            for (i, mut job) in inbox {
+                let result = job
+                    .settle(device)
+                    .and_then(|()| GradScale::new(&job.record))
+                    .and_then(|scale| {
+                        let param = std::slice::from_mut(&mut job.param);
+                        step_optimizer(host, optimizer, param, lr, scale, step)
+                    });
+                if outbox.send((i, job, result)).is_err() {
+                    return;
+                }
+            }
+        });
+        HostWorker {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+            in_flight: None,
+            step,
+            seed,
+        }
+    }
+
+    /// Starts parameter `i`'s update (its gradient must be complete; `record` holds the
+    /// guard's decision for it), after finishing the update in flight.
+    fn submit(
+        &mut self,
+        backend: &dyn Backend,
+        params: &mut [Param],
+        i: usize,
+        record: &Tensor,
+    ) -> Result<()> {
+        let job = params[i].start_host_update(backend, record)?;
+        self.finish(backend, params)?;
+        self.jobs
+            .as_ref()
+            .and_then(|jobs| jobs.send((i, job)).ok())
+            .ok_or_else(stopped)?;
+        self.in_flight = Some(i);
+        Ok(())
+    }
+
+    /// Waits for the update in flight, if any, and puts it back into its parameter.
+    fn finish(&mut self, backend: &dyn Backend, params: &mut [Param]) -> Result<()> {
+        let Some(i) = self.in_flight.take() else {
+            return Ok(());
+        };
+        let (j, job, stepped) = self.done.recv().map_err(|_| stopped())?;
+        debug_assert_eq!(i, j);
+        let p = &mut params[j];
+        let key = p.rounding_key(self.seed, self.step);
+        let finished = p.finish_host_update(backend, job, key);
+        stepped.and(finished)
+    }
+
+    /// Finishes the update in flight and ends the thread.
+    fn close(mut self, backend: &dyn Backend, params: &mut [Param]) -> Result<()> {
+        let finished = self.finish(backend, params);
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            if let Err(panic) = t.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        finished
+    }
+}
+
+/// The error of a host thread that is gone (it panicked, and the panic is raised when the
+/// step's scope ends).
+fn stopped() -> Error {
+    Error::Backend {
+        backend: "optimizer",
+        message: "the host thread of the offloaded optimizer stopped".to_string(),
     }
 }

@@ -22,12 +22,12 @@
 //! ([`super::libraries`]).
 
 use super::cublaslt::{CublasLt, Status};
+use super::driver_error::{driver_error, is_oom};
 use super::gpu::{
     AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
     MatrixType, Ticket, UploadStats,
 };
-use super::kernels::kernel_files;
-use super::kernels::{find_include_dir, with_common, CompileOptions, Compiled};
+use super::kernels::{find_include_dir, kernel_files, with_common, CompileOptions, Compiled};
 use super::libraries;
 use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
@@ -50,24 +50,6 @@ pub(crate) fn gemm_workspace_bytes(major: i32) -> usize {
     } else {
         4 << 20
     }
-}
-
-/// A driver call's failure as trainkit's error, saying what was being done:
-/// [`Error::OutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY` (the backend adds its figures).
-pub(super) fn driver_error(what: &str, e: drv::DriverError) -> Error {
-    if is_oom(e) {
-        return Error::OutOfMemory {
-            message: format!("{what}: the GPU is out of memory (CUDA_ERROR_OUT_OF_MEMORY)"),
-        };
-    }
-    Error::Backend {
-        backend: "cuda",
-        message: format!("{what}: {e}"),
-    }
-}
-
-fn is_oom(e: drv::DriverError) -> bool {
-    e.0 == drv_sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
 }
 
 /// A cuBLASLt failure as trainkit's error: [`Error::OutOfMemory`] when it could not get

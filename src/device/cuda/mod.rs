@@ -15,6 +15,7 @@ pub(crate) mod backend;
 pub mod cache;
 pub mod cublaslt;
 mod driver;
+mod driver_error;
 mod emulated;
 mod emulated_offload;
 pub mod emulator;
@@ -23,6 +24,8 @@ pub mod kernels;
 pub mod libraries;
 pub mod nvrtc;
 pub(crate) mod ops;
+#[cfg(test)]
+pub(crate) mod parity;
 mod pinned;
 pub mod probe;
 mod staging;

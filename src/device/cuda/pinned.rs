@@ -11,7 +11,7 @@
 //! once the event after their last copy has passed: page-locked allocation and freeing
 //! are slow and synchronize the device.
 
-use super::driver::driver_error;
+use super::driver_error::driver_error;
 use super::gpu::{HostPtr, Ticket};
 use crate::error::Result;
 use cudarc::driver::{result as drv, sys as drv_sys};

@@ -14,7 +14,7 @@
 //! an upload larger than [`MAX_UPLOAD`] (weights, once, at load) is copied from pageable
 //! memory, and counted as a wait.
 
-use super::driver::driver_error;
+use super::driver_error::driver_error;
 use crate::error::Result;
 use cudarc::driver::{result as drv, sys as drv_sys};
 use std::collections::VecDeque;

@@ -296,3 +296,198 @@ pub(crate) fn values_backward(
         ),
     )
 }
+
+/// The kernels of `kernels/attention.cu` on the emulator, held to their CPU twins.
+#[cfg(test)]
+mod emulated {
+    use crate::device::cuda::parity::*;
+    use crate::device::{Backend, CpuBackend};
+    use crate::ops::attention;
+    use crate::tensor::DType;
+
+    #[test]
+    fn softmax_matches_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        // B 2, H 3, T 37: rows longer and shorter than a half-warp.
+        let (b, h, t) = (2usize, 3usize, 37usize);
+        let shape = [b, h, t, t];
+        let scores = random(b * h * t * t, 2.0, 11);
+        let x = upload(&be, &scores, &shape, DType::F32);
+        // One document per row, and rows of several documents (the second row's starting
+        // past a half-warp).
+        let starts = [3, 20, 21, t + 19];
+        let mut documents =
+            crate::ops::positions::from_document_starts(b, t, |k| starts.contains(&k));
+        for positions in [None, Some(&mut documents)] {
+            let mut probs = zeros(&be, &shape, DType::F32);
+            let pos = positions.as_deref().map(|p| &p[..]);
+            attention::softmax_in_documents(&be, &mut probs, &x, pos).unwrap();
+            let want = be.to_f32(&probs).unwrap();
+            let mut s = scores.clone();
+            let mut p = vec![f32::NAN; s.len()];
+            let a = Args::new()
+                .ptr(&mut p)
+                .ptr(&mut s)
+                .arg((b * h * t) as i64)
+                .arg(t as i64)
+                .arg(h as i64);
+            let a = match positions {
+                Some(d) => a.ptr(d),
+                None => a.arg(std::ptr::null_mut::<u32>()),
+            };
+            launch(emu, "softmax_causal_f32", 4, 128, 0, a).unwrap();
+            assert_bitwise("softmax_causal_f32", &p, &want);
+        }
+    }
+
+    #[test]
+    fn attention_kernels_match_the_cpu() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        // Multi-head, grouped-query and multi-query heads.
+        let layouts = [(3, 3, 4), (4, 2, 3), (4, 1, 5)].map(|(n_head, n_kv_head, head_dim)| {
+            crate::ops::Heads {
+                n_head,
+                n_kv_head,
+                head_dim,
+            }
+        });
+        for (heads, d) in layouts
+            .into_iter()
+            .flat_map(|heads| DTYPES.map(|d| (heads, d)))
+        {
+            let (b, t, h) = (2usize, 19usize, heads.n_head);
+            let (c, w) = (heads.q_width(), heads.qkv_width());
+            let rows = b * h * t;
+            let scale = 1.0 / (heads.head_dim as f32).sqrt();
+            let qkvs = random(b * t * w, 1.0, 40);
+            let dprobs_in = random(rows * t, 1.0, 41);
+            let douts = random(b * t * c, 1.0, 42);
+            let dims = |a: Args| {
+                a.arg(b as i64)
+                    .arg(t as i64)
+                    .arg(h as i64)
+                    .arg(heads.n_kv_head as i64)
+                    .arg(heads.head_dim as i64)
+            };
+            let sfx = suffix(d);
+            // The products add in another order than the CPU's: equal to f32 rounding, or
+            // to a bf16 step where stored in bf16.
+            let tol = if d == DType::F32 { 1e-5 } else { 1e-2 };
+            let qkv = upload(&be, &qkvs, &[b, t, w], d);
+            let mut scores_cpu = zeros(&be, &[b, h, t, t], d);
+            attention::scores(&be, &mut scores_cpu, &qkv, heads).unwrap();
+            let mut qkv_buf = Buf::new(&qkvs, d);
+            let mut scores = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = dims(Args::new().buf(&mut scores).buf(&mut qkv_buf)).arg(scale);
+            launch(emu, &format!("attention_scores_{sfx}"), 4, 128, 0, a).unwrap();
+            let scores_want = be.to_f32(&scores_cpu).unwrap();
+            assert_close(
+                &format!("{heads:?} scores"),
+                &scores.values(),
+                &scores_want,
+                tol,
+            );
+
+            // The softmax and its backward from the CPU's scores: bit for bit.
+            let mut probs_cpu = zeros(&be, &[b, h, t, t], d);
+            attention::softmax(&be, &mut probs_cpu, &scores_cpu).unwrap();
+            let mut scores = Buf::new(&scores_want, d);
+            let mut probs = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = Args::new()
+                .buf(&mut probs)
+                .buf(&mut scores)
+                .arg(rows as i64)
+                .arg(t as i64)
+                .arg(h as i64)
+                .arg(std::ptr::null_mut::<u32>());
+            launch(emu, &format!("softmax_causal_{sfx}"), 2, 64, 0, a).unwrap();
+            let probs_want = be.to_f32(&probs_cpu).unwrap();
+            assert_bitwise("probs", &probs.values(), &probs_want);
+            let dprobs = upload(&be, &dprobs_in, &[b, h, t, t], d);
+            let mut dscores_cpu = zeros(&be, &[b, h, t, t], d);
+            attention::softmax_backward(&be, &mut dscores_cpu, &dprobs, &probs_cpu).unwrap();
+            let mut dprobs_buf = Buf::new(&dprobs_in, d);
+            let mut dscores = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = Args::new()
+                .buf(&mut dscores)
+                .buf(&mut dprobs_buf)
+                .buf(&mut probs)
+                .arg(rows as i64)
+                .arg(t as i64);
+            launch(emu, &format!("softmax_causal_backward_{sfx}"), 3, 32, 0, a).unwrap();
+            let dscores_want = be.to_f32(&dscores_cpu).unwrap();
+            assert_bitwise("dscores", &dscores.values(), &dscores_want);
+
+            // Values and the backward products.
+            let mut out_cpu = zeros(&be, &[b, t, c], d);
+            attention::values(&be, &mut out_cpu, &probs_cpu, &qkv, heads).unwrap();
+            let mut out = Buf::new(&vec![f32::NAN; b * t * c], d);
+            let a = dims(Args::new().buf(&mut out).buf(&mut probs).buf(&mut qkv_buf));
+            launch(emu, &format!("attention_values_{sfx}"), 2, 64, 0, a).unwrap();
+            let out_want = be.to_f32(&out_cpu).unwrap();
+            assert_close(&format!("{heads:?} values"), &out.values(), &out_want, tol);
+
+            let dout = upload(&be, &douts, &[b, t, c], d);
+            let mut dprobs_cpu = zeros(&be, &[b, h, t, t], d);
+            let mut dqkv_cpu = zeros(&be, &[b, t, w], d);
+            attention::values_backward(
+                &be,
+                &mut dprobs_cpu,
+                &mut dqkv_cpu,
+                &dout,
+                &probs_cpu,
+                &qkv,
+                heads,
+            )
+            .unwrap();
+            attention::scores_backward(&be, &mut dqkv_cpu, &dscores_cpu, &qkv, heads).unwrap();
+            let mut dout_buf = Buf::new(&douts, d);
+            let mut dp = Buf::new(&vec![f32::NAN; rows * t], d);
+            let a = dims(
+                Args::new()
+                    .buf(&mut dp)
+                    .buf(&mut dout_buf)
+                    .buf(&mut qkv_buf),
+            );
+            let k = format!("attention_values_backward_dprobs_{sfx}");
+            launch(emu, &k, 2, 64, 0, a).unwrap();
+            let dp_want = be.to_f32(&dprobs_cpu).unwrap();
+            assert_close(&format!("{heads:?} dprobs"), &dp.values(), &dp_want, tol);
+            let mut dqkv = Buf::new(&vec![f32::NAN; b * t * w], d);
+            let a = dims(
+                Args::new()
+                    .buf(&mut dqkv)
+                    .buf(&mut dout_buf)
+                    .buf(&mut probs),
+            );
+            launch(
+                emu,
+                &format!("attention_values_backward_dv_{sfx}"),
+                2,
+                64,
+                0,
+                a,
+            )
+            .unwrap();
+            let mut dscores = Buf::new(&dscores_want, d);
+            let a = Args::new()
+                .buf(&mut dqkv)
+                .buf(&mut dscores)
+                .buf(&mut qkv_buf);
+            let a = dims(a).arg(scale);
+            launch(
+                emu,
+                &format!("attention_scores_backward_{sfx}"),
+                2,
+                64,
+                0,
+                a,
+            )
+            .unwrap();
+            let dqkv_want = be.to_f32(&dqkv_cpu).unwrap();
+            assert_close(&format!("{heads:?} dqkv"), &dqkv.values(), &dqkv_want, tol);
+        }
+    }
+}

@@ -55,3 +55,68 @@ pub(crate) fn forward(
             .i32(grad_scale.is_some() as i32),
     )
 }
+
+/// The kernels of `kernels/cross_entropy.cu` on the emulator, held to their CPU twins.
+#[cfg(test)]
+mod emulated {
+    use crate::device::cuda::parity::*;
+    use crate::device::{Backend, CpuBackend};
+    use crate::tensor::DType;
+    use crate::Rng;
+
+    #[test]
+    fn cross_entropy_matches_the_cpu() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        // Rows of 700 logits, of which the first 611 are the vocabulary (element by
+        // element: 700 is no multiple of 8), and of 5000 with a vocabulary of 4999 (16-byte
+        // accesses: three trips of 2048 columns, the last one partial, its last chunk of 8
+        // part padding).
+        for (rows, vp, vocab) in [(23usize, 700usize, 611usize), (5, 5000, 4999)] {
+            let logits_in = random(rows * vp, 3.0, 50);
+            let mut rng = Rng::new(51);
+            let mut targets: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
+            // A target in the last, partial chunk.
+            targets[0] = vocab as u32 - 1;
+            for d in DTYPES {
+                for grad_scale in [None, Some(0.25f32)] {
+                    // The losses are added to what is there: start from earlier values.
+                    let before = random(rows, 2.0, 52);
+                    let mut logits_cpu = upload(&be, &logits_in, &[rows, vp], d);
+                    let mut losses_cpu = upload(&be, &before, &[rows], DType::F32);
+                    crate::ops::cross_entropy::forward(
+                        &be,
+                        &mut logits_cpu,
+                        &targets,
+                        vocab,
+                        grad_scale,
+                        &mut losses_cpu,
+                    )
+                    .unwrap();
+                    let want = be.to_f32(&losses_cpu).unwrap();
+                    let mut logits = Buf::new(&logits_in, d);
+                    let mut losses = before.clone();
+                    let a = Args::new()
+                        .buf(&mut logits)
+                        .ptr(&mut losses)
+                        .ptr(&mut targets)
+                        .arg(rows as i64)
+                        .arg(vp as i64)
+                        .arg(vocab as i64)
+                        .arg(grad_scale.unwrap_or(1.0))
+                        .arg(grad_scale.is_some() as i32);
+                    launch(emu, &format!("cross_entropy_{}", suffix(d)), 2, 256, 0, a).unwrap();
+                    // logf against the host's ln may differ in the last bits of a loss.
+                    for (row, (got, want)) in losses.iter().zip(&want).enumerate() {
+                        assert!(
+                            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                            "{d:?} row {row}: loss {got} against {want}"
+                        );
+                    }
+                    let logits_want = be.to_f32(&logits_cpu).unwrap();
+                    assert_bitwise("logits", &logits.values(), &logits_want);
+                }
+            }
+        }
+    }
+}

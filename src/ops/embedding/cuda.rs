@@ -235,3 +235,84 @@ mod tests {
         assert_eq!(by_rows, by_buckets);
     }
 }
+
+/// The kernels of `kernels/embedding.cu` on the emulator, held to their CPU twins.
+#[cfg(test)]
+mod emulated {
+    use crate::device::cuda::parity::*;
+    use crate::device::{Backend, CpuBackend};
+    use crate::ops::embedding;
+    use crate::Rng;
+
+    #[test]
+    fn embedding_kernels_match_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let (b, t, c, v, p) = (3usize, 11usize, 24usize, 17usize, 16usize);
+        let mut rng = Rng::new(30);
+        let mut tokens: Vec<u32> = (0..b * t).map(|_| rng.below(v) as u32).collect();
+        let buckets = crate::ops::embedding::TokenBuckets::new(&tokens);
+        let (wtes, wpes) = (random(v * c, 1.0, 31), random(p * c, 1.0, 32));
+        let douts = random(b * t * c, 1.0, 33);
+        for tt in DTYPES {
+            let wte = upload(&be, &wtes, &[v, c], tt);
+            let wpe = upload(&be, &wpes, &[p, c], tt);
+            // With position embeddings (GPT-2) and without (Llama).
+            for with_wpe in [true, false] {
+                let mut out_cpu = zeros(&be, &[b, t, c], tt);
+                embedding::forward(&be, &mut out_cpu, &tokens, &wte, with_wpe.then_some(&wpe))
+                    .unwrap();
+                let mut out = Buf::new(&vec![0.0; b * t * c], tt);
+                let (mut we, mut pe) = (Buf::new(&wtes, tt), Buf::new(&wpes, tt));
+                let a = Args::new()
+                    .buf(&mut out)
+                    .ptr(&mut tokens)
+                    .buf(&mut we)
+                    .buf(&mut pe)
+                    .arg((b * t) as i64)
+                    .arg(t as i64)
+                    .arg(c as i64)
+                    .arg(with_wpe as i64)
+                    .arg(std::ptr::null_mut::<u32>());
+                launch(emu, &format!("embedding_{}", suffix(tt)), 2, 128, 0, a).unwrap();
+                assert_bitwise("embedding", &out.values(), &be.to_f32(&out_cpu).unwrap());
+            }
+            for g in DTYPES {
+                if !instantiated(&[tt, g]) {
+                    continue;
+                }
+                let dout = upload(&be, &douts, &[b, t, c], tt);
+                let mut dwte_cpu = upload(&be, &wtes, &[v, c], g);
+                let mut dwpe_cpu = upload(&be, &wpes, &[p, c], g);
+                embedding::backward(&be, &mut dwte_cpu, Some(&mut dwpe_cpu), &dout, &tokens)
+                    .unwrap();
+                let mut dout_buf = Buf::new(&douts, tt);
+                let (mut dwte, mut dwpe) = (Buf::new(&wtes, g), Buf::new(&wpes, g));
+                let (mut bt, mut bo, mut br) = (
+                    buckets.tokens.clone(),
+                    buckets.offsets.clone(),
+                    buckets.rows.clone(),
+                );
+                let a = Args::new()
+                    .buf(&mut dwte)
+                    .buf(&mut dout_buf)
+                    .ptr(&mut bt)
+                    .ptr(&mut bo)
+                    .ptr(&mut br)
+                    .arg(buckets.len() as i64)
+                    .arg(c as i64);
+                let names = format!("{}_{}", suffix(tt), suffix(g));
+                launch(emu, &format!("embedding_backward_wte_{names}"), 2, 64, 0, a).unwrap();
+                let a = Args::new()
+                    .buf(&mut dwpe)
+                    .buf(&mut dout_buf)
+                    .arg(b as i64)
+                    .arg(t as i64)
+                    .arg(c as i64);
+                launch(emu, &format!("embedding_backward_wpe_{names}"), 2, 64, 0, a).unwrap();
+                assert_bitwise("dwte", &dwte.values(), &be.to_f32(&dwte_cpu).unwrap());
+                assert_bitwise("dwpe", &dwpe.values(), &be.to_f32(&dwpe_cpu).unwrap());
+            }
+        }
+    }
+}

@@ -56,3 +56,68 @@ pub(crate) fn backward(be: &CudaBackend, dx: &mut Tensor, x: &Tensor, dout: &Ten
             .i64(n),
     )
 }
+
+/// The kernels of `kernels/gelu.cu` on the emulator, held to their CPU twins.
+#[cfg(test)]
+mod emulated {
+    use crate::device::cuda::parity::*;
+    use crate::device::{Backend, CpuBackend};
+    use crate::ops::gelu;
+
+    fn gelu_inputs() -> Vec<f32> {
+        let mut x = random(600, 2.5, 1);
+        x.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            1e-40,
+            10.0,
+            -10.0,
+            50.0,
+            -50.0,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]);
+        x
+    }
+
+    #[test]
+    fn gelu_matches_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let xs = gelu_inputs();
+        let dout = random(xs.len(), 1.0, 2);
+        let n = xs.len();
+        for dtype in DTYPES {
+            let x = upload(&be, &xs, &[n], dtype);
+            let d = upload(&be, &dout, &[n], dtype);
+            let mut out = zeros(&be, &[n], dtype);
+            gelu::forward(&be, &mut out, &x).unwrap();
+            let want = be.to_f32(&out).unwrap();
+            let mut dx = zeros(&be, &[n], dtype);
+            gelu::backward(&be, &mut dx, &x, &d).unwrap();
+            let want_dx = be.to_f32(&dx).unwrap();
+            // One block of 32 threads, 8 elements each: the grid-stride loops go round
+            // three times over 614 elements, the last 6 one by one.
+            let t = suffix(dtype);
+            let (mut x, mut d) = (Buf::new(&xs, dtype), Buf::new(&dout, dtype));
+            let mut out = Buf::new(&vec![0.0; n], dtype);
+            let mut dx = Buf::new(&vec![0.0; n], dtype);
+            let a = Args::new().buf(&mut out).buf(&mut x).arg(n as i64);
+            launch(emu, &format!("gelu_{t}"), 1, 32, 0, a).unwrap();
+            let a = Args::new()
+                .buf(&mut dx)
+                .buf(&mut x)
+                .buf(&mut d)
+                .arg(n as i64);
+            launch(emu, &format!("gelu_backward_{t}"), 1, 32, 0, a).unwrap();
+            let (got, got_dx) = (out.values(), dx.values());
+            assert_bitwise(&format!("gelu {dtype:?}"), &got, &want);
+            assert_bitwise(&format!("gelu_backward {dtype:?}"), &got_dx, &want_dx);
+        }
+    }
+}

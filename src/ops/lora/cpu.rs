@@ -61,13 +61,7 @@ pub(crate) fn take_cols(dst: &mut Tensor, src: &Tensor, offset: usize) {
 
 /// DoRA's column norms `n[c] = ‖W_c + scale · D_c‖` (see [`super::dora`]), on checked
 /// operands: each feature's sum of squares in f32 in input order, as `kernels/lora.cu`.
-pub(crate) fn dora_norm(
-    n: &mut Tensor,
-    w: &Tensor,
-    d: &Tensor,
-    scale: f32,
-    at: &super::dora::Block,
-) {
+pub(crate) fn dora_norm(n: &mut Tensor, w: &Tensor, d: &Tensor, scale: f32, at: &super::Block) {
     let (wv, dv) = (read(w), read(d));
     let (inf, ldw) = (at.in_features, w.rows_cols().1);
     write(n, false, |n| {

@@ -120,7 +120,7 @@ pub(crate) fn dora_norm(
     w: &Tensor,
     d: &Tensor,
     scale: f32,
-    at: &super::dora::Block,
+    at: &super::Block,
 ) -> Result<()> {
     let dt = d.dtype();
     ensure_dtype(w, dt, "dora_norm")?;

@@ -20,18 +20,7 @@ use crate::memory::MemoryCategory;
 use crate::ops::nf4;
 use crate::tensor::{DType, Tensor};
 
-/// Where one adapted block lies in a projection's base weight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Block {
-    /// Its first output feature.
-    pub offset: usize,
-    /// Its output features.
-    pub width: usize,
-    /// The projection's input features.
-    pub in_features: usize,
-    /// Whether the weight is stored `[out, in]` (else `[in, out]`, GPT-2's `Conv1D`).
-    pub transposed: bool,
-}
+pub use super::Block;
 
 /// `‖W_c + scale · (B·A)_c‖` for each output feature `c` of `block` (f32, `[width]`): the
 /// detached norms DoRA divides its magnitude by. `a` is `[rank, in]`, `b` `[width, rank]`;

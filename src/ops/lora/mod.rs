@@ -69,6 +69,19 @@ impl Adapted {
     }
 }
 
+/// Where one adapted block lies in a projection's base weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// Its first output feature.
+    pub offset: usize,
+    /// Its output features.
+    pub width: usize,
+    /// The projection's input features.
+    pub in_features: usize,
+    /// Whether the weight is stored `[out, in]` (else `[in, out]`, GPT-2's `Conv1D`).
+    pub transposed: bool,
+}
+
 /// One dropout mask, drawn without state: element `i` is kept when the top 24 bits of
 /// the `(i + 1)`-th number of the SplitMix64 stream seeded with `key` reach `threshold`
 /// (`p · 2²⁴`, rounded), and a kept element is scaled by `scale` (`1/(1 − p)`).
@@ -598,9 +611,9 @@ impl LoraProjection {
     }
 
     /// Where adapter `a` lies in the base weight `w`.
-    fn block(&self, a: &Adapted, w: &Tensor) -> dora::Block {
+    fn block(&self, a: &Adapted, w: &Tensor) -> Block {
         let (rows, cols) = w.rows_cols();
-        dora::Block {
+        Block {
             offset: a.offset,
             width: a.width,
             in_features: if self.transposed { cols } else { rows },

@@ -225,3 +225,114 @@ pub(crate) fn update_many(
     }
     Ok(())
 }
+
+/// The kernels of `kernels/adamw.cu` on the emulator, held to their CPU twins.
+#[cfg(test)]
+mod emulated {
+    use crate::device::cuda::parity::*;
+    use crate::device::{Backend, CpuBackend};
+    use crate::tensor::DType;
+
+    #[test]
+    fn adamw_matches_the_cpu_bit_for_bit() {
+        let Some(emu) = emulator() else { return };
+        let be = CpuBackend::new();
+        let n = 777usize;
+        let (ps, gs, ms) = (random(n, 1.0, 60), random(n, 0.1, 61), random(n, 0.01, 62));
+        let vs: Vec<f32> = random(n, 1e-3, 63).iter().map(|v| v.abs()).collect();
+        let hp = crate::optim::AdamWStep {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+            grad_scale: 0.5,
+        };
+        // The host's constants, as every backend computes them.
+        let (step_size, bc2_sqrt, decay) = hp.constants();
+        let kernels = [
+            (DType::F32, DType::Bf16),
+            (DType::F32, DType::F16),
+            (DType::Bf16, DType::Bf16),
+            (DType::F16, DType::F16),
+        ];
+        for (g, c) in kernels {
+            let mut p_cpu = upload(&be, &ps, &[n], DType::F32);
+            let mut m_cpu = upload(&be, &ms, &[n], DType::F32);
+            let mut v_cpu = upload(&be, &vs, &[n], DType::F32);
+            let grad = upload(&be, &gs, &[n], g);
+            // The device scale multiplies hp.grad_scale; 1 leaves it as it is.
+            let one = upload(&be, &[1.0], &[1], DType::F32);
+            crate::optim::adamw::update(
+                &be,
+                &mut p_cpu,
+                &grad,
+                &mut m_cpu,
+                &mut v_cpu,
+                &hp,
+                Some(&one),
+                None,
+            )
+            .unwrap();
+            let want_p = be.to_f32(&p_cpu).unwrap();
+            // With and without the bf16 compute copy, with and without the device scale,
+            // and with a NaN scale, which must leave everything untouched.
+            for (with_copy, scale) in [
+                (true, Some(1.0f32)),
+                (false, None),
+                (true, Some(f32::NAN)),
+                (false, Some(f32::INFINITY)),
+            ] {
+                let skipped = scale.is_some_and(|s| !s.is_finite());
+                let (mut p, mut m, mut v) = (ps.clone(), ms.clone(), vs.clone());
+                let mut grad_buf = Buf::new(&gs, g);
+                let mut compute = Buf::new(&vec![f32::NAN; n], c);
+                let copy = if with_copy {
+                    compute.ptr()
+                } else {
+                    std::ptr::null_mut()
+                };
+                let mut scale_buf = [scale.unwrap_or(f32::NAN)];
+                let scale_ptr = if scale.is_some() {
+                    scale_buf.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                };
+                let a = Args::new()
+                    .ptr(&mut p)
+                    .buf(&mut grad_buf)
+                    .ptr(&mut m)
+                    .ptr(&mut v)
+                    .arg(scale_ptr)
+                    .arg(copy)
+                    .arg(n as i64)
+                    .arg(hp.beta1)
+                    .arg(hp.beta2)
+                    .arg(hp.eps)
+                    .arg(hp.grad_scale)
+                    .arg(step_size)
+                    .arg(bc2_sqrt)
+                    .arg(decay);
+                let k = format!("adamw_{}_{}", suffix(g), suffix(c));
+                launch(emu, &k, 2, 128, 0, a).unwrap();
+                if skipped {
+                    assert_bitwise("skipped param", &p, &ps);
+                    assert_bitwise("skipped m", &m, &ms);
+                    assert_bitwise("skipped v", &v, &vs);
+                    assert!(compute.values().iter().all(|x| x.is_nan()));
+                    continue;
+                }
+                assert_bitwise("param", &p, &want_p);
+                assert_bitwise("m", &m, &be.to_f32(&m_cpu).unwrap());
+                assert_bitwise("v", &v, &be.to_f32(&v_cpu).unwrap());
+                if with_copy {
+                    let want: Vec<f32> = want_p.iter().map(|&x| c.round(x)).collect();
+                    assert_bitwise(&format!("{k} compute copy"), &compute.values(), &want);
+                } else {
+                    assert!(compute.values().iter().all(|x| x.is_nan()));
+                }
+            }
+        }
+    }
+}
