@@ -6,7 +6,8 @@ use trainkit::config::RunConfig;
 use trainkit::data::chat::conversation::Message;
 use trainkit::data::chat::template::ChatTemplate;
 use trainkit::data::parse_token_file;
-use trainkit::save::{parse_hf_config, parse_safetensors};
+use trainkit::model::parse_hf_config;
+use trainkit::save::parse_safetensors;
 
 fn inputs(target: &str) -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -9,8 +9,9 @@ mod common;
 use common::{corpus_loader, cpu, grads, scratch, values};
 use std::collections::BTreeMap;
 use trainkit::estimate::{predict, MicroBatch};
+use trainkit::model::read_model_dir;
 use trainkit::model::{Rope, RopeScaling};
-use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
+use trainkit::save::{write_safetensors, NamedTensor};
 use trainkit::{
     AdamW, CheckpointPolicy, Constant, Full, Llama, LlamaConfig, MixedBf16, Model, NoRecompute,
     Precision, Selective, Trainer,

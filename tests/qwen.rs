@@ -10,10 +10,10 @@ mod common;
 use common::{corpus_loader, cpu, grads, randn, scratch, values};
 use std::sync::Arc;
 use trainkit::device::cuda::CudaBackend;
+use trainkit::model::read_model_dir;
 use trainkit::model::{Family, Rope, RopeScaling};
 use trainkit::ops::qk_norm;
 use trainkit::ops::Heads;
-use trainkit::save::read_model_dir;
 use trainkit::{
     AdamW, Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Full, LlamaConfig, MemoryCategory,
     MixedBf16, Model, ModelConfig, NoRecompute, Precision, Qwen2, Qwen2Config, Qwen3, Qwen3Config,
@@ -451,7 +451,7 @@ fn published_configs_parse_and_match_the_presets() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), qwen3_06).unwrap();
     assert_eq!(
-        trainkit::save::read_model_config(&dir).unwrap().arch(),
+        trainkit::model::read_model_config(&dir).unwrap().arch(),
         "qwen3"
     );
     // The shape the family describes.

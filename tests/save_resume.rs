@@ -3,7 +3,8 @@
 mod common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
-use trainkit::save::{read_model_dir, write_safetensors, NamedTensor};
+use trainkit::model::read_model_dir;
+use trainkit::save::{write_safetensors, NamedTensor};
 use trainkit::{
     AdamW, AdamW8bit, Constant, DType, Gpt2, MixedBf16, Optimizer, Precision, PureBf16, Trainer,
     TrainerOptions,

@@ -8,7 +8,7 @@ use std::path::Path;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
-        if let Ok(cfg) = trainkit::save::parse_hf_config(Path::new("config.json"), text) {
+        if let Ok(cfg) = trainkit::model::parse_hf_config(Path::new("config.json"), text) {
             cfg.validate().expect("a parsed config is valid");
         }
         if let Ok(cfg) = trainkit::model::families::read_config(Path::new("config.json"), text) {

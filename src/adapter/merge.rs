@@ -4,7 +4,8 @@
 
 use super::Lora;
 use crate::error::{Error, Result};
-use crate::save::{ModelDir, NamedTensor};
+use crate::model::ModelDir;
+use crate::save::NamedTensor;
 use std::collections::BTreeMap;
 
 /// The base's tensors (by their names in its files) with each update of `lora` merged in:

@@ -4,6 +4,7 @@
 
 mod architecture;
 mod decoder;
+mod directory;
 pub mod exec;
 pub mod families;
 mod family;
@@ -20,6 +21,7 @@ mod shape;
 pub use crate::param::{Init, Param, ParamInit};
 pub use architecture::{Architecture, Biases, Mlp, Norm};
 pub use decoder::Decoder;
+pub use directory::{read_model_config, read_model_dir, ModelDir};
 pub use exec::StashStats;
 pub use families::{parse_hf_config, read_hf_config};
 pub use family::{llama_name, AnyFamily, Family, LayerSlot, Slot};

@@ -8,12 +8,13 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::data::DataCursor;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver};
+use crate::model::{read_model_dir, ModelDir};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::save::{
-    read_model_dir, read_typed, write_safetensors, write_typed, DirectoryWriter, ModelDir,
-    NamedTensor, RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+    read_typed, write_safetensors, write_typed, DirectoryWriter, NamedTensor, RUN_CONFIG_FILE,
+    STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};

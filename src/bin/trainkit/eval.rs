@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use trainkit::config::DataConfig;
 use trainkit::data::{DataLoader, TokenizerKind, TOKENIZER_FILE};
-use trainkit::save::read_model_dir;
+use trainkit::model::read_model_dir;
 use trainkit::{Error, Result};
 
 /// Mean cross-entropy of a saved model over token data: every position once (the last

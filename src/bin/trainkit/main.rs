@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use std::path::Path;
 use std::process::ExitCode;
 use trainkit::data::DataLoader;
-use trainkit::save::ModelDir;
+use trainkit::model::ModelDir;
 use trainkit::{AdamW, Constant, Device, Error, Fp32, NoRecompute, PeakTracker, Result, Trainer};
 
 #[derive(Parser)]

@@ -27,7 +27,7 @@ pub struct MergeArgs {
 pub fn run(mut args: MergeArgs) -> Result<()> {
     // A Hugging Face model id (`org/name`) names its snapshot in the local cache.
     args.model = trainkit::save::hub::resolve_model(&args.model)?;
-    let base = trainkit::save::read_model_dir(&args.model)?;
+    let base = trainkit::model::read_model_dir(&args.model)?;
     let (lora, updates) = trainkit::adapter::peft::read(&args.adapter)?;
     let dtype = match args.dtype.as_deref() {
         None => trainkit::adapter::merge::weights_dtype(&args.model)?,

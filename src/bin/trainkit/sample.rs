@@ -6,7 +6,8 @@ use trainkit::config::RunConfig;
 use trainkit::data::chat::conversation::Message;
 use trainkit::data::chat::{chat_prompt, END_OF_TURN};
 use trainkit::data::{DataLoader, TokenizerKind};
-use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
+use trainkit::model::read_model_dir;
+use trainkit::save::RUN_CONFIG_FILE;
 use trainkit::{Error, Result, Rng, SamplingOptions};
 
 /// Generate text from a saved model.

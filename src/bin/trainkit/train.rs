@@ -11,7 +11,8 @@ use trainkit::data::{
     TOKENIZER_FILE,
 };
 use trainkit::memory::CategoryBytes;
-use trainkit::save::{read_model_dir, RUN_CONFIG_FILE};
+use trainkit::model::read_model_dir;
+use trainkit::save::RUN_CONFIG_FILE;
 use trainkit::{
     Error, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
 };
@@ -377,7 +378,7 @@ fn resolve(args: &TrainArgs) -> Result<(RunConfig, Option<String>)> {
     if let (Some(dir), None) = (&init_dir, &args.resume) {
         // The model's family and shape come from the directory; shape flags may only
         // repeat them.
-        let model = trainkit::save::read_model_config(dir)?;
+        let model = trainkit::model::read_model_config(dir)?;
         let mut wanted = model.clone();
         args.overrides().apply_model(&mut wanted)?;
         if wanted != model {
