@@ -16,11 +16,13 @@ use std::sync::Arc;
 
 mod data;
 mod finetune;
+mod lora_flags;
 mod overrides;
 
 pub use data::{Corpus, DataConfig};
 pub use finetune::FineTuning;
-pub use overrides::{lora_flag, small_llama, Overrides};
+pub use lora_flags::{default_targets, lora_flag, LoraFlags};
+pub use overrides::{small_llama, Overrides};
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1,8 +1,7 @@
 //! Command-line settings laid over a run config.
 
-use super::{DataConfig, RunConfig};
+use super::{DataConfig, LoraFlags, RunConfig};
 use crate::accumulate::{AccumulationSchedule, Constant};
-use crate::adapter::{BaseWeights, Lora};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
 use crate::model::{
@@ -101,104 +100,20 @@ pub struct Overrides {
     pub save_every: Option<u64>,
     /// JSON-lines log file.
     pub log_json: Option<PathBuf>,
-    /// LoRA's rank: train low-rank updates of a frozen model.
-    pub lora_rank: Option<usize>,
-    /// LoRA's α (the update is scaled by α / rank); 2 · rank when unset.
-    pub lora_alpha: Option<f64>,
-    /// The projections LoRA adapts (`q_proj`, `v_proj`, ... or GPT-2's `c_attn`, ...).
-    pub lora_targets: Option<Vec<String>>,
-    /// QLoRA: the LoRA's frozen base projections stored in NF4.
-    pub qlora: bool,
-    /// LoRA's dropout probability in training (PEFT's `lora_dropout`).
-    pub lora_dropout: Option<f64>,
-    /// Base modules trained whole beside the LoRA (PEFT's `modules_to_save`).
-    pub modules_to_save: Option<Vec<String>>,
-    /// DoRA: the LoRA's projections rescaled by trained magnitudes (PEFT's `use_dora`).
-    pub use_dora: bool,
+    /// The LoRA flags.
+    pub lora: LoraFlags,
 }
 
 impl Overrides {
-    /// Lays the LoRA flags over `cfg.adapter`: a rank starts LoRA (α defaults to twice
-    /// the rank, the targets to PEFT's for the family: `q_proj`, `v_proj`, or GPT-2's
-    /// `c_attn`); α or targets alone change a LoRA the config already has. Errors name
-    /// the flag.
+    /// Lays the LoRA flags over `cfg.adapter` ([`LoraFlags::lora`]). Errors name the
+    /// flag.
     fn apply_lora(&self, cfg: &mut RunConfig) -> Result<()> {
-        if self.lora_rank.is_none()
-            && self.lora_alpha.is_none()
-            && self.lora_targets.is_none()
-            && self.lora_dropout.is_none()
-            && self.modules_to_save.is_none()
-            && !self.qlora
-            && !self.use_dora
-        {
-            return Ok(());
+        let current = cfg.adapter.as_ref().and_then(|a| a.as_lora());
+        let fused_qkv = cfg.model.arch() == "gpt2";
+        if let Some(lora) = self.lora.lora(current, fused_qkv)? {
+            cfg.adapter = Some(Box::new(lora));
         }
-        let current = cfg.adapter.as_ref().and_then(|a| a.as_lora()).cloned();
-        let rank = self
-            .lora_rank
-            .or(current.as_ref().map(|l| l.rank))
-            .ok_or_else(|| {
-                Error::config(
-                    "--lora-rank",
-                    "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save and \
-                     --qlora adapt a LoRA: give its rank too (--lora-rank 8 is common)",
-                )
-            })?;
-        let alpha = self
-            .lora_alpha
-            .or(current
-                .as_ref()
-                .filter(|l| self.lora_rank.is_none_or(|r| r == l.rank))
-                .map(|l| l.alpha))
-            .unwrap_or(2.0 * rank as f64);
-        let targets = match (&self.lora_targets, &current) {
-            (Some(t), _) => t.clone(),
-            (None, Some(l)) => l.targets.clone(),
-            (None, None) if cfg.model.arch() == "gpt2" => vec!["c_attn".to_string()],
-            (None, None) => vec!["q_proj".to_string(), "v_proj".to_string()],
-        };
-        let lora = Lora {
-            rank,
-            alpha,
-            targets,
-            rslora: current.as_ref().is_some_and(|l| l.rslora),
-            dropout: self
-                .lora_dropout
-                .or(current.as_ref().map(|l| l.dropout))
-                .unwrap_or(0.0),
-            dora: self.use_dora || current.as_ref().is_some_and(|l| l.dora),
-            modules_to_save: self
-                .modules_to_save
-                .clone()
-                .or(current.as_ref().map(|l| l.modules_to_save.clone()))
-                .unwrap_or_default(),
-            base: if self.qlora {
-                BaseWeights::Nf4
-            } else {
-                current.map(|l| l.base).unwrap_or_default()
-            },
-        };
-        lora.validate().map_err(|e| {
-            let flag = lora_flag(&e);
-            e.for_field(flag)
-        })?;
-        cfg.adapter = Some(Box::new(lora));
         Ok(())
-    }
-}
-
-/// The command-line flag of the LoRA setting an error names (`adapter.dropout` is
-/// `--lora-dropout`, ...); `--lora-targets` for the targets and any other error.
-pub fn lora_flag(e: &Error) -> &'static str {
-    match e {
-        Error::Config { field, .. } => match field.as_str() {
-            "adapter.rank" => "--lora-rank",
-            "adapter.alpha" => "--lora-alpha",
-            "adapter.dropout" => "--lora-dropout",
-            "adapter.modules_to_save" => "--modules-to-save",
-            _ => "--lora-targets",
-        },
-        _ => "--lora-targets",
     }
 }
 

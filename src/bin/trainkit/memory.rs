@@ -1052,52 +1052,19 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
 /// The LoRA the `--lora-*` flags describe, if any: α defaults to twice the rank, the
 /// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
 fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
-    let Some(rank) = args.lora_rank else {
-        if args.lora_alpha.is_some()
-            || args.lora_targets.is_some()
-            || args.lora_dropout.is_some()
-            || args.modules_to_save.is_some()
-            || args.qlora
-            || args.use_dora
-        {
-            return Err(flag_error(
-                "--lora-rank",
-                "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save, --qlora and \
-                 --use-dora describe a LoRA: give its rank too",
-            ));
-        }
-        return Ok(None);
+    let flags = trainkit::config::LoraFlags {
+        rank: args.lora_rank,
+        alpha: args.lora_alpha,
+        targets: args.lora_targets.clone(),
+        dropout: args.lora_dropout,
+        modules_to_save: args.modules_to_save.clone(),
+        qlora: args.qlora,
+        use_dora: args.use_dora,
     };
-    let gpt2 = subject
+    let fused_qkv = subject
         .arch
         .is_some_and(|a| a.norm == trainkit::model::Norm::LayerNorm);
-    let targets = args.lora_targets.clone().unwrap_or_else(|| {
-        let t: &[&str] = if gpt2 {
-            &["c_attn"]
-        } else {
-            &["q_proj", "v_proj"]
-        };
-        t.iter().map(|s| s.to_string()).collect()
-    });
-    let lora = trainkit::Lora {
-        rank,
-        alpha: args.lora_alpha.unwrap_or(2.0 * rank as f64),
-        targets,
-        rslora: false,
-        dropout: args.lora_dropout.unwrap_or(0.0),
-        dora: args.use_dora,
-        modules_to_save: args.modules_to_save.clone().unwrap_or_default(),
-        base: if args.qlora {
-            trainkit::adapter::BaseWeights::Nf4
-        } else {
-            trainkit::adapter::BaseWeights::Compute
-        },
-    };
-    lora.validate().map_err(|e| {
-        let flag = trainkit::config::lora_flag(&e);
-        e.for_field(flag)
-    })?;
-    Ok(Some(lora))
+    flags.lora(None, fused_qkv)
 }
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw

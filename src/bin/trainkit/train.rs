@@ -5,7 +5,7 @@ use crate::progress::Progress;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use trainkit::config::{Overrides, RunConfig};
+use trainkit::config::{LoraFlags, Overrides, RunConfig};
 use trainkit::data::{
     DataLoader, HfTokenizer, TokenizerKind, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -322,18 +322,20 @@ impl TrainArgs {
             eval_every: self.eval_every,
             save_every: self.save_every,
             log_json: self.log_json.clone(),
-            lora_rank: self.lora_rank,
-            lora_alpha: self.lora_alpha,
-            lora_targets: self.lora_targets.clone(),
-            // With --adapter the LoRA comes from its directory, QLoRA and the dropout
-            // with it (adapter_settings).
-            lora_dropout: self.lora_dropout.filter(|_| self.adapter.is_none()),
-            modules_to_save: self
-                .modules_to_save
-                .clone()
-                .filter(|_| self.adapter.is_none()),
-            qlora: self.qlora && self.adapter.is_none(),
-            use_dora: self.use_dora && self.adapter.is_none(),
+            lora: LoraFlags {
+                rank: self.lora_rank,
+                alpha: self.lora_alpha,
+                targets: self.lora_targets.clone(),
+                // With --adapter the LoRA comes from its directory, QLoRA and the dropout
+                // with it (adapter_settings).
+                dropout: self.lora_dropout.filter(|_| self.adapter.is_none()),
+                modules_to_save: self
+                    .modules_to_save
+                    .clone()
+                    .filter(|_| self.adapter.is_none()),
+                qlora: self.qlora && self.adapter.is_none(),
+                use_dora: self.use_dora && self.adapter.is_none(),
+            },
         }
     }
 }

@@ -1,0 +1,148 @@
+//! The LoRA flags of `trainkit train` and `trainkit memory` (`--lora-rank`,
+//! `--lora-alpha`, `--lora-targets`, `--lora-dropout`, `--modules-to-save`, `--qlora`,
+//! `--use-dora`) and the one rule that makes a [`Lora`] of them.
+
+use crate::adapter::{BaseWeights, Lora};
+use crate::error::{Error, Result};
+
+/// The LoRA flags as given; `None` (or false) where a flag is absent.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraFlags {
+    /// `--lora-rank`: train low-rank updates of this rank on a frozen model.
+    pub rank: Option<usize>,
+    /// `--lora-alpha`: the update is scaled by α / rank; 2 · rank when unset.
+    pub alpha: Option<f64>,
+    /// `--lora-targets`: the projections adapted (`q_proj`, `v_proj`, ..., GPT-2's
+    /// `c_attn`, ..., or `all-linear`).
+    pub targets: Option<Vec<String>>,
+    /// `--lora-dropout`: PEFT's `lora_dropout`.
+    pub dropout: Option<f64>,
+    /// `--modules-to-save`: base modules trained whole beside the LoRA.
+    pub modules_to_save: Option<Vec<String>>,
+    /// `--qlora`: the frozen base projections in NF4.
+    pub qlora: bool,
+    /// `--use-dora`: DoRA's magnitudes (PEFT's `use_dora`).
+    pub use_dora: bool,
+}
+
+impl LoraFlags {
+    /// Whether no LoRA flag is given.
+    pub fn is_empty(&self) -> bool {
+        *self == LoraFlags::default()
+    }
+
+    /// The LoRA these flags describe, laid over `current` (a config's LoRA, which a flag
+    /// that is absent leaves as it is); `None` when no flag is given. A rank starts a
+    /// LoRA: α defaults to twice the rank and the targets to PEFT's for the model
+    /// ([`default_targets`]; `fused_qkv`: the model projects queries, keys and values in
+    /// one matrix, GPT-2's `c_attn`). Every error names the flag.
+    pub fn lora(&self, current: Option<&Lora>, fused_qkv: bool) -> Result<Option<Lora>> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let rank = self.rank.or(current.map(|l| l.rank)).ok_or_else(|| {
+            Error::config(
+                "--lora-rank",
+                "--lora-alpha, --lora-targets, --lora-dropout, --modules-to-save, --qlora and \
+                 --use-dora describe a LoRA: give its rank too (--lora-rank 8 is common)",
+            )
+        })?;
+        let alpha = self
+            .alpha
+            .or(current
+                .filter(|l| self.rank.is_none_or(|r| r == l.rank))
+                .map(|l| l.alpha))
+            .unwrap_or(2.0 * rank as f64);
+        let targets = match (&self.targets, current) {
+            (Some(t), _) => t.clone(),
+            (None, Some(l)) => l.targets.clone(),
+            (None, None) => default_targets(fused_qkv),
+        };
+        let lora = Lora {
+            rank,
+            alpha,
+            targets,
+            rslora: current.is_some_and(|l| l.rslora),
+            dropout: self.dropout.or(current.map(|l| l.dropout)).unwrap_or(0.0),
+            dora: self.use_dora || current.is_some_and(|l| l.dora),
+            modules_to_save: self
+                .modules_to_save
+                .clone()
+                .or(current.map(|l| l.modules_to_save.clone()))
+                .unwrap_or_default(),
+            base: if self.qlora {
+                BaseWeights::Nf4
+            } else {
+                current.map(|l| l.base).unwrap_or_default()
+            },
+        };
+        lora.validate().map_err(|e| {
+            let flag = lora_flag(&e);
+            e.for_field(flag)
+        })?;
+        Ok(Some(lora))
+    }
+}
+
+/// PEFT's default LoRA targets: the query and value projections (`q_proj`, `v_proj`), or
+/// GPT-2's fused `c_attn` where the model projects queries, keys and values in one matrix
+/// (`fused_qkv`).
+pub fn default_targets(fused_qkv: bool) -> Vec<String> {
+    let t: &[&str] = if fused_qkv {
+        &["c_attn"]
+    } else {
+        &["q_proj", "v_proj"]
+    };
+    t.iter().map(|s| s.to_string()).collect()
+}
+
+/// The command-line flag of the LoRA setting an error names (`adapter.dropout` is
+/// `--lora-dropout`, ...); `--lora-targets` for the targets and any other error.
+pub fn lora_flag(e: &Error) -> &'static str {
+    match e {
+        Error::Config { field, .. } => match field.as_str() {
+            "adapter.rank" => "--lora-rank",
+            "adapter.alpha" => "--lora-alpha",
+            "adapter.dropout" => "--lora-dropout",
+            "adapter.modules_to_save" => "--modules-to-save",
+            _ => "--lora-targets",
+        },
+        _ => "--lora-targets",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_starts_a_lora_with_peft_defaults_and_other_flags_need_one() {
+        let none = LoraFlags::default();
+        assert_eq!(none.lora(None, false).unwrap(), None);
+        let rank = LoraFlags {
+            rank: Some(8),
+            ..LoraFlags::default()
+        };
+        let l = rank.lora(None, false).unwrap().unwrap();
+        assert_eq!((l.rank, l.alpha), (8, 16.0));
+        assert_eq!(l.targets, ["q_proj", "v_proj"]);
+        assert_eq!(rank.lora(None, true).unwrap().unwrap().targets, ["c_attn"]);
+        // Alone, α changes the config's LoRA, and needs one.
+        let alpha = LoraFlags {
+            alpha: Some(4.0),
+            ..LoraFlags::default()
+        };
+        let over = alpha.lora(Some(&l), false).unwrap().unwrap();
+        assert_eq!((over.rank, over.alpha, &over.targets), (8, 4.0, &l.targets));
+        let err = alpha.lora(None, false).unwrap_err().to_string();
+        assert!(err.contains("--lora-rank"), "{err}");
+        // A bad value is refused by its flag.
+        let bad = LoraFlags {
+            rank: Some(8),
+            dropout: Some(1.5),
+            ..LoraFlags::default()
+        };
+        let err = bad.lora(None, false).unwrap_err().to_string();
+        assert!(err.contains("--lora-dropout"), "{err}");
+    }
+}
