@@ -488,18 +488,8 @@ mod tests {
     use super::*;
     use crate::memory::MemoryCategory;
     use crate::optim::Param;
+    use crate::trainer::update_params;
 
-    /// One update of `params` as the trainer runs it.
-    fn update(
-        opt: &mut impl Optimizer,
-        be: &dyn Backend,
-        params: &mut [Param],
-        lr: f32,
-        scale: GradScale<'_>,
-        step: u64,
-    ) -> Result<()> {
-        crate::trainer::update_params(be, opt, params, lr, scale, step, 0)
-    }
     use crate::device::CpuBackend;
     use crate::precision::Fp32;
 
@@ -547,7 +537,7 @@ mod tests {
         let one = scale(&be, 1.0);
         for step in 1..=n {
             let s = GradScale::new(&one).unwrap();
-            update(&mut opt_mut, &be, &mut params, opt.lr, s, step).unwrap();
+            update_params(&be, &mut opt_mut, &mut params, opt.lr, s, step, 0).unwrap();
         }
         assert_eq!(
             params[0].state().len(),
@@ -596,13 +586,14 @@ mod tests {
             let lr = 1e-3 * step as f32;
             let clip = 0.5;
             let s = scale(&be, clip);
-            update(
-                &mut opt,
+            update_params(
                 &be,
+                &mut opt,
                 &mut params,
                 lr,
                 GradScale::new(&s).unwrap(),
                 step,
+                0,
             )
             .unwrap();
             let (b1, b2, eps, wd) = (0.9f64, 0.95f64, 1e-8f64, 0.1f64);
@@ -636,13 +627,14 @@ mod tests {
         let init = [0.1f32, -0.2, 0.3, 0.4];
         let mut params = vec![param(&be, "w", &[2, 2], &init, &[0.5, -0.5, 1.0, 2.0])];
         let one = scale(&be, 1.0);
-        update(
-            &mut opt,
+        update_params(
             &be,
+            &mut opt,
             &mut params,
             1e-2,
             GradScale::new(&one).unwrap(),
             1,
+            0,
         )
         .unwrap();
         let before = be.to_f32(params[0].value()).unwrap();
@@ -653,13 +645,14 @@ mod tests {
             .collect();
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let s = scale(&be, bad);
-            update(
-                &mut opt,
+            update_params(
                 &be,
+                &mut opt,
                 &mut params,
                 1e-2,
                 GradScale::new(&s).unwrap(),
                 2,
+                0,
             )
             .unwrap();
             let after = be.to_f32(params[0].value()).unwrap();

@@ -356,18 +356,8 @@ mod tests {
     use super::*;
     use crate::memory::MemoryCategory;
     use crate::optim::Param;
+    use crate::trainer::update_params;
 
-    /// One update of `params` as the trainer runs it.
-    fn run(
-        opt: &mut (impl Optimizer + ?Sized),
-        be: &dyn Backend,
-        params: &mut [Param],
-        lr: f32,
-        scale: GradScale<'_>,
-        step: u64,
-    ) -> Result<()> {
-        crate::trainer::update_params(be, opt, params, lr, scale, step, 0)
-    }
     use crate::device::CpuBackend;
     use crate::precision::Fp32;
     use crate::rng::Rng;
@@ -423,13 +413,14 @@ mod tests {
         let mut params = vec![param(&be, "w", &shape, &randn(&mut rng, n, 0.5))];
         set_grad(&be, &mut params[0], &randn(&mut rng, n, 0.1));
         let one = scale(&be, 1.0);
-        run(
-            &mut opt,
+        update_params(
             &be,
+            &mut opt,
             &mut params,
             1e-3,
             GradScale::new(&one).unwrap(),
             1,
+            0,
         )
         .unwrap();
         let state: Vec<Vec<f32>> = params[0]
@@ -443,13 +434,14 @@ mod tests {
         set_grad(&be, &mut params[0], &g);
         let (lr, clip, step) = (2e-3f32, 0.5f32, 2u64);
         let s = scale(&be, clip);
-        run(
-            &mut opt,
+        update_params(
             &be,
+            &mut opt,
             &mut params,
             lr,
             GradScale::new(&s).unwrap(),
             step,
+            0,
         )
         .unwrap();
 
@@ -542,13 +534,14 @@ mod tests {
                 for (p, g) in params.iter_mut().zip(&grads) {
                     set_grad(&be, p, g);
                 }
-                run(
-                    opt,
+                update_params(
                     &be,
+                    opt,
                     &mut params,
                     1e-2,
                     GradScale::new(&one).unwrap(),
                     step,
+                    0,
                 )
                 .unwrap();
             }
@@ -596,13 +589,14 @@ mod tests {
         let mut params = vec![param(&be, "w", &[n], &randn(&mut rng, n, 1.0))];
         set_grad(&be, &mut params[0], &randn(&mut rng, n, 0.1));
         let one = scale(&be, 1.0);
-        run(
-            &mut opt,
+        update_params(
             &be,
+            &mut opt,
             &mut params,
             1e-2,
             GradScale::new(&one).unwrap(),
             1,
+            0,
         )
         .unwrap();
         let read = |p: &Param| -> Vec<Vec<u32>> {
@@ -614,13 +608,14 @@ mod tests {
         let before = read(&params[0]);
         for bad in [f32::NAN, f32::INFINITY] {
             let s = scale(&be, bad);
-            run(
-                &mut opt,
+            update_params(
                 &be,
+                &mut opt,
                 &mut params,
                 1e-2,
                 GradScale::new(&s).unwrap(),
                 2,
+                0,
             )
             .unwrap();
             assert_eq!(read(&params[0]), before, "{bad}");
@@ -637,13 +632,14 @@ mod tests {
             beta2: 1.5,
             ..AdamW8bit::default()
         };
-        let err = run(
-            &mut opt,
+        let err = update_params(
             &be,
+            &mut opt,
             &mut params,
             1e-2,
             GradScale::new(&one).unwrap(),
             1,
+            0,
         )
         .unwrap_err()
         .to_string();
