@@ -1,7 +1,7 @@
 // The 8-bit AdamW update: both moments stored block-wise quantized (one u8 code per
 // element, one f32 absolute maximum per block of 256), dequantized, updated in f32 as
 // adamw.cu updates them, and requantized, in one pass.
-// CPU twin: src/optim/adamw8bit/cpu.rs (update) and src/device/cpu/quantize.rs (codes).
+// CPU twin: src/optim/adamw8bit/cpu.rs (update) and src/optim/adamw8bit/quantize.rs (codes).
 //
 // One block of 256 threads per quantization block, one element per thread (a grid-stride
 // loop over quantization blocks). Each block first builds the two code tables in shared
