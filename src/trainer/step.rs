@@ -3,7 +3,7 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
-use super::update::Updater;
+use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
@@ -47,13 +47,6 @@ impl Plan {
 struct Buffers {
     losses: Tensor,
     record: Tensor,
-}
-
-/// What the updates made inside backward add up to: the squares of the parameters' norms
-/// and whether every one was finite.
-struct InBackward {
-    norm_squares: f64,
-    all_finite: bool,
 }
 
 impl<P, C, O, A, M> Trainer<P, C, O, A, M>
@@ -186,18 +179,12 @@ where
                 let inside = &mut *inside;
                 let updater_now = &mut updater;
                 let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
-                    let Some(grad) = ps[i].grad() else {
-                        return Ok(());
-                    };
-                    guard::grad_guard(be, record, &[grad], losses, 0.0, plan.loss_scale)?;
-                    let r = StepRecord::read(be, record)?;
-                    inside.norm_squares += (r.grad_norm as f64).powi(2);
-                    inside.all_finite &= r.finite();
-                    if let Some(u) = updater_now.as_mut() {
-                        u.update(be, ps, Some(i), record)?;
+                    match updater_now.as_mut() {
+                        Some(u) => {
+                            u.update_ready(be, ps, i, losses, record, plan.loss_scale, inside)
+                        }
+                        None => Ok(()),
                     }
-                    ps[i].drop_grad();
-                    Ok(())
                 };
                 let mut pass = Pass {
                     backend: be,

@@ -9,7 +9,7 @@
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::model::Param;
-use crate::optim::{GradScale, Optimizer};
+use crate::optim::{guard, GradScale, Optimizer, StepRecord};
 use crate::param::HostUpdate;
 use crate::tensor::Tensor;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -76,6 +76,15 @@ fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) ->
         p.refresh_after_step(backend, key)?;
     }
     Ok(())
+}
+
+/// What the updates made inside backward add up to: the squares of the parameters' norms
+/// and whether every one was finite.
+pub(super) struct InBackward {
+    /// The sum of the squares of the updated gradients' norms (loss scale removed).
+    pub(super) norm_squares: f64,
+    /// Whether every one of them, and the losses, were finite.
+    pub(super) all_finite: bool,
 }
 
 /// Where one step's updates run: on the device through [`update_params`], or on the host
@@ -147,6 +156,35 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
                 Ok(())
             }
         }
+    }
+
+    /// The update inside backward of parameter `i`, whose gradient is complete: its own
+    /// guard into `record` (its norm, and whether it and the step's `losses` so far are
+    /// finite, the loss scale removed: no clipping, which needs every gradient at once),
+    /// the update, and its gradient freed. `inside` adds up the norms and the finiteness
+    /// for the step's record. A parameter without a gradient (it trains nothing this
+    /// pass) is left alone.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn update_ready(
+        &mut self,
+        device: &dyn Backend,
+        params: &mut [Param],
+        i: usize,
+        losses: &Tensor,
+        record: &mut Tensor,
+        loss_scale: f32,
+        inside: &mut InBackward,
+    ) -> Result<()> {
+        let Some(grad) = params[i].grad() else {
+            return Ok(());
+        };
+        guard::grad_guard(device, record, &[grad], losses, 0.0, loss_scale)?;
+        let r = StepRecord::read(device, record)?;
+        inside.norm_squares += (r.grad_norm as f64).powi(2);
+        inside.all_finite &= r.finite();
+        self.update(device, params, Some(i), record)?;
+        params[i].drop_grad();
+        Ok(())
     }
 
     /// Finishes the update in flight on the host thread, if any, and ends the thread.
