@@ -338,11 +338,7 @@ fn the_cli_trains_resumes_and_merges_a_dora_adapter() {
     let run = common::trainkit_ok;
     let small = common::SMALL_RUN;
     let text = common::small_text(&dir);
-    let eval = |model: &str, adapter: Option<&str>| {
-        let adapter = adapter.map(&path);
-        let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
-        common::eval_loss(&dir.join(model), &text, &extra)
-    };
+    let eval = |model: &str, adapter: Option<&str>| common::eval_in(&dir, &text, model, adapter);
     for (arch, targets) in [
         ("llama", "q_proj,v_proj,down_proj"),
         ("gpt2", "c_attn,c_fc"),

@@ -458,21 +458,8 @@ fn args(v: &[String]) -> Vec<&str> {
 fn the_cli_trains_saves_and_resumes_an_adapter() {
     let dir = common::scratch("lora-cli");
     let path = |p: &str| dir.join(p).display().to_string();
-    let run = |args: &[&str]| {
-        let (ok, out, err) = common::trainkit(args);
-        assert!(ok, "{args:?}: {out}\n{err}");
-        out
-    };
-    let small = [
-        "--device",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-    ];
+    let run = common::trainkit_ok;
+    let small = common::SMALL_RUN;
     run(&[
         &[
             "train",
@@ -719,11 +706,7 @@ fn merge_writes_the_adapted_model() {
     let run = common::trainkit_ok;
     let small = common::SMALL_RUN;
     let text = common::small_text(&dir);
-    let eval = |model: &str, adapter: Option<&str>| {
-        let adapter = adapter.map(&path);
-        let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
-        common::eval_loss(&dir.join(model), &text, &extra)
-    };
+    let eval = |model: &str, adapter: Option<&str>| common::eval_in(&dir, &text, model, adapter);
     // Each with base modules trained whole beside the adapter (PEFT's modules_to_save):
     // Llama's RMS norms (every module whose name ends with `norm`), GPT-2's final norm.
     for (arch, targets, saved) in [

@@ -286,20 +286,9 @@ fn the_cli_trains_resumes_and_evaluates_over_an_nf4_base() {
     let path = |p: &str| dir.join(p).display().to_string();
     let run = |args: &[String]| {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (ok, out, err) = common::trainkit(&a);
-        assert!(ok, "{args:?}: {out}\n{err}");
-        out
+        common::trainkit_ok(&a)
     };
-    let small = strings(&[
-        "--device",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--eval-every",
-        "0",
-    ]);
+    let small = strings(&common::SMALL_RUN);
     let mut base = strings(&[
         "train",
         "--arch",

@@ -87,6 +87,19 @@ pub fn eval_loss(model: &std::path::Path, text: &std::path::Path, extra: &[&str]
         .unwrap()
 }
 
+/// [`eval_loss`] of the model in `dir/model` on `text`, with the adapter in
+/// `dir/adapter` (`--adapter`) when given.
+pub fn eval_in(
+    dir: &std::path::Path,
+    text: &std::path::Path,
+    model: &str,
+    adapter: Option<&str>,
+) -> f64 {
+    let adapter = adapter.map(|a| dir.join(a).display().to_string());
+    let extra: Vec<&str> = adapter.iter().flat_map(|a| ["--adapter", a]).collect();
+    eval_loss(&dir.join(model), text, &extra)
+}
+
 /// A fresh CPU backend: its products run on the CBLAS library `$TRAINKIT_BLAS` names,
 /// if set, so the suite can be run against one.
 pub fn cpu() -> Arc<dyn Backend> {
