@@ -59,7 +59,12 @@ pub(super) fn step_optimizer<O: Optimizer + ?Sized>(
     let mut updates = Vec::with_capacity(params.len());
     for p in params.iter_mut().filter(|p| p.trains()) {
         p.begin_update(backend)?;
-        let slots = optimizer.state_slots(p.shape(), p.kept_dtype());
+        // Asked once, before the parameter's first update (a resumed run loads its state).
+        let slots = if p.state().is_empty() {
+            optimizer.state_slots(p.shape(), p.kept_dtype())
+        } else {
+            Vec::new()
+        };
         updates.push(p.for_update(backend, &slots, fused)?);
     }
     if updates.is_empty() {
@@ -72,7 +77,11 @@ pub(super) fn step_optimizer<O: Optimizer + ?Sized>(
 /// master weights unless the optimizer wrote them, or pure bf16's rounding.
 fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) -> Result<()> {
     for p in params.iter_mut().filter(|p| p.trains()) {
-        let key = p.rounding_key(seed, step);
+        // The stochastic rounding's stream, for pure bf16 alone (its name hashed).
+        let key = match p.update_rounding() {
+            Some(_) => p.rounding_key(seed, step),
+            None => 0,
+        };
         p.refresh_after_step(backend, key)?;
     }
     Ok(())
