@@ -317,7 +317,8 @@ fn gpt2_models_also_get_trainkits_exact_prediction() {
 
 /// `--attention` and `--loss` choose the paths of trainkit's exact figures: GPT-2 124M,
 /// bf16, full recompute, T = 1024 peaks at 126.6 MB of activations with both materialized
-/// and under 64 MB with both fused (the default); a path that does not exist is refused.
+/// and under 64 MB with both fused (the default), more or less with a larger or smaller
+/// `--loss-chunk`; a path that does not exist is refused.
 #[test]
 fn attention_and_loss_paths_change_the_exact_activations() {
     let activations = |extra: &[&str]| {
@@ -346,6 +347,13 @@ fn attention_and_loss_paths_change_the_exact_activations() {
     );
     let between = activations(&["--attention", "materialized"]);
     assert!(fused < between && between < 126_623_744, "{between}");
+    // The fused loss's chunk, as `train --loss-chunk` sets it: one chunk of all 1024
+    // positions holds every position's logits, as the materialized loss does.
+    let small = activations(&["--loss-chunk", "128"]);
+    let whole = activations(&["--loss-chunk", "1024"]);
+    assert!(small <= fused && fused < whole, "{small} {fused} {whole}");
+    let (ok, _, err) = trainkit(&["--model", "gpt2", "--loss-chunk", "0"]);
+    assert!(!ok && err.contains("--loss-chunk"), "{err}");
     let (ok, _, err) = trainkit(&["--model", "gpt2", "--attention", "sparse"]);
     assert!(!ok);
     assert!(

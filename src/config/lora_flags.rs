@@ -5,23 +5,41 @@
 use crate::adapter::{BaseWeights, Lora};
 use crate::error::{Error, Result};
 
-/// The LoRA flags as given; `None` (or false) where a flag is absent.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// The LoRA flags as given (of `trainkit train`, and of `trainkit memory` for an
+/// adapter's exact figures); `None` (or false) where a flag is absent.
+#[derive(clap::Args, Clone, Debug, Default, PartialEq)]
 pub struct LoraFlags {
-    /// `--lora-rank`: train low-rank updates of this rank on a frozen model.
+    /// Train a LoRA adapter of this rank on a frozen model (8, 16 and 32 are common).
+    #[arg(long = "lora-rank", value_name = "R")]
     pub rank: Option<usize>,
-    /// `--lora-alpha`: the update is scaled by α / rank; 2 · rank when unset.
+    /// LoRA's α: the update is scaled by α / rank (default 2 · rank).
+    #[arg(long = "lora-alpha", value_name = "A")]
     pub alpha: Option<f64>,
-    /// `--lora-targets`: the projections adapted (`q_proj`, `v_proj`, ..., GPT-2's
-    /// `c_attn`, ..., or `all-linear`).
+    /// The projections LoRA adapts, by Hugging Face module name, comma-separated:
+    /// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (GPT-2: c_attn,
+    /// c_proj, c_fc), or all-linear (default: q_proj,v_proj; GPT-2: c_attn).
+    #[arg(long = "lora-targets", value_name = "LIST", value_delimiter = ',')]
     pub targets: Option<Vec<String>>,
-    /// `--lora-dropout`: PEFT's `lora_dropout`.
+    /// LoRA's dropout in training (PEFT's lora_dropout; its recipes use 0.05): each
+    /// element of an update's input is zeroed with this probability, the rest scaled by
+    /// 1/(1 − P); none in evaluation, sampling and merging (default 0; with --adapter, the
+    /// adapter's).
+    #[arg(long = "lora-dropout", value_name = "P")]
     pub dropout: Option<f64>,
-    /// `--modules-to-save`: base modules trained whole beside the LoRA.
+    /// Base modules trained whole beside the LoRA and saved with it (PEFT's
+    /// modules_to_save), comma-separated: each matches every module whose name ends with
+    /// it, e.g. lm_head (an untied head), norm; not the projections LoRA adapts.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub modules_to_save: Option<Vec<String>>,
-    /// `--qlora`: the frozen base projections in NF4.
+    /// QLoRA: store the frozen base projections in NF4 (4.127 bits per weight, quantized
+    /// as bitsandbytes does when the weights load); needs --lora-rank (or, in training,
+    /// --adapter).
+    #[arg(long)]
     pub qlora: bool,
-    /// `--use-dora`: DoRA's magnitudes (PEFT's `use_dora`).
+    /// DoRA (PEFT's use_dora): each adapted projection's output features rescaled by a
+    /// trained magnitude over the norm of their row of W + (α/r)·B·A, starting at the base
+    /// rows' norms (with --adapter, the adapter's setting).
+    #[arg(long)]
     pub use_dora: bool,
 }
 

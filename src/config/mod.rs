@@ -15,14 +15,21 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 mod data;
+mod derived;
 mod finetune;
 mod lora_flags;
 mod overrides;
+mod policy_flags;
+mod resolve;
+mod shape_flags;
 
 pub use data::{Corpus, DataConfig};
 pub use finetune::FineTuning;
 pub use lora_flags::{default_targets, lora_flag, LoraFlags};
-pub use overrides::{small_llama, Overrides};
+pub use overrides::Overrides;
+pub use policy_flags::PolicyFlags;
+pub use resolve::{Resolved, RunFlags};
+pub use shape_flags::{small_llama, ShapeFlags};
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -308,5 +315,12 @@ impl RunConfig {
         }
         crate::ops::LinearCrossEntropy::new("training.loss_chunk", t.loss_chunk)?;
         self.data.validate(self.model.vocab_size())
+    }
+}
+
+/// Sets `slot` to `value` when a flag gives one.
+fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *slot = v;
     }
 }

@@ -5,20 +5,7 @@ use std::path::Path;
 use trainkit::config::RunConfig;
 use trainkit::estimate::{autofit, host_available_memory, FitRequest, MicroBatch, Techniques};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
-use trainkit::{AccumulationSchedule, Constant, Device, Error, Result};
-
-/// Rows per optimizer step in `cfg`: micro-batch rows × the first step's micro-batches.
-pub fn global_batch(cfg: &RunConfig) -> Result<usize> {
-    let t = &cfg.training;
-    let k = cfg
-        .accumulation
-        .micro_batches(&trainkit::accumulate::AccumulationContext {
-            step: 0,
-            tokens_seen: 0,
-            tokens_per_micro_batch: (t.batch_size * t.seq_len) as u64,
-        })?;
-    Ok(t.batch_size * k)
-}
+use trainkit::{Constant, Device, Error, Result};
 
 /// The budget autofit works to: the flag, else the memory the device has free.
 pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {
@@ -61,28 +48,14 @@ pub struct FitScope {
     pub host_budget: Option<u64>,
 }
 
-fn request<'a>(cfg: &'a RunConfig, global: usize, budget: u64, scope: FitScope) -> FitRequest<'a> {
-    let t = &cfg.training;
-    FitRequest {
-        recompute: cfg.checkpoint.as_ref(),
-        attention: t.attention,
-        loss: t.loss,
-        loss_chunk: t.loss_chunk,
-        techniques: scope.techniques,
-        grad_clip: t.grad_clip,
-        optimizer_in_backward: t.optimizer_in_backward,
-        offload_activations: t.offload_activations,
-        optimizer_offload: cfg.optimizer_offload,
-        host_budget: scope.host_budget,
-        adapter: cfg.adapter.as_deref(),
-        ..FitRequest::new(
-            cfg.model.architecture(),
-            t.seq_len,
-            global,
-            budget,
-            cfg.precision.as_ref(),
-            cfg.optimizer.as_ref(),
-        )
+impl FitScope {
+    /// The autofit request of the run `cfg` within this scope: `global` rows per step in
+    /// `budget` bytes.
+    fn request<'a>(&self, cfg: &'a RunConfig, global: usize, budget: u64) -> FitRequest<'a> {
+        FitRequest {
+            host_budget: self.host_budget,
+            ..FitRequest::for_run(cfg, global, budget, self.techniques)
+        }
     }
 }
 
@@ -96,7 +69,7 @@ pub fn apply_autofit(
     budget: u64,
     scope: FitScope,
 ) -> Result<()> {
-    let plan = autofit(&request(cfg, global, budget, scope))?;
+    let plan = autofit(&scope.request(cfg, global, budget))?;
     for line in plan.explain() {
         println!("{line}");
     }
@@ -135,7 +108,10 @@ pub fn explain_oom(err: Error, cfg: &RunConfig, budget: Option<u64>, scope: FitS
     let (Error::OutOfMemory { message }, Some(budget)) = (&err, budget) else {
         return err;
     };
-    let advice = match global_batch(cfg).and_then(|g| autofit(&request(cfg, g, budget, scope))) {
+    let advice = match cfg
+        .global_batch()
+        .and_then(|g| autofit(&scope.request(cfg, g, budget)))
+    {
         Ok(plan) => {
             let c = plan.choice;
             format!(
@@ -169,13 +145,7 @@ pub fn write_report(
     measured_total: u64,
 ) -> Result<()> {
     let t = &cfg.training;
-    let options = trainkit::TrainerOptions {
-        grad_clip: t.grad_clip,
-        optimizer_in_backward: t.optimizer_in_backward,
-        offload_activations: t.offload_activations,
-        optimizer_offload: cfg.optimizer_offload,
-        ..trainkit::TrainerOptions::default()
-    };
+    let options = trainkit::TrainerOptions::from(cfg);
     let prediction = trainkit::estimate::predict_with(
         cfg.build_model()?,
         MicroBatch {
@@ -187,7 +157,7 @@ pub fn write_report(
         cfg.optimizer.as_ref(),
         &options,
     )?;
-    let k = global_batch(cfg)? / t.batch_size;
+    let k = cfg.global_batch()? / t.batch_size;
     let report = serde_json::json!({
         "measured": by_category(measured),
         "predicted": by_category(&prediction.peak),

@@ -1,6 +1,7 @@
 //! `trainkit memory`: the Ultra-Scale Playbook's memory explorer.
 
 use std::path::PathBuf;
+use trainkit::config::{LoraFlags, PolicyFlags, RunConfig};
 use trainkit::estimate::{
     model_state_bytes, preset_names, technique_savings, ActivationSweep, Architecture,
     FitCandidate, FitRequest, MemoryPrediction, MicroBatch, Mlp, Norm, Preset, TechniqueSavings,
@@ -51,49 +52,9 @@ pub struct MemoryArgs {
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 1)]
     batch_size: u64,
-    /// fp32, or bf16 (bf16 weights, gradients and activations with f32 master weights).
-    #[arg(long, default_value = "bf16")]
-    precision: String,
     /// With bf16: also accumulate gradients in f32 (4 more bytes per parameter).
     #[arg(long)]
     fp32_grads: bool,
-    /// f32 (an f32 master copy of bf16 weights, the default) or none (pure bf16: no master
-    /// copy, bf16 gradients; each update computed in one parameter's transient f32 copy).
-    #[arg(long)]
-    master_weights: Option<String>,
-    /// With --master-weights none: nearest, stochastic, or kahan (a bf16 compensation, 2
-    /// bytes per parameter).
-    #[arg(long)]
-    update_rounding: Option<String>,
-    /// Activation recomputation: none, full, selective or budget:SIZE (e.g. budget:2GiB).
-    #[arg(long, default_value = "none")]
-    recompute: String,
-    /// trainkit's exact figures with the activations the recompute policy keeps offloaded
-    /// to host memory, beside the same run without: what offloading saves on the device.
-    #[arg(long)]
-    offload_activations: bool,
-    /// adamw (8 bytes of state per parameter), adamw8bit (2 bytes of codes, plus 8 bytes
-    /// per block of 256 and f32 moments for tensors under 4096 elements in the exact
-    /// figures) or sgd (no state without momentum).
-    #[arg(long, default_value = "adamw")]
-    optimizer: String,
-    /// trainkit's exact figures with the optimizer inside backward (each gradient freed
-    /// once its parameter is updated; no clipping, one micro-batch).
-    #[arg(long)]
-    optimizer_in_backward: bool,
-    /// trainkit's exact figures with the optimizer offloaded: f32 master weights and
-    /// optimizer state in host memory, the update on the CPU (the device keeps the compute
-    /// weights and gradients); the host bytes are printed beside the device's.
-    #[arg(long)]
-    optimizer_offload: bool,
-    /// trainkit's exact figures with this attention: fused (the default; no [B, H, T, T]
-    /// tensor) or materialized.
-    #[arg(long, default_value = "fused")]
-    attention: String,
-    /// trainkit's exact figures with this loss: fused (the default; chunks of logits) or
-    /// materialized (every position's logits).
-    #[arg(long, default_value = "fused")]
-    loss: String,
     /// Also show what each memory technique saves on its own for this model, batch and
     /// sequence (trainkit's exact figures): the setup the other flags describe with
     /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
@@ -101,32 +62,15 @@ pub struct MemoryArgs {
     /// all that combine (those that train every weight).
     #[arg(long)]
     techniques: bool,
-    /// trainkit's exact figures for a LoRA adapter of this rank on the frozen model (bf16
-    /// base without master weights or gradients; the formulas still count full training).
-    #[arg(long, value_name = "R")]
-    lora_rank: Option<usize>,
-    /// LoRA's α (default 2 · rank; it changes no byte).
-    #[arg(long, value_name = "A")]
-    lora_alpha: Option<f64>,
-    /// The projections LoRA adapts, comma-separated (default q_proj,v_proj; GPT-2:
-    /// c_attn); see `trainkit train --help`.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    lora_targets: Option<Vec<String>>,
-    /// LoRA's dropout in training (it adds a transient buffer of each adapted
-    /// projection's input).
-    #[arg(long, value_name = "P")]
-    lora_dropout: Option<f64>,
-    /// Base modules trained whole beside the LoRA (PEFT's modules_to_save), as `train
-    /// --modules-to-save` takes them: their gradients, optimizer state and master weights.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    modules_to_save: Option<Vec<String>>,
-    /// QLoRA: the frozen base projections in NF4 (4.127 bits per weight).
-    #[arg(long)]
-    qlora: bool,
-    /// DoRA (PEFT's use_dora): a magnitude per adapted output feature, and the transient
-    /// buffers of its norms.
-    #[arg(long)]
-    use_dora: bool,
+    /// The policies (`--precision`, bf16 by default; `--recompute`, `--optimizer`, the
+    /// offloads, the loss and attention paths), as `trainkit train` takes them: the
+    /// offloads and the paths change trainkit's exact figures.
+    #[command(flatten)]
+    policy: PolicyFlags,
+    /// The LoRA flags: trainkit's exact figures for an adapter on the frozen model (a
+    /// bf16 base without master weights or gradients; the formulas count full training).
+    #[command(flatten)]
+    lora: LoraFlags,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -404,6 +348,29 @@ fn gb(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / 1e9)
 }
 
+/// The attention path, the loss path and the fused loss's chunk of trainkit's exact
+/// figures.
+type Paths = (
+    trainkit::ops::AttentionPath,
+    trainkit::ops::LossPath,
+    Option<usize>,
+);
+
+/// The policies the flags describe, laid over the defaults as `trainkit train` lays them,
+/// but bf16 (with f32 gradients under --fp32-grads) unless --precision says otherwise.
+fn policies(args: &MemoryArgs) -> Result<RunConfig> {
+    let mut cfg = RunConfig::default();
+    let precision = args.policy.precision.as_deref().unwrap_or("bf16");
+    cfg.precision = trainkit::precision::named(precision, args.fp32_grads)
+        .map_err(|e| e.for_field("--precision"))?;
+    let rest = PolicyFlags {
+        precision: None,
+        ..args.policy.clone()
+    };
+    rest.apply(&mut cfg)?;
+    Ok(cfg)
+}
+
 const STATE: [MemoryCategory; 4] = [
     MemoryCategory::Weights,
     MemoryCategory::MasterWeights,
@@ -412,22 +379,19 @@ const STATE: [MemoryCategory; 4] = [
 ];
 
 pub fn run(args: MemoryArgs) -> Result<()> {
-    let precision = trainkit::precision::named(&args.precision, args.fp32_grads)
-        .map_err(|e| e.for_field("--precision"))?;
-    let precision = trainkit::precision::with_master_weights(
-        precision,
-        args.master_weights.as_deref(),
-        args.update_rounding.as_deref(),
-    )?;
-    let precision = precision.as_ref();
-    let recompute =
-        trainkit::checkpoint::named(&args.recompute).map_err(|e| e.for_field("--recompute"))?;
+    let cfg = policies(&args)?;
+    let precision = cfg.precision.as_ref();
+    let recompute = cfg.checkpoint.as_ref();
     let recompute_name = recompute.typetag_name();
     let precision_name = trainkit::precision::describe(precision);
-    let optimizer =
-        trainkit::optim::named(&args.optimizer).map_err(|e| e.for_field("--optimizer"))?;
-    let optimizer = optimizer.as_ref();
+    let optimizer = cfg.optimizer.as_ref();
     let optimizer_name = optimizer.typetag_name();
+    let t = &cfg.training;
+    let (in_backward, offload_activations, optimizer_offload) = (
+        t.optimizer_in_backward,
+        t.offload_activations,
+        cfg.optimizer_offload,
+    );
     positive("--batch-size", Some(args.batch_size))?;
     positive("--seq-len", args.seq_len)?;
     let subject = subject(&args)?;
@@ -471,10 +435,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         .map(|a| a.playbook_params().map_err(as_flag))
         .transpose()?;
 
-    let paths = (
-        trainkit::ops::AttentionPath::parse("--attention", &args.attention)?,
-        trainkit::ops::LossPath::parse("--loss", &args.loss)?,
-    );
+    let paths = (t.attention, t.loss, t.loss_chunk);
     let lora = lora(&args, &subject)?;
     let adapter = lora
         .as_ref()
@@ -485,16 +446,16 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             seq_len,
             args.batch_size,
             precision,
-            recompute.as_ref(),
+            recompute,
             optimizer,
-            args.optimizer_in_backward,
+            in_backward,
             offload,
-            args.optimizer_offload,
+            optimizer_offload,
             paths,
             adapter,
         )
     };
-    let exact = exact_with(args.offload_activations)?;
+    let exact = exact_with(offload_activations)?;
     // A LoRA run's figures are trainkit's exact ones (the playbook's formulas count full
     // training): without them the flags cannot be honoured.
     let adapted = match (&lora, &exact) {
@@ -523,9 +484,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                     precision,
                     policy,
                     optimizer,
-                    args.optimizer_in_backward,
+                    in_backward,
                     false,
-                    args.optimizer_offload,
+                    optimizer_offload,
                     paths,
                     adapter,
                 )?;
@@ -572,13 +533,14 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         })?;
         let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         let req = FitRequest {
-            recompute: recompute.as_ref(),
+            recompute,
             attention: paths.0,
             loss: paths.1,
+            loss_chunk: paths.2,
             grad_clip: 0.0,
-            optimizer_in_backward: args.optimizer_in_backward,
-            offload_activations: args.offload_activations,
-            optimizer_offload: args.optimizer_offload,
+            optimizer_in_backward: in_backward,
+            offload_activations: offload_activations,
+            optimizer_offload: optimizer_offload,
             adapter,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
             // named).
@@ -600,7 +562,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         None
     };
     // With offloading, the same run without it: what offloading saves.
-    let kept = if args.offload_activations {
+    let kept = if offload_activations {
         exact_with(false)?
     } else {
         None
@@ -617,9 +579,9 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "model_state_bytes": p.model_state_bytes(),
                 "activation_bytes": p.peak.get(MemoryCategory::Activations),
                 "peak_total_bytes": p.peak_total,
-                "optimizer_in_backward": args.optimizer_in_backward,
-                "offload_activations": args.offload_activations,
-                "optimizer_offload": args.optimizer_offload,
+                "optimizer_in_backward": in_backward,
+                "offload_activations": offload_activations,
+                "optimizer_offload": optimizer_offload,
                 "offloaded_bytes": p.peak.get(MemoryCategory::Offloaded),
                 "host_bytes": p.host_bytes(),
                 "peak_total_bytes_without_offload": kept.as_ref().map(|k| k.peak_total),
@@ -647,7 +609,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         };
         let adapter_json = adapted.map(|(l, (trained, all))| {
             serde_json::json!({
-                "kind": if args.qlora { "qlora" } else { "lora" },
+                "kind": if args.lora.qlora { "qlora" } else { "lora" },
                 "rank": l.rank,
                 "alpha": l.alpha,
                 "targets": l.targets,
@@ -678,7 +640,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 "vocab": a.map(|a| a.vocab),
                 "seq_len": a.map(|_| seq_len),
                 "batch_size": args.batch_size,
-                "precision": args.precision,
+                "precision": args.policy.precision.as_deref().unwrap_or("bf16"),
                 "fp32_grads": args.fp32_grads,
                 "master_weights": if precision.master_weights() || precision.compute_dtype() == trainkit::DType::F32 { "f32" } else { "none" },
                 "update_rounding": precision.update_rounding().map(|r| r.name()),
@@ -711,7 +673,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         println!(
             "adapter    {} rank {}, α {} on {}{}: {} of {} parameters train ({:.3}%), the base \
              frozen{}",
-            if args.qlora { "QLoRA" } else { "LoRA" },
+            if args.lora.qlora { "QLoRA" } else { "LoRA" },
             l.rank,
             l.alpha,
             l.targets.join(", "),
@@ -723,14 +685,14 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             group(trained),
             group(all),
             100.0 * trained as f64 / all.max(1) as f64,
-            if args.qlora {
+            if args.lora.qlora {
                 " (its projections in NF4)"
             } else {
                 ""
             }
         );
         println!();
-        print_exact_table(p, kept.as_ref(), &args);
+        print_exact_table(p, kept.as_ref(), optimizer_offload);
         if let Some(s) = &savings {
             print_savings(s);
         }
@@ -801,12 +763,12 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             "trainkit's model, exact (what its ledger measures; activations include the \
              fused loss's chunk of logits){}:",
             [
-                (args.optimizer_in_backward, ", optimizer inside backward"),
+                (in_backward, ", optimizer inside backward"),
                 (
-                    args.optimizer_offload,
+                    optimizer_offload,
                     ", optimizer offloaded (master weights and state in host memory)",
                 ),
-                (args.offload_activations, ", activations offloaded"),
+                (offload_activations, ", activations offloaded"),
             ]
             .iter()
             .filter(|(on, _)| *on)
@@ -862,7 +824,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
 fn trainable_params(
     subject: &Subject,
     seq_len: u64,
-    paths: (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    paths: Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<(u64, u64)> {
     let model = exact_model(subject, seq_len, paths, adapter)?
@@ -884,14 +846,14 @@ fn trainable_params(
 fn exact_model(
     subject: &Subject,
     seq_len: u64,
-    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    (attention, loss, loss_chunk): Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<Box<dyn trainkit::Model>>> {
     let Some(arch) = exact_arch(subject, seq_len) else {
         return Ok(None);
     };
     let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, None) else {
+    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, loss_chunk) else {
         return Ok(None);
     };
     match adapter {
@@ -908,7 +870,11 @@ fn exact_model(
 
 /// trainkit's exact figures as the table of a run (a LoRA's): each category's peak, the
 /// peak total on the device, and what offloading moves to the host.
-fn print_exact_table(p: &MemoryPrediction, kept: Option<&MemoryPrediction>, args: &MemoryArgs) {
+fn print_exact_table(
+    p: &MemoryPrediction,
+    kept: Option<&MemoryPrediction>,
+    optimizer_offload: bool,
+) {
     println!(
         "trainkit's exact figures (what its ledger measures; activations include the fused \
          loss's chunk of logits):"
@@ -935,7 +901,7 @@ fn print_exact_table(p: &MemoryPrediction, kept: Option<&MemoryPrediction>, args
             "host",
             gib(p.host_bytes()),
             gb(p.host_bytes()),
-            if args.optimizer_offload {
+            if optimizer_offload {
                 " (the optimizer's side)"
             } else {
                 " (offloaded activations)"
@@ -1052,19 +1018,10 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
 /// The LoRA the `--lora-*` flags describe, if any: α defaults to twice the rank, the
 /// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
 fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
-    let flags = trainkit::config::LoraFlags {
-        rank: args.lora_rank,
-        alpha: args.lora_alpha,
-        targets: args.lora_targets.clone(),
-        dropout: args.lora_dropout,
-        modules_to_save: args.modules_to_save.clone(),
-        qlora: args.qlora,
-        use_dora: args.use_dora,
-    };
     let fused_qkv = subject
         .arch
         .is_some_and(|a| a.norm == trainkit::model::Norm::LayerNorm);
-    flags.lora(None, fused_qkv)
+    args.lora.lora(None, fused_qkv)
 }
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
@@ -1080,10 +1037,10 @@ fn trainkit_exact(
     optimizer_in_backward: bool,
     offload_activations: bool,
     optimizer_offload: bool,
-    (attention, loss): (trainkit::ops::AttentionPath, trainkit::ops::LossPath),
+    (attention, loss, loss_chunk): Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<MemoryPrediction>> {
-    let Some(model) = exact_model(subject, seq_len, (attention, loss), adapter)? else {
+    let Some(model) = exact_model(subject, seq_len, (attention, loss, loss_chunk), adapter)? else {
         return Ok(None);
     };
     let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);

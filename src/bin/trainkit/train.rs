@@ -5,14 +5,13 @@ use crate::progress::Progress;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use trainkit::config::{LoraFlags, Overrides, RunConfig};
+use trainkit::config::{Resolved, RunConfig, RunFlags};
 use trainkit::data::{
     DataLoader, HfTokenizer, TokenizerKind, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
 };
 use trainkit::memory::CategoryBytes;
 use trainkit::model::read_model_dir;
-use trainkit::save::RUN_CONFIG_FILE;
 use trainkit::{
     Error, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
 };
@@ -23,209 +22,12 @@ use trainkit::{
 // Negative numbers are values (then refused by their parser with the flag's name), not flags.
 #[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
-    /// A TOML run config (see examples/configs/); flags override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Training data: an llm.c token file (from `trainkit prepare`), a glob of shards
-    /// (quote it: 'data/fineweb_train_*.bin'), a directory of shards, or a UTF-8 text file
-    /// tokenized on the fly.
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Validation data for token files (a file, glob or directory); by default the `_val`
-    /// shards beside --data.
-    #[arg(long)]
-    val_data: Option<PathBuf>,
-    /// Visit shards and batches in a random order drawn from --seed, new every epoch.
-    #[arg(long)]
-    shuffle: bool,
-    /// Mask documents in the stream: each ends at the tokenizer's end-of-text token (or
-    /// --separator-id), attends only within itself, restarts its positions at 0, and the
-    /// position holding the separator predicts nothing. Packed data (prepare --chat
-    /// --pack) is masked by its own boundaries without this flag.
-    #[arg(long)]
-    document_mask: bool,
-    /// The token that ends a document, for --document-mask on a bare token file (implies
-    /// --document-mask).
-    #[arg(long, value_name = "ID")]
-    separator_id: Option<u32>,
-    /// Tokenizer of the data: gpt2, bytes, or a Hugging Face tokenizer.json (or a model
-    /// directory that holds one), copied into --out with its tokenizer_config.json and
-    /// chat_template.jinja (default: --init-from's tokenizer.json when it has one, else
-    /// bytes for text files and gpt2 for token files).
-    #[arg(long)]
-    tokenizer: Option<TokenizerKind>,
-    /// Start from the weights of a model directory (trainkit's or transformers'
-    /// save_pretrained), or of a Hugging Face model id (org/name, org/name@revision) in
-    /// the local Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub),
-    /// downloaded into it when missing; the model's shape comes from it.
-    #[arg(long)]
-    init_from: Option<PathBuf>,
-    /// Save the model and trainer state here (at the end and every --save-every steps); a
-    /// LoRA run saves its adapter (PEFT's adapter_config.json and
-    /// adapter_model.safetensors), not a copy of the base.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Train a LoRA adapter of this rank on a frozen model (8, 16 and 32 are common).
-    #[arg(long, value_name = "R")]
-    lora_rank: Option<usize>,
-    /// LoRA's α: the update is scaled by α / rank (default 2 · rank).
-    #[arg(long, value_name = "A")]
-    lora_alpha: Option<f64>,
-    /// The projections LoRA adapts, by Hugging Face module name, comma-separated:
-    /// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (GPT-2: c_attn,
-    /// c_proj, c_fc), or all-linear (default: q_proj,v_proj; GPT-2: c_attn).
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    lora_targets: Option<Vec<String>>,
-    /// LoRA's dropout in training (PEFT's lora_dropout; its recipes use 0.05): each
-    /// element of an update's input is zeroed with this probability, the rest scaled by
-    /// 1/(1 − P); none in evaluation, sampling and merging (default 0; with --adapter, the
-    /// adapter's).
-    #[arg(long, value_name = "P")]
-    lora_dropout: Option<f64>,
-    /// Base modules trained whole beside the LoRA and saved with it (PEFT's
-    /// modules_to_save), comma-separated: each matches every module whose name ends with
-    /// it, e.g. lm_head (an untied head), norm; not the projections LoRA adapts.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    modules_to_save: Option<Vec<String>>,
-    /// QLoRA: store the frozen base projections in NF4 (4.127 bits per weight, quantized
-    /// as bitsandbytes does when the weights load); needs --lora-rank or --adapter.
-    #[arg(long)]
-    qlora: bool,
-    /// DoRA (PEFT's use_dora): each adapted projection's output features rescaled by a
-    /// trained magnitude over the norm of their row of W + (α/r)·B·A, starting at the base
-    /// rows' norms (with --adapter, the adapter's setting).
-    #[arg(long)]
-    use_dora: bool,
-    /// Start from (or continue) a PEFT LoRA adapter saved in this directory, on the base
-    /// model of --init-from; its rank, α and targets are the run's.
-    #[arg(long, value_name = "DIR")]
-    adapter: Option<PathBuf>,
-    /// Continue the run saved in this directory, exactly where it stopped (keeps saving
-    /// there unless --out says otherwise).
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// Optimizer steps, counted from the start of training (a resumed run stops there).
-    #[arg(long)]
-    steps: Option<u64>,
-    /// Rows per micro-batch.
-    #[arg(long)]
-    batch_size: Option<usize>,
-    /// Tokens per row.
-    #[arg(long)]
-    seq_len: Option<usize>,
-    /// Micro-batches per optimizer step.
-    #[arg(long)]
-    grad_accum: Option<usize>,
-    /// Base learning rate.
-    #[arg(long)]
-    lr: Option<f32>,
-    /// constant or cosine.
-    #[arg(long)]
-    lr_schedule: Option<String>,
-    /// Steps of linear learning-rate warmup.
-    #[arg(long)]
-    warmup_steps: Option<u64>,
-    /// Decoupled weight decay of the optimizer.
-    #[arg(long)]
-    weight_decay: Option<f32>,
-    /// adamw, adamw8bit (AdamW with 8-bit moments, about 2 bytes of state per parameter
-    /// instead of 8) or sgd; settings the config's optimizer shares with it are kept.
-    #[arg(long)]
-    optimizer: Option<String>,
-    /// Global gradient-norm clipping threshold (0 = off).
-    #[arg(long)]
-    grad_clip: Option<f32>,
-    /// fp32, bf16 (bf16 compute with f32 master weights) or fp16 (fp16 compute with f32
-    /// master weights and gradients, and a dynamic loss scale).
-    #[arg(long)]
-    precision: Option<String>,
-    /// f32 (the default: an f32 master copy of bf16 weights) or none (pure bf16: bf16
-    /// weights and gradients, the update rounded back into the weights; with --precision
-    /// bf16).
-    #[arg(long)]
-    master_weights: Option<String>,
-    /// How a pure-bf16 update is written back into the weights: nearest (the default),
-    /// stochastic (unbiased) or kahan (the rounding error kept, +2 bytes per parameter).
-    #[arg(long)]
-    update_rounding: Option<String>,
-    /// Activation recomputation: none, full, selective, or budget:SIZE (keep the
-    /// activations that save the most recompute per byte up to SIZE, e.g. budget:2GiB).
-    #[arg(long)]
-    recompute: Option<String>,
-    /// Move the activations the recompute policy keeps to host memory after forward and
-    /// bring them back for backward (under --recompute full, each layer's input).
-    #[arg(long)]
-    offload_activations: bool,
-    /// How the loss is computed: fused (the classifier product and the cross-entropy in
-    /// chunks of positions, the default) or materialized (the logits of every position).
-    #[arg(long)]
-    loss: Option<String>,
-    /// Positions per chunk of the fused loss (default: chosen from the vocabulary).
-    #[arg(long)]
-    loss_chunk: Option<usize>,
-    /// How attention is computed: fused (tiles with an online softmax, no [B, H, T, T]
-    /// tensor; the default) or materialized (the probabilities kept for backward).
-    #[arg(long)]
-    attention: Option<String>,
+    /// The config, and the flags laid over it.
+    #[command(flatten)]
+    run: RunFlags,
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Initialisation seed.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// A preset shape to train from scratch: gpt2, gpt2-medium, smollm2-135m, llama-3.2-1b,
-    /// qwen2.5-0.5b, qwen3-0.6b, ... (the names `trainkit memory --model` takes); shape
-    /// flags adjust it.
-    #[arg(long)]
-    model: Option<String>,
-    /// Model family of a model from scratch: gpt2, llama, qwen2 or qwen3 (a directory's
-    /// config.json names its own).
-    #[arg(long)]
-    arch: Option<String>,
-    /// Layers (a model from scratch).
-    #[arg(long)]
-    n_layer: Option<usize>,
-    /// Attention heads.
-    #[arg(long)]
-    n_head: Option<usize>,
-    /// Width of the residual stream.
-    #[arg(long)]
-    n_embd: Option<usize>,
-    /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
-    #[arg(long)]
-    vocab_size: Option<usize>,
-    /// Key/value heads of a Llama (grouped-query attention; --n-head for multi-head).
-    #[arg(long)]
-    n_kv_head: Option<usize>,
-    /// Inner width of a Llama's SwiGLU MLP.
-    #[arg(long)]
-    ffn: Option<usize>,
-    /// Rotary embedding base θ of a Llama.
-    #[arg(long)]
-    rope_theta: Option<f64>,
-    /// Update each parameter inside backward as soon as its gradient is complete and free
-    /// the gradient (gradient memory of about one layer); needs --grad-accum 1 and
-    /// --grad-clip 0.
-    #[arg(long)]
-    optimizer_in_backward: bool,
-    /// Keep the f32 master weights and the optimizer state in host memory and run the
-    /// update on the CPU's threads (the device keeps the compute weights and gradients);
-    /// the update is bitwise the one without.
-    #[arg(long)]
-    optimizer_offload: bool,
-    /// Context length of a model from scratch (rows of its position embedding); by
-    /// default the config's, raised to --seq-len when that is longer.
-    #[arg(long)]
-    n_positions: Option<usize>,
-    /// Evaluate on held-out data every N steps (0 = only at the end).
-    #[arg(long)]
-    eval_every: Option<u64>,
-    /// Save every N steps (0 = only at the end); needs --out.
-    #[arg(long)]
-    save_every: Option<u64>,
-    /// Append one JSON object per optimizer step to this file.
-    #[arg(long)]
-    log_json: Option<PathBuf>,
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -277,301 +79,6 @@ impl TrainArgs {
     pub fn device(&self) -> &str {
         &self.device
     }
-
-    fn overrides(&self) -> Overrides {
-        Overrides {
-            data: self.data.clone(),
-            val_data: self.val_data.clone(),
-            shuffle: self.shuffle.then_some(true),
-            document_mask: self.document_mask.then_some(true),
-            separator_id: self.separator_id,
-            tokenizer: self.tokenizer.clone(),
-            init_from: self.init_from.clone(),
-            out: self.out.clone(),
-            steps: self.steps,
-            batch_size: self.batch_size,
-            seq_len: self.seq_len,
-            grad_accum: self.grad_accum,
-            lr: self.lr,
-            lr_schedule: self.lr_schedule.clone(),
-            warmup_steps: self.warmup_steps,
-            weight_decay: self.weight_decay,
-            optimizer: self.optimizer.clone(),
-            grad_clip: self.grad_clip,
-            optimizer_in_backward: self.optimizer_in_backward.then_some(true),
-            optimizer_offload: self.optimizer_offload.then_some(true),
-            offload_activations: self.offload_activations.then_some(true),
-            precision: self.precision.clone(),
-            master_weights: self.master_weights.clone(),
-            update_rounding: self.update_rounding.clone(),
-            recompute: self.recompute.clone(),
-            loss: self.loss.clone(),
-            loss_chunk: self.loss_chunk,
-            attention: self.attention.clone(),
-            seed: self.seed,
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
-            vocab_size: self.vocab_size,
-            n_positions: self.n_positions,
-            model: self.model.clone(),
-            arch: self.arch.clone(),
-            n_kv_head: self.n_kv_head,
-            ffn: self.ffn,
-            rope_theta: self.rope_theta,
-            eval_every: self.eval_every,
-            save_every: self.save_every,
-            log_json: self.log_json.clone(),
-            lora: LoraFlags {
-                rank: self.lora_rank,
-                alpha: self.lora_alpha,
-                targets: self.lora_targets.clone(),
-                // With --adapter the LoRA comes from its directory, QLoRA and the dropout
-                // with it (adapter_settings).
-                dropout: self.lora_dropout.filter(|_| self.adapter.is_none()),
-                modules_to_save: self
-                    .modules_to_save
-                    .clone()
-                    .filter(|_| self.adapter.is_none()),
-                qlora: self.qlora && self.adapter.is_none(),
-                use_dora: self.use_dora && self.adapter.is_none(),
-            },
-        }
-    }
-}
-
-/// The run config: the file, or the resumed checkpoint's, with the flags laid over it;
-/// a new run from a model without `--config` gets the fine-tuning defaults, and the line
-/// saying which.
-fn resolve(args: &TrainArgs) -> Result<(RunConfig, Option<String>)> {
-    let mut cfg = match (&args.resume, &args.config) {
-        (Some(_), Some(_)) => {
-            return Err(Error::config(
-                "--config",
-                "a resumed run uses the config saved in its directory; drop --config and \
-                 pass only the flags that change (e.g. --steps)",
-            ))
-        }
-        (Some(dir), None) => {
-            trainkit::save::recover_directory(dir)?;
-            let path = dir.join(RUN_CONFIG_FILE);
-            if !path.is_file() {
-                return Err(Error::data(
-                    dir.display().to_string(),
-                    format!(
-                        "has no {RUN_CONFIG_FILE}: --resume takes a directory written by \
-                         `trainkit train --out DIR`; to start from weights alone use \
-                         --init-from"
-                    ),
-                ));
-            }
-            RunConfig::from_file(path)?
-        }
-        (None, Some(path)) => RunConfig::from_file(path)?,
-        (None, None) => RunConfig::default(),
-    };
-    if let Some(dir) = &args.resume {
-        resumed_base_and_adapter(&cfg, dir, args)?;
-    }
-    let init_dir = args
-        .init_from
-        .clone()
-        .or_else(|| cfg.training.init_from.clone());
-    if let (Some(dir), None) = (&init_dir, &args.resume) {
-        // The model's family and shape come from the directory; shape flags may only
-        // repeat them.
-        let model = trainkit::model::read_model_config(dir)?;
-        let mut wanted = model.clone();
-        args.overrides().apply_model(&mut wanted)?;
-        if wanted != model {
-            return Err(Error::config(
-                "--init-from",
-                format!(
-                    "the {} model in {} is {}, which the shape flags contradict; drop them",
-                    model.arch(),
-                    dir.display(),
-                    model.build()?.describe()
-                ),
-            ));
-        }
-        cfg.model = model;
-    }
-    let mut overrides = args.overrides();
-    if args.resume.is_some() && args.out.is_none() && cfg.output.out.is_none() {
-        overrides.out = args.resume.clone();
-    }
-    if init_dir.is_some() {
-        overrides.n_layer = None;
-        overrides.n_head = None;
-        overrides.n_embd = None;
-        overrides.vocab_size = None;
-        overrides.n_positions = None;
-        overrides.arch = None;
-        overrides.model = None;
-        overrides.n_kv_head = None;
-        overrides.ffn = None;
-        overrides.rope_theta = None;
-    }
-    // Data given with --init-from was tokenized by the model's own tokenizer: without
-    // --tokenizer, the directory's tokenizer.json is the data's (and goes with the model
-    // into --out).
-    if let (Some(dir), None, Some(_)) = (&init_dir, &args.tokenizer, &args.data) {
-        if dir.join(TOKENIZER_FILE).is_file() {
-            overrides.tokenizer = Some(TokenizerKind::HuggingFace(dir.join(TOKENIZER_FILE)));
-        }
-    }
-    // A model from scratch gets the context its sequences need.
-    if let (None, None, None, Some(t)) = (&init_dir, &args.resume, args.n_positions, args.seq_len) {
-        if t > cfg.model.context() {
-            overrides.n_positions = Some(t);
-        }
-    }
-    overrides.apply(&mut cfg)?;
-    if let Some(dir) = &args.adapter {
-        adapter_settings(&mut cfg, dir, args)?;
-    }
-    let defaults = match (&init_dir, &args.resume, &args.config) {
-        (Some(_), None, None) => Some(cfg.apply_fine_tuning_defaults(&overrides)?),
-        _ => None,
-    };
-    Ok((cfg, defaults))
-}
-
-/// A resumed run keeps the base model and the adapter it was saved with: flags that would
-/// change them (`--init-from`, `--qlora`, the LoRA flags) may only repeat them, else the
-/// error names the flag and what the run in `dir` is.
-fn resumed_base_and_adapter(cfg: &RunConfig, dir: &Path, args: &TrainArgs) -> Result<()> {
-    let lora = cfg.adapter.as_ref().and_then(|a| a.as_lora());
-    let nf4 = cfg
-        .adapter
-        .as_ref()
-        .is_some_and(|a| a.base_dtype().is_some());
-    let what = match lora {
-        Some(l) => format!(
-            "{} rank {}, α {}, targets {}",
-            if nf4 { "QLoRA (NF4 base)" } else { "LoRA" },
-            l.rank,
-            l.alpha,
-            l.targets.join(",")
-        ),
-        None => "a full model (no adapter)".to_string(),
-    };
-    let refuse = |flag: &str| {
-        Err(Error::config(
-            flag,
-            format!(
-                "the run in {} trains {what}, and a resumed run keeps its base model and \
-                 adapter: drop {flag} (or start a new run with --init-from)",
-                dir.display()
-            ),
-        ))
-    };
-    if args.qlora && !nf4 {
-        return refuse("--qlora");
-    }
-    if args
-        .lora_rank
-        .is_some_and(|r| lora.is_none_or(|l| l.rank != r))
-    {
-        return refuse("--lora-rank");
-    }
-    if args
-        .lora_alpha
-        .is_some_and(|a| lora.is_none_or(|l| l.alpha != a))
-    {
-        return refuse("--lora-alpha");
-    }
-    if args
-        .lora_targets
-        .as_ref()
-        .is_some_and(|t| lora.is_none_or(|l| l.targets != *t))
-    {
-        return refuse("--lora-targets");
-    }
-    if args
-        .lora_dropout
-        .is_some_and(|p| lora.is_none_or(|l| l.dropout != p))
-    {
-        return refuse("--lora-dropout");
-    }
-    if args
-        .modules_to_save
-        .as_ref()
-        .is_some_and(|m| lora.is_none_or(|l| l.modules_to_save != *m))
-    {
-        return refuse("--modules-to-save");
-    }
-    if args.use_dora && lora.is_none_or(|l| !l.dora) {
-        return refuse("--use-dora");
-    }
-    if args
-        .init_from
-        .as_ref()
-        .is_some_and(|d| cfg.training.init_from.as_ref() != Some(d))
-    {
-        return refuse("--init-from");
-    }
-    Ok(())
-}
-
-/// `--adapter DIR`: the run trains the PEFT adapter in `dir` on the base model of
-/// --init-from, with the adapter's rank, α and targets (LoRA flags may only repeat them).
-fn adapter_settings(cfg: &mut RunConfig, dir: &Path, args: &TrainArgs) -> Result<()> {
-    if args.resume.is_some() {
-        return Err(Error::config(
-            "--adapter",
-            "a resumed run continues the adapter saved in its directory; drop --adapter",
-        ));
-    }
-    if cfg.training.init_from.is_none() {
-        return Err(Error::config(
-            "--adapter",
-            "an adapter trains on its base model: add --init-from BASE_DIR (the model the \
-             adapter was made for)",
-        ));
-    }
-    let (mut lora, _) = trainkit::adapter::peft::read(dir)?;
-    // The adapter goes on with its dropout unless --lora-dropout says otherwise.
-    if let Some(p) = args.lora_dropout {
-        lora.dropout = p;
-        lora.validate().map_err(|e| e.for_field("--lora-dropout"))?;
-    }
-    if args.lora_rank.is_some_and(|r| r != lora.rank)
-        || args.lora_alpha.is_some_and(|a| a != lora.alpha)
-        || (args.use_dora && !lora.dora)
-        || args
-            .modules_to_save
-            .as_ref()
-            .is_some_and(|m| *m != lora.modules_to_save)
-        || args
-            .lora_targets
-            .as_ref()
-            .is_some_and(|t| *t != lora.targets)
-    {
-        return Err(Error::config(
-            "--adapter",
-            format!(
-                "the adapter in {} is rank {}, α {}, targets {}; the LoRA flags say \
-                 otherwise (drop them)",
-                dir.display(),
-                lora.rank,
-                lora.alpha,
-                lora.targets.join(",")
-            ),
-        ));
-    }
-    let lora = if args.qlora
-        || cfg
-            .adapter
-            .as_ref()
-            .is_some_and(|a| a.base_dtype().is_some())
-    {
-        lora.with_nf4_base()
-    } else {
-        lora
-    };
-    cfg.adapter = Some(Box::new(lora));
-    Ok(())
 }
 
 /// The learning rate's course and the optimizer's settings, in one line:
@@ -696,12 +203,6 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     // First of all: an interrupt while the model and data are still being built must
     // not kill the process without a word; the loop sees it and saves after one step.
     let interrupted = interrupt_flag();
-    let mut args = args;
-    // A Hugging Face model id (`org/name`) names its snapshot in the local cache
-    // (downloaded into it first when missing and the network allows).
-    if let Some(spec) = &args.init_from {
-        args.init_from = Some(trainkit::save::hub::resolve_model(spec)?);
-    }
     let plan = plan(&args)?;
     if args.print_config {
         print!("{}", plan.cfg.to_toml()?);
@@ -720,7 +221,10 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
 /// The run config with the flags laid over it, autofit applied, and the device, budget,
 /// autofit scope and peak FLOP/s the flags give.
 fn plan(args: &TrainArgs) -> Result<Plan> {
-    let (mut cfg, defaults) = resolve(args)?;
+    let Resolved {
+        config: mut cfg,
+        defaults,
+    } = args.run.resolve()?;
     let memory_budget = match &args.memory_budget {
         Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
             Error::Config { message, .. } => Error::config("--memory-budget", message),
@@ -734,7 +238,7 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
         let global = match args.global_batch {
             Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
             Some(g) => g,
-            None => fit::global_batch(&cfg)?,
+            None => cfg.global_batch()?,
         };
         let budget = fit::budget(memory_budget, device)?;
         fit::apply_autofit(&mut cfg, global, budget, scope)?;
@@ -855,20 +359,13 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         cfg.accumulation.clone(),
         observer,
         TrainerOptions {
-            grad_clip: t.grad_clip,
-            lr_schedule: t.lr_schedule,
-            total_steps: t.steps,
-            seed: t.seed,
-            max_bad_steps: t.max_bad_steps,
             peak_flops,
-            optimizer_in_backward: t.optimizer_in_backward,
-            offload_activations: t.offload_activations,
-            optimizer_offload: cfg.optimizer_offload,
+            ..TrainerOptions::from(cfg)
         },
     )?;
     let adapted = cfg.adapter.is_some();
     trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));
-    if let Some(dir) = &args.resume {
+    if let Some(dir) = &args.run.resume {
         // A LoRA checkpoint holds the adapter alone: the base comes from where it came.
         if let (true, Some(base)) = (adapted, &t.init_from) {
             trainer.load_weights(&read_model_dir(base)?)?;
@@ -878,7 +375,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     } else if let Some(dir) = &t.init_from {
         trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
-        if let Some(adapter) = &args.adapter {
+        if let Some(adapter) = &args.run.adapter {
             trainer.load_adapter(adapter)?;
             println!("adapter from {}", adapter.display());
         }
@@ -973,7 +470,7 @@ fn nothing_to_train(args: &TrainArgs, job: &Job) -> Result<bool> {
         "at step {} of {steps}: nothing to train (raise --steps to go on)",
         job.trainer.steps_done(),
     );
-    if let (Some(dir), None) = (&job.plan.cfg.output.out, &args.resume) {
+    if let (Some(dir), None) = (&job.plan.cfg.output.out, &args.run.resume) {
         job.save(dir)?;
         println!(
             "saved {} and trainer state to {}",
@@ -1194,15 +691,16 @@ fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
         Some(list) => Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?,
         None => Techniques::ALL,
     };
-    if args.precision.is_some() || args.master_weights.is_some() || args.update_rounding.is_some() {
+    let policy = &args.run.overrides.policy;
+    if policy.sets_precision() {
         techniques = techniques
             .without(Technique::Bf16)
             .without(Technique::PureBf16);
     }
-    if args.optimizer.is_some() {
+    if policy.optimizer.is_some() {
         techniques = techniques.without(Technique::Adamw8bit);
     }
-    if args.recompute.is_some() {
+    if policy.recompute.is_some() {
         for t in [Technique::Selective, Technique::Budget, Technique::Full] {
             techniques = techniques.without(t);
         }
@@ -1301,7 +799,7 @@ fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<(Box<dyn MemoryObserver
         return Ok((cfg.observer.clone(), None));
     };
     // A run shorter than --timeline-steps still writes its files: record the steps it runs.
-    let done = args.resume.as_deref().map_or(0, resumed_step);
+    let done = args.run.resume.as_deref().map_or(0, resumed_step);
     let steps = match cfg.training.steps.saturating_sub(done) {
         0 => args.timeline_steps,
         to_go => args.timeline_steps.min(to_go),
