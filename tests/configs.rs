@@ -66,7 +66,7 @@ fn the_fp16_config_scales_the_loss_as_megatron_does() {
 /// `--optimizer` switches kinds keeping the settings they share.
 #[test]
 fn adamw8bit_config_round_trips_and_the_flag_switches_optimizers() {
-    use trainkit::config::Overrides;
+    use trainkit::config::{Overrides, PolicyFlags};
     use trainkit::{AdamW8bit, Optimizer};
     let text =
         "[optimizer]\nkind = \"adamw8bit\"\nlr = 0.001\nbeta2 = 0.99\nmin_8bit_size = 1024\n";
@@ -81,7 +81,10 @@ fn adamw8bit_config_round_trips_and_the_flag_switches_optimizers() {
     // From the default AdamW (lr 2e-3): the settings carry over.
     let mut c = RunConfig::default();
     let o = Overrides {
-        optimizer: Some("adamw8bit".into()),
+        policy: PolicyFlags {
+            optimizer: Some("adamw8bit".into()),
+            ..PolicyFlags::default()
+        },
         ..Overrides::default()
     };
     o.apply(&mut c).unwrap();
@@ -94,7 +97,10 @@ fn adamw8bit_config_round_trips_and_the_flag_switches_optimizers() {
     assert_eq!(json, serde_json::to_value(&want as &dyn Optimizer).unwrap());
     // --lr applies after the switch; sgd keeps lr and weight decay.
     let o = Overrides {
-        optimizer: Some("sgd".into()),
+        policy: PolicyFlags {
+            optimizer: Some("sgd".into()),
+            ..PolicyFlags::default()
+        },
         lr: Some(0.5),
         ..Overrides::default()
     };
@@ -105,7 +111,10 @@ fn adamw8bit_config_round_trips_and_the_flag_switches_optimizers() {
         (Some("sgd"), Some(0.5))
     );
     let err = Overrides {
-        optimizer: Some("adam8".into()),
+        policy: PolicyFlags {
+            optimizer: Some("adam8".into()),
+            ..PolicyFlags::default()
+        },
         ..Overrides::default()
     }
     .apply(&mut c)

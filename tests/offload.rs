@@ -295,7 +295,7 @@ fn offloading_with_a_policy_that_keeps_nothing_fails_before_the_first_step() {
 
 #[test]
 fn the_config_key_and_the_flag_turn_offloading_on() {
-    use trainkit::config::{Overrides, RunConfig};
+    use trainkit::config::{Overrides, PolicyFlags, RunConfig};
     let cfg = RunConfig::from_toml(
         "[training]\noffload_activations = true\n[checkpoint]\nkind = \"full\"\n",
     )
@@ -305,7 +305,10 @@ fn the_config_key_and_the_flag_turn_offloading_on() {
     assert!(back.training.offload_activations);
     let mut cfg = RunConfig::default();
     Overrides {
-        offload_activations: Some(true),
+        policy: PolicyFlags {
+            offload_activations: Some(true),
+            ..PolicyFlags::default()
+        },
         ..Overrides::default()
     }
     .apply(&mut cfg)

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{corpus_loader, cpu, per_param, tiny_config};
-use trainkit::config::{Overrides, RunConfig};
+use trainkit::config::{Overrides, PolicyFlags, RunConfig};
 use trainkit::ops::update_rounding::UpdateRounding;
 use trainkit::{
     AdamW, Constant, DType, Gpt2, MemoryCategory, MixedBf16, Model, Precision, PureBf16, Trainer,
@@ -63,9 +63,12 @@ fn flags_and_configs_choose_pure_bf16_and_refuse_what_cannot_work() {
     let apply = |precision: Option<&str>, master: Option<&str>, rounding: Option<&str>| {
         let mut cfg = RunConfig::default();
         Overrides {
-            precision: precision.map(str::to_string),
-            master_weights: master.map(str::to_string),
-            update_rounding: rounding.map(str::to_string),
+            policy: PolicyFlags {
+                precision: precision.map(str::to_string),
+                master_weights: master.map(str::to_string),
+                update_rounding: rounding.map(str::to_string),
+                ..PolicyFlags::default()
+            },
             ..Overrides::default()
         }
         .apply(&mut cfg)
@@ -153,7 +156,10 @@ fn flags_and_configs_choose_pure_bf16_and_refuse_what_cannot_work() {
     // --update-rounding alone changes a pure-bf16 config's rounding.
     let mut cfg = cfg;
     Overrides {
-        update_rounding: Some("stochastic".into()),
+        policy: PolicyFlags {
+            update_rounding: Some("stochastic".into()),
+            ..PolicyFlags::default()
+        },
         ..Overrides::default()
     }
     .apply(&mut cfg)

@@ -539,8 +539,8 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             loss_chunk: paths.2,
             grad_clip: 0.0,
             optimizer_in_backward: in_backward,
-            offload_activations: offload_activations,
-            optimizer_offload: optimizer_offload,
+            offload_activations,
+            optimizer_offload,
             adapter,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
             // named).
