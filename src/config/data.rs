@@ -113,6 +113,32 @@ pub struct Corpus {
     pub description: String,
 }
 
+/// The document-masking flags of `trainkit train` and `trainkit eval`.
+#[derive(clap::Args, Clone, Debug, Default, PartialEq)]
+pub struct DocumentFlags {
+    /// Mask documents in the stream: each ends at the tokenizer's end-of-text token (or
+    /// --separator-id), attends only within itself, restarts its positions at 0, and the
+    /// position holding the separator predicts nothing (is left out of the loss). Packed
+    /// data (prepare --chat --pack) is masked by its own boundaries without this flag.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub document_mask: Option<bool>,
+    /// The token that ends a document, for --document-mask on a bare token file (implies
+    /// --document-mask).
+    #[arg(long, value_name = "ID")]
+    pub separator_id: Option<u32>,
+}
+
+impl DocumentFlags {
+    /// Lays the flags over `data` ([`DataConfig::set_document_mask`]); none given leaves
+    /// it as it is.
+    pub fn apply(&self, data: &mut DataConfig) -> Result<()> {
+        if self.document_mask.is_some() || self.separator_id.is_some() {
+            data.set_document_mask(self.document_mask.unwrap_or(true), self.separator_id)?;
+        }
+        Ok(())
+    }
+}
+
 impl DataConfig {
     /// The data from a path on the command line: an llm.c token file (recognised by its
     /// magic number), a glob of shards or a directory of them, or else a text file

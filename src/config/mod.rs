@@ -23,7 +23,7 @@ mod policy_flags;
 mod resolve;
 mod shape_flags;
 
-pub use data::{Corpus, DataConfig};
+pub use data::{Corpus, DataConfig, DocumentFlags};
 pub use finetune::FineTuning;
 pub use lora_flags::{default_targets, lora_flag, LoraFlags};
 pub use overrides::Overrides;

@@ -1,6 +1,6 @@
 //! Command-line settings laid over a run config.
 
-use super::{set, DataConfig, LoraFlags, PolicyFlags, RunConfig, ShapeFlags};
+use super::{set, DataConfig, DocumentFlags, LoraFlags, PolicyFlags, RunConfig, ShapeFlags};
 use crate::accumulate::{AccumulationSchedule, Constant};
 use crate::data::TokenizerKind;
 use crate::error::{Error, Result};
@@ -24,16 +24,9 @@ pub struct Overrides {
     /// Visit shards and batches in a random order drawn from --seed, new every epoch.
     #[arg(long, num_args = 0, default_missing_value = "true")]
     pub shuffle: Option<bool>,
-    /// Mask documents in the stream: each ends at the tokenizer's end-of-text token (or
-    /// --separator-id), attends only within itself, restarts its positions at 0, and the
-    /// position holding the separator predicts nothing. Packed data (prepare --chat
-    /// --pack) is masked by its own boundaries without this flag.
-    #[arg(long, num_args = 0, default_missing_value = "true")]
-    pub document_mask: Option<bool>,
-    /// The token that ends a document, for --document-mask on a bare token file (implies
-    /// --document-mask).
-    #[arg(long, value_name = "ID")]
-    pub separator_id: Option<u32>,
+    /// `--document-mask` and `--separator-id`.
+    #[command(flatten)]
+    pub documents: DocumentFlags,
     /// Tokenizer of the data: gpt2, bytes, or a Hugging Face tokenizer.json (or a model
     /// directory that holds one), copied into --out with its tokenizer_config.json and
     /// chat_template.jinja (default: --init-from's tokenizer.json when it has one, else
@@ -159,10 +152,7 @@ impl Overrides {
                 }
             }
         }
-        if self.document_mask.is_some() || self.separator_id.is_some() {
-            cfg.data
-                .set_document_mask(self.document_mask.unwrap_or(true), self.separator_id)?;
-        }
+        self.documents.apply(&mut cfg.data)?;
         let t = &mut cfg.training;
         set(&mut t.init_from, self.init_from.clone().map(Some));
         set(&mut t.steps, self.steps);
@@ -302,7 +292,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(o.shuffle, Some(true));
-        assert_eq!(o.document_mask, None);
+        assert_eq!(o.documents.document_mask, None);
         assert_eq!(o.steps, Some(3));
         assert_eq!(o.policy.optimizer_in_backward, Some(true));
         assert_eq!(o.policy.offload_activations, None);

@@ -7,14 +7,12 @@ mod merge;
 mod prepare;
 mod progress;
 mod sample;
+mod saved_model;
 mod train;
 
 use clap::{Parser, Subcommand};
-use std::path::Path;
 use std::process::ExitCode;
-use trainkit::data::DataLoader;
-use trainkit::model::ModelDir;
-use trainkit::{AdamW, Constant, Device, Error, Fp32, NoRecompute, PeakTracker, Result, Trainer};
+use trainkit::{Device, Error, Result};
 
 #[derive(Parser)]
 #[command(
@@ -72,35 +70,6 @@ fn default_command() -> Command {
     Cli::parse_from(["trainkit", "train"])
         .command
         .expect("`train` parses to a command")
-}
-
-/// An f32 trainer on the `--device` device holding a model directory's weights (what
-/// `eval` and `sample` run the model with).
-fn trainer_for(
-    dir: &ModelDir,
-    adapter: Option<&Path>,
-    qlora: bool,
-    device_flag: &str,
-    data: DataLoader,
-) -> Result<Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>> {
-    let backend = device(device_flag)?.backend()?;
-    let mut model = dir.config.build()?;
-    if let Some(a) = adapter {
-        let (lora, _) = trainkit::adapter::peft::read(a)?;
-        let lora = if qlora { lora.with_nf4_base() } else { lora };
-        model = model.with_adapter(std::sync::Arc::new(lora))?;
-    } else if qlora {
-        let frozen = trainkit::adapter::Frozen {
-            base: trainkit::adapter::BaseWeights::Nf4,
-        };
-        model = model.with_adapter(std::sync::Arc::new(frozen))?;
-    }
-    let mut trainer = Trainer::builder(model, backend, data).build()?;
-    trainer.load_weights(dir)?;
-    if let Some(a) = adapter {
-        trainer.load_adapter(a)?;
-    }
-    Ok(trainer)
 }
 
 /// The device a `--device` flag names (`auto` reports what it chose, on stderr).

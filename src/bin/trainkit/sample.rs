@@ -1,12 +1,10 @@
 //! `trainkit sample`.
 
-use crate::eval::{default_tokenizer, model_dir_tokenizer};
-use std::path::PathBuf;
+use crate::saved_model::{default_tokenizer, SavedModelArgs};
 use trainkit::config::RunConfig;
 use trainkit::data::chat::conversation::Message;
 use trainkit::data::chat::{chat_prompt, END_OF_TURN};
 use trainkit::data::{DataLoader, TokenizerKind};
-use trainkit::model::read_model_dir;
 use trainkit::save::RUN_CONFIG_FILE;
 use trainkit::{Error, Result, Rng, SamplingOptions};
 
@@ -15,17 +13,9 @@ use trainkit::{Error, Result, Rng, SamplingOptions};
 // Negative numbers are values (then refused by their parser with the flag's name), not flags.
 #[command(allow_negative_numbers = true)]
 pub struct SampleArgs {
-    /// A model directory (config.json and model.safetensors).
-    #[arg(long)]
-    model: PathBuf,
-    /// A PEFT LoRA adapter directory to apply to --model (its base); the model then
-    /// computes in f32 as without it.
-    #[arg(long, value_name = "DIR")]
-    adapter: Option<PathBuf>,
-    /// Store --model's projections in NF4 (QLoRA's base, quantized as bitsandbytes does)
-    /// and dequantize them on the fly: without --adapter, what quantization alone costs.
-    #[arg(long)]
-    qlora: bool,
+    /// The model, its adapter and the device.
+    #[command(flatten)]
+    saved: SavedModelArgs,
     /// Text to continue.
     #[arg(long, required_unless_present = "chat", conflicts_with = "chat")]
     prompt: Option<String>,
@@ -60,17 +50,12 @@ pub struct SampleArgs {
     /// that saved the model used).
     #[arg(long)]
     tokenizer: Option<TokenizerKind>,
-    /// auto, cpu or cuda.
-    #[arg(long, default_value = "auto")]
-    device: String,
 }
 
 pub fn run(mut args: SampleArgs) -> Result<()> {
-    // A Hugging Face model id (`org/name`) names its snapshot in the local cache.
-    args.model = trainkit::save::hub::resolve_model(&args.model)?;
-    let dir = read_model_dir(&args.model)?;
-    let saved = args.model.join(RUN_CONFIG_FILE);
-    let tokenizer = match (args.tokenizer, model_dir_tokenizer(&args.model)) {
+    let dir = args.saved.open()?;
+    let saved = args.saved.model.join(RUN_CONFIG_FILE);
+    let tokenizer = match (args.tokenizer, args.saved.dir_tokenizer()) {
         (Some(t), _) | (None, Some(t)) => t,
         (None, None) if saved.is_file() => RunConfig::from_file(&saved)?.data.tokenizer(),
         (None, None) => default_tokenizer(dir.config.vocab_size()),
@@ -106,13 +91,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         (None, None) => return Err(Error::config("--prompt", "give --prompt or --chat")),
     };
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
-    let mut trainer = crate::trainer_for(
-        &dir,
-        args.adapter.as_deref(),
-        args.qlora,
-        &args.device,
-        placeholder,
-    )?;
+    let mut trainer = args.saved.trainer(&dir, placeholder)?;
     let mut rng = Rng::new(args.seed);
     // Tokens are printed as they are drawn; text that may still become an end-of-turn
     // marker (with --chat) or a character cut between two tokens is held back until the
