@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 mod data;
 mod derived;
+mod describe;
 mod finetune;
 mod lora_flags;
 mod overrides;
@@ -24,6 +25,7 @@ mod resolve;
 mod shape_flags;
 
 pub use data::{Corpus, DataConfig, DocumentFlags};
+pub use describe::policy_kind;
 pub use finetune::FineTuning;
 pub use lora_flags::{default_targets, lora_flag, LoraFlags};
 pub use overrides::Overrides;

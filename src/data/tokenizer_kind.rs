@@ -1,6 +1,9 @@
 //! [`TokenizerKind`]: the choice of tokenizer in configs and on the command line.
 
-use super::{ByteTokenizer, Gpt2Tokenizer, HfTokenizer, Tokenizer};
+use super::{
+    ByteTokenizer, Gpt2Tokenizer, HfTokenizer, Tokenizer, CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -36,6 +39,36 @@ impl TokenizerKind {
             TokenizerKind::HuggingFace(path) => Some(path),
             _ => None,
         }
+    }
+
+    /// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the
+    /// `tokenizer_config.json` and `chat_template.jinja` beside it if there are) into the
+    /// model directory `dir`, where `sample` and `eval` look for it; other kinds need no
+    /// file. Returns what could not be copied, as warnings: the model itself is saved.
+    pub fn copy_into(&self, dir: &Path) -> Vec<String> {
+        let Some(path) = self.hf_path() else {
+            return Vec::new();
+        };
+        let file = match HfTokenizer::resolve(path) {
+            Ok(file) => file,
+            Err(e) => {
+                return vec![format!(
+                    "the tokenizer was not copied into {}: {e}",
+                    dir.display()
+                )]
+            }
+        };
+        crate::save::copy_files(
+            dir,
+            &[
+                (file.clone(), TOKENIZER_FILE),
+                (
+                    file.with_file_name(TOKENIZER_CONFIG_FILE),
+                    TOKENIZER_CONFIG_FILE,
+                ),
+                (file.with_file_name(CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE),
+            ],
+        )
     }
 
     /// The vocabulary size of this kind's tokenizer (a Hugging Face file is read for it;

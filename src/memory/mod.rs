@@ -12,5 +12,5 @@ pub use category::{format_bytes, CategoryBytes, MemoryCategory};
 pub use event::{DeviceMemory, MemoryEvent, Phase};
 pub use ledger::{LabelBytes, Ledger, LedgerSnapshot, OpFence, OpSpan};
 pub use observer::{LogObserver, MemoryObserver, Observers, PeakTracker};
-pub use op_profile::{OpProfile, OpTotals};
+pub use op_profile::{OpProfile, OpTotals, SharedOpProfile};
 pub use timeline::{StepPeak, Timeline, TimelineAxis, TIMELINE_FILES};

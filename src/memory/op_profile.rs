@@ -4,6 +4,7 @@ use super::{MemoryEvent, MemoryObserver};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::{Arc, Mutex};
 
 /// The totals of one op name in an [`OpProfile`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,6 +132,38 @@ impl OpProfile {
         }
         out
     }
+}
+
+/// An [`OpProfile`] that a trainer's observer feeds while its owner reads it: clones
+/// share one profile (give the trainer a clone, keep one to read with
+/// [`SharedOpProfile::snapshot`]). It serializes as nothing: a run's profile is not part
+/// of its config.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SharedOpProfile {
+    #[serde(skip)]
+    profile: Arc<Mutex<OpProfile>>,
+}
+
+impl SharedOpProfile {
+    /// The profile so far.
+    pub fn snapshot(&self) -> OpProfile {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+#[typetag::serialize(name = "shared_op_profile")]
+impl MemoryObserver for SharedOpProfile {
+    fn on_event(&mut self, event: &MemoryEvent) {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .on_event(event);
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
 }
 
 #[cfg(test)]

@@ -1,4 +1,7 @@
-//! The names of the files in a model directory and a checkpoint.
+//! The names of the files in a model directory and a checkpoint, and copying files into
+//! one.
+
+use std::path::{Path, PathBuf};
 
 /// The model's config file in a model directory.
 pub const CONFIG_FILE: &str = "config.json";
@@ -28,3 +31,27 @@ pub const MODEL_SIDE_FILES: [&str; 6] = [
     "special_tokens_map.json",
     "chat_template.jinja",
 ];
+
+/// Copies each file `from` that exists into `dir` as `name` (a file onto itself is left
+/// alone). Returns a warning for each copy that failed: the caller saved what matters
+/// (the model) and says so.
+pub fn copy_files(dir: &Path, files: &[(PathBuf, &str)]) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (from, name) in files {
+        let to = dir.join(name);
+        let same = matches!(
+            (std::fs::canonicalize(from), std::fs::canonicalize(&to)),
+            (Ok(a), Ok(b)) if a == b
+        );
+        if from.is_file() && !same {
+            if let Err(e) = std::fs::copy(from, &to) {
+                warnings.push(format!(
+                    "{} was not copied to {}: {e}",
+                    from.display(),
+                    to.display()
+                ));
+            }
+        }
+    }
+    warnings
+}

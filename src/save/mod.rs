@@ -14,7 +14,7 @@ pub mod tensors;
 
 pub use atomic::{recover_directory, write_atomically, DirectoryWriter};
 pub use files::{
-    CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_SIDE_FILES, RUN_CONFIG_FILE, STATE_FILE,
+    copy_files, CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_SIDE_FILES, RUN_CONFIG_FILE, STATE_FILE,
     STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
 };
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
@@ -62,4 +62,14 @@ pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>> {
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// The step a checkpoint directory was saved at (its `trainer_state.json`'s `step`); 0
+/// when it cannot tell (resuming from it then says what is wrong with the directory).
+pub fn saved_step(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join(STATE_FILE))
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+        .unwrap_or(0)
 }

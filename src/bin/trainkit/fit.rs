@@ -1,11 +1,122 @@
 //! `trainkit train`'s memory flags: the budget, autofit, the out-of-memory advice and
 //! the memory report.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use trainkit::config::PolicyFlags;
 use trainkit::config::RunConfig;
-use trainkit::estimate::{autofit, host_available_memory, FitRequest, MicroBatch, Techniques};
+use trainkit::estimate::{
+    autofit, host_available_memory, FitRequest, MicroBatch, Technique, Techniques,
+};
 use trainkit::memory::{format_bytes, CategoryBytes, MemoryCategory};
 use trainkit::{Constant, Device, Error, Result};
+
+/// `--autofit`, `--autofit-techniques`, `--memory-budget`, `--global-batch` and
+/// `--memory-report`.
+#[derive(clap::Args)]
+pub struct FitArgs {
+    /// Choose the cheapest setup that fits the memory budget (--memory-budget, else the
+    /// device's free memory) for the global batch: --batch-size and --grad-accum, then in
+    /// cost order --recompute, 8-bit AdamW state, the optimizer inside backward,
+    /// --offload-activations, the optimizer on the host (--optimizer-offload) and bf16; a
+    /// flag given on the command line stays as given.
+    #[arg(long)]
+    pub autofit: bool,
+    /// The techniques --autofit may use: all (the default), or a comma-separated list of
+    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
+    /// optimizer-offload, bf16; pure-bf16, lora or qlora, which change how updates land
+    /// or what is trained, are used only when named (all,qlora).
+    #[arg(long, value_name = "LIST")]
+    pub autofit_techniques: Option<String>,
+    /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
+    /// hard cap (an allocation beyond it fails and says what would fit).
+    #[arg(long)]
+    pub memory_budget: Option<String>,
+    /// Rows per optimizer step that --autofit keeps (default: --batch-size × --grad-accum).
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// Write the measured peak bytes per memory category next to the exact prediction to
+    /// this JSON file at the end.
+    #[arg(long)]
+    pub memory_report: Option<PathBuf>,
+}
+
+impl FitArgs {
+    /// `--memory-budget` in bytes.
+    pub fn memory_budget(&self) -> Result<Option<u64>> {
+        let Some(text) = &self.memory_budget else {
+            return Ok(None);
+        };
+        trainkit::estimate::parse_bytes(text)
+            .map(Some)
+            .map_err(|e| match e {
+                Error::Config { message, .. } => Error::config("--memory-budget", message),
+                other => other,
+            })
+    }
+
+    /// What autofit may change: `--autofit-techniques` (all by default), less what a
+    /// policy flag on the command line fixes (`--precision`: bf16; `--optimizer`: 8-bit
+    /// state; `--recompute`: every recompute policy); offloaded activations within the
+    /// host's available memory.
+    pub fn scope(&self, policy: &PolicyFlags) -> Result<FitScope> {
+        let mut techniques = match &self.autofit_techniques {
+            Some(list) => {
+                Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?
+            }
+            None => Techniques::ALL,
+        };
+        if policy.sets_precision() {
+            techniques = techniques
+                .without(Technique::Bf16)
+                .without(Technique::PureBf16);
+        }
+        if policy.optimizer.is_some() {
+            techniques = techniques.without(Technique::Adamw8bit);
+        }
+        if policy.recompute.is_some() {
+            for t in [Technique::Selective, Technique::Budget, Technique::Full] {
+                techniques = techniques.without(t);
+            }
+        }
+        Ok(FitScope {
+            techniques,
+            host_budget: host_available_memory(),
+        })
+    }
+
+    /// With `--autofit`, the cheapest setup of `cfg` that fits (`--memory-budget`, else
+    /// what `device` has free) in `scope`, written into `cfg`; without it, the flags that
+    /// only autofit reads are refused.
+    pub fn apply(
+        &self,
+        cfg: &mut RunConfig,
+        memory_budget: Option<u64>,
+        device: Device,
+        scope: FitScope,
+    ) -> Result<()> {
+        if self.autofit {
+            let global = match self.global_batch {
+                Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
+                Some(g) => g,
+                None => cfg.global_batch()?,
+            };
+            return apply_autofit(cfg, global, budget(memory_budget, device)?, scope);
+        }
+        for (flag, given) in [
+            ("--global-batch", self.global_batch.is_some()),
+            ("--autofit-techniques", self.autofit_techniques.is_some()),
+        ] {
+            if given {
+                return Err(Error::config(
+                    flag,
+                    "applies to --autofit; without --autofit set --batch-size, --grad-accum \
+                     and the memory flags yourself",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
 
 /// The budget autofit works to: the flag, else the memory the device has free.
 pub fn budget(flag: Option<u64>, device: Device) -> Result<u64> {

@@ -4,6 +4,7 @@ mod eval;
 mod fit;
 mod memory;
 mod merge;
+mod observe;
 mod prepare;
 mod progress;
 mod sample;

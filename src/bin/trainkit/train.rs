@@ -1,20 +1,15 @@
 //! `trainkit train`.
 
-use crate::fit;
 use crate::progress::Progress;
+use crate::{fit, observe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use trainkit::config::{Resolved, RunConfig, RunFlags};
-use trainkit::data::{
-    DataLoader, HfTokenizer, TokenizerKind, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-};
+use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::memory::CategoryBytes;
 use trainkit::model::read_model_dir;
-use trainkit::{
-    Error, MemoryObserver, Model, Observers, Result, Timeline, Trainer, TrainerOptions,
-};
+use trainkit::{Error, MemoryObserver, Model, Result, Trainer, TrainerOptions};
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
@@ -31,121 +26,18 @@ pub struct TrainArgs {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
-    /// Choose the cheapest setup that fits the memory budget (--memory-budget, else the
-    /// device's free memory) for the global batch: --batch-size and --grad-accum, then in
-    /// cost order --recompute, 8-bit AdamW state, the optimizer inside backward,
-    /// --offload-activations, the optimizer on the host (--optimizer-offload) and bf16; a
-    /// flag given on the command line stays as given.
-    #[arg(long)]
-    autofit: bool,
-    /// The techniques --autofit may use: all (the default), or a comma-separated list of
-    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
-    /// optimizer-offload, bf16; pure-bf16, lora or qlora, which change how updates land
-    /// or what is trained, are used only when named (all,qlora).
-    #[arg(long, value_name = "LIST")]
-    autofit_techniques: Option<String>,
-    /// Memory the run may use, e.g. 24GiB or 512MB: autofit's budget; on the CPU also a
-    /// hard cap (an allocation beyond it fails and says what would fit).
-    #[arg(long)]
-    memory_budget: Option<String>,
-    /// Rows per optimizer step that --autofit keeps (default: --batch-size × --grad-accum).
-    #[arg(long)]
-    global_batch: Option<usize>,
-    /// Write the measured peak bytes per memory category next to the exact prediction to
-    /// this JSON file at the end.
-    #[arg(long)]
-    memory_report: Option<PathBuf>,
-    /// The device's peak TFLOP/s in the compute dtype, for MFU and HFU in the log
-    /// (e.g. 989 for an H100 SXM in bf16); without it a GPU of trainkit's table uses its
-    /// datasheet figure, and elsewhere only achieved FLOP/s are shown.
-    #[arg(long)]
-    peak_tflops: Option<f64>,
-    /// Record memory and op timings of the first --timeline-steps steps and write
-    /// memory.svg, memory_viz.pickle, memory.jsonl and trace.json into this directory.
-    #[arg(long, value_name = "DIR")]
-    timeline: Option<PathBuf>,
-    /// Optimizer steps the --timeline records.
-    #[arg(long, value_name = "N", default_value_t = Timeline::DEFAULT_STEPS)]
-    timeline_steps: u64,
-    /// At the end, print where the time of the steps after the first went, op by op
-    /// (time, share, calls, GFLOP/s). On a GPU every op then waits for the device, so each
-    /// op's time is the device's, and steps run slower.
-    #[arg(long)]
-    profile_ops: bool,
+    /// The memory flags: autofit, the budget, the report.
+    #[command(flatten)]
+    fit: fit::FitArgs,
+    /// The flags that observe the run: MFU's peak, the timeline, the op profile.
+    #[command(flatten)]
+    observe: observe::ObserveArgs,
 }
 
 impl TrainArgs {
     /// The `--device` flag.
     pub fn device(&self) -> &str {
         &self.device
-    }
-}
-
-/// The learning rate's course and the optimizer's settings, in one line:
-/// `learning rate 0.0002, warmup 3 steps, cosine to 0 at step 100; beta1 0.9, ...`.
-fn schedule_line(cfg: &RunConfig) -> Result<String> {
-    let t = &cfg.training;
-    let base = cfg.optimizer.learning_rate();
-    let course = match t.lr_schedule {
-        trainkit::optim::LrSchedule::Constant { .. } => "then constant".to_string(),
-        trainkit::optim::LrSchedule::Cosine {
-            decay_steps,
-            min_lr_ratio,
-            ..
-        } => format!(
-            "cosine to {min_lr_ratio}× at step {}",
-            if decay_steps == 0 {
-                t.steps
-            } else {
-                decay_steps
-            }
-        ),
-    };
-    let settings = serde_json::to_value(&cfg.optimizer).map_err(|e| Error::Serde(e.to_string()))?;
-    let named: Vec<String> = ["beta1", "beta2", "eps", "weight_decay", "momentum"]
-        .iter()
-        .filter_map(|k| {
-            Some(format!(
-                "{k} {}",
-                number(settings.get(*k)?.as_f64()? as f32)
-            ))
-        })
-        .collect();
-    Ok(format!(
-        "learning rate {}, warmup {} steps, {course}; {} {}",
-        number(base),
-        t.lr_schedule.warmup_steps(),
-        kind(&cfg.optimizer)?,
-        named.join(", ")
-    ))
-}
-
-/// The peak FLOP/s of the GPU `backend` runs on in the run's compute dtype (bf16 and fp16
-/// on tensor cores, f32 on the CUDA cores), from trainkit's table of datasheet figures,
-/// announced with how to change it; `None` on the CPU or an unknown GPU (then
-/// `--peak-tflops` gives MFU).
-fn device_peak(backend: &dyn trainkit::Backend, cfg: &RunConfig) -> Option<f64> {
-    if backend.device() == trainkit::Device::Cpu {
-        return None;
-    }
-    let dtype = trainkit::estimate::MathDtype::of_compute(cfg.precision.compute_dtype());
-    let name = backend.describe();
-    let gpu = trainkit::estimate::gpu_peak(&name)?;
-    let peak = gpu.get(dtype)?;
-    println!(
-        "MFU against the {} peak of {:.1} TFLOP/s ({dtype:?}, dense; --peak-tflops sets another)",
-        gpu.name,
-        peak / 1e12
-    );
-    Some(peak)
-}
-
-/// `x` as a person writes it: `2e-5`, `0.999`, `0`.
-fn number(x: f32) -> String {
-    if x != 0.0 && x.abs() < 1e-3 {
-        format!("{x:e}")
-    } else {
-        format!("{x}")
     }
 }
 
@@ -180,7 +72,7 @@ struct Job {
     /// Whether the data is rows with a loss mask (`prepare --chat`).
     chat_data: bool,
     data_tokenizer: TokenizerKind,
-    profile: Option<SharedOpProfile>,
+    profile: Option<trainkit::memory::SharedOpProfile>,
     timeline_steps: Option<u64>,
     run_config: String,
 }
@@ -225,46 +117,11 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
         config: mut cfg,
         defaults,
     } = args.run.resolve()?;
-    let memory_budget = match &args.memory_budget {
-        Some(text) => Some(trainkit::estimate::parse_bytes(text).map_err(|e| match e {
-            Error::Config { message, .. } => Error::config("--memory-budget", message),
-            other => other,
-        })?),
-        None => None,
-    };
+    let memory_budget = args.fit.memory_budget()?;
     let device = crate::device(args.device())?;
-    let scope = fit_scope(args)?;
-    if args.autofit {
-        let global = match args.global_batch {
-            Some(0) => return Err(Error::config("--global-batch", "must be at least 1 row")),
-            Some(g) => g,
-            None => cfg.global_batch()?,
-        };
-        let budget = fit::budget(memory_budget, device)?;
-        fit::apply_autofit(&mut cfg, global, budget, scope)?;
-    } else {
-        for (flag, given) in [
-            ("--global-batch", args.global_batch.is_some()),
-            ("--autofit-techniques", args.autofit_techniques.is_some()),
-        ] {
-            if given {
-                return Err(Error::config(
-                    flag,
-                    "applies to --autofit; without --autofit set --batch-size, --grad-accum \
-                     and the memory flags yourself",
-                ));
-            }
-        }
-    }
-    let peak_flops = match args.peak_tflops {
-        Some(p) if !(p.is_finite() && p > 0.0) => {
-            return Err(Error::config(
-                "--peak-tflops",
-                format!("{p} is not a positive number of TFLOP/s (e.g. 989 for an H100 SXM)"),
-            ))
-        }
-        p => p.map(|p| p * 1e12),
-    };
+    let scope = args.fit.scope(&args.run.overrides.policy)?;
+    args.fit.apply(&mut cfg, memory_budget, device, scope)?;
+    let peak_flops = args.observe.peak_flops()?;
     Ok(Plan {
         cfg,
         memory_budget,
@@ -306,31 +163,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         trainkit::Device::Cpu => device.to_string(),
         _ => format!("{device} ({})", backend.describe()),
     };
-    println!(
-        "device: {device}; precision {}{}; recompute {}{}; optimizer {}{}; {} micro-batch rows × \
-         {} tokens",
-        kind(&cfg.precision)?,
-        match cfg.precision.update_rounding() {
-            Some(r) => format!(" (no master copy, {r} update rounding)"),
-            None => String::new(),
-        },
-        trainkit::estimate::policy_name(cfg.checkpoint.as_ref()),
-        if t.offload_activations {
-            ", kept activations offloaded to host memory"
-        } else {
-            ""
-        },
-        kind(&cfg.optimizer)?,
-        match (t.optimizer_in_backward, cfg.optimizer_offload) {
-            (true, true) =>
-                " inside backward, on the host (master weights and state in host memory)",
-            (true, false) => " inside backward",
-            (false, true) => " on the host (master weights and state in host memory)",
-            (false, false) => "",
-        },
-        t.batch_size,
-        t.seq_len
-    );
+    println!("device: {device}; {}", cfg.setup_line()?);
     if let Some(floor) = corpus.entropy_floor {
         println!(
             "data: built-in corpus, entropy floor {floor:.4} nats/byte (no model can beat it); \
@@ -340,15 +173,9 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     }
     let peak_flops = plan
         .peak_flops
-        .or_else(|| device_peak(backend.as_ref(), cfg));
-    let (observer, timeline_steps) = observer(cfg, args)?;
-    let profile = args.profile_ops.then(SharedOpProfile::default);
-    let observer: Box<dyn MemoryObserver> = match &profile {
-        Some(p) => Box::new(Observers {
-            observers: vec![observer, Box::new(p.clone())],
-        }),
-        None => observer,
-    };
+        .or_else(|| observe::device_peak(backend.as_ref(), cfg));
+    let (observer, timeline_steps, profile) =
+        args.observe.observer(cfg, args.run.resume.as_deref())?;
     let mut trainer = Trainer::new(
         model,
         Arc::clone(&backend),
@@ -409,7 +236,7 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     if let Some(line) = &plan.defaults {
         println!("{line}");
     }
-    println!("{}", schedule_line(cfg)?);
+    println!("{}", cfg.schedule_line()?);
     // Among the run's first lines (stdout): stderr stays the one line of an error.
     if let Some(w) = cfg.warmup_warning() {
         println!("warning: {w}");
@@ -448,12 +275,13 @@ impl Job {
     /// Saves the model, the trainer state, the run config and the tokenizer to `dir`.
     fn save(&self, dir: &Path) -> Result<()> {
         self.trainer.save(dir, Some(&self.run_config))?;
-        copy_tokenizer(&self.plan.cfg.data.tokenizer(), dir);
+        let tokenizer = self.plan.cfg.data.tokenizer();
+        warn(tokenizer.copy_into(dir));
         // A full model keeps its base's generation settings (`generate()` reads them), as
         // `merge` keeps them; an adapter's directory holds the adapter alone.
         if let (Some(base), false) = (&self.plan.cfg.training.init_from, self.saves_adapter()) {
             let name = trainkit::save::GENERATION_CONFIG_FILE;
-            copy_files(dir, [(base.join(name), name)]);
+            warn(trainkit::save::copy_files(dir, &[(base.join(name), name)]));
         }
         Ok(())
     }
@@ -616,7 +444,7 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
             _ => println!("op profile: no step ran"),
         }
     }
-    if let Some(path) = &args.memory_report {
+    if let Some(path) = &args.fit.memory_report {
         fit::write_report(path, &job.plan.cfg, &peaks, peak_total)?;
         println!("memory report: {}", path.display());
     }
@@ -681,161 +509,11 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
     Ok(())
 }
 
-/// What autofit may change: `--autofit-techniques` (all by default), less what a flag on
-/// the command line fixes (`--precision`: bf16; `--optimizer`: 8-bit state;
-/// `--recompute`: every recompute policy); offloaded activations within the host's
-/// available memory.
-fn fit_scope(args: &TrainArgs) -> Result<fit::FitScope> {
-    use trainkit::estimate::{Technique, Techniques};
-    let mut techniques = match &args.autofit_techniques {
-        Some(list) => Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?,
-        None => Techniques::ALL,
-    };
-    let policy = &args.run.overrides.policy;
-    if policy.sets_precision() {
-        techniques = techniques
-            .without(Technique::Bf16)
-            .without(Technique::PureBf16);
+/// Prints each warning on stderr.
+fn warn(warnings: Vec<String>) {
+    for w in warnings {
+        eprintln!("warning: {w}");
     }
-    if policy.optimizer.is_some() {
-        techniques = techniques.without(Technique::Adamw8bit);
-    }
-    if policy.recompute.is_some() {
-        for t in [Technique::Selective, Technique::Budget, Technique::Full] {
-            techniques = techniques.without(t);
-        }
-    }
-    Ok(fit::FitScope {
-        techniques,
-        host_budget: trainkit::estimate::host_available_memory(),
-    })
-}
-
-/// Copies a Hugging Face tokenizer (its `tokenizer.json`, and the `tokenizer_config.json`
-/// and `chat_template.jinja` beside it if there are) into the model directory `dir`,
-/// where `sample` and `eval` look for it. A failure is a warning: the model itself is
-/// saved.
-fn copy_tokenizer(kind: &TokenizerKind, dir: &Path) {
-    let Some(path) = kind.hf_path() else {
-        return;
-    };
-    let file = match HfTokenizer::resolve(path) {
-        Ok(file) => file,
-        Err(e) => {
-            eprintln!(
-                "warning: the tokenizer was not copied into {}: {e}",
-                dir.display()
-            );
-            return;
-        }
-    };
-    copy_files(
-        dir,
-        [
-            (file.clone(), TOKENIZER_FILE),
-            (
-                file.with_file_name(TOKENIZER_CONFIG_FILE),
-                TOKENIZER_CONFIG_FILE,
-            ),
-            (file.with_file_name(CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE),
-        ],
-    );
-}
-
-/// Copies each file `from` that exists into `dir` as `name`; a failure is a warning, as
-/// the model itself is saved.
-fn copy_files<const N: usize>(dir: &Path, files: [(PathBuf, &str); N]) {
-    for (from, name) in files {
-        let to = dir.join(name);
-        let same = matches!(
-            (std::fs::canonicalize(&from), std::fs::canonicalize(&to)),
-            (Ok(a), Ok(b)) if a == b
-        );
-        if from.is_file() && !same {
-            if let Err(e) = std::fs::copy(&from, &to) {
-                eprintln!(
-                    "warning: {} was not copied to {}: {e}",
-                    from.display(),
-                    to.display()
-                );
-            }
-        }
-    }
-}
-
-/// An op profile the trainer's observer feeds and the command reads at the end.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-struct SharedOpProfile {
-    #[serde(skip)]
-    profile: Arc<std::sync::Mutex<trainkit::memory::OpProfile>>,
-}
-
-impl SharedOpProfile {
-    /// The profile so far.
-    fn snapshot(&self) -> trainkit::memory::OpProfile {
-        self.profile
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-}
-
-#[typetag::serialize(name = "shared_op_profile")]
-impl MemoryObserver for SharedOpProfile {
-    fn on_event(&mut self, event: &trainkit::memory::MemoryEvent) {
-        self.profile
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .on_event(event);
-    }
-    #[doc(hidden)]
-    fn typetag_deserialize(&self) {}
-}
-
-/// The config's observer, joined by a timeline writing into `--timeline DIR`, and the
-/// number of steps the timeline records (`None` without one).
-fn observer(cfg: &RunConfig, args: &TrainArgs) -> Result<(Box<dyn MemoryObserver>, Option<u64>)> {
-    let Some(dir) = &args.timeline else {
-        return Ok((cfg.observer.clone(), None));
-    };
-    // A run shorter than --timeline-steps still writes its files: record the steps it runs.
-    let done = args.run.resume.as_deref().map_or(0, resumed_step);
-    let steps = match cfg.training.steps.saturating_sub(done) {
-        0 => args.timeline_steps,
-        to_go => args.timeline_steps.min(to_go),
-    };
-    let timeline = Timeline::in_dir(dir, steps).map_err(|e| match e {
-        Error::Config { message, .. } => Error::config("--timeline-steps", message),
-        other => other,
-    })?;
-    println!(
-        "memory timeline: the first {steps} step(s) go to {} (memory.svg; memory_viz.pickle \
-         opens at https://pytorch.org/memory_viz, trace.json at https://ui.perfetto.dev)",
-        dir.display()
-    );
-    let observer = Box::new(Observers {
-        observers: vec![cfg.observer.clone(), Box::new(timeline)],
-    });
-    Ok((observer, Some(steps)))
-}
-
-/// The step a checkpoint directory was saved at (0 when it cannot tell; resuming then
-/// reports what is wrong with the directory).
-fn resumed_step(dir: &Path) -> u64 {
-    std::fs::read_to_string(dir.join(trainkit::save::STATE_FILE))
-        .ok()
-        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-        .unwrap_or(0)
-}
-
-/// The `kind` a policy is saved under.
-fn kind<T: serde::Serialize + ?Sized>(policy: &T) -> Result<String> {
-    let v = serde_json::to_value(policy).map_err(|e| Error::Serde(e.to_string()))?;
-    Ok(v.get("kind")
-        .and_then(|k| k.as_str())
-        .unwrap_or("custom")
-        .to_string())
 }
 
 /// Counts SIGINT / SIGTERM: the first asks the loop to finish its step, save and exit; a
