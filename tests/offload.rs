@@ -126,7 +126,7 @@ fn offloading_is_bitwise_equal_to_keeping_for_every_policy_and_precision() {
 #[test]
 fn offloading_a_llama_is_bitwise_equal_to_keeping() {
     let llama = || {
-        let config = trainkit::config::small_llama();
+        let config = trainkit::model::LlamaConfig::small();
         Box::new(trainkit::Llama::new(config).unwrap()) as Box<dyn trainkit::Model>
     };
     for precision in precisions() {

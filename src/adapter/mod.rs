@@ -114,8 +114,10 @@ pub fn is_update_param(name: &str) -> bool {
         || name.ends_with(".lora_magnitude_vector")
 }
 
-/// PEFT's default targets for a model whose projections are `modules`: the queries and
-/// values (`q_proj`, `v_proj`), or GPT-2's fused `c_attn`.
+/// PEFT's default targets for a model whose projections are `modules` (Hugging Face
+/// module names, as [`crate::model::AnyFamily::projection_modules`] lists them): the
+/// queries and values (`q_proj`, `v_proj`), GPT-2's fused `c_attn`, or every linear
+/// projection for a model with neither.
 pub fn default_targets(modules: &[String]) -> Vec<String> {
     let has = |t: &str| modules.iter().any(|m| m.rsplit('.').next() == Some(t));
     if has("q_proj") && has("v_proj") {

@@ -2,7 +2,7 @@
 //! `--lora-alpha`, `--lora-targets`, `--lora-dropout`, `--modules-to-save`, `--qlora`,
 //! `--use-dora`) and the one rule that makes a [`Lora`] of them.
 
-use crate::adapter::{BaseWeights, Lora};
+use crate::adapter::{default_targets, BaseWeights, Lora};
 use crate::error::{Error, Result};
 
 /// The LoRA flags as given (of `trainkit train`, and of `trainkit memory` for an
@@ -51,10 +51,10 @@ impl LoraFlags {
 
     /// The LoRA these flags describe, laid over `current` (a config's LoRA, which a flag
     /// that is absent leaves as it is); `None` when no flag is given. A rank starts a
-    /// LoRA: α defaults to twice the rank and the targets to PEFT's for the model
-    /// ([`default_targets`]; `fused_qkv`: the model projects queries, keys and values in
-    /// one matrix, GPT-2's `c_attn`). Every error names the flag.
-    pub fn lora(&self, current: Option<&Lora>, fused_qkv: bool) -> Result<Option<Lora>> {
+    /// LoRA: α defaults to twice the rank and the targets to PEFT's for a model of these
+    /// projection `modules` ([`default_targets`]; see
+    /// [`crate::model::AnyFamily::projection_modules`]). Every error names the flag.
+    pub fn lora(&self, current: Option<&Lora>, modules: &[String]) -> Result<Option<Lora>> {
         if self.is_empty() {
             return Ok(None);
         }
@@ -74,7 +74,7 @@ impl LoraFlags {
         let targets = match (&self.targets, current) {
             (Some(t), _) => t.clone(),
             (None, Some(l)) => l.targets.clone(),
-            (None, None) => default_targets(fused_qkv),
+            (None, None) => default_targets(modules),
         };
         let lora = Lora {
             rank,
@@ -102,18 +102,6 @@ impl LoraFlags {
     }
 }
 
-/// PEFT's default LoRA targets: the query and value projections (`q_proj`, `v_proj`), or
-/// GPT-2's fused `c_attn` where the model projects queries, keys and values in one matrix
-/// (`fused_qkv`).
-pub fn default_targets(fused_qkv: bool) -> Vec<String> {
-    let t: &[&str] = if fused_qkv {
-        &["c_attn"]
-    } else {
-        &["q_proj", "v_proj"]
-    };
-    t.iter().map(|s| s.to_string()).collect()
-}
-
 /// The command-line flag of the LoRA setting an error names (`adapter.dropout` is
 /// `--lora-dropout`, ...); `--lora-targets` for the targets and any other error.
 pub fn lora_flag(e: &Error) -> &'static str {
@@ -135,24 +123,29 @@ mod tests {
 
     #[test]
     fn a_rank_starts_a_lora_with_peft_defaults_and_other_flags_need_one() {
+        let module = |m: &str| format!("model.layers.0.self_attn.{m}");
+        let llama: Vec<String> = ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .map(module)
+            .to_vec();
+        let gpt2 = vec!["transformer.h.0.attn.c_attn".to_string()];
         let none = LoraFlags::default();
-        assert_eq!(none.lora(None, false).unwrap(), None);
+        assert_eq!(none.lora(None, &llama).unwrap(), None);
         let rank = LoraFlags {
             rank: Some(8),
             ..LoraFlags::default()
         };
-        let l = rank.lora(None, false).unwrap().unwrap();
+        let l = rank.lora(None, &llama).unwrap().unwrap();
         assert_eq!((l.rank, l.alpha), (8, 16.0));
         assert_eq!(l.targets, ["q_proj", "v_proj"]);
-        assert_eq!(rank.lora(None, true).unwrap().unwrap().targets, ["c_attn"]);
+        assert_eq!(rank.lora(None, &gpt2).unwrap().unwrap().targets, ["c_attn"]);
         // Alone, α changes the config's LoRA, and needs one.
         let alpha = LoraFlags {
             alpha: Some(4.0),
             ..LoraFlags::default()
         };
-        let over = alpha.lora(Some(&l), false).unwrap().unwrap();
+        let over = alpha.lora(Some(&l), &llama).unwrap().unwrap();
         assert_eq!((over.rank, over.alpha, &over.targets), (8, 4.0, &l.targets));
-        let err = alpha.lora(None, false).unwrap_err().to_string();
+        let err = alpha.lora(None, &llama).unwrap_err().to_string();
         assert!(err.contains("--lora-rank"), "{err}");
         // A bad value is refused by its flag.
         let bad = LoraFlags {
@@ -160,7 +153,7 @@ mod tests {
             dropout: Some(1.5),
             ..LoraFlags::default()
         };
-        let err = bad.lora(None, false).unwrap_err().to_string();
+        let err = bad.lora(None, &llama).unwrap_err().to_string();
         assert!(err.contains("--lora-dropout"), "{err}");
     }
 }

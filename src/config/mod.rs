@@ -22,16 +22,16 @@ mod lora_flags;
 mod overrides;
 mod policy_flags;
 mod resolve;
-mod shape_flags;
 
+use crate::model::set;
+pub use crate::model::ShapeFlags;
 pub use data::{Corpus, DataConfig, DocumentFlags};
 pub use describe::policy_kind;
 pub use finetune::FineTuning;
-pub use lora_flags::{default_targets, lora_flag, LoraFlags};
+pub use lora_flags::{lora_flag, LoraFlags};
 pub use overrides::Overrides;
 pub use policy_flags::PolicyFlags;
 pub use resolve::{Resolved, RunFlags};
-pub use shape_flags::{small_llama, ShapeFlags};
 
 /// Settings of the loop.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -317,12 +317,5 @@ impl RunConfig {
         }
         crate::ops::LinearCrossEntropy::new("training.loss_chunk", t.loss_chunk)?;
         self.data.validate(self.model.vocab_size())
-    }
-}
-
-/// Sets `slot` to `value` when a flag gives one.
-fn set<T>(slot: &mut T, value: Option<T>) {
-    if let Some(v) = value {
-        *slot = v;
     }
 }

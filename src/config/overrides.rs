@@ -99,8 +99,8 @@ impl Overrides {
     /// flag.
     fn apply_lora(&self, cfg: &mut RunConfig) -> Result<()> {
         let current = cfg.adapter.as_ref().and_then(|a| a.as_lora());
-        let fused_qkv = cfg.model.arch() == "gpt2";
-        if let Some(lora) = self.lora.lora(current, fused_qkv)? {
+        let modules = cfg.model.family().projection_modules();
+        if let Some(lora) = self.lora.lora(current, &modules)? {
             cfg.adapter = Some(Box::new(lora));
         }
         Ok(())

@@ -20,6 +20,8 @@ pub struct Registered {
     from_table: fn(Value) -> std::result::Result<ModelConfig, String>,
     /// The family's config of an architecture with a context, or what differs.
     from_architecture: fn(&Architecture, usize) -> Result<ModelConfig>,
+    /// A small model of the family, the default run's size (what `--arch` starts from).
+    pub small: fn() -> ModelConfig,
 }
 
 /// Every family trainkit builds.
@@ -30,6 +32,7 @@ pub const FAMILIES: &[Registered] = &[
         read: |path, text, _| Ok(ModelConfig::Gpt2(super::gpt2::parse_config(path, text)?)),
         from_table: |v| table::<Gpt2Config>(v).map(ModelConfig::Gpt2),
         from_architecture: |a, _| Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(a)?)),
+        small: || ModelConfig::Gpt2(Gpt2Config::small_bytes()),
     },
     Registered {
         model_type: "llama",
@@ -37,6 +40,7 @@ pub const FAMILIES: &[Registered] = &[
         read: |_, text, _| Ok(ModelConfig::Llama(LlamaConfig::from_json(text)?)),
         from_table: |v| table::<LlamaConfig>(v).map(ModelConfig::Llama),
         from_architecture: |a, c| Ok(ModelConfig::Llama(LlamaConfig::from_architecture(a, c)?)),
+        small: || ModelConfig::Llama(LlamaConfig::small()),
     },
     Registered {
         model_type: "qwen2",
@@ -44,6 +48,11 @@ pub const FAMILIES: &[Registered] = &[
         read: |_, text, _| Ok(ModelConfig::Qwen2(Qwen2Config::from_json(text)?)),
         from_table: |v| table::<Qwen2Config>(v).map(ModelConfig::Qwen2),
         from_architecture: |a, c| Ok(ModelConfig::Qwen2(Qwen2Config::from_architecture(a, c)?)),
+        small: || {
+            ModelConfig::Qwen2(Qwen2Config {
+                base: LlamaConfig::small(),
+            })
+        },
     },
     Registered {
         model_type: "qwen3",
@@ -51,6 +60,12 @@ pub const FAMILIES: &[Registered] = &[
         read: |_, text, _| Ok(ModelConfig::Qwen3(Qwen3Config::from_json(text)?)),
         from_table: |v| table::<Qwen3Config>(v).map(ModelConfig::Qwen3),
         from_architecture: |a, c| Ok(ModelConfig::Qwen3(Qwen3Config::from_architecture(a, c)?)),
+        small: || {
+            ModelConfig::Qwen3(Qwen3Config {
+                base: LlamaConfig::small(),
+                attention_bias: false,
+            })
+        },
     },
 ];
 

@@ -4,7 +4,7 @@
 //! named, and its `config.json`. The defaults name parameters as `LlamaForCausalLM`
 //! does, so a Llama-like family implements four methods.
 
-use super::{Model, Shape};
+use super::{Model, Shape, ShapeFlags};
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
 use crate::save::tensors::NamedTensor;
@@ -82,6 +82,11 @@ pub trait Family: Clone + Debug + PartialEq + Send + Sync + 'static {
     /// Checks that the config is buildable; errors name the field and what would be
     /// valid.
     fn validate(&self) -> Result<()>;
+
+    /// Lays `trainkit train`'s shape flags (`--n-layer`, `--n-head`, ...) over the
+    /// family's fields; a flag the family has no use for is an error naming the flag and
+    /// the family that has it.
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()>;
 
     /// The `config.json` Hugging Face reads for this model.
     fn hf_config(&self) -> serde_json::Value;
@@ -179,6 +184,8 @@ pub trait AnyFamily {
     fn shape(&self) -> Shape;
     /// Checks that the model is buildable.
     fn validate(&self) -> Result<()>;
+    /// Lays the shape flags over the config (see [`Family::reshape`]).
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()>;
     /// The `config.json` to write.
     fn hf_config(&self) -> serde_json::Value;
     /// Every parameter's name and shape in model order.
@@ -198,6 +205,9 @@ pub trait AnyFamily {
         loss: LossPath,
         chunk: Option<usize>,
     ) -> Result<Box<dyn Model>>;
+    /// Every linear projection's Hugging Face module name, in model order (`q_proj` and
+    /// the other blocks of a fused projection apart): what an adapter targets.
+    fn projection_modules(&self) -> Vec<String>;
 }
 
 impl<F: Family> AnyFamily for F {
@@ -212,6 +222,10 @@ impl<F: Family> AnyFamily for F {
     fn validate(&self) -> Result<()> {
         Family::validate(self)?;
         super::decoder::check(&Family::shape(self))
+    }
+
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        Family::reshape(self, flags)
     }
 
     fn hf_config(&self) -> serde_json::Value {
@@ -240,5 +254,9 @@ impl<F: Family> AnyFamily for F {
         chunk: Option<usize>,
     ) -> Result<Box<dyn Model>> {
         Family::build_with(self, attention, loss, chunk)
+    }
+
+    fn projection_modules(&self) -> Vec<String> {
+        super::decoder::projection_modules(self)
     }
 }

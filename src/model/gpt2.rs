@@ -1,7 +1,10 @@
 //! GPT-2 with Hugging Face semantics: pre-norm blocks, learned positions, GELU (tanh),
 //! LayerNorm eps 1e-5, tied input and output embeddings, no dropout.
 
-use super::{Architecture, Biases, Decoder, Family, LayerSlot, Mlp, Norm, Positions, Shape, Slot};
+use super::shape_flags::set;
+use super::{
+    Architecture, Biases, Decoder, Family, LayerSlot, Mlp, Norm, Positions, Shape, ShapeFlags, Slot,
+};
 use crate::error::{Error, Result};
 use crate::save::tensors::NamedTensor;
 use serde::{Deserialize, Serialize};
@@ -194,6 +197,28 @@ impl Family for Gpt2Config {
             init_std: 0.02,
             scaled_residual_init: true,
         }
+    }
+
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        for (flag, given) in [
+            ("--n-kv-head", flags.n_kv_head.is_some()),
+            ("--ffn", flags.ffn.is_some()),
+            ("--rope-theta", flags.rope_theta.is_some()),
+        ] {
+            if given {
+                return Err(Error::config(
+                    flag,
+                    "shapes a Llama model; add --arch llama (GPT-2 has multi-head attention, \
+                     an MLP of 4 × n_embd and learned positions)",
+                ));
+            }
+        }
+        set(&mut self.n_layer, flags.n_layer);
+        set(&mut self.n_head, flags.n_head);
+        set(&mut self.n_embd, flags.n_embd);
+        set(&mut self.vocab_size, flags.vocab_size);
+        set(&mut self.n_positions, flags.n_positions);
+        Ok(())
     }
 
     fn validate(&self) -> Result<()> {

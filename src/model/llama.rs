@@ -4,8 +4,9 @@
 //! output head, no dropout. Its config is [`LlamaConfig`]; the model is the shared
 //! [`Decoder`] with the family's default (Llama) names.
 
+use super::shape_flags::set;
 use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Mlp, Norm};
-use super::{Positions, Rope, RopeScaling, Shape};
+use super::{Positions, Rope, RopeScaling, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use crate::ops::Heads;
 use serde_json::json;
@@ -16,6 +17,45 @@ pub type Llama = Decoder<LlamaConfig>;
 
 impl Family for LlamaConfig {
     const MODEL_TYPE: &'static str = "llama";
+
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        set(&mut self.num_hidden_layers, flags.n_layer);
+        set(&mut self.hidden_size, flags.n_embd);
+        set(&mut self.vocab_size, flags.vocab_size);
+        set(&mut self.max_position_embeddings, flags.n_positions);
+        set(&mut self.intermediate_size, flags.ffn);
+        if let Some(h) = flags.n_head {
+            self.num_attention_heads = h;
+            // Heads that the key/value heads no longer divide become multi-head.
+            if h % self.num_key_value_heads.max(1) != 0 {
+                self.num_key_value_heads = h;
+            }
+        }
+        set(&mut self.num_key_value_heads, flags.n_kv_head);
+        if flags.n_head.is_some() || flags.n_embd.is_some() {
+            let heads = self.num_attention_heads.max(1);
+            if self.hidden_size % heads != 0 {
+                return Err(Error::config(
+                    "--n-embd",
+                    format!(
+                        "{} is not divisible by {heads} heads; use a multiple of {heads}",
+                        self.hidden_size
+                    ),
+                ));
+            }
+            self.head_dim = self.hidden_size / heads;
+        }
+        if let Some(theta) = flags.rope_theta {
+            if !(theta > 1.0 && theta.is_finite()) {
+                return Err(Error::config(
+                    "--rope-theta",
+                    format!("{theta} must be a finite value > 1"),
+                ));
+            }
+            self.rope.theta = theta;
+        }
+        Ok(())
+    }
 
     fn shape(&self) -> Shape {
         Shape {

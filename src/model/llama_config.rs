@@ -237,6 +237,28 @@ pub(crate) fn rope(map: &Map<String, Value>) -> Result<Rope> {
 }
 
 impl LlamaConfig {
+    /// A Llama of the default run's size: 4 layers, 128 wide, 4 query heads sharing 2
+    /// key/value heads, a SwiGLU MLP of 352, bytes, a context of 128, tied embeddings.
+    pub fn small() -> LlamaConfig {
+        LlamaConfig {
+            hidden_size: 128,
+            intermediate_size: 352,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 32,
+            vocab_size: 256,
+            max_position_embeddings: 128,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            initializer_range: 0.02,
+            rope: Rope {
+                theta: 10_000.0,
+                scaling: RopeScaling::Default,
+            },
+        }
+    }
+
     /// Parses a `config.json` of `LlamaForCausalLM` (transformers 5 or 4.x); unknown fields
     /// are ignored. A `model_type` other than `llama`, biases, an activation other than
     /// SiLU or an unknown rope type are errors naming the field.

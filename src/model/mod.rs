@@ -17,6 +17,7 @@ mod model_config;
 mod qwen2;
 mod qwen3;
 mod shape;
+mod shape_flags;
 
 pub use crate::param::{Init, Param, ParamInit};
 pub use architecture::{Architecture, Biases, Mlp, Norm};
@@ -34,6 +35,8 @@ pub use model_config::ModelConfig;
 pub use qwen2::{Qwen2, Qwen2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
 pub use shape::{Positions, Shape, VOCAB_MULTIPLE};
+pub(crate) use shape_flags::set;
+pub use shape_flags::ShapeFlags;
 
 use crate::adapter::Adapter;
 use crate::checkpoint::CheckpointPolicy;

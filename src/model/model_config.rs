@@ -34,6 +34,16 @@ impl ModelConfig {
         }
     }
 
+    /// The family's config behind one interface, to change.
+    pub fn family_mut(&mut self) -> &mut dyn AnyFamily {
+        match self {
+            ModelConfig::Gpt2(c) => c,
+            ModelConfig::Llama(c) => c,
+            ModelConfig::Qwen2(c) => c,
+            ModelConfig::Qwen3(c) => c,
+        }
+    }
+
     /// The family's name: Hugging Face's `model_type` (`gpt2`, `llama`, ...).
     pub fn arch(&self) -> &'static str {
         self.family().model_type()

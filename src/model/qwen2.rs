@@ -4,7 +4,7 @@
 
 use super::llama_config::field;
 use super::RopeScaling;
-use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Rope, Shape};
+use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Rope, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -28,6 +28,10 @@ impl Family for Qwen2Config {
             bias: Biases::QKV,
             ..self.base.shape()
         }
+    }
+
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        self.base.reshape(flags)
     }
 
     fn validate(&self) -> Result<()> {

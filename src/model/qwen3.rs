@@ -5,7 +5,7 @@
 
 use super::llama_config::{count, field};
 use super::qwen2::{object, qwen_defaults};
-use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Shape};
+use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -43,6 +43,10 @@ impl Family for Qwen3Config {
             qk_norm: true,
             ..self.base.shape()
         }
+    }
+
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        self.base.reshape(flags)
     }
 
     fn validate(&self) -> Result<()> {

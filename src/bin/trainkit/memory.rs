@@ -436,7 +436,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         .transpose()?;
 
     let paths = (t.attention, t.loss, t.loss_chunk);
-    let lora = lora(&args, &subject)?;
+    let lora = lora(&args, &subject, seq_len)?;
     let adapter = lora
         .as_ref()
         .map(|l| l as &(dyn trainkit::Adapter + 'static));
@@ -1016,12 +1016,14 @@ fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
 }
 
 /// The LoRA the `--lora-*` flags describe, if any: α defaults to twice the rank, the
-/// targets to PEFT's (`q_proj`, `v_proj`, or GPT-2's `c_attn`).
-fn lora(args: &MemoryArgs, subject: &Subject) -> Result<Option<trainkit::Lora>> {
-    let fused_qkv = subject
-        .arch
-        .is_some_and(|a| a.norm == trainkit::model::Norm::LayerNorm);
-    args.lora.lora(None, fused_qkv)
+/// targets to PEFT's for the model trainkit builds for `subject` at `seq_len`.
+fn lora(args: &MemoryArgs, subject: &Subject, seq_len: u64) -> Result<Option<trainkit::Lora>> {
+    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
+    let modules = exact_arch(subject, seq_len)
+        .and_then(|a| trainkit::model::families::from_architecture(&a, context).ok())
+        .map(|m| m.family().projection_modules())
+        .unwrap_or_default();
+    args.lora.lora(None, &modules)
 }
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw

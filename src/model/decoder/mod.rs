@@ -144,10 +144,7 @@ impl<F: Family> Decoder<F> {
     /// Every linear projection's Hugging Face module name (`q_proj` and the other blocks
     /// of the fused projections apart), in model order: what an adapter targets.
     pub fn projection_modules(&self) -> Vec<String> {
-        adapters::projections(&self.config, &self.shape)
-            .into_iter()
-            .map(|p| p.module)
-            .collect()
+        projection_modules(&self.config)
     }
 
     /// The low-rank updates the adapter adds, by module name, in model order.
@@ -315,6 +312,15 @@ pub(crate) fn import_tensors<F: Family>(
     tensors: BTreeMap<String, NamedTensor>,
 ) -> Result<BTreeMap<String, NamedTensor>> {
     vocab::pad(family, family.import_tensors(tensors)?)
+}
+
+/// Every linear projection's Hugging Face module name in `family`'s model, in model
+/// order (see [`Decoder::projection_modules`]).
+pub(crate) fn projection_modules<F: Family>(family: &F) -> Vec<String> {
+    adapters::projections(family, &family.shape())
+        .into_iter()
+        .map(|p| p.module)
+        .collect()
 }
 
 /// Every parameter's name and shape for `family`'s config, in model order (the

@@ -1,0 +1,98 @@
+//! The flags that choose and shape a model trained from scratch (`--model`, `--arch`,
+//! `--n-layer`, ...), and the one rule that lays them over a [`ModelConfig`].
+
+use super::ModelConfig;
+use crate::error::{Error, Result};
+
+/// The shape flags of `trainkit train`; `None` where a flag is absent. A model directory
+/// (`--init-from`, `--resume`) fixes its own shape, which these may only repeat.
+#[derive(clap::Args, Clone, Debug, Default, PartialEq)]
+pub struct ShapeFlags {
+    /// A preset shape to train from scratch: gpt2, gpt2-medium, smollm2-135m, llama-3.2-1b,
+    /// qwen2.5-0.5b, qwen3-0.6b, ... (the names `trainkit memory --model` takes); shape
+    /// flags adjust it.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Model family of a model from scratch: gpt2, llama, qwen2 or qwen3 (a directory's
+    /// config.json names its own).
+    #[arg(long)]
+    pub arch: Option<String>,
+    /// Layers (a model from scratch).
+    #[arg(long)]
+    pub n_layer: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    pub n_head: Option<usize>,
+    /// Width of the residual stream.
+    #[arg(long)]
+    pub n_embd: Option<usize>,
+    /// Vocabulary size (at least the tokenizer's: 50257 for gpt2, 256 for bytes).
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// Key/value heads of a Llama (grouped-query attention; --n-head for multi-head).
+    #[arg(long)]
+    pub n_kv_head: Option<usize>,
+    /// Inner width of a Llama's SwiGLU MLP.
+    #[arg(long)]
+    pub ffn: Option<usize>,
+    /// Rotary embedding base θ of a Llama.
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
+    /// Context length of a model from scratch (rows of its position embedding); by
+    /// default the config's, raised to --seq-len when that is longer.
+    #[arg(long)]
+    pub n_positions: Option<usize>,
+}
+
+impl ShapeFlags {
+    /// Whether no shape flag is given.
+    pub fn is_empty(&self) -> bool {
+        *self == ShapeFlags::default()
+    }
+
+    /// Lays the model flags over `model`: `--model` starts from a preset, `--arch`
+    /// switches the family (to a small model of it, [`super::families::Registered::small`]),
+    /// the shape flags set the family's fields ([`super::Family::reshape`]); a flag the
+    /// family has no use for is an error naming the family that has it.
+    pub fn apply(&self, model: &mut ModelConfig) -> Result<()> {
+        if let Some(name) = &self.model {
+            *model = ModelConfig::preset(name).map_err(|e| e.for_field("--model"))?;
+            if let Some(arch) = self.arch.as_deref().filter(|a| *a != model.arch()) {
+                return Err(Error::config(
+                    "--arch",
+                    format!(
+                        "`{arch}` contradicts --model {name}, a {} model",
+                        model.arch()
+                    ),
+                ));
+            }
+        }
+        match self.arch.as_deref() {
+            None => {}
+            Some(a) if a == model.arch() => {}
+            Some(other) => {
+                *model = match super::families::family(other) {
+                    Some(f) => (f.small)(),
+                    None => {
+                        return Err(Error::config(
+                            "--arch",
+                            format!(
+                                "`{other}` is not a model family trainkit builds; use {} ({})",
+                                super::families::names(" or "),
+                                super::families::list()
+                            ),
+                        ))
+                    }
+                }
+            }
+        }
+        model.family_mut().reshape(self)
+    }
+}
+
+/// Sets `slot` to `value` when a flag gives one.
+pub(crate) fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *slot = v;
+    }
+}
