@@ -389,3 +389,26 @@ fn the_family_on_the_emulator_tracks_the_cpu() {
         );
     }
 }
+
+/// A family that does not say how `train`'s shape flags set its fields takes none: a
+/// given one is refused by name, none given changes nothing.
+#[test]
+fn a_downstream_family_refuses_the_shape_flags_it_does_not_take() {
+    use trainkit::model::ShapeFlags;
+    let mut f = family();
+    Family::reshape(&mut f, &ShapeFlags::default()).unwrap();
+    assert_eq!(f, family());
+    let err = Family::reshape(
+        &mut f,
+        &ShapeFlags {
+            ffn: Some(64),
+            ..ShapeFlags::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--ffn") && err.contains("no shape flags"),
+        "{err}"
+    );
+}

@@ -85,8 +85,20 @@ pub trait Family: Clone + Debug + PartialEq + Send + Sync + 'static {
 
     /// Lays `trainkit train`'s shape flags (`--n-layer`, `--n-head`, ...) over the
     /// family's fields; a flag the family has no use for is an error naming the flag and
-    /// the family that has it.
-    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()>;
+    /// the family that has it. By default a family takes none: any given is an error
+    /// naming it.
+    fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        match flags.first_given() {
+            Some(flag) => Err(crate::error::Error::config(
+                flag,
+                format!(
+                    "the `{}` family takes no shape flags; set its config's fields",
+                    Self::MODEL_TYPE
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
 
     /// The `config.json` Hugging Face reads for this model.
     fn hf_config(&self) -> serde_json::Value;

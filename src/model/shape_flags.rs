@@ -50,6 +50,23 @@ impl ShapeFlags {
         *self == ShapeFlags::default()
     }
 
+    /// The first flag given that sets a dimension (`--n-layer`, ..., `--rope-theta`; not
+    /// `--model` or `--arch`), if any.
+    pub fn first_given(&self) -> Option<&'static str> {
+        [
+            ("--n-layer", self.n_layer.is_some()),
+            ("--n-head", self.n_head.is_some()),
+            ("--n-embd", self.n_embd.is_some()),
+            ("--vocab-size", self.vocab_size.is_some()),
+            ("--n-kv-head", self.n_kv_head.is_some()),
+            ("--ffn", self.ffn.is_some()),
+            ("--rope-theta", self.rope_theta.is_some()),
+            ("--n-positions", self.n_positions.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag))
+    }
+
     /// Lays the model flags over `model`: `--model` starts from a preset, `--arch`
     /// switches the family (to a small model of it, [`super::families::Registered::small`]),
     /// the shape flags set the family's fields ([`super::Family::reshape`]); a flag the

@@ -28,6 +28,17 @@ pub struct ObserveArgs {
     pub profile_ops: bool,
 }
 
+/// What a run's observer is made of: the observer the trainer gets, the steps the
+/// timeline records (`None` without one) and the op profile to read at the end.
+pub struct RunObserver {
+    /// The observer the trainer gets.
+    pub observer: Box<dyn MemoryObserver>,
+    /// The steps the timeline records.
+    pub timeline_steps: Option<u64>,
+    /// The op profile of `--profile-ops`.
+    pub profile: Option<SharedOpProfile>,
+}
+
 impl ObserveArgs {
     /// `--peak-tflops` in FLOP/s, refused unless positive.
     pub fn peak_flops(&self) -> Result<Option<f64>> {
@@ -41,18 +52,9 @@ impl ObserveArgs {
     }
 
     /// The run's observer: the config's, joined by a timeline writing into `--timeline
-    /// DIR` and by the op profile of `--profile-ops`; the number of steps the timeline
-    /// records (`None` without one) and the profile to read at the end. `resume`: the
-    /// directory a resumed run continues.
-    pub fn observer(
-        &self,
-        cfg: &RunConfig,
-        resume: Option<&Path>,
-    ) -> Result<(
-        Box<dyn MemoryObserver>,
-        Option<u64>,
-        Option<SharedOpProfile>,
-    )> {
+    /// DIR` and by the op profile of `--profile-ops`. `resume`: the directory a resumed
+    /// run continues.
+    pub fn observer(&self, cfg: &RunConfig, resume: Option<&Path>) -> Result<RunObserver> {
         let mut observers = vec![cfg.observer.clone()];
         let mut timeline_steps = None;
         if let Some(dir) = &self.timeline {
@@ -84,7 +86,11 @@ impl ObserveArgs {
             1 => observers.remove(0),
             _ => Box::new(Observers { observers }),
         };
-        Ok((observer, timeline_steps, profile))
+        Ok(RunObserver {
+            observer,
+            timeline_steps,
+            profile,
+        })
     }
 }
 

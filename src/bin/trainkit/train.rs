@@ -174,8 +174,11 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     let peak_flops = plan
         .peak_flops
         .or_else(|| observe::device_peak(backend.as_ref(), cfg));
-    let (observer, timeline_steps, profile) =
-        args.observe.observer(cfg, args.run.resume.as_deref())?;
+    let observe::RunObserver {
+        observer,
+        timeline_steps,
+        profile,
+    } = args.observe.observer(cfg, args.run.resume.as_deref())?;
     let mut trainer = Trainer::new(
         model,
         Arc::clone(&backend),
