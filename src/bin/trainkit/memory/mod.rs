@@ -1,0 +1,329 @@
+//! `trainkit memory`: the Ultra-Scale Playbook's memory explorer.
+
+mod exact;
+mod report;
+mod subject;
+
+use exact::{exact_arch, lora, trainable_params, trainkit_exact};
+use report::{Figures, STATE};
+use std::path::PathBuf;
+use subject::{as_flag, flag_error, positive, subject};
+use trainkit::config::{LoraFlags, PolicyFlags, RunConfig};
+use trainkit::estimate::{model_state_bytes, technique_savings, ActivationSweep, FitRequest};
+use trainkit::memory::MemoryCategory;
+use trainkit::Result;
+
+/// How much memory training a model takes on one GPU (with AdamW unless --optimizer says
+/// otherwise), by the Ultra-Scale Playbook's formulas: weights, gradients, master weights
+/// and optimizer state per parameter, and activations per token for each recompute
+/// policy.
+#[derive(clap::Args)]
+// Negative numbers are values (then refused by their parser with the flag's name), not flags.
+#[command(allow_negative_numbers = true)]
+pub struct MemoryArgs {
+    /// A named model: gpt2, gpt2-medium, gpt2-large, gpt2-xl, smollm2-135m, smollm2-360m,
+    /// smollm2-1.7b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-1b, llama-8b, llama-70b
+    /// or llama-405b.
+    #[arg(long)]
+    model: Option<String>,
+    /// A parameter count instead of a model, e.g. 7B, 1.5B, 124M or 350000000 (K, M, B, T
+    /// suffixes): model state only, as activations need the dimensions.
+    #[arg(long)]
+    params: Option<String>,
+    /// Layers (raw dimensions, with --hidden, --heads and --vocab).
+    #[arg(long)]
+    layers: Option<u64>,
+    /// Width of the residual stream.
+    #[arg(long)]
+    hidden: Option<u64>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<u64>,
+    /// Vocabulary size.
+    #[arg(long)]
+    vocab: Option<u64>,
+    /// Key and value heads, for grouped-query attention (default: --heads).
+    #[arg(long)]
+    kv_heads: Option<u64>,
+    /// Inner width of the MLP (default: 4 × --hidden).
+    #[arg(long)]
+    ffn: Option<u64>,
+    /// Tokens per sequence (default: the context of a GPT-2, 4096 for Llama presets and
+    /// raw dimensions).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    batch_size: u64,
+    /// With bf16: also accumulate gradients in f32 (4 more bytes per parameter).
+    #[arg(long)]
+    fp32_grads: bool,
+    /// Also show what each memory technique saves on its own for this model, batch and
+    /// sequence (trainkit's exact figures): the setup the other flags describe with
+    /// accumulation, selective, adamw8bit, optimizer-in-backward, budget, full, offload,
+    /// optimizer-offload, bf16, LoRA (rank 8 on every projection) or QLoRA added, and with
+    /// all that combine (those that train every weight).
+    #[arg(long)]
+    techniques: bool,
+    /// The policies (`--precision`, bf16 by default; `--recompute`, `--optimizer`, the
+    /// offloads, the loss and attention paths), as `trainkit train` takes them: the
+    /// offloads and the paths change trainkit's exact figures.
+    #[command(flatten)]
+    policy: PolicyFlags,
+    /// The LoRA flags: trainkit's exact figures for an adapter on the frozen model (a
+    /// bf16 base without master weights or gradients; the formulas count full training).
+    #[command(flatten)]
+    lora: LoraFlags,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also draw activation memory against sequence length for each recompute policy,
+    /// with the model state for scale, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+/// The attention path, the loss path and the fused loss's chunk of trainkit's exact
+/// figures.
+pub(super) type Paths = (
+    trainkit::ops::AttentionPath,
+    trainkit::ops::LossPath,
+    Option<usize>,
+);
+
+/// The policies the flags describe, laid over the defaults as `trainkit train` lays them,
+/// but bf16 (with f32 gradients under --fp32-grads) unless --precision says otherwise.
+fn policies(args: &MemoryArgs) -> Result<RunConfig> {
+    let mut cfg = RunConfig::default();
+    let precision = args.policy.precision.as_deref().unwrap_or("bf16");
+    cfg.precision = trainkit::precision::named(precision, args.fp32_grads)
+        .map_err(|e| e.for_field("--precision"))?;
+    let rest = PolicyFlags {
+        precision: None,
+        ..args.policy.clone()
+    };
+    rest.apply(&mut cfg)?;
+    Ok(cfg)
+}
+
+pub fn run(args: MemoryArgs) -> Result<()> {
+    let cfg = policies(&args)?;
+    let precision = cfg.precision.as_ref();
+    let recompute = cfg.checkpoint.as_ref();
+    let recompute_name = recompute.typetag_name();
+    let precision_name = trainkit::precision::describe(precision);
+    let optimizer = cfg.optimizer.as_ref();
+    let optimizer_name = optimizer.typetag_name();
+    let t = &cfg.training;
+    let (in_backward, offload_activations, optimizer_offload) = (
+        t.optimizer_in_backward,
+        t.offload_activations,
+        cfg.optimizer_offload,
+    );
+    positive("--batch-size", Some(args.batch_size))?;
+    positive("--seq-len", args.seq_len)?;
+    let subject = subject(&args)?;
+    if args.plot.is_some() && subject.arch.is_none() {
+        return Err(flag_error(
+            "--plot",
+            "activations need the model's dimensions; use --model NAME or --layers, --hidden, \
+             --heads and --vocab instead of --params",
+        ));
+    }
+    let seq_len = args.seq_len.unwrap_or(subject.default_seq_len);
+    let state = model_state_bytes(subject.params, precision, optimizer).map_err(as_flag)?;
+    let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
+    let shape = subject
+        .arch
+        .map(|a| a.activation_shape(seq_len, args.batch_size));
+    let by_policy: Option<Vec<(&'static str, u64)>> = shape
+        .map(|s| {
+            trainkit::checkpoint::by_cost()
+                .into_iter()
+                .map(|r| {
+                    let bytes = s.bytes(r.as_ref(), precision).map_err(as_flag)?;
+                    Ok((r.typetag_name(), bytes))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    let activations = by_policy.as_ref().and_then(|v| {
+        v.iter()
+            .find(|(r, _)| *r == recompute_name)
+            .map(|(_, b)| *b)
+    });
+    let total = activations
+        .map(|a| {
+            a.checked_add(state_total)
+                .ok_or_else(|| flag_error("--seq-len", "the total does not fit in 64 bits"))
+        })
+        .transpose()?;
+    let playbook = subject
+        .arch
+        .map(|a| a.playbook_params().map_err(as_flag))
+        .transpose()?;
+
+    let paths = (t.attention, t.loss, t.loss_chunk);
+    let lora = lora(&args, &subject, seq_len)?;
+    let adapter = lora
+        .as_ref()
+        .map(|l| l as &(dyn trainkit::Adapter + 'static));
+    let exact_with = |offload: bool| {
+        trainkit_exact(
+            &subject,
+            seq_len,
+            args.batch_size,
+            precision,
+            recompute,
+            optimizer,
+            in_backward,
+            offload,
+            optimizer_offload,
+            paths,
+            adapter,
+        )
+    };
+    let exact = exact_with(offload_activations)?;
+    // A LoRA run's figures are trainkit's exact ones (the playbook's formulas count full
+    // training): without them the flags cannot be honoured.
+    let adapted = match (&lora, &exact) {
+        (Some(l), Some(_)) => Some((l, trainable_params(&subject, seq_len, paths, adapter)?)),
+        (Some(_), None) => {
+            return Err(flag_error(
+                "--lora-rank",
+                "a LoRA's memory is trainkit's exact figure, which needs the model's \
+                 dimensions (--model NAME, or --layers, --hidden, --heads and --vocab; \
+                 --params has none) and a --seq-len within its context",
+            ))
+        }
+        (None, _) => None,
+    };
+    if let (Some(path), Some(shape)) = (&args.plot, shape) {
+        let (lo, hi) = ActivationSweep::default_range(seq_len);
+        // trainkit's exact activations (meta runs of the model it builds, every policy at
+        // every length), with the playbook's formula beside them, dashed.
+        let sweep = ActivationSweep::new(shape, precision, state_total, lo, hi)
+            .map_err(as_flag)?
+            .with_exact(|policy, s| {
+                let p = trainkit_exact(
+                    &subject,
+                    s,
+                    args.batch_size,
+                    precision,
+                    policy,
+                    optimizer,
+                    in_backward,
+                    false,
+                    optimizer_offload,
+                    paths,
+                    adapter,
+                )?;
+                Ok(p.map(|p| p.peak.get(MemoryCategory::Activations)))
+            })?;
+        let source = if sweep.is_exact() {
+            format!(
+                "trainkit exact ({} attention, {} loss); dashed: the playbook's formula",
+                paths.0, paths.1
+            )
+        } else {
+            "the playbook's formula".to_string()
+        };
+        let title = format!(
+            "{}: activation memory vs sequence length, {source} (materialized attention); {}, \
+             micro-batch {}",
+            subject.name.unwrap_or("model"),
+            precision_name,
+            args.batch_size
+        );
+        sweep.write_svg(path, &title)?;
+        let note = format!(
+            "plot: {} (activation memory, {lo} to {hi} tokens, per recompute policy: {})",
+            path.display(),
+            if sweep.is_exact() {
+                "trainkit's exact figures, the playbook's formula dashed"
+            } else {
+                "the playbook's formula (trainkit builds no exact model for this subject)"
+            }
+        );
+        if args.json {
+            eprintln!("{note}");
+        } else {
+            println!("{note}");
+        }
+    }
+    let savings = if args.techniques {
+        let arch = exact_arch(&subject, seq_len).ok_or_else(|| {
+            flag_error(
+                "--techniques",
+                "needs the exact figures: a model with dimensions (--model NAME, or --layers, \
+                 --hidden, --heads and --vocab) and a --seq-len within a GPT-2's context",
+            )
+        })?;
+        let usize_of = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let req = FitRequest {
+            recompute,
+            attention: paths.0,
+            loss: paths.1,
+            loss_chunk: paths.2,
+            grad_clip: 0.0,
+            optimizer_in_backward: in_backward,
+            offload_activations,
+            optimizer_offload,
+            adapter,
+            // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
+            // named).
+            techniques: trainkit::estimate::Techniques::ALL
+                .with(trainkit::estimate::Technique::Lora)
+                .with(trainkit::estimate::Technique::Qlora)
+                .with(trainkit::estimate::Technique::PureBf16),
+            ..FitRequest::new(
+                arch,
+                usize_of(seq_len),
+                usize_of(args.batch_size),
+                u64::MAX,
+                precision,
+                optimizer,
+            )
+        };
+        Some(technique_savings(&req).map_err(as_flag)?)
+    } else {
+        None
+    };
+    // With offloading, the same run without it: what offloading saves.
+    let kept = if offload_activations {
+        exact_with(false)?
+    } else {
+        None
+    };
+
+    let figures = Figures {
+        args: &args,
+        subject: &subject,
+        seq_len,
+        precision,
+        precision_name,
+        optimizer,
+        optimizer_name,
+        recompute_name,
+        state,
+        state_total,
+        shape,
+        by_policy,
+        activations,
+        total,
+        playbook,
+        exact,
+        kept,
+        adapted,
+        savings,
+        in_backward,
+        offload_activations,
+        optimizer_offload,
+    };
+    if args.json {
+        report::json(&figures);
+    } else {
+        report::table(&figures);
+    }
+    Ok(())
+}
