@@ -2084,17 +2084,7 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
             cfg.optimizer.clone(),
             cfg.accumulation.clone(),
             trainkit::PeakTracker::default(),
-            trainkit::TrainerOptions {
-                grad_clip: t.grad_clip,
-                lr_schedule: t.lr_schedule,
-                total_steps: t.steps,
-                seed: t.seed,
-                max_bad_steps: t.max_bad_steps,
-                peak_flops: None,
-                optimizer_in_backward: t.optimizer_in_backward,
-                offload_activations: t.offload_activations,
-                optimizer_offload: cfg.optimizer_offload,
-            },
+            trainkit::TrainerOptions::from(&cfg),
         )
         .unwrap();
         (0..50).map(|_| trainer.step().unwrap().loss).collect()

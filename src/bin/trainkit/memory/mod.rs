@@ -3,6 +3,7 @@
 mod exact;
 mod report;
 mod subject;
+mod units;
 
 use exact::{exact_arch, lora, trainable_params, trainkit_exact};
 use report::{Figures, STATE};

@@ -1,5 +1,6 @@
 //! `trainkit memory`'s output: the table of the figures, or one JSON object.
 
+use super::units::{gb, gib, group, signed_gib};
 use super::{subject::Subject, MemoryArgs};
 use trainkit::estimate::{ActivationShape, FitCandidate, MemoryPrediction, TechniqueSavings};
 use trainkit::memory::{CategoryBytes, MemoryCategory};
@@ -323,27 +324,6 @@ pub fn table(f: &Figures) {
     }
 }
 
-/// `1234567` as `1,234,567`.
-pub(super) fn group(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
-pub(super) fn gib(bytes: u64) -> String {
-    format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
-}
-
-pub(super) fn gb(bytes: u64) -> String {
-    format!("{:.2}", bytes as f64 / 1e9)
-}
-
 pub(super) const STATE: [MemoryCategory; 4] = [
     MemoryCategory::Weights,
     MemoryCategory::MasterWeights,
@@ -398,14 +378,6 @@ pub(super) fn print_exact_table(
             gib(k.peak_total),
         );
     }
-}
-
-/// `1.25` GiB, `-0.50` when it costs memory.
-pub(super) fn signed_gib(baseline: u64, peak: u64) -> String {
-    format!(
-        "{:.2}",
-        (baseline as f64 - peak as f64) / (1u64 << 30) as f64
-    )
 }
 
 /// The table of what each technique saves.

@@ -1,6 +1,6 @@
 //! The model `trainkit memory` estimates: a preset, a parameter count or raw dimensions.
 
-use super::report::group;
+use super::units::group;
 use super::MemoryArgs;
 use trainkit::estimate::{preset_names, Architecture, Mlp, Norm, Preset, PRESETS};
 use trainkit::{Error, Result};
@@ -287,13 +287,5 @@ mod tests {
         }
         assert!(parse_count("99999999999T").is_err());
         assert!(parse_count("18446744073709551616").is_err());
-    }
-
-    #[test]
-    fn grouping() {
-        assert_eq!(group(0), "0");
-        assert_eq!(group(999), "999");
-        assert_eq!(group(1000), "1,000");
-        assert_eq!(group(124_439_808), "124,439,808");
     }
 }
