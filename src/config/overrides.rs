@@ -164,7 +164,7 @@ impl Overrides {
         set(&mut cfg.output.out, self.out.clone().map(Some));
         set(&mut cfg.output.save_every, self.save_every);
         set(&mut cfg.output.log_json, self.log_json.clone().map(Some));
-        self.shape.apply(&mut cfg.model)?;
+        cfg.model.reshape(&self.shape)?;
         self.apply_lora(cfg)?;
         self.policy.apply(cfg)?;
         if let Some(k) = self.grad_accum {

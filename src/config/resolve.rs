@@ -98,7 +98,7 @@ impl RunFlags {
             // repeat them.
             let model = crate::model::read_model_config(dir)?;
             let mut wanted = model.clone();
-            overrides.shape.apply(&mut wanted)?;
+            wanted.reshape(&overrides.shape)?;
             if wanted != model {
                 return Err(Error::config(
                     "--init-from",

@@ -1,9 +1,10 @@
 //! The config of any model family trainkit builds, as one value: what a model
 //! directory's `config.json` and a run config's `[model]` table describe.
 
+use super::ShapeFlags;
 use super::{AnyFamily, Architecture, Gpt2Config, LlamaConfig, Model, Norm, Rope, RopeScaling};
 use super::{Qwen2Config, Qwen3Config};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A model family's config.
@@ -42,6 +43,47 @@ impl ModelConfig {
             ModelConfig::Qwen2(c) => c,
             ModelConfig::Qwen3(c) => c,
         }
+    }
+
+    /// Lays `trainkit train`'s shape flags over the config: `--model` starts from a
+    /// preset, `--arch` switches the family (to a small model of it,
+    /// [`super::families::Registered::small`]), the other flags set the family's fields
+    /// ([`super::Family::reshape`]); a flag the family has no use for is an error naming
+    /// the family that has it.
+    pub fn reshape(&mut self, flags: &ShapeFlags) -> Result<()> {
+        let model = self;
+        if let Some(name) = &flags.model {
+            *model = ModelConfig::preset(name).map_err(|e| e.for_field("--model"))?;
+            if let Some(arch) = flags.arch.as_deref().filter(|a| *a != model.arch()) {
+                return Err(Error::config(
+                    "--arch",
+                    format!(
+                        "`{arch}` contradicts --model {name}, a {} model",
+                        model.arch()
+                    ),
+                ));
+            }
+        }
+        match flags.arch.as_deref() {
+            None => {}
+            Some(a) if a == model.arch() => {}
+            Some(other) => {
+                *model = match super::families::family(other) {
+                    Some(f) => (f.small)(),
+                    None => {
+                        return Err(Error::config(
+                            "--arch",
+                            format!(
+                                "`{other}` is not a model family trainkit builds; use {} ({})",
+                                super::families::names(" or "),
+                                super::families::list()
+                            ),
+                        ))
+                    }
+                }
+            }
+        }
+        model.family_mut().reshape(flags)
     }
 
     /// The family's name: Hugging Face's `model_type` (`gpt2`, `llama`, ...).

@@ -1,9 +1,6 @@
 //! The flags that choose and shape a model trained from scratch (`--model`, `--arch`,
 //! `--n-layer`, ...), and the one rule that lays them over a [`ModelConfig`].
 
-use super::ModelConfig;
-use crate::error::{Error, Result};
-
 /// The shape flags of `trainkit train`; `None` where a flag is absent. A model directory
 /// (`--init-from`, `--resume`) fixes its own shape, which these may only repeat.
 #[derive(clap::Args, Clone, Debug, Default, PartialEq)]
@@ -65,45 +62,6 @@ impl ShapeFlags {
         ]
         .into_iter()
         .find_map(|(flag, given)| given.then_some(flag))
-    }
-
-    /// Lays the model flags over `model`: `--model` starts from a preset, `--arch`
-    /// switches the family (to a small model of it, [`super::families::Registered::small`]),
-    /// the shape flags set the family's fields ([`super::Family::reshape`]); a flag the
-    /// family has no use for is an error naming the family that has it.
-    pub fn apply(&self, model: &mut ModelConfig) -> Result<()> {
-        if let Some(name) = &self.model {
-            *model = ModelConfig::preset(name).map_err(|e| e.for_field("--model"))?;
-            if let Some(arch) = self.arch.as_deref().filter(|a| *a != model.arch()) {
-                return Err(Error::config(
-                    "--arch",
-                    format!(
-                        "`{arch}` contradicts --model {name}, a {} model",
-                        model.arch()
-                    ),
-                ));
-            }
-        }
-        match self.arch.as_deref() {
-            None => {}
-            Some(a) if a == model.arch() => {}
-            Some(other) => {
-                *model = match super::families::family(other) {
-                    Some(f) => (f.small)(),
-                    None => {
-                        return Err(Error::config(
-                            "--arch",
-                            format!(
-                                "`{other}` is not a model family trainkit builds; use {} ({})",
-                                super::families::names(" or "),
-                                super::families::list()
-                            ),
-                        ))
-                    }
-                }
-            }
-        }
-        model.family_mut().reshape(self)
     }
 }
 

@@ -3,7 +3,6 @@
 
 pub mod nf4;
 
-use crate::device::cpu::BufferPool;
 use crate::device::cuda::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::memory::{Ledger, MemoryCategory};
@@ -193,6 +192,14 @@ impl Storage {
 /// A shaped buffer owned by a backend. Its bytes are in the backend's [`Ledger`] from
 /// creation to drop, under its [`MemoryCategory`] and label.
 ///
+/// Where a dropped tensor's storage goes instead of being freed: a backend's pool of host
+/// buffers (`device::cpu::BufferPool`), which hands it to the next allocation of its
+/// length.
+pub(crate) trait StorageSink: std::fmt::Debug + Send + Sync {
+    /// Takes the storage of a tensor being dropped.
+    fn put(&self, storage: Storage);
+}
+
 /// Tensors are created by [`crate::Backend`] methods and read back with
 /// [`crate::Backend::to_f32`]; they are not `Clone` (a copy is an allocation:
 /// [`crate::Backend::copy`]).
@@ -203,7 +210,7 @@ pub struct Tensor {
     label: String,
     storage: Storage,
     ledger: Ledger,
-    pool: Option<Arc<BufferPool>>,
+    pool: Option<Arc<dyn StorageSink>>,
     id: u64,
 }
 
@@ -241,7 +248,7 @@ impl Tensor {
     }
 
     /// Returns the storage to `pool` when the tensor is dropped.
-    pub(crate) fn with_pool(mut self, pool: Arc<BufferPool>) -> Tensor {
+    pub(crate) fn with_pool(mut self, pool: Arc<dyn StorageSink>) -> Tensor {
         self.pool = Some(pool);
         self
     }

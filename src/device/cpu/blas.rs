@@ -13,7 +13,7 @@
 //! reproducibility mode, so the same product gives the same bits wherever its buffers
 //! lie in memory: the recompute policies rely on that.
 
-use super::matmul::Product;
+use super::product::Product;
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, CStr};
 use std::path::{Path, PathBuf};

@@ -21,6 +21,7 @@ mod blas;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 mod pool;
+pub(crate) mod product;
 pub(crate) mod simd;
 
 use super::{Backend, Device};
@@ -212,7 +213,7 @@ impl CpuBackend {
             },
         };
         let t = Tensor::new(storage, shape, category, label, &self.ledger)?
-            .with_pool(Arc::clone(&self.pool));
+            .with_pool(self.pool.clone());
         if fresh && crosses {
             // Locked once it is the pool's to free (and unlock).
             self.pool.pin(t.storage());

@@ -7,7 +7,7 @@
 //! its device total's, or for host memory held for a device its host peak.
 
 use crate::memory::Ledger;
-use crate::tensor::Storage;
+use crate::tensor::{Storage, StorageSink};
 use half::{bf16, f16};
 use std::collections::{HashMap, HashSet};
 use std::fmt::Debug;
@@ -154,7 +154,7 @@ impl BufferPool {
 
     /// Keeps a freed tensor's storage for reuse, unless that would cache more bytes than
     /// the ledger's peak.
-    pub(crate) fn put(&self, storage: Storage) {
+    fn keep(&self, storage: Storage) {
         let bytes = match &storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
@@ -191,6 +191,12 @@ impl BufferPool {
     /// Bytes held for reuse.
     pub(crate) fn cached_bytes(&self) -> u64 {
         self.lock().bytes
+    }
+}
+
+impl StorageSink for BufferPool {
+    fn put(&self, storage: Storage) {
+        self.keep(storage)
     }
 }
 

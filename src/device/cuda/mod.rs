@@ -27,6 +27,7 @@ pub(crate) mod ops;
 #[cfg(test)]
 pub(crate) mod parity;
 mod pinned;
+mod primitives;
 pub mod probe;
 mod staging;
 pub mod timing;

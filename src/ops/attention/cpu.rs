@@ -5,7 +5,8 @@
 //! the family's FLOP counts follow); the softmax sums in the 16 interleaved lanes of `simd`.
 
 use super::{square_side, Dims};
-use crate::device::cpu::matmul::{gemm_raw, Product};
+use crate::device::cpu::matmul::gemm_raw;
+use crate::device::cpu::product::Product;
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write, Blas, SendPtr};
 use crate::error::Result;

@@ -18,7 +18,8 @@
 //! query gradients of the query heads sharing it, so nothing is written twice and the
 //! results never depend on the thread count.
 
-use crate::device::cpu::matmul::{gemm_raw, Product};
+use crate::device::cpu::matmul::gemm_raw;
+use crate::device::cpu::product::Product;
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write, Blas, SendPtr};
 use crate::error::Result;

@@ -3,11 +3,12 @@
 //!
 //! CPU twin: `src/device/cpu/elementwise.rs`. Kernels: `kernels/elementwise.cu`, listed once in [`KERNELS`].
 
-use super::super::backend::{ptr, CudaBackend, BLOCK, ROW_BLOCK};
+use super::super::backend::{ptr, CudaBackend, Operand, BLOCK, ROW_BLOCK};
 use super::super::gpu::Args;
 use super::super::kernels::KernelFile;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::memory::MemoryCategory;
+use crate::tensor::{DType, Tensor};
 
 /// The kernels of `kernels/elementwise.cu`, named once: the backend launches these names, NVRTC
 /// and the emulator build this source.
@@ -192,4 +193,22 @@ pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor)
             .i64(blocks)
             .i64(cols),
     )
+}
+
+impl CudaBackend {
+    /// `t` as `dtype`: `t` itself, or a cast copy in the workspace.
+    pub fn as_dtype<'a>(&self, t: &'a Tensor, dtype: DType) -> Result<Operand<'a>> {
+        if t.dtype() == dtype {
+            return Ok(Operand::Borrowed(t));
+        }
+        let mut c = self.alloc(
+            t.shape(),
+            dtype,
+            MemoryCategory::Workspace,
+            &format!("{}.as_{dtype}", t.label()),
+            false,
+        )?;
+        launch_cast(self, &mut c, t)?;
+        Ok(Operand::Owned(c))
+    }
 }
