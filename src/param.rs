@@ -471,7 +471,7 @@ impl Param {
 
     /// Before an optimizer updates a parameter without master weights whose values are
     /// bf16 (pure bf16): widens the weights (plus their compensation) into a transient f32
-    /// buffer, which [`Param::update_parts`] then hands out as the values to update, until
+    /// buffer, which the update then reads as the values to update, until
     /// `Param::refresh_after_step` rounds them back and frees it. A no-op otherwise.
     pub fn begin_update(&mut self, backend: &dyn Backend) -> Result<()> {
         if self.rounding.is_none() || self.master.is_some() {

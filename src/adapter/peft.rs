@@ -33,7 +33,7 @@ pub struct BaseInfo {
 
 /// The `adapter_config.json` PEFT writes for `lora`. Targets of [`super::ALL_LINEAR`] are
 /// written as PEFT's string form `"all-linear"` (a list holding it is not one PEFT reads);
-/// [`write`] writes the module names it expanded to instead, as PEFT does when it saves.
+/// [`write()`] writes the module names it expanded to instead, as PEFT does when it saves.
 pub fn adapter_config(lora: &Lora, base: &BaseInfo) -> Value {
     let targets = if lora.targets.iter().any(|t| t == super::ALL_LINEAR) {
         json!(super::ALL_LINEAR)

@@ -175,7 +175,7 @@ impl Encoder {
 
 /// Renders, tokenizes and masks every conversation of the inputs and writes them as rows
 /// of `seq_len` tokens: `out` and its `.mask`, and the val part (the conversations of
-/// `val_inputs`, or `val_fraction` of the examples drawn from every input, [`draw_val`])
+/// `val_inputs`, or `val_fraction` of the examples drawn from every input)
 /// to [`val_path_for`]`(out)` and its `.mask`.
 ///
 /// Each example fills one row (a longer one is cut per `overflow`), padded with the

@@ -383,7 +383,7 @@ impl ChatTemplate {
 
     /// The whole conversation rendered once, cut around each assistant reply located in
     /// it: the reply starts after the k-th `marker` (the assistant header, for the k-th
-    /// assistant turn) and ends after the first end-of-turn marker ([`END_OF_TURN`] or the
+    /// assistant turn) and ends after the first end-of-turn marker ([`super::END_OF_TURN`] or the
     /// template's end-of-sequence token) that follows, with the whitespace right after it,
     /// as [`ChatTemplate::segments`] cuts a turn (else at the next `marker`, or the end).
     /// The reply's segment belongs to its turn (`content`); the text before it to that

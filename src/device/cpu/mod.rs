@@ -102,8 +102,8 @@ impl CpuBackend {
         }
     }
 
-    /// How many of this backend's buffers are page-locked now
-    /// ([`CpuBackend::host_for_pinned`]).
+    /// How many of this backend's buffers are page-locked now (a host memory held for a
+    /// GPU locks the weights and gradients it makes).
     pub fn pinned_buffers(&self) -> usize {
         self.pool.pinned_buffers()
     }
