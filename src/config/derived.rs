@@ -1,11 +1,20 @@
-//! What a run config gives the rest of the library: the trainer's options, the global
-//! batch, and the request autofit and the memory report answer.
+//! What a run config gives the rest of the library: its data as loaders, its trainer and
+//! the trainer's options, the global batch, and the request autofit and the memory report
+//! answer.
 
 use super::RunConfig;
-use crate::accumulate::AccumulationContext;
+use crate::accumulate::{AccumulationContext, AccumulationSchedule};
+use crate::checkpoint::CheckpointPolicy;
+use crate::data::{DataLoader, TokenizerKind};
+use crate::device::Backend;
 use crate::error::Result;
 use crate::estimate::{FitRequest, Techniques};
-use crate::trainer::TrainerOptions;
+use crate::memory::MemoryObserver;
+use crate::model::Model;
+use crate::optim::Optimizer;
+use crate::precision::Precision;
+use crate::trainer::{Trainer, TrainerOptions};
+use std::sync::Arc;
 
 impl From<&RunConfig> for TrainerOptions {
     /// The loop settings of `cfg` (`peak_flops` unset: the device decides it).
@@ -68,5 +77,86 @@ impl<'a> FitRequest<'a> {
                 cfg.optimizer.as_ref(),
             )
         }
+    }
+}
+
+/// A trainer of a run config's boxed policies ([`RunConfig::trainer`]).
+pub type ConfigTrainer = Trainer<
+    Box<dyn Precision>,
+    Box<dyn CheckpointPolicy>,
+    Box<dyn Optimizer>,
+    Box<dyn AccumulationSchedule>,
+    Box<dyn MemoryObserver>,
+>;
+
+/// A run's data as loaders ([`RunConfig::loaders`]), with what the corpus says about
+/// itself.
+#[derive(Debug)]
+pub struct RunData {
+    /// The training batches: shuffled with the run's seed where the data config says so,
+    /// documents separated where they are masked.
+    pub train: DataLoader,
+    /// The held-out batches, in order.
+    pub val: DataLoader,
+    /// Whether the data is rows with a loss mask (`trainkit prepare --chat`).
+    pub chat: bool,
+    /// The lowest loss any model can reach, when known (the built-in corpus).
+    pub entropy_floor: Option<f64>,
+    /// The tokenizer behind the ids.
+    pub tokenizer: TokenizerKind,
+    /// Where the tokens came from, for messages.
+    pub description: String,
+}
+
+impl RunConfig {
+    /// The run's training and validation loaders: `[data]` read for `[model]`'s
+    /// vocabulary, in micro-batches of `training.batch_size` rows of `training.seq_len`
+    /// tokens.
+    pub fn loaders(&self) -> Result<RunData> {
+        let t = &self.training;
+        let corpus = self.data.load(t.seq_len + 1, self.model.vocab_size())?;
+        let chat = corpus.train.shards().iter().any(|s| s.row_len().is_some());
+        let train = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
+            .shuffled(corpus.shuffle.then_some(t.seed))
+            .separated_by(corpus.separator);
+        let val =
+            DataLoader::new(corpus.val, t.batch_size, t.seq_len)?.separated_by(corpus.separator);
+        Ok(RunData {
+            train,
+            val,
+            chat,
+            entropy_floor: corpus.entropy_floor,
+            tokenizer: corpus.tokenizer,
+            description: corpus.description,
+        })
+    }
+
+    /// The trainer of this run's `model` (its own, [`RunConfig::build_model`], or one
+    /// with ops of your own) on `backend`, reading `data`: the config's five policies
+    /// with `observer` in place of its own, and its loop settings
+    /// ([`TrainerOptions::from`]) with `peak_flops` for MFU. Weights are freshly
+    /// initialised: load a model directory or resume after.
+    pub fn trainer(
+        &self,
+        model: Box<dyn Model>,
+        backend: Arc<dyn Backend>,
+        data: DataLoader,
+        observer: Box<dyn MemoryObserver>,
+        peak_flops: Option<f64>,
+    ) -> Result<ConfigTrainer> {
+        Trainer::new(
+            model,
+            backend,
+            data,
+            self.precision.clone(),
+            self.checkpoint.clone(),
+            self.optimizer.clone(),
+            self.accumulation.clone(),
+            observer,
+            TrainerOptions {
+                peak_flops,
+                ..TrainerOptions::from(self)
+            },
+        )
     }
 }

@@ -26,6 +26,7 @@ mod resolve;
 use crate::model::set;
 pub use crate::model::ShapeFlags;
 pub use data::{Corpus, DataConfig, DocumentFlags};
+pub use derived::{ConfigTrainer, RunData};
 pub use describe::policy_kind;
 pub use finetune::FineTuning;
 pub use lora_flags::{lora_flag, LoraFlags};

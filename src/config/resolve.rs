@@ -279,3 +279,50 @@ fn adapter_settings(cfg: &mut RunConfig, dir: &Path, flags: &RunFlags) -> Result
     cfg.adapter = Some(Box::new(lora));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{Args, FromArgMatches};
+
+    fn parse(args: &[&str]) -> RunFlags {
+        let cmd = RunFlags::augment_args(clap::Command::new("train"));
+        let matches = cmd
+            .try_get_matches_from(std::iter::once("train").chain(args.iter().copied()))
+            .unwrap();
+        RunFlags::from_arg_matches(&matches).unwrap()
+    }
+
+    #[test]
+    fn a_command_line_resolves_into_its_run_config() {
+        let r = parse(&[
+            "--arch",
+            "llama",
+            "--n-layer",
+            "2",
+            "--steps",
+            "7",
+            "--precision",
+            "bf16",
+            "--lora-rank",
+            "4",
+        ])
+        .resolve()
+        .unwrap();
+        let cfg = r.config;
+        assert_eq!(r.defaults, None);
+        assert_eq!(cfg.model.arch(), "llama");
+        assert_eq!(cfg.model.architecture().layers, 2);
+        assert_eq!(cfg.training.steps, 7);
+        assert_eq!(cfg.precision.compute_dtype(), crate::DType::Bf16);
+        let lora = cfg.adapter.as_ref().and_then(|a| a.as_lora()).unwrap();
+        assert_eq!((lora.rank, lora.alpha), (4, 8.0));
+        assert_eq!(lora.targets, ["q_proj", "v_proj"]);
+        // Where the config comes from is decided once: a resumed run keeps its own.
+        let err = parse(&["--resume", "run", "--config", "run.toml"])
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--config"), "{err}");
+    }
+}

@@ -9,7 +9,7 @@ use trainkit::config::{Resolved, RunConfig, RunFlags};
 use trainkit::data::{DataLoader, TokenizerKind};
 use trainkit::memory::CategoryBytes;
 use trainkit::model::read_model_dir;
-use trainkit::{Error, MemoryObserver, Model, Result, Trainer, TrainerOptions};
+use trainkit::{Error, Model, Result};
 
 /// Train a model. Flags override the config file (or, with --resume, the config saved
 /// in the checkpoint).
@@ -52,21 +52,12 @@ struct Plan {
     defaults: Option<String>,
 }
 
-/// A trainer of a run config's boxed policies.
-type RunTrainer = Trainer<
-    Box<dyn trainkit::Precision>,
-    Box<dyn trainkit::CheckpointPolicy>,
-    Box<dyn trainkit::Optimizer>,
-    Box<dyn trainkit::AccumulationSchedule>,
-    Box<dyn MemoryObserver>,
->;
-
 /// A run, built: the trainer on its backend, the validation data, what the data says
 /// about itself, and the optional op profile and timeline.
 struct Job {
     plan: Plan,
     backend: Arc<dyn trainkit::Backend>,
-    trainer: RunTrainer,
+    trainer: trainkit::config::ConfigTrainer,
     val: DataLoader,
     entropy_floor: Option<f64>,
     /// Whether the data is rows with a loss mask (`prepare --chat`).
@@ -150,21 +141,16 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         backend.ledger().set_limit(Some(budget));
     }
     let t = cfg.training.clone();
-    let corpus = cfg.data.load(t.seq_len + 1, cfg.model.vocab_size())?;
-    let chat_data = corpus.train.shards().iter().any(|s| s.row_len().is_some());
-    let data = DataLoader::new(corpus.train, t.batch_size, t.seq_len)?
-        .shuffled(corpus.shuffle.then_some(t.seed))
-        .separated_by(corpus.separator);
-    let val = DataLoader::new(corpus.val, t.batch_size, t.seq_len)?.separated_by(corpus.separator);
+    let data = cfg.loaders()?;
     let model = cfg.build_model()?;
     println!("model: {}", model.describe());
-    println!("data: {}", corpus.description);
+    println!("data: {}", data.description);
     let device = match device {
         trainkit::Device::Cpu => device.to_string(),
         _ => format!("{device} ({})", backend.describe()),
     };
     println!("device: {device}; {}", cfg.setup_line()?);
-    if let Some(floor) = corpus.entropy_floor {
+    if let Some(floor) = data.entropy_floor {
         println!(
             "data: built-in corpus, entropy floor {floor:.4} nats/byte (no model can beat it); \
              uniform guessing is {:.4}",
@@ -179,19 +165,12 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         timeline_steps,
         profile,
     } = args.observe.observer(cfg, args.run.resume.as_deref())?;
-    let mut trainer = Trainer::new(
+    let mut trainer = cfg.trainer(
         model,
         Arc::clone(&backend),
-        data,
-        cfg.precision.clone(),
-        cfg.checkpoint.clone(),
-        cfg.optimizer.clone(),
-        cfg.accumulation.clone(),
+        data.train,
         observer,
-        TrainerOptions {
-            peak_flops,
-            ..TrainerOptions::from(cfg)
-        },
+        peak_flops,
     )?;
     let adapted = cfg.adapter.is_some();
     trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));
@@ -248,10 +227,10 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
     Ok(Job {
         backend,
         trainer,
-        val,
-        entropy_floor: corpus.entropy_floor,
-        chat_data,
-        data_tokenizer: corpus.tokenizer,
+        val: data.val,
+        entropy_floor: data.entropy_floor,
+        chat_data: data.chat,
+        data_tokenizer: data.tokenizer,
         profile,
         timeline_steps,
         run_config,
