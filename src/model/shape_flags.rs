@@ -1,5 +1,6 @@
 //! The flags that choose and shape a model trained from scratch (`--model`, `--arch`,
-//! `--n-layer`, ...), and the one rule that lays them over a [`ModelConfig`].
+//! `--n-layer`, ...). `ModelConfig::reshape` lays them over a config, each family over its
+//! own fields (`Family::reshape`).
 
 /// The shape flags of `trainkit train`; `None` where a flag is absent. A model directory
 /// (`--init-from`, `--resume`) fixes its own shape, which these may only repeat.
@@ -47,8 +48,8 @@ impl ShapeFlags {
         *self == ShapeFlags::default()
     }
 
-    /// The first flag given that sets a dimension (`--n-layer`, ..., `--rope-theta`; not
-    /// `--model` or `--arch`), if any.
+    /// The first flag given that sets a dimension (`--n-layer`, ..., `--n-positions`;
+    /// not `--model` or `--arch`), if any.
     pub fn first_given(&self) -> Option<&'static str> {
         [
             ("--n-layer", self.n_layer.is_some()),
