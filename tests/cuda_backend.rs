@@ -2068,25 +2068,18 @@ fn the_default_run_tracks_the_cpu_for_50_steps_on_a_gpu() {
     };
     let backends = [("gpu", gpu)];
     let run = |backend: Arc<dyn Backend>| -> Vec<f64> {
+        // The run `trainkit train` makes of the default config.
         let cfg = trainkit::config::RunConfig::default();
-        let t = cfg.training.clone();
-        let corpus = cfg
-            .data
-            .load(t.seq_len + 1, cfg.model.vocab_size())
+        let data = cfg.loaders().unwrap();
+        let mut trainer = cfg
+            .trainer(
+                cfg.build_model().unwrap(),
+                backend,
+                data.train,
+                Box::new(trainkit::PeakTracker::default()),
+                None,
+            )
             .unwrap();
-        let data = trainkit::data::DataLoader::new(corpus.train, t.batch_size, t.seq_len).unwrap();
-        let mut trainer = Trainer::new(
-            cfg.model.build().unwrap(),
-            backend,
-            data,
-            cfg.precision.clone(),
-            cfg.checkpoint.clone(),
-            cfg.optimizer.clone(),
-            cfg.accumulation.clone(),
-            trainkit::PeakTracker::default(),
-            trainkit::TrainerOptions::from(&cfg),
-        )
-        .unwrap();
         (0..50).map(|_| trainer.step().unwrap().loss).collect()
     };
     let want = run(Arc::new(CpuBackend::new()));
