@@ -115,7 +115,6 @@ impl RunFlags {
         if self.resume.is_some() && overrides.out.is_none() && cfg.output.out.is_none() {
             overrides.out = self.resume.clone();
         }
-        let given = self.overrides.shape.clone();
         if init_dir.is_some() {
             overrides.shape = ShapeFlags::default();
         }
@@ -132,7 +131,7 @@ impl RunFlags {
         if let (None, None, None, Some(t)) = (
             &init_dir,
             &self.resume,
-            given.n_positions,
+            self.overrides.shape.n_positions,
             overrides.seq_len,
         ) {
             if t > cfg.model.context() {

@@ -43,11 +43,6 @@ pub struct ShapeFlags {
 }
 
 impl ShapeFlags {
-    /// Whether no shape flag is given.
-    pub fn is_empty(&self) -> bool {
-        *self == ShapeFlags::default()
-    }
-
     /// The first flag given that sets a dimension (`--n-layer`, ..., `--n-positions`;
     /// not `--model` or `--arch`), if any.
     pub fn first_given(&self) -> Option<&'static str> {
