@@ -34,7 +34,7 @@ fn shapes() -> Vec<Shape> {
     vec![
         Shape {
             name: "a",
-            config: ModelConfig::Gpt2(Gpt2Config {
+            config: ModelConfig::new(Gpt2Config {
                 n_layer: 4,
                 n_head: 4,
                 n_embd: 256,
@@ -47,7 +47,7 @@ fn shapes() -> Vec<Shape> {
         },
         Shape {
             name: "b",
-            config: ModelConfig::Gpt2(Gpt2Config {
+            config: ModelConfig::new(Gpt2Config {
                 n_layer: 6,
                 n_head: 6,
                 n_embd: 384,
@@ -60,7 +60,7 @@ fn shapes() -> Vec<Shape> {
         },
         Shape {
             name: "c",
-            config: ModelConfig::Llama(LlamaConfig {
+            config: ModelConfig::new(LlamaConfig {
                 hidden_size: 384,
                 intermediate_size: 1024,
                 num_hidden_layers: 6,
@@ -82,7 +82,7 @@ fn shapes() -> Vec<Shape> {
         },
         Shape {
             name: "d",
-            config: ModelConfig::Gpt2(Gpt2Config {
+            config: ModelConfig::new(Gpt2Config {
                 n_layer: 4,
                 n_head: 4,
                 n_embd: 256,

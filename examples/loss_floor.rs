@@ -82,8 +82,9 @@ fn measure(
                 .with_loss(loss, None)?,
         )
     } else {
-        let llama = trainkit::estimate::preset("llama-3.2-1b")?.architecture;
-        let config = trainkit::LlamaConfig::from_architecture(&llama, t)?;
+        let llama = trainkit::estimate::preset("llama-3.2-1b")?.shape;
+        let config: trainkit::LlamaConfig =
+            trainkit::model::FamilyConfig::from_shape(&llama.for_length(t))?;
         Box::new(
             trainkit::Llama::new(config)?
                 .with_attention(attention)

@@ -9,7 +9,7 @@
 //! `cargo run --release --example memory_techniques`
 
 use trainkit::estimate::{
-    autofit, predict_with, preset, Architecture, FitPlan, FitRequest, MemoryPrediction, MicroBatch,
+    autofit, predict_with, preset, FitPlan, FitRequest, MemoryPrediction, MicroBatch, Shape,
     Technique, Techniques,
 };
 use trainkit::memory::format_bytes;
@@ -37,12 +37,9 @@ struct Row {
     optimizer: Box<dyn Optimizer>,
 }
 
-fn predict_row(
-    arch: &Architecture,
-    row: &Row,
-    precision: &dyn Precision,
-) -> Result<MemoryPrediction> {
-    let model = trainkit::model::build_with(arch, 4096, AttentionPath::Fused, row.loss, None)?;
+fn predict_row(arch: &Shape, row: &Row, precision: &dyn Precision) -> Result<MemoryPrediction> {
+    let model =
+        trainkit::model::build_with(&arch.for_length(4096), AttentionPath::Fused, row.loss, None)?;
     let options = TrainerOptions {
         grad_clip: 0.0,
         optimizer_in_backward: row.in_backward,
@@ -63,7 +60,7 @@ fn predict_row(
 }
 
 fn ablation() -> Result<()> {
-    let arch = preset("llama-3.2-3b")?.architecture;
+    let arch = preset("llama-3.2-3b")?.shape;
     let n = arch.exact_params()?;
     println!(
         "Llama 3.2 3B ({n} parameters), batch 2 × 4096 tokens, bf16 compute, bf16 gradients, \
@@ -169,7 +166,7 @@ fn ablation() -> Result<()> {
 /// state only when `optimizer` is 8-bit), bf16 compute and f32 master weights, no clipping;
 /// the optimizer on the host only when `offload` allows it (host memory unchecked).
 fn plan(
-    arch: Architecture,
+    arch: Shape,
     budget: u64,
     optimizer: &(dyn Optimizer + 'static),
     offload: bool,
@@ -188,7 +185,7 @@ fn plan(
 }
 
 fn largest() -> Result<()> {
-    let base = preset("llama-3.1-8b")?.architecture;
+    let base = preset("llama-3.1-8b")?.shape;
     println!();
     println!(
         "The largest Llama 3.1 8B-shaped model (its layer, stacked deeper) that trains with f32 \
@@ -208,8 +205,8 @@ fn largest() -> Result<()> {
     ] {
         for (budget_name, budget, flag, offload) in budgets {
             // The most layers that fit, by bisection: `lo` fits, `hi` does not.
-            let with = |layers| Architecture { layers, ..base };
-            let (mut lo, mut hi) = (1u64, 1024u64);
+            let with = |layers| Shape { layers, ..base };
+            let (mut lo, mut hi) = (1usize, 1024usize);
             if plan(with(lo), budget, optimizer.as_ref(), offload).is_none() {
                 println!("{name}, {budget_name}: not even one layer fits");
                 continue;

@@ -35,7 +35,7 @@ pub use checkpoint::{
 };
 pub use device::{Backend, Blas, CpuBackend, Device, MetaBackend};
 pub use error::{Error, Result};
-pub use estimate::{Architecture, Preset};
+pub use estimate::Preset;
 pub use memory::{
     LogObserver, MemoryCategory, MemoryEvent, MemoryObserver, Observers, PeakTracker, Phase,
     Timeline,

@@ -12,6 +12,7 @@ use trainkit::estimate::{
     autofit, parse_bytes, predict, predict_with, technique_savings, FitCandidate, FitRequest,
     MicroBatch, Technique, Techniques,
 };
+use trainkit::model::Family;
 use trainkit::ops::{AttentionPath, LossPath};
 use trainkit::{
     AdamW, CheckpointPolicy, Constant, Error, Fp32, Gpt2, Gpt2Config, MixedBf16, NoRecompute,
@@ -39,7 +40,7 @@ fn request<'a>(
 ) -> FitRequest<'a> {
     FitRequest {
         techniques: Techniques::BATCH_AND_RECOMPUTE,
-        ..FitRequest::new(config.architecture(), 64, 8, budget, precision, optimizer)
+        ..FitRequest::new(config.shape(), 64, 8, budget, precision, optimizer)
     }
 }
 
@@ -54,8 +55,7 @@ fn rank(kind: &str) -> usize {
 /// The peak of a setup over every step, as autofit counts it.
 fn peak(req: &FitRequest<'_>, micro: usize, recompute: &str) -> u64 {
     let model = trainkit::model::build_with(
-        &req.model,
-        req.seq_len,
+        &req.model.for_length(req.seq_len),
         req.attention,
         req.loss,
         req.loss_chunk,
@@ -222,14 +222,7 @@ fn every_technique<'a>(
 ) -> FitRequest<'a> {
     FitRequest {
         grad_clip: 0.0,
-        ..FitRequest::new(
-            config.architecture(),
-            64,
-            global,
-            budget,
-            precision,
-            optimizer,
-        )
+        ..FitRequest::new(config.shape(), 64, global, budget, precision, optimizer)
     }
 }
 
@@ -246,8 +239,7 @@ fn setup_peak(
     optimizer_offload: bool,
 ) -> u64 {
     let model = trainkit::model::build_with(
-        &req.model,
-        req.seq_len,
+        &req.model.for_length(req.seq_len),
         req.attention,
         req.loss,
         req.loss_chunk,
@@ -447,7 +439,7 @@ fn autofit_keeps_what_the_request_fixes_and_says_why() {
             .without(Technique::Budget)
             .without(Technique::Full),
         recompute: &trainkit::Full,
-        ..FitRequest::new(c.architecture(), 64, 4, 0, &bf16, &sgd)
+        ..FitRequest::new(c.shape(), 64, 4, 0, &bf16, &sgd)
     };
     let roomy = autofit(&FitRequest {
         budget: u64::MAX,
@@ -695,7 +687,7 @@ fn optimizer_offload_is_taken_when_nothing_cheaper_fits() {
         )
     );
     // The host holds an f32 copy of every weight and AdamW's two f32 moments at least.
-    let params = c.architecture().exact_params().unwrap();
+    let params = c.shape().exact_params().unwrap();
     assert!(ch.host_bytes() >= 12 * params, "{}", ch.host_bytes());
     assert_eq!(ch.host_bytes(), ch.prediction.host_bytes());
     assert!(
@@ -789,9 +781,7 @@ fn a_run_offloading_its_optimizer_keeps_it() {
 /// compute, the update inside backward) it does.
 #[test]
 fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
-    let arch = trainkit::estimate::preset("llama-3.1-8b")
-        .unwrap()
-        .architecture;
+    let arch = trainkit::estimate::preset("llama-3.1-8b").unwrap().shape;
     let opt = AdamW::default();
     let req = FitRequest {
         grad_clip: 0.0,

@@ -19,7 +19,7 @@ fn the_gpt2_config_is_gpt2_small() {
     let c = load("gpt2-124m.toml");
     assert_eq!(
         c.model,
-        trainkit::ModelConfig::Gpt2(trainkit::Gpt2Config::gpt2_124m())
+        trainkit::ModelConfig::new(trainkit::Gpt2Config::gpt2_124m())
     );
     assert!(matches!(c.data, DataConfig::Tokens { .. }));
     let json = serde_json::to_value(&c.precision).unwrap();

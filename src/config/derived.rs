@@ -69,7 +69,7 @@ impl<'a> FitRequest<'a> {
             optimizer_offload: cfg.optimizer_offload,
             adapter: cfg.adapter.as_deref(),
             ..FitRequest::new(
-                cfg.model.architecture(),
+                cfg.model.shape(),
                 t.seq_len,
                 global_batch,
                 budget,

@@ -311,7 +311,7 @@ mod tests {
         let cfg = r.config;
         assert_eq!(r.defaults, None);
         assert_eq!(cfg.model.arch(), "llama");
-        assert_eq!(cfg.model.architecture().layers, 2);
+        assert_eq!(cfg.model.shape().layers, 2);
         assert_eq!(cfg.training.steps, 7);
         assert_eq!(cfg.precision.compute_dtype(), crate::DType::Bf16);
         let lora = cfg.adapter.as_ref().and_then(|a| a.as_lora()).unwrap();

@@ -10,7 +10,7 @@ use crate::adapter::{Adapter, Lora, ALL_LINEAR};
 use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
 use crate::error::{Error, Result};
 use crate::memory::{format_bytes, MemoryCategory};
-use crate::model::Architecture;
+use crate::model::Shape;
 use crate::ops::update_rounding::UpdateRounding;
 use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
@@ -22,7 +22,7 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug)]
 pub struct FitRequest<'a> {
     /// The model.
-    pub model: Architecture,
+    pub model: Shape,
     /// Tokens per row.
     pub seq_len: usize,
     /// Rows per optimizer step: micro-batch size × accumulation steps.
@@ -72,7 +72,7 @@ impl<'a> FitRequest<'a> {
     /// clipping at [`TrainerOptions::default`]'s threshold, neither the optimizer inside
     /// backward nor any offloading, every technique allowed, host memory unchecked.
     pub fn new(
-        model: Architecture,
+        model: Shape,
         seq_len: usize,
         global_batch: usize,
         budget: u64,
@@ -630,8 +630,7 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
 /// The exact memory of `spec` with micro-batches of `micro_batch` rows.
 fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<FitCandidate> {
     let mut model = crate::model::build_with(
-        &req.model,
-        req.seq_len,
+        &req.model.for_length(req.seq_len),
         req.attention,
         req.loss,
         req.loss_chunk,

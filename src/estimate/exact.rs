@@ -14,7 +14,7 @@ use crate::data::DataLoader;
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryCategory, MemoryEvent, MemoryObserver, Phase};
-use crate::model::{Architecture, Gpt2, Gpt2Config, Model};
+use crate::model::{Gpt2, Gpt2Config, Model, Shape};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::trainer::{Trainer, TrainerOptions};
@@ -124,17 +124,19 @@ pub fn predict_gpt2(
     predict(Box::new(model), micro, precision, checkpoint, optimizer)
 }
 
-/// Predicts trainkit's memory for a step of the model `arch` describes ([`crate::model::build`]),
-/// exactly as the ledger will record it (see [`predict`]).
-pub fn predict_architecture(
-    arch: &Architecture,
+/// Predicts trainkit's memory for a step of the model `shape` describes
+/// ([`crate::model::build`], with a context of the micro-batch's length where the model
+/// has no position table: [`Shape::for_length`]), exactly as the ledger will record it
+/// (see [`predict`]).
+pub fn predict_shape(
+    shape: &Shape,
     micro: MicroBatch,
     precision: &dyn Precision,
     checkpoint: &dyn CheckpointPolicy,
     optimizer: &dyn Optimizer,
 ) -> Result<MemoryPrediction> {
     predict(
-        crate::model::build(arch, micro.seq_len)?,
+        crate::model::build(&shape.for_length(micro.seq_len))?,
         micro,
         precision,
         checkpoint,

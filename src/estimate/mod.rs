@@ -9,13 +9,10 @@
 //! use trainkit::{AdamW, MixedBf16, Selective};
 //!
 //! let llama = preset("llama-8b")?;
-//! let params = llama.architecture.exact_params()?;
+//! let params = llama.shape.exact_params()?;
 //! let bf16 = MixedBf16 { fp32_grads: false };
 //! let state = trainkit::estimate::model_state_bytes(params, &bf16, &AdamW::default())?.total();
-//! let acts = llama
-//!     .architecture
-//!     .activation_shape(4096, 1)
-//!     .bytes(&Selective, &bf16)?;
+//! let acts = llama.shape.activation_shape(4096, 1).bytes(&Selective, &bf16)?;
 //! assert_eq!(state, 16 * params);
 //! assert!(acts < state);
 //! # Ok::<(), trainkit::Error>(())
@@ -30,14 +27,14 @@ pub mod plot;
 pub mod presets;
 mod techniques;
 
-pub use crate::model::{Architecture, Mlp, Norm};
+pub use crate::model::{Mlp, Norm, Shape};
 pub use autofit::{
     autofit, policy_name, technique_savings, FitAttempt, FitCandidate, FitPlan, FitRequest,
     TechniqueSaving, TechniqueSavings,
 };
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{
-    predict, predict_architecture, predict_gpt2, predict_with, ActivationProfile, MemoryPrediction,
+    predict, predict_gpt2, predict_shape, predict_with, ActivationProfile, MemoryPrediction,
     MicroBatch,
 };
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};

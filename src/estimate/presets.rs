@@ -2,20 +2,19 @@
 //! Qwen2.5 and Qwen3.
 
 use crate::error::{Error, Result};
-use crate::model::{Architecture, Biases, Mlp, Norm};
+use crate::model::{Biases, Mlp, Norm, Positions, Rope, RopeScaling, Shape};
 
-/// A named model: its architecture, context length and the sequence length estimates use
-/// by default.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A named model: its shape (with its published context, rotary embedding, norm epsilon
+/// and initialisation) and the sequence length estimates use by default.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Preset {
     /// The name `trainkit memory --model` takes (`gpt2`, `llama-8b`, ...).
     pub name: &'static str,
     /// The model it describes.
     pub description: &'static str,
-    /// Layers, widths, heads, vocabulary and the form of each block.
-    pub architecture: Architecture,
-    /// The longest sequence the model was trained for.
-    pub context: u64,
+    /// Layers, widths, heads, vocabulary, the form of each block and the longest sequence
+    /// the model was trained for ([`Shape::context`]).
+    pub shape: Shape,
     /// The sequence length estimates assume unless told otherwise: the context for
     /// GPT-2, 4096 for Llama (the playbook's usual training length).
     pub default_seq_len: u64,
@@ -24,30 +23,36 @@ pub struct Preset {
 const fn gpt2(
     name: &'static str,
     description: &'static str,
-    layers: u64,
-    hidden: u64,
-    heads: u64,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
 ) -> Preset {
     Preset {
         name,
         description,
-        architecture: Architecture {
-            layers,
-            hidden,
-            heads,
-            kv_heads: heads,
-            head_dim: hidden / heads,
-            ffn: 4 * hidden,
-            vocab: 50257,
-            positions: 1024,
-            mlp: Mlp::Gelu,
-            norm: Norm::LayerNorm,
-            bias: Biases::ALL,
-            qk_norm: false,
-            tied_embeddings: true,
-        },
-        context: 1024,
+        shape: Shape::gpt(layers, hidden, heads, 50257, 1024),
         default_seq_len: 1024,
+    }
+}
+
+/// Llama 3's rotary embedding: θ = 500 000 with the `llama3` scaling by `factor`.
+const fn llama3_rope(factor: f64) -> Rope {
+    Rope {
+        theta: 500_000.0,
+        scaling: RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        },
+    }
+}
+
+/// A rotary embedding of base `theta` without scaling.
+const fn plain_rope(theta: f64) -> Rope {
+    Rope {
+        theta,
+        scaling: RopeScaling::Default,
     }
 }
 
@@ -55,12 +60,13 @@ const fn gpt2(
 const fn llama(
     name: &'static str,
     description: &'static str,
-    layers: u64,
-    hidden: u64,
-    heads: u64,
-    kv_heads: u64,
-    ffn: u64,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    ffn: usize,
     tied_embeddings: bool,
+    rope_factor: f64,
 ) -> Preset {
     llama_family(
         name,
@@ -69,23 +75,26 @@ const fn llama(
         128_256,
         tied_embeddings,
         131_072,
+        (llama3_rope(rope_factor), 0.02),
     )
 }
 
-/// A Llama-shaped model (RMSNorm, SwiGLU, grouped-query attention, rotary positions, no
-/// biases): `[layers, hidden, heads, kv_heads, ffn]`, its vocabulary, tying and context.
+/// A Llama-shaped model (RMSNorm with eps 1e-5, SwiGLU, grouped-query attention, rotary
+/// positions, no biases): `[layers, hidden, heads, kv_heads, ffn]`, its vocabulary, tying,
+/// context, rotary embedding and initialisation.
 const fn llama_family(
     name: &'static str,
     description: &'static str,
-    [layers, hidden, heads, kv_heads, ffn]: [u64; 5],
-    vocab: u64,
+    [layers, hidden, heads, kv_heads, ffn]: [usize; 5],
+    vocab: usize,
     tied_embeddings: bool,
-    context: u64,
+    context: usize,
+    (rope, init_std): (Rope, f64),
 ) -> Preset {
     Preset {
         name,
         description,
-        architecture: Architecture {
+        shape: Shape {
             layers,
             hidden,
             heads,
@@ -93,50 +102,54 @@ const fn llama_family(
             head_dim: hidden / heads,
             ffn,
             vocab,
-            positions: 0,
-            mlp: Mlp::SwiGlu,
+            context,
             norm: Norm::RmsNorm,
+            norm_eps: 1e-5,
+            norm_offset: false,
+            positions: Positions::Rotary(rope),
+            mlp: Mlp::SwiGlu,
             bias: Biases::NONE,
             qk_norm: false,
             tied_embeddings,
+            embedding_scale: None,
+            init_std,
+            scaled_residual_init: false,
         },
-        context,
         default_seq_len: 4096,
     }
 }
 
-/// A Qwen-shaped model (RMSNorm, SwiGLU, grouped-query attention, rotary positions, the
-/// vocabulary of 151 936): `[layers, hidden, heads, kv_heads, ffn]`, heads `head_dim` wide,
-/// Qwen2's q/k/v biases or Qwen3's per-head q/k norm, its tying and context.
+/// A Qwen-shaped model (RMSNorm with eps 1e-6, SwiGLU, grouped-query attention, rotary
+/// positions of θ = 1 000 000, the vocabulary of 151 936): `[layers, hidden, heads,
+/// kv_heads, ffn]`, heads `head_dim` wide, Qwen2's q/k/v biases or Qwen3's per-head q/k
+/// norm, its tying and context.
 const fn qwen(
     name: &'static str,
     description: &'static str,
-    [layers, hidden, heads, kv_heads, ffn]: [u64; 5],
-    head_dim: u64,
+    [layers, hidden, heads, kv_heads, ffn]: [usize; 5],
+    head_dim: usize,
     qwen3: bool,
     tied_embeddings: bool,
-    context: u64,
+    context: usize,
 ) -> Preset {
-    Preset {
+    let base = llama_family(
         name,
         description,
-        architecture: Architecture {
-            layers,
-            hidden,
-            heads,
-            kv_heads,
+        [layers, hidden, heads, kv_heads, ffn],
+        151_936,
+        tied_embeddings,
+        context,
+        (plain_rope(1_000_000.0), 0.02),
+    );
+    Preset {
+        shape: Shape {
             head_dim,
-            ffn,
-            vocab: 151_936,
-            positions: 0,
-            mlp: Mlp::SwiGlu,
-            norm: Norm::RmsNorm,
+            norm_eps: 1e-6,
             bias: if qwen3 { Biases::NONE } else { Biases::QKV },
             qk_norm: qwen3,
-            tied_embeddings,
+            ..base.shape
         },
-        context,
-        default_seq_len: 4096,
+        ..base
     }
 }
 
@@ -155,6 +168,7 @@ pub const PRESETS: [Preset; 19] = [
         49_152,
         true,
         8192,
+        (plain_rope(100_000.0), 0.041_666_666_666_666_664),
     ),
     llama_family(
         "smollm2-360m",
@@ -163,6 +177,7 @@ pub const PRESETS: [Preset; 19] = [
         49_152,
         true,
         8192,
+        (plain_rope(100_000.0), 0.02),
     ),
     llama_family(
         "smollm2-1.7b",
@@ -171,9 +186,30 @@ pub const PRESETS: [Preset; 19] = [
         49_152,
         true,
         8192,
+        (plain_rope(130_000.0), 0.02),
     ),
-    llama("llama-3.2-1b", "Llama 3.2 1B", 16, 2048, 32, 8, 8192, true),
-    llama("llama-3.2-3b", "Llama 3.2 3B", 28, 3072, 24, 8, 8192, true),
+    llama(
+        "llama-3.2-1b",
+        "Llama 3.2 1B",
+        16,
+        2048,
+        32,
+        8,
+        8192,
+        true,
+        32.0,
+    ),
+    llama(
+        "llama-3.2-3b",
+        "Llama 3.2 3B",
+        28,
+        3072,
+        24,
+        8,
+        8192,
+        true,
+        32.0,
+    ),
     llama(
         "llama-3.1-8b",
         "Llama 3.1 8B",
@@ -183,10 +219,41 @@ pub const PRESETS: [Preset; 19] = [
         8,
         14_336,
         false,
+        8.0,
     ),
-    llama("llama-1b", "Llama 3.2 1B", 16, 2048, 32, 8, 8192, true),
-    llama("llama-8b", "Llama 3.1 8B", 32, 4096, 32, 8, 14_336, false),
-    llama("llama-70b", "Llama 3.1 70B", 80, 8192, 64, 8, 28_672, false),
+    llama(
+        "llama-1b",
+        "Llama 3.2 1B",
+        16,
+        2048,
+        32,
+        8,
+        8192,
+        true,
+        32.0,
+    ),
+    llama(
+        "llama-8b",
+        "Llama 3.1 8B",
+        32,
+        4096,
+        32,
+        8,
+        14_336,
+        false,
+        8.0,
+    ),
+    llama(
+        "llama-70b",
+        "Llama 3.1 70B",
+        80,
+        8192,
+        64,
+        8,
+        28_672,
+        false,
+        8.0,
+    ),
     llama(
         "llama-405b",
         "Llama 3.1 405B",
@@ -196,6 +263,7 @@ pub const PRESETS: [Preset; 19] = [
         8,
         53_248,
         false,
+        8.0,
     ),
     qwen(
         "qwen2.5-0.5b",
@@ -294,12 +362,12 @@ mod tests {
             ("llama-405b", 405_853_388_800),
         ] {
             let p = preset(name).unwrap();
-            assert_eq!(p.architecture.exact_params().unwrap(), exact, "{name}");
+            assert_eq!(p.shape.exact_params().unwrap(), exact, "{name}");
         }
     }
 
     /// The counts of the published Qwen configs (a tied head counted once): the
-    /// architecture's formula, and the parameters the built model declares.
+    /// shape's count, and the parameters the built model declares.
     #[test]
     fn qwen_parameter_counts() {
         for (name, exact, family) in [
@@ -310,7 +378,7 @@ mod tests {
             ("qwen3-8b", 8_190_735_360, "qwen3"),
         ] {
             let p = preset(name).unwrap();
-            assert_eq!(p.architecture.exact_params().unwrap(), exact, "{name}");
+            assert_eq!(p.shape.exact_params().unwrap(), exact, "{name}");
             let config = crate::model::ModelConfig::preset(name).unwrap();
             assert_eq!(config.arch(), family, "{name}");
             let declared: usize = config
@@ -327,7 +395,7 @@ mod tests {
     #[test]
     fn the_playbook_formula_beside_the_exact_count() {
         // GPT-2: the formula is exact but for the position embedding.
-        let gpt2 = preset("gpt2").unwrap().architecture;
+        let gpt2 = preset("gpt2").unwrap().shape;
         assert_eq!(
             gpt2.exact_params().unwrap() - gpt2.playbook_params().unwrap(),
             1024 * 768
@@ -335,7 +403,7 @@ mod tests {
         // Llama: grouped-query attention and a SwiGLU MLP make the formula an
         // approximation (within 15% here).
         for name in ["llama-8b", "llama-70b", "llama-405b"] {
-            let a = preset(name).unwrap().architecture;
+            let a = preset(name).unwrap().shape;
             assert!(!a.is_gpt_like());
             let (exact, formula) = (
                 a.exact_params().unwrap() as f64,
@@ -352,8 +420,7 @@ mod tests {
     fn gpt2_matches_trainkits_config() {
         let p = preset("GPT2").unwrap();
         let c = crate::model::Gpt2Config::gpt2_124m();
-        assert_eq!(p.architecture, Architecture::from(&c));
-        assert_eq!(p.context, c.n_positions as u64);
+        assert_eq!(p.shape, crate::model::Family::shape(&c));
     }
 
     #[test]

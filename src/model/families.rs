@@ -1,76 +1,67 @@
 //! The one place model families are registered: every `model_type` trainkit reads from a
 //! `config.json` or a run config's `[model] arch`, and the config it becomes. A new family
-//! is its file (config, [`super::Family`] implementation), a [`ModelConfig`] variant and
-//! one line here.
+//! is its file (its config, `impl` [`super::Family`] and [`FamilyConfig`]) and one line
+//! here.
 
-use super::{Architecture, Gpt2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config};
+use super::{FamilyConfig, Gpt2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config, Shape};
 use crate::error::{Error, Result};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::path::Path;
 
-/// A registered family: its `model_type`, the models it covers, and its config reader.
+/// A registered family: its `model_type`, the models it covers, and its config's makers.
 pub struct Registered {
     /// Hugging Face's `model_type` (and a run config's `arch`).
     pub model_type: &'static str,
     /// The models it covers, for messages.
     pub models: &'static str,
     /// Reads a `config.json` of this family (`path` names the file in errors).
-    read: fn(&Path, &str, &Map<String, Value>) -> Result<ModelConfig>,
+    read: fn(&Path, &str) -> Result<ModelConfig>,
     /// Reads a run config's `[model]` table (without `arch`).
     from_table: fn(Value) -> std::result::Result<ModelConfig, String>,
-    /// The family's config of an architecture with a context, or what differs.
-    from_architecture: fn(&Architecture, usize) -> Result<ModelConfig>,
+    /// The family's config of a shape, or what differs.
+    from_shape: fn(&Shape) -> Result<ModelConfig>,
     /// A small model of the family, the default run's size (what `--arch` starts from).
     pub small: fn() -> ModelConfig,
 }
 
+impl Registered {
+    /// The registry's entry of family `F`.
+    pub const fn of<F: FamilyConfig>() -> Registered {
+        Registered {
+            model_type: F::MODEL_TYPE,
+            models: F::MODELS,
+            read: read::<F>,
+            from_table: table::<F>,
+            from_shape: shaped::<F>,
+            small: small::<F>,
+        }
+    }
+}
+
 /// Every family trainkit builds.
 pub const FAMILIES: &[Registered] = &[
-    Registered {
-        model_type: "gpt2",
-        models: "GPT-2",
-        read: |path, text, _| Ok(ModelConfig::Gpt2(super::gpt2::parse_config(path, text)?)),
-        from_table: |v| table::<Gpt2Config>(v).map(ModelConfig::Gpt2),
-        from_architecture: |a, _| Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(a)?)),
-        small: || ModelConfig::Gpt2(Gpt2Config::small_bytes()),
-    },
-    Registered {
-        model_type: "llama",
-        models: "Llama, SmolLM2, TinyLlama",
-        read: |_, text, _| Ok(ModelConfig::Llama(LlamaConfig::from_json(text)?)),
-        from_table: |v| table::<LlamaConfig>(v).map(ModelConfig::Llama),
-        from_architecture: |a, c| Ok(ModelConfig::Llama(LlamaConfig::from_architecture(a, c)?)),
-        small: || ModelConfig::Llama(LlamaConfig::small()),
-    },
-    Registered {
-        model_type: "qwen2",
-        models: "Qwen2, Qwen2.5",
-        read: |_, text, _| Ok(ModelConfig::Qwen2(Qwen2Config::from_json(text)?)),
-        from_table: |v| table::<Qwen2Config>(v).map(ModelConfig::Qwen2),
-        from_architecture: |a, c| Ok(ModelConfig::Qwen2(Qwen2Config::from_architecture(a, c)?)),
-        small: || {
-            ModelConfig::Qwen2(Qwen2Config {
-                base: LlamaConfig::small(),
-            })
-        },
-    },
-    Registered {
-        model_type: "qwen3",
-        models: "Qwen3",
-        read: |_, text, _| Ok(ModelConfig::Qwen3(Qwen3Config::from_json(text)?)),
-        from_table: |v| table::<Qwen3Config>(v).map(ModelConfig::Qwen3),
-        from_architecture: |a, c| Ok(ModelConfig::Qwen3(Qwen3Config::from_architecture(a, c)?)),
-        small: || {
-            ModelConfig::Qwen3(Qwen3Config {
-                base: LlamaConfig::small(),
-                attention_bias: false,
-            })
-        },
-    },
+    Registered::of::<Gpt2Config>(),
+    Registered::of::<LlamaConfig>(),
+    Registered::of::<Qwen2Config>(),
+    Registered::of::<Qwen3Config>(),
 ];
 
-fn table<T: serde::de::DeserializeOwned>(v: Value) -> std::result::Result<T, String> {
-    serde_json::from_value(v).map_err(|e| e.to_string())
+fn read<F: FamilyConfig>(path: &Path, text: &str) -> Result<ModelConfig> {
+    F::read_config(path, text).map(ModelConfig::new)
+}
+
+fn table<F: FamilyConfig>(v: Value) -> std::result::Result<ModelConfig, String> {
+    serde_json::from_value::<F>(v)
+        .map(ModelConfig::new)
+        .map_err(|e| e.to_string())
+}
+
+fn shaped<F: FamilyConfig>(shape: &Shape) -> Result<ModelConfig> {
+    F::from_shape(shape).map(ModelConfig::new)
+}
+
+fn small<F: FamilyConfig>() -> ModelConfig {
+    ModelConfig::new(F::small())
 }
 
 /// The registered family of `model_type`.
@@ -167,20 +158,20 @@ pub fn read_config(path: &Path, text: &str) -> Result<ModelConfig> {
             model_type_error(model_type),
         ));
     };
-    let config = (f.read)(path, text, &map).and_then(|c| c.validate().map(|()| c));
+    let config = (f.read)(path, text).and_then(|c| c.validate().map(|()| c));
     config.map_err(|e| match e {
         Error::Data { .. } => e,
         other => Error::data(path.display().to_string(), other.to_string()),
     })
 }
 
-/// The config of the first family whose shape `arch` is (with a context of `context`
-/// where positions are not learned); otherwise an error naming what each family lacks.
-pub fn from_architecture(arch: &Architecture, context: usize) -> Result<ModelConfig> {
-    arch.validate()?;
+/// The config of the first family whose shape `shape` is; otherwise an error naming what
+/// each family lacks.
+pub fn from_shape(shape: &Shape) -> Result<ModelConfig> {
+    shape.validate()?;
     let mut refusals = Vec::new();
     for f in FAMILIES {
-        match (f.from_architecture)(arch, context) {
+        match (f.from_shape)(shape) {
             Ok(config) => return Ok(config),
             Err(e) => refusals.push(format!("{}: {e}", f.model_type)),
         }

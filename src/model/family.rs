@@ -8,8 +8,12 @@ use super::{Model, Shape, ShapeFlags};
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
 use crate::save::tensors::NamedTensor;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
+use std::path::Path;
 
 /// One parameter of a decoder, by what it is rather than by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,6 +160,30 @@ pub trait Family: Clone + Debug + PartialEq + Send + Sync + 'static {
     }
 }
 
+/// A family the registry lists ([`super::families::FAMILIES`]): a [`Family`] whose config
+/// a run config's `[model]` table holds (serde, with Hugging Face's field names), read from
+/// a `config.json`, made from a [`Shape`] (presets, autofit) and sized for the default run.
+/// A new family is its file (the config, `impl Family`, `impl FamilyConfig`) and one line
+/// of the registry; [`super::ModelConfig`] holds any of them.
+pub trait FamilyConfig: Family + Serialize + DeserializeOwned {
+    /// The models the family covers, for messages (`Llama, SmolLM2, TinyLlama`).
+    const MODELS: &'static str;
+
+    /// Reads the family's `config.json` from its text; `path` names the file in errors.
+    fn read_config(path: &Path, text: &str) -> Result<Self>;
+
+    /// The family's config of `shape` (its context, rotary embedding, epsilon and
+    /// initialisation carried over), or an error naming what the family lacks.
+    fn from_shape(shape: &Shape) -> Result<Self>;
+
+    /// A small model of the family: the default run's size, what `--arch` starts from.
+    fn small() -> Self;
+
+    /// Sets the longest sequence the model takes (the field [`Family::CONTEXT_FIELD`]
+    /// names).
+    fn set_context(&mut self, context: usize);
+}
+
 /// `LlamaForCausalLM`'s name of a slot (with trainkit's fused projections).
 pub fn llama_name(slot: Slot) -> String {
     let layer = |l: usize, s: &str| format!("model.layers.{l}.{s}");
@@ -189,7 +217,7 @@ pub fn llama_name(slot: Slot) -> String {
 
 /// A [`Family`] behind a reference: what [`super::ModelConfig`] hands out for whichever
 /// family it holds.
-pub trait AnyFamily {
+pub trait AnyFamily: Debug + Send + Sync {
     /// Hugging Face's `model_type`.
     fn model_type(&self) -> &'static str;
     /// The shape.
@@ -270,5 +298,47 @@ impl<F: Family> AnyFamily for F {
 
     fn projection_modules(&self) -> Vec<String> {
         super::decoder::projection_modules(self)
+    }
+}
+
+/// A [`FamilyConfig`] behind a box: what [`super::ModelConfig`] holds.
+pub(crate) trait AnyConfig: AnyFamily {
+    /// A copy in a new box.
+    fn clone_box(&self) -> Box<dyn AnyConfig>;
+    /// Whether `other` is the same family with the same fields.
+    fn same_as(&self, other: &dyn AnyConfig) -> bool;
+    /// The config, to downcast.
+    fn as_any(&self) -> &dyn Any;
+    /// The config, to downcast and change.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// The config's fields as a run config's `[model]` table holds them.
+    fn to_value(&self) -> serde_json::Result<serde_json::Value>;
+    /// Sets the longest sequence (see [`FamilyConfig::set_context`]).
+    fn set_context(&mut self, context: usize);
+}
+
+impl<F: FamilyConfig> AnyConfig for F {
+    fn clone_box(&self) -> Box<dyn AnyConfig> {
+        Box::new(self.clone())
+    }
+
+    fn same_as(&self, other: &dyn AnyConfig) -> bool {
+        other.as_any().downcast_ref::<F>() == Some(self)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
+    fn to_value(&self) -> serde_json::Result<serde_json::Value> {
+        serde_json::to_value(self)
+    }
+
+    fn set_context(&mut self, context: usize) {
+        FamilyConfig::set_context(self, context)
     }
 }

@@ -3,7 +3,7 @@
 
 use super::shape_flags::set;
 use super::{
-    Architecture, Biases, Decoder, Family, LayerSlot, Mlp, Norm, Positions, Shape, ShapeFlags, Slot,
+    Biases, Decoder, Family, FamilyConfig, LayerSlot, Mlp, Norm, Positions, Shape, ShapeFlags, Slot,
 };
 use crate::error::{Error, Result};
 use crate::save::tensors::NamedTensor;
@@ -101,40 +101,55 @@ impl Gpt2Config {
         Ok(())
     }
 
-    /// The architecture this config describes.
-    pub fn architecture(&self) -> Architecture {
-        Architecture::from(self)
+    /// Number of parameters (embeddings tied, so counted once).
+    pub fn num_params(&self) -> usize {
+        let (c, l) = (self.n_embd, self.n_layer);
+        self.vocab_size * c + self.n_positions * c + l * (12 * c * c + 13 * c) + 2 * c
+    }
+}
+
+impl FamilyConfig for Gpt2Config {
+    const MODELS: &'static str = "GPT-2";
+
+    fn read_config(path: &Path, text: &str) -> Result<Self> {
+        parse_config(path, text)
     }
 
-    /// The GPT-2 config of `arch`, if it is GPT-2 shaped: multi-head attention, a GELU MLP
-    /// of width 4h, LayerNorms, biases, tied embeddings and learned positions (LayerNorm
-    /// eps 1e-5). Otherwise an error naming what differs.
-    pub fn from_architecture(arch: &Architecture) -> Result<Self> {
-        arch.validate()?;
+    /// The GPT-2 config of `shape`, if it is GPT-2 shaped: multi-head attention, a GELU
+    /// MLP of width 4h, LayerNorms, biases, tied embeddings, learned positions and GPT-2's
+    /// initialisation. Otherwise an error naming what differs.
+    fn from_shape(shape: &Shape) -> Result<Self> {
+        shape.validate()?;
         let mut differs = Vec::new();
-        if arch.kv_heads != arch.heads {
+        if shape.kv_heads != shape.heads {
             differs.push("grouped-query attention");
         }
-        if arch.mlp != Mlp::Gelu || arch.ffn != arch.hidden.saturating_mul(4) {
+        if shape.mlp != Mlp::Gelu || shape.ffn != shape.hidden.saturating_mul(4) {
             differs.push("an MLP other than GELU of width 4 × hidden");
         }
-        if arch.norm != Norm::LayerNorm {
+        if shape.norm != Norm::LayerNorm || shape.norm_offset {
             differs.push("a norm other than LayerNorm");
         }
-        if arch.bias != Biases::ALL {
+        if shape.bias != Biases::ALL {
             differs.push("no biases");
         }
-        if arch.qk_norm {
+        if shape.qk_norm {
             differs.push("a per-head q/k norm");
         }
-        if arch.head_dim.saturating_mul(arch.heads) != arch.hidden {
+        if shape.head_dim.saturating_mul(shape.heads) != shape.hidden {
             differs.push("heads other than hidden / heads wide");
         }
-        if !arch.tied_embeddings {
+        if !shape.tied_embeddings {
             differs.push("an untied output head");
         }
-        if arch.positions == 0 {
+        if shape.positions != Positions::Learned {
             differs.push("no learned position embedding");
+        }
+        if shape.embedding_scale.is_some() {
+            differs.push("a scaled token embedding");
+        }
+        if shape.init_std != 0.02 || !shape.scaled_residual_init {
+            differs.push("an initialisation other than GPT-2's");
         }
         if !differs.is_empty() {
             return Err(Error::config(
@@ -146,25 +161,24 @@ impl Gpt2Config {
                 ),
             ));
         }
-        let size = |field: &str, v: u64| {
-            usize::try_from(v).map_err(|_| Error::config(field, format!("{v} is too large")))
-        };
         let config = Gpt2Config {
-            n_layer: size("model.n_layer", arch.layers)?,
-            n_head: size("model.n_head", arch.heads)?,
-            n_embd: size("model.n_embd", arch.hidden)?,
-            n_positions: size("model.n_positions", arch.positions)?,
-            vocab_size: size("model.vocab_size", arch.vocab)?,
-            layer_norm_epsilon: default_eps(),
+            n_layer: shape.layers,
+            n_head: shape.heads,
+            n_embd: shape.hidden,
+            n_positions: shape.context,
+            vocab_size: shape.vocab,
+            layer_norm_epsilon: shape.norm_eps as f32,
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// Number of parameters (embeddings tied, so counted once).
-    pub fn num_params(&self) -> usize {
-        let (c, l) = (self.n_embd, self.n_layer);
-        self.vocab_size * c + self.n_positions * c + l * (12 * c * c + 13 * c) + 2 * c
+    fn small() -> Self {
+        Gpt2Config::small_bytes()
+    }
+
+    fn set_context(&mut self, context: usize) {
+        self.n_positions = context;
     }
 }
 

@@ -5,11 +5,13 @@
 //! [`Decoder`] with the family's default (Llama) names.
 
 use super::shape_flags::set;
-use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Mlp, Norm};
-use super::{Positions, Rope, RopeScaling, Shape, ShapeFlags};
+use super::{
+    Biases, Decoder, Family, FamilyConfig, LlamaConfig, Mlp, Norm, Positions, Shape, ShapeFlags,
+};
 use crate::error::{Error, Result};
 use crate::ops::Heads;
 use serde_json::json;
+use std::path::Path;
 
 /// A Llama-family model, trainable on any backend with any checkpoint policy and
 /// precision.
@@ -149,58 +151,79 @@ impl LlamaConfig {
     pub fn num_params(&self) -> usize {
         super::decoder::num_params(&self.shape())
     }
+}
 
-    /// The Llama config of `arch`, if it is Llama shaped: RMSNorm, a SwiGLU MLP, no
-    /// biases, no q/k norm and no learned positions. Rotary embeddings take θ = 10000
-    /// without scaling, RMSNorm eps 1e-5, initializer range 0.02 and a context of
-    /// `context`; otherwise an error naming what differs.
-    pub fn from_architecture(arch: &Architecture, context: usize) -> Result<Self> {
-        arch.validate()?;
+impl FamilyConfig for LlamaConfig {
+    const MODELS: &'static str = "Llama, SmolLM2, TinyLlama";
+
+    fn read_config(_: &Path, text: &str) -> Result<Self> {
+        LlamaConfig::from_json(text)
+    }
+
+    /// The Llama config of `shape`, if it is Llama shaped: RMSNorm, a SwiGLU MLP, no
+    /// biases, no q/k norm and rotary positions (its rotary embedding, norm epsilon,
+    /// initialisation and context carried over); otherwise an error naming what differs.
+    fn from_shape(shape: &Shape) -> Result<Self> {
+        shape.validate()?;
         let mut differs = Vec::new();
-        if arch.mlp != Mlp::SwiGlu {
+        if shape.mlp != Mlp::SwiGlu {
             differs.push("an MLP other than SwiGLU");
         }
-        if arch.norm != Norm::RmsNorm {
+        if shape.norm != Norm::RmsNorm || shape.norm_offset {
             differs.push("a norm other than RMSNorm");
         }
-        if arch.bias.any() {
+        if shape.bias.any() {
             differs.push("biases");
         }
-        if arch.qk_norm {
+        if shape.qk_norm {
             differs.push("a per-head q/k norm");
         }
-        if arch.positions != 0 {
-            differs.push("a learned position embedding");
+        let rope = match shape.positions {
+            Positions::Rotary(rope) => Some(rope),
+            Positions::Learned => {
+                differs.push("a learned position embedding");
+                None
+            }
+            Positions::None => {
+                differs.push("no rotary embedding");
+                None
+            }
+        };
+        if shape.embedding_scale.is_some() {
+            differs.push("a scaled token embedding");
         }
-        if !differs.is_empty() {
+        if shape.scaled_residual_init {
+            differs.push("scaled residual initialisation");
+        }
+        let Some(rope) = rope.filter(|_| differs.is_empty()) else {
             return Err(Error::config(
                 "model",
                 format!("a Llama model has none of: {}", differs.join(", ")),
             ));
-        }
+        };
         let config = LlamaConfig {
-            hidden_size: size("model.hidden_size", arch.hidden)?,
-            intermediate_size: size("model.intermediate_size", arch.ffn)?,
-            num_hidden_layers: size("model.num_hidden_layers", arch.layers)?,
-            num_attention_heads: size("model.num_attention_heads", arch.heads)?,
-            num_key_value_heads: size("model.num_key_value_heads", arch.kv_heads)?,
-            head_dim: size("model.head_dim", arch.head_dim)?,
-            vocab_size: size("model.vocab_size", arch.vocab)?,
-            max_position_embeddings: context,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: arch.tied_embeddings,
-            initializer_range: 0.02,
-            rope: Rope {
-                theta: 10_000.0,
-                scaling: RopeScaling::Default,
-            },
+            hidden_size: shape.hidden,
+            intermediate_size: shape.ffn,
+            num_hidden_layers: shape.layers,
+            num_attention_heads: shape.heads,
+            num_key_value_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            vocab_size: shape.vocab,
+            max_position_embeddings: shape.context,
+            rms_norm_eps: shape.norm_eps,
+            tie_word_embeddings: shape.tied_embeddings,
+            initializer_range: shape.init_std,
+            rope,
         };
         config.validate()?;
         Ok(config)
     }
-}
 
-/// `v` as a `usize`, or an error naming `field`.
-pub(crate) fn size(field: &str, v: u64) -> Result<usize> {
-    usize::try_from(v).map_err(|_| Error::config(field, format!("{v} is too large")))
+    fn small() -> Self {
+        LlamaConfig::small()
+    }
+
+    fn set_context(&mut self, context: usize) {
+        self.max_position_embeddings = context;
+    }
 }

@@ -2,7 +2,6 @@
 //! `LlamaForCausalLM`), in both the transformers 5 form (`rope_parameters`) and the 4.x
 //! form (`rope_theta`, `rope_scaling`, `torch_dtype`), and its rotary position frequencies.
 
-use super::{Architecture, Family};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -348,11 +347,6 @@ impl LlamaConfig {
         }
         Ok(())
     }
-
-    /// The architecture this config describes.
-    pub fn architecture(&self) -> Architecture {
-        self.shape().architecture()
-    }
 }
 
 /// Writes `rope` into a `config.json` value in both transformers 5's `rope_parameters`
@@ -423,12 +417,13 @@ mod tests {
         let c = LlamaConfig::from_json(LLAMA_3_2_1B).unwrap();
         assert_eq!(c.rms_norm_eps, 1e-5);
         assert_eq!(
-            c.architecture(),
-            crate::estimate::preset("llama-3.2-1b")
-                .unwrap()
-                .architecture
+            crate::model::Family::shape(&c),
+            crate::estimate::preset("llama-3.2-1b").unwrap().shape
         );
-        assert_eq!(c.architecture().exact_params().unwrap(), 1_235_814_400);
+        assert_eq!(
+            crate::model::Family::shape(&c).exact_params().unwrap(),
+            1_235_814_400
+        );
         // The oldest form: no rope table at all, no kv heads (multi-head attention).
         let old = r#"{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 50,

@@ -2,7 +2,6 @@
 //! Qwen3), their
 //! parameters and graphs.
 
-mod architecture;
 mod decoder;
 mod directory;
 pub mod exec;
@@ -20,12 +19,11 @@ mod shape;
 mod shape_flags;
 
 pub use crate::param::{Init, Param, ParamInit};
-pub use architecture::{Architecture, Biases, Mlp, Norm};
 pub use decoder::Decoder;
 pub use directory::{read_model_config, read_model_dir, ModelDir};
 pub use exec::StashStats;
 pub use families::{parse_hf_config, read_hf_config};
-pub use family::{llama_name, AnyFamily, Family, LayerSlot, Slot};
+pub use family::{llama_name, AnyFamily, Family, FamilyConfig, LayerSlot, Slot};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use graph::{Graph, Node, OpOverride, Section, Value};
 pub use kv_cache::KvCache;
@@ -34,7 +32,7 @@ pub use llama_config::{LlamaConfig, Rope, RopeScaling};
 pub use model_config::ModelConfig;
 pub use qwen2::{Qwen2, Qwen2Config};
 pub use qwen3::{Qwen3, Qwen3Config};
-pub use shape::{Positions, Shape, VOCAB_MULTIPLE};
+pub use shape::{Biases, Mlp, Norm, Positions, Shape, VOCAB_MULTIPLE};
 pub(crate) use shape_flags::set;
 pub use shape_flags::ShapeFlags;
 
@@ -381,24 +379,22 @@ impl Model for Box<dyn Model> {
     }
 }
 
-/// The model `arch` describes, with freshly declared parameters: the first registered
+/// The model `shape` describes, with freshly declared parameters: the first registered
 /// family ([`families::FAMILIES`]) whose shape it is — a [`Gpt2`] for a GPT-2 shape
 /// (multi-head attention, a 4h GELU MLP, LayerNorms with biases, tied embeddings and
 /// learned positions), a [`Llama`] for a Llama shape (RMSNorm, SwiGLU, no biases, rotary
-/// positions, with a context of `context`), ... Other shapes are refused with an error
-/// naming what each family lacks.
-pub fn build(arch: &Architecture, context: usize) -> Result<Box<dyn Model>> {
-    build_with(arch, context, AttentionPath::Fused, LossPath::Fused, None)
+/// positions), ... Other shapes are refused with an error naming what each family lacks.
+pub fn build(shape: &Shape) -> Result<Box<dyn Model>> {
+    build_with(shape, AttentionPath::Fused, LossPath::Fused, None)
 }
 
 /// [`build`], with the attention computed by `attention` and the loss by `loss`, the
 /// fused loss in chunks of `loss_chunk` positions (`None`: chosen from the vocabulary).
 pub fn build_with(
-    arch: &Architecture,
-    context: usize,
+    shape: &Shape,
     attention: AttentionPath,
     loss: LossPath,
     loss_chunk: Option<usize>,
 ) -> Result<Box<dyn Model>> {
-    families::from_architecture(arch, context)?.build_with(attention, loss, loss_chunk)
+    families::from_shape(shape)?.build_with(attention, loss, loss_chunk)
 }

@@ -1,48 +1,46 @@
 //! The config of any model family trainkit builds, as one value: what a model
 //! directory's `config.json` and a run config's `[model]` table describe.
 
-use super::ShapeFlags;
-use super::{AnyFamily, Architecture, Gpt2Config, LlamaConfig, Model, Norm, Rope, RopeScaling};
-use super::{Qwen2Config, Qwen3Config};
+use super::family::AnyConfig;
+use super::{AnyFamily, FamilyConfig, Gpt2Config, Model, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt::Debug;
 
-/// A model family's config.
+/// A model family's config: any registered family ([`super::families::FAMILIES`]) behind
+/// one value.
 ///
 /// In a run config's `[model]` table the family is `arch = "gpt2"` (the default when
 /// absent), `arch = "llama"`, ... (every `model_type` of [`super::families::FAMILIES`]),
-/// beside the family's own fields (Hugging Face's names).
-#[derive(Clone, Debug, PartialEq)]
-pub enum ModelConfig {
-    /// GPT-2.
-    Gpt2(Gpt2Config),
-    /// The Llama family.
-    Llama(LlamaConfig),
-    /// Qwen2 and Qwen2.5.
-    Qwen2(Qwen2Config),
-    /// Qwen3 (dense).
-    Qwen3(Qwen3Config),
-}
+/// beside the family's own fields (Hugging Face's names). Make one of a family's config
+/// with [`ModelConfig::new`] (or `.into()`), and look at the family's own fields with
+/// [`ModelConfig::get`].
+pub struct ModelConfig(Box<dyn AnyConfig>);
 
 impl ModelConfig {
+    /// The config of a family.
+    pub fn new<F: FamilyConfig>(config: F) -> Self {
+        ModelConfig(Box::new(config))
+    }
+
+    /// The family's own config, if it is of family `F`.
+    pub fn get<F: FamilyConfig>(&self) -> Option<&F> {
+        self.0.as_any().downcast_ref()
+    }
+
+    /// The family's own config, to change, if it is of family `F`.
+    pub fn get_mut<F: FamilyConfig>(&mut self) -> Option<&mut F> {
+        self.0.as_any_mut().downcast_mut()
+    }
+
     /// The family's config behind one interface.
     pub fn family(&self) -> &dyn AnyFamily {
-        match self {
-            ModelConfig::Gpt2(c) => c,
-            ModelConfig::Llama(c) => c,
-            ModelConfig::Qwen2(c) => c,
-            ModelConfig::Qwen3(c) => c,
-        }
+        &*self.0
     }
 
     /// The family's config behind one interface, to change.
     pub fn family_mut(&mut self) -> &mut dyn AnyFamily {
-        match self {
-            ModelConfig::Gpt2(c) => c,
-            ModelConfig::Llama(c) => c,
-            ModelConfig::Qwen2(c) => c,
-            ModelConfig::Qwen3(c) => c,
-        }
+        &mut *self.0
     }
 
     /// Lays `trainkit train`'s shape flags over the config: `--model` starts from a
@@ -104,17 +102,12 @@ impl ModelConfig {
     /// Sets the longest sequence the model takes (GPT-2's `n_positions`, Llama's
     /// `max_position_embeddings`).
     pub fn set_context(&mut self, context: usize) {
-        match self {
-            ModelConfig::Gpt2(c) => c.n_positions = context,
-            ModelConfig::Llama(c) => c.max_position_embeddings = context,
-            ModelConfig::Qwen2(c) => c.base.max_position_embeddings = context,
-            ModelConfig::Qwen3(c) => c.base.max_position_embeddings = context,
-        }
+        self.0.set_context(context)
     }
 
-    /// The architecture it describes.
-    pub fn architecture(&self) -> Architecture {
-        self.family().shape().architecture()
+    /// The shape it describes.
+    pub fn shape(&self) -> Shape {
+        self.family().shape()
     }
 
     /// Checks that the shape is buildable; errors name the field.
@@ -122,45 +115,10 @@ impl ModelConfig {
         self.family().validate()
     }
 
-    /// The config of a preset (`trainkit memory --model` names them): GPT-2 presets with
-    /// their context as positions; Llama-family presets with the rotary embedding, RMSNorm
-    /// eps and initialisation of each model's published config (Llama 3's `llama3` rope
-    /// scaling included).
+    /// The config of a preset (`trainkit memory --model` names them): its published
+    /// shape ([`crate::estimate::Preset::shape`]) in the family that builds it.
     pub fn preset(name: &str) -> Result<ModelConfig> {
-        let p = crate::estimate::preset(name)?;
-        let context = usize::try_from(p.context).unwrap_or(usize::MAX);
-        if p.architecture.norm == Norm::LayerNorm {
-            let arch = Architecture {
-                positions: p.context,
-                ..p.architecture
-            };
-            return Ok(ModelConfig::Gpt2(Gpt2Config::from_architecture(&arch)?));
-        }
-        let mut c = match super::families::from_architecture(&p.architecture, context)? {
-            ModelConfig::Llama(c) => c,
-            other => return Ok(other),
-        };
-        let llama3 = |factor| Rope {
-            theta: 500_000.0,
-            scaling: RopeScaling::Llama3 {
-                factor,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192.0,
-            },
-        };
-        let plain = |theta| Rope {
-            theta,
-            scaling: RopeScaling::Default,
-        };
-        (c.rope, c.initializer_range) = match p.name {
-            "smollm2-135m" => (plain(100_000.0), 0.041_666_666_666_666_664),
-            "smollm2-360m" => (plain(100_000.0), 0.02),
-            "smollm2-1.7b" => (plain(130_000.0), 0.02),
-            "llama-3.1-8b" | "llama-8b" | "llama-70b" | "llama-405b" => (llama3(8.0), 0.02),
-            _ => (llama3(32.0), 0.02),
-        };
-        Ok(ModelConfig::Llama(c))
+        super::families::from_shape(&crate::estimate::preset(name)?.shape)
     }
 
     /// The model, with freshly declared parameters (and the fused loss).
@@ -195,47 +153,42 @@ impl ModelConfig {
     }
 }
 
-impl From<Gpt2Config> for ModelConfig {
-    fn from(c: Gpt2Config) -> Self {
-        ModelConfig::Gpt2(c)
+impl<F: FamilyConfig> From<F> for ModelConfig {
+    fn from(c: F) -> Self {
+        ModelConfig::new(c)
     }
 }
 
-impl From<LlamaConfig> for ModelConfig {
-    fn from(c: LlamaConfig) -> Self {
-        ModelConfig::Llama(c)
+impl Clone for ModelConfig {
+    fn clone(&self) -> Self {
+        ModelConfig(self.0.clone_box())
     }
 }
 
-impl From<Qwen2Config> for ModelConfig {
-    fn from(c: Qwen2Config) -> Self {
-        ModelConfig::Qwen2(c)
+impl PartialEq for ModelConfig {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same_as(&*other.0)
     }
 }
 
-impl From<Qwen3Config> for ModelConfig {
-    fn from(c: Qwen3Config) -> Self {
-        ModelConfig::Qwen3(c)
+impl Debug for ModelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        ModelConfig::Gpt2(Gpt2Config::small_bytes())
+        ModelConfig::new(Gpt2Config::small_bytes())
     }
 }
 
 impl Serialize for ModelConfig {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
-        let mut v = match self {
-            ModelConfig::Gpt2(c) => serde_json::to_value(c),
-            ModelConfig::Llama(c) => serde_json::to_value(c),
-            ModelConfig::Qwen2(c) => serde_json::to_value(c),
-            ModelConfig::Qwen3(c) => serde_json::to_value(c),
-        }
-        .map_err(S::Error::custom)?;
-        if let (false, Some(map)) = (matches!(self, ModelConfig::Gpt2(_)), v.as_object_mut()) {
+        let mut v = self.0.to_value().map_err(S::Error::custom)?;
+        // GPT-2, the default family, is written without `arch` (as older files are).
+        if let (true, Some(map)) = (self.arch() != "gpt2", v.as_object_mut()) {
             map.insert("arch".into(), self.arch().into());
         }
         v.serialize(s)
@@ -251,7 +204,8 @@ impl<'de> Deserialize<'de> for ModelConfig {
             Some(serde_json::Value::String(s)) => s,
             Some(other) => {
                 return Err(D::Error::custom(format!(
-                    "model.arch: {other} is not a name; use \"gpt2\" or \"llama\""
+                    "model.arch: {other} is not a name; use {}",
+                    super::families::names(" or ")
                 )))
             }
         };
@@ -262,25 +216,23 @@ impl<'de> Deserialize<'de> for ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{LlamaConfig, Rope, RopeScaling};
 
     #[test]
     fn presets_build_with_their_published_shapes() {
         let c = ModelConfig::preset("llama-3.2-1b").unwrap();
-        let ModelConfig::Llama(l) = &c else {
-            panic!("{c:?}")
-        };
+        let l = c.get::<LlamaConfig>().unwrap();
         assert_eq!((l.head_dim, l.num_key_value_heads), (64, 8));
         assert!(matches!(l.rope.scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
-        let ModelConfig::Gpt2(g) = ModelConfig::preset("gpt2").unwrap() else {
-            panic!("gpt2")
-        };
-        assert_eq!(g, Gpt2Config::gpt2_124m());
+        let g = ModelConfig::preset("gpt2").unwrap();
+        assert_eq!(g.get::<Gpt2Config>(), Some(&Gpt2Config::gpt2_124m()));
+        assert_eq!(g.get::<LlamaConfig>(), None);
         assert!(ModelConfig::preset("nope").is_err());
     }
 
     #[test]
     fn either_family_round_trips_through_toml() {
-        let llama = ModelConfig::Llama(LlamaConfig {
+        let llama = ModelConfig::new(LlamaConfig {
             hidden_size: 64,
             intermediate_size: 160,
             num_hidden_layers: 2,
@@ -308,10 +260,7 @@ mod tests {
             assert_eq!(back, c, "{text}");
         }
         let gpt2 = "n_layer = 1\nn_head = 2\nn_embd = 8\nn_positions = 16\nvocab_size = 32\n";
-        assert!(matches!(
-            toml::from_str::<ModelConfig>(gpt2).unwrap(),
-            ModelConfig::Gpt2(_)
-        ));
+        assert_eq!(toml::from_str::<ModelConfig>(gpt2).unwrap().arch(), "gpt2");
         let e = toml::from_str::<ModelConfig>(&format!("arch = \"mamba\"\n{gpt2}"))
             .unwrap_err()
             .to_string();

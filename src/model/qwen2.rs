@@ -4,10 +4,11 @@
 
 use super::llama_config::field;
 use super::RopeScaling;
-use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Rope, Shape, ShapeFlags};
+use super::{Biases, Decoder, Family, FamilyConfig, LlamaConfig, Rope, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
+use std::path::Path;
 
 /// A Qwen2-family model.
 pub type Qwen2 = Decoder<Qwen2Config>;
@@ -51,6 +52,41 @@ impl Family for Qwen2Config {
     }
 }
 
+impl FamilyConfig for Qwen2Config {
+    const MODELS: &'static str = "Qwen2, Qwen2.5";
+
+    fn read_config(_: &Path, text: &str) -> Result<Self> {
+        Qwen2Config::from_json(text)
+    }
+
+    /// The Qwen2 config of `shape`, if it is Qwen2 shaped: a Llama shape (see
+    /// [`LlamaConfig::from_shape`]) with biases on the q/k/v projections only.
+    fn from_shape(shape: &Shape) -> Result<Self> {
+        if shape.bias != Biases::QKV {
+            return Err(Error::config(
+                "model",
+                "a Qwen2 model has biases on its q, k and v projections only",
+            ));
+        }
+        let base = LlamaConfig::from_shape(&Shape {
+            bias: Biases::NONE,
+            ..*shape
+        })
+        .map_err(|e| Error::config("model", format!("as Qwen2: {e}")))?;
+        Ok(Qwen2Config { base })
+    }
+
+    fn small() -> Self {
+        Qwen2Config {
+            base: LlamaConfig::small(),
+        }
+    }
+
+    fn set_context(&mut self, context: usize) {
+        self.base.max_position_embeddings = context;
+    }
+}
+
 impl Qwen2Config {
     /// Parses a `config.json` of `Qwen2ForCausalLM` (transformers 5 or 4.x).
     pub fn from_json(text: &str) -> Result<Self> {
@@ -72,29 +108,6 @@ impl Qwen2Config {
         Qwen2Config {
             base: rotary_base([24, 896, 14, 2, 4864], 64, true, 32_768),
         }
-    }
-
-    /// The Qwen2 config of `arch`, if it is Qwen2 shaped: RMSNorm, SwiGLU, biases on the
-    /// q/k/v projections only, no q/k norm, no learned positions; θ = 1 000 000, eps 1e-6
-    /// as Qwen2.5 ships.
-    pub fn from_architecture(arch: &Architecture, context: usize) -> Result<Self> {
-        if arch.bias != Biases::QKV {
-            return Err(Error::config(
-                "model",
-                "a Qwen2 model has biases on its q, k and v projections only",
-            ));
-        }
-        let base = LlamaConfig::from_architecture(
-            &Architecture {
-                bias: Biases::NONE,
-                ..*arch
-            },
-            context,
-        )
-        .map_err(|e| Error::config("model", format!("as Qwen2: {e}")))?;
-        Ok(Qwen2Config {
-            base: qwen_defaults(base),
-        })
     }
 }
 
@@ -128,29 +141,16 @@ pub(crate) fn object(text: &str, model_type: &str) -> Result<Map<String, Value>>
     Ok(map)
 }
 
-/// Qwen's published settings on a Llama-shaped base: θ = 1 000 000 without scaling, RMS
-/// norm eps 1e-6, initializer range 0.02.
-pub(crate) fn qwen_defaults(base: LlamaConfig) -> LlamaConfig {
-    LlamaConfig {
-        rms_norm_eps: 1e-6,
-        initializer_range: 0.02,
-        rope: Rope {
-            theta: 1_000_000.0,
-            scaling: RopeScaling::Default,
-        },
-        ..base
-    }
-}
-
 /// A Qwen-style base: `[layers, hidden, heads, kv_heads, ffn]`, heads `head_dim` wide,
-/// tying and context, with [`qwen_defaults`].
+/// tying and context, with Qwen's published settings: θ = 1 000 000 without scaling, RMS
+/// norm eps 1e-6, initializer range 0.02.
 pub(crate) fn rotary_base(
     [layers, hidden, heads, kv_heads, ffn]: [usize; 5],
     head_dim: usize,
     tied: bool,
     context: usize,
 ) -> LlamaConfig {
-    qwen_defaults(LlamaConfig {
+    LlamaConfig {
         hidden_size: hidden,
         intermediate_size: ffn,
         num_hidden_layers: layers,
@@ -166,5 +166,5 @@ pub(crate) fn rotary_base(
             theta: 1_000_000.0,
             scaling: RopeScaling::Default,
         },
-    })
+    }
 }

@@ -4,11 +4,12 @@
 //! `hidden / heads`, and biases on every attention projection when `attention_bias`.
 
 use super::llama_config::{count, field};
-use super::qwen2::{object, qwen_defaults};
-use super::{Architecture, Biases, Decoder, Family, LlamaConfig, Shape, ShapeFlags};
+use super::qwen2::object;
+use super::{Biases, Decoder, Family, FamilyConfig, LlamaConfig, Shape, ShapeFlags};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use std::path::Path;
 
 /// A Qwen3-family model.
 pub type Qwen3 = Decoder<Qwen3Config>;
@@ -66,6 +67,54 @@ impl Family for Qwen3Config {
     }
 }
 
+impl FamilyConfig for Qwen3Config {
+    const MODELS: &'static str = "Qwen3";
+
+    fn read_config(_: &Path, text: &str) -> Result<Self> {
+        Qwen3Config::from_json(text)
+    }
+
+    /// The Qwen3 config of `shape`, if it is Qwen3 shaped: a Llama shape (see
+    /// [`LlamaConfig::from_shape`]) with the per-head q/k norm and no biases (or biases on
+    /// the attention projections only).
+    fn from_shape(shape: &Shape) -> Result<Self> {
+        let attention_bias = shape.bias
+            == Biases {
+                qkv: true,
+                o: true,
+                mlp: false,
+            };
+        if !shape.qk_norm || !(attention_bias || shape.bias == Biases::NONE) {
+            return Err(Error::config(
+                "model",
+                "a Qwen3 model has the per-head q/k norm and no biases (or biases on its \
+                 attention projections only)",
+            ));
+        }
+        let base = LlamaConfig::from_shape(&Shape {
+            bias: Biases::NONE,
+            qk_norm: false,
+            ..*shape
+        })
+        .map_err(|e| Error::config("model", format!("as Qwen3: {e}")))?;
+        Ok(Qwen3Config {
+            base,
+            attention_bias,
+        })
+    }
+
+    fn small() -> Self {
+        Qwen3Config {
+            base: LlamaConfig::small(),
+            attention_bias: false,
+        }
+    }
+
+    fn set_context(&mut self, context: usize) {
+        self.base.max_position_embeddings = context;
+    }
+}
+
 impl Qwen3Config {
     /// Parses a `config.json` of `Qwen3ForCausalLM` (transformers 5 or 4.x); `head_dim`
     /// defaults to 128 as transformers' `Qwen3Config` does.
@@ -86,38 +135,6 @@ impl Qwen3Config {
             attention_bias: field(&map, "attention_bias")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-        })
-    }
-
-    /// The Qwen3 config of `arch`, if it is Qwen3 shaped: RMSNorm, SwiGLU, the per-head
-    /// q/k norm, no biases (or q/k/v and o biases), no learned positions; θ = 1 000 000,
-    /// eps 1e-6 as Qwen3 ships.
-    pub fn from_architecture(arch: &Architecture, context: usize) -> Result<Self> {
-        let attention_bias = arch.bias
-            == Biases {
-                qkv: true,
-                o: true,
-                mlp: false,
-            };
-        if !arch.qk_norm || !(attention_bias || arch.bias == Biases::NONE) {
-            return Err(Error::config(
-                "model",
-                "a Qwen3 model has the per-head q/k norm and no biases (or biases on its \
-                 attention projections only)",
-            ));
-        }
-        let base = LlamaConfig::from_architecture(
-            &Architecture {
-                bias: Biases::NONE,
-                qk_norm: false,
-                ..*arch
-            },
-            context,
-        )
-        .map_err(|e| Error::config("model", format!("as Qwen3: {e}")))?;
-        Ok(Qwen3Config {
-            base: qwen_defaults(base),
-            attention_bias,
         })
     }
 }

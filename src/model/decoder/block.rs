@@ -56,7 +56,9 @@ pub(crate) fn graph(
             &[embedded],
             &[p(Slot::Embed), p(Slot::Positions)],
         ),
-        Positions::Rotary(_) => embedding.node(TokenEmbedding, &[], &[embedded], &[p(Slot::Embed)]),
+        Positions::Rotary(_) | Positions::None => {
+            embedding.node(TokenEmbedding, &[], &[embedded], &[p(Slot::Embed)])
+        }
     }
     embedding.output = embedded;
     if let Some(factor) = shape.embedding_scale {

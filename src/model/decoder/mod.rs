@@ -42,7 +42,7 @@ impl<F: Family> Clone for Decoder<F> {
     fn clone(&self) -> Self {
         Decoder {
             config: self.config.clone(),
-            shape: self.shape.clone(),
+            shape: self.shape,
             loss: self.loss,
             loss_chunk: self.loss_chunk,
             attention: self.attention,

@@ -3,7 +3,8 @@
 
 use super::subject::{as_flag, flag_error, Subject};
 use super::{MemoryArgs, Paths};
-use trainkit::estimate::{Architecture, MemoryPrediction, MicroBatch};
+use trainkit::estimate::{MemoryPrediction, MicroBatch};
+use trainkit::model::{Positions, Shape};
 use trainkit::Result;
 
 /// The parameters of the model `subject` builds with `adapter` that train, and all of
@@ -29,18 +30,17 @@ pub(super) fn trainable_params(
 }
 
 /// The model trainkit's exact figures run for `subject` at `seq_len`, with `adapter`:
-/// `None` for architectures trainkit does not build (the formulas alone describe them).
+/// `None` for shapes trainkit does not build (the formulas alone describe them).
 pub(super) fn exact_model(
     subject: &Subject,
     seq_len: u64,
     (attention, loss, loss_chunk): Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
 ) -> Result<Option<Box<dyn trainkit::Model>>> {
-    let Some(arch) = exact_arch(subject, seq_len) else {
+    let Some(shape) = exact_shape(subject, seq_len) else {
         return Ok(None);
     };
-    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let Ok(model) = trainkit::model::build_with(&arch, context, attention, loss, loss_chunk) else {
+    let Ok(model) = trainkit::model::build_with(&shape, attention, loss, loss_chunk) else {
         return Ok(None);
     };
     match adapter {
@@ -55,22 +55,22 @@ pub(super) fn exact_model(
     }
 }
 
-/// The architecture trainkit's exact figures build for `subject` at `seq_len` (raw GPT-style
-/// dimensions get a position table of `seq_len` rows), `None` without dimensions or when
-/// the sequence exceeds a GPT-2 preset's context.
-pub(super) fn exact_arch(subject: &Subject, seq_len: u64) -> Option<Architecture> {
-    let a = subject.arch?;
-    // Rotary models (Llama) have no position table: any length up to the context.
-    let rotary = a.positions == 0 && a.norm == trainkit::model::Norm::RmsNorm;
-    let positions = if subject.name.is_some() || rotary {
-        a.positions
-    } else {
-        seq_len
-    };
-    if seq_len > positions && !rotary {
-        return None;
+/// The shape trainkit's exact figures build for `subject` at `seq_len`: raw GPT-style
+/// dimensions get a position table of `seq_len` rows, rotary models a context of
+/// `seq_len`; `None` without dimensions or when the sequence exceeds a GPT-2 preset's
+/// context.
+pub(super) fn exact_shape(subject: &Subject, seq_len: u64) -> Option<Shape> {
+    let shape = subject.shape?;
+    let len = usize::try_from(seq_len).ok()?;
+    match shape.positions {
+        Positions::None => Some(Shape {
+            positions: Positions::Learned,
+            context: len,
+            ..shape
+        }),
+        Positions::Learned if len > shape.context => None,
+        Positions::Learned | Positions::Rotary(_) => Some(shape.for_length(len)),
     }
-    Some(Architecture { positions, ..a })
 }
 
 /// The LoRA the `--lora-*` flags describe, if any: α defaults to twice the rank, the
@@ -80,9 +80,8 @@ pub(super) fn lora(
     subject: &Subject,
     seq_len: u64,
 ) -> Result<Option<trainkit::Lora>> {
-    let context = usize::try_from(seq_len).unwrap_or(usize::MAX);
-    let modules = exact_arch(subject, seq_len)
-        .and_then(|a| trainkit::model::families::from_architecture(&a, context).ok())
+    let modules = exact_shape(subject, seq_len)
+        .and_then(|s| trainkit::model::families::from_shape(&s).ok())
         .map(|m| m.family().projection_modules())
         .unwrap_or_default();
     args.lora.lora(None, &modules)

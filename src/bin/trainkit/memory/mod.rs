@@ -5,7 +5,7 @@ mod report;
 mod subject;
 mod units;
 
-use exact::{exact_arch, lora, trainable_params, trainkit_exact};
+use exact::{exact_shape, lora, trainable_params, trainkit_exact};
 use report::{Figures, STATE};
 use std::path::PathBuf;
 use subject::{as_flag, flag_error, positive, subject};
@@ -124,7 +124,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     positive("--batch-size", Some(args.batch_size))?;
     positive("--seq-len", args.seq_len)?;
     let subject = subject(&args)?;
-    if args.plot.is_some() && subject.arch.is_none() {
+    if args.plot.is_some() && subject.shape.is_none() {
         return Err(flag_error(
             "--plot",
             "activations need the model's dimensions; use --model NAME or --layers, --hidden, \
@@ -135,7 +135,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     let state = model_state_bytes(subject.params, precision, optimizer).map_err(as_flag)?;
     let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
     let shape = subject
-        .arch
+        .shape
         .map(|a| a.activation_shape(seq_len, args.batch_size));
     let by_policy: Option<Vec<(&'static str, u64)>> = shape
         .map(|s| {
@@ -160,7 +160,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         })
         .transpose()?;
     let playbook = subject
-        .arch
+        .shape
         .map(|a| a.playbook_params().map_err(as_flag))
         .transpose()?;
 
@@ -253,7 +253,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         }
     }
     let savings = if args.techniques {
-        let arch = exact_arch(&subject, seq_len).ok_or_else(|| {
+        let shape = exact_shape(&subject, seq_len).ok_or_else(|| {
             flag_error(
                 "--techniques",
                 "needs the exact figures: a model with dimensions (--model NAME, or --layers, \
@@ -278,7 +278,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                 .with(trainkit::estimate::Technique::Qlora)
                 .with(trainkit::estimate::Technique::PureBf16),
             ..FitRequest::new(
-                arch,
+                shape,
                 usize_of(seq_len),
                 usize_of(args.batch_size),
                 u64::MAX,

@@ -92,7 +92,7 @@ pub fn json(f: &Figures) {
             .map(|(r, b)| (r.to_string(), serde_json::Value::from(*b)))
             .collect::<serde_json::Map<_, _>>()
     });
-    let a = subject.arch;
+    let a = subject.shape;
     // The formulas count full training: a LoRA run has its exact figures alone.
     let full = |v: serde_json::Value| {
         if adapted.is_some() {
@@ -316,7 +316,7 @@ pub fn table(f: &Figures) {
     if let Some(s) = &savings {
         print_savings(s);
     }
-    if subject.arch.is_some_and(|a| !a.is_gpt_like()) {
+    if subject.shape.is_some_and(|a| !a.is_gpt_like()) {
         println!(
             "note: the activation formula is for the playbook's GPT-style layer (multi-head \
              attention, a 4h GELU MLP); for this model it is an approximation"

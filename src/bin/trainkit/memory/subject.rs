@@ -2,8 +2,12 @@
 
 use super::units::group;
 use super::MemoryArgs;
-use trainkit::estimate::{preset_names, Architecture, Mlp, Norm, Preset, PRESETS};
+use trainkit::estimate::{preset_names, Mlp, Norm, Preset, Shape, PRESETS};
 use trainkit::{Error, Result};
+
+/// The sequence length of estimates for a model without a preset: the playbook's usual
+/// training length.
+const DEFAULT_SEQ_LEN: u64 = 4096;
 
 /// The model the estimate is for.
 pub(super) struct Subject {
@@ -14,7 +18,7 @@ pub(super) struct Subject {
     /// Parameters the model state is computed from.
     pub(super) params: u64,
     /// The dimensions, when known (not with --params).
-    pub(super) arch: Option<Architecture>,
+    pub(super) shape: Option<Shape>,
     /// Sequence length when --seq-len is not given.
     pub(super) default_seq_len: u64,
 }
@@ -97,7 +101,7 @@ pub(super) fn positive(flag: &str, value: Option<u64>) -> Result<Option<u64>> {
     }
 }
 
-pub(super) fn describe(arch: &Architecture) -> String {
+pub(super) fn describe(arch: &Shape) -> String {
     let mut heads = if arch.kv_heads == arch.heads {
         format!("{} heads", arch.heads)
     } else {
@@ -190,10 +194,10 @@ pub(super) fn subject(args: &MemoryArgs) -> Result<Subject> {
                     "{}, {}: {}",
                     preset.name,
                     preset.description,
-                    describe(&preset.architecture)
+                    describe(&preset.shape)
                 ),
-                params: preset.architecture.exact_params().map_err(as_flag)?,
-                arch: Some(preset.architecture),
+                params: preset.shape.exact_params().map_err(as_flag)?,
+                shape: Some(preset.shape),
                 default_seq_len: preset.default_seq_len,
             })
         }
@@ -203,8 +207,8 @@ pub(super) fn subject(args: &MemoryArgs) -> Result<Subject> {
                 name: None,
                 title: format!("a model of {} parameters (--params {text})", group(params)),
                 params,
-                arch: None,
-                default_seq_len: 4096,
+                shape: None,
+                default_seq_len: DEFAULT_SEQ_LEN,
             })
         }
         (None, None) => {
@@ -237,16 +241,33 @@ pub(super) fn subject(args: &MemoryArgs) -> Result<Subject> {
                     ),
                 ));
             };
-            let mut arch = Architecture::gpt(layers, hidden, heads, vocab);
-            arch.kv_heads = args.kv_heads.unwrap_or(heads);
-            arch.ffn = args.ffn.unwrap_or(arch.ffn);
-            let params = arch.exact_params().map_err(as_flag)?;
+            let dim = |flag: &str, v: u64| {
+                usize::try_from(v).map_err(|_| flag_error(flag, format!("{v} is too large")))
+            };
+            let gpt = Shape::gpt(
+                dim("--layers", layers)?,
+                dim("--hidden", hidden)?,
+                dim("--heads", heads)?,
+                dim("--vocab", vocab)?,
+                DEFAULT_SEQ_LEN as usize,
+            );
+            // The playbook's GPT: no position parameters in the count.
+            let shape = Shape {
+                positions: trainkit::model::Positions::None,
+                kv_heads: dim("--kv-heads", args.kv_heads.unwrap_or(heads))?,
+                ffn: match args.ffn {
+                    Some(ffn) => dim("--ffn", ffn)?,
+                    None => gpt.ffn,
+                },
+                ..gpt
+            };
+            let params = shape.exact_params().map_err(as_flag)?;
             Ok(Subject {
                 name: None,
-                title: describe(&arch),
+                title: describe(&shape),
                 params,
-                arch: Some(arch),
-                default_seq_len: 4096,
+                shape: Some(shape),
+                default_seq_len: DEFAULT_SEQ_LEN,
             })
         }
     }
