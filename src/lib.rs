@@ -11,6 +11,7 @@
 pub mod accumulate;
 pub mod adapter;
 pub mod checkpoint;
+pub mod collective;
 pub mod config;
 pub mod data;
 pub mod device;

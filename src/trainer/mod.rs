@@ -3,6 +3,7 @@
 
 use crate::accumulate::{AccumulationContext, AccumulationSchedule, Constant};
 use crate::checkpoint::{CheckpointPolicy, NoRecompute};
+use crate::collective::{Collective, Single};
 use crate::data::DataLoader;
 use crate::device::Backend;
 use crate::error::{Error, Result};
@@ -204,6 +205,8 @@ pub struct Trainer<P, C, O, A, M> {
     rng: Rng,
     /// What a saved adapter records about its base model.
     adapter_base: Option<String>,
+    /// The ranks of a data-parallel job ([`Single`] alone).
+    collective: Arc<dyn Collective>,
 }
 
 /// Assembles a [`Trainer`]; each policy setter changes the builder's type.
@@ -217,6 +220,7 @@ pub struct TrainerBuilder<P, C, O, A, M> {
     accumulation: A,
     observer: M,
     options: TrainerOptions,
+    collective: Arc<dyn Collective>,
 }
 
 impl Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
@@ -237,6 +241,7 @@ impl Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
             accumulation: Constant::new(1),
             observer: PeakTracker::new(),
             options: TrainerOptions::default(),
+            collective: Arc::new(Single),
         }
     }
 }
@@ -261,6 +266,7 @@ where
             accumulation: self.accumulation,
             observer: self.observer,
             options: self.options,
+            collective: self.collective,
         }
     }
 
@@ -279,6 +285,7 @@ where
             accumulation: self.accumulation,
             observer: self.observer,
             options: self.options,
+            collective: self.collective,
         }
     }
 
@@ -294,6 +301,7 @@ where
             accumulation: self.accumulation,
             observer: self.observer,
             options: self.options,
+            collective: self.collective,
         }
     }
 
@@ -312,6 +320,7 @@ where
             accumulation,
             observer: self.observer,
             options: self.options,
+            collective: self.collective,
         }
     }
 
@@ -327,6 +336,7 @@ where
             accumulation: self.accumulation,
             observer,
             options: self.options,
+            collective: self.collective,
         }
     }
 
@@ -336,9 +346,20 @@ where
         self
     }
 
+    /// Trains as one rank of a data-parallel job over `collective` (the default is
+    /// [`Single`], one process alone): each rank reads its share of every global batch,
+    /// the gradients are summed across ranks before the update and the loss is divided by
+    /// the trained positions of the whole global step, so N ranks of `k` micro-batches
+    /// each take the step one process accumulating `N·k` would.
+    pub fn collective(mut self, collective: Arc<dyn Collective>) -> Self {
+        self.collective = collective;
+        self
+    }
+
     /// Creates the parameters and returns the trainer.
     pub fn build(self) -> Result<Trainer<P, C, O, A, M>> {
-        Trainer::new(
+        let collective = self.collective;
+        let mut trainer = Trainer::new(
             self.model,
             self.backend,
             self.data,
@@ -348,7 +369,9 @@ where
             self.accumulation,
             self.observer,
             self.options,
-        )
+        )?;
+        trainer.join(collective)?;
+        Ok(trainer)
     }
 }
 
@@ -460,6 +483,7 @@ where
             bad_streak: 0,
             rng,
             adapter_base: None,
+            collective: Arc::new(Single),
         };
         trainer.init_magnitudes(None)?;
         trainer.flush_events();
@@ -488,6 +512,49 @@ where
             self.params[m.param].set_value(be, &values)?;
         }
         Ok(())
+    }
+
+    /// Makes this trainer one rank of `collective`'s job (what
+    /// [`TrainerBuilder::collective`] does; call it on every rank, before the first
+    /// step); fails when the settings cannot run data-parallel yet or when the ranks'
+    /// models differ.
+    pub fn join(&mut self, collective: Arc<dyn Collective>) -> Result<()> {
+        let world = collective.world();
+        if world > 1 {
+            if self.options.optimizer_in_backward {
+                return Err(Error::config(
+                    "optimizer_in_backward",
+                    format!(
+                        "the update inside backward needs each gradient summed across the \
+                         {world} ranks as it is ready, which data-parallel training does not \
+                         do yet; drop --optimizer-in-backward"
+                    ),
+                ));
+            }
+            // Every rank must hold the same model: compare the parameter counts.
+            let numel: usize = self.params.iter().map(Param::numel).sum();
+            let mut sum = [numel as f64];
+            collective.all_reduce_sum_f64(&mut sum)?;
+            if sum[0] != (numel * world) as f64 {
+                return Err(Error::config(
+                    "model",
+                    format!(
+                        "rank {} holds {numel} parameters but the {world} ranks hold {} in \
+                         all: every rank must train the same model (give every rank the \
+                         same flags and config)",
+                        collective.rank(),
+                        sum[0]
+                    ),
+                ));
+            }
+        }
+        self.collective = collective;
+        Ok(())
+    }
+
+    /// The ranks this trainer trains with ([`TrainerBuilder::collective`]).
+    pub fn collective(&self) -> &Arc<dyn Collective> {
+        &self.collective
     }
 
     fn flush_events(&mut self) {

@@ -7,6 +7,7 @@ use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
+use crate::collective::all_reduce_tensor;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
@@ -19,12 +20,14 @@ use std::time::Instant;
 
 /// What a step is, decided before it runs.
 struct Plan {
-    /// Micro-batches.
+    /// Micro-batches (of each rank).
     k: usize,
+    /// Ranks taking the step together (1 alone).
+    world: usize,
     /// Tokens of one micro-batch.
     tokens_per_micro: u64,
-    /// Positions of the whole step whose target is trained (not masked out): what the
-    /// summed loss and the gradients are divided by.
+    /// Positions of the whole step (every rank's) whose target is trained (not masked
+    /// out): what the summed loss and the gradients are divided by.
     counted: u64,
     /// The precision's loss scale.
     loss_scale: f32,
@@ -39,7 +42,7 @@ struct Plan {
 impl Plan {
     /// Tokens of the whole step.
     fn tokens(&self) -> u64 {
-        self.tokens_per_micro * self.k as u64
+        self.tokens_per_micro * (self.k * self.world) as u64
     }
 }
 
@@ -89,6 +92,7 @@ where
             all_finite: true,
         };
         let stash = self.micro_batches(be, &plan, batches, &mut buffers, &mut inside)?;
+        self.sum_across_ranks(be, &mut buffers)?;
         let record = self.update(be, &plan, buffers, &inside)?;
         self.keep_books(&plan, &record)?;
         Ok(self.report(be, &plan, &record, stash, start))
@@ -98,13 +102,16 @@ where
     /// the loss and gradients are divided by the trained positions of all of them, so
     /// accumulating k micro-batches gives the update of one batch k times as large, masks
     /// or not (a mean of micro-batch means would weigh a position of a sparsely trained
-    /// micro-batch more).
+    /// micro-batch more). With N ranks, the loader's next N·k micro-batches are the global
+    /// step's and rank r takes the r-th k of them: the ranks together read what one
+    /// process accumulating N·k would, and divide by the trained positions of all of them.
     fn plan(&mut self) -> Result<(Plan, Vec<Batch>)> {
         let tokens_per_micro = (self.data.batch_size() * self.data.seq_len()) as u64;
+        let (rank, world) = (self.collective.rank(), self.collective.world());
         let k = self.accumulation.micro_batches(&AccumulationContext {
             step: self.step,
             tokens_seen: self.tokens_seen,
-            tokens_per_micro_batch: tokens_per_micro,
+            tokens_per_micro_batch: tokens_per_micro * world as u64,
         })?;
         if k == 0 {
             return Err(Error::config(
@@ -117,8 +124,11 @@ where
             return Err(in_backward_accumulates(self.step + 1, k));
         }
         let loss_scale = self.precision.loss_scale();
-        let batches: Vec<Batch> = (0..k).map(|_| self.data.next_batch()).collect();
-        let counted = batches.iter().map(|b| b.counted() as u64).sum::<u64>();
+        let mut batches: Vec<Batch> = (0..k * world).map(|_| self.data.next_batch()).collect();
+        let batches: Vec<Batch> = batches.drain(rank * k..(rank + 1) * k).collect();
+        let mut counted = [batches.iter().map(|b| b.counted() as f64).sum::<f64>()];
+        self.collective.all_reduce_sum_f64(&mut counted)?;
+        let counted = counted[0] as u64;
         if counted == 0 {
             log::warn!(
                 "step {}: every target of its {k} micro-batches is masked out; no position \
@@ -128,6 +138,7 @@ where
         }
         let plan = Plan {
             k,
+            world,
             tokens_per_micro,
             counted,
             loss_scale,
@@ -222,6 +233,22 @@ where
             }
             Ok(stash)
         })
+    }
+
+    /// With more than one rank, every gradient and the per-position losses summed across
+    /// the ranks, so that the guard, the clipping and the update see the global step's
+    /// (the same on every rank, which keeps the weights in step).
+    fn sum_across_ranks(&mut self, be: &dyn Backend, buffers: &mut Buffers) -> Result<()> {
+        let c = self.collective.as_ref();
+        if c.world() == 1 {
+            return Ok(());
+        }
+        // Every trained parameter, in the same order on every rank (one a rank's
+        // micro-batches left without a gradient sums zeros).
+        for p in self.params.iter_mut().filter(|p| p.trains()) {
+            all_reduce_tensor(c, be, p.grad_mut(be)?)?;
+        }
+        all_reduce_tensor(c, be, &mut buffers.losses)
     }
 
     /// The host memory of an offloaded optimizer ([`Backend::host`]), `None` without

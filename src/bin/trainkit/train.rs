@@ -86,16 +86,41 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     // First of all: an interrupt while the model and data are still being built must
     // not kill the process without a word; the loop sees it and saves after one step.
     let interrupted = interrupt_flag();
+    // One of several ranks (`mpirun -np N trainkit train ...`): rank 0 alone prints,
+    // logs and saves; a rank that fails ends them all (the others would wait for it).
+    let collective = trainkit::collective::launch()?;
+    if collective.world() == 1 {
+        return run_rank(args, collective, &interrupted);
+    }
+    if collective.rank() != 0 {
+        quiet_stdout();
+    }
+    let rank = collective.rank();
+    match run_rank(args, Arc::clone(&collective), &interrupted) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            eprintln!("error on rank {rank} of {}: {e}", collective.world());
+            collective.abort(1)
+        }
+    }
+}
+
+/// [`run`] as one rank of `collective`.
+fn run_rank(
+    args: Box<TrainArgs>,
+    collective: Arc<dyn trainkit::collective::Collective>,
+    interrupted: &AtomicUsize,
+) -> Result<()> {
     let plan = plan(&args)?;
     if args.print_config {
         print!("{}", plan.cfg.to_toml()?);
         return Ok(());
     }
-    let mut job = build(&args, plan)?;
+    let mut job = build(&args, plan, collective)?;
     if nothing_to_train(&args, &job)? {
         return Ok(());
     }
-    match train_loop(&mut job, &interrupted)? {
+    match train_loop(&mut job, interrupted)? {
         Ended::Interrupted => Ok(()),
         done => finish(&args, &mut job, done),
     }
@@ -125,7 +150,11 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
 
 /// The backend, the data, the model and the trainer of `plan` (resumed or started from
 /// a model directory when asked), announced on stdout.
-fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
+fn build(
+    args: &TrainArgs,
+    plan: Plan,
+    collective: Arc<dyn trainkit::collective::Collective>,
+) -> Result<Job> {
     let (cfg, device) = (&plan.cfg, plan.device);
     let backend = device.backend()?;
     if device == trainkit::Device::Cpu {
@@ -172,6 +201,16 @@ fn build(args: &TrainArgs, plan: Plan) -> Result<Job> {
         observer,
         peak_flops,
     )?;
+    if collective.world() > 1 {
+        let per_rank = cfg.global_batch()?;
+        println!(
+            "data parallel: {} ranks ({}); each rank {per_rank} sequences a step, {} in all",
+            collective.world(),
+            collective.describe(),
+            per_rank * collective.world()
+        );
+    }
+    trainer.join(collective)?;
     let adapted = cfg.adapter.is_some();
     trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));
     if let Some(dir) = &args.run.resume {
@@ -254,8 +293,12 @@ impl Job {
         }
     }
 
-    /// Saves the model, the trainer state, the run config and the tokenizer to `dir`.
+    /// Saves the model, the trainer state, the run config and the tokenizer to `dir`
+    /// (rank 0 of several: the ranks hold the same weights and state).
     fn save(&self, dir: &Path) -> Result<()> {
+        if self.trainer.collective().rank() != 0 {
+            return Ok(());
+        }
         self.trainer.save(dir, Some(&self.run_config))?;
         let tokenizer = self.plan.cfg.data.tokenizer();
         warn(tokenizer.copy_into(dir));
@@ -313,10 +356,11 @@ fn train_loop(job: &mut Job, interrupted: &AtomicUsize) -> Result<Ended> {
         fenced_until = Some(job.trainer.steps_done() + n);
         println!("timeline: each op of the recorded steps waits for the device (slower steps)");
     }
+    let lead = job.trainer.collective().rank() == 0;
     let mut progress = Progress::new(
         job.trainer.steps_done(),
         t.steps,
-        job.plan.cfg.output.log_json.as_deref(),
+        job.plan.cfg.output.log_json.as_deref().filter(|_| lead),
     )?;
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
@@ -518,6 +562,20 @@ fn interrupt_flag() -> Arc<AtomicUsize> {
         log::warn!("cannot catch interrupts ({e}); Ctrl-C will stop the run without saving");
     }
     flag
+}
+
+/// Sends this process's standard output to nowhere (a rank other than 0 of a
+/// data-parallel job: its lines would repeat rank 0's); errors still reach stderr.
+fn quiet_stdout() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let _ = std::io::stdout().flush();
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: both descriptors are open; dup2 replaces descriptor 1 atomically.
+        unsafe {
+            libc::dup2(null.as_raw_fd(), 1);
+        }
+    }
 }
 
 /// Where a run without `--out` saves when it has to stop early.

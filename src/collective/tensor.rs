@@ -1,0 +1,64 @@
+//! A collective over a tensor wherever it lives: host tensors are summed in place, a
+//! device tensor through a host copy ([`Backend::transfer`]).
+
+use super::Collective;
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use crate::memory::MemoryCategory;
+use crate::tensor::{Storage, Tensor};
+use half::{bf16, f16};
+
+/// Sums `t` over every rank, in place on every rank (a no-op for a world of one). Host
+/// tensors of f32 are summed as they are; bf16 and f16 in f32, rounded once to their dtype
+/// after the sum; a device tensor through a host copy of it.
+pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -> Result<()> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    match t.storage_mut() {
+        Storage::F32(v) => c.all_reduce_sum(v),
+        Storage::Bf16(v) => {
+            let mut sum: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+            c.all_reduce_sum(&mut sum)?;
+            v.iter_mut()
+                .zip(sum)
+                .for_each(|(x, s)| *x = bf16::from_f32(s));
+            Ok(())
+        }
+        Storage::F16(v) => {
+            let mut sum: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+            c.all_reduce_sum(&mut sum)?;
+            v.iter_mut()
+                .zip(sum)
+                .for_each(|(x, s)| *x = f16::from_f32(s));
+            Ok(())
+        }
+        Storage::Meta { .. } => Ok(()),
+        Storage::Device(_) => {
+            let host = be.host().ok_or_else(|| Error::Backend {
+                backend: be.name(),
+                message: format!(
+                    "{}: a device tensor is summed across ranks through host memory, and \
+                     this backend has none",
+                    t.label()
+                ),
+            })?;
+            let mut staged = host.empty(
+                t.shape(),
+                t.dtype(),
+                MemoryCategory::Workspace,
+                &format!("{}.all_reduce", t.label()),
+            )?;
+            be.transfer(&mut staged, t)?;
+            all_reduce_tensor(c, host.as_ref(), &mut staged)?;
+            be.transfer(t, &staged)
+        }
+        Storage::U8(_) | Storage::Nf4 { .. } => Err(Error::config(
+            t.label(),
+            format!(
+                "a {} tensor is not summed across ranks (only f32, bf16 and f16 are)",
+                t.dtype()
+            ),
+        )),
+    }
+}

@@ -1,0 +1,317 @@
+//! Data parallelism with real processes: `mpirun -np N trainkit train` against one
+//! process accumulating the same micro-batches. N ranks of micro-batch b read the global
+//! step's N micro-batches, sum their gradients over MPI and take the step one process
+//! accumulating N micro-batches of b takes: the same losses, gradient norms and trained
+//! tokens every step, and the same weights to float32 rounding (a rank's gradient is
+//! summed whole where one process adds each micro-batch into the running sum, so the
+//! additions round in another order). Ranks that disagree on the model end the whole job
+//! with an error naming the rank, never a hang.
+//!
+//! Needs the `mpi` feature and an MPI's `mpirun` (`apt-get install mpich libmpich-dev
+//! libclang-dev`; `cargo test --features mpi --test data_parallel`). Without them the
+//! tests say what they skipped, or fail where `TRAINKIT_REQUIRE_MPI=1` asks for them (CI).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// Why the tests cannot run here, if they cannot.
+fn unavailable() -> Option<String> {
+    if !cfg!(feature = "mpi") {
+        return Some("trainkit was built without the `mpi` feature".into());
+    }
+    match Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("no `mpirun` on the PATH (apt-get install mpich libmpich-dev)".into()),
+    }
+}
+
+/// Whether to run; panics where MPI is required but missing.
+fn ready(test: &str) -> bool {
+    match unavailable() {
+        None => true,
+        Some(why) if std::env::var("TRAINKIT_REQUIRE_MPI").is_ok_and(|v| v == "1") => {
+            panic!("{test}: TRAINKIT_REQUIRE_MPI=1 but {why}")
+        }
+        Some(why) => {
+            eprintln!("skipped {test}: {why}");
+            false
+        }
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trainkit-ddp-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `trainkit train` on the built-in corpus for 3 steps with `extra` flags, saving to
+/// `dir`, logging JSON lines there; under `mpirun -np ranks` when `ranks` is given.
+fn train(ranks: Option<usize>, dir: &Path, extra: &[&str]) -> Output {
+    let bin = env!("CARGO_BIN_EXE_trainkit");
+    let out = dir.join("model");
+    let log = dir.join("log.jsonl");
+    let mut args: Vec<String> = [
+        "train",
+        "--steps",
+        "3",
+        "--seq-len",
+        "64",
+        "--eval-every",
+        "0",
+        "--warmup-steps",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(["--out".into(), out.display().to_string()]);
+    args.extend(["--log-json".into(), log.display().to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut c = match ranks {
+        Some(n) => {
+            let mut c = Command::new("mpirun");
+            c.args(["-np", &n.to_string(), bin]);
+            c
+        }
+        None => Command::new(bin),
+    };
+    c.args(&args).env_remove("RUST_BACKTRACE");
+    run_bounded(c, Duration::from_secs(300))
+}
+
+/// Runs `c`, killing it after `limit` (a hang fails the test instead of stalling CI).
+fn run_bounded(mut c: Command, limit: Duration) -> Output {
+    let child = c
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let id = child.id();
+    let start = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+            panic!("the job hung: killed after {:?}", start.elapsed())
+        }
+    }
+}
+
+/// The JSON lines of a run's log: (loss, grad norm, tokens, trained tokens) per step.
+fn steps(dir: &Path) -> Vec<(f64, f64, u64, u64)> {
+    let text = std::fs::read_to_string(dir.join("log.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+                v["tokens"].as_u64().unwrap(),
+                v["trained_tokens"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Every f32 tensor of a saved model (or of a LoRA run's adapter), by name.
+fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let model = dir.join("model");
+    let file = ["model.safetensors", "adapter_model.safetensors"]
+        .iter()
+        .map(|f| model.join(f))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{} holds no weights", model.display()));
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let v = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, v)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn check(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// How far two runs of the same step in another order of additions may drift: the
+/// relative difference of losses and of gradient norms, the largest absolute difference
+/// of any weight after the steps (AdamW's division by `√v` turns rounding in a small
+/// gradient into a step of up to the learning rate's order; a gradient not summed across
+/// ranks at all moves the losses by 1e-4 and the weights by 1e-3).
+struct Tolerance {
+    loss: f64,
+    grad_norm: f64,
+    weight: f64,
+}
+
+/// Gradients in f32.
+const F32: Tolerance = Tolerance {
+    loss: 1e-6,
+    grad_norm: 1e-5,
+    weight: 1e-5,
+};
+
+/// `ranks` ranks of micro-batch `b` against one process of micro-batch `b` accumulating
+/// `ranks` micro-batches, with `extra` flags on both.
+fn ranks_equal_one_accumulating(
+    name: &str,
+    ranks: usize,
+    b: usize,
+    extra: &[&str],
+    tol: &Tolerance,
+) {
+    let (one, many) = (
+        scratch(&format!("{name}-one")),
+        scratch(&format!("{name}-many")),
+    );
+    let (bs, accum) = (b.to_string(), ranks.to_string());
+    let mut single: Vec<&str> = vec!["--batch-size", &bs, "--grad-accum", &accum];
+    single.extend(extra);
+    check(&train(None, &one, &single), "one process");
+    let mut parallel: Vec<&str> = vec!["--batch-size", &bs];
+    parallel.extend(extra);
+    let out = train(Some(ranks), &many, &parallel);
+    check(&out, "mpirun");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // Rank 0 alone speaks: one line per step.
+    assert_eq!(stdout.matches("step     1/3").count(), 1, "{stdout}");
+    assert!(
+        stdout.contains(&format!("data parallel: {ranks} ranks (MPI")),
+        "{stdout}"
+    );
+
+    let (a, p) = (steps(&one), steps(&many));
+    assert_eq!(a.len(), 3);
+    assert_eq!(p.len(), 3, "rank 0 alone logs");
+    // The first step's loss is every micro-batch's from the same weights: bitwise.
+    assert_eq!(a[0].0, p[0].0, "step 1 loss");
+    for (s, (x, y)) in a.iter().zip(&p).enumerate() {
+        assert_eq!(
+            (x.2, x.3),
+            (y.2, y.3),
+            "step {}: tokens, trained tokens",
+            s + 1
+        );
+        let step = s + 1;
+        assert!(
+            (x.0 - y.0).abs() <= tol.loss * x.0.abs(),
+            "step {step}: {x:?} {y:?}"
+        );
+        assert!(
+            (x.1 - y.1).abs() <= tol.grad_norm * x.1.abs(),
+            "step {step}: {x:?} {y:?}"
+        );
+    }
+    let (wa, wp) = (weights(&one), weights(&many));
+    assert_eq!(wa.len(), wp.len());
+    let mut worst = 0f64;
+    for ((na, va), (np, vp)) in wa.iter().zip(&wp) {
+        assert_eq!(na, np);
+        for (x, y) in va.iter().zip(vp) {
+            worst = worst.max((x - y).abs() as f64);
+        }
+    }
+    assert!(worst <= tol.weight, "weights differ by up to {worst:e}");
+    eprintln!("{name}: {ranks} ranks against one process accumulating {ranks}: weights within {worst:.1e}");
+    let _ = std::fs::remove_dir_all(&one);
+    let _ = std::fs::remove_dir_all(&many);
+}
+
+#[test]
+fn two_ranks_take_the_step_of_one_process_accumulating_two() {
+    if ready("two_ranks_take_the_step_of_one_process_accumulating_two") {
+        ranks_equal_one_accumulating("f32", 2, 2, &[], &F32);
+    }
+}
+
+#[test]
+fn two_ranks_in_bf16_with_lora() {
+    if ready("two_ranks_in_bf16_with_lora") {
+        // bf16 gradients: each rank's sum is rounded to bf16 before the ranks add up.
+        // SGD, whose step is proportional to the gradient: AdamW's first steps are ±lr
+        // wherever a gradient is near zero, whatever its rounding.
+        let bf16 = Tolerance {
+            loss: 1e-4,
+            grad_norm: 1e-3,
+            weight: 1e-5,
+        };
+        ranks_equal_one_accumulating(
+            "bf16-lora",
+            2,
+            2,
+            &[
+                "--precision",
+                "bf16",
+                "--lora-rank",
+                "4",
+                "--optimizer",
+                "sgd",
+            ],
+            &bf16,
+        );
+    }
+}
+
+#[test]
+fn four_ranks_oversubscribed_take_the_step_of_one_process_accumulating_four() {
+    if ready("four_ranks_oversubscribed") {
+        ranks_equal_one_accumulating("four", 4, 1, &[], &F32);
+    }
+}
+
+/// Ranks given different models are refused on every rank, and the job ends with an
+/// error naming the rank instead of hanging in a collective.
+#[test]
+fn ranks_that_disagree_end_the_job_with_an_error() {
+    if !ready("ranks_that_disagree_end_the_job_with_an_error") {
+        return;
+    }
+    let dir = scratch("disagree");
+    let bin = env!("CARGO_BIN_EXE_trainkit");
+    let mut c = Command::new("mpirun");
+    c.args(["-np", "1", bin, "train", "--steps", "2", "--n-layer", "2"])
+        .args([
+            ":",
+            "-np",
+            "1",
+            bin,
+            "train",
+            "--steps",
+            "2",
+            "--n-layer",
+            "3",
+        ])
+        .current_dir(&dir);
+    let out = run_bounded(c, Duration::from_secs(120));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("error on rank") && stderr.contains("same model"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
