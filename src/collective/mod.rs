@@ -134,7 +134,7 @@ fn check_root(root: usize, world: usize) -> Result<()> {
 /// The environment variables a launcher sets that give the number of ranks: MPICH's and
 /// Intel MPI's (`PMI_SIZE`), Open MPI's (`OMPI_COMM_WORLD_SIZE`), Slurm's (`SLURM_NTASKS`
 /// under `srun`) and torchrun's (`WORLD_SIZE`).
-const WORLD_VARIABLES: [&str; 4] = [
+pub const WORLD_VARIABLES: [&str; 4] = [
     "PMI_SIZE",
     "OMPI_COMM_WORLD_SIZE",
     "SLURM_NTASKS",
