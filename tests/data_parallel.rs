@@ -50,13 +50,19 @@ fn scratch(name: &str) -> PathBuf {
 /// `trainkit train` on the built-in corpus for 3 steps with `extra` flags, saving to
 /// `dir`, logging JSON lines there; under `mpirun -np ranks` when `ranks` is given.
 fn train(ranks: Option<usize>, dir: &Path, extra: &[&str]) -> Output {
+    train_steps(ranks, dir, 3, extra)
+}
+
+/// [`train`] for `steps` steps.
+fn train_steps(ranks: Option<usize>, dir: &Path, steps: u64, extra: &[&str]) -> Output {
     let bin = env!("CARGO_BIN_EXE_trainkit");
     let out = dir.join("model");
     let log = dir.join("log.jsonl");
+    let steps = steps.to_string();
     let mut args: Vec<String> = [
         "train",
         "--steps",
-        "3",
+        &steps,
         "--seq-len",
         "64",
         "--eval-every",
@@ -276,10 +282,87 @@ fn two_ranks_in_bf16_with_lora() {
     }
 }
 
+/// Documents masked apart (token-weighted: each micro-batch trains another number of
+/// positions, and the step divides by those of every rank), with the optimizer on the
+/// host thread.
+#[test]
+fn two_ranks_with_document_masks_and_the_optimizer_offloaded() {
+    if !ready("two_ranks_with_document_masks_and_the_optimizer_offloaded") {
+        return;
+    }
+    let dir = scratch("documents");
+    let text = dir.join("docs.txt");
+    // Lines of 2 to 30 words: documents of many lengths, ended by newlines.
+    let words = [
+        "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as",
+    ];
+    let mut lines = Vec::new();
+    let mut x = 7u64;
+    for _ in 0..3000 {
+        let mut line = Vec::new();
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        for w in 0..2 + (x >> 33) % 29 {
+            line.push(words[((x >> 20) as usize + w as usize * 7) % words.len()]);
+        }
+        lines.push(line.join(" "));
+    }
+    std::fs::write(&text, lines.join("\n")).unwrap();
+    let data = text.display().to_string();
+    ranks_equal_one_accumulating(
+        "documents",
+        2,
+        2,
+        &[
+            "--data",
+            &data,
+            "--separator-id",
+            "10",
+            "--optimizer-offload",
+        ],
+        &F32,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn four_ranks_oversubscribed_take_the_step_of_one_process_accumulating_four() {
     if ready("four_ranks_oversubscribed") {
         ranks_equal_one_accumulating("four", 4, 1, &[], &F32);
+    }
+}
+
+/// A data-parallel run saved after 3 steps and resumed by the same ranks to 5 takes the
+/// steps of the run that went to 5 at once, bitwise (a constant learning rate, so that
+/// the schedule does not depend on the run's length).
+#[test]
+fn ranks_resume_bitwise() {
+    if !ready("ranks_resume_bitwise") {
+        return;
+    }
+    let (straight, first, resumed) = (scratch("straight"), scratch("first"), scratch("resumed"));
+    let constant = ["--lr-schedule", "constant"];
+    check(&train_steps(Some(2), &straight, 5, &constant), "5 steps");
+    check(&train_steps(Some(2), &first, 3, &constant), "3 steps");
+    let saved = first.join("model").display().to_string();
+    let resume = ["--lr-schedule", "constant", "--resume", &saved];
+    check(&train_steps(Some(2), &resumed, 5, &resume), "resumed to 5");
+    let (a, b) = (weights(&straight), weights(&resumed));
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let differ = va
+            .iter()
+            .zip(vb)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
+    }
+    let (a, b) = (steps(&straight), steps(&resumed));
+    assert_eq!(a[3..], b[..], "steps 4 and 5");
+    for d in [straight, first, resumed] {
+        let _ = std::fs::remove_dir_all(d);
     }
 }
 
