@@ -210,6 +210,17 @@ fn ranks_equal_one_accumulating(
         "{stdout}"
     );
 
+    // Rank 0's log holds every rank's peak.
+    let log = std::fs::read_to_string(many.join("log.jsonl")).unwrap();
+    for line in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let peaks = v["memory_peak_ranks"]
+            .as_array()
+            .expect("memory_peak_ranks");
+        assert_eq!(peaks.len(), ranks, "{line}");
+        assert!(peaks.iter().all(|p| p.as_u64().unwrap() > 0), "{line}");
+        assert_eq!(peaks[0].as_u64(), v["memory_peak_total"].as_u64(), "{line}");
+    }
     let (a, p) = (steps(&one), steps(&many));
     assert_eq!(a.len(), 3);
     assert_eq!(p.len(), 3, "rank 0 alone logs");

@@ -46,8 +46,9 @@ impl Progress {
         Ok(Progress { bar, total, log })
     }
 
-    /// Reports one finished step.
-    pub fn step(&mut self, s: &StepStats) -> Result<()> {
+    /// Reports one finished step; `rank_peaks` is every rank's peak memory of a
+    /// data-parallel step (logged as `memory_peak_ranks`).
+    pub fn step(&mut self, s: &StepStats, rank_peaks: Option<&[u64]>) -> Result<()> {
         let mut peak = format_bytes(s.memory.peak_total);
         if let Some(d) = &s.memory.device {
             peak = format!(
@@ -104,7 +105,7 @@ impl Progress {
                 .iter()
                 .map(|c| (c.name().to_string(), s.memory.peak.get(*c).into()))
                 .collect();
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "step": s.step,
                 "loss": s.loss,
                 "lr": s.lr,
@@ -127,6 +128,9 @@ impl Progress {
                 "memory_peak_total": s.memory.peak_total,
                 "device_memory": s.memory.device,
             });
+            if let Some(peaks) = rank_peaks {
+                line["memory_peak_ranks"] = peaks.into();
+            }
             writeln!(file, "{line}").map_err(|e| Error::io(path.as_path(), e))?;
         }
         Ok(())

@@ -404,8 +404,12 @@ fn train_loop(job: &mut Job, interrupted: &AtomicUsize) -> Result<Ended> {
         last_loss = s.loss;
         peaks.max_with(&s.memory.peak);
         peak_total = peak_total.max(s.memory.peak_total);
-        progress.step(&s)?;
-        if interrupted.load(Ordering::SeqCst) > 0 {
+        let rank_peaks = rank_peaks(job.trainer.collective().as_ref(), s.memory.peak_total)?;
+        progress.step(&s, rank_peaks.as_deref())?;
+        if any_rank(
+            job.trainer.collective().as_ref(),
+            interrupted.load(Ordering::SeqCst) > 0,
+        )? {
             progress.finish();
             let dir = out.clone().unwrap_or_else(|| fallback_dir("interrupted"));
             job.save(&dir)?;
@@ -562,6 +566,29 @@ fn interrupt_flag() -> Arc<AtomicUsize> {
         log::warn!("cannot catch interrupts ({e}); Ctrl-C will stop the run without saving");
     }
     flag
+}
+
+/// Whether `yes` holds on any rank (each rank's own, alone): the ranks of a job decide
+/// together to stop after a step, so none leaves the others waiting in the next one.
+fn any_rank(c: &dyn trainkit::collective::Collective, yes: bool) -> Result<bool> {
+    if c.world() == 1 {
+        return Ok(yes);
+    }
+    let mut v = [f64::from(u8::from(yes))];
+    c.all_reduce_sum_f64(&mut v)?;
+    Ok(v[0] > 0.0)
+}
+
+/// Every rank's peak memory of the step, in rank order (`None` alone): each rank's in its
+/// own slot of a summed vector.
+fn rank_peaks(c: &dyn trainkit::collective::Collective, peak: u64) -> Result<Option<Vec<u64>>> {
+    if c.world() == 1 {
+        return Ok(None);
+    }
+    let mut peaks = vec![0f64; c.world()];
+    peaks[c.rank()] = peak as f64;
+    c.all_reduce_sum_f64(&mut peaks)?;
+    Ok(Some(peaks.into_iter().map(|p| p as u64).collect()))
 }
 
 /// Sends this process's standard output to nowhere (a rank other than 0 of a
