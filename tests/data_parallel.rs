@@ -372,6 +372,14 @@ fn ranks_resume_bitwise() {
     }
     let (a, b) = (steps(&straight), steps(&resumed));
     assert_eq!(a[3..], b[..], "steps 4 and 5");
+    // Another number of ranks is refused by name, the checkpoint untouched.
+    let other = scratch("other");
+    let out = train_steps(Some(1), &other, 5, &resume);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("saved by a job of 2 ranks"), "{stderr}");
+    assert!(first.join("model").join("model.safetensors").exists());
+    let _ = std::fs::remove_dir_all(other);
     for d in [straight, first, resumed] {
         let _ = std::fs::remove_dir_all(d);
     }

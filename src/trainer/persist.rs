@@ -49,6 +49,10 @@ struct TrainerState {
     #[serde(default)]
     data_shuffle: Option<u64>,
     rng: Rng,
+    /// The ranks of the data-parallel job that saved it (1 alone): each read its share of
+    /// every global step, so a resume with another number would read other batches.
+    #[serde(default = "one_rank")]
+    ranks: usize,
     /// Per parameter, the names of its optimizer-state tensors in
     /// `trainer_state.safetensors`, in slot order.
     optimizer_state: BTreeMap<String, Vec<String>>,
@@ -63,6 +67,10 @@ struct TrainerState {
     checkpoint: serde_json::Value,
     optimizer: serde_json::Value,
     accumulation: serde_json::Value,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 impl<P, C, O, A, M> Trainer<P, C, O, A, M>
@@ -177,6 +185,7 @@ where
             data_cursor: Some(self.data.cursor()),
             data_shuffle: self.data.shuffle_seed(),
             rng: self.rng.clone(),
+            ranks: self.collective.world(),
             optimizer_state,
             compensation,
             precision: json(serde_json::to_value(&self.precision as &dyn Precision))?,
@@ -390,6 +399,23 @@ where
                     "has format `{}` version {}; this trainkit reads `{STATE_FORMAT}` version \
                      {STATE_VERSION}",
                     state.format, state.version
+                ),
+            ));
+        }
+        let ranks = self.collective.world();
+        if state.ranks != ranks {
+            let job = |n: usize| match n {
+                1 => "one process".to_string(),
+                n => format!("{n} ranks"),
+            };
+            return Err(Error::data(
+                &what,
+                format!(
+                    "was saved by a job of {}, this one has {}; resume with the same number \
+                     of ranks (mpirun -np {}), whose micro-batches make the saved global batch",
+                    job(state.ranks),
+                    job(ranks),
+                    state.ranks
                 ),
             ));
         }
