@@ -17,22 +17,8 @@ pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -
     }
     match t.storage_mut() {
         Storage::F32(v) => c.all_reduce_sum(v),
-        Storage::Bf16(v) => {
-            let mut sum: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-            c.all_reduce_sum(&mut sum)?;
-            v.iter_mut()
-                .zip(sum)
-                .for_each(|(x, s)| *x = bf16::from_f32(s));
-            Ok(())
-        }
-        Storage::F16(v) => {
-            let mut sum: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-            c.all_reduce_sum(&mut sum)?;
-            v.iter_mut()
-                .zip(sum)
-                .for_each(|(x, s)| *x = f16::from_f32(s));
-            Ok(())
-        }
+        Storage::Bf16(v) => sum_rounded(c, v, bf16::to_f32, bf16::from_f32),
+        Storage::F16(v) => sum_rounded(c, v, f16::to_f32, f16::from_f32),
         Storage::Meta { .. } => Ok(()),
         Storage::Device(_) => {
             let host = be.host().ok_or_else(|| Error::Backend {
@@ -61,4 +47,17 @@ pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -
             ),
         )),
     }
+}
+
+/// Sums half-precision `values` across ranks in f32, rounding each sum once.
+fn sum_rounded<T: Copy>(
+    c: &dyn Collective,
+    values: &mut [T],
+    widen: fn(T) -> f32,
+    round: fn(f32) -> T,
+) -> Result<()> {
+    let mut sum: Vec<f32> = values.iter().map(|&x| widen(x)).collect();
+    c.all_reduce_sum(&mut sum)?;
+    values.iter_mut().zip(sum).for_each(|(x, s)| *x = round(s));
+    Ok(())
 }
