@@ -404,12 +404,13 @@ fn train_loop(job: &mut Job, interrupted: &AtomicUsize) -> Result<Ended> {
         last_loss = s.loss;
         peaks.max_with(&s.memory.peak);
         peak_total = peak_total.max(s.memory.peak_total);
-        let rank_peaks = rank_peaks(job.trainer.collective().as_ref(), s.memory.peak_total)?;
-        progress.step(&s, rank_peaks.as_deref())?;
-        if any_rank(
+        let (rank_peaks, stop) = settle_step(
             job.trainer.collective().as_ref(),
+            s.memory.peak_total,
             interrupted.load(Ordering::SeqCst) > 0,
-        )? {
+        )?;
+        progress.step(&s, rank_peaks.as_deref())?;
+        if stop {
             progress.finish();
             let dir = out.clone().unwrap_or_else(|| fallback_dir("interrupted"));
             job.save(&dir)?;
@@ -568,27 +569,24 @@ fn interrupt_flag() -> Arc<AtomicUsize> {
     flag
 }
 
-/// Whether `yes` holds on any rank (each rank's own, alone): the ranks of a job decide
-/// together to stop after a step, so none leaves the others waiting in the next one.
-fn any_rank(c: &dyn trainkit::collective::Collective, yes: bool) -> Result<bool> {
+/// What the ranks settle together after each step, in one collective: every rank's peak
+/// memory, in rank order (`None` alone), and whether any rank was interrupted (they stop
+/// after the same step, so none leaves the others waiting in the next one).
+fn settle_step(
+    c: &dyn trainkit::collective::Collective,
+    peak: u64,
+    interrupted: bool,
+) -> Result<(Option<Vec<u64>>, bool)> {
     if c.world() == 1 {
-        return Ok(yes);
+        return Ok((None, interrupted));
     }
-    let mut v = [f64::from(u8::from(yes))];
+    // One slot per rank for its peak, and a last one counting the interrupted ranks.
+    let mut v = vec![0f64; c.world() + 1];
+    v[c.rank()] = peak as f64;
+    v[c.world()] = f64::from(u8::from(interrupted));
     c.all_reduce_sum_f64(&mut v)?;
-    Ok(v[0] > 0.0)
-}
-
-/// Every rank's peak memory of the step, in rank order (`None` alone): each rank's in its
-/// own slot of a summed vector.
-fn rank_peaks(c: &dyn trainkit::collective::Collective, peak: u64) -> Result<Option<Vec<u64>>> {
-    if c.world() == 1 {
-        return Ok(None);
-    }
-    let mut peaks = vec![0f64; c.world()];
-    peaks[c.rank()] = peak as f64;
-    c.all_reduce_sum_f64(&mut peaks)?;
-    Ok(Some(peaks.into_iter().map(|p| p as u64).collect()))
+    let stop = v.pop().is_some_and(|n| n > 0.0);
+    Ok((Some(v.into_iter().map(|p| p as u64).collect()), stop))
 }
 
 /// Sends this process's standard output to nowhere (a rank other than 0 of a
