@@ -94,12 +94,26 @@ fn abort_on_panic() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
+        let_launcher_forward_output();
         // SAFETY: MPI is initialised before this hook is set; a panic after finalising
         // would abort a finalised MPI, which ends the process all the same.
         unsafe {
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101);
         }
     }));
+}
+
+/// How long a failing rank waits before `MPI_Abort`. The launcher forwards each rank's
+/// output through its own proxies, and an abort that reaches it first ends the job with
+/// the rank's last lines (the error saying what went wrong) still unforwarded.
+const FORWARD_GRACE: std::time::Duration = std::time::Duration::from_millis(1000);
+
+/// Flushes this rank's output and gives the launcher [`FORWARD_GRACE`] to pass it on.
+fn let_launcher_forward_output() {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    std::thread::sleep(FORWARD_GRACE);
 }
 
 fn mpi_error(message: impl Into<String>) -> Error {
@@ -180,6 +194,7 @@ impl Collective for Mpi {
     }
 
     fn abort(&self, code: i32) -> ! {
+        let_launcher_forward_output();
         self.world().abort(code)
     }
 }

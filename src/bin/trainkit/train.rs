@@ -99,7 +99,9 @@ pub fn run(args: Box<TrainArgs>) -> Result<()> {
     match run_rank(args, Arc::clone(&collective), &interrupted) {
         Ok(()) => Ok(()),
         Err(e) => {
-            eprintln!("error on rank {rank} of {}: {e}", collective.world());
+            // One write, so that the lines of ranks failing together do not interleave.
+            let line = format!("error on rank {rank} of {}: {e}\n", collective.world());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             collective.abort(1)
         }
     }
