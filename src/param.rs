@@ -126,6 +126,9 @@ pub struct Param {
     /// the compute weights to the refresh after its step, so that a skipped step leaves
     /// them as they were.
     refresh_deferred: bool,
+    /// Another rank updates this parameter (ZeRO-1: [`Param::hand_over`]): this one keeps
+    /// its compute weights and gradient, and receives the updated weights.
+    elsewhere: bool,
 }
 
 /// An offloaded parameter's update, taken out of its [`Param`] to run on a host thread
@@ -321,6 +324,7 @@ impl Param {
             compensation,
             host: host.cloned(),
             refresh_deferred: false,
+            elsewhere: false,
         })
     }
 
@@ -343,6 +347,33 @@ impl Param {
     /// optimizer state and no master copy: optimizers skip it.
     pub fn trains(&self) -> bool {
         self.trains
+    }
+
+    /// Whether this process updates the parameter: it trains, and no other rank owns its
+    /// update ([`Param::hand_over`]).
+    pub fn updated_here(&self) -> bool {
+        self.trains && !self.elsewhere
+    }
+
+    /// Hands this parameter's update to another rank (ZeRO-1): its optimizer side (f32
+    /// master weights, optimizer state, Kahan compensation) is freed here, where the
+    /// parameter keeps its compute weights and gradient and takes the owner's updated
+    /// weights after each step. A frozen parameter is left as it is.
+    pub(crate) fn hand_over(&mut self) {
+        if !self.trains {
+            return;
+        }
+        self.elsewhere = true;
+        if self.rounding.is_none() {
+            self.master = None;
+        }
+        self.state.clear();
+        self.compensation = None;
+    }
+
+    /// The compute weights, to be overwritten whole (the owner's update received).
+    pub(crate) fn weight_mut(&mut self) -> &mut Tensor {
+        &mut self.weight
     }
 
     /// Whether weight decay applies: matrices and embeddings (rank >= 2), not biases or
@@ -703,6 +734,7 @@ impl Param {
             compensation: self.compensation.take(),
             host: None,
             refresh_deferred: true,
+            elsewhere: false,
         };
         param.begin_update(host.as_ref())?;
         Ok(HostUpdate {

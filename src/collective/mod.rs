@@ -11,7 +11,7 @@ mod tensor;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
-pub use tensor::all_reduce_tensor;
+pub use tensor::{all_reduce_tensor, broadcast_bytes, broadcast_tensor};
 
 use crate::error::{Error, Result};
 use std::fmt::Debug;

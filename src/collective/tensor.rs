@@ -61,3 +61,92 @@ fn sum_rounded<T: Copy>(
     values.iter_mut().zip(sum).for_each(|(x, s)| *x = round(s));
     Ok(())
 }
+
+/// Rank `root`'s `t` on every rank, in place (a no-op for a world of one): host tensors
+/// as they are, a device tensor through a host copy of it. Every rank's `t` has the same
+/// shape and dtype.
+pub fn broadcast_tensor(
+    c: &dyn Collective,
+    be: &dyn Backend,
+    t: &mut Tensor,
+    root: usize,
+) -> Result<()> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    match t.storage_mut() {
+        Storage::F32(v) => broadcast_values(c, v, root, f32::to_le_bytes, f32::from_le_bytes),
+        Storage::Bf16(v) => broadcast_values(
+            c,
+            v,
+            root,
+            |x| x.to_bits().to_le_bytes(),
+            |b| bf16::from_bits(u16::from_le_bytes(b)),
+        ),
+        Storage::F16(v) => broadcast_values(
+            c,
+            v,
+            root,
+            |x| x.to_bits().to_le_bytes(),
+            |b| f16::from_bits(u16::from_le_bytes(b)),
+        ),
+        Storage::U8(v) => c.broadcast(v, root),
+        Storage::Meta { .. } => Ok(()),
+        Storage::Device(_) => {
+            let host = be.host().ok_or_else(|| Error::Backend {
+                backend: be.name(),
+                message: format!(
+                    "{}: a device tensor is sent across ranks through host memory, and this \
+                     backend has none",
+                    t.label()
+                ),
+            })?;
+            let mut staged = host.empty(
+                t.shape(),
+                t.dtype(),
+                MemoryCategory::Workspace,
+                &format!("{}.broadcast", t.label()),
+            )?;
+            if c.rank() == root {
+                be.transfer(&mut staged, t)?;
+            }
+            broadcast_tensor(c, host.as_ref(), &mut staged, root)?;
+            if c.rank() != root {
+                be.transfer(t, &staged)?;
+            }
+            Ok(())
+        }
+        Storage::Nf4 { .. } => Err(Error::config(
+            t.label(),
+            "an NF4 tensor is not sent across ranks (it never trains)",
+        )),
+    }
+}
+
+/// Rank `root`'s `values` on every rank, through their little-endian bytes.
+fn broadcast_values<T: Copy, const N: usize>(
+    c: &dyn Collective,
+    values: &mut [T],
+    root: usize,
+    to_bytes: fn(T) -> [u8; N],
+    from_bytes: fn([u8; N]) -> T,
+) -> Result<()> {
+    let mut bytes: Vec<u8> = values.iter().flat_map(|&x| to_bytes(x)).collect();
+    c.broadcast(&mut bytes, root)?;
+    for (x, b) in values.iter_mut().zip(bytes.chunks_exact(N)) {
+        *x = from_bytes(b.try_into().expect("chunks of N bytes"));
+    }
+    Ok(())
+}
+
+/// Rank `root`'s `bytes` (of any length) on every rank: the other ranks pass anything
+/// (their `bytes` are replaced).
+pub fn broadcast_bytes(c: &dyn Collective, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    let mut len = (bytes.len() as u64).to_le_bytes();
+    c.broadcast(&mut len, root)?;
+    bytes.resize(u64::from_le_bytes(len) as usize, 0);
+    c.broadcast(bytes, root)
+}

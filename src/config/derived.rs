@@ -30,6 +30,7 @@ impl From<&RunConfig> for TrainerOptions {
             optimizer_in_backward: t.optimizer_in_backward,
             offload_activations: t.offload_activations,
             optimizer_offload: cfg.optimizer_offload,
+            zero_stage: t.zero_stage,
         }
     }
 }

@@ -69,6 +69,10 @@ pub struct TrainingConfig {
     /// bring them back for backward (see
     /// [`crate::TrainerOptions::offload_activations`]); the policy must keep something.
     pub offload_activations: bool,
+    /// ZeRO stage of a data-parallel job (see [`crate::TrainerOptions::zero_stage`]): 0
+    /// (every rank keeps the whole optimizer state, as DDP) or 1 (the optimizer state and
+    /// master weights sharded across the ranks); one process alone ignores it.
+    pub zero_stage: u8,
     /// How the head computes the loss: `fused` (the classifier product and the
     /// cross-entropy in chunks of positions, no `[tokens, vocab]` logits; the default) or
     /// `materialized` (the logits of every position, the reference).
@@ -114,6 +118,7 @@ impl Default for TrainingConfig {
             max_bad_steps: 10,
             optimizer_in_backward: false,
             offload_activations: false,
+            zero_stage: 0,
             loss: LossPath::Fused,
             loss_chunk: None,
             attention: AttentionPath::Fused,

@@ -71,6 +71,11 @@ pub struct Overrides {
     /// Global gradient-norm clipping threshold (0 = off).
     #[arg(long)]
     pub grad_clip: Option<f32>,
+    /// ZeRO stage under mpirun: 0 (every rank keeps the whole optimizer state, as DDP)
+    /// or 1 (each rank keeps and updates its share of the optimizer state and master
+    /// weights, then sends the updated weights to the others; bitwise the same training).
+    #[arg(long, value_name = "STAGE")]
+    pub zero: Option<u8>,
     /// Initialisation seed.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -160,6 +165,7 @@ impl Overrides {
         set(&mut t.seq_len, self.seq_len);
         set(&mut t.grad_clip, self.grad_clip);
         set(&mut t.seed, self.seed);
+        set(&mut t.zero_stage, self.zero);
         set(&mut t.eval_every, self.eval_every);
         set(&mut cfg.output.out, self.out.clone().map(Some));
         set(&mut cfg.output.save_every, self.save_every);

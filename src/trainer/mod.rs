@@ -15,6 +15,7 @@ use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
+mod gather;
 mod offload;
 mod persist;
 mod sample;
@@ -76,7 +77,17 @@ pub struct TrainerOptions {
     /// is bitwise the one without offload. A backend without host memory is refused by
     /// [`Trainer::new`].
     pub optimizer_offload: bool,
+    /// ZeRO stage of a data-parallel job ([`Trainer::join`] with more than one rank):
+    /// 0, every rank keeps the whole optimizer side (DDP); 1, each trained parameter's
+    /// update is owned by one rank, which alone keeps its f32 master weights, optimizer
+    /// state and compensation, updates it from the summed gradient and sends the new
+    /// weights to the other ranks: optimizer memory divided by the ranks, the update
+    /// bitwise that of stage 0. Ignored by one process alone.
+    pub zero_stage: u8,
 }
+
+/// The ZeRO stages [`TrainerOptions::zero_stage`] takes.
+pub const ZERO_STAGES: [u8; 2] = [0, 1];
 
 impl Default for TrainerOptions {
     fn default() -> Self {
@@ -90,6 +101,7 @@ impl Default for TrainerOptions {
             optimizer_in_backward: false,
             offload_activations: false,
             optimizer_offload: false,
+            zero_stage: 0,
         }
     }
 }
@@ -207,6 +219,8 @@ pub struct Trainer<P, C, O, A, M> {
     adapter_base: Option<String>,
     /// The ranks of a data-parallel job ([`Single`] alone).
     collective: Arc<dyn Collective>,
+    /// Under ZeRO-1, the rank that updates each parameter (by index; empty otherwise).
+    owners: Vec<usize>,
 }
 
 /// Assembles a [`Trainer`]; each policy setter changes the builder's type.
@@ -427,6 +441,17 @@ where
                 ),
             ));
         }
+        if !ZERO_STAGES.contains(&options.zero_stage) {
+            return Err(Error::config(
+                "zero_stage",
+                format!(
+                    "ZeRO stage {} is not built; use 0 (every rank keeps the optimizer \
+                     state, as DDP) or 1 (the optimizer state and master weights sharded \
+                     across the ranks)",
+                    options.zero_stage
+                ),
+            ));
+        }
         precision.validate()?;
         if options.optimizer_in_backward {
             // The first step's accumulation, refused here rather than at the step; a
@@ -484,6 +509,7 @@ where
             rng,
             adapter_base: None,
             collective: Arc::new(Single),
+            owners: Vec::new(),
         };
         trainer.init_magnitudes(None)?;
         trainer.flush_events();
@@ -549,7 +575,44 @@ where
             }
         }
         self.collective = collective;
+        if world > 1 && self.options.zero_stage >= 1 {
+            self.shard_updates()?;
+        }
         Ok(())
+    }
+
+    /// ZeRO-1: gives each trained parameter's update to one rank, in model order to the
+    /// rank that owns the fewest elements so far (the same on every rank), and frees the
+    /// optimizer side of the parameters this rank does not own.
+    fn shard_updates(&mut self) -> Result<()> {
+        let (rank, world) = (self.collective.rank(), self.collective.world());
+        let mut load = vec![0usize; world];
+        self.owners = self
+            .params
+            .iter()
+            .map(|p| {
+                let owner = (0..world).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+                if p.trains() {
+                    load[owner] += p.numel();
+                }
+                owner
+            })
+            .collect();
+        for (p, &owner) in self.params.iter_mut().zip(&self.owners) {
+            if owner != rank {
+                p.hand_over();
+            }
+        }
+        self.flush_events();
+        Ok(())
+    }
+
+    /// The rank that updates parameter `i`: its owner under ZeRO-1, else this one.
+    pub(crate) fn owner_of(&self, i: usize) -> usize {
+        self.owners
+            .get(i)
+            .copied()
+            .unwrap_or_else(|| self.collective.rank())
     }
 
     /// The ranks this trainer trains with ([`TrainerBuilder::collective`]).

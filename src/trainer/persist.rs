@@ -1,6 +1,7 @@
 //! Saving a trainer to a directory and restoring it: the model as Hugging Face reads it,
 //! plus everything an exact resume needs.
 
+use super::gather::SavedTensor;
 use super::Trainer;
 use crate::accumulate::AccumulationSchedule;
 use crate::adapter::{is_update_param, peft, Lora};
@@ -83,18 +84,30 @@ where
 {
     /// The model's parameters as f32 tensors with their Hugging Face names: the master
     /// weights where the precision keeps them, else the weights.
+    ///
+    /// Under ZeRO-1 a parameter another rank updates gives its compute weights here (its
+    /// master weights live on that rank); [`Trainer::save`] gathers them.
     pub fn model_tensors(&self) -> Result<Vec<NamedTensor>> {
+        let values = self
+            .params
+            .iter()
+            .map(|p| self.backend.to_f32(p.value()))
+            .collect::<Result<Vec<_>>>()?;
+        self.model_tensors_of(values)
+    }
+
+    /// The model's tensors with `values` (one per parameter, in model order).
+    fn model_tensors_of(&self, values: Vec<Vec<f32>>) -> Result<Vec<NamedTensor>> {
         let tensors = self
             .params
             .iter()
-            .map(|p| {
-                Ok(NamedTensor {
-                    name: p.name().to_string(),
-                    shape: p.shape().to_vec(),
-                    data: self.backend.to_f32(p.value())?,
-                })
+            .zip(values)
+            .map(|(p, data)| NamedTensor {
+                name: p.name().to_string(),
+                shape: p.shape().to_vec(),
+                data,
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         self.model.export_tensors(tensors)
     }
 
@@ -106,7 +119,18 @@ where
     /// A run through LoRA saves the adapter instead of the model, as PEFT does
     /// (`adapter_config.json`, `adapter_model.safetensors`): the base stays where it was
     /// read from (`--init-from`), or is drawn again from the seed.
+    ///
+    /// In a data-parallel job rank 0 writes the directory; under ZeRO-1 every rank must
+    /// call it (at the same step), sending rank 0 the parameters whose update it owns:
+    /// the files are those an unsharded run writes.
     pub fn save(&self, dir: &Path, run_config: Option<&str>) -> Result<()> {
+        let Some(mut saved) = self.saved_params()? else {
+            return Ok(());
+        };
+        let values: Vec<Vec<f32>> = saved
+            .iter_mut()
+            .map(|p| std::mem::take(&mut p.value))
+            .collect();
         let mut w = DirectoryWriter::new(dir)?;
         match self.lora() {
             Some(lora) => {
@@ -117,7 +141,7 @@ where
                     fan_in_fan_out: self.model.weights_in_out(),
                     tied_head: self.model.tied_head().filter(|(_, e)| saved(e)),
                 };
-                peft::write(&w.path(""), lora, &base, &self.adapter_tensors()?)?;
+                peft::write(&w.path(""), lora, &base, &self.adapter_tensors_of(values))?;
             }
             None => {
                 // A full model replaces an adapter saved there before: transformers would
@@ -126,47 +150,38 @@ where
                 self.model.write_config(&w.path(""))?;
                 let mut meta = HashMap::new();
                 meta.insert("format".to_string(), "pt".to_string());
-                write_safetensors(&w.path(WEIGHTS_FILE), &self.model_tensors()?, Some(meta))?;
+                let tensors = self.model_tensors_of(values)?;
+                write_safetensors(&w.path(WEIGHTS_FILE), &tensors, Some(meta))?;
             }
         }
 
         let mut state_tensors = Vec::new();
         let mut state_dtypes = Vec::new();
         let mut optimizer_state = BTreeMap::new();
-        for p in &self.params {
-            let mut names = Vec::new();
-            for (i, t) in p.state().iter().enumerate() {
-                let name = if t.label().is_empty() {
-                    format!("{}.state.{i}", p.name())
-                } else {
-                    t.label().to_string()
-                };
-                state_tensors.push(NamedTensor {
-                    name: name.clone(),
-                    shape: t.shape().to_vec(),
-                    data: self.backend.to_f32(t)?,
-                });
-                // u8 codes are stored as bytes, bf16 moments as bf16 (so that a resumed
-                // run keeps them in bf16), other floats as f32: exact for all.
-                state_dtypes.push(match t.dtype() {
-                    DType::U8 => DType::U8,
-                    DType::Bf16 => DType::Bf16,
-                    _ => DType::F32,
-                });
-                names.push(name);
-            }
+        let named = |t: SavedTensor| {
+            let dtype = t.dtype;
+            let t = NamedTensor {
+                name: t.name,
+                shape: t.shape,
+                data: t.data,
+            };
+            (t, dtype)
+        };
+        let mut compensations = Vec::new();
+        for (p, s) in self.params.iter().zip(saved) {
+            let names = s.state.iter().map(|t| t.name.clone()).collect();
             optimizer_state.insert(p.name().to_string(), names);
+            for (t, dtype) in s.state.into_iter().map(named) {
+                state_tensors.push(t);
+                state_dtypes.push(dtype);
+            }
+            compensations.extend(s.compensation);
         }
         let mut compensation = Vec::new();
-        for t in self.params.iter().filter_map(|p| p.compensation()) {
-            state_tensors.push(NamedTensor {
-                name: t.label().to_string(),
-                shape: t.shape().to_vec(),
-                data: self.backend.to_f32(t)?,
-            });
-            // bf16 values, exact in f32.
-            state_dtypes.push(DType::F32);
-            compensation.push(t.label().to_string());
+        for (t, dtype) in compensations.into_iter().map(named) {
+            compensation.push(t.name.clone());
+            state_tensors.push(t);
+            state_dtypes.push(dtype);
         }
         let typed: Vec<_> = state_tensors.iter().zip(state_dtypes).collect();
         write_typed(&w.path(STATE_TENSORS_FILE), &typed, None)?;
@@ -217,15 +232,24 @@ where
     /// (`{module}.lora_A.weight`, ...) and, in a run that trains a LoRA, the base modules
     /// it trains whole (`modules_to_save`, by their own names).
     pub fn adapter_tensors(&self) -> Result<Vec<NamedTensor>> {
+        let values = self
+            .params
+            .iter()
+            .map(|p| self.backend.to_f32(p.value()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.adapter_tensors_of(values))
+    }
+
+    /// The adapter's tensors with `values` (one per parameter, in model order).
+    fn adapter_tensors_of(&self, values: Vec<Vec<f32>>) -> Vec<NamedTensor> {
         self.params
             .iter()
-            .filter(|p| in_adapter(p))
-            .map(|p| {
-                Ok(NamedTensor {
-                    name: p.name().to_string(),
-                    shape: p.shape().to_vec(),
-                    data: self.backend.to_f32(p.value())?,
-                })
+            .zip(values)
+            .filter(|(p, _)| in_adapter(p))
+            .map(|(p, data)| NamedTensor {
+                name: p.name().to_string(),
+                shape: p.shape().to_vec(),
+                data,
             })
             .collect()
     }
@@ -458,6 +482,10 @@ where
         let be = self.backend.as_ref();
         let vocab = self.model.vocab_size();
         for p in &mut self.params {
+            if p.trains() && !p.updated_here() {
+                // Another rank updates it (ZeRO-1) and loads its state.
+                continue;
+            }
             let names = state.optimizer_state.get(p.name()).ok_or_else(|| {
                 Error::data(&what, format!("has no optimizer state for `{}`", p.name()))
             })?;
@@ -508,7 +536,10 @@ where
         tensors: &HashMap<String, (NamedTensor, DType)>,
     ) -> Result<()> {
         let be = self.backend.as_ref();
-        let keeps = self.params.iter().any(|p| p.compensation().is_some());
+        let keeps = self
+            .params
+            .iter()
+            .any(|p| p.update_rounding().is_some_and(|r| r.compensated()));
         if !saved.is_empty() && !keeps {
             return Err(Error::data(
                 STATE_FILE,

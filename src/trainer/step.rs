@@ -7,7 +7,7 @@ use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
-use crate::collective::all_reduce_tensor;
+use crate::collective::{all_reduce_tensor, broadcast_tensor};
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
@@ -94,6 +94,9 @@ where
         let stash = self.micro_batches(be, &plan, batches, &mut buffers, &mut inside)?;
         self.sum_across_ranks(be, &mut buffers)?;
         let record = self.update(be, &plan, buffers, &inside)?;
+        if record.finite() {
+            self.receive_updates(be)?;
+        }
         self.keep_books(&plan, &record)?;
         Ok(self.report(be, &plan, &record, stash, start))
     }
@@ -166,6 +169,7 @@ where
         let ledger = be.ledger().clone();
         let host = self.host_for_offload()?;
         let (step, seed) = (self.step + 1, self.options.seed);
+        let first = self.collective.rank() * plan.k;
         let Trainer {
             model,
             params,
@@ -208,7 +212,9 @@ where
                     } else {
                         None
                     },
-                    rng_key: Some(micro_batch_key(seed, step, j)),
+                    // Numbered in the global step, as one process accumulating every
+                    // rank's micro-batches would number them.
+                    rng_key: Some(micro_batch_key(seed, step, first + j)),
                 };
                 let s = model.forward_backward(
                     &mut pass,
@@ -249,6 +255,22 @@ where
             all_reduce_tensor(c, be, p.grad_mut(be)?)?;
         }
         all_reduce_tensor(c, be, &mut buffers.losses)
+    }
+
+    /// Under ZeRO-1, each trained parameter's updated compute weights sent by the rank
+    /// that owns its update to the others ([`Trainer::join`]), in model order on every
+    /// rank. A no-op otherwise.
+    fn receive_updates(&mut self, be: &dyn Backend) -> Result<()> {
+        if self.owners.is_empty() {
+            return Ok(());
+        }
+        let c = self.collective.as_ref();
+        for (p, &owner) in self.params.iter_mut().zip(&self.owners) {
+            if p.trains() {
+                broadcast_tensor(c, be, p.weight_mut(), owner)?;
+            }
+        }
+        Ok(())
     }
 
     /// The host memory of an offloaded optimizer ([`Backend::host`]), `None` without

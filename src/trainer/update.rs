@@ -16,7 +16,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::{Scope, ScopedJoinHandle};
 
 /// One update of `params` by `optimizer` at `step` (1-based) and learning rate `lr`, as
-/// the trainer runs it: parameters that do not train are skipped; each trainable one gets
+/// the trainer runs it: parameters that do not train, or that another rank updates
+/// ([`Param::updated_here`]), are skipped; each trainable one gets
 /// the state slots the optimizer declares ([`Optimizer::state_slots`]) before its first
 /// update; the optimizer updates them together ([`Optimizer::update`]), except pure
 /// bf16's, which are widened to f32, updated and rounded back one at a time (one f32 copy
@@ -57,7 +58,7 @@ pub(super) fn step_optimizer<O: Optimizer + ?Sized>(
 ) -> Result<()> {
     let fused = optimizer.writes_compute();
     let mut updates = Vec::with_capacity(params.len());
-    for p in params.iter_mut().filter(|p| p.trains()) {
+    for p in params.iter_mut().filter(|p| p.updated_here()) {
         p.begin_update(backend)?;
         // Asked once, before the parameter's first update (a resumed run loads its state).
         let slots = if p.state().is_empty() {
@@ -76,7 +77,7 @@ pub(super) fn step_optimizer<O: Optimizer + ?Sized>(
 /// The compute weights of the trainable `params` after their update: copied from the
 /// master weights unless the optimizer wrote them, or pure bf16's rounding.
 fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) -> Result<()> {
-    for p in params.iter_mut().filter(|p| p.trains()) {
+    for p in params.iter_mut().filter(|p| p.updated_here()) {
         // The stochastic rounding's stream, for pure bf16 alone (its name hashed).
         let key = match p.update_rounding() {
             Some(_) => p.rounding_key(seed, step),
@@ -158,7 +159,7 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
             ),
             On::Host(worker) => {
                 for i in range {
-                    if params[i].trains() {
+                    if params[i].updated_here() {
                         worker.submit(device, params, i, record)?;
                     }
                 }

@@ -205,8 +205,16 @@ fn build(
     )?;
     if collective.world() > 1 {
         let per_rank = cfg.global_batch()?;
+        let zero = match t.zero_stage {
+            0 => String::new(),
+            1 => {
+                "; ZeRO-1: each rank keeps and updates its share of the optimizer state".to_string()
+            }
+            n => format!("; ZeRO stage {n}"),
+        };
         println!(
-            "data parallel: {} ranks ({}); each rank {per_rank} sequences a step, {} in all",
+            "data parallel: {} ranks ({}); each rank {per_rank} sequences a step, {} in \
+             all{zero}",
             collective.world(),
             collective.describe(),
             per_rank * collective.world()
@@ -295,13 +303,14 @@ impl Job {
         }
     }
 
-    /// Saves the model, the trainer state, the run config and the tokenizer to `dir`
-    /// (rank 0 of several: the ranks hold the same weights and state).
+    /// Saves the model, the trainer state, the run config and the tokenizer to `dir`.
+    /// Every rank calls it at the same step: rank 0 writes, receiving under ZeRO-1 what
+    /// the others keep.
     fn save(&self, dir: &Path) -> Result<()> {
+        self.trainer.save(dir, Some(&self.run_config))?;
         if self.trainer.collective().rank() != 0 {
             return Ok(());
         }
-        self.trainer.save(dir, Some(&self.run_config))?;
         let tokenizer = self.plan.cfg.data.tokenizer();
         warn(tokenizer.copy_into(dir));
         // A full model keeps its base's generation settings (`generate()` reads them), as
