@@ -321,6 +321,17 @@ impl RunConfig {
         if t.eval_batches == 0 {
             return Err(Error::config("training.eval_batches", "must be at least 1"));
         }
+        if !crate::trainer::ZERO_STAGES.contains(&t.zero_stage) {
+            return Err(Error::config(
+                "training.zero_stage (--zero)",
+                format!(
+                    "stage {} is not built; use 0 (DDP: every rank keeps the whole \
+                     optimizer state) or 1 (the optimizer state and master weights sharded \
+                     across the ranks)",
+                    t.zero_stage
+                ),
+            ));
+        }
         crate::ops::LinearCrossEntropy::new("training.loss_chunk", t.loss_chunk)?;
         self.data.validate(self.model.vocab_size())
     }

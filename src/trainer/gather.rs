@@ -107,10 +107,13 @@ impl SavedParam {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")));
         p.value = values.by_ref().take(numel).collect();
+        let mut whole = p.value.len() == numel;
         for t in p.state.iter_mut().chain(p.compensation.as_mut()) {
-            t.data = values.by_ref().take(t.shape.iter().product()).collect();
+            let n = t.shape.iter().product();
+            t.data = values.by_ref().take(n).collect();
+            whole &= t.data.len() == n;
         }
-        if p.value.len() != numel || values.next().is_some() {
+        if !whole || values.next().is_some() {
             return Err(broken("with the wrong number of values"));
         }
         Ok(p)
