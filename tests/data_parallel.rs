@@ -371,12 +371,36 @@ fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file:
         scratch(&format!("{name}-ddp")),
         scratch(&format!("{name}-zero1")),
     );
-    let mut flags: Vec<&str> = vec!["--batch-size", "2", "--zero", "0"];
-    flags.extend(extra);
-    check(&train(Some(ranks), &ddp, &flags), "DDP");
-    flags[3] = "1";
-    let out = train(Some(ranks), &zero, &flags);
+    let (ddp_report, zero_report) = (
+        ddp.join("report.json").display().to_string(),
+        zero.join("report.json").display().to_string(),
+    );
+    let run = |dir: &Path, zero: &str, report: &str| {
+        let mut flags: Vec<&str> = vec!["--batch-size", "2", "--zero", zero];
+        flags.extend(["--memory-report", report]);
+        flags.extend(extra);
+        train(Some(ranks), dir, &flags)
+    };
+    check(&run(&ddp, "0", &ddp_report), "DDP");
+    let out = run(&zero, "1", &zero_report);
     check(&out, "ZeRO-1");
+    // Every rank's ledger is its prediction (the meta backend run as that rank).
+    for dir in [&ddp, &zero] {
+        for rank in 0..ranks {
+            let name = match rank {
+                0 => "report.json".to_string(),
+                r => format!("report.rank{r}.json"),
+            };
+            let text = std::fs::read_to_string(dir.join(&name)).unwrap();
+            let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(r["rank"].as_u64(), Some(rank as u64), "{name}");
+            assert_eq!(r["measured"], r["predicted"], "{name}: {text}");
+            assert_eq!(
+                r["peak_total"]["measured"], r["peak_total"]["predicted"],
+                "{name}: {text}"
+            );
+        }
+    }
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("ZeRO-1: each rank keeps"), "{stdout}");
     let (a, b) = (steps(&ddp), steps(&zero));

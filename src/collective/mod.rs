@@ -7,10 +7,12 @@
 
 #[cfg(feature = "mpi")]
 mod mpi;
+mod rehearsal;
 mod tensor;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
+pub use rehearsal::Rehearsal;
 pub use tensor::{all_reduce_tensor, broadcast_bytes, broadcast_tensor};
 
 use crate::error::{Error, Result};

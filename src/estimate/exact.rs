@@ -10,6 +10,7 @@
 
 use crate::accumulate::Constant;
 use crate::checkpoint::CheckpointPolicy;
+use crate::collective::Rehearsal;
 use crate::data::DataLoader;
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
@@ -169,6 +170,22 @@ pub fn predict_with(
     optimizer: &dyn Optimizer,
     options: &TrainerOptions,
 ) -> Result<MemoryPrediction> {
+    let one = Rehearsal::new(0, 1)?;
+    predict_rank(model, micro, precision, checkpoint, optimizer, options, one)
+}
+
+/// [`predict_with`] for rank `rank.rank()` of a data-parallel job of `rank.world()` ranks
+/// ([`Trainer::join`]): under ZeRO-1 ([`TrainerOptions::zero_stage`]) the share of the
+/// optimizer state and master weights that rank keeps. What a rank's ledger shows.
+pub fn predict_rank(
+    model: Box<dyn Model>,
+    micro: MicroBatch,
+    precision: &dyn Precision,
+    checkpoint: &dyn CheckpointPolicy,
+    optimizer: &dyn Optimizer,
+    options: &TrainerOptions,
+    rank: Rehearsal,
+) -> Result<MemoryPrediction> {
     let (b, t) = (micro.batch_size, micro.seq_len);
     if b == 0 || t == 0 {
         return Err(Error::config(
@@ -193,6 +210,7 @@ pub fn predict_with(
         PredictionObserver::default(),
         options.clone(),
     )?;
+    trainer.join(Arc::new(rank))?;
     trainer.step()?;
     let later = trainer.step()?;
     let kept = trainer.backend().ledger().snapshot().live;

@@ -34,8 +34,8 @@ pub use autofit::{
 };
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{
-    predict, predict_gpt2, predict_shape, predict_with, ActivationProfile, MemoryPrediction,
-    MicroBatch,
+    predict, predict_gpt2, predict_rank, predict_shape, predict_with, ActivationProfile,
+    MemoryPrediction, MicroBatch,
 };
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{

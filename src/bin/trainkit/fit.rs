@@ -35,7 +35,8 @@ pub struct FitArgs {
     #[arg(long)]
     pub global_batch: Option<usize>,
     /// Write the measured peak bytes per memory category next to the exact prediction to
-    /// this JSON file at the end.
+    /// this JSON file at the end (under mpirun, rank r > 0 writes FILE.rankR.json: each
+    /// rank's own, its ZeRO-1 share included).
     #[arg(long)]
     pub memory_report: Option<PathBuf>,
 }
@@ -247,17 +248,33 @@ fn by_category(bytes: &CategoryBytes) -> serde_json::Value {
     serde_json::Value::Object(map)
 }
 
+/// Where rank `rank` writes its memory report: `path` for rank 0, else `path` with
+/// `.rank{rank}` before its extension (`report.json` → `report.rank1.json`).
+pub fn rank_report_path(path: &Path, rank: usize) -> PathBuf {
+    if rank == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
+}
+
 /// Writes `{"measured": {...}, "predicted": {...}}`: per-category peaks of the run next
-/// to the exact model's, plus the total peaks.
+/// to the exact model's, plus the total peaks; in a data-parallel job, those of rank
+/// `rank` of `world` (its share of the optimizer state under ZeRO-1).
 pub fn write_report(
     path: &Path,
     cfg: &RunConfig,
+    (rank, world): (usize, usize),
     measured: &CategoryBytes,
     measured_total: u64,
 ) -> Result<()> {
     let t = &cfg.training;
     let options = trainkit::TrainerOptions::from(cfg);
-    let prediction = trainkit::estimate::predict_with(
+    let prediction = trainkit::estimate::predict_rank(
         cfg.build_model()?,
         MicroBatch {
             batch_size: t.batch_size,
@@ -267,6 +284,7 @@ pub fn write_report(
         cfg.checkpoint.as_ref(),
         cfg.optimizer.as_ref(),
         &options,
+        trainkit::collective::Rehearsal::new(rank, world)?,
     )?;
     let k = cfg.global_batch()? / t.batch_size;
     let report = serde_json::json!({
@@ -277,6 +295,8 @@ pub fn write_report(
             "predicted": prediction.peak_total.max(prediction.first_step_peak_total(k)),
         },
         "activation_peak_phase": prediction.activations.peak_phase.map(|p| p.to_string()),
+        "rank": rank,
+        "world": world,
     });
     let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Serde(e.to_string()))?;
     trainkit::save::write_atomically(path, text.as_bytes())?;

@@ -487,7 +487,10 @@ fn finish(args: &TrainArgs, job: &mut Job, ended: Ended) -> Result<()> {
         }
     }
     if let Some(path) = &args.fit.memory_report {
-        fit::write_report(path, &job.plan.cfg, &peaks, peak_total)?;
+        let c = job.trainer.collective();
+        let path = fit::rank_report_path(path, c.rank());
+        let ranks = (c.rank(), c.world());
+        fit::write_report(&path, &job.plan.cfg, ranks, &peaks, peak_total)?;
         println!("memory report: {}", path.display());
     }
     // The whole validation data once: the figure `trainkit eval` gives on it by default.
