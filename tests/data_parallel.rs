@@ -4,8 +4,10 @@
 //! accumulating N micro-batches of b takes: the same losses, gradient norms and trained
 //! tokens every step, and the same weights to float32 rounding (a rank's gradient is
 //! summed whole where one process adds each micro-batch into the running sum, so the
-//! additions round in another order). Ranks that disagree on the model end the whole job
-//! with an error naming the rank, never a hang.
+//! additions round in another order). ZeRO-1 (`--zero 1`) against DDP: bitwise the same
+//! training and checkpoints, each rank keeping its share of the optimizer side, and each
+//! rank's ledger equal to its prediction. Ranks that disagree on the model end the whole
+//! job with an error naming the rank, never a hang.
 //!
 //! Needs the `mpi` feature and an MPI's `mpirun` (`apt-get install mpich libmpich-dev
 //! libclang-dev`; `cargo test --features mpi --test data_parallel`). Without them the
