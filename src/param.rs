@@ -350,7 +350,7 @@ impl Param {
     }
 
     /// Whether this process updates the parameter: it trains, and no other rank owns its
-    /// update ([`Param::hand_over`]).
+    /// update (ZeRO-1, [`crate::TrainerOptions::zero_stage`]).
     pub fn updated_here(&self) -> bool {
         self.trains && !self.elsewhere
     }
