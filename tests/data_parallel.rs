@@ -57,6 +57,14 @@ fn train(ranks: Option<usize>, dir: &Path, extra: &[&str]) -> Output {
 
 /// [`train`] for `steps` steps.
 fn train_steps(ranks: Option<usize>, dir: &Path, steps: u64, extra: &[&str]) -> Output {
+    run_bounded(
+        train_command(ranks, dir, steps, extra),
+        Duration::from_secs(300),
+    )
+}
+
+/// The command [`train_steps`] runs.
+fn train_command(ranks: Option<usize>, dir: &Path, steps: u64, extra: &[&str]) -> Command {
     let bin = env!("CARGO_BIN_EXE_trainkit");
     let out = dir.join("model");
     let log = dir.join("log.jsonl");
@@ -87,7 +95,7 @@ fn train_steps(ranks: Option<usize>, dir: &Path, steps: u64, extra: &[&str]) -> 
         None => Command::new(bin),
     };
     c.args(&args).env_remove("RUST_BACKTRACE");
-    run_bounded(c, Duration::from_secs(300))
+    c
 }
 
 /// Runs `c`, killing it after `limit` (a hang fails the test instead of stalling CI).
@@ -97,6 +105,11 @@ fn run_bounded(mut c: Command, limit: Duration) -> Output {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    wait_bounded(child, limit)
+}
+
+/// Waits for `child`, killing it after `limit`.
+fn wait_bounded(child: std::process::Child, limit: Duration) -> Output {
     let id = child.id();
     let start = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -581,4 +594,113 @@ fn ranks_that_disagree_end_the_job_with_an_error() {
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts 2 ranks training for many steps in `dir` with `extra` flags, and returns the
+/// launcher once rank 0 has logged a step.
+fn start_long_run(dir: &Path, extra: &[&str]) -> std::process::Child {
+    let mut c = train_command(Some(2), dir, 100_000, extra);
+    let child = c
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = dir.join("log.jsonl");
+    let start = Instant::now();
+    while !std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() >= 2) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no step logged in {:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    child
+}
+
+/// Ctrl-C under mpirun (the launcher passes it to every rank) stops the ranks after the
+/// same step; rank 0 saves, gathering the ZeRO-1 shards, and the checkpoint resumes.
+#[test]
+fn an_interrupt_under_mpirun_saves_a_checkpoint_that_resumes() {
+    if !ready("an_interrupt_under_mpirun_saves_a_checkpoint_that_resumes") {
+        return;
+    }
+    let (dir, again) = (scratch("interrupt"), scratch("interrupt-resumed"));
+    let flags = ["--zero", "1", "--precision", "bf16"];
+    let child = start_long_run(&dir, &flags);
+    let launcher = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &launcher])
+        .status()
+        .unwrap()
+        .success());
+    let out = wait_bounded(child, Duration::from_secs(120));
+    check(&out, "interrupted");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let step: u64 = stdout
+        .split("interrupted after step ")
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no interrupt line:\n{stdout}"));
+    let state = String::from_utf8(saved_file(&dir, "trainer_state.json")).unwrap();
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(state["step"].as_u64(), Some(step), "the saved step");
+    assert_eq!(state["ranks"].as_u64(), Some(2));
+    let saved = dir.join("model").display().to_string();
+    let mut resume = flags.to_vec();
+    resume.extend(["--resume", &saved]);
+    check(
+        &train_steps(Some(2), &again, step + 1, &resume),
+        "resumed for one step",
+    );
+    assert_eq!(steps(&again).len(), 1, "one step after the checkpoint's");
+    for d in [dir, again] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// A rank killed outright (no error, no abort of its own) ends the whole job within a
+/// bounded time: the launcher ends the others instead of leaving them in a collective.
+#[test]
+fn a_killed_rank_ends_the_job() {
+    if !ready("a_killed_rank_ends_the_job") {
+        return;
+    }
+    let dir = scratch("killed");
+    let child = start_long_run(&dir, &[]);
+    // The ranks: trainkit processes whose arguments name this run's directory.
+    let bin = env!("CARGO_BIN_EXE_trainkit");
+    let here = dir.display().to_string();
+    let ranks: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let pid = e.ok()?.file_name().into_string().ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            (args.first().is_some_and(|a| a == bin) && args.iter().any(|a| a.contains(&here)))
+                .then_some(pid)
+        })
+        .collect();
+    assert_eq!(ranks.len(), 2, "the two ranks: {ranks:?}");
+    assert!(Command::new("kill")
+        .args(["-KILL", &ranks[1]])
+        .status()
+        .unwrap()
+        .success());
+    let start = Instant::now();
+    let out = wait_bounded(child, Duration::from_secs(60));
+    assert!(!out.status.success(), "the job went on without a rank");
+    eprintln!(
+        "a killed rank ended the job in {:?}: {}",
+        start.elapsed(),
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
