@@ -303,9 +303,16 @@ impl DataLoader {
             .sum()
     }
 
-    /// The next micro-batch.
-    pub fn next_batch(&mut self) -> Batch {
-        let span = self.batch_size * self.seq_len;
+    /// Passes over the next micro-batch without reading it: what [`DataLoader::next_batch`]
+    /// would have returned is left out, and the loader stands where it would then stand
+    /// (how a rank of a data-parallel job passes over the other ranks' share).
+    pub fn skip_batch(&mut self) {
+        self.settle_cursor();
+        self.cursor.window += 1;
+    }
+
+    /// Moves the cursor past shards with no window left (into the next epoch at the end).
+    fn settle_cursor(&mut self) {
         while self.cursor.window >= self.windows[self.order[self.cursor.shard]] {
             self.cursor.window = 0;
             self.cursor.shard += 1;
@@ -315,6 +322,12 @@ impl DataLoader {
                 self.order = self.shard_order(self.cursor.epoch);
             }
         }
+    }
+
+    /// The next micro-batch.
+    pub fn next_batch(&mut self) -> Batch {
+        let span = self.batch_size * self.seq_len;
+        self.settle_cursor();
         let shard = self.order[self.cursor.shard];
         let window = match self.shuffle {
             None => self.cursor.window,
@@ -527,6 +540,25 @@ mod tests {
         let mut l = DataLoader::new(shards(&[13, 5, 7]), 2, 3).unwrap();
         let starts: Vec<u32> = (0..5).map(|_| l.next_batch().inputs[0]).collect();
         assert_eq!(starts, [0, 6, 18, 0, 6]);
+    }
+
+    #[test]
+    fn skipping_a_batch_is_reading_it_and_leaving_it() {
+        // Across shards, a short shard and epochs, shuffled (each epoch its own order).
+        let data = shards(&[41, 5, 41, 29]);
+        let mut read = DataLoader::new(data.clone(), 2, 4)
+            .unwrap()
+            .shuffled(Some(3));
+        let mut skip = DataLoader::new(data, 2, 4).unwrap().shuffled(Some(3));
+        for i in 0..40 {
+            let b = read.next_batch();
+            if i % 3 == 1 {
+                assert_eq!(skip.next_batch().inputs, b.inputs, "batch {i}");
+            } else {
+                skip.skip_batch();
+            }
+            assert_eq!(skip.cursor(), read.cursor(), "after batch {i}");
+        }
     }
 
     #[test]

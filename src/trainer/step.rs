@@ -106,8 +106,9 @@ where
     /// accumulating k micro-batches gives the update of one batch k times as large, masks
     /// or not (a mean of micro-batch means would weigh a position of a sparsely trained
     /// micro-batch more). With N ranks, the loader's next N·k micro-batches are the global
-    /// step's and rank r takes the r-th k of them: the ranks together read what one
-    /// process accumulating N·k would, and divide by the trained positions of all of them.
+    /// step's and rank r reads the r-th k of them (passing over the others' unread): the
+    /// ranks together read what one process accumulating N·k would, and divide by the
+    /// trained positions of all of them.
     fn plan(&mut self) -> Result<(Plan, Vec<Batch>)> {
         let tokens_per_micro = (self.data.batch_size() * self.data.seq_len()) as u64;
         let (rank, world) = (self.collective.rank(), self.collective.world());
@@ -127,8 +128,16 @@ where
             return Err(in_backward_accumulates(self.step + 1, k));
         }
         let loss_scale = self.precision.loss_scale();
-        let mut batches: Vec<Batch> = (0..k * world).map(|_| self.data.next_batch()).collect();
-        let batches: Vec<Batch> = batches.drain(rank * k..(rank + 1) * k).collect();
+        let mut batches = Vec::with_capacity(k);
+        for r in 0..world {
+            for _ in 0..k {
+                if r == rank {
+                    batches.push(self.data.next_batch());
+                } else {
+                    self.data.skip_batch();
+                }
+            }
+        }
         let mut counted = [batches.iter().map(|b| b.counted() as f64).sum::<f64>()];
         self.collective.all_reduce_sum_f64(&mut counted)?;
         let counted = counted[0] as u64;
