@@ -165,6 +165,12 @@ fn bad_input_is_a_one_line_error() {
         (vec!["--model", "gpt2", "--params", "7B"], "one of them"),
         (vec!["--model", "gpt2", "--layers", "2"], "--layers"),
         (vec!["--params", "7X"], "K, M, B or T"),
+        (vec!["--model", "gpt2", "--zero", "1"], "--world"),
+        (vec!["--model", "gpt2", "--world", "0"], "--world"),
+        (
+            vec!["--model", "gpt2", "--world", "2", "--zero", "2"],
+            "--zero",
+        ),
         (vec!["--params", "0"], "at least 1"),
         (vec!["--params", "1.5"], "whole number"),
         (vec!["--params", "7B", "--plot", "x.svg"], "--params"),
@@ -591,4 +597,58 @@ fn a_lora_run_prints_its_own_exact_table() {
         saving["adapter"]["trainable_params"].as_u64().unwrap(),
         plain["adapter"]["trainable_params"].as_u64().unwrap() + 128_256 * 2048
     );
+}
+
+/// `--world N` gives one rank's figures: the same as one process's under DDP, and under
+/// ZeRO-1 the formulas' master weights and optimizer state divided by the ranks and the
+/// exact figures rank 0's share (whole parameters: GPT-2's embedding alone is 31% of it);
+/// each rank sends the ring's share of the gradients, and under ZeRO-1 of the weights.
+#[test]
+fn a_data_parallel_job_is_one_ranks_figures() {
+    let base = ["--model", "gpt2", "--seq-len", "256"];
+    let with = |extra: &[&str]| json(&[&base[..], extra].concat());
+    let (one, ddp, zero) = (
+        with(&[]),
+        with(&["--world", "4"]),
+        with(&["--world", "4", "--zero", "1"]),
+    );
+    let exact = |v: &Value, c: &str| v["trainkit_exact"]["bytes"][c].as_u64().unwrap();
+    let formula = |v: &Value, c: &str| v["bytes"][c].as_u64().unwrap();
+    assert_eq!(
+        one["trainkit_exact"], ddp["trainkit_exact"],
+        "DDP keeps it all"
+    );
+    for c in ["master_weights", "optimizer_state"] {
+        assert_eq!(formula(&zero, c), formula(&one, c).div_ceil(4), "{c}");
+        let (whole, share) = (exact(&one, c), exact(&zero, c));
+        assert!(
+            share * 4 >= whole && share * 2 < whole,
+            "{c}: {share} of {whole}"
+        );
+    }
+    // AdamW's two f32 moments beside each f32 master element rank 0 owns.
+    assert_eq!(
+        exact(&zero, "optimizer_state"),
+        2 * exact(&zero, "master_weights")
+    );
+    for c in ["weights", "gradients", "activations"] {
+        assert_eq!(exact(&zero, c), exact(&one, c), "{c}");
+    }
+    let params = one["params"].as_u64().unwrap() as f64;
+    let sent = |v: &Value, what: &str| v["data_parallel"]["bytes_sent_per_step"][what].as_u64();
+    // bf16 gradients and weights: 2 bytes each; the ring sends 2·3/4 and 3/4 of them.
+    assert_eq!(
+        sent(&ddp, "gradients"),
+        Some((2.0 * 0.75 * 2.0 * params).round() as u64)
+    );
+    assert_eq!(sent(&ddp, "weights"), Some(0));
+    assert_eq!(
+        sent(&zero, "weights"),
+        Some((0.75 * 2.0 * params).round() as u64)
+    );
+    assert_eq!(sent(&one, "gradients"), Some(0));
+    let (ok, out, err) = trainkit(&[&base[..], &["--world", "4", "--zero", "1"]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("ranks      4 (ZeRO-1"), "{out}");
+    assert!(out.contains("optimizer_state          8/4"), "{out}");
 }

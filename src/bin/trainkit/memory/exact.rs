@@ -88,7 +88,8 @@ pub(super) fn lora(
 }
 
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
-/// dimensions), `None` for others or when the sequence exceeds a preset's context.
+/// dimensions), `None` for others or when the sequence exceeds a preset's context; in a
+/// data-parallel job, rank 0's.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn trainkit_exact(
     subject: &Subject,
@@ -102,6 +103,7 @@ pub(super) fn trainkit_exact(
     optimizer_offload: bool,
     (attention, loss, loss_chunk): Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
+    ranks: super::Ranks,
 ) -> Result<Option<MemoryPrediction>> {
     let Some(model) = exact_model(subject, seq_len, (attention, loss, loss_chunk), adapter)? else {
         return Ok(None);
@@ -118,7 +120,11 @@ pub(super) fn trainkit_exact(
     };
     options.offload_activations = offload_activations;
     options.optimizer_offload = optimizer_offload;
-    trainkit::estimate::predict_with(
+    options.zero_stage = ranks.zero;
+    // Rank 0 of the job: under ZeRO-1 it owns the first parameters, and at least as many
+    // elements as any other rank but one parameter's.
+    let rank = trainkit::collective::Rehearsal::new(0, usize_of(ranks.world))?;
+    trainkit::estimate::predict_rank(
         model,
         MicroBatch {
             batch_size: usize_of(batch_size),
@@ -128,6 +134,7 @@ pub(super) fn trainkit_exact(
         recompute,
         optimizer,
         &options,
+        rank,
     )
     .map(Some)
     .map_err(as_flag)

@@ -75,6 +75,15 @@ pub struct MemoryArgs {
     /// bf16 base without master weights or gradients; the formulas count full training).
     #[command(flatten)]
     lora: LoraFlags,
+    /// Ranks of a data-parallel job (`mpirun -np N trainkit train`): the figures are one
+    /// rank's (rank 0's), with the bytes each rank sends per step.
+    #[arg(long, default_value_t = 1)]
+    world: u64,
+    /// ZeRO stage across the --world ranks: 0 (DDP: every rank keeps the whole optimizer
+    /// state) or 1 (each rank keeps the master weights and optimizer state of its share
+    /// of the parameters).
+    #[arg(long, default_value_t = 0)]
+    zero: u8,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -107,6 +116,84 @@ fn policies(args: &MemoryArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
+/// The data-parallel job the figures are one rank of (`--world`, `--zero`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ranks {
+    /// Ranks of the job (1: one process).
+    pub world: u64,
+    /// ZeRO stage: 0 or 1.
+    pub zero: u8,
+}
+
+impl Ranks {
+    /// The playbook's model state of one rank: under ZeRO-1 the master weights and
+    /// optimizer state divided by the ranks (rounded up).
+    fn share(&self, mut state: trainkit::memory::CategoryBytes) -> trainkit::memory::CategoryBytes {
+        if self.zero >= 1 {
+            for c in [
+                MemoryCategory::MasterWeights,
+                MemoryCategory::OptimizerState,
+            ] {
+                let share = state.get(c).div_ceil(self.world);
+                *state.get_mut(c) = share;
+            }
+        }
+        state
+    }
+
+    /// Bytes each rank sends per optimizer step, by a ring's count: the gradients of the
+    /// `trained` parameters all-reduced (2(N−1)/N of them), and under ZeRO-1 the updated
+    /// compute weights their owners send ((N−1)/N of them, an all-gather's share).
+    pub(super) fn bytes_sent(&self, trained: u64, precision: &dyn trainkit::Precision) -> Sent {
+        let n = self.world as f64;
+        let ring = (n - 1.0) / n;
+        let grads = trained as f64 * precision.grad_dtype().size() as f64;
+        let weights = trained as f64 * precision.compute_dtype().size() as f64;
+        Sent {
+            gradients: (2.0 * ring * grads).round() as u64,
+            weights: if self.zero >= 1 {
+                (ring * weights).round() as u64
+            } else {
+                0
+            },
+        }
+    }
+}
+
+/// Bytes one rank sends per optimizer step ([`Ranks::bytes_sent`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Sent {
+    /// Gradients, all-reduced.
+    pub gradients: u64,
+    /// Updated weights (ZeRO-1).
+    pub weights: u64,
+}
+
+/// `--world` and `--zero`, checked.
+fn ranks(args: &MemoryArgs) -> Result<Ranks> {
+    positive("--world", Some(args.world))?;
+    if !trainkit::trainer::ZERO_STAGES.contains(&args.zero) {
+        return Err(flag_error(
+            "--zero",
+            format!(
+                "stage {} is not built; use 0 (DDP) or 1 (the optimizer state and master \
+                 weights sharded across the ranks)",
+                args.zero
+            ),
+        ));
+    }
+    if args.zero > 0 && args.world == 1 {
+        return Err(flag_error(
+            "--zero",
+            "shards across the ranks of a data-parallel job; add --world N (N > 1)",
+        ));
+    }
+    Ok(Ranks {
+        world: args.world,
+        zero: args.zero,
+    })
+}
+
 pub fn run(args: MemoryArgs) -> Result<()> {
     let cfg = policies(&args)?;
     let precision = cfg.precision.as_ref();
@@ -123,6 +210,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     );
     positive("--batch-size", Some(args.batch_size))?;
     positive("--seq-len", args.seq_len)?;
+    let ranks = ranks(&args)?;
     let subject = subject(&args)?;
     if args.plot.is_some() && subject.shape.is_none() {
         return Err(flag_error(
@@ -133,6 +221,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     }
     let seq_len = args.seq_len.unwrap_or(subject.default_seq_len);
     let state = model_state_bytes(subject.params, precision, optimizer).map_err(as_flag)?;
+    let state = ranks.share(state);
     let state_total: u64 = STATE.iter().map(|&c| state.get(c)).sum();
     let shape = subject
         .shape
@@ -182,6 +271,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer_offload,
             paths,
             adapter,
+            ranks,
         )
     };
     let exact = exact_with(offload_activations)?;
@@ -218,6 +308,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                     optimizer_offload,
                     paths,
                     adapter,
+                    ranks,
                 )?;
                 Ok(p.map(|p| p.peak.get(MemoryCategory::Activations)))
             })?;
@@ -297,7 +388,13 @@ pub fn run(args: MemoryArgs) -> Result<()> {
         None
     };
 
+    // What each rank sends: the trained parameters' gradients, and under ZeRO-1 their
+    // updated weights.
+    let trained = adapted.map_or(subject.params, |(_, (trained, _))| trained);
+    let sent = ranks.bytes_sent(trained, precision);
     let figures = Figures {
+        ranks,
+        sent,
         args: &args,
         subject: &subject,
         seq_len,

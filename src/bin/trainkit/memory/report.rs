@@ -7,6 +7,10 @@ use trainkit::memory::{CategoryBytes, MemoryCategory};
 
 /// What `trainkit memory` found, for the table or the JSON object.
 pub struct Figures<'a> {
+    /// The data-parallel job the figures are one rank of.
+    pub ranks: super::Ranks,
+    /// What each rank sends per step.
+    pub sent: super::Sent,
     /// The flags.
     pub args: &'a MemoryArgs,
     /// The model.
@@ -111,8 +115,18 @@ pub fn json(f: &Figures) {
             "params": all,
         })
     });
+    let data_parallel = serde_json::json!({
+        "world": f.ranks.world,
+        "zero_stage": f.ranks.zero,
+        "rank": 0,
+        "bytes_sent_per_step": {
+            "gradients": f.sent.gradients,
+            "weights": f.sent.weights,
+        },
+    });
     let out = serde_json::json!({
         "model": subject.name,
+        "data_parallel": data_parallel,
         "params": subject.params,
         "params_playbook": playbook,
         "adapter": adapter_json,
@@ -175,6 +189,27 @@ pub fn table(f: &Figures) {
         ),
         None => println!("training   {precision_name}, {optimizer_name}"),
     }
+    if f.ranks.world > 1 {
+        let (n, sent) = (f.ranks.world, f.sent);
+        println!(
+            "ranks      {n} ({}); the figures are rank 0's; each rank sends {} GiB a step \
+             ({} GiB of gradients, all-reduced{})",
+            match f.ranks.zero {
+                0 => "DDP".to_string(),
+                z => format!(
+                    "ZeRO-{z}: master weights and optimizer state ÷ {n} by the formulas, by \
+                     whole parameters in the exact figures"
+                ),
+            },
+            gib(sent.gradients + sent.weights),
+            gib(sent.gradients),
+            if sent.weights > 0 {
+                format!("; {} GiB of updated weights", gib(sent.weights))
+            } else {
+                String::new()
+            }
+        );
+    }
     if let (Some((l, (trained, all))), Some(p)) = (adapted, &exact) {
         println!(
             "adapter    {} rank {}, α {} on {}{}: {} of {} parameters train ({:.3}%), the base \
@@ -210,20 +245,41 @@ pub fn table(f: &Figures) {
         "category", "bytes/param", "GiB", "GB"
     );
     let per_param = trainkit::estimate::bytes_per_param(precision, optimizer);
+    let sharded = |c: MemoryCategory| {
+        f.ranks.zero >= 1
+            && matches!(
+                c,
+                MemoryCategory::MasterWeights | MemoryCategory::OptimizerState
+            )
+    };
     for c in STATE {
+        let bytes = match (sharded(c), per_param.get(c)) {
+            (true, b) if b > 0 => format!("{b}/{}", f.ranks.world),
+            (_, b) => b.to_string(),
+        };
         println!(
             "{:<16} {:>11} {:>12} {:>12}",
             c.name(),
-            per_param.get(c),
+            bytes,
             gib(state.get(c)),
             gb(state.get(c))
         );
     }
-    let per_param_total: u64 = STATE.iter().map(|&c| per_param.get(c)).sum();
+    let per_param_total = STATE
+        .iter()
+        .map(|&c| {
+            per_param.get(c) as f64
+                / if sharded(c) {
+                    f.ranks.world as f64
+                } else {
+                    1.0
+                }
+        })
+        .sum::<f64>();
     println!(
         "{:<16} {:>11} {:>12} {:>12}",
         "model state",
-        per_param_total,
+        format!("{}", (per_param_total * 100.0).round() / 100.0),
         gib(state_total),
         gb(state_total)
     );
