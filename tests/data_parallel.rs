@@ -495,6 +495,39 @@ fn zero_1_is_bitwise_ddp_in_pure_bf16_with_lora_on_three_ranks() {
     }
 }
 
+/// Gradients summed in buckets while backward runs (4 KiB buckets: dozens of them,
+/// summed on the communication thread as backward completes their gradients) against one
+/// sum per gradient after backward: the same sums, so bitwise the same training.
+#[test]
+fn buckets_during_backward_sum_what_one_all_reduce_per_gradient_sums() {
+    if !ready("buckets_during_backward_sum_what_one_all_reduce_per_gradient_sums") {
+        return;
+    }
+    let (after, during) = (scratch("buckets-after"), scratch("buckets-during"));
+    let flags = |size: &'static str| {
+        [
+            "--batch-size",
+            "2",
+            "--precision",
+            "bf16",
+            "--bucket-size",
+            size,
+        ]
+    };
+    check(&train(Some(2), &after, &flags("0")), "after backward");
+    check(&train(Some(2), &during, &flags("4KiB")), "in buckets");
+    assert_eq!(steps(&after), steps(&during));
+    for file in ["model.safetensors", "trainer_state.safetensors"] {
+        assert!(
+            saved_file(&after, file) == saved_file(&during, file),
+            "{file} differs"
+        );
+    }
+    for d in [after, during] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// A ZeRO-1 run saved after 3 steps and resumed by the same ranks to 5 takes the steps
 /// of the run that went to 5 at once, bitwise: each rank loads the state it owns.
 #[test]

@@ -73,6 +73,9 @@ pub struct TrainingConfig {
     /// (every rank keeps the whole optimizer state, as DDP) or 1 (the optimizer state and
     /// master weights sharded across the ranks); one process alone ignores it.
     pub zero_stage: u8,
+    /// Bytes of gradients per bucket summed across ranks while backward runs (see
+    /// [`crate::TrainerOptions::bucket_bytes`]; 0: each gradient after backward).
+    pub bucket_bytes: u64,
     /// How the head computes the loss: `fused` (the classifier product and the
     /// cross-entropy in chunks of positions, no `[tokens, vocab]` logits; the default) or
     /// `materialized` (the logits of every position, the reference).
@@ -119,6 +122,7 @@ impl Default for TrainingConfig {
             optimizer_in_backward: false,
             offload_activations: false,
             zero_stage: 0,
+            bucket_bytes: crate::trainer::DEFAULT_BUCKET_BYTES as u64,
             loss: LossPath::Fused,
             loss_chunk: None,
             attention: AttentionPath::Fused,

@@ -76,6 +76,11 @@ pub struct Overrides {
     /// weights, then sends the updated weights to the others; bitwise the same training).
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// Under mpirun: gradients summed across the ranks in buckets of SIZE (25MiB by
+    /// default; 512KiB, 1GB, bytes) while backward goes on; 0 sums each gradient after
+    /// backward. The sums are the same.
+    #[arg(long, value_name = "SIZE")]
+    pub bucket_size: Option<String>,
     /// Initialisation seed.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -166,6 +171,19 @@ impl Overrides {
         set(&mut t.grad_clip, self.grad_clip);
         set(&mut t.seed, self.seed);
         set(&mut t.zero_stage, self.zero);
+        if let Some(size) = self.bucket_size.as_deref().map(str::trim) {
+            // 0 turns the buckets off; any other size is a size.
+            t.bucket_bytes = match size {
+                "0" => 0,
+                size => crate::estimate::parse_bytes(size).map_err(|e| match e {
+                    Error::Config { message, .. } => Error::config(
+                        "--bucket-size",
+                        format!("{message} (or 0: each gradient after backward)"),
+                    ),
+                    other => other,
+                })?,
+            };
+        }
         set(&mut t.eval_every, self.eval_every);
         set(&mut cfg.output.out, self.out.clone().map(Some));
         set(&mut cfg.output.save_every, self.save_every);

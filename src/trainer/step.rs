@@ -3,6 +3,7 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
+use super::buckets::Buckets;
 use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
@@ -91,8 +92,16 @@ where
             norm_squares: 0.0,
             all_finite: true,
         };
-        let stash = self.micro_batches(be, &plan, batches, &mut buffers, &mut inside)?;
-        self.sum_across_ranks(be, &mut buffers)?;
+        let mut buckets = self.buckets(be);
+        let stash = self.micro_batches(
+            be,
+            &plan,
+            batches,
+            &mut buffers,
+            &mut inside,
+            buckets.as_mut(),
+        )?;
+        self.sum_across_ranks(be, &mut buffers, buckets)?;
         let record = self.update(be, &plan, buffers, &inside)?;
         if record.finite() {
             self.receive_updates(be)?;
@@ -174,6 +183,7 @@ where
         batches: Vec<Batch>,
         buffers: &mut Buffers,
         inside: &mut InBackward,
+        mut buckets: Option<&mut Buckets>,
     ) -> Result<StashStats> {
         let ledger = be.ledger().clone();
         let host = self.host_for_offload()?;
@@ -202,7 +212,14 @@ where
                 let record = &mut buffers.record;
                 let inside = &mut *inside;
                 let updater_now = &mut updater;
+                // The last micro-batch completes each gradient: into a bucket.
+                let last = j + 1 == plan.k;
+                let mut bucket = buckets.as_deref_mut().filter(|_| last);
+                let sums = bucket.is_some();
                 let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
+                    if let Some(b) = bucket.as_deref_mut() {
+                        return b.ready(be, ps, i);
+                    }
                     match updater_now.as_mut() {
                         Some(u) => {
                             u.update_ready(be, ps, i, losses, record, plan.loss_scale, inside)
@@ -216,7 +233,7 @@ where
                     checkpoint: &*checkpoint,
                     dtype: precision.compute_dtype(),
                     offload: options.offload_activations,
-                    grad_ready: if plan.in_backward {
+                    grad_ready: if plan.in_backward || sums {
                         Some(&mut update)
                     } else {
                         None
@@ -253,17 +270,37 @@ where
     /// With more than one rank, every gradient and the per-position losses summed across
     /// the ranks, so that the guard, the clipping and the update see the global step's
     /// (the same on every rank, which keeps the weights in step).
-    fn sum_across_ranks(&mut self, be: &dyn Backend, buffers: &mut Buffers) -> Result<()> {
+    fn sum_across_ranks(
+        &mut self,
+        be: &dyn Backend,
+        buffers: &mut Buffers,
+        buckets: Option<Buckets>,
+    ) -> Result<()> {
         let c = self.collective.as_ref();
         if c.world() == 1 {
             return Ok(());
         }
-        // Every trained parameter, in the same order on every rank (one a rank's
-        // micro-batches left without a gradient sums zeros).
-        for p in self.params.iter_mut().filter(|p| p.trains()) {
-            all_reduce_tensor(c, be, p.grad_mut(be)?)?;
+        match buckets {
+            // The buckets backward filled, and what it left.
+            Some(b) => b.finish(be, &mut self.params)?,
+            // Every trained parameter, in the same order on every rank (one a rank's
+            // micro-batches left without a gradient sums zeros).
+            None => {
+                for p in self.params.iter_mut().filter(|p| p.trains()) {
+                    all_reduce_tensor(c, be, p.grad_mut(be)?)?;
+                }
+            }
         }
         all_reduce_tensor(c, be, &mut buffers.losses)
+    }
+
+    /// The step's gradient buckets ([`TrainerOptions::bucket_bytes`]) in a data-parallel
+    /// job whose tensors hold values; `None` sums each gradient after backward.
+    fn buckets(&self, be: &dyn Backend) -> Option<Buckets> {
+        let c = &self.collective;
+        let bytes = self.options.bucket_bytes;
+        (c.world() > 1 && bytes > 0 && be.holds_data())
+            .then(|| Buckets::start(Arc::clone(c), bytes, self.params.len()))
     }
 
     /// Under ZeRO-1, each trained parameter's updated compute weights sent by the rank
