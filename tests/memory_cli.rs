@@ -636,10 +636,11 @@ fn a_data_parallel_job_is_one_ranks_figures() {
     }
     let params = one["params"].as_u64().unwrap() as f64;
     let sent = |v: &Value, what: &str| v["data_parallel"]["bytes_sent_per_step"][what].as_u64();
-    // bf16 gradients and weights: 2 bytes each; the ring sends 2·3/4 and 3/4 of them.
+    // Gradients summed in f32 (4 bytes, bf16 or not), bf16 weights (2 bytes); the ring
+    // sends 2·3/4 and 3/4 of them.
     assert_eq!(
         sent(&ddp, "gradients"),
-        Some((2.0 * 0.75 * 2.0 * params).round() as u64)
+        Some((2.0 * 0.75 * 4.0 * params).round() as u64)
     );
     assert_eq!(sent(&ddp, "weights"), Some(0));
     assert_eq!(

@@ -142,12 +142,13 @@ impl Ranks {
     }
 
     /// Bytes each rank sends per optimizer step, by a ring's count: the gradients of the
-    /// `trained` parameters all-reduced (2(N−1)/N of them), and under ZeRO-1 the updated
+    /// `trained` parameters all-reduced (2(N−1)/N of them, in f32: trainkit sums a bf16
+    /// gradient across ranks in f32 and rounds once), and under ZeRO-1 the updated
     /// compute weights their owners send ((N−1)/N of them, an all-gather's share).
     pub(super) fn bytes_sent(&self, trained: u64, precision: &dyn trainkit::Precision) -> Sent {
         let n = self.world as f64;
         let ring = (n - 1.0) / n;
-        let grads = trained as f64 * precision.grad_dtype().size() as f64;
+        let grads = trained as f64 * 4.0;
         let weights = trained as f64 * precision.compute_dtype().size() as f64;
         Sent {
             gradients: (2.0 * ring * grads).round() as u64,
