@@ -3177,3 +3177,72 @@ fn device_tensors_are_summed_across_ranks_through_host_memory() {
         }
     }
 }
+
+/// Rank 1 of two, receiving `payload` from rank 0 in every broadcast.
+#[derive(Debug)]
+struct Receiving {
+    payload: Vec<u8>,
+}
+
+impl trainkit::collective::Collective for Receiving {
+    fn describe(&self) -> String {
+        "rank 1 of 2, receiving".into()
+    }
+    fn rank(&self) -> usize {
+        1
+    }
+    fn world(&self) -> usize {
+        2
+    }
+    fn local_rank(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, _: &mut [f32]) -> trainkit::Result<()> {
+        unreachable!("not used here")
+    }
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> trainkit::Result<()> {
+        unreachable!("not used here")
+    }
+    fn reduce_scatter_sum(&self, _: &[f32], _: &mut [f32]) -> trainkit::Result<()> {
+        unreachable!("not used here")
+    }
+    fn all_gather(&self, _: &[f32], _: &mut [f32]) -> trainkit::Result<()> {
+        unreachable!("not used here")
+    }
+    fn broadcast(&self, bytes: &mut [u8], root: usize) -> trainkit::Result<()> {
+        assert_eq!(root, 0);
+        bytes.copy_from_slice(&self.payload);
+        Ok(())
+    }
+    fn barrier(&self) -> trainkit::Result<()> {
+        Ok(())
+    }
+}
+
+/// Weights on the device are received from their owner (ZeRO-1) through a host copy, in
+/// f32 and bf16, as a host tensor receives them in place.
+#[test]
+fn device_tensors_receive_a_broadcast_through_host_memory() {
+    let Some(cuda) = emulated() else { return };
+    let cpu = CpuBackend::new();
+    let values: Vec<f32> = (0..300).map(|i| (i as f32 - 150.0) * 0.37).collect();
+    for dtype in [DType::F32, DType::Bf16] {
+        let payload: Vec<u8> = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            _ => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+                .collect(),
+        };
+        let rank1 = Receiving { payload };
+        let backends: [&dyn Backend; 2] = [cuda.as_ref(), &cpu];
+        for be in backends {
+            let mut t = be
+                .zeros(&[300], dtype, MemoryCategory::Weights, "w")
+                .unwrap();
+            trainkit::collective::broadcast_tensor(&rank1, be, &mut t, 0).unwrap();
+            let want: Vec<f32> = values.iter().map(|v| dtype.round(*v)).collect();
+            assert_eq!(be.to_f32(&t).unwrap(), want, "{} {dtype}", be.name());
+        }
+    }
+}

@@ -13,6 +13,7 @@ mod tensor;
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
 pub use rehearsal::Rehearsal;
+pub(crate) use tensor::host_of;
 pub use tensor::{all_reduce_tensor, broadcast_bytes, broadcast_tensor};
 
 use crate::error::{Error, Result};

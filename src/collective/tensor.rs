@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
 use crate::tensor::{Storage, Tensor};
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// Sums `t` over every rank, in place on every rank (a no-op for a world of one). Host
 /// tensors of f32 are summed as they are; bf16 and f16 in f32, rounded once to their dtype
@@ -21,20 +22,7 @@ pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -
         Storage::F16(v) => sum_rounded(c, v, f16::to_f32, f16::from_f32),
         Storage::Meta { .. } => Ok(()),
         Storage::Device(_) => {
-            let host = be.host().ok_or_else(|| Error::Backend {
-                backend: be.name(),
-                message: format!(
-                    "{}: a device tensor is summed across ranks through host memory, and \
-                     this backend has none",
-                    t.label()
-                ),
-            })?;
-            let mut staged = host.empty(
-                t.shape(),
-                t.dtype(),
-                MemoryCategory::Workspace,
-                &format!("{}.all_reduce", t.label()),
-            )?;
+            let (host, mut staged) = staging(be, t, "all_reduce")?;
             be.transfer(&mut staged, t)?;
             all_reduce_tensor(c, host.as_ref(), &mut staged)?;
             be.transfer(t, &staged)
@@ -47,6 +35,30 @@ pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -
             ),
         )),
     }
+}
+
+/// The host memory of `be`, through which device tensor `t` crosses ranks, and an empty
+/// host tensor of its shape and dtype for it (labelled `{label}.{what}`).
+fn staging(be: &dyn Backend, t: &Tensor, what: &str) -> Result<(Arc<dyn Backend>, Tensor)> {
+    let host = host_of(be, t)?;
+    let staged = host.empty(
+        t.shape(),
+        t.dtype(),
+        MemoryCategory::Workspace,
+        &format!("{}.{what}", t.label()),
+    )?;
+    Ok((host, staged))
+}
+
+/// The host memory of `be`, through which its tensor `t` crosses ranks.
+pub(crate) fn host_of(be: &dyn Backend, t: &Tensor) -> Result<Arc<dyn Backend>> {
+    be.host().ok_or_else(|| Error::Backend {
+        backend: be.name(),
+        message: format!(
+            "{}: a device tensor crosses ranks through host memory, and this backend has none",
+            t.label()
+        ),
+    })
 }
 
 /// Sums half-precision `values` across ranks in f32, rounding each sum once.
@@ -93,20 +105,7 @@ pub fn broadcast_tensor(
         Storage::U8(v) => c.broadcast(v, root),
         Storage::Meta { .. } => Ok(()),
         Storage::Device(_) => {
-            let host = be.host().ok_or_else(|| Error::Backend {
-                backend: be.name(),
-                message: format!(
-                    "{}: a device tensor is sent across ranks through host memory, and this \
-                     backend has none",
-                    t.label()
-                ),
-            })?;
-            let mut staged = host.empty(
-                t.shape(),
-                t.dtype(),
-                MemoryCategory::Workspace,
-                &format!("{}.broadcast", t.label()),
-            )?;
+            let (host, mut staged) = staging(be, t, "broadcast")?;
             if c.rank() == root {
                 be.transfer(&mut staged, t)?;
             }

@@ -10,7 +10,7 @@
 //! buffers are; a gradient on the device is read into one and written back through a
 //! host copy.
 
-use crate::collective::Collective;
+use crate::collective::{host_of, Collective};
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::MemoryCategory;
@@ -146,15 +146,7 @@ fn write_back(be: &dyn Backend, g: &mut Tensor, values: &[f32]) -> Result<()> {
             .zip(values)
             .for_each(|(x, &s)| *x = f16::from_f32(s)),
         _ => {
-            let host = be.host().ok_or_else(|| Error::Backend {
-                backend: be.name(),
-                message: format!(
-                    "{}: a device gradient is summed across ranks through host memory, and \
-                     this backend has none",
-                    g.label()
-                ),
-            })?;
-            let staged = host.upload(
+            let staged = host_of(be, g)?.upload(
                 values,
                 g.shape(),
                 g.dtype(),
