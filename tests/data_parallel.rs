@@ -302,6 +302,10 @@ fn two_ranks_in_bf16_with_lora() {
                 "4",
                 "--optimizer",
                 "sgd",
+                // Each micro-batch's dropout mask is keyed by its place in the global
+                // step, on whichever rank it runs.
+                "--lora-dropout",
+                "0.1",
             ],
             &bf16,
         );
