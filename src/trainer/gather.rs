@@ -42,8 +42,8 @@ pub(super) struct SavedParam {
 }
 
 impl SavedParam {
-    /// `p` as it is here.
-    fn read(be: &dyn crate::device::Backend, p: &Param) -> Result<SavedParam> {
+    /// `p` as it is here, its values read only `with_value`.
+    fn read(be: &dyn crate::device::Backend, p: &Param, with_value: bool) -> Result<SavedParam> {
         let state = p
             .state()
             .iter()
@@ -70,7 +70,10 @@ impl SavedParam {
             .map(|t| saved(be, t, t.label().to_string(), DType::F32))
             .transpose()?;
         Ok(SavedParam {
-            value: be.to_f32(p.value())?,
+            value: match with_value {
+                true => be.to_f32(p.value())?,
+                false => Vec::new(),
+            },
             state,
             compensation,
         })
@@ -88,7 +91,8 @@ impl SavedParam {
         Ok(bytes)
     }
 
-    /// The parameter of `numel` values [`SavedParam::encode`] wrote into `bytes`.
+    /// The parameter of `numel` values (0 when sent without them) [`SavedParam::encode`]
+    /// wrote into `bytes`.
     fn decode(bytes: &[u8], numel: usize) -> Result<SavedParam> {
         let broken = |what: &str| Error::Backend {
             backend: "collective",
@@ -151,9 +155,13 @@ where
     M: MemoryObserver,
 {
     /// Every parameter as a checkpoint saves it, in model order, on rank 0 (`None` on the
-    /// other ranks). Under ZeRO-1 every rank must call it: the rank that updates a
-    /// parameter sends it to rank 0, one parameter at a time.
-    pub(super) fn saved_params(&self) -> Result<Option<Vec<SavedParam>>> {
+    /// other ranks), with its values where `wanted` says (an adapter's checkpoint reads
+    /// none of the frozen base's). Under ZeRO-1 every rank must call it: the rank that
+    /// updates a parameter sends it to rank 0, one parameter at a time.
+    pub(super) fn saved_params(
+        &self,
+        wanted: fn(&Param) -> bool,
+    ) -> Result<Option<Vec<SavedParam>>> {
         let c = self.collective.as_ref();
         let rank = c.rank();
         if self.owners.is_empty() && rank != 0 {
@@ -165,18 +173,19 @@ where
             let owner = self.owner_of(i);
             if !p.trains() || owner == 0 {
                 if rank == 0 {
-                    all.push(SavedParam::read(be, p)?);
+                    all.push(SavedParam::read(be, p, wanted(p))?);
                 }
                 continue;
             }
             let mut bytes = if owner == rank {
-                SavedParam::read(be, p)?.encode()?
+                SavedParam::read(be, p, wanted(p))?.encode()?
             } else {
                 Vec::new()
             };
             broadcast_bytes(c, &mut bytes, owner)?;
             if rank == 0 {
-                all.push(SavedParam::decode(&bytes, p.numel())?);
+                let numel = if wanted(p) { p.numel() } else { 0 };
+                all.push(SavedParam::decode(&bytes, numel)?);
             }
         }
         Ok((rank == 0).then_some(all))

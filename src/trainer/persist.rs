@@ -9,7 +9,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::data::DataCursor;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver};
-use crate::model::{read_model_dir, ModelDir};
+use crate::model::{read_model_dir, ModelDir, Param};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
@@ -88,12 +88,18 @@ where
     /// Under ZeRO-1 a parameter another rank updates gives its compute weights here (its
     /// master weights live on that rank); [`Trainer::save`] gathers them.
     pub fn model_tensors(&self) -> Result<Vec<NamedTensor>> {
-        let values = self
-            .params
+        self.model_tensors_of(self.values_here(|_| true)?)
+    }
+
+    /// Each parameter's values here as f32, for those `wanted` says (empty for the rest).
+    fn values_here(&self, wanted: fn(&Param) -> bool) -> Result<Vec<Vec<f32>>> {
+        self.params
             .iter()
-            .map(|p| self.backend.to_f32(p.value()))
-            .collect::<Result<Vec<_>>>()?;
-        self.model_tensors_of(values)
+            .map(|p| match wanted(p) {
+                true => self.backend.to_f32(p.value()),
+                false => Ok(Vec::new()),
+            })
+            .collect()
     }
 
     /// The model's tensors with `values` (one per parameter, in model order).
@@ -124,7 +130,12 @@ where
     /// call it (at the same step), sending rank 0 the parameters whose update it owns:
     /// the files are those an unsharded run writes.
     pub fn save(&self, dir: &Path, run_config: Option<&str>) -> Result<()> {
-        let Some(mut saved) = self.saved_params()? else {
+        // An adapter's checkpoint reads no value of the frozen base.
+        let wanted = match self.lora() {
+            Some(_) => in_adapter,
+            None => |_: &Param| true,
+        };
+        let Some(mut saved) = self.saved_params(wanted)? else {
             return Ok(());
         };
         let values: Vec<Vec<f32>> = saved
@@ -232,15 +243,11 @@ where
     /// (`{module}.lora_A.weight`, ...) and, in a run that trains a LoRA, the base modules
     /// it trains whole (`modules_to_save`, by their own names).
     pub fn adapter_tensors(&self) -> Result<Vec<NamedTensor>> {
-        let values = self
-            .params
-            .iter()
-            .map(|p| self.backend.to_f32(p.value()))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(self.adapter_tensors_of(values))
+        Ok(self.adapter_tensors_of(self.values_here(in_adapter)?))
     }
 
-    /// The adapter's tensors with `values` (one per parameter, in model order).
+    /// The adapter's tensors with `values` (one per parameter, in model order; those of
+    /// parameters outside the adapter are not read).
     fn adapter_tensors_of(&self, values: Vec<Vec<f32>>) -> Vec<NamedTensor> {
         self.params
             .iter()
@@ -591,7 +598,7 @@ fn padded_state<'t>(
 
 /// Whether parameter `p` is saved in (and loaded from) the adapter: a low-rank update's
 /// tensor, or a base module the adapter trains whole (`modules_to_save`).
-fn in_adapter(p: &crate::model::Param) -> bool {
+fn in_adapter(p: &Param) -> bool {
     is_update_param(p.name()) || p.trains()
 }
 
