@@ -22,6 +22,7 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod param;
+pub mod placement;
 pub mod precision;
 mod rng;
 pub mod save;
@@ -46,6 +47,7 @@ pub use model::{
     Qwen3Config,
 };
 pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
+pub use placement::{Placement, StreamFrozen, WeightPlacement};
 pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision, PureBf16};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};

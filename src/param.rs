@@ -129,6 +129,11 @@ pub struct Param {
     /// Another rank updates this parameter (ZeRO-1: [`Param::hand_over`]): this one keeps
     /// its compute weights and gradient, and receives the updated weights.
     elsewhere: bool,
+    /// The weights live in host memory ([`crate::placement::Placement::Streamed`]):
+    /// `weight` is that copy, and `staged` the device's while a section reads them.
+    streamed: bool,
+    /// A streamed parameter's weights on the device ([`Param::stage`]).
+    staged: Option<Tensor>,
 }
 
 /// An offloaded parameter's update, taken out of its [`Param`] to run on a host thread
@@ -174,6 +179,7 @@ impl Param {
             precision,
             true,
             None,
+            None,
         )
     }
 
@@ -194,6 +200,7 @@ impl Param {
             Some(init),
             precision,
             false,
+            None,
             None,
         )
     }
@@ -221,31 +228,47 @@ impl Param {
         rng: &mut Rng,
         precision: &dyn Precision,
     ) -> Result<Param> {
+        Self::init_placed(backend, host, None, spec, rng, precision)
+    }
+
+    /// As [`Param::init_with_host`], with the weights of a frozen parameter in `stream`,
+    /// the device's host memory ([`Backend::host`]), when given: they are streamed
+    /// ([`crate::placement::Placement::Streamed`]), counted under
+    /// [`MemoryCategory::Streamed`] and copied to the device by [`Param::stage`] while a
+    /// section reads them. A parameter that trains cannot stream yet: an error.
+    pub fn init_placed(
+        backend: &dyn Backend,
+        host: Option<&Arc<dyn Backend>>,
+        stream: Option<&Arc<dyn Backend>>,
+        spec: &ParamInit,
+        rng: &mut Rng,
+        precision: &dyn Precision,
+    ) -> Result<Param> {
         let host = host.filter(|_| spec.trains);
-        if backend.holds_data() {
-            let values = spec.values(rng);
-            Self::build(
-                backend,
-                host,
-                &spec.name,
-                &spec.shape,
-                Some(&values),
-                precision,
-                spec.trains,
-                spec.dtype,
-            )
-        } else {
-            Self::build(
-                backend,
-                host,
-                &spec.name,
-                &spec.shape,
-                None,
-                precision,
-                spec.trains,
-                spec.dtype,
-            )
+        if stream.is_some() && spec.trains {
+            return Err(Error::config(
+                "placement",
+                format!(
+                    "`{}` trains, and only frozen weights can be streamed from host memory \
+                     yet (the base of LoRA or QLoRA); place weights that train as resident",
+                    spec.name
+                ),
+            ));
         }
+        let values = backend.holds_data().then(|| spec.values(rng));
+        let mut param = Self::build(
+            backend,
+            host,
+            &spec.name,
+            &spec.shape,
+            values.as_deref(),
+            precision,
+            spec.trains,
+            spec.dtype,
+            stream,
+        )?;
+        param.streamed = stream.is_some();
+        Ok(param)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -258,6 +281,7 @@ impl Param {
         precision: &dyn Precision,
         trains: bool,
         stored: Option<DType>,
+        stream: Option<&Arc<dyn Backend>>,
     ) -> Result<Param> {
         if let Some(d) = stored.filter(|d| !d.is_float()) {
             if trains {
@@ -300,7 +324,14 @@ impl Param {
                 format!("update rounding writes bf16 weights, not {compute}"),
             ));
         }
-        let weight = place(backend, stored.unwrap_or(compute), MemoryCategory::Weights)?;
+        let weight = match stream {
+            Some(home) => place(
+                home.as_ref(),
+                stored.unwrap_or(compute),
+                MemoryCategory::Streamed,
+            )?,
+            None => place(backend, stored.unwrap_or(compute), MemoryCategory::Weights)?,
+        };
         // The compensation starts at zero: the weights are the initial values rounded.
         let compensation = match rounding {
             Some(r) if r.compensated() => Some(side.zeros(
@@ -325,6 +356,8 @@ impl Param {
             host: host.cloned(),
             refresh_deferred: false,
             elsewhere: false,
+            streamed: false,
+            staged: None,
         })
     }
 
@@ -382,9 +415,47 @@ impl Param {
         self.weight.rank() >= 2
     }
 
-    /// The weights forward and backward read (compute dtype).
+    /// The weights forward and backward read (compute dtype): a streamed parameter's copy
+    /// on the device while it is staged ([`Param::stage`]), else its weights in host
+    /// memory.
     pub fn weight(&self) -> &Tensor {
-        &self.weight
+        self.staged.as_ref().unwrap_or(&self.weight)
+    }
+
+    /// Whether the weights live in host memory and are copied to the device while a
+    /// section reads them ([`crate::placement::Placement::Streamed`]).
+    pub fn streamed(&self) -> bool {
+        self.streamed
+    }
+
+    /// Whether a streamed parameter's weights are on the device now ([`Param::stage`]).
+    pub fn staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Starts copying a streamed parameter's weights to the device (on the backend's copy
+    /// stream, where it has one: compute waits for the copy where the weights are first
+    /// read), unless they are there already; returns the bytes copied. A no-op for a
+    /// resident parameter.
+    pub fn stage(&mut self, backend: &dyn Backend) -> Result<u64> {
+        if !self.streamed || self.staged.is_some() {
+            return Ok(0);
+        }
+        let mut staged = backend.empty(
+            self.weight.shape(),
+            self.weight.dtype(),
+            MemoryCategory::Weights,
+            &self.name,
+        )?;
+        backend.transfer_queued(&mut staged, &self.weight)?;
+        self.staged = Some(staged);
+        Ok(self.weight.bytes())
+    }
+
+    /// Frees a streamed parameter's copy on the device, once no section about to run
+    /// reads it.
+    pub fn unstage(&mut self) {
+        self.staged = None;
     }
 
     /// The f32 values the optimizer updates (master copy, or the weights in f32 training;
@@ -550,7 +621,8 @@ impl Param {
     /// gradient when it trains.
     pub fn for_backward(&mut self) -> ParamGrad<'_> {
         let grad = self.trains.then_some(&mut self.grad);
-        ParamGrad::new(&self.name, &self.weight, grad, self.grad_dtype)
+        let weight = self.staged.as_ref().unwrap_or(&self.weight);
+        ParamGrad::new(&self.name, weight, grad, self.grad_dtype)
     }
 
     /// Frees the gradient (after the optimizer used it inside backward); the next
@@ -591,6 +663,19 @@ impl Param {
                     &shape,
                     DType::F32,
                     MemoryCategory::MasterWeights,
+                    &self.name,
+                )?
+            }
+            None if self.streamed => {
+                self.staged = None;
+                let home = backend
+                    .host()
+                    .ok_or_else(|| no_host_to_stream(backend, &self.name))?;
+                self.weight = home.upload(
+                    data,
+                    &shape,
+                    self.weight.dtype(),
+                    MemoryCategory::Streamed,
                     &self.name,
                 )?
             }
@@ -735,6 +820,8 @@ impl Param {
             host: None,
             refresh_deferred: true,
             elsewhere: false,
+            streamed: false,
+            staged: None,
         };
         param.begin_update(host.as_ref())?;
         Ok(HostUpdate {
@@ -770,6 +857,18 @@ impl Param {
         self.compensation = done.param.compensation.take();
         copied
     }
+}
+
+/// The error of streaming `name`'s weights on a backend without host memory.
+pub(crate) fn no_host_to_stream(backend: &dyn Backend, name: &str) -> Error {
+    Error::config(
+        "placement",
+        format!(
+            "the {} backend has no host memory to stream `{name}` from (Backend::host); place \
+             the weights as resident (drop --stream-weights)",
+            backend.name()
+        ),
+    )
 }
 
 /// Whether `a` and `b` are the same backend.

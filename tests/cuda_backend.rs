@@ -2624,6 +2624,23 @@ fn lora_trainer<P: Precision + Default>(
     dora: bool,
     backend: Arc<dyn Backend>,
 ) -> Trainer<P, trainkit::Selective, trainkit::AdamW, trainkit::Constant, trainkit::PeakTracker> {
+    lora_trainer_placed(
+        gpt2,
+        nf4,
+        dora,
+        backend,
+        Box::new(trainkit::placement::Resident),
+    )
+}
+
+/// [`lora_trainer`] with its weights placed by `placement`.
+fn lora_trainer_placed<P: Precision + Default>(
+    gpt2: bool,
+    nf4: bool,
+    dora: bool,
+    backend: Arc<dyn Backend>,
+    placement: Box<dyn trainkit::WeightPlacement>,
+) -> Trainer<P, trainkit::Selective, trainkit::AdamW, trainkit::Constant, trainkit::PeakTracker> {
     let (base, targets): (Box<dyn trainkit::Model>, &[&str]) = if gpt2 {
         (
             Box::new(Gpt2::new(tiny_config()).unwrap()),
@@ -2651,6 +2668,10 @@ fn lora_trainer<P: Precision + Default>(
     let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
         .precision(P::default())
         .checkpoint(trainkit::Selective)
+        .options(trainkit::TrainerOptions {
+            placement,
+            ..trainkit::TrainerOptions::default()
+        })
         .build()
         .unwrap();
     // Each B made non-zero (as after some training), so that the A's gradients are more
@@ -2682,6 +2703,84 @@ fn lora_two_steps<P: Precision + Default>(
         .map(|p| t.backend().to_f32(p.grad().unwrap()).unwrap())
         .collect();
     (losses, grads, values(&t))
+}
+
+/// Losses, gradients, values, and the second step's host waits, queued and waited
+/// transfers and streamed bytes.
+type PlacedRun = (Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>, [u64; 4]);
+
+/// Two steps of [`lora_trainer_placed`] on `cuda`, the second one's host waits and
+/// transfers counted: losses, the adapters' gradients, every value, the host waits, the
+/// transfers queued on the copy stream and those waited for, the bytes streamed.
+fn placed_steps<P: Precision + Default>(
+    cuda: &Arc<CudaBackend>,
+    gpt2: bool,
+    nf4: bool,
+    dora: bool,
+    placement: Box<dyn trainkit::WeightPlacement>,
+) -> PlacedRun {
+    let backend: Arc<dyn Backend> = cuda.clone();
+    let mut t = lora_trainer_placed::<P>(gpt2, nf4, dora, backend, placement);
+    let first = t.step().unwrap().loss;
+    let (waits, transfers) = (cuda.host_waits(), cuda.host_transfers());
+    let s = t.step().unwrap();
+    let after = cuda.host_transfers();
+    let counts = [
+        cuda.host_waits() - waits,
+        after.queued - transfers.queued,
+        after.waited - transfers.waited,
+        s.streamed_bytes,
+    ];
+    let grads = t
+        .params()
+        .iter()
+        .filter(|p| p.trains())
+        .map(|p| t.backend().to_f32(p.grad().unwrap()).unwrap())
+        .collect();
+    (vec![first, s.loss], grads, values(&t), counts)
+}
+
+/// A frozen base streamed from page-locked host memory trains bitwise as a resident one
+/// on CUDA (LoRA, QLoRA's packed NF4, DoRA; f32 and bf16): every copy is queued on the
+/// copy stream, the host never waits for one, and the emulator, which lands a copy only
+/// when compute waits for it, proves that every section's weights are awaited before a
+/// kernel reads them (too early, it would read the poison of a fresh buffer).
+#[test]
+fn streamed_weights_on_cuda_are_bitwise_the_resident_run() {
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    for (name, cuda) in own {
+        for (gpt2, nf4, dora) in [
+            (false, false, false),
+            (false, true, false),
+            (true, false, true),
+            (true, true, false),
+        ] {
+            let what = format!("{name} gpt2 {gpt2} nf4 {nf4} dora {dora}");
+            let stream = || Box::new(trainkit::StreamFrozen::default());
+            let resident = || Box::new(trainkit::placement::Resident);
+            let kept = placed_steps::<trainkit::Fp32>(&cuda, gpt2, nf4, dora, resident());
+            let streamed = placed_steps::<trainkit::Fp32>(&cuda, gpt2, nf4, dora, stream());
+            assert_eq!(streamed.0, kept.0, "{what} f32: losses");
+            assert_eq!(streamed.1, kept.1, "{what} f32: gradients");
+            assert_eq!(streamed.2, kept.2, "{what} f32: values");
+            let [waits, queued, waited, bytes] = streamed.3;
+            assert_eq!(waits, kept.3[0], "{what}: streaming made the host wait");
+            assert_eq!(kept.3[3], 0, "{what}");
+            assert!(bytes > 0 && queued > kept.3[1], "{what}: {:?}", streamed.3);
+            assert_eq!(waited, kept.3[2], "{what}: a copy from pageable memory");
+            let kept = placed_steps::<MixedBf16>(&cuda, gpt2, nf4, dora, resident());
+            let streamed = placed_steps::<MixedBf16>(&cuda, gpt2, nf4, dora, stream());
+            assert_eq!(streamed.0, kept.0, "{what} bf16: losses");
+            assert_eq!(streamed.1, kept.1, "{what} bf16: gradients");
+            assert_eq!(streamed.2, kept.2, "{what} bf16: values");
+        }
+    }
 }
 
 /// LoRA's nodes (the low-rank products, the column kernels of the fused projections'

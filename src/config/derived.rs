@@ -32,6 +32,7 @@ impl From<&RunConfig> for TrainerOptions {
             optimizer_offload: cfg.optimizer_offload,
             zero_stage: t.zero_stage,
             bucket_bytes: usize::try_from(t.bucket_bytes).unwrap_or(usize::MAX),
+            placement: cfg.placement.clone(),
         }
     }
 }

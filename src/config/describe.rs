@@ -29,7 +29,7 @@ impl RunConfig {
     pub fn setup_line(&self) -> Result<String> {
         let t = &self.training;
         Ok(format!(
-            "precision {}{}; recompute {}{}; optimizer {}{}; {} micro-batch rows × {} tokens",
+            "precision {}{}; recompute {}{}; optimizer {}{}{}; {} micro-batch rows × {} tokens",
             policy_kind(&self.precision)?,
             match self.precision.update_rounding() {
                 Some(r) => format!(" (no master copy, {r} update rounding)"),
@@ -48,6 +48,15 @@ impl RunConfig {
                 (true, false) => " inside backward",
                 (false, true) => " on the host (master weights and state in host memory)",
                 (false, false) => "",
+            },
+            match self.placement.typetag_name() {
+                "resident" => String::new(),
+                "stream_frozen" => format!(
+                    "; frozen weights streamed from host memory, {} section{} ahead",
+                    self.placement.ahead(),
+                    if self.placement.ahead() == 1 { "" } else { "s" }
+                ),
+                other => format!("; weights placed by `{other}`"),
             },
             t.batch_size,
             t.seq_len

@@ -9,6 +9,7 @@ use crate::memory::{MemoryObserver, PeakTracker};
 use crate::model::{Model, ModelConfig};
 use crate::ops::{AttentionPath, LossPath};
 use crate::optim::{AdamW, LrSchedule, Optimizer};
+use crate::placement::WeightPlacement;
 use crate::precision::{Fp32, Precision};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -174,6 +175,21 @@ pub struct RunConfig {
     /// every parameter, [`crate::adapter::FullFineTune`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<Box<dyn Adapter>>,
+    /// Where the weights live (`kind = "resident"`, the default, or `"stream_frozen"`
+    /// with `ahead`: the frozen base streamed from host memory, see
+    /// [`crate::TrainerOptions::placement`]).
+    #[serde(
+        default = "crate::placement::resident",
+        skip_serializing_if = "is_resident"
+    )]
+    pub placement: Box<dyn WeightPlacement>,
+}
+
+/// Whether `placement` is the default, [`crate::placement::Resident`] (left out of a
+/// written config).
+#[allow(clippy::borrowed_box)] // serde's `skip_serializing_if` passes the field itself
+fn is_resident(placement: &Box<dyn WeightPlacement>) -> bool {
+    placement.typetag_name() == "resident"
 }
 
 /// `text` without the `offload` key of its `[optimizer]` table (which the optimizer's own
@@ -233,6 +249,7 @@ impl Default for RunConfig {
             accumulation: default_accumulation(),
             observer: default_observer(),
             adapter: None,
+            placement: crate::placement::resident(),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The flags that choose a run's policies (`--precision`, `--recompute`, `--optimizer`,
-//! the offloads, the loss and attention paths), shared by `trainkit train` and `trainkit
+//! the offloads, streamed weights, the loss and attention paths), shared by `trainkit train` and `trainkit
 //! memory`, and the one rule that lays them over a [`RunConfig`].
 
 use super::{set, RunConfig};
@@ -30,6 +30,11 @@ pub struct PolicyFlags {
     /// bring them back for backward (under --recompute full, each layer's input).
     #[arg(long, num_args = 0, default_missing_value = "true")]
     pub offload_activations: Option<bool>,
+    /// Keep the frozen weights (the base of LoRA and QLoRA) in page-locked host memory and
+    /// copy each layer's to the device one layer ahead of its use, freeing it after
+    /// (`[placement] kind = "stream_frozen"`); training is bitwise the same.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub stream_weights: Option<bool>,
     /// adamw, adamw8bit (AdamW with 8-bit moments, about 2 bytes of state per parameter
     /// instead of 8) or sgd; settings the config's optimizer shares with it are kept.
     #[arg(long)]
@@ -71,6 +76,13 @@ impl PolicyFlags {
         set(&mut t.optimizer_in_backward, self.optimizer_in_backward);
         set(&mut t.offload_activations, self.offload_activations);
         set(&mut cfg.optimizer_offload, self.optimizer_offload);
+        match self.stream_weights {
+            Some(true) if cfg.placement.typetag_name() != "stream_frozen" => {
+                cfg.placement = Box::new(crate::placement::StreamFrozen::default());
+            }
+            Some(false) => cfg.placement = crate::placement::resident(),
+            _ => {}
+        }
         if let Some(p) = &self.precision {
             cfg.precision =
                 crate::precision::named(p, false).map_err(|e| e.for_field("--precision"))?;

@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 pub struct MetaBackend {
     ledger: Ledger,
     /// Host memory held for a device ([`Backend::host`]): every tensor is counted under
-    /// [`MemoryCategory::Offloaded`].
+    /// [`MemoryCategory::Offloaded`], streamed weights under [`MemoryCategory::Streamed`].
     for_device: bool,
     /// This backend's [`Backend::host`], made on first use.
     host: OnceLock<Arc<MetaBackend>>,
@@ -45,7 +45,7 @@ impl MetaBackend {
     ) -> Result<Tensor> {
         let len = shape.iter().product();
         let category = if self.for_device {
-            MemoryCategory::Offloaded
+            category.in_host_memory()
         } else {
             category
         };

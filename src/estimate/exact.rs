@@ -62,6 +62,10 @@ pub struct MemoryPrediction {
     pub kept: CategoryBytes,
     /// The activation profile of a micro-batch.
     pub activations: ActivationProfile,
+    /// Bytes of streamed weights copied from host memory to the device in a step
+    /// ([`crate::TrainerOptions::placement`]; 0 when every weight is resident): what the
+    /// host link carries beside the step's FLOPs.
+    pub streamed_bytes_per_step: u64,
 }
 
 impl MemoryPrediction {
@@ -86,7 +90,8 @@ impl MemoryPrediction {
 
     /// The host memory a step holds at its peak: the master weights and optimizer state
     /// of an offloaded optimizer (with one parameter's gradient and compute weights
-    /// while it updates) and offloaded activations, [`MemoryCategory::Offloaded`].
+    /// while it updates) and offloaded activations, [`MemoryCategory::Offloaded`]; and
+    /// streamed weights, [`MemoryCategory::Streamed`].
     pub fn host_bytes(&self) -> u64 {
         self.peak.host()
     }
@@ -229,6 +234,7 @@ pub fn predict_rank(
             recomputed_bytes: later.stash.recomputed_bytes,
             offloaded_bytes: later.stash.offloaded_bytes,
         },
+        streamed_bytes_per_step: later.streamed_bytes,
     })
 }
 

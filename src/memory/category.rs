@@ -1,4 +1,4 @@
-//! What a buffer is for: the seven categories of training memory (six on the device, one
+//! What a buffer is for: the eight categories of training memory (six on the device, two
 //! in host memory held for it).
 
 use serde::{Deserialize, Serialize};
@@ -23,11 +23,16 @@ pub enum MemoryCategory {
     /// their backward ([`crate::Retention::Offload`]). Reported beside the others but not
     /// part of the device's total ([`CategoryBytes::total`]).
     Offloaded,
+    /// Host memory held for the device: weights that live in page-locked host memory
+    /// and are copied to the device ahead of the ops that read them
+    /// ([`crate::placement::Placement::Streamed`]); their copies on the device, while
+    /// there, count as [`MemoryCategory::Weights`]. Not part of the device's total.
+    Streamed,
 }
 
 impl MemoryCategory {
     /// All categories, in the order reports print them.
-    pub const ALL: [MemoryCategory; 7] = [
+    pub const ALL: [MemoryCategory; 8] = [
         MemoryCategory::Weights,
         MemoryCategory::MasterWeights,
         MemoryCategory::Gradients,
@@ -35,12 +40,24 @@ impl MemoryCategory {
         MemoryCategory::Activations,
         MemoryCategory::Workspace,
         MemoryCategory::Offloaded,
+        MemoryCategory::Streamed,
     ];
 
     /// Whether the category's buffers live in device memory (all but
-    /// [`MemoryCategory::Offloaded`], which is host memory).
+    /// [`MemoryCategory::Offloaded`] and [`MemoryCategory::Streamed`], which are host
+    /// memory).
     pub fn on_device(self) -> bool {
-        self != MemoryCategory::Offloaded
+        !matches!(self, MemoryCategory::Offloaded | MemoryCategory::Streamed)
+    }
+
+    /// The category a buffer made as `self` in host memory held for a device is counted
+    /// under: [`MemoryCategory::Streamed`] stays itself, every other category is
+    /// [`MemoryCategory::Offloaded`].
+    pub fn in_host_memory(self) -> MemoryCategory {
+        match self {
+            MemoryCategory::Streamed => MemoryCategory::Streamed,
+            _ => MemoryCategory::Offloaded,
+        }
     }
 
     /// Position in [`MemoryCategory::ALL`].
@@ -58,6 +75,7 @@ impl MemoryCategory {
             MemoryCategory::Activations => "activations",
             MemoryCategory::Workspace => "workspace",
             MemoryCategory::Offloaded => "offloaded",
+            MemoryCategory::Streamed => "streamed",
         }
     }
 }
@@ -70,7 +88,7 @@ impl std::fmt::Display for MemoryCategory {
 
 /// Bytes per category, indexed by [`MemoryCategory::index`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CategoryBytes(pub [u64; 7]);
+pub struct CategoryBytes(pub [u64; 8]);
 
 impl CategoryBytes {
     /// Bytes of one category.
@@ -84,7 +102,8 @@ impl CategoryBytes {
     }
 
     /// Sum over the device's categories: every category but
-    /// [`MemoryCategory::Offloaded`], whose bytes are in host memory ([`Self::host`]).
+    /// [`MemoryCategory::Offloaded`] and [`MemoryCategory::Streamed`], whose bytes are in
+    /// host memory ([`Self::host`]).
     pub fn total(&self) -> u64 {
         self.iter()
             .filter(|(c, _)| c.on_device())
@@ -92,9 +111,13 @@ impl CategoryBytes {
             .sum()
     }
 
-    /// Host memory held for the device: the [`MemoryCategory::Offloaded`] bytes.
+    /// Host memory held for the device: the [`MemoryCategory::Offloaded`] and
+    /// [`MemoryCategory::Streamed`] bytes.
     pub fn host(&self) -> u64 {
-        self.get(MemoryCategory::Offloaded)
+        self.iter()
+            .filter(|(c, _)| !c.on_device())
+            .map(|(_, b)| b)
+            .sum()
     }
 
     /// Element-wise maximum with `other`.

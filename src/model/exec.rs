@@ -28,6 +28,7 @@
 //! executor.
 
 use super::graph::{Graph, Node, Section};
+use super::staging::Staging;
 use super::{Batch, KvCache, Param, Pass, PassStats};
 use crate::checkpoint::{ActivationSite, CheckpointPolicy, Retention, SiteCost};
 use crate::device::{Backend, MetaBackend};
@@ -61,7 +62,31 @@ pub fn forward_backward(
     grad_scale: f32,
     losses: &mut Tensor,
 ) -> Result<PassStats> {
+    let mut staging = Staging::training(graph, pass.params, pass.stream_ahead);
+    let result = train_pass(graph, pass, batch, vocab, grad_scale, losses, &mut staging);
+    staging.finish(pass.params);
+    let mut stats = result?;
+    stats.streamed_bytes = staging.bytes();
+    Ok(stats)
+}
+
+/// [`forward_backward`] with its streamed weights staged by `staging`
+/// ([`Staging::training`]'s schedule: the embedding at position 0, layer `l` forward at
+/// `1 + l`, the head at `n + 1`, layer `l` backward at `2n + 1 - l`, the embedding's
+/// backward at `2n + 2`).
+#[allow(clippy::too_many_arguments)]
+fn train_pass(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    batch: &Batch,
+    vocab: usize,
+    grad_scale: f32,
+    losses: &mut Tensor,
+    staging: &mut Staging,
+) -> Result<PassStats> {
     let ledger = pass.backend.ledger().clone();
+    let backend = pass.backend;
+    let n = graph.layers.len();
     let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     run.offload = pass.offload;
     run.rng_key = pass.rng_key;
@@ -69,17 +94,22 @@ pub fn forward_backward(
     let mut layers: Vec<State> = graph.layers.iter().map(State::new).collect();
 
     ledger.phase_begin(Phase::Embedding);
+    staging.enter(pass.params, backend, 0)?;
     let (mut x, mut embedding) = run.embed_with_shapes(pass.params)?;
+    staging.leave(pass.params, 0);
     ledger.phase_end(Phase::Embedding);
 
     for (l, (sec, st)) in graph.layers.iter().zip(&mut layers).enumerate() {
         ledger.phase_begin(Phase::Forward(l));
+        staging.enter(pass.params, backend, 1 + l)?;
         st.put_input(x);
         x = run.layer_forward(pass.params, sec, st, l)?;
+        staging.leave(pass.params, 1 + l);
         ledger.phase_end(Phase::Forward(l));
     }
 
     ledger.phase_begin(Phase::Loss);
+    staging.enter(pass.params, backend, n + 1)?;
     let (mut head, dlogits) = run.head_loss(pass.params, x, vocab, Some(grad_scale), losses)?;
     let losses: &Tensor = losses;
     let mut ready = pass.grad_ready.as_deref_mut().map(|hook| Ready {
@@ -89,23 +119,28 @@ pub fn forward_backward(
     });
     let dx = run.backward(pass.params, &graph.head, &mut head, dlogits, &mut ready)?;
     let mut dx = dx.ok_or_else(|| missing("the gradient of the last layer's output"))?;
+    staging.leave(pass.params, n + 1);
     ledger.phase_end(Phase::Loss);
 
-    for l in (0..graph.layers.len()).rev() {
+    for l in (0..n).rev() {
+        let at = 2 * n + 1 - l;
         ledger.phase_begin(Phase::Backward(l));
+        staging.enter(pass.params, backend, at)?;
         run.fetch_layer(&mut layers[l])?;
         if l > 0 {
             run.fetch_layer(&mut layers[l - 1])?;
         }
-        run.restore_input(pass.params, &mut layers, l)?;
+        run.restore_input(pass.params, &mut layers, l, staging, at)?;
         let mut st = std::mem::take(&mut layers[l]);
         dx = run
             .backward(pass.params, &graph.layers[l], &mut st, Some(dx), &mut ready)?
             .ok_or_else(|| missing(&format!("the gradient of layer {l}'s input")))?;
+        staging.leave(pass.params, at);
         ledger.phase_end(Phase::Backward(l));
     }
 
     ledger.phase_begin(Phase::EmbeddingBackward);
+    staging.enter(pass.params, backend, 2 * n + 2)?;
     run.backward(
         pass.params,
         &graph.embedding,
@@ -113,8 +148,12 @@ pub fn forward_backward(
         Some(dx),
         &mut ready,
     )?;
+    staging.leave(pass.params, 2 * n + 2);
     ledger.phase_end(Phase::EmbeddingBackward);
-    Ok(PassStats { stash: run.stats })
+    Ok(PassStats {
+        stash: run.stats,
+        streamed_bytes: 0,
+    })
 }
 
 /// The optimizer step inside backward: how many nodes still to run backward read each
@@ -143,16 +182,33 @@ fn uses(graph: &Graph, n: usize) -> Vec<usize> {
 
 /// Forward and loss only: the sum of the per-position losses.
 pub fn loss(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch, vocab: usize) -> Result<f64> {
+    let mut staging = Staging::forward(graph, pass.params, pass.stream_ahead);
+    let result = forward_loss(graph, pass, batch, vocab, &mut staging);
+    staging.finish(pass.params);
+    result
+}
+
+/// [`loss`] with its streamed weights staged by `staging` ([`Staging::forward`]).
+fn forward_loss(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    batch: &Batch,
+    vocab: usize,
+    staging: &mut Staging,
+) -> Result<f64> {
     let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
     run.rng_key = pass.rng_key;
-    let x = run.forward_layers(pass.params)?;
+    let x = run.forward_layers(pass.params, staging)?;
     let mut losses = pass.backend.zeros(
         &[batch.tokens()],
         DType::F32,
         MemoryCategory::Workspace,
         "eval.losses",
     )?;
+    let head = graph.layers.len() + 1;
+    staging.enter(pass.params, pass.backend, head)?;
     run.head_loss(pass.params, x, vocab, None, &mut losses)?;
+    staging.leave(pass.params, head);
     let losses = pass.backend.to_f32(&losses)?;
     Ok(losses.iter().map(|&l| l as f64).sum())
 }
@@ -197,7 +253,21 @@ pub fn logits_cached(
 /// The head's output of `run`'s batch: every layer forward, then the head (the
 /// classifier of a fused loss without the loss).
 fn head_logits(run: &Run<'_>, graph: &Graph, pass: &mut Pass<'_>) -> Result<Vec<f32>> {
-    let x = run.forward_layers(pass.params)?;
+    let mut staging = Staging::forward(graph, pass.params, pass.stream_ahead);
+    let result = staged_head_logits(run, graph, pass, &mut staging);
+    staging.finish(pass.params);
+    result
+}
+
+/// [`head_logits`] with its streamed weights staged by `staging` ([`Staging::forward`]).
+fn staged_head_logits(
+    run: &Run<'_>,
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    staging: &mut Staging,
+) -> Result<Vec<f32>> {
+    let x = run.forward_layers(pass.params, staging)?;
+    staging.enter(pass.params, pass.backend, graph.layers.len() + 1)?;
     let mut st = State::new(&graph.head);
     st.put_input(x);
     run.forward_all(pass.params, &graph.head, &mut st)?;
@@ -544,16 +614,21 @@ impl<'r> Run<'r> {
         Ok((x, kept))
     }
 
-    /// Embedding and every layer, forward only: the last layer's output.
-    fn forward_layers(&self, params: &[Param]) -> Result<Tensor> {
+    /// Embedding and every layer, forward only, their streamed weights staged by
+    /// `staging` ([`Staging::forward`]): the last layer's output.
+    fn forward_layers(&self, params: &mut [Param], staging: &mut Staging) -> Result<Tensor> {
+        staging.enter(params, self.backend, 0)?;
         let mut x = self.embed(params)?;
-        for sec in &self.graph.layers {
+        staging.leave(params, 0);
+        for (l, sec) in self.graph.layers.iter().enumerate() {
+            staging.enter(params, self.backend, Staging::layer(l))?;
             let mut st = State::new(sec);
             st.put_input(x);
             self.forward_all(params, sec, &mut st)?;
             x = st.stash[sec.output]
                 .take()
                 .ok_or_else(|| missing("a layer's output"))?;
+            staging.leave(params, Staging::layer(l));
         }
         Ok(x)
     }
@@ -644,7 +719,14 @@ impl<'r> Run<'r> {
     /// Makes layer `l`'s input present: if the policy dropped it, reruns the layers from
     /// the nearest kept input before it (or the embedding), keeping what they produce for
     /// their own backward.
-    fn restore_input(&mut self, params: &[Param], layers: &mut [State], l: usize) -> Result<()> {
+    fn restore_input(
+        &mut self,
+        params: &mut [Param],
+        layers: &mut [State],
+        l: usize,
+        staging: &mut Staging,
+        at: usize,
+    ) -> Result<()> {
         self.fetch(&mut layers[l], 0)?;
         if layers[l].stash[0].is_some() {
             return Ok(());
@@ -652,7 +734,9 @@ impl<'r> Run<'r> {
         let start = match (0..l).rev().find(|&j| layers[j].holds(0)) {
             Some(j) => j,
             None => {
+                staging.borrow(params, self.backend, 0)?;
                 let x = self.embed(params)?;
+                staging.give_back(params, 0, at);
                 self.stats.recomputed_bytes += x.bytes();
                 layers[0].stash[0] = Some(x);
                 0
@@ -660,7 +744,9 @@ impl<'r> Run<'r> {
         };
         for i in start..l {
             let sec = &self.graph.layers[i];
+            staging.borrow(params, self.backend, Staging::layer(i))?;
             self.ensure(params, sec, &mut layers[i], sec.output)?;
+            staging.give_back(params, Staging::layer(i), at);
             let x = layers[i].stash[sec.output]
                 .take()
                 .ok_or_else(|| missing("a layer's output"))?;

@@ -17,6 +17,7 @@ mod qwen2;
 mod qwen3;
 mod shape;
 mod shape_flags;
+mod staging;
 
 pub use crate::param::{Init, Param, ParamInit};
 pub use decoder::Decoder;
@@ -69,6 +70,10 @@ pub struct Pass<'a> {
     /// with the node's name ([`crate::ops::ForwardCx::rng_key`]). `None` for a pass that
     /// draws nothing: evaluation, sampling.
     pub rng_key: Option<u64>,
+    /// Sections whose streamed weights ([`Param::streamed`]) are copied to the device
+    /// ahead of the one running ([`crate::WeightPlacement::ahead`]); no effect when no
+    /// weight streams.
+    pub stream_ahead: usize,
 }
 
 /// The hook of [`Pass::grad_ready`]: the parameters, the index of one whose gradient is
@@ -148,6 +153,9 @@ impl Batch {
 pub struct PassStats {
     /// Activation bytes kept and dropped by the checkpoint policy in forward.
     pub stash: StashStats,
+    /// Bytes of streamed weights copied from host memory to the device
+    /// ([`crate::placement::Placement::Streamed`]).
+    pub streamed_bytes: u64,
 }
 
 /// A language model trainable by [`crate::Trainer`]: it creates its parameters and runs

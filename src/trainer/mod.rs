@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryObserver, PeakTracker};
 use crate::model::{Batch, Model, Param, Pass, StashStats};
 use crate::optim::{AdamW, LrSchedule, Optimizer};
+use crate::placement::{self, WeightPlacement};
 use crate::precision::{Fp32, Precision};
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
@@ -37,8 +38,8 @@ pub struct Evaluation {
     pub batches: usize,
 }
 
-/// Settings of the loop that are not policies.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// Settings of the loop, and where its weights live ([`TrainerOptions::placement`]).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainerOptions {
     /// Global-norm gradient clipping threshold (0 = off).
@@ -90,6 +91,11 @@ pub struct TrainerOptions {
     /// its gradients, while backward goes on (25 MiB, PyTorch DDP's default); 0 sums each
     /// gradient after backward instead. The sums are the same either way.
     pub bucket_bytes: usize,
+    /// Where each weight lives between the sections that read it
+    /// ([`crate::placement`]): on the device ([`crate::placement::Resident`], the
+    /// default), or streamed from page-locked host memory ahead of its readers
+    /// ([`crate::placement::StreamFrozen`]). Training is bitwise the same either way.
+    pub placement: Box<dyn WeightPlacement>,
 }
 
 /// The default [`TrainerOptions::bucket_bytes`]: 25 MiB.
@@ -112,6 +118,7 @@ impl Default for TrainerOptions {
             optimizer_offload: false,
             zero_stage: 0,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            placement: crate::placement::resident(),
         }
     }
 }
@@ -195,6 +202,11 @@ pub struct StepStats {
     /// micro-batches).
     #[serde(skip)]
     pub stash: StashStats,
+    /// Bytes of streamed weights copied from host memory to the device during the step
+    /// (summed over micro-batches; 0 when every weight is resident,
+    /// [`TrainerOptions::placement`]).
+    #[serde(default)]
+    pub streamed_bytes: u64,
 }
 
 fn one() -> f32 {
@@ -370,6 +382,13 @@ where
         self
     }
 
+    /// Sets where the weights live ([`TrainerOptions::placement`]): `StreamFrozen` keeps
+    /// the frozen base in host memory and streams it to the device ahead of its readers.
+    pub fn placement(mut self, placement: impl WeightPlacement + 'static) -> Self {
+        self.options.placement = Box::new(placement);
+        self
+    }
+
     /// Trains as one rank of a data-parallel job over `collective` (the default is
     /// [`Single`], one process alone): each rank reads its share of every global batch,
     /// the gradients are summed across ranks before the update and the loss is divided by
@@ -494,11 +513,38 @@ where
         };
         backend.ledger().set_recording(true);
         let mut rng = Rng::new(options.seed);
-        let params = model
-            .init_params()
+        let specs = model.init_params();
+        let streamed = placement::streamed(
+            options.placement.as_ref(),
+            &specs,
+            precision.compute_dtype(),
+        );
+        let stream = if streamed.iter().any(|&s| s) {
+            let home = backend.host().ok_or_else(|| {
+                let name = specs
+                    .iter()
+                    .zip(&streamed)
+                    .find(|(_, &s)| s)
+                    .map_or("", |(p, _)| p.name.as_str());
+                crate::param::no_host_to_stream(backend.as_ref(), name)
+            })?;
+            Some(home)
+        } else {
+            None
+        };
+        let params = specs
             .iter()
-            .map(|p| {
-                Param::init_with_host(backend.as_ref(), host.as_ref(), p, &mut rng, &precision)
+            .zip(&streamed)
+            .map(|(p, &s)| {
+                let stream = stream.as_ref().filter(|_| s);
+                Param::init_placed(
+                    backend.as_ref(),
+                    host.as_ref(),
+                    stream,
+                    p,
+                    &mut rng,
+                    &precision,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         let mut trainer = Trainer {
@@ -535,6 +581,8 @@ where
             if only.is_some_and(|o| !o.contains(&name)) {
                 continue;
             }
+            // A streamed base weight is brought to the device for the norm alone.
+            self.params[m.weight].stage(be)?;
             let n = crate::ops::lora::dora::weight_norm(
                 be,
                 self.params[m.weight].weight(),
@@ -543,8 +591,9 @@ where
                 m.scale,
                 m.block,
                 &name,
-            )?;
-            let values = be.to_f32(&n)?;
+            );
+            self.params[m.weight].unstage();
+            let values = be.to_f32(&n?)?;
             self.params[m.param].set_value(be, &values)?;
         }
         Ok(())
@@ -708,6 +757,7 @@ where
             offload: false,
             grad_ready: None,
             rng_key,
+            stream_ahead: self.options.placement.ahead(),
         };
         (self.model.as_ref(), pass)
     }

@@ -50,6 +50,8 @@ pub(super) fn check(
         grad_ready: None,
         // A training pass: dropout draws (its transient buffers counted), any key will do.
         rng_key: Some(0),
+        // The probe's parameters are all resident.
+        stream_ahead: 1,
     };
     let stats = model.forward_backward(&mut pass, &batch, 1.0, &mut losses)?;
     if stats.stash.offloaded_bytes > 0 {

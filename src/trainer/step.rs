@@ -12,7 +12,7 @@ use crate::collective::{all_reduce_tensor, broadcast_tensor};
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
-use crate::model::{Batch, Param, Pass, StashStats};
+use crate::model::{Batch, Param, Pass, PassStats};
 use crate::optim::{guard, Optimizer, StepRecord};
 use crate::precision::Precision;
 use crate::tensor::{DType, Tensor};
@@ -93,7 +93,7 @@ where
             all_finite: true,
         };
         let mut buckets = self.buckets(be);
-        let stash = self.micro_batches(
+        let pass = self.micro_batches(
             be,
             &plan,
             batches,
@@ -107,7 +107,7 @@ where
             self.receive_updates(be)?;
         }
         self.keep_books(&plan, &record)?;
-        Ok(self.report(be, &plan, &record, stash, start))
+        Ok(self.report(be, &plan, &record, pass, start))
     }
 
     /// The step's plan (scales and learning rate) and its micro-batches, read up front:
@@ -184,7 +184,7 @@ where
         buffers: &mut Buffers,
         inside: &mut InBackward,
         mut buckets: Option<&mut Buckets>,
-    ) -> Result<StashStats> {
+    ) -> Result<PassStats> {
         let ledger = be.ledger().clone();
         let host = self.host_for_offload()?;
         let (step, seed) = (self.step + 1, self.options.seed);
@@ -206,7 +206,7 @@ where
                 let host = host.as_deref();
                 Updater::start(scope, be, host, optimizer, (plan.lr, step, seed))
             });
-            let mut stash = StashStats::default();
+            let mut totals = PassStats::default();
             for (j, batch) in batches.into_iter().enumerate() {
                 ledger.phase_begin(Phase::MicroBatch(j));
                 let record = &mut buffers.record;
@@ -241,6 +241,7 @@ where
                     // Numbered in the global step, as one process accumulating every
                     // rank's micro-batches would number them.
                     rng_key: Some(micro_batch_key(seed, step, first + j)),
+                    stream_ahead: options.placement.ahead(),
                 };
                 let s = model.forward_backward(
                     &mut pass,
@@ -248,10 +249,12 @@ where
                     plan.grad_scale,
                     &mut buffers.losses,
                 )?;
+                let stash = &mut totals.stash;
                 stash.kept_bytes += s.stash.kept_bytes;
                 stash.dropped_bytes += s.stash.dropped_bytes;
                 stash.recomputed_bytes += s.stash.recomputed_bytes;
                 stash.offloaded_bytes += s.stash.offloaded_bytes;
+                totals.streamed_bytes += s.streamed_bytes;
                 if j + 1 == plan.k {
                     // The last update in flight is back before the micro-batch ends.
                     if let Some(u) = updater.take() {
@@ -263,7 +266,7 @@ where
                     observer.on_event(&e);
                 }
             }
-            Ok(stash)
+            Ok(totals)
         })
     }
 
@@ -443,7 +446,7 @@ where
         be: &dyn Backend,
         plan: &Plan,
         r: &StepRecord,
-        stash: StashStats,
+        pass: PassStats,
         start: Instant,
     ) -> StepStats {
         let ledger = be.ledger().clone();
@@ -482,7 +485,8 @@ where
             hardware_flops: snap.flops,
             mfu: utilisation(model_flops),
             hfu: utilisation(snap.flops as f64),
-            stash,
+            stash: pass.stash,
+            streamed_bytes: pass.streamed_bytes,
         }
     }
 }

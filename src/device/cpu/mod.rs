@@ -111,7 +111,7 @@ impl CpuBackend {
     /// The category a tensor made as `category` is counted under.
     fn place(&self, category: MemoryCategory) -> MemoryCategory {
         if self.for_device {
-            MemoryCategory::Offloaded
+            category.in_host_memory()
         } else {
             category
         }
@@ -155,11 +155,7 @@ impl CpuBackend {
         label: &str,
         zero: bool,
     ) -> Result<Tensor> {
-        // Weights and gradients cross to the device: locked where the pool locks buffers.
-        let crosses = matches!(
-            category,
-            MemoryCategory::Weights | MemoryCategory::Gradients
-        );
+        let crosses = crosses(category);
         let category = self.place(category);
         let n: usize = shape.iter().product();
         let bytes = dtype.bytes(n) as u64;
@@ -205,12 +201,18 @@ impl CpuBackend {
                     vec![f16::ZERO; n]
                 }
             }),
-            DType::U8 => Storage::U8(vec![0; n]),
-            DType::Nf4(parts) => Storage::Nf4 {
-                bytes: vec![0; dtype.bytes(n)],
-                len: n,
-                parts,
-            },
+            DType::U8 => {
+                fresh = true;
+                Storage::U8(vec![0; n])
+            }
+            DType::Nf4(parts) => {
+                fresh = true;
+                Storage::Nf4 {
+                    bytes: vec![0; dtype.bytes(n)],
+                    len: n,
+                    parts,
+                }
+            }
         };
         let t = Tensor::new(storage, shape, category, label, &self.ledger)?
             .with_pool(self.pool.clone());
@@ -220,6 +222,15 @@ impl CpuBackend {
         }
         Ok(t)
     }
+}
+
+/// Whether tensors of `category` cross between host memory held for a device and the
+/// device (weights, streamed weights and gradients): locked where the pool locks buffers.
+fn crosses(category: MemoryCategory) -> bool {
+    matches!(
+        category,
+        MemoryCategory::Weights | MemoryCategory::Gradients | MemoryCategory::Streamed
+    )
 }
 
 /// The bytes of a host tensor's elements, laid out as on a device (little-endian
@@ -491,13 +502,21 @@ impl Backend for CpuBackend {
         category: MemoryCategory,
         label: &str,
     ) -> Result<Tensor> {
-        Tensor::new(
+        let t = Tensor::new(
             host_storage(Cow::Borrowed(data), dtype),
             shape,
             self.place(category),
             label,
             &self.ledger,
-        )
+        )?;
+        if !self.for_device || !crosses(category) {
+            return Ok(t);
+        }
+        // Host memory held for a device, which copies it over: locked where the pool
+        // locks buffers, as `alloc` locks them.
+        let t = t.with_pool(self.pool.clone());
+        self.pool.pin(t.storage());
+        Ok(t)
     }
 
     fn to_f32_kernel(&self, t: &Tensor) -> Result<Vec<f32>> {

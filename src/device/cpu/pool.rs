@@ -159,10 +159,13 @@ impl BufferPool {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
             Storage::F16(v) => v.len() * 2,
-            // Codes are few and long-lived (optimizer state): not worth caching.
-            Storage::U8(_) | Storage::Nf4 { .. } | Storage::Device(_) | Storage::Meta { .. } => {
-                return
+            // Codes are few and long-lived (optimizer state, NF4 weights): not worth
+            // caching, but unlocked when locked.
+            Storage::U8(_) | Storage::Nf4 { .. } => {
+                self.unpin(&storage);
+                return;
             }
+            Storage::Device(_) | Storage::Meta { .. } => return,
         } as u64;
         if bytes == 0 {
             return;

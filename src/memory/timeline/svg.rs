@@ -23,6 +23,7 @@ fn category_color(c: MemoryCategory) -> RGBColor {
         MemoryCategory::Activations => RGBColor(89, 161, 79),
         MemoryCategory::Workspace => RGBColor(237, 201, 73),
         MemoryCategory::Offloaded => RGBColor(186, 176, 172),
+        MemoryCategory::Streamed => RGBColor(156, 117, 95),
     }
 }
 

@@ -104,6 +104,7 @@ pub(super) fn trainkit_exact(
     (attention, loss, loss_chunk): Paths,
     adapter: Option<&(dyn trainkit::Adapter + 'static)>,
     ranks: super::Ranks,
+    placement: &(dyn trainkit::WeightPlacement + 'static),
 ) -> Result<Option<MemoryPrediction>> {
     let Some(model) = exact_model(subject, seq_len, (attention, loss, loss_chunk), adapter)? else {
         return Ok(None);
@@ -121,6 +122,7 @@ pub(super) fn trainkit_exact(
     options.offload_activations = offload_activations;
     options.optimizer_offload = optimizer_offload;
     options.zero_stage = ranks.zero;
+    options.placement = dyn_clone::clone_box(placement);
     // Rank 0 of the job: under ZeRO-1 it owns the first parameters, and at least as many
     // elements as any other rank but one parameter's.
     let rank = trainkit::collective::Rehearsal::new(0, usize_of(ranks.world))?;

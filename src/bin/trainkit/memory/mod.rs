@@ -273,6 +273,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             paths,
             adapter,
             ranks,
+            cfg.placement.as_ref(),
         )
     };
     let exact = exact_with(offload_activations)?;
@@ -310,6 +311,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
                     paths,
                     adapter,
                     ranks,
+                    cfg.placement.as_ref(),
                 )?;
                 Ok(p.map(|p| p.peak.get(MemoryCategory::Activations)))
             })?;

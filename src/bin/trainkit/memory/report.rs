@@ -81,6 +81,9 @@ pub fn json(f: &Figures) {
             "offload_activations": offload_activations,
             "optimizer_offload": optimizer_offload,
             "offloaded_bytes": p.peak.get(MemoryCategory::Offloaded),
+            "stream_weights": p.peak.get(MemoryCategory::Streamed) > 0,
+            "streamed_bytes": p.peak.get(MemoryCategory::Streamed),
+            "streamed_bytes_per_step": p.streamed_bytes_per_step,
             "host_bytes": p.host_bytes(),
             "peak_total_bytes_without_offload": kept.as_ref().map(|k| k.peak_total),
             "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
@@ -331,6 +334,10 @@ pub fn table(f: &Figures) {
                     ", optimizer offloaded (master weights and state in host memory)",
                 ),
                 (offload_activations, ", activations offloaded"),
+                (
+                    p.peak.get(MemoryCategory::Streamed) > 0,
+                    ", frozen weights streamed from host memory",
+                ),
             ]
             .iter()
             .filter(|(on, _)| *on)
@@ -352,10 +359,11 @@ pub fn table(f: &Figures) {
         );
         if p.host_bytes() > 0 {
             println!(
-                "  host memory {} GiB at its peak (the offloaded category)",
+                "  host memory {} GiB at its peak (the offloaded and streamed categories)",
                 gib(p.host_bytes())
             );
         }
+        print_streaming(p, "  ");
         if let Some(k) = kept {
             println!(
                 "  offloading saves {} GiB of device memory (peak {} GiB without it, {} GiB \
@@ -401,7 +409,7 @@ pub(super) fn print_exact_table(
     println!("{:<16} {:>12} {:>12}", "category", "GiB", "GB");
     for c in MemoryCategory::ALL {
         let b = p.peak.get(c);
-        if b > 0 && c != MemoryCategory::Offloaded {
+        if b > 0 && c.on_device() {
             println!("{:<16} {:>12} {:>12}", c.name(), gib(b), gb(b));
         }
     }
@@ -420,13 +428,20 @@ pub(super) fn print_exact_table(
             "host",
             gib(p.host_bytes()),
             gb(p.host_bytes()),
-            if optimizer_offload {
-                " (the optimizer's side)"
-            } else {
-                " (offloaded activations)"
+            match (
+                optimizer_offload,
+                p.peak.get(MemoryCategory::Offloaded) > 0,
+                p.peak.get(MemoryCategory::Streamed) > 0,
+            ) {
+                (true, _, false) => " (the optimizer's side)",
+                (true, _, true) => " (the optimizer's side and the streamed weights)",
+                (false, true, true) => " (offloaded activations and the streamed weights)",
+                (false, false, true) => " (the streamed weights)",
+                (false, _, false) => " (offloaded activations)",
             }
         );
     }
+    print_streaming(p, "");
     if let Some(k) = kept {
         println!(
             "offloading the activations saves {} GiB of device memory (peak {} GiB without it)",
@@ -434,6 +449,24 @@ pub(super) fn print_exact_table(
             gib(k.peak_total),
         );
     }
+}
+
+/// The streamed weights' line: what host memory holds of them and what a step copies
+/// to the device (the transfer the link must carry while the step computes).
+fn print_streaming(p: &MemoryPrediction, indent: &str) {
+    let streamed = p.peak.get(MemoryCategory::Streamed);
+    if streamed == 0 {
+        return;
+    }
+    println!(
+        "{indent}streamed weights: {} GiB in page-locked host memory; {} GiB copied to the \
+         device per step ({} GB: at 25 GB/s, PCIe 4.0 x16, {:.2} s of copies to hide \
+         behind the step's compute)",
+        gib(streamed),
+        gib(p.streamed_bytes_per_step),
+        gb(p.streamed_bytes_per_step),
+        p.streamed_bytes_per_step as f64 / 25e9
+    );
 }
 
 /// The table of what each technique saves.

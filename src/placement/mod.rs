@@ -1,0 +1,187 @@
+//! `WeightPlacement`: where each weight lives between the ops that read it, and the
+//! shipped policies.
+//!
+//! A weight is [`Placement::Resident`] (on the device for the whole run, as every tool
+//! keeps it) or [`Placement::Streamed`]: kept in page-locked host memory (the ledger's
+//! [`crate::MemoryCategory::Streamed`]) and copied to the device on the copy stream a few
+//! sections ahead of the section that reads it ([`WeightPlacement::ahead`]: the
+//! embedding, each layer and the head are sections), then freed once that section is
+//! done, in forward, in recomputation and in backward alike. The device then holds the
+//! streamed weights of `ahead + 1` sections at a time instead of the whole model's, and
+//! every step moves them over the host link once forward and once backward
+//! ([`crate::model::PassStats::streamed_bytes`]). NF4 weights stay packed in transit.
+//!
+//! Training is bitwise the same either way: the copies carry the weights' bytes as they
+//! are, and each op waits for its weights' copy before it reads them.
+//!
+//! Only frozen weights stream today (the base of LoRA, QLoRA and DoRA): a policy that
+//! streams a weight that trains is refused by [`crate::Trainer::new`].
+
+use crate::param::ParamInit;
+use crate::tensor::DType;
+use dyn_clone::DynClone;
+use serde::{Deserialize, Serialize};
+use std::fmt::Debug;
+
+/// Where one weight lives between its readers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// On the device for the whole run.
+    Resident,
+    /// In page-locked host memory, copied to the device ahead of the section that reads
+    /// it and freed after.
+    Streamed,
+}
+
+/// What a [`WeightPlacement`] decides on: one parameter of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightSite<'a> {
+    /// The parameter's name (Hugging Face's, e.g. `model.layers.3.mlp.up_proj.weight`).
+    pub name: &'a str,
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// Bytes of its weights as stored (NF4 packed, bf16, f32).
+    pub bytes: u64,
+    /// Whether it trains (a frozen base weight of LoRA or QLoRA does not).
+    pub trains: bool,
+}
+
+/// Decides where every weight lives: on the device, or streamed from host memory.
+///
+/// Serializable by its `kind` tag like the other policies (`[placement] kind =
+/// "stream_frozen"` in a config file); a policy written in another crate deserializes
+/// once it is linked in.
+#[typetag::serde(tag = "kind")]
+pub trait WeightPlacement: DynClone + Debug + Send + Sync {
+    /// Where the weight at `site` lives.
+    fn place(&self, site: &WeightSite<'_>) -> Placement;
+
+    /// How many sections ahead of the one running the streamed weights are copied (1: the
+    /// next layer's weights travel while this one computes). The device holds the
+    /// streamed weights of `ahead + 1` sections at a time.
+    fn ahead(&self) -> usize {
+        1
+    }
+}
+
+dyn_clone::clone_trait_object!(WeightPlacement);
+
+impl<'a> WeightPlacement for Box<dyn WeightPlacement + 'a> {
+    fn place(&self, site: &WeightSite<'_>) -> Placement {
+        (**self).place(site)
+    }
+    fn ahead(&self) -> usize {
+        (**self).ahead()
+    }
+    #[doc(hidden)]
+    fn typetag_name(&self) -> &'static str {
+        (**self).typetag_name()
+    }
+    #[doc(hidden)]
+    fn typetag_deserialize(&self) {}
+}
+
+/// Every weight on the device for the whole run (the default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resident;
+
+#[typetag::serde(name = "resident")]
+impl WeightPlacement for Resident {
+    fn place(&self, _site: &WeightSite<'_>) -> Placement {
+        Placement::Resident
+    }
+}
+
+/// Every frozen weight streamed from page-locked host memory, `ahead` sections ahead of
+/// its readers (the base of LoRA, QLoRA and DoRA: a 70B model's NF4 base is ~35 GiB of
+/// host memory and two layers', ~0.9 GiB, on the device); weights that train stay on the
+/// device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamFrozen {
+    /// Sections copied ahead of the one running (at least 1 to overlap the copies with
+    /// compute; 0 copies each section's weights when it starts).
+    pub ahead: usize,
+}
+
+impl Default for StreamFrozen {
+    fn default() -> Self {
+        StreamFrozen { ahead: 1 }
+    }
+}
+
+#[typetag::serde(name = "stream_frozen")]
+impl WeightPlacement for StreamFrozen {
+    fn place(&self, site: &WeightSite<'_>) -> Placement {
+        if site.trains {
+            Placement::Resident
+        } else {
+            Placement::Streamed
+        }
+    }
+
+    fn ahead(&self) -> usize {
+        self.ahead
+    }
+}
+
+/// The default placement: [`Resident`].
+pub fn resident() -> Box<dyn WeightPlacement> {
+    Box::new(Resident)
+}
+
+/// Which of the parameters `specs` declares `placement` streams, in their order; `compute`
+/// is the dtype weights are kept in where a parameter declares none of its own.
+pub fn streamed(placement: &dyn WeightPlacement, specs: &[ParamInit], compute: DType) -> Vec<bool> {
+    specs
+        .iter()
+        .map(|spec| {
+            let dtype = spec.dtype.unwrap_or(compute);
+            let site = WeightSite {
+                name: &spec.name,
+                shape: &spec.shape,
+                bytes: dtype.bytes(spec.numel()) as u64,
+                trains: spec.trains,
+            };
+            placement.place(&site) == Placement::Streamed
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn site(trains: bool) -> WeightSite<'static> {
+        WeightSite {
+            name: "model.layers.0.mlp.up_proj.weight",
+            shape: &[8, 4],
+            bytes: 64,
+            trains,
+        }
+    }
+
+    #[test]
+    fn stream_frozen_streams_what_does_not_train() {
+        let p = StreamFrozen::default();
+        assert_eq!(p.place(&site(false)), Placement::Streamed);
+        assert_eq!(p.place(&site(true)), Placement::Resident);
+        assert_eq!(p.ahead(), 1);
+        assert_eq!(Resident.place(&site(false)), Placement::Resident);
+    }
+
+    #[test]
+    fn policies_round_trip_through_their_kind() {
+        let p: Box<dyn WeightPlacement> = Box::new(StreamFrozen { ahead: 2 });
+        let text = toml::to_string(&p).unwrap();
+        assert!(text.contains("kind = \"stream_frozen\""), "{text}");
+        let back: Box<dyn WeightPlacement> = toml::from_str(&text).unwrap();
+        assert_eq!(back.ahead(), 2);
+        assert_eq!(back.typetag_name(), "stream_frozen");
+        let err = toml::from_str::<Box<dyn WeightPlacement>>("kind = \"stream_frozen\"\nahed = 2")
+            .unwrap_err();
+        assert!(err.to_string().contains("ahed"), "{err}");
+    }
+}

@@ -1,0 +1,330 @@
+//! Weights streamed from host memory ([`trainkit::placement`]): the frozen base of LoRA
+//! and QLoRA lives in host memory (the ledger's `streamed`) and comes to the device a
+//! section ahead of its readers; training is bitwise the resident run under every
+//! precision and recompute policy (a layer rerun out of turn included), offloaded
+//! activations, evaluation and sampling; the device holds two layers' base instead of the
+//! model's; the exact prediction equals the ledger; and a weight that trains is refused.
+
+mod common;
+
+use common::{corpus_loader, cpu, tiny_config, values, EveryOtherInput};
+use std::sync::Arc;
+use trainkit::estimate::{predict_with, MicroBatch};
+use trainkit::placement::Resident;
+use trainkit::placement::{Placement, WeightSite};
+use trainkit::trainer::SamplingOptions;
+use trainkit::{
+    AdamW, Adapter, CheckpointPolicy, Fp32, Full, Gpt2, Llama, Lora, MemoryCategory, MixedBf16,
+    Model, NoRecompute, Precision, Rng, Selective, StreamFrozen, Trainer, TrainerOptions,
+    WeightPlacement,
+};
+
+const ALL: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// Llama with LoRA on every projection, QLoRA (an NF4 base) likewise, and GPT-2 (tied
+/// embeddings: the head reads the embedding's table) with LoRA on its projections.
+const MODELS: [&str; 3] = ["llama-lora", "llama-qlora", "gpt2-lora"];
+
+fn model(what: &str) -> Box<dyn Model> {
+    let lora = |targets: &[&str]| Lora::new(4, 8.0, targets).unwrap();
+    let (base, adapter): (Box<dyn Model>, Lora) = match what {
+        "llama-lora" => (
+            Box::new(Llama::new(common::tiny_llama_config()).unwrap()),
+            lora(&ALL),
+        ),
+        "llama-qlora" => (
+            Box::new(Llama::new(common::tiny_llama_config()).unwrap()),
+            lora(&ALL).with_nf4_base(),
+        ),
+        _ => (
+            Box::new(Gpt2::new(tiny_config()).unwrap()),
+            lora(&["c_attn", "c_proj", "c_fc"]),
+        ),
+    };
+    base.with_adapter(Arc::new(adapter) as Arc<dyn Adapter>)
+        .unwrap()
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|x| x.iter().map(|f| f.to_bits()).collect())
+        .collect()
+}
+
+/// Losses, weights after two steps, the evaluation loss and the bytes streamed per step.
+type Outcome = (Vec<f64>, Vec<Vec<f32>>, f64, u64);
+
+fn train(
+    what: &str,
+    precision: Box<dyn Precision>,
+    policy: Box<dyn CheckpointPolicy>,
+    placement: Box<dyn WeightPlacement>,
+    offload: bool,
+) -> Outcome {
+    let options = TrainerOptions {
+        offload_activations: offload,
+        placement,
+        ..TrainerOptions::default()
+    };
+    let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(policy)
+        .options(options)
+        .build()
+        .unwrap();
+    let mut losses = Vec::new();
+    let mut streamed = 0;
+    for _ in 0..2 {
+        let s = t.step().unwrap();
+        losses.push(s.loss);
+        streamed = s.streamed_bytes;
+    }
+    let batch = corpus_loader(20_000, 5, 2, 16).next_batch();
+    let eval = t.loss_on(&batch).unwrap();
+    (losses, values(&t), eval, streamed)
+}
+
+#[test]
+fn streamed_training_is_bitwise_the_resident_one() {
+    let policies = || {
+        [
+            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+            Box::new(Full),
+            Box::new(Selective),
+            Box::new(EveryOtherInput),
+        ]
+    };
+    for what in MODELS {
+        for precision in [
+            Box::new(Fp32) as Box<dyn Precision>,
+            Box::new(MixedBf16 { fp32_grads: true }),
+        ] {
+            for policy in policies() {
+                let label = format!("{what} {precision:?} {policy:?}");
+                let resident = train(
+                    what,
+                    precision.clone(),
+                    policy.clone(),
+                    Box::new(Resident),
+                    false,
+                );
+                assert_eq!(resident.3, 0, "{label}: nothing streams when resident");
+                for ahead in [0, 1, 2] {
+                    let streamed = train(
+                        what,
+                        precision.clone(),
+                        policy.clone(),
+                        Box::new(StreamFrozen { ahead }),
+                        false,
+                    );
+                    let label = format!("{label} ahead {ahead}");
+                    assert_eq!(streamed.0, resident.0, "{label}: losses");
+                    assert!(bits(&streamed.1) == bits(&resident.1), "{label}: weights");
+                    assert_eq!(streamed.2.to_bits(), resident.2.to_bits(), "{label}: eval");
+                    assert!(streamed.3 > 0, "{label}: the base streams");
+                }
+            }
+        }
+        // Offloaded activations (full recomputation's layer inputs) stream beside it.
+        let resident = train(
+            what,
+            Box::new(Fp32),
+            Box::new(Full),
+            Box::new(Resident),
+            true,
+        );
+        let streamed = train(
+            what,
+            Box::new(Fp32),
+            Box::new(Full),
+            Box::new(StreamFrozen::default()),
+            true,
+        );
+        assert_eq!(streamed.0, resident.0, "{what} offloaded: losses");
+        assert!(bits(&streamed.1) == bits(&resident.1), "{what} offloaded");
+    }
+}
+
+/// The section a parameter is read in, by its name: the embedding, layer `i`, the head.
+fn section(name: &str) -> String {
+    let mut parts = name.split('.');
+    while let Some(p) = parts.next() {
+        if p == "layers" || p == "h" {
+            return format!("layer {}", parts.next().unwrap_or(""));
+        }
+    }
+    if name.contains("embed_tokens") || name.contains("wte") || name.contains("wpe") {
+        "embedding".into()
+    } else {
+        "head".into()
+    }
+}
+
+/// The base lives in host memory, counted as streamed; the device holds the adapters and
+/// at most two sections' base at a time (one section ahead), far less than the whole
+/// base; the step's copies move the base twice (forward and backward).
+#[test]
+fn the_device_holds_two_sections_of_the_base() {
+    for what in ["llama-lora", "llama-qlora"] {
+        let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16 { fp32_grads: true })
+            .checkpoint(Full)
+            .placement(StreamFrozen::default())
+            .build()
+            .unwrap();
+        let s = t.step().unwrap();
+        let frozen: u64 = t
+            .params()
+            .iter()
+            .filter(|p| !p.trains())
+            .map(|p| p.weight().bytes())
+            .sum();
+        let trained: u64 = t
+            .params()
+            .iter()
+            .filter(|p| p.trains())
+            .map(|p| p.weight().bytes())
+            .sum();
+        assert!(t.params().iter().all(|p| p.streamed() != p.trains()));
+        assert!(
+            t.params().iter().all(|p| !p.staged()),
+            "{what}: freed after"
+        );
+        let mut by_section = std::collections::BTreeMap::<String, u64>::new();
+        for p in t.params().iter().filter(|p| !p.trains()) {
+            *by_section.entry(section(p.name())).or_default() += p.weight().bytes();
+        }
+        let mut largest: Vec<u64> = by_section.values().copied().collect();
+        largest.sort_unstable();
+        let two = largest.iter().rev().take(2).sum::<u64>();
+        let peak = &s.memory.peak;
+        assert_eq!(peak.get(MemoryCategory::Streamed), frozen, "{what}");
+        assert_eq!(peak.get(MemoryCategory::Offloaded), 0, "{what}");
+        let device_weights = peak.get(MemoryCategory::Weights);
+        assert!(
+            device_weights <= trained + two && device_weights < trained + frozen,
+            "{what}: {device_weights} on the device, adapters {trained}, two sections {two}, \
+             base {frozen}"
+        );
+        // Forward and backward read every section: the base crosses twice, but for the
+        // head, whose backward follows its forward at once.
+        assert_eq!(s.streamed_bytes, 2 * frozen - by_section["head"], "{what}");
+    }
+}
+
+/// The meta run predicts the streamed run's ledger exactly: every category's peak
+/// (streamed host bytes and the staged copies on the device) and the total.
+#[test]
+fn the_exact_prediction_knows_streaming() {
+    for what in MODELS {
+        for policy in [
+            Box::new(NoRecompute) as Box<dyn CheckpointPolicy>,
+            Box::new(Full),
+            Box::new(EveryOtherInput),
+        ] {
+            let precision = MixedBf16 { fp32_grads: false };
+            let options = TrainerOptions {
+                placement: Box::new(StreamFrozen::default()),
+                ..TrainerOptions::default()
+            };
+            let micro = MicroBatch {
+                batch_size: 2,
+                seq_len: 16,
+            };
+            let predicted = predict_with(
+                model(what),
+                micro,
+                &precision,
+                policy.as_ref(),
+                &AdamW::default(),
+                &options,
+            )
+            .unwrap();
+            assert!(predicted.peak.get(MemoryCategory::Streamed) > 0, "{what}");
+            let mut t = Trainer::builder(model(what), cpu(), corpus_loader(8_000, 3, 2, 16))
+                .precision(precision)
+                .checkpoint(policy.clone())
+                .options(options)
+                .build()
+                .unwrap();
+            for step in 1..=2 {
+                let s = t.step().unwrap();
+                common::step_matches_prediction(
+                    &s,
+                    &predicted,
+                    step,
+                    1,
+                    &format!("{what} {policy:?} streamed"),
+                );
+            }
+        }
+    }
+}
+
+/// Generation (with and without the key/value cache) draws the same tokens from a
+/// streamed base as from a resident one.
+#[test]
+fn sampling_reads_the_streamed_base() {
+    for use_cache in [true, false] {
+        let draw = |placement: Box<dyn WeightPlacement>| {
+            let options = TrainerOptions {
+                placement,
+                ..TrainerOptions::default()
+            };
+            let mut t =
+                Trainer::builder(model("llama-qlora"), cpu(), corpus_loader(20_000, 1, 2, 16))
+                    .options(options)
+                    .build()
+                    .unwrap();
+            t.step().unwrap();
+            let sampling = SamplingOptions {
+                use_cache,
+                ..SamplingOptions::default()
+            };
+            let out = t
+                .generate(&[1, 2, 3], 6, sampling, &mut Rng::new(7))
+                .unwrap();
+            assert!(t.params().iter().all(|p| !p.staged()));
+            out
+        };
+        assert_eq!(
+            draw(Box::<StreamFrozen>::default()),
+            draw(Box::new(Resident)),
+            "use_cache {use_cache}"
+        );
+    }
+}
+
+/// A placement written outside trainkit that streams every weight.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct StreamEverything;
+
+#[typetag::serde(name = "stream_everything")]
+impl WeightPlacement for StreamEverything {
+    fn place(&self, _site: &WeightSite<'_>) -> Placement {
+        Placement::Streamed
+    }
+}
+
+/// Streaming a weight that trains is not built: refused by name, before any step.
+#[test]
+fn streaming_a_weight_that_trains_is_refused() {
+    let err = Trainer::builder(model("gpt2-lora"), cpu(), corpus_loader(20_000, 1, 2, 16))
+        .placement(StreamEverything)
+        .build()
+        .err()
+        .expect("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("placement") && text.contains("lora_A") && text.contains("resident"),
+        "{text}"
+    );
+}
