@@ -499,6 +499,11 @@ fn train_choice(
             optimizer_in_backward: ch.optimizer_in_backward,
             offload_activations: ch.offload_activations,
             optimizer_offload: ch.optimizer_offload,
+            placement: if ch.stream_weights {
+                Box::new(trainkit::StreamFrozen::default())
+            } else {
+                trainkit::placement::resident()
+            },
             ..TrainerOptions::default()
         },
     )
@@ -706,7 +711,7 @@ fn optimizer_offload_is_taken_when_nothing_cheaper_fits() {
         "{text}"
     );
     assert!(
-        text.contains("offload < optimizer-offload < bf16"),
+        text.contains("offload < optimizer-offload < stream-weights < bf16"),
         "{text}"
     );
     // Trained as planned, the ledger records the prediction, host bytes included.
@@ -808,4 +813,64 @@ fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
     assert_eq!(ch.optimizer.typetag_name(), "adamw");
     assert_eq!(ch.precision.typetag_name(), "mixed_bf16");
     assert!(ch.host_bytes() >= 12 * arch.exact_params().unwrap());
+}
+
+/// Streaming the frozen base is a technique for a run with one (LoRA, QLoRA): left out,
+/// with the reason, where every weight trains; taken when nothing cheaper fits, with its
+/// flag, its host memory and the bytes each step copies beside its FLOPs; trained as
+/// planned, the ledger equals the prediction.
+#[test]
+fn streaming_the_frozen_base_is_taken_when_nothing_cheaper_fits() {
+    let (c, opt) = (config(), AdamW::default());
+    let full = autofit(&every_technique(&c, &Fp32, &opt, 2, u64::MAX)).unwrap();
+    let (_, why) = full
+        .left_out
+        .iter()
+        .find(|(t, _)| *t == Technique::StreamWeights)
+        .expect("left out");
+    assert!(why.contains("every weight trains"), "{why}");
+    let lora = trainkit::Lora::new(4, 8.0, &["c_attn"]).unwrap();
+    // One row a step: no accumulation, so the row of everything that combines is the
+    // least any setup without streaming needs.
+    let roomy = FitRequest {
+        adapter: Some(&lora),
+        techniques: Techniques::ALL.without(Technique::Bf16),
+        ..every_technique(&c, &Fp32, &opt, 1, u64::MAX)
+    };
+    let cheaper = technique_savings(&FitRequest {
+        techniques: roomy.techniques.without(Technique::StreamWeights),
+        ..roomy
+    })
+    .unwrap()
+    .all
+    .peak;
+    let plan = autofit(&FitRequest {
+        budget: cheaper,
+        ..roomy
+    })
+    .unwrap();
+    assert!(!plan.choice.stream_weights, "{}", plan.choice.describe());
+    let req = FitRequest {
+        budget: cheaper - 1,
+        ..roomy
+    };
+    let plan = autofit(&req).unwrap();
+    let ch = &plan.choice;
+    assert!(
+        ch.stream_weights && ch.techniques.contains(Technique::StreamWeights),
+        "{}",
+        ch.describe()
+    );
+    assert!(ch.peak <= req.budget);
+    assert!(ch.flags().contains(" --stream-weights"), "{}", ch.flags());
+    assert!(ch.host_contents().contains("streamed weights"));
+    assert_eq!(ch.host_bytes(), ch.prediction.host_bytes());
+    assert!(ch.prediction.streamed_bytes_per_step > 0 && ch.prediction.flops_per_step > 0);
+    let text = plan.explain().join("\n");
+    assert!(
+        text.contains("streamed weights: ") && text.contains("TFLOP of compute"),
+        "{text}"
+    );
+    let highest = train_choice(&c, ch, cpu());
+    assert_eq!(highest, ch.peak, "{}", ch.describe());
 }

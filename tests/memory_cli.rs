@@ -258,6 +258,7 @@ fn help_documents_every_flag() {
         "--json",
         "--plot",
         "--techniques",
+        "--stream-weights",
     ] {
         assert!(out.contains(flag), "{flag}: {out}");
     }
@@ -652,4 +653,58 @@ fn a_data_parallel_job_is_one_ranks_figures() {
     assert!(ok, "{err}");
     assert!(out.contains("ranks      4 (ZeRO-1"), "{out}");
     assert!(out.contains("optimizer_state          8/4"), "{out}");
+}
+
+/// `--stream-weights`: the frozen base in host memory (the streamed category), the device
+/// holding two sections of it, and the bytes a step copies; the adapters' own figures
+/// unchanged.
+#[test]
+fn streamed_weights_move_the_base_to_host_memory() {
+    let args = [
+        "--model",
+        "llama-3.2-1b",
+        "--lora-rank",
+        "8",
+        "--qlora",
+        "--recompute",
+        "full",
+        "--seq-len",
+        "256",
+    ];
+    let resident = json(&args);
+    let streamed_args = [&args[..], &["--stream-weights"]].concat();
+    let streamed = json(&streamed_args);
+    let (r, s) = (&resident["trainkit_exact"], &streamed["trainkit_exact"]);
+    let bytes = |v: &Value, c: &str| v["bytes"][c].as_u64().unwrap();
+    assert_eq!(r["stream_weights"], false);
+    assert_eq!(s["stream_weights"], true);
+    assert_eq!(bytes(r, "streamed"), 0);
+    assert_eq!(r["streamed_bytes_per_step"], 0);
+    let host = bytes(s, "streamed");
+    // The frozen base: more than the device keeps of it with streaming, which is at most
+    // two sections (the tied 128256 × 2048 bf16 embedding is the largest).
+    assert!(host > 0 && bytes(s, "weights") < bytes(r, "weights"), "{s}");
+    assert!(
+        bytes(s, "weights") <= bytes(r, "weights") - host + 2 * 128_256 * 2048 * 2,
+        "{s}"
+    );
+    assert_eq!(s["host_bytes"].as_u64().unwrap(), host);
+    // Forward and backward each copy the base (the head once); the tied embedding table
+    // is read by the embedding twice and by the head.
+    let per_step = s["streamed_bytes_per_step"].as_u64().unwrap();
+    let table = 128_256 * 2048 * 2;
+    assert!(
+        per_step > host && per_step <= 2 * host + table,
+        "{per_step} vs {host}"
+    );
+    for c in ["gradients", "optimizer_state", "activations"] {
+        assert_eq!(bytes(s, c), bytes(r, c), "{c}");
+    }
+    assert!(s["peak_total_bytes"].as_u64() < r["peak_total_bytes"].as_u64());
+    let (ok, out, err) = trainkit(&streamed_args);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("streamed weights:") && out.contains("copied to the device per step"),
+        "{out}"
+    );
 }

@@ -328,3 +328,94 @@ fn streaming_a_weight_that_trains_is_refused() {
         "{text}"
     );
 }
+
+/// `--stream-weights` on `trainkit train`: a QLoRA run over a saved base logs the losses
+/// of the resident run and the bytes each step streamed; the config round-trips
+/// `[placement]`, and the flag's setup line says so.
+#[test]
+fn the_cli_streams_the_base_and_the_config_says_so() {
+    let dir = common::scratch("streaming-cli");
+    let path = |p: &str| dir.join(p).display().to_string();
+    let small = common::SMALL_RUN;
+    common::trainkit_ok(
+        &[
+            &[
+                "train",
+                "--arch",
+                "llama",
+                "--steps",
+                "0",
+                "--out",
+                &path("base"),
+            ],
+            &small[..],
+        ]
+        .concat(),
+    );
+    let run = |extra: &[&str], log: &str| -> (String, Vec<serde_json::Value>) {
+        let base = path("base");
+        let log = path(log);
+        let args = [
+            &[
+                "train",
+                "--init-from",
+                base.as_str(),
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "all-linear",
+                "--qlora",
+                "--recompute",
+                "full",
+                "--steps",
+                "2",
+                "--log-json",
+                log.as_str(),
+            ][..],
+            extra,
+            &small[..],
+        ]
+        .concat();
+        let out = common::trainkit_ok(&args);
+        let lines = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &serde_json::Value| v.get("loss").is_some())
+            .collect();
+        (out, lines)
+    };
+    let (_, resident) = run(&[], "resident.jsonl");
+    let (out, streamed) = run(&["--stream-weights"], "streamed.jsonl");
+    assert!(
+        out.contains("frozen weights streamed from host memory, 1 section ahead"),
+        "{out}"
+    );
+    assert_eq!(resident.len(), 2);
+    for (r, s) in resident.iter().zip(&streamed) {
+        assert_eq!(r["loss"], s["loss"], "{r} {s}");
+        assert_eq!(r["streamed_bytes"], 0);
+        assert!(s["streamed_bytes"].as_u64().unwrap() > 0, "{s}");
+    }
+    // The config file's `[placement]`, and the flags over it.
+    use trainkit::config::{PolicyFlags, RunConfig};
+    let text = "[placement]\nkind = \"stream_frozen\"\nahead = 2\n";
+    let c = RunConfig::from_toml(text).unwrap();
+    assert_eq!(c.placement.ahead(), 2);
+    let back = RunConfig::from_toml(&c.to_toml().unwrap()).unwrap();
+    assert_eq!(back.placement.typetag_name(), "stream_frozen");
+    assert_eq!(back.placement.ahead(), 2);
+    assert!(!RunConfig::default()
+        .to_toml()
+        .unwrap()
+        .contains("placement"));
+    let mut c2 = c.clone();
+    let flags = PolicyFlags {
+        stream_weights: Some(false),
+        ..PolicyFlags::default()
+    };
+    flags.apply(&mut c2).unwrap();
+    assert_eq!(c2.placement.typetag_name(), "resident");
+    let err = RunConfig::from_toml("[placement]\nkind = \"streaming\"\n").unwrap_err();
+    assert!(err.to_string().contains("streaming"), "{err}");
+}

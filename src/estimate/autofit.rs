@@ -59,6 +59,9 @@ pub struct FitRequest<'a> {
     /// The run keeps its master weights and optimizer state in host memory already
     /// ([`TrainerOptions::optimizer_offload`]): kept on.
     pub optimizer_offload: bool,
+    /// The run streams its frozen weights from host memory already
+    /// ([`TrainerOptions::placement`]): kept on.
+    pub stream_weights: bool,
     /// Host memory the setup may take: offloaded activations, and an offloaded
     /// optimizer's master weights and state (`None`: not checked).
     pub host_budget: Option<u64>,
@@ -95,6 +98,7 @@ impl<'a> FitRequest<'a> {
             optimizer_in_backward: false,
             offload_activations: false,
             optimizer_offload: false,
+            stream_weights: false,
             host_budget: None,
             adapter: None,
         }
@@ -121,6 +125,8 @@ pub struct FitCandidate {
     /// Whether the master weights and optimizer state are in host memory, the update on
     /// the CPU.
     pub optimizer_offload: bool,
+    /// Whether the frozen weights are streamed from host memory.
+    pub stream_weights: bool,
     /// The adapter: the request's, or the LoRA autofit added (`None`: every parameter
     /// trains).
     pub adapter: Option<Arc<dyn Adapter>>,
@@ -134,9 +140,10 @@ pub struct FitCandidate {
 
 impl FitCandidate {
     /// Host memory it takes at its peak: offloaded activations, and an offloaded
-    /// optimizer's master weights and state ([`MemoryCategory::Offloaded`]).
+    /// optimizer's master weights and state ([`MemoryCategory::Offloaded`]); streamed
+    /// weights ([`MemoryCategory::Streamed`]).
     pub fn host_bytes(&self) -> u64 {
-        self.prediction.peak.get(MemoryCategory::Offloaded)
+        self.prediction.host_bytes()
     }
 
     /// What its host memory holds: `offloaded activations`, `master weights and optimizer
@@ -148,6 +155,9 @@ impl FitCandidate {
         }
         if self.optimizer_offload {
             what.push("master weights and optimizer state");
+        }
+        if self.stream_weights {
+            what.push("streamed weights");
         }
         what.join(", ")
     }
@@ -191,6 +201,7 @@ impl FitCandidate {
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
             (Technique::Offload, " --offload-activations"),
             (Technique::OptimizerOffload, " --optimizer-offload"),
+            (Technique::StreamWeights, " --stream-weights"),
             (Technique::Bf16, " --precision bf16"),
             (
                 Technique::PureBf16,
@@ -278,6 +289,15 @@ impl FitPlan {
                 "  host memory: {} ({})",
                 format_bytes(c.host_bytes()),
                 c.host_contents()
+            ));
+        }
+        if let Some(rate) = c.prediction.hiding_flop_rate(25e9) {
+            lines.push(format!(
+                "  streamed weights: {} copied to the device per step beside {:.1} TFLOP of \
+                 compute; at 25 GB/s the copies hide behind it on a device below {:.0} TFLOP/s",
+                format_bytes(c.prediction.streamed_bytes_per_step),
+                c.prediction.flops_per_step as f64 / 1e12,
+                rate / 1e12
             ));
         }
         let u = &self.unconstrained;
@@ -386,6 +406,7 @@ struct Spec {
     in_backward: bool,
     offload: bool,
     optimizer_offload: bool,
+    stream: bool,
     adapter: Option<Arc<dyn Adapter>>,
 }
 
@@ -419,6 +440,7 @@ impl Spec {
             in_backward: req.optimizer_in_backward,
             offload: req.offload_activations,
             optimizer_offload: req.optimizer_offload,
+            stream: req.stream_weights,
             adapter: req.adapter.map(|a| Arc::from(dyn_clone::clone_box(a))),
         }
     }
@@ -433,6 +455,7 @@ impl Spec {
             in_backward: c.optimizer_in_backward,
             offload: c.offload_activations,
             optimizer_offload: c.optimizer_offload,
+            stream: c.stream_weights,
             adapter: c.adapter.clone(),
         }
     }
@@ -452,6 +475,7 @@ impl Spec {
             Technique::OptimizerInBackward => s.in_backward = true,
             Technique::Offload => s.offload = true,
             Technique::OptimizerOffload => s.optimizer_offload = true,
+            Technique::StreamWeights => s.stream = true,
             Technique::Bf16 => s.precision = Box::new(MixedBf16 { fp32_grads: false }),
             Technique::PureBf16 => {
                 // Pure bf16 computes in bf16 already: it replaces mixed bf16.
@@ -530,6 +554,20 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::OptimizerOffload if req.optimizer_offload => {
             Some("on already (the run's own setting)".into())
         }
+        Technique::StreamWeights if req.stream_weights => {
+            Some("on already (the run's own setting)".into())
+        }
+        Technique::StreamWeights
+            if req.adapter.is_none()
+                && !req.techniques.contains(Technique::Lora)
+                && !req.techniques.contains(Technique::Qlora) =>
+        {
+            Some(
+                "every weight trains: streaming moves a frozen base (LoRA's, QLoRA's) to host \
+                 memory"
+                    .into(),
+            )
+        }
         Technique::Bf16 if req.precision.typetag_name() != "fp32" => Some(format!(
             "the run's precision is {} already",
             crate::precision::describe(req.precision)
@@ -589,6 +627,7 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
         Technique::OptimizerInBackward,
         Technique::Offload,
         Technique::OptimizerOffload,
+        Technique::StreamWeights,
         Technique::Bf16,
         Technique::PureBf16,
         Technique::Lora,
@@ -620,6 +659,10 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
             for t in policy.iter().chain(on.iter()) {
                 spec = spec.with(*t)?;
             }
+            // Streaming moves a frozen base: nothing to move where every weight trains.
+            if on.contains(&Technique::StreamWeights) && spec.adapter.is_none() {
+                continue;
+            }
             specs.push(spec);
         }
     }
@@ -643,6 +686,11 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
         optimizer_offload: spec.optimizer_offload,
+        placement: if spec.stream {
+            Box::new(crate::placement::StreamFrozen::default())
+        } else {
+            crate::placement::resident()
+        },
         ..TrainerOptions::default()
     };
     let prediction = predict_with(
@@ -670,6 +718,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
         optimizer_offload: spec.optimizer_offload,
+        stream_weights: spec.stream,
         adapter: spec.adapter.clone(),
         techniques,
         peak: prediction
@@ -1054,6 +1103,7 @@ pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
         Technique::OptimizerInBackward,
         Technique::Offload,
         Technique::OptimizerOffload,
+        Technique::StreamWeights,
     ] {
         // Offloading joins full recomputation even where the setup's own policy would
         // keep nothing to offload.

@@ -64,8 +64,11 @@ pub struct MemoryPrediction {
     pub activations: ActivationProfile,
     /// Bytes of streamed weights copied from host memory to the device in a step
     /// ([`crate::TrainerOptions::placement`]; 0 when every weight is resident): what the
-    /// host link carries beside the step's FLOPs.
+    /// host link carries beside the step's FLOPs ([`MemoryPrediction::hiding_flop_rate`]).
     pub streamed_bytes_per_step: u64,
+    /// Floating-point operations a step's ops execute (recomputation included): what the
+    /// streamed copies hide behind.
+    pub flops_per_step: u64,
 }
 
 impl MemoryPrediction {
@@ -94,6 +97,15 @@ impl MemoryPrediction {
     /// streamed weights, [`MemoryCategory::Streamed`].
     pub fn host_bytes(&self) -> u64 {
         self.peak.host()
+    }
+
+    /// The device speed (FLOP/s) below which a step's compute takes longer than copying
+    /// its streamed weights over a link of `link_bytes_per_s`, so that the copies can hide
+    /// behind it; `None` when nothing streams.
+    pub fn hiding_flop_rate(&self, link_bytes_per_s: f64) -> Option<f64> {
+        (self.streamed_bytes_per_step > 0).then(|| {
+            self.flops_per_step as f64 / (self.streamed_bytes_per_step as f64 / link_bytes_per_s)
+        })
     }
 
     /// Weights, master weights, gradients and optimizer state: what a step keeps between
@@ -235,6 +247,7 @@ pub fn predict_rank(
             offloaded_bytes: later.stash.offloaded_bytes,
         },
         streamed_bytes_per_step: later.streamed_bytes,
+        flops_per_step: later.hardware_flops,
     })
 }
 

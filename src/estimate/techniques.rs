@@ -33,20 +33,25 @@ use crate::error::{Error, Result};
 ///    streams the master weights and state (about 16 bytes read and 12 written per
 ///    parameter with f32 moments): on a large model at small batches that takes longer than
 ///    the GPU's forward and backward.
-/// 9. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32. Faster
-///    on a GPU, but it changes the arithmetic of every product and activation the run was
-///    configured to do in f32, so autofit takes it last of those that train the same
-///    weights.
-/// 10. [`Technique::PureBf16`]: bf16 weights and gradients without an f32 master copy
+/// 9. [`Technique::StreamWeights`]: the frozen base (of a LoRA or QLoRA run) in page-locked
+///    host memory, copied to the device a section ahead of its readers
+///    ([`crate::placement::StreamFrozen`]): the same arithmetic, but every step copies the
+///    base over the host link twice, which hides behind the compute only when the step
+///    computes longer than the copies take.
+/// 10. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32.
+///     Faster on a GPU, but it changes the arithmetic of every product and activation the
+///     run was configured to do in f32, so autofit takes it last of those that train the
+///     same weights.
+/// 11. [`Technique::PureBf16`]: bf16 weights and gradients without an f32 master copy
 ///     ([`crate::PureBf16`]), each update rounded back stochastically: 4 to 6 bytes per
 ///     parameter less than mixed bf16, and one parameter's f32 copy at a time. Each update
 ///     is rounded to 8 significant bits, unbiased but noisier than an f32 master copy's, so
 ///     autofit uses it only when it is named (`--autofit-techniques all,pure-bf16`).
-/// 11. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
+/// 12. [`Technique::Lora`]: train a LoRA adapter (rank 8, α 16, every projection) on the
 ///     frozen model instead of every weight. It changes what is trained, so autofit uses
 ///     it only when it is named (`--autofit-techniques all,lora`): [`Techniques::ALL`]
 ///     leaves it out.
-/// 12. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
+/// 13. [`Technique::Qlora`]: LoRA over a base whose projections are stored in NF4 (the
 ///     run's own LoRA, or the one above): dequantizing each weight in every product costs
 ///     time and the base's precision. Named like LoRA (`all,qlora`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -70,6 +75,8 @@ pub enum Technique {
     /// Master weights and optimizer state in host memory, the update on the CPU
     /// ([`crate::TrainerOptions::optimizer_offload`]).
     OptimizerOffload,
+    /// The frozen weights streamed from host memory ([`crate::placement::StreamFrozen`]).
+    StreamWeights,
     /// bf16 compute with f32 master weights and bf16 gradients ([`crate::MixedBf16`]) in
     /// place of fp32.
     Bf16,
@@ -84,7 +91,7 @@ pub enum Technique {
 
 impl Technique {
     /// Every technique, in autofit's cost order.
-    pub const ALL: [Technique; 12] = [
+    pub const ALL: [Technique; 13] = [
         Technique::Accumulation,
         Technique::Selective,
         Technique::Adamw8bit,
@@ -93,6 +100,7 @@ impl Technique {
         Technique::Full,
         Technique::Offload,
         Technique::OptimizerOffload,
+        Technique::StreamWeights,
         Technique::Bf16,
         Technique::PureBf16,
         Technique::Lora,
@@ -110,6 +118,7 @@ impl Technique {
             Technique::Full => "full",
             Technique::Offload => "offload",
             Technique::OptimizerOffload => "optimizer-offload",
+            Technique::StreamWeights => "stream-weights",
             Technique::Bf16 => "bf16",
             Technique::PureBf16 => "pure-bf16",
             Technique::Lora => "lora",
@@ -256,7 +265,7 @@ mod tests {
         let full = Techniques::NONE.with(Technique::Full);
         assert!(cheaper.cost() < full.cost());
         assert!(full.cost() < full.with(Technique::Selective).cost());
-        assert_eq!(Techniques::ALL.iter().count(), 9);
+        assert_eq!(Techniques::ALL.iter().count(), 10);
         assert!(Techniques::ALL.contains(Technique::OptimizerOffload));
         let offload = Techniques::NONE.with(Technique::OptimizerOffload);
         let cheaper: Techniques = Technique::ALL[..7].iter().copied().collect();

@@ -194,6 +194,9 @@ pub fn apply_autofit(
     cfg.training.optimizer_in_backward = c.optimizer_in_backward;
     cfg.training.offload_activations = c.offload_activations;
     cfg.optimizer_offload = c.optimizer_offload;
+    if c.stream_weights && cfg.placement.typetag_name() == "resident" {
+        cfg.placement = Box::new(trainkit::StreamFrozen::default());
+    }
     if let Some(a) = c.adapter {
         cfg.adapter = Some(dyn_clone::clone_box(&*a));
     }

@@ -73,6 +73,16 @@ impl Progress {
         } else {
             format!("{:.0} tok/s", s.tokens_per_s)
         };
+        // Streamed weights: what the step copied over the host link, at what rate.
+        let peak = if s.streamed_bytes > 0 {
+            format!(
+                "{peak} | streamed {} ({:.1} GB/s)",
+                format_bytes(s.streamed_bytes),
+                s.streamed_bytes as f64 / seconds / 1e9
+            )
+        } else {
+            peak
+        };
         match &self.bar {
             Some(bar) => {
                 bar.set_position(s.step);
@@ -126,6 +136,7 @@ impl Progress {
                 "hfu": s.hfu,
                 "memory_peak": peak,
                 "memory_peak_total": s.memory.peak_total,
+                "streamed_bytes": s.streamed_bytes,
                 "device_memory": s.memory.device,
             });
             if let Some(peaks) = rank_peaks {

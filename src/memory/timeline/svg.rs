@@ -264,25 +264,31 @@ pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<Strin
                 .map_err(draw_error)?;
         }
 
-        // Host memory held for the device: a line over the stacked areas.
+        // Host memory held for the device: a line over the stacked areas for each of its
+        // categories (offloaded, streamed).
         if l.host_peak > 0 {
-            let mut pts = Vec::with_capacity(2 * l.samples.len() + 1);
-            for (j, s) in l.samples.iter().enumerate() {
-                let y = |k: usize| l.samples[k].live.host() as f64 / per_unit;
-                if j > 0 {
-                    pts.push((s.x, y(j - 1)));
+            for cat in MemoryCategory::ALL.into_iter().filter(|c| !c.on_device()) {
+                if l.samples.iter().all(|s| s.live.get(cat) == 0) {
+                    continue;
                 }
-                pts.push((s.x, y(j)));
+                let mut pts = Vec::with_capacity(2 * l.samples.len() + 1);
+                for (j, s) in l.samples.iter().enumerate() {
+                    let y = |k: usize| l.samples[k].live.get(cat) as f64 / per_unit;
+                    if j > 0 {
+                        pts.push((s.x, y(j - 1)));
+                    }
+                    pts.push((s.x, y(j)));
+                }
+                if let Some(last) = l.samples.last() {
+                    pts.push((l.x_end, last.live.get(cat) as f64 / per_unit));
+                }
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        pts,
+                        category_color(cat).stroke_width(3),
+                    )))
+                    .map_err(draw_error)?;
             }
-            if let Some(last) = l.samples.last() {
-                pts.push((l.x_end, last.live.host() as f64 / per_unit));
-            }
-            chart
-                .draw_series(std::iter::once(PathElement::new(
-                    pts,
-                    category_color(MemoryCategory::Offloaded).stroke_width(3),
-                )))
-                .map_err(draw_error)?;
         }
 
         // The phase ribbon.
@@ -327,13 +333,11 @@ pub(super) fn render(events: &[MemoryEvent], axis: TimelineAxis) -> Result<Strin
         legend_area
             .draw_text("memory", &text, (10, y - 24))
             .map_err(draw_error)?;
-        // Host memory first (drawn as a line), then the device's stack, top down.
-        item(
-            category_color(MemoryCategory::Offloaded),
-            MemoryCategory::Offloaded.name(),
-            y,
-        )?;
-        y += 22;
+        // Host memory first (drawn as lines), then the device's stack, top down.
+        for cat in MemoryCategory::ALL.into_iter().filter(|c| !c.on_device()) {
+            item(category_color(cat), cat.name(), y)?;
+            y += 22;
+        }
         for cat in device.iter().rev() {
             item(category_color(*cat), cat.name(), y)?;
             y += 22;

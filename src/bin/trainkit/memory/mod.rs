@@ -364,6 +364,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer_in_backward: in_backward,
             offload_activations,
             optimizer_offload,
+            stream_weights: cfg.placement.typetag_name() != "resident",
             adapter,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
             // named).

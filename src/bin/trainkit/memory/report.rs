@@ -84,6 +84,7 @@ pub fn json(f: &Figures) {
             "stream_weights": p.peak.get(MemoryCategory::Streamed) > 0,
             "streamed_bytes": p.peak.get(MemoryCategory::Streamed),
             "streamed_bytes_per_step": p.streamed_bytes_per_step,
+            "flops_per_step": p.flops_per_step,
             "host_bytes": p.host_bytes(),
             "peak_total_bytes_without_offload": kept.as_ref().map(|k| k.peak_total),
             "activation_peak_phase": p.activations.peak_phase.map(|x| x.to_string()),
@@ -458,14 +459,16 @@ fn print_streaming(p: &MemoryPrediction, indent: &str) {
     if streamed == 0 {
         return;
     }
+    let link = 25e9;
     println!(
-        "{indent}streamed weights: {} GiB in page-locked host memory; {} GiB copied to the \
-         device per step ({} GB: at 25 GB/s, PCIe 4.0 x16, {:.2} s of copies to hide \
-         behind the step's compute)",
+        "{indent}streamed weights: {} GiB in page-locked host memory; {} GB copied to the \
+         device per step beside {:.1} TFLOP of compute: at 25 GB/s (PCIe 4.0 x16) {:.2} s of \
+         copies, which hide behind the compute on a device running below {:.0} TFLOP/s",
         gib(streamed),
-        gib(p.streamed_bytes_per_step),
         gb(p.streamed_bytes_per_step),
-        p.streamed_bytes_per_step as f64 / 25e9
+        p.flops_per_step as f64 / 1e12,
+        p.streamed_bytes_per_step as f64 / link,
+        p.hiding_flop_rate(link).unwrap_or(0.0) / 1e12
     );
 }
 
