@@ -419,3 +419,34 @@ fn the_cli_streams_the_base_and_the_config_says_so() {
     let err = RunConfig::from_toml("[placement]\nkind = \"streaming\"\n").unwrap_err();
     assert!(err.to_string().contains("streaming"), "{err}");
 }
+
+/// A streamed QLoRA run saved and resumed takes the steps the straight run took, which
+/// are the resident run's.
+#[test]
+fn a_streamed_run_resumes_bitwise() {
+    let trainer = |placement: Box<dyn WeightPlacement>| {
+        Trainer::builder(model("llama-qlora"), cpu(), corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16 { fp32_grads: true })
+            .checkpoint(Full)
+            .options(TrainerOptions {
+                placement,
+                ..TrainerOptions::default()
+            })
+            .build()
+            .unwrap()
+    };
+    let losses = |t: &mut Trainer<_, _, _, _, _>, n: usize| -> Vec<u64> {
+        (0..n).map(|_| t.step().unwrap().loss.to_bits()).collect()
+    };
+    let mut resident = trainer(Box::new(Resident));
+    let want = losses(&mut resident, 4);
+    let dir = common::scratch("streaming-resume").join("ckpt");
+    let mut first = trainer(Box::<StreamFrozen>::default());
+    assert_eq!(losses(&mut first, 2), want[..2]);
+    first.save(&dir, None).unwrap();
+    drop(first);
+    let mut resumed = trainer(Box::<StreamFrozen>::default());
+    resumed.resume_from(&dir).unwrap();
+    assert_eq!(losses(&mut resumed, 2), want[2..]);
+    assert!(bits(&values(&resumed)) == bits(&values(&resident)));
+}
