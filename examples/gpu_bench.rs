@@ -10,7 +10,13 @@
 //! `-- --model gpt2|gpt2-xl|llama-3.2-1b|... --batch 8 --seq 1024 --steps 10 --warmup 3
 //! --recompute none|selective|full --tf32 --precision all|fp32|bf16|fp16 --ops
 //! --kernels --peak-tflops 989 --bias-grad-epilogue --optimizer-offload
-//! --optimizer-in-backward`.
+//! --optimizer-in-backward --lora 16 --qlora 16 --stream-weights`.
+//!
+//! `--lora R` trains a LoRA of rank R (α 2R) on every projection over the frozen model,
+//! `--qlora R` the same over an NF4 base; `--stream-weights` keeps that frozen base in
+//! page-locked host memory and copies each section's weights to the device one section
+//! ahead of its use (`StreamFrozen`), and prints what a step streamed and at what rate, so
+//! that a streamed run's step time can be set beside the resident one's.
 //!
 //! `--optimizer-offload` keeps the master weights and optimizer state in host memory and
 //! runs the update there (`TrainerOptions::optimizer_offload`);
@@ -59,6 +65,9 @@ struct Args {
     bias_grad_epilogue: bool,
     tiled_attention: bool,
     optimizer_offload: bool,
+    /// LoRA rank over the frozen model, and whether its base is NF4.
+    lora: Option<(usize, bool)>,
+    stream_weights: bool,
     optimizer_in_backward: bool,
     host_link: bool,
 }
@@ -118,6 +127,18 @@ fn args() -> trainkit::Result<Args> {
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
         tiled_attention: a.iter().any(|x| x == "--tiled-attention"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
+        lora: match (get("--lora"), get("--qlora")) {
+            (Some(_), Some(_)) => {
+                return Err(trainkit::Error::config(
+                    "--qlora",
+                    "give --lora R or --qlora R, not both",
+                ))
+            }
+            (Some(_), None) => Some((num("--lora", 16, 1)?, false)),
+            (None, Some(_)) => Some((num("--qlora", 16, 1)?, true)),
+            (None, None) => None,
+        },
+        stream_weights: a.iter().any(|x| x == "--stream-weights"),
         optimizer_in_backward: a.iter().any(|x| x == "--optimizer-in-backward"),
         host_link: a.iter().any(|x| x == "--host-link"),
     })
@@ -137,7 +158,12 @@ fn run<P: Precision + Default>(
         .map(|_| rng.below(vocab) as u32)
         .collect();
     let data = DataLoader::new(tokens, a.batch, seq)?;
-    let model = config.build()?;
+    let mut model = config.build()?;
+    if let Some((rank, nf4)) = a.lora {
+        let lora = trainkit::Lora::new(rank, 2.0 * rank as f64, &["all-linear"])?;
+        let lora = if nf4 { lora.with_nf4_base() } else { lora };
+        model = model.with_adapter(Arc::new(lora))?;
+    }
     let flops_per_token = model.flops_per_token(seq);
     let be: Arc<dyn Backend> = backend.clone();
     let mut t = Trainer::builder(model, be, data)
@@ -148,6 +174,11 @@ fn run<P: Precision + Default>(
             optimizer_offload: a.optimizer_offload,
             optimizer_in_backward: a.optimizer_in_backward,
             grad_clip: if a.optimizer_in_backward { 0.0 } else { 1.0 },
+            placement: if a.stream_weights {
+                Box::new(trainkit::StreamFrozen::default())
+            } else {
+                trainkit::placement::resident()
+            },
             ..trainkit::TrainerOptions::default()
         })
         .build()?;
@@ -160,6 +191,7 @@ fn run<P: Precision + Default>(
     let mut peak = 0;
     let mut pool_peak = 0;
     let mut skipped = 0;
+    let mut streamed = 0;
     let mut waits = vec![];
     let uploads = backend.upload_stats().uploads;
     let moved = backend.host_transfers();
@@ -176,6 +208,7 @@ fn run<P: Precision + Default>(
         secs.push(start.elapsed().as_secs_f64());
         peak = peak.max(s.memory.peak_total);
         skipped += s.skipped as usize;
+        streamed = streamed.max(s.streamed_bytes);
         if let Some(d) = s.memory.device {
             pool_peak = pool_peak.max(d.pool_reserved_peak);
         }
@@ -207,6 +240,22 @@ fn run<P: Precision + Default>(
         (stats.uploads - uploads) as f64 / a.steps as f64,
         format_bytes(stats.ring_bytes)
     );
+    if a.stream_weights {
+        // What a step streamed, and the rate that needs over the median step.
+        let host = t
+            .backend()
+            .ledger()
+            .snapshot()
+            .peak
+            .get(MemoryCategory::Streamed);
+        println!(
+            "{name}: streamed {} per step ({:.1} GB/s over the median step), {} of weights in \
+             host memory",
+            format_bytes(streamed),
+            streamed as f64 / secs[secs.len() / 2] / 1e9,
+            format_bytes(host)
+        );
+    }
     if a.optimizer_offload {
         // How the gradients and weights crossed to and from the host's optimizer: queued
         // on the copy stream from page-locked memory, or waited for (pageable).

@@ -15,7 +15,7 @@ if [ ! -x "$bundle/run.sh" ]; then
   echo "no bundle at $bundle: build it first with bash scripts/gpu-bundle.sh" >&2
   exit 1
 fi
-phases=(tests bench attention kernels train decode reference llmc xl llama offload sanitize ncu)
+phases=(tests bench attention kernels train decode reference llmc xl llama offload stream sanitize ncu)
 out="$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-rehearsal.XXXXXX")"
 mkdir -p "$out/plain" "$out/pretend"  # run.sh writes into $OUT only when it is a directory
 clean_env=(env -u TRAINKIT_REQUIRE_NVRTC -u TRAINKIT_REQUIRE_EMULATOR -u TRAINKIT_REQUIRE_CUBLASLT STEPS=3)

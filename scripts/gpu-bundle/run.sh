@@ -35,6 +35,10 @@
 #              (gpu_bench --host-link), then GPT-2 124M bf16 with and without
 #              --optimizer-offload, after backward and inside it, and the offloaded step
 #              op by op (the transfers' time over the host link)
+#   stream     weights streamed from host memory: Llama 3.2 1B QLoRA and LoRA (rank 16 on
+#              every projection, bf16, full recomputation, batch 2 × 2048), resident then
+#              with --stream-weights, alternating; each streamed run prints what a step
+#              copied and at what rate (the copy stream's bytes over the step's time)
 #   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
 #              global access in bounds) on each op's parity test, racecheck (no shared-
 #              memory race) on the fused attention's and the norms'
@@ -69,7 +73,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench attention kernels train decode reference llmc xl llama offload)
+all_phases=(tests bench attention kernels train decode reference llmc xl llama offload stream)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -940,6 +944,24 @@ phase_offload() {
     --optimizer-in-backward --optimizer-offload
   gpu_bench_step gpu_bench_offload_ops 300 figures_gpu_ops --batch "$batch" \
     --precision bf16 --optimizer-offload --ops --warmup 1 --steps 2
+}
+
+phase_stream() {
+  if [ -n "$no_gpu" ]; then
+    skip gpu_bench_stream "$bin/gpu_bench --stream-weights" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local common=(--model llama-3.2-1b --batch 2 --seq 2048 --precision bf16 --recompute full
+    --warmup 2 --steps 5)
+  local adapter
+  for adapter in qlora lora; do
+    gpu_bench_step "gpu_bench_${adapter}_resident" 300 figures_gpu_bench "${common[@]}" \
+      "--$adapter" 16
+    gpu_bench_step "gpu_bench_${adapter}_streamed" 300 figures_gpu_bench "${common[@]}" \
+      "--$adapter" 16 --stream-weights
+    gpu_bench_step "gpu_bench_${adapter}_resident_again" 300 figures_gpu_bench "${common[@]}" \
+      "--$adapter" 16
+  done
 }
 
 phase_sanitize() {
