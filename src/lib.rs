@@ -47,7 +47,7 @@ pub use model::{
     Qwen3Config,
 };
 pub use optim::{AdamW, AdamW8bit, LrSchedule, Optimizer, Param, Sgd};
-pub use placement::{Placement, StreamFrozen, WeightPlacement};
+pub use placement::{Placement, StreamAll, StreamFrozen, WeightPlacement};
 pub use precision::{Fp32, LossScale, MixedBf16, MixedFp16, Precision, PureBf16};
 pub use rng::Rng;
 pub use tensor::{DType, Tensor};

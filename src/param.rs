@@ -231,11 +231,13 @@ impl Param {
         Self::init_placed(backend, host, None, spec, rng, precision)
     }
 
-    /// As [`Param::init_with_host`], with the weights of a frozen parameter in `stream`,
-    /// the device's host memory ([`Backend::host`]), when given: they are streamed
+    /// As [`Param::init_with_host`], with the weights in `stream`, the device's host memory
+    /// ([`Backend::host`]), when given: they are streamed
     /// ([`crate::placement::Placement::Streamed`]), counted under
     /// [`MemoryCategory::Streamed`] and copied to the device by [`Param::stage`] while a
-    /// section reads them. A parameter that trains cannot stream yet: an error.
+    /// section reads them. A parameter that trains streams only with its optimizer side in
+    /// `host` too (its update runs there and writes the streamed weights in place); without
+    /// it, an error.
     pub fn init_placed(
         backend: &dyn Backend,
         host: Option<&Arc<dyn Backend>>,
@@ -245,12 +247,14 @@ impl Param {
         precision: &dyn Precision,
     ) -> Result<Param> {
         let host = host.filter(|_| spec.trains);
-        if stream.is_some() && spec.trains {
+        if stream.is_some() && spec.trains && host.is_none() {
             return Err(Error::config(
                 "placement",
                 format!(
-                    "`{}` trains, and only frozen weights can be streamed from host memory \
-                     yet (the base of LoRA or QLoRA); place weights that train as resident",
+                    "`{}` trains, and a streamed weight that trains is updated on the host: \
+                     keep the optimizer there too (--optimizer-offload, `[optimizer] offload \
+                     = true`), or place the weights that train as resident (--stream-weights \
+                     frozen)",
                     spec.name
                 ),
             ));
@@ -733,6 +737,13 @@ impl Param {
             return Ok(());
         };
         match self.host.as_deref() {
+            // Streamed weights live beside the master copy: rounded in place, once the
+            // copies reading them have run.
+            Some(host) if self.streamed => {
+                self.staged = None;
+                backend.settle(&self.weight)?;
+                host.cast(&mut self.weight, master)
+            }
             // The master copy is in host memory and the weights on the device: rounded on
             // the host, then copied over.
             Some(host) if !is_same(host, backend) => {
@@ -797,7 +808,11 @@ impl Param {
             &self.name,
         )?;
         if self.rounding.is_some() {
-            backend.transfer(&mut weight, &self.weight)?;
+            if self.streamed {
+                host.transfer(&mut weight, &self.weight)?;
+            } else {
+                backend.transfer(&mut weight, &self.weight)?;
+            }
         }
         let mut host_record = host.empty(
             record.shape(),
@@ -846,9 +861,16 @@ impl Param {
             None => Ok(()),
         };
         // Queued where the host memory is page-locked; its buffer is reused only once the
-        // copy has run.
-        let copied =
-            refreshed.and_then(|()| backend.transfer_queued(&mut self.weight, &done.param.weight));
+        // copy has run. Streamed weights are written in host memory, in place, once the
+        // copies reading them have run.
+        let copied = refreshed.and_then(|()| match host.as_deref() {
+            Some(host) if self.streamed => {
+                self.staged = None;
+                backend.settle(&self.weight)?;
+                host.transfer(&mut self.weight, &done.param.weight)
+            }
+            _ => backend.transfer_queued(&mut self.weight, &done.param.weight),
+        });
         // The optimizer side comes back whatever happened, so the parameter stays whole.
         if done.param.rounding.is_none() {
             self.master = done.param.master.take();

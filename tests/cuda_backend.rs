@@ -1774,6 +1774,67 @@ fn the_offloaded_optimizer_is_bitwise_the_one_on_the_device() {
     }
 }
 
+/// Every weight streamed (`StreamAll`), the optimizer on the host writing the streamed
+/// weights in place: bitwise the resident run with the optimizer on the host, after
+/// backward and inside it, in f32, mixed bf16 and pure bf16 (the emulator lands each
+/// queued copy only when it is waited for, and a host update that overwrote weights a
+/// queued copy still had to read would change the next step).
+#[test]
+fn every_weight_streamed_on_cuda_is_bitwise_the_resident_run() {
+    fn run<P: Precision + Default>(
+        backend: Arc<dyn Backend>,
+        stream: bool,
+        in_backward: bool,
+    ) -> (Vec<u64>, Vec<Vec<u32>>) {
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+            .precision(P::default())
+            .options(trainkit::TrainerOptions {
+                optimizer_offload: true,
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 1.0 },
+                placement: if stream {
+                    Box::<trainkit::StreamAll>::default()
+                } else {
+                    Box::new(trainkit::placement::Resident)
+                },
+                ..trainkit::TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let losses = (0..3).map(|_| t.step().unwrap().loss.to_bits()).collect();
+        (losses, common::update_bits(&t))
+    }
+    for (name, cuda) in cuda_backends() {
+        let be: Arc<dyn Backend> = cuda.clone();
+        for in_backward in [false, true] {
+            let same = |what: &str, a: (Vec<u64>, Vec<Vec<u32>>), b: (Vec<u64>, Vec<Vec<u32>>)| {
+                assert_eq!(a.0, b.0, "{name} {what} in backward {in_backward}: losses");
+                let differ = a.1.iter().zip(&b.1).filter(|(x, y)| x != y).count();
+                assert_eq!(
+                    differ, 0,
+                    "{name} {what} in backward {in_backward}: tensors"
+                );
+            };
+            same(
+                "fp32",
+                run::<trainkit::Fp32>(be.clone(), false, in_backward),
+                run::<trainkit::Fp32>(be.clone(), true, in_backward),
+            );
+            same(
+                "bf16",
+                run::<MixedBf16>(be.clone(), false, in_backward),
+                run::<MixedBf16>(be.clone(), true, in_backward),
+            );
+            same(
+                "pure bf16",
+                run::<trainkit::PureBf16>(be.clone(), false, in_backward),
+                run::<trainkit::PureBf16>(be.clone(), true, in_backward),
+            );
+        }
+    }
+}
+
 #[test]
 fn the_fused_loss_in_chunks_matches_the_cpu() {
     // 32 positions in chunks of 5: the chunked path (rows copied in and out) on each

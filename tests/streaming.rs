@@ -411,7 +411,7 @@ fn the_cli_streams_the_base_and_the_config_says_so() {
         .contains("placement"));
     let mut c2 = c.clone();
     let flags = PolicyFlags {
-        stream_weights: Some(false),
+        stream_weights: Some("none".into()),
         ..PolicyFlags::default()
     };
     flags.apply(&mut c2).unwrap();
@@ -449,4 +449,157 @@ fn a_streamed_run_resumes_bitwise() {
     resumed.resume_from(&dir).unwrap();
     assert_eq!(losses(&mut resumed, 2), want[2..]);
     assert!(bits(&values(&resumed)) == bits(&values(&resident)));
+}
+
+/// Two steps of a full fine-tune with the optimizer on the host, placed by `placement`:
+/// losses, every value after them, the last step's ledger peaks.
+fn full_fine_tune(
+    what: &str,
+    precision: Box<dyn Precision>,
+    in_backward: bool,
+    placement: Box<dyn WeightPlacement>,
+) -> (Vec<f64>, Vec<Vec<f32>>, trainkit::memory::CategoryBytes) {
+    let base: Box<dyn Model> = match what {
+        "llama" => Box::new(Llama::new(common::tiny_llama_config()).unwrap()),
+        _ => Box::new(Gpt2::new(tiny_config()).unwrap()),
+    };
+    let options = TrainerOptions {
+        optimizer_offload: true,
+        optimizer_in_backward: in_backward,
+        grad_clip: if in_backward { 0.0 } else { 1.0 },
+        placement,
+        ..TrainerOptions::default()
+    };
+    let mut t = Trainer::builder(base, cpu(), corpus_loader(20_000, 1, 2, 16))
+        .precision(precision)
+        .checkpoint(Full)
+        .options(options)
+        .build()
+        .unwrap();
+    let mut losses = Vec::new();
+    let mut peak = Default::default();
+    for _ in 0..2 {
+        let s = t.step().unwrap();
+        losses.push(s.loss);
+        peak = s.memory.peak;
+    }
+    assert!(t.params().iter().all(|p| !p.staged()));
+    (losses, values(&t), peak)
+}
+
+/// Every weight streamed (`StreamAll`), those that train updated on the host in place:
+/// bitwise the resident run with the optimizer on the host, after backward and inside it,
+/// in fp32, mixed bf16 and pure bf16 (Kahan); the weights leave the device but for the
+/// sections in flight.
+#[test]
+fn a_full_fine_tune_streams_every_weight_bitwise() {
+    use trainkit::ops::update_rounding::UpdateRounding;
+    for what in ["gpt2", "llama"] {
+        for precision in [
+            Box::new(Fp32) as Box<dyn Precision>,
+            Box::new(MixedBf16 { fp32_grads: false }),
+            Box::new(trainkit::PureBf16 {
+                rounding: UpdateRounding::Kahan,
+            }),
+        ] {
+            for in_backward in [false, true] {
+                let label = format!("{what} {precision:?} in backward {in_backward}");
+                let resident =
+                    full_fine_tune(what, precision.clone(), in_backward, Box::new(Resident));
+                let streamed = full_fine_tune(
+                    what,
+                    precision.clone(),
+                    in_backward,
+                    Box::<trainkit::StreamAll>::default(),
+                );
+                assert_eq!(streamed.0, resident.0, "{label}: losses");
+                assert!(bits(&streamed.1) == bits(&resident.1), "{label}: weights");
+                let (r, s) = (&resident.2, &streamed.2);
+                assert_eq!(r.get(MemoryCategory::Streamed), 0, "{label}");
+                assert!(s.get(MemoryCategory::Streamed) > 0, "{label}");
+                assert!(
+                    s.get(MemoryCategory::Weights) < r.get(MemoryCategory::Weights),
+                    "{label}: {} on the device streamed, {} resident",
+                    s.get(MemoryCategory::Weights),
+                    r.get(MemoryCategory::Weights)
+                );
+            }
+        }
+    }
+}
+
+/// `StreamAll` without the optimizer on the host is refused by name; its prediction
+/// equals the ledger.
+#[test]
+fn streaming_every_weight_needs_the_optimizer_on_the_host_and_is_predicted() {
+    let err = Trainer::builder(
+        Box::new(Gpt2::new(tiny_config()).unwrap()) as Box<dyn Model>,
+        cpu(),
+        corpus_loader(20_000, 1, 2, 16),
+    )
+    .placement(trainkit::StreamAll::default())
+    .build()
+    .err()
+    .expect("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("--optimizer-offload") && text.contains("--stream-weights frozen"),
+        "{text}"
+    );
+    for in_backward in [false, true] {
+        let options = || TrainerOptions {
+            optimizer_offload: true,
+            optimizer_in_backward: in_backward,
+            grad_clip: if in_backward { 0.0 } else { 1.0 },
+            placement: Box::<trainkit::StreamAll>::default(),
+            ..TrainerOptions::default()
+        };
+        let precision = MixedBf16 { fp32_grads: false };
+        let predicted = predict_with(
+            Box::new(Llama::new(common::tiny_llama_config()).unwrap()),
+            MicroBatch {
+                batch_size: 2,
+                seq_len: 16,
+            },
+            &precision,
+            &Full,
+            &AdamW::default(),
+            &options(),
+        )
+        .unwrap();
+        let mut t = Trainer::builder(
+            Box::new(Llama::new(common::tiny_llama_config()).unwrap()) as Box<dyn Model>,
+            cpu(),
+            corpus_loader(8_000, 3, 2, 16),
+        )
+        .precision(precision)
+        .checkpoint(Full)
+        .options(options())
+        .build()
+        .unwrap();
+        let what = format!("stream all, in backward {in_backward}");
+        // The first step creates the optimizer state parameter by parameter, so its host
+        // peak is below a later step's (which the prediction gives); its device
+        // categories, its total and the streamed weights are predicted.
+        let first = t.step().unwrap();
+        for c in MemoryCategory::ALL
+            .into_iter()
+            .filter(|c| *c != MemoryCategory::Offloaded)
+        {
+            assert_eq!(
+                first.memory.peak.get(c),
+                predicted.peak.get(c),
+                "{what}: {c}"
+            );
+        }
+        assert_eq!(
+            first.memory.peak_total,
+            predicted.first_step_peak_total(1),
+            "{what}"
+        );
+        assert!(first.memory.peak.host() <= predicted.host_bytes(), "{what}");
+        let later = t.step().unwrap();
+        common::step_matches_prediction(&later, &predicted, 2, 1, &what);
+        assert_eq!(later.streamed_bytes, predicted.streamed_bytes_per_step);
+    }
 }

@@ -71,6 +71,7 @@ impl<'a> FitRequest<'a> {
             offload_activations: t.offload_activations,
             optimizer_offload: cfg.optimizer_offload,
             stream_weights: cfg.placement.typetag_name() != "resident",
+            placement: cfg.placement.as_ref(),
             adapter: cfg.adapter.as_deref(),
             ..FitRequest::new(
                 cfg.model.shape(),

@@ -51,8 +51,13 @@ impl RunConfig {
             },
             match self.placement.typetag_name() {
                 "resident" => String::new(),
-                "stream_frozen" => format!(
-                    "; frozen weights streamed from host memory, {} section{} ahead",
+                kind @ ("stream_frozen" | "stream_all") => format!(
+                    "; {} weights streamed from host memory, {} section{} ahead",
+                    if kind == "stream_all" {
+                        "all"
+                    } else {
+                        "frozen"
+                    },
                     self.placement.ahead(),
                     if self.placement.ahead() == 1 { "" } else { "s" }
                 ),

@@ -30,11 +30,13 @@ pub struct PolicyFlags {
     /// bring them back for backward (under --recompute full, each layer's input).
     #[arg(long, num_args = 0, default_missing_value = "true")]
     pub offload_activations: Option<bool>,
-    /// Keep the frozen weights (the base of LoRA and QLoRA) in page-locked host memory and
-    /// copy each layer's to the device one layer ahead of its use, freeing it after
-    /// (`[placement] kind = "stream_frozen"`); training is bitwise the same.
-    #[arg(long, num_args = 0, default_missing_value = "true")]
-    pub stream_weights: Option<bool>,
+    /// Keep weights in page-locked host memory and copy each layer's to the device one
+    /// layer ahead of its use, freeing it after; training is bitwise the same. frozen (the
+    /// default: the base of LoRA and QLoRA, `[placement] kind = "stream_frozen"`), all
+    /// (every weight, updated on the host: with --optimizer-offload; `"stream_all"`) or
+    /// none.
+    #[arg(long, value_name = "WHICH", num_args = 0..=1, default_missing_value = "frozen")]
+    pub stream_weights: Option<String>,
     /// adamw, adamw8bit (AdamW with 8-bit moments, about 2 bytes of state per parameter
     /// instead of 8) or sgd; settings the config's optimizer shares with it are kept.
     #[arg(long)]
@@ -76,12 +78,12 @@ impl PolicyFlags {
         set(&mut t.optimizer_in_backward, self.optimizer_in_backward);
         set(&mut t.offload_activations, self.offload_activations);
         set(&mut cfg.optimizer_offload, self.optimizer_offload);
-        match self.stream_weights {
-            Some(true) if cfg.placement.typetag_name() != "stream_frozen" => {
-                cfg.placement = Box::new(crate::placement::StreamFrozen::default());
+        if let Some(which) = &self.stream_weights {
+            let placement = crate::placement::named(which)?;
+            // The config's own settings (its `ahead`) stay when it names the same kind.
+            if placement.typetag_name() != cfg.placement.typetag_name() {
+                cfg.placement = placement;
             }
-            Some(false) => cfg.placement = crate::placement::resident(),
-            _ => {}
         }
         if let Some(p) = &self.precision {
             cfg.precision =

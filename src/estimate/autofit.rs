@@ -14,6 +14,7 @@ use crate::model::Shape;
 use crate::ops::update_rounding::UpdateRounding;
 use crate::ops::{AttentionPath, LossPath};
 use crate::optim::Optimizer;
+use crate::placement::WeightPlacement;
 use crate::precision::{MixedBf16, Precision, PureBf16};
 use crate::trainer::TrainerOptions;
 use std::sync::Arc;
@@ -59,9 +60,12 @@ pub struct FitRequest<'a> {
     /// The run keeps its master weights and optimizer state in host memory already
     /// ([`TrainerOptions::optimizer_offload`]): kept on.
     pub optimizer_offload: bool,
-    /// The run streams its frozen weights from host memory already
-    /// ([`TrainerOptions::placement`]): kept on.
+    /// The run streams weights from host memory already ([`TrainerOptions::placement`]):
+    /// kept on, with `placement`.
     pub stream_weights: bool,
+    /// The run's placement, which a setup streaming weights uses when it is not
+    /// [`crate::placement::Resident`] ([`crate::placement::StreamFrozen`] otherwise).
+    pub placement: &'a (dyn WeightPlacement + 'static),
     /// Host memory the setup may take: offloaded activations, and an offloaded
     /// optimizer's master weights and state (`None`: not checked).
     pub host_budget: Option<u64>,
@@ -99,6 +103,7 @@ impl<'a> FitRequest<'a> {
             offload_activations: false,
             optimizer_offload: false,
             stream_weights: false,
+            placement: &crate::placement::Resident,
             host_budget: None,
             adapter: None,
         }
@@ -686,10 +691,10 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
         optimizer_offload: spec.optimizer_offload,
-        placement: if spec.stream {
-            Box::new(crate::placement::StreamFrozen::default())
-        } else {
-            crate::placement::resident()
+        placement: match (spec.stream, req.placement.typetag_name()) {
+            (false, _) => crate::placement::resident(),
+            (true, "resident") => Box::new(crate::placement::StreamFrozen::default()),
+            (true, _) => dyn_clone::clone_box(req.placement),
         },
         ..TrainerOptions::default()
     };

@@ -14,8 +14,9 @@
 //! Training is bitwise the same either way: the copies carry the weights' bytes as they
 //! are, and each op waits for its weights' copy before it reads them.
 //!
-//! Only frozen weights stream today (the base of LoRA, QLoRA and DoRA): a policy that
-//! streams a weight that trains is refused by [`crate::Trainer::new`].
+//! [`StreamFrozen`] streams the frozen weights (the base of LoRA, QLoRA and DoRA);
+//! [`StreamAll`] every weight, those that train updated on the host in place (with the
+//! optimizer offloaded; without it [`crate::Trainer::new`] refuses them by name).
 
 use crate::param::ParamInit;
 use crate::tensor::DType;
@@ -124,6 +125,54 @@ impl WeightPlacement for StreamFrozen {
 
     fn ahead(&self) -> usize {
         self.ahead
+    }
+}
+
+/// Every weight streamed from page-locked host memory, `ahead` sections ahead of its
+/// readers, those that train included: their update runs on the host and writes the
+/// streamed weights in place, so it needs the optimizer there
+/// ([`crate::TrainerOptions::optimizer_offload`]); with the update inside backward
+/// ([`crate::TrainerOptions::optimizer_in_backward`]) the device holds two sections'
+/// weights and about one layer's gradients, whatever the model's size (ZeRO-Infinity's
+/// parameter offload, for one GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamAll {
+    /// Sections copied ahead of the one running.
+    pub ahead: usize,
+}
+
+impl Default for StreamAll {
+    fn default() -> Self {
+        StreamAll { ahead: 1 }
+    }
+}
+
+#[typetag::serde(name = "stream_all")]
+impl WeightPlacement for StreamAll {
+    fn place(&self, _site: &WeightSite<'_>) -> Placement {
+        Placement::Streamed
+    }
+
+    fn ahead(&self) -> usize {
+        self.ahead
+    }
+}
+
+/// The shipped placement `name` names, as `--stream-weights` spells it: `frozen`
+/// ([`StreamFrozen`]), `all` ([`StreamAll`]) or `none` ([`Resident`]).
+pub fn named(name: &str) -> crate::error::Result<Box<dyn WeightPlacement>> {
+    match name {
+        "frozen" => Ok(Box::new(StreamFrozen::default())),
+        "all" => Ok(Box::new(StreamAll::default())),
+        "none" => Ok(resident()),
+        other => Err(crate::error::Error::config(
+            "--stream-weights",
+            format!(
+                "`{other}` is not a placement; use frozen (the frozen base of LoRA or QLoRA), \
+                 all (every weight, with --optimizer-offload) or none"
+            ),
+        )),
     }
 }
 

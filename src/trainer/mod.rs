@@ -616,6 +616,17 @@ where
                     ),
                 ));
             }
+            if let Some(p) = self.params.iter().find(|p| p.streamed() && p.trains()) {
+                return Err(Error::config(
+                    "placement",
+                    format!(
+                        "`{}` trains and is streamed from host memory, which data-parallel \
+                         training does not do yet; stream the frozen weights alone \
+                         (--stream-weights frozen) or keep the weights resident",
+                        p.name()
+                    ),
+                ));
+            }
             // Every rank must hold the same model: compare the parameter counts.
             let numel: usize = self.params.iter().map(Param::numel).sum();
             let mut sum = [numel as f64];

@@ -365,6 +365,7 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             offload_activations,
             optimizer_offload,
             stream_weights: cfg.placement.typetag_name() != "resident",
+            placement: cfg.placement.as_ref(),
             adapter,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
             // named).

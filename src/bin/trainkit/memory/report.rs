@@ -337,7 +337,7 @@ pub fn table(f: &Figures) {
                 (offload_activations, ", activations offloaded"),
                 (
                     p.peak.get(MemoryCategory::Streamed) > 0,
-                    ", frozen weights streamed from host memory",
+                    ", weights streamed from host memory",
                 ),
             ]
             .iter()
