@@ -313,7 +313,12 @@ fn every_technique_is_taken_only_when_the_cheaper_ones_do_not_fit() {
         (&Fp32, 1),
         (&MixedBf16 { fp32_grads: true }, 2),
     ] {
-        let roomy = every_technique(&c, precision, &opt, global, u64::MAX);
+        // Streaming (its own tests below) changes where weights live, which `setup_peak`
+        // does not set.
+        let roomy = FitRequest {
+            techniques: Techniques::ALL.without(Technique::StreamWeights),
+            ..every_technique(&c, precision, &opt, global, u64::MAX)
+        };
         let tightest = technique_savings(&roomy).unwrap().all.peak;
         let most = autofit(&roomy).unwrap().unconstrained.peak;
         for i in 0..=24u64 {
@@ -499,8 +504,10 @@ fn train_choice(
             optimizer_in_backward: ch.optimizer_in_backward,
             offload_activations: ch.offload_activations,
             optimizer_offload: ch.optimizer_offload,
-            placement: if ch.stream_weights {
+            placement: if ch.stream_weights && ch.adapter.is_some() {
                 Box::new(trainkit::StreamFrozen::default())
+            } else if ch.stream_weights {
+                Box::new(trainkit::StreamAll::default())
             } else {
                 trainkit::placement::resident()
             },
@@ -783,7 +790,8 @@ fn a_run_offloading_its_optimizer_keeps_it() {
 
 /// Llama 3.1 8B, batch 2 × 2048, on 24 GiB: nothing that keeps the optimizer on the
 /// device fits; with the f32 master weights and AdamW's f32 moments on the host (bf16
-/// compute, the update inside backward) it does.
+/// compute, the update inside backward) it does, and with streaming allowed, every f32
+/// weight streamed beside the optimizer on the host fits in f32.
 #[test]
 fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
     let arch = trainkit::estimate::preset("llama-3.1-8b").unwrap().shape;
@@ -799,6 +807,20 @@ fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("nothing fits"), "{e}");
+    // With every technique, streaming every weight beside the optimizer on the host comes
+    // before bf16 in the cost order: the run stays in f32.
+    let streamed = autofit(&req).unwrap().choice;
+    assert!(
+        streamed.stream_weights && streamed.optimizer_offload,
+        "{}",
+        streamed.describe()
+    );
+    assert_eq!(streamed.precision.typetag_name(), "fp32");
+    assert!(streamed.peak <= 24 << 30);
+    let req = FitRequest {
+        techniques: Techniques::ALL.without(Technique::StreamWeights),
+        ..req
+    };
     let plan = autofit(&req).unwrap();
     for line in plan.explain() {
         println!("{line}");
@@ -822,7 +844,11 @@ fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
 #[test]
 fn streaming_the_frozen_base_is_taken_when_nothing_cheaper_fits() {
     let (c, opt) = (config(), AdamW::default());
-    let full = autofit(&every_technique(&c, &Fp32, &opt, 2, u64::MAX)).unwrap();
+    let on_device = FitRequest {
+        techniques: Techniques::ALL.without(Technique::OptimizerOffload),
+        ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
+    };
+    let full = autofit(&on_device).unwrap();
     let (_, why) = full
         .left_out
         .iter()
@@ -872,5 +898,41 @@ fn streaming_the_frozen_base_is_taken_when_nothing_cheaper_fits() {
         "{text}"
     );
     let highest = train_choice(&c, ch, cpu());
+    assert_eq!(highest, ch.peak, "{}", ch.describe());
+}
+
+/// A full fine-tune streams every weight once the optimizer is on the host: autofit takes
+/// both when nothing cheaper fits, and the run trains as predicted.
+#[test]
+fn a_full_fine_tune_streams_every_weight_when_nothing_cheaper_fits() {
+    let (c, opt) = (config(), AdamW::default());
+    let roomy = FitRequest {
+        techniques: Techniques::ALL.without(Technique::Bf16),
+        ..every_technique(&c, &Fp32, &opt, 1, u64::MAX)
+    };
+    let cheaper = technique_savings(&FitRequest {
+        techniques: roomy.techniques.without(Technique::StreamWeights),
+        ..roomy
+    })
+    .unwrap()
+    .all
+    .peak;
+    let req = FitRequest {
+        budget: cheaper - 1,
+        ..roomy
+    };
+    let ch = autofit(&req).unwrap().choice;
+    assert!(
+        ch.stream_weights && ch.optimizer_offload && ch.adapter.is_none(),
+        "{}",
+        ch.describe()
+    );
+    assert!(
+        ch.flags().contains(" --optimizer-offload") && ch.flags().contains(" --stream-weights all"),
+        "{}",
+        ch.flags()
+    );
+    assert!(ch.peak <= req.budget);
+    let highest = train_choice(&c, &ch, cpu());
     assert_eq!(highest, ch.peak, "{}", ch.describe());
 }

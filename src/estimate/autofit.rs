@@ -206,7 +206,14 @@ impl FitCandidate {
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
             (Technique::Offload, " --offload-activations"),
             (Technique::OptimizerOffload, " --optimizer-offload"),
-            (Technique::StreamWeights, " --stream-weights"),
+            (
+                Technique::StreamWeights,
+                if self.adapter.is_some() {
+                    " --stream-weights"
+                } else {
+                    " --stream-weights all"
+                },
+            ),
             (Technique::Bf16, " --precision bf16"),
             (
                 Technique::PureBf16,
@@ -565,11 +572,14 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::StreamWeights
             if req.adapter.is_none()
                 && !req.techniques.contains(Technique::Lora)
-                && !req.techniques.contains(Technique::Qlora) =>
+                && !req.techniques.contains(Technique::Qlora)
+                && !req.optimizer_offload
+                && !req.techniques.contains(Technique::OptimizerOffload) =>
         {
             Some(
-                "every weight trains: streaming moves a frozen base (LoRA's, QLoRA's) to host \
-                 memory"
+                "every weight trains and the optimizer stays on the device: streaming moves a \
+                 frozen base (LoRA's, QLoRA's), or every weight with the optimizer on the host \
+                 (optimizer-offload)"
                     .into(),
             )
         }
@@ -664,8 +674,11 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
             for t in policy.iter().chain(on.iter()) {
                 spec = spec.with(*t)?;
             }
-            // Streaming moves a frozen base: nothing to move where every weight trains.
-            if on.contains(&Technique::StreamWeights) && spec.adapter.is_none() {
+            // Streaming moves a frozen base, or every weight with the optimizer on the host.
+            if on.contains(&Technique::StreamWeights)
+                && spec.adapter.is_none()
+                && !spec.optimizer_offload
+            {
                 continue;
             }
             specs.push(spec);
@@ -693,6 +706,9 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_offload: spec.optimizer_offload,
         placement: match (spec.stream, req.placement.typetag_name()) {
             (false, _) => crate::placement::resident(),
+            (true, "resident") if spec.adapter.is_none() => {
+                Box::new(crate::placement::StreamAll::default())
+            }
             (true, "resident") => Box::new(crate::placement::StreamFrozen::default()),
             (true, _) => dyn_clone::clone_box(req.placement),
         },
@@ -1087,6 +1103,13 @@ pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
                     spec.recompute = Box::new(Budget::new(kept / 2));
                     evaluate(req, &spec, req.global_batch).map(Ok)?
                 }
+                Technique::StreamWeights if base.adapter.is_none() && !base.optimizer_offload => {
+                    Err(
+                        "every weight trains: streaming them needs the optimizer on the host \
+                         too (optimizer-offload; the row of all that combine has both)"
+                            .to_string(),
+                    )
+                }
                 _ => match evaluate(req, &base.with(t)?, req.global_batch) {
                     Ok(c) => Ok(c),
                     // Offloading under a policy that keeps nothing.
@@ -1111,10 +1134,12 @@ pub fn technique_savings(req: &FitRequest<'_>) -> Result<TechniqueSavings> {
         Technique::StreamWeights,
     ] {
         // Offloading joins full recomputation even where the setup's own policy would
-        // keep nothing to offload.
+        // keep nothing to offload; every weight streams beside the optimizer on the host.
         let offloads_full =
             t == Technique::Offload && applies(Technique::Full) && why_not(req, t).is_none();
-        if applies(t) || offloads_full {
+        let streams_all =
+            t == Technique::StreamWeights && all.optimizer_offload && why_not(req, t).is_none();
+        if applies(t) || offloads_full || streams_all {
             all = all.with(t)?;
         }
     }

@@ -35,8 +35,9 @@ use crate::error::{Error, Result};
 ///    the GPU's forward and backward.
 /// 9. [`Technique::StreamWeights`]: the frozen base (of a LoRA or QLoRA run) in page-locked
 ///    host memory, copied to the device a section ahead of its readers
-///    ([`crate::placement::StreamFrozen`]): the same arithmetic, but every step copies the
-///    base over the host link twice, which hides behind the compute only when the step
+///    ([`crate::placement::StreamFrozen`]), or, with the optimizer on the host, every weight
+///    ([`crate::placement::StreamAll`]): the same arithmetic, but every step copies the
+///    weights over the host link twice, which hides behind the compute only when the step
 ///    computes longer than the copies take.
 /// 10. [`Technique::Bf16`]: bf16 compute with f32 master weights when the run is fp32.
 ///     Faster on a GPU, but it changes the arithmetic of every product and activation the
@@ -75,7 +76,9 @@ pub enum Technique {
     /// Master weights and optimizer state in host memory, the update on the CPU
     /// ([`crate::TrainerOptions::optimizer_offload`]).
     OptimizerOffload,
-    /// The frozen weights streamed from host memory ([`crate::placement::StreamFrozen`]).
+    /// Weights streamed from host memory: the frozen base
+    /// ([`crate::placement::StreamFrozen`]), or every weight with the optimizer on the host
+    /// ([`crate::placement::StreamAll`]).
     StreamWeights,
     /// bf16 compute with f32 master weights and bf16 gradients ([`crate::MixedBf16`]) in
     /// place of fp32.

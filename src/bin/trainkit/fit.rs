@@ -195,7 +195,11 @@ pub fn apply_autofit(
     cfg.training.offload_activations = c.offload_activations;
     cfg.optimizer_offload = c.optimizer_offload;
     if c.stream_weights && cfg.placement.typetag_name() == "resident" {
-        cfg.placement = Box::new(trainkit::StreamFrozen::default());
+        cfg.placement = if c.adapter.is_some() {
+            Box::new(trainkit::StreamFrozen::default())
+        } else {
+            Box::new(trainkit::StreamAll::default())
+        };
     }
     if let Some(a) = c.adapter {
         cfg.adapter = Some(dyn_clone::clone_box(&*a));
