@@ -278,10 +278,9 @@ fn autofit_keeps_the_optimizer_on_the_host_when_asked() {
         out.contains("optimizer-offload      not considered: on already"),
         "{out}"
     );
-    assert!(
-        out.contains("(master weights and optimizer state)"),
-        "{out}"
-    );
+    // The host holds the optimizer's side (and, where autofit streams the weights beside
+    // it, those too).
+    assert!(out.contains("(master weights and optimizer state"), "{out}");
     let toml = &out[out.find("[accumulation]").unwrap_or(0)..];
     let cfg: toml::Value = toml::from_str(toml).unwrap();
     assert_eq!(cfg["optimizer"]["offload"].as_bool(), Some(true), "{toml}");
