@@ -167,10 +167,7 @@ struct Ready<'h, 'l> {
 /// How many nodes of `graph` read each of `n` parameters (each node's backward once).
 fn uses(graph: &Graph, n: usize) -> Vec<usize> {
     let mut count = vec![0; n];
-    let sections = std::iter::once(&graph.embedding)
-        .chain(&graph.layers)
-        .chain(std::iter::once(&graph.head));
-    for node in sections.flat_map(|s| &s.nodes) {
+    for node in graph.sections().flat_map(|s| &s.nodes) {
         for &p in &node.params {
             if let Some(c) = count.get_mut(p) {
                 *c += 1;

@@ -143,6 +143,13 @@ pub struct Graph {
 
 impl Graph {
     /// Every section, in forward order: the embedding, the layers, the head.
+    pub fn sections(&self) -> impl Iterator<Item = &Section> {
+        std::iter::once(&self.embedding)
+            .chain(self.layers.iter())
+            .chain(std::iter::once(&self.head))
+    }
+
+    /// Every section, in forward order: the embedding, the layers, the head.
     pub fn sections_mut(&mut self) -> impl Iterator<Item = &mut Section> {
         std::iter::once(&mut self.embedding)
             .chain(self.layers.iter_mut())

@@ -10,7 +10,7 @@
 //! section run out of turn (a layer recomputed to restore a dropped input) stages its
 //! weights on demand and frees them after, unless the window holds them.
 
-use super::graph::{Graph, Section};
+use super::graph::Graph;
 use super::Param;
 use crate::device::Backend;
 use crate::error::Result;
@@ -33,10 +33,9 @@ impl Staging {
     /// The staging of a pass over `graph` running `schedule` (section indices as
     /// [`Staging::training`] and [`Staging::forward`] make them), `ahead` positions ahead.
     fn new(graph: &Graph, params: &[Param], schedule: Vec<usize>, ahead: usize) -> Self {
-        let sections = sections(graph);
         let streams = params.iter().any(Param::streamed);
-        let reads = sections
-            .iter()
+        let reads = graph
+            .sections()
             .map(|sec| {
                 let mut read: Vec<usize> = Vec::new();
                 if streams {
@@ -111,18 +110,21 @@ impl Staging {
     /// Leaves position `i`: frees the weights its section read that no position up to
     /// `i + ahead` reads.
     pub(super) fn leave(&self, params: &mut [Param], i: usize) {
-        let Some(&s) = self.schedule.get(i) else {
-            return;
-        };
+        if let Some(&s) = self.schedule.get(i) {
+            self.release(params, s, i + 1, i + self.ahead);
+        }
+    }
+
+    /// Frees the weights section `s` read that no position in `from..=to` reads.
+    fn release(&self, params: &mut [Param], s: usize, from: usize, to: usize) {
         for &p in &self.reads[s] {
-            if !self.window(i + 1, i + self.ahead).any(|q| q == p) {
+            if !self.window(from, to).any(|q| q == p) {
                 params[p].unstage();
             }
         }
     }
 
-    /// Stages section `s`'s weights out of turn (a recomputation), while position `i`
-    /// runs.
+    /// Stages section `s`'s weights out of turn (a recomputation).
     pub(super) fn borrow(
         &mut self,
         params: &mut [Param],
@@ -138,11 +140,7 @@ impl Staging {
     /// Frees what [`Staging::borrow`] staged for section `s`, except the weights of the
     /// window of position `i`.
     pub(super) fn give_back(&self, params: &mut [Param], s: usize, i: usize) {
-        for &p in &self.reads[s] {
-            if !self.window(i, i + self.ahead).any(|q| q == p) {
-                params[p].unstage();
-            }
-        }
+        self.release(params, s, i, i + self.ahead);
     }
 
     /// Frees every staged weight (the pass is over, or failed).
@@ -156,12 +154,4 @@ impl Staging {
     pub(super) fn bytes(&self) -> u64 {
         self.bytes
     }
-}
-
-/// The sections of `graph` by index: the embedding, the layers, the head.
-fn sections(graph: &Graph) -> Vec<&Section> {
-    std::iter::once(&graph.embedding)
-        .chain(&graph.layers)
-        .chain(std::iter::once(&graph.head))
-        .collect()
 }
