@@ -70,7 +70,6 @@ impl<'a> FitRequest<'a> {
             optimizer_in_backward: t.optimizer_in_backward,
             offload_activations: t.offload_activations,
             optimizer_offload: cfg.optimizer_offload,
-            stream_weights: cfg.placement.typetag_name() != "resident",
             placement: cfg.placement.as_ref(),
             adapter: cfg.adapter.as_deref(),
             ..FitRequest::new(

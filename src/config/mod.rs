@@ -189,7 +189,7 @@ pub struct RunConfig {
 /// written config).
 #[allow(clippy::borrowed_box)] // serde's `skip_serializing_if` passes the field itself
 fn is_resident(placement: &Box<dyn WeightPlacement>) -> bool {
-    placement.typetag_name() == "resident"
+    crate::placement::is_resident(placement.as_ref())
 }
 
 /// `text` without the `offload` key of its `[optimizer]` table (which the optimizer's own

@@ -60,11 +60,10 @@ pub struct FitRequest<'a> {
     /// The run keeps its master weights and optimizer state in host memory already
     /// ([`TrainerOptions::optimizer_offload`]): kept on.
     pub optimizer_offload: bool,
-    /// The run streams weights from host memory already ([`TrainerOptions::placement`]):
-    /// kept on, with `placement`.
-    pub stream_weights: bool,
-    /// The run's placement, which a setup streaming weights uses when it is not
-    /// [`crate::placement::Resident`] ([`crate::placement::StreamFrozen`] otherwise).
+    /// The run's placement ([`TrainerOptions::placement`]): one that streams stays on, and
+    /// a setup streaming weights uses it; with [`crate::placement::Resident`] such a setup
+    /// streams the frozen base ([`crate::placement::StreamFrozen`]), or every weight beside
+    /// the optimizer on the host ([`crate::placement::StreamAll`]).
     pub placement: &'a (dyn WeightPlacement + 'static),
     /// Host memory the setup may take: offloaded activations, and an offloaded
     /// optimizer's master weights and state (`None`: not checked).
@@ -102,7 +101,6 @@ impl<'a> FitRequest<'a> {
             optimizer_in_backward: false,
             offload_activations: false,
             optimizer_offload: false,
-            stream_weights: false,
             placement: &crate::placement::Resident,
             host_budget: None,
             adapter: None,
@@ -452,7 +450,7 @@ impl Spec {
             in_backward: req.optimizer_in_backward,
             offload: req.offload_activations,
             optimizer_offload: req.optimizer_offload,
-            stream: req.stream_weights,
+            stream: !crate::placement::is_resident(req.placement),
             adapter: req.adapter.map(|a| Arc::from(dyn_clone::clone_box(a))),
         }
     }
@@ -566,7 +564,7 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::OptimizerOffload if req.optimizer_offload => {
             Some("on already (the run's own setting)".into())
         }
-        Technique::StreamWeights if req.stream_weights => {
+        Technique::StreamWeights if !crate::placement::is_resident(req.placement) => {
             Some("on already (the run's own setting)".into())
         }
         Technique::StreamWeights
@@ -704,13 +702,13 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_in_backward: spec.in_backward,
         offload_activations: spec.offload,
         optimizer_offload: spec.optimizer_offload,
-        placement: match (spec.stream, req.placement.typetag_name()) {
+        placement: match (spec.stream, crate::placement::is_resident(req.placement)) {
             (false, _) => crate::placement::resident(),
-            (true, "resident") if spec.adapter.is_none() => {
+            (true, true) if spec.adapter.is_none() => {
                 Box::new(crate::placement::StreamAll::default())
             }
-            (true, "resident") => Box::new(crate::placement::StreamFrozen::default()),
-            (true, _) => dyn_clone::clone_box(req.placement),
+            (true, true) => Box::new(crate::placement::StreamFrozen::default()),
+            (true, false) => dyn_clone::clone_box(req.placement),
         },
         ..TrainerOptions::default()
     };

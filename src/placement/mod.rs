@@ -176,6 +176,11 @@ pub fn named(name: &str) -> crate::error::Result<Box<dyn WeightPlacement>> {
     }
 }
 
+/// Whether `placement` keeps every weight on the device ([`Resident`], by its `kind`).
+pub fn is_resident(placement: &dyn WeightPlacement) -> bool {
+    placement.typetag_name() == "resident"
+}
+
 /// The default placement: [`Resident`].
 pub fn resident() -> Box<dyn WeightPlacement> {
     Box::new(Resident)

@@ -194,7 +194,7 @@ pub fn apply_autofit(
     cfg.training.optimizer_in_backward = c.optimizer_in_backward;
     cfg.training.offload_activations = c.offload_activations;
     cfg.optimizer_offload = c.optimizer_offload;
-    if c.stream_weights && cfg.placement.typetag_name() == "resident" {
+    if c.stream_weights && trainkit::placement::is_resident(cfg.placement.as_ref()) {
         cfg.placement = if c.adapter.is_some() {
             Box::new(trainkit::StreamFrozen::default())
         } else {

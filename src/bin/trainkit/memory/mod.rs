@@ -364,7 +364,6 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer_in_backward: in_backward,
             offload_activations,
             optimizer_offload,
-            stream_weights: cfg.placement.typetag_name() != "resident",
             placement: cfg.placement.as_ref(),
             adapter,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
