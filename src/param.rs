@@ -739,11 +739,10 @@ impl Param {
         match self.host.as_deref() {
             // Streamed weights live beside the master copy: rounded in place, once the
             // copies reading them have run.
-            Some(host) if self.streamed => {
-                self.staged = None;
-                backend.settle(&self.weight)?;
-                host.cast(&mut self.weight, master)
-            }
+            Some(host) if self.streamed => host.cast(
+                streamed_home(&mut self.staged, &mut self.weight, backend)?,
+                master,
+            ),
             // The master copy is in host memory and the weights on the device: rounded on
             // the host, then copied over.
             Some(host) if !is_same(host, backend) => {
@@ -864,11 +863,10 @@ impl Param {
         // copy has run. Streamed weights are written in host memory, in place, once the
         // copies reading them have run.
         let copied = refreshed.and_then(|()| match host.as_deref() {
-            Some(host) if self.streamed => {
-                self.staged = None;
-                backend.settle(&self.weight)?;
-                host.transfer(&mut self.weight, &done.param.weight)
-            }
+            Some(host) if self.streamed => host.transfer(
+                streamed_home(&mut self.staged, &mut self.weight, backend)?,
+                &done.param.weight,
+            ),
             _ => backend.transfer_queued(&mut self.weight, &done.param.weight),
         });
         // The optimizer side comes back whatever happened, so the parameter stays whole.
@@ -879,6 +877,18 @@ impl Param {
         self.compensation = done.param.compensation.take();
         copied
     }
+}
+
+/// A streamed parameter's weights in host memory, ready to be written in place: its
+/// staged device copy dropped and every copy still reading the host weights run first.
+fn streamed_home<'a>(
+    staged: &mut Option<Tensor>,
+    weight: &'a mut Tensor,
+    backend: &dyn Backend,
+) -> Result<&'a mut Tensor> {
+    *staged = None;
+    backend.settle(weight)?;
+    Ok(weight)
 }
 
 /// The error of streaming `name`'s weights on a backend without host memory.

@@ -30,6 +30,17 @@ fn config() -> Gpt2Config {
     }
 }
 
+/// A model wide enough that its projections reach the streamed policies' 1 MiB
+/// `min_bytes` (smaller weights stay on the device).
+fn wide_config() -> Gpt2Config {
+    Gpt2Config {
+        n_layer: 2,
+        n_embd: 512,
+        vocab_size: 512,
+        ..config()
+    }
+}
+
 /// A request for micro-batch, accumulation and the recompute policies alone: autofit's
 /// choices before it knew the other techniques.
 fn request<'a>(
@@ -504,10 +515,8 @@ fn train_choice(
             optimizer_in_backward: ch.optimizer_in_backward,
             offload_activations: ch.offload_activations,
             optimizer_offload: ch.optimizer_offload,
-            placement: if ch.stream_weights && ch.adapter.is_some() {
-                Box::new(trainkit::StreamFrozen::default())
-            } else if ch.stream_weights {
-                Box::new(trainkit::StreamAll::default())
+            placement: if ch.stream_weights {
+                trainkit::placement::streaming(ch.adapter.is_some())
             } else {
                 trainkit::placement::resident()
             },
@@ -843,7 +852,7 @@ fn an_8b_full_fine_tune_fits_24gib_with_the_optimizer_on_the_host() {
 /// planned, the ledger equals the prediction.
 #[test]
 fn streaming_the_frozen_base_is_taken_when_nothing_cheaper_fits() {
-    let (c, opt) = (config(), AdamW::default());
+    let (c, opt) = (wide_config(), AdamW::default());
     let on_device = FitRequest {
         techniques: Techniques::ALL.without(Technique::OptimizerOffload),
         ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
@@ -905,7 +914,7 @@ fn streaming_the_frozen_base_is_taken_when_nothing_cheaper_fits() {
 /// both when nothing cheaper fits, and the run trains as predicted.
 #[test]
 fn a_full_fine_tune_streams_every_weight_when_nothing_cheaper_fits() {
-    let (c, opt) = (config(), AdamW::default());
+    let (c, opt) = (wide_config(), AdamW::default());
     let roomy = FitRequest {
         techniques: Techniques::ALL.without(Technique::Bf16),
         ..every_technique(&c, &Fp32, &opt, 1, u64::MAX)

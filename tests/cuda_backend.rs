@@ -1794,7 +1794,10 @@ fn every_weight_streamed_on_cuda_is_bitwise_the_resident_run() {
                 optimizer_in_backward: in_backward,
                 grad_clip: if in_backward { 0.0 } else { 1.0 },
                 placement: if stream {
-                    Box::<trainkit::StreamAll>::default()
+                    Box::new(trainkit::StreamAll {
+                        ahead: 1,
+                        min_bytes: 0,
+                    })
                 } else {
                     Box::new(trainkit::placement::Resident)
                 },
@@ -2823,7 +2826,12 @@ fn streamed_weights_on_cuda_are_bitwise_the_resident_run() {
             (true, true, false),
         ] {
             let what = format!("{name} gpt2 {gpt2} nf4 {nf4} dora {dora}");
-            let stream = || Box::new(trainkit::StreamFrozen::default());
+            let stream = || {
+                Box::new(trainkit::StreamFrozen {
+                    ahead: 1,
+                    min_bytes: 0,
+                })
+            };
             let resident = || Box::new(trainkit::placement::Resident);
             let kept = placed_steps::<trainkit::Fp32>(&cuda, gpt2, nf4, dora, resident());
             let streamed = placed_steps::<trainkit::Fp32>(&cuda, gpt2, nf4, dora, stream());

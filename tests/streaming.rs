@@ -122,7 +122,10 @@ fn streamed_training_is_bitwise_the_resident_one() {
                         what,
                         precision.clone(),
                         policy.clone(),
-                        Box::new(StreamFrozen { ahead }),
+                        Box::new(StreamFrozen {
+                            ahead,
+                            min_bytes: 0,
+                        }),
                         false,
                     );
                     let label = format!("{label} ahead {ahead}");
@@ -145,7 +148,10 @@ fn streamed_training_is_bitwise_the_resident_one() {
             what,
             Box::new(Fp32),
             Box::new(Full),
-            Box::new(StreamFrozen::default()),
+            Box::new(StreamFrozen {
+                ahead: 1,
+                min_bytes: 0,
+            }),
             true,
         );
         assert_eq!(streamed.0, resident.0, "{what} offloaded: losses");
@@ -177,7 +183,10 @@ fn the_device_holds_two_sections_of_the_base() {
         let mut t = Trainer::builder(model(what), cpu(), corpus_loader(20_000, 1, 2, 16))
             .precision(MixedBf16 { fp32_grads: true })
             .checkpoint(Full)
-            .placement(StreamFrozen::default())
+            .placement(StreamFrozen {
+                ahead: 1,
+                min_bytes: 0,
+            })
             .build()
             .unwrap();
         let s = t.step().unwrap();
@@ -232,7 +241,10 @@ fn the_exact_prediction_knows_streaming() {
         ] {
             let precision = MixedBf16 { fp32_grads: false };
             let options = TrainerOptions {
-                placement: Box::new(StreamFrozen::default()),
+                placement: Box::new(StreamFrozen {
+                    ahead: 1,
+                    min_bytes: 0,
+                }),
                 ..TrainerOptions::default()
             };
             let micro = MicroBatch {
@@ -296,7 +308,10 @@ fn sampling_reads_the_streamed_base() {
             out
         };
         assert_eq!(
-            draw(Box::<StreamFrozen>::default()),
+            draw(Box::new(StreamFrozen {
+                ahead: 1,
+                min_bytes: 0
+            })),
             draw(Box::new(Resident)),
             "use_cache {use_cache}"
         );
@@ -385,12 +400,31 @@ fn the_cli_streams_the_base_and_the_config_says_so() {
             .collect();
         (out, lines)
     };
-    let (_, resident) = run(&[], "resident.jsonl");
-    let (out, streamed) = run(&["--stream-weights"], "streamed.jsonl");
+    // A config with the placement alone sets the run's other settings to their config
+    // defaults: the resident run has one too.
+    let kept_home = path("resident.toml");
+    std::fs::write(&kept_home, "[placement]\nkind = \"resident\"\n").unwrap();
+    let (_, resident) = run(&["--config", kept_home.as_str()], "resident.jsonl");
+    // The flag's policy keeps weights under 1 MiB (all of this model's) on the device,
+    // and says so; a config streams them all.
+    let (out, kept) = run(&["--stream-weights"], "kept.jsonl");
+    assert!(
+        out.contains("warning: the placement streams no weight of this model"),
+        "{out}"
+    );
+    assert!(kept.iter().all(|s| s["streamed_bytes"] == 0), "{kept:?}");
+    let every = path("every.toml");
+    std::fs::write(
+        &every,
+        "[placement]\nkind = \"stream_frozen\"\nmin_bytes = 0\n",
+    )
+    .unwrap();
+    let (out, streamed) = run(&["--config", every.as_str()], "streamed.jsonl");
     assert!(
         out.contains("frozen weights streamed from host memory, 1 section ahead"),
         "{out}"
     );
+    assert!(!out.contains("streams no weight"), "{out}");
     assert_eq!(resident.len(), 2);
     for (r, s) in resident.iter().zip(&streamed) {
         assert_eq!(r["loss"], s["loss"], "{r} {s}");
@@ -441,11 +475,17 @@ fn a_streamed_run_resumes_bitwise() {
     let mut resident = trainer(Box::new(Resident));
     let want = losses(&mut resident, 4);
     let dir = common::scratch("streaming-resume").join("ckpt");
-    let mut first = trainer(Box::<StreamFrozen>::default());
+    let mut first = trainer(Box::new(StreamFrozen {
+        ahead: 1,
+        min_bytes: 0,
+    }));
     assert_eq!(losses(&mut first, 2), want[..2]);
     first.save(&dir, None).unwrap();
     drop(first);
-    let mut resumed = trainer(Box::<StreamFrozen>::default());
+    let mut resumed = trainer(Box::new(StreamFrozen {
+        ahead: 1,
+        min_bytes: 0,
+    }));
     resumed.resume_from(&dir).unwrap();
     assert_eq!(losses(&mut resumed, 2), want[2..]);
     assert!(bits(&values(&resumed)) == bits(&values(&resident)));
@@ -510,7 +550,10 @@ fn a_full_fine_tune_streams_every_weight_bitwise() {
                     what,
                     precision.clone(),
                     in_backward,
-                    Box::<trainkit::StreamAll>::default(),
+                    Box::new(trainkit::StreamAll {
+                        ahead: 1,
+                        min_bytes: 0,
+                    }),
                 );
                 assert_eq!(streamed.0, resident.0, "{label}: losses");
                 assert!(bits(&streamed.1) == bits(&resident.1), "{label}: weights");
@@ -537,7 +580,10 @@ fn streaming_every_weight_needs_the_optimizer_on_the_host_and_is_predicted() {
         cpu(),
         corpus_loader(20_000, 1, 2, 16),
     )
-    .placement(trainkit::StreamAll::default())
+    .placement(trainkit::StreamAll {
+        ahead: 1,
+        min_bytes: 0,
+    })
     .build()
     .err()
     .expect("refused");
@@ -551,7 +597,10 @@ fn streaming_every_weight_needs_the_optimizer_on_the_host_and_is_predicted() {
             optimizer_offload: true,
             optimizer_in_backward: in_backward,
             grad_clip: if in_backward { 0.0 } else { 1.0 },
-            placement: Box::<trainkit::StreamAll>::default(),
+            placement: Box::new(trainkit::StreamAll {
+                ahead: 1,
+                min_bytes: 0,
+            }),
             ..TrainerOptions::default()
         };
         let precision = MixedBf16 { fp32_grads: false };

@@ -4,6 +4,7 @@
 //! optimizer offloaded to the host and bf16 precision, and, when named, pure bf16, LoRA and
 //! QLoRA, in the cost order of [`Technique`].
 
+use super::exact::HOST_LINK_BYTES_PER_S;
 use super::exact::{predict_with, MemoryPrediction, MicroBatch};
 use super::techniques::{Technique, Techniques};
 use crate::adapter::{Adapter, Lora, ALL_LINEAR};
@@ -206,11 +207,9 @@ impl FitCandidate {
             (Technique::OptimizerOffload, " --optimizer-offload"),
             (
                 Technique::StreamWeights,
-                if self.adapter.is_some() {
-                    " --stream-weights"
-                } else {
-                    " --stream-weights all"
-                },
+                crate::placement::flag(
+                    crate::placement::streaming(self.adapter.is_some()).as_ref(),
+                ),
             ),
             (Technique::Bf16, " --precision bf16"),
             (
@@ -301,10 +300,11 @@ impl FitPlan {
                 c.host_contents()
             ));
         }
-        if let Some(rate) = c.prediction.hiding_flop_rate(25e9) {
+        if let Some(rate) = c.prediction.hiding_flop_rate(HOST_LINK_BYTES_PER_S) {
             lines.push(format!(
                 "  streamed weights: {} copied to the device per step beside {:.1} TFLOP of \
-                 compute; at 25 GB/s the copies hide behind it on a device below {:.0} TFLOP/s",
+                 compute; at 25 GB/s (PCIe 4.0 x16) the copies hide behind it on a device \
+                 below {:.0} TFLOP/s",
                 format_bytes(c.prediction.streamed_bytes_per_step),
                 c.prediction.flops_per_step as f64 / 1e12,
                 rate / 1e12
@@ -704,10 +704,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         optimizer_offload: spec.optimizer_offload,
         placement: match (spec.stream, crate::placement::is_resident(req.placement)) {
             (false, _) => crate::placement::resident(),
-            (true, true) if spec.adapter.is_none() => {
-                Box::new(crate::placement::StreamAll::default())
-            }
-            (true, true) => Box::new(crate::placement::StreamFrozen::default()),
+            (true, true) => crate::placement::streaming(spec.adapter.is_some()),
             (true, false) => dyn_clone::clone_box(req.placement),
         },
         ..TrainerOptions::default()

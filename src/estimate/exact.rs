@@ -71,6 +71,10 @@ pub struct MemoryPrediction {
     pub flops_per_step: u64,
 }
 
+/// The host link the streamed-weights lines assume when none is named: PCIe 4.0 x16's
+/// ~25 GB/s per direction (a 4090's or an A100 PCIe's).
+pub const HOST_LINK_BYTES_PER_S: f64 = 25e9;
+
 impl MemoryPrediction {
     /// The peak of the total in the first step of `micro_batches` micro-batches:
     /// gradients appear during the first backward, optimizer state only at the update.

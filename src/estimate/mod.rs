@@ -35,7 +35,7 @@ pub use autofit::{
 pub use budget::{host_available_memory, parse_bytes};
 pub use exact::{
     predict, predict_gpt2, predict_rank, predict_shape, predict_with, ActivationProfile,
-    MemoryPrediction, MicroBatch,
+    MemoryPrediction, MicroBatch, HOST_LINK_BYTES_PER_S,
 };
 pub use flops::{flops_per_token, gpu_peak, mfu, peak_flops, GpuPeak, MathDtype, GPU_PEAKS};
 pub use formulas::{

@@ -16,7 +16,11 @@
 //!
 //! [`StreamFrozen`] streams the frozen weights (the base of LoRA, QLoRA and DoRA);
 //! [`StreamAll`] every weight, those that train updated on the host in place (with the
-//! optimizer offloaded; without it [`crate::Trainer::new`] refuses them by name).
+//! optimizer offloaded; without it [`crate::Trainer::new`] refuses them by name). Both keep
+//! weights under `min_bytes` ([`DEFAULT_MIN_STREAMED_BYTES`], 1 MiB) on the device, as
+//! DeepSpeed's `stage3_param_persistence_threshold` does: norm gains and biases cost little
+//! there (about 2.6 MB for a 70B model), and a copy that small would cost more in its
+//! launch and synchronisation than it saves.
 
 use crate::param::ParamInit;
 use crate::tensor::DType;
@@ -95,28 +99,38 @@ impl WeightPlacement for Resident {
     }
 }
 
-/// Every frozen weight streamed from page-locked host memory, `ahead` sections ahead of
-/// its readers (the base of LoRA, QLoRA and DoRA: a 70B model's NF4 base is ~35 GiB of
-/// host memory and two layers', ~0.9 GiB, on the device); weights that train stay on the
-/// device.
+/// The default `min_bytes` of [`StreamFrozen`] and [`StreamAll`]: weights under 1 MiB
+/// stay on the device.
+pub const DEFAULT_MIN_STREAMED_BYTES: u64 = 1 << 20;
+
+/// Every frozen weight of at least `min_bytes` streamed from page-locked host memory,
+/// `ahead` sections ahead of its readers (the base of LoRA, QLoRA and DoRA: a 70B model's
+/// NF4 base is ~35 GiB of host memory and two layers', ~0.9 GiB, on the device); weights
+/// that train, and smaller ones, stay on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StreamFrozen {
     /// Sections copied ahead of the one running (at least 1 to overlap the copies with
     /// compute; 0 copies each section's weights when it starts).
     pub ahead: usize,
+    /// Weights of fewer bytes (as stored) stay on the device
+    /// ([`DEFAULT_MIN_STREAMED_BYTES`]; 0 streams every one).
+    pub min_bytes: u64,
 }
 
 impl Default for StreamFrozen {
     fn default() -> Self {
-        StreamFrozen { ahead: 1 }
+        StreamFrozen {
+            ahead: 1,
+            min_bytes: DEFAULT_MIN_STREAMED_BYTES,
+        }
     }
 }
 
 #[typetag::serde(name = "stream_frozen")]
 impl WeightPlacement for StreamFrozen {
     fn place(&self, site: &WeightSite<'_>) -> Placement {
-        if site.trains {
+        if site.trains || site.bytes < self.min_bytes {
             Placement::Resident
         } else {
             Placement::Streamed
@@ -128,8 +142,8 @@ impl WeightPlacement for StreamFrozen {
     }
 }
 
-/// Every weight streamed from page-locked host memory, `ahead` sections ahead of its
-/// readers, those that train included: their update runs on the host and writes the
+/// Every weight of at least `min_bytes` streamed from page-locked host memory, `ahead`
+/// sections ahead of its readers, those that train included: their update runs on the host and writes the
 /// streamed weights in place, so it needs the optimizer there
 /// ([`crate::TrainerOptions::optimizer_offload`]); with the update inside backward
 /// ([`crate::TrainerOptions::optimizer_in_backward`]) the device holds two sections'
@@ -140,18 +154,28 @@ impl WeightPlacement for StreamFrozen {
 pub struct StreamAll {
     /// Sections copied ahead of the one running.
     pub ahead: usize,
+    /// Weights of fewer bytes (as stored) stay on the device
+    /// ([`DEFAULT_MIN_STREAMED_BYTES`]; 0 streams every one).
+    pub min_bytes: u64,
 }
 
 impl Default for StreamAll {
     fn default() -> Self {
-        StreamAll { ahead: 1 }
+        StreamAll {
+            ahead: 1,
+            min_bytes: DEFAULT_MIN_STREAMED_BYTES,
+        }
     }
 }
 
 #[typetag::serde(name = "stream_all")]
 impl WeightPlacement for StreamAll {
-    fn place(&self, _site: &WeightSite<'_>) -> Placement {
-        Placement::Streamed
+    fn place(&self, site: &WeightSite<'_>) -> Placement {
+        if site.bytes < self.min_bytes {
+            Placement::Resident
+        } else {
+            Placement::Streamed
+        }
     }
 
     fn ahead(&self) -> usize {
@@ -173,6 +197,28 @@ pub fn named(name: &str) -> crate::error::Result<Box<dyn WeightPlacement>> {
                  all (every weight, with --optimizer-offload) or none"
             ),
         )),
+    }
+}
+
+/// The streaming a run picks when asked to stream without naming how (autofit's
+/// technique): the frozen base where there is one ([`StreamFrozen`]), else every weight
+/// ([`StreamAll`], whose update needs the optimizer on the host).
+pub fn streaming(frozen_base: bool) -> Box<dyn WeightPlacement> {
+    if frozen_base {
+        Box::new(StreamFrozen::default())
+    } else {
+        Box::new(StreamAll::default())
+    }
+}
+
+/// The `--stream-weights` flag that sets `placement`, if it is a shipped one: `""` for
+/// [`Resident`], ` --stream-weights` for [`StreamFrozen`], ` --stream-weights all` for
+/// [`StreamAll`] (each with a leading space, as a flag appended to others).
+pub fn flag(placement: &dyn WeightPlacement) -> &'static str {
+    match placement.typetag_name() {
+        "stream_frozen" => " --stream-weights",
+        "stream_all" => " --stream-weights all",
+        _ => "",
     }
 }
 
@@ -208,11 +254,11 @@ pub fn streamed(placement: &dyn WeightPlacement, specs: &[ParamInit], compute: D
 mod tests {
     use super::*;
 
-    fn site(trains: bool) -> WeightSite<'static> {
+    fn site(trains: bool, bytes: u64) -> WeightSite<'static> {
         WeightSite {
             name: "model.layers.0.mlp.up_proj.weight",
             shape: &[8, 4],
-            bytes: 64,
+            bytes,
             trains,
         }
     }
@@ -220,19 +266,47 @@ mod tests {
     #[test]
     fn stream_frozen_streams_what_does_not_train() {
         let p = StreamFrozen::default();
-        assert_eq!(p.place(&site(false)), Placement::Streamed);
-        assert_eq!(p.place(&site(true)), Placement::Resident);
+        let big = DEFAULT_MIN_STREAMED_BYTES;
+        assert_eq!(p.place(&site(false, big)), Placement::Streamed);
+        assert_eq!(p.place(&site(true, big)), Placement::Resident);
         assert_eq!(p.ahead(), 1);
-        assert_eq!(Resident.place(&site(false)), Placement::Resident);
+        assert_eq!(Resident.place(&site(false, big)), Placement::Resident);
+    }
+
+    #[test]
+    fn weights_under_min_bytes_stay_on_the_device() {
+        let small = DEFAULT_MIN_STREAMED_BYTES - 1;
+        assert_eq!(
+            StreamFrozen::default().place(&site(false, small)),
+            Placement::Resident
+        );
+        assert_eq!(
+            StreamAll::default().place(&site(true, small)),
+            Placement::Resident
+        );
+        let every = StreamAll {
+            ahead: 1,
+            min_bytes: 0,
+        };
+        assert_eq!(every.place(&site(true, 4)), Placement::Streamed);
+        assert_eq!(flag(&every), " --stream-weights all");
+        assert_eq!(flag(streaming(true).as_ref()), " --stream-weights");
+        assert_eq!(flag(&Resident), "");
     }
 
     #[test]
     fn policies_round_trip_through_their_kind() {
-        let p: Box<dyn WeightPlacement> = Box::new(StreamFrozen { ahead: 2 });
+        let p: Box<dyn WeightPlacement> = Box::new(StreamFrozen {
+            ahead: 2,
+            ..StreamFrozen::default()
+        });
         let text = toml::to_string(&p).unwrap();
         assert!(text.contains("kind = \"stream_frozen\""), "{text}");
         let back: Box<dyn WeightPlacement> = toml::from_str(&text).unwrap();
         assert_eq!(back.ahead(), 2);
+        let every: Box<dyn WeightPlacement> =
+            toml::from_str("kind = \"stream_frozen\"\nmin_bytes = 0").unwrap();
+        assert_eq!(every.place(&site(false, 4)), Placement::Streamed);
         assert_eq!(back.typetag_name(), "stream_frozen");
         let err = toml::from_str::<Box<dyn WeightPlacement>>("kind = \"stream_frozen\"\nahed = 2")
             .unwrap_err();

@@ -195,11 +195,7 @@ pub fn apply_autofit(
     cfg.training.offload_activations = c.offload_activations;
     cfg.optimizer_offload = c.optimizer_offload;
     if c.stream_weights && trainkit::placement::is_resident(cfg.placement.as_ref()) {
-        cfg.placement = if c.adapter.is_some() {
-            Box::new(trainkit::StreamFrozen::default())
-        } else {
-            Box::new(trainkit::StreamAll::default())
-        };
+        cfg.placement = trainkit::placement::streaming(c.adapter.is_some());
     }
     if let Some(a) = c.adapter {
         cfg.adapter = Some(dyn_clone::clone_box(&*a));

@@ -272,6 +272,17 @@ fn build(
     if let Some(w) = cfg.warmup_warning() {
         println!("warning: {w}");
     }
+    if !trainkit::placement::is_resident(cfg.placement.as_ref())
+        && !trainer.params().iter().any(trainkit::Param::streamed)
+    {
+        println!(
+            "warning: the placement streams no weight of this model: `{}` leaves every \
+             weight on the device (frozen ones alone stream with `frozen`, and only weights of \
+             at least its min_bytes; every weight streams with `--stream-weights all \
+             --optimizer-offload`)",
+            cfg.placement.typetag_name()
+        );
+    }
     let run_config = cfg.to_toml()?;
     Ok(Job {
         backend,

@@ -459,7 +459,7 @@ fn print_streaming(p: &MemoryPrediction, indent: &str) {
     if streamed == 0 {
         return;
     }
-    let link = 25e9;
+    let link = trainkit::estimate::HOST_LINK_BYTES_PER_S;
     println!(
         "{indent}streamed weights: {} GiB in page-locked host memory; {} GB copied to the \
          device per step beside {:.1} TFLOP of compute: at 25 GB/s (PCIe 4.0 x16) {:.2} s of \
