@@ -101,7 +101,7 @@ fn bad_input_is_a_one_line_error() {
             "constant or cosine",
         ),
         (vec!["train", "--grad-accum", "0"], "--grad-accum"),
-        (vec!["train", "--zero", "2"], "--zero"),
+        (vec!["train", "--zero", "3"], "--zero"),
         (vec!["train", "--bucket-size", "5X"], "--bucket-size"),
         (vec!["train", "--batch-size", "0"], "batch_size"),
         (

@@ -6,7 +6,8 @@
 //! summed whole where one process adds each micro-batch into the running sum, so the
 //! additions round in another order). ZeRO-1 (`--zero 1`) against DDP: bitwise the same
 //! training and checkpoints, each rank keeping its share of the optimizer side, and each
-//! rank's ledger equal to its prediction. Ranks that disagree on the model end the whole
+//! rank's ledger equal to its prediction; ZeRO-2 (`--zero 2`) the same, each rank keeping
+//! its share of the gradients too. Ranks that disagree on the model end the whole
 //! job with an error naming the rank, never a hang.
 //!
 //! Needs the `mpi` feature and an MPI's `mpirun` (`apt-get install mpich libmpich-dev
@@ -386,9 +387,16 @@ fn peak_of(dir: &Path, category: &str) -> u64 {
 /// state byte for byte: rank 0 gathers what the others keep), with rank 0 holding a
 /// share of the optimizer state and master weights.
 fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file: &str) {
+    zero_is_ddp_sharded(name, ranks, 1, extra, weights_file)
+}
+
+/// [`zero_1_is_ddp_sharded`] at ZeRO stage `stage`: at stage 2 rank 0 also holds a share
+/// of the gradients (one micro-batch a step: the buckets sum what DDP's sum, and the
+/// global norm adds the ranks' squares in model order, so bitwise DDP still).
+fn zero_is_ddp_sharded(name: &str, ranks: usize, stage: u8, extra: &[&str], weights_file: &str) {
     let (ddp, zero) = (
         scratch(&format!("{name}-ddp")),
-        scratch(&format!("{name}-zero1")),
+        scratch(&format!("{name}-zero{stage}")),
     );
     let (ddp_report, zero_report) = (
         ddp.join("report.json").display().to_string(),
@@ -401,8 +409,8 @@ fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file:
         train(Some(ranks), dir, &flags)
     };
     check(&run(&ddp, "0", &ddp_report), "DDP");
-    let out = run(&zero, "1", &zero_report);
-    check(&out, "ZeRO-1");
+    let out = run(&zero, &stage.to_string(), &zero_report);
+    check(&out, &format!("ZeRO-{stage}"));
     // Every rank's ledger is its prediction (the meta backend run as that rank).
     for dir in [&ddp, &zero] {
         for rank in 0..ranks {
@@ -421,7 +429,10 @@ fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file:
         }
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("ZeRO-1: each rank keeps"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("ZeRO-{stage}: each rank keeps")),
+        "{stdout}"
+    );
     let (a, b) = (steps(&ddp), steps(&zero));
     assert_eq!(a.len(), 3);
     assert_eq!(a, b, "losses, gradient norms, tokens per step");
@@ -432,10 +443,19 @@ fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file:
     ] {
         assert!(
             saved_file(&ddp, file) == saved_file(&zero, file),
-            "{name}: {file} differs between DDP and ZeRO-1"
+            "{name}: {file} differs between DDP and ZeRO-{stage}"
         );
     }
-    for category in ["optimizer_state", "master_weights", "offloaded"] {
+    let sharded: &[&str] = match stage {
+        1 => &["optimizer_state", "master_weights", "offloaded"],
+        _ => &[
+            "optimizer_state",
+            "master_weights",
+            "offloaded",
+            "gradients",
+        ],
+    };
+    for &category in sharded {
         let (whole, share) = (peak_of(&ddp, category), peak_of(&zero, category));
         // Ownership is by whole parameters: a share of the state near 1/ranks. Pure
         // bf16's master category is mostly the f32 copy one update makes at a time,
@@ -443,9 +463,11 @@ fn zero_1_is_ddp_sharded(name: &str, ranks: usize, extra: &[&str], weights_file:
         let near_share = category == "master_weights" || share * ranks as u64 <= whole * 3 / 2;
         assert!(
             whole == 0 && share == 0 || near_share && share < whole,
-            "{name}: rank 0 keeps {share} bytes of {category} under ZeRO-1, {whole} under DDP"
+            "{name}: rank 0 keeps {share} bytes of {category} under ZeRO-{stage}, {whole} under DDP"
         );
-        eprintln!("{name}: rank 0's {category}: {whole} bytes under DDP, {share} under ZeRO-1");
+        eprintln!(
+            "{name}: rank 0's {category}: {whole} bytes under DDP, {share} under ZeRO-{stage}"
+        );
     }
     let _ = std::fs::remove_dir_all(&ddp);
     let _ = std::fs::remove_dir_all(&zero);
@@ -497,6 +519,107 @@ fn zero_1_is_bitwise_ddp_in_pure_bf16_with_lora_on_three_ranks() {
             "adapter_model.safetensors",
         );
     }
+}
+
+/// ZeRO-2 in bf16: each rank keeps its share of the gradients too, freed as backward
+/// buckets them; bitwise DDP, each rank's ledger its prediction.
+#[test]
+fn zero_2_is_bitwise_ddp_in_bf16() {
+    if ready("zero_2_is_bitwise_ddp_in_bf16") {
+        zero_is_ddp_sharded(
+            "zero2-bf16",
+            2,
+            2,
+            &["--precision", "bf16"],
+            "model.safetensors",
+        );
+    }
+}
+
+/// ZeRO-2 with 8-bit AdamW on the host thread, through a LoRA adapter.
+#[test]
+fn zero_2_is_bitwise_ddp_with_lora_8bit_adamw_offloaded() {
+    if ready("zero_2_is_bitwise_ddp_with_lora_8bit_adamw_offloaded") {
+        zero_is_ddp_sharded(
+            "zero2-lora-8bit",
+            2,
+            2,
+            &[
+                "--optimizer",
+                "adamw8bit",
+                "--optimizer-offload",
+                "--lora-rank",
+                "4",
+            ],
+            "adapter_model.safetensors",
+        );
+    }
+}
+
+/// ZeRO-2 accumulating micro-batches: each micro-batch's gradients are summed across the
+/// ranks as backward completes them (the owner adds each sum into its running one), so
+/// 2 ranks accumulating 2 take the step of one process accumulating 4 to float32
+/// rounding; each rank's ledger is its prediction, resumed runs are bitwise.
+#[test]
+fn zero_2_accumulates_summing_every_micro_batch_and_resumes_bitwise() {
+    if !ready("zero_2_accumulates_summing_every_micro_batch_and_resumes_bitwise") {
+        return;
+    }
+    let (one, many) = (scratch("zero2-accum-one"), scratch("zero2-accum-many"));
+    check(
+        &train(None, &one, &["--batch-size", "2", "--grad-accum", "4"]),
+        "one process",
+    );
+    let report = many.join("report.json").display().to_string();
+    let flags = [
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--zero",
+        "2",
+        "--memory-report",
+        &report,
+    ];
+    check(&train(Some(2), &many, &flags), "ZeRO-2");
+    for name in ["report.json", "report.rank1.json"] {
+        let text = std::fs::read_to_string(many.join(name)).unwrap();
+        let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(r["measured"], r["predicted"], "{name}: {text}");
+    }
+    let (a, p) = (steps(&one), steps(&many));
+    assert_eq!((a.len(), p.len()), (3, 3));
+    assert_eq!(a[0].0, p[0].0, "step 1 loss");
+    for (x, y) in a.iter().zip(&p) {
+        assert_eq!((x.2, x.3), (y.2, y.3), "tokens");
+        assert!((x.0 - y.0).abs() <= F32.loss * x.0.abs(), "{x:?} {y:?}");
+        assert!(
+            (x.1 - y.1).abs() <= F32.grad_norm * x.1.abs(),
+            "{x:?} {y:?}"
+        );
+    }
+    let mut worst = 0f64;
+    for ((na, va), (np, vp)) in weights(&one).iter().zip(&weights(&many)) {
+        assert_eq!(na, np);
+        for (x, y) in va.iter().zip(vp) {
+            worst = worst.max((x - y).abs() as f64);
+        }
+    }
+    assert!(worst <= F32.weight, "weights differ by up to {worst:e}");
+    for d in [one, many] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let first = resume_bitwise("zero2", &["--zero", "2", "--grad-accum", "2"]);
+    let _ = std::fs::remove_dir_all(first);
+    // Without buckets no gradient could be freed as backward completes it: refused.
+    let unbucketed = scratch("zero2-unbucketed");
+    let out = train(Some(2), &unbucketed, &["--zero", "2", "--bucket-size", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--bucket-size"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(unbucketed);
 }
 
 /// Gradients summed in buckets while backward runs (4 KiB buckets: dozens of them,

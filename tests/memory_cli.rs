@@ -168,7 +168,7 @@ fn bad_input_is_a_one_line_error() {
         (vec!["--model", "gpt2", "--zero", "1"], "--world"),
         (vec!["--model", "gpt2", "--world", "0"], "--world"),
         (
-            vec!["--model", "gpt2", "--world", "2", "--zero", "2"],
+            vec!["--model", "gpt2", "--world", "2", "--zero", "3"],
             "--zero",
         ),
         (vec!["--params", "0"], "at least 1"),
@@ -653,6 +653,23 @@ fn a_data_parallel_job_is_one_ranks_figures() {
     assert!(ok, "{err}");
     assert!(out.contains("ranks      4 (ZeRO-1"), "{out}");
     assert!(out.contains("optimizer_state          8/4"), "{out}");
+    // ZeRO-2: rank 0 keeps the gradients of what it owns (and, while backward runs, the
+    // one it has not yet summed: GPT-2's tied embedding, the largest, is a third of them).
+    let zero2 = with(&["--world", "4", "--zero", "2"]);
+    assert_eq!(
+        formula(&zero2, "gradients"),
+        formula(&one, "gradients").div_ceil(4)
+    );
+    let (whole, share) = (exact(&one, "gradients"), exact(&zero2, "gradients"));
+    assert!(share * 4 >= whole && share < whole, "{share} of {whole}");
+    for c in ["master_weights", "optimizer_state"] {
+        assert_eq!(exact(&zero2, c), exact(&zero, c), "{c}");
+    }
+    assert_eq!(sent(&zero2, "weights"), sent(&zero, "weights"));
+    let (ok, out, err) = trainkit(&[&base[..], &["--world", "4", "--zero", "2"]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("ranks      4 (ZeRO-2"), "{out}");
+    assert!(out.contains("gradients                2/4"), "{out}");
 }
 
 /// `--stream-weights`: the frozen base in host memory (the streamed category), the device

@@ -1,6 +1,6 @@
 //! One rank of a world that is not there: what a prediction runs to see a data-parallel
-//! job from one rank's side (its share of the optimizer state under ZeRO-1, its
-//! buffers), on the meta backend.
+//! job from one rank's side (its share of the optimizer state under ZeRO-1, of the
+//! gradients under ZeRO-2, its buffers), on the meta backend.
 
 use super::{check_blocks, check_root, Collective};
 use crate::error::{Error, Result};

@@ -71,8 +71,9 @@ pub struct TrainingConfig {
     /// [`crate::TrainerOptions::offload_activations`]); the policy must keep something.
     pub offload_activations: bool,
     /// ZeRO stage of a data-parallel job (see [`crate::TrainerOptions::zero_stage`]): 0
-    /// (every rank keeps the whole optimizer state, as DDP) or 1 (the optimizer state and
-    /// master weights sharded across the ranks); one process alone ignores it.
+    /// (every rank keeps the whole optimizer state, as DDP), 1 (the optimizer state and
+    /// master weights sharded across the ranks) or 2 (the gradients sharded too); one
+    /// process alone ignores it.
     pub zero_stage: u8,
     /// Bytes of gradients per bucket summed across ranks while backward runs (see
     /// [`crate::TrainerOptions::bucket_bytes`]; 0: each gradient after backward).
@@ -347,8 +348,8 @@ impl RunConfig {
                 "training.zero_stage (--zero)",
                 format!(
                     "stage {} is not built; use 0 (DDP: every rank keeps the whole \
-                     optimizer state) or 1 (the optimizer state and master weights sharded \
-                     across the ranks)",
+                     optimizer state), 1 (the optimizer state and master weights sharded \
+                     across the ranks) or 2 (the gradients sharded too)",
                     t.zero_stage
                 ),
             ));

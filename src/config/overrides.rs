@@ -71,9 +71,11 @@ pub struct Overrides {
     /// Global gradient-norm clipping threshold (0 = off).
     #[arg(long)]
     pub grad_clip: Option<f32>,
-    /// ZeRO stage under mpirun: 0 (every rank keeps the whole optimizer state, as DDP)
-    /// or 1 (each rank keeps and updates its share of the optimizer state and master
-    /// weights, then sends the updated weights to the others; bitwise the same training).
+    /// ZeRO stage under mpirun: 0 (every rank keeps the whole optimizer state, as DDP),
+    /// 1 (each rank keeps and updates its share of the optimizer state and master
+    /// weights, then sends the updated weights to the others; bitwise the same training)
+    /// or 2 (as 1, and each rank keeps only its share of the gradients: every
+    /// micro-batch's are summed in buckets during backward and the others' freed).
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
     /// Under mpirun: gradients summed across the ranks in buckets of SIZE (25MiB by

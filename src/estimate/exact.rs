@@ -197,7 +197,8 @@ pub fn predict_with(
 
 /// [`predict_with`] for rank `rank.rank()` of a data-parallel job of `rank.world()` ranks
 /// ([`Trainer::join`]): under ZeRO-1 ([`TrainerOptions::zero_stage`]) the share of the
-/// optimizer state and master weights that rank keeps. What a rank's ledger shows.
+/// optimizer state and master weights that rank keeps, under ZeRO-2 of the gradients
+/// too. What a rank's ledger shows.
 pub fn predict_rank(
     model: Box<dyn Model>,
     micro: MicroBatch,

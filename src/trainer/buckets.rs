@@ -9,6 +9,10 @@
 //! The buckets are host buffers of f32 outside the ledger, as the MPI library's own
 //! buffers are; a gradient on the device is read into one and written back through a
 //! host copy.
+//!
+//! Under ZeRO-2 a rank keeps only the gradients of the parameters it updates: the others
+//! are freed as soon as they are in a bucket, and their sums are not written back, so
+//! gradient memory is this rank's share plus what backward has not yet bucketed.
 
 use crate::collective::{host_of, Collective};
 use crate::device::Backend;
@@ -33,15 +37,19 @@ pub(super) struct Buckets {
     in_flight: Vec<Vec<usize>>,
     /// Whether each parameter's gradient has joined a bucket.
     taken: Vec<bool>,
+    /// Whether this rank keeps each parameter's summed gradient (ZeRO-2: only those it
+    /// updates; every one otherwise).
+    keep: Vec<bool>,
     jobs: Option<Sender<Vec<f32>>>,
     done: Receiver<Result<Vec<f32>>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Buckets {
-    /// Buckets of `bytes` (of f32 values) for `params` parameters, summed across the
-    /// ranks of `collective` on a thread of their own.
-    pub(super) fn start(collective: Arc<dyn Collective>, bytes: usize, params: usize) -> Self {
+    /// Buckets of `bytes` (of f32 values) for the parameters of which `keep` says
+    /// whether this rank keeps the summed gradient, summed across the ranks of
+    /// `collective` on a thread of their own.
+    pub(super) fn start(collective: Arc<dyn Collective>, bytes: usize, keep: Vec<bool>) -> Self {
         let (jobs, inbox) = channel::<Vec<f32>>();
         let (outbox, done) = channel();
         let thread = std::thread::spawn(move || {
@@ -57,7 +65,8 @@ impl Buckets {
             open: Vec::new(),
             members: Vec::new(),
             in_flight: Vec::new(),
-            taken: vec![false; params],
+            taken: vec![false; keep.len()],
+            keep,
             jobs: Some(jobs),
             done,
             thread: Some(thread),
@@ -65,9 +74,10 @@ impl Buckets {
     }
 
     /// Parameter `i`'s gradient is complete: into the open bucket (zeros where this rank
-    /// computed none), which is sent once full. Frozen parameters are left out.
-    pub(super) fn ready(&mut self, be: &dyn Backend, params: &[Param], i: usize) -> Result<()> {
-        let p = &params[i];
+    /// computed none), which is sent once full; freed here when this rank does not keep
+    /// it. Frozen parameters are left out.
+    pub(super) fn ready(&mut self, be: &dyn Backend, params: &mut [Param], i: usize) -> Result<()> {
+        let p = &mut params[i];
         if self.taken[i] || !p.trains() {
             return Ok(());
         }
@@ -75,6 +85,9 @@ impl Buckets {
         match p.grad() {
             Some(g) => read_into(be, g, &mut self.open)?,
             None => self.open.resize(self.open.len() + p.numel(), 0.0),
+        }
+        if !self.keep[i] {
+            p.drop_grad();
         }
         self.members.push(i);
         if self.open.len() >= self.cap {
@@ -111,7 +124,9 @@ impl Buckets {
             for i in members {
                 let n = params[i].numel();
                 let values = sums.get(at..at + n).ok_or_else(stopped)?;
-                write_back(be, params[i].grad_mut(be)?, values)?;
+                if self.keep[i] {
+                    write_back(be, params[i].grad_mut(be)?, values)?;
+                }
                 at += n;
             }
         }
@@ -164,5 +179,61 @@ fn stopped() -> Error {
     Error::Backend {
         backend: "collective",
         message: "the thread summing gradient buckets across ranks stopped".to_string(),
+    }
+}
+
+/// ZeRO-2's gradients of one micro-batch: summed in [`Buckets`] as backward completes
+/// them, each rank keeping the sums of the parameters it updates and freeing the others
+/// as soon as they are bucketed. On a backend that holds no values (the meta backend's
+/// prediction) nothing is summed, and the same gradients are freed at the same points.
+pub(super) struct ShardedGrads {
+    keep: Vec<bool>,
+    buckets: Option<Buckets>,
+}
+
+impl ShardedGrads {
+    /// One micro-batch's sums across `collective`, in buckets of `bytes`, keeping the
+    /// gradients `keep` names.
+    pub(super) fn start(
+        be: &dyn Backend,
+        collective: &Arc<dyn Collective>,
+        bytes: usize,
+        keep: &[bool],
+    ) -> Self {
+        ShardedGrads {
+            keep: keep.to_vec(),
+            buckets: be
+                .holds_data()
+                .then(|| Buckets::start(Arc::clone(collective), bytes, keep.to_vec())),
+        }
+    }
+
+    /// Parameter `i`'s gradient is complete ([`Buckets::ready`]).
+    pub(super) fn ready(&mut self, be: &dyn Backend, params: &mut [Param], i: usize) -> Result<()> {
+        match self.buckets.as_mut() {
+            Some(b) => b.ready(be, params, i),
+            None => {
+                if !self.keep[i] {
+                    params[i].drop_grad();
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// After the micro-batch's backward: every sum this rank keeps written into its
+    /// gradient, every other gradient freed ([`Buckets::finish`]).
+    pub(super) fn finish(self, be: &dyn Backend, params: &mut [Param]) -> Result<()> {
+        match self.buckets {
+            Some(b) => b.finish(be, params),
+            None => {
+                for (p, &keep) in params.iter_mut().zip(&self.keep) {
+                    if !keep {
+                        p.drop_grad();
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 }

@@ -84,7 +84,11 @@ pub struct TrainerOptions {
     /// update is owned by one rank, which alone keeps its f32 master weights, optimizer
     /// state and compensation, updates it from the summed gradient and sends the new
     /// weights to the other ranks: optimizer memory divided by the ranks, the update
-    /// bitwise that of stage 0. Ignored by one process alone.
+    /// bitwise that of stage 0; 2, as 1 and each rank also keeps only the gradients of
+    /// the parameters it updates: every micro-batch's gradients are summed in buckets as
+    /// backward completes them ([`TrainerOptions::bucket_bytes`], which must be above 0)
+    /// and the others' freed at once, so gradient memory is divided by the ranks too.
+    /// Ignored by one process alone.
     pub zero_stage: u8,
     /// Bytes of gradients (as f32) per bucket of a data-parallel job: each bucket is
     /// summed across the ranks on a thread of its own as soon as backward has completed
@@ -102,7 +106,7 @@ pub struct TrainerOptions {
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// The ZeRO stages [`TrainerOptions::zero_stage`] takes.
-pub const ZERO_STAGES: [u8; 2] = [0, 1];
+pub const ZERO_STAGES: [u8; 3] = [0, 1, 2];
 
 impl Default for TrainerOptions {
     fn default() -> Self {
@@ -475,8 +479,8 @@ where
                 "zero_stage",
                 format!(
                     "ZeRO stage {} is not built; use 0 (every rank keeps the optimizer \
-                     state, as DDP) or 1 (the optimizer state and master weights sharded \
-                     across the ranks)",
+                     state, as DDP), 1 (the optimizer state and master weights sharded \
+                     across the ranks) or 2 (the gradients sharded too)",
                     options.zero_stage
                 ),
             ));
@@ -627,6 +631,14 @@ where
                     ),
                 ));
             }
+            if self.options.zero_stage >= 2 && self.options.bucket_bytes == 0 {
+                return Err(Error::config(
+                    "bucket_bytes",
+                    "ZeRO-2 sums each gradient in a bucket as soon as backward completes it \
+                     and frees those another rank updates; give the buckets a size \
+                     (--bucket-size, bucket_bytes > 0) or use --zero 1",
+                ));
+            }
             // Every rank must hold the same model: compare the parameter counts.
             let numel: usize = self.params.iter().map(Param::numel).sum();
             let mut sum = [numel as f64];
@@ -675,6 +687,14 @@ where
         }
         self.flush_events();
         Ok(())
+    }
+
+    /// Under ZeRO-2, whether this rank keeps each parameter's gradient (those it
+    /// updates); `None` where every rank keeps every gradient.
+    pub(crate) fn kept_grads(&self) -> Option<Vec<bool>> {
+        let rank = self.collective.rank();
+        (self.options.zero_stage >= 2 && !self.owners.is_empty())
+            .then(|| self.owners.iter().map(|&o| o == rank).collect())
     }
 
     /// The rank that updates parameter `i`: its owner under ZeRO-1, else this one.

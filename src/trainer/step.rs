@@ -3,7 +3,7 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
-use super::buckets::Buckets;
+use super::buckets::{Buckets, ShardedGrads};
 use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
@@ -189,6 +189,8 @@ where
         let host = self.host_for_offload()?;
         let (step, seed) = (self.step + 1, self.options.seed);
         let first = self.collective.rank() * plan.k;
+        let kept = self.kept_grads();
+        let collective = Arc::clone(&self.collective);
         let Trainer {
             model,
             params,
@@ -215,10 +217,17 @@ where
                 // The last micro-batch completes each gradient: into a bucket.
                 let last = j + 1 == plan.k;
                 let mut bucket = buckets.as_deref_mut().filter(|_| last);
-                let sums = bucket.is_some();
+                // ZeRO-2: every micro-batch's, each rank keeping its share.
+                let mut sharded = kept
+                    .as_deref()
+                    .map(|keep| ShardedGrads::start(be, &collective, options.bucket_bytes, keep));
+                let sums = bucket.is_some() || sharded.is_some();
                 let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
                     if let Some(b) = bucket.as_deref_mut() {
                         return b.ready(be, ps, i);
+                    }
+                    if let Some(s) = sharded.as_mut() {
+                        return s.ready(be, ps, i);
                     }
                     match updater_now.as_mut() {
                         Some(u) => {
@@ -249,6 +258,9 @@ where
                     plan.grad_scale,
                     &mut buffers.losses,
                 )?;
+                if let Some(sharded) = sharded {
+                    sharded.finish(be, params)?;
+                }
                 let stash = &mut totals.stash;
                 stash.kept_bytes += s.stash.kept_bytes;
                 stash.dropped_bytes += s.stash.dropped_bytes;
@@ -286,6 +298,8 @@ where
         match buckets {
             // The buckets backward filled, and what it left.
             Some(b) => b.finish(be, &mut self.params)?,
+            // ZeRO-2: summed micro-batch by micro-batch already.
+            None if self.kept_grads().is_some() => {}
             // Every trained parameter, in the same order on every rank (one a rank's
             // micro-batches left without a gradient sums zeros).
             None => {
@@ -302,8 +316,8 @@ where
     fn buckets(&self, be: &dyn Backend) -> Option<Buckets> {
         let c = &self.collective;
         let bytes = self.options.bucket_bytes;
-        (c.world() > 1 && bytes > 0 && be.holds_data())
-            .then(|| Buckets::start(Arc::clone(c), bytes, self.params.len()))
+        (c.world() > 1 && bytes > 0 && be.holds_data() && self.kept_grads().is_none())
+            .then(|| Buckets::start(Arc::clone(c), bytes, vec![true; self.params.len()]))
     }
 
     /// Under ZeRO-1, each trained parameter's updated compute weights sent by the rank
@@ -349,16 +363,22 @@ where
         let Buffers { losses, mut record } = buffers;
         ledger.phase_begin(Phase::Optimizer);
         if !plan.in_backward {
-            {
-                let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
-                guard::grad_guard(
-                    be,
-                    &mut record,
-                    &grads,
-                    &losses,
-                    self.options.grad_clip,
-                    plan.loss_scale,
-                )?;
+            match self.kept_grads() {
+                Some(keep) => {
+                    drop(record);
+                    record = self.sharded_record(be, plan, &keep, &losses)?;
+                }
+                None => {
+                    let grads: Vec<&Tensor> = self.params.iter().filter_map(|p| p.grad()).collect();
+                    guard::grad_guard(
+                        be,
+                        &mut record,
+                        &grads,
+                        &losses,
+                        self.options.grad_clip,
+                        plan.loss_scale,
+                    )?;
+                }
             }
             let (step, seed) = (self.step + 1, self.options.seed);
             let host = self.host_for_offload()?;
@@ -388,6 +408,34 @@ where
         drop((record, losses));
         ledger.phase_end(Phase::Optimizer);
         Ok(r)
+    }
+
+    /// ZeRO-2's guard: each rank holds its share of the gradients (`keep`), so the ranks
+    /// sum their squares parameter by parameter and add them in model order, as one
+    /// process's guard adds every gradient's; the record is the one [`guard::grad_guard`]
+    /// would write from every gradient.
+    fn sharded_record(
+        &self,
+        be: &dyn Backend,
+        plan: &Plan,
+        keep: &[bool],
+        losses: &Tensor,
+    ) -> Result<Tensor> {
+        let mut squares = vec![0f64; self.params.len()];
+        for ((p, sq), &keep) in self.params.iter().zip(&mut squares).zip(keep) {
+            if let (true, Some(g)) = (keep, p.grad()) {
+                *sq = be.sum_squares(g)?;
+            }
+        }
+        self.collective.all_reduce_sum_f64(&mut squares)?;
+        guard::record_from_squares(
+            be,
+            squares.iter().sum(),
+            losses,
+            self.options.grad_clip,
+            plan.loss_scale,
+            "step.record",
+        )
     }
 
     /// The books after the update: the loss scale answers an overflow, a non-finite step

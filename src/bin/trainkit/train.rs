@@ -210,6 +210,9 @@ fn build(
             1 => {
                 "; ZeRO-1: each rank keeps and updates its share of the optimizer state".to_string()
             }
+            2 => "; ZeRO-2: each rank keeps and updates its share of the optimizer state \
+                  and keeps its share of the gradients"
+                .to_string(),
             n => format!("; ZeRO stage {n}"),
         };
         println!(

@@ -10,7 +10,12 @@ use crate::tensor::Tensor;
 
 /// The record's values, computed in f64 as the GPU's kernel does: the squared norm
 /// summed tensor by tensor, the losses in row order.
-fn record(sum_squares: f64, loss_sum: f64, max_norm: f32, loss_scale: f32) -> [f32; RECORD_LEN] {
+pub(super) fn record(
+    sum_squares: f64,
+    loss_sum: f64,
+    max_norm: f32,
+    loss_scale: f32,
+) -> [f32; RECORD_LEN] {
     let norm = sum_squares.sqrt() / loss_scale as f64;
     let scale = if norm.is_finite() && loss_sum.is_finite() {
         clip_coefficient(norm, max_norm as f64) / loss_scale

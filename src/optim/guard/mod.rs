@@ -54,6 +54,35 @@ pub fn grad_guard(
     })
 }
 
+/// The record [`grad_guard`] would write from gradients whose squared norm, `sum_squares`
+/// (f64, with the loss scale in it), was summed elsewhere (under ZeRO-2 each rank holds
+/// only its share of the gradients, and the ranks sum their squares), and the
+/// per-row `losses`: a new f32 tensor of [`RECORD_LEN`] elements labelled `label`. The
+/// values are computed on the host (a backend that holds none gets zeros).
+pub fn record_from_squares(
+    be: &dyn Backend,
+    sum_squares: f64,
+    losses: &Tensor,
+    max_norm: f32,
+    loss_scale: f32,
+    label: &str,
+) -> Result<Tensor> {
+    check_record_losses(losses)?;
+    let r = if be.holds_data() {
+        let loss_sum: f64 = be.to_f32(losses)?.iter().map(|&l| l as f64).sum();
+        cpu::record(sum_squares, loss_sum, max_norm, loss_scale)
+    } else {
+        [0.0; RECORD_LEN]
+    };
+    be.upload(
+        &r,
+        &[RECORD_LEN],
+        DType::F32,
+        crate::memory::MemoryCategory::Workspace,
+        label,
+    )
+}
+
 /// The call of [`grad_guard`].
 struct Guard<'a> {
     record: &'a mut Tensor,
@@ -105,11 +134,16 @@ impl OpKernel for Guard<'_> {
     }
 }
 
-/// Checks `grad_guard`'s record and losses (the contract every backend shares).
-fn check_record(record: &Tensor, losses: &Tensor) -> Result<()> {
+/// Checks `grad_guard`'s losses: f32.
+fn check_record_losses(losses: &Tensor) -> Result<()> {
     ensure(losses.dtype() == DType::F32, "grad_guard", || {
         format!("the losses `{}` must be f32", losses.label())
-    })?;
+    })
+}
+
+/// Checks `grad_guard`'s record and losses (the contract every backend shares).
+fn check_record(record: &Tensor, losses: &Tensor) -> Result<()> {
+    check_record_losses(losses)?;
     ensure(
         record.dtype() == DType::F32 && record.numel() == RECORD_LEN,
         "grad_guard",

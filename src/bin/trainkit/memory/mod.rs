@@ -80,8 +80,8 @@ pub struct MemoryArgs {
     #[arg(long, default_value_t = 1)]
     world: u64,
     /// ZeRO stage across the --world ranks: 0 (DDP: every rank keeps the whole optimizer
-    /// state) or 1 (each rank keeps the master weights and optimizer state of its share
-    /// of the parameters).
+    /// state), 1 (each rank keeps the master weights and optimizer state of its share of
+    /// the parameters) or 2 (and their gradients alone).
     #[arg(long, default_value_t = 0)]
     zero: u8,
     /// Print one JSON object instead of the table.
@@ -121,19 +121,30 @@ fn policies(args: &MemoryArgs) -> Result<RunConfig> {
 pub(super) struct Ranks {
     /// Ranks of the job (1: one process).
     pub world: u64,
-    /// ZeRO stage: 0 or 1.
+    /// ZeRO stage: 0, 1 or 2.
     pub zero: u8,
 }
 
 impl Ranks {
-    /// The playbook's model state of one rank: under ZeRO-1 the master weights and
-    /// optimizer state divided by the ranks (rounded up).
+    /// The categories of model state one rank keeps a share of: under ZeRO-1 the master
+    /// weights and optimizer state, under ZeRO-2 the gradients too.
+    pub(super) fn sharded(&self, c: MemoryCategory) -> bool {
+        match c {
+            MemoryCategory::MasterWeights | MemoryCategory::OptimizerState => self.zero >= 1,
+            MemoryCategory::Gradients => self.zero >= 2,
+            _ => false,
+        }
+    }
+
+    /// The playbook's model state of one rank: each [`Ranks::sharded`] category divided
+    /// by the ranks (rounded up).
     fn share(&self, mut state: trainkit::memory::CategoryBytes) -> trainkit::memory::CategoryBytes {
-        if self.zero >= 1 {
-            for c in [
-                MemoryCategory::MasterWeights,
-                MemoryCategory::OptimizerState,
-            ] {
+        for c in [
+            MemoryCategory::MasterWeights,
+            MemoryCategory::OptimizerState,
+            MemoryCategory::Gradients,
+        ] {
+            if self.sharded(c) {
                 let share = state.get(c).div_ceil(self.world);
                 *state.get_mut(c) = share;
             }
@@ -141,10 +152,12 @@ impl Ranks {
         state
     }
 
-    /// Bytes each rank sends per optimizer step, by a ring's count: the gradients of the
-    /// `trained` parameters all-reduced (2(N−1)/N of them, in f32: trainkit sums a bf16
-    /// gradient across ranks in f32 and rounds once), and under ZeRO-1 the updated
-    /// compute weights their owners send ((N−1)/N of them, an all-gather's share).
+    /// Bytes each rank sends per optimizer step of one micro-batch, by a ring's count:
+    /// the gradients of the `trained` parameters all-reduced (2(N−1)/N of them, in f32:
+    /// trainkit sums a bf16 gradient across ranks in f32 and rounds once; under ZeRO-2
+    /// every micro-batch's, so k times that when accumulating k), and under ZeRO-1 and 2
+    /// the updated compute weights their owners send ((N−1)/N of them, an all-gather's
+    /// share).
     pub(super) fn bytes_sent(&self, trained: u64, precision: &dyn trainkit::Precision) -> Sent {
         let n = self.world as f64;
         let ring = (n - 1.0) / n;
@@ -177,8 +190,8 @@ fn ranks(args: &MemoryArgs) -> Result<Ranks> {
         return Err(flag_error(
             "--zero",
             format!(
-                "stage {} is not built; use 0 (DDP) or 1 (the optimizer state and master \
-                 weights sharded across the ranks)",
+                "stage {} is not built; use 0 (DDP), 1 (the optimizer state and master \
+                 weights sharded across the ranks) or 2 (the gradients too)",
                 args.zero
             ),
         ));

@@ -200,9 +200,14 @@ pub fn table(f: &Figures) {
              ({} GiB of gradients, all-reduced{})",
             match f.ranks.zero {
                 0 => "DDP".to_string(),
-                z => format!(
-                    "ZeRO-{z}: master weights and optimizer state ÷ {n} by the formulas, by \
+                1 => format!(
+                    "ZeRO-1: master weights and optimizer state ÷ {n} by the formulas, by \
                      whole parameters in the exact figures"
+                ),
+                z => format!(
+                    "ZeRO-{z}: master weights, optimizer state and gradients ÷ {n} by the \
+                     formulas, by whole parameters in the exact figures; the gradients are \
+                     summed every micro-batch"
                 ),
             },
             gib(sent.gradients + sent.weights),
@@ -249,13 +254,7 @@ pub fn table(f: &Figures) {
         "category", "bytes/param", "GiB", "GB"
     );
     let per_param = trainkit::estimate::bytes_per_param(precision, optimizer);
-    let sharded = |c: MemoryCategory| {
-        f.ranks.zero >= 1
-            && matches!(
-                c,
-                MemoryCategory::MasterWeights | MemoryCategory::OptimizerState
-            )
-    };
+    let sharded = |c: MemoryCategory| f.ranks.sharded(c);
     for c in STATE {
         let bytes = match (sharded(c), per_param.get(c)) {
             (true, b) if b > 0 => format!("{b}/{}", f.ranks.world),
