@@ -635,6 +635,22 @@ impl Param {
         self.grad = None;
     }
 
+    /// Takes the gradient out (the running sum of a step's earlier micro-batches), so
+    /// that backward computes the next micro-batch's apart.
+    pub(crate) fn take_grad(&mut self) -> Option<Tensor> {
+        self.grad.take()
+    }
+
+    /// Adds the gradient backward computed apart to `sum` (what [`Param::take_grad`]
+    /// took out), rounded once to its dtype, and keeps the result as the gradient.
+    pub(crate) fn fold_grad(&mut self, backend: &dyn Backend, mut sum: Tensor) -> Result<()> {
+        if let Some(fresh) = self.grad.take() {
+            backend.axpy(&mut sum, 1.0, &fresh)?;
+        }
+        self.grad = Some(sum);
+        Ok(())
+    }
+
     /// Zeroes the gradient (kept allocated, as PyTorch's `zero_grad(set_to_none=False)`).
     pub(crate) fn zero_grad(&mut self, backend: &dyn Backend) -> Result<()> {
         if let Some(g) = self.grad.as_mut() {

@@ -153,3 +153,86 @@ fn masked_micro_batches_equal_one_big_batch() {
     assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
     assert_ne!(b1.counted(), b2.counted());
 }
+
+/// Separate accumulation (`TrainerOptions::separate_accumulation`): each micro-batch's
+/// gradients computed apart and added to the running sum once complete. The same step
+/// as accumulating in place to float32 rounding (and the first micro-batch's loss
+/// bitwise), in fp32 and mixed bf16 with bf16 gradients; its memory, the running sum
+/// beside each gradient computed apart, predicted exactly for 2 and 3 micro-batches.
+#[test]
+fn separate_accumulation_is_the_same_step_and_predicted() {
+    use trainkit::estimate::{predict_with, MicroBatch};
+    use trainkit::{Fp32, MixedBf16, NoRecompute, Precision, TrainerOptions};
+    let precisions: [Box<dyn Precision>; 2] =
+        [Box::new(Fp32), Box::new(MixedBf16 { fp32_grads: false })];
+    for precision in precisions {
+        for k in [2, 3] {
+            let what = format!("{precision:?}, {k} micro-batches");
+            let options = |separate: bool| TrainerOptions {
+                separate_accumulation: separate,
+                ..TrainerOptions::default()
+            };
+            let train = |separate: bool| {
+                let model = Gpt2::new(tiny_config()).unwrap();
+                let mut t = Trainer::builder(model, cpu(), corpus_loader(50_000, 3, 2, 16))
+                    .precision(precision.clone())
+                    .accumulation(Constant::new(k))
+                    .options(options(separate))
+                    .build()
+                    .unwrap();
+                let stats: Vec<_> = (0..3).map(|_| t.step().unwrap()).collect();
+                (values(&t), stats)
+            };
+            let (in_place, a) = train(false);
+            let (apart, b) = train(true);
+            assert_eq!(a[0].loss, b[0].loss, "{what}: the first step's loss");
+            // bf16 gradients round the running sum once more apart (the product rounded
+            // to bf16 before the addition) than in place, and AdamW moves a weight by
+            // about ±lr wherever a gradient is near zero, whatever its rounding.
+            let (tol, weight_tol) = if format!("{precision:?}").contains("Bf16") {
+                (1e-3, 1e-2)
+            } else {
+                (1e-5, 1e-3)
+            };
+            for (x, y) in a.iter().zip(&b) {
+                assert!(
+                    (x.loss - y.loss).abs() < tol * x.loss.abs(),
+                    "{what}: {} {}",
+                    x.loss,
+                    y.loss
+                );
+            }
+            let mut worst = 0f32;
+            for (pa, pb) in in_place.iter().zip(&apart) {
+                for (x, y) in pa.iter().zip(pb) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+            assert!(
+                worst > 0.0 && worst < weight_tol,
+                "{what}: weights differ by {worst}"
+            );
+            let predicted = predict_with(
+                Box::new(Gpt2::new(tiny_config()).unwrap()),
+                MicroBatch {
+                    batch_size: 2,
+                    seq_len: 16,
+                },
+                precision.as_ref(),
+                &NoRecompute,
+                &trainkit::AdamW::default(),
+                &options(true),
+            )
+            .unwrap();
+            for (step, s) in b.iter().enumerate() {
+                common::step_matches_prediction(s, &predicted, step as u64 + 1, k, &what);
+            }
+            // The running sum beside the gradient computed apart: more than in place.
+            let gradients = trainkit::memory::MemoryCategory::Gradients;
+            assert!(
+                b[1].memory.peak.get(gradients) > a[1].memory.peak.get(gradients),
+                "{what}"
+            );
+        }
+    }
+}

@@ -3,8 +3,9 @@
 //! step's N micro-batches, sum their gradients over MPI and take the step one process
 //! accumulating N micro-batches of b takes: the same losses, gradient norms and trained
 //! tokens every step, and the same weights to float32 rounding (a rank's gradient is
-//! summed whole where one process adds each micro-batch into the running sum, so the
-//! additions round in another order). ZeRO-1 (`--zero 1`) against DDP: bitwise the same
+//! summed whole where one process adds each micro-batch into the running sum inside
+//! backward's products, so the additions round in another order); bitwise, for two
+//! ranks, against one process that accumulates apart (`--separate-accumulation`). ZeRO-1 (`--zero 1`) against DDP: bitwise the same
 //! training and checkpoints, each rank keeping its share of the optimizer side, and each
 //! rank's ledger equal to its prediction; ZeRO-2 (`--zero 2`) the same, each rank keeping
 //! its share of the gradients too. Ranks that disagree on the model end the whole
@@ -198,7 +199,10 @@ const F32: Tolerance = Tolerance {
 };
 
 /// `ranks` ranks of micro-batch `b` against one process of micro-batch `b` accumulating
-/// `ranks` micro-batches, with `extra` flags on both.
+/// `ranks` micro-batches, with `extra` flags on both. Two ranks sum their gradients as one
+/// process accumulating them apart (`--separate-accumulation`) adds them: bitwise the
+/// same training; the one process accumulating in place, or more ranks (MPI adds them in
+/// its own order), agree within `tol`.
 fn ranks_equal_one_accumulating(
     name: &str,
     ranks: usize,
@@ -214,6 +218,15 @@ fn ranks_equal_one_accumulating(
     let mut single: Vec<&str> = vec!["--batch-size", &bs, "--grad-accum", &accum];
     single.extend(extra);
     check(&train(None, &one, &single), "one process");
+    let bitwise = ranks == 2;
+    let apart = scratch(&format!("{name}-apart"));
+    if bitwise {
+        single.push("--separate-accumulation");
+        check(
+            &train(None, &apart, &single),
+            "one process, separate accumulation",
+        );
+    }
     let mut parallel: Vec<&str> = vec!["--batch-size", &bs];
     parallel.extend(extra);
     let out = train(Some(ranks), &many, &parallel);
@@ -270,8 +283,22 @@ fn ranks_equal_one_accumulating(
     }
     assert!(worst <= tol.weight, "weights differ by up to {worst:e}");
     eprintln!("{name}: {ranks} ranks against one process accumulating {ranks}: weights within {worst:.1e}");
-    let _ = std::fs::remove_dir_all(&one);
-    let _ = std::fs::remove_dir_all(&many);
+    if bitwise {
+        assert_eq!(steps(&apart), p, "losses, gradient norms, tokens per step");
+        for ((na, va), (np, vp)) in weights(&apart).iter().zip(&wp) {
+            assert_eq!(na, np);
+            let differ = va
+                .iter()
+                .zip(vp)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
+        }
+        eprintln!("{name}: 2 ranks bitwise one process accumulating 2 apart");
+    }
+    for d in [one, many, apart] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 #[test]
@@ -617,6 +644,17 @@ fn zero_2_accumulates_summing_every_micro_batch_and_resumes_bitwise() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("--bucket-size"),
+        "{stderr}"
+    );
+    // Nor are ZeRO-2's micro-batch sums computed apart.
+    let out = train(
+        Some(2),
+        &unbucketed,
+        &["--zero", "2", "--separate-accumulation"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--separate-accumulation"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(unbucketed);

@@ -31,6 +31,7 @@ impl From<&RunConfig> for TrainerOptions {
             offload_activations: t.offload_activations,
             optimizer_offload: cfg.optimizer_offload,
             zero_stage: t.zero_stage,
+            separate_accumulation: t.separate_accumulation,
             bucket_bytes: usize::try_from(t.bucket_bytes).unwrap_or(usize::MAX),
             placement: cfg.placement.clone(),
         }

@@ -75,6 +75,9 @@ pub struct TrainingConfig {
     /// master weights sharded across the ranks) or 2 (the gradients sharded too); one
     /// process alone ignores it.
     pub zero_stage: u8,
+    /// Each micro-batch's gradients computed apart and added to the step's running sum
+    /// (see [`crate::TrainerOptions::separate_accumulation`]).
+    pub separate_accumulation: bool,
     /// Bytes of gradients per bucket summed across ranks while backward runs (see
     /// [`crate::TrainerOptions::bucket_bytes`]; 0: each gradient after backward).
     pub bucket_bytes: u64,
@@ -124,6 +127,7 @@ impl Default for TrainingConfig {
             optimizer_in_backward: false,
             offload_activations: false,
             zero_stage: 0,
+            separate_accumulation: false,
             bucket_bytes: crate::trainer::DEFAULT_BUCKET_BYTES as u64,
             loss: LossPath::Fused,
             loss_chunk: None,

@@ -78,6 +78,11 @@ pub struct Overrides {
     /// micro-batch's are summed in buckets during backward and the others' freed).
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
+    /// Compute each micro-batch's gradients apart and add them to the step's running sum
+    /// once complete, as PyTorch accumulates and data-parallel ranks sum: one process
+    /// accumulating 2 micro-batches then takes bitwise the step of 2 ranks.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub separate_accumulation: Option<bool>,
     /// Under mpirun: gradients summed across the ranks in buckets of SIZE (25MiB by
     /// default; 512KiB, 1GB, bytes) while backward goes on; 0 sums each gradient after
     /// backward. The sums are the same.
@@ -173,6 +178,7 @@ impl Overrides {
         set(&mut t.grad_clip, self.grad_clip);
         set(&mut t.seed, self.seed);
         set(&mut t.zero_stage, self.zero);
+        set(&mut t.separate_accumulation, self.separate_accumulation);
         if let Some(size) = self.bucket_size.as_deref().map(str::trim) {
             // 0 turns the buckets off; any other size is a size.
             t.bucket_bytes = match size {

@@ -8,9 +8,9 @@
 //! has to be kept in step with training by hand, and a model of billions of parameters is
 //! predicted without allocating its weights.
 
-use crate::accumulate::Constant;
+use crate::accumulate::{AccumulationSchedule, Constant, Ramp};
 use crate::checkpoint::CheckpointPolicy;
-use crate::collective::Rehearsal;
+use crate::collective::{Collective, Rehearsal};
 use crate::data::DataLoader;
 use crate::device::{Backend, MetaBackend};
 use crate::error::{Error, Result};
@@ -221,6 +221,19 @@ pub fn predict_rank(
         .ok_or_else(|| Error::config("batch_size", "batch size × sequence length overflows"))?;
     let data = DataLoader::new(vec![0u32; tokens], b, t)?;
     let backend: Arc<dyn Backend> = Arc::new(MetaBackend::new());
+    // Separate accumulation costs memory from a step's second micro-batch on (each
+    // gradient computed apart beside the running sum): a third step of two micro-batches
+    // gives the peaks; the per-step work stays the second step's, one micro-batch.
+    let per_micro = (tokens - 1) as u64 * rank.world() as u64;
+    let schedule: Box<dyn AccumulationSchedule> = if options.separate_accumulation {
+        Box::new(Ramp {
+            start_tokens: per_micro,
+            end_tokens: 2 * per_micro,
+            ramp_tokens: 2 * per_micro,
+        })
+    } else {
+        Box::new(Constant::new(1))
+    };
     let mut trainer = Trainer::new(
         model,
         backend,
@@ -228,18 +241,23 @@ pub fn predict_rank(
         dyn_clone::clone_box(precision),
         dyn_clone::clone_box(checkpoint),
         dyn_clone::clone_box(optimizer),
-        Constant::new(1),
+        schedule,
         PredictionObserver::default(),
         options.clone(),
     )?;
     trainer.join(Arc::new(rank))?;
     trainer.step()?;
     let later = trainer.step()?;
+    let memory = if options.separate_accumulation {
+        trainer.step()?.memory
+    } else {
+        later.memory
+    };
     let kept = trainer.backend().ledger().snapshot().live;
     let observed = trainer.observer();
     Ok(MemoryPrediction {
-        peak: later.memory.peak,
-        peak_total: later.memory.peak_total,
+        peak: memory.peak,
+        peak_total: memory.peak_total,
         first_micro_batch_peak_total: observed.first_micro_batch_peak_total,
         first_update_peak_total: observed.first_update_peak_total,
         kept,

@@ -90,6 +90,15 @@ pub struct TrainerOptions {
     /// and the others' freed at once, so gradient memory is divided by the ranks too.
     /// Ignored by one process alone.
     pub zero_stage: u8,
+    /// Computes each micro-batch's gradients apart and adds them to the running sum of the
+    /// step's earlier micro-batches once complete (as PyTorch's autograd accumulates
+    /// `.grad`, and as data-parallel ranks sum), instead of accumulating into the running
+    /// sum inside backward's products. Costs the gradient of one parameter beside the
+    /// sum while backward computes it and one addition per micro-batch; buys
+    /// reproducibility across layouts: one process accumulating 2 micro-batches this way
+    /// takes bitwise the step of 2 ranks of one micro-batch each. Refused with ZeRO-2,
+    /// whose sums are made across the ranks micro-batch by micro-batch.
+    pub separate_accumulation: bool,
     /// Bytes of gradients (as f32) per bucket of a data-parallel job: each bucket is
     /// summed across the ranks on a thread of its own as soon as backward has completed
     /// its gradients, while backward goes on (25 MiB, PyTorch DDP's default); 0 sums each
@@ -121,6 +130,7 @@ impl Default for TrainerOptions {
             offload_activations: false,
             optimizer_offload: false,
             zero_stage: 0,
+            separate_accumulation: false,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             placement: crate::placement::resident(),
         }
@@ -629,6 +639,14 @@ where
                          (--stream-weights frozen) or keep the weights resident",
                         p.name()
                     ),
+                ));
+            }
+            if self.options.zero_stage >= 2 && self.options.separate_accumulation {
+                return Err(Error::config(
+                    "separate_accumulation",
+                    "ZeRO-2 sums each micro-batch's gradients across the ranks as backward \
+                     completes them, into the owner's running sum; drop \
+                     --separate-accumulation or use --zero 1",
                 ));
             }
             if self.options.zero_stage >= 2 && self.options.bucket_bytes == 0 {

@@ -222,7 +222,16 @@ where
                     .as_deref()
                     .map(|keep| ShardedGrads::start(be, &collective, options.bucket_bytes, keep));
                 let sums = bucket.is_some() || sharded.is_some();
+                // Separate accumulation: the running sum taken out, this micro-batch's
+                // gradients computed apart and added to it as each is complete.
+                let mut stash: Option<Vec<Option<Tensor>>> = (options.separate_accumulation
+                    && j > 0)
+                    .then(|| params.iter_mut().map(Param::take_grad).collect());
+                let folds = stash.is_some();
                 let mut update = |ps: &mut [Param], i: usize, losses: &Tensor| -> Result<()> {
+                    if let Some(sum) = stash.as_mut().and_then(|s| s[i].take()) {
+                        ps[i].fold_grad(be, sum)?;
+                    }
                     if let Some(b) = bucket.as_deref_mut() {
                         return b.ready(be, ps, i);
                     }
@@ -242,7 +251,7 @@ where
                     checkpoint: &*checkpoint,
                     dtype: precision.compute_dtype(),
                     offload: options.offload_activations,
-                    grad_ready: if plan.in_backward || sums {
+                    grad_ready: if plan.in_backward || sums || folds {
                         Some(&mut update)
                     } else {
                         None
@@ -258,6 +267,12 @@ where
                     plan.grad_scale,
                     &mut buffers.losses,
                 )?;
+                // The sums no hook reported.
+                for (p, sum) in params.iter_mut().zip(stash.into_iter().flatten()) {
+                    if let Some(sum) = sum {
+                        p.fold_grad(be, sum)?;
+                    }
+                }
                 if let Some(sharded) = sharded {
                     sharded.finish(be, params)?;
                 }
