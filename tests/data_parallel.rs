@@ -706,6 +706,14 @@ fn zero_1_resumes_bitwise() {
 /// Runs of 2 ranks with `extra` flags: one of 5 steps, one of 3 resumed to 5; returns
 /// the directory of the resumed run's first part. Both must agree bitwise.
 fn resume_bitwise(name: &str, extra: &[&str]) -> PathBuf {
+    let (first, straight) = resume_bitwise_keeping(name, extra);
+    let _ = std::fs::remove_dir_all(straight);
+    first
+}
+
+/// [`resume_bitwise`], returning the directories of the resumed run's first part and of
+/// the run of 5 steps at once.
+fn resume_bitwise_keeping(name: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
     let (straight, first, resumed) = (
         scratch(&format!("{name}-straight")),
         scratch(&format!("{name}-first")),
@@ -732,33 +740,68 @@ fn resume_bitwise(name: &str, extra: &[&str]) -> PathBuf {
     }
     let (a, b) = (steps(&straight), steps(&resumed));
     assert_eq!(a[3..], b[..], "steps 4 and 5");
-    for d in [straight, resumed] {
-        let _ = std::fs::remove_dir_all(d);
-    }
-    first
+    let _ = std::fs::remove_dir_all(resumed);
+    (first, straight)
 }
 
 /// A data-parallel run saved after 3 steps and resumed by the same ranks to 5 takes the
 /// steps of the run that went to 5 at once, bitwise (a constant learning rate, so that
-/// the schedule does not depend on the run's length); another number of ranks is
-/// refused.
+/// the schedule does not depend on the run's length). Another number of ranks reshards:
+/// a ZeRO-1 checkpoint of 2 ranks resumed by one process accumulating their 2
+/// micro-batches apart goes on bitwise as the 2 ranks did, and 3 ranks take it too, each
+/// loading the state of what it updates now.
 #[test]
-fn ranks_resume_bitwise() {
-    if !ready("ranks_resume_bitwise") {
+fn ranks_resume_bitwise_and_reshard() {
+    if !ready("ranks_resume_bitwise_and_reshard") {
         return;
     }
     let first = resume_bitwise("ddp", &[]);
-    let saved = first.join("model").display().to_string();
-    let resume = ["--lr-schedule", "constant", "--resume", &saved];
-    // Another number of ranks is refused by name, the checkpoint untouched.
-    let other = scratch("other");
-    let out = train_steps(Some(1), &other, 5, &resume);
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("saved by a job of 2 ranks"), "{stderr}");
-    assert!(first.join("model").join("model.safetensors").exists());
-    let _ = std::fs::remove_dir_all(other);
     let _ = std::fs::remove_dir_all(first);
+    let (first, straight) = resume_bitwise_keeping("reshard", &["--zero", "1"]);
+    let saved = first.join("model").display().to_string();
+    let one = scratch("reshard-one");
+    let resume = [
+        "--lr-schedule",
+        "constant",
+        "--resume",
+        &saved,
+        "--grad-accum",
+        "2",
+        "--separate-accumulation",
+    ];
+    let out = train_steps(None, &one, 5, &resume);
+    check(&out, "one process resuming 2 ranks' checkpoint");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("resharded: saved by 2 ranks, resumed by one process"),
+        "{stdout}"
+    );
+    assert_eq!(steps(&straight)[3..], steps(&one)[..], "steps 4 and 5");
+    for ((na, va), (nb, vb)) in weights(&straight).iter().zip(&weights(&one)) {
+        assert_eq!(na, nb);
+        let differ = va
+            .iter()
+            .zip(vb)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
+    }
+    let three = scratch("reshard-three");
+    let resume = [
+        "--lr-schedule",
+        "constant",
+        "--resume",
+        &saved,
+        "--zero",
+        "1",
+    ];
+    let out = train_steps(Some(3), &three, 5, &resume);
+    check(&out, "3 ranks resuming 2 ranks' checkpoint");
+    assert_eq!(steps(&three).len(), 2, "steps 4 and 5");
+    assert!(first.join("model").join("model.safetensors").exists());
+    for d in [first, straight, one, three] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// Ranks given different models are refused on every rank, and the job ends with an

@@ -24,6 +24,7 @@ mod sample;
 mod step;
 mod update;
 
+pub use persist::checkpoint_ranks;
 pub use sample::SamplingOptions;
 pub use update::update_params;
 

@@ -50,8 +50,8 @@ struct TrainerState {
     #[serde(default)]
     data_shuffle: Option<u64>,
     rng: Rng,
-    /// The ranks of the data-parallel job that saved it (1 alone): each read its share of
-    /// every global step, so a resume with another number would read other batches.
+    /// The ranks of the data-parallel job that saved it (1 alone): a resume with another
+    /// number reshards ([`checkpoint_ranks`]).
     #[serde(default = "one_rank")]
     ranks: usize,
     /// Per parameter, the names of its optimizer-state tensors in
@@ -68,6 +68,25 @@ struct TrainerState {
     checkpoint: serde_json::Value,
     optimizer: serde_json::Value,
     accumulation: serde_json::Value,
+}
+
+/// The number of ranks of the data-parallel job that saved the resumable checkpoint `dir`
+/// (1 for one process). A job of another number of ranks resumes it too
+/// ([`crate::Trainer::resume_from`]): each rank takes the optimizer state of the
+/// parameters it updates, and the data goes on from the saved position, so the run goes
+/// on unchanged in meaning when ranks × micro-batches per step stays the same (as
+/// `--separate-accumulation` makes one process accumulating two micro-batches take
+/// bitwise the steps of two ranks).
+pub fn checkpoint_ranks(dir: &Path) -> Result<usize> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
+        Error::data(
+            path.display().to_string(),
+            format!("is not a trainer state: {e}"),
+        )
+    })?;
+    Ok(state.ranks)
 }
 
 fn one_rank() -> usize {
@@ -433,23 +452,10 @@ where
                 ),
             ));
         }
-        let ranks = self.collective.world();
-        if state.ranks != ranks {
-            let job = |n: usize| match n {
-                1 => "one process".to_string(),
-                n => format!("{n} ranks"),
-            };
-            return Err(Error::data(
-                &what,
-                format!(
-                    "was saved by a job of {}, this one has {}; resume with the same number \
-                     of ranks (mpirun -np {}), whose micro-batches make the saved global batch",
-                    job(state.ranks),
-                    job(ranks),
-                    state.ranks
-                ),
-            ));
-        }
+        // Another number of ranks reshards: the checkpoint holds every parameter's whole
+        // optimizer state (rank 0 gathered what the owners kept), each rank loads what it
+        // updates now, and the data goes on from the saved global position (every rank of
+        // the saved job stood there).
         if state.data_tokens != self.data.len_tokens() {
             return Err(Error::data(
                 &what,

@@ -233,6 +233,23 @@ fn build(
         }
         trainer.resume_from(dir)?;
         println!("resumed {} at step {}", dir.display(), trainer.steps_done());
+        let (saved, world) = (
+            trainkit::trainer::checkpoint_ranks(dir)?,
+            trainer.collective().world(),
+        );
+        if saved != world {
+            let job = |n: usize| match n {
+                1 => "one process".to_string(),
+                n => format!("{n} ranks"),
+            };
+            println!(
+                "resharded: saved by {}, resumed by {}; each rank took the optimizer state of \
+                 what it updates, and the data goes on from the saved position (the run goes \
+                 on as saved when ranks × --grad-accum stays what it was)",
+                job(saved),
+                job(world)
+            );
+        }
     } else if let Some(dir) = &t.init_from {
         trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
