@@ -945,3 +945,48 @@ fn a_full_fine_tune_streams_every_weight_when_nothing_cheaper_fits() {
     let highest = train_choice(&c, &ch, cpu());
     assert_eq!(highest, ch.peak, "{}", ch.describe());
 }
+
+/// In a data-parallel job autofit plans one rank (rank 0's exact figures): under DDP the
+/// one process's, under ZeRO-1 less (its share of the optimizer side), under ZeRO-2 less
+/// again (its share of the gradients); the update inside backward and streaming weights
+/// that train, which data-parallel training refuses, are left out with the reason.
+#[test]
+fn autofit_plans_one_rank_of_a_data_parallel_job() {
+    let (c, opt) = (config(), AdamW::default());
+    let one = FitRequest {
+        techniques: Techniques::ALL.without(Technique::Bf16),
+        ..every_technique(&c, &Fp32, &opt, 2, u64::MAX)
+    };
+    let peak = |world: usize, zero_stage: u8| {
+        let plan = autofit(&FitRequest {
+            world,
+            zero_stage,
+            ..one
+        })
+        .unwrap();
+        if world > 1 {
+            for t in [Technique::OptimizerInBackward, Technique::StreamWeights] {
+                let (_, why) = plan
+                    .left_out
+                    .iter()
+                    .find(|(l, _)| *l == t)
+                    .unwrap_or_else(|| panic!("{t:?} left out"));
+                assert!(why.contains("ranks"), "{why}");
+            }
+        }
+        technique_savings(&FitRequest {
+            world,
+            zero_stage,
+            ..one
+        })
+        .unwrap();
+        plan.unconstrained.peak
+    };
+    let alone = peak(1, 0);
+    assert_eq!(peak(4, 0), alone, "DDP keeps it all");
+    let (zero1, zero2) = (peak(4, 1), peak(4, 2));
+    assert!(
+        zero2 < zero1 && zero1 < alone,
+        "{zero2} < {zero1} < {alone}"
+    );
+}

@@ -53,7 +53,9 @@ impl RunConfig {
 
 impl<'a> FitRequest<'a> {
     /// The request of the run `cfg` describes: its model, sequence length, policies and
-    /// adapter, `global_batch` rows per step within `budget` bytes, with `techniques`.
+    /// adapter, `global_batch` rows per step within `budget` bytes, with `techniques`; in
+    /// a data-parallel job (the launcher's world, [`crate::collective::launched_world`])
+    /// one rank's, with the run's ZeRO stage.
     pub fn for_run(
         cfg: &'a RunConfig,
         global_batch: usize,
@@ -73,6 +75,9 @@ impl<'a> FitRequest<'a> {
             optimizer_offload: cfg.optimizer_offload,
             placement: cfg.placement.as_ref(),
             adapter: cfg.adapter.as_deref(),
+            world: crate::collective::launched_world().map_or(1, |(n, _)| n),
+            zero_stage: t.zero_stage,
+            separate_accumulation: t.separate_accumulation,
             ..FitRequest::new(
                 cfg.model.shape(),
                 t.seq_len,

@@ -4,8 +4,7 @@
 //! optimizer offloaded to the host and bf16 precision, and, when named, pure bf16, LoRA and
 //! QLoRA, in the cost order of [`Technique`].
 
-use super::exact::HOST_LINK_BYTES_PER_S;
-use super::exact::{predict_with, MemoryPrediction, MicroBatch};
+use super::exact::{predict_rank, MemoryPrediction, MicroBatch, HOST_LINK_BYTES_PER_S};
 use super::techniques::{Technique, Techniques};
 use crate::adapter::{Adapter, Lora, ALL_LINEAR};
 use crate::checkpoint::{Budget, CheckpointPolicy, Full, NoRecompute, Selective};
@@ -72,6 +71,15 @@ pub struct FitRequest<'a> {
     /// The run's adapter (LoRA): which parameters train, the updates it adds (`None`:
     /// every parameter trains).
     pub adapter: Option<&'a (dyn Adapter + 'static)>,
+    /// Ranks of the run's data-parallel job (1: one process): the figures are rank 0's,
+    /// the rank that owns the first parameters, and the global batch is one rank's.
+    pub world: usize,
+    /// The run's ZeRO stage ([`TrainerOptions::zero_stage`]): under 1 and 2 a rank keeps
+    /// its share of the optimizer side, under 2 of the gradients too.
+    pub zero_stage: u8,
+    /// The run accumulates each micro-batch's gradients apart
+    /// ([`TrainerOptions::separate_accumulation`]).
+    pub separate_accumulation: bool,
 }
 
 impl<'a> FitRequest<'a> {
@@ -105,6 +113,9 @@ impl<'a> FitRequest<'a> {
             placement: &crate::placement::Resident,
             host_budget: None,
             adapter: None,
+            world: 1,
+            zero_stage: 0,
+            separate_accumulation: false,
         }
     }
 }
@@ -558,6 +569,11 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
              gradient at once; --grad-clip 0 lets autofit use it",
             req.grad_clip
         )),
+        Technique::OptimizerInBackward if req.world > 1 => Some(format!(
+            "the {} ranks sum each gradient after backward, which an update inside backward \
+             would not wait for (data-parallel training refuses it)",
+            req.world
+        )),
         Technique::Offload if req.offload_activations => {
             Some("on already (the run's own setting)".into())
         }
@@ -567,6 +583,11 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::StreamWeights if !crate::placement::is_resident(req.placement) => {
             Some("on already (the run's own setting)".into())
         }
+        Technique::StreamWeights if req.world > 1 && req.adapter.is_none() => Some(format!(
+            "the {} ranks of a data-parallel job stream only a frozen base, and the run \
+             trains every weight",
+            req.world
+        )),
         Technique::StreamWeights
             if req.adapter.is_none()
                 && !req.techniques.contains(Technique::Lora)
@@ -707,9 +728,11 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
             (true, true) => crate::placement::streaming(spec.adapter.is_some()),
             (true, false) => dyn_clone::clone_box(req.placement),
         },
+        zero_stage: req.zero_stage,
+        separate_accumulation: req.separate_accumulation,
         ..TrainerOptions::default()
     };
-    let prediction = predict_with(
+    let prediction = predict_rank(
         model,
         MicroBatch {
             batch_size: micro_batch,
@@ -719,6 +742,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         spec.recompute.as_ref(),
         spec.optimizer.as_ref(),
         &options,
+        crate::collective::Rehearsal::new(0, req.world.max(1))?,
     )?;
     let micro_batches = req.global_batch / micro_batch.max(1);
     let mut techniques = spec.techniques;

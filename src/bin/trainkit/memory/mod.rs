@@ -379,6 +379,8 @@ pub fn run(args: MemoryArgs) -> Result<()> {
             optimizer_offload,
             placement: cfg.placement.as_ref(),
             adapter,
+            world: usize_of(ranks.world),
+            zero_stage: ranks.zero,
             // The table shows LoRA, QLoRA and pure bf16 too (autofit uses them only when
             // named).
             techniques: trainkit::estimate::Techniques::ALL
