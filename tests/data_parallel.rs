@@ -285,15 +285,7 @@ fn ranks_equal_one_accumulating(
     eprintln!("{name}: {ranks} ranks against one process accumulating {ranks}: weights within {worst:.1e}");
     if bitwise {
         assert_eq!(steps(&apart), p, "losses, gradient norms, tokens per step");
-        for ((na, va), (np, vp)) in weights(&apart).iter().zip(&wp) {
-            assert_eq!(na, np);
-            let differ = va
-                .iter()
-                .zip(vp)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
-            assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
-        }
+        weights_bitwise(&apart, &many);
         eprintln!("{name}: 2 ranks bitwise one process accumulating 2 apart");
     }
     for d in [one, many, apart] {
@@ -388,6 +380,21 @@ fn two_ranks_with_document_masks_and_the_optimizer_offloaded() {
 fn four_ranks_oversubscribed_take_the_step_of_one_process_accumulating_four() {
     if ready("four_ranks_oversubscribed") {
         ranks_equal_one_accumulating("four", 4, 1, &[], &F32);
+    }
+}
+
+/// The saved weights of the runs in `a` and `b` are the same, bit for bit.
+fn weights_bitwise(a: &Path, b: &Path) {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let differ = va
+            .iter()
+            .zip(vb)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
     }
 }
 
@@ -727,17 +734,7 @@ fn resume_bitwise_keeping(name: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
     let mut resume = constant.clone();
     resume.extend(["--resume", &saved]);
     check(&train_steps(Some(2), &resumed, 5, &resume), "resumed to 5");
-    let (a, b) = (weights(&straight), weights(&resumed));
-    assert_eq!(a.len(), b.len());
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        let differ = va
-            .iter()
-            .zip(vb)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
-    }
+    weights_bitwise(&straight, &resumed);
     let (a, b) = (steps(&straight), steps(&resumed));
     assert_eq!(a[3..], b[..], "steps 4 and 5");
     let _ = std::fs::remove_dir_all(resumed);
@@ -777,15 +774,7 @@ fn ranks_resume_bitwise_and_reshard() {
         "{stdout}"
     );
     assert_eq!(steps(&straight)[3..], steps(&one)[..], "steps 4 and 5");
-    for ((na, va), (nb, vb)) in weights(&straight).iter().zip(&weights(&one)) {
-        assert_eq!(na, nb);
-        let differ = va
-            .iter()
-            .zip(vb)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(differ, 0, "{na}: {differ} of {} values differ", va.len());
-    }
+    weights_bitwise(&straight, &one);
     let three = scratch("reshard-three");
     let resume = [
         "--lr-schedule",
