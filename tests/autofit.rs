@@ -989,4 +989,44 @@ fn autofit_plans_one_rank_of_a_data_parallel_job() {
         zero2 < zero1 && zero1 < alone,
         "{zero2} < {zero1} < {alone}"
     );
+    // The stages are autofit's cheapest techniques after accumulation: a DDP run that
+    // does not fit takes ZeRO-1, then ZeRO-2, before any recomputation.
+    let ddp = FitRequest {
+        world: 4,
+        global_batch: 1,
+        ..one
+    };
+    let (d1, d2) = (
+        autofit(&ddp).unwrap().unconstrained.peak,
+        autofit(&FitRequest {
+            zero_stage: 1,
+            ..ddp
+        })
+        .unwrap()
+        .unconstrained
+        .peak,
+    );
+    let ch = autofit(&FitRequest { budget: d2, ..ddp }).unwrap().choice;
+    assert!(d2 < d1, "{d2} < {d1}");
+    assert_eq!(ch.zero_stage, 1, "{}", ch.describe());
+    assert!(
+        ch.techniques.contains(Technique::Zero1),
+        "{}",
+        ch.describe()
+    );
+    assert!(ch.flags().contains(" --zero 1"), "{}", ch.flags());
+    let ch = autofit(&FitRequest {
+        budget: d2 - 1,
+        ..ddp
+    })
+    .unwrap()
+    .choice;
+    assert_eq!(ch.zero_stage, 2, "{}", ch.describe());
+    assert!(ch.flags().contains(" --zero 2"), "{}", ch.flags());
+    // One process has no ranks to shard across.
+    let plan = autofit(&one).unwrap();
+    assert!(plan
+        .left_out
+        .iter()
+        .any(|(t, why)| *t == Technique::Zero1 && why.contains("one process")));
 }

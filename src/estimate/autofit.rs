@@ -142,6 +142,9 @@ pub struct FitCandidate {
     pub optimizer_offload: bool,
     /// Whether the frozen weights are streamed from host memory.
     pub stream_weights: bool,
+    /// The ZeRO stage of the data-parallel job ([`TrainerOptions::zero_stage`]): the
+    /// request's, or the one autofit chose.
+    pub zero_stage: u8,
     /// The adapter: the request's, or the LoRA autofit added (`None`: every parameter
     /// trains).
     pub adapter: Option<Arc<dyn Adapter>>,
@@ -211,6 +214,10 @@ impl FitCandidate {
             self.micro_batches,
             policy_name(self.recompute.as_ref())
         );
+        if self.techniques.contains(Technique::Zero1) || self.techniques.contains(Technique::Zero2)
+        {
+            flags.push_str(&format!(" --zero {}", self.zero_stage));
+        }
         for (t, flag) in [
             (Technique::Adamw8bit, " --optimizer adamw8bit"),
             (Technique::OptimizerInBackward, " --optimizer-in-backward"),
@@ -428,6 +435,7 @@ struct Spec {
     offload: bool,
     optimizer_offload: bool,
     stream: bool,
+    zero_stage: u8,
     adapter: Option<Arc<dyn Adapter>>,
 }
 
@@ -462,6 +470,7 @@ impl Spec {
             offload: req.offload_activations,
             optimizer_offload: req.optimizer_offload,
             stream: !crate::placement::is_resident(req.placement),
+            zero_stage: req.zero_stage,
             adapter: req.adapter.map(|a| Arc::from(dyn_clone::clone_box(a))),
         }
     }
@@ -477,6 +486,7 @@ impl Spec {
             offload: c.offload_activations,
             optimizer_offload: c.optimizer_offload,
             stream: c.stream_weights,
+            zero_stage: c.zero_stage,
             adapter: c.adapter.clone(),
         }
     }
@@ -487,6 +497,8 @@ impl Spec {
         s.techniques = s.techniques.with(t);
         match t {
             Technique::Accumulation => {}
+            Technique::Zero1 => s.zero_stage = s.zero_stage.max(1),
+            Technique::Zero2 => s.zero_stage = 2,
             Technique::Selective => s.recompute = Box::new(Selective),
             Technique::Budget => s.recompute = Box::new(Budget::new(0)),
             Technique::Full => s.recompute = Box::new(Full),
@@ -546,6 +558,18 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
         Technique::Accumulation if req.optimizer_in_backward => {
             Some("the run updates inside backward, which needs one micro-batch per step".into())
         }
+        Technique::Zero1 | Technique::Zero2 if req.world <= 1 => Some(
+            "one process: there are no ranks to share the optimizer side and gradients \
+             with (mpirun -np N)"
+                .into(),
+        ),
+        Technique::Zero1 if req.zero_stage >= 1 => Some("on already (the run's own --zero)".into()),
+        Technique::Zero2 if req.zero_stage >= 2 => Some("on already (the run's own --zero)".into()),
+        Technique::Zero2 if req.separate_accumulation => Some(
+            "the run accumulates apart (--separate-accumulation), which ZeRO-2's sums every \
+             micro-batch cannot"
+                .into(),
+        ),
         Technique::Accumulation if req.global_batch == 1 => {
             Some("a global batch of one row cannot be split".into())
         }
@@ -657,6 +681,8 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
     );
     let keeps_least = *policies.last().unwrap_or(&None);
     let toggles: Vec<Technique> = [
+        Technique::Zero1,
+        Technique::Zero2,
         Technique::Adamw8bit,
         Technique::OptimizerInBackward,
         Technique::Offload,
@@ -683,9 +709,10 @@ fn combinations(req: &FitRequest<'_>, usable: Techniques) -> Result<Vec<Spec>> {
                 continue;
             }
             // QLoRA brings its LoRA: the two together are QLoRA alone; pure bf16 is bf16
-            // compute already.
+            // compute already; ZeRO-2 shards what ZeRO-1 does.
             if on.contains(&Technique::Lora) && on.contains(&Technique::Qlora)
                 || on.contains(&Technique::Bf16) && on.contains(&Technique::PureBf16)
+                || on.contains(&Technique::Zero1) && on.contains(&Technique::Zero2)
             {
                 continue;
             }
@@ -728,7 +755,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
             (true, true) => crate::placement::streaming(spec.adapter.is_some()),
             (true, false) => dyn_clone::clone_box(req.placement),
         },
-        zero_stage: req.zero_stage,
+        zero_stage: spec.zero_stage,
         separate_accumulation: req.separate_accumulation,
         ..TrainerOptions::default()
     };
@@ -759,6 +786,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         offload_activations: spec.offload,
         optimizer_offload: spec.optimizer_offload,
         stream_weights: spec.stream,
+        zero_stage: spec.zero_stage,
         adapter: spec.adapter.clone(),
         techniques,
         peak: prediction

@@ -8,6 +8,12 @@ use crate::error::{Error, Result};
 ///
 /// 1. [`Technique::Accumulation`]: the same global batch in more, smaller micro-batches.
 ///    The same FLOPs; smaller products use the device a little less well.
+///    - [`Technique::Zero1`] (a data-parallel job only): each rank keeps the optimizer
+///      side of its share of the parameters and sends their new weights to the others;
+///      bitwise the same training, one all-gather's bytes a step more.
+///    - [`Technique::Zero2`] (a data-parallel job only): each rank keeps only its share of
+///      the gradients too; bitwise DDP with one micro-batch a step, the gradients summed
+///      every micro-batch when accumulating.
 /// 2. [`Technique::Selective`]: recompute the materialized attention probabilities, one
 ///    `QKᵀ` and softmax per layer. With the fused attention there is nothing to drop.
 /// 3. [`Technique::Adamw8bit`]: AdamW's moments in 8 bits. No extra FLOPs; the update
@@ -59,6 +65,12 @@ use crate::error::{Error, Result};
 pub enum Technique {
     /// More micro-batches of fewer rows for the same global batch.
     Accumulation,
+    /// ZeRO-1 across the ranks of a data-parallel job
+    /// ([`crate::TrainerOptions::zero_stage`] 1).
+    Zero1,
+    /// ZeRO-2 across the ranks of a data-parallel job
+    /// ([`crate::TrainerOptions::zero_stage`] 2).
+    Zero2,
     /// Selective recomputation ([`crate::Selective`]).
     Selective,
     /// AdamW with 8-bit moments ([`crate::AdamW8bit`]), its settings carried over.
@@ -94,8 +106,10 @@ pub enum Technique {
 
 impl Technique {
     /// Every technique, in autofit's cost order.
-    pub const ALL: [Technique; 13] = [
+    pub const ALL: [Technique; 15] = [
         Technique::Accumulation,
+        Technique::Zero1,
+        Technique::Zero2,
         Technique::Selective,
         Technique::Adamw8bit,
         Technique::OptimizerInBackward,
@@ -114,6 +128,8 @@ impl Technique {
     pub fn name(self) -> &'static str {
         match self {
             Technique::Accumulation => "accumulation",
+            Technique::Zero1 => "zero-1",
+            Technique::Zero2 => "zero-2",
             Technique::Selective => "selective",
             Technique::Adamw8bit => "adamw8bit",
             Technique::OptimizerInBackward => "optimizer-in-backward",
@@ -268,7 +284,7 @@ mod tests {
         let full = Techniques::NONE.with(Technique::Full);
         assert!(cheaper.cost() < full.cost());
         assert!(full.cost() < full.with(Technique::Selective).cost());
-        assert_eq!(Techniques::ALL.iter().count(), 10);
+        assert_eq!(Techniques::ALL.iter().count(), 12);
         assert!(Techniques::ALL.contains(Technique::OptimizerOffload));
         let offload = Techniques::NONE.with(Technique::OptimizerOffload);
         let cheaper: Techniques = Technique::ALL[..7].iter().copied().collect();

@@ -2,7 +2,7 @@
 //! the memory report.
 
 use std::path::{Path, PathBuf};
-use trainkit::config::PolicyFlags;
+use trainkit::config::Overrides;
 use trainkit::config::RunConfig;
 use trainkit::estimate::{
     autofit, host_available_memory, FitRequest, MicroBatch, Technique, Techniques,
@@ -56,10 +56,11 @@ impl FitArgs {
     }
 
     /// What autofit may change: `--autofit-techniques` (all by default), less what a
-    /// policy flag on the command line fixes (`--precision`: bf16; `--optimizer`: 8-bit
-    /// state; `--recompute`: every recompute policy); offloaded activations within the
-    /// host's available memory.
-    pub fn scope(&self, policy: &PolicyFlags) -> Result<FitScope> {
+    /// flag on the command line fixes (`--precision`: bf16; `--optimizer`: 8-bit state;
+    /// `--recompute`: every recompute policy; `--zero`: the ZeRO stages); offloaded
+    /// activations within the host's available memory.
+    pub fn scope(&self, flags: &Overrides) -> Result<FitScope> {
+        let policy = &flags.policy;
         let mut techniques = match &self.autofit_techniques {
             Some(list) => {
                 Techniques::parse(list).map_err(|e| e.for_field("--autofit-techniques"))?
@@ -78,6 +79,11 @@ impl FitArgs {
             for t in [Technique::Selective, Technique::Budget, Technique::Full] {
                 techniques = techniques.without(t);
             }
+        }
+        if flags.zero.is_some() {
+            techniques = techniques
+                .without(Technique::Zero1)
+                .without(Technique::Zero2);
         }
         Ok(FitScope {
             techniques,
@@ -194,6 +200,7 @@ pub fn apply_autofit(
     cfg.training.optimizer_in_backward = c.optimizer_in_backward;
     cfg.training.offload_activations = c.offload_activations;
     cfg.optimizer_offload = c.optimizer_offload;
+    cfg.training.zero_stage = c.zero_stage;
     if c.stream_weights && trainkit::placement::is_resident(cfg.placement.as_ref()) {
         cfg.placement = trainkit::placement::streaming(c.adapter.is_some());
     }

@@ -137,7 +137,7 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
     } = args.run.resolve()?;
     let memory_budget = args.fit.memory_budget()?;
     let device = crate::device(args.device())?;
-    let scope = args.fit.scope(&args.run.overrides.policy)?;
+    let scope = args.fit.scope(&args.run.overrides)?;
     args.fit.apply(&mut cfg, memory_budget, device, scope)?;
     let peak_flops = args.observe.peak_flops()?;
     Ok(Plan {
