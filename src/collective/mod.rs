@@ -5,18 +5,25 @@
 //! (world 1, no cost, the default). Sums are sums (never averages): the trainer scales
 //! once, locally, by the trained positions of the whole global step.
 
+mod launcher;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod rehearsal;
 mod tensor;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
+pub use launcher::Launched;
+#[cfg(feature = "nccl")]
+pub use nccl::Nccl;
 pub use rehearsal::Rehearsal;
 pub(crate) use tensor::host_of;
 pub use tensor::{all_reduce_tensor, broadcast_bytes, broadcast_tensor};
 
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 use std::fmt::Debug;
 use std::sync::Arc;
 
@@ -54,6 +61,34 @@ pub trait Collective: Debug + Send + Sync {
 
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// Whether this engine carries bytes between ranks (false for ranks known only from a
+    /// launcher's variables, which meet through NCCL's own bootstrap).
+    fn carries_bytes(&self) -> bool {
+        true
+    }
+
+    /// Whether this engine sums device memory where it lies ([`Collective::all_reduce_device`]);
+    /// its collectives are then queued from one thread, in the same order on every rank.
+    fn sums_on_device(&self) -> bool {
+        false
+    }
+
+    /// Sums device tensor `t` over every rank in place, queued on its device after the
+    /// work that wrote it, when this engine reads device memory (NCCL): `Ok(false)` when
+    /// it does not, and the caller goes through host memory. Every rank calls it with a
+    /// tensor of the same shape and dtype.
+    fn all_reduce_device(&self, t: &mut Tensor) -> Result<bool> {
+        let _ = t;
+        Ok(false)
+    }
+
+    /// Rank `root`'s device tensor `t` on every rank, in place on the device, when this
+    /// engine reads device memory: `Ok(false)` when it does not.
+    fn broadcast_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
+        let _ = (t, root);
+        Ok(false)
+    }
 
     /// Ends every rank of the job with `code` (a rank that failed: the others would wait
     /// for it in their next collective). One process alone just exits.
@@ -134,14 +169,15 @@ fn check_root(root: usize, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// The environment variables a launcher sets that give the number of ranks: MPICH's and
-/// Intel MPI's (`PMI_SIZE`), Open MPI's (`OMPI_COMM_WORLD_SIZE`), Slurm's (`SLURM_NTASKS`
-/// under `srun`) and torchrun's (`WORLD_SIZE`).
+/// The environment variables a launcher sets that give the number of ranks, in the order
+/// they are read: torchrun's (`WORLD_SIZE`, first: a torchrun inside a Slurm allocation
+/// also sees Slurm's), MPICH's and Intel MPI's (`PMI_SIZE`), Open MPI's
+/// (`OMPI_COMM_WORLD_SIZE`) and Slurm's (`SLURM_NTASKS` under `srun`).
 pub const WORLD_VARIABLES: [&str; 4] = [
+    "WORLD_SIZE",
     "PMI_SIZE",
     "OMPI_COMM_WORLD_SIZE",
     "SLURM_NTASKS",
-    "WORLD_SIZE",
 ];
 
 /// The number of ranks the launcher of this process started, from its environment
@@ -153,12 +189,15 @@ pub fn launched_world() -> Option<(usize, &'static str)> {
     })
 }
 
-/// The collective of this process: MPI's world when a launcher started several ranks
-/// (built with the `mpi` feature), [`Single`] otherwise. A job of several ranks in a build
-/// without MPI is an error naming the fix, never N independent runs.
+/// The collective of this process: MPI's world when an MPI launcher started several ranks
+/// (built with the `mpi` feature); the ranks of a torchrun-style launcher's variables
+/// ([`Launched`], whose data crosses over NCCL once each rank has its GPU:
+/// [`on_device`]); [`Single`] otherwise. A job of several ranks in a build without the
+/// engine it needs is an error naming the fix, never N independent runs.
 pub fn launch() -> Result<Arc<dyn Collective>> {
     match launched_world() {
         None => Ok(Arc::new(Single)),
+        Some((_, "WORLD_SIZE")) => Ok(Arc::new(Launched::from_env()?)),
         #[cfg(feature = "mpi")]
         Some(_) => Ok(Arc::new(Mpi::init()?)),
         #[cfg(not(feature = "mpi"))]
@@ -172,6 +211,78 @@ pub fn launch() -> Result<Arc<dyn Collective>> {
             ),
         )),
     }
+}
+
+/// Which engine carries a job's data between ranks (`--collective`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    /// NCCL for ranks on GPUs (when built with it), the launcher's engine otherwise.
+    #[default]
+    Auto,
+    /// NCCL, also for one process alone (a check that it works on this machine).
+    Nccl,
+    /// The launcher's engine: MPI, or nothing for one process.
+    Mpi,
+}
+
+/// The collective ranks on `backend` run on: `bootstrap` (what [`launch`] returned) as
+/// it is on the CPU, or an NCCL communicator of its ranks on their GPUs when `engine`
+/// asks for it or leaves it to trainkit ([`Engine::Auto`]: NCCL for several ranks on
+/// GPUs). Ranks a torchrun-style launcher started need NCCL, so GPUs.
+pub fn on_device(
+    bootstrap: Arc<dyn Collective>,
+    backend: &Arc<dyn crate::device::Backend>,
+    engine: Engine,
+) -> Result<Arc<dyn Collective>> {
+    let on_gpu = backend.device() != crate::Device::Cpu;
+    let nccl = match engine {
+        Engine::Nccl => true,
+        Engine::Mpi => false,
+        Engine::Auto => on_gpu && bootstrap.world() > 1 && cfg!(feature = "nccl"),
+    };
+    if !nccl {
+        if !bootstrap.carries_bytes() {
+            return Err(Error::config(
+                "--collective",
+                format!(
+                    "{} carries no data itself: its ranks sum over NCCL, on GPUs \
+                     (start CPU ranks with mpirun, built with the `mpi` feature)",
+                    bootstrap.describe()
+                ),
+            ));
+        }
+        return Ok(bootstrap);
+    }
+    if !on_gpu {
+        return Err(Error::config(
+            "--collective",
+            "NCCL carries GPU memory: it needs `--device cuda` (CPU ranks run over MPI)",
+        ));
+    }
+    nccl_on(bootstrap, backend)
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_on(
+    bootstrap: Arc<dyn Collective>,
+    backend: &Arc<dyn crate::device::Backend>,
+) -> Result<Arc<dyn Collective>> {
+    let cuda = backend.as_cuda().ok_or_else(|| {
+        Error::config("--collective", "NCCL runs on trainkit's CUDA backend only")
+    })?;
+    Ok(Arc::new(Nccl::join(cuda, bootstrap)?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_on(
+    _: Arc<dyn Collective>,
+    _: &Arc<dyn crate::device::Backend>,
+) -> Result<Arc<dyn Collective>> {
+    Err(Error::config(
+        "--collective",
+        "trainkit was built without the `nccl` feature: rebuild with it (a default \
+         feature) to sum GPU ranks over NCCL",
+    ))
 }
 
 #[cfg(test)]

@@ -11,9 +11,10 @@ use std::sync::Arc;
 
 /// Sums `t` over every rank, in place on every rank (a no-op for a world of one). Host
 /// tensors of f32 are summed as they are; bf16 and f16 in f32, rounded once to their dtype
-/// after the sum; a device tensor through a host copy of it.
+/// after the sum; a device tensor in place on the device where the engine sums device
+/// memory (NCCL, in its dtype), else through a host copy of it.
 pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -> Result<()> {
-    if c.world() == 1 {
+    if c.world() == 1 || c.all_reduce_device(t)? {
         return Ok(());
     }
     match t.storage_mut() {
@@ -83,7 +84,7 @@ pub fn broadcast_tensor(
     t: &mut Tensor,
     root: usize,
 ) -> Result<()> {
-    if c.world() == 1 {
+    if c.world() == 1 || c.broadcast_device(t, root)? {
         return Ok(());
     }
     match t.storage_mut() {

@@ -59,6 +59,12 @@ pub trait Backend: Debug + Send + Sync {
         self.name().to_string()
     }
 
+    /// This backend as trainkit's CUDA backend, when it is one (for NCCL, which queues its
+    /// work on the backend's stream).
+    fn as_cuda(&self) -> Option<&super::cuda::CudaBackend> {
+        None
+    }
+
     /// The ledger that counts every buffer this backend allocates.
     fn ledger(&self) -> &Ledger;
 

@@ -10,9 +10,16 @@
 //! buffers are; a gradient on the device is read into one and written back through a
 //! host copy.
 //!
+//! With an engine that sums device memory (NCCL, [`Collective::sums_on_device`]) a
+//! gradient on the device is instead summed in place, queued on the device after the
+//! backward work that completed it (in its own dtype, as DDP's buckets are), and nothing
+//! is copied; the rest (host gradients) is summed on the calling thread, so that every
+//! rank queues its collectives in the same order.
+//!
 //! Under ZeRO-2 a rank keeps only the gradients of the parameters it updates: the others
-//! are freed as soon as they are in a bucket, and their sums are not written back, so
-//! gradient memory is this rank's share plus what backward has not yet bucketed.
+//! are freed as soon as they are in a bucket (or their sum is queued: the free is ordered
+//! after it), and their sums are not written back, so gradient memory is this rank's
+//! share plus what backward has not yet bucketed.
 
 use crate::collective::{host_of, Collective};
 use crate::device::Backend;
@@ -21,9 +28,25 @@ use crate::memory::MemoryCategory;
 use crate::model::Param;
 use crate::tensor::{Storage, Tensor};
 use half::{bf16, f16};
+use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+
+/// Where full buckets are summed.
+enum Summer {
+    /// On a thread of their own, while backward goes on (engines of host memory: MPI).
+    Thread {
+        jobs: Option<Sender<Vec<f32>>>,
+        done: Receiver<Result<Vec<f32>>>,
+        thread: Option<JoinHandle<()>>,
+    },
+    /// On the calling thread, in order with the gradients summed on the device (NCCL).
+    Inline {
+        collective: Arc<dyn Collective>,
+        done: VecDeque<Vec<f32>>,
+    },
+}
 
 /// One step's buckets and the thread that sums them.
 pub(super) struct Buckets {
@@ -40,26 +63,37 @@ pub(super) struct Buckets {
     /// Whether this rank keeps each parameter's summed gradient (ZeRO-2: only those it
     /// updates; every one otherwise).
     keep: Vec<bool>,
-    jobs: Option<Sender<Vec<f32>>>,
-    done: Receiver<Result<Vec<f32>>>,
-    thread: Option<JoinHandle<()>>,
+    summer: Summer,
 }
 
 impl Buckets {
     /// Buckets of `bytes` (of f32 values) for the parameters of which `keep` says
     /// whether this rank keeps the summed gradient, summed across the ranks of
-    /// `collective` on a thread of their own.
+    /// `collective` on a thread of their own (or in place on the device, where the
+    /// engine sums device memory).
     pub(super) fn start(collective: Arc<dyn Collective>, bytes: usize, keep: Vec<bool>) -> Self {
-        let (jobs, inbox) = channel::<Vec<f32>>();
-        let (outbox, done) = channel();
-        let thread = std::thread::spawn(move || {
-            for mut bucket in inbox {
-                let summed = collective.all_reduce_sum(&mut bucket).map(|()| bucket);
-                if outbox.send(summed).is_err() {
-                    return;
-                }
+        let summer = if collective.sums_on_device() {
+            Summer::Inline {
+                collective,
+                done: VecDeque::new(),
             }
-        });
+        } else {
+            let (jobs, inbox) = channel::<Vec<f32>>();
+            let (outbox, done) = channel();
+            let thread = std::thread::spawn(move || {
+                for mut bucket in inbox {
+                    let summed = collective.all_reduce_sum(&mut bucket).map(|()| bucket);
+                    if outbox.send(summed).is_err() {
+                        return;
+                    }
+                }
+            });
+            Summer::Thread {
+                jobs: Some(jobs),
+                done,
+                thread: Some(thread),
+            }
+        };
         Buckets {
             cap: (bytes / 4).max(1),
             open: Vec::new(),
@@ -67,21 +101,27 @@ impl Buckets {
             in_flight: Vec::new(),
             taken: vec![false; keep.len()],
             keep,
-            jobs: Some(jobs),
-            done,
-            thread: Some(thread),
+            summer,
         }
     }
 
     /// Parameter `i`'s gradient is complete: into the open bucket (zeros where this rank
-    /// computed none), which is sent once full; freed here when this rank does not keep
-    /// it. Frozen parameters are left out.
+    /// computed none), which is sent once full, or summed in place on the device; freed
+    /// here when this rank does not keep it. Frozen parameters are left out.
     pub(super) fn ready(&mut self, be: &dyn Backend, params: &mut [Param], i: usize) -> Result<()> {
         let p = &mut params[i];
         if self.taken[i] || !p.trains() {
             return Ok(());
         }
         self.taken[i] = true;
+        if let Summer::Inline { collective, .. } = &self.summer {
+            if be.holds_data() && collective.all_reduce_device(p.grad_mut(be)?)? {
+                if !self.keep[i] {
+                    p.drop_grad();
+                }
+                return Ok(());
+            }
+        }
         match p.grad() {
             Some(g) => read_into(be, g, &mut self.open)?,
             None => self.open.resize(self.open.len() + p.numel(), 0.0),
@@ -101,13 +141,28 @@ impl Buckets {
         if self.members.is_empty() {
             return Ok(());
         }
-        let bucket = std::mem::take(&mut self.open);
-        self.jobs
-            .as_ref()
-            .and_then(|jobs| jobs.send(bucket).ok())
-            .ok_or_else(stopped)?;
+        let mut bucket = std::mem::take(&mut self.open);
+        match &mut self.summer {
+            Summer::Thread { jobs, .. } => {
+                jobs.as_ref()
+                    .and_then(|jobs| jobs.send(bucket).ok())
+                    .ok_or_else(stopped)?;
+            }
+            Summer::Inline { collective, done } => {
+                collective.all_reduce_sum(&mut bucket)?;
+                done.push_back(bucket);
+            }
+        }
         self.in_flight.push(std::mem::take(&mut self.members));
         Ok(())
+    }
+
+    /// The sums of the next bucket sent.
+    fn next_sums(&mut self) -> Result<Vec<f32>> {
+        match &mut self.summer {
+            Summer::Thread { done, .. } => done.recv().map_err(|_| stopped())?,
+            Summer::Inline { done, .. } => done.pop_front().ok_or_else(stopped),
+        }
     }
 
     /// After backward: the gradients no hook reported (in model order), the last bucket
@@ -117,9 +172,11 @@ impl Buckets {
             self.ready(be, params, i)?;
         }
         self.send()?;
-        self.jobs = None;
+        if let Summer::Thread { jobs, .. } = &mut self.summer {
+            *jobs = None;
+        }
         for members in std::mem::take(&mut self.in_flight) {
-            let sums = self.done.recv().map_err(|_| stopped())??;
+            let sums = self.next_sums()?;
             let mut at = 0;
             for i in members {
                 let n = params[i].numel();
@@ -130,8 +187,10 @@ impl Buckets {
                 at += n;
             }
         }
-        if let Some(t) = self.thread.take() {
-            t.join().map_err(|_| stopped())?;
+        if let Summer::Thread { thread, .. } = &mut self.summer {
+            if let Some(t) = thread.take() {
+                t.join().map_err(|_| stopped())?;
+            }
         }
         Ok(())
     }

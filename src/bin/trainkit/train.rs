@@ -23,6 +23,11 @@ pub struct TrainArgs {
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// What carries a data-parallel job's sums between ranks: auto (NCCL for ranks on
+    /// GPUs, MPI for ranks on CPUs), nccl (also for one process, to check that it works)
+    /// or mpi.
+    #[arg(long, value_enum, default_value = "auto")]
+    collective: trainkit::collective::Engine,
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -157,8 +162,27 @@ fn build(
     plan: Plan,
     collective: Arc<dyn trainkit::collective::Collective>,
 ) -> Result<Job> {
-    let (cfg, device) = (&plan.cfg, plan.device);
-    let backend = device.backend()?;
+    let cfg = &plan.cfg;
+    // Each rank of a data-parallel job takes the GPU of its local rank.
+    let device = match plan.device {
+        trainkit::Device::Cuda(0) if collective.world() > 1 => {
+            trainkit::Device::Cuda(collective.local_rank())
+        }
+        d => d,
+    };
+    let backend = device.backend().map_err(|e| match device {
+        trainkit::Device::Cuda(i) if i > 0 => trainkit::Error::config(
+            "--device",
+            format!(
+                "rank {} of {} is local rank {i} on its machine, so it takes GPU {i}: {e} \
+                 (start as many ranks per machine as it has GPUs)",
+                collective.rank(),
+                collective.world()
+            ),
+        ),
+        _ => e,
+    })?;
+    let collective = trainkit::collective::on_device(collective, &backend, args.collective)?;
     if device == trainkit::Device::Cpu {
         if let Some(path) = trainkit::Blas::path_from_env() {
             println!(

@@ -163,6 +163,13 @@ impl CudaBackend {
         Ok(Self::on(Arc::new(gpu), Device::Cuda(0), options))
     }
 
+    /// The device this backend queues its work on (for a library that queues work after
+    /// it: NCCL).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn gpu(&self) -> &Arc<dyn Gpu> {
+        &self.gpu
+    }
+
     fn on(gpu: Arc<dyn Gpu>, device: Device, options: CudaOptions) -> CudaBackend {
         let ledger = Ledger::new();
         if options.sync_ops {

@@ -936,6 +936,24 @@ impl Gpu for DriverGpu {
             .map_err(|e| driver_error("waiting for the copy stream", e))
     }
 
+    fn compute_stream(&self) -> Result<usize> {
+        self.bind()?;
+        Ok(self.stream.cu_stream() as usize)
+    }
+
+    fn compute_idle(&self) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the stream belongs to this context, bound above.
+        match unsafe { drv_sys::cuStreamQuery(self.stream.cu_stream()) } {
+            drv_sys::CUresult::CUDA_SUCCESS => Ok(true),
+            drv_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(driver_error(
+                "asking whether the GPU is done",
+                cudarc::driver::DriverError(e),
+            )),
+        }
+    }
+
     fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
     }

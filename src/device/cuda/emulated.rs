@@ -485,6 +485,14 @@ impl Gpu for EmulatedGpu {
         Ok(())
     }
 
+    fn compute_stream(&self) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn compute_idle(&self) -> Result<bool> {
+        Ok(true)
+    }
+
     fn host_waits(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
     }

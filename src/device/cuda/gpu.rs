@@ -266,6 +266,17 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// Waits until all queued work is done.
     fn synchronize(&self) -> Result<()>;
 
+    /// The compute stream's raw handle (a `CUstream`, 0 on the emulator, whose work runs
+    /// as it is queued), for a library that queues work after trainkit's (NCCL), with the
+    /// device's context made current on the calling thread.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn compute_stream(&self) -> Result<usize>;
+
+    /// Whether the work queued on the compute stream so far has finished, without waiting
+    /// for it (a wait that can watch something else meanwhile: NCCL's errors).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn compute_idle(&self) -> Result<bool>;
+
     /// The device's memory numbers, where it has them.
     fn memory(&self) -> Option<GpuMemory>;
 

@@ -54,11 +54,22 @@ impl Library {
     /// resolves the file it came from through `symbol` (any function it exports). Fails
     /// with every name tried and why each did not open.
     pub fn open(stem: &str, search: Search<'_>, symbol: &str) -> Result<Library, String> {
+        Self::open_names(&candidates(stem), search, symbol)
+    }
+
+    /// Opens the first of the file `names` that loads, where `search` says, and resolves
+    /// the file it came from through `symbol` (any function it exports). Fails with every
+    /// name tried and why each did not open.
+    pub fn open_names(
+        names: &[String],
+        search: Search<'_>,
+        symbol: &str,
+    ) -> Result<Library, String> {
         let mut tried = Vec::new();
-        for name in candidates(stem) {
+        for name in names {
             let target = match search {
-                Search::Loader => PathBuf::from(&name),
-                Search::Dir(dir) => dir.join(&name),
+                Search::Loader => PathBuf::from(name),
+                Search::Dir(dir) => dir.join(name),
             };
             // SAFETY: loading a CUDA library runs only its initializers, which have no
             // preconditions.
@@ -66,7 +77,7 @@ impl Library {
                 Ok(lib) => {
                     let mut opened = Library {
                         lib,
-                        name: name.clone(),
+                        name: name.to_string(),
                         path: target.clone(),
                     };
                     // SAFETY: only the symbol's address is taken, it is not called.

@@ -38,6 +38,8 @@ pub use backend::{
 pub use cache::{CacheOutcome, KernelCache, Versions};
 pub use emulator::KernelEmulator;
 pub(crate) use gpu::DeviceBuffer;
+#[cfg(feature = "nccl")]
+pub(crate) use gpu::{AllocError, Gpu};
 pub use gpu::{Args, DevicePtr, GpuMemory, UploadStats};
 pub use kernels::{
     compile, find_include_dir, kernel_files, nvrtc_version, CompileOptions, Compiled, KernelFile,

@@ -26,6 +26,10 @@ impl Backend for CudaBackend {
         self.device
     }
 
+    fn as_cuda(&self) -> Option<&CudaBackend> {
+        Some(self)
+    }
+
     fn ledger(&self) -> &Ledger {
         &self.ledger
     }
