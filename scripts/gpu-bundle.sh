@@ -22,6 +22,9 @@
 #   llmc/           what llm.c's train_gpt2cu needs to build, when its source is in
 #                   third_party/llm.c (git-ignored, never committed; LLMC_DIR overrides)
 #   run.sh          the runner (scripts/gpu-bundle/run.sh)
+#   nccl-ranks.sh, same_training.py
+#                   the nccl phase's launcher of torchrun-style ranks and its check that
+#                   two runs trained bit for bit the same
 #   MANIFEST.txt    commit, toolchain, and every file with its size and SHA-256
 #
 # The text comes from ../shared/data/tinyshakespeare.txt (TEXT overrides). To rehearse
@@ -103,7 +106,8 @@ cp examples/configs/gpt2-124m.toml "$bundle/gpt2-124m.toml"
 cp benches/reference/pytorch_gpt2.py benches/reference/attention_sdpa.py \
   benches/reference/norms_adamw.py "$bundle/reference/"
 cp scripts/gpu-bundle/run.sh "$bundle/run.sh"
-chmod +x "$bundle/run.sh"
+cp scripts/gpu-bundle/nccl-ranks.sh scripts/gpu-bundle/same_training.py "$bundle/"
+chmod +x "$bundle/run.sh" "$bundle/nccl-ranks.sh"
 
 if [ -f "$llmc/train_gpt2.cu" ] && [ -d "$llmc/llmc" ]; then
   echo "== llm.c source from $llmc (train_gpt2.cu, llmc/, LICENSE)"

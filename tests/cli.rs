@@ -102,6 +102,11 @@ fn bad_input_is_a_one_line_error() {
         ),
         (vec!["train", "--grad-accum", "0"], "--grad-accum"),
         (vec!["train", "--zero", "3"], "--zero"),
+        (vec!["train", "--collective", "gloo"], "auto, nccl, mpi"),
+        (
+            vec!["train", "--device", "cpu", "--collective", "nccl"],
+            "NCCL carries GPU memory",
+        ),
         (vec!["train", "--bucket-size", "5X"], "--bucket-size"),
         (vec!["train", "--batch-size", "0"], "batch_size"),
         (
@@ -158,6 +163,33 @@ fn bad_input_is_a_one_line_error() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+/// Ranks started by torchrun-style variables sum over NCCL, so on GPUs: on the CPU they
+/// are refused by name, as is a rank missing its `RANK`.
+#[test]
+fn torchrun_style_ranks_need_gpus() {
+    let world = std::ffi::OsStr::new("2");
+    let rank = std::ffi::OsStr::new("0");
+    let (ok, _, err) = common::trainkit_with_env(
+        &["train", "--device", "cpu", "--steps", "1"],
+        &[("WORLD_SIZE", world), ("RANK", rank)],
+        &[],
+    );
+    assert!(!ok);
+    assert!(err.contains("error on rank 0 of 2"), "{err}");
+    assert!(
+        err.contains("sum over NCCL") && err.contains("mpirun"),
+        "{err}"
+    );
+    let (ok, _, err) = common::trainkit_with_env(
+        &["train", "--device", "cpu", "--steps", "1"],
+        &[("WORLD_SIZE", world)],
+        &["RANK"],
+    );
+    assert!(!ok);
+    assert!(err.contains("RANK is not set"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

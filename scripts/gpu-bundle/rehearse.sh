@@ -15,7 +15,7 @@ if [ ! -x "$bundle/run.sh" ]; then
   echo "no bundle at $bundle: build it first with bash scripts/gpu-bundle.sh" >&2
   exit 1
 fi
-phases=(tests bench attention kernels train decode reference llmc xl llama offload stream sanitize ncu)
+phases=(tests bench attention kernels train decode reference llmc xl llama offload stream nccl sanitize ncu)
 out="$(mktemp -d "${TMPDIR:-/tmp}/gpu-bundle-rehearsal.XXXXXX")"
 mkdir -p "$out/plain" "$out/pretend"  # run.sh writes into $OUT only when it is a directory
 clean_env=(env -u TRAINKIT_REQUIRE_NVRTC -u TRAINKIT_REQUIRE_EMULATOR -u TRAINKIT_REQUIRE_CUBLASLT STEPS=3)
@@ -28,6 +28,9 @@ if ! "${clean_env[@]}" OUT="$out/plain" bash "$bundle/run.sh" "${phases[@]}" >"$
 fi
 
 echo "== 2. a pretended GPU: $out/pretend.log"
+# The nccl phase opens the NCCL of CI's wheels when there is one (no torch here brings it).
+nccl_lib="$here/../../target/cuda-wheels/nccl/nvidia/nccl/lib/libnccl.so.2"
+[ -e "$nccl_lib" ] && clean_env+=(TRAINKIT_NCCL="$(cd "$(dirname "$nccl_lib")" && pwd)/libnccl.so.2")
 "${clean_env[@]}" PATH="$here/fake-gpu:$PATH" OUT="$out/pretend" \
   bash "$bundle/run.sh" "${phases[@]}" >"$out/pretend.log" 2>&1 || true
 if grep -n -E 'unbound variable|syntax error|command not found|bad substitution|integer expression expected' \

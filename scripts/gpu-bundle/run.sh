@@ -39,6 +39,12 @@
 #              every projection, bf16, full recomputation, batch 2 × 2048), resident then
 #              with --stream-weights, alternating; each streamed run prints what a step
 #              copied and at what rate (the copy stream's bytes over the step's time)
+#   nccl       data parallelism over NCCL (the machine's, from PyTorch's nvidia-nccl wheel
+#              or $TRAINKIT_NCCL): a small model for 4 steps alone and as one NCCL rank
+#              (--collective nccl), which must agree bit for bit (log and saved weights),
+#              in f32 and bf16; then, with NCCL 2.30 or newer, two torchrun-style ranks on
+#              the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1) against one process accumulating
+#              their two micro-batches apart, bit for bit, for DDP, ZeRO-1 and ZeRO-2
 #   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
 #              global access in bounds) on each op's parity test, racecheck (no shared-
 #              memory race) on the fused attention's and the norms'
@@ -73,7 +79,7 @@ steps="${STEPS:-50}"
 batch="${BATCH:-8}"
 seq=1024
 
-all_phases=(tests bench attention kernels train decode reference llmc xl llama offload stream)
+all_phases=(tests bench attention kernels train decode reference llmc xl llama offload stream nccl)
 # Run only when named: they cost device time and answer tuning questions, not pass/fail.
 extra_phases=(sanitize ncu)
 if [ "$#" -eq 0 ]; then
@@ -961,6 +967,80 @@ phase_stream() {
       "--$adapter" 16 --stream-weights
     gpu_bench_step "gpu_bench_${adapter}_resident_again" 300 figures_gpu_bench "${common[@]}" \
       "--$adapter" 16
+  done
+}
+
+# The NCCL library PyTorch's wheel brings (or $TRAINKIT_NCCL), and its version code.
+find_nccl() {
+  if [ -n "${TRAINKIT_NCCL:-}" ]; then
+    printf '%s' "$TRAINKIT_NCCL"
+    return 0
+  fi
+  py - <<'PY' 2>/dev/null || true
+import glob, os, nvidia.nccl as n
+for d in n.__path__:
+    for f in glob.glob(os.path.join(d, "lib", "libnccl.so*")):
+        print(f)
+        raise SystemExit
+PY
+}
+
+nccl_version() {
+  py - "$1" <<'PY' 2>/dev/null || true
+import ctypes, sys
+v = ctypes.c_int()
+ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v))
+print(v.value)
+PY
+}
+
+phase_nccl() {
+  if [ -n "$no_gpu" ]; then
+    skip nccl "$bin/trainkit train --collective nccl" "GPU checks skipped: $no_gpu"
+    return 0
+  fi
+  local lib version
+  lib="$(find_nccl)"
+  if [ -z "$lib" ]; then
+    skip nccl "$bin/trainkit train --collective nccl" \
+      "no NCCL: PyTorch's nvidia-nccl wheel is not installed and TRAINKIT_NCCL is unset"
+    return 0
+  fi
+  version="$(nccl_version "$lib")"
+  say "NCCL: $lib (version code ${version:-unknown})"
+  export TRAINKIT_NCCL="$lib"
+  local small=(--steps 4 --seq-len 64 --eval-every 0 --warmup-steps 1 --save-every 0
+    --device cuda)
+  local precision dir
+  for precision in fp32 bf16; do
+    dir="$work/nccl-$precision"
+    rm -rf "$dir" && mkdir -p "$dir/alone" "$dir/nccl"
+    run_step "nccl_${precision}_alone" 300 - "$bin/trainkit" train "${small[@]}" \
+      --precision "$precision" --out "$dir/alone/model" --log-json "$dir/alone/log.jsonl"
+    run_step "nccl_${precision}_one_rank" 300 - "$bin/trainkit" train "${small[@]}" \
+      --precision "$precision" --collective nccl --out "$dir/nccl/model" \
+      --log-json "$dir/nccl/log.jsonl"
+    run_step "nccl_${precision}_world1_bitwise" 60 - env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$here/same_training.py" "$dir/alone" "$dir/nccl"
+  done
+  if [ -z "$version" ] || [ "$version" -lt 23000 ]; then
+    skip nccl_two_ranks "two ranks on one GPU" \
+      "NCCL ${version:-of unknown version} is older than 2.30: two ranks cannot share one GPU"
+    return 0
+  fi
+  local zero
+  dir="$work/nccl-ranks"
+  rm -rf "$dir" && mkdir -p "$dir/one"
+  run_step nccl_one_process_accumulating 300 - "$bin/trainkit" train "${small[@]}" \
+    --precision fp32 --batch-size 2 --grad-accum 2 --separate-accumulation \
+    --out "$dir/one/model" --log-json "$dir/one/log.jsonl"
+  for zero in 0 1 2; do
+    mkdir -p "$dir/zero$zero"
+    run_step "nccl_two_ranks_zero$zero" 300 - "$here/nccl-ranks.sh" 2 "$bin/trainkit" train \
+      "${small[@]}" --precision fp32 --batch-size 2 --zero "$zero" \
+      --out "$dir/zero$zero/model" --log-json "$dir/zero$zero/log.jsonl"
+    run_step "nccl_two_ranks_zero${zero}_bitwise" 60 - env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$here/same_training.py" "$dir/one" "$dir/zero$zero"
   done
 }
 

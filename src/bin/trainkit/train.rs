@@ -247,6 +247,9 @@ fn build(
             per_rank * collective.world()
         );
     }
+    if collective.world() == 1 && args.collective == trainkit::collective::Engine::Nccl {
+        println!("collective: {}", collective.describe());
+    }
     trainer.join(collective)?;
     let adapted = cfg.adapter.is_some();
     trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));

@@ -449,16 +449,24 @@ impl Collective for Nccl {
     }
 }
 
-/// Sets `NCCL_COMM_ID` from a torchrun-style launcher's `MASTER_ADDR` and `MASTER_PORT`
-/// (port + 1: the launcher's own store listens on the port itself), unless it is set
-/// already. Every rank then makes the same communicator id, and rank 0 serves NCCL's
-/// bootstrap there.
+/// Sets `NCCL_COMM_ID` from a torchrun-style launcher's variables ([`comm_id`]) unless it
+/// is set already. Every rank then makes the same communicator id, and rank 0 serves
+/// NCCL's bootstrap there.
 fn comm_id_from_launcher() -> Result<()> {
     if std::env::var_os("NCCL_COMM_ID").is_some() {
         return Ok(());
     }
-    let var = |name: &str| {
-        std::env::var(name).map_err(|_| {
+    let id = comm_id(|name| std::env::var(name).ok())?;
+    std::env::set_var("NCCL_COMM_ID", id);
+    Ok(())
+}
+
+/// The `NCCL_COMM_ID` of ranks a torchrun-style launcher started: `MASTER_ADDR` and
+/// `MASTER_PORT` + 1 (the launcher's own store listens on the port itself), from the
+/// variables `var` gives. Fails naming what is missing or wrong and the fixes.
+pub fn comm_id(var: impl Fn(&str) -> Option<String>) -> Result<String> {
+    let get = |name: &str| {
+        var(name).ok_or_else(|| {
             Error::config(
                 name,
                 format!(
@@ -470,16 +478,16 @@ fn comm_id_from_launcher() -> Result<()> {
             )
         })
     };
-    let addr = var("MASTER_ADDR")?;
-    let port: u16 = var("MASTER_PORT")?
+    let addr = get("MASTER_ADDR")?;
+    let port = get("MASTER_PORT")?;
+    let port: u16 = port
         .trim()
         .parse()
-        .map_err(|_| Error::config("MASTER_PORT", "is not a port number (1 to 65534)"))?;
+        .map_err(|_| Error::config("MASTER_PORT", format!("`{port}` is not a port number")))?;
     let port = port.checked_add(1).ok_or_else(|| {
         Error::config("MASTER_PORT", "NCCL listens on MASTER_PORT + 1, past 65535")
     })?;
-    std::env::set_var("NCCL_COMM_ID", format!("{addr}:{port}"));
-    Ok(())
+    Ok(format!("{}:{port}", addr.trim()))
 }
 
 /// [`TIMEOUT_ENV`], or [`DEFAULT_TIMEOUT`].
@@ -504,5 +512,30 @@ fn nccl_error(message: impl Into<String>) -> Error {
     Error::Backend {
         backend: "nccl",
         message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torchrun_variables_give_nccls_address() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let id = comm_id(vars(&[("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")]));
+        assert_eq!(id.unwrap(), "node0:29501");
+        let e = comm_id(vars(&[("MASTER_PORT", "29500")])).unwrap_err();
+        assert!(e.to_string().contains("MASTER_ADDR is not set"), "{e}");
+        let e = comm_id(vars(&[("MASTER_ADDR", "a"), ("MASTER_PORT", "x")])).unwrap_err();
+        assert!(e.to_string().contains("`x` is not a port number"), "{e}");
+        let e = comm_id(vars(&[("MASTER_ADDR", "a"), ("MASTER_PORT", "65535")])).unwrap_err();
+        assert!(e.to_string().contains("past 65535"), "{e}");
     }
 }
