@@ -75,9 +75,10 @@ pub trait Collective: Debug + Send + Sync {
     }
 
     /// Sums device tensor `t` over every rank in place, queued on its device after the
-    /// work that wrote it, when this engine reads device memory (NCCL): `Ok(false)` when
-    /// it does not, and the caller goes through host memory. Every rank calls it with a
-    /// tensor of the same shape and dtype.
+    /// work that wrote it and beside the work queued later ([`Collective::settle_device`]
+    /// before that reads, writes or frees `t`), when this engine reads device memory
+    /// (NCCL): `Ok(false)` when it does not, and the caller goes through host memory.
+    /// Every rank calls it with a tensor of the same shape and dtype.
     fn all_reduce_device(&self, t: &mut Tensor) -> Result<bool> {
         let _ = t;
         Ok(false)
@@ -88,6 +89,14 @@ pub trait Collective: Debug + Send + Sync {
     fn broadcast_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
         let _ = (t, root);
         Ok(false)
+    }
+
+    /// Makes the device's work queued from now on wait for the collectives queued so far
+    /// by [`Collective::all_reduce_device`] and [`Collective::broadcast_device`] (which
+    /// run beside compute): before their tensors are read, written or freed. A wait on the
+    /// device, not on the host; nothing for an engine of host memory.
+    fn settle_device(&self) -> Result<()> {
+        Ok(())
     }
 
     /// Ends every rank of the job with `code` (a rank that failed: the others would wait

@@ -14,8 +14,11 @@ use std::sync::Arc;
 /// after the sum; a device tensor in place on the device where the engine sums device
 /// memory (NCCL, in its dtype), else through a host copy of it.
 pub fn all_reduce_tensor(c: &dyn Collective, be: &dyn Backend, t: &mut Tensor) -> Result<()> {
-    if c.world() == 1 || c.all_reduce_device(t)? {
+    if c.world() == 1 {
         return Ok(());
+    }
+    if c.all_reduce_device(t)? {
+        return c.settle_device();
     }
     match t.storage_mut() {
         Storage::F32(v) => c.all_reduce_sum(v),
@@ -84,8 +87,11 @@ pub fn broadcast_tensor(
     t: &mut Tensor,
     root: usize,
 ) -> Result<()> {
-    if c.world() == 1 || c.broadcast_device(t, root)? {
+    if c.world() == 1 {
         return Ok(());
+    }
+    if c.broadcast_device(t, root)? {
+        return c.settle_device();
     }
     match t.storage_mut() {
         Storage::F32(v) => broadcast_values(c, v, root, f32::to_le_bytes, f32::from_le_bytes),

@@ -11,10 +11,12 @@
 //! host copy.
 //!
 //! With an engine that sums device memory (NCCL, [`Collective::sums_on_device`]) a
-//! gradient on the device is instead summed in place, queued on the device after the
-//! backward work that completed it (in its own dtype, as DDP's buckets are), and nothing
-//! is copied; the rest (host gradients) is summed on the calling thread, so that every
-//! rank queues its collectives in the same order.
+//! gradient on the device is instead summed in place (in its own dtype, as DDP's buckets
+//! are) on the device's communication stream, after the backward work that completed it
+//! and beside the backward work that follows, and nothing is copied; compute waits for
+//! the sums (on the device) only after backward, or before freeing a gradient. The rest
+//! (host gradients) is summed on the calling thread, so that every rank queues its
+//! collectives in the same order.
 //!
 //! Under ZeRO-2 a rank keeps only the gradients of the parameters it updates: the others
 //! are freed as soon as they are in a bucket (or their sum is queued: the free is ordered
@@ -117,6 +119,8 @@ impl Buckets {
         if let Summer::Inline { collective, .. } = &self.summer {
             if be.holds_data() && collective.all_reduce_device(p.grad_mut(be)?)? {
                 if !self.keep[i] {
+                    // The free waits for the sum that reads it (on the device).
+                    collective.settle_device()?;
                     p.drop_grad();
                 }
                 return Ok(());
@@ -187,10 +191,15 @@ impl Buckets {
                 at += n;
             }
         }
-        if let Summer::Thread { thread, .. } = &mut self.summer {
-            if let Some(t) = thread.take() {
-                t.join().map_err(|_| stopped())?;
+        match &mut self.summer {
+            Summer::Thread { thread, .. } => {
+                if let Some(t) = thread.take() {
+                    t.join().map_err(|_| stopped())?;
+                }
             }
+            // What reads the gradients next (the guard, the update, the next micro-batch's
+            // backward) waits for their sums.
+            Summer::Inline { collective, .. } => collective.settle_device()?,
         }
         Ok(())
     }

@@ -8,8 +8,10 @@
 //! `NCCL_COMM_ID`, NCCL's own bootstrap), or one process.
 //!
 //! Device tensors are summed in place on the device ([`Collective::all_reduce_device`]),
-//! queued on the backend's compute stream after the work that wrote them, so that
-//! whatever reads or frees them later is ordered after the sum; a host buffer (a count,
+//! queued on the backend's communication stream after the compute work that wrote them,
+//! so that the compute queued later runs beside the sum; [`Collective::settle_device`]
+//! orders compute after the sums where it reads or frees what they write. Every NCCL
+//! call of a rank goes to that one stream, in the rank's order. A host buffer (a count,
 //! the ranks' squared norms) crosses through a device buffer, and its wait watches
 //! NCCL's errors and a timeout rather than blocking. A watchdog thread polls the
 //! communicator's asynchronous error while the job runs: a failed peer or network ends
@@ -110,7 +112,7 @@ impl Nccl {
             (lib.unique_id().map_err(error)?, "NCCL_COMM_ID")
         };
         let gpu = Arc::clone(backend.gpu());
-        gpu.compute_stream()?;
+        gpu.comm_stream()?;
         let comm = lib.init_rank(world, id, rank).map_err(|e| {
             nccl_error(format!(
                 "rank {rank} of {world} could not join the communicator ({how}): {e}"
@@ -145,13 +147,14 @@ impl Nccl {
         Ok(self.comm.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Queues `op` (given the communicator and the compute stream) on the device.
+    /// Queues `op` (given the communicator and the communication stream, which waits for
+    /// the compute work queued so far) on the device.
     fn queue(
         &self,
         op: impl FnOnce(Comm, *mut std::ffi::c_void) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         let comm = self.comm()?;
-        let stream = self.gpu.compute_stream()? as *mut std::ffi::c_void;
+        let stream = self.gpu.comm_stream()? as *mut std::ffi::c_void;
         op(comm.0, stream).map_err(error)
     }
 
@@ -160,7 +163,7 @@ impl Nccl {
     fn wait(&self, what: &str) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(10);
-        while !self.gpu.compute_idle()? {
+        while !self.gpu.comm_idle()? {
             if let Err(e) = self.check_async() {
                 return Err(nccl_error(format!("{what}: {e}")));
             }
@@ -420,7 +423,8 @@ impl Collective for Nccl {
         let (ptr, n) = (device_ptr(t)?, t.numel());
         self.queue(|comm, stream| {
             // SAFETY: `t` holds `n` values of `ty` on the backend's device, which is this
-            // communicator's; the sum is queued after the work that wrote them.
+            // communicator's; the sum is queued after the work that wrote them, and the
+            // caller settles before anything touches them again.
             unsafe { self.lib.all_reduce(ptr, ptr, n, ty, comm, stream) }
         })?;
         Ok(true)
@@ -437,6 +441,10 @@ impl Collective for Nccl {
             unsafe { self.lib.broadcast(ptr, ptr, n, ty, root, comm, stream) }
         })?;
         Ok(true)
+    }
+
+    fn settle_device(&self) -> Result<()> {
+        self.gpu.compute_waits_for_comm()
     }
 
     fn abort(&self, code: i32) -> ! {

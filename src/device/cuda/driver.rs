@@ -150,6 +150,9 @@ fn load_ptx(ptx: &str, file: &str) -> Result<drv_sys::CUmodule> {
     }
 }
 
+/// Events that order one stream after another: no timing (cheaper to record).
+const NO_TIMING: drv_sys::CUevent_flags = drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+
 /// A GPU driven through cudarc.
 pub(crate) struct DriverGpu {
     /// Page-locked slots that small uploads are copied through. The first field, so it is
@@ -163,6 +166,10 @@ pub(crate) struct DriverGpu {
     stream: Arc<CudaStream>,
     /// Copies to and from host memory, beside the compute stream.
     copy: Arc<CudaStream>,
+    /// Collectives across ranks (NCCL), beside the compute stream: each waits for the
+    /// compute work queued before it, and compute waits for them only where it reads
+    /// their results.
+    comm: Arc<CudaStream>,
     pool: drv_sys::CUmemoryPool,
     modules: Vec<drv_sys::CUmodule>,
     functions: HashMap<&'static str, drv_sys::CUfunction>,
@@ -239,6 +246,9 @@ impl DriverGpu {
         let copy = ctx
             .new_stream()
             .map_err(|e| driver_error("creating the copy stream", e))?;
+        let comm = ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating the communication stream", e))?;
         // SAFETY: the context is current (CudaContext::new binds it); the pool handle comes
         // from the driver and the attribute value is a u64 as the attribute requires.
         let pool = unsafe {
@@ -304,6 +314,7 @@ impl DriverGpu {
             ctx,
             stream,
             copy,
+            comm,
             pool,
             modules,
             functions,
@@ -351,6 +362,7 @@ impl Drop for DriverGpu {
         }
         let _ = self.stream.synchronize();
         let _ = self.copy.synchronize();
+        let _ = self.comm.synchronize();
         self.timer.destroy();
         // SAFETY: the handle and modules were created here and are not used after this.
         unsafe {
@@ -931,24 +943,39 @@ impl Gpu for DriverGpu {
 
     fn synchronize(&self) -> Result<()> {
         self.wait()?;
+        self.comm
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the communication stream", e))?;
         self.copy
             .synchronize()
             .map_err(|e| driver_error("waiting for the copy stream", e))
     }
 
-    fn compute_stream(&self) -> Result<usize> {
+    fn comm_stream(&self) -> Result<usize> {
         self.bind()?;
-        Ok(self.stream.cu_stream() as usize)
+        self.stream
+            .record_event(Some(NO_TIMING))
+            .and_then(|done| self.comm.wait(&done))
+            .map_err(|e| driver_error("ordering the communication stream after compute", e))?;
+        Ok(self.comm.cu_stream() as usize)
     }
 
-    fn compute_idle(&self) -> Result<bool> {
+    fn compute_waits_for_comm(&self) -> Result<()> {
+        self.bind()?;
+        self.comm
+            .record_event(Some(NO_TIMING))
+            .and_then(|done| self.stream.wait(&done))
+            .map_err(|e| driver_error("ordering compute after the communication stream", e))
+    }
+
+    fn comm_idle(&self) -> Result<bool> {
         self.bind()?;
         // SAFETY: the stream belongs to this context, bound above.
-        match unsafe { drv_sys::cuStreamQuery(self.stream.cu_stream()) } {
+        match unsafe { drv_sys::cuStreamQuery(self.comm.cu_stream()) } {
             drv_sys::CUresult::CUDA_SUCCESS => Ok(true),
             drv_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             e => Err(driver_error(
-                "asking whether the GPU is done",
+                "asking whether the communication stream is done",
                 cudarc::driver::DriverError(e),
             )),
         }

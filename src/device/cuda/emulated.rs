@@ -485,11 +485,15 @@ impl Gpu for EmulatedGpu {
         Ok(())
     }
 
-    fn compute_stream(&self) -> Result<usize> {
+    fn comm_stream(&self) -> Result<usize> {
         Ok(0)
     }
 
-    fn compute_idle(&self) -> Result<bool> {
+    fn compute_waits_for_comm(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn comm_idle(&self) -> Result<bool> {
         Ok(true)
     }
 

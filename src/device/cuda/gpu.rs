@@ -266,16 +266,23 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// Waits until all queued work is done.
     fn synchronize(&self) -> Result<()>;
 
-    /// The compute stream's raw handle (a `CUstream`, 0 on the emulator, whose work runs
-    /// as it is queued), for a library that queues work after trainkit's (NCCL), with the
-    /// device's context made current on the calling thread.
+    /// The communication stream's raw handle (a `CUstream`; 0 on the emulator, whose
+    /// work runs as it is queued), made to wait first for the work queued so far on the
+    /// compute stream, with the device's context current on the calling thread: a
+    /// library's collective queued on it (NCCL) reads what compute wrote, while compute
+    /// goes on.
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-    fn compute_stream(&self) -> Result<usize>;
+    fn comm_stream(&self) -> Result<usize>;
 
-    /// Whether the work queued on the compute stream so far has finished, without waiting
-    /// for it (a wait that can watch something else meanwhile: NCCL's errors).
+    /// Makes the work queued on the compute stream from now on wait for the work queued
+    /// so far on the communication stream (a wait on the device, not on the host).
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-    fn compute_idle(&self) -> Result<bool>;
+    fn compute_waits_for_comm(&self) -> Result<()>;
+
+    /// Whether the work queued on the communication stream so far has finished, without
+    /// waiting for it (a wait that can watch something else meanwhile: NCCL's errors).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn comm_idle(&self) -> Result<bool>;
 
     /// The device's memory numbers, where it has them.
     fn memory(&self) -> Option<GpuMemory>;
