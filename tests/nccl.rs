@@ -88,6 +88,18 @@ fn fake_calls(ty: i32) -> i64 {
     }
 }
 
+/// How many reductions to one rank (`ncclReduce`) the stand-in has run in this process.
+fn fake_reduces() -> i64 {
+    let lib = fake_nccl().unwrap();
+    // SAFETY: as in `fake_calls`; the stand-in exports `long fake_nccl_reduces(void)`.
+    unsafe {
+        let l = libloading::Library::new(lib.path()).unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn() -> i64> =
+            l.get(b"fake_nccl_reduces").unwrap();
+        f()
+    }
+}
+
 fn emulated() -> Option<CudaBackend> {
     match CudaBackend::emulated() {
         Ok(b) => Some(b),
@@ -280,7 +292,8 @@ fn device_tensors_are_summed_in_place_on_the_device() {
 /// Two training steps of a small GPT-2 on the emulator as rank 0 of two mirrored ranks,
 /// once through the host engine and once through NCCL's device path: the same losses
 /// and bit for bit the same weights, master weights and optimizer state, for DDP, ZeRO-1
-/// and ZeRO-2, in f32 and in mixed bf16, with buckets small enough to hold a few
+/// and ZeRO-2 (whose gradients NCCL reduces to their owners, where the host path sums
+/// them on every rank), in f32 and in mixed bf16, with buckets small enough to hold a few
 /// gradients each.
 #[test]
 fn the_device_path_trains_bitwise_as_the_host_path() {
@@ -325,10 +338,17 @@ fn the_device_path_trains_bitwise_as_the_host_path() {
                 (losses, bits)
             };
             let (f32_before, bf16_before) = (fake_calls(7), fake_calls(9));
+            let reduces = fake_reduces();
             let device = run(true);
             assert!(
                 fake_calls(7) + fake_calls(9) > f32_before + bf16_before,
                 "zero {zero}: NCCL carried the step"
+            );
+            // ZeRO-2 reduces each gradient to its owner; the others sum on every rank.
+            assert_eq!(
+                fake_reduces() > reduces,
+                zero == 2,
+                "zero {zero}: gradients reduced to their owners"
             );
             let host = run(false);
             assert_eq!(device.0, host.0, "zero {zero} bf16 {bf16}: losses");

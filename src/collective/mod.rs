@@ -84,6 +84,15 @@ pub trait Collective: Debug + Send + Sync {
         Ok(false)
     }
 
+    /// Sums device tensor `t` over every rank into rank `root`'s `t` alone (the others'
+    /// are left as they are: a ZeRO-2 rank frees what it does not update), queued as
+    /// [`Collective::all_reduce_device`] is, when this engine reads device memory:
+    /// `Ok(false)` when it does not.
+    fn reduce_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
+        let _ = (t, root);
+        Ok(false)
+    }
+
     /// Rank `root`'s device tensor `t` on every rank, in place on the device, when this
     /// engine reads device memory: `Ok(false)` when it does not.
     fn broadcast_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {

@@ -65,6 +65,9 @@ pub(super) struct Buckets {
     /// Whether this rank keeps each parameter's summed gradient (ZeRO-2: only those it
     /// updates; every one otherwise).
     keep: Vec<bool>,
+    /// ZeRO-2: the rank that updates each parameter, to which a gradient on the device is
+    /// reduced (not all-reduced) where the engine sums device memory.
+    owners: Option<Vec<usize>>,
     summer: Summer,
 }
 
@@ -103,8 +106,16 @@ impl Buckets {
             in_flight: Vec::new(),
             taken: vec![false; keep.len()],
             keep,
+            owners: None,
             summer,
         }
+    }
+
+    /// The same buckets, a gradient on the device reduced to the rank that updates it
+    /// (`owners[i]` for parameter `i`) rather than summed on every rank.
+    fn reducing_to(mut self, owners: &[usize]) -> Self {
+        self.owners = Some(owners.to_vec());
+        self
     }
 
     /// Parameter `i`'s gradient is complete: into the open bucket (zeros where this rank
@@ -117,7 +128,14 @@ impl Buckets {
         }
         self.taken[i] = true;
         if let Summer::Inline { collective, .. } = &self.summer {
-            if be.holds_data() && collective.all_reduce_device(p.grad_mut(be)?)? {
+            let summed = match &self.owners {
+                Some(owners) if be.holds_data() => {
+                    collective.reduce_device(p.grad_mut(be)?, owners[i])?
+                }
+                None if be.holds_data() => collective.all_reduce_device(p.grad_mut(be)?)?,
+                _ => false,
+            };
+            if summed {
                 if !self.keep[i] {
                     // The free waits for the sum that reads it (on the device).
                     collective.settle_device()?;
@@ -261,18 +279,19 @@ pub(super) struct ShardedGrads {
 
 impl ShardedGrads {
     /// One micro-batch's sums across `collective`, in buckets of `bytes`, keeping the
-    /// gradients `keep` names.
+    /// gradients `keep` names (those of which this rank is the owner in `owners`).
     pub(super) fn start(
         be: &dyn Backend,
         collective: &Arc<dyn Collective>,
         bytes: usize,
         keep: &[bool],
+        owners: &[usize],
     ) -> Self {
         ShardedGrads {
             keep: keep.to_vec(),
-            buckets: be
-                .holds_data()
-                .then(|| Buckets::start(Arc::clone(collective), bytes, keep.to_vec())),
+            buckets: be.holds_data().then(|| {
+                Buckets::start(Arc::clone(collective), bytes, keep.to_vec()).reducing_to(owners)
+            }),
         }
     }
 

@@ -190,6 +190,7 @@ where
         let (step, seed) = (self.step + 1, self.options.seed);
         let first = self.collective.rank() * plan.k;
         let kept = self.kept_grads();
+        let owners = self.owners.clone();
         let collective = Arc::clone(&self.collective);
         let Trainer {
             model,
@@ -218,9 +219,9 @@ where
                 let last = j + 1 == plan.k;
                 let mut bucket = buckets.as_deref_mut().filter(|_| last);
                 // ZeRO-2: every micro-batch's, each rank keeping its share.
-                let mut sharded = kept
-                    .as_deref()
-                    .map(|keep| ShardedGrads::start(be, &collective, options.bucket_bytes, keep));
+                let mut sharded = kept.as_deref().map(|keep| {
+                    ShardedGrads::start(be, &collective, options.bucket_bytes, keep, &owners)
+                });
                 let sums = bucket.is_some() || sharded.is_some();
                 // Separate accumulation: the running sum taken out, this micro-batch's
                 // gradients computed apart and added to it as each is complete.

@@ -101,6 +101,16 @@ pub struct NcclLibrary {
         Comm,
         *mut c_void,
     ) -> R,
+    reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+        Comm,
+        *mut c_void,
+    ) -> R,
     reduce_scatter: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -185,6 +195,7 @@ impl NcclLibrary {
                 comm_abort: lib.function("ncclCommAbort")?,
                 comm_async_error: lib.function("ncclCommGetAsyncError")?,
                 all_reduce: lib.function("ncclAllReduce")?,
+                reduce: lib.function("ncclReduce")?,
                 reduce_scatter: lib.function("ncclReduceScatter")?,
                 all_gather: lib.function("ncclAllGather")?,
                 broadcast: lib.function("ncclBroadcast")?,
@@ -333,6 +344,38 @@ impl NcclLibrary {
             (self.all_reduce)(send as _, recv as _, count, ty as c_int, SUM, comm, stream)
         };
         self.check("ncclAllReduce", code, comm)
+    }
+
+    /// Queues the sum over ranks of `count` values at `send` into `recv` on rank `root`
+    /// alone (the other ranks' `recv` is left as it is).
+    ///
+    /// # Safety
+    /// As [`NcclLibrary::all_reduce`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        ty: DataType,
+        root: usize,
+        comm: Comm,
+        stream: *mut c_void,
+    ) -> Result<(), NcclError> {
+        // SAFETY: the caller's contract.
+        let code = unsafe {
+            (self.reduce)(
+                send as _,
+                recv as _,
+                count,
+                ty as c_int,
+                SUM,
+                root as c_int,
+                comm,
+                stream,
+            )
+        };
+        self.check("ncclReduce", code, comm)
     }
 
     /// Queues the sum over ranks of `world × count` values at `send`, rank `r` keeping

@@ -430,6 +430,19 @@ impl Collective for Nccl {
         Ok(true)
     }
 
+    fn reduce_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
+        check_root(root, self.world())?;
+        let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {
+            return Ok(false);
+        };
+        let (ptr, n) = (device_ptr(t)?, t.numel());
+        self.queue(|comm, stream| {
+            // SAFETY: as in `all_reduce_device`.
+            unsafe { self.lib.reduce(ptr, ptr, n, ty, root, comm, stream) }
+        })?;
+        Ok(true)
+    }
+
     fn broadcast_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
         check_root(root, self.world())?;
         let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {

@@ -152,12 +152,13 @@ impl Ranks {
         state
     }
 
-    /// Bytes each rank sends per optimizer step of one micro-batch, by a ring's count:
-    /// the gradients of the `trained` parameters all-reduced (2(N−1)/N of them, in f32:
-    /// trainkit sums a bf16 gradient across ranks in f32 and rounds once; under ZeRO-2
-    /// every micro-batch's, so k times that when accumulating k), and under ZeRO-1 and 2
-    /// the updated compute weights their owners send ((N−1)/N of them, an all-gather's
-    /// share).
+    /// Bytes each rank sends per optimizer step of one micro-batch over MPI's host path,
+    /// by a ring's count: the gradients of the `trained` parameters all-reduced (2(N−1)/N
+    /// of them, in f32: trainkit sums a bf16 gradient across ranks in f32 and rounds once;
+    /// under ZeRO-2 every micro-batch's, so k times that when accumulating k), and under
+    /// ZeRO-1 and 2 the updated compute weights their owners send ((N−1)/N of them, an
+    /// all-gather's share). NCCL sends less: each gradient in its own dtype, and under
+    /// ZeRO-2 reduced to its owner ((N−1)/N).
     pub(super) fn bytes_sent(&self, trained: u64, precision: &dyn trainkit::Precision) -> Sent {
         let n = self.world as f64;
         let ring = (n - 1.0) / n;
