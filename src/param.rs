@@ -605,6 +605,11 @@ impl Param {
         &self.state
     }
 
+    /// The gradient, to change in place, when there is one.
+    pub(crate) fn grad_if_any_mut(&mut self) -> Option<&mut Tensor> {
+        self.grad.as_mut()
+    }
+
     /// The gradient buffer, allocated (zeroed) on first use, for setting a gradient by
     /// hand (tests, a custom loop); ops accumulate through [`Param::for_backward`], which
     /// gives a frozen parameter none.

@@ -88,14 +88,15 @@ fn fake_calls(ty: i32) -> i64 {
     }
 }
 
-/// How many reductions to one rank (`ncclReduce`) the stand-in has run in this process.
-fn fake_reduces() -> i64 {
+/// A count the stand-in keeps (`long symbol(void)`): `fake_nccl_reduces` (reductions to
+/// one rank, `ncclReduce`), `fake_nccl_groups` (`ncclGroupStart` calls) or
+/// `fake_nccl_grouped` (collectives queued inside a group).
+fn fake_count(symbol: &[u8]) -> i64 {
     let lib = fake_nccl().unwrap();
-    // SAFETY: as in `fake_calls`; the stand-in exports `long fake_nccl_reduces(void)`.
+    // SAFETY: as in `fake_calls`; the stand-in exports both as `long f(void)`.
     unsafe {
         let l = libloading::Library::new(lib.path()).unwrap();
-        let f: libloading::Symbol<unsafe extern "C" fn() -> i64> =
-            l.get(b"fake_nccl_reduces").unwrap();
+        let f: libloading::Symbol<unsafe extern "C" fn() -> i64> = l.get(symbol).unwrap();
         f()
     }
 }
@@ -337,19 +338,30 @@ fn the_device_path_trains_bitwise_as_the_host_path() {
                 };
                 (losses, bits)
             };
-            let (f32_before, bf16_before) = (fake_calls(7), fake_calls(9));
-            let reduces = fake_reduces();
+            let calls = || fake_calls(7) + fake_calls(9);
+            let counts = || {
+                [
+                    calls(),
+                    fake_count(b"fake_nccl_reduces"),
+                    fake_count(b"fake_nccl_groups"),
+                    fake_count(b"fake_nccl_grouped"),
+                ]
+            };
+            let before = counts();
             let device = run(true);
-            assert!(
-                fake_calls(7) + fake_calls(9) > f32_before + bf16_before,
-                "zero {zero}: NCCL carried the step"
-            );
-            // ZeRO-2 reduces each gradient to its owner; the others sum on every rank.
-            assert_eq!(
-                fake_reduces() > reduces,
-                zero == 2,
-                "zero {zero}: gradients reduced to their owners"
-            );
+            let after = counts();
+            let [sums, reduces, groups, grouped] = [0, 1, 2, 3].map(|k| after[k] - before[k]);
+            assert!(sums > 0, "zero {zero}: NCCL carried the step");
+            // ZeRO-2 reduces each gradient to its owner at once; the others sum buckets of
+            // gradients on every rank, a group each (some holding several).
+            assert_eq!(reduces > 0, zero == 2, "zero {zero}: reduced to owners");
+            assert_eq!(groups > 0, zero < 2, "zero {zero}: buckets as groups");
+            if zero < 2 {
+                assert!(
+                    grouped > groups,
+                    "zero {zero}: {grouped} sums in {groups} groups"
+                );
+            }
             let host = run(false);
             assert_eq!(device.0, host.0, "zero {zero} bf16 {bf16}: losses");
             assert!(

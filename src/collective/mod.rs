@@ -100,6 +100,12 @@ pub trait Collective: Debug + Send + Sync {
         Ok(false)
     }
 
+    /// Runs `queue`, whose device collectives the engine may launch together (NCCL's
+    /// group: one launch for a bucket of gradients); as it is for the others.
+    fn group(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        queue()
+    }
+
     /// Makes the device's work queued from now on wait for the collectives queued so far
     /// by [`Collective::all_reduce_device`] and [`Collective::broadcast_device`] (which
     /// run beside compute): before their tensors are read, written or freed. A wait on the

@@ -68,6 +68,10 @@ pub(super) struct Buckets {
     /// ZeRO-2: the rank that updates each parameter, to which a gradient on the device is
     /// reduced (not all-reduced) where the engine sums device memory.
     owners: Option<Vec<usize>>,
+    /// Gradients on the device waiting to be summed together (one NCCL group per bucket
+    /// of `cap` values), and their values.
+    grouped: Vec<usize>,
+    grouped_values: usize,
     summer: Summer,
 }
 
@@ -107,6 +111,8 @@ impl Buckets {
             taken: vec![false; keep.len()],
             keep,
             owners: None,
+            grouped: Vec::new(),
+            grouped_values: 0,
             summer,
         }
     }
@@ -128,6 +134,18 @@ impl Buckets {
         }
         self.taken[i] = true;
         if let Summer::Inline { collective, .. } = &self.summer {
+            // DDP and ZeRO-1: summed a bucket at a time, in one group.
+            if self.owners.is_none() && be.holds_data() {
+                if let Storage::Device(_) = p.grad_mut(be)?.storage() {
+                    self.grouped.push(i);
+                    self.grouped_values += p.numel();
+                    if self.grouped_values >= self.cap {
+                        self.sum_grouped(params)?;
+                    }
+                    return Ok(());
+                }
+            }
+            // ZeRO-2: each reduced to its owner at once, and freed where not kept.
             let summed = match &self.owners {
                 Some(owners) if be.holds_data() => {
                     collective.reduce_device(p.grad_mut(be)?, owners[i])?
@@ -156,6 +174,28 @@ impl Buckets {
             self.send()?;
         }
         Ok(())
+    }
+
+    /// Sums the gradients waiting on the device, in place, queued together as one group.
+    fn sum_grouped(&mut self, params: &mut [Param]) -> Result<()> {
+        let Summer::Inline { collective, .. } = &self.summer else {
+            return Ok(());
+        };
+        if self.grouped.is_empty() {
+            return Ok(());
+        }
+        let members = std::mem::take(&mut self.grouped);
+        self.grouped_values = 0;
+        collective.group(&mut || {
+            for &i in &members {
+                let name = params[i].name().to_string();
+                let g = params[i].grad_if_any_mut().ok_or_else(|| missing(&name))?;
+                if !collective.all_reduce_device(g)? {
+                    return Err(missing(&name));
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Sends the open bucket, if it holds anything.
@@ -193,6 +233,7 @@ impl Buckets {
         for i in 0..params.len() {
             self.ready(be, params, i)?;
         }
+        self.sum_grouped(params)?;
         self.send()?;
         if let Summer::Thread { jobs, .. } = &mut self.summer {
             *jobs = None;
@@ -258,6 +299,14 @@ fn write_back(be: &dyn Backend, g: &mut Tensor, values: &[f32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The error of a gradient that was on the device when bucketed and is not any more.
+fn missing(name: &str) -> Error {
+    Error::Backend {
+        backend: "collective",
+        message: format!("{name}: its gradient left the device before it was summed"),
+    }
 }
 
 /// The error of a communication thread that is gone.

@@ -456,6 +456,13 @@ impl Collective for Nccl {
         Ok(true)
     }
 
+    fn group(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.lib.group_start().map_err(error)?;
+        let queued = queue();
+        let ended = self.lib.group_end().map_err(error);
+        queued.and(ended)
+    }
+
     fn settle_device(&self) -> Result<()> {
         self.gpu.compute_waits_for_comm()
     }
