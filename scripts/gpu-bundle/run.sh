@@ -1036,7 +1036,8 @@ phase_nccl() {
     --out "$dir/one/model" --log-json "$dir/one/log.jsonl"
   for zero in 0 1 2; do
     mkdir -p "$dir/zero$zero"
-    run_step "nccl_two_ranks_zero$zero" 300 - "$here/nccl-ranks.sh" 2 "$bin/trainkit" train \
+    run_step "nccl_two_ranks_zero$zero" 300 - env RANK_LOGS="$report/logs/nccl_ranks_zero$zero" \
+      "$here/nccl-ranks.sh" 2 "$bin/trainkit" train \
       "${small[@]}" --precision fp32 --batch-size 2 --zero "$zero" \
       --out "$dir/zero$zero/model" --log-json "$dir/zero$zero/log.jsonl"
     run_step "nccl_two_ranks_zero${zero}_bitwise" 60 - env LD_LIBRARY_PATH="$orig_ld_path" \
