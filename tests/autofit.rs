@@ -946,7 +946,7 @@ fn a_full_fine_tune_streams_every_weight_when_nothing_cheaper_fits() {
     assert_eq!(highest, ch.peak, "{}", ch.describe());
 }
 
-/// In a data-parallel job autofit plans one rank (rank 0's exact figures): under DDP the
+/// In a data-parallel job autofit plans one rank (the heaviest's exact figures): under DDP the
 /// one process's, under ZeRO-1 less (its share of the optimizer side), under ZeRO-2 less
 /// again (its share of the gradients); the update inside backward and streaming weights
 /// that train, which data-parallel training refuses, are left out with the reason.

@@ -600,6 +600,68 @@ fn a_lora_run_prints_its_own_exact_table() {
     );
 }
 
+/// Under ZeRO the figures are the heaviest rank's: GPT-2's is rank 0 (the tied embedding,
+/// first and largest), Llama 3.1 8B's untied head, given last to the lightest rank, makes
+/// another rank heavier with 2 and 4 ranks; that rank keeps more than its 1/N.
+#[test]
+fn zero_figures_are_the_heaviest_ranks() {
+    let rank = |v: &Value| v["data_parallel"]["rank"].as_u64().unwrap();
+    let gpt2 = json(&[
+        "--model",
+        "gpt2",
+        "--seq-len",
+        "256",
+        "--world",
+        "4",
+        "--zero",
+        "1",
+    ]);
+    assert_eq!(rank(&gpt2), 0);
+    let llama = |world: &str| {
+        json(&[
+            "--model",
+            "llama-8b",
+            "--seq-len",
+            "256",
+            "--world",
+            world,
+            "--zero",
+            "1",
+        ])
+    };
+    let exact = |v: &Value| {
+        v["trainkit_exact"]["bytes"]["master_weights"]
+            .as_u64()
+            .unwrap()
+    };
+    let whole = exact(&json(&["--model", "llama-8b", "--seq-len", "256"]));
+    for (world, heaviest) in [("2", 1), ("4", 3)] {
+        let v = llama(world);
+        assert_eq!(rank(&v), heaviest, "{world} ranks");
+        let n: u64 = world.parse().unwrap();
+        assert!(
+            exact(&v) * n > whole,
+            "{world} ranks: {} of {whole}",
+            exact(&v)
+        );
+    }
+    let (ok, out, err) = trainkit(&[
+        "--model",
+        "llama-8b",
+        "--seq-len",
+        "256",
+        "--world",
+        "2",
+        "--zero",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("the figures are rank 1's (the largest share)"),
+        "{out}"
+    );
+}
+
 /// `--world N` gives one rank's figures: the same as one process's under DDP, and under
 /// ZeRO-1 the formulas' master weights and optimizer state divided by the ranks and the
 /// exact figures rank 0's share (whole parameters: GPT-2's embedding alone is 31% of it);

@@ -759,6 +759,14 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         separate_accumulation: req.separate_accumulation,
         ..TrainerOptions::default()
     };
+    // Under ZeRO the ranks differ (ownership is by whole parameters): the budget must fit
+    // the heaviest.
+    let world = req.world.max(1);
+    let rank = if spec.zero_stage > 0 && world > 1 {
+        crate::trainer::heaviest_rank(&model.init_params(), world)
+    } else {
+        0
+    };
     let prediction = predict_rank(
         model,
         MicroBatch {
@@ -769,7 +777,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         spec.recompute.as_ref(),
         spec.optimizer.as_ref(),
         &options,
-        crate::collective::Rehearsal::new(0, req.world.max(1))?,
+        crate::collective::Rehearsal::new(rank, world)?,
     )?;
     let micro_batches = req.global_batch / micro_batch.max(1);
     let mut techniques = spec.techniques;

@@ -687,18 +687,7 @@ where
     /// optimizer side of the parameters this rank does not own.
     fn shard_updates(&mut self) -> Result<()> {
         let (rank, world) = (self.collective.rank(), self.collective.world());
-        let mut load = vec![0usize; world];
-        self.owners = self
-            .params
-            .iter()
-            .map(|p| {
-                let owner = (0..world).min_by_key(|&r| (load[r], r)).unwrap_or(0);
-                if p.trains() {
-                    load[owner] += p.numel();
-                }
-                owner
-            })
-            .collect();
+        self.owners = zero_owners(self.params.iter().map(|p| (p.numel(), p.trains())), world);
         for (p, &owner) in self.params.iter_mut().zip(&self.owners) {
             if owner != rank {
                 p.hand_over();
@@ -888,5 +877,72 @@ where
             Some(p) => Ok(Some(self.backend.to_f32(p.value())?)),
             None => Ok(None),
         }
+    }
+}
+
+/// ZeRO's owners: each parameter's update given, in model order, to the rank that owns the
+/// fewest trained elements so far (ties to the lowest rank), the same on every rank.
+/// `params` are each parameter's (elements, whether it trains), in model order.
+pub fn zero_owners(params: impl IntoIterator<Item = (usize, bool)>, world: usize) -> Vec<usize> {
+    let mut load = vec![0usize; world.max(1)];
+    params
+        .into_iter()
+        .map(|(numel, trains)| {
+            let owner = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            if trains {
+                load[owner] += numel;
+            }
+            owner
+        })
+        .collect()
+}
+
+/// The rank of a ZeRO job of `world` ranks that owns the most trained elements of
+/// `params` ([`zero_owners`]; the lowest such rank): the one whose master weights,
+/// optimizer state and (ZeRO-2) gradients weigh most, so the one a memory budget must
+/// fit. Rank 0 takes the first parameter (an embedding), but a large last one (an untied
+/// head) can make another rank heavier.
+pub fn heaviest_rank(params: &[crate::param::ParamInit], world: usize) -> usize {
+    let owners = zero_owners(params.iter().map(|p| (p.numel(), p.trains)), world);
+    let mut load = vec![0usize; world.max(1)];
+    for (p, &o) in params.iter().zip(&owners) {
+        if p.trains {
+            load[o] += p.numel();
+        }
+    }
+    (0..load.len())
+        .max_by_key(|&r| (load[r], std::cmp::Reverse(r)))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::param::{Init, ParamInit};
+
+    fn param(n: usize, trains: bool) -> ParamInit {
+        ParamInit {
+            name: format!("p{n}"),
+            shape: vec![n],
+            init: Init::Constant(0.0),
+            trains,
+            dtype: None,
+        }
+    }
+
+    #[test]
+    fn zero_owners_balance_and_the_heaviest_rank_is_found() {
+        // An embedding first, three small layers, an untied head last.
+        let ps = [10, 3, 3, 3, 12].map(|n| param(n, true));
+        let owners = zero_owners(ps.iter().map(|p| (p.numel(), p.trains)), 2);
+        assert_eq!(owners, [0, 1, 1, 1, 1]);
+        assert_eq!(heaviest_rank(&ps, 2), 1, "the head makes rank 1 heavier");
+        // Frozen, the head weighs nothing on either rank.
+        let mut frozen = ps.clone();
+        frozen[4] = param(12, false);
+        assert_eq!(heaviest_rank(&frozen, 2), 0);
+        assert_eq!(heaviest_rank(&ps, 1), 0);
+        // Ties go to the lowest rank.
+        assert_eq!(heaviest_rank(&[param(4, true), param(4, true)], 2), 0);
     }
 }

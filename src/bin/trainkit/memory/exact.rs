@@ -87,9 +87,20 @@ pub(super) fn lora(
     args.lora.lora(None, &modules)
 }
 
+/// The rank of `ranks`' job whose figures are shown: under ZeRO the one whose share of the
+/// model state weighs most ([`trainkit::trainer::heaviest_rank`]), else rank 0 (every rank
+/// the same).
+pub(super) fn heaviest(model: &dyn trainkit::Model, ranks: super::Ranks) -> usize {
+    let world = usize::try_from(ranks.world).unwrap_or(usize::MAX);
+    if ranks.zero == 0 || world <= 1 {
+        return 0;
+    }
+    trainkit::trainer::heaviest_rank(&model.init_params(), world)
+}
+
 /// trainkit's exact memory for the models it builds (GPT-2 shaped presets, or GPT-style raw
 /// dimensions), `None` for others or when the sequence exceeds a preset's context; in a
-/// data-parallel job, rank 0's.
+/// data-parallel job, the heaviest rank's ([`heaviest`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn trainkit_exact(
     subject: &Subject,
@@ -123,9 +134,11 @@ pub(super) fn trainkit_exact(
     options.optimizer_offload = optimizer_offload;
     options.zero_stage = ranks.zero;
     options.placement = dyn_clone::clone_box(placement);
-    // Rank 0 of the job: under ZeRO-1 it owns the first parameters, and at least as many
-    // elements as any other rank but one parameter's.
-    let rank = trainkit::collective::Rehearsal::new(0, usize_of(ranks.world))?;
+    // The rank whose share weighs most (ownership is by whole parameters).
+    let rank = trainkit::collective::Rehearsal::new(
+        heaviest(model.as_ref(), ranks),
+        usize_of(ranks.world),
+    )?;
     trainkit::estimate::predict_rank(
         model,
         MicroBatch {

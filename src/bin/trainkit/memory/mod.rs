@@ -76,7 +76,7 @@ pub struct MemoryArgs {
     #[command(flatten)]
     lora: LoraFlags,
     /// Ranks of a data-parallel job (`mpirun -np N trainkit train`): the figures are one
-    /// rank's (rank 0's), with the bytes each rank sends per step.
+    /// rank's (under ZeRO the heaviest's), with the bytes each rank sends per step.
     #[arg(long, default_value_t = 1)]
     world: u64,
     /// ZeRO stage across the --world ranks: 0 (DDP: every rank keeps the whole optimizer
@@ -123,6 +123,9 @@ pub(super) struct Ranks {
     pub world: u64,
     /// ZeRO stage: 0, 1 or 2.
     pub zero: u8,
+    /// The rank whose exact figures are shown: under ZeRO the heaviest
+    /// ([`exact::heaviest`]), else 0.
+    pub shown: usize,
 }
 
 impl Ranks {
@@ -206,6 +209,7 @@ fn ranks(args: &MemoryArgs) -> Result<Ranks> {
     Ok(Ranks {
         world: args.world,
         zero: args.zero,
+        shown: 0,
     })
 }
 
@@ -273,6 +277,11 @@ pub fn run(args: MemoryArgs) -> Result<()> {
     let adapter = lora
         .as_ref()
         .map(|l| l as &(dyn trainkit::Adapter + 'static));
+    let ranks = Ranks {
+        shown: exact::exact_model(&subject, seq_len, paths, adapter)?
+            .map_or(0, |m| exact::heaviest(m.as_ref(), ranks)),
+        ..ranks
+    };
     let exact_with = |offload: bool| {
         trainkit_exact(
             &subject,

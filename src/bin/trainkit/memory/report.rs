@@ -122,7 +122,7 @@ pub fn json(f: &Figures) {
     let data_parallel = serde_json::json!({
         "world": f.ranks.world,
         "zero_stage": f.ranks.zero,
-        "rank": 0,
+        "rank": f.ranks.shown,
         "bytes_sent_per_step": {
             "gradients": f.sent.gradients,
             "weights": f.sent.weights,
@@ -196,7 +196,7 @@ pub fn table(f: &Figures) {
     if f.ranks.world > 1 {
         let (n, sent) = (f.ranks.world, f.sent);
         println!(
-            "ranks      {n} ({}); the figures are rank 0's; each rank sends {} GiB a step \
+            "ranks      {n} ({}); the figures are rank {}'s{}; each rank sends {} GiB a step \
              ({} GiB of gradients, all-reduced{})",
             match f.ranks.zero {
                 0 => "DDP".to_string(),
@@ -209,6 +209,12 @@ pub fn table(f: &Figures) {
                      formulas, by whole parameters in the exact figures; the gradients are \
                      summed every micro-batch"
                 ),
+            },
+            f.ranks.shown,
+            if f.ranks.zero > 0 {
+                " (the largest share)"
+            } else {
+                ""
             },
             gib(sent.gradients + sent.weights),
             gib(sent.gradients),
