@@ -3284,45 +3284,6 @@ fn kernel_times_count_every_launch_and_product() {
     );
 }
 
-/// Two ranks holding the same values, as a collective sees them: every sum doubles.
-#[derive(Debug)]
-struct Mirrored;
-
-impl trainkit::collective::Collective for Mirrored {
-    fn describe(&self) -> String {
-        "two mirrored ranks".into()
-    }
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world(&self) -> usize {
-        2
-    }
-    fn local_rank(&self) -> usize {
-        0
-    }
-    fn all_reduce_sum(&self, values: &mut [f32]) -> trainkit::Result<()> {
-        values.iter_mut().for_each(|v| *v *= 2.0);
-        Ok(())
-    }
-    fn all_reduce_sum_f64(&self, values: &mut [f64]) -> trainkit::Result<()> {
-        values.iter_mut().for_each(|v| *v *= 2.0);
-        Ok(())
-    }
-    fn reduce_scatter_sum(&self, _: &[f32], _: &mut [f32]) -> trainkit::Result<()> {
-        unreachable!("not used here")
-    }
-    fn all_gather(&self, _: &[f32], _: &mut [f32]) -> trainkit::Result<()> {
-        unreachable!("not used here")
-    }
-    fn broadcast(&self, _: &mut [u8], _: usize) -> trainkit::Result<()> {
-        Ok(())
-    }
-    fn barrier(&self) -> trainkit::Result<()> {
-        Ok(())
-    }
-}
-
 /// A gradient on the device is summed across ranks through a host copy of it, in f32 and
 /// in bf16 (summed in f32, rounded once), as a host tensor is summed in place.
 #[test]
@@ -3337,7 +3298,8 @@ fn device_tensors_are_summed_across_ranks_through_host_memory() {
                 .upload(&values, &[300], dtype, MemoryCategory::Gradients, "g")
                 .unwrap();
             let before = be.to_f32(&t).unwrap();
-            trainkit::collective::all_reduce_tensor(&Mirrored, be, &mut t).unwrap();
+            trainkit::collective::all_reduce_tensor(&common::mirrored::Mirrored, be, &mut t)
+                .unwrap();
             let after = be.to_f32(&t).unwrap();
             let want: Vec<f32> = before.iter().map(|v| dtype.round(2.0 * v)).collect();
             assert_eq!(after, want, "{} {dtype}", be.name());

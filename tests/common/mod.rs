@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod adapters;
+pub mod mirrored;
 
 use std::sync::Arc;
 use trainkit::data::{ByteTokenizer, DataLoader, SyntheticCorpus, Tokenizer};

@@ -225,6 +225,28 @@ impl Nccl {
     }
 }
 
+impl Nccl {
+    /// Queues `op` on device tensor `t` in place — its address, values and NCCL type —
+    /// after the compute work that wrote it: `Ok(false)` (nothing queued) for a host
+    /// tensor or one NCCL does not sum. `t` lies on the backend's device, which is this
+    /// communicator's, and the caller settles before anything touches it again.
+    fn in_place(
+        &self,
+        t: &Tensor,
+        op: impl FnOnce(u64, usize, DataType, Comm, *mut std::ffi::c_void) -> NcclResult,
+    ) -> Result<bool> {
+        let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {
+            return Ok(false);
+        };
+        let (ptr, n) = (device_ptr(t)?, t.numel());
+        self.queue(|comm, stream| op(ptr, n, ty, comm, stream))?;
+        Ok(true)
+    }
+}
+
+/// What an NCCL call returns.
+type NcclResult = std::result::Result<(), NcclError>;
+
 /// A device buffer a host collective crosses through, freed when dropped.
 struct Scratch {
     gpu: Option<Arc<dyn Gpu>>,
@@ -417,43 +439,26 @@ impl Collective for Nccl {
     }
 
     fn all_reduce_device(&self, t: &mut Tensor) -> Result<bool> {
-        let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {
-            return Ok(false);
-        };
-        let (ptr, n) = (device_ptr(t)?, t.numel());
-        self.queue(|comm, stream| {
-            // SAFETY: `t` holds `n` values of `ty` on the backend's device, which is this
-            // communicator's; the sum is queued after the work that wrote them, and the
-            // caller settles before anything touches them again.
+        self.in_place(t, |ptr, n, ty, comm, stream| {
+            // SAFETY: see `in_place`.
             unsafe { self.lib.all_reduce(ptr, ptr, n, ty, comm, stream) }
-        })?;
-        Ok(true)
+        })
     }
 
     fn reduce_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
         check_root(root, self.world())?;
-        let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {
-            return Ok(false);
-        };
-        let (ptr, n) = (device_ptr(t)?, t.numel());
-        self.queue(|comm, stream| {
-            // SAFETY: as in `all_reduce_device`.
+        self.in_place(t, |ptr, n, ty, comm, stream| {
+            // SAFETY: see `in_place`.
             unsafe { self.lib.reduce(ptr, ptr, n, ty, root, comm, stream) }
-        })?;
-        Ok(true)
+        })
     }
 
     fn broadcast_device(&self, t: &mut Tensor, root: usize) -> Result<bool> {
         check_root(root, self.world())?;
-        let (Storage::Device(_), Some(ty)) = (t.storage(), data_type(t)) else {
-            return Ok(false);
-        };
-        let (ptr, n) = (device_ptr(t)?, t.numel());
-        self.queue(|comm, stream| {
-            // SAFETY: as in `all_reduce_device`.
+        self.in_place(t, |ptr, n, ty, comm, stream| {
+            // SAFETY: see `in_place`.
             unsafe { self.lib.broadcast(ptr, ptr, n, ty, root, comm, stream) }
-        })?;
-        Ok(true)
+        })
     }
 
     fn group(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
