@@ -1029,4 +1029,21 @@ fn autofit_plans_one_rank_of_a_data_parallel_job() {
         .left_out
         .iter()
         .any(|(t, why)| *t == Technique::Zero1 && why.contains("one process")));
+    // Without buckets (--bucket-size 0) ZeRO-2 cannot free as it goes: left out, so a
+    // budget only ZeRO-2 meets is not met by a setup the run would refuse.
+    let unbucketed = FitRequest {
+        bucket_bytes: 0,
+        ..ddp
+    };
+    let plan = autofit(&unbucketed).unwrap();
+    assert!(plan
+        .left_out
+        .iter()
+        .any(|(t, why)| *t == Technique::Zero2 && why.contains("--bucket-size 0")));
+    let plan = autofit(&FitRequest {
+        budget: d2 - 1,
+        ..unbucketed
+    })
+    .unwrap();
+    assert_ne!(plan.choice.zero_stage, 2, "{}", plan.choice.describe());
 }

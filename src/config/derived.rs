@@ -78,6 +78,7 @@ impl<'a> FitRequest<'a> {
             world: crate::collective::launched_world().map_or(1, |(n, _)| n),
             zero_stage: t.zero_stage,
             separate_accumulation: t.separate_accumulation,
+            bucket_bytes: usize::try_from(t.bucket_bytes).unwrap_or(usize::MAX),
             ..FitRequest::new(
                 cfg.model.shape(),
                 t.seq_len,

@@ -71,8 +71,9 @@ pub struct FitRequest<'a> {
     /// The run's adapter (LoRA): which parameters train, the updates it adds (`None`:
     /// every parameter trains).
     pub adapter: Option<&'a (dyn Adapter + 'static)>,
-    /// Ranks of the run's data-parallel job (1: one process): the figures are rank 0's,
-    /// the rank that owns the first parameters, and the global batch is one rank's.
+    /// Ranks of the run's data-parallel job (1: one process): the figures are one rank's
+    /// (under ZeRO the heaviest, [`crate::trainer::heaviest_rank`]), and the global batch
+    /// is one rank's.
     pub world: usize,
     /// The run's ZeRO stage ([`TrainerOptions::zero_stage`]): under 1 and 2 a rank keeps
     /// its share of the optimizer side, under 2 of the gradients too.
@@ -80,6 +81,9 @@ pub struct FitRequest<'a> {
     /// The run accumulates each micro-batch's gradients apart
     /// ([`TrainerOptions::separate_accumulation`]).
     pub separate_accumulation: bool,
+    /// The run's gradient buckets ([`TrainerOptions::bucket_bytes`]): 0 (each gradient
+    /// summed after backward) rules ZeRO-2 out, whose frees need the buckets.
+    pub bucket_bytes: usize,
 }
 
 impl<'a> FitRequest<'a> {
@@ -116,6 +120,7 @@ impl<'a> FitRequest<'a> {
             world: 1,
             zero_stage: 0,
             separate_accumulation: false,
+            bucket_bytes: TrainerOptions::default().bucket_bytes,
         }
     }
 }
@@ -570,6 +575,11 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
              micro-batch cannot"
                 .into(),
         ),
+        Technique::Zero2 if req.bucket_bytes == 0 => Some(
+            "the run sums each gradient after backward (--bucket-size 0), and ZeRO-2 frees \
+             each as soon as it is in a bucket"
+                .into(),
+        ),
         Technique::Accumulation if req.global_batch == 1 => {
             Some("a global batch of one row cannot be split".into())
         }
@@ -757,6 +767,7 @@ fn evaluate(req: &FitRequest<'_>, spec: &Spec, micro_batch: usize) -> Result<Fit
         },
         zero_stage: spec.zero_stage,
         separate_accumulation: req.separate_accumulation,
+        bucket_bytes: req.bucket_bytes,
         ..TrainerOptions::default()
     };
     // Under ZeRO the ranks differ (ownership is by whole parameters): the budget must fit
