@@ -76,11 +76,21 @@ pub(super) struct Buckets {
 }
 
 impl Buckets {
-    /// Buckets of `bytes` (of f32 values) for the parameters of which `keep` says
-    /// whether this rank keeps the summed gradient, summed across the ranks of
-    /// `collective` on a thread of their own (or in place on the device, where the
-    /// engine sums device memory).
-    pub(super) fn start(collective: Arc<dyn Collective>, bytes: usize, keep: Vec<bool>) -> Self {
+    /// Buckets of `bytes` (of f32 values) for `params` parameters, summed across the
+    /// ranks of `collective` on a thread of their own (or in place on the device, where
+    /// the engine sums device memory). Under ZeRO-2 `owners` gives the rank that updates
+    /// each parameter: this rank keeps only its own parameters' sums (every one without).
+    pub(super) fn start(
+        collective: Arc<dyn Collective>,
+        bytes: usize,
+        params: usize,
+        owners: Option<&[usize]>,
+    ) -> Self {
+        let rank = collective.rank();
+        let keep = owners.map_or_else(
+            || vec![true; params],
+            |o| o.iter().map(|&r| r == rank).collect(),
+        );
         let summer = if collective.sums_on_device() {
             Summer::Inline {
                 collective,
@@ -110,18 +120,11 @@ impl Buckets {
             in_flight: Vec::new(),
             taken: vec![false; keep.len()],
             keep,
-            owners: None,
+            owners: owners.map(<[usize]>::to_vec),
             grouped: Vec::new(),
             grouped_values: 0,
             summer,
         }
-    }
-
-    /// The same buckets, a gradient on the device reduced to the rank that updates it
-    /// (`owners[i]` for parameter `i`) rather than summed on every rank.
-    fn reducing_to(mut self, owners: &[usize]) -> Self {
-        self.owners = Some(owners.to_vec());
-        self
     }
 
     /// Parameter `i`'s gradient is complete: into the open bucket (zeros where this rank
@@ -133,33 +136,31 @@ impl Buckets {
             return Ok(());
         }
         self.taken[i] = true;
+        // A gradient on the device, where the engine sums device memory, stays there.
         if let Summer::Inline { collective, .. } = &self.summer {
-            // DDP and ZeRO-1: summed a bucket at a time, in one group.
-            if self.owners.is_none() && be.holds_data() {
-                if let Storage::Device(_) = p.grad_mut(be)?.storage() {
-                    self.grouped.push(i);
-                    self.grouped_values += p.numel();
-                    if self.grouped_values >= self.cap {
-                        self.sum_grouped(params)?;
+            if let Storage::Device(_) = p.grad_mut(be)?.storage() {
+                match &self.owners {
+                    // DDP and ZeRO-1: summed a bucket at a time, in one group.
+                    None => {
+                        self.grouped.push(i);
+                        self.grouped_values += p.numel();
+                        if self.grouped_values >= self.cap {
+                            self.sum_grouped(params)?;
+                        }
+                        return Ok(());
                     }
-                    return Ok(());
+                    // ZeRO-2: reduced to its owner at once, and freed where not kept.
+                    Some(owners) => {
+                        if collective.reduce_device(p.grad_mut(be)?, owners[i])? {
+                            if !self.keep[i] {
+                                // The free waits for the sum that reads it (on the device).
+                                collective.settle_device()?;
+                                p.drop_grad();
+                            }
+                            return Ok(());
+                        }
+                    }
                 }
-            }
-            // ZeRO-2: each reduced to its owner at once, and freed where not kept.
-            let summed = match &self.owners {
-                Some(owners) if be.holds_data() => {
-                    collective.reduce_device(p.grad_mut(be)?, owners[i])?
-                }
-                None if be.holds_data() => collective.all_reduce_device(p.grad_mut(be)?)?,
-                _ => false,
-            };
-            if summed {
-                if !self.keep[i] {
-                    // The free waits for the sum that reads it (on the device).
-                    collective.settle_device()?;
-                    p.drop_grad();
-                }
-                return Ok(());
             }
         }
         match p.grad() {
@@ -328,19 +329,19 @@ pub(super) struct ShardedGrads {
 
 impl ShardedGrads {
     /// One micro-batch's sums across `collective`, in buckets of `bytes`, keeping the
-    /// gradients `keep` names (those of which this rank is the owner in `owners`).
+    /// gradients of the parameters of which this rank is the owner in `owners`.
     pub(super) fn start(
         be: &dyn Backend,
         collective: &Arc<dyn Collective>,
         bytes: usize,
-        keep: &[bool],
         owners: &[usize],
     ) -> Self {
+        let rank = collective.rank();
         ShardedGrads {
-            keep: keep.to_vec(),
-            buckets: be.holds_data().then(|| {
-                Buckets::start(Arc::clone(collective), bytes, keep.to_vec()).reducing_to(owners)
-            }),
+            keep: owners.iter().map(|&r| r == rank).collect(),
+            buckets: be
+                .holds_data()
+                .then(|| Buckets::start(Arc::clone(collective), bytes, owners.len(), Some(owners))),
         }
     }
 

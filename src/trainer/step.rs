@@ -189,8 +189,8 @@ where
         let host = self.host_for_offload()?;
         let (step, seed) = (self.step + 1, self.options.seed);
         let first = self.collective.rank() * plan.k;
-        let kept = self.kept_grads();
-        let owners = self.owners.clone();
+        // ZeRO-2: the owners of the updates, whose gradients each rank keeps.
+        let sharded_grads = self.kept_grads().is_some().then(|| self.owners.clone());
         let collective = Arc::clone(&self.collective);
         let Trainer {
             model,
@@ -219,8 +219,8 @@ where
                 let last = j + 1 == plan.k;
                 let mut bucket = buckets.as_deref_mut().filter(|_| last);
                 // ZeRO-2: every micro-batch's, each rank keeping its share.
-                let mut sharded = kept.as_deref().map(|keep| {
-                    ShardedGrads::start(be, &collective, options.bucket_bytes, keep, &owners)
+                let mut sharded = sharded_grads.as_deref().map(|owners| {
+                    ShardedGrads::start(be, &collective, options.bucket_bytes, owners)
                 });
                 let sums = bucket.is_some() || sharded.is_some();
                 // Separate accumulation: the running sum taken out, this micro-batch's
@@ -333,7 +333,7 @@ where
         let c = &self.collective;
         let bytes = self.options.bucket_bytes;
         (c.world() > 1 && bytes > 0 && be.holds_data() && self.kept_grads().is_none())
-            .then(|| Buckets::start(Arc::clone(c), bytes, vec![true; self.params.len()]))
+            .then(|| Buckets::start(Arc::clone(c), bytes, self.params.len(), None))
     }
 
     /// Under ZeRO-1, each trained parameter's updated compute weights sent by the rank

@@ -45,18 +45,6 @@ pub enum DataType {
     Bf16 = 9,
 }
 
-impl DataType {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            DataType::U8 => 1,
-            DataType::F16 | DataType::Bf16 => 2,
-            DataType::F32 => 4,
-            DataType::F64 => 8,
-        }
-    }
-}
-
 /// `ncclSum`: the only reduction trainkit asks for (sums, scaled once locally).
 const SUM: c_int = 0;
 

@@ -149,10 +149,7 @@ impl Nccl {
 
     /// Queues `op` (given the communicator and the communication stream, which waits for
     /// the compute work queued so far) on the device.
-    fn queue(
-        &self,
-        op: impl FnOnce(Comm, *mut std::ffi::c_void) -> std::result::Result<(), NcclError>,
-    ) -> Result<()> {
+    fn queue(&self, op: impl FnOnce(Comm, *mut std::ffi::c_void) -> NcclResult) -> Result<()> {
         let comm = self.comm()?;
         let stream = self.gpu.comm_stream()? as *mut std::ffi::c_void;
         op(comm.0, stream).map_err(error)
@@ -186,35 +183,32 @@ impl Nccl {
         unsafe { self.lib.async_error(comm.0) }.map_err(error)
     }
 
-    /// Runs `op` on device copies of `input` (`in_bytes`) and an output of `out_bytes`
-    /// (the same buffer when `in_place`), and returns the output's bytes.
+    /// Runs `op` (given the send and receive buffers) on a device copy of `input` and a
+    /// device buffer for `out` (the send buffer itself when `in_place`, `input` and `out`
+    /// then of one length), waits for it, and reads the result into `out`.
     fn through_device(
         &self,
         what: &str,
         input: &[u8],
         out: &mut [u8],
         in_place: bool,
-        op: impl FnOnce(u64, u64, Comm, *mut std::ffi::c_void) -> std::result::Result<(), NcclError>,
+        op: impl FnOnce(u64, u64, Comm, *mut std::ffi::c_void) -> NcclResult,
     ) -> Result<()> {
-        let send = self.alloc(input.len().max(out.len()), what)?;
-        let recv = if in_place {
-            Scratch {
-                gpu: None,
-                ptr: send.ptr,
-            }
-        } else {
-            self.alloc(out.len(), what)?
-        };
+        let send = self.alloc(input.len(), what)?;
+        let recv = (!in_place)
+            .then(|| self.alloc(out.len(), what))
+            .transpose()?;
+        let recv_ptr = recv.as_ref().map_or(send.ptr, |r| r.ptr);
         self.gpu.upload(send.ptr, input)?;
-        self.queue(|comm, stream| op(send.ptr, recv.ptr, comm, stream))?;
+        self.queue(|comm, stream| op(send.ptr, recv_ptr, comm, stream))?;
         self.wait(what)?;
-        self.gpu.download(out, recv.ptr)
+        self.gpu.download(out, recv_ptr)
     }
 
     fn alloc(&self, bytes: usize, what: &str) -> Result<Scratch> {
         match self.gpu.alloc(bytes.max(1)) {
             Ok(ptr) => Ok(Scratch {
-                gpu: Some(Arc::clone(&self.gpu)),
+                gpu: Arc::clone(&self.gpu),
                 ptr,
             }),
             Err(AllocError::OutOfMemory) => Err(Error::OutOfMemory {
@@ -223,9 +217,7 @@ impl Nccl {
             Err(AllocError::Other(m)) => Err(nccl_error(format!("{what}: {m}"))),
         }
     }
-}
 
-impl Nccl {
     /// Queues `op` on device tensor `t` in place — its address, values and NCCL type —
     /// after the compute work that wrote it: `Ok(false)` (nothing queued) for a host
     /// tensor or one NCCL does not sum. `t` lies on the backend's device, which is this
@@ -249,15 +241,13 @@ type NcclResult = std::result::Result<(), NcclError>;
 
 /// A device buffer a host collective crosses through, freed when dropped.
 struct Scratch {
-    gpu: Option<Arc<dyn Gpu>>,
+    gpu: Arc<dyn Gpu>,
     ptr: u64,
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if let Some(gpu) = &self.gpu {
-            gpu.free(self.ptr);
-        }
+        self.gpu.free(self.ptr);
     }
 }
 
