@@ -447,20 +447,7 @@ fn zero_is_ddp_sharded(name: &str, ranks: usize, stage: u8, extra: &[&str], weig
     check(&out, &format!("ZeRO-{stage}"));
     // Every rank's ledger is its prediction (the meta backend run as that rank).
     for dir in [&ddp, &zero] {
-        for rank in 0..ranks {
-            let name = match rank {
-                0 => "report.json".to_string(),
-                r => format!("report.rank{r}.json"),
-            };
-            let text = std::fs::read_to_string(dir.join(&name)).unwrap();
-            let r: serde_json::Value = serde_json::from_str(&text).unwrap();
-            assert_eq!(r["rank"].as_u64(), Some(rank as u64), "{name}");
-            assert_eq!(r["measured"], r["predicted"], "{name}: {text}");
-            assert_eq!(
-                r["peak_total"]["measured"], r["peak_total"]["predicted"],
-                "{name}: {text}"
-            );
-        }
+        ledgers_equal_predictions(dir, ranks);
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -697,6 +684,91 @@ fn buckets_during_backward_sum_what_one_all_reduce_per_gradient_sums() {
     }
     for d in [after, during] {
         let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// Each rank's ledger in `dir` (its `--memory-report` files) equals its prediction.
+fn ledgers_equal_predictions(dir: &Path, ranks: usize) {
+    for rank in 0..ranks {
+        let name = match rank {
+            0 => "report.json".to_string(),
+            r => format!("report.rank{r}.json"),
+        };
+        let text = std::fs::read_to_string(dir.join(&name)).unwrap();
+        let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(r["rank"].as_u64(), Some(rank as u64), "{name}");
+        assert_eq!(r["measured"], r["predicted"], "{name}: {text}");
+        assert_eq!(
+            r["peak_total"]["measured"], r["peak_total"]["predicted"],
+            "{name}: {text}"
+        );
+    }
+}
+
+/// The update inside backward on 2 ranks (each gradient summed in its bucket as backward
+/// goes on, then updated by its owner and freed) against the same ranks updating after
+/// backward, without clipping: the same losses and tokens, the saved model and optimizer
+/// state byte for byte, the global norm to rounding (added per parameter), under DDP,
+/// ZeRO-1 and ZeRO-2, and with the optimizer on the host; each rank's ledger is its
+/// prediction, and the gradients held are a fraction of DDP's.
+#[test]
+fn the_update_inside_backward_on_ranks_is_the_update_after_it() {
+    if !ready("the_update_inside_backward_on_ranks_is_the_update_after_it") {
+        return;
+    }
+    let run = |name: &str, extra: &[&str]| {
+        let dir = scratch(name);
+        let report = dir.join("report.json").display().to_string();
+        let mut flags = vec![
+            "--batch-size",
+            "2",
+            "--precision",
+            "bf16",
+            "--grad-clip",
+            "0",
+        ];
+        flags.extend(["--bucket-size", "4KiB", "--memory-report", &report]);
+        flags.extend(extra);
+        check(&train(Some(2), &dir, &flags), name);
+        ledgers_equal_predictions(&dir, 2);
+        dir
+    };
+    for offload in [false, true] {
+        let host: &[&str] = if offload {
+            &["--optimizer-offload"]
+        } else {
+            &[]
+        };
+        let after = run(&format!("after-{offload}"), host);
+        let stages: &[&str] = if offload { &["2"] } else { &["0", "1", "2"] };
+        for &zero in stages {
+            let what = format!("ZeRO-{zero}, offloaded {offload}");
+            let mut flags = vec!["--optimizer-in-backward", "--zero", zero];
+            flags.extend(host);
+            let inside = run(&format!("inside-{zero}-{offload}"), &flags);
+            let (a, b) = (steps(&after), steps(&inside));
+            assert_eq!(a.len(), 3);
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!((x.0, x.2, x.3), (y.0, y.2, y.3), "{what}: loss, tokens");
+                assert!((x.1 - y.1).abs() <= 1e-5 * x.1, "{what}: norm {x:?} {y:?}");
+            }
+            for file in ["model.safetensors", "trainer_state.safetensors"] {
+                assert!(
+                    saved_file(&after, file) == saved_file(&inside, file),
+                    "{what}: {file} differs"
+                );
+            }
+            let (whole, held) = (peak_of(&after, "gradients"), peak_of(&inside, "gradients"));
+            assert!(
+                held * 2 < whole,
+                "{what}: {held} bytes of gradients, {whole} after"
+            );
+            eprintln!(
+                "{what}: inside backward bitwise after it; gradients {held} of {whole} bytes"
+            );
+            let _ = std::fs::remove_dir_all(inside);
+        }
+        let _ = std::fs::remove_dir_all(after);
     }
 }
 

@@ -242,81 +242,84 @@ fn device_tensors_are_summed_in_place_on_the_device() {
 /// once through the host engine and once through NCCL's device path: the same losses
 /// and bit for bit the same weights, master weights and optimizer state, for DDP, ZeRO-1
 /// and ZeRO-2 (whose gradients NCCL reduces to their owners, where the host path sums
-/// them on every rank), in f32 and in mixed bf16, with buckets small enough to hold a few
-/// gradients each.
+/// them on every rank), in f32 and in mixed bf16, updating after backward and inside it
+/// (each bucket's parameters as the next bucket is sent), with buckets small enough to
+/// hold a few gradients each.
 #[test]
 fn the_device_path_trains_bitwise_as_the_host_path() {
     let (Some(lib), Some(_)) = (fake_nccl(), emulated()) else {
         return;
     };
-    for zero in [0, 1, 2] {
-        for bf16 in [false, true] {
-            let run = |on_device: bool| {
-                let cuda = Arc::new(CudaBackend::emulated().unwrap());
-                let collective: Arc<dyn Collective> = if on_device {
-                    Arc::new(Nccl::join_with(lib, &cuda, Arc::new(Mirrored)).unwrap())
-                } else {
-                    Arc::new(Mirrored)
-                };
-                let be: Arc<dyn Backend> = cuda;
-                let model = trainkit::Gpt2::new(tiny_config()).unwrap();
-                let options = TrainerOptions {
-                    zero_stage: zero,
-                    bucket_bytes: 8 << 10,
-                    ..TrainerOptions::default()
-                };
-                let loader = corpus_loader(20_000, 3, 2, 16);
-                let (losses, bits) = if bf16 {
-                    let mut t = trainkit::Trainer::builder(model, be, loader)
-                        .precision(trainkit::MixedBf16::default())
-                        .options(options)
-                        .collective(collective)
-                        .build()
-                        .unwrap();
-                    let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
-                    (l, update_bits(&t))
-                } else {
-                    let mut t = trainkit::Trainer::builder(model, be, loader)
-                        .options(options)
-                        .collective(collective)
-                        .build()
-                        .unwrap();
-                    let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
-                    (l, update_bits(&t))
-                };
-                (losses, bits)
+    for (zero, bf16, in_backward) in [0, 1, 2]
+        .into_iter()
+        .flat_map(|z| [(z, false), (z, true)])
+        .flat_map(|(z, b)| [(z, b, false), (z, b, true)])
+    {
+        let run = |on_device: bool| {
+            let cuda = Arc::new(CudaBackend::emulated().unwrap());
+            let collective: Arc<dyn Collective> = if on_device {
+                Arc::new(Nccl::join_with(lib, &cuda, Arc::new(Mirrored)).unwrap())
+            } else {
+                Arc::new(Mirrored)
             };
-            let calls = || fake_calls(7) + fake_calls(9);
-            let counts = || {
-                [
-                    calls(),
-                    fake_count(b"fake_nccl_reduces"),
-                    fake_count(b"fake_nccl_groups"),
-                    fake_count(b"fake_nccl_grouped"),
-                ]
+            let be: Arc<dyn Backend> = cuda;
+            let model = trainkit::Gpt2::new(tiny_config()).unwrap();
+            let options = TrainerOptions {
+                zero_stage: zero,
+                bucket_bytes: 8 << 10,
+                optimizer_in_backward: in_backward,
+                grad_clip: if in_backward { 0.0 } else { 1.0 },
+                ..TrainerOptions::default()
             };
-            let before = counts();
-            let device = run(true);
-            let after = counts();
-            let [sums, reduces, groups, grouped] = [0, 1, 2, 3].map(|k| after[k] - before[k]);
-            assert!(sums > 0, "zero {zero}: NCCL carried the step");
-            // ZeRO-2 reduces each gradient to its owner at once; the others sum buckets of
-            // gradients on every rank, a group each (some holding several).
-            assert_eq!(reduces > 0, zero == 2, "zero {zero}: reduced to owners");
-            assert_eq!(groups > 0, zero < 2, "zero {zero}: buckets as groups");
-            if zero < 2 {
-                assert!(
-                    grouped > groups,
-                    "zero {zero}: {grouped} sums in {groups} groups"
-                );
-            }
-            let host = run(false);
-            assert_eq!(device.0, host.0, "zero {zero} bf16 {bf16}: losses");
+            let loader = corpus_loader(20_000, 3, 2, 16);
+            let (losses, bits) = if bf16 {
+                let mut t = trainkit::Trainer::builder(model, be, loader)
+                    .precision(trainkit::MixedBf16::default())
+                    .options(options)
+                    .collective(collective)
+                    .build()
+                    .unwrap();
+                let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
+                (l, update_bits(&t))
+            } else {
+                let mut t = trainkit::Trainer::builder(model, be, loader)
+                    .options(options)
+                    .collective(collective)
+                    .build()
+                    .unwrap();
+                let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
+                (l, update_bits(&t))
+            };
+            (losses, bits)
+        };
+        let calls = || fake_calls(7) + fake_calls(9);
+        let counts = || {
+            [
+                calls(),
+                fake_count(b"fake_nccl_reduces"),
+                fake_count(b"fake_nccl_groups"),
+                fake_count(b"fake_nccl_grouped"),
+            ]
+        };
+        let before = counts();
+        let device = run(true);
+        let after = counts();
+        let [sums, reduces, groups, grouped] = [0, 1, 2, 3].map(|k| after[k] - before[k]);
+        assert!(sums > 0, "zero {zero}: NCCL carried the step");
+        // ZeRO-2 reduces each gradient to its owner at once; the others sum buckets of
+        // gradients on every rank, a group each (some holding several).
+        assert_eq!(reduces > 0, zero == 2, "zero {zero}: reduced to owners");
+        assert_eq!(groups > 0, zero < 2, "zero {zero}: buckets as groups");
+        if zero < 2 {
             assert!(
-                device.1 == host.1,
-                "zero {zero} bf16 {bf16}: weights and state"
+                grouped > groups,
+                "zero {zero}: {grouped} sums in {groups} groups"
             );
         }
+        let host = run(false);
+        let what = format!("zero {zero} bf16 {bf16} inside backward {in_backward}");
+        assert_eq!(device.0, host.0, "{what}: losses");
+        assert!(device.1 == host.1, "{what}: weights and state");
     }
 }
 

@@ -5,8 +5,11 @@
 
 mod common;
 
-use common::{corpus_loader, cpu, tiny_config, trainkit};
-use trainkit::estimate::{predict_with, MicroBatch};
+use common::mirrored::Mirrored;
+use common::{categories_match_prediction, corpus_loader, cpu, tiny_config, trainkit, update_bits};
+use std::sync::Arc;
+use trainkit::collective::Rehearsal;
+use trainkit::estimate::{predict_rank, predict_with, MicroBatch};
 use trainkit::ops::LossPath;
 use trainkit::{
     AdamW, AdamW8bit, CheckpointPolicy, Constant, Error, Fp32, Full, Gpt2, MemoryCategory,
@@ -269,4 +272,89 @@ fn trainkit_memory_shows_what_it_saves() {
     // from the head to the embedding) and about a layer's.
     assert_eq!(after, 2 * (124_439_808 + 47 * 768));
     assert!(inside < after / 3, "{inside} of {after}");
+}
+
+/// One rank of two (the other mirroring it) updating inside backward, as DDP, ZeRO-1 and
+/// ZeRO-2, with buckets of a few gradients and with none (each gradient summed alone):
+/// the losses, weights, master weights and optimizer state are bit for bit those of the
+/// same rank updating after backward; gradient memory is a fraction of the model's; the
+/// rank's ledger equals the meta backend's rehearsal of that rank.
+#[test]
+fn on_two_ranks_updates_inside_backward_are_those_after_it() {
+    for zero in [0u8, 1, 2] {
+        for bucket_bytes in [8 << 10, 0] {
+            let options = |in_backward: bool| TrainerOptions {
+                zero_stage: zero,
+                // ZeRO-2 sums in buckets, always.
+                bucket_bytes: if zero == 2 {
+                    bucket_bytes.max(1)
+                } else {
+                    bucket_bytes
+                },
+                ..self::options(in_backward)
+            };
+            let run = |in_backward: bool| {
+                let mut t = Trainer::builder(
+                    Gpt2::new(tiny_config()).unwrap(),
+                    cpu(),
+                    corpus_loader(20_000, 11, 2, 32),
+                )
+                .precision(MixedBf16 { fp32_grads: false })
+                .options(options(in_backward))
+                .collective(Arc::new(Mirrored))
+                .build()
+                .unwrap();
+                let stats: Vec<_> = (0..3).map(|_| t.step().unwrap()).collect();
+                (stats, update_bits(&t))
+            };
+            let what = format!("zero {zero}, buckets of {bucket_bytes} bytes");
+            let ((after, a), (inside, b)) = (run(false), run(true));
+            for (step, (x, y)) in after.iter().zip(&inside).enumerate() {
+                assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{what}: step {step}");
+                assert!(!y.skipped, "{what}: step {step}");
+                // Under ZeRO each owner's squares are summed across the ranks, and the
+                // mirror stands for rank 1 by doubling rank 0's: the norm is the step's
+                // only where every rank holds every gradient (tests/data_parallel.rs
+                // checks it on real ranks).
+                assert!(
+                    zero > 0 || ((x.grad_norm - y.grad_norm) / x.grad_norm).abs() < 1e-5,
+                    "{what}: step {step}: norm {} vs {}",
+                    x.grad_norm,
+                    y.grad_norm
+                );
+                let whole = x.memory.peak.get(MemoryCategory::Gradients);
+                let held = y.memory.peak.get(MemoryCategory::Gradients);
+                // ZeRO-2 after backward keeps only this rank's share already.
+                let fraction = if zero == 2 { 1 } else { 2 };
+                assert!(
+                    held * fraction < whole,
+                    "{what}: step {step}: {held} of {whole} bytes"
+                );
+            }
+            assert!(
+                a == b,
+                "{what}: weights, master weights and optimizer state"
+            );
+            let predicted = predict_rank(
+                Box::new(Gpt2::new(tiny_config()).unwrap()),
+                MicroBatch {
+                    batch_size: 2,
+                    seq_len: 32,
+                },
+                &MixedBf16 { fp32_grads: false },
+                &NoRecompute,
+                &AdamW::default(),
+                &options(true),
+                Rehearsal::new(0, 2).unwrap(),
+            )
+            .unwrap();
+            for (step, s) in inside.iter().enumerate().skip(1) {
+                categories_match_prediction(s, &predicted, step as u64 + 1, &what);
+                assert_eq!(
+                    s.memory.peak_total, predicted.peak_total,
+                    "{what}: step {step}"
+                );
+            }
+        }
+    }
 }

@@ -603,11 +603,6 @@ fn incompatible(req: &FitRequest<'_>, t: Technique) -> Option<String> {
              gradient at once; --grad-clip 0 lets autofit use it",
             req.grad_clip
         )),
-        Technique::OptimizerInBackward if req.world > 1 => Some(format!(
-            "the {} ranks sum each gradient after backward, which an update inside backward \
-             would not wait for (data-parallel training refuses it)",
-            req.world
-        )),
         Technique::Offload if req.offload_activations => {
             Some("on already (the run's own setting)".into())
         }

@@ -22,6 +22,14 @@
 //! are freed as soon as they are in a bucket (or their sum is queued: the free is ordered
 //! after it), and their sums are not written back, so gradient memory is this rank's
 //! share plus what backward has not yet bucketed.
+//!
+//! For the update inside backward the buckets also say when each sum is complete
+//! ([`Buckets::start`]'s `early`): when a bucket closes, the one closed before it is
+//! awaited and its members are returned, to be updated while backward goes on (one
+//! bucket in flight beside the compute). Which bucket a gradient joins and when it is
+//! returned depend only on the model and the bucket size, never on the engine or the
+//! timing, so the meta backend's rehearsal (which sums nothing) frees and allocates in
+//! the same order as the ranks do.
 
 use crate::collective::{host_of, Collective};
 use crate::device::Backend;
@@ -48,18 +56,42 @@ enum Summer {
         collective: Arc<dyn Collective>,
         done: VecDeque<Vec<f32>>,
     },
+    /// Nowhere: a backend that holds no values (the meta backend's rehearsal), whose
+    /// buckets only free what a rank does not keep, where the ranks free it.
+    Rehearsed,
+}
+
+/// The bucket being filled.
+#[derive(Default)]
+struct Open {
+    /// Its parameters, in the order they joined.
+    members: Vec<usize>,
+    /// Their values.
+    count: usize,
+    /// Those whose values are read into `values`, to be summed in host memory.
+    host: Vec<usize>,
+    values: Vec<f32>,
+    /// Those on the device, summed in place together (one NCCL group).
+    device: Vec<usize>,
+}
+
+/// A bucket whose sums were started.
+struct Sent {
+    members: Vec<usize>,
+    /// The members summed in host memory, whose sums come back (none: nothing was sent).
+    host: Vec<usize>,
 }
 
 /// One step's buckets and the thread that sums them.
 pub(super) struct Buckets {
     /// Values a bucket holds before it is sent.
     cap: usize,
-    /// The open bucket.
-    open: Vec<f32>,
-    /// The parameters in it, in order.
-    members: Vec<usize>,
-    /// The parameters of each bucket sent, in the order sent.
-    in_flight: Vec<Vec<usize>>,
+    open: Open,
+    /// The buckets sent, oldest first.
+    in_flight: VecDeque<Sent>,
+    /// Whether a bucket is awaited as soon as the next one is sent (the update inside
+    /// backward), rather than after backward.
+    early: bool,
     /// Whether each parameter's gradient has joined a bucket.
     taken: Vec<bool>,
     /// Whether this rank keeps each parameter's summed gradient (ZeRO-2: only those it
@@ -68,30 +100,33 @@ pub(super) struct Buckets {
     /// ZeRO-2: the rank that updates each parameter, to which a gradient on the device is
     /// reduced (not all-reduced) where the engine sums device memory.
     owners: Option<Vec<usize>>,
-    /// Gradients on the device waiting to be summed together (one NCCL group per bucket
-    /// of `cap` values), and their values.
-    grouped: Vec<usize>,
-    grouped_values: usize,
     summer: Summer,
 }
 
 impl Buckets {
-    /// Buckets of `bytes` (of f32 values) for `params` parameters, summed across the
-    /// ranks of `collective` on a thread of their own (or in place on the device, where
-    /// the engine sums device memory). Under ZeRO-2 `owners` gives the rank that updates
+    /// Buckets of `bytes` (of f32 values; at least one value) for `params` parameters,
+    /// summed across the ranks of `collective` on a thread of their own, in place on the
+    /// device where the engine sums device memory, or not at all where the backend holds
+    /// no values (`holds_data` false). Under ZeRO-2 `owners` gives the rank that updates
     /// each parameter: this rank keeps only its own parameters' sums (every one without).
+    /// With `early`, [`Buckets::ready`] returns each bucket's members once its sums are
+    /// written (as the bucket after it closes); else every sum is written by
+    /// [`Buckets::finish`].
     pub(super) fn start(
         collective: Arc<dyn Collective>,
         bytes: usize,
         params: usize,
         owners: Option<&[usize]>,
+        (holds_data, early): (bool, bool),
     ) -> Self {
         let rank = collective.rank();
         let keep = owners.map_or_else(
             || vec![true; params],
             |o| o.iter().map(|&r| r == rank).collect(),
         );
-        let summer = if collective.sums_on_device() {
+        let summer = if !holds_data {
+            Summer::Rehearsed
+        } else if collective.sums_on_device() {
             Summer::Inline {
                 collective,
                 done: VecDeque::new(),
@@ -115,134 +150,154 @@ impl Buckets {
         };
         Buckets {
             cap: (bytes / 4).max(1),
-            open: Vec::new(),
-            members: Vec::new(),
-            in_flight: Vec::new(),
+            open: Open::default(),
+            in_flight: VecDeque::new(),
+            early,
             taken: vec![false; keep.len()],
             keep,
             owners: owners.map(<[usize]>::to_vec),
-            grouped: Vec::new(),
-            grouped_values: 0,
             summer,
         }
     }
 
     /// Parameter `i`'s gradient is complete: into the open bucket (zeros where this rank
     /// computed none), which is sent once full, or summed in place on the device; freed
-    /// here when this rank does not keep it. Frozen parameters are left out.
-    pub(super) fn ready(&mut self, be: &dyn Backend, params: &mut [Param], i: usize) -> Result<()> {
+    /// here when this rank does not keep it. Frozen parameters are left out. Returns the
+    /// parameters whose sums this call completed (only with `early`: the members of the
+    /// bucket sent before the one this call closed, in order).
+    pub(super) fn ready(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut [Param],
+        i: usize,
+    ) -> Result<Vec<usize>> {
         let p = &mut params[i];
         if self.taken[i] || !p.trains() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         self.taken[i] = true;
-        // A gradient on the device, where the engine sums device memory, stays there.
-        if let Summer::Inline { collective, .. } = &self.summer {
-            if let Storage::Device(_) = p.grad_mut(be)?.storage() {
+        self.open.members.push(i);
+        self.open.count += p.numel();
+        self.join(be, p, i)?;
+        if self.open.count >= self.cap {
+            return self.close(be, params);
+        }
+        Ok(Vec::new())
+    }
+
+    /// Starts parameter `i`'s sum in the open bucket: on the device where the engine sums
+    /// device memory, else its values read into the bucket's; freed if not kept.
+    fn join(&mut self, be: &dyn Backend, p: &mut Param, i: usize) -> Result<()> {
+        let on_device = match &self.summer {
+            Summer::Rehearsed => true,
+            // A gradient on the device, where the engine sums device memory, stays there.
+            Summer::Inline { collective, .. }
+                if matches!(p.grad_mut(be)?.storage(), Storage::Device(_)) =>
+            {
                 match &self.owners {
-                    // DDP and ZeRO-1: summed a bucket at a time, in one group.
+                    // DDP and ZeRO-1: summed with the bucket's others, in one group.
                     None => {
-                        self.grouped.push(i);
-                        self.grouped_values += p.numel();
-                        if self.grouped_values >= self.cap {
-                            self.sum_grouped(params)?;
-                        }
+                        self.open.device.push(i);
                         return Ok(());
                     }
-                    // ZeRO-2: reduced to its owner at once, and freed where not kept.
+                    // ZeRO-2: reduced to its owner at once (the free waits for the sum
+                    // that reads it, on the device).
                     Some(owners) => {
-                        if collective.reduce_device(p.grad_mut(be)?, owners[i])? {
-                            if !self.keep[i] {
-                                // The free waits for the sum that reads it (on the device).
-                                collective.settle_device()?;
-                                p.drop_grad();
-                            }
-                            return Ok(());
+                        let reduced = collective.reduce_device(p.grad_mut(be)?, owners[i])?;
+                        if reduced && !self.keep[i] {
+                            collective.settle_device()?;
                         }
+                        reduced
                     }
                 }
             }
-        }
-        match p.grad() {
-            Some(g) => read_into(be, g, &mut self.open)?,
-            None => self.open.resize(self.open.len() + p.numel(), 0.0),
+            _ => false,
+        };
+        if !on_device {
+            match p.grad() {
+                Some(g) => read_into(be, g, &mut self.open.values)?,
+                None => self
+                    .open
+                    .values
+                    .resize(self.open.values.len() + p.numel(), 0.0),
+            }
+            self.open.host.push(i);
         }
         if !self.keep[i] {
             p.drop_grad();
         }
-        self.members.push(i);
-        if self.open.len() >= self.cap {
-            self.send()?;
-        }
         Ok(())
     }
 
-    /// Sums the gradients waiting on the device, in place, queued together as one group.
-    fn sum_grouped(&mut self, params: &mut [Param]) -> Result<()> {
-        let Summer::Inline { collective, .. } = &self.summer else {
-            return Ok(());
-        };
-        if self.grouped.is_empty() {
-            return Ok(());
+    /// Sends the open bucket, if it holds anything; with `early`, awaits the one sent
+    /// before it and returns its members.
+    fn close(&mut self, be: &dyn Backend, params: &mut [Param]) -> Result<Vec<usize>> {
+        if self.open.members.is_empty() {
+            return Ok(Vec::new());
         }
-        let members = std::mem::take(&mut self.grouped);
-        self.grouped_values = 0;
-        collective.group(&mut || {
-            for &i in &members {
-                let name = params[i].name().to_string();
-                let g = params[i].grad_if_any_mut().ok_or_else(|| missing(&name))?;
-                if !collective.all_reduce_device(g)? {
-                    return Err(missing(&name));
+        let open = std::mem::take(&mut self.open);
+        let mut done = Vec::new();
+        // On the device the older sums are awaited first, so that compute waits for them
+        // and not for this bucket's.
+        if self.early && matches!(self.summer, Summer::Inline { .. }) && !self.in_flight.is_empty()
+        {
+            done = self.complete_oldest(be, params)?;
+        }
+        let sent = Sent {
+            members: open.members,
+            host: open.host,
+        };
+        match &mut self.summer {
+            Summer::Rehearsed => {}
+            Summer::Thread { jobs, .. } => {
+                if !sent.host.is_empty() {
+                    jobs.as_ref()
+                        .and_then(|jobs| jobs.send(open.values).ok())
+                        .ok_or_else(stopped)?;
                 }
             }
-            Ok(())
-        })
-    }
-
-    /// Sends the open bucket, if it holds anything.
-    fn send(&mut self) -> Result<()> {
-        if self.members.is_empty() {
-            return Ok(());
-        }
-        let mut bucket = std::mem::take(&mut self.open);
-        match &mut self.summer {
-            Summer::Thread { jobs, .. } => {
-                jobs.as_ref()
-                    .and_then(|jobs| jobs.send(bucket).ok())
-                    .ok_or_else(stopped)?;
-            }
             Summer::Inline { collective, done } => {
-                collective.all_reduce_sum(&mut bucket)?;
-                done.push_back(bucket);
+                let members = open.device;
+                if !members.is_empty() {
+                    collective.group(&mut || {
+                        for &i in &members {
+                            let name = params[i].name().to_string();
+                            let g = params[i].grad_if_any_mut().ok_or_else(|| missing(&name))?;
+                            if !collective.all_reduce_device(g)? {
+                                return Err(missing(&name));
+                            }
+                        }
+                        Ok(())
+                    })?;
+                }
+                if !sent.host.is_empty() {
+                    let mut values = open.values;
+                    collective.all_reduce_sum(&mut values)?;
+                    done.push_back(values);
+                }
             }
         }
-        self.in_flight.push(std::mem::take(&mut self.members));
-        Ok(())
+        self.in_flight.push_back(sent);
+        if self.early && !matches!(self.summer, Summer::Inline { .. }) && self.in_flight.len() > 1 {
+            done = self.complete_oldest(be, params)?;
+        }
+        Ok(done)
     }
 
-    /// The sums of the next bucket sent.
-    fn next_sums(&mut self) -> Result<Vec<f32>> {
-        match &mut self.summer {
-            Summer::Thread { done, .. } => done.recv().map_err(|_| stopped())?,
-            Summer::Inline { done, .. } => done.pop_front().ok_or_else(stopped),
+    /// Awaits the oldest bucket sent, writes the sums this rank keeps into their
+    /// gradients and returns its members.
+    fn complete_oldest(&mut self, be: &dyn Backend, params: &mut [Param]) -> Result<Vec<usize>> {
+        let Some(sent) = self.in_flight.pop_front() else {
+            return Ok(Vec::new());
+        };
+        if let Summer::Inline { collective, .. } = &self.summer {
+            // What reads the gradients next waits for their sums (on the device).
+            collective.settle_device()?;
         }
-    }
-
-    /// After backward: the gradients no hook reported (in model order), the last bucket
-    /// sent, and every sum written into its gradient.
-    pub(super) fn finish(mut self, be: &dyn Backend, params: &mut [Param]) -> Result<()> {
-        for i in 0..params.len() {
-            self.ready(be, params, i)?;
-        }
-        self.sum_grouped(params)?;
-        self.send()?;
-        if let Summer::Thread { jobs, .. } = &mut self.summer {
-            *jobs = None;
-        }
-        for members in std::mem::take(&mut self.in_flight) {
+        if !sent.host.is_empty() && !matches!(self.summer, Summer::Rehearsed) {
             let sums = self.next_sums()?;
             let mut at = 0;
-            for i in members {
+            for &i in &sent.host {
                 let n = params[i].numel();
                 let values = sums.get(at..at + n).ok_or_else(stopped)?;
                 if self.keep[i] {
@@ -251,8 +306,34 @@ impl Buckets {
                 at += n;
             }
         }
+        Ok(sent.members)
+    }
+
+    /// The sums of the next bucket sent.
+    fn next_sums(&mut self) -> Result<Vec<f32>> {
         match &mut self.summer {
-            Summer::Thread { thread, .. } => {
+            Summer::Thread { done, .. } => done.recv().map_err(|_| stopped())?,
+            Summer::Inline { done, .. } => done.pop_front().ok_or_else(stopped),
+            Summer::Rehearsed => Err(stopped()),
+        }
+    }
+
+    /// After backward: the gradients no hook reported (in model order), the last bucket
+    /// sent, and every sum written into its gradient. Returns the parameters whose sums
+    /// this call completed, in order (with `early`, those [`Buckets::ready`] did not
+    /// return; else every one).
+    pub(super) fn finish(mut self, be: &dyn Backend, params: &mut [Param]) -> Result<Vec<usize>> {
+        let mut done = Vec::new();
+        for i in 0..params.len() {
+            done.extend(self.ready(be, params, i)?);
+        }
+        done.extend(self.close(be, params)?);
+        while !self.in_flight.is_empty() {
+            done.extend(self.complete_oldest(be, params)?);
+        }
+        match &mut self.summer {
+            Summer::Thread { jobs, thread, .. } => {
+                *jobs = None;
                 if let Some(t) = thread.take() {
                     t.join().map_err(|_| stopped())?;
                 }
@@ -260,8 +341,9 @@ impl Buckets {
             // What reads the gradients next (the guard, the update, the next micro-batch's
             // backward) waits for their sums.
             Summer::Inline { collective, .. } => collective.settle_device()?,
+            Summer::Rehearsed => {}
         }
-        Ok(())
+        Ok(done)
     }
 }
 
@@ -315,62 +397,5 @@ fn stopped() -> Error {
     Error::Backend {
         backend: "collective",
         message: "the thread summing gradient buckets across ranks stopped".to_string(),
-    }
-}
-
-/// ZeRO-2's gradients of one micro-batch: summed in [`Buckets`] as backward completes
-/// them, each rank keeping the sums of the parameters it updates and freeing the others
-/// as soon as they are bucketed. On a backend that holds no values (the meta backend's
-/// prediction) nothing is summed, and the same gradients are freed at the same points.
-pub(super) struct ShardedGrads {
-    keep: Vec<bool>,
-    buckets: Option<Buckets>,
-}
-
-impl ShardedGrads {
-    /// One micro-batch's sums across `collective`, in buckets of `bytes`, keeping the
-    /// gradients of the parameters of which this rank is the owner in `owners`.
-    pub(super) fn start(
-        be: &dyn Backend,
-        collective: &Arc<dyn Collective>,
-        bytes: usize,
-        owners: &[usize],
-    ) -> Self {
-        let rank = collective.rank();
-        ShardedGrads {
-            keep: owners.iter().map(|&r| r == rank).collect(),
-            buckets: be
-                .holds_data()
-                .then(|| Buckets::start(Arc::clone(collective), bytes, owners.len(), Some(owners))),
-        }
-    }
-
-    /// Parameter `i`'s gradient is complete ([`Buckets::ready`]).
-    pub(super) fn ready(&mut self, be: &dyn Backend, params: &mut [Param], i: usize) -> Result<()> {
-        match self.buckets.as_mut() {
-            Some(b) => b.ready(be, params, i),
-            None => {
-                if !self.keep[i] {
-                    params[i].drop_grad();
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// After the micro-batch's backward: every sum this rank keeps written into its
-    /// gradient, every other gradient freed ([`Buckets::finish`]).
-    pub(super) fn finish(self, be: &dyn Backend, params: &mut [Param]) -> Result<()> {
-        match self.buckets {
-            Some(b) => b.finish(be, params),
-            None => {
-                for (p, &keep) in params.iter_mut().zip(&self.keep) {
-                    if !keep {
-                        p.drop_grad();
-                    }
-                }
-                Ok(())
-            }
-        }
     }
 }

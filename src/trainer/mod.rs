@@ -621,16 +621,6 @@ where
     pub fn join(&mut self, collective: Arc<dyn Collective>) -> Result<()> {
         let world = collective.world();
         if world > 1 {
-            if self.options.optimizer_in_backward {
-                return Err(Error::config(
-                    "optimizer_in_backward",
-                    format!(
-                        "the update inside backward needs each gradient summed across the \
-                         {world} ranks as it is ready, which data-parallel training does not \
-                         do yet; drop --optimizer-in-backward"
-                    ),
-                ));
-            }
             if let Some(p) = self.params.iter().find(|p| p.streamed() && p.trains()) {
                 return Err(Error::config(
                     "placement",

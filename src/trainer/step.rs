@@ -3,12 +3,12 @@
 //! backward when asked), apply the update (the device-side guard and the optimizer), keep
 //! the books (loss scale, skipped steps, divergence), and report.
 
-use super::buckets::{Buckets, ShardedGrads};
+use super::buckets::Buckets;
 use super::update::{InBackward, Updater};
 use super::{in_backward_accumulates, StepMemory, StepStats, Trainer};
 use crate::accumulate::{AccumulationContext, AccumulationSchedule};
 use crate::checkpoint::CheckpointPolicy;
-use crate::collective::{all_reduce_tensor, broadcast_tensor};
+use crate::collective::{all_reduce_tensor, broadcast_tensor, Collective};
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{MemoryCategory, MemoryObserver, Phase};
@@ -50,6 +50,9 @@ impl Plan {
 /// The step's device buffers: the per-position losses and the guard's record, read once.
 struct Buffers {
     losses: Tensor,
+    /// Whether `losses` holds every rank's sum already (the update inside backward sums
+    /// them before the first update).
+    losses_summed: bool,
     record: Tensor,
 }
 
@@ -81,6 +84,7 @@ where
                 MemoryCategory::Workspace,
                 "step.losses",
             )?,
+            losses_summed: false,
             record: be.zeros(
                 &[StepRecord::LEN],
                 DType::F32,
@@ -88,22 +92,15 @@ where
                 "step.record",
             )?,
         };
-        let mut inside = InBackward {
-            norm_squares: 0.0,
-            all_finite: true,
-        };
+        let mut inside = InBackward::new(self.params.len());
         let mut buckets = self.buckets(be);
-        let pass = self.micro_batches(
-            be,
-            &plan,
-            batches,
-            &mut buffers,
-            &mut inside,
-            buckets.as_mut(),
-        )?;
+        let pass =
+            self.micro_batches(be, &plan, batches, &mut buffers, &mut inside, &mut buckets)?;
         self.sum_across_ranks(be, &mut buffers, buckets)?;
-        let record = self.update(be, &plan, buffers, &inside)?;
-        if record.finite() {
+        let record = self.update(be, &plan, buffers, &mut inside)?;
+        // Inside backward each parameter's own guard decided its update: the owners'
+        // weights go out whatever the step's record says.
+        if record.finite() || plan.in_backward {
             self.receive_updates(be)?;
         }
         self.keep_books(&plan, &record)?;
@@ -183,7 +180,7 @@ where
         batches: Vec<Batch>,
         buffers: &mut Buffers,
         inside: &mut InBackward,
-        mut buckets: Option<&mut Buckets>,
+        buckets: &mut Option<Buckets>,
     ) -> Result<PassStats> {
         let ledger = be.ledger().clone();
         let host = self.host_for_offload()?;
@@ -192,6 +189,7 @@ where
         // ZeRO-2: the owners of the updates, whose gradients each rank keeps.
         let sharded_grads = self.kept_grads().is_some().then(|| self.owners.clone());
         let collective = Arc::clone(&self.collective);
+        let c = collective.as_ref();
         let Trainer {
             model,
             params,
@@ -217,11 +215,20 @@ where
                 let updater_now = &mut updater;
                 // The last micro-batch completes each gradient: into a bucket.
                 let last = j + 1 == plan.k;
-                let mut bucket = buckets.as_deref_mut().filter(|_| last);
+                let mut bucket = buckets.as_mut().filter(|_| last);
                 // ZeRO-2: every micro-batch's, each rank keeping its share.
                 let mut sharded = sharded_grads.as_deref().map(|owners| {
-                    ShardedGrads::start(be, &collective, options.bucket_bytes, owners)
+                    Buckets::start(
+                        Arc::clone(&collective),
+                        options.bucket_bytes,
+                        owners.len(),
+                        Some(owners),
+                        (be.holds_data(), plan.in_backward),
+                    )
                 });
+                // Inside backward with several ranks: every rank's losses, summed before
+                // the first update reads them.
+                let mut summed_losses: Option<Tensor> = None;
                 let sums = bucket.is_some() || sharded.is_some();
                 // Separate accumulation: the running sum taken out, this micro-batch's
                 // gradients computed apart and added to it as each is complete.
@@ -233,18 +240,22 @@ where
                     if let Some(sum) = stash.as_mut().and_then(|s| s[i].take()) {
                         ps[i].fold_grad(be, sum)?;
                     }
-                    if let Some(b) = bucket.as_deref_mut() {
-                        return b.ready(be, ps, i);
-                    }
-                    if let Some(s) = sharded.as_mut() {
-                        return s.ready(be, ps, i);
-                    }
-                    match updater_now.as_mut() {
-                        Some(u) => {
-                            u.update_ready(be, ps, i, losses, record, plan.loss_scale, inside)
+                    // The losses are summed before the first bucket goes to the
+                    // communication thread, whose collectives no other may cross.
+                    let losses = match updater_now.is_some() {
+                        true => summed(c, be, losses, &mut summed_losses)?,
+                        false => losses,
+                    };
+                    let complete = match (bucket.as_deref_mut(), sharded.as_mut()) {
+                        (Some(b), _) | (None, Some(b)) => b.ready(be, ps, i)?,
+                        (None, None) => vec![i],
+                    };
+                    if let Some(u) = updater_now.as_mut() {
+                        for i in complete {
+                            u.update_ready(be, ps, i, losses, record, plan.loss_scale, inside)?;
                         }
-                        None => Ok(()),
                     }
+                    Ok(())
                 };
                 let mut pass = Pass {
                     backend: be,
@@ -274,8 +285,26 @@ where
                         p.fold_grad(be, sum)?;
                     }
                 }
+                // The sums still in flight, and (inside backward) their updates.
+                let mut complete = Vec::new();
                 if let Some(sharded) = sharded {
-                    sharded.finish(be, params)?;
+                    complete = sharded.finish(be, params)?;
+                }
+                if last && plan.in_backward {
+                    if let Some(b) = buckets.take() {
+                        complete = b.finish(be, params)?;
+                    }
+                }
+                if let Some(u) = updater.as_mut().filter(|_| !complete.is_empty()) {
+                    let losses = summed(c, be, &buffers.losses, &mut summed_losses)?;
+                    for i in complete {
+                        let (record, loss_scale) = (&mut buffers.record, plan.loss_scale);
+                        u.update_ready(be, params, i, losses, record, loss_scale, inside)?;
+                    }
+                }
+                if let Some(losses) = summed_losses {
+                    buffers.losses = losses;
+                    buffers.losses_summed = true;
                 }
                 let stash = &mut totals.stash;
                 stash.kept_bytes += s.stash.kept_bytes;
@@ -313,7 +342,11 @@ where
         }
         match buckets {
             // The buckets backward filled, and what it left.
-            Some(b) => b.finish(be, &mut self.params)?,
+            Some(b) => {
+                b.finish(be, &mut self.params)?;
+            }
+            // Inside backward: summed and spent already.
+            None if self.options.optimizer_in_backward => {}
             // ZeRO-2: summed micro-batch by micro-batch already.
             None if self.kept_grads().is_some() => {}
             // Every trained parameter, in the same order on every rank (one a rank's
@@ -324,16 +357,25 @@ where
                 }
             }
         }
+        if buffers.losses_summed {
+            return Ok(());
+        }
         all_reduce_tensor(c, be, &mut buffers.losses)
     }
 
     /// The step's gradient buckets ([`TrainerOptions::bucket_bytes`]) in a data-parallel
-    /// job whose tensors hold values; `None` sums each gradient after backward.
+    /// job; `None` sums each gradient after backward. Inside backward the gradients are
+    /// always summed as they are complete (a bucket size of 0 gives each its own).
     fn buckets(&self, be: &dyn Backend) -> Option<Buckets> {
         let c = &self.collective;
-        let bytes = self.options.bucket_bytes;
-        (c.world() > 1 && bytes > 0 && be.holds_data() && self.kept_grads().is_none())
-            .then(|| Buckets::start(Arc::clone(c), bytes, self.params.len(), None))
+        let (bytes, early) = (
+            self.options.bucket_bytes,
+            self.options.optimizer_in_backward,
+        );
+        (c.world() > 1 && (bytes > 0 || early) && self.kept_grads().is_none()).then(|| {
+            let params = self.params.len();
+            Buckets::start(Arc::clone(c), bytes, params, None, (be.holds_data(), early))
+        })
     }
 
     /// Under ZeRO-1, each trained parameter's updated compute weights sent by the rank
@@ -373,10 +415,12 @@ where
         be: &dyn Backend,
         plan: &Plan,
         buffers: Buffers,
-        inside: &InBackward,
+        inside: &mut InBackward,
     ) -> Result<StepRecord> {
         let ledger = be.ledger().clone();
-        let Buffers { losses, mut record } = buffers;
+        let Buffers {
+            losses, mut record, ..
+        } = buffers;
         ledger.phase_begin(Phase::Optimizer);
         if !plan.in_backward {
             match self.kept_grads() {
@@ -410,14 +454,18 @@ where
         }
         let mut r = StepRecord::read(be, &record)?;
         if plan.in_backward {
+            // ZeRO: each rank holds the figures of what it updated.
+            if plan.world > 1 && !self.owners.is_empty() {
+                inside.sum_across(self.collective.as_ref())?;
+            }
             let loss_sum: f64 = be.to_f32(&losses)?.iter().map(|&l| l as f64).sum();
             r = StepRecord {
-                scale: if inside.all_finite && loss_sum.is_finite() {
+                scale: if inside.all_finite() && loss_sum.is_finite() {
                     1.0 / plan.loss_scale
                 } else {
                     f32::NAN
                 },
-                grad_norm: inside.norm_squares.sqrt() as f32,
+                grad_norm: inside.norm_squares().sqrt() as f32,
                 loss_sum: loss_sum as f32,
             };
         }
@@ -561,4 +609,27 @@ where
 pub(crate) fn micro_batch_key(seed: u64, step: u64, j: usize) -> u64 {
     const DROPOUT: u64 = 0x6c6f_7261_5f64_726f; // "lora_dro"
     crate::rng::stream_key(seed ^ DROPOUT, step, j as u64)
+}
+
+/// The step's per-position `losses` as the update inside backward reads them: with more
+/// than one rank, a copy summed across the ranks (made once, into `slot`, before the
+/// first update), so that every rank's guard sees the global step's.
+fn summed<'a>(
+    c: &dyn Collective,
+    be: &dyn Backend,
+    losses: &'a Tensor,
+    slot: &'a mut Option<Tensor>,
+) -> Result<&'a Tensor> {
+    if c.world() == 1 {
+        return Ok(losses);
+    }
+    let all = match slot.take() {
+        Some(all) => all,
+        None => {
+            let mut all = be.copy(losses, MemoryCategory::Workspace, "step.losses.summed")?;
+            all_reduce_tensor(c, be, &mut all)?;
+            all
+        }
+    };
+    Ok(slot.insert(all))
 }

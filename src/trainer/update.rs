@@ -6,6 +6,7 @@
 //! complete. [`Updater`] is that choice, made once per step; [`update_params`] is one
 //! update on the device, as the trainer runs it.
 
+use crate::collective::Collective;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::model::Param;
@@ -88,13 +89,55 @@ fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) ->
     Ok(())
 }
 
-/// What the updates made inside backward add up to: the squares of the parameters' norms
-/// and whether every one was finite.
+/// What the updates made inside backward add up to: each parameter's squared gradient
+/// norm and whether every gradient was finite. With more than one rank, each rank holds
+/// the figures of the parameters it updated; [`InBackward::sum_across`] gives every rank
+/// the step's.
 pub(super) struct InBackward {
-    /// The sum of the squares of the updated gradients' norms (loss scale removed).
-    pub(super) norm_squares: f64,
-    /// Whether every one of them, and the losses, were finite.
-    pub(super) all_finite: bool,
+    /// Each parameter's squared gradient norm (loss scale removed), zero where this rank
+    /// did not update it.
+    squares: Vec<f64>,
+    /// The parameters in the order their gradients were complete (the same on every
+    /// rank), each once.
+    order: Vec<usize>,
+    seen: Vec<bool>,
+    /// How many updated gradients (with the losses) were not finite.
+    non_finite: f64,
+}
+
+impl InBackward {
+    /// Nothing updated yet, of `params` parameters.
+    pub(super) fn new(params: usize) -> Self {
+        InBackward {
+            squares: vec![0.0; params],
+            order: Vec::new(),
+            seen: vec![false; params],
+            non_finite: 0.0,
+        }
+    }
+
+    /// The sum of the squares of the updated gradients' norms, added in the order the
+    /// gradients were complete.
+    pub(super) fn norm_squares(&self) -> f64 {
+        self.order.iter().fold(0.0, |s, &i| s + self.squares[i])
+    }
+
+    /// Whether every updated gradient, and the losses, were finite.
+    pub(super) fn all_finite(&self) -> bool {
+        self.non_finite == 0.0
+    }
+
+    /// Every rank's figures summed (each parameter is updated by one rank, and a sum of
+    /// it and zeros is exact), so that every rank reports the step's norm and makes the
+    /// same skip decision.
+    pub(super) fn sum_across(&mut self, c: &dyn Collective) -> Result<()> {
+        let mut values = self.squares.clone();
+        values.push(self.non_finite);
+        c.all_reduce_sum_f64(&mut values)?;
+        self.non_finite = values.pop().unwrap_or(0.0);
+        self.squares = values;
+        Ok(())
+    }
 }
 
 /// Where one step's updates run: on the device through [`update_params`], or on the host
@@ -168,12 +211,13 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
         }
     }
 
-    /// The update inside backward of parameter `i`, whose gradient is complete: its own
-    /// guard into `record` (its norm, and whether it and the step's `losses` so far are
-    /// finite, the loss scale removed: no clipping, which needs every gradient at once),
-    /// the update, and its gradient freed. `inside` adds up the norms and the finiteness
-    /// for the step's record. A parameter without a gradient (it trains nothing this
-    /// pass) is left alone.
+    /// The update inside backward of parameter `i`, whose gradient is complete (summed
+    /// across the ranks, where there are several): its own guard into `record` (its
+    /// norm, and whether it and the step's `losses` are finite, the loss scale removed:
+    /// no clipping, which needs every gradient at once), the update, and its gradient
+    /// freed. `inside` adds up the norms and the finiteness for the step's record. A
+    /// parameter without a gradient (it trains nothing this pass) is left alone; one
+    /// another rank updates (ZeRO) only has its gradient freed.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn update_ready(
         &mut self,
@@ -185,13 +229,22 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
         loss_scale: f32,
         inside: &mut InBackward,
     ) -> Result<()> {
+        if !std::mem::replace(&mut inside.seen[i], true) {
+            inside.order.push(i);
+        }
+        if !params[i].updated_here() {
+            params[i].drop_grad();
+            return Ok(());
+        }
         let Some(grad) = params[i].grad() else {
             return Ok(());
         };
         guard::grad_guard(device, record, &[grad], losses, 0.0, loss_scale)?;
         let r = StepRecord::read(device, record)?;
-        inside.norm_squares += (r.grad_norm as f64).powi(2);
-        inside.all_finite &= r.finite();
+        inside.squares[i] = (r.grad_norm as f64).powi(2);
+        if !r.finite() {
+            inside.non_finite += 1.0;
+        }
         self.update(device, params, Some(i), record)?;
         params[i].drop_grad();
         Ok(())
