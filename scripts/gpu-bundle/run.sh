@@ -44,7 +44,8 @@
 #              (--collective nccl), which must agree bit for bit (log and saved weights),
 #              in f32 and bf16; then, with NCCL 2.30 or newer, two torchrun-style ranks on
 #              the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1) against one process accumulating
-#              their two micro-batches apart, bit for bit, for DDP, ZeRO-1 and ZeRO-2
+#              their two micro-batches apart, bit for bit, for DDP, ZeRO-1 and ZeRO-2,
+#              updating after backward and (--grad-clip 0) inside it
 #   sanitize   (only when named) compute-sanitizer over the CUDA op tests: memcheck (every
 #              global access in bounds) on each op's parity test, racecheck (no shared-
 #              memory race) on the fused attention's and the norms'
@@ -1042,6 +1043,24 @@ phase_nccl() {
       --out "$dir/zero$zero/model" --log-json "$dir/zero$zero/log.jsonl"
     run_step "nccl_two_ranks_zero${zero}_bitwise" 60 - env LD_LIBRARY_PATH="$orig_ld_path" \
       "$python" "$here/same_training.py" "$dir/one" "$dir/zero$zero"
+  done
+  # The update inside backward (no clipping): each bucket's gradients updated by their
+  # owners as the next bucket is summed, against one process accumulating apart.
+  mkdir -p "$dir/one-noclip"
+  run_step nccl_one_process_accumulating_noclip 300 - "$bin/trainkit" train "${small[@]}" \
+    --precision fp32 --batch-size 2 --grad-accum 2 --separate-accumulation --grad-clip 0 \
+    --out "$dir/one-noclip/model" --log-json "$dir/one-noclip/log.jsonl"
+  for zero in 0 1 2; do
+    mkdir -p "$dir/inside$zero"
+    run_step "nccl_two_ranks_inside_backward_zero$zero" 300 - \
+      env RANK_LOGS="$report/logs/nccl_ranks_inside_zero$zero" \
+      "$here/nccl-ranks.sh" 2 "$bin/trainkit" train \
+      "${small[@]}" --precision fp32 --batch-size 2 --zero "$zero" --grad-clip 0 \
+      --optimizer-in-backward --bucket-size 64KiB \
+      --out "$dir/inside$zero/model" --log-json "$dir/inside$zero/log.jsonl"
+    run_step "nccl_two_ranks_inside_backward_zero${zero}_bitwise" 60 - \
+      env LD_LIBRARY_PATH="$orig_ld_path" \
+      "$python" "$here/same_training.py" "$dir/one-noclip" "$dir/inside$zero" --norm-rtol 1e-5
   done
 }
 
