@@ -772,6 +772,48 @@ fn the_update_inside_backward_on_ranks_is_the_update_after_it() {
     }
 }
 
+/// QLoRA (an NF4 base, a bf16 adapter) on 2 ranks under ZeRO-2, updating inside
+/// backward: bitwise one process accumulating the two micro-batches apart (the adapter
+/// and every step's loss and tokens; the norm to rounding), each rank's ledger its
+/// prediction.
+#[test]
+fn two_ranks_of_qlora_under_zero_2_updating_inside_backward() {
+    if !ready("two_ranks_of_qlora_under_zero_2_updating_inside_backward") {
+        return;
+    }
+    let (one, many) = (scratch("qlora-one"), scratch("qlora-many"));
+    let common = [
+        "--lora-rank",
+        "4",
+        "--qlora",
+        "--precision",
+        "bf16",
+        "--grad-clip",
+        "0",
+        "--batch-size",
+        "2",
+    ];
+    let mut single = common.to_vec();
+    single.extend(["--grad-accum", "2", "--separate-accumulation"]);
+    check(&train(None, &one, &single), "one process");
+    let report = many.join("report.json").display().to_string();
+    let mut ranks = common.to_vec();
+    ranks.extend(["--zero", "2", "--optimizer-in-backward"]);
+    ranks.extend(["--memory-report", &report]);
+    check(&train(Some(2), &many, &ranks), "2 ranks");
+    ledgers_equal_predictions(&many, 2);
+    let (a, b) = (steps(&one), steps(&many));
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.0, x.2, x.3), (y.0, y.2, y.3), "loss, tokens");
+        assert!((x.1 - y.1).abs() <= 1e-5 * x.1, "norm {x:?} {y:?}");
+    }
+    weights_bitwise(&one, &many);
+    for d in [one, many] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// A ZeRO-1 run saved after 3 steps and resumed by the same ranks to 5 takes the steps
 /// of the run that went to 5 at once, bitwise: each rank loads the state it owns.
 #[test]
