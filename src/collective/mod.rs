@@ -45,6 +45,14 @@ pub trait Collective: Debug + Send + Sync {
     /// Every rank's `values` summed, in place on every rank.
     fn all_reduce_sum(&self, values: &mut [f32]) -> Result<()>;
 
+    /// Every rank's `values` summed into rank `root`'s `values` (the others' are left
+    /// unspecified: a ZeRO-2 rank uses only the sums of what it updates). By default an
+    /// all-reduce, which gives the root the same sums.
+    fn reduce_sum(&self, values: &mut [f32], root: usize) -> Result<()> {
+        let _ = root;
+        self.all_reduce_sum(values)
+    }
+
     /// Every rank's `values` summed, in place on every rank (counts: exact up to 2⁵³).
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<()>;
 

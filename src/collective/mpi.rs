@@ -161,6 +161,19 @@ impl Collective for Mpi {
         Ok(())
     }
 
+    fn reduce_sum(&self, values: &mut [f32], root: usize) -> Result<()> {
+        check_root(root, self.size)?;
+        let world = self.world();
+        let at = world.process_at_rank(root as i32);
+        let send = values.to_vec();
+        if root == self.rank {
+            at.reduce_into_root(&send[..], values, SystemOperation::sum());
+        } else {
+            at.reduce_into(&send[..], SystemOperation::sum());
+        }
+        Ok(())
+    }
+
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<()> {
         let send = values.to_vec();
         self.world()

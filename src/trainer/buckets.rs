@@ -21,7 +21,9 @@
 //! Under ZeRO-2 a rank keeps only the gradients of the parameters it updates: the others
 //! are freed as soon as they are in a bucket (or their sum is queued: the free is ordered
 //! after it), and their sums are not written back, so gradient memory is this rank's
-//! share plus what backward has not yet bucketed.
+//! share plus what backward has not yet bucketed. Each gradient is summed to its owner
+//! alone (a reduce, not an all-reduce: half the traffic by a ring's count): in host
+//! memory a bucket's values are laid out in runs by owner, one reduce per run.
 //!
 //! For the update inside backward the buckets also say when each sum is complete
 //! ([`Buckets::start`]'s `early`): when a bucket closes, the one closed before it is
@@ -47,7 +49,7 @@ use std::thread::JoinHandle;
 enum Summer {
     /// On a thread of their own, while backward goes on (engines of host memory: MPI).
     Thread {
-        jobs: Option<Sender<Vec<f32>>>,
+        jobs: Option<Sender<(Vec<f32>, Segments)>>,
         done: Receiver<Result<Vec<f32>>>,
         thread: Option<JoinHandle<()>>,
     },
@@ -132,11 +134,11 @@ impl Buckets {
                 done: VecDeque::new(),
             }
         } else {
-            let (jobs, inbox) = channel::<Vec<f32>>();
+            let (jobs, inbox) = channel::<(Vec<f32>, Segments)>();
             let (outbox, done) = channel();
             let thread = std::thread::spawn(move || {
-                for mut bucket in inbox {
-                    let summed = collective.all_reduce_sum(&mut bucket).map(|()| bucket);
+                for (mut bucket, segments) in inbox {
+                    let summed = sum(collective.as_ref(), &mut bucket, &segments).map(|()| bucket);
                     if outbox.send(summed).is_err() {
                         return;
                     }
@@ -235,8 +237,13 @@ impl Buckets {
         if self.open.members.is_empty() {
             return Ok(Vec::new());
         }
-        let open = std::mem::take(&mut self.open);
+        let mut open = std::mem::take(&mut self.open);
         let mut done = Vec::new();
+        // ZeRO-2: the host values in runs by owner, each run reduced to its owner alone.
+        let segments = match &self.owners {
+            Some(owners) if !open.host.is_empty() => by_owner(&mut open, owners, params),
+            _ => Vec::new(),
+        };
         // On the device the older sums are awaited first, so that compute waits for them
         // and not for this bucket's.
         if self.early && matches!(self.summer, Summer::Inline { .. }) && !self.in_flight.is_empty()
@@ -252,7 +259,7 @@ impl Buckets {
             Summer::Thread { jobs, .. } => {
                 if !sent.host.is_empty() {
                     jobs.as_ref()
-                        .and_then(|jobs| jobs.send(open.values).ok())
+                        .and_then(|jobs| jobs.send((open.values, segments)).ok())
                         .ok_or_else(stopped)?;
                 }
             }
@@ -272,7 +279,7 @@ impl Buckets {
                 }
                 if !sent.host.is_empty() {
                     let mut values = open.values;
-                    collective.all_reduce_sum(&mut values)?;
+                    sum(collective.as_ref(), &mut values, &segments)?;
                     done.push_back(values);
                 }
             }
@@ -347,6 +354,54 @@ impl Buckets {
     }
 }
 
+/// Runs of a bucket's values (owner, values) that are reduced to their owner alone;
+/// empty: the whole bucket is all-reduced.
+type Segments = Vec<(usize, usize)>;
+
+/// Sums `values` across the ranks of `c`: each run of `segments` to its owner, or (none)
+/// all of them on every rank.
+fn sum(c: &dyn Collective, values: &mut [f32], segments: &[(usize, usize)]) -> Result<()> {
+    if segments.is_empty() {
+        return c.all_reduce_sum(values);
+    }
+    let mut at = 0;
+    for &(root, n) in segments {
+        let run = values.get_mut(at..at + n).ok_or_else(stopped)?;
+        c.reduce_sum(run, root)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Orders the open bucket's host members and their values by owner (model order within
+/// an owner: the same on every rank) and returns the runs, one per owner present.
+fn by_owner(open: &mut Open, owners: &[usize], params: &[Param]) -> Segments {
+    let mut starts = Vec::with_capacity(open.host.len());
+    let mut at = 0;
+    for &i in &open.host {
+        starts.push(at);
+        at += params[i].numel();
+    }
+    let mut order: Vec<usize> = (0..open.host.len()).collect();
+    order.sort_by_key(|&k| owners[open.host[k]]);
+    let mut values = Vec::with_capacity(open.values.len());
+    let mut host = Vec::with_capacity(open.host.len());
+    let mut segments: Segments = Vec::new();
+    for k in order {
+        let i = open.host[k];
+        let n = params[i].numel();
+        values.extend_from_slice(&open.values[starts[k]..starts[k] + n]);
+        host.push(i);
+        match segments.last_mut() {
+            Some((owner, len)) if *owner == owners[i] => *len += n,
+            _ => segments.push((owners[i], n)),
+        }
+    }
+    open.values = values;
+    open.host = host;
+    segments
+}
+
 /// Appends `g`'s values, as f32, to `out`.
 fn read_into(be: &dyn Backend, g: &Tensor, out: &mut Vec<f32>) -> Result<()> {
     match g.storage() {
@@ -397,5 +452,122 @@ fn stopped() -> Error {
     Error::Backend {
         backend: "collective",
         message: "the thread summing gradient buckets across ranks stopped".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::CpuBackend;
+    use crate::precision::Fp32;
+    use crate::tensor::DType;
+    use std::sync::Mutex;
+
+    /// Rank 0 of two whose peer holds the same values: every sum doubles; each call is
+    /// written down as (root, values), `None` for an all-reduce.
+    #[derive(Debug, Default)]
+    struct Recording(Mutex<Vec<(Option<usize>, usize)>>);
+
+    impl Collective for Recording {
+        fn describe(&self) -> String {
+            "recording".into()
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world(&self) -> usize {
+            2
+        }
+        fn local_rank(&self) -> usize {
+            0
+        }
+        fn all_reduce_sum(&self, values: &mut [f32]) -> Result<()> {
+            self.0.lock().unwrap().push((None, values.len()));
+            values.iter_mut().for_each(|v| *v *= 2.0);
+            Ok(())
+        }
+        fn reduce_sum(&self, values: &mut [f32], root: usize) -> Result<()> {
+            self.0.lock().unwrap().push((Some(root), values.len()));
+            values.iter_mut().for_each(|v| *v *= 2.0);
+            Ok(())
+        }
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<()> {
+            unreachable!()
+        }
+        fn reduce_scatter_sum(&self, _: &[f32], _: &mut [f32]) -> Result<()> {
+            unreachable!()
+        }
+        fn all_gather(&self, _: &[f32], _: &mut [f32]) -> Result<()> {
+            unreachable!()
+        }
+        fn broadcast(&self, _: &mut [u8], _: usize) -> Result<()> {
+            unreachable!()
+        }
+        fn barrier(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Parameters of 2, 3 and 4 values whose gradients are 1, 2, 3, …
+    fn params(be: &dyn Backend) -> Vec<Param> {
+        let mut next = 1.0;
+        [2usize, 3, 4]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let mut p = Param::new(be, &format!("p{k}"), &[n], &vec![0.0; n], &Fp32).unwrap();
+                let g: Vec<f32> = (0..n).map(|j| next + j as f32).collect();
+                next += n as f32;
+                let g = be
+                    .upload(&g, &[n], DType::F32, MemoryCategory::Gradients, "g")
+                    .unwrap();
+                be.cast(p.grad_mut(be).unwrap(), &g).unwrap();
+                p
+            })
+            .collect()
+    }
+
+    fn grad(be: &dyn Backend, p: &Param) -> Option<Vec<f32>> {
+        p.grad().map(|g| be.to_f32(g).unwrap())
+    }
+
+    /// ZeRO-2 on the host: one bucket of three gradients owned by ranks 1, 0 and 1 is
+    /// laid out by owner and each run reduced to its owner alone; rank 0 keeps the sum of
+    /// its own gradient and frees the others.
+    #[test]
+    fn zero_2_reduces_each_owners_run_to_it() {
+        let be = CpuBackend::new();
+        let mut ps = params(&be);
+        let c = Arc::new(Recording::default());
+        let owners = [1, 0, 1];
+        let b = Buckets::start(c.clone(), 1 << 20, 3, Some(&owners), (true, false));
+        let done = b.finish(&be, &mut ps).unwrap();
+        assert_eq!(done, vec![0, 1, 2], "in the order they were complete");
+        assert_eq!(*c.0.lock().unwrap(), vec![(Some(0), 3), (Some(1), 6)]);
+        assert_eq!(grad(&be, &ps[1]), Some(vec![6.0, 8.0, 10.0]));
+        assert!(ps[0].grad().is_none() && ps[2].grad().is_none());
+    }
+
+    /// DDP: the bucket is all-reduced whole; with `early` and buckets of one gradient,
+    /// each bucket's members come back as the next bucket is sent, the last at finish.
+    #[test]
+    fn early_buckets_come_back_one_behind() {
+        let be = CpuBackend::new();
+        let mut ps = params(&be);
+        let c = Arc::new(Recording::default());
+        let mut b = Buckets::start(c.clone(), 4, 3, None, (true, true));
+        let back: Vec<Vec<usize>> = (0..3).map(|i| b.ready(&be, &mut ps, i).unwrap()).collect();
+        assert_eq!(back, vec![vec![], vec![0], vec![1]]);
+        assert_eq!(grad(&be, &ps[0]), Some(vec![2.0, 4.0]));
+        assert_eq!(b.finish(&be, &mut ps).unwrap(), vec![2]);
+        assert_eq!(*c.0.lock().unwrap(), vec![(None, 2), (None, 3), (None, 4)]);
+        assert_eq!(grad(&be, &ps[2]), Some(vec![12.0, 14.0, 16.0, 18.0]));
+        // The meta backend's rehearsal returns the same members at the same calls.
+        let mut ps = params(&be);
+        let mut b = Buckets::start(c, 4, 3, None, (false, true));
+        let rehearsed: Vec<Vec<usize>> =
+            (0..3).map(|i| b.ready(&be, &mut ps, i).unwrap()).collect();
+        assert_eq!(rehearsed, back);
+        assert_eq!(b.finish(&be, &mut ps).unwrap(), vec![2]);
     }
 }
