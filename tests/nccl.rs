@@ -272,25 +272,19 @@ fn the_device_path_trains_bitwise_as_the_host_path() {
                 ..TrainerOptions::default()
             };
             let loader = corpus_loader(20_000, 3, 2, 16);
-            let (losses, bits) = if bf16 {
-                let mut t = trainkit::Trainer::builder(model, be, loader)
-                    .precision(trainkit::MixedBf16::default())
-                    .options(options)
-                    .collective(collective)
-                    .build()
-                    .unwrap();
-                let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
-                (l, update_bits(&t))
+            let precision: Box<dyn trainkit::Precision> = if bf16 {
+                Box::new(trainkit::MixedBf16::default())
             } else {
-                let mut t = trainkit::Trainer::builder(model, be, loader)
-                    .options(options)
-                    .collective(collective)
-                    .build()
-                    .unwrap();
-                let l: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
-                (l, update_bits(&t))
+                Box::new(trainkit::Fp32)
             };
-            (losses, bits)
+            let mut t = trainkit::Trainer::builder(model, be, loader)
+                .precision(precision)
+                .options(options)
+                .collective(collective)
+                .build()
+                .unwrap();
+            let losses: Vec<u64> = (0..2).map(|_| t.step().unwrap().loss.to_bits()).collect();
+            (losses, update_bits(&t))
         };
         let calls = || fake_calls(7) + fake_calls(9);
         let counts = || {
