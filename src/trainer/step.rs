@@ -242,9 +242,10 @@ where
                     }
                     // The losses are summed before the first bucket goes to the
                     // communication thread, whose collectives no other may cross.
-                    let losses = match updater_now.is_some() {
-                        true => summed(c, be, losses, &mut summed_losses)?,
-                        false => losses,
+                    let losses = if updater_now.is_some() {
+                        summed(c, be, losses, &mut summed_losses)?
+                    } else {
+                        losses
                     };
                     let complete = match (bucket.as_deref_mut(), sharded.as_mut()) {
                         (Some(b), _) | (None, Some(b)) => b.ready(be, ps, i)?,
