@@ -190,7 +190,8 @@ impl Buckets {
     /// Starts parameter `i`'s sum in the open bucket: on the device where the engine sums
     /// device memory, else its values read into the bucket's; freed if not kept.
     fn join(&mut self, be: &dyn Backend, p: &mut Param, i: usize) -> Result<()> {
-        let on_device = match &self.summer {
+        // Whether its sum needs no values in the host bucket.
+        let apart = match &self.summer {
             Summer::Rehearsed => true,
             // A gradient on the device, where the engine sums device memory, stays there.
             Summer::Inline { collective, .. }
@@ -215,7 +216,7 @@ impl Buckets {
             }
             _ => false,
         };
-        if !on_device {
+        if !apart {
             match p.grad() {
                 Some(g) => read_into(be, g, &mut self.open.values)?,
                 None => self
@@ -244,10 +245,11 @@ impl Buckets {
             Some(owners) if !open.host.is_empty() => by_owner(&mut open, owners, params),
             _ => Vec::new(),
         };
-        // On the device the older sums are awaited first, so that compute waits for them
-        // and not for this bucket's.
-        if self.early && matches!(self.summer, Summer::Inline { .. }) && !self.in_flight.is_empty()
-        {
+        // With `early` the older bucket is awaited: on the device before this one is
+        // queued, so that compute waits for its sums and not for this bucket's; elsewhere
+        // after this one is sent, so that its sums run while this rank waits.
+        let inline = matches!(self.summer, Summer::Inline { .. });
+        if self.early && inline && !self.in_flight.is_empty() {
             done = self.complete_oldest(be, params)?;
         }
         let sent = Sent {
@@ -285,7 +287,7 @@ impl Buckets {
             }
         }
         self.in_flight.push_back(sent);
-        if self.early && !matches!(self.summer, Summer::Inline { .. }) && self.in_flight.len() > 1 {
+        if self.early && !inline && self.in_flight.len() > 1 {
             done = self.complete_oldest(be, params)?;
         }
         Ok(done)
@@ -301,7 +303,8 @@ impl Buckets {
             // What reads the gradients next waits for their sums (on the device).
             collective.settle_device()?;
         }
-        if !sent.host.is_empty() && !matches!(self.summer, Summer::Rehearsed) {
+        // (A rehearsal's buckets hold no host values.)
+        if !sent.host.is_empty() {
             let sums = self.next_sums()?;
             let mut at = 0;
             for &i in &sent.host {

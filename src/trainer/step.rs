@@ -50,9 +50,6 @@ impl Plan {
 /// The step's device buffers: the per-position losses and the guard's record, read once.
 struct Buffers {
     losses: Tensor,
-    /// Whether `losses` holds every rank's sum already (the update inside backward sums
-    /// them before the first update).
-    losses_summed: bool,
     record: Tensor,
 }
 
@@ -84,7 +81,6 @@ where
                 MemoryCategory::Workspace,
                 "step.losses",
             )?,
-            losses_summed: false,
             record: be.zeros(
                 &[StepRecord::LEN],
                 DType::F32,
@@ -296,7 +292,9 @@ where
                         complete = b.finish(be, params)?;
                     }
                 }
-                if let Some(u) = updater.as_mut().filter(|_| !complete.is_empty()) {
+                // Inside backward the losses are every rank's from here on (summed now if
+                // no hook did).
+                if let Some(u) = updater.as_mut() {
                     let losses = summed(c, be, &buffers.losses, &mut summed_losses)?;
                     for i in complete {
                         let (record, loss_scale) = (&mut buffers.record, plan.loss_scale);
@@ -305,7 +303,6 @@ where
                 }
                 if let Some(losses) = summed_losses {
                     buffers.losses = losses;
-                    buffers.losses_summed = true;
                 }
                 let stash = &mut totals.stash;
                 stash.kept_bytes += s.stash.kept_bytes;
@@ -338,7 +335,9 @@ where
         buckets: Option<Buckets>,
     ) -> Result<()> {
         let c = self.collective.as_ref();
-        if c.world() == 1 {
+        // Inside backward the gradients were summed and spent, and the losses summed
+        // before the first update.
+        if c.world() == 1 || self.options.optimizer_in_backward {
             return Ok(());
         }
         match buckets {
@@ -346,8 +345,6 @@ where
             Some(b) => {
                 b.finish(be, &mut self.params)?;
             }
-            // Inside backward: summed and spent already.
-            None if self.options.optimizer_in_backward => {}
             // ZeRO-2: summed micro-batch by micro-batch already.
             None if self.kept_grads().is_some() => {}
             // Every trained parameter, in the same order on every rank (one a rank's
@@ -357,9 +354,6 @@ where
                     all_reduce_tensor(c, be, p.grad_mut(be)?)?;
                 }
             }
-        }
-        if buffers.losses_summed {
-            return Ok(());
         }
         all_reduce_tensor(c, be, &mut buffers.losses)
     }
@@ -419,9 +413,7 @@ where
         inside: &mut InBackward,
     ) -> Result<StepRecord> {
         let ledger = be.ledger().clone();
-        let Buffers {
-            losses, mut record, ..
-        } = buffers;
+        let Buffers { losses, mut record } = buffers;
         ledger.phase_begin(Phase::Optimizer);
         if !plan.in_backward {
             match self.kept_grads() {
