@@ -167,6 +167,57 @@ __device__ __forceinline__ float warp_row_sum(const float (&a)[8]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Column sums in two passes (the norms' parameter gradients, the bias gradient), without
+// atomics and in the CPU's order, so bitwise equal to it: rows in blocks of
+// TK_GRAD_ROW_BLOCK (the CPU's `ROW_BLOCK`), each block's column sums in row order into an
+// f32 workspace [blocks, n] (a thread per block and 8 adjacent columns, 16-byte loads
+// where the row allows, so a warp reads 256 columns of a row at once); then per column
+// the blocks in order from 0 (`tk_column_total`).
+
+#define TK_GRAD_ROW_BLOCK 32
+#define TK_FINISH_CHUNK 128
+
+// Row blocks of a column reduction over `rows` rows.
+__device__ __forceinline__ i64 tk_row_blocks(i64 rows) {
+    return (rows + TK_GRAD_ROW_BLOCK - 1) / TK_GRAD_ROW_BLOCK;
+}
+
+// Rows in block `blk` of `rows`.
+__device__ __forceinline__ int tk_block_rows(i64 blk, i64 rows) {
+    return (int)min((i64)TK_GRAD_ROW_BLOCK, rows - blk * TK_GRAD_ROW_BLOCK);
+}
+
+// The groups of 32 columns of an n-column total, a CUDA block each, grid-stride (the
+// same `g` for every thread of a block, as `tk_column_total` needs).
+#define TK_FOR_EACH_COLUMN_TOTAL(g, n) \
+    for (i64 g = blockIdx.x; g < ((n) + 31) / 32; g += gridDim.x)
+
+// acc + partial[0, col] + partial[1, col] + ... + partial[blocks - 1, col], in block
+// order, for col = 32·g + lane: called by every thread of a block (blockDim.x a multiple
+// of 32) with the same g. The warps stage up to TK_FINISH_CHUNK blocks' 32 columns at a
+// time in shared memory (coalesced, every load in flight at once), then warp 0 adds them,
+// a column a lane; its lanes return the totals (the other warps' results mean nothing).
+__device__ __forceinline__ float tk_column_total(const float* __restrict__ partial,
+                                                 i64 blocks, i64 n, i64 g, float acc) {
+    __shared__ float tile[TK_FINISH_CHUNK][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const i64 col = 32 * g + lane;
+    for (i64 b0 = 0; b0 < blocks; b0 += TK_FINISH_CHUNK) {
+        const int m = (int)min((i64)TK_FINISH_CHUNK, blocks - b0);
+        for (int b = warp; b < m; b += warps) {
+            tile[b][lane] = col < n ? partial[(b0 + b) * n + col] : 0.0f;
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll 8
+            for (int b = 0; b < m; ++b) acc += tile[b][lane];
+        }
+        __syncthreads();
+    }
+    return acc;
+}
+
+// ---------------------------------------------------------------------------------------
 // Counter-based random bits, as the CPU's `rng::counter_bits`: the (i + 1)-th number of the
 // SplitMix64 stream seeded with `key` (its finalizer of key + (i + 1)·γ). No state: the
 // same bits on every device and thread count, in a recomputation and after a resume.

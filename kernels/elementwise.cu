@@ -36,31 +36,59 @@ __device__ void scale_impl(T* x, float alpha, i64 n) {
     TK_FOR_EACH(i, n) store(x, i, load(x, i) * alpha);
 }
 
-// The bias gradient in two passes, without atomics, in the CPU's order: rows in blocks of
-// TK_BIAS_ROW_BLOCK (the CPU's ROW_BLOCK), each block's column sums in row order into an
-// f32 workspace [blocks, cols]; then per column the blocks in order from 0, and that total
-// added to dbias with one rounding.
-#define TK_BIAS_ROW_BLOCK 128
+// The bias gradient, common.cuh's column sum in two passes: rows in blocks of
+// TK_GRAD_ROW_BLOCK, each block's column sums in row order into an f32 workspace
+// [blocks, cols] (a thread per block and 8 adjacent columns); then per column the blocks
+// in order from 0, and that total added to dbias with one rounding.
+// Adds rows r0 .. r0 + n of columns col .. col + 8 (row stride c) to acc, in row order,
+// 16-byte loads when VEC, unrolled so that many rows' loads are in flight.
+template <typename T, bool VEC, int UNROLL>
+__device__ __forceinline__ void bias_rows(float (&acc)[8], const T* __restrict__ dout, i64 r0,
+                                          int n, int col, int c) {
+#pragma unroll UNROLL
+    for (int r = 0; r < n; ++r) {
+        float dv[8];
+        load8(dv, dout + (r0 + r) * c, col, c, VEC);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] += dv[m];
+    }
+}
+
+template <typename T, bool VEC>
+__device__ void bias_blocks(float* __restrict__ partial, const T* __restrict__ dout, i64 rows,
+                            int c) {
+    const i64 groups = (c + 7) / 8;
+    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
+        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
+        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
+        float acc[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+        if (n == TK_GRAD_ROW_BLOCK) {
+            bias_rows<T, VEC, 8>(acc, dout, r0, TK_GRAD_ROW_BLOCK, col, c);
+        } else {
+            bias_rows<T, VEC, 1>(acc, dout, r0, n, col, c);
+        }
+        store8(partial + blk * c, col, c, VEC, acc);
+    }
+}
 
 template <typename T>
 __device__ void bias_backward_partial_impl(float* partial, const T* dout, i64 rows, i64 cols) {
-    const i64 blocks = (rows + TK_BIAS_ROW_BLOCK - 1) / TK_BIAS_ROW_BLOCK;
-    TK_FOR_EACH(i, blocks * cols) {
-        const i64 blk = i / cols, col = i % cols;
-        const i64 end = min(rows, (blk + 1) * TK_BIAS_ROW_BLOCK);
-        float acc = 0.0f;
-        for (i64 r = blk * TK_BIAS_ROW_BLOCK; r < end; ++r) acc += load(dout, r * cols + col);
-        partial[blk * cols + col] = acc;
+    if (cols % 8 == 0 && aligned16(dout) && aligned16(partial)) {
+        bias_blocks<T, true>(partial, dout, rows, (int)cols);
+    } else {
+        bias_blocks<T, false>(partial, dout, rows, (int)cols);
     }
 }
 
 template <typename G>
 __device__ void bias_backward_finish_impl(G* dbias, const float* partial, i64 blocks,
                                           i64 cols) {
-    TK_FOR_EACH(col, cols) {
-        float total = 0.0f;
-        for (i64 blk = 0; blk < blocks; ++blk) total += partial[blk * cols + col];
-        store(dbias, col, load(dbias, col) + total);
+    TK_FOR_EACH_COLUMN_TOTAL(g, cols) {
+        const i64 col = 32 * g + (threadIdx.x & 31);
+        const float total = tk_column_total(partial, blocks, cols, g, 0.0f);
+        if (threadIdx.x < 32 && col < cols) store(dbias, col, load(dbias, col) + total);
     }
 }
 

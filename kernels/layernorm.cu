@@ -6,13 +6,11 @@
 //
 // Row statistics run on a half-warp per row (16 lanes, the CPU's lane order), and the
 // input gradient on a warp per row (256 slots, the CPU's slot order), so mean, rstd, the
-// output and dx are bitwise equal to the CPU's. The parameter gradients are summed
-// in two passes without atomics: `layernorm_backward_params_*` writes the partial sums of
-// each block of TK_LN_ROW_BLOCK rows (the CPU's ROW_BLOCK) to an f32 workspace
-// [blocks, 2, C], and `layernorm_backward_params_finish_*` adds them to dweight and dbias
-// in block order, rounding once: the CPU's order, so bitwise equal too.
-
-#define TK_LN_ROW_BLOCK 128
+// output and dx are bitwise equal to the CPU's. The parameter gradients are common.cuh's
+// column sums in two passes: `layernorm_backward_params_*` writes the partial sums of
+// each block of TK_GRAD_ROW_BLOCK rows to an f32 workspace [blocks, 2, C], and
+// `layernorm_backward_params_finish_*` adds them to dweight and dbias in block order,
+// rounding once: the CPU's order, so bitwise equal too.
 
 // out = (x - mean) * rstd * weight + bias; stats[row] = (mean, rstd).
 template <typename T>
@@ -97,61 +95,76 @@ __device__ void layernorm_backward_dx_impl(T* __restrict__ dx, const T* __restri
     }
 }
 
-// Adds rows [0, n) of one column (x and dout from `xp` and `dp`, row stride c; stats from
-// `sp`) to dw (norm * dout) and db (dout), in row order. The loop is unrolled so that the
-// loads of many rows are in flight at once; the sums keep their order.
-template <typename T, int UNROLL>
-__device__ __forceinline__ void layernorm_params_rows(float& dw, float& db, const T* xp,
-                                                      const T* dp, const float* sp, int n,
-                                                      i64 c) {
+// Adds rows r0 .. r0 + n of columns col .. col + 8 (x and dout of row stride c, stats
+// per row) to dw (norm * dout) and db (dout), in row order, 16-byte loads when VEC. The
+// loop is unrolled so that the loads of many rows are in flight; the sums keep their order.
+template <typename T, bool VEC, int UNROLL>
+__device__ __forceinline__ void layernorm_params_rows(float (&dw)[8], float (&db)[8],
+                                                      const T* __restrict__ x,
+                                                      const T* __restrict__ dout,
+                                                      const float* __restrict__ stats, i64 r0,
+                                                      int n, int col, int c) {
 #pragma unroll UNROLL
     for (int r = 0; r < n; ++r) {
-        const float norm = (load(xp, r * c) - sp[2 * r]) * sp[2 * r + 1];
-        const float d = load(dp, r * c);
-        dw += norm * d;
-        db += d;
+        float xv[8], dv[8];
+        load8(xv, x + (r0 + r) * c, col, c, VEC);
+        load8(dv, dout + (r0 + r) * c, col, c, VEC);
+        const float mean = stats[2 * (r0 + r)], rstd = stats[2 * (r0 + r) + 1];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float norm = (xv[m] - mean) * rstd;
+            dw[m] += norm * dv[m];
+            db[m] += dv[m];
+        }
     }
 }
 
 // partial[blk, 0, col] = sum over the block's rows of norm * dout, partial[blk, 1, col] =
-// sum of dout, rows in order.
-template <typename T>
-__device__ void layernorm_backward_params_impl(float* partial, const T* dout, const T* x,
-                                               const float* stats, i64 rows, i64 c) {
-    const i64 blocks = (rows + TK_LN_ROW_BLOCK - 1) / TK_LN_ROW_BLOCK;
-    TK_FOR_EACH(i, blocks * c) {
-        const i64 blk = i / c, col = i % c, r0 = blk * TK_LN_ROW_BLOCK;
-        const int n = (int)(min(rows, r0 + TK_LN_ROW_BLOCK) - r0);
-        const T* xp = x + r0 * c + col;
-        const T* dp = dout + r0 * c + col;
-        const float* sp = stats + 2 * r0;
-        float dw = 0.0f, db = 0.0f;
-        if (n == TK_LN_ROW_BLOCK) {
-            layernorm_params_rows<T, 16>(dw, db, xp, dp, sp, TK_LN_ROW_BLOCK, c);
+// sum of dout, rows in order: a thread per block and 8 adjacent columns.
+template <typename T, bool VEC>
+__device__ void layernorm_params_blocks(float* __restrict__ partial, const T* __restrict__ dout,
+                                        const T* __restrict__ x,
+                                        const float* __restrict__ stats, i64 rows, int c) {
+    const i64 groups = (c + 7) / 8;
+    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
+        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
+        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
+        float dw[8], db[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) dw[m] = db[m] = 0.0f;
+        if (n == TK_GRAD_ROW_BLOCK) {
+            layernorm_params_rows<T, VEC, 8>(dw, db, x, dout, stats, r0, TK_GRAD_ROW_BLOCK,
+                                             col, c);
         } else {
-            layernorm_params_rows<T, 1>(dw, db, xp, dp, sp, n, c);
+            layernorm_params_rows<T, VEC, 1>(dw, db, x, dout, stats, r0, n, col, c);
         }
-        partial[(2 * blk) * c + col] = dw;
-        partial[(2 * blk + 1) * c + col] = db;
+        store8(partial + 2 * blk * c, col, c, VEC, dw);
+        store8(partial + (2 * blk + 1) * c, col, c, VEC, db);
     }
 }
 
-// dweight += partial[0, 0], partial[1, 0], ... and dbias likewise, in block order.
+template <typename T>
+__device__ void layernorm_backward_params_impl(float* partial, const T* dout, const T* x,
+                                               const float* stats, i64 rows, i64 c) {
+    if (c % 8 == 0 && aligned16(dout) && aligned16(x) && aligned16(partial)) {
+        layernorm_params_blocks<T, true>(partial, dout, x, stats, rows, (int)c);
+    } else {
+        layernorm_params_blocks<T, false>(partial, dout, x, stats, rows, (int)c);
+    }
+}
+
+// dweight += partial[0, 0], partial[1, 0], ... and dbias likewise, in block order: the
+// workspace's [blocks, 2·C] columns totalled by common.cuh's `tk_column_total`.
 template <typename G>
 __device__ void layernorm_backward_params_finish_impl(G* dweight, G* dbias,
                                                       const float* partial, i64 blocks,
                                                       i64 c) {
-    TK_FOR_EACH(col, c) {
-        float dw = load(dweight, col), db = load(dbias, col);
-        const float* p = partial + col;
-        // Unrolled so that many blocks' loads are in flight; the sums keep their order.
-#pragma unroll 8
-        for (int blk = 0; blk < (int)blocks; ++blk) {
-            dw += p[(2 * (i64)blk) * c];
-            db += p[(2 * (i64)blk + 1) * c];
-        }
-        store(dweight, col, dw);
-        store(dbias, col, db);
+    TK_FOR_EACH_COLUMN_TOTAL(g, 2 * c) {
+        const i64 col = 32 * g + (threadIdx.x & 31);
+        G* out = col < c ? dweight + col : dbias + (col - c);
+        const float start = col < 2 * c ? load(out, 0) : 0.0f;
+        const float total = tk_column_total(partial, blocks, 2 * c, g, start);
+        if (threadIdx.x < 32 && col < 2 * c) store(out, 0, total);
     }
 }
 

@@ -10,10 +10,8 @@
 // Each head row runs on a half-warp (16 lanes, the CPU's lane order) as rmsnorm.cu's rows,
 // so rstd, the output and dx are bitwise equal to the CPU's. A gain's gradient is summed
 // over its group's rows (queries: tokens·H rows, t·H + j; keys: tokens·KV rows) per block
-// of TK_QK_ROW_BLOCK rows into an f32 workspace [blocks, D], then added block after block
+// of TK_GRAD_ROW_BLOCK rows into an f32 workspace [blocks, D], then added block after block
 // by rmsnorm.cu's `rmsnorm_backward_params_finish_*` (the same second pass).
-
-#define TK_QK_ROW_BLOCK 128
 
 // Offset of head `j` of token `t`.
 __device__ __forceinline__ i64 qk_base(i64 t, i64 j, i64 heads_total, i64 d) {
@@ -85,12 +83,12 @@ __device__ void qk_norm_backward_params_impl(float* partial, const T* dout, cons
                                              const float* rstd, i64 tokens, i64 h, i64 kv,
                                              i64 d, i64 first, i64 n) {
     const i64 qk = h + kv, total = h + 2 * kv, rows = tokens * n;
-    const i64 blocks = (rows + TK_QK_ROW_BLOCK - 1) / TK_QK_ROW_BLOCK;
+    const i64 blocks = (rows + TK_GRAD_ROW_BLOCK - 1) / TK_GRAD_ROW_BLOCK;
     TK_FOR_EACH(i, blocks * d) {
         const i64 blk = i / d, col = i % d;
-        const i64 end = min(rows, (blk + 1) * TK_QK_ROW_BLOCK);
+        const i64 end = min(rows, (blk + 1) * TK_GRAD_ROW_BLOCK);
         float dw = 0.0f;
-        for (i64 r = blk * TK_QK_ROW_BLOCK; r < end; ++r) {
+        for (i64 r = blk * TK_GRAD_ROW_BLOCK; r < end; ++r) {
             const i64 t = r / n, j = first + r % n;
             const i64 at = qk_base(t, j, total, d) + col;
             dw += load(qkv, at) * rstd[t * qk + j] * load(dout, at);

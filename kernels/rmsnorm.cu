@@ -6,13 +6,11 @@
 //
 // The forward's row sums run on a half-warp per row (16 lanes, the CPU's lane order) and
 // the input gradient's on a warp per row (256 slots, the CPU's slot order), so rstd, the
-// output and dx are bitwise equal to the CPU's. The weight gradient is summed in two
-// passes without atomics: `rmsnorm_backward_params_*` writes the partial sums of each
-// block of TK_RMS_ROW_BLOCK rows (the CPU's ROW_BLOCK) to an f32 workspace [blocks, C], and
+// output and dx are bitwise equal to the CPU's. The weight gradient is common.cuh's column
+// sum in two passes: `rmsnorm_backward_params_*` writes the partial sums of each block of
+// TK_GRAD_ROW_BLOCK rows to an f32 workspace [blocks, C], and
 // `rmsnorm_backward_params_finish_*` adds them to dweight in block order, rounding once:
 // the CPU's order, so bitwise equal too.
-
-#define TK_RMS_ROW_BLOCK 128
 
 // out = x * rstd * weight with rstd = 1 / sqrt(mean(x²) + eps); rstd[row] kept.
 template <typename T>
@@ -80,47 +78,66 @@ __device__ void rmsnorm_backward_dx_impl(T* __restrict__ dx, const T* __restrict
     }
 }
 
-// Adds rows [0, n) of one column (x and dout from `xp` and `dp`, row stride c) to dw, in
-// row order, unrolled so that many rows' loads are in flight; the sum keeps its order.
-template <typename T, int UNROLL>
-__device__ __forceinline__ void rmsnorm_params_rows(float& dw, const T* xp, const T* dp,
-                                                    const float* rp, int n, i64 c) {
+// Adds rows r0 .. r0 + n of columns col .. col + 8 (x and dout of row stride c) to dw
+// (x * rstd * dout), in row order, 16-byte loads when VEC. The loop is unrolled so that the
+// loads of many rows are in flight; the sums keep their order.
+template <typename T, bool VEC, int UNROLL>
+__device__ __forceinline__ void rmsnorm_params_rows(float (&dw)[8], const T* __restrict__ x,
+                                                    const T* __restrict__ dout,
+                                                    const float* __restrict__ rstd, i64 r0,
+                                                    int n, int col, int c) {
 #pragma unroll UNROLL
-    for (int r = 0; r < n; ++r) dw += load(xp, r * c) * rp[r] * load(dp, r * c);
-}
-
-// partial[blk, col] = sum over the block's rows of x * rstd * dout, rows in order.
-template <typename T>
-__device__ void rmsnorm_backward_params_impl(float* partial, const T* dout, const T* x,
-                                             const float* rstd, i64 rows, i64 c) {
-    const i64 blocks = (rows + TK_RMS_ROW_BLOCK - 1) / TK_RMS_ROW_BLOCK;
-    TK_FOR_EACH(i, blocks * c) {
-        const i64 blk = i / c, col = i % c, r0 = blk * TK_RMS_ROW_BLOCK;
-        const int n = (int)(min(rows, r0 + TK_RMS_ROW_BLOCK) - r0);
-        const T* xp = x + r0 * c + col;
-        const T* dp = dout + r0 * c + col;
-        const float* rp = rstd + r0;
-        float dw = 0.0f;
-        if (n == TK_RMS_ROW_BLOCK) {
-            rmsnorm_params_rows<T, 16>(dw, xp, dp, rp, TK_RMS_ROW_BLOCK, c);
-        } else {
-            rmsnorm_params_rows<T, 1>(dw, xp, dp, rp, n, c);
-        }
-        partial[blk * c + col] = dw;
+    for (int r = 0; r < n; ++r) {
+        float xv[8], dv[8];
+        load8(xv, x + (r0 + r) * c, col, c, VEC);
+        load8(dv, dout + (r0 + r) * c, col, c, VEC);
+        const float rs = rstd[r0 + r];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) dw[m] += xv[m] * rs * dv[m];
     }
 }
 
-// dweight += partial[0], partial[1], ..., in block order.
+// partial[blk, col] = sum over the block's rows of x * rstd * dout, rows in order: a
+// thread per block and 8 adjacent columns.
+template <typename T, bool VEC>
+__device__ void rmsnorm_params_blocks(float* __restrict__ partial, const T* __restrict__ dout,
+                                      const T* __restrict__ x, const float* __restrict__ rstd,
+                                      i64 rows, int c) {
+    const i64 groups = (c + 7) / 8;
+    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
+        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
+        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
+        float dw[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) dw[m] = 0.0f;
+        if (n == TK_GRAD_ROW_BLOCK) {
+            rmsnorm_params_rows<T, VEC, 8>(dw, x, dout, rstd, r0, TK_GRAD_ROW_BLOCK, col, c);
+        } else {
+            rmsnorm_params_rows<T, VEC, 1>(dw, x, dout, rstd, r0, n, col, c);
+        }
+        store8(partial + blk * c, col, c, VEC, dw);
+    }
+}
+
+template <typename T>
+__device__ void rmsnorm_backward_params_impl(float* partial, const T* dout, const T* x,
+                                             const float* rstd, i64 rows, i64 c) {
+    if (c % 8 == 0 && aligned16(dout) && aligned16(x) && aligned16(partial)) {
+        rmsnorm_params_blocks<T, true>(partial, dout, x, rstd, rows, (int)c);
+    } else {
+        rmsnorm_params_blocks<T, false>(partial, dout, x, rstd, rows, (int)c);
+    }
+}
+
+// dweight += partial[0], partial[1], ..., in block order (common.cuh's `tk_column_total`).
 template <typename G>
 __device__ void rmsnorm_backward_params_finish_impl(G* dweight, const float* partial,
                                                     i64 blocks, i64 c) {
-    TK_FOR_EACH(col, c) {
-        float dw = load(dweight, col);
-        const float* p = partial + col;
-        // Unrolled so that many blocks' loads are in flight; the sum keeps its order.
-#pragma unroll 8
-        for (int blk = 0; blk < (int)blocks; ++blk) dw += p[(i64)blk * c];
-        store(dweight, col, dw);
+    TK_FOR_EACH_COLUMN_TOTAL(g, c) {
+        const i64 col = 32 * g + (threadIdx.x & 31);
+        const float start = col < c ? load(dweight, col) : 0.0f;
+        const float total = tk_column_total(partial, blocks, c, g, start);
+        if (threadIdx.x < 32 && col < c) store(dweight, col, total);
     }
 }
 

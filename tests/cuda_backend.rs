@@ -2243,9 +2243,11 @@ fn llama_ops_match_the_cpu() {
     let mut rng = Rng::new(11);
     for (name, cuda) in cuda_backends() {
         for dt in DTYPES {
-            // RMSNorm over 1 and over 2 blocks of 128 rows, widths off the 16 lanes, of
-            // several warp rows (256 columns), and not a multiple of 8 (no vector loads).
-            for (rows, c) in [(5usize, 24usize), (130, 40), (9, 600), (3, 13)] {
+            // RMSNorm over 1 and over 5 blocks of 32 rows (the last part full), over 132
+            // (more than one chunk of the weight gradient's second pass), widths off the 16
+            // lanes, of several warp rows (256 columns), and not a multiple of 8 (no vector
+            // loads).
+            for (rows, c) in [(5usize, 24usize), (130, 40), (9, 600), (3, 13), (4200, 16)] {
                 let what = format!("rmsnorm {rows}x{c} {dt}");
                 let x = pair(&cpu, &cuda, &randn(&mut rng, rows * c, 1.0), &[rows, c], dt);
                 let w = pair(&cpu, &cuda, &randn(&mut rng, c, 1.0), &[c], dt);

@@ -202,9 +202,11 @@ pub(crate) fn sum_squares(x: &Tensor) -> f64 {
     partial.iter().sum()
 }
 
-/// Rows per block of a column reduction; blocks are summed in order, so results do not
-/// depend on the thread count.
-pub(crate) const ROW_BLOCK: usize = 128;
+/// Rows per block of a column reduction (the norms' parameter gradients, the bias
+/// gradient); blocks are summed in order, so results do not depend on the thread count.
+/// The CUDA kernels sum the same blocks (`TK_GRAD_ROW_BLOCK` in kernels/common.cuh): 32
+/// rows, so that a GPU has enough blocks to read the rows at full bandwidth.
+pub(crate) const ROW_BLOCK: usize = 32;
 
 /// Column sums of a `[rows, cols]` matrix in f32, in a fixed order.
 pub(crate) fn column_sums(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {

@@ -33,8 +33,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const BLOCK: u32 = 256;
 /// Rows per block of the half-warp-per-row kernels (16 lanes a row).
 pub const ROWS_PER_BLOCK: usize = BLOCK as usize / 16;
-/// Rows per partial sum of the two-pass parameter gradients (the kernels' ROW_BLOCK).
-pub(crate) const ROW_BLOCK: usize = 128;
+/// Rows per partial sum of the two-pass parameter gradients (common.cuh's
+/// TK_GRAD_ROW_BLOCK): the CPU's block, so that the sums are added in its order.
+pub(crate) const ROW_BLOCK: usize = crate::device::cpu::elementwise::ROW_BLOCK;
 
 /// Settings of a CUDA backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -384,6 +385,14 @@ impl CudaBackend {
     /// last read, summed per kernel, the longest first. Waits for them to end.
     pub fn kernel_times(&self) -> Result<Vec<super::KernelTime>> {
         self.gpu.kernel_times()
+    }
+
+    /// Blocks (of [`BLOCK`] threads) for the second pass of a column sum over `columns`
+    /// columns (common.cuh's `tk_column_total`: a block per 32 columns).
+    pub fn grid_columns(&self, columns: usize) -> u32 {
+        columns
+            .div_ceil(32)
+            .clamp(1, self.gpu.max_blocks() as usize) as u32
     }
 
     /// Blocks (of [`BLOCK`] threads) for a warp-per-row kernel over `rows` rows

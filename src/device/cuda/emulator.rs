@@ -1069,30 +1069,33 @@ extern "C" __global__ void traps(int* out) {
             launch(emu, &format!("scale_{t}"), 1, 256, 0, a).unwrap();
             assert_bitwise("scale", &sc.values(), &be.to_f32(&s_cpu).unwrap());
 
-            // The bias gradient: 300 rows in 3 blocks of 128, 37 columns.
-            let (rows, cols) = (300usize, 37usize);
-            let douts = random(rows * cols, 1.0, 23);
-            let db0 = random(cols, 0.1, 24);
-            let dout = upload(&be, &douts, &[rows, cols], d);
-            let mut db_cpu = upload(&be, &db0, &[cols], d);
-            be.bias_backward(&mut db_cpu, &dout).unwrap();
-            let blocks = rows.div_ceil(128);
-            let mut partial = vec![f32::NAN; blocks * cols];
-            let mut dout_buf = Buf::new(&douts, d);
-            let a = Args::new()
-                .ptr(&mut partial)
-                .buf(&mut dout_buf)
-                .arg(rows as i64)
-                .arg(cols as i64);
-            launch(emu, &format!("bias_backward_partial_{t}"), 1, 64, 0, a).unwrap();
-            let mut db = Buf::new(&db0, d);
-            let a = Args::new()
-                .buf(&mut db)
-                .ptr(&mut partial)
-                .arg(blocks as i64)
-                .arg(cols as i64);
-            launch(emu, &format!("bias_backward_finish_{t}"), 1, 32, 0, a).unwrap();
-            assert_bitwise("bias_backward", &db.values(), &be.to_f32(&db_cpu).unwrap());
+            // The bias gradient: 300 rows in 10 blocks of 32 (the last one part full), 37
+            // columns (no 16-byte loads); then 4,200 rows (132 blocks: more than one chunk
+            // of the second pass) of 48 columns (16-byte loads).
+            for (rows, cols) in [(300usize, 37usize), (4200, 48)] {
+                let douts = random(rows * cols, 1.0, 23);
+                let db0 = random(cols, 0.1, 24);
+                let dout = upload(&be, &douts, &[rows, cols], d);
+                let mut db_cpu = upload(&be, &db0, &[cols], d);
+                be.bias_backward(&mut db_cpu, &dout).unwrap();
+                let blocks = rows.div_ceil(crate::device::cpu::elementwise::ROW_BLOCK);
+                let mut partial = vec![f32::NAN; blocks * cols];
+                let mut dout_buf = Buf::new(&douts, d);
+                let a = Args::new()
+                    .ptr(&mut partial)
+                    .buf(&mut dout_buf)
+                    .arg(rows as i64)
+                    .arg(cols as i64);
+                launch(emu, &format!("bias_backward_partial_{t}"), 1, 64, 0, a).unwrap();
+                let mut db = Buf::new(&db0, d);
+                let a = Args::new()
+                    .buf(&mut db)
+                    .ptr(&mut partial)
+                    .arg(blocks as i64)
+                    .arg(cols as i64);
+                launch(emu, &format!("bias_backward_finish_{t}"), 1, 64, 0, a).unwrap();
+                assert_bitwise("bias_backward", &db.values(), &be.to_f32(&db_cpu).unwrap());
+            }
         }
     }
 

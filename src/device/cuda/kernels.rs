@@ -452,6 +452,20 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
     }
     use std::collections::{HashMap, HashSet};
 
+    /// The kernels' column sums add the CPU's blocks of rows, in the CPU's order: their
+    /// block is the CPU's `ROW_BLOCK`.
+    #[test]
+    fn the_kernels_sum_columns_in_the_cpus_row_blocks() {
+        let define = COMMON_SOURCE
+            .lines()
+            .find_map(|l| l.strip_prefix("#define TK_GRAD_ROW_BLOCK "))
+            .expect("common.cuh defines TK_GRAD_ROW_BLOCK");
+        assert_eq!(
+            define.trim().parse::<usize>().unwrap(),
+            crate::device::cpu::elementwise::ROW_BLOCK
+        );
+    }
+
     #[test]
     fn kernel_names_are_unique_and_follow_the_naming_scheme() {
         let mut seen = HashSet::new();

@@ -1,5 +1,5 @@
 //! Layer normalization and its backward (dx per row; the parameter gradients in two
-//! passes over blocks of 128 rows).
+//! passes over blocks of [`ROW_BLOCK`] rows).
 //!
 //! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/layernorm.cu`, listed once in [`KERNELS`].
 
@@ -105,7 +105,7 @@ pub(crate) fn backward(
     let partial = be.scratch(blocks * 2 * c * 4, "layernorm_backward.partial")?;
     be.launch(
         &format!("layernorm_backward_params_{dt}"),
-        be.grid(blocks * c),
+        be.grid(blocks * c.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(&partial)?)
@@ -117,7 +117,7 @@ pub(crate) fn backward(
     )?;
     be.launch(
         &format!("layernorm_backward_params_finish_{}", dweight.dtype()),
-        be.grid(c),
+        be.grid_columns(2 * c),
         BLOCK,
         Args::new()
             .ptr(ptr(dweight)?)
@@ -185,7 +185,9 @@ mod emulated {
             back: fn(&[T]) -> Vec<f32>,
         ) -> Vec<Vec<f32>> {
             let (rows, c) = (self.rows as i64, self.c as i64);
-            let blocks = self.rows.div_ceil(128);
+            let blocks = self
+                .rows
+                .div_ceil(crate::device::cpu::elementwise::ROW_BLOCK);
             let (mut x, mut w, mut b) = (conv(&self.x), conv(&self.w), conv(&self.b));
             let (mut dout, mut dx) = (conv(&self.dout), conv(&self.dx));
             let (mut dw, mut db) = (conv(&self.dw), conv(&self.db));
@@ -242,11 +244,12 @@ mod emulated {
     #[test]
     fn layernorm_matches_the_cpu_bit_for_bit() {
         let Some(emu) = emulator() else { return };
-        // 300 rows (three blocks of 128 for the parameter gradients) of 100 columns (not a
-        // multiple of 16 nor of 8: no vector loads): 25 rows per half-warp in the forward;
-        // 20 rows of 600 columns: three warp rows of 256 in dx, the last part full, with
-        // 16-byte loads.
-        for (rows, c) in [(300usize, 100usize), (20, 600)] {
+        // 300 rows (ten blocks of 32 for the parameter gradients, the last part full) of
+        // 100 columns (not a multiple of 16 nor of 8: no vector loads): 25 rows per
+        // half-warp in the forward; 20 rows of 600 columns: three warp rows of 256 in dx,
+        // the last part full, with 16-byte loads; 4,200 rows of 16 columns: 132 blocks, more
+        // than one chunk of the parameter gradients' second pass.
+        for (rows, c) in [(300usize, 100usize), (20, 600), (4200, 16)] {
             let case = LayerNormCase {
                 rows,
                 c,

@@ -1,5 +1,5 @@
 //! The per-head q/k norm on the GPU: the forward, and the backward (dx per head row; each
-//! gain's gradient in two passes over blocks of 128 rows of its group).
+//! gain's gradient in two passes over blocks of [`ROW_BLOCK`] rows of its group).
 //!
 //! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/qk_norm.cu`, listed once in
 //! [`KERNELS`].
@@ -129,7 +129,7 @@ pub(crate) fn backward(
         // The RMS norm's second pass: the partial sums added in block order.
         be.launch(
             &format!("rmsnorm_backward_params_finish_{}", grad.dtype()),
-            be.grid(d),
+            be.grid_columns(d),
             BLOCK,
             Args::new()
                 .ptr(ptr(grad)?)

@@ -1,5 +1,5 @@
 //! RMS normalization on the GPU: the forward, and the backward (dx per row; the weight
-//! gradient in two passes over blocks of 128 rows).
+//! gradient in two passes over blocks of [`ROW_BLOCK`] rows).
 //!
 //! CPU twin: `cpu.rs` beside this file. Kernels: `kernels/rmsnorm.cu`, listed once in
 //! [`KERNELS`].
@@ -98,7 +98,7 @@ pub(crate) fn backward(
     let partial = be.scratch(blocks * c * 4, "rmsnorm_backward.partial")?;
     be.launch(
         &format!("rmsnorm_backward_params_{dt}"),
-        be.grid(blocks * c),
+        be.grid(blocks * c.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(&partial)?)
@@ -110,7 +110,7 @@ pub(crate) fn backward(
     )?;
     be.launch(
         &format!("rmsnorm_backward_params_finish_{}", dweight.dtype()),
-        be.grid(c),
+        be.grid_columns(c),
         BLOCK,
         Args::new()
             .ptr(ptr(dweight)?)

@@ -164,7 +164,7 @@ pub(crate) fn scale(be: &CudaBackend, x: &mut Tensor, alpha: f32) -> Result<()> 
     )
 }
 
-/// The row sums of `rows × cols` into an f32 `[ceil(rows / 128), cols]` workspace,
+/// The row sums of `rows × cols` into an f32 `[ceil(rows / ROW_BLOCK), cols]` workspace,
 /// then their total added to `dbias` (the bias gradient, two passes, no atomics).
 pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor) -> Result<()> {
     let (rows, cols) = dout.rows_cols();
@@ -175,7 +175,7 @@ pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor)
     let partial = be.scratch(blocks * cols * 4, "bias_backward.partial")?;
     be.launch(
         &format!("bias_backward_partial_{}", dout.dtype()),
-        be.grid(blocks * cols),
+        be.grid(blocks * cols.div_ceil(8)),
         BLOCK,
         Args::new()
             .ptr(ptr(&partial)?)
@@ -185,7 +185,7 @@ pub(crate) fn bias_backward(be: &CudaBackend, dbias: &mut Tensor, dout: &Tensor)
     )?;
     be.launch(
         &format!("bias_backward_finish_{}", dbias.dtype()),
-        be.grid(cols),
+        be.grid_columns(cols),
         BLOCK,
         Args::new()
             .ptr(ptr(dbias)?)
