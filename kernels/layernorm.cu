@@ -4,34 +4,66 @@
 // Layouts: x, out, dout, dx are [rows, C]; weight, bias, dweight, dbias have C elements;
 // stats is [rows, 2] f32 = (mean, rstd).
 //
-// Row statistics run on a half-warp per row (16 lanes, the CPU's lane order), and the
-// input gradient on a warp per row (256 slots, the CPU's slot order), so mean, rstd, the
+// Row statistics and the input gradient run on a warp per row (256 slots, the CPU's slot
+// order; 16-byte loads where the row allows), so mean, rstd, the
 // output and dx are bitwise equal to the CPU's. The parameter gradients are common.cuh's
 // column sums in two passes: `layernorm_backward_params_*` writes the partial sums of
 // each block of TK_GRAD_ROW_BLOCK rows to an f32 workspace [blocks, 2, C], and
 // `layernorm_backward_params_finish_*` adds them to dweight and dbias in block order,
 // rounding once: the CPU's order, so bitwise equal too.
 
-// out = (x - mean) * rstd * weight + bias; stats[row] = (mean, rstd).
+// out = (x - mean) * rstd * weight + bias; stats[row] = (mean, rstd). A warp per row
+// (common.cuh's warp rows): the two sums in the CPU's slot order, the row read in 16-byte
+// loads (its second and third readings mostly from L1).
 template <typename T>
-__device__ void layernorm_impl(T* out, float* stats, const T* x, const T* weight,
-                               const T* bias, i64 rows, i64 c, float eps) {
-    const int lane = lane16();
-    TK_FOR_EACH_ROW(row, rows) {
-        const i64 base = row * c;
-        float acc = 0.0f;
-        for (i64 i = lane; i < c; i += TK_LANES) acc += load(x, base + i);
-        const float mean = half_sum(acc) / (float)c;
-        acc = 0.0f;
-        for (i64 i = lane; i < c; i += TK_LANES) {
-            float d = load(x, base + i) - mean;
-            acc += d * d;
+__device__ void layernorm_impl(T* __restrict__ out, float* __restrict__ stats,
+                               const T* __restrict__ x, const T* __restrict__ weight,
+                               const T* __restrict__ bias, i64 rows, i64 c64, float eps) {
+    const int c = (int)c64;
+    const int lane = threadIdx.x & 31;
+    const bool vec = c % 8 == 0 && aligned16(out) && aligned16(x) && aligned16(weight) &&
+                     aligned16(bias);
+    TK_FOR_EACH_WARP_ROW(row, rows) {
+        const T* xr = x + row * c64;
+        T* orow = out + row * c64;
+        float acc[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8];
+            load8(xv, xr, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
+                acc[m] += xv[m];
+            }
         }
-        const float var = half_sum(acc) / (float)c;
+        const float mean = warp_row_sum(acc) / (float)c;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8];
+            load8(xv, xr, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (!vec && i + m >= c) break;
+                const float d = xv[m] - mean;
+                acc[m] += d * d;
+            }
+        }
+        const float var = warp_row_sum(acc) / (float)c;
         const float rstd = 1.0f / sqrtf(var + eps);
-        for (i64 i = lane; i < c; i += TK_LANES) {
-            float v = (load(x, base + i) - mean) * rstd * load(weight, i) + load(bias, i);
-            store(out, base + i, v);
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], wv[8], bv[8], o[8];
+            load8(xv, xr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+            load8(bv, bias, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) o[m] = (xv[m] - mean) * rstd * wv[m] + bv[m];
+            store8(orow, i, c, vec, o);
         }
         if (lane == 0) {
             stats[2 * row] = mean;

@@ -4,29 +4,49 @@
 // Layouts: x, out, dout, dx are [rows, C]; weight and dweight have C elements; rstd is
 // [rows] f32.
 //
-// The forward's row sums run on a half-warp per row (16 lanes, the CPU's lane order) and
-// the input gradient's on a warp per row (256 slots, the CPU's slot order), so rstd, the
+// The forward's and the input gradient's row sums run on a warp per row (256 slots, the
+// CPU's slot order; 16-byte loads where the row allows), so rstd, the
 // output and dx are bitwise equal to the CPU's. The weight gradient is common.cuh's column
 // sum in two passes: `rmsnorm_backward_params_*` writes the partial sums of each block of
 // TK_GRAD_ROW_BLOCK rows to an f32 workspace [blocks, C], and
 // `rmsnorm_backward_params_finish_*` adds them to dweight in block order, rounding once:
 // the CPU's order, so bitwise equal too.
 
-// out = x * rstd * weight with rstd = 1 / sqrt(mean(x²) + eps); rstd[row] kept.
+// out = x * rstd * weight with rstd = 1 / sqrt(mean(x²) + eps); rstd[row] kept. A warp
+// per row (common.cuh's warp rows): the sum in the CPU's slot order, the row read in
+// 16-byte loads (its second reading mostly from L1).
 template <typename T>
-__device__ void rmsnorm_impl(T* out, float* rstd_out, const T* x, const T* weight, i64 rows,
-                             i64 c, float eps) {
-    const int lane = lane16();
-    TK_FOR_EACH_ROW(row, rows) {
-        const i64 base = row * c;
-        float acc = 0.0f;
-        for (i64 i = lane; i < c; i += TK_LANES) {
-            float v = load(x, base + i);
-            acc += v * v;
+__device__ void rmsnorm_impl(T* __restrict__ out, float* __restrict__ rstd_out,
+                             const T* __restrict__ x, const T* __restrict__ weight, i64 rows,
+                             i64 c64, float eps) {
+    const int c = (int)c64;
+    const int lane = threadIdx.x & 31;
+    const bool vec = c % 8 == 0 && aligned16(out) && aligned16(x) && aligned16(weight);
+    TK_FOR_EACH_WARP_ROW(row, rows) {
+        const T* xr = x + row * c64;
+        T* orow = out + row * c64;
+        float acc[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8];
+            load8(xv, xr, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
+                acc[m] += xv[m] * xv[m];
+            }
         }
-        const float rstd = 1.0f / sqrtf(half_sum(acc) / (float)c + eps);
-        for (i64 i = lane; i < c; i += TK_LANES) {
-            store(out, base + i, load(x, base + i) * rstd * load(weight, i));
+        const float rstd = 1.0f / sqrtf(warp_row_sum(acc) / (float)c + eps);
+#pragma unroll 2
+        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+            float xv[8], wv[8], o[8];
+            load8(xv, xr, i, c, vec);
+            load8(wv, weight, i, c, vec);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) o[m] = xv[m] * rstd * wv[m];
+            store8(orow, i, c, vec, o);
         }
         if (lane == 0) rstd_out[row] = rstd;
     }

@@ -255,11 +255,10 @@ fn a_kernel_that_does_not_compile_reports_nvrtc_log() {
 }
 
 /// The kernels written for bandwidth read in 16-byte loads and keep their operands in
-/// registers: the norms' input gradients (a warp per row), the first pass of the norms'
-/// parameter gradients and of the bias gradient (8 columns a thread), GELU and the
-/// multi-tensor AdamW,
-/// whose table of tensors, passed by value and indexed by the block, is read from the
-/// parameter space rather than copied to local memory.
+/// registers: the norms' forward and input gradients (a warp per row), the first pass of
+/// the norms' parameter gradients and of the bias gradient (8 columns a thread), GELU and
+/// the multi-tensor AdamW, whose table of tensors, passed by value and indexed by the
+/// block, is read from the parameter space rather than copied to local memory.
 #[test]
 fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
     let Some((include, _)) = nvrtc_or_skip() else {
@@ -268,6 +267,10 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
     let cases = [
         ("layernorm.cu", "layernorm_backward_dx"),
         ("rmsnorm.cu", "rmsnorm_backward_dx"),
+        ("layernorm.cu", "layernorm_f"),
+        ("layernorm.cu", "layernorm_bf"),
+        ("rmsnorm.cu", "rmsnorm_f"),
+        ("rmsnorm.cu", "rmsnorm_bf"),
         ("layernorm.cu", "layernorm_backward_params_"),
         ("rmsnorm.cu", "rmsnorm_backward_params_"),
         ("elementwise.cu", "bias_backward_partial_"),

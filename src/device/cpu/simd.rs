@@ -99,19 +99,6 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     reduce(acc)
 }
 
-/// `Σ (x - mean)²` in f32, accumulated in 16 interleaved lanes.
-#[inline(always)]
-pub(crate) fn sum_sq_dev(x: &[f32], mean: f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    for c in x.chunks(LANES) {
-        for (a, v) in acc.iter_mut().zip(c) {
-            let d = v - mean;
-            *a += d * d;
-        }
-    }
-    reduce(acc)
-}
-
 /// `Σ a·b` in f32, accumulated in 16 interleaved lanes.
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -181,6 +168,40 @@ pub(crate) fn warp_reduce(acc: &[f32; ROW_SLOTS]) -> f32 {
         *l = reduce([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
     }
     reduce(lanes)
+}
+
+/// `Σ f(x_i)` over a row in the slot order of the warp-per-row kernels: element `i` into
+/// slot `i % ROW_SLOTS` in order of `i`, then [`warp_reduce`].
+#[inline(always)]
+fn row_reduce(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; ROW_SLOTS];
+    for chunk in x.chunks(ROW_SLOTS) {
+        for (a, v) in acc.iter_mut().zip(chunk) {
+            *a += f(*v);
+        }
+    }
+    warp_reduce(&acc)
+}
+
+/// Sum of a row `x` in the warp-per-row kernels' order ([`ROW_SLOTS`]).
+#[inline(always)]
+pub(crate) fn row_sum(x: &[f32]) -> f32 {
+    row_reduce(x, |v| v)
+}
+
+/// `Σ (x - mean)²` over a row in the warp-per-row kernels' order.
+#[inline(always)]
+pub(crate) fn row_sum_sq_dev(x: &[f32], mean: f32) -> f32 {
+    row_reduce(x, |v| {
+        let d = v - mean;
+        d * d
+    })
+}
+
+/// `Σ x²` over a row in the warp-per-row kernels' order.
+#[inline(always)]
+pub(crate) fn row_sum_sq(x: &[f32]) -> f32 {
+    row_reduce(x, |v| v * v)
 }
 
 #[cfg(test)]

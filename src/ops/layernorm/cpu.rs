@@ -89,8 +89,9 @@ pub(crate) fn backward(
 simd_fn! {
     fn forward_row(o: &mut [f32], st: &mut [f32], x: &[f32], w: &[f32], b: &[f32], eps: f32) {
         let c = x.len();
-        let mean = simd::sum(x) / c as f32;
-        let var = simd::sum_sq_dev(x, mean) / c as f32;
+        // The sums of the CUDA kernel's warp per row, in its slot order.
+        let mean = simd::row_sum(x) / c as f32;
+        let var = simd::row_sum_sq_dev(x, mean) / c as f32;
         let rstd = 1.0 / (var + eps).sqrt();
         for i in 0..c {
             o[i] = (x[i] - mean) * rstd * w[i] + b[i];

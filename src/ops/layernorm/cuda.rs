@@ -51,7 +51,7 @@ pub(crate) fn forward(
     let bias = be.as_dtype(bias, dt)?;
     be.launch(
         &format!("layernorm_{dt}"),
-        be.grid_rows(rows),
+        be.grid_warp_rows(rows),
         BLOCK,
         Args::new()
             .ptr(ptr(out)?)
@@ -175,7 +175,7 @@ mod emulated {
         }
 
         /// The same from the four kernels, storage `T` (converted by `conv`, read back by
-        /// `back`): the forward on 3 blocks of 64 threads (12 half-warps), the backward on
+        /// `back`): the forward on 3 blocks of 64 threads (6 warps), the backward on
         /// other grids.
         fn emulated<T: 'static + Copy>(
             &self,
@@ -245,9 +245,9 @@ mod emulated {
     fn layernorm_matches_the_cpu_bit_for_bit() {
         let Some(emu) = emulator() else { return };
         // 300 rows (ten blocks of 32 for the parameter gradients, the last part full) of
-        // 100 columns (not a multiple of 16 nor of 8: no vector loads): 25 rows per
-        // half-warp in the forward; 20 rows of 600 columns: three warp rows of 256 in dx,
-        // the last part full, with 16-byte loads; 4,200 rows of 16 columns: 132 blocks, more
+        // 100 columns (not a multiple of 16 nor of 8: no vector loads): 50 rows per
+        // warp in the forward; 20 rows of 600 columns: three warp rows of 256 in the forward
+        // and dx, the last part full, with 16-byte loads; 4,200 rows of 16 columns: 132 blocks, more
         // than one chunk of the parameter gradients' second pass.
         for (rows, c) in [(300usize, 100usize), (20, 600), (4200, 16)] {
             let case = LayerNormCase {

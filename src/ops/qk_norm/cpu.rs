@@ -1,6 +1,6 @@
 //! The per-head q/k norm on the CPU, the reference of `kernels/qk_norm.cu`: each query
-//! and key head is a row of [`crate::ops::rmsnorm`]'s CPU twin (its forward; the input
-//! gradient's sum in 16 lanes, as the kernel's half-warp per head),
+//! and key head is normalised as a row of [`crate::ops::rmsnorm`] (its sums in 16 lanes, as
+//! the kernel's half-warp per head),
 //! and each gain's gradient is summed over its group's rows (token after token) per block
 //! of `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
 
@@ -8,7 +8,7 @@ use crate::device::cpu::elementwise::ROW_BLOCK;
 use crate::device::cpu::simd::{self, simd_fn};
 use crate::device::cpu::{read, write};
 use crate::error::Result;
-use crate::ops::rmsnorm::cpu::{forward_row, weight_grad_row};
+use crate::ops::rmsnorm::cpu::weight_grad_row;
 use crate::ops::Heads;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
@@ -112,6 +112,19 @@ pub(crate) fn backward(
         });
     }
     Ok(())
+}
+
+simd_fn! {
+    /// One head normalised, `o = x·rstd·w`, `rstd = 1/√(mean(x²) + eps)`, its sum in 16
+    /// interleaved lanes (the kernel's half-warp per head).
+    fn forward_row(o: &mut [f32], r: &mut f32, x: &[f32], w: &[f32], eps: f32) {
+        let c = x.len();
+        let rstd = 1.0 / (simd::dot(x, x) / c as f32 + eps).sqrt();
+        for i in 0..c {
+            o[i] = x[i] * rstd * w[i];
+        }
+        *r = rstd;
+    }
 }
 
 simd_fn! {

@@ -1,8 +1,8 @@
 //! RMS normalization on the CPU, the reference of `kernels/rmsnorm.cu`.
 //!
-//! Sums run in the 16 interleaved lanes of `simd` (the CUDA twin, `kernels/rmsnorm.cu`,
-//! adds on a half-warp in the same order), and the weight gradient is summed per block of
-//! `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
+//! A row's sums run in the slots of the CUDA twin's warp per row (`simd::ROW_SLOTS`,
+//! `kernels/rmsnorm.cu` adds in the same order), and the weight gradient is summed per
+//! block of `ROW_BLOCK` rows, then block after block, so results are bitwise reproducible.
 
 use crate::device::cpu::elementwise::ROW_BLOCK;
 use crate::device::cpu::simd::{self, simd_fn, ROW_SLOTS};
@@ -78,9 +78,10 @@ pub(crate) fn backward(
 }
 
 simd_fn! {
-    pub(crate) fn forward_row(o: &mut [f32], r: &mut f32, x: &[f32], w: &[f32], eps: f32) {
+    fn forward_row(o: &mut [f32], r: &mut f32, x: &[f32], w: &[f32], eps: f32) {
         let c = x.len();
-        let rstd = 1.0 / (simd::dot(x, x) / c as f32 + eps).sqrt();
+        // The sum of the CUDA kernel's warp per row, in its slot order.
+        let rstd = 1.0 / (simd::row_sum_sq(x) / c as f32 + eps).sqrt();
         for i in 0..c {
             o[i] = x[i] * rstd * w[i];
         }

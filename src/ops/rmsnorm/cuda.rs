@@ -49,7 +49,7 @@ pub(crate) fn forward(
     let weight = be.as_dtype(weight, dt)?;
     be.launch(
         &format!("rmsnorm_{dt}"),
-        be.grid_rows(rows),
+        be.grid_warp_rows(rows),
         BLOCK,
         Args::new()
             .ptr(ptr(out)?)
