@@ -10,7 +10,8 @@
 // 256 of them: heads up to 512 wide), so a call uploads nothing.
 //
 // The angle is pos · inv_freq[i] in f32 as on the CPU; sinf and cosf differ from Rust's
-// sin and cos in the last bit here and there, so the results agree to f32 rounding.
+// sin and cos in the last bit here and there, so the results agree to f32 rounding. A
+// row's heads share their angles: each sine and cosine is computed once per row.
 
 #define TK_ROPE_MAX_PAIRS 256
 
@@ -19,41 +20,68 @@ struct RopeFreqs {
     float f[TK_ROPE_MAX_PAIRS];
 };
 
-// One thread per pair (i, i + D/2) of one head of one row: one angle and one sine and
-// cosine for both elements (they share them), 32-bit index arithmetic where the pairs
-// number fewer than 2^31; then the value columns copied.
+// The position of row `row`: pos[row], or without positions row % T.
+__device__ __forceinline__ i64 rope_position(const unsigned* pos, i64 row, i64 t_len) {
+    return pos ? (i64)pos[row] : row % t_len;
+}
+
+// A thread per row and group of 8 pairs (i, i + D/2), i = 8·g .. 8·g + 8: the 8 angles'
+// sines and cosines once, then every query and key head of the row turned by them (the
+// heads of a row share their angles), in 16-byte loads and stores when VEC (D/2 a multiple
+// of 8, W a multiple of 8, x and out 16-byte aligned); then the value columns copied, 8
+// at a time.
+template <typename T, bool VEC>
+__device__ void rope_rows(T* __restrict__ out, const T* __restrict__ x,
+                          const float* __restrict__ inv_freq, i64 rows, i64 t_len, i64 w,
+                          i64 rotated, int hd, float sign, const unsigned* __restrict__ pos) {
+    const int half = hd / 2;
+    const int heads = (int)(rotated / hd), groups = (half + 7) / 8;
+    TK_FOR_EACH(idx, rows * groups) {
+        const i64 row = idx / groups;
+        const int i0 = 8 * (int)(idx % groups);
+        const float p = (float)rope_position(pos, row, t_len);
+        float s[8], c[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float angle = p * inv_freq[i0 + m];  // zero past D/2
+            s[m] = sign * sinf(angle);
+            c[m] = cosf(angle);
+        }
+        const T* xr = x + row * w;
+        T* orow = out + row * w;
+#pragma unroll 4
+        for (int h = 0; h < heads; ++h) {
+            float x1[8], x2[8], o1[8], o2[8];
+            load8(x1, xr + h * hd, i0, half, VEC);
+            load8(x2, xr + h * hd + half, i0, half, VEC);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                o1[m] = x1[m] * c[m] - x2[m] * s[m];
+                o2[m] = x2[m] * c[m] + x1[m] * s[m];
+            }
+            store8(orow + h * hd, i0, half, VEC, o1);
+            store8(orow + h * hd + half, i0, half, VEC, o2);
+        }
+    }
+    const int rest = (int)(w - rotated);
+    if (rest == 0) return;
+    const int chunks = (rest + 7) / 8;
+    TK_FOR_EACH(idx, rows * chunks) {
+        const i64 at = (idx / chunks) * w + rotated;
+        const int i = 8 * (int)(idx % chunks);
+        float v[8];
+        load8(v, x + at, i, rest, VEC);
+        store8(out + at, i, rest, VEC, v);
+    }
+}
+
 template <typename T>
 __device__ void rope_impl(T* out, const T* x, const float* inv_freq, i64 rows, i64 t_len,
                           i64 w, i64 rotated, i64 hd, float sign, const unsigned* pos) {
-    const int half = (int)(hd / 2);
-    const i64 per_row = rotated / 2;
-    const i64 pairs = rows * per_row;
-    const bool narrow = pairs <= 0x7fffffff && t_len <= 0x7fffffff;
-    TK_FOR_EACH(idx, pairs) {
-        i64 row;
-        int k;
-        if (narrow) {
-            row = (unsigned)idx / (unsigned)per_row;
-            k = (int)((unsigned)idx % (unsigned)per_row);
-        } else {
-            row = idx / per_row;
-            k = (int)(idx % per_row);
-        }
-        const int head = k / half, i = k % half;
-        const i64 p = pos ? (i64)pos[row]
-                          : (narrow ? (i64)((unsigned)row % (unsigned)t_len) : row % t_len);
-        const float angle = (float)p * inv_freq[i];
-        const float s = sign * sinf(angle), c = cosf(angle);
-        const i64 a = row * w + (i64)head * hd + i, b = a + half;
-        const float x1 = load(x, a), x2 = load(x, b);
-        store(out, a, x1 * c - x2 * s);
-        store(out, b, x2 * c + x1 * s);
-    }
-    const i64 rest = w - rotated;
-    if (rest == 0) return;
-    TK_FOR_EACH(idx, rows * rest) {
-        const i64 at = (idx / rest) * w + rotated + idx % rest;
-        store(out, at, load(x, at));
+    if (hd % 16 == 0 && w % 8 == 0 && aligned16(out) && aligned16(x)) {
+        rope_rows<T, true>(out, x, inv_freq, rows, t_len, w, rotated, (int)hd, sign, pos);
+    } else {
+        rope_rows<T, false>(out, x, inv_freq, rows, t_len, w, rotated, (int)hd, sign, pos);
     }
 }
 

@@ -2275,8 +2275,16 @@ fn llama_ops_match_the_cpu() {
                 bitwise(&format!("{what} dx"), name, &cpu, &cuda, &dx);
                 bitwise(&format!("{what} dweight"), name, &cpu, &cuda, &dw);
             }
-            // Rope with grouped and multi-query heads.
-            for (h, kv, hd) in [(4usize, 2usize, 8usize), (3, 1, 6), (2, 2, 4)] {
+            // Rope with grouped and multi-query heads; heads of 64 and 48 (16-byte loads,
+            // 8 pairs a thread) and of 40 (20 pairs: no vector loads).
+            let shapes = [
+                (4usize, 2usize, 8usize),
+                (3, 1, 6),
+                (2, 2, 4),
+                (4, 2, 64),
+                (3, 1, 48),
+            ];
+            for (h, kv, hd) in shapes.into_iter().chain([(2, 1, 40)]) {
                 let heads = Heads {
                     n_head: h,
                     n_kv_head: kv,

@@ -256,9 +256,12 @@ fn a_kernel_that_does_not_compile_reports_nvrtc_log() {
 
 /// The kernels written for bandwidth read in 16-byte loads and keep their operands in
 /// registers: the norms' forward and input gradients (a warp per row), the first pass of
-/// the norms' parameter gradients and of the bias gradient (8 columns a thread), GELU and
-/// the multi-tensor AdamW, whose table of tensors, passed by value and indexed by the
-/// block, is read from the parameter space rather than copied to local memory.
+/// the norms' parameter gradients and of the bias gradient (8 columns a thread), RoPE (8
+/// pairs a thread), GELU and the multi-tensor AdamW, whose table of tensors, passed by
+/// value and indexed by the block, is read from the parameter space rather than copied to
+/// local memory. RoPE's sines and cosines may: CUDA's `sinf` and `cosf` reduce an angle
+/// beyond 105,615 radians (positions past about 100k at the lowest frequency) with a
+/// table of words in local memory, a path no shorter position takes.
 #[test]
 fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
     let Some((include, _)) = nvrtc_or_skip() else {
@@ -274,6 +277,7 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
         ("layernorm.cu", "layernorm_backward_params_"),
         ("rmsnorm.cu", "rmsnorm_backward_params_"),
         ("elementwise.cu", "bias_backward_partial_"),
+        ("rope.cu", "rope_"),
         ("adamw.cu", "adamw_multi_f32"),
         ("gelu.cu", "gelu_"),
         ("cross_entropy.cu", "cross_entropy_"),
@@ -301,7 +305,7 @@ fn the_bandwidth_kernels_load_16_bytes_and_use_no_local_memory() {
                     "{arch}: `{kernel}` has no 16-byte load or store"
                 );
                 assert!(
-                    !body.contains(".local"),
+                    !body.contains(".local") || file.name == "rope.cu",
                     "{arch}: `{kernel}` uses local memory"
                 );
             }

@@ -60,9 +60,15 @@ fn rotate(
     freq[..inv_freq.len()].copy_from_slice(inv_freq);
     let bytes: Vec<u8> = freq.iter().flat_map(|f| f.to_le_bytes()).collect();
     let pos = be.positions(positions)?;
+    // A thread per row and 8 pairs of a head (all of the row's heads), then per row and 8
+    // value columns.
+    let rotated = heads.q_width() + heads.kv_width();
+    let per_row = (heads.head_dim / 2)
+        .div_ceil(8)
+        .max(w.saturating_sub(rotated).div_ceil(8));
     be.launch(
         &format!("rope_{dt}"),
-        be.grid(rows * w),
+        be.grid(rows * per_row),
         BLOCK,
         Args::new()
             .ptr(ptr(out)?)
@@ -71,7 +77,7 @@ fn rotate(
             .i64(rows)
             .i64(t)
             .i64(w)
-            .i64(heads.q_width() + heads.kv_width())
+            .i64(rotated)
             .i64(heads.head_dim)
             .f32(sign)
             .ptr(pos.ptr()?),
