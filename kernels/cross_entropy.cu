@@ -7,7 +7,10 @@
 // and each row's loss is added to its element: the losses of a step's micro-batches stay
 // on the device until `grad_guard` sums them in f64, in row order, as the CPU does.
 //
-// One block of 256 threads per row. Thread i holds 8 consecutive columns of every 2048,
+// One block of 256 threads per row, few enough rows in flight (the launch's grid,
+// CudaBackend::grid_cached_rows) that a row's second and third readings come from the L2
+// cache; each pass unrolled so that several of a thread's loads are in flight. Thread i
+// holds 8 consecutive columns of every 2048,
 // [2048·k + 8·i, 2048·k + 8·i + 8), read and written in 16-byte accesses when the rows are
 // aligned (vp a multiple of 8), element by element otherwise. A sum over the row
 // accumulates column c in slot c mod 2048 (thread (c mod 2048) / 8, register c mod 8) in
@@ -80,6 +83,7 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
         const float target_logit = load(r, t);
         float v[8];
         float m = TK_NEG_INF;
+#pragma unroll 4
         for (int c = first; c < nv; c += TK_CE_SLOTS) {
             load8(v, r, c, np, vec);
 #pragma unroll
@@ -89,6 +93,7 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
         }
         const float max = ce_block_max(partial, m);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
         for (int c = first; c < nv; c += TK_CE_SLOTS) {
             load8(v, r, c, np, vec);
 #pragma unroll
@@ -102,6 +107,7 @@ __device__ void cross_entropy_impl(T* logits, float* losses, const unsigned* tar
         if (threadIdx.x == 0) losses[row] += logf(sum) + max - target_logit;
         if (write_grad) {
             const float k = grad_scale / sum;
+#pragma unroll 4
             for (int c = first; c < np; c += TK_CE_SLOTS) {
                 load8(v, r, c, np, vec);
 #pragma unroll

@@ -33,6 +33,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const BLOCK: u32 = 256;
 /// Rows per block of the half-warp-per-row kernels (16 lanes a row).
 pub const ROWS_PER_BLOCK: usize = BLOCK as usize / 16;
+/// The bytes of rows [`CudaBackend::grid_cached_rows`] keeps in flight: a third of the
+/// L2 cache of an H100 or H200 (50 MiB), two fifths of an A100's (40 MiB).
+pub(crate) const CACHED_ROWS_BYTES: usize = 16 << 20;
+
+/// [`CudaBackend::grid_cached_rows`] on a device whose grids take up to `most` blocks
+/// (eight per multiprocessor).
+fn cached_rows_grid(rows: usize, row_bytes: usize, most: usize) -> u32 {
+    let sms = (most / 8).max(1);
+    (CACHED_ROWS_BYTES / row_bytes.max(1))
+        .clamp(sms, most.max(sms))
+        .clamp(1, rows.max(1)) as u32
+}
+
 /// Rows per partial sum of the two-pass parameter gradients (common.cuh's
 /// TK_GRAD_ROW_BLOCK): the CPU's block, so that the sums are added in its order.
 pub(crate) const ROW_BLOCK: usize = crate::device::cpu::elementwise::ROW_BLOCK;
@@ -387,6 +400,14 @@ impl CudaBackend {
         self.gpu.kernel_times()
     }
 
+    /// Blocks for a kernel that reads each of `rows` rows of `row_bytes` more than once, a
+    /// block a row (grid-stride): as many rows in flight as keep about [`CACHED_ROWS_BYTES`]
+    /// in the L2 cache, so that the rereads come from it rather than from memory; at least
+    /// a block per multiprocessor, at most [`CudaBackend::grid`]'s eight.
+    pub fn grid_cached_rows(&self, rows: usize, row_bytes: usize) -> u32 {
+        cached_rows_grid(rows, row_bytes, self.gpu.max_blocks() as usize)
+    }
+
     /// Blocks (of [`BLOCK`] threads) for the second pass of a column sum over `columns`
     /// columns (common.cuh's `tk_column_total`: a block per 32 columns).
     pub fn grid_columns(&self, columns: usize) -> u32 {
@@ -541,6 +562,20 @@ mod tests {
     use super::*;
     use crate::device::cpu::CpuBackend;
     use crate::device::Backend;
+
+    /// The cross-entropy's rows in flight on an H100 (132 multiprocessors): GPT-2's bf16
+    /// rows (50,304 ids) keep 16 MiB of them, larger rows one a multiprocessor, and a
+    /// small chunk no more blocks than it has rows.
+    #[test]
+    fn rows_read_more_than_once_stay_within_the_cache() {
+        let most = 132 * 8;
+        assert_eq!(cached_rows_grid(8192, 50_304 * 2, most), 166);
+        assert_eq!(cached_rows_grid(8192, 50_304 * 4, most), 132);
+        assert_eq!(cached_rows_grid(8192, 128_256 * 2, most), 132);
+        assert_eq!(cached_rows_grid(8192, 256, most), 1056);
+        assert_eq!(cached_rows_grid(100, 50_304 * 2, most), 100);
+        assert_eq!(cached_rows_grid(0, 50_304 * 2, 4), 1);
+    }
 
     /// The emulated GPU, or `None` (a skip) where the emulator cannot be built and is not
     /// required.

@@ -39,10 +39,11 @@ pub(crate) fn forward(
     }
     let kept = be.kept_u32(all, "cross_entropy.targets")?;
     let targets = ptr(&kept)? + 4 * start as u64;
-    // One block of BLOCK (the kernel's TK_CE_LANES) threads per row.
+    // One block of BLOCK (the kernel's TK_CE_LANES) threads per row, with few enough rows
+    // in flight that each row's second and third readings come from the L2 cache.
     be.launch(
         &format!("cross_entropy_{}", logits.dtype()),
-        be.grid(rows * BLOCK as usize),
+        be.grid_cached_rows(rows, vp * logits.dtype().size()),
         BLOCK,
         Args::new()
             .ptr(ptr(logits)?)
