@@ -294,20 +294,21 @@ fn automatic_chunks_follow_the_vocabulary() {
     let auto = LinearCrossEntropy::default();
     // GPT-2's 50257 ids in bf16: 32 MiB of logits is 333 rows, so 256, which a batch of
     // 1 × 1024 keeps (4 chunks); 8 × 1024 positions would take 32 such chunks, so 8 of
-    // 1024; a million positions 820 of 1280 (128 MiB's 1335 rows, rounded down to 256,
-    // then even); in f32, 512.
+    // 1024; a million positions 410 of 2560 (256 MiB's 2670 rows, rounded down to 256,
+    // then even); in f32, 8 of 1024 and 820 of 1280.
     assert_eq!(auto.chunk_rows(1024, 50257, DType::Bf16), 256);
     assert_eq!(auto.chunk_rows(8192, 50257, DType::Bf16), 1024);
-    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::Bf16), 1280);
-    assert_eq!(auto.chunk_rows(8192, 50257, DType::F32), 512);
-    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::F32), 512);
+    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::Bf16), 2560);
+    assert_eq!(auto.chunk_rows(8192, 50257, DType::F32), 1024);
+    assert_eq!(auto.chunk_rows(1 << 20, 50257, DType::F32), 1280);
     // Even chunks: 3000 positions in 6 of 512 (an eighth, 375, rounded up).
     assert_eq!(auto.chunk_rows(3000, 50257, DType::Bf16), 512);
-    // A 32000-id vocabulary in bf16: up to 2048 rows; Llama 3's 128256 ids: up to 512
-    // (Llama 3.2 1B at 8 × 2048 positions: 32 chunks, down from 64); at least 256
+    // A 32000-id vocabulary in bf16: up to 4096 rows; Llama 3's 128256 ids: up to 1024
+    // (Llama 3.2 1B at 8 × 1024 positions: 8 chunks, at 8 × 2048: 16); at least 256
     // whatever the vocabulary.
-    assert_eq!(auto.chunk_rows(1 << 20, 32000, DType::Bf16), 2048);
-    assert_eq!(auto.chunk_rows(16384, 128256, DType::Bf16), 512);
+    assert_eq!(auto.chunk_rows(1 << 20, 32000, DType::Bf16), 4096);
+    assert_eq!(auto.chunk_rows(8192, 128256, DType::Bf16), 1024);
+    assert_eq!(auto.chunk_rows(16384, 128256, DType::Bf16), 1024);
     assert_eq!(auto.chunk_rows(1 << 20, 4 << 20, DType::F32), 256);
     // A byte vocabulary: the whole batch at once.
     assert_eq!(auto.chunk_rows(4096, 256, DType::F32), 4096);
