@@ -1905,6 +1905,45 @@ fn a_training_step_waits_for_the_gpu_once() {
     }
 }
 
+/// With the optimizer inside backward each parameter's guard record stays on the device
+/// until backward is done: a step waits for the device a fixed number of times (the
+/// records, the losses, the step's record), not once per parameter.
+#[test]
+fn updates_inside_backward_do_not_wait_for_the_gpu_per_parameter() {
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    for (name, cuda) in own {
+        let model = Gpt2::new(tiny_config()).unwrap();
+        let backend: Arc<dyn Backend> = cuda.clone();
+        let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
+            .precision(MixedBf16::default())
+            .options(trainkit::TrainerOptions {
+                grad_clip: 0.0,
+                optimizer_in_backward: true,
+                ..trainkit::TrainerOptions::default()
+            })
+            .build()
+            .unwrap();
+        let trained = t.params().iter().filter(|p| p.trains()).count();
+        assert!(trained > 10, "{name}: {trained} trained parameters");
+        for step in 1..=2 {
+            let before = cuda.host_waits();
+            let s = t.step().unwrap();
+            let waits = cuda.host_waits() - before;
+            assert!(s.loss.is_finite() && s.grad_norm > 0.0, "{name}: {s:?}");
+            assert!(
+                waits <= 3,
+                "{name}: step {step} waited for the device {waits} times ({trained} parameters)"
+            );
+        }
+    }
+}
+
 /// A Llama step of four micro-batches with the loss in chunks of 4 rows uploads only its
 /// batch: per micro-batch the token ids, the targets (once, for every chunk) and the
 /// embedding backward's three bucket lists; the rotary frequencies travel with their

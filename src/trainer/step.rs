@@ -447,6 +447,7 @@ where
         }
         let mut r = StepRecord::read(be, &record)?;
         if plan.in_backward {
+            inside.settle(be)?;
             // ZeRO: each rank holds the figures of what it updated.
             if plan.world > 1 && !self.owners.is_empty() {
                 inside.sum_across(self.collective.as_ref())?;

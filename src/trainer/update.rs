@@ -9,10 +9,11 @@
 use crate::collective::Collective;
 use crate::device::Backend;
 use crate::error::{Error, Result};
+use crate::memory::MemoryCategory;
 use crate::model::Param;
 use crate::optim::{guard, GradScale, Optimizer, StepRecord};
 use crate::param::HostUpdate;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::{Scope, ScopedJoinHandle};
 
@@ -90,13 +91,20 @@ fn refresh(backend: &dyn Backend, params: &mut [Param], step: u64, seed: u64) ->
 }
 
 /// What the updates made inside backward add up to: each parameter's squared gradient
-/// norm and whether every gradient was finite. With more than one rank, each rank holds
-/// the figures of the parameters it updated; [`InBackward::sum_across`] gives every rank
-/// the step's.
+/// norm and whether every gradient was finite. Each update's record stays on the device
+/// (a row of `records`) until backward is done, so the host never waits for the device
+/// inside backward: [`InBackward::settle`] reads them all at once. With more than one
+/// rank, each rank holds the figures of the parameters it updated;
+/// [`InBackward::sum_across`] gives every rank the step's.
 pub(super) struct InBackward {
     /// Each parameter's squared gradient norm (loss scale removed), zero where this rank
-    /// did not update it.
+    /// did not update it (read by [`InBackward::settle`]).
     squares: Vec<f64>,
+    /// The guard's record of each parameter this rank updated, a row of
+    /// [`StepRecord::LEN`] each, in its row: allocated at the first update.
+    records: Option<Tensor>,
+    /// The parameters whose row of `records` holds their record.
+    recorded: Vec<bool>,
     /// The parameters in the order their gradients were complete (the same on every
     /// rank), each once.
     order: Vec<usize>,
@@ -110,10 +118,52 @@ impl InBackward {
     pub(super) fn new(params: usize) -> Self {
         InBackward {
             squares: vec![0.0; params],
+            records: None,
+            recorded: vec![false; params],
             order: Vec::new(),
             seen: vec![false; params],
             non_finite: 0.0,
         }
+    }
+
+    /// Keeps `record`, parameter `i`'s guard record, in its row of the records (a copy on
+    /// the device: the host does not wait for it).
+    fn keep(&mut self, device: &dyn Backend, i: usize, record: &Tensor) -> Result<()> {
+        if self.records.is_none() {
+            let n = self.recorded.len();
+            let shape = [n, StepRecord::LEN];
+            let t = device.zeros(
+                &shape,
+                DType::F32,
+                MemoryCategory::Workspace,
+                "step.records",
+            )?;
+            self.records = Some(t);
+        }
+        let records = self.records.as_mut().expect("allocated above");
+        device.copy_rows(records, i, record, 0, 1, false)?;
+        self.recorded[i] = true;
+        Ok(())
+    }
+
+    /// Reads the records the updates left (one wait for the device, after backward) into
+    /// the squared norms and the count of non-finite gradients, and frees them.
+    pub(super) fn settle(&mut self, device: &dyn Backend) -> Result<()> {
+        let Some(records) = self.records.take() else {
+            return Ok(());
+        };
+        let values = device.to_f32(&records)?;
+        for (i, row) in values.chunks_exact(StepRecord::LEN).enumerate() {
+            if !self.recorded[i] {
+                continue;
+            }
+            let r = StepRecord::from_values(row);
+            self.squares[i] = (r.grad_norm as f64).powi(2);
+            if !r.finite() {
+                self.non_finite += 1.0;
+            }
+        }
+        Ok(())
     }
 
     /// The sum of the squares of the updated gradients' norms, added in the order the
@@ -240,11 +290,7 @@ impl<'scope, 'env, O: Optimizer> Updater<'scope, 'env, O> {
             return Ok(());
         };
         guard::grad_guard(device, record, &[grad], losses, 0.0, loss_scale)?;
-        let r = StepRecord::read(device, record)?;
-        inside.squares[i] = (r.grad_norm as f64).powi(2);
-        if !r.finite() {
-            inside.non_finite += 1.0;
-        }
+        inside.keep(device, i, record)?;
         self.update(device, params, Some(i), record)?;
         params[i].drop_grad();
         Ok(())

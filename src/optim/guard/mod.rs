@@ -181,12 +181,16 @@ impl StepRecord {
     /// Reads the record from its tensor (on a GPU: waits for the queued work).
     pub fn read(backend: &dyn Backend, record: &Tensor) -> Result<StepRecord> {
         check(record, Self::LEN, "step record")?;
-        let v = backend.to_f32(record)?;
-        Ok(StepRecord {
-            scale: v[SCALE],
-            grad_norm: v[GRAD_NORM],
-            loss_sum: v[LOSS_SUM],
-        })
+        Ok(Self::from_values(&backend.to_f32(record)?))
+    }
+
+    /// The record in `values`, [`StepRecord::LEN`] of them or more, as the guard writes it.
+    pub(crate) fn from_values(values: &[f32]) -> StepRecord {
+        StepRecord {
+            scale: values[SCALE],
+            grad_norm: values[GRAD_NORM],
+            loss_sum: values[LOSS_SUM],
+        }
     }
 
     /// Whether the loss and the gradient norm were finite, so the update was applied.
