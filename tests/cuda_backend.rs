@@ -1905,6 +1905,46 @@ fn a_training_step_waits_for_the_gpu_once() {
     }
 }
 
+/// `sum_squares_each` gives each tensor's squares as `sum_squares` does, bit for bit, with
+/// one wait for the device for all of them.
+#[test]
+fn each_tensors_squares_come_back_at_once() {
+    let mut rng = Rng::new(29);
+    // Backends of its own: the shared ones count the other tests' waits too.
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    for (name, cuda) in own {
+        for dt in [DType::F32, DType::Bf16] {
+            let cpu = CpuBackend::new();
+            let sizes = [3000usize, 0, 17, 70_000, 256];
+            let pairs: Vec<Pair> = sizes
+                .iter()
+                .map(|&n| pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], dt))
+                .collect();
+            let xs: Vec<&Tensor> = pairs.iter().map(|p| &p.cuda).collect();
+            let before = cuda.host_waits();
+            let each = cuda.sum_squares_each(&xs).unwrap();
+            assert_eq!(cuda.host_waits() - before, 1, "{name} {dt}: one read back");
+            let one: Vec<f64> = xs.iter().map(|x| cuda.sum_squares(x).unwrap()).collect();
+            assert_eq!(each, one, "{name} {dt}");
+            let on_cpu: Vec<&Tensor> = pairs.iter().map(|p| &p.cpu).collect();
+            let cpu_each = cpu.sum_squares_each(&on_cpu).unwrap();
+            for (k, (a, b)) in each.iter().zip(&cpu_each).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-12 * b.abs(),
+                    "{name} {dt} tensor {k}: {a} {b}"
+                );
+            }
+            assert_eq!(each[1], 0.0);
+        }
+    }
+}
+
 /// With the optimizer inside backward each parameter's guard record stays on the device
 /// until backward is done: a step waits for the device a fixed number of times (the
 /// records, the losses, the step's record), not once per parameter.

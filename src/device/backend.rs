@@ -295,6 +295,17 @@ pub trait Backend: Debug + Send + Sync {
         Ok(call.total)
     }
 
+    /// Each tensor's sum of squares in f64, as [`Backend::sum_squares`] gives it (a GPU
+    /// sums them all in one pass with a single read back to the host).
+    fn sum_squares_each(&self, xs: &[&Tensor]) -> Result<Vec<f64>> {
+        let mut call = primitives::SumSquaresEach {
+            xs,
+            totals: vec![0.0; xs.len()],
+        };
+        self.run(&mut call)?;
+        Ok(call.totals)
+    }
+
     /// `out (+)= op(a) · op(b) (+ bias)` with f32 accumulation, where `op` transposes when
     /// `trans_a` / `trans_b` is set. `out` is `[m, n]`, `op(a)` is `[m, k]`, `op(b)` is
     /// `[k, n]`; `bias` (length n) is added to every row. With `accumulate` the product is

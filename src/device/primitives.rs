@@ -264,6 +264,40 @@ impl OpKernel for SumSquares<'_> {
     }
 }
 
+/// `totals[k] = Σ x²` over every element of tensor `k` of `xs`, accumulated in f64, each
+/// as [`SumSquares`] gives it: on a GPU in one pass with one read back.
+pub(crate) struct SumSquaresEach<'a, 'b> {
+    pub xs: &'a [&'b Tensor],
+    pub totals: Vec<f64>,
+}
+
+impl OpKernel for SumSquaresEach<'_, '_> {
+    fn name(&self) -> &'static str {
+        "sum_squares"
+    }
+    fn label(&self) -> &str {
+        "gradients"
+    }
+    fn check(&self) -> Result<()> {
+        ensure_float("sum_squares", self.xs)
+    }
+    fn flops(&self) -> u64 {
+        each(self.xs.iter().map(|x| x.numel()).sum(), SUM_SQUARES)
+    }
+    fn cpu(&mut self, _be: &CpuBackend) -> Result<()> {
+        self.totals = self
+            .xs
+            .iter()
+            .map(|x| elementwise::sum_squares(x))
+            .collect();
+        Ok(())
+    }
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        self.totals = reductions::sum_squares_each(be, self.xs)?;
+        Ok(())
+    }
+}
+
 /// `total = Σ x²` over every element of every tensor of `xs` (the squared global norm of
 /// the gradients), accumulated in f64: on the CPU tensor by tensor in order, on a GPU in
 /// one pass with one read back.

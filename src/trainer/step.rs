@@ -480,10 +480,16 @@ where
         losses: &Tensor,
     ) -> Result<Tensor> {
         let mut squares = vec![0f64; self.params.len()];
-        for ((p, sq), &keep) in self.params.iter().zip(&mut squares).zip(keep) {
-            if let (true, Some(g)) = (keep, p.grad()) {
-                *sq = be.sum_squares(g)?;
-            }
+        // Every kept gradient's squares at once (one read back on a GPU).
+        let (at, grads): (Vec<usize>, Vec<&Tensor>) = self
+            .params
+            .iter()
+            .zip(keep)
+            .enumerate()
+            .filter_map(|(i, (p, &keep))| p.grad().filter(|_| keep).map(|g| (i, g)))
+            .unzip();
+        for (i, sq) in at.into_iter().zip(be.sum_squares_each(&grads)?) {
+            squares[i] = sq;
         }
         self.collective.all_reduce_sum_f64(&mut squares)?;
         guard::record_from_squares(

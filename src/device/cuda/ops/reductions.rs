@@ -130,6 +130,40 @@ pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
     Ok(f64::from_le_bytes(bytes))
 }
 
+pub(crate) fn sum_squares_each(be: &CudaBackend, xs: &[&Tensor]) -> Result<Vec<f64>> {
+    // One partial per block of every tensor in one buffer, each tensor's partials summed
+    // by the finishing kernel `sum_squares` runs, and one read back of all the totals.
+    let (partial, _) = square_partials(be, xs, "sum_squares.partial")?;
+    let totals = be.scratch(xs.len().max(1) * 8, "sum_squares.totals")?;
+    let (mut slot, out, base) = (0u64, ptr(&totals)?, ptr(&partial)?);
+    for (k, x) in xs.iter().enumerate() {
+        // square_partials' slots: a tensor's grid each, empty tensors none.
+        let grid = if x.numel() == 0 {
+            0
+        } else {
+            be.grid(x.numel())
+        } as u64;
+        be.launch(
+            "sum_squares_finish",
+            1,
+            32,
+            Args::new()
+                .ptr(out + 8 * k as u64)
+                .ptr(base + 8 * slot)
+                .i64(grid as usize),
+        )?;
+        slot += grid;
+    }
+    let mut bytes = vec![0u8; xs.len() * 8];
+    if !bytes.is_empty() {
+        be.gpu.download(&mut bytes, out)?;
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect())
+}
+
 pub(crate) fn sum_squares_all(be: &CudaBackend, xs: &[&Tensor]) -> Result<f64> {
     // One partial per block of every tensor in one buffer, one finishing sum over all
     // of them, and one read back.
