@@ -166,6 +166,29 @@ __device__ __forceinline__ float warp_row_sum(const float (&a)[8]) {
     return v;
 }
 
+// Σ f(x) over a row of c elements, accumulated in the warp rows' slots and summed as
+// `warp_row_sum` (the CPU's `simd::row_sum` and its kin); every lane ends with the total.
+// `vec` as for `load8`.
+template <typename T, typename F>
+__device__ __forceinline__ float warp_row_reduce(const T* __restrict__ row, int c, bool vec,
+                                                 F f) {
+    const int lane = threadIdx.x & 31;
+    float acc[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+#pragma unroll 2
+    for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
+        float v[8];
+        load8(v, row, i, c, vec);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
+            acc[m] += f(v[m]);
+        }
+    }
+    return warp_row_sum(acc);
+}
+
 // ---------------------------------------------------------------------------------------
 // Column sums in two passes (the norms' parameter gradients, the bias gradient), without
 // atomics and in the CPU's order, so bitwise equal to it: rows in blocks of

@@ -26,34 +26,12 @@ __device__ void layernorm_impl(T* __restrict__ out, float* __restrict__ stats,
     TK_FOR_EACH_WARP_ROW(row, rows) {
         const T* xr = x + row * c64;
         T* orow = out + row * c64;
-        float acc[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-#pragma unroll 2
-        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
-            float xv[8];
-            load8(xv, xr, i, c, vec);
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
-                acc[m] += xv[m];
-            }
-        }
-        const float mean = warp_row_sum(acc) / (float)c;
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-#pragma unroll 2
-        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
-            float xv[8];
-            load8(xv, xr, i, c, vec);
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                if (!vec && i + m >= c) break;
-                const float d = xv[m] - mean;
-                acc[m] += d * d;
-            }
-        }
-        const float var = warp_row_sum(acc) / (float)c;
+        const float mean = warp_row_reduce(xr, c, vec, [](float v) { return v; }) / (float)c;
+        const float var = warp_row_reduce(xr, c, vec, [mean](float v) {
+                              const float d = v - mean;
+                              return d * d;
+                          }) /
+                          (float)c;
         const float rstd = 1.0f / sqrtf(var + eps);
 #pragma unroll 2
         for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {

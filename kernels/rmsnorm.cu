@@ -25,20 +25,8 @@ __device__ void rmsnorm_impl(T* __restrict__ out, float* __restrict__ rstd_out,
     TK_FOR_EACH_WARP_ROW(row, rows) {
         const T* xr = x + row * c64;
         T* orow = out + row * c64;
-        float acc[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-#pragma unroll 2
-        for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
-            float xv[8];
-            load8(xv, xr, i, c, vec);
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                if (!vec && i + m >= c) break;  // past the row's end: no term, as on the CPU
-                acc[m] += xv[m] * xv[m];
-            }
-        }
-        const float rstd = 1.0f / sqrtf(warp_row_sum(acc) / (float)c + eps);
+        const float ss = warp_row_reduce(xr, c, vec, [](float v) { return v * v; });
+        const float rstd = 1.0f / sqrtf(ss / (float)c + eps);
 #pragma unroll 2
         for (int i = 8 * lane; i < c; i += TK_ROW_SLOTS) {
             float xv[8], wv[8], o[8];

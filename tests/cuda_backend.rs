@@ -66,6 +66,19 @@ fn gpu() -> Option<Arc<CudaBackend>> {
     .clone()
 }
 
+/// A new backend of each kind available here, named: for the tests that count a
+/// backend's host waits or uploads (the shared ones count the other tests' too).
+fn own_backends() -> Vec<(&'static str, Arc<CudaBackend>)> {
+    let mut own = vec![];
+    if emulated().is_some() {
+        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
+    }
+    own
+}
+
 /// Every CUDA backend available here, named.
 fn cuda_backends() -> Vec<(&'static str, Arc<CudaBackend>)> {
     let mut v = vec![];
@@ -1874,15 +1887,7 @@ fn the_fused_loss_in_chunks_matches_the_cpu() {
 
 #[test]
 fn a_training_step_waits_for_the_gpu_once() {
-    // Backends of its own: the shared ones count the other tests' waits too.
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         // Two micro-batches, full recomputation and mixed precision: every path of a step.
         let model = Gpt2::new(tiny_config()).unwrap();
         let backend: Arc<dyn Backend> = cuda.clone();
@@ -1910,15 +1915,7 @@ fn a_training_step_waits_for_the_gpu_once() {
 #[test]
 fn each_tensors_squares_come_back_at_once() {
     let mut rng = Rng::new(29);
-    // Backends of its own: the shared ones count the other tests' waits too.
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         for dt in [DType::F32, DType::Bf16] {
             let cpu = CpuBackend::new();
             let sizes = [3000usize, 0, 17, 70_000, 256];
@@ -1950,14 +1947,7 @@ fn each_tensors_squares_come_back_at_once() {
 /// records, the losses, the step's record), not once per parameter.
 #[test]
 fn updates_inside_backward_do_not_wait_for_the_gpu_per_parameter() {
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         let model = Gpt2::new(tiny_config()).unwrap();
         let backend: Arc<dyn Backend> = cuda.clone();
         let mut t = Trainer::builder(model, backend, corpus_loader(20_000, 1, 2, 16))
@@ -1991,14 +1981,7 @@ fn updates_inside_backward_do_not_wait_for_the_gpu_per_parameter() {
 /// and the step waits for the device once, to read its loss.
 #[test]
 fn a_step_uploads_only_its_batch_and_waits_once() {
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         let model = tiny_llama()
             .with_loss(trainkit::ops::LossPath::Fused, Some(4))
             .unwrap();
@@ -2733,20 +2716,12 @@ fn offload_steps<P: Precision + Default>(
 
 #[test]
 fn offloading_on_cuda_is_bitwise_equal_and_the_host_never_waits_for_it() {
-    // Backends of its own: host waits are counted per backend.
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
     let policies: Vec<Box<dyn CheckpointPolicy>> = vec![
         Box::new(NoRecompute),
         Box::new(Full),
         Box::new(trainkit::Budget::new(40_000)),
     ];
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         for policy in &policies {
             let what = format!("{name} {policy:?}");
             // The emulator lands a copy back only when compute waits for it: a kernel that
@@ -2900,14 +2875,7 @@ fn placed_steps<P: Precision + Default>(
 /// kernel reads them (too early, it would read the poison of a fresh buffer).
 #[test]
 fn streamed_weights_on_cuda_are_bitwise_the_resident_run() {
-    let mut own = vec![];
-    if emulated().is_some() {
-        own.push(("emulator", Arc::new(CudaBackend::emulated().unwrap())));
-    }
-    if gpu().is_some() {
-        own.push(("gpu", Arc::new(CudaBackend::new(0).unwrap())));
-    }
-    for (name, cuda) in own {
+    for (name, cuda) in own_backends() {
         for (gpt2, nf4, dora) in [
             (false, false, false),
             (false, true, false),
