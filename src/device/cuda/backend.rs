@@ -401,9 +401,9 @@ impl CudaBackend {
     }
 
     /// Blocks for a kernel that reads each of `rows` rows of `row_bytes` more than once, a
-    /// block a row (grid-stride): as many rows in flight as keep about [`CACHED_ROWS_BYTES`]
-    /// in the L2 cache, so that the rereads come from it rather than from memory; at least
-    /// a block per multiprocessor, at most [`CudaBackend::grid`]'s eight.
+    /// block a row (grid-stride): as many rows in flight as keep about 16 MiB in the L2
+    /// cache (a third of an H100's), so that the rereads come from it rather than from
+    /// memory; at least a block per multiprocessor, at most [`CudaBackend::grid`]'s eight.
     pub fn grid_cached_rows(&self, rows: usize, row_bytes: usize) -> u32 {
         cached_rows_grid(rows, row_bytes, self.gpu.max_blocks() as usize)
     }
