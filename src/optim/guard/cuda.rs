@@ -20,7 +20,8 @@ pub(crate) fn grad_guard(
 ) -> Result<()> {
     // One partial per block of every gradient in one buffer, then one block that adds
     // them and the losses and writes the record: nothing is read back.
-    let (partial, slots) = square_partials(be, grads, "grad_guard.partial")?;
+    let (partial, grids) = square_partials(be, grads, "grad_guard.partial")?;
+    let slots: usize = grids.iter().map(|&g| g as usize).sum();
     be.launch(
         "grad_guard",
         1,

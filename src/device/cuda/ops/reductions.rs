@@ -46,13 +46,14 @@ fn squares_table(entries: &[[u64; 4]]) -> Vec<u8> {
     b
 }
 
-/// The f64 partial sums of squares of every tensor of `xs` in one workspace buffer
-/// (one per block of each tensor's grid), and how many there are.
+/// The f64 partial sums of squares of every tensor of `xs` in one workspace buffer (one
+/// per block of each tensor's grid, the tensors' one after another), and each tensor's
+/// grid (0 for an empty one): how many partials it left.
 pub(crate) fn square_partials(
     be: &CudaBackend,
     xs: &[&Tensor],
     label: &str,
-) -> Result<(Tensor, usize)> {
+) -> Result<(Tensor, Vec<u32>)> {
     let grids: Vec<u32> = xs
         .iter()
         .map(|x| {
@@ -99,7 +100,7 @@ pub(crate) fn square_partials(
             )?;
         }
     }
-    Ok((partial, slots))
+    Ok((partial, grids))
 }
 
 pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
@@ -133,16 +134,11 @@ pub(crate) fn sum_squares(be: &CudaBackend, x: &Tensor) -> Result<f64> {
 pub(crate) fn sum_squares_each(be: &CudaBackend, xs: &[&Tensor]) -> Result<Vec<f64>> {
     // One partial per block of every tensor in one buffer, each tensor's partials summed
     // by the finishing kernel `sum_squares` runs, and one read back of all the totals.
-    let (partial, _) = square_partials(be, xs, "sum_squares.partial")?;
+    let (partial, grids) = square_partials(be, xs, "sum_squares.partial")?;
     let totals = be.scratch(xs.len().max(1) * 8, "sum_squares.totals")?;
     let (mut slot, out, base) = (0u64, ptr(&totals)?, ptr(&partial)?);
-    for (k, x) in xs.iter().enumerate() {
-        // square_partials' slots: a tensor's grid each, empty tensors none.
-        let grid = if x.numel() == 0 {
-            0
-        } else {
-            be.grid(x.numel())
-        } as u64;
+    for (k, &grid) in grids.iter().enumerate() {
+        let grid = u64::from(grid);
         be.launch(
             "sum_squares_finish",
             1,
@@ -167,7 +163,8 @@ pub(crate) fn sum_squares_each(be: &CudaBackend, xs: &[&Tensor]) -> Result<Vec<f
 pub(crate) fn sum_squares_all(be: &CudaBackend, xs: &[&Tensor]) -> Result<f64> {
     // One partial per block of every tensor in one buffer, one finishing sum over all
     // of them, and one read back.
-    let (partial, slots) = square_partials(be, xs, "sum_squares.partial")?;
+    let (partial, grids) = square_partials(be, xs, "sum_squares.partial")?;
+    let slots: usize = grids.iter().map(|&g| g as usize).sum();
     if slots == 0 {
         return Ok(0.0);
     }
