@@ -210,6 +210,35 @@ __device__ __forceinline__ int tk_block_rows(i64 blk, i64 rows) {
     return (int)min((i64)TK_GRAD_ROW_BLOCK, rows - blk * TK_GRAD_ROW_BLOCK);
 }
 
+// The first pass of K column sums over a [rows, c] matrix (K = 2: a layer norm's weight
+// and bias gradients): per row block and 8 adjacent columns, `row(acc, r, col)` adds row
+// r's terms of those columns to acc[0 .. K), rows in order (a full block unrolled so that
+// many rows' loads are in flight), then partial[K·blk + k, col ..] = acc[k] (16-byte
+// stores when VEC). A thread per (row block, 8 columns), grid-stride.
+template <int K, bool VEC, typename Row>
+__device__ __forceinline__ void tk_column_partials(float* __restrict__ partial, i64 rows,
+                                                   int c, Row row) {
+    const i64 groups = (c + 7) / 8;
+    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
+        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
+        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
+        float acc[K][8];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) acc[k][m] = 0.0f;
+        }
+        if (n == TK_GRAD_ROW_BLOCK) {
+#pragma unroll 8
+            for (int r = 0; r < TK_GRAD_ROW_BLOCK; ++r) row(acc, r0 + r, col);
+        } else {
+            for (int r = 0; r < n; ++r) row(acc, r0 + r, col);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) store8(partial + (K * blk + k) * c, col, c, VEC, acc[k]);
+    }
+}
+
 // The groups of 32 columns of an n-column total, a CUDA block each, grid-stride (the
 // same `g` for every thread of a block, as `tk_column_total` needs).
 #define TK_FOR_EACH_COLUMN_TOTAL(g, n) \

@@ -38,39 +38,17 @@ __device__ void scale_impl(T* x, float alpha, i64 n) {
 
 // The bias gradient, common.cuh's column sum in two passes: rows in blocks of
 // TK_GRAD_ROW_BLOCK, each block's column sums in row order into an f32 workspace
-// [blocks, cols] (a thread per block and 8 adjacent columns); then per column the blocks
-// in order from 0, and that total added to dbias with one rounding.
-// Adds rows r0 .. r0 + n of columns col .. col + 8 (row stride c) to acc, in row order,
-// 16-byte loads when VEC, unrolled so that many rows' loads are in flight.
-template <typename T, bool VEC, int UNROLL>
-__device__ __forceinline__ void bias_rows(float (&acc)[8], const T* __restrict__ dout, i64 r0,
-                                          int n, int col, int c) {
-#pragma unroll UNROLL
-    for (int r = 0; r < n; ++r) {
-        float dv[8];
-        load8(dv, dout + (r0 + r) * c, col, c, VEC);
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] += dv[m];
-    }
-}
-
+// [blocks, cols] (a thread per block and 8 adjacent columns, common.cuh's
+// tk_column_partials); then per column the blocks in order from 0, and that total added to
+// dbias with one rounding.
 template <typename T, bool VEC>
-__device__ void bias_blocks(float* __restrict__ partial, const T* __restrict__ dout, i64 rows,
-                            int c) {
-    const i64 groups = (c + 7) / 8;
-    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
-        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
-        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
-        float acc[8];
+__device__ void bias_blocks(float* partial, const T* __restrict__ dout, i64 rows, int c) {
+    tk_column_partials<1, VEC>(partial, rows, c, [=](float (&acc)[1][8], i64 r, int col) {
+        float dv[8];
+        load8(dv, dout + r * c, col, c, VEC);
 #pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-        if (n == TK_GRAD_ROW_BLOCK) {
-            bias_rows<T, VEC, 8>(acc, dout, r0, TK_GRAD_ROW_BLOCK, col, c);
-        } else {
-            bias_rows<T, VEC, 1>(acc, dout, r0, n, col, c);
-        }
-        store8(partial + blk * c, col, c, VEC, acc);
-    }
+        for (int m = 0; m < 8; ++m) acc[0][m] += dv[m];
+    });
 }
 
 template <typename T>

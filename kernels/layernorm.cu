@@ -105,52 +105,24 @@ __device__ void layernorm_backward_dx_impl(T* __restrict__ dx, const T* __restri
     }
 }
 
-// Adds rows r0 .. r0 + n of columns col .. col + 8 (x and dout of row stride c, stats
-// per row) to dw (norm * dout) and db (dout), in row order, 16-byte loads when VEC. The
-// loop is unrolled so that the loads of many rows are in flight; the sums keep their order.
-template <typename T, bool VEC, int UNROLL>
-__device__ __forceinline__ void layernorm_params_rows(float (&dw)[8], float (&db)[8],
-                                                      const T* __restrict__ x,
-                                                      const T* __restrict__ dout,
-                                                      const float* __restrict__ stats, i64 r0,
-                                                      int n, int col, int c) {
-#pragma unroll UNROLL
-    for (int r = 0; r < n; ++r) {
+// partial[blk, 0, col] = sum over the block's rows of norm * dout, partial[blk, 1, col] =
+// sum of dout, rows in order (common.cuh's tk_column_partials).
+template <typename T, bool VEC>
+__device__ void layernorm_params_blocks(float* partial, const T* __restrict__ dout,
+                                        const T* __restrict__ x,
+                                        const float* __restrict__ stats, i64 rows, int c) {
+    tk_column_partials<2, VEC>(partial, rows, c, [=](float (&acc)[2][8], i64 r, int col) {
         float xv[8], dv[8];
-        load8(xv, x + (r0 + r) * c, col, c, VEC);
-        load8(dv, dout + (r0 + r) * c, col, c, VEC);
-        const float mean = stats[2 * (r0 + r)], rstd = stats[2 * (r0 + r) + 1];
+        load8(xv, x + r * c, col, c, VEC);
+        load8(dv, dout + r * c, col, c, VEC);
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             const float norm = (xv[m] - mean) * rstd;
-            dw[m] += norm * dv[m];
-            db[m] += dv[m];
+            acc[0][m] += norm * dv[m];
+            acc[1][m] += dv[m];
         }
-    }
-}
-
-// partial[blk, 0, col] = sum over the block's rows of norm * dout, partial[blk, 1, col] =
-// sum of dout, rows in order: a thread per block and 8 adjacent columns.
-template <typename T, bool VEC>
-__device__ void layernorm_params_blocks(float* __restrict__ partial, const T* __restrict__ dout,
-                                        const T* __restrict__ x,
-                                        const float* __restrict__ stats, i64 rows, int c) {
-    const i64 groups = (c + 7) / 8;
-    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
-        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
-        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
-        float dw[8], db[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) dw[m] = db[m] = 0.0f;
-        if (n == TK_GRAD_ROW_BLOCK) {
-            layernorm_params_rows<T, VEC, 8>(dw, db, x, dout, stats, r0, TK_GRAD_ROW_BLOCK,
-                                             col, c);
-        } else {
-            layernorm_params_rows<T, VEC, 1>(dw, db, x, dout, stats, r0, n, col, c);
-        }
-        store8(partial + 2 * blk * c, col, c, VEC, dw);
-        store8(partial + (2 * blk + 1) * c, col, c, VEC, db);
-    }
+    });
 }
 
 template <typename T>

@@ -86,45 +86,20 @@ __device__ void rmsnorm_backward_dx_impl(T* __restrict__ dx, const T* __restrict
     }
 }
 
-// Adds rows r0 .. r0 + n of columns col .. col + 8 (x and dout of row stride c) to dw
-// (x * rstd * dout), in row order, 16-byte loads when VEC. The loop is unrolled so that the
-// loads of many rows are in flight; the sums keep their order.
-template <typename T, bool VEC, int UNROLL>
-__device__ __forceinline__ void rmsnorm_params_rows(float (&dw)[8], const T* __restrict__ x,
-                                                    const T* __restrict__ dout,
-                                                    const float* __restrict__ rstd, i64 r0,
-                                                    int n, int col, int c) {
-#pragma unroll UNROLL
-    for (int r = 0; r < n; ++r) {
-        float xv[8], dv[8];
-        load8(xv, x + (r0 + r) * c, col, c, VEC);
-        load8(dv, dout + (r0 + r) * c, col, c, VEC);
-        const float rs = rstd[r0 + r];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) dw[m] += xv[m] * rs * dv[m];
-    }
-}
-
-// partial[blk, col] = sum over the block's rows of x * rstd * dout, rows in order: a
-// thread per block and 8 adjacent columns.
+// partial[blk, col] = sum over the block's rows of x * rstd * dout, rows in order
+// (common.cuh's tk_column_partials).
 template <typename T, bool VEC>
-__device__ void rmsnorm_params_blocks(float* __restrict__ partial, const T* __restrict__ dout,
+__device__ void rmsnorm_params_blocks(float* partial, const T* __restrict__ dout,
                                       const T* __restrict__ x, const float* __restrict__ rstd,
                                       i64 rows, int c) {
-    const i64 groups = (c + 7) / 8;
-    TK_FOR_EACH(i, tk_row_blocks(rows) * groups) {
-        const i64 blk = i / groups, r0 = blk * TK_GRAD_ROW_BLOCK;
-        const int col = 8 * (int)(i % groups), n = tk_block_rows(blk, rows);
-        float dw[8];
+    tk_column_partials<1, VEC>(partial, rows, c, [=](float (&acc)[1][8], i64 r, int col) {
+        float xv[8], dv[8];
+        load8(xv, x + r * c, col, c, VEC);
+        load8(dv, dout + r * c, col, c, VEC);
+        const float rs = rstd[r];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) dw[m] = 0.0f;
-        if (n == TK_GRAD_ROW_BLOCK) {
-            rmsnorm_params_rows<T, VEC, 8>(dw, x, dout, rstd, r0, TK_GRAD_ROW_BLOCK, col, c);
-        } else {
-            rmsnorm_params_rows<T, VEC, 1>(dw, x, dout, rstd, r0, n, col, c);
-        }
-        store8(partial + blk * c, col, c, VEC, dw);
-    }
+        for (int m = 0; m < 8; ++m) acc[0][m] += xv[m] * rs * dv[m];
+    });
 }
 
 template <typename T>
