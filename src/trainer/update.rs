@@ -100,11 +100,10 @@ pub(super) struct InBackward {
     /// Each parameter's squared gradient norm (loss scale removed), zero where this rank
     /// did not update it (read by [`InBackward::settle`]).
     squares: Vec<f64>,
-    /// The guard's record of each parameter this rank updated, a row of
-    /// [`StepRecord::LEN`] each, in its row: allocated at the first update.
+    /// The guard's record of each parameter this rank updated, in its row of
+    /// [`StepRecord::LEN`]; the rows of the others stay zero (a finite record of norm 0,
+    /// what they add). Allocated at the first update.
     records: Option<Tensor>,
-    /// The parameters whose row of `records` holds their record.
-    recorded: Vec<bool>,
     /// The parameters in the order their gradients were complete (the same on every
     /// rank), each once.
     order: Vec<usize>,
@@ -119,7 +118,6 @@ impl InBackward {
         InBackward {
             squares: vec![0.0; params],
             records: None,
-            recorded: vec![false; params],
             order: Vec::new(),
             seen: vec![false; params],
             non_finite: 0.0,
@@ -129,21 +127,16 @@ impl InBackward {
     /// Keeps `record`, parameter `i`'s guard record, in its row of the records (a copy on
     /// the device: the host does not wait for it).
     fn keep(&mut self, device: &dyn Backend, i: usize, record: &Tensor) -> Result<()> {
-        if self.records.is_none() {
-            let n = self.recorded.len();
-            let shape = [n, StepRecord::LEN];
-            let t = device.zeros(
-                &shape,
-                DType::F32,
-                MemoryCategory::Workspace,
-                "step.records",
-            )?;
-            self.records = Some(t);
-        }
-        let records = self.records.as_mut().expect("allocated above");
-        device.copy_rows(records, i, record, 0, 1, false)?;
-        self.recorded[i] = true;
-        Ok(())
+        let records = match &mut self.records {
+            Some(t) => t,
+            None => {
+                let shape = [self.squares.len(), StepRecord::LEN];
+                let (f32, space) = (DType::F32, MemoryCategory::Workspace);
+                self.records
+                    .insert(device.zeros(&shape, f32, space, "step.records")?)
+            }
+        };
+        device.copy_rows(records, i, record, 0, 1, false)
     }
 
     /// Reads the records the updates left (one wait for the device, after backward) into
@@ -154,9 +147,6 @@ impl InBackward {
         };
         let values = device.to_f32(&records)?;
         for (i, row) in values.chunks_exact(StepRecord::LEN).enumerate() {
-            if !self.recorded[i] {
-                continue;
-            }
             let r = StepRecord::from_values(row);
             self.squares[i] = (r.grad_norm as f64).powi(2);
             if !r.finite() {
