@@ -26,17 +26,23 @@
 //   its summation order, and dQ's last bits, may differ from run to run on a GPU; the
 //   emulator runs blocks in order), then scaled and rounded by a last small kernel.
 //
-// Work split. Blocks of FA2_THREADS = 128 threads, four warps of 16 rows each.
-// Forward: a block per (query tile of 64 rows, head, batch row), the longest tiles first;
-// steps of 64 keys. Backward: a block per (key tile of 64 keys, key/value head, batch row),
-// the longest first; steps of FA2_BWD_BM(D) queries of each query head of the group.
-// Shared memory stays within the 48 KiB a block gets without opting in: forward
-// Q, K, V tiles (3 · 64 · SD elements, SD the head rounded up to 64 columns), backward
-// K, V (2 · 64 · SD), Q and dO (2 · BM · SD) and dSᵀ (64 · BM).
+// Work split. Blocks of FA2_THREADS = 128 threads, four warps.
+// Forward: a block per (query tile of FWD_BM = 128 rows, head, batch row), the longest tiles
+// first; each warp holds two 16-row tiles, so that every K and V fragment it reads from
+// shared memory feeds two products; steps of FWD_BN keys (64, or 32 for heads over 64
+// columns, whose output accumulators take twice the registers). A warp whose rows all come
+// before a step's keys skips its products.
+// Backward: a block per (key tile of 64 keys, key/value head, batch row), the longest
+// first; steps of BWD_BM queries (64, or 32 for heads of 128 columns, as many as the
+// registers hold beside dK and dV) of each query head of the group.
+// Shared memory is dynamic (the backend opts in past 48 KiB, flash_attention/cuda.rs's
+// MmaPlan, which flash_attention_mma_plan holds to Fa2Dims): forward Q, K and V tiles
+// ((FWD_BM + 2·FWD_BN) · SD elements, SD the head rounded up to 64 columns; at most 48 KiB),
+// backward K, V (2 · 64 · SD), Q and dO (2 · BWD_BM · SD), dSᵀ (64 · BWD_BM) and the step's
+// statistics (at most 73 KiB, within the 99 KiB every sm_80-and-later card allows).
 
 #define FA2_THREADS 128
-#define FA2_BM 64  // query rows of a forward block
-#define FA2_BN 64  // keys of a forward step, and of a backward block
+#define FA2_BN 64  // keys of a backward block
 #define FA2_LOG2E 1.4426950408889634f
 #define FA2_LN2 0.6931471805599453f
 
@@ -50,8 +56,25 @@ struct Fa2Dims {
     static constexpr int DC = D / 8;   // chunks a head's row fills
     static constexpr int KS = D / 16;  // k-steps of a product over the head
     static constexpr int NT = D / 8;   // n-tiles of 8 columns over the head
-    // Queries per backward step: as many as the 48 KiB allow.
-    static constexpr int BWD_BM = SD == 64 ? 64 : 16;
+    // Forward: MW m-tiles of 16 query rows a warp (each K and V fragment read from shared
+    // memory feeds MW products), so FWD_BM = 64·MW rows a block of four warps; FWD_BN keys
+    // a step; the query fragments kept in registers for the whole block (FWD_QREG) or read
+    // again at each step, as the registers allow without spilling.
+    static constexpr int FWD_MW = 2;
+    static constexpr int FWD_BM = 64 * FWD_MW;
+    static constexpr int FWD_BN = D <= 64 ? 64 : 32;
+    static constexpr bool FWD_QREG = D <= 64;
+    // Dynamic shared memory of a forward block, in bytes: Q (FWD_BM rows), K and V (FWD_BN
+    // rows each).
+    static constexpr int FWD_SHARED = (FWD_BM + 2 * FWD_BN) * SD * 2;
+    // Queries per backward step: as many as the registers allow without spilling (dK and
+    // dV of 16 keys × D columns stay in a warp's registers beside sᵀ and dpᵀ).
+    static constexpr int BWD_BM = D <= 96 ? 64 : 32;
+    // Dynamic shared memory of a backward block, in bytes: K, V (FA2_BN rows each), Q and
+    // dO (BWD_BM rows each), dSᵀ (FA2_BN × BWD_BM), then lse, delta and the first key of
+    // each of the step's queries (4 bytes each).
+    static constexpr int BWD_SHARED = (2 * FA2_BN * SD + 2 * BWD_BM * SD + FA2_BN * BWD_BM) * 2 +
+                                      BWD_BM * 12;
 };
 
 // The element offset of (row r, chunk c) in a swizzled shared tile of CH chunks a row.
@@ -166,131 +189,186 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
 #if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
     constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
-    __shared__ __align__(128) T qs[FA2_BM * SD];
-    __shared__ __align__(128) T ks[FA2_BN * SD];
-    __shared__ __align__(128) T vs[FA2_BN * SD];
+    constexpr int MW = Dm::FWD_MW, BN = Dm::FWD_BN, BM = Dm::FWD_BM, QR = Dm::FWD_QREG ? KS : 1;
+    extern __shared__ __align__(128) unsigned char fa2_smem[];
+    T* qs = (T*)fa2_smem;
+    T* ks = qs + BM * SD;
+    T* vs = ks + BN * SD;
 
     const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv;
-    const int q_tiles = (t_len + FA2_BM - 1) / FA2_BM, nbh = batch * n_head;
+    const int q_tiles = (t_len + BM - 1) / BM, nbh = batch * n_head;
     const int tile = q_tiles - 1 - (int)(blockIdx.x / nbh), bh = (int)(blockIdx.x % nbh);
     const int b = bh / n_head, h = bh - b * n_head;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int q0 = tile * FA2_BM;
+    const int q0 = tile * BM, w0 = q0 + warp * 16 * MW;  // the warp's first row
     const T* base = qkv + (i64)b * t_len * w;
     const T* qg = base + h * D;
     const T* kg = base + (n_head + h / group) * D;
     const T* vg = kg + n_kv * D;
     const float sl2 = scale * FA2_LOG2E;
 
-    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    const int first[2] = {fa2_first(pos, b, t_len, row[0]), fa2_first(pos, b, t_len, row[1])};
-    const int q_last = (q0 + FA2_BM < t_len ? q0 + FA2_BM : t_len) - 1;
-    const int kt_begin = fa2_first(pos, b, t_len, q0) / FA2_BN, kt_end = q_last / FA2_BN;
+    // Row (m-tile mt, half r) of this lane, and the first key it attends.
+    int row[MW][2], first[MW][2];
+#pragma unroll
+    for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row[mt][r] = w0 + mt * 16 + g + 8 * r;
+            first[mt][r] = fa2_first(pos, b, t_len, row[mt][r]);
+        }
+    const int q_last = (q0 + BM < t_len ? q0 + BM : t_len) - 1;
+    const int kt_begin = fa2_first(pos, b, t_len, q0) / BN, kt_end = q_last / BN;
 
-    fa2_load<T, D, FA2_BM>(qs, qg, w, q0, t_len);
-    fa2_load<T, D, FA2_BN>(ks, kg, w, kt_begin * FA2_BN, t_len);
+    fa2_load<T, D, BM>(qs, qg, w, q0, t_len);
+    fa2_load<T, D, BN>(ks, kg, w, kt_begin * BN, t_len);
     fa2_commit();
     fa2_wait_all();
     __syncthreads();
 
-    // The warp's 16 query rows as A fragments, for every k-step of the head.
-    unsigned qf[KS][4];
+    // The warp's query rows as A fragments: every k-step of the head kept in registers
+    // (FWD_QREG), or read from shared memory at each k-step.
+    unsigned qf[MW][QR][4];
+    auto q_frag = [&](unsigned* r, int mt, int kk) {
+        fa2_ldm(r, qs + fa2_at<CH>(warp * 16 * MW + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                   2 * kk + (lane >> 4)));
+    };
+    if constexpr (Dm::FWD_QREG) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        fa2_ldm(qf[kk], qs + fa2_at<CH>(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
-                                        2 * kk + (lane >> 4)));
+        for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) q_frag(qf[mt][kk], mt, kk);
     }
 
-    float o[NT][4];
+    float o[MW][NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
-    float m[2] = {TK_NEG_INF, TK_NEG_INF}, l[2] = {0.0f, 0.0f};
-
-    for (int kt = kt_begin; kt <= kt_end; ++kt) {
-        const int k0 = kt * FA2_BN;
-        fa2_load<T, D, FA2_BN>(vs, vg, w, k0, t_len);
-        fa2_commit();
-
-        // s = q · kᵀ, 16 rows × 64 keys a warp.
-        float s[FA2_BN / 8][4];
-#pragma unroll
-        for (int n = 0; n < FA2_BN / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-            for (int np = 0; np < FA2_BN / 16; ++np) {
-                unsigned kf[4];
-                fa2_ldm(kf, ks + fa2_at<CH>(np * 16 + (lane & 7) + 8 * (lane >> 4),
-                                            2 * kk + ((lane >> 3) & 1)));
-                tk_mma(s[2 * np], qf[kk], kf, T());
-                tk_mma(s[2 * np + 1], qf[kk], kf + 2, T());
-            }
-        }
-
-        // Scale (base 2), mask where the diagonal, a document start or the end crosses.
-        const bool masked = pos != nullptr || k0 + FA2_BN - 1 > q0 + warp * 16 ||
-                            k0 + FA2_BN > t_len;
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < FA2_BN / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = i >> 1;
-                float x = s[n][i] * sl2;
-                if (masked) {
-                    const int j = k0 + n * 8 + 2 * t4 + (i & 1);
-                    if (!(j <= row[r] && j >= first[r] && j < t_len)) x = TK_NEG_INF;
-                }
-                s[n][i] = x;
-                mx[r] = fmaxf(mx[r], x);
-            }
-        float alpha[2], mu[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = tk_quad_max(mx[r]);
-            mu[r] = mx[r] == TK_NEG_INF ? 0.0f : mx[r];
-            alpha[r] = fa2_exp2(m[r] - mu[r]);
-            m[r] = mx[r];
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < FA2_BN / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float p = fa2_exp2(s[n][i] - mu[i >> 1]);
-                s[n][i] = p;
-                l[i >> 1] += p;
-            }
+    for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i >> 1];
+            for (int i = 0; i < 4; ++i) o[mt][n][i] = 0.0f;
+    float m[MW][2], l[MW][2];
+#pragma unroll
+    for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m[mt][r] = TK_NEG_INF;
+            l[mt][r] = 0.0f;
+        }
+
+    for (int kt = kt_begin; kt <= kt_end; ++kt) {
+        const int k0 = kt * BN;
+        fa2_load<T, D, BN>(vs, vg, w, k0, t_len);
+        fa2_commit();
+        // A warp whose rows all come before this tile's keys has nothing to add (its
+        // probabilities would all be 0): it only takes part in the copies.
+        const bool active = k0 <= w0 + 16 * MW - 1;
+
+        float s[MW][BN / 8][4];
+        if (active) {
+            // s = q · kᵀ, 16·MW rows × BN keys a warp: each K fragment feeds MW products.
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[mt][n][i] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                unsigned qk[MW][4];
+                if constexpr (!Dm::FWD_QREG) {
+#pragma unroll
+                    for (int mt = 0; mt < MW; ++mt) q_frag(qk[mt], mt, kk);
+                }
+#pragma unroll
+                for (int np = 0; np < BN / 16; ++np) {
+                    unsigned kf[4];
+                    fa2_ldm(kf, ks + fa2_at<CH>(np * 16 + (lane & 7) + 8 * (lane >> 4),
+                                                2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+                    for (int mt = 0; mt < MW; ++mt) {
+                        const unsigned* a;
+                        if constexpr (Dm::FWD_QREG) {
+                            a = qf[mt][kk];
+                        } else {
+                            a = qk[mt];
+                        }
+                        tk_mma(s[mt][2 * np], a, kf, T());
+                        tk_mma(s[mt][2 * np + 1], a, kf + 2, T());
+                    }
+                }
+            }
+
+            // Scale (base 2), mask where the diagonal, a document start or the end crosses.
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt) {
+                const bool masked = pos != nullptr || k0 + BN - 1 > w0 + mt * 16 || k0 + BN > t_len;
+                float mx[2] = {m[mt][0], m[mt][1]};
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = i >> 1;
+                        float x = s[mt][n][i] * sl2;
+                        if (masked) {
+                            const int j = k0 + n * 8 + 2 * t4 + (i & 1);
+                            if (!(j <= row[mt][r] && j >= first[mt][r] && j < t_len)) x = TK_NEG_INF;
+                        }
+                        s[mt][n][i] = x;
+                        mx[r] = fmaxf(mx[r], x);
+                    }
+                float alpha[2], mu[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = tk_quad_max(mx[r]);
+                    mu[r] = mx[r] == TK_NEG_INF ? 0.0f : mx[r];
+                    alpha[r] = fa2_exp2(m[mt][r] - mu[r]);
+                    m[mt][r] = mx[r];
+                    l[mt][r] *= alpha[r];
+                }
+#pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float p = fa2_exp2(s[mt][n][i] - mu[i >> 1]);
+                        s[mt][n][i] = p;
+                        l[mt][i >> 1] += p;
+                    }
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) o[mt][n][i] *= alpha[i >> 1];
+            }
+        }
 
         // V has landed and every warp is done with K: the next K's copy overlaps p · v.
         fa2_wait_all();
         __syncthreads();
         if (kt < kt_end) {
-            fa2_load<T, D, FA2_BN>(ks, kg, w, k0 + FA2_BN, t_len);
+            fa2_load<T, D, BN>(ks, kg, w, k0 + BN, t_len);
             fa2_commit();
         }
+        if (active) {
 #pragma unroll
-        for (int kk = 0; kk < FA2_BN / 16; ++kk) {
-            unsigned pa[4];
-            pa[0] = fa2_pack(s[2 * kk][0], s[2 * kk][1], T());
-            pa[1] = fa2_pack(s[2 * kk][2], s[2 * kk][3], T());
-            pa[2] = fa2_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
-            pa[3] = fa2_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                unsigned pa[MW][4];
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned vf[4];
-                fa2_ldm_t(vf, vs + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
-                                              2 * np + (lane >> 4)));
-                tk_mma(o[2 * np], pa, vf, T());
-                tk_mma(o[2 * np + 1], pa, vf + 2, T());
+                for (int mt = 0; mt < MW; ++mt) {
+                    pa[mt][0] = fa2_pack(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+                    pa[mt][1] = fa2_pack(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+                    pa[mt][2] = fa2_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+                    pa[mt][3] = fa2_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+                }
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    unsigned vf[4];
+                    fa2_ldm_t(vf, vs + fa2_at<CH>(kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                  2 * np + (lane >> 4)));
+#pragma unroll
+                    for (int mt = 0; mt < MW; ++mt) {
+                        tk_mma(o[mt][2 * np], pa[mt], vf, T());
+                        tk_mma(o[mt][2 * np + 1], pa[mt], vf + 2, T());
+                    }
+                }
             }
         }
         fa2_wait_all();
@@ -299,17 +377,23 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
 
     const int c = n_head * D;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float sum = tk_quad_sum(l[r]);
-        if (row[r] >= t_len) continue;
-        const float inv = 1.0f / sum;
-        T* dst = out + ((i64)b * t_len + row[r]) * c + h * D + 2 * t4;
+    for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            *(unsigned*)(dst + n * 8) = fa2_pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv, T());
+        for (int r = 0; r < 2; ++r) {
+            const float sum = tk_quad_sum(l[mt][r]);
+            if (row[mt][r] >= t_len) continue;
+            const float inv = 1.0f / sum;
+            T* dst = out + ((i64)b * t_len + row[mt][r]) * c + h * D + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                *(unsigned*)(dst + n * 8) =
+                    fa2_pack(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv, T());
+            }
+            if (t4 == 0) {
+                lse[((i64)b * n_head + h) * t_len + row[mt][r]] =
+                    (m[mt][r] + log2f(sum)) * FA2_LN2;
+            }
         }
-        if (t4 == 0) lse[((i64)b * n_head + h) * t_len + row[r]] = (m[r] + log2f(sum)) * FA2_LN2;
-    }
 #endif
 }
 
@@ -379,14 +463,15 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     // dQ's split over the warps: RG groups of 16 query rows, each row group's columns in
     // CS parts of whole 16-column pairs.
     constexpr int RG = BM / 16, CS = 4 / RG, PAIRS = (NT / 2 + CS - 1) / CS;
-    __shared__ __align__(128) T ks[FA2_BN * SD];
-    __shared__ __align__(128) T vs[FA2_BN * SD];
-    __shared__ __align__(128) T qs[BM * SD];
-    __shared__ __align__(128) T dos[BM * SD];
-    __shared__ __align__(128) T dss[FA2_BN * BM];
-    __shared__ float lse_s[BM];
-    __shared__ float delta_s[BM];
-    __shared__ int first_s[BM];
+    extern __shared__ __align__(128) unsigned char fa2_smem[];
+    T* ks = (T*)fa2_smem;
+    T* vs = ks + FA2_BN * SD;
+    T* qs = vs + FA2_BN * SD;
+    T* dos = qs + BM * SD;
+    T* dss = dos + BM * SD;
+    float* lse_s = (float*)(dss + FA2_BN * BM);
+    float* delta_s = lse_s + BM;
+    int* first_s = (int*)(delta_s + BM);
 
     const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv, c = n_head * D;
     const int nbk = batch * n_kv;
@@ -586,6 +671,24 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
         fa2_backward_impl<T, D>(dq_acc, dqkv, dout, lse, delta, qkv, batch, t_len, n_head,     \
                                 n_kv, scale, pos);                                             \
     }
+
+// The plan of each head size (Fa2Dims), for the backend's test that its own copy of it
+// (flash_attention/cuda.rs's MmaPlan) agrees: per head of 64, 80, 96 and 128 columns, the
+// forward's rows a block, its shared bytes and the backward's.
+template <int D>
+__device__ void fa2_plan(int* out) {
+    out[0] = Fa2Dims<D>::FWD_BM;
+    out[1] = Fa2Dims<D>::FWD_SHARED;
+    out[2] = Fa2Dims<D>::BWD_SHARED;
+}
+extern "C" __global__ void flash_attention_mma_plan(int* out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        fa2_plan<64>(out);
+        fa2_plan<80>(out + 3);
+        fa2_plan<96>(out + 6);
+        fa2_plan<128>(out + 9);
+    }
+}
 
 #define TK_FA2(T, N)                                                                           \
     extern "C" __global__ void flash_attention_mma_backward_prep_##N(                          \

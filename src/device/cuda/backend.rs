@@ -374,6 +374,12 @@ impl CudaBackend {
         self.gpu.compute_capability()
     }
 
+    /// The most shared memory one block of this device may have once a kernel opts in
+    /// (227 KiB on Hopper; the emulator reports Hopper's).
+    pub fn max_shared_bytes(&self) -> u32 {
+        self.gpu.max_shared_bytes()
+    }
+
     /// Blocks (of [`BLOCK`] threads) for a grid-stride loop over `n` elements.
     pub fn grid(&self, n: usize) -> u32 {
         n.div_ceil(BLOCK as usize)
@@ -469,7 +475,21 @@ impl CudaBackend {
         self.launch(kernel, grid, block, args)
     }
 
-    pub(crate) fn launch(&self, kernel: &str, grid: u32, block: u32, mut args: Args) -> Result<()> {
+    pub(crate) fn launch(&self, kernel: &str, grid: u32, block: u32, args: Args) -> Result<()> {
+        self.launch_shared(kernel, grid, block, 0, args)
+    }
+
+    /// [`CudaBackend::launch`] with `shared_bytes` of dynamic shared memory a block
+    /// (`extern __shared__`), which may pass the 48 KiB a block has by default up to
+    /// [`CudaBackend::max_shared_bytes`].
+    pub(crate) fn launch_shared(
+        &self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        mut args: Args,
+    ) -> Result<()> {
         let by_value = args.largest_by_value();
         if by_value > MAX_BY_VALUE {
             return Err(Error::Backend {
@@ -484,7 +504,11 @@ impl CudaBackend {
         // SAFETY: every call site passes the kernel's arguments in its declared order and
         // types (see kernels/*.cu), with device pointers to buffers whose sizes the op
         // checked against the shapes first.
-        unsafe { self.gpu.launch(kernel, grid, block, &mut params) }.map_err(|e| self.explain(e))
+        unsafe {
+            self.gpu
+                .launch(kernel, grid, block, shared_bytes, &mut params)
+        }
+        .map_err(|e| self.explain(e))
     }
 
     /// `e`, with the ledger's and the device's figures and what to try added when it is

@@ -24,8 +24,8 @@
 use super::cublaslt::{CublasLt, Status};
 use super::driver_error::{driver_error, is_oom};
 use super::gpu::{
-    AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
-    MatrixType, Ticket, UploadStats,
+    too_much_shared, AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles,
+    MatrixLayout, MatrixType, Ticket, UploadStats,
 };
 use super::kernels::{find_include_dir, kernel_files, with_common, CompileOptions, Compiled};
 use super::libraries;
@@ -151,6 +151,9 @@ fn load_ptx(ptx: &str, file: &str) -> Result<drv_sys::CUmodule> {
 }
 
 /// Events that order one stream after another: no timing (cheaper to record).
+/// The shared memory every block may have without the kernel opting in (48 KiB).
+const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
+
 const NO_TIMING: drv_sys::CUevent_flags = drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
 
 /// A GPU driven through cudarc.
@@ -182,6 +185,11 @@ pub(crate) struct DriverGpu {
     /// The heuristic's algorithm per product, or `None` where it has none.
     algos: Mutex<HashMap<GemmKey, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
     max_blocks: u32,
+    /// The most shared memory a block may opt into ([`Gpu::max_shared_bytes`]).
+    max_shared: u32,
+    /// The dynamic shared memory each kernel has been allowed so far, where it asked for
+    /// more than the 48 KiB a block gets without opting in (keyed by the function).
+    shared_allowed: Mutex<HashMap<usize, u32>>,
     /// Downloads and synchronizations so far.
     waits: AtomicU64,
     /// Modules loaded so far (kernel files, trainkit's and others').
@@ -307,6 +315,11 @@ impl DriverGpu {
         let sms = ctx
             .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("reading the multiprocessor count", e))?;
+        let max_shared = ctx
+            .attribute(
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| driver_error("reading the shared memory a block may have", e))?;
         Ok(DriverGpu {
             staging: Mutex::new(staging),
             pinned: Mutex::new(pinned),
@@ -324,6 +337,8 @@ impl DriverGpu {
             lt,
             algos: Mutex::new(HashMap::new()),
             max_blocks: (sms.max(1) as u32) * 8,
+            max_shared: max_shared.max(0) as u32,
+            shared_allowed: Mutex::new(HashMap::new()),
             waits: AtomicU64::new(0),
             module_loads,
             uploads: AtomicU64::new(0),
@@ -637,6 +652,35 @@ impl DriverGpu {
     }
 
     /// `f`, and once more after [`DriverGpu::trim`] when it ran out of memory.
+    /// Lets kernel `f` (named `kernel`) launch with `bytes` of dynamic shared memory, more
+    /// than a block gets without opting in: the driver's attribute is raised once per
+    /// kernel and size, and a size past the device's limit is an error naming it.
+    fn allow_shared(&self, kernel: &str, f: drv_sys::CUfunction, bytes: u32) -> Result<()> {
+        let mut allowed = self
+            .shared_allowed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if allowed.get(&(f as usize)).is_some_and(|&b| b >= bytes) {
+            return Ok(());
+        }
+        if bytes > self.max_shared {
+            return Err(too_much_shared(kernel, bytes, self.max_shared));
+        }
+        let attribute =
+            drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: `f` is a function of a module this context loaded and keeps.
+        unsafe { drv::function::set_function_attribute(f, attribute, bytes as i32) }.map_err(
+            |e| {
+                driver_error(
+                    &format!("letting {kernel} have {bytes} bytes of shared memory"),
+                    e,
+                )
+            },
+        )?;
+        allowed.insert(f as usize, bytes);
+        Ok(())
+    }
+
     fn retry_trimmed<T>(&self, mut f: impl FnMut() -> Result<T>) -> Result<T> {
         match f() {
             Err(Error::OutOfMemory { .. }) => {
@@ -662,6 +706,10 @@ impl Gpu for DriverGpu {
 
     fn compute_capability(&self) -> (i32, i32) {
         self.info.compute_capability
+    }
+
+    fn max_shared_bytes(&self) -> u32 {
+        self.max_shared
     }
 
     fn gemm_workspace_bytes(&self) -> usize {
@@ -839,6 +887,7 @@ impl Gpu for DriverGpu {
         kernel: &str,
         grid: u32,
         block: u32,
+        shared_bytes: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.bind()?;
@@ -849,6 +898,9 @@ impl Gpu for DriverGpu {
                 message: format!("no kernel named {kernel}"),
             })?,
         };
+        if shared_bytes > DEFAULT_SHARED_BYTES {
+            self.allow_shared(kernel, f, shared_bytes)?;
+        }
         let timed = self.timer.start(self.stream.cu_stream())?;
         // A launch that fails queues nothing, so it may be tried again.
         self.retry_trimmed(|| {
@@ -858,7 +910,7 @@ impl Gpu for DriverGpu {
                     f,
                     (grid.max(1), 1, 1),
                     (block, 1, 1),
-                    0,
+                    shared_bytes,
                     self.stream.cu_stream(),
                     params,
                 )

@@ -12,8 +12,8 @@
 use super::emulated_offload::EmulatedOffload;
 use super::emulator::KernelEmulator;
 use super::gpu::{
-    AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles, MatrixLayout,
-    MatrixType, Ticket, UploadStats,
+    too_much_shared, AllocError, DevicePtr, Gemm, GemmRun, Gpu, GpuMemory, HostPtr, LoadedFiles,
+    MatrixLayout, MatrixType, Ticket, UploadStats,
 };
 use super::kernels::kernel_files;
 use super::staging::{Next, RingPlan, FIRST_BYTES, MAX_UPLOAD};
@@ -32,6 +32,10 @@ const ALIGN: usize = 256;
 /// The byte every fresh allocation is filled with: 0xFF makes f32 and bf16 NaN, so an
 /// element a kernel should have written and did not shows up in a comparison.
 const POISON: u8 = 0xFF;
+
+/// The shared memory a Hopper block may opt into (227 KiB), which the emulator reports as
+/// its own, as it reports Hopper's compute capability.
+const HOPPER_SHARED_BYTES: u32 = 227 << 10;
 
 #[derive(Default)]
 struct Pool {
@@ -211,9 +215,17 @@ impl EmulatedGpu {
         kernel: &str,
         grid: u32,
         block: u32,
+        shared_bytes: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let dims = ((grid.max(1), 1, 1), (block, 1, 1));
+        if shared_bytes > self.max_shared_bytes() {
+            return Err(too_much_shared(
+                kernel,
+                shared_bytes,
+                self.max_shared_bytes(),
+            ));
+        }
         let fail = self
             .failing_launches
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
@@ -226,12 +238,16 @@ impl EmulatedGpu {
             });
         }
         if self.kernels.has_kernel(kernel) {
-            return self.kernels.launch(kernel, dims.0, dims.1, 0, params);
+            return self
+                .kernels
+                .launch(kernel, dims.0, dims.1, shared_bytes, params);
         }
         match self.custom.get(kernel) {
-            Some(emu) => emu.launch(kernel, dims.0, dims.1, 0, params),
+            Some(emu) => emu.launch(kernel, dims.0, dims.1, shared_bytes, params),
             // trainkit's library names the kernel in its error.
-            None => self.kernels.launch(kernel, dims.0, dims.1, 0, params),
+            None => self
+                .kernels
+                .launch(kernel, dims.0, dims.1, shared_bytes, params),
         }
     }
 
@@ -306,12 +322,13 @@ impl Gpu for EmulatedGpu {
         kernel: &str,
         grid: u32,
         block: u32,
+        shared_bytes: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
         self.timer.time(
             || kernel.to_string(),
             // SAFETY: the caller's contract.
-            || unsafe { self.launch_untimed(kernel, grid, block, params) },
+            || unsafe { self.launch_untimed(kernel, grid, block, shared_bytes, params) },
         )
     }
 
@@ -340,6 +357,10 @@ impl Gpu for EmulatedGpu {
 
     fn compute_capability(&self) -> (i32, i32) {
         (9, 0)
+    }
+
+    fn max_shared_bytes(&self) -> u32 {
+        HOPPER_SHARED_BYTES
     }
 
     fn gemm_workspace_bytes(&self) -> usize {

@@ -7,7 +7,7 @@
 //! argument list and matrix layout itself and hands them to this layer, so running it on
 //! the emulator checks all of that code, not a copy of it.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -161,6 +161,11 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// emulator reports `(9, 0)`: it runs every instruction trainkit's kernels use.
     fn compute_capability(&self) -> (i32, i32);
 
+    /// The most shared memory one block may have, static and dynamic together, in bytes,
+    /// once a kernel opts in beyond the 48 KiB every block gets (227 KiB on Hopper, 163 KiB
+    /// on the A100, 99 KiB on other Ampere and Ada cards). The emulator reports Hopper's.
+    fn max_shared_bytes(&self) -> u32;
+
     /// Scratch bytes [`Gpu::gemm`] wants (the backend allocates them, in the ledger).
     fn gemm_workspace_bytes(&self) -> usize;
 
@@ -236,7 +241,9 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     fn download_queued(&self, dst: HostPtr, src: DevicePtr, bytes: usize)
         -> Result<Option<Ticket>>;
 
-    /// Launches `kernel` on a 1-D grid of 1-D blocks.
+    /// Launches `kernel` on a 1-D grid of 1-D blocks, each with `shared_bytes` of dynamic
+    /// shared memory (`extern __shared__`; more than 48 KiB is opted into for the kernel
+    /// first, up to [`Gpu::max_shared_bytes`] with its static shared memory).
     ///
     /// # Safety
     /// `params` must match the kernel's signature (cuLaunchKernel's conventions: each
@@ -247,6 +254,7 @@ pub(crate) trait Gpu: Debug + Send + Sync {
         kernel: &str,
         grid: u32,
         block: u32,
+        shared_bytes: u32,
         params: &mut [*mut c_void],
     ) -> Result<()>;
 
@@ -713,5 +721,16 @@ impl<M, F: Clone> LoadedFiles<M, F> {
             .into_values()
             .map(|(_, m)| m)
             .collect()
+    }
+}
+
+/// The error of a launch that asks for more shared memory than a block may have.
+pub(crate) fn too_much_shared(kernel: &str, asked: u32, max: u32) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        message: format!(
+            "launching {kernel}: {asked} bytes of dynamic shared memory asked, but a block of \
+             this device may have at most {max}"
+        ),
     }
 }

@@ -40,6 +40,7 @@ pub(crate) const MMA_KERNELS: KernelFile = KernelFile {
     name: "flash_attention_mma.cu",
     source: include_str!("../../../kernels/flash_attention_mma.cu"),
     kernels: &[
+        "flash_attention_mma_plan",
         "flash_attention_mma_backward_prep_bf16",
         "flash_attention_mma_backward_dq_bf16",
         "flash_attention_mma_forward_d64_bf16",
@@ -68,11 +69,48 @@ inventory::submit!(MMA_KERNELS);
 const MMA_HEADS: [usize; 4] = [64, 80, 96, 128];
 /// Threads of a tensor-core block (`FA2_THREADS`).
 const MMA_THREADS: u32 = 128;
+/// Keys of a tensor-core backward block (`FA2_BN`).
+const MMA_BWD_KEYS: usize = 64;
+
+/// How the tensor-core kernels of one head size split their work and what shared memory a
+/// block takes (`Fa2Dims` in `kernels/flash_attention_mma.cu`, which
+/// `flash_attention_mma_plan` reports for the test that holds the two together).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MmaPlan {
+    /// Query rows of a forward block (`FWD_BM`: four warps of two 16-row tiles).
+    forward_rows: usize,
+    /// Dynamic shared memory of a forward block, bytes (`FWD_SHARED`).
+    forward_shared: u32,
+    /// Dynamic shared memory of a backward block, bytes (`BWD_SHARED`).
+    backward_shared: u32,
+}
+
+impl MmaPlan {
+    /// The plan for heads of `hd` columns (one of [`MMA_HEADS`]).
+    fn of(hd: usize) -> MmaPlan {
+        // Shared rows hold whole groups of eight 16-byte chunks.
+        let sd = hd.div_ceil(64) * 64;
+        let forward_rows = 128;
+        let forward_keys = if hd <= 64 { 64 } else { 32 };
+        let backward_queries = if hd <= 96 { 64 } else { 32 };
+        let forward_shared = (forward_rows + 2 * forward_keys) * sd * 2;
+        let backward_shared =
+            (2 * MMA_BWD_KEYS * sd + 2 * backward_queries * sd + MMA_BWD_KEYS * backward_queries)
+                * 2
+                + backward_queries * 12;
+        MmaPlan {
+            forward_rows,
+            forward_shared: forward_shared as u32,
+            backward_shared: backward_shared as u32,
+        }
+    }
+}
 
 /// The head size whose tensor-core kernels run this call, or `None` for the tiled
 /// kernels: bf16 or f16, a head of 64, 80, 96 or 128 columns, a device of compute
 /// capability 8.0 or later, every buffer 16-byte aligned, sizes within 32-bit indexing,
-/// and [`CudaOptions::tiled_attention`](crate::device::cuda::CudaOptions) off.
+/// the shared memory its blocks take ([`MmaPlan`]) within what the device allows, and
+/// [`CudaOptions::tiled_attention`](crate::device::cuda::CudaOptions) off.
 fn mma_head(be: &CudaBackend, d: &Dims, tensors: &[&Tensor]) -> Result<Option<usize>> {
     let hd = d.hs();
     if be.options().tiled_attention
@@ -81,6 +119,10 @@ fn mma_head(be: &CudaBackend, d: &Dims, tensors: &[&Tensor]) -> Result<Option<us
         || be.compute_capability().0 < 8
         || d.b * d.t * d.w >= i32::MAX as usize
     {
+        return Ok(None);
+    }
+    let plan = MmaPlan::of(hd);
+    if plan.forward_shared.max(plan.backward_shared) > be.max_shared_bytes() {
         return Ok(None);
     }
     for t in tensors {
@@ -104,11 +146,11 @@ const BACKWARD_COLS: usize = 64;
 /// The most blocks a grid's x dimension holds (`gridDim.x` stops at 2³¹ − 1).
 const MAX_GRID_X: usize = (1 << 31) - 1;
 
-/// Blocks of a launch: one per (batch row, head of `heads`, 64-row tile of the sequence,
-/// chunk of `cols` columns of a head), at most [`MAX_GRID_X`]. The tensor-core kernels
-/// take whole heads: `cols` is the head size.
-fn blocks(d: &Dims, heads: usize, cols: usize, op: &'static str) -> Result<u32> {
-    let n = d.b * heads * d.t.div_ceil(TILE) * d.hs().div_ceil(cols);
+/// Blocks of a launch: one per (batch row, head of `heads`, `rows`-row tile of the
+/// sequence, chunk of `cols` columns of a head), at most [`MAX_GRID_X`]. The tensor-core
+/// kernels take whole heads: `cols` is the head size.
+fn blocks(d: &Dims, heads: usize, (rows, cols): (usize, usize), op: &'static str) -> Result<u32> {
+    let n = d.b * heads * d.t.div_ceil(rows) * d.hs().div_ceil(cols);
     match u32::try_from(n) {
         Ok(blocks) if n <= MAX_GRID_X => Ok(blocks),
         _ => Err(Error::shape(
@@ -143,10 +185,12 @@ pub(crate) fn forward(
     }
     let pos = be.positions(positions)?;
     if let Some(hd) = mma_head(be, &d, &[out, qkv])? {
-        return be.launch(
+        let plan = MmaPlan::of(hd);
+        return be.launch_shared(
             &format!("flash_attention_mma_forward_d{hd}_{}", qkv.dtype()),
-            blocks(&d, heads.n_head, d.hs(), OP)?,
+            blocks(&d, heads.n_head, (plan.forward_rows, hd), OP)?,
             MMA_THREADS,
+            plan.forward_shared,
             Args::new()
                 .ptr(ptr(out)?)
                 .ptr(ptr(lse)?)
@@ -161,7 +205,7 @@ pub(crate) fn forward(
     }
     be.launch(
         &format!("flash_attention_forward_{}", qkv.dtype()),
-        blocks(&d, heads.n_head, FORWARD_COLS, OP)?,
+        blocks(&d, heads.n_head, (TILE, FORWARD_COLS), OP)?,
         THREADS,
         Args::new()
             .ptr(ptr(out)?)
@@ -237,13 +281,13 @@ pub(crate) fn backward(
     };
     be.launch(
         &format!("flash_attention_backward_dkv_{dt}"),
-        blocks(&d, heads.n_kv_head, BACKWARD_COLS, OP)?,
+        blocks(&d, heads.n_kv_head, (TILE, BACKWARD_COLS), OP)?,
         THREADS,
         args()?,
     )?;
     be.launch(
         &format!("flash_attention_backward_dq_{dt}"),
-        blocks(&d, heads.n_head, BACKWARD_COLS, OP)?,
+        blocks(&d, heads.n_head, (TILE, BACKWARD_COLS), OP)?,
         THREADS,
         args()?,
     )
@@ -285,10 +329,11 @@ fn mma_backward(
         .i32(hd as i32),
     )?;
     let pos = be.positions(positions)?;
-    be.launch(
+    be.launch_shared(
         &format!("flash_attention_mma_backward_d{hd}_{dt}"),
-        blocks(d, heads.n_kv_head, d.hs(), OP)?,
+        blocks(d, heads.n_kv_head, (MMA_BWD_KEYS, hd), OP)?,
         MMA_THREADS,
+        MmaPlan::of(hd).backward_shared,
         dims(
             Args::new()
                 .ptr(ptr(&dq)?)
@@ -336,10 +381,10 @@ mod tests {
             c: heads.q_width(),
         };
         assert_eq!(
-            blocks(&dims(MAX_GRID_X), 1, 64, "fa").unwrap() as usize,
+            blocks(&dims(MAX_GRID_X), 1, (TILE, 64), "fa").unwrap() as usize,
             MAX_GRID_X
         );
-        let e = blocks(&dims(MAX_GRID_X + 1), 1, 64, "fa")
+        let e = blocks(&dims(MAX_GRID_X + 1), 1, (TILE, 64), "fa")
             .unwrap_err()
             .to_string();
         assert!(
@@ -460,6 +505,48 @@ mod tests {
         assert!(e <= tol, "{what}: lse relative error {e:.3e}");
     }
 
+    /// The backend's copy of each head size's plan (rows a forward block, shared memory of
+    /// each direction) is the kernels' own, as `flash_attention_mma_plan` reports it.
+    #[test]
+    fn the_tensor_core_plan_is_the_kernels_own() {
+        let Some(be) = emulated() else { return };
+        let out = be
+            .upload(
+                &[0.0; 12],
+                &[12],
+                DType::F32,
+                MemoryCategory::Workspace,
+                "plan",
+            )
+            .unwrap();
+        be.launch(
+            "flash_attention_mma_plan",
+            1,
+            32,
+            Args::new().ptr(ptr(&out).unwrap()),
+        )
+        .unwrap();
+        let got: Vec<u32> = be
+            .to_f32(&out)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        for (k, hd) in MMA_HEADS.into_iter().enumerate() {
+            let plan = MmaPlan::of(hd);
+            let want = [
+                plan.forward_rows as u32,
+                plan.forward_shared,
+                plan.backward_shared,
+            ];
+            assert_eq!(got[3 * k..3 * k + 3], want, "head {hd}");
+            assert!(
+                plan.forward_shared.max(plan.backward_shared) <= 99 << 10,
+                "head {hd}"
+            );
+        }
+    }
+
     const SHAPES: &[(usize, usize, usize, usize, usize)] = &[
         (2, 70, 2, 2, 16),
         (1, 67, 4, 2, 64),
@@ -491,6 +578,9 @@ mod tests {
             (1, 81, 3, 3, 96, true),
             (1, 100, 2, 1, 128, false),
             (1, 90, 2, 2, 128, true),
+            // Several forward tiles of 128 rows, the last cut short.
+            (1, 300, 2, 1, 128, true),
+            (1, 260, 2, 2, 64, false),
         ];
         for &(b, t, h, kv, hd, docs) in cases {
             let heads = Heads {
