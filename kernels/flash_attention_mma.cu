@@ -22,7 +22,8 @@
 // - causal tiles past the diagonal (and, with documents, before a tile's first document)
 //   are never visited; only tiles the diagonal or a boundary crosses are masked.
 // - the backward computes S and dP once per (key tile, query tile) pair, as FlashAttention-2
-//   does: dK and dV stay in registers, dQ is added into an f32 workspace with atomicAdd (so
+//   does: dK and dV stay in registers, dQ is added into an f32 workspace atomically, two adjacent
+//   columns in one vector reduction on sm_90 (so
 //   its summation order, and dQ's last bits, may differ from run to run on a GPU; the
 //   emulator runs blocks in order), then scaled and rounded by a last small kernel.
 //
@@ -113,6 +114,18 @@ __device__ __forceinline__ void fa2_commit() {
 __device__ __forceinline__ void fa2_wait_all() {
 #if !defined(TRAINKIT_EMU_H) && TK_HAS_MMA
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// dst[0] += a and dst[1] += b in global memory, atomically (8-byte aligned `dst`): one
+// vector reduction on sm_90, two scalar ones before it.
+__device__ __forceinline__ void fa2_add2(float* dst, float a, float b) {
+#if !defined(TRAINKIT_EMU_H) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b)
+                 : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
 #endif
 }
 
@@ -633,8 +646,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                 if (np < NT / 2) {
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        atomicAdd(dst + (2 * np + j) * 8, acc[p][j][2 * r]);
-                        atomicAdd(dst + (2 * np + j) * 8 + 1, acc[p][j][2 * r + 1]);
+                        fa2_add2(dst + (2 * np + j) * 8, acc[p][j][2 * r], acc[p][j][2 * r + 1]);
                     }
                 }
             }

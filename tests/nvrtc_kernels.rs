@@ -200,6 +200,33 @@ fn the_16_bit_attention_kernels_use_the_tensor_cores() {
     }
 }
 
+/// The tensor-core attention's backward adds its dQ sums two floats at a time on sm_90
+/// (one vector reduction, `red.global.add.v2.f32`), one at a time on sm_80, which has no
+/// vector reduction.
+#[test]
+fn the_attention_backward_adds_dq_in_pairs_on_hopper() {
+    let Some((include, _)) = nvrtc_or_skip() else {
+        return;
+    };
+    let file = kernels::kernel_file("flash_attention_mma.cu").expect("the tensor-core attention");
+    for (arch, pairs) in [("sm_90", true), ("sm_80", false)] {
+        let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include))
+            .unwrap()
+            .ptx;
+        for d in [64, 80, 96, 128] {
+            let name = format!("flash_attention_mma_backward_d{d}_bf16");
+            let body = entry_body(&ptx, &name);
+            let vector = body.contains("red.global.add.v2.f32");
+            assert_eq!(vector, pairs, "{arch}: `{name}`");
+            let scalar = ["red.global.add.f32", "atom.global.add.f32"];
+            assert!(
+                vector || scalar.iter().any(|s| body.contains(s)),
+                "{arch}: `{name}`"
+            );
+        }
+    }
+}
+
 #[test]
 fn compiled_machine_code_is_served_from_the_cache_the_second_time() {
     let Some((include, version)) = nvrtc_or_skip() else {
