@@ -22,10 +22,10 @@
 // - causal tiles past the diagonal (and, with documents, before a tile's first document)
 //   are never visited; only tiles the diagonal or a boundary crosses are masked.
 // - the backward computes S and dP once per (key tile, query tile) pair, as FlashAttention-2
-//   does: dK and dV stay in registers, dQ is added into an f32 workspace atomically, two adjacent
-//   columns in one vector reduction on sm_90 (so
-//   its summation order, and dQ's last bits, may differ from run to run on a GPU; the
-//   emulator runs blocks in order), then scaled and rounded by a last small kernel.
+//   does: dK and dV stay in registers, dQ is added into an f32 workspace atomically, two
+//   adjacent columns in one vector reduction on sm_90 (so its summation order, and dQ's
+//   last bits, may differ from run to run on a GPU; the emulator runs blocks in order),
+//   then scaled and rounded by a last small kernel.
 //
 // Work split. Blocks of FA2_THREADS = 128 threads, four warps.
 // Forward: a block per (query tile of FWD_BM = 128 rows, head, batch row), the longest tiles
