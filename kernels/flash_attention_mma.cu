@@ -34,13 +34,15 @@
 // columns, whose output accumulators take twice the registers). A warp whose rows all come
 // before a step's keys skips its products.
 // Backward: a block per (key tile of 64 keys, key/value head, batch row), the longest
-// first; steps of BWD_BM queries (64, or 32 for heads of 128 columns, as many as the
-// registers hold beside dK and dV) of each query head of the group.
+// first; steps of BWD_BM queries (64, or 32 for heads over 64 columns, as many as the
+// registers hold beside dK and dV) of each query head of the group, each step's Q and dO
+// copied while the step before computes (two buffers).
 // Shared memory is dynamic (the backend opts in past 48 KiB, flash_attention/cuda.rs's
 // MmaPlan, which flash_attention_mma_plan holds to Fa2Dims): forward Q, K and V tiles
 // ((FWD_BM + 2·FWD_BN) · SD elements, SD the head rounded up to 64 columns; at most 48 KiB),
-// backward K, V (2 · 64 · SD), Q and dO (2 · BWD_BM · SD), dSᵀ (64 · BWD_BM) and the step's
-// statistics (at most 73 KiB, within the 99 KiB every sm_80-and-later card allows).
+// backward K, V (2 · 64 · SD), two buffers of Q and dO (4 · BWD_BM · SD), dSᵀ (64 · BWD_BM)
+// and two of the steps' statistics (at most 69 KiB, within the 99 KiB every sm_80-and-later
+// card allows).
 
 #define FA2_THREADS 128
 #define FA2_BN 64  // keys of a backward block
@@ -70,12 +72,12 @@ struct Fa2Dims {
     static constexpr int FWD_SHARED = (FWD_BM + 2 * FWD_BN) * SD * 2;
     // Queries per backward step: as many as the registers allow without spilling (dK and
     // dV of 16 keys × D columns stay in a warp's registers beside sᵀ and dpᵀ).
-    static constexpr int BWD_BM = D <= 96 ? 64 : 32;
-    // Dynamic shared memory of a backward block, in bytes: K, V (FA2_BN rows each), Q and
-    // dO (BWD_BM rows each), dSᵀ (FA2_BN × BWD_BM), then lse, delta and the first key of
-    // each of the step's queries (4 bytes each).
-    static constexpr int BWD_SHARED = (2 * FA2_BN * SD + 2 * BWD_BM * SD + FA2_BN * BWD_BM) * 2 +
-                                      BWD_BM * 12;
+    static constexpr int BWD_BM = D <= 64 ? 64 : 32;
+    // Dynamic shared memory of a backward block, in bytes: K, V (FA2_BN rows each), two
+    // buffers of Q and dO (BWD_BM rows each), dSᵀ (FA2_BN × BWD_BM), then two buffers of
+    // lse, delta and the first key of each of a step's queries (4 bytes each).
+    static constexpr int BWD_SHARED =
+        (2 * FA2_BN * SD + 4 * BWD_BM * SD + FA2_BN * BWD_BM) * 2 + 2 * BWD_BM * 12;
 };
 
 // The element offset of (row r, chunk c) in a swizzled shared tile of CH chunks a row.
@@ -477,14 +479,16 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     // CS parts of whole 16-column pairs.
     constexpr int RG = BM / 16, CS = 4 / RG, PAIRS = (NT / 2 + CS - 1) / CS;
     extern __shared__ __align__(128) unsigned char fa2_smem[];
+    // Q, dO and the statistics are double-buffered: a step's copies are in flight while
+    // the step before it computes.
     T* ks = (T*)fa2_smem;
     T* vs = ks + FA2_BN * SD;
-    T* qs = vs + FA2_BN * SD;
-    T* dos = qs + BM * SD;
-    T* dss = dos + BM * SD;
-    float* lse_s = (float*)(dss + FA2_BN * BM);
-    float* delta_s = lse_s + BM;
-    int* first_s = (int*)(delta_s + BM);
+    T* qbuf = vs + FA2_BN * SD;
+    T* dobuf = qbuf + 2 * BM * SD;
+    T* dss = dobuf + 2 * BM * SD;
+    float* lse_buf = (float*)(dss + FA2_BN * BM);
+    float* delta_buf = lse_buf + 2 * BM;
+    int* first_buf = (int*)(delta_buf + 2 * BM);
 
     const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv, c = n_head * D;
     const int nbk = batch * n_kv;
@@ -504,17 +508,18 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     auto live = [&](int q0) {
         return q0 < t_len && fa2_first(pos, b, t_len, q0) < k0 + FA2_BN;
     };
-    // The copies of a step: its queries' rows of q and dout, and their statistics.
-    auto stage = [&](int h, int q0) {
-        fa2_load<T, D, BM>(qs, base + h * D, w, q0, t_len);
-        fa2_load<T, D, BM>(dos, dbase + h * D, c, q0, t_len);
+    // The copies of a step into buffer `buf`: its queries' rows of q and dout, and their
+    // statistics.
+    auto stage = [&](int buf, int h, int q0) {
+        fa2_load<T, D, BM>(qbuf + buf * BM * SD, base + h * D, w, q0, t_len);
+        fa2_load<T, D, BM>(dobuf + buf * BM * SD, dbase + h * D, c, q0, t_len);
         fa2_commit();
         if (threadIdx.x < BM) {
-            const int q = q0 + threadIdx.x;
+            const int q = q0 + threadIdx.x, at_s = buf * BM + threadIdx.x;
             const i64 at = ((i64)b * n_head + h) * t_len + q;
-            lse_s[threadIdx.x] = q < t_len ? lse[at] * FA2_LOG2E : 0.0f;
-            delta_s[threadIdx.x] = q < t_len ? delta[at] : 0.0f;
-            first_s[threadIdx.x] = fa2_first(pos, b, t_len, q);
+            lse_buf[at_s] = q < t_len ? lse[at] * FA2_LOG2E : 0.0f;
+            delta_buf[at_s] = q < t_len ? delta[at] : 0.0f;
+            first_buf[at_s] = fa2_first(pos, b, t_len, q);
         }
     };
 
@@ -528,10 +533,27 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     fa2_load<T, D, FA2_BN>(vs, vg, w, k0, t_len);
     int h = kvh * group, q0 = k0;
     const int h_end = (kvh + 1) * group;
-    if (live(q0)) stage(h, q0);
+    int cur = 0;
+    if (live(q0)) stage(cur, h, q0);
     while (live(q0)) {
+        // This step's copies have landed, and every warp is done with the step before
+        // (so its buffers, and dSᵀ, may be written again).
         fa2_wait_all();
         __syncthreads();
+        const T* qs = qbuf + cur * BM * SD;
+        const T* dos = dobuf + cur * BM * SD;
+        const float* lse_s = lse_buf + cur * BM;
+        const float* delta_s = delta_buf + cur * BM;
+        const int* first_s = first_buf + cur * BM;
+
+        // The next step's copies overlap this whole step.
+        const int done_q0 = q0, done_h = h;
+        q0 += BM;
+        if (!live(q0) && h + 1 < h_end) {
+            ++h;
+            q0 = k0;
+        }
+        if (live(q0)) stage(cur ^ 1, h, q0);
 
         // sᵀ and dpᵀ: 16 keys × BM queries a warp.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -562,7 +584,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
         for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int col = n * 8 + 2 * t4 + (i & 1), q = q0 + col, kr = key[i >> 1];
+                const int col = n * 8 + 2 * t4 + (i & 1), q = done_q0 + col, kr = key[i >> 1];
                 const bool in = kr <= q && q < t_len && kr >= first_s[col];
                 const float p = in ? fa2_exp2(st[n][i] * sl2 - lse_s[col]) : 0.0f;
                 st[n][i] = p;
@@ -598,15 +620,6 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
             }
         }
         __syncthreads();
-
-        // The next step's copies overlap dq.
-        const int done_q0 = q0, done_h = h;
-        q0 += BM;
-        if (!live(q0) && h + 1 < h_end) {
-            ++h;
-            q0 = k0;
-        }
-        if (live(q0)) stage(h, q0);
 
         // dq[rows of the step] += ds · k over the tile's 64 keys: warp = (column part,
         // row group).
@@ -651,6 +664,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                 }
             }
         }
+        cur ^= 1;
     }
 
 #pragma unroll

@@ -92,12 +92,13 @@ impl MmaPlan {
         let sd = hd.div_ceil(64) * 64;
         let forward_rows = 128;
         let forward_keys = if hd <= 64 { 64 } else { 32 };
-        let backward_queries = if hd <= 96 { 64 } else { 32 };
+        let backward_queries = if hd <= 64 { 64 } else { 32 };
         let forward_shared = (forward_rows + 2 * forward_keys) * sd * 2;
+        // K and V, two buffers of Q and dO, dSᵀ, two buffers of three statistics a query.
         let backward_shared =
-            (2 * MMA_BWD_KEYS * sd + 2 * backward_queries * sd + MMA_BWD_KEYS * backward_queries)
+            (2 * MMA_BWD_KEYS * sd + 4 * backward_queries * sd + MMA_BWD_KEYS * backward_queries)
                 * 2
-                + backward_queries * 12;
+                + 2 * backward_queries * 12;
         MmaPlan {
             forward_rows,
             forward_shared: forward_shared as u32,
