@@ -1,6 +1,7 @@
 //! The fused attention's forward and backward alone, at the shapes of the models trainkit
-//! trains (GPT-2 124M, Llama 3.2 1B, Llama 3.1 8B), on the tensor-core kernels and on the
-//! tiled ones: milliseconds per call (the median of `--iters` timed calls, each batch of
+//! trains (GPT-2 124M, Llama 3.2 1B, Llama 3.1 8B), on the tensor-core kernels in their
+//! wide tiling (the default) and in their narrow one (`CudaOptions::narrow_attention`), and
+//! on the tiled kernels: milliseconds per call (the median of `--iters` timed calls, each batch of
 //! calls between two waits for the GPU) and TFLOP/s by the published convention (causal
 //! forward 2·B·H·T²·D, half the square's 4·B·H·T²·D; backward 2.5 times the forward).
 //! `benches/reference/attention_sdpa.py` times PyTorch's scaled_dot_product_attention at
@@ -105,13 +106,15 @@ fn bench() -> trainkit::Result<()> {
     };
     println!("device: {info}");
     let fast = CudaBackend::new(info.ordinal)?;
-    let tiled = CudaBackend::with_options(
-        info.ordinal,
-        CudaOptions {
-            tiled_attention: true,
-            ..CudaOptions::default()
-        },
-    )?;
+    let with = |options| CudaBackend::with_options(info.ordinal, options);
+    let narrow = with(CudaOptions {
+        narrow_attention: true,
+        ..CudaOptions::default()
+    })?;
+    let tiled = with(CudaOptions {
+        tiled_attention: true,
+        ..CudaOptions::default()
+    })?;
     let cat = MemoryCategory::Activations;
     for s in SHAPES {
         let heads = Heads {
@@ -124,7 +127,12 @@ fn bench() -> trainkit::Result<()> {
         let qkv_host: Vec<f32> = (0..s.b * s.t * w).map(|_| rng.normal() as f32).collect();
         let dout_host: Vec<f32> = (0..s.b * s.t * c).map(|_| rng.normal() as f32).collect();
         let flops_fwd = 2.0 * (s.b * s.h * s.d) as f64 * (s.t * s.t) as f64;
-        for (kernels, be) in [("tensor-core", &fast), ("tiled", &tiled)] {
+        let runs = [
+            ("tensor-core", &fast),
+            ("tensor-core-narrow", &narrow),
+            ("tiled", &tiled),
+        ];
+        for (kernels, be) in runs {
             let qkv = be.upload(&qkv_host, &[s.b, s.t, w], dtype, cat, "qkv")?;
             let dout = be.upload(&dout_host, &[s.b, s.t, c], dtype, cat, "dout")?;
             let mut out = be.zeros(&[s.b, s.t, c], dtype, cat, "out")?;
@@ -142,7 +150,7 @@ fn bench() -> trainkit::Result<()> {
             ] {
                 let tflops = flops / (ms * 1e-3) / 1e12;
                 println!(
-                    "{:<13} B={} T={} H={} KV={} D={} {dtype} {kernels:<11} {dir:<8} {ms:8.3} ms {tflops:7.1} TFLOP/s",
+                    "{:<13} B={} T={} H={} KV={} D={} {dtype} {kernels:<18} {dir:<8} {ms:8.3} ms {tflops:7.1} TFLOP/s",
                     s.name, s.b, s.t, s.h, s.kv, s.d
                 );
                 if let Some(f) = json.as_mut() {

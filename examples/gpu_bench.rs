@@ -64,6 +64,7 @@ struct Args {
     kernels: bool,
     bias_grad_epilogue: bool,
     tiled_attention: bool,
+    narrow_attention: bool,
     optimizer_offload: bool,
     /// LoRA rank over the frozen model, and whether its base is NF4.
     lora: Option<(usize, bool)>,
@@ -126,6 +127,7 @@ fn args() -> trainkit::Result<Args> {
         kernels: a.iter().any(|x| x == "--kernels"),
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
         tiled_attention: a.iter().any(|x| x == "--tiled-attention"),
+        narrow_attention: a.iter().any(|x| x == "--narrow-attention"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
         lora: match (get("--lora"), get("--qlora")) {
             (Some(_), Some(_)) => {
@@ -383,6 +385,7 @@ fn bench() -> trainkit::Result<()> {
             sync_ops: a.ops,
             bias_grad_epilogue: a.bias_grad_epilogue,
             tiled_attention: a.tiled_attention,
+            narrow_attention: a.narrow_attention,
         },
     )?);
     println!("libraries: {}", backend.describe());

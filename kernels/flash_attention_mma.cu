@@ -59,25 +59,31 @@ struct Fa2Dims {
     static constexpr int DC = D / 8;   // chunks a head's row fills
     static constexpr int KS = D / 16;  // k-steps of a product over the head
     static constexpr int NT = D / 8;   // n-tiles of 8 columns over the head
-    // Forward: MW m-tiles of 16 query rows a warp (each K and V fragment read from shared
-    // memory feeds MW products), so FWD_BM = 64·MW rows a block of four warps; FWD_BN keys
-    // a step; the query fragments kept in registers for the whole block (FWD_QREG) or read
-    // again at each step, as the registers allow without spilling.
-    static constexpr int FWD_MW = 2;
-    static constexpr int FWD_BM = 64 * FWD_MW;
-    static constexpr int FWD_BN = D <= 64 ? 64 : 32;
-    static constexpr bool FWD_QREG = D <= 64;
-    // Dynamic shared memory of a forward block, in bytes: Q (FWD_BM rows), K and V (FWD_BN
-    // rows each).
-    static constexpr int FWD_SHARED = (FWD_BM + 2 * FWD_BN) * SD * 2;
-    // Queries per backward step: as many as the registers allow without spilling (dK and
-    // dV of 16 keys × D columns stay in a warp's registers beside sᵀ and dpᵀ).
-    static constexpr int BWD_BM = D <= 64 ? 64 : 32;
-    // Dynamic shared memory of a backward block, in bytes: K, V (FA2_BN rows each), two
-    // buffers of Q and dO (BWD_BM rows each), dSᵀ (FA2_BN × BWD_BM), then two buffers of
-    // lse, delta and the first key of each of a step's queries (4 bytes each).
-    static constexpr int BWD_SHARED =
-        (2 * FA2_BN * SD + 4 * BWD_BM * SD + FA2_BN * BWD_BM) * 2 + 2 * BWD_BM * 12;
+};
+
+// A forward block's tiles: MW m-tiles of 16 query rows a warp (each K and V fragment read
+// from shared memory feeds MW products), so BM = 64·MW rows a block of four warps; BN keys
+// a step; the query fragments kept in registers for the whole block (QREG) or read again
+// at each step, as the registers allow without spilling. SHARED: the dynamic shared
+// memory of a block, in bytes: Q (BM rows), K and V (BN rows each).
+template <int D, int MW, int BN>
+struct Fa2Fwd {
+    static constexpr int BM = 64 * MW;
+    static constexpr bool QREG = MW == 1 || D <= 64;
+    static constexpr int SHARED = (BM + 2 * BN) * Fa2Dims<D>::SD * 2;
+};
+
+// A backward block's tiles: steps of BM queries (as many as the registers hold beside dK
+// and dV), Q, dO and their statistics in DB buffers (2: a step's copies are in flight
+// while the step before computes; 1: while its dQ product runs). SHARED: the dynamic
+// shared memory of a block, in bytes: K and V (FA2_BN rows each), DB buffers of Q and dO
+// (BM rows each), dSᵀ (FA2_BN × BM), then DB buffers of lse, delta and the first key of
+// each of a step's queries (4 bytes each).
+template <int D, int BM, int DB>
+struct Fa2Bwd {
+    static constexpr int SD = Fa2Dims<D>::SD;
+    static constexpr int SHARED =
+        (2 * FA2_BN * SD + 2 * DB * BM * SD + FA2_BN * BM) * 2 + DB * BM * 12;
 };
 
 // The element offset of (row r, chunk c) in a swizzled shared tile of CH chunks a row.
@@ -198,13 +204,14 @@ __device__ __forceinline__ int fa2_first(const unsigned* pos, i64 b, int t_len, 
 // Forward: out_i = Σ_j p_ij v_j / l_i, p_ij = 2^(s_ij·scale·log2 e − m_i) with m_i the
 // running maximum (base 2) and l_i the running sum; lse_i = (m_i + log2 l_i)·ln 2.
 
-template <typename T, int D>
+template <typename T, int D, int MW, int BN>
 __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, int t_len,
                                  int n_head, int n_kv, float scale, const unsigned* pos) {
 #if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
+    typedef Fa2Fwd<D, MW, BN> Tl;
     constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
-    constexpr int MW = Dm::FWD_MW, BN = Dm::FWD_BN, BM = Dm::FWD_BM, QR = Dm::FWD_QREG ? KS : 1;
+    constexpr int BM = Tl::BM, QR = Tl::QREG ? KS : 1;
     extern __shared__ __align__(128) unsigned char fa2_smem[];
     T* qs = (T*)fa2_smem;
     T* ks = qs + BM * SD;
@@ -241,13 +248,13 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
     __syncthreads();
 
     // The warp's query rows as A fragments: every k-step of the head kept in registers
-    // (FWD_QREG), or read from shared memory at each k-step.
+    // (QREG), or read from shared memory at each k-step.
     unsigned qf[MW][QR][4];
     auto q_frag = [&](unsigned* r, int mt, int kk) {
         fa2_ldm(r, qs + fa2_at<CH>(warp * 16 * MW + mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                    2 * kk + (lane >> 4)));
     };
-    if constexpr (Dm::FWD_QREG) {
+    if constexpr (Tl::QREG) {
 #pragma unroll
         for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
@@ -290,7 +297,7 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) {
                 unsigned qk[MW][4];
-                if constexpr (!Dm::FWD_QREG) {
+                if constexpr (!Tl::QREG) {
 #pragma unroll
                     for (int mt = 0; mt < MW; ++mt) q_frag(qk[mt], mt, kk);
                 }
@@ -302,7 +309,7 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
 #pragma unroll
                     for (int mt = 0; mt < MW; ++mt) {
                         const unsigned* a;
-                        if constexpr (Dm::FWD_QREG) {
+                        if constexpr (Tl::QREG) {
                             a = qf[mt][kk];
                         } else {
                             a = qk[mt];
@@ -467,28 +474,27 @@ __device__ void fa2_backward_dq_impl(T* dqkv, const float* dq_acc, int batch, in
 // document that can reach it): sᵀ = k · qᵀ, dpᵀ = v · doᵀ, pᵀ = 2^(sᵀ·scale·log2 e −
 // lse·log2 e), dsᵀ = pᵀ ∘ (dpᵀ − delta); dv += pᵀ · do, dk += dsᵀ · q in registers, and
 // dq += ds · k added into dq_acc. dk is scaled once at the end, dq by the last kernel.
-template <typename T, int D>
+template <typename T, int D, int BM, int DB>
 __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const float* lse,
                                   const float* delta, const T* qkv, int batch, int t_len,
                                   int n_head, int n_kv, float scale, const unsigned* pos) {
 #if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
-    constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT, BM = Dm::BWD_BM;
+    constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
     constexpr int CHB = BM / 8;  // chunks a row of the dSᵀ tile holds
     // dQ's split over the warps: RG groups of 16 query rows, each row group's columns in
     // CS parts of whole 16-column pairs.
     constexpr int RG = BM / 16, CS = 4 / RG, PAIRS = (NT / 2 + CS - 1) / CS;
     extern __shared__ __align__(128) unsigned char fa2_smem[];
-    // Q, dO and the statistics are double-buffered: a step's copies are in flight while
-    // the step before it computes.
+    // Q, dO and the statistics in DB buffers (Fa2Bwd).
     T* ks = (T*)fa2_smem;
     T* vs = ks + FA2_BN * SD;
     T* qbuf = vs + FA2_BN * SD;
-    T* dobuf = qbuf + 2 * BM * SD;
-    T* dss = dobuf + 2 * BM * SD;
+    T* dobuf = qbuf + DB * BM * SD;
+    T* dss = dobuf + DB * BM * SD;
     float* lse_buf = (float*)(dss + FA2_BN * BM);
-    float* delta_buf = lse_buf + 2 * BM;
-    int* first_buf = (int*)(delta_buf + 2 * BM);
+    float* delta_buf = lse_buf + DB * BM;
+    int* first_buf = (int*)(delta_buf + DB * BM);
 
     const int w = (n_head + 2 * n_kv) * D, group = n_head / n_kv, c = n_head * D;
     const int nbk = batch * n_kv;
@@ -546,14 +552,15 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
         const float* delta_s = delta_buf + cur * BM;
         const int* first_s = first_buf + cur * BM;
 
-        // The next step's copies overlap this whole step.
+        // The next step, whose copies overlap all of this one (two buffers) or its dQ
+        // product (one buffer, whose Q and dO are read until then).
         const int done_q0 = q0, done_h = h;
         q0 += BM;
         if (!live(q0) && h + 1 < h_end) {
             ++h;
             q0 = k0;
         }
-        if (live(q0)) stage(cur ^ 1, h, q0);
+        if (DB == 2 && live(q0)) stage(cur ^ 1, h, q0);
 
         // sᵀ and dpᵀ: 16 keys × BM queries a warp.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -620,6 +627,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
             }
         }
         __syncthreads();
+        if (DB == 1 && live(q0)) stage(cur, h, q0);
 
         // dq[rows of the step] += ds · k over the tile's 64 keys: warp = (column part,
         // row group).
@@ -664,7 +672,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                 }
             }
         }
-        cur ^= 1;
+        if (DB == 2) cur ^= 1;
     }
 
 #pragma unroll
@@ -698,23 +706,56 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
                                 n_kv, scale, pos);                                             \
     }
 
-// The plan of each head size (Fa2Dims), for the backend's test that its own copy of it
-// (flash_attention/cuda.rs's MmaPlan) agrees: per head of 64, 80, 96 and 128 columns, the
-// forward's rows a block, its shared bytes and the backward's.
+// The kernels are built in two tilings a head size, chosen at launch
+// (flash_attention/cuda.rs's MmaTiles): `wide` (the default: 128-row forward blocks; the
+// backward double-buffered, 64 queries a step at 64 columns and 32 above) and `narrow`
+// (64-row forward blocks of 64-key steps; the backward single-buffered, 64 queries a step
+// at 64 columns and 16 above), so that one build can time the two side by side.
+#define TK_FA2_FWD_WIDE(D) 2, ((D) <= 64 ? 64 : 32)
+#define TK_FA2_FWD_NARROW(D) 1, 64
+#define TK_FA2_BWD_WIDE(D) ((D) <= 64 ? 64 : 32), 2
+#define TK_FA2_BWD_NARROW(D) ((D) <= 64 ? 64 : 16), 1
+
+// The plan of each head size and tiling, for the backend's test that its own copy of it
+// (MmaPlan) agrees: per head of 64, 80, 96 and 128 columns, wide then narrow, the forward's
+// rows a block, its shared bytes and the backward's.
 template <int D>
 __device__ void fa2_plan(int* out) {
-    out[0] = Fa2Dims<D>::FWD_BM;
-    out[1] = Fa2Dims<D>::FWD_SHARED;
-    out[2] = Fa2Dims<D>::BWD_SHARED;
+    out[0] = Fa2Fwd<D, TK_FA2_FWD_WIDE(D)>::BM;
+    out[1] = Fa2Fwd<D, TK_FA2_FWD_WIDE(D)>::SHARED;
+    out[2] = Fa2Bwd<D, TK_FA2_BWD_WIDE(D)>::SHARED;
+    out[3] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::BM;
+    out[4] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::SHARED;
+    out[5] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::SHARED;
 }
 extern "C" __global__ void flash_attention_mma_plan(int* out) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         fa2_plan<64>(out);
-        fa2_plan<80>(out + 3);
-        fa2_plan<96>(out + 6);
-        fa2_plan<128>(out + 9);
+        fa2_plan<80>(out + 6);
+        fa2_plan<96>(out + 12);
+        fa2_plan<128>(out + 18);
     }
 }
+
+#define TK_FA2_TILED(T, N, D, TILING, FWD, BWD)                                                \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
+        flash_attention_mma_forward_d##D##_##TILING##_##N(                                     \
+            T* out, float* lse, const T* qkv, int batch, int t_len, int n_head, int n_kv,      \
+            float scale, const unsigned* pos) {                                                \
+        fa2_forward_impl<T, D, FWD(D)>(out, lse, qkv, batch, t_len, n_head, n_kv, scale, pos); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
+        flash_attention_mma_backward_d##D##_##TILING##_##N(                                    \
+            float* dq_acc, T* dqkv, const T* dout, const float* lse, const float* delta,       \
+            const T* qkv, int batch, int t_len, int n_head, int n_kv, float scale,             \
+            const unsigned* pos) {                                                             \
+        fa2_backward_impl<T, D, BWD(D)>(dq_acc, dqkv, dout, lse, delta, qkv, batch, t_len,     \
+                                        n_head, n_kv, scale, pos);                             \
+    }
+
+#define TK_FA2_HEAD(T, N, D)                                                                   \
+    TK_FA2_TILED(T, N, D, wide, TK_FA2_FWD_WIDE, TK_FA2_BWD_WIDE)                             \
+    TK_FA2_TILED(T, N, D, narrow, TK_FA2_FWD_NARROW, TK_FA2_BWD_NARROW)
 
 #define TK_FA2(T, N)                                                                           \
     extern "C" __global__ void flash_attention_mma_backward_prep_##N(                          \

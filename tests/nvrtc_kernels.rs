@@ -213,8 +213,11 @@ fn the_attention_backward_adds_dq_in_pairs_on_hopper() {
         let ptx = compile(&file.full_source(), &CompileOptions::new(arch, &include))
             .unwrap()
             .ptx;
-        for d in [64, 80, 96, 128] {
-            let name = format!("flash_attention_mma_backward_d{d}_bf16");
+        for (d, tiling) in [64, 80, 96, 128]
+            .iter()
+            .flat_map(|d| [(d, "wide"), (d, "narrow")])
+        {
+            let name = format!("flash_attention_mma_backward_d{d}_{tiling}_bf16");
             let body = entry_body(&ptx, &name);
             let vector = body.contains("red.global.add.v2.f32");
             assert_eq!(vector, pairs, "{arch}: `{name}`");

@@ -711,9 +711,10 @@ phase_bench() {
 
 # The fused attention: its parity tests on the GPU (every kernel against the CPU, the
 # tensor-core kernels' head sizes among them), then the attention alone at the models'
-# shapes (GPT-2 124M, Llama 3.2 1B and 3.1 8B) on trainkit's tensor-core and tiled kernels
-# and on PyTorch's SDPA backends (JSON lines in the logs), then whole GPT-2 124M bf16 steps
-# on each of trainkit's kernels, alternating, and the tensor-core run op by op.
+# shapes (GPT-2 124M, Llama 3.2 1B and 3.1 8B) on trainkit's tensor-core kernels in both
+# tilings (wide, the default, and narrow) and its tiled kernels and on PyTorch's SDPA
+# backends (JSON lines in the logs), then whole GPT-2 124M bf16 steps in each tiling,
+# alternating, and the default run op by op.
 phase_attention() {
   if [ -n "$no_gpu" ]; then
     skip attention_parity "$bin/cuda_backend flash_attention" "GPU checks skipped: $no_gpu"
@@ -745,8 +746,8 @@ phase_attention() {
     gpu_bench_step "gpu_bench_tensor_core_attention_$round" 300 figures_gpu_bench \
       --batch "$batch" --precision bf16 --warmup 3 --steps 10 \
       ${peak_tflops:+--peak-tflops "$peak_tflops"}
-    gpu_bench_step "gpu_bench_tiled_attention_$round" 300 figures_gpu_bench \
-      --batch "$batch" --precision bf16 --warmup 3 --steps 10 --tiled-attention \
+    gpu_bench_step "gpu_bench_narrow_attention_$round" 300 figures_gpu_bench \
+      --batch "$batch" --precision bf16 --warmup 3 --steps 10 --narrow-attention \
       ${peak_tflops:+--peak-tflops "$peak_tflops"}
   done
   gpu_bench_step gpu_bench_tensor_core_attention_ops 300 figures_gpu_ops --batch "$batch" \

@@ -71,6 +71,12 @@ pub struct CudaOptions {
     /// or 128 columns, sm_80 and later) apply. For comparison (`gpu_bench
     /// --tiled-attention`); off by default.
     pub tiled_attention: bool,
+    /// Run the tensor-core attention in its narrow tiling: forward blocks of 64 query rows
+    /// and 64-key steps, the backward's copies single-buffered in steps of 16 queries
+    /// above 64 columns (the default, wide tiling: 128-row forward blocks, the backward
+    /// double-buffered in steps of 32 queries above 64 columns). For comparison
+    /// (`gpu_bench --narrow-attention`; `attention_bench` times both); off by default.
+    pub narrow_attention: bool,
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on

@@ -43,24 +43,40 @@ pub(crate) const MMA_KERNELS: KernelFile = KernelFile {
         "flash_attention_mma_plan",
         "flash_attention_mma_backward_prep_bf16",
         "flash_attention_mma_backward_dq_bf16",
-        "flash_attention_mma_forward_d64_bf16",
-        "flash_attention_mma_backward_d64_bf16",
-        "flash_attention_mma_forward_d80_bf16",
-        "flash_attention_mma_backward_d80_bf16",
-        "flash_attention_mma_forward_d96_bf16",
-        "flash_attention_mma_backward_d96_bf16",
-        "flash_attention_mma_forward_d128_bf16",
-        "flash_attention_mma_backward_d128_bf16",
+        "flash_attention_mma_forward_d64_wide_bf16",
+        "flash_attention_mma_backward_d64_wide_bf16",
+        "flash_attention_mma_forward_d64_narrow_bf16",
+        "flash_attention_mma_backward_d64_narrow_bf16",
+        "flash_attention_mma_forward_d80_wide_bf16",
+        "flash_attention_mma_backward_d80_wide_bf16",
+        "flash_attention_mma_forward_d80_narrow_bf16",
+        "flash_attention_mma_backward_d80_narrow_bf16",
+        "flash_attention_mma_forward_d96_wide_bf16",
+        "flash_attention_mma_backward_d96_wide_bf16",
+        "flash_attention_mma_forward_d96_narrow_bf16",
+        "flash_attention_mma_backward_d96_narrow_bf16",
+        "flash_attention_mma_forward_d128_wide_bf16",
+        "flash_attention_mma_backward_d128_wide_bf16",
+        "flash_attention_mma_forward_d128_narrow_bf16",
+        "flash_attention_mma_backward_d128_narrow_bf16",
         "flash_attention_mma_backward_prep_f16",
         "flash_attention_mma_backward_dq_f16",
-        "flash_attention_mma_forward_d64_f16",
-        "flash_attention_mma_backward_d64_f16",
-        "flash_attention_mma_forward_d80_f16",
-        "flash_attention_mma_backward_d80_f16",
-        "flash_attention_mma_forward_d96_f16",
-        "flash_attention_mma_backward_d96_f16",
-        "flash_attention_mma_forward_d128_f16",
-        "flash_attention_mma_backward_d128_f16",
+        "flash_attention_mma_forward_d64_wide_f16",
+        "flash_attention_mma_backward_d64_wide_f16",
+        "flash_attention_mma_forward_d64_narrow_f16",
+        "flash_attention_mma_backward_d64_narrow_f16",
+        "flash_attention_mma_forward_d80_wide_f16",
+        "flash_attention_mma_backward_d80_wide_f16",
+        "flash_attention_mma_forward_d80_narrow_f16",
+        "flash_attention_mma_backward_d80_narrow_f16",
+        "flash_attention_mma_forward_d96_wide_f16",
+        "flash_attention_mma_backward_d96_wide_f16",
+        "flash_attention_mma_forward_d96_narrow_f16",
+        "flash_attention_mma_backward_d96_narrow_f16",
+        "flash_attention_mma_forward_d128_wide_f16",
+        "flash_attention_mma_backward_d128_wide_f16",
+        "flash_attention_mma_forward_d128_narrow_f16",
+        "flash_attention_mma_backward_d128_narrow_f16",
     ],
 };
 inventory::submit!(MMA_KERNELS);
@@ -73,37 +89,50 @@ const MMA_THREADS: u32 = 128;
 const MMA_BWD_KEYS: usize = 64;
 
 /// How the tensor-core kernels of one head size split their work and what shared memory a
-/// block takes (`Fa2Dims` in `kernels/flash_attention_mma.cu`, which
-/// `flash_attention_mma_plan` reports for the test that holds the two together).
+/// block takes (`Fa2Fwd` and `Fa2Bwd` in `kernels/flash_attention_mma.cu`, whose
+/// `flash_attention_mma_plan` reports them for the test that holds the two together).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct MmaPlan {
-    /// Query rows of a forward block (`FWD_BM`: four warps of two 16-row tiles).
+    /// The kernels' tiling, in their names: `wide` or `narrow`
+    /// ([`CudaOptions::narrow_attention`](crate::device::cuda::CudaOptions)).
+    tiling: &'static str,
+    /// Query rows of a forward block (four warps of one or two 16-row tiles).
     forward_rows: usize,
-    /// Dynamic shared memory of a forward block, bytes (`FWD_SHARED`).
+    /// Dynamic shared memory of a forward block, bytes.
     forward_shared: u32,
-    /// Dynamic shared memory of a backward block, bytes (`BWD_SHARED`).
+    /// Dynamic shared memory of a backward block, bytes.
     backward_shared: u32,
 }
 
 impl MmaPlan {
-    /// The plan for heads of `hd` columns (one of [`MMA_HEADS`]).
-    fn of(hd: usize) -> MmaPlan {
+    /// The plan for heads of `hd` columns (one of [`MMA_HEADS`]) in the wide tiling (the
+    /// default) or the narrow one.
+    fn of(hd: usize, narrow: bool) -> MmaPlan {
         // Shared rows hold whole groups of eight 16-byte chunks.
         let sd = hd.div_ceil(64) * 64;
-        let forward_rows = 128;
-        let forward_keys = if hd <= 64 { 64 } else { 32 };
-        let backward_queries = if hd <= 64 { 64 } else { 32 };
+        // (forward rows, forward keys a step, backward queries a step, backward buffers)
+        let (forward_rows, forward_keys, queries, buffers) = match (narrow, hd <= 64) {
+            (false, true) => (128, 64, 64, 2),
+            (false, false) => (128, 32, 32, 2),
+            (true, true) => (64, 64, 64, 1),
+            (true, false) => (64, 64, 16, 1),
+        };
         let forward_shared = (forward_rows + 2 * forward_keys) * sd * 2;
-        // K and V, two buffers of Q and dO, dSᵀ, two buffers of three statistics a query.
+        // K and V, the buffers of Q and dO, dSᵀ, the buffers of three statistics a query.
         let backward_shared =
-            (2 * MMA_BWD_KEYS * sd + 4 * backward_queries * sd + MMA_BWD_KEYS * backward_queries)
-                * 2
-                + 2 * backward_queries * 12;
+            (2 * MMA_BWD_KEYS * sd + 2 * buffers * queries * sd + MMA_BWD_KEYS * queries) * 2
+                + buffers * queries * 12;
         MmaPlan {
+            tiling: if narrow { "narrow" } else { "wide" },
             forward_rows,
             forward_shared: forward_shared as u32,
             backward_shared: backward_shared as u32,
         }
+    }
+
+    /// The plan `be` runs heads of `hd` columns with.
+    fn on(be: &CudaBackend, hd: usize) -> MmaPlan {
+        MmaPlan::of(hd, be.options().narrow_attention)
     }
 }
 
@@ -122,7 +151,7 @@ fn mma_head(be: &CudaBackend, d: &Dims, tensors: &[&Tensor]) -> Result<Option<us
     {
         return Ok(None);
     }
-    let plan = MmaPlan::of(hd);
+    let plan = MmaPlan::on(be, hd);
     if plan.forward_shared.max(plan.backward_shared) > be.max_shared_bytes() {
         return Ok(None);
     }
@@ -186,9 +215,13 @@ pub(crate) fn forward(
     }
     let pos = be.positions(positions)?;
     if let Some(hd) = mma_head(be, &d, &[out, qkv])? {
-        let plan = MmaPlan::of(hd);
+        let plan = MmaPlan::on(be, hd);
         return be.launch_shared(
-            &format!("flash_attention_mma_forward_d{hd}_{}", qkv.dtype()),
+            &format!(
+                "flash_attention_mma_forward_d{hd}_{}_{}",
+                plan.tiling,
+                qkv.dtype()
+            ),
             blocks(&d, heads.n_head, (plan.forward_rows, hd), OP)?,
             MMA_THREADS,
             plan.forward_shared,
@@ -330,11 +363,12 @@ fn mma_backward(
         .i32(hd as i32),
     )?;
     let pos = be.positions(positions)?;
+    let plan = MmaPlan::on(be, hd);
     be.launch_shared(
-        &format!("flash_attention_mma_backward_d{hd}_{dt}"),
+        &format!("flash_attention_mma_backward_d{hd}_{}_{dt}", plan.tiling),
         blocks(d, heads.n_kv_head, (MMA_BWD_KEYS, hd), OP)?,
         MMA_THREADS,
-        MmaPlan::of(hd).backward_shared,
+        plan.backward_shared,
         dims(
             Args::new()
                 .ptr(ptr(&dq)?)
@@ -513,8 +547,8 @@ mod tests {
         let Some(be) = emulated() else { return };
         let out = be
             .upload(
-                &[0.0; 12],
-                &[12],
+                &[0.0; 24],
+                &[24],
                 DType::F32,
                 MemoryCategory::Workspace,
                 "plan",
@@ -534,17 +568,19 @@ mod tests {
             .map(|v| v.to_bits())
             .collect();
         for (k, hd) in MMA_HEADS.into_iter().enumerate() {
-            let plan = MmaPlan::of(hd);
-            let want = [
-                plan.forward_rows as u32,
-                plan.forward_shared,
-                plan.backward_shared,
-            ];
-            assert_eq!(got[3 * k..3 * k + 3], want, "head {hd}");
-            assert!(
-                plan.forward_shared.max(plan.backward_shared) <= 99 << 10,
-                "head {hd}"
-            );
+            for (j, narrow) in [false, true].into_iter().enumerate() {
+                let plan = MmaPlan::of(hd, narrow);
+                let want = [
+                    plan.forward_rows as u32,
+                    plan.forward_shared,
+                    plan.backward_shared,
+                ];
+                let at = 6 * k + 3 * j;
+                assert_eq!(got[at..at + 3], want, "head {hd}, {}", plan.tiling);
+                // Within what every card of compute capability 8.0 or later allows.
+                let most = plan.forward_shared.max(plan.backward_shared);
+                assert!(most <= 99 << 10, "head {hd}, {}", plan.tiling);
+            }
         }
     }
 
@@ -557,20 +593,22 @@ mod tests {
         (1, 21, 2, 2, 144),
     ];
 
-    /// The tensor-core kernels against the tiled ones (the same inputs, on the emulator):
-    /// output, log-sum-exp and every block of dqkv, for each head size they are built for,
-    /// grouped heads, lengths that end inside a tile, and rows of several documents.
+    /// The tensor-core kernels, in both tilings, against the tiled ones (the same inputs, on
+    /// the emulator): output, log-sum-exp and every block of dqkv, for each head size they
+    /// are built for, grouped heads, lengths that end inside a tile, and rows of several
+    /// documents.
     #[test]
     fn tensor_core_kernels_match_the_tiled_ones() {
-        let Some(fast) = emulated() else { return };
-        let tiled = CudaBackend::emulated_with(
-            None,
-            crate::device::cuda::CudaOptions {
-                tiled_attention: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let Some(wide) = emulated() else { return };
+        let with = |options| CudaBackend::emulated_with(None, options).unwrap();
+        let tiled = with(crate::device::cuda::CudaOptions {
+            tiled_attention: true,
+            ..Default::default()
+        });
+        let narrow = with(crate::device::cuda::CudaOptions {
+            narrow_attention: true,
+            ..Default::default()
+        });
         // (B, T, H, KV, D, documents)
         let cases: &[(usize, usize, usize, usize, usize, bool)] = &[
             (2, 130, 4, 2, 64, false),
@@ -594,8 +632,12 @@ mod tests {
             let pos = docs.then(|| {
                 crate::ops::positions::from_document_starts(b, t, |k| [5, 65, 66].contains(&k))
             });
-            for dt in [DType::Bf16, DType::F16] {
-                let what = format!("{dt} B={b} T={t} H={h} KV={kv} D={hd} documents={docs}");
+            // Both tilings in both dtypes: wide bf16, narrow f16, wide f16, narrow bf16.
+            for (k, fast) in [&wide, &narrow, &wide, &narrow].into_iter().enumerate() {
+                let dt = [DType::Bf16, DType::F16][(k + k / 2) % 2];
+                let tiling = MmaPlan::on(fast, hd).tiling;
+                let what =
+                    format!("{dt} {tiling} B={b} T={t} H={h} KV={kv} D={hd} documents={docs}");
                 let cat = MemoryCategory::Activations;
                 let run = |be: &CudaBackend| {
                     let up = |v: &[f32], s: &[usize], dt| be.upload(v, s, dt, cat, "x").unwrap();
@@ -622,9 +664,9 @@ mod tests {
                 };
                 let d = Dims { b, t, heads, w, c };
                 let probe = fast.upload(&[0.0; 8], &[8], dt, cat, "p").unwrap();
-                assert_eq!(mma_head(&fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
+                assert_eq!(mma_head(fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
                 assert_eq!(mma_head(&tiled, &d, &[&probe]).unwrap(), None, "{what}");
-                let (out, lse, dqkv) = run(&fast);
+                let (out, lse, dqkv) = run(fast);
                 let (want_out, want_lse, want_dqkv) = run(&tiled);
                 let e = rel_err(&out, &want_out);
                 assert!(e <= 1e-2, "{what}: out relative error {e:.3e}");
