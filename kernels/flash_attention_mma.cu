@@ -27,25 +27,25 @@
 //   last bits, may differ from run to run on a GPU; the emulator runs blocks in order),
 //   then scaled and rounded by a last small kernel.
 //
-// Work split. Blocks of FA2_THREADS = 128 threads, four warps.
-// Forward: a block per (query tile of FWD_BM = 128 rows, head, batch row), the longest tiles
-// first; each warp holds two 16-row tiles, so that every K and V fragment it reads from
-// shared memory feeds two products; steps of FWD_BN keys (64, or 32 for heads over 64
-// columns, whose output accumulators take twice the registers). A warp whose rows all come
-// before a step's keys skips its products.
-// Backward: a block per (key tile of 64 keys, key/value head, batch row), the longest
-// first; steps of BWD_BM queries (64, or 32 for heads over 64 columns, as many as the
-// registers hold beside dK and dV) of each query head of the group, each step's Q and dO
-// copied while the step before computes (two buffers).
-// Shared memory is dynamic (the backend opts in past 48 KiB, flash_attention/cuda.rs's
-// MmaPlan, which flash_attention_mma_plan holds to Fa2Dims): forward Q, K and V tiles
-// ((FWD_BM + 2·FWD_BN) · SD elements, SD the head rounded up to 64 columns; at most 48 KiB),
-// backward K, V (2 · 64 · SD), two buffers of Q and dO (4 · BWD_BM · SD), dSᵀ (64 · BWD_BM)
-// and two of the steps' statistics (at most 69 KiB, within the 99 KiB every sm_80-and-later
-// card allows).
+// Work split, in the default (wide) tiling; the narrow one (the tiling before, kept to time
+// against it) is described above TK_FA2_FWD_WIDE below.
+// Forward: blocks of FA2_THREADS = 128 threads (four warps), one per (query tile of 128
+// rows, head, batch row), the longest tiles first; each warp holds two 16-row tiles, so
+// that every K and V fragment it reads from shared memory feeds two products; steps of 64
+// keys (32 for heads over 64 columns, whose output accumulators take twice the registers).
+// A warp whose rows all come before a step's keys skips its products.
+// Backward: a block per (key tile, key/value head, batch row), the longest first, a warp
+// per 16 keys: 128 keys on eight warps at 64 columns (each step's Q and dO then serve twice
+// the keys, and dQ gets half the atomic adds), 64 on four above; steps of 64 queries (32
+// above 64 columns: as many as the registers hold beside dK and dV) of each query head of
+// the group, each step's Q and dO copied while the step before computes (two buffers); a
+// warp whose keys all come after a step's queries skips its products.
+// Shared memory is dynamic (the backend opts in past 48 KiB: flash_attention/cuda.rs's
+// MmaPlan, which flash_attention_mma_plan holds to Fa2Fwd and Fa2Bwd): forward Q, K and V
+// tiles (at most 48 KiB), backward K and V, two buffers of Q and dO, dSᵀ and two of the
+// steps' statistics (at most 82 KiB), within the 99 KiB every sm_80-and-later card allows.
 
 #define FA2_THREADS 128
-#define FA2_BN 64  // keys of a backward block
 #define FA2_LOG2E 1.4426950408889634f
 #define FA2_LN2 0.6931471805599453f
 
@@ -73,17 +73,18 @@ struct Fa2Fwd {
     static constexpr int SHARED = (BM + 2 * BN) * Fa2Dims<D>::SD * 2;
 };
 
-// A backward block's tiles: steps of BM queries (as many as the registers hold beside dK
-// and dV), Q, dO and their statistics in DB buffers (2: a step's copies are in flight
-// while the step before computes; 1: while its dQ product runs). SHARED: the dynamic
-// shared memory of a block, in bytes: K and V (FA2_BN rows each), DB buffers of Q and dO
-// (BM rows each), dSᵀ (FA2_BN × BM), then DB buffers of lse, delta and the first key of
-// each of a step's queries (4 bytes each).
-template <int D, int BM, int DB>
+// A backward block's tiles: KW warps of 16 keys each (BN = 16·KW keys, 32·KW threads), in
+// steps of BM queries (as many as the registers hold beside dK and dV), Q, dO and their
+// statistics in DB buffers (2: a step's copies are in flight while the step before
+// computes; 1: while its dQ product runs). SHARED: the dynamic shared memory of a block,
+// in bytes: K and V (BN rows each), DB buffers of Q and dO (BM rows each), dSᵀ (BN × BM),
+// then DB buffers of lse, delta and the first key of each of a step's queries (4 bytes
+// each).
+template <int D, int BM, int DB, int KW>
 struct Fa2Bwd {
     static constexpr int SD = Fa2Dims<D>::SD;
-    static constexpr int SHARED =
-        (2 * FA2_BN * SD + 2 * DB * BM * SD + FA2_BN * BM) * 2 + DB * BM * 12;
+    static constexpr int BN = 16 * KW;
+    static constexpr int SHARED = (2 * BN * SD + 2 * DB * BM * SD + BN * BM) * 2 + DB * BM * 12;
 };
 
 // The element offset of (row r, chunk c) in a swizzled shared tile of CH chunks a row.
@@ -185,10 +186,10 @@ __device__ __forceinline__ float fa2_exp2(float x) {
 // Rows [r0, r0 + ROWS) of a row-major matrix (row stride `stride` elements, rows at or past
 // `t_len` read as zeros), its first D columns, into a swizzled shared tile. The whole block
 // calls it; the copies are asynchronous (commit, then wait).
-template <typename T, int D, int ROWS>
+template <typename T, int D, int ROWS, int THREADS = FA2_THREADS>
 __device__ __forceinline__ void fa2_load(T* dst, const T* src, int stride, int r0, int t_len) {
     constexpr int DC = Fa2Dims<D>::DC, CH = Fa2Dims<D>::CH;
-    for (int e = threadIdx.x; e < ROWS * DC; e += FA2_THREADS) {
+    for (int e = threadIdx.x; e < ROWS * DC; e += THREADS) {
         const int r = e / DC, c = e - r * DC, row = r0 + r;
         const bool valid = row < t_len;
         fa2_cp16(dst + fa2_at<CH>(r, c), src + (i64)(valid ? row : 0) * stride + c * 8, valid);
@@ -333,7 +334,8 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
                         float x = s[mt][n][i] * sl2;
                         if (masked) {
                             const int j = k0 + n * 8 + 2 * t4 + (i & 1);
-                            if (!(j <= row[mt][r] && j >= first[mt][r] && j < t_len)) x = TK_NEG_INF;
+                            const bool in = j <= row[mt][r] && j >= first[mt][r] && j < t_len;
+                            if (!in) x = TK_NEG_INF;
                         }
                         s[mt][n][i] = x;
                         mx[r] = fmaxf(mx[r], x);
@@ -469,30 +471,32 @@ __device__ void fa2_backward_dq_impl(T* dqkv, const float* dq_acc, int batch, in
     }
 }
 
-// dK, dV and dQ. A block per (key tile of 64 keys, key/value head, batch row); for each
+// dK, dV and dQ. A block of KW warps per (key tile of BN = 16·KW keys, key/value head, batch
+// row); for each
 // query head of the group and each step of BM queries at or after the tile (and in a
 // document that can reach it): sᵀ = k · qᵀ, dpᵀ = v · doᵀ, pᵀ = 2^(sᵀ·scale·log2 e −
 // lse·log2 e), dsᵀ = pᵀ ∘ (dpᵀ − delta); dv += pᵀ · do, dk += dsᵀ · q in registers, and
 // dq += ds · k added into dq_acc. dk is scaled once at the end, dq by the last kernel.
-template <typename T, int D, int BM, int DB>
+template <typename T, int D, int BM, int DB, int KW>
 __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const float* lse,
                                   const float* delta, const T* qkv, int batch, int t_len,
                                   int n_head, int n_kv, float scale, const unsigned* pos) {
 #if TK_HAS_MMA
     typedef Fa2Dims<D> Dm;
     constexpr int SD = Dm::SD, CH = Dm::CH, KS = Dm::KS, NT = Dm::NT;
+    constexpr int BN = Fa2Bwd<D, BM, DB, KW>::BN, THREADS = 32 * KW;
     constexpr int CHB = BM / 8;  // chunks a row of the dSᵀ tile holds
     // dQ's split over the warps: RG groups of 16 query rows, each row group's columns in
     // CS parts of whole 16-column pairs.
-    constexpr int RG = BM / 16, CS = 4 / RG, PAIRS = (NT / 2 + CS - 1) / CS;
+    constexpr int RG = BM / 16, CS = KW / RG, PAIRS = (NT / 2 + CS - 1) / CS;
     extern __shared__ __align__(128) unsigned char fa2_smem[];
     // Q, dO and the statistics in DB buffers (Fa2Bwd).
     T* ks = (T*)fa2_smem;
-    T* vs = ks + FA2_BN * SD;
-    T* qbuf = vs + FA2_BN * SD;
+    T* vs = ks + BN * SD;
+    T* qbuf = vs + BN * SD;
     T* dobuf = qbuf + DB * BM * SD;
     T* dss = dobuf + DB * BM * SD;
-    float* lse_buf = (float*)(dss + FA2_BN * BM);
+    float* lse_buf = (float*)(dss + BN * BM);
     float* delta_buf = lse_buf + DB * BM;
     int* first_buf = (int*)(delta_buf + DB * BM);
 
@@ -501,7 +505,7 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     const int kt = (int)(blockIdx.x / nbk), bk = (int)(blockIdx.x % nbk);
     const int b = bk / n_kv, kvh = bk - b * n_kv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int k0 = kt * FA2_BN;
+    const int k0 = kt * BN;
     const T* base = qkv + (i64)b * t_len * w;
     const T* kg = base + (n_head + kvh) * D;
     const T* vg = kg + n_kv * D;
@@ -512,13 +516,13 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
 
     // Whether the step of queries from q0 exists (and reaches this tile's keys).
     auto live = [&](int q0) {
-        return q0 < t_len && fa2_first(pos, b, t_len, q0) < k0 + FA2_BN;
+        return q0 < t_len && fa2_first(pos, b, t_len, q0) < k0 + BN;
     };
     // The copies of a step into buffer `buf`: its queries' rows of q and dout, and their
     // statistics.
     auto stage = [&](int buf, int h, int q0) {
-        fa2_load<T, D, BM>(qbuf + buf * BM * SD, base + h * D, w, q0, t_len);
-        fa2_load<T, D, BM>(dobuf + buf * BM * SD, dbase + h * D, c, q0, t_len);
+        fa2_load<T, D, BM, THREADS>(qbuf + buf * BM * SD, base + h * D, w, q0, t_len);
+        fa2_load<T, D, BM, THREADS>(dobuf + buf * BM * SD, dbase + h * D, c, q0, t_len);
         fa2_commit();
         if (threadIdx.x < BM) {
             const int q = q0 + threadIdx.x, at_s = buf * BM + threadIdx.x;
@@ -535,8 +539,8 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
 #pragma unroll
         for (int i = 0; i < 4; ++i) dv[n][i] = dk[n][i] = 0.0f;
 
-    fa2_load<T, D, FA2_BN>(ks, kg, w, k0, t_len);
-    fa2_load<T, D, FA2_BN>(vs, vg, w, k0, t_len);
+    fa2_load<T, D, BN, THREADS>(ks, kg, w, k0, t_len);
+    fa2_load<T, D, BN, THREADS>(vs, vg, w, k0, t_len);
     int h = kvh * group, q0 = k0;
     const int h_end = (kvh + 1) * group;
     int cur = 0;
@@ -562,74 +566,85 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
         }
         if (DB == 2 && live(q0)) stage(cur ^ 1, h, q0);
 
+        // A warp whose keys all come after the step's queries has nothing to add (its
+        // probabilities, and its rows of dSᵀ, would all be 0): it skips its products, and
+        // the dQ product skips its keys.
+        const int last_q = done_q0 + BM - 1;
+        const bool active = k0 + warp * 16 <= last_q;
+
         // sᵀ and dpᵀ: 16 keys × BM queries a warp.
         float st[BM / 8][4], dpt[BM / 8][4];
+        if (active) {
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
+            for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) st[n][i] = dpt[n][i] = 0.0f;
+                for (int i = 0; i < 4; ++i) st[n][i] = dpt[n][i] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            unsigned kf[4], vf[4];
-            const int ar = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), ac = 2 * kk + (lane >> 4);
-            fa2_ldm(kf, ks + fa2_at<CH>(ar, ac));
-            fa2_ldm(vf, vs + fa2_at<CH>(ar, ac));
+            for (int kk = 0; kk < KS; ++kk) {
+                unsigned kf[4], vf[4];
+                const int ar = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                const int ac = 2 * kk + (lane >> 4);
+                fa2_ldm(kf, ks + fa2_at<CH>(ar, ac));
+                fa2_ldm(vf, vs + fa2_at<CH>(ar, ac));
 #pragma unroll
-            for (int np = 0; np < BM / 16; ++np) {
-                unsigned qf[4], of[4];
-                const int br = np * 16 + (lane & 7) + 8 * (lane >> 4), bc = 2 * kk + ((lane >> 3) & 1);
-                fa2_ldm(qf, qs + fa2_at<CH>(br, bc));
-                fa2_ldm(of, dos + fa2_at<CH>(br, bc));
-                tk_mma(st[2 * np], kf, qf, T());
-                tk_mma(st[2 * np + 1], kf, qf + 2, T());
-                tk_mma(dpt[2 * np], vf, of, T());
-                tk_mma(dpt[2 * np + 1], vf, of + 2, T());
+                for (int np = 0; np < BM / 16; ++np) {
+                    unsigned qf[4], of[4];
+                    const int br = np * 16 + (lane & 7) + 8 * (lane >> 4);
+                    const int bc = 2 * kk + ((lane >> 3) & 1);
+                    fa2_ldm(qf, qs + fa2_at<CH>(br, bc));
+                    fa2_ldm(of, dos + fa2_at<CH>(br, bc));
+                    tk_mma(st[2 * np], kf, qf, T());
+                    tk_mma(st[2 * np + 1], kf, qf + 2, T());
+                    tk_mma(dpt[2 * np], vf, of, T());
+                    tk_mma(dpt[2 * np + 1], vf, of + 2, T());
+                }
             }
-        }
-        // pᵀ and dsᵀ.
+            // pᵀ and dsᵀ.
 #pragma unroll
-        for (int n = 0; n < BM / 8; ++n)
+            for (int n = 0; n < BM / 8; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int col = n * 8 + 2 * t4 + (i & 1), q = done_q0 + col, kr = key[i >> 1];
-                const bool in = kr <= q && q < t_len && kr >= first_s[col];
-                const float p = in ? fa2_exp2(st[n][i] * sl2 - lse_s[col]) : 0.0f;
-                st[n][i] = p;
-                dpt[n][i] = p * (dpt[n][i] - delta_s[col]);
-            }
-        // dv += pᵀ · do, dk += dsᵀ · q (k over the step's queries).
+                for (int i = 0; i < 4; ++i) {
+                    const int col = n * 8 + 2 * t4 + (i & 1), q = done_q0 + col, kr = key[i >> 1];
+                    const bool in = kr <= q && q < t_len && kr >= first_s[col];
+                    const float p = in ? fa2_exp2(st[n][i] * sl2 - lse_s[col]) : 0.0f;
+                    st[n][i] = p;
+                    dpt[n][i] = p * (dpt[n][i] - delta_s[col]);
+                }
+            // dv += pᵀ · do, dk += dsᵀ · q (k over the step's queries).
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            unsigned pa[4], da[4];
-            pa[0] = fa2_pack(st[2 * kk][0], st[2 * kk][1], T());
-            pa[1] = fa2_pack(st[2 * kk][2], st[2 * kk][3], T());
-            pa[2] = fa2_pack(st[2 * kk + 1][0], st[2 * kk + 1][1], T());
-            pa[3] = fa2_pack(st[2 * kk + 1][2], st[2 * kk + 1][3], T());
-            da[0] = fa2_pack(dpt[2 * kk][0], dpt[2 * kk][1], T());
-            da[1] = fa2_pack(dpt[2 * kk][2], dpt[2 * kk][3], T());
-            da[2] = fa2_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1], T());
-            da[3] = fa2_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3], T());
-            // dsᵀ into shared memory (rows: keys), for dq.
-            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2) + 2 * t4) = da[0];
-            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2) + 2 * t4) = da[1];
-            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2 + 1) + 2 * t4) = da[2];
-            *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2 + 1) + 2 * t4) = da[3];
+            for (int kk = 0; kk < BM / 16; ++kk) {
+                unsigned pa[4], da[4];
+                pa[0] = fa2_pack(st[2 * kk][0], st[2 * kk][1], T());
+                pa[1] = fa2_pack(st[2 * kk][2], st[2 * kk][3], T());
+                pa[2] = fa2_pack(st[2 * kk + 1][0], st[2 * kk + 1][1], T());
+                pa[3] = fa2_pack(st[2 * kk + 1][2], st[2 * kk + 1][3], T());
+                da[0] = fa2_pack(dpt[2 * kk][0], dpt[2 * kk][1], T());
+                da[1] = fa2_pack(dpt[2 * kk][2], dpt[2 * kk][3], T());
+                da[2] = fa2_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1], T());
+                da[3] = fa2_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3], T());
+                // dsᵀ into shared memory (rows: keys), for dq.
+                *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2) + 2 * t4) = da[0];
+                *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2) + 2 * t4) = da[1];
+                *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2 + 1) + 2 * t4) = da[2];
+                *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2 + 1) + 2 * t4) = da[3];
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned of[4], qf[4];
-                const int br = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), bc = 2 * np + (lane >> 4);
-                fa2_ldm_t(of, dos + fa2_at<CH>(br, bc));
-                fa2_ldm_t(qf, qs + fa2_at<CH>(br, bc));
-                tk_mma(dv[2 * np], pa, of, T());
-                tk_mma(dv[2 * np + 1], pa, of + 2, T());
-                tk_mma(dk[2 * np], da, qf, T());
-                tk_mma(dk[2 * np + 1], da, qf + 2, T());
+                for (int np = 0; np < NT / 2; ++np) {
+                    unsigned of[4], qf[4];
+                    const int br = kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+                    const int bc = 2 * np + (lane >> 4);
+                    fa2_ldm_t(of, dos + fa2_at<CH>(br, bc));
+                    fa2_ldm_t(qf, qs + fa2_at<CH>(br, bc));
+                    tk_mma(dv[2 * np], pa, of, T());
+                    tk_mma(dv[2 * np + 1], pa, of + 2, T());
+                    tk_mma(dk[2 * np], da, qf, T());
+                    tk_mma(dk[2 * np + 1], da, qf + 2, T());
+                }
             }
         }
         __syncthreads();
         if (DB == 1 && live(q0)) stage(cur, h, q0);
 
-        // dq[rows of the step] += ds · k over the tile's 64 keys: warp = (column part,
+        // dq[rows of the step] += ds · k over the tile's BN keys: warp = (column part,
         // row group).
         const int rg = warp % RG, cs = warp / RG;
         float acc[PAIRS][2][4];
@@ -640,7 +655,8 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[p][j][i] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < FA2_BN / 16; ++kk) {
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            if (k0 + kk * 16 > last_q) break;  // this warp's keys and those after: skipped
             unsigned a[4];
             fa2_ldm_t(a, dss + fa2_at<CHB>(kk * 16 + (lane & 7) + 8 * (lane >> 4),
                                            2 * rg + ((lane >> 3) & 1)));
@@ -707,44 +723,49 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
     }
 
 // The kernels are built in two tilings a head size, chosen at launch
-// (flash_attention/cuda.rs's MmaTiles): `wide` (the default: 128-row forward blocks; the
-// backward double-buffered, 64 queries a step at 64 columns and 32 above) and `narrow`
-// (64-row forward blocks of 64-key steps; the backward single-buffered, 64 queries a step
-// at 64 columns and 16 above), so that one build can time the two side by side.
+// (flash_attention/cuda.rs's MmaPlan): `wide` (the default: 128-row forward blocks; the
+// backward double-buffered, 64 queries a step over 128 keys on 8 warps at 64 columns, 32
+// queries over 64 keys on 4 warps above) and `narrow` (64-row forward blocks of 64-key
+// steps; the backward single-buffered over 64 keys on 4 warps, 64 queries a step at 64
+// columns and 16 above), so that one build can time the two side by side.
 #define TK_FA2_FWD_WIDE(D) 2, ((D) <= 64 ? 64 : 32)
 #define TK_FA2_FWD_NARROW(D) 1, 64
-#define TK_FA2_BWD_WIDE(D) ((D) <= 64 ? 64 : 32), 2
-#define TK_FA2_BWD_NARROW(D) ((D) <= 64 ? 64 : 16), 1
+#define TK_FA2_BWD_WIDE_WARPS(D) ((D) <= 64 ? 8 : 4)
+#define TK_FA2_BWD_NARROW_WARPS(D) 4
+#define TK_FA2_BWD_WIDE(D) ((D) <= 64 ? 64 : 32), 2, TK_FA2_BWD_WIDE_WARPS(D)
+#define TK_FA2_BWD_NARROW(D) ((D) <= 64 ? 64 : 16), 1, TK_FA2_BWD_NARROW_WARPS(D)
 
 // The plan of each head size and tiling, for the backend's test that its own copy of it
 // (MmaPlan) agrees: per head of 64, 80, 96 and 128 columns, wide then narrow, the forward's
-// rows a block, its shared bytes and the backward's.
+// rows a block, its shared bytes, the backward's keys a block and its shared bytes.
 template <int D>
 __device__ void fa2_plan(int* out) {
     out[0] = Fa2Fwd<D, TK_FA2_FWD_WIDE(D)>::BM;
     out[1] = Fa2Fwd<D, TK_FA2_FWD_WIDE(D)>::SHARED;
-    out[2] = Fa2Bwd<D, TK_FA2_BWD_WIDE(D)>::SHARED;
-    out[3] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::BM;
-    out[4] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::SHARED;
-    out[5] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::SHARED;
+    out[2] = Fa2Bwd<D, TK_FA2_BWD_WIDE(D)>::BN;
+    out[3] = Fa2Bwd<D, TK_FA2_BWD_WIDE(D)>::SHARED;
+    out[4] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::BM;
+    out[5] = Fa2Fwd<D, TK_FA2_FWD_NARROW(D)>::SHARED;
+    out[6] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::BN;
+    out[7] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::SHARED;
 }
 extern "C" __global__ void flash_attention_mma_plan(int* out) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         fa2_plan<64>(out);
-        fa2_plan<80>(out + 6);
-        fa2_plan<96>(out + 12);
-        fa2_plan<128>(out + 18);
+        fa2_plan<80>(out + 8);
+        fa2_plan<96>(out + 16);
+        fa2_plan<128>(out + 24);
     }
 }
 
-#define TK_FA2_TILED(T, N, D, TILING, FWD, BWD)                                                \
+#define TK_FA2_TILED(T, N, D, TILING, FWD, BWD, BWD_WARPS)                                     \
     extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
         flash_attention_mma_forward_d##D##_##TILING##_##N(                                     \
             T* out, float* lse, const T* qkv, int batch, int t_len, int n_head, int n_kv,      \
             float scale, const unsigned* pos) {                                                \
         fa2_forward_impl<T, D, FWD(D)>(out, lse, qkv, batch, t_len, n_head, n_kv, scale, pos); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(FA2_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS(D))                           \
         flash_attention_mma_backward_d##D##_##TILING##_##N(                                    \
             float* dq_acc, T* dqkv, const T* dout, const float* lse, const float* delta,       \
             const T* qkv, int batch, int t_len, int n_head, int n_kv, float scale,             \
@@ -754,8 +775,8 @@ extern "C" __global__ void flash_attention_mma_plan(int* out) {
     }
 
 #define TK_FA2_HEAD(T, N, D)                                                                   \
-    TK_FA2_TILED(T, N, D, wide, TK_FA2_FWD_WIDE, TK_FA2_BWD_WIDE)                             \
-    TK_FA2_TILED(T, N, D, narrow, TK_FA2_FWD_NARROW, TK_FA2_BWD_NARROW)
+    TK_FA2_TILED(T, N, D, wide, TK_FA2_FWD_WIDE, TK_FA2_BWD_WIDE, TK_FA2_BWD_WIDE_WARPS)      \
+    TK_FA2_TILED(T, N, D, narrow, TK_FA2_FWD_NARROW, TK_FA2_BWD_NARROW, TK_FA2_BWD_NARROW_WARPS)
 
 #define TK_FA2(T, N)                                                                           \
     extern "C" __global__ void flash_attention_mma_backward_prep_##N(                          \

@@ -72,9 +72,10 @@ pub struct CudaOptions {
     /// --tiled-attention`); off by default.
     pub tiled_attention: bool,
     /// Run the tensor-core attention in its narrow tiling: forward blocks of 64 query rows
-    /// and 64-key steps, the backward's copies single-buffered in steps of 16 queries
-    /// above 64 columns (the default, wide tiling: 128-row forward blocks, the backward
-    /// double-buffered in steps of 32 queries above 64 columns). For comparison
+    /// and 64-key steps, backward blocks of 64 keys on four warps, their copies
+    /// single-buffered, in steps of 16 queries above 64 columns (the default, wide tiling:
+    /// 128-row forward blocks; backward blocks of 128 keys on eight warps at 64 columns,
+    /// double-buffered, in steps of 32 queries above 64 columns). For comparison
     /// (`gpu_bench --narrow-attention`; `attention_bench` times both); off by default.
     pub narrow_attention: bool,
 }

@@ -83,10 +83,9 @@ inventory::submit!(MMA_KERNELS);
 
 /// Head sizes the tensor-core kernels are built for.
 const MMA_HEADS: [usize; 4] = [64, 80, 96, 128];
-/// Threads of a tensor-core block (`FA2_THREADS`).
+/// Threads of a tensor-core forward block (`FA2_THREADS`; a backward block has a warp per
+/// 16 keys).
 const MMA_THREADS: u32 = 128;
-/// Keys of a tensor-core backward block (`FA2_BN`).
-const MMA_BWD_KEYS: usize = 64;
 
 /// How the tensor-core kernels of one head size split their work and what shared memory a
 /// block takes (`Fa2Fwd` and `Fa2Bwd` in `kernels/flash_attention_mma.cu`, whose
@@ -100,6 +99,8 @@ struct MmaPlan {
     forward_rows: usize,
     /// Dynamic shared memory of a forward block, bytes.
     forward_shared: u32,
+    /// Keys of a backward block: a warp's 16 each.
+    backward_keys: usize,
     /// Dynamic shared memory of a backward block, bytes.
     backward_shared: u32,
 }
@@ -110,22 +111,22 @@ impl MmaPlan {
     fn of(hd: usize, narrow: bool) -> MmaPlan {
         // Shared rows hold whole groups of eight 16-byte chunks.
         let sd = hd.div_ceil(64) * 64;
-        // (forward rows, forward keys a step, backward queries a step, backward buffers)
-        let (forward_rows, forward_keys, queries, buffers) = match (narrow, hd <= 64) {
-            (false, true) => (128, 64, 64, 2),
-            (false, false) => (128, 32, 32, 2),
-            (true, true) => (64, 64, 64, 1),
-            (true, false) => (64, 64, 16, 1),
+        // (forward rows, forward keys a step; backward keys, queries a step, buffers)
+        let (forward_rows, forward_keys, keys, queries, buffers) = match (narrow, hd <= 64) {
+            (false, true) => (128, 64, 128, 64, 2),
+            (false, false) => (128, 32, 64, 32, 2),
+            (true, true) => (64, 64, 64, 64, 1),
+            (true, false) => (64, 64, 64, 16, 1),
         };
         let forward_shared = (forward_rows + 2 * forward_keys) * sd * 2;
         // K and V, the buffers of Q and dO, dSᵀ, the buffers of three statistics a query.
-        let backward_shared =
-            (2 * MMA_BWD_KEYS * sd + 2 * buffers * queries * sd + MMA_BWD_KEYS * queries) * 2
-                + buffers * queries * 12;
+        let backward_shared = (2 * keys * sd + 2 * buffers * queries * sd + keys * queries) * 2
+            + buffers * queries * 12;
         MmaPlan {
             tiling: if narrow { "narrow" } else { "wide" },
             forward_rows,
             forward_shared: forward_shared as u32,
+            backward_keys: keys,
             backward_shared: backward_shared as u32,
         }
     }
@@ -366,8 +367,8 @@ fn mma_backward(
     let plan = MmaPlan::on(be, hd);
     be.launch_shared(
         &format!("flash_attention_mma_backward_d{hd}_{}_{dt}", plan.tiling),
-        blocks(d, heads.n_kv_head, (MMA_BWD_KEYS, hd), OP)?,
-        MMA_THREADS,
+        blocks(d, heads.n_kv_head, (plan.backward_keys, hd), OP)?,
+        2 * plan.backward_keys as u32,
         plan.backward_shared,
         dims(
             Args::new()
@@ -547,8 +548,8 @@ mod tests {
         let Some(be) = emulated() else { return };
         let out = be
             .upload(
-                &[0.0; 24],
-                &[24],
+                &[0.0; 32],
+                &[32],
                 DType::F32,
                 MemoryCategory::Workspace,
                 "plan",
@@ -573,10 +574,11 @@ mod tests {
                 let want = [
                     plan.forward_rows as u32,
                     plan.forward_shared,
+                    plan.backward_keys as u32,
                     plan.backward_shared,
                 ];
-                let at = 6 * k + 3 * j;
-                assert_eq!(got[at..at + 3], want, "head {hd}, {}", plan.tiling);
+                let at = 8 * k + 4 * j;
+                assert_eq!(got[at..at + 4], want, "head {hd}, {}", plan.tiling);
                 // Within what every card of compute capability 8.0 or later allows.
                 let most = plan.forward_shared.max(plan.backward_shared);
                 assert!(most <= 99 << 10, "head {hd}, {}", plan.tiling);
