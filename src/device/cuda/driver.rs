@@ -150,10 +150,10 @@ fn load_ptx(ptx: &str, file: &str) -> Result<drv_sys::CUmodule> {
     }
 }
 
-/// Events that order one stream after another: no timing (cheaper to record).
 /// The shared memory every block may have without the kernel opting in (48 KiB).
 const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
 
+/// Events that order one stream after another: no timing (cheaper to record).
 const NO_TIMING: drv_sys::CUevent_flags = drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
 
 /// A GPU driven through cudarc.
@@ -651,7 +651,6 @@ impl DriverGpu {
         }
     }
 
-    /// `f`, and once more after [`DriverGpu::trim`] when it ran out of memory.
     /// Lets kernel `f` (named `kernel`) launch with `bytes` of dynamic shared memory, more
     /// than a block gets without opting in: the driver's attribute is raised once per
     /// kernel and size, and a size past the device's limit is an error naming it.
@@ -681,6 +680,7 @@ impl DriverGpu {
         Ok(())
     }
 
+    /// `f`, and once more after [`DriverGpu::trim`] when it ran out of memory.
     fn retry_trimmed<T>(&self, mut f: impl FnMut() -> Result<T>) -> Result<T> {
         match f() {
             Err(Error::OutOfMemory { .. }) => {

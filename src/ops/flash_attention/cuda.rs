@@ -586,6 +586,35 @@ mod tests {
         }
     }
 
+    /// A launch that asks for more shared memory than a block of the device may have is
+    /// an error naming the kernel and the limit, not a launch that fails on the device.
+    #[test]
+    fn a_launch_past_the_shared_memory_limit_is_refused_by_name() {
+        let Some(be) = emulated() else { return };
+        let out = be
+            .upload(
+                &[0.0; 32],
+                &[32],
+                DType::F32,
+                MemoryCategory::Workspace,
+                "p",
+            )
+            .unwrap();
+        let over = be.max_shared_bytes() + 1;
+        let args = || Args::new().ptr(ptr(&out).unwrap());
+        let e = be
+            .launch_shared("flash_attention_mma_plan", 1, 32, over, args())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("flash_attention_mma_plan") && e.contains(&format!("at most {}", over - 1)),
+            "{e}"
+        );
+        let most = be.max_shared_bytes();
+        be.launch_shared("flash_attention_mma_plan", 1, 32, most, args())
+            .unwrap();
+    }
+
     const SHAPES: &[(usize, usize, usize, usize, usize)] = &[
         (2, 70, 2, 2, 16),
         (1, 67, 4, 2, 64),
