@@ -737,7 +737,8 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
 
 // The plan of each head size and tiling, for the backend's test that its own copy of it
 // (MmaPlan) agrees: per head of 64, 80, 96 and 128 columns, wide then narrow, the forward's
-// rows a block, its shared bytes, the backward's keys a block and its shared bytes.
+// rows a block, its shared bytes, the backward's keys a block and its shared bytes (32
+// values; nothing is written into an `out` of fewer, `len`).
 template <int D>
 __device__ void fa2_plan(int* out) {
     out[0] = Fa2Fwd<D, TK_FA2_FWD_WIDE(D)>::BM;
@@ -749,8 +750,8 @@ __device__ void fa2_plan(int* out) {
     out[6] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::BN;
     out[7] = Fa2Bwd<D, TK_FA2_BWD_NARROW(D)>::SHARED;
 }
-extern "C" __global__ void flash_attention_mma_plan(int* out) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+extern "C" __global__ void flash_attention_mma_plan(int* out, int len) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && len >= 32) {
         fa2_plan<64>(out);
         fa2_plan<80>(out + 8);
         fa2_plan<96>(out + 16);

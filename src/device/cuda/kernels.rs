@@ -476,9 +476,10 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 // Every name appears in its file, whole or as a macro's prefix.
                 let mut stem = *k;
                 for _ in 0..3 {
-                    // Dtypes, and the tensor-core attention's head sizes.
+                    // Dtypes, and the tensor-core attention's tilings and head sizes.
                     for suffix in [
-                        "_bf16m", "_f32", "_bf16", "_f16", "_d64", "_d80", "_d96", "_d128",
+                        "_bf16m", "_f32", "_bf16", "_f16", "_wide", "_narrow", "_d64", "_d80",
+                        "_d96", "_d128",
                     ] {
                         stem = stem.trim_end_matches(suffix);
                     }
@@ -490,7 +491,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 227);
+        assert_eq!(seen.len(), 244);
     }
 
     #[test]

@@ -559,7 +559,7 @@ mod tests {
             "flash_attention_mma_plan",
             1,
             32,
-            Args::new().ptr(ptr(&out).unwrap()),
+            Args::new().ptr(ptr(&out).unwrap()).i32(32),
         )
         .unwrap();
         let got: Vec<u32> = be
@@ -601,7 +601,7 @@ mod tests {
             )
             .unwrap();
         let over = be.max_shared_bytes() + 1;
-        let args = || Args::new().ptr(ptr(&out).unwrap());
+        let args = || Args::new().ptr(ptr(&out).unwrap()).i32(32);
         let e = be
             .launch_shared("flash_attention_mma_plan", 1, 32, over, args())
             .unwrap_err()
