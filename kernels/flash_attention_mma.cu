@@ -172,6 +172,18 @@ __device__ __forceinline__ unsigned fa2_pack(float lo, float hi, f16) {
            ((unsigned)__half_as_ushort(__float2half_rn(hi)) << 16);
 }
 
+// Two n-tiles of a product's f32 accumulators (16 rows × 16 columns: `lo` the first 8
+// columns, `hi` the next) rounded into the A fragment of the next product, whose k-step
+// they are: the accumulator layout of mma.m16n8k16 is its A operand's, two columns a
+// register.
+template <typename T>
+__device__ __forceinline__ void fa2_pack_a(unsigned* a, const float* lo, const float* hi) {
+    a[0] = fa2_pack(lo[0], lo[1], T());
+    a[1] = fa2_pack(lo[2], lo[3], T());
+    a[2] = fa2_pack(hi[0], hi[1], T());
+    a[3] = fa2_pack(hi[2], hi[3], T());
+}
+
 // 2^x on the special function unit (ex2.approx: 2^−∞ = 0).
 __device__ __forceinline__ float fa2_exp2(float x) {
 #if defined(TRAINKIT_EMU_H)
@@ -377,10 +389,7 @@ __device__ void fa2_forward_impl(T* out, float* lse, const T* qkv, int batch, in
                 unsigned pa[MW][4];
 #pragma unroll
                 for (int mt = 0; mt < MW; ++mt) {
-                    pa[mt][0] = fa2_pack(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-                    pa[mt][1] = fa2_pack(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-                    pa[mt][2] = fa2_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-                    pa[mt][3] = fa2_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+                    fa2_pack_a<T>(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
                 }
 #pragma unroll
                 for (int np = 0; np < NT / 2; ++np) {
@@ -614,14 +623,8 @@ __device__ void fa2_backward_impl(float* dq_acc, T* dqkv, const T* dout, const f
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk) {
                 unsigned pa[4], da[4];
-                pa[0] = fa2_pack(st[2 * kk][0], st[2 * kk][1], T());
-                pa[1] = fa2_pack(st[2 * kk][2], st[2 * kk][3], T());
-                pa[2] = fa2_pack(st[2 * kk + 1][0], st[2 * kk + 1][1], T());
-                pa[3] = fa2_pack(st[2 * kk + 1][2], st[2 * kk + 1][3], T());
-                da[0] = fa2_pack(dpt[2 * kk][0], dpt[2 * kk][1], T());
-                da[1] = fa2_pack(dpt[2 * kk][2], dpt[2 * kk][3], T());
-                da[2] = fa2_pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1], T());
-                da[3] = fa2_pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3], T());
+                fa2_pack_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+                fa2_pack_a<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
                 // dsᵀ into shared memory (rows: keys), for dq.
                 *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g, kk * 2) + 2 * t4) = da[0];
                 *(unsigned*)(dss + fa2_at<CHB>(warp * 16 + g + 8, kk * 2) + 2 * t4) = da[1];

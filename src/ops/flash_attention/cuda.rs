@@ -541,27 +541,26 @@ mod tests {
         assert!(e <= tol, "{what}: lse relative error {e:.3e}");
     }
 
+    /// The 32 values `flash_attention_mma_plan` writes, zeroed.
+    fn plan_output(be: &CudaBackend) -> Tensor {
+        let cat = MemoryCategory::Workspace;
+        be.upload(&[0.0; 32], &[32], DType::F32, cat, "plan")
+            .unwrap()
+    }
+
+    /// `flash_attention_mma_plan`'s arguments: `out` and its length.
+    fn plan_args(out: &Tensor) -> Args {
+        Args::new().ptr(ptr(out).unwrap()).i32(32)
+    }
+
     /// The backend's copy of each head size's plan (rows a forward block, shared memory of
     /// each direction) is the kernels' own, as `flash_attention_mma_plan` reports it.
     #[test]
     fn the_tensor_core_plan_is_the_kernels_own() {
         let Some(be) = emulated() else { return };
-        let out = be
-            .upload(
-                &[0.0; 32],
-                &[32],
-                DType::F32,
-                MemoryCategory::Workspace,
-                "plan",
-            )
+        let out = plan_output(&be);
+        be.launch("flash_attention_mma_plan", 1, 32, plan_args(&out))
             .unwrap();
-        be.launch(
-            "flash_attention_mma_plan",
-            1,
-            32,
-            Args::new().ptr(ptr(&out).unwrap()).i32(32),
-        )
-        .unwrap();
         let got: Vec<u32> = be
             .to_f32(&out)
             .unwrap()
@@ -591,17 +590,9 @@ mod tests {
     #[test]
     fn a_launch_past_the_shared_memory_limit_is_refused_by_name() {
         let Some(be) = emulated() else { return };
-        let out = be
-            .upload(
-                &[0.0; 32],
-                &[32],
-                DType::F32,
-                MemoryCategory::Workspace,
-                "p",
-            )
-            .unwrap();
+        let out = plan_output(&be);
         let over = be.max_shared_bytes() + 1;
-        let args = || Args::new().ptr(ptr(&out).unwrap()).i32(32);
+        let args = || plan_args(&out);
         let e = be
             .launch_shared("flash_attention_mma_plan", 1, 32, over, args())
             .unwrap_err()
@@ -663,13 +654,9 @@ mod tests {
             let pos = docs.then(|| {
                 crate::ops::positions::from_document_starts(b, t, |k| [5, 65, 66].contains(&k))
             });
-            // Both tilings in both dtypes: wide bf16, narrow f16, wide f16, narrow bf16.
-            for (k, fast) in [&wide, &narrow, &wide, &narrow].into_iter().enumerate() {
-                let dt = [DType::Bf16, DType::F16][(k + k / 2) % 2];
-                let tiling = MmaPlan::on(fast, hd).tiling;
-                let what =
-                    format!("{dt} {tiling} B={b} T={t} H={h} KV={kv} D={hd} documents={docs}");
-                let cat = MemoryCategory::Activations;
+            let cat = MemoryCategory::Activations;
+            let d = Dims { b, t, heads, w, c };
+            for dt in [DType::Bf16, DType::F16] {
                 let run = |be: &CudaBackend| {
                     let up = |v: &[f32], s: &[usize], dt| be.upload(v, s, dt, cat, "x").unwrap();
                     let nan = |s: &[usize], dt| up(&vec![f32::NAN; s.iter().product()], s, dt);
@@ -693,26 +680,31 @@ mod tests {
                     let get = |x: &Tensor| be.to_f32(x).unwrap();
                     (get(&out), get(&lse), get(&dqkv))
                 };
-                let d = Dims { b, t, heads, w, c };
-                let probe = fast.upload(&[0.0; 8], &[8], dt, cat, "p").unwrap();
-                assert_eq!(mma_head(fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
-                assert_eq!(mma_head(&tiled, &d, &[&probe]).unwrap(), None, "{what}");
-                let (out, lse, dqkv) = run(fast);
                 let (want_out, want_lse, want_dqkv) = run(&tiled);
-                let e = rel_err(&out, &want_out);
-                assert!(e <= 1e-2, "{what}: out relative error {e:.3e}");
-                let e = rel_err(&lse, &want_lse);
-                assert!(e <= 1e-3, "{what}: lse relative error {e:.3e}");
-                // Each block (queries, keys, values) on its own scale.
-                for (name, lo, hi) in [("dq", 0, c), ("dk", c, c + kv * hd), ("dv", c + kv * hd, w)]
-                {
-                    let pick = |x: &[f32]| {
-                        x.chunks(w)
-                            .flat_map(|r| r[lo..hi].to_vec())
-                            .collect::<Vec<_>>()
-                    };
-                    let e = rel_err(&pick(&dqkv), &pick(&want_dqkv));
-                    assert!(e <= 2e-2, "{what}: {name} relative error {e:.3e}");
+                // Both tilings against the one reference.
+                for fast in [&wide, &narrow] {
+                    let tiling = MmaPlan::on(fast, hd).tiling;
+                    let what =
+                        format!("{dt} {tiling} B={b} T={t} H={h} KV={kv} D={hd} documents={docs}");
+                    let probe = fast.upload(&[0.0; 8], &[8], dt, cat, "p").unwrap();
+                    assert_eq!(mma_head(fast, &d, &[&probe]).unwrap(), Some(hd), "{what}");
+                    assert_eq!(mma_head(&tiled, &d, &[&probe]).unwrap(), None, "{what}");
+                    let (out, lse, dqkv) = run(fast);
+                    let e = rel_err(&out, &want_out);
+                    assert!(e <= 1e-2, "{what}: out relative error {e:.3e}");
+                    let e = rel_err(&lse, &want_lse);
+                    assert!(e <= 1e-3, "{what}: lse relative error {e:.3e}");
+                    // Each block (queries, keys, values) on its own scale.
+                    let blocks = [("dq", 0, c), ("dk", c, c + kv * hd), ("dv", c + kv * hd, w)];
+                    for (name, lo, hi) in blocks {
+                        let pick = |x: &[f32]| {
+                            x.chunks(w)
+                                .flat_map(|r| r[lo..hi].to_vec())
+                                .collect::<Vec<_>>()
+                        };
+                        let e = rel_err(&pick(&dqkv), &pick(&want_dqkv));
+                        assert!(e <= 2e-2, "{what}: {name} relative error {e:.3e}");
+                    }
                 }
             }
         }
