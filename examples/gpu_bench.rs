@@ -30,6 +30,11 @@
 //! epilogue instead of trainkit's column-sum kernel (`CudaOptions::bias_grad_epilogue`),
 //! to compare.
 //!
+//! After the steps, every product's cuBLASLt algorithm is listed with how it was chosen:
+//! timed the first time its shape ran (its time and the heuristic's first choice's),
+//! saved by an earlier process, or untimed. `--untuned-products` takes the heuristic's
+//! first choice for every product (`CudaOptions::tune_products` off), to compare.
+//!
 //! `--kernels` times every kernel launch and cuBLASLt product of the timed steps with CUDA
 //! events (`CudaBackend::time_kernels`), the launches queued as in a plain run, and prints
 //! them per kernel: device time per step, calls per step, time per call and share of the
@@ -43,7 +48,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 use trainkit::data::DataLoader;
-use trainkit::device::cuda::{probe, CudaBackend, CudaOptions, KernelTime};
+use trainkit::device::cuda::{
+    probe, ChoiceSource, CudaBackend, CudaOptions, KernelTime, ProductChoice,
+};
 use trainkit::memory::{format_bytes, MemoryCategory, OpProfile};
 use trainkit::{
     Backend, CheckpointPolicy, DType, Fp32, Full, MixedBf16, MixedFp16, ModelConfig, NoRecompute,
@@ -65,6 +72,7 @@ struct Args {
     bias_grad_epilogue: bool,
     tiled_attention: bool,
     narrow_attention: bool,
+    untuned_products: bool,
     optimizer_offload: bool,
     /// LoRA rank over the frozen model, and whether its base is NF4.
     lora: Option<(usize, bool)>,
@@ -128,6 +136,7 @@ fn args() -> trainkit::Result<Args> {
         bias_grad_epilogue: a.iter().any(|x| x == "--bias-grad-epilogue"),
         tiled_attention: a.iter().any(|x| x == "--tiled-attention"),
         narrow_attention: a.iter().any(|x| x == "--narrow-attention"),
+        untuned_products: a.iter().any(|x| x == "--untuned-products"),
         optimizer_offload: a.iter().any(|x| x == "--optimizer-offload"),
         lora: match (get("--lora"), get("--qlora")) {
             (Some(_), Some(_)) => {
@@ -386,6 +395,7 @@ fn bench() -> trainkit::Result<()> {
             bias_grad_epilogue: a.bias_grad_epilogue,
             tiled_attention: a.tiled_attention,
             narrow_attention: a.narrow_attention,
+            tune_products: !a.untuned_products,
         },
     )?);
     println!("libraries: {}", backend.describe());
@@ -418,7 +428,48 @@ fn bench() -> trainkit::Result<()> {
         run::<MixedBf16>("bf16 mixed", backend.clone(), policy(&a.recompute), &a)?;
     }
     if all || a.precision == "fp16" {
-        run::<MixedFp16>("fp16 mixed", backend, policy(&a.recompute), &a)?;
+        run::<MixedFp16>("fp16 mixed", backend.clone(), policy(&a.recompute), &a)?;
     }
+    product_table(&backend.product_choices());
     Ok(())
+}
+
+/// How each product's cuBLASLt algorithm was chosen, one line a shape.
+fn product_table(choices: &[ProductChoice]) {
+    let count = |s| choices.iter().filter(|c| c.source == s).count();
+    let moved = choices
+        .iter()
+        .filter(|c| c.source != ChoiceSource::Heuristic && c.chosen != 0)
+        .count();
+    println!(
+        "products: {} shapes, {} timed, {} saved by an earlier run, {} untimed; {moved} run \
+         another algorithm than the heuristic's first",
+        choices.len(),
+        count(ChoiceSource::Timed),
+        count(ChoiceSource::Saved),
+        count(ChoiceSource::Heuristic)
+    );
+    for c in choices {
+        let how = match (c.source, c.first_us, c.chosen_us) {
+            (ChoiceSource::Timed, Some(first), Some(chosen)) => format!(
+                "timed: candidate {} of {}, {chosen:.1} µs a run (the heuristic's first \
+                 {first:.1} µs, {:.2}×)",
+                c.chosen + 1,
+                c.candidates,
+                first / chosen
+            ),
+            (ChoiceSource::Timed, _, Some(chosen)) => format!(
+                "timed: candidate {} of {}, {chosen:.1} µs a run (the heuristic's first \
+                 failed)",
+                c.chosen + 1,
+                c.candidates
+            ),
+            (ChoiceSource::Saved, ..) if c.chosen < c.candidates => {
+                format!("saved: candidate {} of {}", c.chosen + 1, c.candidates)
+            }
+            (ChoiceSource::Saved, ..) => "saved: not among the heuristic's candidates now".into(),
+            _ => format!("untimed, the heuristic's first of {}", c.candidates),
+        };
+        println!("  {}: {how}", c.name);
+    }
 }

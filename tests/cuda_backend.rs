@@ -13,7 +13,7 @@ mod common;
 
 use common::{corpus_loader, grads, randn, tiny_config, values};
 use std::sync::{Arc, OnceLock};
-use trainkit::device::cuda::{probe, CudaBackend, CudaOptions};
+use trainkit::device::cuda::{probe, ChoiceSource, CudaBackend, CudaOptions};
 use trainkit::ops::Heads;
 use trainkit::ops::{
     attention, cross_entropy, embedding, flash_attention, gelu, glu, layernorm, linear, qk_norm,
@@ -675,6 +675,102 @@ fn weight_and_bias_gradients_match_the_cpu() {
                 }
             }
         }
+    }
+}
+
+/// Products choose their cuBLASLt algorithm by timing on a GPU (the default): the
+/// weight gradient of a linear layer, a product that adds into the gradient already
+/// there, is timed on a scratch output and so still adds once, matching the CPU; a
+/// product offered more than one algorithm took a timed or saved one, and with tuning
+/// off every product took the heuristic's first choice untimed. The emulator has no
+/// cuBLASLt and reports no choices.
+#[test]
+fn products_choose_their_algorithm_by_timing_and_accumulate_once() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(23);
+    let (rows, din, dout) = (512usize, 384usize, 256usize);
+    let untuned = CudaOptions {
+        tune_products: false,
+        ..CudaOptions::default()
+    };
+    let mut backends = vec![];
+    if emulated().is_some() {
+        backends.push(("emulator", true, Arc::new(CudaBackend::emulated().unwrap())));
+    }
+    if gpu().is_some() {
+        let tuned = CudaBackend::with_options(0, CudaOptions::default()).unwrap();
+        backends.push(("gpu", true, Arc::new(tuned)));
+        let plain = CudaBackend::with_options(0, untuned).unwrap();
+        backends.push(("gpu, untuned", false, Arc::new(plain)));
+    }
+    for (name, tuned, cuda) in backends {
+        for (dx, dg) in [(DType::Bf16, DType::F32), (DType::F32, DType::F32)] {
+            let x = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, rows * din, 1.0),
+                &[rows, din],
+                dx,
+            );
+            let dy = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, rows * dout, 1.0),
+                &[rows, dout],
+                dx,
+            );
+            let mut dw = pair(
+                &cpu,
+                &cuda,
+                &randn(&mut rng, din * dout, 1.0),
+                &[din, dout],
+                dg,
+            );
+            let mut db = pair(&cpu, &cuda, &randn(&mut rng, dout, 1.0), &[dout], dg);
+            // Twice: the second finds the choice made by the first.
+            for _ in 0..2 {
+                linear::weight_bias_grad(&cpu, &mut dw.cpu, &mut db.cpu, &x.cpu, &dy.cpu, false)
+                    .unwrap();
+                linear::weight_bias_grad(
+                    &*cuda,
+                    &mut dw.cuda,
+                    &mut db.cuda,
+                    &x.cuda,
+                    &dy.cuda,
+                    false,
+                )
+                .unwrap();
+            }
+            let want = cpu.to_f32(&dw.cpu).unwrap();
+            let got = cuda.to_f32(&dw.cuda).unwrap();
+            check(
+                &format!("tuned weight gradient {dx}→{dg}"),
+                name,
+                &got,
+                &want,
+                dx,
+            );
+        }
+        let choices = cuda.product_choices();
+        if name == "emulator" {
+            assert!(choices.is_empty(), "{choices:?}");
+            continue;
+        }
+        assert!(!choices.is_empty(), "{name}: no product reported");
+        for c in &choices {
+            say(&format!("{name}: {c:?}"));
+            let want_timed = tuned && c.candidates > 1;
+            assert_eq!(
+                c.source != ChoiceSource::Heuristic,
+                want_timed,
+                "{name}: {c:?}"
+            );
+            if c.source == ChoiceSource::Timed {
+                assert!(c.chosen < c.candidates && c.chosen_us.is_some(), "{c:?}");
+            }
+        }
+        // One choice per product (two dtypes), however often it ran.
+        assert_eq!(choices.len(), 2, "{name}: {choices:?}");
     }
 }
 

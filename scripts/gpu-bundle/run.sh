@@ -700,6 +700,17 @@ phase_bench() {
   # kernel, to compare.
   gpu_bench_step gpu_bench_bias_grad_epilogue 300 figures_gpu_bench --batch "$batch" \
     --precision bf16 --bias-grad-epilogue ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  # Each product's cuBLASLt algorithm chosen by timing (the default; the first run above
+  # timed them and saved the choices in this run's cache) against the heuristic's first
+  # choice untimed, alternating.
+  local round
+  for round in 1 2; do
+    gpu_bench_step "gpu_bench_tuned_products_$round" 300 figures_gpu_bench --batch "$batch" \
+      --precision bf16 --warmup 3 --steps 10 ${peak_tflops:+--peak-tflops "$peak_tflops"}
+    gpu_bench_step "gpu_bench_untuned_products_$round" 300 figures_gpu_bench \
+      --batch "$batch" --precision bf16 --warmup 3 --steps 10 --untuned-products \
+      ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  done
   # Every kernel's own device time (CUDA events around each launch and product, queued
   # as in a plain run).
   gpu_bench_step gpu_bench_kernels 300 figures_gpu_kernels --batch "$batch" \

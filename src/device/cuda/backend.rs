@@ -51,7 +51,7 @@ fn cached_rows_grid(rows: usize, row_bytes: usize, most: usize) -> u32 {
 pub(crate) const ROW_BLOCK: usize = crate::device::cpu::elementwise::ROW_BLOCK;
 
 /// Settings of a CUDA backend.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Let f32 products use TF32 tensor cores (faster, about 10 mantissa bits). Off by
     /// default, so `Fp32` training is f32 throughout.
@@ -78,6 +78,27 @@ pub struct CudaOptions {
     /// double-buffered, in steps of 32 queries above 64 columns). For comparison
     /// (`gpu_bench --narrow-attention`; `attention_bench` times both); off by default.
     pub narrow_attention: bool,
+    /// Choose each product's cuBLASLt algorithm by timing the heuristic's top candidates
+    /// the first time a product of its shape runs, and save the choice beside the kernel
+    /// cache for the next process on the machine (a resumed run takes the algorithms of
+    /// the run it resumes). On by default; off takes the heuristic's first choice
+    /// untimed, the same on every device with the same cuBLASLt (`gpu_bench
+    /// --untuned-products`). [`CudaBackend::product_choices`] says what each product
+    /// took. No effect on the emulator.
+    pub tune_products: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> CudaOptions {
+        CudaOptions {
+            allow_tf32: false,
+            sync_ops: false,
+            bias_grad_epilogue: false,
+            tiled_attention: false,
+            narrow_attention: false,
+            tune_products: true,
+        }
+    }
 }
 
 /// The CUDA backend: trainkit's kernels (NVRTC-compiled) and cuBLASLt on one GPU, or on
@@ -159,7 +180,7 @@ impl CudaBackend {
 
     /// The backend on GPU `ordinal`.
     pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<CudaBackend> {
-        let gpu = super::driver::DriverGpu::new(ordinal)?;
+        let gpu = super::driver::DriverGpu::new(ordinal, options.tune_products)?;
         Ok(Self::on(Arc::new(gpu), Device::Cuda(ordinal), options))
     }
 
@@ -411,6 +432,14 @@ impl CudaBackend {
     /// last read, summed per kernel, the longest first. Waits for them to end.
     pub fn kernel_times(&self) -> Result<Vec<super::KernelTime>> {
         self.gpu.kernel_times()
+    }
+
+    /// How the cuBLASLt algorithm of each product run so far was chosen, in the order the
+    /// products first ran ([`CudaOptions::tune_products`]): timed, saved by an earlier
+    /// process, or the heuristic's first choice. Empty on the emulator, which has no
+    /// cuBLASLt.
+    pub fn product_choices(&self) -> Vec<super::ProductChoice> {
+        self.gpu.product_choices()
     }
 
     /// Blocks for a kernel that reads each of `rows` rows of `row_bytes` more than once, a

@@ -16,7 +16,8 @@
 //! atomically ([`write_atomically`]), so concurrent processes at worst both compile.
 //!
 //! The directory is `$TRAINKIT_CACHE_DIR` when set, else `$XDG_CACHE_HOME/trainkit/kernels`,
-//! else `~/.cache/trainkit/kernels`.
+//! else `~/.cache/trainkit/kernels`. The products' cuBLASLt algorithms chosen by timing
+//! are saved there too (`CudaOptions::tune_products`).
 
 use super::kernels::{self, CompileOptions, Compiled, KernelFile};
 use crate::error::Result;

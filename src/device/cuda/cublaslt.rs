@@ -95,6 +95,16 @@ pub struct CublasLt {
         *mut lt::cublasLtMatmulHeuristicResult_t,
         *mut c_int,
     ) -> R,
+    check_algo: unsafe extern "C" fn(
+        lt::cublasLtHandle_t,
+        lt::cublasLtMatmulDesc_t,
+        lt::cublasLtMatrixLayout_t,
+        lt::cublasLtMatrixLayout_t,
+        lt::cublasLtMatrixLayout_t,
+        lt::cublasLtMatrixLayout_t,
+        *const lt::cublasLtMatmulAlgo_t,
+        *mut lt::cublasLtMatmulHeuristicResult_t,
+    ) -> R,
     matmul: unsafe extern "C" fn(
         lt::cublasLtHandle_t,
         lt::cublasLtMatmulDesc_t,
@@ -156,6 +166,7 @@ impl CublasLt {
                 pref_set: lib.function("cublasLtMatmulPreferenceSetAttribute")?,
                 pref_destroy: lib.function("cublasLtMatmulPreferenceDestroy")?,
                 heuristic: lib.function("cublasLtMatmulAlgoGetHeuristic")?,
+                check_algo: lib.function("cublasLtMatmulAlgoCheck")?,
                 matmul: lib.function("cublasLtMatmul")?,
                 lib,
             })
@@ -302,12 +313,13 @@ impl CublasLt {
         })
     }
 
-    /// The heuristic's best algorithm for the product, or `Ok(None)` when it has none.
+    /// The heuristic's algorithms for the product, best first, at most `count` of them
+    /// (none when it has none).
     ///
     /// # Safety
     /// The handle, descriptor, layouts and preference must be live.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn best_algorithm(
+    pub unsafe fn algorithms(
         &self,
         h: lt::cublasLtHandle_t,
         desc: lt::cublasLtMatmulDesc_t,
@@ -316,18 +328,62 @@ impl CublasLt {
         c: lt::cublasLtMatrixLayout_t,
         d: lt::cublasLtMatrixLayout_t,
         pref: lt::cublasLtMatmulPreference_t,
-    ) -> Result<Option<lt::cublasLtMatmulAlgo_t>, Status> {
-        // SAFETY: a plain C struct, written by cuBLASLt before it is read.
-        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        count: usize,
+    ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>, Status> {
+        let count = count.clamp(1, 64);
+        // SAFETY: plain C structs, written by cuBLASLt before they are read.
+        let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; count];
         let mut found: c_int = 0;
-        // SAFETY: the caller's contract; the outputs are valid for one result.
-        let code =
-            unsafe { (self.heuristic)(h, desc, a, b, c, d, pref, 1, &mut result, &mut found) };
+        // SAFETY: the caller's contract; the outputs are valid for `count` results.
+        let code = unsafe {
+            (self.heuristic)(
+                h,
+                desc,
+                a,
+                b,
+                c,
+                d,
+                pref,
+                count as c_int,
+                results.as_mut_ptr(),
+                &mut found,
+            )
+        };
         if code == Status::NOT_SUPPORTED {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         check("cublasLtMatmulAlgoGetHeuristic", code)?;
-        Ok((found > 0).then_some(result.algo))
+        let found = (found.max(0) as usize).min(count);
+        Ok(results[..found]
+            .iter()
+            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect())
+    }
+
+    /// Whether `algo` (saved by an earlier process) can run the product the descriptor
+    /// and layouts describe, with at most `workspace_bytes` of workspace.
+    ///
+    /// # Safety
+    /// The handle, descriptor and layouts must be live.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn algorithm_fits(
+        &self,
+        h: lt::cublasLtHandle_t,
+        desc: lt::cublasLtMatmulDesc_t,
+        a: lt::cublasLtMatrixLayout_t,
+        b: lt::cublasLtMatrixLayout_t,
+        c: lt::cublasLtMatrixLayout_t,
+        d: lt::cublasLtMatrixLayout_t,
+        algo: &lt::cublasLtMatmulAlgo_t,
+        workspace_bytes: usize,
+    ) -> bool {
+        // SAFETY: a plain C struct, written by cuBLASLt before it is read.
+        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the caller's contract; the output is valid for one result.
+        let code = unsafe { (self.check_algo)(h, desc, a, b, c, d, algo, &mut result) };
+        code == 0 && result.workspaceSize <= workspace_bytes
     }
 
     /// `D = alpha op(A) op(B) + beta C` with `algo` (C is D here).

@@ -32,6 +32,10 @@ use super::libraries;
 use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
+use super::product_tuning::{
+    choice_name, pick, AlgoBytes, ChoiceDevice, ChoiceSource, GemmKey, ProductChoice, SavedChoices,
+    CANDIDATES, TIMED_RUNS,
+};
 use super::staging::{Staged, Staging};
 use super::timing::{gemm_name, EventTimer};
 use super::KernelCache;
@@ -182,8 +186,14 @@ pub(crate) struct DriverGpu {
     custom: LoadedFiles<drv_sys::CUmodule, drv_sys::CUfunction>,
     blas: &'static CublasLt,
     lt: lt_sys::cublasLtHandle_t,
-    /// The heuristic's algorithm per product, or `None` where it has none.
+    /// The algorithm of each product run so far, or `None` where the heuristic has none.
     algos: Mutex<HashMap<GemmKey, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
+    /// Time the heuristic's candidates for each new product ([`super::product_tuning`]).
+    tune_products: bool,
+    /// The choices timed by this process and earlier ones on this machine.
+    saved: Mutex<SavedChoices>,
+    /// How each product's algorithm was chosen, for reports.
+    choices: Mutex<Vec<ProductChoice>>,
     max_blocks: u32,
     /// The most shared memory a block may opt into ([`Gpu::max_shared_bytes`]).
     max_shared: u32,
@@ -213,23 +223,6 @@ impl std::fmt::Debug for DriverGpu {
     }
 }
 
-/// What identifies a product for the algorithm cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct GemmKey {
-    trans_a: bool,
-    trans_b: bool,
-    a: MatrixLayout,
-    b: MatrixLayout,
-    d: MatrixLayout,
-    bias: bool,
-    gelu: bool,
-    /// 0: no bias gradient; 1: of A; 2: of B.
-    bias_grad: u8,
-    tf32: bool,
-    /// The alignments of A, B, C and D the algorithm may assume.
-    align: [u32; 4],
-}
-
 impl DriverGpu {
     /// Waits for the stream, counting the wait.
     fn wait(&self) -> Result<()> {
@@ -242,7 +235,9 @@ impl DriverGpu {
 
     /// Opens GPU `ordinal`: checks the libraries, creates the context, stream and pool,
     /// compiles (or loads from the cache) every kernel, and creates the cuBLASLt handle.
-    pub(crate) fn new(ordinal: usize) -> Result<DriverGpu> {
+    /// With `tune_products`, each new product's algorithm is chosen by timing
+    /// ([`super::product_tuning`]), the choices saved beside the kernel cache.
+    pub(crate) fn new(ordinal: usize, tune_products: bool) -> Result<DriverGpu> {
         let info = probe_device(ordinal).map_err(|reason| Error::Backend {
             backend: "cuda",
             message: format!("cannot use cuda:{ordinal}: {reason}"),
@@ -320,6 +315,15 @@ impl DriverGpu {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| driver_error("reading the shared memory a block may have", e))?;
+        let saved = SavedChoices::open(
+            cache.as_ref().map(KernelCache::dir),
+            &ChoiceDevice {
+                name: info.name.clone(),
+                compute_capability: info.compute_capability,
+                cublaslt: blas.version(),
+                workspace_bytes: gemm_workspace_bytes(info.compute_capability.0),
+            },
+        );
         Ok(DriverGpu {
             staging: Mutex::new(staging),
             pinned: Mutex::new(pinned),
@@ -336,6 +340,9 @@ impl DriverGpu {
             blas,
             lt,
             algos: Mutex::new(HashMap::new()),
+            tune_products,
+            saved: Mutex::new(saved),
+            choices: Mutex::new(Vec::new()),
             max_blocks: (sms.max(1) as u32) * 8,
             max_shared: max_shared.max(0) as u32,
             shared_allowed: Mutex::new(HashMap::new()),
@@ -521,16 +528,6 @@ fn descriptors(lt: &'static CublasLt, g: &Gemm) -> Result<Descriptors> {
     Ok(d)
 }
 
-/// The largest power of two, up to 256, that divides the address `ptr`: the alignment
-/// cuBLASLt may assume of the matrix there (256, cuBLASLt's default, for an unused 0).
-fn alignment(ptr: DevicePtr) -> u32 {
-    if ptr == 0 {
-        256
-    } else {
-        1 << ptr.trailing_zeros().min(8)
-    }
-}
-
 /// A matmul preference allowing `workspace` bytes of scratch memory and matrices A, B, C
 /// and D aligned to `align` bytes each (so the heuristic picks no algorithm that needs
 /// more than the pointers have). Destroyed by the caller with `destroy_matmul_pref`.
@@ -579,43 +576,28 @@ fn preference(
 }
 
 impl DriverGpu {
+    /// The algorithm of product `g` (descriptors `d`, `workspace` bytes of workspace):
+    /// the one chosen the first time a product of its key ran, else chosen now (saved by
+    /// an earlier process, timed, or the heuristic's first; [`super::product_tuning`]).
+    /// `None` where the heuristic has none.
     fn algorithm(
         &self,
         g: &Gemm,
         d: &Descriptors,
         workspace: usize,
     ) -> Result<Option<lt_sys::cublasLtMatmulAlgo_t>> {
-        let key = GemmKey {
-            trans_a: g.trans_a,
-            trans_b: g.trans_b,
-            a: g.a_layout,
-            b: g.b_layout,
-            d: g.d_layout,
-            bias: g.bias != 0,
-            gelu: g.gelu_aux != 0,
-            bias_grad: match (g.bias_grad != 0, g.bias_grad_of_b) {
-                (false, _) => 0,
-                (true, false) => 1,
-                (true, true) => 2,
-            },
-            tf32: g.allow_tf32,
-            align: [
-                alignment(g.a),
-                alignment(g.b),
-                alignment(g.d),
-                alignment(g.d),
-            ],
-        };
+        let key = GemmKey::of(g);
         let mut algos = self.algos.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(a) = algos.get(&key) {
             return Ok(*a);
         }
         let lt = self.blas;
         let pref = preference(lt, workspace, key.align)?;
+        let count = if self.tune_products { CANDIDATES } else { 1 };
         // SAFETY: the handle, descriptors and preference are live; the preference is
         // destroyed once, after the query.
-        let found = unsafe {
-            let found = lt.best_algorithm(
+        let candidates = unsafe {
+            let found = lt.algorithms(
                 self.lt,
                 d.desc,
                 d.layouts[0],
@@ -623,6 +605,7 @@ impl DriverGpu {
                 d.layouts[2],
                 d.layouts[2],
                 pref,
+                count,
             );
             let _ = lt.destroy_matmul_pref(pref);
             found
@@ -636,8 +619,225 @@ impl DriverGpu {
                 e,
             )
         })?;
-        algos.insert(key, found);
-        Ok(found)
+        let Some(&first) = candidates.first() else {
+            algos.insert(key, None);
+            return Ok(None);
+        };
+        let (algo, choice) = if candidates.len() == 1 {
+            (first, self.untimed(g, 1))
+        } else {
+            self.choose(g, d, &key, &candidates, workspace)
+        };
+        self.choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(choice);
+        algos.insert(key, Some(algo));
+        Ok(Some(algo))
+    }
+
+    /// The heuristic's first choice among `candidates`, untimed.
+    fn untimed(&self, g: &Gemm, candidates: usize) -> ProductChoice {
+        ProductChoice {
+            name: choice_name(g),
+            source: ChoiceSource::Heuristic,
+            candidates,
+            chosen: 0,
+            first_us: None,
+            chosen_us: None,
+        }
+    }
+
+    /// One of the heuristic's `candidates` for product `g` (more than one): the one saved
+    /// for `key` where cuBLASLt still accepts it, else the fastest by
+    /// [`pick`], saved; the heuristic's first where timing fails.
+    fn choose(
+        &self,
+        g: &Gemm,
+        d: &Descriptors,
+        key: &GemmKey,
+        candidates: &[lt_sys::cublasLtMatmulAlgo_t],
+        workspace: usize,
+    ) -> (lt_sys::cublasLtMatmulAlgo_t, ProductChoice) {
+        let mut saved = self.saved.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(bytes) = saved.get(key) {
+            let algo = lt_sys::cublasLtMatmulAlgo_t { data: bytes };
+            // SAFETY: the handle and descriptors are live.
+            let fits = unsafe {
+                self.blas.algorithm_fits(
+                    self.lt,
+                    d.desc,
+                    d.layouts[0],
+                    d.layouts[1],
+                    d.layouts[2],
+                    d.layouts[2],
+                    &algo,
+                    workspace,
+                )
+            };
+            if fits {
+                let chosen = candidates.iter().position(|c| c.data == bytes);
+                return (
+                    algo,
+                    ProductChoice {
+                        source: ChoiceSource::Saved,
+                        chosen: chosen.unwrap_or(candidates.len()),
+                        ..self.untimed(g, candidates.len())
+                    },
+                );
+            }
+            log::info!(
+                "the saved algorithm of {} no longer runs it: timing again",
+                choice_name(g)
+            );
+        }
+        let times = match self.time_candidates(g, d, candidates) {
+            Ok(times) => times,
+            Err(e) => {
+                log::info!(
+                    "{}: the heuristic's first algorithm, untimed ({e})",
+                    choice_name(g)
+                );
+                return (candidates[0], self.untimed(g, candidates.len()));
+            }
+        };
+        let Some(chosen) = pick(&times) else {
+            return (candidates[0], self.untimed(g, candidates.len()));
+        };
+        let algo = candidates[chosen];
+        let bytes: AlgoBytes = algo.data;
+        if let Err(e) = saved.insert(*key, bytes) {
+            log::warn!("the product choices could not be saved ({e}); they hold for this run");
+        }
+        let us = |t: Option<f64>| t.map(|ms| ms * 1e3);
+        (
+            algo,
+            ProductChoice {
+                name: choice_name(g),
+                source: ChoiceSource::Timed,
+                candidates: candidates.len(),
+                chosen,
+                first_us: us(times[0]),
+                chosen_us: us(times[chosen]),
+            },
+        )
+    }
+
+    /// Each candidate's time per run of product `g` in milliseconds, in order (`None`
+    /// where it failed to run): a run to warm it up, then [`TIMED_RUNS`] between two
+    /// events. A product that accumulates runs on a zeroed scratch output, so that its
+    /// own is added to once, by the run that follows; the other outputs are written, not
+    /// added to, and that run overwrites them.
+    fn time_candidates(
+        &self,
+        g: &Gemm,
+        d: &Descriptors,
+        candidates: &[lt_sys::cublasLtMatmulAlgo_t],
+    ) -> Result<Vec<Option<f64>>> {
+        let scratch = if g.beta != 0.0 {
+            let bytes =
+                (g.d_layout.ld.max(0) as u64 * g.d_layout.cols) as usize * g.d_layout.ty.bytes();
+            let p = self.alloc(bytes).map_err(|e| Error::Backend {
+                backend: "cuda",
+                message: match e {
+                    AllocError::OutOfMemory => {
+                        format!("no room for a scratch output of {bytes} bytes")
+                    }
+                    AllocError::Other(m) => format!("a scratch output of {bytes} bytes: {m}"),
+                },
+            })?;
+            if let Err(e) = self.zero(p, bytes) {
+                self.free(p);
+                return Err(e);
+            }
+            Some(p)
+        } else {
+            None
+        };
+        let times = self.time_on(g, d, candidates, scratch.unwrap_or(g.d));
+        if let Some(p) = scratch {
+            self.free(p);
+        }
+        times
+    }
+
+    /// [`DriverGpu::time_candidates`] writing the product to `out`.
+    fn time_on(
+        &self,
+        g: &Gemm,
+        d: &Descriptors,
+        candidates: &[lt_sys::cublasLtMatmulAlgo_t],
+        out: DevicePtr,
+    ) -> Result<Vec<Option<f64>>> {
+        let stream = self.stream.cu_stream();
+        let event_error = |e| driver_error("timing the candidates of a product", e);
+        let flags = drv_sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let start = drv::event::create(flags).map_err(event_error)?;
+        let end = match drv::event::create(flags) {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above, used by nothing else.
+                let _ = unsafe { drv::event::destroy(start) };
+                return Err(event_error(e));
+            }
+        };
+        let run = |algo: &lt_sys::cublasLtMatmulAlgo_t| {
+            // SAFETY: the caller's contract for `g`; `out` has D's layout.
+            unsafe {
+                self.blas.matmul(
+                    self.lt,
+                    d.desc,
+                    &g.alpha as *const f32 as *const c_void,
+                    g.a as *const c_void,
+                    d.layouts[0],
+                    g.b as *const c_void,
+                    d.layouts[1],
+                    &g.beta as *const f32 as *const c_void,
+                    out as *mut c_void,
+                    d.layouts[2],
+                    algo,
+                    g.workspace as *mut c_void,
+                    g.workspace_bytes,
+                    stream as lt_sys::cudaStream_t,
+                )
+            }
+            .is_ok()
+        };
+        let mut times = Vec::with_capacity(candidates.len());
+        let mut failure = None;
+        for algo in candidates {
+            if !run(algo) {
+                times.push(None);
+                continue;
+            }
+            // SAFETY: both events belong to this context and are recorded on its stream.
+            let timed = unsafe {
+                drv::event::record(start, stream).and_then(|()| {
+                    let ran = (0..TIMED_RUNS).all(|_| run(algo));
+                    drv::event::record(end, stream)?;
+                    drv::event::synchronize(end)?;
+                    Ok(ran.then(|| drv::event::elapsed(start, end)))
+                })
+            };
+            match timed {
+                Ok(Some(Ok(ms))) => times.push(Some(ms as f64 / TIMED_RUNS as f64)),
+                Ok(Some(Err(e))) | Err(e) => {
+                    failure = Some(event_error(e));
+                    break;
+                }
+                Ok(None) => times.push(None),
+            }
+        }
+        // SAFETY: created above; the stream has passed both (synchronized) or they were
+        // never recorded after the last synchronization.
+        unsafe {
+            let _ = drv::event::destroy(start);
+            let _ = drv::event::destroy(end);
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(times),
+        }
     }
 
     /// Gives the pool's unused memory back to the driver, after waiting for both streams
@@ -1050,6 +1250,13 @@ impl Gpu for DriverGpu {
         self.timer.take()
     }
 
+    fn product_choices(&self) -> Vec<ProductChoice> {
+        self.choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     fn upload_stats(&self) -> UploadStats {
         let staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         UploadStats {
@@ -1184,14 +1391,5 @@ mod tests {
         assert_eq!(release_threshold(80 * GIB), 80 * GIB - 80 * GIB / 32);
         assert_eq!(release_threshold(24 * GIB), 23 * GIB);
         assert_eq!(release_threshold(GIB / 2), 0);
-    }
-
-    #[test]
-    fn alignment_is_the_largest_power_of_two_dividing_the_address_up_to_256() {
-        assert_eq!(alignment(0), 256);
-        assert_eq!(alignment(0x7f00_0000_0000), 256);
-        assert_eq!(alignment(0x7f00_0000_0080), 128);
-        assert_eq!(alignment(0x7f00_0000_0006), 2);
-        assert_eq!(alignment(0x7f00_0000_0001), 1);
     }
 }

@@ -61,6 +61,16 @@ pub(crate) enum MatrixType {
     F16,
 }
 
+impl MatrixType {
+    /// Bytes per element.
+    pub(crate) fn bytes(self) -> usize {
+        match self {
+            MatrixType::F32 => 4,
+            MatrixType::Bf16 | MatrixType::F16 => 2,
+        }
+    }
+}
+
 impl TryFrom<DType> for MatrixType {
     type Error = crate::error::Error;
 
@@ -315,6 +325,12 @@ pub(crate) trait Gpu: Debug + Send + Sync {
     /// The device time of the launches and products timed since timing was turned on or
     /// last read, summed per kernel; waits for them to end.
     fn kernel_times(&self) -> Result<Vec<super::KernelTime>>;
+
+    /// How the algorithm of each product run so far was chosen
+    /// ([`super::product_tuning`]); none on a device without cuBLASLt (the emulator).
+    fn product_choices(&self) -> Vec<super::ProductChoice> {
+        Vec::new()
+    }
 }
 
 /// What `Gpu::upload_stats` reports.

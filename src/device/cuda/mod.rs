@@ -29,6 +29,7 @@ pub(crate) mod parity;
 mod pinned;
 mod primitives;
 pub mod probe;
+mod product_tuning;
 mod staging;
 pub mod timing;
 
@@ -45,4 +46,5 @@ pub use kernels::{
     compile, find_include_dir, kernel_files, nvrtc_version, CompileOptions, Compiled, KernelFile,
 };
 pub use probe::{probe, CudaInfo};
+pub use product_tuning::{ChoiceSource, ProductChoice};
 pub use timing::KernelTime;
