@@ -34,7 +34,7 @@ use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
 use super::product_tuning::{
     choice_name, pick, AlgoBytes, ChoiceDevice, ChoiceSource, GemmKey, ProductChoice, SavedChoices,
-    CANDIDATES, TIMED_RUNS,
+    CANDIDATES, MOST_TIMED, TIMED_RUNS,
 };
 use super::staging::{Staged, Staging};
 use super::timing::{gemm_name, EventTimer};
@@ -194,6 +194,8 @@ pub(crate) struct DriverGpu {
     saved: Mutex<SavedChoices>,
     /// How each product's algorithm was chosen, for reports.
     choices: Mutex<Vec<ProductChoice>>,
+    /// [`MOST_TIMED`] products have been timed, and that was said.
+    timed_enough: std::sync::atomic::AtomicBool,
     max_blocks: u32,
     /// The most shared memory a block may opt into ([`Gpu::max_shared_bytes`]).
     max_shared: u32,
@@ -343,6 +345,7 @@ impl DriverGpu {
             tune_products,
             saved: Mutex::new(saved),
             choices: Mutex::new(Vec::new()),
+            timed_enough: std::sync::atomic::AtomicBool::new(false),
             max_blocks: (sms.max(1) as u32) * 8,
             max_shared: max_shared.max(0) as u32,
             shared_allowed: Mutex::new(HashMap::new()),
@@ -690,6 +693,23 @@ impl DriverGpu {
                 "the saved algorithm of {} no longer runs it: timing again",
                 choice_name(g)
             );
+        }
+        let timed = self
+            .choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|c| c.source == ChoiceSource::Timed)
+            .count();
+        if timed >= MOST_TIMED {
+            if !self.timed_enough.swap(true, Ordering::Relaxed) {
+                log::info!(
+                    "{MOST_TIMED} products timed in this process: the heuristic's first \
+                     algorithm, untimed, for new shapes from {} on",
+                    choice_name(g)
+                );
+            }
+            return (candidates[0], self.untimed(g, candidates.len()));
         }
         let times = match self.time_candidates(g, d, candidates) {
             Ok(times) => times,

@@ -7,7 +7,7 @@
 //! top [`CANDIDATES`], runs each once to warm it up and [`TIMED_RUNS`] times between two
 //! events, and keeps the fastest, unless it beats the heuristic's first choice by less
 //! than [`MARGIN`] (timing noise should not change the algorithm from one run to the
-//! next). A product that accumulates (`beta` 1) is timed on a scratch copy of its output,
+//! next), and at most [`MOST_TIMED`] products per process. A product that accumulates (`beta` 1) is timed on a scratch copy of its output,
 //! so that the output is added to once, by the real run; every other output is written,
 //! not added to, and the real run after the timing overwrites it.
 //!
@@ -33,6 +33,12 @@ pub(crate) const TIMED_RUNS: usize = 5;
 
 /// How much faster than the heuristic's first choice a candidate must be to replace it.
 pub(crate) const MARGIN: f64 = 0.03;
+
+/// Products timed per process at most: a training run has a few dozen shapes, each timed
+/// once; a loop whose shapes keep changing (decoding without the key/value cache, whose
+/// context grows by a token a step) takes the heuristic's first choice past it instead of
+/// timing every shape.
+pub(crate) const MOST_TIMED: usize = 64;
 
 /// What identifies a product for the choice of its algorithm: everything the descriptors
 /// and the heuristic's preference hold, and whether it accumulates.
