@@ -33,8 +33,8 @@ use super::nvrtc::Nvrtc;
 use super::pinned::Pinned;
 use super::probe::{probe_device, CudaInfo};
 use super::product_tuning::{
-    choice_name, pick, AlgoBytes, ChoiceDevice, ChoiceSource, GemmKey, ProductChoice, SavedChoices,
-    CANDIDATES, MOST_TIMED, TIMED_RUNS,
+    choice_name, AlgoBytes, ChoiceDevice, GemmKey, ProductChoice, SavedChoices, Trials, Tuner,
+    TIMED_RUNS,
 };
 use super::staging::{Staged, Staging};
 use super::timing::{gemm_name, EventTimer};
@@ -188,14 +188,8 @@ pub(crate) struct DriverGpu {
     lt: lt_sys::cublasLtHandle_t,
     /// The algorithm of each product run so far, or `None` where the heuristic has none.
     algos: Mutex<HashMap<GemmKey, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
-    /// Time the heuristic's candidates for each new product ([`super::product_tuning`]).
-    tune_products: bool,
-    /// The choices timed by this process and earlier ones on this machine.
-    saved: Mutex<SavedChoices>,
-    /// How each product's algorithm was chosen, for reports.
-    choices: Mutex<Vec<ProductChoice>>,
-    /// [`MOST_TIMED`] products have been timed, and that was said.
-    timed_enough: std::sync::atomic::AtomicBool,
+    /// How each new product's algorithm is chosen ([`super::product_tuning`]).
+    tuner: Tuner,
     max_blocks: u32,
     /// The most shared memory a block may opt into ([`Gpu::max_shared_bytes`]).
     max_shared: u32,
@@ -342,10 +336,7 @@ impl DriverGpu {
             blas,
             lt,
             algos: Mutex::new(HashMap::new()),
-            tune_products,
-            saved: Mutex::new(saved),
-            choices: Mutex::new(Vec::new()),
-            timed_enough: std::sync::atomic::AtomicBool::new(false),
+            tuner: Tuner::new(tune_products, saved),
             max_blocks: (sms.max(1) as u32) * 8,
             max_shared: max_shared.max(0) as u32,
             shared_allowed: Mutex::new(HashMap::new()),
@@ -578,6 +569,40 @@ fn preference(
     Ok(pref)
 }
 
+/// The device's side of choosing a product's algorithm: cuBLASLt's check of a saved one,
+/// and the candidates' runs between events.
+struct DriverTrials<'a> {
+    gpu: &'a DriverGpu,
+    g: &'a Gemm,
+    d: &'a Descriptors,
+    candidates: &'a [lt_sys::cublasLtMatmulAlgo_t],
+    workspace: usize,
+}
+
+impl Trials for DriverTrials<'_> {
+    fn fits(&self, algo: &AlgoBytes) -> bool {
+        let algo = lt_sys::cublasLtMatmulAlgo_t { data: *algo };
+        let d = self.d;
+        // SAFETY: the handle and descriptors are live.
+        unsafe {
+            self.gpu.blas.algorithm_fits(
+                self.gpu.lt,
+                d.desc,
+                d.layouts[0],
+                d.layouts[1],
+                d.layouts[2],
+                d.layouts[2],
+                &algo,
+                self.workspace,
+            )
+        }
+    }
+
+    fn time(&self) -> Result<Vec<Option<f64>>> {
+        self.gpu.time_candidates(self.g, self.d, self.candidates)
+    }
+}
+
 impl DriverGpu {
     /// The algorithm of product `g` (descriptors `d`, `workspace` bytes of workspace):
     /// the one chosen the first time a product of its key ran, else chosen now (saved by
@@ -596,7 +621,7 @@ impl DriverGpu {
         }
         let lt = self.blas;
         let pref = preference(lt, workspace, key.align)?;
-        let count = if self.tune_products { CANDIDATES } else { 1 };
+        let count = self.tuner.candidates();
         // SAFETY: the handle, descriptors and preference are live; the preference is
         // destroyed once, after the query.
         let candidates = unsafe {
@@ -622,125 +647,22 @@ impl DriverGpu {
                 e,
             )
         })?;
-        let Some(&first) = candidates.first() else {
+        if candidates.is_empty() {
             algos.insert(key, None);
             return Ok(None);
+        }
+        let bytes: Vec<AlgoBytes> = candidates.iter().map(|c| c.data).collect();
+        let trials = DriverTrials {
+            gpu: self,
+            g,
+            d,
+            candidates: &candidates,
+            workspace,
         };
-        let (algo, choice) = if candidates.len() == 1 {
-            (first, self.untimed(g, 1))
-        } else {
-            self.choose(g, d, &key, &candidates, workspace)
-        };
-        self.choices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(choice);
+        let chosen = self.tuner.choose(choice_name(g), &key, &bytes, &trials);
+        let algo = lt_sys::cublasLtMatmulAlgo_t { data: chosen };
         algos.insert(key, Some(algo));
         Ok(Some(algo))
-    }
-
-    /// The heuristic's first choice among `candidates`, untimed.
-    fn untimed(&self, g: &Gemm, candidates: usize) -> ProductChoice {
-        ProductChoice {
-            name: choice_name(g),
-            source: ChoiceSource::Heuristic,
-            candidates,
-            chosen: 0,
-            first_us: None,
-            chosen_us: None,
-        }
-    }
-
-    /// One of the heuristic's `candidates` for product `g` (more than one): the one saved
-    /// for `key` where cuBLASLt still accepts it, else the fastest by
-    /// [`pick`], saved; the heuristic's first where timing fails.
-    fn choose(
-        &self,
-        g: &Gemm,
-        d: &Descriptors,
-        key: &GemmKey,
-        candidates: &[lt_sys::cublasLtMatmulAlgo_t],
-        workspace: usize,
-    ) -> (lt_sys::cublasLtMatmulAlgo_t, ProductChoice) {
-        let mut saved = self.saved.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(bytes) = saved.get(key) {
-            let algo = lt_sys::cublasLtMatmulAlgo_t { data: bytes };
-            // SAFETY: the handle and descriptors are live.
-            let fits = unsafe {
-                self.blas.algorithm_fits(
-                    self.lt,
-                    d.desc,
-                    d.layouts[0],
-                    d.layouts[1],
-                    d.layouts[2],
-                    d.layouts[2],
-                    &algo,
-                    workspace,
-                )
-            };
-            if fits {
-                let chosen = candidates.iter().position(|c| c.data == bytes);
-                return (
-                    algo,
-                    ProductChoice {
-                        source: ChoiceSource::Saved,
-                        chosen: chosen.unwrap_or(candidates.len()),
-                        ..self.untimed(g, candidates.len())
-                    },
-                );
-            }
-            log::info!(
-                "the saved algorithm of {} no longer runs it: timing again",
-                choice_name(g)
-            );
-        }
-        let timed = self
-            .choices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|c| c.source == ChoiceSource::Timed)
-            .count();
-        if timed >= MOST_TIMED {
-            if !self.timed_enough.swap(true, Ordering::Relaxed) {
-                log::info!(
-                    "{MOST_TIMED} products timed in this process: the heuristic's first \
-                     algorithm, untimed, for new shapes from {} on",
-                    choice_name(g)
-                );
-            }
-            return (candidates[0], self.untimed(g, candidates.len()));
-        }
-        let times = match self.time_candidates(g, d, candidates) {
-            Ok(times) => times,
-            Err(e) => {
-                log::info!(
-                    "{}: the heuristic's first algorithm, untimed ({e})",
-                    choice_name(g)
-                );
-                return (candidates[0], self.untimed(g, candidates.len()));
-            }
-        };
-        let Some(chosen) = pick(&times) else {
-            return (candidates[0], self.untimed(g, candidates.len()));
-        };
-        let algo = candidates[chosen];
-        let bytes: AlgoBytes = algo.data;
-        if let Err(e) = saved.insert(*key, bytes) {
-            log::warn!("the product choices could not be saved ({e}); they hold for this run");
-        }
-        let us = |t: Option<f64>| t.map(|ms| ms * 1e3);
-        (
-            algo,
-            ProductChoice {
-                name: choice_name(g),
-                source: ChoiceSource::Timed,
-                candidates: candidates.len(),
-                chosen,
-                first_us: us(times[0]),
-                chosen_us: us(times[chosen]),
-            },
-        )
     }
 
     /// Each candidate's time per run of product `g` in milliseconds, in order (`None`
@@ -1271,10 +1193,7 @@ impl Gpu for DriverGpu {
     }
 
     fn product_choices(&self) -> Vec<ProductChoice> {
-        self.choices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.tuner.choices()
     }
 
     fn upload_stats(&self) -> UploadStats {

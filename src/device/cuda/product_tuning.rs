@@ -24,6 +24,8 @@ use super::gpu::{Gemm, MatrixLayout, MatrixType};
 use crate::error::Result;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 /// The heuristic's candidates timed per product.
 pub(crate) const CANDIDATES: usize = 8;
@@ -249,6 +251,152 @@ pub struct ProductChoice {
     pub first_us: Option<f64>,
     /// The chosen candidate's time per run, in microseconds, where timed.
     pub chosen_us: Option<f64>,
+}
+
+/// What choosing among a product's candidates needs from the device: a stand-in in
+/// tests.
+pub(crate) trait Trials {
+    /// Whether cuBLASLt still accepts `algo` (saved by an earlier process) for the
+    /// product.
+    fn fits(&self, algo: &AlgoBytes) -> bool;
+
+    /// Each candidate's time per run in milliseconds, in the heuristic's order (`None`
+    /// where it failed to run); an error where timing could not run at all.
+    fn time(&self) -> Result<Vec<Option<f64>>>;
+}
+
+/// The choices of one device: whether to time, what earlier processes saved, and how
+/// each product of this process chose.
+#[derive(Debug)]
+pub(crate) struct Tuner {
+    on: bool,
+    saved: Mutex<SavedChoices>,
+    choices: Mutex<Vec<ProductChoice>>,
+    /// [`MOST_TIMED`] products have been timed, and that was said.
+    enough_said: AtomicBool,
+}
+
+impl Tuner {
+    /// Timing when `on`, with the choices `saved` by earlier processes.
+    pub(crate) fn new(on: bool, saved: SavedChoices) -> Tuner {
+        Tuner {
+            on,
+            saved: Mutex::new(saved),
+            choices: Mutex::new(Vec::new()),
+            enough_said: AtomicBool::new(false),
+        }
+    }
+
+    /// The heuristic's candidates worth asking for: [`CANDIDATES`] when timing, else 1.
+    pub(crate) fn candidates(&self) -> usize {
+        if self.on {
+            CANDIDATES
+        } else {
+            1
+        }
+    }
+
+    /// How each product chose so far, in the order they first ran.
+    pub(crate) fn choices(&self) -> Vec<ProductChoice> {
+        self.choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The algorithm product `name` (key `key`) runs, among the heuristic's `candidates`
+    /// (at least one, best first), recorded in [`Tuner::choices`]: the heuristic's first
+    /// when there is one candidate or timing is off; else the one saved for `key` where
+    /// cuBLASLt still accepts it; else, below [`MOST_TIMED`] products timed, the one
+    /// [`pick`] takes from `trials`' times, saved; else (or where timing fails) the
+    /// heuristic's first.
+    pub(crate) fn choose(
+        &self,
+        name: String,
+        key: &GemmKey,
+        candidates: &[AlgoBytes],
+        trials: &dyn Trials,
+    ) -> AlgoBytes {
+        let (algo, choice) = self.decide(name, key, candidates, trials);
+        self.choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(choice);
+        algo
+    }
+
+    fn decide(
+        &self,
+        name: String,
+        key: &GemmKey,
+        candidates: &[AlgoBytes],
+        trials: &dyn Trials,
+    ) -> (AlgoBytes, ProductChoice) {
+        let first = candidates[0];
+        let untimed = |name| ProductChoice {
+            name,
+            source: ChoiceSource::Heuristic,
+            candidates: candidates.len(),
+            chosen: 0,
+            first_us: None,
+            chosen_us: None,
+        };
+        if !self.on || candidates.len() < 2 {
+            return (first, untimed(name));
+        }
+        let mut saved = self.saved.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(algo) = saved.get(key) {
+            if trials.fits(&algo) {
+                let chosen = candidates.iter().position(|c| *c == algo);
+                let choice = ProductChoice {
+                    source: ChoiceSource::Saved,
+                    chosen: chosen.unwrap_or(candidates.len()),
+                    ..untimed(name)
+                };
+                return (algo, choice);
+            }
+            log::info!("the saved algorithm of {name} no longer runs it: timing again");
+        }
+        let timed = self
+            .choices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|c| c.source == ChoiceSource::Timed)
+            .count();
+        if timed >= MOST_TIMED {
+            if !self.enough_said.swap(true, Ordering::Relaxed) {
+                log::info!(
+                    "{MOST_TIMED} products timed in this process: the heuristic's first \
+                     algorithm, untimed, for new shapes from {name} on"
+                );
+            }
+            return (first, untimed(name));
+        }
+        let times = match trials.time() {
+            Ok(times) => times,
+            Err(e) => {
+                log::info!("{name}: the heuristic's first algorithm, untimed ({e})");
+                return (first, untimed(name));
+            }
+        };
+        let Some(chosen) = pick(&times) else {
+            return (first, untimed(name));
+        };
+        let algo = candidates[chosen];
+        if let Err(e) = saved.insert(*key, algo) {
+            log::warn!("the product choices could not be saved ({e}); they hold for this run");
+        }
+        let us = |i: usize| times.get(i).copied().flatten().map(|ms| ms * 1e3);
+        let choice = ProductChoice {
+            source: ChoiceSource::Timed,
+            chosen,
+            first_us: us(0),
+            chosen_us: us(chosen),
+            ..untimed(name)
+        };
+        (algo, choice)
+    }
 }
 
 /// Identifies the device and library the saved choices hold for: an algorithm chosen on
@@ -582,6 +730,122 @@ mod tests {
         assert_eq!(read.get(&key(50304, true)), Some([2; 8]));
         assert_eq!(read.get(&key(768, false)), Some([3; 8]));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A device for [`Tuner`]: preset times (or a failure) and cuBLASLt's verdict on a
+    /// saved algorithm, counting the timings asked for.
+    struct Fake {
+        fits: bool,
+        times: Option<Vec<Option<f64>>>,
+        timings: std::cell::Cell<usize>,
+    }
+
+    impl Fake {
+        fn new(times: Option<Vec<Option<f64>>>) -> Fake {
+            Fake {
+                fits: true,
+                times,
+                timings: std::cell::Cell::new(0),
+            }
+        }
+    }
+
+    impl Trials for Fake {
+        fn fits(&self, _: &AlgoBytes) -> bool {
+            self.fits
+        }
+
+        fn time(&self) -> Result<Vec<Option<f64>>> {
+            self.timings.set(self.timings.get() + 1);
+            self.times
+                .clone()
+                .ok_or_else(|| crate::error::Error::Backend {
+                    backend: "cuda",
+                    message: "no room for a scratch output".into(),
+                })
+        }
+    }
+
+    const THREE: [AlgoBytes; 3] = [[10; 8], [11; 8], [12; 8]];
+
+    #[test]
+    fn a_tuner_times_a_new_product_once_and_a_later_process_reads_its_choice() {
+        let dir = temp_dir("tuner");
+        let tuner = Tuner::new(true, SavedChoices::open(Some(&dir), &device()));
+        let fake = Fake::new(Some(vec![Some(0.100), Some(0.080), Some(0.090)]));
+        let k = key(768, true);
+        assert_eq!(tuner.choose("p".into(), &k, &THREE, &fake), THREE[1]);
+        assert_eq!(fake.timings.get(), 1);
+        let c = &tuner.choices()[0];
+        assert_eq!(
+            (c.source, c.chosen, c.candidates),
+            (ChoiceSource::Timed, 1, 3)
+        );
+        assert_eq!(c.first_us.map(f64::round), Some(100.0));
+        assert_eq!(c.chosen_us.map(f64::round), Some(80.0));
+        // The next process takes the saved choice without timing.
+        let later = Tuner::new(true, SavedChoices::open(Some(&dir), &device()));
+        let fake = Fake::new(None);
+        assert_eq!(later.choose("p".into(), &k, &THREE, &fake), THREE[1]);
+        assert_eq!(fake.timings.get(), 0);
+        let c = &later.choices()[0];
+        assert_eq!((c.source, c.chosen), (ChoiceSource::Saved, 1));
+        // A saved algorithm the heuristic no longer offers still runs, if cuBLASLt takes it.
+        let fewer = Tuner::new(true, SavedChoices::open(Some(&dir), &device()));
+        assert_eq!(
+            fewer.choose("p".into(), &k, &[[1; 8], [2; 8]], &fake),
+            THREE[1]
+        );
+        assert_eq!(
+            fewer.choices()[0].chosen,
+            2,
+            "past the candidates: not among them"
+        );
+        // One cuBLASLt refuses is timed again.
+        let refused = Tuner::new(true, SavedChoices::open(Some(&dir), &device()));
+        let fake = Fake {
+            fits: false,
+            ..Fake::new(Some(vec![Some(0.05), Some(0.08), Some(0.09)]))
+        };
+        assert_eq!(refused.choose("p".into(), &k, &THREE, &fake), THREE[0]);
+        assert_eq!(fake.timings.get(), 1);
+        assert_eq!(refused.choices()[0].source, ChoiceSource::Timed);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_tuner_takes_the_heuristics_first_untimed_when_it_cannot_or_need_not_time() {
+        let untimed = |tuner: &Tuner, candidates: &[AlgoBytes], fake: &Fake| {
+            let algo = tuner.choose("p".into(), &key(768, false), candidates, fake);
+            let last = tuner.choices().pop().unwrap();
+            assert_eq!(
+                (algo, last.source),
+                (candidates[0], ChoiceSource::Heuristic)
+            );
+            assert_eq!(last.first_us, None);
+        };
+        let times = || Some(vec![Some(0.2), Some(0.1), Some(0.1)]);
+        // Timing off: one candidate asked for, none timed.
+        let off = Tuner::new(false, SavedChoices::open(None, &device()));
+        assert_eq!(off.candidates(), 1);
+        let fake = Fake::new(times());
+        untimed(&off, &THREE, &fake);
+        assert_eq!(fake.timings.get(), 0);
+        let on = Tuner::new(true, SavedChoices::open(None, &device()));
+        assert_eq!(on.candidates(), CANDIDATES);
+        // One candidate: nothing to choose.
+        untimed(&on, &THREE[..1], &fake);
+        assert_eq!(fake.timings.get(), 0);
+        // Timing failed (no memory for the scratch output), or no candidate ran.
+        untimed(&on, &THREE, &Fake::new(None));
+        untimed(&on, &THREE, &Fake::new(Some(vec![None, None, None])));
+        // Past MOST_TIMED products timed in the process.
+        for i in 0..MOST_TIMED as u64 {
+            on.choose("q".into(), &key(1000 + i, false), &THREE, &fake);
+        }
+        assert_eq!(fake.timings.get(), MOST_TIMED);
+        untimed(&on, &THREE, &fake);
+        assert_eq!(fake.timings.get(), MOST_TIMED);
     }
 
     #[test]
