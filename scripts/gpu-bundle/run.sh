@@ -370,6 +370,11 @@ figures_gpu_bench() {
       printf '%s_host_waits_per_step=%s;%s_uploads_per_step=%s;%s_upload_ring=%s;' \
         "$key" "$waits" "$key" "$uploads" "$key" "$ring"
     done
+  # "products: 14 shapes, 12 timed, 0 saved by an earlier run, 2 untimed; 5 run another
+  # algorithm than the heuristic's first"
+  pattern='^products: ([0-9]+) shapes, ([0-9]+) timed, ([0-9]+) saved by an earlier run, ([0-9]+) untimed; ([0-9]+) run .*$'
+  sed -n -E "s#$pattern#products_shapes=\1;products_timed=\2;products_saved=\3;products_untimed=\4;products_not_first=\5;#p" "$1" |
+    head -n1
   # "libraries: NVIDIA H100 80GB HBM3 (sm_90; NVRTC 13.0 /…/libnvrtc.so.13, …)"
   local libs
   libs="$(sed -n -E 's#^libraries: (.*)$#\1#p' "$1" | head -n1)"
