@@ -388,6 +388,11 @@ fn decoding_attention_matches_the_cpu_bit_for_bit() {
                 for k in 9..20 {
                     logits.extend(t.logits_cached(&tokens[k..k + 1], &mut cache).unwrap());
                 }
+                // The next token's logits, the head on the last position alone: of the
+                // whole context, and of a prompt into a fresh cache.
+                logits.extend(t.last_logits(&tokens, None).unwrap());
+                let mut fresh = trainkit::KvCache::new(20);
+                logits.extend(t.last_logits(&tokens[..13], Some(&mut fresh)).unwrap());
                 logits
             };
             let want = decode_all(Arc::new(CpuBackend::new()), model);

@@ -40,7 +40,7 @@ use trainkit::ops::{
 };
 use trainkit::{
     Backend, CheckpointPolicy, CpuBackend, DType, Fp32, Gpt2, Gpt2Config, MemoryCategory, Model,
-    Result, Tensor, Trainer,
+    Result, Rng, SamplingOptions, Tensor, Trainer,
 };
 
 /// Writes to the real stderr, past the test harness's capture.
@@ -434,6 +434,27 @@ fn a_model_with_the_users_op_trains_recomputes_exactly_and_is_predicted_exactly(
         assert_eq!(s.memory.peak, p.peak, "{policy:?}");
         assert_eq!(s.memory.peak_total, p.peak_total, "{policy:?}");
     }
+
+    // Sampling reads the next token's logits through the trait's default (the last row
+    // of every row's logits), and draws with them.
+    let tokens: Vec<u32> = (0..9).map(|i| (i * 31 + 2) % 200).collect();
+    let all = keep.logits(&tokens).unwrap();
+    let last = keep.last_logits(&tokens, None).unwrap();
+    assert_eq!(last, all[all.len() - last.len()..]);
+    assert_eq!(last.len() * tokens.len(), all.len());
+    let mut rng = Rng::new(1);
+    let drawn = keep
+        .generate(
+            &tokens,
+            3,
+            SamplingOptions {
+                temperature: 0.0,
+                ..SamplingOptions::default()
+            },
+            &mut rng,
+        )
+        .unwrap();
+    assert_eq!(drawn.len(), 3);
 }
 
 #[test]

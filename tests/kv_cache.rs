@@ -123,6 +123,51 @@ fn cached_logits_equal_the_whole_sequences() {
     }
 }
 
+/// The next token's logits, with the head on the last position alone, are the last row
+/// of the whole logits: for the whole context, and through the cache (a prompt of several
+/// tokens, then one at a time), for every family and both attention paths. A model that
+/// does not override it (the trait's default) gives the same.
+#[test]
+fn last_logits_are_the_last_row_of_the_whole_logits() {
+    let tokens = sequence(20);
+    for (name, model) in models() {
+        let mut t = sampler(model);
+        let whole = t.logits(&tokens).unwrap();
+        let vocab = whole.len() / tokens.len();
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            assert_eq!(got.len(), vocab, "{name} {what}");
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = got
+                .iter()
+                .zip(want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 1e-5 * scale,
+                "{name} {what}: max |diff| {worst} of {scale}"
+            );
+        };
+        for n in [1, 9, 20] {
+            let got = t.last_logits(&tokens[..n], None).unwrap();
+            let want = t.logits(&tokens[..n]).unwrap();
+            close(&got, &want[(n - 1) * vocab..], &format!("context of {n}"));
+        }
+        let mut cache = KvCache::new(tokens.len());
+        let mut at = 0;
+        for b in [9, 10, 11, 20] {
+            let got = t.last_logits(&tokens[at..b], Some(&mut cache)).unwrap();
+            close(
+                &got,
+                &whole[(b - 1) * vocab..b * vocab],
+                &format!("cached to {b}"),
+            );
+            at = b;
+        }
+        assert_eq!(cache.len(), tokens.len());
+        let e = t.last_logits(&[], None).unwrap_err().to_string();
+        assert!(e.contains("empty"), "{name}: {e}");
+    }
+}
+
 #[test]
 fn bad_decoding_input_is_refused_by_name() {
     let mut t = sampler(Box::new(Gpt2::new(tiny_config()).unwrap()));

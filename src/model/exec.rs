@@ -213,7 +213,16 @@ fn forward_loss(
 /// Forward only: the head's output (the logits, `[rows, vocab]`) as f32.
 pub fn logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
     let run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
-    head_logits(&run, graph, pass)
+    head_logits(&run, graph, pass, Rows::All)
+}
+
+/// Forward only, the head on the last position of each of `batch`'s rows: the logits
+/// `[batch_size, vocab]` (f32) that sampling the next token reads, as [`logits`] gives
+/// them for those rows, without the head's product and its `[rows, vocab]` output for
+/// every other position (Hugging Face's `logits_to_keep = 1`).
+pub fn last_logits(graph: &Graph, pass: &mut Pass<'_>, batch: &Batch) -> Result<Vec<f32>> {
+    let run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, batch);
+    head_logits(&run, graph, pass, Rows::Last)
 }
 
 /// Forward only over `tokens`, continuing the sequence `cache` holds (incremental
@@ -228,6 +237,35 @@ pub fn logits_cached(
     tokens: &[u32],
     cache: &mut KvCache,
 ) -> Result<Vec<f32>> {
+    cached(graph, pass, tokens, cache, Rows::All)
+}
+
+/// [`logits_cached`] with the head on the last new token alone: its logits `[vocab]`.
+pub fn last_logits_cached(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    tokens: &[u32],
+    cache: &mut KvCache,
+) -> Result<Vec<f32>> {
+    cached(graph, pass, tokens, cache, Rows::Last)
+}
+
+/// Which positions a forward-only pass runs the head on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rows {
+    /// Every position.
+    All,
+    /// The last of each batch row.
+    Last,
+}
+
+fn cached(
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    tokens: &[u32],
+    cache: &mut KvCache,
+    rows: Rows,
+) -> Result<Vec<f32>> {
     let n = tokens.len();
     cache.check_room(n)?;
     let start = cache.len();
@@ -241,19 +279,35 @@ pub fn logits_cached(
     let logits = {
         let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, &batch);
         run.cache = Some(RefCell::new(&mut *cache));
-        head_logits(&run, graph, pass)?
+        head_logits(&run, graph, pass, rows)?
     };
     cache.advance(n);
     Ok(logits)
 }
 
-/// The head's output of `run`'s batch: every layer forward, then the head (the
+/// The head's output of `run`'s batch at `rows`: every layer forward, then the head (the
 /// classifier of a fused loss without the loss).
-fn head_logits(run: &Run<'_>, graph: &Graph, pass: &mut Pass<'_>) -> Result<Vec<f32>> {
+fn head_logits(run: &Run<'_>, graph: &Graph, pass: &mut Pass<'_>, rows: Rows) -> Result<Vec<f32>> {
     let mut staging = Staging::forward(graph, pass.params, pass.stream_ahead);
-    let result = staged_head_logits(run, graph, pass, &mut staging);
+    let result = staged_head_logits(run, graph, pass, &mut staging, rows);
     staging.finish(pass.params);
     result
+}
+
+/// The last position of each of the `[b, t]` batch's rows of `x` (`[b·t, width]` or
+/// `[b, t, width]`): `[b, width]` or `[b, 1, width]`.
+fn last_positions(be: &dyn Backend, x: &Tensor, [b, t]: [usize; 2]) -> Result<Tensor> {
+    let mut shape = x.shape().to_vec();
+    match shape.len() {
+        2 => shape[0] = b,
+        3 => shape[1] = 1,
+        _ => return Err(missing("a hidden state of two or three dimensions")),
+    }
+    let mut out = be.empty(&shape, x.dtype(), MemoryCategory::Activations, "head.last")?;
+    for row in 0..b {
+        be.copy_rows(&mut out, row, x, row * t + t - 1, 1, false)?;
+    }
+    Ok(out)
 }
 
 /// [`head_logits`] with its streamed weights staged by `staging` ([`Staging::forward`]).
@@ -262,8 +316,42 @@ fn staged_head_logits(
     graph: &Graph,
     pass: &mut Pass<'_>,
     staging: &mut Staging,
+    rows: Rows,
 ) -> Result<Vec<f32>> {
     let x = run.forward_layers(pass.params, staging)?;
+    // The last positions: the head runs on one row of each batch row.
+    let last = match rows {
+        Rows::All => None,
+        Rows::Last => {
+            let [b, t] = run.batch;
+            let pick = |v: &[u32]| (0..b).map(|r| v[r * t + t - 1]).collect::<Vec<u32>>();
+            Some(Batch {
+                batch_size: b,
+                seq_len: 1,
+                inputs: pick(run.tokens),
+                targets: pick(run.targets),
+                positions: run.positions.map(pick),
+            })
+        }
+    };
+    match &last {
+        None => run_head(run, graph, pass, staging, x),
+        Some(batch) => {
+            let x = last_positions(pass.backend, &x, run.batch)?;
+            let tail = Run::with(graph, pass.backend, run.policy, run.dtype, batch);
+            run_head(&tail, graph, pass, staging, x)
+        }
+    }
+}
+
+/// The head of `run`'s graph on `x`, the last layer's output: its logits as f32.
+fn run_head(
+    run: &Run<'_>,
+    graph: &Graph,
+    pass: &mut Pass<'_>,
+    staging: &mut Staging,
+    x: Tensor,
+) -> Result<Vec<f32>> {
     staging.enter(pass.params, pass.backend, graph.layers.len() + 1)?;
     let mut st = State::new(&graph.head);
     st.put_input(x);

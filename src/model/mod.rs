@@ -212,6 +212,40 @@ pub trait Model: Debug + Send + Sync {
         ))
     }
 
+    /// The logits `[vocab]` of the last of `tokens`: what sampling the next token reads.
+    /// Without `cache`, `tokens` are the whole context ([`Model::logits`] of one row);
+    /// with it, they continue the sequence it holds ([`Model::logits_cached`]). The same
+    /// values as those calls give for that row. The default computes every row's logits
+    /// and keeps the last; the built-in decoder runs its head on the last row alone.
+    fn last_logits(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: Option<&mut KvCache>,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(crate::Error::config(
+                "tokens",
+                "are empty; give at least one token of context",
+            ));
+        }
+        let all = match cache {
+            Some(cache) => self.logits_cached(pass, tokens, cache)?,
+            None => self.logits(
+                pass,
+                &Batch {
+                    batch_size: 1,
+                    seq_len: tokens.len(),
+                    inputs: tokens.to_vec(),
+                    targets: tokens.to_vec(),
+                    positions: None,
+                },
+            )?,
+        };
+        let vocab = all.len() / tokens.len();
+        Ok(all[all.len() - vocab..].to_vec())
+    }
+
     /// Whether [`Model::logits_cached`] is implemented.
     fn decodes_incrementally(&self) -> bool {
         false
@@ -341,6 +375,15 @@ impl Model for Box<dyn Model> {
         cache: &mut KvCache,
     ) -> Result<Vec<f32>> {
         (**self).logits_cached(pass, tokens, cache)
+    }
+
+    fn last_logits(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: Option<&mut KvCache>,
+    ) -> Result<Vec<f32>> {
+        (**self).last_logits(pass, tokens, cache)
     }
 
     fn decodes_incrementally(&self) -> bool {

@@ -66,6 +66,16 @@ where
         out
     }
 
+    /// The logits `[vocab]` of the position after `tokens` (forward only; the head on
+    /// the last position alone): the whole context, or with `cache` the tokens that
+    /// continue the sequence it holds (see [`crate::Model::last_logits`]).
+    pub fn last_logits(&mut self, tokens: &[u32], cache: Option<&mut KvCache>) -> Result<Vec<f32>> {
+        let (model, mut pass) = self.forward_pass(None);
+        let out = model.last_logits(&mut pass, tokens, cache);
+        self.flush_events();
+        out
+    }
+
     /// Continues `prompt` by `max_new_tokens` tokens, each drawn from the model's next-token
     /// distribution (the context is cut to the model's last `max_seq_len` tokens).
     /// Returns the new tokens only.
@@ -133,17 +143,15 @@ where
             (options.use_cache && self.model.decodes_incrementally() && prompt.len() <= ctx_len)
                 .then(|| KvCache::new((prompt.len() + max_new_tokens).min(ctx_len)));
         for _ in 0..max_new_tokens {
+            // The head runs on the last position alone (the next token's logits).
             let logits = match cache.as_mut() {
                 Some(c) if c.len() < c.capacity() => {
-                    let fresh = &tokens[c.len()..];
-                    let n = fresh.len();
-                    let logits = self.logits_cached(fresh, c)?;
-                    logits[(n - 1) * vocab..n * vocab].to_vec()
+                    let fresh = tokens[c.len()..].to_vec();
+                    self.last_logits(&fresh, Some(c))?
                 }
                 _ => {
-                    let ctx = &tokens[tokens.len().saturating_sub(ctx_len)..];
-                    let logits = self.logits(ctx)?;
-                    logits[(ctx.len() - 1) * vocab..ctx.len() * vocab].to_vec()
+                    let ctx = tokens[tokens.len().saturating_sub(ctx_len)..].to_vec();
+                    self.last_logits(&ctx, None)?
                 }
             };
             let next = pick(&logits, options, rng) as u32;

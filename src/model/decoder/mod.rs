@@ -481,6 +481,37 @@ fn init(shape: &Shape, slot: Slot) -> Init {
     }
 }
 
+/// One row of `tokens` as a batch (their targets unread).
+fn one_row(tokens: &[u32]) -> Batch {
+    Batch {
+        batch_size: 1,
+        seq_len: tokens.len(),
+        inputs: tokens.to_vec(),
+        targets: tokens.to_vec(),
+        positions: None,
+    }
+}
+
+impl<F: Family> Decoder<F> {
+    /// Checks `tokens` continuing the sequence `cache` holds, and that the cache fits the
+    /// model's context.
+    fn check_cached(&self, tokens: &[u32], cache: &KvCache) -> Result<()> {
+        self.check_batch(&one_row(tokens))?;
+        if cache.capacity() > self.shape.context {
+            return Err(Error::config(
+                "kv cache",
+                format!(
+                    "holds up to {} positions, more than the model's {} = {}",
+                    cache.capacity(),
+                    F::CONTEXT_FIELD,
+                    self.shape.context
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl<F: Family> Model for Decoder<F> {
     fn describe(&self) -> String {
         let s = &self.shape;
@@ -571,25 +602,28 @@ impl<F: Family> Model for Decoder<F> {
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>> {
-        self.check_batch(&Batch {
-            batch_size: 1,
-            seq_len: tokens.len(),
-            inputs: tokens.to_vec(),
-            targets: tokens.to_vec(),
-            positions: None,
-        })?;
-        if cache.capacity() > self.shape.context {
-            return Err(Error::config(
-                "kv cache",
-                format!(
-                    "holds up to {} positions, more than the model's {} = {}",
-                    cache.capacity(),
-                    F::CONTEXT_FIELD,
-                    self.shape.context
-                ),
-            ));
-        }
+        self.check_cached(tokens, cache)?;
         let logits = exec::logits_cached(&self.graph, pass, tokens, cache)?;
+        Ok(vocab::unpad_logits(&self.shape, logits))
+    }
+
+    fn last_logits(
+        &self,
+        pass: &mut Pass<'_>,
+        tokens: &[u32],
+        cache: Option<&mut KvCache>,
+    ) -> Result<Vec<f32>> {
+        let logits = match cache {
+            Some(cache) => {
+                self.check_cached(tokens, cache)?;
+                exec::last_logits_cached(&self.graph, pass, tokens, cache)?
+            }
+            None => {
+                let batch = one_row(tokens);
+                self.check_batch(&batch)?;
+                exec::last_logits(&self.graph, pass, &batch)?
+            }
+        };
         Ok(vocab::unpad_logits(&self.shape, logits))
     }
 
