@@ -5,8 +5,8 @@ mod common;
 
 use common::{cpu, randn, tensor};
 use trainkit::ops::Heads;
-use trainkit::ops::{attention, cross_entropy, embedding, gelu, layernorm};
-use trainkit::{Backend, Rng, Tensor};
+use trainkit::ops::{attention, cross_entropy, embedding, gelu, layernorm, linear};
+use trainkit::{Backend, DType, MemoryCategory, Rng, Tensor};
 
 /// Central finite differences of `loss` at `x` along a sample of coordinates, compared
 /// with `analytic`.
@@ -223,6 +223,68 @@ fn gelu_backward_matches_finite_differences() {
     let mut dx = tensor(be, &vec![0.0; n], &[n]);
     gelu::backward(be, &mut dx, &tensor(be, &x, &[n]), &tensor(be, &w, &[n])).unwrap();
     check_gradient("gelu", &x, &be.to_f32(&dx).unwrap(), &forward);
+}
+
+/// The input gradient carried through a GELU in one op (`matmul_dgelu`, a linear
+/// layer's input gradient at a GELU's input) is, on the CPU, the product then the GELU's
+/// backward bit for bit, for both weight layouts and in bf16, and matches finite
+/// differences of `Σ dy ⊙ (gelu(pre) · op(W))`.
+#[test]
+fn the_gradient_through_a_gelu_and_a_product_is_the_two_ops_and_matches_finite_differences() {
+    let be = cpu();
+    let be = be.as_ref();
+    let mut rng = Rng::new(6);
+    let (rows, din, dout) = (6, 8, 5);
+    let pre = randn(&mut rng, rows * din, 1.5);
+    let dy = randn(&mut rng, rows * dout, 1.0);
+    let w = randn(&mut rng, din * dout, 0.5);
+    for dtype in [DType::F32, DType::Bf16] {
+        let up = |v: &[f32], s: &[usize]| {
+            be.upload(v, s, dtype, MemoryCategory::Activations, "t")
+                .unwrap()
+        };
+        // The layer's weight stored [in, out] (the product reads op(W) = Wᵀ) or [out, in].
+        for stored_in_out in [true, false] {
+            let w_shape = if stored_in_out {
+                [din, dout]
+            } else {
+                [dout, din]
+            };
+            let (wt, dyt, pret) = (
+                up(&w, &w_shape),
+                up(&dy, &[rows, dout]),
+                up(&pre, &[rows, din]),
+            );
+            let mut fused = up(&vec![0.0; rows * din], &[rows, din]);
+            linear::matmul_dgelu(be, &mut fused, &dyt, &wt, &pret, stored_in_out).unwrap();
+            let mut dact = up(&vec![0.0; rows * din], &[rows, din]);
+            be.matmul(&mut dact, &dyt, &wt, None, false, stored_in_out, false)
+                .unwrap();
+            let mut composed = up(&vec![0.0; rows * din], &[rows, din]);
+            gelu::backward(be, &mut composed, &pret, &dact).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                be.to_f32(t).unwrap().iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(
+                bits(&fused),
+                bits(&composed),
+                "{dtype} [in, out] {stored_in_out}"
+            );
+            if dtype != DType::F32 {
+                continue;
+            }
+            let forward = |p: &[f32]| {
+                let mut act = tensor(be, &vec![0.0; rows * din], &[rows, din]);
+                gelu::forward(be, &mut act, &tensor(be, p, &[rows, din])).unwrap();
+                let mut y = tensor(be, &vec![0.0; rows * dout], &[rows, dout]);
+                be.matmul(&mut y, &act, &wt, None, false, !stored_in_out, false)
+                    .unwrap();
+                weighted(be, &y, &dy)
+            };
+            let name = format!("matmul_dgelu, [in, out] {stored_in_out}");
+            check_gradient(&name, &pre, &be.to_f32(&fused).unwrap(), &forward);
+        }
+    }
 }
 
 #[test]

@@ -32,7 +32,7 @@ pub use embedding::{EmbeddingScale, LearnedEmbedding, TokenEmbedding};
 pub use flash_attention::{AttentionPath, FlashAttention};
 pub use glu::{Gate, Glu};
 pub use layernorm::LayerNorm;
-pub use linear::{Linear, LinearGelu, LinearResidual};
+pub use linear::{GeluLinearResidual, Linear, LinearGelu, LinearResidual};
 pub use linear_cross_entropy::{
     LinearCrossEntropy, LossPath, LOGITS_CHUNK_BYTES, LOGITS_CHUNK_MAX_BYTES, MAX_LOSS_CHUNKS,
 };

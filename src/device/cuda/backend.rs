@@ -878,6 +878,72 @@ mod tests {
         }
     }
 
+    /// The input gradient carried through a GELU (`matmul_dgelu`): in one product with
+    /// cuBLASLt's DGELU epilogue, and with the epilogue refused by the library as the
+    /// product then the GELU's backward in place, for both weight layouts, in f32 and
+    /// bf16, equal to the CPU's composed op (the epilogue multiplies the f32 accumulator,
+    /// the CPU the product rounded to the output's dtype: bf16 agrees to its rounding).
+    #[test]
+    fn the_gelu_gradient_takes_the_epilogue_or_falls_back_to_two_ops() {
+        let make = |refuse: bool| -> Option<CudaBackend> {
+            let mut gpu = match EmulatedGpu::new(None) {
+                Ok(gpu) => gpu,
+                Err(e) if std::env::var_os("TRAINKIT_REQUIRE_EMULATOR").is_some() => {
+                    panic!("the CUDA emulator is required (TRAINKIT_REQUIRE_EMULATOR) but: {e}")
+                }
+                Err(_) => return None,
+            };
+            gpu.refuse_gelu_epilogue = refuse;
+            Some(CudaBackend::on(
+                Arc::new(gpu),
+                Device::Cuda(0),
+                CudaOptions::default(),
+            ))
+        };
+        let cpu = CpuBackend::new();
+        let (rows, din, dout) = (37usize, 24usize, 20usize);
+        let dy: Vec<f32> = (0..rows * dout).map(|i| (i as f32 * 0.11).cos()).collect();
+        let pre: Vec<f32> = (0..rows * din)
+            .map(|i| 2.0 * (i as f32 * 0.37).sin())
+            .collect();
+        let w: Vec<f32> = (0..din * dout).map(|i| i as f32 * 0.01 - 0.5).collect();
+        let run = |be: &dyn Backend, trans_w: bool, dtype: DType| {
+            let up = |v: &[f32], s: &[usize]| {
+                be.upload(v, s, dtype, MemoryCategory::Activations, "x")
+                    .unwrap()
+            };
+            let w_shape = if trans_w { [din, dout] } else { [dout, din] };
+            let (dy, w, pre) = (
+                up(&dy, &[rows, dout]),
+                up(&w, &w_shape),
+                up(&pre, &[rows, din]),
+            );
+            let mut dpre = up(&vec![f32::NAN; rows * din], &[rows, din]);
+            crate::ops::linear::matmul_dgelu(be, &mut dpre, &dy, &w, &pre, trans_w).unwrap();
+            be.to_f32(&dpre).unwrap()
+        };
+        for refuse in [false, true] {
+            let Some(be) = make(refuse) else { return };
+            for dtype in [DType::F32, DType::Bf16] {
+                let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                for trans_w in [false, true] {
+                    let (want, got) = (run(&cpu, trans_w, dtype), run(&be, trans_w, dtype));
+                    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() <= tol * scale,
+                            "refused {refuse} {dtype} trans {trans_w}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            assert_eq!(
+                be.gelu_epilogue.load(std::sync::atomic::Ordering::Relaxed),
+                !refuse
+            );
+        }
+    }
+
     /// A linear layer's weight and bias gradients in one product (cuBLASLt's bias-gradient
     /// epilogue) match the CPU's two ops, for both weight layouts, accumulating into
     /// gradients that already hold values; and with the epilogue refused by the library,

@@ -467,18 +467,20 @@ fn descriptors(lt: &'static CublasLt, g: &Gemm) -> Result<Descriptors> {
         std::mem::size_of_val(&tb),
     )?;
     use lt_sys::cublasLtEpilogue_t as E;
-    let epilogue = match (g.bias != 0, g.gelu_aux != 0, g.bias_grad != 0) {
-        (false, false, false) => None,
-        (true, false, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
-        (false, true, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
-        (true, true, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
-        (false, false, true) if g.bias_grad_of_b => Some(E::CUBLASLT_EPILOGUE_BGRADB),
-        (false, false, true) => Some(E::CUBLASLT_EPILOGUE_BGRADA),
+    let dgelu = g.dgelu_aux != 0;
+    let epilogue = match (g.bias != 0, g.gelu_aux != 0, g.bias_grad != 0, dgelu) {
+        (false, false, false, false) => None,
+        (true, false, false, false) => Some(E::CUBLASLT_EPILOGUE_BIAS),
+        (false, true, false, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX),
+        (true, true, false, false) => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        (false, false, true, false) if g.bias_grad_of_b => Some(E::CUBLASLT_EPILOGUE_BGRADB),
+        (false, false, true, false) => Some(E::CUBLASLT_EPILOGUE_BGRADA),
+        (false, false, false, true) => Some(E::CUBLASLT_EPILOGUE_DGELU),
         _ => {
             return Err(Error::Backend {
                 backend: "cuda",
-                message: "a product asked for a bias gradient together with a bias or GELU \
-                          epilogue, which cuBLASLt does not combine"
+                message: "a product asked for a bias gradient or GELU gradient together with \
+                          another epilogue, which trainkit does not combine"
                     .into(),
             })
         }
@@ -490,11 +492,13 @@ fn descriptors(lt: &'static CublasLt, g: &Gemm) -> Result<Descriptors> {
             std::mem::size_of_val(&epilogue),
         )?;
     }
-    if g.gelu_aux != 0 {
-        // The pre-GELU values, in D's type and layout (ld a multiple of 8).
+    let aux = if dgelu { g.dgelu_aux } else { g.gelu_aux };
+    if aux != 0 {
+        // The pre-GELU values (written by GELU_AUX, read by DGELU), in D's type and layout
+        // (ld a multiple of 8).
         set(
             A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-            &g.gelu_aux as *const u64 as *const c_void,
+            &aux as *const u64 as *const c_void,
             std::mem::size_of::<u64>(),
         )?;
         let ld: i64 = g.d_layout.ld;
@@ -1267,13 +1271,14 @@ mod tests {
         let mut built = 0;
         for operand in types {
             for out in [operand, MatrixType::F32] {
-                for (bias, gelu_aux, bias_grad, bias_grad_of_b) in [
-                    (0, 0, 0, false),
-                    (0x2000, 0, 0, false),
-                    (0, 0x3000, 0, false),
-                    (0x2000, 0x3000, 0, false),
-                    (0, 0, 0x4000, false),
-                    (0, 0, 0x4000, true),
+                for (bias, gelu_aux, bias_grad, bias_grad_of_b, dgelu_aux) in [
+                    (0, 0, 0, false, 0),
+                    (0x2000, 0, 0, false, 0),
+                    (0, 0x3000, 0, false, 0),
+                    (0x2000, 0x3000, 0, false, 0),
+                    (0, 0, 0x4000, false, 0),
+                    (0, 0, 0x4000, true, 0),
+                    (0, 0, 0, false, 0x5000),
                 ] {
                     for (trans_a, trans_b) in [(false, false), (true, false), (false, true)] {
                         for allow_tf32 in [false, true] {
@@ -1294,6 +1299,7 @@ mod tests {
                                 d_layout: layout(out, m, n),
                                 bias,
                                 gelu_aux,
+                                dgelu_aux,
                                 bias_grad,
                                 bias_grad_of_b,
                                 alpha: 1.0,
@@ -1311,7 +1317,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(built, 3 * 2 * 6 * 3 * 2);
+        assert_eq!(built, 3 * 2 * 7 * 3 * 2);
         for (bytes, align) in [
             (0, [256; 4]),
             (gemm_workspace_bytes(8), [16, 2, 4, 8]),

@@ -254,7 +254,7 @@ impl EmulatedGpu {
     /// A product, untimed (the caller's contract as [`Gpu::gemm`]'s).
     unsafe fn gemm_untimed(&self, g: &Gemm) -> Result<GemmRun> {
         if self.refuse_products
-            || (g.gelu_aux != 0 && self.refuse_gelu_epilogue)
+            || ((g.gelu_aux != 0 || g.dgelu_aux != 0) && self.refuse_gelu_epilogue)
             || (g.bias_grad != 0 && self.refuse_bias_grad_epilogue)
         {
             return Ok(GemmRun::NoAlgorithm);
@@ -287,6 +287,9 @@ impl EmulatedGpu {
                     if g.gelu_aux != 0 {
                         store(g.d_layout.ty, g.gelu_aux, at, v);
                         v = gelu_tanh(v);
+                    }
+                    if g.dgelu_aux != 0 {
+                        v *= gelu_tanh_grad(load(g.d_layout.ty, g.dgelu_aux, at));
                     }
                     store(g.d_layout.ty, g.d, at, v);
                 }
@@ -554,6 +557,14 @@ impl Gpu for EmulatedGpu {
 
 /// GELU's tanh approximation, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, in f64 (the
 /// epilogue's reference).
+/// The derivative of [`gelu_tanh`] (what cuBLASLt's `DGELU` epilogue multiplies by).
+fn gelu_tanh_grad(x: f32) -> f32 {
+    let x = x as f64;
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let t = (k * (x + 0.044715 * x * x * x)).tanh();
+    (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)) as f32
+}
+
 fn gelu_tanh(x: f32) -> f32 {
     let x = x as f64;
     let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);

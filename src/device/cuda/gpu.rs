@@ -109,8 +109,10 @@ pub(crate) struct MatrixLayout {
 /// C and D the same buffer. `op(A)` is `m × k`, `op(B)` is `k × n`, D is `m × n`; the bias
 /// (one value per row of D, D's element type) is added by the epilogue. With `gelu_aux`,
 /// the epilogue also applies GELU (tanh approximation): the value before it is stored at
-/// `gelu_aux` (D's type and layout) and D receives GELU of it. With `bias_grad`, the
-/// epilogue also writes the sums of one operand over k (a linear layer's bias gradient).
+/// `gelu_aux` (D's type and layout) and D receives GELU of it. With `dgelu_aux`, D
+/// receives the product times GELU's derivative at the values there (the input gradient of
+/// a GELU's input: cuBLASLt's `DGELU`). With `bias_grad`, the epilogue also writes the sums
+/// of one operand over k (a linear layer's bias gradient).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gemm {
     /// Transpose A.
@@ -139,6 +141,9 @@ pub(crate) struct Gemm {
     pub bias: DevicePtr,
     /// Where the pre-GELU values go when the epilogue applies GELU, or 0 for no GELU.
     pub gelu_aux: DevicePtr,
+    /// The pre-GELU values (D's type and layout) whose GELU derivative the epilogue
+    /// multiplies D by (`DGELU`), or 0. Not with any other epilogue.
+    pub dgelu_aux: DevicePtr,
     /// Where the epilogue writes a bias gradient, or 0 for none: the sums over k of op(A),
     /// one per row of D (`BGRADA`), or with `bias_grad_of_b` of op(B), one per column of D
     /// (`BGRADB`), in D's element type. Written, not added to; D itself is still

@@ -491,7 +491,7 @@ ptxas info    : Used 30 registers, used 0 barriers, 380 bytes cmem[0]
                 );
             }
         }
-        assert_eq!(seen.len(), 244);
+        assert_eq!(seen.len(), 247);
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub(crate) struct GemmKey {
     pub d: MatrixLayout,
     pub bias: bool,
     pub gelu: bool,
+    /// The epilogue multiplies by GELU's derivative (`DGELU`).
+    pub dgelu: bool,
     /// 0: no bias gradient; 1: of A; 2: of B.
     pub bias_grad: u8,
     pub tf32: bool,
@@ -73,6 +75,7 @@ impl GemmKey {
             d: g.d_layout,
             bias: g.bias != 0,
             gelu: g.gelu_aux != 0,
+            dgelu: g.dgelu_aux != 0,
             bias_grad: match (g.bias_grad != 0, g.bias_grad_of_b) {
                 (false, _) => 0,
                 (true, false) => 1,
@@ -94,7 +97,8 @@ impl GemmKey {
         let t = |b: bool| if b { "T" } else { "N" };
         let l = |m: &MatrixLayout| format!("{}:{}x{}:{}", type_name(m.ty), m.rows, m.cols, m.ld);
         format!(
-            "{} {} {} {} {} bias={} gelu={} bias_grad={} tf32={} accumulate={} align={},{},{},{}",
+            "{} {} {} {} {} bias={} gelu={} dgelu={} bias_grad={} tf32={} accumulate={} \
+             align={},{},{},{}",
             t(self.trans_a),
             t(self.trans_b),
             l(&self.a),
@@ -102,6 +106,7 @@ impl GemmKey {
             l(&self.d),
             self.bias as u8,
             self.gelu as u8,
+            self.dgelu as u8,
             self.bias_grad,
             self.tf32 as u8,
             self.accumulate as u8,
@@ -115,7 +120,7 @@ impl GemmKey {
     /// The key [`GemmKey::line`] wrote, or `None` for any other text.
     pub(crate) fn parse(line: &str) -> Option<GemmKey> {
         let f: Vec<&str> = line.split(' ').collect();
-        let [ta, tb, a, b, d, bias, gelu, bias_grad, tf32, accumulate, align] = f[..] else {
+        let [ta, tb, a, b, d, bias, gelu, dgelu, bias_grad, tf32, accumulate, align] = f[..] else {
             return None;
         };
         let t = |s: &str| match s {
@@ -158,6 +163,7 @@ impl GemmKey {
             d: layout(d)?,
             bias: flag(bias, "bias")?,
             gelu: flag(gelu, "gelu")?,
+            dgelu: flag(dgelu, "dgelu")?,
             bias_grad,
             tf32: flag(tf32, "tf32")?,
             accumulate: flag(accumulate, "accumulate")?,
@@ -587,6 +593,7 @@ mod tests {
             d: l(MatrixType::F32, m, 8192),
             bias: false,
             gelu: true,
+            dgelu: false,
             bias_grad: 2,
             tf32: false,
             accumulate,
@@ -636,7 +643,7 @@ mod tests {
         }
         assert_eq!(
             key(768, true).line(),
-            "T N bf16:768x768:768 bf16:768x8192:768 f32:768x8192:768 bias=0 gelu=1 \
+            "T N bf16:768x768:768 bf16:768x8192:768 f32:768x8192:768 bias=0 gelu=1 dgelu=0 \
              bias_grad=2 tf32=0 accumulate=1 align=256,128,16,16"
         );
         let line = key(768, false).line();

@@ -210,7 +210,9 @@ impl HostTimer {
 /// The name a timed product goes by: `cublasLt m×n×k`, with its epilogue.
 pub(crate) fn gemm_name(g: &super::gpu::Gemm) -> String {
     let mut name = format!("cublasLt {}x{}x{}", g.m, g.n, g.k);
-    if g.gelu_aux != 0 {
+    if g.dgelu_aux != 0 {
+        name.push_str(" +dgelu");
+    } else if g.gelu_aux != 0 {
         name.push_str(" +gelu");
     } else if g.bias != 0 {
         name.push_str(" +bias");

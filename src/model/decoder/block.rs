@@ -11,9 +11,9 @@ use super::adapters::UpdateRef;
 use crate::checkpoint::Tags;
 use crate::ops::lora::{Base, LoraDown, LoraProjection};
 use crate::ops::{
-    AttentionPath, Classifier, EmbeddingScale, Glu, LayerNorm, LearnedEmbedding, Linear,
-    LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm, QkNorm, RmsNorm, Rope,
-    TokenEmbedding,
+    AttentionPath, Classifier, EmbeddingScale, GeluLinearResidual, Glu, LayerNorm,
+    LearnedEmbedding, Linear, LinearCrossEntropy, LinearGelu, LinearResidual, OffsetRmsNorm,
+    QkNorm, RmsNorm, Rope, TokenEmbedding,
 };
 
 /// How the parts of the graph that a family names are labelled.
@@ -312,17 +312,27 @@ fn layer(
             s.node(glu, &[up], &[act], &[]);
         }
     }
-    project(
-        &mut s,
-        LayerSlot::Down,
-        Projection {
-            base: Base::Residual,
-            bias: shape.bias.mlp,
-            transposed: out_in,
-            params: with_bias(LayerSlot::Down, LayerSlot::DownBias, shape.bias.mlp),
-        },
-        (&[residual, act], &[output]),
-    );
+    let down = Projection {
+        base: Base::Residual,
+        bias: shape.bias.mlp,
+        transposed: out_in,
+        params: with_bias(LayerSlot::Down, LayerSlot::DownBias, shape.bias.mlp),
+    };
+    let plain_down = (adapters.updates)(l, LayerSlot::Down).is_empty()
+        && down.params.iter().any(|&i| (adapters.trains)(i));
+    if shape.mlp == Mlp::Gelu && plain_down {
+        // GPT-2's MLP: the output projection reads the GELU's input too, and carries its
+        // input gradient through the GELU in the same product.
+        let (bias, transposed) = (down.bias, down.transposed);
+        s.node(
+            GeluLinearResidual { bias, transposed },
+            &[residual, act, up],
+            &[output],
+            &down.params,
+        );
+    } else {
+        project(&mut s, LayerSlot::Down, down, (&[residual, act], &[output]));
+    }
     s.output = output;
     s
 }

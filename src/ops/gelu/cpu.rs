@@ -45,6 +45,24 @@ pub(crate) fn backward(dx: &mut Tensor, x: &Tensor, dout: &Tensor) {
     });
 }
 
+/// `d = gelu'(x) · d` in place: the values [`backward`] writes for `dout = d`.
+pub(crate) fn backward_in_place(d: &mut Tensor, x: &Tensor) {
+    let x = read(x);
+    write(d, true, |o| {
+        o.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .for_each(|(o, x)| backward_in_place_chunk(o, x))
+    });
+}
+
+simd_fn! {
+    fn backward_in_place_chunk(o: &mut [f32], x: &[f32]) {
+        for (o, x) in o.iter_mut().zip(x) {
+            *o *= gelu_grad(*x);
+        }
+    }
+}
+
 simd_fn! {
     fn forward_chunk(o: &mut [f32], x: &[f32]) {
         for (o, x) in o.iter_mut().zip(x) {

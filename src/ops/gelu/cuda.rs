@@ -20,6 +20,9 @@ pub(crate) const KERNELS: KernelFile = KernelFile {
         "gelu_backward_bf16",
         "gelu_f16",
         "gelu_backward_f16",
+        "gelu_backward_inplace_f32",
+        "gelu_backward_inplace_bf16",
+        "gelu_backward_inplace_f16",
     ],
 };
 inventory::submit!(KERNELS);
@@ -54,6 +57,21 @@ pub(crate) fn backward(be: &CudaBackend, dx: &mut Tensor, x: &Tensor, dout: &Ten
             .ptr(ptr(x)?)
             .ptr(ptr(&dout)?)
             .i64(n),
+    )
+}
+
+/// `d = gelu'(x) · d` in place.
+pub(crate) fn backward_in_place(be: &CudaBackend, d: &mut Tensor, x: &Tensor) -> Result<()> {
+    let n = x.numel();
+    ensure_dtype(d, x.dtype(), "gelu_backward_in_place")?;
+    if n == 0 {
+        return Ok(());
+    }
+    be.launch(
+        &format!("gelu_backward_inplace_{}", x.dtype()),
+        be.grid(n.div_ceil(8)),
+        BLOCK,
+        Args::new().ptr(ptr(d)?).ptr(ptr(x)?).i64(n),
     )
 }
 
@@ -118,6 +136,20 @@ mod emulated {
             let (got, got_dx) = (out.values(), dx.values());
             assert_bitwise(&format!("gelu {dtype:?}"), &got, &want);
             assert_bitwise(&format!("gelu_backward {dtype:?}"), &got_dx, &want_dx);
+            // In place: the gradient's buffer holds dout and takes dx, as on the CPU.
+            let mut in_place = upload(&be, &dout, &[n], dtype);
+            let x_cpu = upload(&be, &xs, &[n], dtype);
+            gelu::cpu::backward_in_place(&mut in_place, &x_cpu);
+            let want_in_place = be.to_f32(&in_place).unwrap();
+            assert_bitwise("cpu in place", &want_in_place, &want_dx);
+            let mut g = Buf::new(&dout, dtype);
+            let a = Args::new().buf(&mut g).buf(&mut x).arg(n as i64);
+            launch(emu, &format!("gelu_backward_inplace_{t}"), 1, 32, 0, a).unwrap();
+            assert_bitwise(
+                &format!("gelu_backward_inplace {dtype:?}"),
+                &g.values(),
+                &want_dx,
+            );
         }
     }
 }

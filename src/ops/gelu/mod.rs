@@ -15,7 +15,7 @@ use crate::tensor::Tensor;
 
 /// Floating-point operations per element of the forward and of the backward.
 pub(crate) const FLOPS: u64 = 9;
-const FLOPS_BACKWARD: u64 = 19;
+pub(crate) const FLOPS_BACKWARD: u64 = 19;
 
 /// GELU with the tanh approximation, element-wise: `out = gelu(x)`.
 pub fn forward(be: &(impl Backend + ?Sized), out: &mut Tensor, x: &Tensor) -> Result<()> {

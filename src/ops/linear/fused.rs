@@ -1,11 +1,13 @@
-//! The two products of a linear layer that a GPU fuses with their neighbour: the forward
-//! product with its bias and GELU (`matmul_bias_gelu`), and the weight gradient with the
-//! bias gradient (`weight_bias_grad`).
+//! The products of a linear layer that a GPU fuses with their neighbour: the forward
+//! product with its bias and GELU (`matmul_bias_gelu`), the input gradient of a layer
+//! whose input is a GELU's output carried through the GELU (`matmul_dgelu`), and the
+//! weight gradient with the bias gradient (`weight_bias_grad`).
 //!
 //! Each is one kernel call through [`Backend::run`], one span carrying the FLOPs of both
 //! parts on every backend. The CPU runs its parts one after the other (the composed
 //! reference); the CUDA backend runs the product with cuBLASLt's epilogue (GELU with the
-//! pre-activation as its auxiliary output, or the bias gradient's column sums), and falls
+//! pre-activation as its auxiliary output, GELU's derivative at it, or the bias
+//! gradient's column sums), and falls
 //! back to the same two parts, inside the same span, where the epilogue does not apply or
 //! the library has no algorithm for it.
 
@@ -35,6 +37,30 @@ pub fn matmul_bias_gelu(
         a,
         b,
         bias,
+    })
+}
+
+/// `dpre = gelu'(pre) ⊙ (dy · op(W))` (`op(W) = Wᵀ` with `trans_w`), overwritten: the
+/// gradient of `pre` through a linear layer whose input was `gelu(pre)` and whose output
+/// gradient is `dy`, one op. The CPU (the composed reference) writes the product into
+/// `dpre`, rounded to its dtype, then multiplies it in place by GELU's derivative; the
+/// CUDA backend multiplies in cuBLASLt's `DGELU` epilogue, from the f32 accumulator, so
+/// that the input gradient of the GELU's output never exists as a tensor (and in bf16 the
+/// product is not rounded before the multiplication).
+pub fn matmul_dgelu(
+    be: &(impl Backend + ?Sized),
+    dpre: &mut Tensor,
+    dy: &Tensor,
+    w: &Tensor,
+    pre: &Tensor,
+    trans_w: bool,
+) -> Result<()> {
+    be.run(&mut Dgelu {
+        dpre,
+        dy,
+        w,
+        pre,
+        trans_w,
     })
 }
 
@@ -117,6 +143,49 @@ impl OpKernel for BiasGelu<'_> {
             false,
         )?;
         gelu::cuda::forward(be, self.out, self.pre)
+    }
+}
+
+struct Dgelu<'a> {
+    dpre: &'a mut Tensor,
+    dy: &'a Tensor,
+    w: &'a Tensor,
+    pre: &'a Tensor,
+    trans_w: bool,
+}
+
+impl OpKernel for Dgelu<'_> {
+    fn name(&self) -> &'static str {
+        "matmul_dgelu"
+    }
+
+    fn label(&self) -> &str {
+        self.dpre.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        ensure_float("matmul_dgelu", &[self.dpre, self.dy, self.w, self.pre])?;
+        cpu::matmul::dims(self.dpre, self.dy, self.w, None, false, self.trans_w)?;
+        same_len(self.dpre, self.pre, "matmul_dgelu")
+    }
+
+    fn flops(&self) -> u64 {
+        cpu::matmul::flops(self.dpre, self.dy, false, false)
+            .saturating_add(each(self.dpre.numel(), gelu::FLOPS_BACKWARD))
+    }
+
+    fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
+        be.matmul_kernel(self.dpre, self.dy, self.w, None, false, self.trans_w, false)?;
+        gelu::cpu::backward_in_place(self.dpre, self.pre);
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        if lt::matmul_dgelu(be, self.dpre, self.dy, self.w, self.pre, self.trans_w)? {
+            return Ok(());
+        }
+        be.matmul_kernel(self.dpre, self.dy, self.w, None, false, self.trans_w, false)?;
+        gelu::cuda::backward_in_place(be, self.dpre, self.pre)
     }
 }
 

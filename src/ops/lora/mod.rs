@@ -875,6 +875,12 @@ impl Op for LoraProjection {
             return Err(super::missing("the weight of a linear layer"));
         }
         let dy = match self.base {
+            // The reader of the GELU's output carried its gradient through the GELU
+            // ([`super::GeluLinearResidual`]): `pre`'s gradient comes as it is.
+            Base::Gelu if cx.grads_out[1].is_none() && cx.grads_out[0].is_some() => {
+                cx.outputs[0].release();
+                cx.take_grad_out(0)?
+            }
             Base::Gelu => {
                 let dout = cx.take_grad_out(1)?;
                 let pre = cx.outputs[0].get()?;

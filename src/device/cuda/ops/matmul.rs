@@ -48,6 +48,9 @@ pub(crate) fn gemm_workspace(be: &CudaBackend) -> Result<(DevicePtr, usize)> {
 pub(crate) struct Epilogue {
     /// The address of the pre-GELU values when the epilogue applies GELU (0: no GELU).
     pub gelu_aux: DevicePtr,
+    /// The address of the pre-GELU values when the epilogue multiplies the product by
+    /// GELU's derivative there (0: no such epilogue).
+    pub dgelu_aux: DevicePtr,
     /// Where the epilogue writes the sums of one operand over the product's inner
     /// dimension (0: none), in `out`'s dtype: of `op(b)`, one per column of `out`, or with
     /// `bias_grad_of_a` of `op(a)`, one per row of `out`.
@@ -152,6 +155,7 @@ pub(crate) fn gemm(
             None => 0,
         },
         gelu_aux: epilogue.gelu_aux,
+        dgelu_aux: epilogue.dgelu_aux,
         // cuBLASLt's A is our b and its B our a.
         bias_grad: epilogue.bias_grad,
         bias_grad_of_b: epilogue.bias_grad_of_a,
@@ -165,10 +169,12 @@ pub(crate) fn gemm(
     match unsafe { be.gpu.gemm(&g) }.map_err(|e| be.explain(e))? {
         GemmRun::Done => Ok(()),
         // The callers of an epilogue run the product and the epilogue apart.
-        GemmRun::NoAlgorithm if g.gelu_aux != 0 || g.bias_grad != 0 => Err(Error::Backend {
-            backend: "cuda",
-            message: "cuBLASLt has no algorithm for this product with its epilogue".into(),
-        }),
+        GemmRun::NoAlgorithm if g.gelu_aux != 0 || g.dgelu_aux != 0 || g.bias_grad != 0 => {
+            Err(Error::Backend {
+                backend: "cuda",
+                message: "cuBLASLt has no algorithm for this product with its epilogue".into(),
+            })
+        }
         GemmRun::NoAlgorithm => plain_gemm(be, &g),
     }
 }
@@ -260,6 +266,47 @@ pub(crate) fn matmul_bias_gelu(
         }
     }
     Ok(false)
+}
+
+/// [`crate::ops::linear::matmul_dgelu`] with cuBLASLt's DGELU epilogue: `dpre = gelu'(pre)
+/// ⊙ (dy · op(w))` from the accumulator in one product. `Ok(true)` when it wrote
+/// `dpre`, `Ok(false)` when the fused form does not apply or the library refused it
+/// (nothing written: the call runs the product and the GELU's backward in place).
+pub(crate) fn matmul_dgelu(
+    be: &CudaBackend,
+    dpre: &mut Tensor,
+    dy: &Tensor,
+    w: &Tensor,
+    pre: &Tensor,
+    trans_w: bool,
+) -> Result<bool> {
+    // The aux (pre) shares D's dtype, shape and leading dimension (a multiple of 8).
+    let operand = operand_dtype(dy, w);
+    let (_, cols) = dpre.rows_cols();
+    let fused = dpre.dtype() == pre.dtype()
+        && dpre.shape() == pre.shape()
+        && !(operand == DType::F32 && dpre.dtype() != DType::F32)
+        && cols % 8 == 0
+        && be.gelu_epilogue.load(Ordering::Relaxed);
+    if !fused {
+        return Ok(false);
+    }
+    let epilogue = Epilogue {
+        dgelu_aux: ptr(pre)?,
+        ..Epilogue::default()
+    };
+    match gemm(be, dpre, dy, w, None, false, trans_w, false, epilogue) {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            if be.gelu_epilogue.swap(false, Ordering::Relaxed) {
+                log::warn!(
+                    "cuBLASLt ran no product with a GELU epilogue ({e}); the MLP's products \
+                     and GELU now run apart"
+                );
+            }
+            Ok(false)
+        }
+    }
 }
 
 /// The dtype both operands of a product are brought to: cuBLASLt multiplies equal
