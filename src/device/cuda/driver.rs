@@ -669,6 +669,39 @@ impl DriverGpu {
         Ok(Some(algo))
     }
 
+    /// Queues product `g` (descriptors `d`) with `algo` on the compute stream, writing D
+    /// at `out` (C is D).
+    ///
+    /// # Safety
+    /// `g`'s pointers address its layouts, and `out` memory of D's layout.
+    unsafe fn matmul(
+        &self,
+        g: &Gemm,
+        d: &Descriptors,
+        algo: &lt_sys::cublasLtMatmulAlgo_t,
+        out: DevicePtr,
+    ) -> std::result::Result<(), Status> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.blas.matmul(
+                self.lt,
+                d.desc,
+                &g.alpha as *const f32 as *const c_void,
+                g.a as *const c_void,
+                d.layouts[0],
+                g.b as *const c_void,
+                d.layouts[1],
+                &g.beta as *const f32 as *const c_void,
+                out as *mut c_void,
+                d.layouts[2],
+                algo,
+                g.workspace as *mut c_void,
+                g.workspace_bytes,
+                self.stream.cu_stream() as lt_sys::cudaStream_t,
+            )
+        }
+    }
+
     /// Each candidate's time per run of product `g` in milliseconds, in order (`None`
     /// where it failed to run): a run to warm it up, then [`TIMED_RUNS`] between two
     /// events. A product that accumulates runs on a zeroed scratch output, so that its
@@ -727,28 +760,9 @@ impl DriverGpu {
                 return Err(event_error(e));
             }
         };
-        let run = |algo: &lt_sys::cublasLtMatmulAlgo_t| {
-            // SAFETY: the caller's contract for `g`; `out` has D's layout.
-            unsafe {
-                self.blas.matmul(
-                    self.lt,
-                    d.desc,
-                    &g.alpha as *const f32 as *const c_void,
-                    g.a as *const c_void,
-                    d.layouts[0],
-                    g.b as *const c_void,
-                    d.layouts[1],
-                    &g.beta as *const f32 as *const c_void,
-                    out as *mut c_void,
-                    d.layouts[2],
-                    algo,
-                    g.workspace as *mut c_void,
-                    g.workspace_bytes,
-                    stream as lt_sys::cudaStream_t,
-                )
-            }
-            .is_ok()
-        };
+        // SAFETY: the caller's contract for `g`; `out` has D's layout.
+        let run =
+            |algo: &lt_sys::cublasLtMatmulAlgo_t| unsafe { self.matmul(g, d, algo, out) }.is_ok();
         let mut times = Vec::with_capacity(candidates.len());
         let mut failure = None;
         for algo in candidates {
@@ -1106,33 +1120,14 @@ impl Gpu for DriverGpu {
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<GemmRun> {
         self.bind()?;
-        let (workspace, workspace_bytes) = (g.workspace, g.workspace_bytes);
         let d = descriptors(self.blas, g)?;
-        let Some(algo) = self.algorithm(g, &d, workspace_bytes)? else {
+        let Some(algo) = self.algorithm(g, &d, g.workspace_bytes)? else {
             return Ok(GemmRun::NoAlgorithm);
         };
         let timed = self.timer.start(self.stream.cu_stream())?;
         self.retry_trimmed(|| {
             // SAFETY: the caller's contract: every pointer addresses its layout.
-            unsafe {
-                self.blas.matmul(
-                    self.lt,
-                    d.desc,
-                    &g.alpha as *const f32 as *const c_void,
-                    g.a as *const c_void,
-                    d.layouts[0],
-                    g.b as *const c_void,
-                    d.layouts[1],
-                    &g.beta as *const f32 as *const c_void,
-                    g.d as *mut c_void,
-                    d.layouts[2],
-                    &algo,
-                    workspace as *mut c_void,
-                    workspace_bytes,
-                    self.stream.cu_stream() as lt_sys::cudaStream_t,
-                )
-            }
-            .map_err(|e| blas_error("running a matmul", e))
+            unsafe { self.matmul(g, &d, &algo, g.d) }.map_err(|e| blas_error("running a matmul", e))
         })?;
         self.timer
             .stop(timed, || gemm_name(g), self.stream.cu_stream())?;
