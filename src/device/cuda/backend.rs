@@ -112,6 +112,9 @@ pub struct CudaBackend {
     /// Cleared when cuBLASLt fails a product with the GELU epilogue: from then on the
     /// product and the GELU run as two ops.
     pub(super) gelu_epilogue: AtomicBool,
+    /// Cleared when cuBLASLt fails a product with the GELU-gradient (`DGELU`) epilogue:
+    /// from then on the product and the GELU's backward run apart.
+    pub(super) dgelu_epilogue: AtomicBool,
     /// Set by [`CudaOptions::bias_grad_epilogue`]; cleared when cuBLASLt fails a product
     /// with a bias-gradient epilogue: the weight and bias gradients then run as two ops.
     pub(super) bias_grad_epilogue: AtomicBool,
@@ -225,6 +228,7 @@ impl CudaBackend {
             options,
             gemm_workspace: Mutex::new(None),
             gelu_epilogue: AtomicBool::new(true),
+            dgelu_epilogue: AtomicBool::new(true),
             bias_grad_epilogue: AtomicBool::new(options.bias_grad_epilogue),
             kept: Mutex::new(Vec::new()),
             host: OnceLock::new(),
@@ -938,7 +942,7 @@ mod tests {
                 }
             }
             assert_eq!(
-                be.gelu_epilogue.load(std::sync::atomic::Ordering::Relaxed),
+                be.dgelu_epilogue.load(std::sync::atomic::Ordering::Relaxed),
                 !refuse
             );
         }

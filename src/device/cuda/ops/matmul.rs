@@ -287,7 +287,7 @@ pub(crate) fn matmul_dgelu(
         && dpre.shape() == pre.shape()
         && !(operand == DType::F32 && dpre.dtype() != DType::F32)
         && cols % 8 == 0
-        && be.gelu_epilogue.load(Ordering::Relaxed);
+        && be.dgelu_epilogue.load(Ordering::Relaxed);
     if !fused {
         return Ok(false);
     }
@@ -298,10 +298,10 @@ pub(crate) fn matmul_dgelu(
     match gemm(be, dpre, dy, w, None, false, trans_w, false, epilogue) {
         Ok(()) => Ok(true),
         Err(e) => {
-            if be.gelu_epilogue.swap(false, Ordering::Relaxed) {
+            if be.dgelu_epilogue.swap(false, Ordering::Relaxed) {
                 log::warn!(
-                    "cuBLASLt ran no product with a GELU epilogue ({e}); the MLP's products \
-                     and GELU now run apart"
+                    "cuBLASLt ran no product with the GELU-gradient epilogue ({e}); the \
+                     MLP's input gradient and the GELU's backward now run as two ops"
                 );
             }
             Ok(false)
