@@ -7,9 +7,10 @@
 //! top [`CANDIDATES`], runs each once to warm it up and [`TIMED_RUNS`] times between two
 //! events, and keeps the fastest, unless it beats the heuristic's first choice by less
 //! than [`MARGIN`] (timing noise should not change the algorithm from one run to the
-//! next), and at most [`MOST_TIMED`] products per process. A product that accumulates (`beta` 1) is timed on a scratch copy of its output,
-//! so that the output is added to once, by the real run; every other output is written,
-//! not added to, and the real run after the timing overwrites it.
+//! next); at most [`MOST_TIMED`] products are timed per process. A product that
+//! accumulates (`beta` 1) is timed on a scratch copy of its output, so that the output is
+//! added to once, by the real run; every other output is written, not added to, and the
+//! real run after the timing overwrites it.
 //!
 //! The choices are saved beside the kernel cache ([`super::KernelCache`]), one file per
 //! device model, cuBLASLt version and workspace size ([`SavedChoices`]), so that the next
