@@ -270,11 +270,8 @@ fn cached(
     cache.check_room(n)?;
     let start = cache.len();
     let batch = Batch {
-        batch_size: 1,
-        seq_len: n,
-        inputs: tokens.to_vec(),
-        targets: tokens.to_vec(),
         positions: Some((start..start + n).map(|p| p as u32).collect()),
+        ..Batch::row(tokens)
     };
     let logits = {
         let mut run = Run::with(graph, pass.backend, pass.checkpoint, pass.dtype, &batch);

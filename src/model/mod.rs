@@ -101,6 +101,18 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// One row of `tokens` for a forward-only pass (their targets are the tokens
+    /// themselves, unread; positions counted from 0).
+    pub fn row(tokens: &[u32]) -> Batch {
+        Batch {
+            batch_size: 1,
+            seq_len: tokens.len(),
+            inputs: tokens.to_vec(),
+            targets: tokens.to_vec(),
+            positions: None,
+        }
+    }
+
     /// Tokens in the batch (predicted positions).
     pub fn tokens(&self) -> usize {
         self.batch_size * self.seq_len
@@ -231,16 +243,7 @@ pub trait Model: Debug + Send + Sync {
         }
         let all = match cache {
             Some(cache) => self.logits_cached(pass, tokens, cache)?,
-            None => self.logits(
-                pass,
-                &Batch {
-                    batch_size: 1,
-                    seq_len: tokens.len(),
-                    inputs: tokens.to_vec(),
-                    targets: tokens.to_vec(),
-                    positions: None,
-                },
-            )?,
+            None => self.logits(pass, &Batch::row(tokens))?,
         };
         let vocab = all.len() / tokens.len();
         Ok(all[all.len() - vocab..].to_vec())

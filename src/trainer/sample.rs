@@ -44,15 +44,8 @@ where
 {
     /// Logits `[seq_len, vocab]` of the model for one row of `tokens` (forward only).
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let batch = Batch {
-            batch_size: 1,
-            seq_len: tokens.len(),
-            inputs: tokens.to_vec(),
-            targets: tokens.to_vec(),
-            positions: None,
-        };
         let (model, mut pass) = self.forward_pass(None);
-        let out = model.logits(&mut pass, &batch);
+        let out = model.logits(&mut pass, &Batch::row(tokens));
         self.flush_events();
         out
     }
@@ -146,12 +139,12 @@ where
             // The head runs on the last position alone (the next token's logits).
             let logits = match cache.as_mut() {
                 Some(c) if c.len() < c.capacity() => {
-                    let fresh = tokens[c.len()..].to_vec();
-                    self.last_logits(&fresh, Some(c))?
+                    let fresh = c.len();
+                    self.last_logits(&tokens[fresh..], Some(c))?
                 }
                 _ => {
-                    let ctx = tokens[tokens.len().saturating_sub(ctx_len)..].to_vec();
-                    self.last_logits(&ctx, None)?
+                    let ctx = tokens.len().saturating_sub(ctx_len);
+                    self.last_logits(&tokens[ctx..], None)?
                 }
             };
             let next = pick(&logits, options, rng) as u32;

@@ -481,22 +481,11 @@ fn init(shape: &Shape, slot: Slot) -> Init {
     }
 }
 
-/// One row of `tokens` as a batch (their targets unread).
-fn one_row(tokens: &[u32]) -> Batch {
-    Batch {
-        batch_size: 1,
-        seq_len: tokens.len(),
-        inputs: tokens.to_vec(),
-        targets: tokens.to_vec(),
-        positions: None,
-    }
-}
-
 impl<F: Family> Decoder<F> {
     /// Checks `tokens` continuing the sequence `cache` holds, and that the cache fits the
     /// model's context.
     fn check_cached(&self, tokens: &[u32], cache: &KvCache) -> Result<()> {
-        self.check_batch(&one_row(tokens))?;
+        self.check_batch(&Batch::row(tokens))?;
         if cache.capacity() > self.shape.context {
             return Err(Error::config(
                 "kv cache",
@@ -619,7 +608,7 @@ impl<F: Family> Model for Decoder<F> {
                 exec::last_logits_cached(&self.graph, pass, tokens, cache)?
             }
             None => {
-                let batch = one_row(tokens);
+                let batch = Batch::row(tokens);
                 self.check_batch(&batch)?;
                 exec::last_logits(&self.graph, pass, &batch)?
             }
