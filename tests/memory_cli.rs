@@ -601,8 +601,9 @@ fn a_lora_run_prints_its_own_exact_table() {
 }
 
 /// Under ZeRO the figures are the heaviest rank's: GPT-2's is rank 0 (the tied embedding,
-/// first and largest), Llama 3.1 8B's untied head, given last to the lightest rank, makes
-/// another rank heavier with 2 and 4 ranks; that rank keeps more than its 1/N.
+/// the largest parameter, given first); Llama 3.1 8B's parameters, given largest first,
+/// leave every rank within 1% of an even share at 2, 4 and 8 ranks, and at 3 ranks rank 2
+/// the heaviest.
 #[test]
 fn zero_figures_are_the_heaviest_ranks() {
     let rank = |v: &Value| v["data_parallel"]["rank"].as_u64().unwrap();
@@ -635,29 +636,30 @@ fn zero_figures_are_the_heaviest_ranks() {
             .unwrap()
     };
     let whole = exact(&json(&["--model", "llama-8b", "--seq-len", "256"]));
-    for (world, heaviest) in [("2", 1), ("4", 3)] {
+    for world in ["2", "4", "8"] {
         let v = llama(world);
-        assert_eq!(rank(&v), heaviest, "{world} ranks");
         let n: u64 = world.parse().unwrap();
         assert!(
-            exact(&v) * n > whole,
-            "{world} ranks: {} of {whole}",
+            exact(&v) * n >= whole && exact(&v) * n * 100 <= whole * 101,
+            "{world} ranks: rank {} holds {} of {whole}",
+            rank(&v),
             exact(&v)
         );
     }
+    assert_eq!(rank(&llama("3")), 2);
     let (ok, out, err) = trainkit(&[
         "--model",
         "llama-8b",
         "--seq-len",
         "256",
         "--world",
-        "2",
+        "3",
         "--zero",
         "1",
     ]);
     assert!(ok, "{err}");
     assert!(
-        out.contains("the figures are rank 1's (the largest share)"),
+        out.contains("the figures are rank 2's (the largest share)"),
         "{out}"
     );
 }
