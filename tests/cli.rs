@@ -108,6 +108,7 @@ fn bad_input_is_a_one_line_error() {
             "NCCL carries GPU memory",
         ),
         (vec!["train", "--bucket-size", "5X"], "--bucket-size"),
+        (vec!["train", "--device", "cpu", "--tf32"], "--tf32"),
         (vec!["train", "--batch-size", "0"], "batch_size"),
         (
             vec!["train", "--seq-len", "4096", "--n-positions", "1024"],
@@ -192,6 +193,20 @@ fn torchrun_style_ranks_need_gpus() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// `--tf32` is saved in the config, and where `--device auto` finds no GPU the run goes on
+/// in f32 on the CPU, saying so (on a GPU it runs with TF32 products).
+#[test]
+fn tf32_is_saved_and_noted_without_a_gpu() {
+    let (ok, out, err) = trainkit(&["train", "--tf32", "--print-config"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("tf32 = true"), "{out}");
+    let (ok, out, err) = trainkit(&["train", "--tf32", "--steps", "1", "--batch-size", "2"]);
+    assert!(ok, "{err}");
+    if err.contains("using the CPU") {
+        assert!(out.contains("tf32: no GPU"), "{out}");
+    }
+}
+
 #[test]
 fn every_subcommand_documents_its_flags() {
     for (sub, flags) in [
@@ -214,6 +229,7 @@ fn every_subcommand_documents_its_flags() {
                 "--optimizer",
                 "--grad-clip",
                 "--precision",
+                "--tf32",
                 "--recompute",
                 "--device",
                 "--seed",

@@ -16,8 +16,10 @@
 #              the default run's first 50 steps against the CPU
 #   bench      the GPU benchmark (GPT-2 124M, seq 1024, FP32, mixed bf16 and mixed fp16),
 #              then bf16 with the bias gradients in the cuBLASLt epilogue instead of
-#              trainkit's own kernel, then bf16 with every kernel timed by CUDA events
-#              (--kernels), then bf16 again with every op timed on the device
+#              trainkit's own kernel, fp32 with TF32 products (--tf32), bf16 with and
+#              without each product's algorithm timed, then bf16 with every kernel timed
+#              by CUDA events (--kernels), then bf16 again with every op timed on the
+#              device
 #   kernels    LayerNorm and RMSNorm forward and backward and AdamW over GPT-2 124M's
 #              parameters alone (kernel_bench), beside PyTorch's F.layer_norm, F.rms_norm
 #              and fused AdamW (reference/norms_adamw.py): ms, GB/s, share of bandwidth
@@ -705,6 +707,10 @@ phase_bench() {
   # kernel, to compare.
   gpu_bench_step gpu_bench_bias_grad_epilogue 300 figures_gpu_bench --batch "$batch" \
     --precision bf16 --bias-grad-epilogue ${peak_tflops:+--peak-tflops "$peak_tflops"}
+  # fp32 with its products on TF32 tensor cores (`train --tf32`), beside the first run's
+  # plain fp32.
+  gpu_bench_step gpu_bench_fp32_tf32 300 figures_gpu_bench --batch "$batch" \
+    --precision fp32 --tf32 --warmup 3 --steps 10
   # Each product's cuBLASLt algorithm chosen by timing (the default; the first run above
   # timed them and saved the choices in this run's cache) against the heuristic's first
   # choice untimed, alternating.

@@ -57,6 +57,11 @@ impl Device {
     /// A backend running on this device. The CPU's runs its matrix products on the CBLAS
     /// library `$TRAINKIT_BLAS` names, if set ([`CpuBackend::from_env`]).
     pub fn backend(self) -> Result<Arc<dyn Backend>> {
+        self.backend_with(cuda::CudaOptions::default())
+    }
+
+    /// A backend running on this device, a GPU's with `options` (the CPU has none).
+    pub fn backend_with(self, options: cuda::CudaOptions) -> Result<Arc<dyn Backend>> {
         match self {
             Device::Cpu => {
                 let cpu = CpuBackend::from_env()?;
@@ -65,7 +70,7 @@ impl Device {
                 }
                 Ok(Arc::new(cpu))
             }
-            Device::Cuda(i) => Ok(Arc::new(cuda::CudaBackend::new(i)?)),
+            Device::Cuda(i) => Ok(Arc::new(cuda::CudaBackend::with_options(i, options)?)),
         }
     }
 }

@@ -43,9 +43,17 @@ impl MathDtype {
     /// The math trainkit's CUDA products run for a compute dtype: bf16 and fp16 on tensor
     /// cores, f32 on the CUDA cores (TF32 is opt-in and not assumed).
     pub fn of_compute(dtype: crate::tensor::DType) -> MathDtype {
+        Self::of_products(dtype, false)
+    }
+
+    /// The math of a compute dtype's products with `tf32` allowed or not
+    /// ([`crate::config::TrainingConfig::tf32`]): f32 products on TF32 tensor cores when
+    /// it is.
+    pub fn of_products(dtype: crate::tensor::DType, tf32: bool) -> MathDtype {
         match dtype {
             crate::tensor::DType::Bf16 => MathDtype::Bf16,
             crate::tensor::DType::F16 => MathDtype::Fp16,
+            _ if tf32 => MathDtype::Tf32,
             _ => MathDtype::Fp32,
         }
     }
@@ -379,5 +387,9 @@ mod tests {
         assert_eq!(of(DType::F16), Some(989.5));
         assert_eq!(of(DType::F32), tflops(h100, MathDtype::Fp32));
         assert!(of(DType::F32).unwrap() < 100.0);
+        // With TF32 allowed f32 products compare with the TF32 peak; bf16's stay bf16.
+        let tf32 = |d: DType| tflops(h100, MathDtype::of_products(d, true));
+        assert_eq!(tf32(DType::F32), Some(494.5));
+        assert_eq!(tf32(DType::Bf16), Some(989.5));
     }
 }

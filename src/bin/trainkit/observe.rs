@@ -95,14 +95,17 @@ impl ObserveArgs {
 }
 
 /// The peak FLOP/s of the GPU `backend` runs on in the run's compute dtype (bf16 and fp16
-/// on tensor cores, f32 on the CUDA cores), from trainkit's table of datasheet figures,
+/// on tensor cores, f32 on the CUDA cores or with `tf32` on TF32 tensor cores), from trainkit's table of datasheet figures,
 /// announced with how to change it; `None` on the CPU or an unknown GPU (then
 /// `--peak-tflops` gives MFU).
 pub fn device_peak(backend: &dyn trainkit::Backend, cfg: &RunConfig) -> Option<f64> {
     if backend.device() == trainkit::Device::Cpu {
         return None;
     }
-    let dtype = trainkit::estimate::MathDtype::of_compute(cfg.precision.compute_dtype());
+    let dtype = trainkit::estimate::MathDtype::of_products(
+        cfg.precision.compute_dtype(),
+        cfg.training.tf32,
+    );
     let name = backend.describe();
     let gpu = trainkit::estimate::gpu_peak(&name)?;
     let peak = gpu.get(dtype)?;

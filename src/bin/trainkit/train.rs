@@ -155,6 +155,25 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
     })
 }
 
+/// Whether the run's f32 products take TF32 tensor cores (`--tf32`, `training.tf32`): on
+/// a GPU as asked; refused on the CPU named by `--device cpu`, which has no TF32; noted
+/// and ignored where `--device auto` found no GPU, so that one config serves both.
+fn tf32_on(args: &TrainArgs, cfg: &RunConfig, device: trainkit::Device) -> Result<bool> {
+    match (cfg.training.tf32, device, args.device()) {
+        (false, ..) => Ok(false),
+        (true, trainkit::Device::Cuda(_), _) => Ok(true),
+        (true, trainkit::Device::Cpu, "cpu") => Err(trainkit::Error::config(
+            "--tf32",
+            "TF32 is a GPU's tensor-core format, and --device cpu computes f32 products in \
+             f32: drop --tf32 (training.tf32 = false) or train on a GPU (--device cuda)",
+        )),
+        (true, trainkit::Device::Cpu, _) => {
+            println!("tf32: no GPU, so the f32 products run in f32 on the CPU");
+            Ok(false)
+        }
+    }
+}
+
 /// The backend, the data, the model and the trainer of `plan` (resumed or started from
 /// a model directory when asked), announced on stdout.
 fn build(
@@ -170,7 +189,11 @@ fn build(
         }
         d => d,
     };
-    let backend = device.backend().map_err(|e| match device {
+    let options = trainkit::device::cuda::CudaOptions {
+        allow_tf32: tf32_on(args, cfg, device)?,
+        ..Default::default()
+    };
+    let backend = device.backend_with(options).map_err(|e| match device {
         trainkit::Device::Cuda(i) if i > 0 => trainkit::Error::config(
             "--device",
             format!(
