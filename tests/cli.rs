@@ -66,7 +66,19 @@ fn bad_input_is_a_one_line_error() {
     let xbin = dir.join("x.bin");
     let binary = dir.join("binary.txt");
     std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x41]).unwrap();
+    // Places no run can write: a file, and a path through a file.
+    let under_a_file = binary.join("run");
+    let log_under_a_file = binary.join("log.jsonl");
     let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["train", "--out", path(&binary)],
+            "exists and is not a directory",
+        ),
+        (vec!["train", "--out", path(&under_a_file)], "--out"),
+        (
+            vec!["train", "--log-json", path(&log_under_a_file)],
+            "--log-json",
+        ),
         (vec!["train", "--device", "tpu"], "auto, cpu or cuda"),
         (
             vec!["train", "--update-rounding", "kahan", "--precision", "fp32"],

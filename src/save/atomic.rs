@@ -135,9 +135,30 @@ impl DirectoryWriter {
     }
 }
 
+/// Whether a directory can be saved as `target` ([`DirectoryWriter`]): it is not a file,
+/// its parent directories are created, and a staging directory is made beside it and
+/// removed again. A run that will save there calls it before it trains, so that a place
+/// it cannot write is found then, not at its first save.
+pub fn check_writable_dir(target: &Path) -> Result<()> {
+    if target.exists() && !target.is_dir() {
+        let kind = std::io::ErrorKind::AlreadyExists;
+        return Err(Error::io(
+            target,
+            std::io::Error::new(kind, "exists and is not a directory"),
+        ));
+    }
+    if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let probe = temp_sibling(target, "probe");
+    fs::create_dir(&probe).map_err(|e| Error::io(parent_dir(target), e))?;
+    fs::remove_dir(&probe).map_err(|e| Error::io(&probe, e))
+}
+
 /// Repairs what an interrupted save can leave beside `target`: when `target` is missing
 /// but the previous checkpoint was set aside (`.NAME.PID.old`), it is renamed back; stale
-/// staging directories (`.NAME.PID.partial`) of saves that never finished are removed.
+/// staging directories (`.NAME.PID.partial`) of saves that never finished, and the probes
+/// of [`check_writable_dir`], are removed.
 /// Returns whether a checkpoint was restored.
 pub fn recover_directory(target: &Path) -> Result<bool> {
     let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
@@ -162,7 +183,10 @@ pub fn recover_directory(target: &Path) -> Result<bool> {
                 path.display()
             );
             restored = true;
-        } else if rest.ends_with(".partial") || rest.ends_with(".old") {
+        } else if [".partial", ".old", ".probe"]
+            .iter()
+            .any(|s| rest.ends_with(s))
+        {
             fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
         }
     }

@@ -31,14 +31,24 @@ impl Progress {
         });
         let log = match log_json {
             Some(path) => {
+                let refused = |e: std::io::Error| {
+                    Error::config(
+                        "--log-json",
+                        format!(
+                            "cannot append to {}: {e}; give it a file in a place this user \
+                             can write",
+                            path.display()
+                        ),
+                    )
+                };
                 if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+                    std::fs::create_dir_all(dir).map_err(refused)?;
                 }
                 let f = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(path)
-                    .map_err(|e| Error::io(path, e))?;
+                    .map_err(refused)?;
                 Some((f, path.to_path_buf()))
             }
             None => None,

@@ -182,6 +182,16 @@ fn build(
     collective: Arc<dyn trainkit::collective::Collective>,
 ) -> Result<Job> {
     let cfg = &plan.cfg;
+    // Rank 0 saves: a place it cannot write is refused before anything is built, not at
+    // the first save.
+    if let (Some(dir), 0) = (&cfg.output.out, collective.rank()) {
+        trainkit::save::check_writable_dir(dir).map_err(|e| {
+            trainkit::Error::config(
+                "--out",
+                format!("the run could not save there ({e}); give --out a directory in a place this user can write"),
+            )
+        })?;
+    }
     // Each rank of a data-parallel job takes the GPU of its local rank.
     let device = match plan.device {
         trainkit::Device::Cuda(0) if collective.world() > 1 => {
