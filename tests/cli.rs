@@ -144,6 +144,18 @@ fn bad_input_is_a_one_line_error() {
             "config.json",
         ),
         (
+            vec![
+                "sample",
+                "--model",
+                "/nonexistent",
+                "--prompt",
+                "x",
+                "--top-p",
+                "2",
+            ],
+            "--top-p",
+        ),
+        (
             vec!["sample", "--model", "/nonexistent", "--prompt", "x"],
             "not a directory",
         ),
@@ -274,6 +286,10 @@ fn every_subcommand_documents_its_flags() {
                 "--max-new-tokens",
                 "--temperature",
                 "--top-k",
+                "--top-p",
+                "--min-p",
+                "--repetition-penalty",
+                "--ignore-eos",
                 "--seed",
             ][..],
         ),
@@ -474,8 +490,8 @@ fn saved_models_evaluate_and_sample() {
     assert_eq!(all["whole_data"], true);
     assert_eq!(whole(Some("100")), all);
 
-    let sample = || {
-        let (ok, out, err) = trainkit(&[
+    let sample = |extra: &[&str]| {
+        let mut a = vec![
             "sample",
             "--model",
             path(&model),
@@ -489,13 +505,27 @@ fn saved_models_evaluate_and_sample() {
             "8",
             "--device",
             "cpu",
-        ]);
+        ];
+        a.extend_from_slice(extra);
+        let (ok, out, err) = trainkit(&a);
         assert!(ok, "{err}");
         out
     };
-    let (s1, s2) = (sample(), sample());
+    let (s1, s2) = (sample(&[]), sample(&[]));
     assert_eq!(s1, s2, "a seed fixes the sample");
     assert!(s1.starts_with("the ") && s1.trim_end().len() > 4, "{s1}");
+    // Nucleus, min-p and the repetition penalty: as reproducible.
+    let more = [
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.05",
+        "--repetition-penalty",
+        "1.3",
+    ];
+    let (s3, s4) = (sample(&more), sample(&more));
+    assert_eq!(s3, s4);
+    assert!(s3.starts_with("the ") && s3.trim_end().len() > 4, "{s3}");
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! Text generation from a trainer's model: temperature and top-k sampling, with a
+//! Text generation from a trainer's model: temperature, top-k, top-p (nucleus), min-p and
+//! a repetition penalty, as transformers' `generate` applies them, with a
 //! key/value cache where the model decodes incrementally ([`crate::Model::logits_cached`]):
 //! the prompt runs once, then each new token runs the model on its own row.
 
@@ -19,6 +20,17 @@ pub struct SamplingOptions {
     pub temperature: f32,
     /// Sample among the `top_k` most likely tokens only (0 = all).
     pub top_k: usize,
+    /// Sample among the most likely tokens whose probabilities (after the temperature and
+    /// top-k) add up to `top_p`: nucleus sampling (1 = all). The most likely token always
+    /// stays.
+    pub top_p: f32,
+    /// Drop the tokens less likely than `min_p` times the most likely one (after the
+    /// temperature, top-k and top-p; 0 = none).
+    pub min_p: f32,
+    /// Make the tokens already in the context less likely (CTRL's penalty, transformers'
+    /// `repetition_penalty`): a positive logit divided by it, a negative one multiplied,
+    /// before the temperature (1 = none).
+    pub repetition_penalty: f32,
     /// Decode through a key/value cache where the model can (transformers' `use_cache`);
     /// `false` reruns the whole context for every token.
     pub use_cache: bool,
@@ -29,8 +41,37 @@ impl Default for SamplingOptions {
         SamplingOptions {
             temperature: 1.0,
             top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
             use_cache: true,
         }
+    }
+}
+
+impl SamplingOptions {
+    /// Refuses settings no sampler can follow, naming the setting.
+    pub fn check(&self) -> Result<()> {
+        let refuse = |name: &str, value: f32, want: &str| {
+            Err(Error::config(name, format!("{value} must be {want}")))
+        };
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return refuse("temperature", self.temperature, "a number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return refuse("top_p", self.top_p, "in (0, 1] (1 keeps every token)");
+        }
+        if !(0.0..1.0).contains(&self.min_p) {
+            return refuse("min_p", self.min_p, "in [0, 1) (0 keeps every token)");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return refuse(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "a number > 0 (1 is no penalty)",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -116,12 +157,7 @@ where
                 "is empty; give at least one token of context",
             ));
         }
-        if !(options.temperature >= 0.0 && options.temperature.is_finite()) {
-            return Err(Error::config(
-                "temperature",
-                format!("{} must be a number >= 0", options.temperature),
-            ));
-        }
+        options.check()?;
         let vocab = self.model.vocab_size();
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::data(
@@ -147,7 +183,7 @@ where
                     self.last_logits(&tokens[ctx..], None)?
                 }
             };
-            let next = pick(&logits, options, rng) as u32;
+            let next = pick(&logits, options, &tokens, rng) as u32;
             if stop.contains(&next) {
                 break;
             }
@@ -158,21 +194,58 @@ where
     }
 }
 
-/// Draws a token id from `logits` under `options`.
-fn pick(logits: &[f32], options: SamplingOptions, rng: &mut Rng) -> usize {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+/// Draws a token id from `logits` under `options`, `context` the tokens before it (for the
+/// repetition penalty): the penalty, then the temperature, top-k, top-p and min-p, in
+/// transformers' order.
+fn pick(logits: &[f32], options: SamplingOptions, context: &[u32], rng: &mut Rng) -> usize {
+    let mut scores: Vec<f64> = logits.iter().map(|&l| l as f64).collect();
+    let penalty = options.repetition_penalty as f64;
+    if penalty != 1.0 {
+        let mut seen = vec![false; scores.len()];
+        for &t in context {
+            if let Some(s) = scores.get_mut(t as usize).filter(|_| !seen[t as usize]) {
+                seen[t as usize] = true;
+                *s = if *s < 0.0 { *s * penalty } else { *s / penalty };
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
     if options.temperature == 0.0 {
         return order[0];
     }
     if options.top_k > 0 {
         order.truncate(options.top_k);
     }
-    let max = logits[order[0]] as f64;
-    let weights: Vec<f64> = order
+    let max = scores[order[0]];
+    let mut weights: Vec<f64> = order
         .iter()
-        .map(|&i| ((logits[i] as f64 - max) / options.temperature as f64).exp())
+        .map(|&i| ((scores[i] - max) / options.temperature as f64).exp())
         .collect();
+    if options.top_p < 1.0 {
+        // The most likely tokens until the ones before reach top_p of the probability.
+        let (total, top_p) = (weights.iter().sum::<f64>(), options.top_p as f64);
+        let mut before = 0.0;
+        let keep = weights
+            .iter()
+            .take_while(|&&w| {
+                let kept = before < top_p * total;
+                before += w;
+                kept
+            })
+            .count();
+        order.truncate(keep.max(1));
+        weights.truncate(keep.max(1));
+    }
+    if options.min_p > 0.0 {
+        // The first weight is the most likely token's: exp(0) = 1.
+        let keep = weights
+            .iter()
+            .take_while(|&&w| w >= options.min_p as f64)
+            .count();
+        order.truncate(keep.max(1));
+        weights.truncate(keep.max(1));
+    }
     let total: f64 = weights.iter().sum();
     let mut u = rng.uniform() * total;
     for (&i, w) in order.iter().zip(&weights) {
@@ -195,22 +268,122 @@ mod tests {
         let greedy = SamplingOptions {
             temperature: 0.0,
             top_k: 0,
-            use_cache: true,
+            ..SamplingOptions::default()
         };
-        assert_eq!(pick(&logits, greedy, &mut rng), 1);
+        assert_eq!(pick(&logits, greedy, &[], &mut rng), 1);
         let top2 = SamplingOptions {
             temperature: 1.0,
             top_k: 2,
-            use_cache: true,
+            ..SamplingOptions::default()
         };
         let mut counts = [0usize; 4];
         for _ in 0..4000 {
-            counts[pick(&logits, top2, &mut rng)] += 1;
+            counts[pick(&logits, top2, &[], &mut rng)] += 1;
         }
         assert_eq!(counts[0] + counts[2], 0, "{counts:?}");
         // p(1) / p(3) = e^0.5 ≈ 1.65.
         let ratio = counts[1] as f64 / counts[3] as f64;
         assert!((ratio - 0.5f64.exp()).abs() < 0.15, "{ratio}");
+    }
+
+    /// Draws of `options` from `logits` after `context`: how often each token came.
+    fn draws(logits: &[f32], options: SamplingOptions, context: &[u32]) -> Vec<usize> {
+        let mut rng = Rng::new(7);
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..4000 {
+            counts[pick(logits, options, context, &mut rng)] += 1;
+        }
+        counts
+    }
+
+    /// Nucleus sampling keeps the most likely tokens until those before reach top_p:
+    /// probabilities 0.5, 0.3, 0.15, 0.05 with top_p 0.75 keep the first two (0.5 < 0.75,
+    /// 0.8 is not), with 0.8 the first three, and the most likely always.
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        let probs: [f64; 4] = [0.15, 0.5, 0.05, 0.3];
+        let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
+        let with = |top_p| SamplingOptions {
+            top_p,
+            ..SamplingOptions::default()
+        };
+        let c = draws(&logits, with(0.75), &[]);
+        assert_eq!(c[0] + c[2], 0, "{c:?}");
+        // Renormalised over the two: 0.5 / 0.3.
+        let ratio = c[1] as f64 / c[3] as f64;
+        assert!((ratio - 5.0 / 3.0).abs() < 0.2, "{ratio}");
+        let c = draws(&logits, with(0.8001), &[]);
+        assert!(c[0] > 0 && c[2] == 0, "{c:?}");
+        let c = draws(&logits, with(0.01), &[]);
+        assert_eq!(c[1], 4000, "{c:?}");
+        assert!(draws(&logits, with(1.0), &[]).iter().all(|&n| n > 0));
+    }
+
+    /// min-p drops what is less likely than min_p times the most likely token, after the
+    /// temperature: at temperature 1, 0.15 / 0.5 = 0.3 stays at min_p 0.3 and 0.05 goes.
+    #[test]
+    fn min_p_drops_the_unlikely() {
+        let logits: Vec<f32> = [0.15f64, 0.5, 0.05, 0.3]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
+        let c = draws(
+            &logits,
+            SamplingOptions {
+                min_p: 0.29,
+                ..SamplingOptions::default()
+            },
+            &[],
+        );
+        assert!(c[0] > 0 && c[2] == 0, "{c:?}");
+    }
+
+    /// The repetition penalty divides a positive logit of a token in the context and
+    /// multiplies a negative one, each token once however often it came.
+    #[test]
+    fn the_repetition_penalty_turns_greedy_away_from_the_context() {
+        let greedy = SamplingOptions {
+            temperature: 0.0,
+            repetition_penalty: 1.25,
+            ..SamplingOptions::default()
+        };
+        let mut rng = Rng::new(1);
+        // 3.0 / 1.25 = 2.4 < 2.9: token 1 instead of 0.
+        assert_eq!(pick(&[3.0, 2.9], greedy, &[0, 0, 0], &mut rng), 1);
+        assert_eq!(pick(&[3.0, 2.9], greedy, &[], &mut rng), 0);
+        // −1.0 · 1.25 = −1.25 < −1.2: token 1.
+        assert_eq!(pick(&[-1.0, -1.2], greedy, &[0], &mut rng), 1);
+        // Out-of-range context ids are ignored rather than indexed.
+        assert_eq!(pick(&[3.0, 2.9], greedy, &[9], &mut rng), 0);
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_by_name() {
+        let d = SamplingOptions::default();
+        assert!(d.check().is_ok());
+        for (bad, name) in [
+            (SamplingOptions { top_p: 0.0, ..d }, "top_p"),
+            (SamplingOptions { top_p: 1.5, ..d }, "top_p"),
+            (SamplingOptions { min_p: 1.0, ..d }, "min_p"),
+            (SamplingOptions { min_p: -0.1, ..d }, "min_p"),
+            (
+                SamplingOptions {
+                    repetition_penalty: 0.0,
+                    ..d
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingOptions {
+                    temperature: f32::NAN,
+                    ..d
+                },
+                "temperature",
+            ),
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
     }
 
     /// Generation ends before the first stop token it draws: greedy decoding that would
@@ -238,7 +411,7 @@ mod tests {
         let greedy = SamplingOptions {
             temperature: 0.0,
             top_k: 0,
-            use_cache: true,
+            ..SamplingOptions::default()
         };
         let mut rng = Rng::new(1);
         let all = t.generate(&[1, 2], 6, greedy, &mut rng).unwrap();

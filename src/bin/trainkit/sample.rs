@@ -38,6 +38,23 @@ pub struct SampleArgs {
     /// Sample among the K most likely tokens only (0 = all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Nucleus sampling: among the most likely tokens whose probabilities add up to P,
+    /// after the temperature and --top-k (1 = all; transformers' top_p).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop the tokens less likely than P times the most likely one, after the
+    /// temperature, --top-k and --top-p (0 = none; transformers' min_p).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Make the tokens already in the context less likely: a positive logit divided by
+    /// it, a negative one multiplied (1 = none; transformers' repetition_penalty, 1.1 to
+    /// 1.3 in common use).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// With --prompt: go on past the tokenizer's end-of-text token (GPT-2's
+    /// <|endoftext|>, a tokenizer.json's EOS) instead of stopping there, as generate does.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Rerun the whole context for every new token instead of decoding through a
     /// key/value cache (transformers' use_cache=False): slower, for comparison.
     #[arg(long)]
@@ -53,6 +70,21 @@ pub struct SampleArgs {
 }
 
 pub fn run(mut args: SampleArgs) -> Result<()> {
+    let options = SamplingOptions {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        use_cache: !args.no_cache,
+    };
+    // Settings out of range are refused before the model loads.
+    options.check().map_err(|e| match e {
+        Error::Config { field, message } => {
+            Error::config(format!("--{}", field.replace('_', "-")), message)
+        }
+        e => e,
+    })?;
     let dir = args.saved.open()?;
     let saved = args.saved.model.join(RUN_CONFIG_FILE);
     let tokenizer = match (args.tokenizer, args.saved.dir_tokenizer()) {
@@ -87,7 +119,13 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
             });
             chat_prompt(&tokenizer, args.template.as_deref(), &messages)?
         }
-        (None, Some(text)) => (tok.try_encode(text)?, Vec::new()),
+        (None, Some(text)) => {
+            let stop = match args.ignore_eos {
+                true => Vec::new(),
+                false => tok.end_of_text().into_iter().collect(),
+            };
+            (tok.try_encode(text)?, stop)
+        }
         (None, None) => return Err(Error::config("--prompt", "give --prompt or --chat")),
     };
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
@@ -105,11 +143,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     let new = trainer.generate_streaming(
         &prompt,
         args.max_new_tokens,
-        SamplingOptions {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            use_cache: !args.no_cache,
-        },
+        options,
         &stop,
         &mut rng,
         &mut |token| {
@@ -123,7 +157,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     stream.show(&text, reply_end(&text, chat, true))?;
     print_now("\n")?;
     eprintln!(
-        "sampled {} tokens after a prompt of {} in {seconds:.2} s: {:.1} tokens/s{}",
+        "sampled {} tokens after a prompt of {} in {seconds:.2} s: {:.1} tokens/s{}{}",
         new.len(),
         prompt.len(),
         new.len() as f64 / seconds.max(1e-9),
@@ -131,6 +165,11 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
             " (key/value cache)"
         } else {
             ""
+        },
+        match (new.len() < args.max_new_tokens, chat) {
+            (true, true) => "; the reply ended its turn",
+            (true, false) => "; stopped at the end-of-text token (--ignore-eos goes on)",
+            (false, _) => "",
         }
     );
     Ok(())
