@@ -66,6 +66,10 @@ fn bad_input_is_a_one_line_error() {
     let xbin = dir.join("x.bin");
     let binary = dir.join("binary.txt");
     std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x41]).unwrap();
+    // An adapter's directory where a model's is asked for.
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::write(adapter.join("adapter_config.json"), "{}").unwrap();
     // Places no run can write: a file, and a path through a file.
     let under_a_file = binary.join("run");
     let log_under_a_file = binary.join("log.jsonl");
@@ -75,6 +79,10 @@ fn bad_input_is_a_one_line_error() {
             "exists and is not a directory",
         ),
         (vec!["train", "--out", path(&under_a_file)], "--out"),
+        (
+            vec!["sample", "--model", path(&adapter), "--prompt", "x"],
+            "holds a LoRA adapter",
+        ),
         (
             vec!["train", "--log-json", path(&log_under_a_file)],
             "--log-json",

@@ -1,6 +1,7 @@
 //! A model directory (`config.json` and its weights, as trainkit's `--out` or
 //! transformers' `save_pretrained` writes it), read by the family its `model_type` names.
 
+use crate::adapter::peft::ADAPTER_CONFIG;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::save::{read_weights, recover_directory, NamedTensor, CONFIG_FILE};
@@ -45,6 +46,16 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
 pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
     recover_directory(dir)?;
     let path = dir.join(CONFIG_FILE);
+    if !path.exists() && dir.join(ADAPTER_CONFIG).is_file() {
+        return Err(Error::data(
+            dir.display().to_string(),
+            format!(
+                "holds a LoRA adapter ({ADAPTER_CONFIG}), not a model ({CONFIG_FILE}): \
+                 give it as --adapter, with its base model's directory as --model \
+                 (train: --init-from)"
+            ),
+        ));
+    }
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     crate::model::families::read_config(&path, &text)
 }
