@@ -129,6 +129,11 @@ fn bad_input_is_a_one_line_error() {
         ),
         (vec!["train", "--bucket-size", "5X"], "--bucket-size"),
         (vec!["train", "--device", "cpu", "--tf32"], "--tf32"),
+        (
+            vec!["train", "--epochs", "1", "--steps", "3"],
+            "cannot be used with",
+        ),
+        (vec!["train", "--epochs", "0"], "--epochs"),
         (vec!["train", "--batch-size", "0"], "batch_size"),
         (
             vec!["train", "--seq-len", "4096", "--n-positions", "1024"],
@@ -236,6 +241,36 @@ fn tf32_is_saved_and_noted_without_a_gpu() {
     assert!(ok, "{err}");
     if err.contains("using the CPU") {
         assert!(out.contains("tf32: no GPU"), "{out}");
+    }
+}
+
+/// `--epochs E` trains E passes over the data: the built-in corpus holds 2,047
+/// micro-batches of 4 × 128 tokens, so 0.004 passes are 9 steps, and 5 with two
+/// micro-batches a step.
+#[test]
+fn epochs_make_the_steps_of_passes_over_the_data() {
+    for (accum, steps) in [("1", 9), ("2", 5)] {
+        let (ok, out, err) = trainkit(&[
+            "train",
+            "--device",
+            "cpu",
+            "--epochs",
+            "0.004",
+            "--batch-size",
+            "4",
+            "--grad-accum",
+            accum,
+            "--n-layer",
+            "1",
+        ]);
+        assert!(ok, "{err}");
+        assert!(
+            out.contains(&format!(
+                "over 2047 micro-batches of 4 × 128 tokens, {accum} a step: {steps} steps"
+            )),
+            "{out}"
+        );
+        assert!(out.contains(&format!("step {steps:>5}/{steps}")), "{out}");
     }
 }
 

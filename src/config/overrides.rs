@@ -47,6 +47,11 @@ pub struct Overrides {
     /// Optimizer steps, counted from the start of training (a resumed run stops there).
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Passes over the training data instead of --steps (fractions allowed; Hugging
+    /// Face's num_train_epochs): the steps are E × the data's micro-batches a pass ÷
+    /// (--grad-accum × ranks), rounded up, counted from the start of training.
+    #[arg(long, value_name = "E", conflicts_with = "steps")]
+    pub epochs: Option<f64>,
     /// Rows per micro-batch.
     #[arg(long)]
     pub batch_size: Option<usize>,

@@ -184,6 +184,13 @@ impl DataLoader {
         self.seq_len
     }
 
+    /// The micro-batches of one pass over the data (an epoch): every shard's whole
+    /// windows of `batch_size` rows (training never reads the tokens past a shard's last
+    /// whole window).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.windows.iter().sum()
+    }
+
     /// Tokens in all shards.
     pub fn len_tokens(&self) -> usize {
         self.data.len_tokens()

@@ -155,6 +155,41 @@ fn plan(args: &TrainArgs) -> Result<Plan> {
     })
 }
 
+/// The steps of `epochs` passes over `train` (`--epochs`): each step reads the
+/// micro-batches of its accumulation on each of `world` ranks; announced on stdout.
+/// Refused for a number that is not positive, and for an accumulation schedule whose
+/// micro-batches change from step to step.
+fn steps_for_epochs(cfg: &RunConfig, epochs: f64, train: &DataLoader, world: usize) -> Result<u64> {
+    if !(epochs > 0.0 && epochs.is_finite()) {
+        return Err(trainkit::Error::config(
+            "--epochs",
+            format!("{epochs} must be a number of passes over the data above 0"),
+        ));
+    }
+    let kind = trainkit::config::policy_kind(&cfg.accumulation)?;
+    if kind != "constant" {
+        return Err(trainkit::Error::config(
+            "--epochs",
+            format!(
+                "the `{kind}` accumulation schedule changes the micro-batches of a step, so \
+                 passes over the data do not make a number of steps; give --steps"
+            ),
+        ));
+    }
+    let per_step = cfg.global_batch()? / cfg.training.batch_size.max(1) * world.max(1);
+    let per_epoch = train.batches_per_epoch();
+    let steps = ((epochs * per_epoch as f64) / per_step as f64)
+        .ceil()
+        .max(1.0) as u64;
+    println!(
+        "epochs: {epochs} over {per_epoch} micro-batches of {} × {} tokens, {per_step} a step: \
+         {steps} steps",
+        train.batch_size(),
+        train.seq_len()
+    );
+    Ok(steps)
+}
+
 /// Whether the run's f32 products take TF32 tensor cores (`--tf32`, `training.tf32`): on
 /// a GPU as asked; refused on the CPU named by `--device cpu`, which has no TF32; noted
 /// and ignored where `--device auto` found no GPU, so that one config serves both.
@@ -178,7 +213,7 @@ fn tf32_on(args: &TrainArgs, cfg: &RunConfig, device: trainkit::Device) -> Resul
 /// a model directory when asked), announced on stdout.
 fn build(
     args: &TrainArgs,
-    plan: Plan,
+    mut plan: Plan,
     collective: Arc<dyn trainkit::collective::Collective>,
 ) -> Result<Job> {
     let cfg = &plan.cfg;
@@ -228,8 +263,13 @@ fn build(
     if let Some(budget) = plan.memory_budget {
         backend.ledger().set_limit(Some(budget));
     }
-    let t = cfg.training.clone();
     let data = cfg.loaders()?;
+    if let Some(epochs) = args.run.overrides.epochs {
+        plan.cfg.training.steps =
+            steps_for_epochs(&plan.cfg, epochs, &data.train, collective.world())?;
+    }
+    let cfg = &plan.cfg;
+    let t = cfg.training.clone();
     let model = cfg.build_model()?;
     println!("model: {}", model.describe());
     println!("data: {}", data.description);
