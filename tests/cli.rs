@@ -274,6 +274,61 @@ fn epochs_make_the_steps_of_passes_over_the_data() {
     }
 }
 
+/// `sample` takes the model directory's generation_config.json as transformers' generate
+/// does: `do_sample: false` draws the most likely token whatever the seed, its
+/// max_new_tokens is the default, flags override it, and a setting out of range is named.
+#[test]
+fn sample_takes_the_models_generation_config() {
+    let dir = scratch("generation-config");
+    let model = dir.join("model");
+    let args = tiny_run(&["--steps", "1", "--out", path(&model)]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, _, err) = trainkit(&args);
+    assert!(ok, "{err}");
+    let config = model.join("generation_config.json");
+    std::fs::write(
+        &config,
+        r#"{"do_sample": false, "max_new_tokens": 6, "eos_token_id": null}"#,
+    )
+    .unwrap();
+    let sample = |extra: &[&str]| {
+        let mut a = vec![
+            "sample",
+            "--model",
+            path(&model),
+            "--prompt",
+            "the ",
+            "--device",
+            "cpu",
+        ];
+        a.extend_from_slice(extra);
+        let (ok, out, err) = trainkit(&a);
+        assert!(ok, "{err}");
+        (out, err)
+    };
+    let (one, err) = sample(&["--seed", "1"]);
+    assert!(err.contains("sampling: the most likely token"), "{err}");
+    assert!(err.contains("sampled 6 tokens"), "{err}");
+    assert_eq!(sample(&["--seed", "2"]).0, one, "greedy whatever the seed");
+    let (_, err) = sample(&["--top-p", "0.9", "--max-new-tokens", "3"]);
+    assert!(err.contains("temperature 1, top-k 50, top-p 0.9"), "{err}");
+    assert!(err.contains("sampled 3 tokens"), "{err}");
+    std::fs::write(&config, r#"{"do_sample": true, "top_p": 1.5}"#).unwrap();
+    let (ok, _, err) = trainkit(&[
+        "sample",
+        "--model",
+        path(&model),
+        "--prompt",
+        "x",
+        "--device",
+        "cpu",
+    ]);
+    assert!(
+        !ok && err.contains("generation_config.json: top_p") && err.contains("--top-p"),
+        "{err}"
+    );
+}
+
 #[test]
 fn every_subcommand_documents_its_flags() {
     for (sub, flags) in [

@@ -18,12 +18,14 @@ use std::sync::Arc;
 
 mod buckets;
 mod gather;
+mod generation;
 mod offload;
 mod persist;
 mod sample;
 mod step;
 mod update;
 
+pub use generation::GenerationConfig;
 pub use persist::checkpoint_ranks;
 pub use sample::SamplingOptions;
 pub use update::update_params;

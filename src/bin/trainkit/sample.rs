@@ -5,7 +5,9 @@ use trainkit::config::RunConfig;
 use trainkit::data::chat::conversation::Message;
 use trainkit::data::chat::{chat_prompt, END_OF_TURN};
 use trainkit::data::{DataLoader, TokenizerKind};
+use trainkit::save::GENERATION_CONFIG_FILE;
 use trainkit::save::RUN_CONFIG_FILE;
+use trainkit::trainer::GenerationConfig;
 use trainkit::{Error, Result, Rng, SamplingOptions};
 
 /// Generate text from a saved model.
@@ -29,28 +31,32 @@ pub struct SampleArgs {
     /// With --chat: a built-in template (chatml or llama3) instead of the tokenizer's.
     #[arg(long, requires = "chat")]
     template: Option<String>,
-    /// Tokens to generate.
-    #[arg(long, default_value_t = 100)]
-    max_new_tokens: usize,
-    /// Softmax temperature (0 = always the most likely token).
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
+    /// Tokens to generate (default: the model's generation_config.json's
+    /// max_new_tokens, else 100).
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    /// Softmax temperature (0 = always the most likely token). The defaults of this and
+    /// the settings below are the model directory's generation_config.json, as
+    /// transformers' generate takes them (greedy unless it says do_sample; top-k 50 when
+    /// sampling), else temperature 1 and no other setting.
+    #[arg(long)]
+    temperature: Option<f32>,
     /// Sample among the K most likely tokens only (0 = all).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
+    #[arg(long)]
+    top_k: Option<usize>,
     /// Nucleus sampling: among the most likely tokens whose probabilities add up to P,
     /// after the temperature and --top-k (1 = all; transformers' top_p).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
+    #[arg(long)]
+    top_p: Option<f32>,
     /// Drop the tokens less likely than P times the most likely one, after the
     /// temperature, --top-k and --top-p (0 = none; transformers' min_p).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    #[arg(long)]
+    min_p: Option<f32>,
     /// Make the tokens already in the context less likely: a positive logit divided by
     /// it, a negative one multiplied (1 = none; transformers' repetition_penalty, 1.1 to
     /// 1.3 in common use).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
     /// With --prompt: go on past the tokenizer's end-of-text token (GPT-2's
     /// <|endoftext|>, a tokenizer.json's EOS) instead of stopping there, as generate does.
     #[arg(long)]
@@ -70,22 +76,34 @@ pub struct SampleArgs {
 }
 
 pub fn run(mut args: SampleArgs) -> Result<()> {
-    let options = SamplingOptions {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        use_cache: !args.no_cache,
-    };
-    // Settings out of range are refused before the model loads.
-    options.check().map_err(|e| match e {
-        Error::Config { field, message } => {
-            Error::config(format!("--{}", field.replace('_', "-")), message)
-        }
-        e => e,
-    })?;
+    // The flags' own values are refused before the model loads.
+    args.sampling(SamplingOptions::default())
+        .check()
+        .map_err(flag_named)?;
     let dir = args.saved.open()?;
+    let generation = GenerationConfig::read(&args.saved.model)?;
+    let options = match &generation {
+        Some(g) => {
+            let options = args.sampling(g.sampling());
+            options.check().map_err(|e| match e {
+                Error::Config { field, message } => Error::config(
+                    format!("{GENERATION_CONFIG_FILE}: {field}"),
+                    format!("{message}; --{} overrides it", field.replace('_', "-")),
+                ),
+                e => e,
+            })?;
+            eprintln!(
+                "sampling: {} ({GENERATION_CONFIG_FILE}; flags override it)",
+                describe(&options)
+            );
+            options
+        }
+        None => args.sampling(SamplingOptions::default()),
+    };
+    let max_new_tokens = args
+        .max_new_tokens
+        .or(generation.as_ref().and_then(|g| g.max_new_tokens))
+        .unwrap_or(100);
     let saved = args.saved.model.join(RUN_CONFIG_FILE);
     let tokenizer = match (args.tokenizer, args.saved.dir_tokenizer()) {
         (Some(t), _) | (None, Some(t)) => t,
@@ -128,6 +146,15 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         }
         (None, None) => return Err(Error::config("--prompt", "give --prompt or --chat")),
     };
+    // The model's own end tokens (generation_config.json's eos_token_id) end it too.
+    let mut stop = stop;
+    if args.chat.is_some() || !args.ignore_eos {
+        stop.extend(
+            generation
+                .iter()
+                .flat_map(|g| g.eos_token_id.iter().copied()),
+        );
+    }
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
     let mut trainer = args.saved.trainer(&dir, placeholder)?;
     let mut rng = Rng::new(args.seed);
@@ -142,7 +169,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let new = trainer.generate_streaming(
         &prompt,
-        args.max_new_tokens,
+        max_new_tokens,
         options,
         &stop,
         &mut rng,
@@ -166,13 +193,73 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         } else {
             ""
         },
-        match (new.len() < args.max_new_tokens, chat) {
+        match (new.len() < max_new_tokens, chat) {
             (true, true) => "; the reply ended its turn",
             (true, false) => "; stopped at the end-of-text token (--ignore-eos goes on)",
             (false, _) => "",
         }
     );
     Ok(())
+}
+
+impl SampleArgs {
+    /// The sampling of the flags given, over `defaults` for those not given; a flag that
+    /// shapes the draw (--top-k, --top-p, --min-p) over greedy defaults samples at
+    /// temperature 1.
+    fn sampling(&self, defaults: SamplingOptions) -> SamplingOptions {
+        let shaped = self.top_k.is_some() || self.top_p.is_some() || self.min_p.is_some();
+        let temperature = match (self.temperature, defaults.temperature) {
+            (Some(t), _) => t,
+            (None, t) if t == 0.0 && shaped => 1.0,
+            (None, t) => t,
+        };
+        SamplingOptions {
+            temperature,
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            use_cache: !self.no_cache,
+        }
+    }
+}
+
+/// A sampling setting's error named by its flag (`top_p` → `--top-p`).
+fn flag_named(e: Error) -> Error {
+    match e {
+        Error::Config { field, message } => {
+            Error::config(format!("--{}", field.replace('_', "-")), message)
+        }
+        e => e,
+    }
+}
+
+/// The sampling in a line: `temperature 0.7, top-k 20, top-p 0.8, repetition penalty 1.05`
+/// (greedy: `the most likely token`), settings that change nothing left out.
+fn describe(o: &SamplingOptions) -> String {
+    if o.temperature == 0.0 {
+        let penalty = match o.repetition_penalty {
+            1.0 => String::new(),
+            p => format!(", repetition penalty {p}"),
+        };
+        return format!("the most likely token{penalty}");
+    }
+    let mut parts = vec![format!("temperature {}", o.temperature)];
+    if o.top_k > 0 {
+        parts.push(format!("top-k {}", o.top_k));
+    }
+    if o.top_p < 1.0 {
+        parts.push(format!("top-p {}", o.top_p));
+    }
+    if o.min_p > 0.0 {
+        parts.push(format!("min-p {}", o.min_p));
+    }
+    if o.repetition_penalty != 1.0 {
+        parts.push(format!("repetition penalty {}", o.repetition_penalty));
+    }
+    parts.join(", ")
 }
 
 /// What of the reply is printed so far.
