@@ -277,6 +277,7 @@ fn epochs_make_the_steps_of_passes_over_the_data() {
 /// `sample` takes the model directory's generation_config.json as transformers' generate
 /// does: `do_sample: false` draws the most likely token whatever the seed, its
 /// max_new_tokens is the default, flags override it, and a setting out of range is named.
+/// `--precision bf16` samples and evaluates the model in bf16.
 #[test]
 fn sample_takes_the_models_generation_config() {
     let dir = scratch("generation-config");
@@ -313,6 +314,37 @@ fn sample_takes_the_models_generation_config() {
     let (_, err) = sample(&["--top-p", "0.9", "--max-new-tokens", "3"]);
     assert!(err.contains("temperature 1, top-k 50, top-p 0.9"), "{err}");
     assert!(err.contains("sampled 3 tokens"), "{err}");
+    // In bf16 the same model samples, and evaluates to its f32 loss within bf16's rounding.
+    let (bf16, _) = sample(&["--precision", "bf16"]);
+    assert!(bf16.starts_with("the "), "{bf16}");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let loss = |precision: &str| {
+        let a = [
+            "eval",
+            "--model",
+            path(&model),
+            "--data",
+            path(&text),
+            "--batches",
+            "2",
+        ];
+        let (ok, out, err) = trainkit(
+            &[
+                &a[..],
+                &["--json", "--device", "cpu", "--precision", precision],
+            ]
+            .concat(),
+        );
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (f32_loss, bf16_loss) = (loss("fp32"), loss("bf16"));
+    assert!(
+        (f32_loss - bf16_loss).abs() < 0.02 * f32_loss,
+        "{f32_loss} {bf16_loss}"
+    );
     std::fs::write(&config, r#"{"do_sample": true, "top_p": 1.5}"#).unwrap();
     let (ok, _, err) = trainkit(&[
         "sample",

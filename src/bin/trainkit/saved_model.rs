@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use trainkit::data::{DataLoader, TokenizerKind, TOKENIZER_FILE};
 use trainkit::model::{read_model_dir, ModelDir};
-use trainkit::{AdamW, Constant, Fp32, NoRecompute, PeakTracker, Result, Trainer};
+use trainkit::precision::Precision;
+use trainkit::{AdamW, Constant, Error, NoRecompute, PeakTracker, Result, Trainer};
 
 /// A saved model to run: `--model`, `--adapter`, `--qlora` and `--device`.
 #[derive(clap::Args)]
@@ -25,10 +26,15 @@ pub struct SavedModelArgs {
     /// auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// fp32 (f32 throughout, the default), bf16 or fp16: the dtype the model's weights
+    /// are kept and multiplied in (transformers' torch_dtype). Nothing but an adapter
+    /// trains here, so bf16 keeps 2 bytes a weight where fp32 keeps 4.
+    #[arg(long, default_value = "fp32")]
+    pub precision: String,
 }
 
-/// The trainer `eval` and `sample` run a saved model with: f32, no recompute.
-pub type SavedTrainer = Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker>;
+/// The trainer `eval` and `sample` run a saved model with: `--precision`, no recompute.
+pub type SavedTrainer = Trainer<Box<dyn Precision>, NoRecompute, AdamW, Constant, PeakTracker>;
 
 impl SavedModelArgs {
     /// Reads the model directory (a Hugging Face model id first resolved to its snapshot
@@ -47,6 +53,11 @@ impl SavedModelArgs {
     /// An f32 trainer on the `--device` device holding `dir`'s weights (and the adapter's,
     /// over an NF4 base with `--qlora`), reading `data`.
     pub fn trainer(&self, dir: &ModelDir, data: DataLoader) -> Result<SavedTrainer> {
+        let precision =
+            trainkit::precision::named(&self.precision, false).map_err(|e| match e {
+                Error::Config { message, .. } => Error::config("--precision", message),
+                e => e,
+            })?;
         let backend = crate::device(&self.device)?.backend()?;
         let mut model = dir.config.build()?;
         let adapter = self.adapter.as_deref();
@@ -63,8 +74,13 @@ impl SavedModelArgs {
                 base: trainkit::adapter::BaseWeights::Nf4,
             };
             model = model.with_adapter(Arc::new(frozen))?;
+        } else if self.precision != "fp32" {
+            // Frozen, the weights keep no f32 master copy beside the compute dtype's.
+            model = model.with_adapter(Arc::new(trainkit::adapter::Frozen::default()))?;
         }
-        let mut trainer = Trainer::builder(model, backend, data).build()?;
+        let mut trainer = Trainer::builder(model, backend, data)
+            .precision(precision)
+            .build()?;
         trainer.load_weights(dir)?;
         if let Some(a) = adapter {
             trainer.load_adapter(a)?;
@@ -84,5 +100,53 @@ pub fn default_tokenizer(vocab_size: usize) -> TokenizerKind {
         TokenizerKind::Gpt2
     } else {
         TokenizerKind::Bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trainkit::memory::MemoryCategory;
+    use trainkit::{CpuBackend, Gpt2, Gpt2Config};
+
+    /// `--precision bf16` keeps a saved model's weights in bf16 alone (2 bytes a weight, no
+    /// f32 master copy beside them); fp32 keeps them in f32.
+    #[test]
+    fn a_saved_model_is_kept_in_the_precision_asked_for() {
+        let dir = std::env::temp_dir().join(format!("trainkit-saved-{}", std::process::id()));
+        let config = Gpt2Config {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            n_positions: 16,
+            vocab_size: 64,
+            layer_norm_epsilon: 1e-5,
+        };
+        let data = || DataLoader::new(vec![1; 64], 1, 8).unwrap();
+        let backend = Arc::new(CpuBackend::new());
+        let t = Trainer::builder(Gpt2::new(config).unwrap(), backend, data())
+            .build()
+            .unwrap();
+        let params: u64 = t.params().iter().map(|p| p.numel() as u64).sum();
+        t.save(&dir, None).unwrap();
+        let saved = read_model_dir(&dir).unwrap();
+        for (precision, bytes) in [("fp32", 4), ("bf16", 2)] {
+            let args = SavedModelArgs {
+                model: dir.clone(),
+                adapter: None,
+                qlora: false,
+                device: "cpu".into(),
+                precision: precision.into(),
+            };
+            let t = args.trainer(&saved, data()).unwrap();
+            let live = t.backend().ledger().snapshot().live;
+            assert_eq!(
+                live.get(MemoryCategory::Weights),
+                bytes * params,
+                "{precision}"
+            );
+            assert_eq!(live.get(MemoryCategory::MasterWeights), 0, "{precision}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
