@@ -11,6 +11,23 @@ fn path(p: &Path) -> &str {
 }
 
 /// A tiny, fast run on the built-in corpus; `extra` flags are appended.
+/// `trainkit sample` of `model` continuing "the " on the CPU with `extra` flags, which
+/// must succeed: its stdout and stderr.
+fn sample_ok(model: &Path, extra: &[&str]) -> (String, String) {
+    let a = [
+        "sample",
+        "--model",
+        path(model),
+        "--prompt",
+        "the ",
+        "--device",
+        "cpu",
+    ];
+    let (ok, out, err) = trainkit(&[&a[..], extra].concat());
+    assert!(ok, "{err}");
+    (out, err)
+}
+
 fn tiny_run(extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = TINY_TRAIN.iter().map(|s| s.to_string()).collect();
     args.extend(extra.iter().map(|s| s.to_string()));
@@ -292,21 +309,7 @@ fn sample_takes_the_models_generation_config() {
         r#"{"do_sample": false, "max_new_tokens": 6, "eos_token_id": null}"#,
     )
     .unwrap();
-    let sample = |extra: &[&str]| {
-        let mut a = vec![
-            "sample",
-            "--model",
-            path(&model),
-            "--prompt",
-            "the ",
-            "--device",
-            "cpu",
-        ];
-        a.extend_from_slice(extra);
-        let (ok, out, err) = trainkit(&a);
-        assert!(ok, "{err}");
-        (out, err)
-    };
+    let sample = |extra: &[&str]| sample_ok(&model, extra);
     let (one, err) = sample(&["--seed", "1"]);
     assert!(err.contains("sampling: the most likely token"), "{err}");
     assert!(err.contains("sampled 6 tokens"), "{err}");
@@ -621,25 +624,8 @@ fn saved_models_evaluate_and_sample() {
     assert_eq!(whole(Some("100")), all);
 
     let sample = |extra: &[&str]| {
-        let mut a = vec![
-            "sample",
-            "--model",
-            path(&model),
-            "--prompt",
-            "the ",
-            "--max-new-tokens",
-            "20",
-            "--seed",
-            "3",
-            "--top-k",
-            "8",
-            "--device",
-            "cpu",
-        ];
-        a.extend_from_slice(extra);
-        let (ok, out, err) = trainkit(&a);
-        assert!(ok, "{err}");
-        out
+        let a = ["--max-new-tokens", "20", "--seed", "3", "--top-k", "8"];
+        sample_ok(&model, &[&a[..], extra].concat()).0
     };
     let (s1, s2) = (sample(&[]), sample(&[]));
     assert_eq!(s1, s2, "a seed fixes the sample");
