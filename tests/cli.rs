@@ -310,6 +310,17 @@ fn sample_takes_the_models_generation_config() {
     )
     .unwrap();
     let sample = |extra: &[&str]| sample_ok(&model, extra);
+    // A model's directory given as the adapter is named as a model.
+    let (ok, _, err) = trainkit(&[
+        "sample",
+        "--model",
+        path(&model),
+        "--adapter",
+        path(&model),
+        "--prompt",
+        "x",
+    ]);
+    assert!(!ok && err.contains("not a LoRA adapter"), "{err}");
     let (one, err) = sample(&["--seed", "1"]);
     assert!(err.contains("sampling: the most likely token"), "{err}");
     assert!(err.contains("sampled 6 tokens"), "{err}");

@@ -136,6 +136,17 @@ pub fn is_adapter_dir(dir: &Path) -> bool {
 /// settings; the saved modules' tensors come by their own names.
 pub fn read(dir: &Path) -> Result<(Lora, Vec<NamedTensor>)> {
     let path = dir.join(ADAPTER_CONFIG);
+    let model_config = dir.join(crate::save::CONFIG_FILE);
+    if !path.exists() && model_config.is_file() {
+        return Err(Error::data(
+            dir.display().to_string(),
+            format!(
+                "holds a model ({}), not a LoRA adapter ({ADAPTER_CONFIG}): give it as \
+                 --model (train: --init-from), and the adapter's directory as --adapter",
+                crate::save::CONFIG_FILE
+            ),
+        ));
+    }
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| Error::data(path.display().to_string(), format!("is not JSON: {e}")))?;
