@@ -82,28 +82,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         .map_err(flag_named)?;
     let dir = args.saved.open()?;
     let generation = GenerationConfig::read(&args.saved.model)?;
-    let options = match &generation {
-        Some(g) => {
-            let options = args.sampling(g.sampling());
-            options.check().map_err(|e| match e {
-                Error::Config { field, message } => Error::config(
-                    format!("{GENERATION_CONFIG_FILE}: {field}"),
-                    format!("{message}; --{} overrides it", field.replace('_', "-")),
-                ),
-                e => e,
-            })?;
-            eprintln!(
-                "sampling: {} ({GENERATION_CONFIG_FILE}; flags override it)",
-                describe(&options)
-            );
-            options
-        }
-        None => args.sampling(SamplingOptions::default()),
-    };
-    let max_new_tokens = args
-        .max_new_tokens
-        .or(generation.as_ref().and_then(|g| g.max_new_tokens))
-        .unwrap_or(100);
+    let (options, max_new_tokens) = args.settings(generation.as_ref())?;
     let saved = args.saved.model.join(RUN_CONFIG_FILE);
     let tokenizer = match (args.tokenizer, args.saved.dir_tokenizer()) {
         (Some(t), _) | (None, Some(t)) => t,
@@ -203,6 +182,32 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
 }
 
 impl SampleArgs {
+    /// The sampling and the tokens to draw: the flags given, over the model's
+    /// `generation` settings where it has them (announced on stderr; a value out of range
+    /// there is refused naming the file, the setting and the flag), else the defaults.
+    fn settings(&self, generation: Option<&GenerationConfig>) -> Result<(SamplingOptions, usize)> {
+        let Some(g) = generation else {
+            return Ok((
+                self.sampling(SamplingOptions::default()),
+                self.max_new_tokens.unwrap_or(100),
+            ));
+        };
+        let options = self.sampling(g.sampling());
+        options.check().map_err(|e| match e {
+            Error::Config { field, message } => Error::config(
+                format!("{GENERATION_CONFIG_FILE}: {field}"),
+                format!("{message}; --{} overrides it", field.replace('_', "-")),
+            ),
+            e => e,
+        })?;
+        eprintln!(
+            "sampling: {} ({GENERATION_CONFIG_FILE}; flags override it)",
+            describe(&options)
+        );
+        let max_new_tokens = self.max_new_tokens.or(g.max_new_tokens).unwrap_or(100);
+        Ok((options, max_new_tokens))
+    }
+
     /// The sampling of the flags given, over `defaults` for those not given; a flag that
     /// shapes the draw (--top-k, --top-p, --min-p) over greedy defaults samples at
     /// temperature 1.
