@@ -223,7 +223,10 @@ fn build(
         trainkit::save::check_writable_dir(dir).map_err(|e| {
             trainkit::Error::config(
                 "--out",
-                format!("the run could not save there ({e}); give --out a directory in a place this user can write"),
+                format!(
+                    "the run could not save there ({e}); give --out a directory in a place \
+                     this user can write"
+                ),
             )
         })?;
     }
