@@ -120,6 +120,10 @@ fn run_rank(
 ) -> Result<()> {
     let plan = plan(&args)?;
     if args.print_config {
+        if let Some(epochs) = args.run.overrides.epochs {
+            // The steps of the passes are counted once the data is read, at the start.
+            println!("# --epochs {epochs}: the run sets training.steps from its data");
+        }
         print!("{}", plan.cfg.to_toml()?);
         return Ok(());
     }
