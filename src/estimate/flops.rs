@@ -41,14 +41,8 @@ pub enum MathDtype {
 
 impl MathDtype {
     /// The math trainkit's CUDA products run for a compute dtype: bf16 and fp16 on tensor
-    /// cores, f32 on the CUDA cores (TF32 is opt-in and not assumed).
-    pub fn of_compute(dtype: crate::tensor::DType) -> MathDtype {
-        Self::of_products(dtype, false)
-    }
-
-    /// The math of a compute dtype's products with `tf32` allowed or not
-    /// ([`crate::config::TrainingConfig::tf32`]): f32 products on TF32 tensor cores when
-    /// it is.
+    /// cores, f32 on the CUDA cores, or on TF32 tensor cores where `tf32` allows it
+    /// ([`crate::config::TrainingConfig::tf32`]).
     pub fn of_products(dtype: crate::tensor::DType, tf32: bool) -> MathDtype {
         match dtype {
             crate::tensor::DType::Bf16 => MathDtype::Bf16,
@@ -382,7 +376,7 @@ mod tests {
     fn a_run_compares_with_the_peak_of_its_compute_dtype() {
         use crate::tensor::DType;
         let h100 = "NVIDIA H100 80GB HBM3 (sm_90; cuBLASLt 13.0)";
-        let of = |d: DType| tflops(h100, MathDtype::of_compute(d));
+        let of = |d: DType| tflops(h100, MathDtype::of_products(d, false));
         assert_eq!(of(DType::Bf16), Some(989.5));
         assert_eq!(of(DType::F16), Some(989.5));
         assert_eq!(of(DType::F32), tflops(h100, MathDtype::Fp32));

@@ -47,9 +47,7 @@ pub struct DirectoryWriter {
 impl DirectoryWriter {
     /// Starts writing `target` (its parent directories are created).
     pub fn new(target: &Path) -> Result<Self> {
-        if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
-            fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-        }
+        create_parents(target)?;
         recover_directory(target)?;
         let staging = temp_sibling(target, "partial");
         fs::create_dir(&staging).map_err(|e| Error::io(&staging, e))?;
@@ -147,12 +145,18 @@ pub fn check_writable_dir(target: &Path) -> Result<()> {
             std::io::Error::new(kind, "exists and is not a directory"),
         ));
     }
-    if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-    }
+    create_parents(target)?;
     let probe = temp_sibling(target, "probe");
     fs::create_dir(&probe).map_err(|e| Error::io(parent_dir(target), e))?;
     fs::remove_dir(&probe).map_err(|e| Error::io(&probe, e))
+}
+
+/// Creates the directories `target` lies in.
+fn create_parents(target: &Path) -> Result<()> {
+    match target.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => fs::create_dir_all(parent).map_err(|e| Error::io(parent, e)),
+        None => Ok(()),
+    }
 }
 
 /// Repairs what an interrupted save can leave beside `target`: when `target` is missing

@@ -73,6 +73,19 @@ fn default_command() -> Command {
         .expect("`train` parses to a command")
 }
 
+/// The command-line flag of a library field (`kv_heads` → `--kv-heads`).
+fn flag_of(field: &str) -> String {
+    format!("--{}", field.replace('_', "-"))
+}
+
+/// Library errors name fields (`kv_heads`); on the command line they are flags.
+fn as_flag(e: Error) -> Error {
+    match e {
+        Error::Config { field, message } => Error::config(flag_of(&field), message),
+        e => e,
+    }
+}
+
 /// The device a `--device` flag names (`auto` reports what it chose, on stderr).
 fn device(name: &str) -> Result<Device> {
     match name {

@@ -79,7 +79,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
     // The flags' own values are refused before the model loads.
     args.sampling(SamplingOptions::default())
         .check()
-        .map_err(flag_named)?;
+        .map_err(crate::as_flag)?;
     let dir = args.saved.open()?;
     let generation = GenerationConfig::read(&args.saved.model)?;
     let (options, max_new_tokens) = args.settings(generation.as_ref())?;
@@ -196,7 +196,7 @@ impl SampleArgs {
         options.check().map_err(|e| match e {
             Error::Config { field, message } => Error::config(
                 format!("{GENERATION_CONFIG_FILE}: {field}"),
-                format!("{message}; --{} overrides it", field.replace('_', "-")),
+                format!("{message}; {} overrides it", crate::flag_of(&field)),
             ),
             e => e,
         })?;
@@ -228,16 +228,6 @@ impl SampleArgs {
                 .unwrap_or(defaults.repetition_penalty),
             use_cache: !self.no_cache,
         }
-    }
-}
-
-/// A sampling setting's error named by its flag (`top_p` → `--top-p`).
-fn flag_named(e: Error) -> Error {
-    match e {
-        Error::Config { field, message } => {
-            Error::config(format!("--{}", field.replace('_', "-")), message)
-        }
-        e => e,
     }
 }
 

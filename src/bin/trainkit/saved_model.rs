@@ -6,7 +6,7 @@ use std::sync::Arc;
 use trainkit::data::{DataLoader, TokenizerKind, TOKENIZER_FILE};
 use trainkit::model::{read_model_dir, ModelDir};
 use trainkit::precision::Precision;
-use trainkit::{AdamW, Constant, Error, NoRecompute, PeakTracker, Result, Trainer};
+use trainkit::{AdamW, Constant, NoRecompute, PeakTracker, Result, Trainer};
 
 /// A saved model to run: `--model`, `--adapter`, `--qlora` and `--device`.
 #[derive(clap::Args)]
@@ -53,11 +53,8 @@ impl SavedModelArgs {
     /// An f32 trainer on the `--device` device holding `dir`'s weights (and the adapter's,
     /// over an NF4 base with `--qlora`), reading `data`.
     pub fn trainer(&self, dir: &ModelDir, data: DataLoader) -> Result<SavedTrainer> {
-        let precision =
-            trainkit::precision::named(&self.precision, false).map_err(|e| match e {
-                Error::Config { message, .. } => Error::config("--precision", message),
-                e => e,
-            })?;
+        let precision = trainkit::precision::named(&self.precision, false)
+            .map_err(|e| e.for_field("--precision"))?;
         let backend = crate::device(&self.device)?.backend()?;
         let mut model = dir.config.build()?;
         let adapter = self.adapter.as_deref();

@@ -1,8 +1,9 @@
 //! trainkit's exact figures for `trainkit memory`: the model it builds for the subject, and
 //! the meta run that measures it.
 
-use super::subject::{as_flag, flag_error, Subject};
+use super::subject::{flag_error, Subject};
 use super::{MemoryArgs, Paths};
+use crate::as_flag;
 use trainkit::estimate::{MemoryPrediction, MicroBatch};
 use trainkit::model::{Positions, Shape};
 use trainkit::Result;

@@ -5,10 +5,11 @@ mod report;
 mod subject;
 mod units;
 
+use crate::as_flag;
 use exact::{exact_shape, lora, trainable_params, trainkit_exact};
 use report::{Figures, STATE};
 use std::path::PathBuf;
-use subject::{as_flag, flag_error, positive, subject};
+use subject::{flag_error, positive, subject};
 use trainkit::config::{LoraFlags, PolicyFlags, RunConfig};
 use trainkit::estimate::{model_state_bytes, technique_savings, ActivationSweep, FitRequest};
 use trainkit::memory::MemoryCategory;

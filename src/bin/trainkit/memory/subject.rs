@@ -2,6 +2,7 @@
 
 use super::units::group;
 use super::MemoryArgs;
+use crate::as_flag;
 use trainkit::estimate::{preset_names, Mlp, Norm, Preset, Shape, PRESETS};
 use trainkit::{Error, Result};
 
@@ -25,17 +26,6 @@ pub(super) struct Subject {
 
 pub(super) fn flag_error(flag: &str, message: impl Into<String>) -> Error {
     Error::config(flag, message)
-}
-
-/// Library errors name fields (`kv_heads`); on the command line they are flags.
-pub(super) fn as_flag(e: Error) -> Error {
-    match e {
-        Error::Config { field, message } => Error::Config {
-            field: format!("--{}", field.replace('_', "-")),
-            message,
-        },
-        e => e,
-    }
 }
 
 /// A parameter count: digits with an optional fraction and K, M, B or T suffix.
