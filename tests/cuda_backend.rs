@@ -591,6 +591,101 @@ fn the_fused_bias_and_gelu_product_matches_the_cpu() {
     }
 }
 
+/// The output projection with its residual (`matmul_residual`: on CUDA one product reading
+/// the residual as cuBLASLt's C) matches the CPU's product-then-add, for both weight
+/// layouts, with and without a bias; where the form does not apply (the residual in
+/// another dtype, f32 operands into bf16) the product and the add run apart. On the
+/// emulator the fused form is one product with `+C` in its name and no `axpy` launch.
+#[test]
+fn the_product_with_its_residual_matches_the_cpu() {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(31);
+    // (operand dtype, output and residual dtype, residual dtype, fused)
+    let kinds = [
+        (DType::F32, DType::F32, DType::F32, true),
+        (DType::Bf16, DType::Bf16, DType::Bf16, true),
+        (DType::Bf16, DType::F32, DType::F32, true),
+        (DType::F16, DType::F16, DType::F16, true),
+        (DType::Bf16, DType::Bf16, DType::F32, false),
+        (DType::F32, DType::Bf16, DType::Bf16, false),
+    ];
+    for (name, cuda) in cuda_backends() {
+        let own = CudaBackend::emulated().ok();
+        for &(m, k, n) in &[(33usize, 40usize, 48usize), (9, 16, 20)] {
+            for (din, dout, dres, fused) in kinds {
+                for transposed in [false, true] {
+                    for with_bias in [false, true] {
+                        let w_shape = if transposed { [n, k] } else { [k, n] };
+                        let x = pair(&cpu, &cuda, &randn(&mut rng, m * k, 1.0), &[m, k], din);
+                        let w = pair(&cpu, &cuda, &randn(&mut rng, k * n, 0.3), &w_shape, din);
+                        let bias = pair(&cpu, &cuda, &randn(&mut rng, n, 1.0), &[n], dout);
+                        let res = pair(&cpu, &cuda, &randn(&mut rng, m * n, 2.0), &[m, n], dres);
+                        let mut y = out(&cpu, &cuda, &[m, n], dout);
+                        let b = |on_cpu: bool| {
+                            with_bias.then_some(if on_cpu { &bias.cpu } else { &bias.cuda })
+                        };
+                        linear::matmul_residual(
+                            &cpu,
+                            &mut y.cpu,
+                            &x.cpu,
+                            &w.cpu,
+                            b(true),
+                            &res.cpu,
+                            transposed,
+                        )
+                        .unwrap();
+                        linear::matmul_residual(
+                            &*cuda,
+                            &mut y.cuda,
+                            &x.cuda,
+                            &w.cuda,
+                            b(false),
+                            &res.cuda,
+                            transposed,
+                        )
+                        .unwrap();
+                        let what = format!(
+                            "matmul_residual {m}x{k}x{n} {din}→{dout} + {dres}, [out, in] \
+                             {transposed}, bias {with_bias}"
+                        );
+                        let dt = if din != DType::F32 || dout != DType::F32 {
+                            DType::Bf16
+                        } else {
+                            DType::F32
+                        };
+                        let want = cpu.to_f32(&y.cpu).unwrap();
+                        let got = cuda.to_f32(&y.cuda).unwrap();
+                        check(&what, name, &got, &want, dt);
+                        // Which form ran, on an emulator of this test's own.
+                        let Some(own) = own.as_ref().filter(|_| name == "emulator") else {
+                            continue;
+                        };
+                        let up = |p: &Pair, dt: DType| {
+                            let v = cpu.to_f32(&p.cpu).unwrap();
+                            own.upload(&v, p.cpu.shape(), dt, MemoryCategory::Activations, "t")
+                                .unwrap()
+                        };
+                        let (ox, ow, or) = (up(&x, din), up(&w, din), up(&res, dres));
+                        let ob = up(&bias, dout);
+                        let mut oy = own
+                            .zeros(&[m, n], dout, MemoryCategory::Activations, "y")
+                            .unwrap();
+                        own.time_kernels(true);
+                        let ob = with_bias.then_some(&ob);
+                        linear::matmul_residual(own, &mut oy, &ox, &ow, ob, &or, transposed)
+                            .unwrap();
+                        let times = own.kernel_times().unwrap();
+                        own.time_kernels(false);
+                        let with_c = times.iter().any(|t| t.name.ends_with(" +C"));
+                        let axpy = times.iter().any(|t| t.name.starts_with("axpy"));
+                        assert_eq!((with_c, axpy), (fused, !fused), "{what}: {times:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A linear layer's weight and bias gradients (`weight_bias_grad`: on CUDA two ops by
 /// default, or with `bias_grad_epilogue` one product with cuBLASLt's bias-gradient
 /// epilogue where the dtypes allow) match the CPU's, for both weight layouts, accumulating
@@ -1779,13 +1874,26 @@ fn check_run(
 }
 
 /// The bound on gradients' relative error: bf16's (or f16's) roundings pass through a
-/// whole backward.
+/// whole backward. Two 16-bit runs that round in different places (the CUDA products
+/// round a residual sum once, from the f32 accumulator, and feed the GELU and its
+/// gradient unrounded products; the CPU rounds each part) differ by about the sum of
+/// their errors against f32: up to 6.3% on the tiny GPT-2's packed rows, where each alone
+/// is within 6% of f32 ([`packed_rows_train_as_on_the_cpu`] holds the CUDA run to the
+/// CPU's error against f32).
 fn grad_bound(dt: DType) -> f64 {
     if dt == DType::F32 {
         1e-4
     } else {
-        5e-2
+        8e-2
     }
+}
+
+/// The largest relative error of any parameter's gradient in `got` against `want`.
+fn worst_grad_error(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| rel_err(g, w))
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -3263,7 +3371,9 @@ fn document_masking_matches_the_cpu() {
 
 /// Two steps on packed rows (documents flagged in the mask, as `prepare --chat --pack`
 /// writes them): a GPT-2 (learned positions) and a Llama (rotary) on CUDA track the CPU's
-/// losses, gradients and weights in f32 and bf16.
+/// losses, gradients and weights in f32 and bf16; and in bf16, whose roundings fall in
+/// other places on CUDA (fused epilogues), the CUDA gradients are no further from the f32
+/// run's than the CPU's bf16 gradients are (within a quarter).
 #[test]
 fn packed_rows_train_as_on_the_cpu() {
     use trainkit::data::token_flags::{DOCUMENT_START, TRAINED};
@@ -3303,18 +3413,27 @@ fn packed_rows_train_as_on_the_cpu() {
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new());
     for llama in [false, true] {
         let init = run(cpu.clone(), llama, false, 0).2;
+        let f32_run = run(cpu.clone(), llama, false, 2);
         for bf16 in [false, true] {
-            let want = run(cpu.clone(), llama, bf16, 2);
+            let want = if bf16 {
+                run(cpu.clone(), llama, bf16, 2)
+            } else {
+                f32_run.clone()
+            };
             for (name, cuda) in cuda_backends() {
                 let got = run(cuda.clone(), llama, bf16, 2);
                 let dt = if bf16 { DType::Bf16 } else { DType::F32 };
-                check_run(
-                    &format!("{name} packed llama={llama}"),
-                    &got,
-                    &want,
-                    &init,
-                    dt,
-                );
+                let what = format!("{name} packed llama={llama}");
+                check_run(&what, &got, &want, &init, dt);
+                if bf16 {
+                    let cpu_error = worst_grad_error(&want.1, &f32_run.1);
+                    let cuda_error = worst_grad_error(&got.1, &f32_run.1);
+                    assert!(
+                        cuda_error <= 1.25 * cpu_error,
+                        "{what}: bf16 gradients {cuda_error:.3e} from f32's, the CPU's \
+                         {cpu_error:.3e}"
+                    );
+                }
             }
         }
     }

@@ -656,7 +656,8 @@ mod tests {
     /// A library with no algorithm for any product: every product runs as the plain
     /// kernel (kernels/matmul.cu), for each operand and output type, both transposes,
     /// with a bias and accumulating, and matches the product in f64 to the output type's
-    /// rounding; the GELU epilogue's caller falls back to two ops, whose product is plain.
+    /// rounding; the GELU epilogue's caller falls back to two ops, whose product is plain;
+    /// a product reading its residual as C runs plain on a copy of it.
     #[test]
     fn products_without_an_algorithm_run_as_the_plain_kernel() {
         let Some(mut gpu) = emulated() else {
@@ -747,6 +748,27 @@ mod tests {
         };
         let (want, got) = (run(&cpu), run(&be));
         for (g, w) in got.0.iter().chain(&got.1).zip(want.0.iter().chain(&want.1)) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+        }
+        // A product reading its residual as C: the plain kernel adds to D, which takes
+        // C's values first; the residual itself is left as it was.
+        let run = |be: &dyn Backend| {
+            let up = |v: Vec<f32>, s: &[usize]| {
+                be.upload(&v, s, DType::F32, MemoryCategory::Activations, "x")
+                    .unwrap()
+            };
+            let x = up((0..m * k).map(|i| value(i, 0.3)).collect(), &[m, k]);
+            let w = up((0..16 * k).map(|i| value(i, 0.7)).collect(), &[16, k]);
+            let bias = up((0..16).map(|i| value(i, 0.2)).collect(), &[16]);
+            let residual = up((0..m * 16).map(|i| value(i, 0.9)).collect(), &[m, 16]);
+            let mut y = up(vec![f32::NAN; m * 16], &[m, 16]);
+            crate::ops::linear::matmul_residual(be, &mut y, &x, &w, Some(&bias), &residual, true)
+                .unwrap();
+            (be.to_f32(&y).unwrap(), be.to_f32(&residual).unwrap())
+        };
+        let (want, got) = (run(&cpu), run(&be));
+        assert_eq!(got.1, want.1, "the residual is read, not written");
+        for (g, w) in got.0.iter().zip(&want.0) {
             assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
         }
     }

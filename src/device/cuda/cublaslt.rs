@@ -386,7 +386,7 @@ impl CublasLt {
         code == 0 && result.workspaceSize <= workspace_bytes
     }
 
-    /// `D = alpha op(A) op(B) + beta C` with `algo` (C is D here).
+    /// `D = alpha op(A) op(B) + beta C` with `algo` (C has D's layout).
     ///
     /// # Safety
     /// Every pointer must address memory of its layout on the handle's device, and
@@ -402,6 +402,7 @@ impl CublasLt {
         b: *const c_void,
         b_layout: lt::cublasLtMatrixLayout_t,
         beta: *const c_void,
+        c: *const c_void,
         d: *mut c_void,
         d_layout: lt::cublasLtMatrixLayout_t,
         algo: &lt::cublasLtMatmulAlgo_t,
@@ -420,7 +421,7 @@ impl CublasLt {
                 b,
                 b_layout,
                 beta,
-                d,
+                c,
                 d_layout,
                 d,
                 d_layout,

@@ -670,7 +670,7 @@ impl DriverGpu {
     }
 
     /// Queues product `g` (descriptors `d`) with `algo` on the compute stream, writing D
-    /// at `out` (C is D).
+    /// at `out` (and reading C there too, unless `g` names another C).
     ///
     /// # Safety
     /// `g`'s pointers address its layouts, and `out` memory of D's layout.
@@ -681,6 +681,8 @@ impl DriverGpu {
         algo: &lt_sys::cublasLtMatmulAlgo_t,
         out: DevicePtr,
     ) -> std::result::Result<(), Status> {
+        // C is D's own buffer (here `out`) unless the product reads another.
+        let c = if g.c != 0 { g.c } else { out };
         // SAFETY: the caller's contract.
         unsafe {
             self.blas.matmul(
@@ -692,6 +694,7 @@ impl DriverGpu {
                 g.b as *const c_void,
                 d.layouts[1],
                 &g.beta as *const f32 as *const c_void,
+                c as *const c_void,
                 out as *mut c_void,
                 d.layouts[2],
                 algo,
@@ -704,16 +707,16 @@ impl DriverGpu {
 
     /// Each candidate's time per run of product `g` in milliseconds, in order (`None`
     /// where it failed to run): a run to warm it up, then [`TIMED_RUNS`] between two
-    /// events. A product that accumulates runs on a zeroed scratch output, so that its
-    /// own is added to once, by the run that follows; the other outputs are written, not
-    /// added to, and that run overwrites them.
+    /// events. A product that accumulates into D runs on a zeroed scratch output, so that
+    /// its own is added to once, by the run that follows; the other outputs (D beside a C
+    /// of its own among them) are written, not added to, and that run overwrites them.
     fn time_candidates(
         &self,
         g: &Gemm,
         d: &Descriptors,
         candidates: &[lt_sys::cublasLtMatmulAlgo_t],
     ) -> Result<Vec<Option<f64>>> {
-        let scratch = if g.beta != 0.0 {
+        let scratch = if g.beta != 0.0 && g.c == 0 {
             let bytes =
                 (g.d_layout.ld.max(0) as u64 * g.d_layout.cols) as usize * g.d_layout.ty.bytes();
             let p = self.alloc(bytes).map_err(|e| Error::Backend {
@@ -1291,6 +1294,7 @@ mod tests {
                                 b: 0x1000,
                                 b_layout: layout(operand, br, bc),
                                 d: 0x1000,
+                                c: 0,
                                 d_layout: layout(out, m, n),
                                 bias,
                                 gelu_aux,

@@ -279,7 +279,7 @@ impl EmulatedGpu {
                     let at = i + j * ldd;
                     let mut v = g.alpha * acc;
                     if g.beta != 0.0 {
-                        v += g.beta * load(g.d_layout.ty, g.d, at);
+                        v += g.beta * load(g.d_layout.ty, g.c_ptr(), at);
                     }
                     if g.bias != 0 {
                         v += load(bias_ty, g.bias, i);

@@ -106,8 +106,9 @@ pub(crate) struct MatrixLayout {
 }
 
 /// `D = alpha · op(A) · op(B) + beta · C (+ bias)` in cuBLASLt's column-major terms, with
-/// C and D the same buffer. `op(A)` is `m × k`, `op(B)` is `k × n`, D is `m × n`; the bias
-/// (one value per row of D, D's element type) is added by the epilogue. With `gelu_aux`,
+/// C the buffer at `c` (D's layout) or D itself. `op(A)` is `m × k`, `op(B)` is `k × n`, D
+/// is `m × n`; the bias (one value per row of D, D's element type) is added by the
+/// epilogue. With `gelu_aux`,
 /// the epilogue also applies GELU (tanh approximation): the value before it is stored at
 /// `gelu_aux` (D's type and layout) and D receives GELU of it. With `dgelu_aux`, D
 /// receives the product times GELU's derivative at the values there (the input gradient of
@@ -133,8 +134,12 @@ pub(crate) struct Gemm {
     pub b: DevicePtr,
     /// B as stored.
     pub b_layout: MatrixLayout,
-    /// C = D's address.
+    /// D's address.
     pub d: DevicePtr,
+    /// C's address (D's type and layout, read when `beta` is not 0), or 0 when C is D:
+    /// another buffer for a sum written beside its addend (a residual added to a
+    /// projection), D itself for a product added to what D holds.
+    pub c: DevicePtr,
     /// D's layout.
     pub d_layout: MatrixLayout,
     /// The bias vector (length m), or 0 for none.
@@ -153,7 +158,7 @@ pub(crate) struct Gemm {
     pub bias_grad_of_b: bool,
     /// Multiplies the product.
     pub alpha: f32,
-    /// Multiplies C (0: D is overwritten, 1: accumulate).
+    /// Multiplies C (0: D is overwritten; 1: C is added, to itself when C is D).
     pub beta: f32,
     /// Allow TF32 tensor cores for f32 operands.
     pub allow_tf32: bool,
@@ -161,6 +166,17 @@ pub(crate) struct Gemm {
     pub workspace: DevicePtr,
     /// Bytes at `workspace`.
     pub workspace_bytes: usize,
+}
+
+impl Gemm {
+    /// The address C is read from: `c`, or D's when C is D.
+    pub(crate) fn c_ptr(&self) -> DevicePtr {
+        if self.c != 0 {
+            self.c
+        } else {
+            self.d
+        }
+    }
 }
 
 /// The operations the CUDA backend needs from a device. Every call is queued on one

@@ -87,7 +87,7 @@ impl GemmKey {
             align: [
                 alignment(g.a),
                 alignment(g.b),
-                alignment(g.d),
+                alignment(g.c_ptr()),
                 alignment(g.d),
             ],
         }

@@ -207,7 +207,8 @@ impl HostTimer {
     }
 }
 
-/// The name a timed product goes by: `cublasLt m×n×k`, with its epilogue.
+/// The name a timed product goes by: `cublasLt m×n×k`, with its epilogue, then `+C`
+/// where it adds a C of its own (a residual) or `+=` where it adds to what D holds.
 pub(crate) fn gemm_name(g: &super::gpu::Gemm) -> String {
     let mut name = format!("cublasLt {}x{}x{}", g.m, g.n, g.k);
     if g.dgelu_aux != 0 {
@@ -220,7 +221,9 @@ pub(crate) fn gemm_name(g: &super::gpu::Gemm) -> String {
     if g.bias_grad != 0 {
         name.push_str(" +bias_grad");
     }
-    if g.beta != 0.0 {
+    if g.beta != 0.0 && g.c != 0 {
+        name.push_str(" +C");
+    } else if g.beta != 0.0 {
         name.push_str(" +=");
     }
     name

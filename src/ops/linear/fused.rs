@@ -1,13 +1,14 @@
 //! The products of a linear layer that a GPU fuses with their neighbour: the forward
-//! product with its bias and GELU (`matmul_bias_gelu`), the input gradient of a layer
-//! whose input is a GELU's output carried through the GELU (`matmul_dgelu`), and the
-//! weight gradient with the bias gradient (`weight_bias_grad`).
+//! product with its bias and GELU (`matmul_bias_gelu`), the forward product with the
+//! residual it is added to (`matmul_residual`), the input gradient of a layer whose input
+//! is a GELU's output carried through the GELU (`matmul_dgelu`), and the weight gradient
+//! with the bias gradient (`weight_bias_grad`).
 //!
 //! Each is one kernel call through [`Backend::run`], one span carrying the FLOPs of both
 //! parts on every backend. The CPU runs its parts one after the other (the composed
 //! reference); the CUDA backend runs the product with cuBLASLt's epilogue (GELU with the
-//! pre-activation as its auxiliary output, GELU's derivative at it, or the bias
-//! gradient's column sums), and falls
+//! pre-activation as its auxiliary output, the residual read as C, GELU's derivative at
+//! the pre-activation, or the bias gradient's column sums), and falls
 //! back to the same two parts, inside the same span, where the epilogue does not apply or
 //! the library has no algorithm for it.
 
@@ -21,6 +22,9 @@ use crate::tensor::Tensor;
 
 /// Floating-point operations per element of a bias gradient's column sum.
 const BIAS_BACKWARD: u64 = 1;
+
+/// Floating-point operations per element of a residual add.
+const RESIDUAL: u64 = 1;
 
 /// `pre = a · b + bias` and `out = gelu(pre)`: the first layer of an MLP, one op.
 pub fn matmul_bias_gelu(
@@ -37,6 +41,30 @@ pub fn matmul_bias_gelu(
         a,
         b,
         bias,
+    })
+}
+
+/// `y = residual + x · op(W) (+ bias)` (`op(W) = Wᵀ` with `trans_w`), overwritten: a
+/// block's output projection added to the residual stream, one op. The CPU (the composed
+/// reference) writes the product into `y`, rounded to its dtype, then adds the residual;
+/// the CUDA backend reads the residual as cuBLASLt's C (beta 1), so the sum is rounded
+/// once from the f32 accumulator and the add is no pass over memory of its own.
+pub fn matmul_residual(
+    be: &(impl Backend + ?Sized),
+    y: &mut Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: &Tensor,
+    trans_w: bool,
+) -> Result<()> {
+    be.run(&mut Residual {
+        y,
+        x,
+        w,
+        bias,
+        residual,
+        trans_w,
     })
 }
 
@@ -143,6 +171,70 @@ impl OpKernel for BiasGelu<'_> {
             false,
         )?;
         gelu::cuda::forward(be, self.out, self.pre)
+    }
+}
+
+struct Residual<'a> {
+    y: &'a mut Tensor,
+    x: &'a Tensor,
+    w: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    residual: &'a Tensor,
+    trans_w: bool,
+}
+
+impl OpKernel for Residual<'_> {
+    fn name(&self) -> &'static str {
+        "matmul_residual"
+    }
+
+    fn label(&self) -> &str {
+        self.y.label()
+    }
+
+    fn check(&self) -> Result<()> {
+        ensure_float("matmul_residual", &[self.y, self.x, self.w, self.residual])?;
+        if let Some(b) = self.bias {
+            ensure_float("matmul_residual", &[b])?;
+        }
+        cpu::matmul::dims(self.y, self.x, self.w, self.bias, false, self.trans_w)?;
+        same_len(self.y, self.residual, "matmul_residual")
+    }
+
+    fn flops(&self) -> u64 {
+        cpu::matmul::flops(self.y, self.x, self.bias.is_some(), false)
+            .saturating_add(each(self.y.numel(), RESIDUAL))
+    }
+
+    fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
+        be.matmul_kernel(
+            self.y,
+            self.x,
+            self.w,
+            self.bias,
+            false,
+            self.trans_w,
+            false,
+        )?;
+        cpu::elementwise::axpy(self.y, 1.0, self.residual);
+        Ok(())
+    }
+
+    fn cuda(&mut self, be: &CudaBackend) -> Result<()> {
+        let (y, x, w) = (&mut *self.y, self.x, self.w);
+        if lt::matmul_residual(be, y, x, w, self.bias, self.residual, self.trans_w)? {
+            return Ok(());
+        }
+        be.matmul_kernel(
+            self.y,
+            self.x,
+            self.w,
+            self.bias,
+            false,
+            self.trans_w,
+            false,
+        )?;
+        gpu::axpy(be, self.y, 1.0, self.residual)
     }
 }
 

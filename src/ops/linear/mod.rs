@@ -1,11 +1,11 @@
 //! Linear projections: plain, with a residual added, with a GELU after them, and with a
 //! residual added to the projection of a GELU's output; and the fused products they run
-//! ([`matmul_bias_gelu`], [`matmul_dgelu`], [`weight_bias_grad`]).
+//! ([`matmul_bias_gelu`], [`matmul_residual`], [`matmul_dgelu`], [`weight_bias_grad`]).
 
 pub(crate) mod fused;
 pub(crate) mod product;
 
-pub use fused::{matmul_bias_gelu, matmul_dgelu, weight_bias_grad};
+pub use fused::{matmul_bias_gelu, matmul_dgelu, matmul_residual, weight_bias_grad};
 
 use super::lora::{Base, LoraProjection};
 use super::{missing, BackwardCx, ForwardCx, Op, Saves};

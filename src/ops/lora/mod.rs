@@ -25,7 +25,7 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub mod dora;
 
-use super::linear::fused::matmul_bias_gelu;
+use super::linear::fused::{matmul_bias_gelu, matmul_residual};
 use super::linear::product::{
     input_grad, param_grads, product_shape, project, weight_product, with_width,
 };
@@ -848,6 +848,26 @@ impl Op for LoraProjection {
             matmul_bias_gelu(be, &mut out, &mut pre, x, cx.weights[0], cx.weights[1])?;
             cx.outputs[0] = Some(pre);
             cx.outputs[1] = Some(out);
+            return Ok(());
+        }
+        if self.base == Base::Residual
+            && self.adapters.is_empty()
+            && cx.weights[0].dtype().is_float()
+        {
+            // No update: the product with the residual added in the same call.
+            let mut y = cx.alloc(0)?;
+            let bias = self.bias.then(|| cx.weights[1]);
+            let residual = cx.input(0)?;
+            matmul_residual(
+                be,
+                &mut y,
+                x,
+                cx.weights[0],
+                bias,
+                residual,
+                self.transposed,
+            )?;
+            cx.outputs[0] = Some(y);
             return Ok(());
         }
         let mut y = project(cx, 0, x, self.bias, self.transposed)?;

@@ -57,6 +57,9 @@ pub(crate) struct Epilogue {
     pub bias_grad: DevicePtr,
     /// See `bias_grad`.
     pub bias_grad_of_a: bool,
+    /// A tensor of `out`'s dtype and shape added to the product (cuBLASLt's C with beta
+    /// 1, D being `out`), or 0 for none. Not with accumulation into `out`.
+    pub c: DevicePtr,
 }
 
 /// The product of [`Backend::matmul_kernel`] on checked operands, with `epilogue`'s extras
@@ -98,10 +101,12 @@ pub(crate) fn gemm(
             &format!("{}.f32", out.label()),
             false,
         )?;
-        if epilogue.bias_grad != 0 {
+        if epilogue.bias_grad != 0 || epilogue.c != 0 {
             return Err(Error::Backend {
                 backend: "cuda",
-                message: "a bias-gradient epilogue needs operands of one dtype".into(),
+                message: "a bias-gradient epilogue or an added C takes no f32 operands into \
+                          a 16-bit output"
+                    .into(),
             });
         }
         gemm(
@@ -149,6 +154,7 @@ pub(crate) fn gemm(
         b: ptr(&a)?,
         b_layout: colmajor(&a)?,
         d: ptr(out)?,
+        c: epilogue.c,
         d_layout: colmajor(out)?,
         bias: match &bias {
             Some(t) => ptr(t)?,
@@ -160,7 +166,11 @@ pub(crate) fn gemm(
         bias_grad: epilogue.bias_grad,
         bias_grad_of_b: epilogue.bias_grad_of_a,
         alpha: 1.0,
-        beta: if accumulate { 1.0 } else { 0.0 },
+        beta: if accumulate || epilogue.c != 0 {
+            1.0
+        } else {
+            0.0
+        },
         allow_tf32: be.options.allow_tf32,
         workspace,
         workspace_bytes,
@@ -174,6 +184,12 @@ pub(crate) fn gemm(
                 backend: "cuda",
                 message: "cuBLASLt has no algorithm for this product with its epilogue".into(),
             })
+        }
+        GemmRun::NoAlgorithm if g.c != 0 => {
+            // The plain kernel adds to D: D takes C's values first.
+            let bytes = g.d_layout.ld as usize * g.d_layout.cols as usize * g.d_layout.ty.bytes();
+            be.gpu.copy(g.d, g.c, bytes)?;
+            plain_gemm(be, &Gemm { c: 0, ..g })
         }
         GemmRun::NoAlgorithm => plain_gemm(be, &g),
     }
@@ -307,6 +323,37 @@ pub(crate) fn matmul_dgelu(
             Ok(false)
         }
     }
+}
+
+/// [`crate::ops::linear::matmul_residual`] as one product: `y = x · op(w) (+ bias) +
+/// residual`, the residual read as cuBLASLt's C (beta 1, D being `y`), so that the sum is
+/// rounded once, from the f32 accumulator, and the residual add is no pass of its own.
+/// `Ok(true)` when it wrote `y`, `Ok(false)` when the form does not apply (the residual
+/// in another dtype or shape than `y`, f32 operands into a 16-bit `y`, an empty `y`):
+/// nothing was written, and the call runs the product and the add one after the other.
+pub(crate) fn matmul_residual(
+    be: &CudaBackend,
+    y: &mut Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: &Tensor,
+    trans_w: bool,
+) -> Result<bool> {
+    let operand = operand_dtype(x, w);
+    let fused = residual.dtype() == y.dtype()
+        && residual.shape() == y.shape()
+        && !(operand == DType::F32 && y.dtype() != DType::F32)
+        && y.numel() > 0;
+    if !fused {
+        return Ok(false);
+    }
+    let epilogue = Epilogue {
+        c: ptr(residual)?,
+        ..Epilogue::default()
+    };
+    gemm(be, y, x, w, bias, false, trans_w, false, epilogue)?;
+    Ok(true)
 }
 
 /// The dtype both operands of a product are brought to: cuBLASLt multiplies equal
