@@ -207,15 +207,7 @@ impl OpKernel for Residual<'_> {
     }
 
     fn cpu(&mut self, be: &CpuBackend) -> Result<()> {
-        be.matmul_kernel(
-            self.y,
-            self.x,
-            self.w,
-            self.bias,
-            false,
-            self.trans_w,
-            false,
-        )?;
+        self.product(be)?;
         cpu::elementwise::axpy(self.y, 1.0, self.residual);
         Ok(())
     }
@@ -225,16 +217,16 @@ impl OpKernel for Residual<'_> {
         if lt::matmul_residual(be, y, x, w, self.bias, self.residual, self.trans_w)? {
             return Ok(());
         }
-        be.matmul_kernel(
-            self.y,
-            self.x,
-            self.w,
-            self.bias,
-            false,
-            self.trans_w,
-            false,
-        )?;
+        self.product(be)?;
         gpu::axpy(be, self.y, 1.0, self.residual)
+    }
+}
+
+impl Residual<'_> {
+    /// The product with its bias alone, into `y`: the first of the composed form's parts.
+    fn product(&mut self, be: &impl Backend) -> Result<()> {
+        let (x, w, bias) = (self.x, self.w, self.bias);
+        be.matmul_kernel(self.y, x, w, bias, false, self.trans_w, false)
     }
 }
 
