@@ -717,8 +717,7 @@ impl DriverGpu {
         candidates: &[lt_sys::cublasLtMatmulAlgo_t],
     ) -> Result<Vec<Option<f64>>> {
         let scratch = if g.beta != 0.0 && g.c == 0 {
-            let bytes =
-                (g.d_layout.ld.max(0) as u64 * g.d_layout.cols) as usize * g.d_layout.ty.bytes();
+            let bytes = g.d_layout.bytes();
             let p = self.alloc(bytes).map_err(|e| Error::Backend {
                 backend: "cuda",
                 message: match e {

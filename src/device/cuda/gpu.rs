@@ -105,6 +105,13 @@ pub(crate) struct MatrixLayout {
     pub ld: i64,
 }
 
+impl MatrixLayout {
+    /// The bytes a matrix of this layout spans: `ld` elements a column, `cols` columns.
+    pub(crate) fn bytes(&self) -> usize {
+        self.ld.max(0) as usize * self.cols as usize * self.ty.bytes()
+    }
+}
+
 /// `D = alpha · op(A) · op(B) + beta · C (+ bias)` in cuBLASLt's column-major terms, with
 /// C the buffer at `c` (D's layout) or D itself. `op(A)` is `m × k`, `op(B)` is `k × n`, D
 /// is `m × n`; the bias (one value per row of D, D's element type) is added by the

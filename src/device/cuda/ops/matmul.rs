@@ -92,7 +92,7 @@ pub(crate) fn gemm(
     let operand = operand_dtype(a, b);
     let a = be.as_dtype(a, operand)?;
     let b = be.as_dtype(b, operand)?;
-    if operand == DType::F32 && out.dtype() != DType::F32 {
+    if through_f32(operand, out.dtype()) {
         // f32 operands into bf16 or f16: the product in f32, then added or cast.
         let mut tmp = be.alloc(
             out.shape(),
@@ -187,8 +187,7 @@ pub(crate) fn gemm(
         }
         GemmRun::NoAlgorithm if g.c != 0 => {
             // The plain kernel adds to D: D takes C's values first.
-            let bytes = g.d_layout.ld as usize * g.d_layout.cols as usize * g.d_layout.ty.bytes();
-            be.gpu.copy(g.d, g.c, bytes)?;
+            be.gpu.copy(g.d, g.c, g.d_layout.bytes())?;
             plain_gemm(be, &Gemm { c: 0, ..g })
         }
         GemmRun::NoAlgorithm => plain_gemm(be, &g),
@@ -258,7 +257,7 @@ pub(crate) fn matmul_bias_gelu(
     let (_, cols) = pre.rows_cols();
     let fused = out.dtype() == pre.dtype()
         && out.shape() == pre.shape()
-        && !(operand == DType::F32 && pre.dtype() != DType::F32)
+        && !through_f32(operand, pre.dtype())
         && cols % 8 == 0
         && be.gelu_epilogue.load(Ordering::Relaxed);
     if fused {
@@ -301,7 +300,7 @@ pub(crate) fn matmul_dgelu(
     let (_, cols) = dpre.rows_cols();
     let fused = dpre.dtype() == pre.dtype()
         && dpre.shape() == pre.shape()
-        && !(operand == DType::F32 && dpre.dtype() != DType::F32)
+        && !through_f32(operand, dpre.dtype())
         && cols % 8 == 0
         && be.dgelu_epilogue.load(Ordering::Relaxed);
     if !fused {
@@ -343,7 +342,7 @@ pub(crate) fn matmul_residual(
     let operand = operand_dtype(x, w);
     let fused = residual.dtype() == y.dtype()
         && residual.shape() == y.shape()
-        && !(operand == DType::F32 && y.dtype() != DType::F32)
+        && !through_f32(operand, y.dtype())
         && y.numel() > 0;
     if !fused {
         return Ok(false);
@@ -354,6 +353,13 @@ pub(crate) fn matmul_residual(
     };
     gemm(be, y, x, w, bias, false, trans_w, false, epilogue)?;
     Ok(true)
+}
+
+/// Whether a product of `operand` operands into an `out` output runs through an f32
+/// temporary (f32 operands into bf16 or f16: cuBLASLt writes f32, cast or added after),
+/// which carries no epilogue and no C of its own.
+fn through_f32(operand: DType, out: DType) -> bool {
+    operand == DType::F32 && out != DType::F32
 }
 
 /// The dtype both operands of a product are brought to: cuBLASLt multiplies equal
@@ -383,7 +389,7 @@ pub(crate) fn weight_bias_grad(
 ) -> Result<bool> {
     let fused = x.dtype() == dy.dtype()
         && dbias.dtype() == dw.dtype()
-        && !(x.dtype() == DType::F32 && dw.dtype() != DType::F32)
+        && !through_f32(x.dtype(), dw.dtype())
         && dw.numel() > 0
         && dy.numel() > 0
         && be.bias_grad_epilogue.load(Ordering::Relaxed);
