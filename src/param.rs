@@ -71,27 +71,73 @@ impl ParamInit {
     pub fn values(&self, rng: &mut Rng) -> Vec<f32> {
         draw(&self.init, &self.shape, rng)
     }
+
+    /// The numbers of the stream [`ParamInit::values`] takes from it: a parameter whose
+    /// values come from elsewhere (a model directory) moves the stream on by as many
+    /// ([`Rng::skip`]), so that the parameters drawn after it draw as they would have.
+    pub fn draws(&self) -> u64 {
+        draws(&self.init, &self.shape)
+    }
 }
+
+/// Elements of a random initialisation drawn together on one core.
+const DRAW_PIECE: usize = 1 << 16;
 
 /// `n` values of `shape` drawn as `init` says.
 fn draw(init: &Init, shape: &[usize], rng: &mut Rng) -> Vec<f32> {
     let n = shape.iter().product();
     match init {
-        Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+        Init::Normal { std } => random(n, 2, rng, |r| (r.normal() * std) as f32),
         Init::Constant(v) => vec![*v; n],
         Init::Values(v) => v.clone(),
-        Init::Uniform { bound } => (0..n)
-            .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
-            .collect(),
+        Init::Uniform { bound } => {
+            random(n, 1, rng, |r| ((r.uniform() * 2.0 - 1.0) * bound) as f32)
+        }
         Init::Rows { rows, init } => {
-            let mut part = shape.to_vec();
-            if let Some(first) = part.first_mut() {
-                *first = (*rows).min(*first);
-            }
-            let mut values = draw(init, &part, rng);
+            let mut values = draw(init, &drawn_rows(shape, *rows), rng);
             values.resize(n, 0.0);
             values
         }
+    }
+}
+
+/// The shape of the rows of `shape` that [`Init::Rows`] draws: its first `rows`.
+fn drawn_rows(shape: &[usize], rows: usize) -> Vec<usize> {
+    let mut part = shape.to_vec();
+    if let Some(first) = part.first_mut() {
+        *first = rows.min(*first);
+    }
+    part
+}
+
+/// `n` values of `one`, each taking `per` numbers of `rng`'s stream, drawn in pieces of
+/// [`DRAW_PIECE`] on every core: a piece starts where the stream stands after the pieces
+/// before it ([`Rng::skip`]), so the values are those of drawing them one after another,
+/// on any number of threads, and `rng` ends past them all.
+fn random(n: usize, per: u64, rng: &mut Rng, one: impl Fn(&mut Rng) -> f32 + Sync) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut values = vec![0.0f32; n];
+    let start = rng.clone();
+    values
+        .par_chunks_mut(DRAW_PIECE)
+        .enumerate()
+        .for_each(|(i, piece)| {
+            let mut r = start.clone();
+            r.skip((i * DRAW_PIECE) as u64 * per);
+            piece.iter_mut().for_each(|v| *v = one(&mut r));
+        });
+    rng.skip(n as u64 * per);
+    values
+}
+
+/// The numbers of the stream that drawing `init` over `shape` takes.
+fn draws(init: &Init, shape: &[usize]) -> u64 {
+    let n = shape.iter().product::<usize>() as u64;
+    match init {
+        Init::Normal { .. } => 2 * n,
+        Init::Uniform { .. } => n,
+        Init::Constant(_) | Init::Values(_) => 0,
+        Init::Rows { rows, init } => draws(init, &drawn_rows(shape, *rows)),
     }
 }
 
@@ -246,6 +292,24 @@ impl Param {
         rng: &mut Rng,
         precision: &dyn Precision,
     ) -> Result<Param> {
+        Self::init_loaded(backend, host, stream, spec, None, rng, precision)
+    }
+
+    /// As [`Param::init_placed`], with `loaded` the initial values where they come from
+    /// elsewhere (a model directory's, row-major, `spec`'s shape) instead of `spec`'s
+    /// initialisation: nothing is drawn for them, and `rng` moves on as the drawing would
+    /// have moved it ([`ParamInit::draws`]), so that the parameters after this one draw
+    /// the values they draw without it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn init_loaded(
+        backend: &dyn Backend,
+        host: Option<&Arc<dyn Backend>>,
+        stream: Option<&Arc<dyn Backend>>,
+        spec: &ParamInit,
+        loaded: Option<&[f32]>,
+        rng: &mut Rng,
+        precision: &dyn Precision,
+    ) -> Result<Param> {
         let host = host.filter(|_| spec.trains);
         if stream.is_some() && spec.trains && host.is_none() {
             return Err(Error::config(
@@ -259,13 +323,18 @@ impl Param {
                 ),
             ));
         }
-        let values = backend.holds_data().then(|| spec.values(rng));
+        // Values are drawn (or skipped) only where the backend keeps them.
+        let drawn = (backend.holds_data() && loaded.is_none()).then(|| spec.values(rng));
+        if backend.holds_data() && loaded.is_some() {
+            rng.skip(spec.draws());
+        }
+        let values = loaded.filter(|_| backend.holds_data()).or(drawn.as_deref());
         let mut param = Self::build(
             backend,
             host,
             &spec.name,
             &spec.shape,
-            values.as_deref(),
+            values,
             precision,
             spec.trains,
             spec.dtype,
@@ -949,4 +1018,76 @@ fn grad_for_update<'a>(name: &str, trains: bool, grad: &'a Option<Tensor>) -> Re
         backend: "optimizer",
         message: format!("`{name}` has no gradient: run backward first"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each element drawn one after another from one stream: the values [`draw`] gives
+    /// in pieces on every core must equal these bit for bit.
+    fn one_by_one(init: &Init, n: usize, rng: &mut Rng) -> Vec<f32> {
+        match init {
+            Init::Normal { std } => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+            Init::Uniform { bound } => (0..n)
+                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                .collect(),
+            _ => unreachable!("random initialisations only"),
+        }
+    }
+
+    /// Drawn in pieces, a random initialisation is the one drawn element by element (on
+    /// either side of a piece's end), the stream ends where drawing them one by one leaves
+    /// it, and `draws` counts what it took; a padded vocabulary draws its rows alone.
+    #[test]
+    fn random_values_drawn_in_pieces_are_those_drawn_one_by_one() {
+        let inits = [Init::Normal { std: 0.02 }, Init::Uniform { bound: 0.5 }];
+        for init in &inits {
+            for n in [0, 1, 3, DRAW_PIECE - 1, DRAW_PIECE, 2 * DRAW_PIECE + 5] {
+                let spec = ParamInit {
+                    name: "w".into(),
+                    shape: vec![n],
+                    init: init.clone(),
+                    trains: true,
+                    dtype: None,
+                };
+                let (mut pieces, mut single) = (Rng::new(7), Rng::new(7));
+                let drawn = spec.values(&mut pieces);
+                let expected = one_by_one(init, n, &mut single);
+                assert!(
+                    drawn
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .eq(expected.iter().map(|v| v.to_bits())),
+                    "{init:?}, {n} values"
+                );
+                assert_eq!(pieces, single, "{init:?}, {n}: the stream after them");
+                let mut skipped = Rng::new(7);
+                skipped.skip(spec.draws());
+                assert_eq!(skipped, single, "{init:?}, {n}: draws()");
+            }
+        }
+        let padded = ParamInit {
+            name: "wte".into(),
+            shape: vec![5, DRAW_PIECE / 2],
+            init: Init::Rows {
+                rows: 3,
+                init: Box::new(Init::Normal { std: 1.0 }),
+            },
+            trains: true,
+            dtype: None,
+        };
+        let (mut rng, mut single) = (Rng::new(3), Rng::new(3));
+        let values = padded.values(&mut rng);
+        let rows = one_by_one(&Init::Normal { std: 1.0 }, 3 * DRAW_PIECE / 2, &mut single);
+        assert_eq!(values[..rows.len()], rows[..]);
+        assert!(values[rows.len()..].iter().all(|&v| v == 0.0));
+        assert_eq!(rng, single);
+        assert_eq!(padded.draws(), 3 * DRAW_PIECE as u64);
+        let constant = ParamInit {
+            init: Init::Constant(1.0),
+            ..padded
+        };
+        assert_eq!(constant.draws(), 0);
+    }
 }

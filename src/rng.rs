@@ -54,6 +54,12 @@ impl Rng {
         mix64(self.state)
     }
 
+    /// Moves the stream on as `draws` calls of [`Rng::next_u64`] would, without making
+    /// them (SplitMix64's state only counts: this costs one multiplication).
+    pub fn skip(&mut self, draws: u64) {
+        self.state = self.state.wrapping_add(draws.wrapping_mul(GAMMA));
+    }
+
     /// Shuffles `items` in place (Fisher–Yates, one draw per element from the last).
     pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
@@ -95,5 +101,20 @@ mod tests {
         assert_ne!(a, (0..20).collect::<Vec<_>>());
         a.sort();
         assert_eq!(a, (0..20).collect::<Vec<_>>());
+    }
+
+    /// Skipping `n` draws leaves the stream where drawing them would.
+    #[test]
+    fn skipping_draws_lands_where_drawing_them_does() {
+        for n in [0u64, 1, 2, 7, 1000] {
+            let mut drawn = Rng::new(11);
+            (0..n).for_each(|_| {
+                drawn.next_u64();
+            });
+            let mut skipped = Rng::new(11);
+            skipped.skip(n);
+            assert_eq!(skipped, drawn, "{n}");
+            assert_eq!(skipped.next_u64(), drawn.next_u64());
+        }
     }
 }

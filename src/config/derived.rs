@@ -10,7 +10,7 @@ use crate::device::Backend;
 use crate::error::Result;
 use crate::estimate::{FitRequest, Techniques};
 use crate::memory::MemoryObserver;
-use crate::model::Model;
+use crate::model::{Model, ModelDir};
 use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::trainer::{Trainer, TrainerOptions};
@@ -146,7 +146,8 @@ impl RunConfig {
     /// with ops of your own) on `backend`, reading `data`: the config's five policies
     /// with `observer` in place of its own, and its loop settings
     /// ([`TrainerOptions::from`]) with `peak_flops` for MFU. Weights are freshly
-    /// initialised: load a model directory or resume after.
+    /// initialised: load a model directory or resume after, or start from one with
+    /// [`RunConfig::trainer_from`].
     pub fn trainer(
         &self,
         model: Box<dyn Model>,
@@ -155,19 +156,35 @@ impl RunConfig {
         observer: Box<dyn MemoryObserver>,
         peak_flops: Option<f64>,
     ) -> Result<ConfigTrainer> {
-        Trainer::new(
-            model,
-            backend,
-            data,
-            self.precision.clone(),
-            self.checkpoint.clone(),
-            self.optimizer.clone(),
-            self.accumulation.clone(),
-            observer,
-            TrainerOptions {
+        self.trainer_from(model, backend, data, observer, peak_flops, None)
+    }
+
+    /// [`RunConfig::trainer`] with the weights of `weights` where given (the model
+    /// directory `training.init_from` names, read): the parameters start from them, none
+    /// drawn but the adapter's updates ([`crate::trainer::TrainerBuilder::init_from`]).
+    pub fn trainer_from(
+        &self,
+        model: Box<dyn Model>,
+        backend: Arc<dyn Backend>,
+        data: DataLoader,
+        observer: Box<dyn MemoryObserver>,
+        peak_flops: Option<f64>,
+        weights: Option<ModelDir>,
+    ) -> Result<ConfigTrainer> {
+        let builder = Trainer::builder(model, backend, data)
+            .precision(self.precision.clone())
+            .checkpoint(self.checkpoint.clone())
+            .optimizer(self.optimizer.clone())
+            .accumulation(self.accumulation.clone())
+            .observer(observer)
+            .options(TrainerOptions {
                 peak_flops,
                 ..TrainerOptions::from(self)
-            },
-        )
+            });
+        match weights {
+            Some(w) => builder.init_from(w),
+            None => builder,
+        }
+        .build()
     }
 }

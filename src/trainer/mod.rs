@@ -8,7 +8,7 @@ use crate::data::DataLoader;
 use crate::device::Backend;
 use crate::error::{Error, Result};
 use crate::memory::{CategoryBytes, MemoryObserver, PeakTracker};
-use crate::model::{Batch, Model, Param, Pass, StashStats};
+use crate::model::{Batch, Model, ModelDir, Param, Pass, StashStats};
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use crate::placement::{self, WeightPlacement};
 use crate::precision::{Fp32, Precision};
@@ -274,6 +274,7 @@ pub struct TrainerBuilder<P, C, O, A, M> {
     observer: M,
     options: TrainerOptions,
     collective: Arc<dyn Collective>,
+    weights: Option<ModelDir>,
 }
 
 impl Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
@@ -295,6 +296,7 @@ impl Trainer<Fp32, NoRecompute, AdamW, Constant, PeakTracker> {
             observer: PeakTracker::new(),
             options: TrainerOptions::default(),
             collective: Arc::new(Single),
+            weights: None,
         }
     }
 }
@@ -320,6 +322,7 @@ where
             observer: self.observer,
             options: self.options,
             collective: self.collective,
+            weights: self.weights,
         }
     }
 
@@ -339,6 +342,7 @@ where
             observer: self.observer,
             options: self.options,
             collective: self.collective,
+            weights: self.weights,
         }
     }
 
@@ -355,6 +359,7 @@ where
             observer: self.observer,
             options: self.options,
             collective: self.collective,
+            weights: self.weights,
         }
     }
 
@@ -374,6 +379,7 @@ where
             observer: self.observer,
             options: self.options,
             collective: self.collective,
+            weights: self.weights,
         }
     }
 
@@ -390,6 +396,7 @@ where
             observer,
             options: self.options,
             collective: self.collective,
+            weights: self.weights,
         }
     }
 
@@ -416,10 +423,23 @@ where
         self
     }
 
+    /// Starts the parameters from `model`'s weights (a base model to fine-tune, a saved
+    /// model to sample from or evaluate) instead of drawing them: what
+    /// [`Trainer::load_weights`] after [`TrainerBuilder::build`] does, without drawing the
+    /// random values it would overwrite (minutes of a large model's start) and without a
+    /// second copy of them in memory. Every parameter must be there with its shape but
+    /// the low-rank updates of an adapter, which the directory of a base model lacks: they
+    /// draw their initialisation as they would after a model drawn whole (the seed's
+    /// stream moves past the weights read), so the run is the one `load_weights` starts.
+    pub fn init_from(mut self, model: ModelDir) -> Self {
+        self.weights = Some(model);
+        self
+    }
+
     /// Creates the parameters and returns the trainer.
     pub fn build(self) -> Result<Trainer<P, C, O, A, M>> {
         let collective = self.collective;
-        let mut trainer = Trainer::new(
+        let mut trainer = Trainer::create(
             self.model,
             self.backend,
             self.data,
@@ -429,6 +449,7 @@ where
             self.accumulation,
             self.observer,
             self.options,
+            self.weights,
         )?;
         trainer.join(collective)?;
         Ok(trainer)
@@ -455,6 +476,35 @@ where
         accumulation: A,
         observer: M,
         options: TrainerOptions,
+    ) -> Result<Self> {
+        Self::create(
+            model,
+            backend,
+            data,
+            precision,
+            checkpoint,
+            optimizer,
+            accumulation,
+            observer,
+            options,
+            None,
+        )
+    }
+
+    /// [`Trainer::new`] with the parameters read from `weights` where given
+    /// ([`TrainerBuilder::init_from`]).
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        model: Box<dyn Model>,
+        backend: Arc<dyn Backend>,
+        data: DataLoader,
+        precision: P,
+        checkpoint: C,
+        optimizer: O,
+        accumulation: A,
+        observer: M,
+        options: TrainerOptions,
+        weights: Option<ModelDir>,
     ) -> Result<Self> {
         if data.seq_len() > model.max_seq_len() {
             return Err(Error::config(
@@ -549,21 +599,36 @@ where
         } else {
             None
         };
-        let params = specs
-            .iter()
-            .zip(&streamed)
-            .map(|(p, &s)| {
-                let stream = stream.as_ref().filter(|_| s);
-                Param::init_placed(
-                    backend.as_ref(),
-                    host.as_ref(),
-                    stream,
-                    p,
-                    &mut rng,
-                    &precision,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // The weights read (by the model's names), or none: every parameter drawn.
+        let mut loaded = match weights {
+            Some(dir) => Some(model.import_tensors(dir.tensors)?),
+            None => None,
+        };
+        let held = loaded.as_ref().map_or(0, |t| t.len());
+        // The parameters the directory lacks and that draw their values (adapters').
+        let mut fresh = Vec::new();
+        let mut params = Vec::with_capacity(specs.len());
+        for (p, &s) in specs.iter().zip(&streamed) {
+            let values = match loaded.as_mut() {
+                Some(tensors) => {
+                    persist::file_values(tensors, held, &p.name, &p.shape, &mut fresh)?
+                }
+                None => None,
+            };
+            let stream = stream.as_ref().filter(|_| s);
+            params.push(Param::init_loaded(
+                backend.as_ref(),
+                host.as_ref(),
+                stream,
+                p,
+                values.as_deref(),
+                &mut rng,
+                &precision,
+            )?);
+        }
+        // What the model does not read goes now, not with the trainer's start.
+        let read = loaded.is_some();
+        drop(loaded);
         let mut trainer = Trainer {
             model,
             backend,
@@ -584,7 +649,9 @@ where
             collective: Arc::new(Single),
             owners: Vec::new(),
         };
-        trainer.init_magnitudes(None)?;
+        // DoRA's magnitudes start from the base weights, those read or drawn; a directory's
+        // own magnitudes are kept.
+        trainer.init_magnitudes(read.then_some(&fresh[..]))?;
         trainer.flush_events();
         Ok(trainer)
     }

@@ -384,37 +384,15 @@ where
     /// adapter keep their values when the directory, a base model, lacks them);
     /// optimizer state and counters are untouched.
     pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
-        let tensors = self.model.import_tensors(model.tensors.clone())?;
+        let mut tensors = self.model.import_tensors(model.tensors.clone())?;
+        let held = tensors.len();
         let be = self.backend.as_ref();
         let mut fresh = Vec::new();
         for p in &mut self.params {
-            if is_update_param(p.name()) && !tensors.contains_key(p.name()) {
-                fresh.push(p.name().to_string());
-                continue;
+            match file_values(&mut tensors, held, p.name(), p.shape(), &mut fresh)? {
+                Some(values) => p.set_value(be, &values)?,
+                None => continue,
             }
-            let t = tensors.get(p.name()).ok_or_else(|| {
-                Error::data(
-                    "model weights",
-                    format!(
-                        "`{}` is missing; the directory holds {} tensors but not this one \
-                         (is it a checkpoint of the same model and depth?)",
-                        p.name(),
-                        tensors.len()
-                    ),
-                )
-            })?;
-            if t.shape != p.shape() {
-                return Err(Error::data(
-                    "model weights",
-                    format!(
-                        "`{}` has shape {:?}, the model needs {:?}",
-                        p.name(),
-                        t.shape,
-                        p.shape()
-                    ),
-                ));
-            }
-            p.set_value(be, &t.data)?;
         }
         // DoRA's magnitudes start from the base weights just read.
         self.init_magnitudes(Some(&fresh))
@@ -606,6 +584,43 @@ fn padded_state<'t>(
 /// tensor, or a base module the adapter trains whole (`modules_to_save`).
 fn in_adapter(p: &Param) -> bool {
     is_update_param(p.name()) || p.trains()
+}
+
+/// Parameter `name`'s values (shape `shape`) taken out of a model directory's `tensors`
+/// (as the model imports them; `held` of them at first): `None`, with the name pushed to
+/// `fresh`, for the low-rank update of an adapter the directory (a base model) lacks,
+/// which keeps its own initialisation; an error naming the parameter when it is missing
+/// otherwise or misshapen.
+pub(super) fn file_values(
+    tensors: &mut BTreeMap<String, NamedTensor>,
+    held: usize,
+    name: &str,
+    shape: &[usize],
+    fresh: &mut Vec<String>,
+) -> Result<Option<Vec<f32>>> {
+    let Some(t) = tensors.remove(name) else {
+        if is_update_param(name) {
+            fresh.push(name.to_string());
+            return Ok(None);
+        }
+        return Err(Error::data(
+            "model weights",
+            format!(
+                "`{name}` is missing; the directory holds {held} tensors but not this one \
+                 (is it a checkpoint of the same model and depth?)"
+            ),
+        ));
+    };
+    if t.shape != shape {
+        return Err(Error::data(
+            "model weights",
+            format!(
+                "`{name}` has shape {:?}, the model needs {shape:?}",
+                t.shape
+            ),
+        ));
+    }
+    Ok(Some(t.data))
 }
 
 #[cfg(test)]

@@ -60,7 +60,7 @@ pub fn run(mut args: EvalArgs) -> Result<()> {
     tokens.check_ids(dir.config.vocab_size())?;
     let data =
         DataLoader::new(tokens, args.batch_size, args.seq_len)?.separated_by(source.separator()?);
-    let mut trainer = args.saved.trainer(&dir, data.clone())?;
+    let mut trainer = args.saved.trainer(dir, data.clone())?;
     let eval = trainer.evaluate_once(&data, args.batches)?;
     let loss = eval.loss;
     if !loss.is_finite() {

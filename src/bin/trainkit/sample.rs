@@ -135,7 +135,7 @@ pub fn run(mut args: SampleArgs) -> Result<()> {
         );
     }
     let placeholder = DataLoader::new(vec![0; 2], 1, 1)?;
-    let mut trainer = args.saved.trainer(&dir, placeholder)?;
+    let mut trainer = args.saved.trainer(dir, placeholder)?;
     let mut rng = Rng::new(args.seed);
     // Tokens are printed as they are drawn; text that may still become an end-of-turn
     // marker (with --chat) or a character cut between two tokens is held back until the

@@ -52,7 +52,7 @@ impl SavedModelArgs {
 
     /// An f32 trainer on the `--device` device holding `dir`'s weights (and the adapter's,
     /// over an NF4 base with `--qlora`), reading `data`.
-    pub fn trainer(&self, dir: &ModelDir, data: DataLoader) -> Result<SavedTrainer> {
+    pub fn trainer(&self, dir: ModelDir, data: DataLoader) -> Result<SavedTrainer> {
         let precision = trainkit::precision::named(&self.precision, false)
             .map_err(|e| e.for_field("--precision"))?;
         let backend = crate::device(&self.device)?.backend()?;
@@ -77,8 +77,8 @@ impl SavedModelArgs {
         }
         let mut trainer = Trainer::builder(model, backend, data)
             .precision(precision)
+            .init_from(dir)
             .build()?;
-        trainer.load_weights(dir)?;
         if let Some(a) = adapter {
             trainer.load_adapter(a)?;
         }
@@ -135,7 +135,7 @@ mod tests {
                 device: "cpu".into(),
                 precision: precision.into(),
             };
-            let t = args.trainer(&saved, data()).unwrap();
+            let t = args.trainer(saved.clone(), data()).unwrap();
             let live = t.backend().ledger().snapshot().live;
             assert_eq!(
                 live.get(MemoryCategory::Weights),

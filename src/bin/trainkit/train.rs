@@ -300,12 +300,21 @@ fn build(
         timeline_steps,
         profile,
     } = args.observe.observer(cfg, args.run.resume.as_deref())?;
-    let mut trainer = cfg.trainer(
+    // The parameters start from --init-from's weights (a resumed LoRA run's base too);
+    // a resumed full run reads its own from the checkpoint.
+    let adapted = cfg.adapter.is_some();
+    let weights = match (&t.init_from, &args.run.resume) {
+        (Some(dir), None) => Some(read_model_dir(dir)?),
+        (Some(base), Some(_)) if adapted => Some(read_model_dir(base)?),
+        _ => None,
+    };
+    let mut trainer = cfg.trainer_from(
         model,
         Arc::clone(&backend),
         data.train,
         observer,
         peak_flops,
+        weights,
     )?;
     if collective.world() > 1 {
         let per_rank = cfg.global_batch()?;
@@ -331,13 +340,10 @@ fn build(
         println!("collective: {}", collective.describe());
     }
     trainer.join(collective)?;
-    let adapted = cfg.adapter.is_some();
     trainer.set_adapter_base(t.init_from.as_ref().map(|d| d.display().to_string()));
     if let Some(dir) = &args.run.resume {
-        // A LoRA checkpoint holds the adapter alone: the base comes from where it came.
-        if let (true, Some(base)) = (adapted, &t.init_from) {
-            trainer.load_weights(&read_model_dir(base)?)?;
-        }
+        // A LoRA checkpoint holds the adapter alone: the base came from where it came
+        // (read above).
         trainer.resume_from(dir)?;
         println!("resumed {} at step {}", dir.display(), trainer.steps_done());
         let (saved, world) = (
@@ -358,7 +364,6 @@ fn build(
             );
         }
     } else if let Some(dir) = &t.init_from {
-        trainer.load_weights(&read_model_dir(dir)?)?;
         println!("weights from {}", dir.display());
         if let Some(adapter) = &args.run.adapter {
             trainer.load_adapter(adapter)?;
