@@ -209,14 +209,18 @@ fn pick(logits: &[f32], options: SamplingOptions, context: &[u32], rng: &mut Rng
             }
         }
     }
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    // The most likely first, ties by id: a total order.
+    let before = |&a: &usize, &b: &usize| scores[b].total_cmp(&scores[a]).then(a.cmp(&b));
     if options.temperature == 0.0 {
-        return order[0];
+        return (0..scores.len()).min_by(before).unwrap_or(0);
     }
-    if options.top_k > 0 {
+    // Only the top-k are ordered (a vocabulary's sort per token is milliseconds).
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    if options.top_k > 0 && options.top_k < order.len() {
+        order.select_nth_unstable_by(options.top_k - 1, before);
         order.truncate(options.top_k);
     }
+    order.sort_unstable_by(before);
     let max = scores[order[0]];
     let mut weights: Vec<f64> = order
         .iter()
@@ -284,6 +288,117 @@ mod tests {
         // p(1) / p(3) = e^0.5 ≈ 1.65.
         let ratio = counts[1] as f64 / counts[3] as f64;
         assert!((ratio - 0.5f64.exp()).abs() < 0.15, "{ratio}");
+    }
+
+    /// `pick` as written first: every id sorted, most likely first, ties by id, then
+    /// cut to the top-k; the reference the partial ordering must draw exactly as.
+    fn pick_by_full_sort(
+        logits: &[f32],
+        options: SamplingOptions,
+        context: &[u32],
+        rng: &mut Rng,
+    ) -> usize {
+        let mut scores: Vec<f64> = logits.iter().map(|&l| l as f64).collect();
+        let penalty = options.repetition_penalty as f64;
+        let mut seen = vec![false; scores.len()];
+        for &t in context {
+            if let Some(s) = scores.get_mut(t as usize).filter(|_| !seen[t as usize]) {
+                seen[t as usize] = true;
+                *s = if *s < 0.0 { *s * penalty } else { *s / penalty };
+            }
+        }
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        if options.temperature == 0.0 {
+            return order[0];
+        }
+        if options.top_k > 0 {
+            order.truncate(options.top_k);
+        }
+        let max = scores[order[0]];
+        let mut weights: Vec<f64> = order
+            .iter()
+            .map(|&i| ((scores[i] - max) / options.temperature as f64).exp())
+            .collect();
+        if options.top_p < 1.0 {
+            let (total, top_p) = (weights.iter().sum::<f64>(), options.top_p as f64);
+            let mut before = 0.0;
+            let keep = weights
+                .iter()
+                .take_while(|&&w| {
+                    let kept = before < top_p * total;
+                    before += w;
+                    kept
+                })
+                .count();
+            order.truncate(keep.max(1));
+            weights.truncate(keep.max(1));
+        }
+        if options.min_p > 0.0 {
+            let keep = weights
+                .iter()
+                .take_while(|&&w| w >= options.min_p as f64)
+                .count();
+            order.truncate(keep.max(1));
+            weights.truncate(keep.max(1));
+        }
+        let total: f64 = weights.iter().sum();
+        let mut u = rng.uniform() * total;
+        for (&i, w) in order.iter().zip(&weights) {
+            if u < *w {
+                return i;
+            }
+            u -= w;
+        }
+        order[order.len() - 1]
+    }
+
+    /// Greedy decoding takes the most likely id without ordering the vocabulary, and
+    /// top-k orders its k alone: every draw is the full sort's, over logits with ties
+    /// (rounded to a few values) and without, for each setting and the penalty.
+    #[test]
+    fn the_partial_ordering_draws_what_sorting_every_id_draws() {
+        let mut gen = Rng::new(3);
+        for (vocab, levels) in [(1, 0.0), (7, 0.0), (500, 0.0), (500, 4.0), (2000, 1.0)] {
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| {
+                    let l = gen.normal() * 3.0;
+                    (if levels > 0.0 {
+                        (l * levels).round() / levels
+                    } else {
+                        l
+                    }) as f32
+                })
+                .collect();
+            let context: Vec<u32> = (0..20).map(|_| gen.below(vocab) as u32).collect();
+            for temperature in [0.0, 0.7, 1.0] {
+                for top_k in [0, 1, 5, 50, vocab, vocab + 3] {
+                    for (top_p, min_p, penalty) in [
+                        (1.0, 0.0, 1.0),
+                        (0.9, 0.0, 1.0),
+                        (1.0, 0.05, 1.3),
+                        (0.8, 0.1, 1.1),
+                    ] {
+                        let options = SamplingOptions {
+                            temperature,
+                            top_k,
+                            top_p,
+                            min_p,
+                            repetition_penalty: penalty,
+                            ..SamplingOptions::default()
+                        };
+                        let (mut a, mut b) = (Rng::new(9), Rng::new(9));
+                        for _ in 0..20 {
+                            assert_eq!(
+                                pick(&logits, options, &context, &mut a),
+                                pick_by_full_sort(&logits, options, &context, &mut b),
+                                "vocab {vocab}, levels {levels}, {options:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Draws of `options` from `logits` after `context`: how often each token came.
