@@ -194,6 +194,23 @@ where
     }
 }
 
+/// The ids a draw from `scores` chooses among, the most likely first (ties by id): the
+/// most likely alone when greedy, the top-k with top-k, else every id. Only these are
+/// ordered (a vocabulary's sort per token is milliseconds).
+fn candidates(scores: &[f64], options: SamplingOptions) -> Vec<usize> {
+    let before = |&a: &usize, &b: &usize| scores[b].total_cmp(&scores[a]).then(a.cmp(&b));
+    if options.temperature == 0.0 {
+        return vec![(0..scores.len()).min_by(before).unwrap_or(0)];
+    }
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    if options.top_k > 0 && options.top_k < order.len() {
+        order.select_nth_unstable_by(options.top_k - 1, before);
+        order.truncate(options.top_k);
+    }
+    order.sort_unstable_by(before);
+    order
+}
+
 /// Draws a token id from `logits` under `options`, `context` the tokens before it (for the
 /// repetition penalty): the penalty, then the temperature, top-k, top-p and min-p, in
 /// transformers' order.
@@ -209,18 +226,10 @@ fn pick(logits: &[f32], options: SamplingOptions, context: &[u32], rng: &mut Rng
             }
         }
     }
-    // The most likely first, ties by id: a total order.
-    let before = |&a: &usize, &b: &usize| scores[b].total_cmp(&scores[a]).then(a.cmp(&b));
+    let mut order = candidates(&scores, options);
     if options.temperature == 0.0 {
-        return (0..scores.len()).min_by(before).unwrap_or(0);
+        return order[0];
     }
-    // Only the top-k are ordered (a vocabulary's sort per token is milliseconds).
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    if options.top_k > 0 && options.top_k < order.len() {
-        order.select_nth_unstable_by(options.top_k - 1, before);
-        order.truncate(options.top_k);
-    }
-    order.sort_unstable_by(before);
     let max = scores[order[0]];
     let mut weights: Vec<f64> = order
         .iter()
@@ -290,112 +299,48 @@ mod tests {
         assert!((ratio - 0.5f64.exp()).abs() < 0.15, "{ratio}");
     }
 
-    /// `pick` as written first: every id sorted, most likely first, ties by id, then
-    /// cut to the top-k; the reference the partial ordering must draw exactly as.
-    fn pick_by_full_sort(
-        logits: &[f32],
-        options: SamplingOptions,
-        context: &[u32],
-        rng: &mut Rng,
-    ) -> usize {
-        let mut scores: Vec<f64> = logits.iter().map(|&l| l as f64).collect();
-        let penalty = options.repetition_penalty as f64;
-        let mut seen = vec![false; scores.len()];
-        for &t in context {
-            if let Some(s) = scores.get_mut(t as usize).filter(|_| !seen[t as usize]) {
-                seen[t as usize] = true;
-                *s = if *s < 0.0 { *s * penalty } else { *s / penalty };
-            }
-        }
+    /// Every id sorted, most likely first, ties by id, then cut to the one (greedy) or
+    /// the top-k: the reference the partial ordering must equal.
+    fn sorted_candidates(scores: &[f64], options: SamplingOptions) -> Vec<usize> {
         let mut order: Vec<usize> = (0..scores.len()).collect();
         order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-        if options.temperature == 0.0 {
-            return order[0];
+        match (options.temperature, options.top_k) {
+            (0.0, _) => order.truncate(1),
+            (_, 0) => {}
+            (_, k) => order.truncate(k),
         }
-        if options.top_k > 0 {
-            order.truncate(options.top_k);
-        }
-        let max = scores[order[0]];
-        let mut weights: Vec<f64> = order
-            .iter()
-            .map(|&i| ((scores[i] - max) / options.temperature as f64).exp())
-            .collect();
-        if options.top_p < 1.0 {
-            let (total, top_p) = (weights.iter().sum::<f64>(), options.top_p as f64);
-            let mut before = 0.0;
-            let keep = weights
-                .iter()
-                .take_while(|&&w| {
-                    let kept = before < top_p * total;
-                    before += w;
-                    kept
-                })
-                .count();
-            order.truncate(keep.max(1));
-            weights.truncate(keep.max(1));
-        }
-        if options.min_p > 0.0 {
-            let keep = weights
-                .iter()
-                .take_while(|&&w| w >= options.min_p as f64)
-                .count();
-            order.truncate(keep.max(1));
-            weights.truncate(keep.max(1));
-        }
-        let total: f64 = weights.iter().sum();
-        let mut u = rng.uniform() * total;
-        for (&i, w) in order.iter().zip(&weights) {
-            if u < *w {
-                return i;
-            }
-            u -= w;
-        }
-        order[order.len() - 1]
+        order
     }
 
     /// Greedy decoding takes the most likely id without ordering the vocabulary, and
-    /// top-k orders its k alone: every draw is the full sort's, over logits with ties
-    /// (rounded to a few values) and without, for each setting and the penalty.
+    /// top-k orders its k alone: the candidates are the full sort's, in its order, over
+    /// scores with ties (rounded to a few values) and without, for every setting.
     #[test]
-    fn the_partial_ordering_draws_what_sorting_every_id_draws() {
+    fn the_partial_ordering_is_the_full_sorts() {
         let mut gen = Rng::new(3);
         for (vocab, levels) in [(1, 0.0), (7, 0.0), (500, 0.0), (500, 4.0), (2000, 1.0)] {
-            let logits: Vec<f32> = (0..vocab)
+            let scores: Vec<f64> = (0..vocab)
                 .map(|_| {
                     let l = gen.normal() * 3.0;
-                    (if levels > 0.0 {
+                    if levels > 0.0 {
                         (l * levels).round() / levels
                     } else {
                         l
-                    }) as f32
+                    }
                 })
                 .collect();
-            let context: Vec<u32> = (0..20).map(|_| gen.below(vocab) as u32).collect();
-            for temperature in [0.0, 0.7, 1.0] {
+            for temperature in [0.0, 0.7] {
                 for top_k in [0, 1, 5, 50, vocab, vocab + 3] {
-                    for (top_p, min_p, penalty) in [
-                        (1.0, 0.0, 1.0),
-                        (0.9, 0.0, 1.0),
-                        (1.0, 0.05, 1.3),
-                        (0.8, 0.1, 1.1),
-                    ] {
-                        let options = SamplingOptions {
-                            temperature,
-                            top_k,
-                            top_p,
-                            min_p,
-                            repetition_penalty: penalty,
-                            ..SamplingOptions::default()
-                        };
-                        let (mut a, mut b) = (Rng::new(9), Rng::new(9));
-                        for _ in 0..20 {
-                            assert_eq!(
-                                pick(&logits, options, &context, &mut a),
-                                pick_by_full_sort(&logits, options, &context, &mut b),
-                                "vocab {vocab}, levels {levels}, {options:?}"
-                            );
-                        }
-                    }
+                    let options = SamplingOptions {
+                        temperature,
+                        top_k,
+                        ..SamplingOptions::default()
+                    };
+                    assert_eq!(
+                        candidates(&scores, options),
+                        sorted_candidates(&scores, options),
+                        "vocab {vocab}, levels {levels}, {options:?}"
+                    );
                 }
             }
         }
