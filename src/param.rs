@@ -10,6 +10,7 @@ use crate::optim::{ParamUpdate, StateSlot};
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// How a parameter's initial values are drawn.
@@ -323,18 +324,21 @@ impl Param {
                 ),
             ));
         }
-        // Values are drawn (or skipped) only where the backend keeps them.
-        let drawn = (backend.holds_data() && loaded.is_none()).then(|| spec.values(rng));
-        if backend.holds_data() && loaded.is_some() {
-            rng.skip(spec.draws());
-        }
-        let values = loaded.filter(|_| backend.holds_data()).or(drawn.as_deref());
+        // Values are read, drawn or skipped only where the backend keeps them.
+        let values = match (backend.holds_data(), loaded) {
+            (false, _) => None,
+            (true, Some(values)) => {
+                rng.skip(spec.draws());
+                Some(Cow::Borrowed(values))
+            }
+            (true, None) => Some(Cow::Owned(spec.values(rng))),
+        };
         let mut param = Self::build(
             backend,
             host,
             &spec.name,
             &spec.shape,
-            values,
+            values.as_deref(),
             precision,
             spec.trains,
             spec.dtype,

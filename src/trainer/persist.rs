@@ -389,9 +389,9 @@ where
         let be = self.backend.as_ref();
         let mut fresh = Vec::new();
         for p in &mut self.params {
-            match file_values(&mut tensors, held, p.name(), p.shape(), &mut fresh)? {
-                Some(values) => p.set_value(be, &values)?,
-                None => continue,
+            if let Some(values) = file_values(&mut tensors, held, p.name(), p.shape(), &mut fresh)?
+            {
+                p.set_value(be, &values)?;
             }
         }
         // DoRA's magnitudes start from the base weights just read.
