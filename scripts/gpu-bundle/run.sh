@@ -68,7 +68,8 @@
 # is stopped and failed; default per step), TEST_THREADS (threads of the unit tests, default
 # 2), TRAINKIT_CUDA_WHEELS (a pip --target folder
 # holding nvidia/cu13 from the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels), CUDA_HOME,
-# PYTHON (the python with torch, default python3).
+# PYTHON (the python with torch, default python3), NVRTC_CHECK (set: the tests phase
+# compiles every kernel with NVRTC on a GPU machine too; without a GPU it always does).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -643,7 +644,13 @@ phase_tests() {
   else
     run_step unit_tests 420 figures_cargo_test "$bin/unit_tests" --test-threads="${TEST_THREADS:-2}"
   fi
-  if [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
+  if [ -n "$gpu" ] && [ -z "${NVRTC_CHECK:-}" ]; then
+    # Compiling every kernel for two architectures takes minutes of the device's time;
+    # CI's test suite does it on every change, and the kernels a run uses compile (once,
+    # into the kernel cache) as the GPU steps start.
+    skip nvrtc_kernels "$bin/nvrtc_kernels --nocapture --test-threads=1" \
+      "every kernel compiles for sm_90 and sm_80 in CI's test suite; NVRTC_CHECK=1 compiles them here too"
+  elif [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
     # A kernel that does not compile fails, rather than skips.
     TRAINKIT_REQUIRE_NVRTC=1 run_step nvrtc_kernels 300 figures_cargo_test \
       "$bin/nvrtc_kernels" --nocapture --test-threads=1
