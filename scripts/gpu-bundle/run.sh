@@ -652,11 +652,11 @@ phase_tests() {
       "every kernel compiles for sm_90 and sm_80 in CI's test suite; NVRTC_CHECK=1 compiles them here too"
   elif [ -n "$header" ] && [ -n "${found[libnvrtc.so.13]}" ]; then
     # A kernel that does not compile fails, rather than skips.
-    TRAINKIT_REQUIRE_NVRTC=1 run_step nvrtc_kernels 300 figures_cargo_test \
+    TRAINKIT_REQUIRE_NVRTC=1 run_step nvrtc_kernels 600 figures_cargo_test \
       "$bin/nvrtc_kernels" --nocapture --test-threads=1
   else
     # The binary says what it misses; without a GPU that is a skip, with one a failure.
-    run_step nvrtc_kernels 300 figures_cargo_test "$bin/nvrtc_kernels" --nocapture --test-threads=1
+    run_step nvrtc_kernels 600 figures_cargo_test "$bin/nvrtc_kernels" --nocapture --test-threads=1
     local why="NVRTC 13 or cuda_bf16.h not found (see \"CUDA libraries\" above)"
     if [ "${statuses[-1]}" = pass ]; then
       if [ -n "$gpu" ]; then amend_last fail "$why"; else amend_last skipped "$why"; fi
