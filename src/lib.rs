@@ -17,6 +17,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod estimate;
+mod mapped;
 pub mod memory;
 pub mod model;
 pub mod ops;

@@ -11,6 +11,7 @@ use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use std::path::Path;
 use std::sync::Arc;
 use trainkit::model::{read_model_dir, ModelDir};
+use trainkit::save::NamedTensor;
 use trainkit::{
     Adapter, Fp32, Gpt2, Llama, Lora, MixedBf16, Model, Precision, PureBf16, StreamFrozen, Trainer,
     TrainerOptions, WeightPlacement,
@@ -195,11 +196,13 @@ fn a_directory_without_a_weight_of_the_model_is_refused_by_name() {
         "{e}"
     );
     let mut model = read_model_dir(&dir).unwrap();
-    model
-        .tensors
-        .get_mut("transformer.wpe.weight")
-        .unwrap()
-        .shape = vec![16, 64];
+    let name = "transformer.wpe.weight";
+    let misshapen = NamedTensor {
+        name: name.into(),
+        shape: vec![16, 64],
+        data: vec![0.0; 16 * 64],
+    };
+    model.tensors.insert(name.into(), misshapen.into());
     let e = Trainer::builder(base("gpt2"), cpu(), corpus_loader(3000, 8, 2, 16))
         .init_from(model)
         .build()

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use trainkit::estimate::{predict, MicroBatch};
 use trainkit::model::read_model_dir;
 use trainkit::model::{Rope, RopeScaling};
-use trainkit::save::{write_safetensors, NamedTensor};
+use trainkit::save::{write_safetensors, NamedTensor, StoredTensor};
 use trainkit::{
     AdamW, CheckpointPolicy, Constant, Full, Llama, LlamaConfig, MixedBf16, Model, NoRecompute,
     Precision, Selective, Trainer,
@@ -231,8 +231,8 @@ fn hugging_face_directories_round_trip() {
             assert!(loaded.tensors.contains_key(name), "{name} in {names:?}");
         }
         assert_eq!(
-            loaded.tensors["model.layers.0.self_attn.k_proj.weight"].shape,
-            vec![16, 32]
+            loaded.tensors["model.layers.0.self_attn.k_proj.weight"].shape(),
+            [16, 32]
         );
         assert_eq!(loaded.tensors.contains_key("lm_head.weight"), !tied);
         let config_json = std::fs::read_to_string(dir.join("config.json")).unwrap();
@@ -258,7 +258,7 @@ fn hugging_face_directories_round_trip() {
         let sharded = scratch(&format!("llama-sharded-{tied}"));
         std::fs::create_dir_all(&sharded).unwrap();
         std::fs::copy(dir.join("config.json"), sharded.join("config.json")).unwrap();
-        let all: Vec<NamedTensor> = loaded.tensors.values().cloned().collect();
+        let all: Vec<NamedTensor> = loaded.tensors.values().map(StoredTensor::read).collect();
         let (a, b) = all.split_at(all.len() / 2);
         let mut map = BTreeMap::new();
         for (file, part) in [

@@ -370,11 +370,11 @@ fn hugging_face_directories_round_trip() {
         let shape = config.family().shape();
         let kv_width = shape.kv_heads * shape.head_dim;
         assert_eq!(
-            loaded.tensors["model.layers.0.self_attn.k_proj.weight"].shape,
+            loaded.tensors["model.layers.0.self_attn.k_proj.weight"].shape(),
             vec![kv_width, 32]
         );
         assert_eq!(
-            loaded.tensors["model.layers.0.self_attn.o_proj.weight"].shape,
+            loaded.tensors["model.layers.0.self_attn.o_proj.weight"].shape(),
             vec![32, shape.heads * shape.head_dim]
         );
         let mut back = Trainer::builder(config.build().unwrap(), cpu(), {

@@ -26,7 +26,7 @@ pub fn merge(
 ) -> Result<Vec<NamedTensor>> {
     let by_name: BTreeMap<&str, &NamedTensor> =
         updates.iter().map(|t| (t.name.as_str(), t)).collect();
-    let mut tensors = base.tensors.clone();
+    let mut tensors = base.read_tensors();
     let scale = f64::from(lora.scale());
     let mut merged = 0;
     for (name, a) in &by_name {

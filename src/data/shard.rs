@@ -5,6 +5,7 @@
 use super::token_file::{parse_header, TokenFormat, TOKEN_FILE_HEADER_BYTES};
 use super::token_flags::{check_flags_file, flags_path_for};
 use crate::error::{Error, Result};
+use crate::mapped::release;
 use memmap2::Mmap;
 use std::fmt;
 use std::fs::File;
@@ -317,31 +318,6 @@ fn open_flags(path: &Path, tokens: usize) -> Result<Option<(Mmap, Option<usize>)
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
     let row_len = check_flags_file(path, &map, tokens)?;
     Ok(Some((map, row_len)))
-}
-
-/// Hands the pages of `map[offset .. offset + len]` back to the kernel, so that pages a
-/// reader has finished with do not stay in the process's resident memory; a later read
-/// faults them in again from the page cache.
-fn release(map: &Mmap, offset: usize, len: usize) {
-    #[cfg(unix)]
-    {
-        const PAGE: usize = 4096;
-        let first = offset / PAGE * PAGE;
-        let end = (offset + len).min(map.len());
-        if end > first {
-            // SAFETY: the mapping is a shared, read-only mapping of a file (memmap2's
-            // `Mmap::map`), so MADV_DONTNEED drops this process's page-table entries
-            // without changing what the range reads as: a later access refaults the same
-            // file contents. No reference into the range is used while the call runs in
-            // this thread, and a concurrent reader elsewhere reads the same bytes either
-            // way.
-            let _ = unsafe {
-                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first)
-            };
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = (map, offset, len);
 }
 
 impl fmt::Debug for Shard {

@@ -4,24 +4,39 @@
 use crate::adapter::peft::ADAPTER_CONFIG;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::save::{read_weights, recover_directory, NamedTensor, CONFIG_FILE};
+use crate::save::{open_weights, recover_directory, StoredTensor, CONFIG_FILE};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// A model read from a directory: its config and its tensors by (Hugging Face) name.
+/// The tensors' values stay in their files, mapped into memory, until a parameter takes
+/// them ([`StoredTensor::values`]): opening a 70B model reads its headers, not 282 GB of
+/// f32 values. Cloning it copies no values.
 #[derive(Clone, Debug)]
 pub struct ModelDir {
     /// The model's family and shape.
     pub config: ModelConfig,
     /// Every weight by its name in the files, as the family reads them (GPT-2's under
     /// `transformer.`, without mask buffers).
-    pub tensors: BTreeMap<String, NamedTensor>,
+    pub tensors: BTreeMap<String, StoredTensor>,
+}
+
+impl ModelDir {
+    /// Every tensor's name, shape and values, read now (the whole model in memory as
+    /// f32).
+    pub fn read_tensors(&self) -> BTreeMap<String, crate::save::NamedTensor> {
+        self.tensors
+            .iter()
+            .map(|(name, t)| (name.clone(), t.read()))
+            .collect()
+    }
 }
 
 /// Reads a model directory written by trainkit or by transformers' `save_pretrained`: its
 /// `config.json` (any registered `model_type`) and its weights, from `model.safetensors`
 /// or from the shards `model.safetensors.index.json` lists. The tensors are checked
-/// against the config: a missing or misshapen one is an error naming it.
+/// against the config: a missing or misshapen one is an error naming it. Only the files'
+/// headers are read here; each tensor's values are read when its parameter takes them.
 pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
     recover_directory(dir)?;
     if !dir.is_dir() {
@@ -34,7 +49,7 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
     }
     let config = read_model_config(dir)?;
     let family = config.family();
-    let tensors = family.file_tensors(read_weights(dir)?);
+    let tensors = family.file_tensors(open_weights(dir)?);
     // The family's own mapping checks every tensor it needs (no model is built).
     let mapped = family.import_tensors(tensors.clone())?;
     check_shapes(dir, &family.param_shapes(), &mapped)?;
@@ -64,7 +79,7 @@ pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
 fn check_shapes(
     dir: &Path,
     shapes: &[(String, Vec<usize>)],
-    tensors: &BTreeMap<String, NamedTensor>,
+    tensors: &BTreeMap<String, StoredTensor>,
 ) -> Result<()> {
     let weights = dir.display().to_string();
     for (name, shape) in shapes {
@@ -78,13 +93,13 @@ fn check_shapes(
                     ),
                 ))
             }
-            Some(t) if &t.shape != shape => {
+            Some(t) if t.shape() != shape => {
                 return Err(Error::data(
                     &weights,
                     format!(
                         "`{name}` has shape {:?}, config.json implies {shape:?}; the weights \
                          and config.json do not belong together",
-                        t.shape
+                        t.shape()
                     ),
                 ))
             }

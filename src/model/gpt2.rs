@@ -6,7 +6,7 @@ use super::{
     Biases, Decoder, Family, FamilyConfig, LayerSlot, Mlp, Norm, Positions, Shape, ShapeFlags, Slot,
 };
 use crate::error::{Error, Result};
-use crate::save::tensors::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -313,14 +313,14 @@ impl Family for Gpt2Config {
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, NamedTensor>,
-    ) -> Result<BTreeMap<String, NamedTensor>> {
+        tensors: BTreeMap<String, StoredTensor>,
+    ) -> Result<BTreeMap<String, StoredTensor>> {
         Ok(tensors)
     }
 
     /// Names under `transformer.` (what `save_pretrained` writes with or without the
     /// prefix), without the tied `lm_head.weight` and the attention mask buffers.
-    fn file_tensors(&self, tensors: Vec<NamedTensor>) -> BTreeMap<String, NamedTensor> {
+    fn file_tensors(&self, tensors: Vec<StoredTensor>) -> BTreeMap<String, StoredTensor> {
         let mut out = BTreeMap::new();
         for t in tensors {
             let name = if t.name.starts_with("transformer.") {
@@ -332,7 +332,7 @@ impl Family for Gpt2Config {
                 || name.ends_with(".attn.bias")
                 || name.ends_with(".attn.masked_bias");
             if !ignored {
-                out.insert(name.clone(), NamedTensor { name, ..t });
+                out.insert(name.clone(), t.renamed(name));
             }
         }
         out

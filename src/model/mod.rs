@@ -42,7 +42,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
-use crate::save::tensors::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -272,8 +272,8 @@ pub trait Model: Debug + Send + Sync {
     /// names. Errors name a tensor that is missing or misshapen.
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, NamedTensor>,
-    ) -> Result<BTreeMap<String, NamedTensor>> {
+        tensors: BTreeMap<String, StoredTensor>,
+    ) -> Result<BTreeMap<String, StoredTensor>> {
         Ok(tensors)
     }
 
@@ -407,8 +407,8 @@ impl Model for Box<dyn Model> {
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, NamedTensor>,
-    ) -> Result<BTreeMap<String, NamedTensor>> {
+        tensors: BTreeMap<String, StoredTensor>,
+    ) -> Result<BTreeMap<String, StoredTensor>> {
         (**self).import_tensors(tensors)
     }
 

@@ -10,6 +10,7 @@
 pub mod atomic;
 pub mod files;
 pub mod hub;
+pub mod stored;
 pub mod tensors;
 
 pub use atomic::{check_writable_dir, recover_directory, write_atomically, DirectoryWriter};
@@ -17,19 +18,21 @@ pub use files::{
     copy_files, CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_SIDE_FILES, RUN_CONFIG_FILE, STATE_FILE,
     STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
 };
+pub use stored::{open_safetensors, StoredTensor};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
 pub(crate) use tensors::{read_typed, write_typed};
 
 use crate::error::{Error, Result};
 use std::path::Path;
 
-/// Every tensor of a directory's weights: `model.safetensors`, or else each shard named
-/// in `model.safetensors.index.json`'s `weight_map` (each file read once).
-pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>> {
+/// Every tensor of a directory's weights, mapped and read when asked ([`StoredTensor`]):
+/// `model.safetensors`, or else each shard named in `model.safetensors.index.json`'s
+/// `weight_map`.
+pub fn open_weights(dir: &Path) -> Result<Vec<StoredTensor>> {
     let single = dir.join(WEIGHTS_FILE);
     let index = dir.join(WEIGHTS_INDEX_FILE);
     if single.exists() || !index.exists() {
-        return read_safetensors(&single);
+        return open_safetensors(&single);
     }
     let what = index.display().to_string();
     let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
@@ -57,7 +60,7 @@ pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>> {
     files.sort_unstable();
     let mut out = Vec::new();
     for file in files {
-        let shard: Vec<NamedTensor> = read_safetensors(&dir.join(file))?;
+        let shard = open_safetensors(&dir.join(file))?;
         out.extend(shard.into_iter().filter(|t| map.contains_key(&t.name)));
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -14,8 +14,8 @@ use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::save::{
-    read_typed, write_safetensors, write_typed, DirectoryWriter, NamedTensor, RUN_CONFIG_FILE,
-    STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+    read_typed, write_safetensors, write_typed, DirectoryWriter, NamedTensor, StoredTensor,
+    RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -592,7 +592,7 @@ fn in_adapter(p: &Param) -> bool {
 /// which keeps its own initialisation; an error naming the parameter when it is missing
 /// otherwise or misshapen.
 pub(super) fn file_values(
-    tensors: &mut BTreeMap<String, NamedTensor>,
+    tensors: &mut BTreeMap<String, StoredTensor>,
     held: usize,
     name: &str,
     shape: &[usize],
@@ -611,16 +611,16 @@ pub(super) fn file_values(
             ),
         ));
     };
-    if t.shape != shape {
+    if t.shape() != shape {
         return Err(Error::data(
             "model weights",
             format!(
                 "`{name}` has shape {:?}, the model needs {shape:?}",
-                t.shape
+                t.shape()
             ),
         ));
     }
-    Ok(Some(t.data))
+    Ok(Some(t.values()))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use super::super::{Family, LayerSlot, Mlp, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::tensors::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use std::collections::BTreeMap;
 
 /// The fused parameters of layer `l` with the names and rows of their parts in files.
@@ -79,8 +79,8 @@ pub(crate) fn split_fused<F: Family>(
 /// error naming it.
 pub(crate) fn stack_fused<F: Family>(
     family: &F,
-    mut tensors: BTreeMap<String, NamedTensor>,
-) -> Result<BTreeMap<String, NamedTensor>> {
+    mut tensors: BTreeMap<String, StoredTensor>,
+) -> Result<BTreeMap<String, StoredTensor>> {
     let shape = family.shape();
     if shape.tied_embeddings {
         tensors.remove(&family.param_name(Slot::Head));
@@ -89,8 +89,7 @@ pub(crate) fn stack_fused<F: Family>(
         for (fused, parts) in fused(family, &shape, l) {
             let bias = fused.ends_with(".bias");
             let cols = if bias { vec![] } else { vec![shape.hidden] };
-            let mut rows_total = 0;
-            let mut data = Vec::new();
+            let mut stacked = Vec::with_capacity(parts.len());
             for (name, rows) in parts {
                 let t = tensors.remove(&name).ok_or_else(|| {
                     Error::data(
@@ -103,27 +102,18 @@ pub(crate) fn stack_fused<F: Family>(
                     )
                 })?;
                 let want: Vec<usize> = std::iter::once(rows).chain(cols.clone()).collect();
-                if t.shape != want {
+                if t.shape() != want {
                     return Err(Error::data(
                         "model weights",
                         format!(
                             "`{name}` has shape {:?}, config.json implies {want:?}",
-                            t.shape
+                            t.shape()
                         ),
                     ));
                 }
-                rows_total += rows;
-                data.extend_from_slice(&t.data);
+                stacked.push(t);
             }
-            let shape: Vec<usize> = std::iter::once(rows_total).chain(cols).collect();
-            tensors.insert(
-                fused.clone(),
-                NamedTensor {
-                    name: fused,
-                    shape,
-                    data,
-                },
-            );
+            tensors.insert(fused.clone(), StoredTensor::stack(fused, stacked)?);
         }
     }
     Ok(tensors)

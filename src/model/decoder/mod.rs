@@ -19,7 +19,7 @@ use super::{
 use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
-use crate::save::tensors::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -309,8 +309,8 @@ pub(crate) fn num_params(shape: &Shape) -> usize {
 /// embedding and head padded to [`Shape::padded_vocab`] rows.
 pub(crate) fn import_tensors<F: Family>(
     family: &F,
-    tensors: BTreeMap<String, NamedTensor>,
-) -> Result<BTreeMap<String, NamedTensor>> {
+    tensors: BTreeMap<String, StoredTensor>,
+) -> Result<BTreeMap<String, StoredTensor>> {
     vocab::pad(family, family.import_tensors(tensors)?)
 }
 
@@ -641,8 +641,8 @@ impl<F: Family> Model for Decoder<F> {
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, NamedTensor>,
-    ) -> Result<BTreeMap<String, NamedTensor>> {
+        tensors: BTreeMap<String, StoredTensor>,
+    ) -> Result<BTreeMap<String, StoredTensor>> {
         import_tensors(&self.config, tensors)
     }
 

@@ -7,7 +7,7 @@
 
 use super::super::{Family, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::tensors::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use std::collections::BTreeMap;
 
 /// The names of the parameters with a row per token: the embedding, and the head when
@@ -46,21 +46,17 @@ pub(crate) fn unpad<F: Family>(family: &F, mut tensors: Vec<NamedTensor>) -> Vec
 /// is an error naming both.
 pub(crate) fn pad<F: Family>(
     family: &F,
-    mut tensors: BTreeMap<String, NamedTensor>,
-) -> Result<BTreeMap<String, NamedTensor>> {
+    mut tensors: BTreeMap<String, StoredTensor>,
+) -> Result<BTreeMap<String, StoredTensor>> {
     let shape = family.shape();
     let (v, vp) = (shape.vocab, shape.padded_vocab());
     for name in vocab_params(family, &shape) {
-        let Some(t) = tensors.get_mut(&name) else {
+        let Some(t) = tensors.remove(&name) else {
             continue;
         };
-        match t.shape.first().copied() {
-            Some(rows) if rows == vp => {}
-            Some(rows) if rows == v => {
-                let cols: usize = t.shape[1..].iter().product();
-                t.data.resize(vp * cols, 0.0);
-                t.shape[0] = vp;
-            }
+        let padded = match t.shape().first().copied() {
+            Some(rows) if rows == vp => t,
+            Some(rows) if rows == v => t.pad_rows(vp),
             _ => {
                 return Err(Error::data(
                     "model weights",
@@ -68,11 +64,12 @@ pub(crate) fn pad<F: Family>(
                         "`{name}` has shape {:?}, but config.json's vocabulary has {v} \
                          tokens (its first dimension); the weights and config.json do not \
                          belong together",
-                        t.shape
+                        t.shape()
                     ),
                 ))
             }
-        }
+        };
+        tensors.insert(name, padded);
     }
     Ok(tensors)
 }
@@ -111,12 +108,13 @@ mod tests {
             n_embd: 3,
             ..config
         };
-        let padded = pad(&small, [(wte.name.clone(), wte.clone())].into()).unwrap();
-        let t = &padded[&wte.name];
+        let stored = StoredTensor::from(wte.clone());
+        let padded = pad(&small, [(wte.name.clone(), stored)].into()).unwrap();
+        let t = padded[&wte.name].read();
         assert_eq!(t.shape, vec![64, 3]);
         assert_eq!(t.data[..6], [1.0; 6]);
         assert!(t.data[6..].iter().all(|&x| x == 0.0));
-        let back = unpad(&small, vec![t.clone()]);
+        let back = unpad(&small, vec![t]);
         assert_eq!(back[0], wte);
         let logits: Vec<f32> = (0..128).map(|i| i as f32).collect();
         assert_eq!(
@@ -133,7 +131,7 @@ mod tests {
             shape: vec![50000, 768],
             data: Vec::new(),
         };
-        let e = pad(&config, [(wte.name.clone(), wte)].into())
+        let e = pad(&config, [(wte.name.clone(), wte.into())].into())
             .unwrap_err()
             .to_string();
         assert!(
