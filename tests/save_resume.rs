@@ -122,6 +122,78 @@ fn resume_is_bitwise_exact_in_mixed_precision() {
     resume_is_exact(MixedBf16 { fp32_grads: false }, "bf16");
 }
 
+/// A trainer built from the checkpoint's own weights (`init_from`, what `trainkit train
+/// --resume` does for a full run: nothing drawn first) resumes bitwise as one built drawn;
+/// it does not read the weights a second time (the file can be gone by then), but does
+/// when a step or `params_mut` has touched a parameter since it was built.
+#[test]
+fn resume_from_a_trainer_built_from_the_checkpoint_is_exact_and_reads_once() {
+    let precision = MixedBf16 { fp32_grads: false };
+    let dir = scratch("resume-built-from").join("ckpt");
+    let mut first = trainer(precision);
+    for _ in 0..3 {
+        first.step().unwrap();
+    }
+    first.save(&dir, None).unwrap();
+    drop(first);
+    let built_from = |dir: &std::path::Path| {
+        Trainer::builder(
+            Gpt2::new(tiny_config()).unwrap(),
+            cpu(),
+            corpus_loader(4000, 7, 2, 16),
+        )
+        .precision(precision)
+        .accumulation(Constant { micro_batches: 2 })
+        .options(TrainerOptions {
+            total_steps: 8,
+            ..TrainerOptions::default()
+        })
+        .init_from(read_model_dir(dir).unwrap())
+        .build()
+        .unwrap()
+    };
+    let mut drawn = trainer(precision);
+    drawn.resume_from(&dir).unwrap();
+    let expect: Vec<f64> = (0..3).map(|_| drawn.step().unwrap().loss).collect();
+    let check = |mut t: Trainer<_, _, _, _, _>, what: &str| {
+        assert_eq!(t.steps_done(), 3, "{what}");
+        let losses: Vec<f64> = (0..3).map(|_| t.step().unwrap().loss).collect();
+        assert_eq!(losses, expect, "{what}");
+        assert_eq!(
+            per_param(&drawn, |p| p.value()),
+            per_param(&t, |p| p.value()),
+            "{what}"
+        );
+    };
+
+    // Stepped after it was built: its weights moved, the checkpoint's are read again.
+    let mut stepped = built_from(&dir);
+    stepped.step().unwrap();
+    stepped.resume_from(&dir).unwrap();
+    check(stepped, "stepped, then resumed");
+    // Changed through params_mut: the same.
+    let mut changed = built_from(&dir);
+    let be = cpu();
+    let p = &mut changed.params_mut()[0];
+    let zeros = vec![0.0; p.shape().iter().product()];
+    p.set_value(be.as_ref(), &zeros).unwrap();
+    changed.resume_from(&dir).unwrap();
+    check(changed, "changed, then resumed");
+
+    // Untouched: resumed without reading model.safetensors again (gone by then; the
+    // trainer read it while building).
+    let mut untouched = built_from(&dir);
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    untouched.resume_from(&dir).unwrap();
+    check(untouched, "built from the checkpoint, resumed");
+    // Another trainer must read them, and says the file is missing.
+    let e = trainer(precision)
+        .resume_from(&dir)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
 /// Pure bf16 in every update rounding: the stochastic stream goes on where it stopped
 /// (keyed by seed, step and parameter), and the Kahan compensation is saved and restored.
 #[test]

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::save::{open_weights, recover_directory, StoredTensor, CONFIG_FILE};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// A model read from a directory: its config and its tensors by (Hugging Face) name.
 /// The tensors' values stay in their files, mapped into memory, until a parameter takes
@@ -14,6 +14,8 @@ use std::path::Path;
 /// f32 values. Cloning it copies no values.
 #[derive(Clone, Debug)]
 pub struct ModelDir {
+    /// The directory it was read from.
+    pub path: PathBuf,
     /// The model's family and shape.
     pub config: ModelConfig,
     /// Every weight by its name in the files, as the family reads them (GPT-2's under
@@ -53,7 +55,11 @@ pub fn read_model_dir(dir: &Path) -> Result<ModelDir> {
     // The family's own mapping checks every tensor it needs (no model is built).
     let mapped = family.import_tensors(tensors.clone())?;
     check_shapes(dir, &family.param_shapes(), &mapped)?;
-    Ok(ModelDir { config, tensors })
+    Ok(ModelDir {
+        path: dir.to_path_buf(),
+        config,
+        tensors,
+    })
 }
 
 /// The model family and shape of a model directory's `config.json` (by its

@@ -14,6 +14,7 @@ use crate::placement::{self, WeightPlacement};
 use crate::precision::{Fp32, Precision};
 use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 mod buckets;
@@ -256,6 +257,10 @@ pub struct Trainer<P, C, O, A, M> {
     rng: Rng,
     /// What a saved adapter records about its base model.
     adapter_base: Option<String>,
+    /// The directory whose weights the parameters hold as read, unchanged since (the
+    /// trainer was built from it and nothing has updated or replaced a parameter):
+    /// [`Trainer::resume_from`] that directory does not read them again.
+    weights_from: Option<PathBuf>,
     /// The ranks of a data-parallel job ([`Single`] alone).
     collective: Arc<dyn Collective>,
     /// Under ZeRO-1, the rank that updates each parameter (by index; empty otherwise).
@@ -600,6 +605,7 @@ where
             None
         };
         // The weights read (by the model's names), or none: every parameter drawn.
+        let weights_from = weights.as_ref().map(|dir| dir.path.clone());
         let mut loaded = match weights {
             Some(dir) => Some(model.import_tensors(dir.tensors)?),
             None => None,
@@ -646,6 +652,7 @@ where
             bad_streak: 0,
             rng,
             adapter_base: None,
+            weights_from,
             collective: Arc::new(Single),
             owners: Vec::new(),
         };
@@ -867,6 +874,7 @@ where
 
     /// Mutable parameters (to load weights, or to inject faults in tests).
     pub fn params_mut(&mut self) -> &mut [Param] {
+        self.weights_from = None;
         &mut self.params
     }
 

@@ -290,6 +290,7 @@ where
     /// update must be there with its shape; a tensor for a module the model does not
     /// adapt is an error naming it.
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        self.weights_from = None;
         let (lora, tensors) = peft::read(dir)?;
         let what = dir.join(peft::ADAPTER_CONFIG).display().to_string();
         let Some(ours) = self.model.adapter().and_then(|a| a.as_lora()) else {
@@ -384,6 +385,7 @@ where
     /// adapter keep their values when the directory, a base model, lacks them);
     /// optimizer state and counters are untouched.
     pub fn load_weights(&mut self, model: &ModelDir) -> Result<()> {
+        self.weights_from = None;
         let mut tensors = self.model.import_tensors(model.tensors.clone())?;
         let held = tensors.len();
         let be = self.backend.as_ref();
@@ -398,10 +400,25 @@ where
         self.init_magnitudes(Some(&fresh))
     }
 
+    /// Whether the parameters hold `dir`'s weights as read: the trainer was built from
+    /// them ([`super::TrainerBuilder::init_from`]) and no step, load or `params_mut` has
+    /// touched a parameter since.
+    fn holds_weights_of(&self, dir: &Path) -> bool {
+        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        self.weights_from
+            .as_deref()
+            .is_some_and(|from| same(from, dir))
+    }
+
     /// Restores a directory written by [`Trainer::save`]: weights, optimizer state, step,
     /// tokens seen, data position and RNG, so that training on continues exactly as if it
     /// had not stopped. The trainer must have been built with the same model shape,
-    /// policies and data.
+    /// policies and data. A trainer built from the directory's own weights
+    /// (`init_from(read_model_dir(dir)?)`, what `trainkit train --resume` does for a full
+    /// run, so that nothing is drawn first) does not read them a second time.
     pub fn resume_from(&mut self, dir: &Path) -> Result<()> {
         crate::save::recover_directory(dir)?;
         let state_path = dir.join(STATE_FILE);
@@ -461,7 +478,7 @@ where
         }
         if peft::is_adapter_dir(dir) {
             self.load_adapter(dir)?;
-        } else {
+        } else if !self.holds_weights_of(dir) {
             let model = read_model_dir(dir)?;
             self.load_weights(&model)?;
         }

@@ -65,6 +65,7 @@ where
     /// clipping, a finite check, the update, and the refresh of compute weights.
     pub fn step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
+        self.weights_from = None;
         let backend = Arc::clone(&self.backend);
         let be = backend.as_ref();
         be.ledger().reset_peaks();

@@ -301,11 +301,13 @@ fn build(
         profile,
     } = args.observe.observer(cfg, args.run.resume.as_deref())?;
     // The parameters start from --init-from's weights (a resumed LoRA run's base too);
-    // a resumed full run reads its own from the checkpoint.
+    // a resumed full run starts from the checkpoint's own (nothing drawn, and
+    // `resume_from` then does not read them again).
     let adapted = cfg.adapter.is_some();
     let weights = match (&t.init_from, &args.run.resume) {
-        (Some(dir), None) => Some(read_model_dir(dir)?),
         (Some(base), Some(_)) if adapted => Some(read_model_dir(base)?),
+        (_, Some(dir)) if !adapted => Some(read_model_dir(dir)?),
+        (Some(dir), None) => Some(read_model_dir(dir)?),
         _ => None,
     };
     let mut trainer = cfg.trainer_from(
