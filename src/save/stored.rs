@@ -10,11 +10,10 @@
 //! into trainkit's fused ones ([`StoredTensor::stack`]) and padding the vocabulary's rows
 //! ([`StoredTensor::pad_rows`]) are recorded, not done, until then.
 
-use super::tensors::NamedTensor;
+use super::tensors::{float_dtype, NamedTensor};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use memmap2::Mmap;
-use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use std::fmt;
 use std::path::Path;
@@ -203,20 +202,7 @@ pub fn open_safetensors(path: &Path) -> Result<Vec<StoredTensor>> {
         .tensors()
         .into_iter()
         .map(|(name, view)| {
-            let dtype = match view.dtype() {
-                Dtype::F32 => DType::F32,
-                Dtype::BF16 => DType::Bf16,
-                Dtype::F16 => DType::F16,
-                other => {
-                    return Err(Error::data(
-                        &what,
-                        format!(
-                            "tensor `{name}` is {other:?}; trainkit reads F32, BF16 and F16 \
-                             weights"
-                        ),
-                    ))
-                }
-            };
+            let dtype = float_dtype(&what, &name, view.dtype())?;
             let start = view.data().as_ptr() as usize - base;
             Ok(StoredTensor {
                 name,
@@ -289,6 +275,19 @@ mod tests {
         std::fs::write(&junk, b"not a safetensors file").unwrap();
         let e = open_safetensors(&junk).unwrap_err().to_string();
         assert!(e.contains("not a readable safetensors file"), "{e}");
+        // A dtype trainkit does not read is refused by name.
+        let ints = dir.join("ints.safetensors");
+        let bytes = [0u8; 16];
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::tensor::Dtype::I64, vec![2], &bytes)
+                .unwrap();
+        std::fs::write(
+            &ints,
+            safetensors::serialize([("ids", view)], None).unwrap(),
+        )
+        .unwrap();
+        let e = open_safetensors(&ints).unwrap_err().to_string();
+        assert!(e.contains("`ids` is I64"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -91,6 +91,20 @@ pub(crate) fn read_typed(path: &Path) -> Result<Vec<(NamedTensor, DType)>> {
     parse_typed(path, &bytes, true)
 }
 
+/// The dtype of a tensor of floats in a file: f32, bf16 or f16; any other is an error
+/// naming the file (`what`) and the tensor.
+pub(super) fn float_dtype(what: &str, name: &str, dtype: Dtype) -> Result<DType> {
+    match dtype {
+        Dtype::F32 => Ok(DType::F32),
+        Dtype::BF16 => Ok(DType::Bf16),
+        Dtype::F16 => Ok(DType::F16),
+        other => Err(Error::data(
+            what,
+            format!("tensor `{name}` is {other:?}; trainkit reads F32, BF16 and F16 weights"),
+        )),
+    }
+}
+
 fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTensor, DType)>> {
     let what = path.display().to_string();
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
@@ -106,18 +120,7 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
             let raw = view.data();
             let file_dtype = match view.dtype() {
                 Dtype::U8 if u8_ok => DType::U8,
-                Dtype::F32 => DType::F32,
-                Dtype::BF16 => DType::Bf16,
-                Dtype::F16 => DType::F16,
-                other => {
-                    return Err(Error::data(
-                        &what,
-                        format!(
-                            "tensor `{name}` is {other:?}; trainkit reads F32, BF16 and F16 \
-                             weights"
-                        ),
-                    ))
-                }
+                other => float_dtype(&what, &name, other)?,
             };
             let data = file_dtype.decode(raw, view.shape().iter().product());
             // u8 codes stay codes and bf16 stays bf16 (AdamW's bf16 moments); other floats
