@@ -12,17 +12,28 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// then made durable by flushing the directory. `path` holds either its old contents or
 /// the whole new file, never a part. The parent directory must exist.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_with(path, |tmp| {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(tmp)?
+            .write_all(bytes)
+    })
+}
+
+/// [`write_atomically`] of the file `write` creates at the temporary path it is given
+/// (a fresh name for every call), so that a large file can be written piece by piece,
+/// never whole in memory.
+pub fn write_atomically_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = temp_sibling(path, &format!("{n}.tmp"));
     let result = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
+        write(&tmp)?;
+        fs::File::open(&tmp)?.sync_all()?;
         fs::rename(&tmp, path)
     })();
     result.map_err(|e| {

@@ -13,7 +13,9 @@ pub mod hub;
 pub mod stored;
 pub mod tensors;
 
-pub use atomic::{check_writable_dir, recover_directory, write_atomically, DirectoryWriter};
+pub use atomic::{
+    check_writable_dir, recover_directory, write_atomically, write_atomically_with, DirectoryWriter,
+};
 pub use files::{
     copy_files, CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_SIDE_FILES, RUN_CONFIG_FILE, STATE_FILE,
     STATE_TENSORS_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,

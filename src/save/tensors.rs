@@ -1,10 +1,12 @@
 //! Named tensors in the safetensors format.
 
-use super::atomic::write_atomically;
+use super::atomic::write_atomically_with;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::{Dtype, View};
+use safetensors::SafeTensorError;
 use safetensors::SafeTensors;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -31,41 +33,82 @@ pub fn write_safetensors(
 }
 
 /// Writes each tensor in its dtype: f32, bf16 or f16 (rounded to nearest even) or u8 (values
-/// that are integers 0 to 255, as [`DType::round`] keeps them).
+/// that are integers 0 to 255, as [`DType::round`] keeps them). Each tensor is encoded as
+/// it is written, so the file is never whole in memory.
 pub(crate) fn write_typed(
     path: &Path,
     tensors: &[(&NamedTensor, DType)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(t, dtype)| dtype.encode(&t.data))
-        .collect();
     let views = tensors
         .iter()
-        .zip(&bytes)
-        .map(|((t, dtype), b)| {
-            let file_dtype = match dtype {
-                DType::F32 => Dtype::F32,
-                DType::Bf16 => Dtype::BF16,
-                DType::F16 => Dtype::F16,
-                DType::U8 => Dtype::U8,
-                DType::Nf4(_) => {
-                    return Err(Error::data(
-                        &t.name,
-                        "is NF4: a safetensors file holds it dequantized (save it as bf16 or \
-                         f32)",
-                    ))
-                }
-            };
-            TensorView::new(file_dtype, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| Error::data(&t.name, format!("cannot be stored: {e}")))
-        })
+        .map(|&(t, dtype)| Ok((t.name.as_str(), Encoded::new(t, dtype)?)))
         .collect::<Result<Vec<_>>>()?;
-    let buffer = safetensors::serialize(views, metadata)
-        .map_err(|e| Error::data(path.display().to_string(), format!("cannot serialize: {e}")))?;
-    write_atomically(path, &buffer)
+    write_atomically_with(path, |tmp| {
+        safetensors::tensor::serialize_to_file(views, metadata, tmp).map_err(|e| match e {
+            SafeTensorError::IoError(e) => e,
+            e => std::io::Error::other(format!("cannot serialize: {e}")),
+        })
+    })
+}
+
+/// A tensor as a safetensors file stores it, encoded in its dtype only when the file is
+/// written.
+struct Encoded<'a> {
+    tensor: &'a NamedTensor,
+    dtype: DType,
+    file_dtype: Dtype,
+}
+
+impl<'a> Encoded<'a> {
+    fn new(tensor: &'a NamedTensor, dtype: DType) -> Result<Encoded<'a>> {
+        let file_dtype = match dtype {
+            DType::F32 => Dtype::F32,
+            DType::Bf16 => Dtype::BF16,
+            DType::F16 => Dtype::F16,
+            DType::U8 => Dtype::U8,
+            DType::Nf4(_) => {
+                return Err(Error::data(
+                    &tensor.name,
+                    "is NF4: a safetensors file holds it dequantized (save it as bf16 or f32)",
+                ))
+            }
+        };
+        let n: usize = tensor.shape.iter().product();
+        if n != tensor.data.len() {
+            return Err(Error::data(
+                &tensor.name,
+                format!(
+                    "cannot be stored: it holds {} values, its shape {:?} says {n}",
+                    tensor.data.len(),
+                    tensor.shape
+                ),
+            ));
+        }
+        Ok(Encoded {
+            tensor,
+            dtype,
+            file_dtype,
+        })
+    }
+}
+
+impl View for Encoded<'_> {
+    fn dtype(&self) -> Dtype {
+        self.file_dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.dtype.encode(&self.tensor.data))
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.data.len() * self.file_dtype.bitsize() / 8
+    }
 }
 
 /// Reads every tensor of a safetensors file, converting f32, bf16 and f16 to f32.
@@ -139,4 +182,62 @@ fn parse_typed(path: &Path, bytes: &[u8], u8_ok: bool) -> Result<Vec<(NamedTenso
         .collect::<Result<_>>()?;
     out.sort_by(|a, b| a.0.name.cmp(&b.0.name));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    /// A file written tensor by tensor holds the bytes safetensors' whole-buffer
+    /// serialization gives, in every dtype, metadata included; a tensor whose values do
+    /// not fill its shape is refused by name and leaves no file.
+    #[test]
+    fn written_piece_by_piece_equals_the_whole_buffer() {
+        let dir = std::env::temp_dir().join(format!("trainkit-typed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let t = |name: &str, shape: &[usize]| NamedTensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            data: (0..shape.iter().product::<usize>())
+                .map(|i| (i % 200) as f32 * 0.5)
+                .collect(),
+        };
+        let (a, b, c, d) = (t("w", &[3, 5]), t("m", &[7]), t("v", &[2, 2]), t("q", &[9]));
+        let typed = [
+            (&a, DType::F32),
+            (&b, DType::Bf16),
+            (&c, DType::F16),
+            (&d, DType::U8),
+        ];
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let path = dir.join("t.safetensors");
+        write_typed(&path, &typed, Some(meta.clone())).unwrap();
+        let bytes: Vec<Vec<u8>> = typed.iter().map(|(t, d)| d.encode(&t.data)).collect();
+        let views: Vec<(String, TensorView)> = typed
+            .iter()
+            .zip(&bytes)
+            .map(|((t, d), b)| {
+                let dtype = Encoded::new(t, *d).unwrap().file_dtype;
+                (
+                    t.name.clone(),
+                    TensorView::new(dtype, t.shape.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        let whole = safetensors::serialize(views, Some(meta)).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), whole);
+
+        let short = NamedTensor {
+            data: vec![0.0; 4],
+            ..t("short", &[5])
+        };
+        let bad = dir.join("bad.safetensors");
+        let e = write_typed(&bad, &[(&short, DType::F32)], None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("short") && e.contains("4 values"), "{e}");
+        assert!(!bad.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
