@@ -141,7 +141,7 @@ impl StoredTensor {
                 end,
                 dtype,
             } => {
-                out.extend(dtype.decode(&map[*start..*end], self.len()));
+                dtype.decode_into(&map[*start..*end], self.len(), out);
                 crate::mapped::release(map, *start, end - start);
             }
             Source::Rows(parts) => parts.iter().for_each(|p| p.append_to(out)),

@@ -99,21 +99,29 @@ impl DType {
 
     /// `n` little-endian elements of this dtype, widened to f32 (exactly; NF4 dequantized).
     pub(crate) fn decode(self, raw: &[u8], n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        self.decode_into(raw, n, &mut out);
+        out
+    }
+
+    /// [`DType::decode`] appended to `out`, without a buffer of its own between.
+    pub(crate) fn decode_into(self, raw: &[u8], n: usize, out: &mut Vec<f32>) {
         match self {
-            DType::F32 => raw
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            DType::Bf16 => raw
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            DType::F16 => raw
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            DType::U8 => raw.iter().map(|&c| f32::from(c)).collect(),
-            DType::Nf4(parts) => nf4::dequantize_parts(raw, n, parts),
+            DType::F32 => out.extend(
+                raw.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            DType::Bf16 => out.extend(
+                raw.chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            DType::F16 => out.extend(
+                raw.chunks_exact(2)
+                    .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            DType::U8 => out.extend(raw.iter().map(|&c| f32::from(c))),
+            DType::Nf4(parts) if out.is_empty() => *out = nf4::dequantize_parts(raw, n, parts),
+            DType::Nf4(parts) => out.extend(nf4::dequantize_parts(raw, n, parts)),
         }
     }
 
