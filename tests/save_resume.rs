@@ -267,7 +267,7 @@ fn a_saved_model_reads_back_with_hugging_face_names_and_layouts() {
     );
     for p in t.params() {
         assert_eq!(
-            m.tensors[p.name()].values(),
+            m.tensors[p.name()].values().unwrap(),
             t.backend().to_f32(p.value()).unwrap()
         );
     }

@@ -5,8 +5,10 @@
 use super::Lora;
 use crate::error::{Error, Result};
 use crate::model::ModelDir;
-use crate::save::NamedTensor;
+use crate::save::{NamedTensor, StoredTensor};
 use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
 
 /// The base's tensors (by their names in its files) with each update of `lora` merged in:
 /// `W += s·B·A`, or `W += s·(B·A)ᵀ` when the base stores its projections `[in, out]`
@@ -17,16 +19,21 @@ use std::collections::BTreeMap;
 /// saves whole (`modules_to_save`, by their own names), which replace the base's; `what`
 /// names the adapter in errors. Products are summed in f64 and added to the f32 weight
 /// once; DoRA's norms are taken in f64 of the merged f32 rows.
-pub fn merge(
+///
+/// Every name and shape is checked now; the values are read and merged only when asked
+/// (as [`write_merged`] writes them), one tensor at a time, so merging holds one base
+/// tensor's f32 values in memory, not the model's.
+pub fn merge<'a>(
     base: &ModelDir,
     lora: &Lora,
-    updates: &[NamedTensor],
+    updates: &'a [NamedTensor],
     fan_in_fan_out: bool,
     what: &str,
-) -> Result<Vec<NamedTensor>> {
+) -> Result<Vec<StoredTensor<'a>>> {
     let by_name: BTreeMap<&str, &NamedTensor> =
         updates.iter().map(|t| (t.name.as_str(), t)).collect();
-    let mut tensors = base.read_tensors();
+    let mut tensors: BTreeMap<String, StoredTensor<'a>> =
+        base.tensors.clone().into_iter().collect();
     let scale = f64::from(lora.scale());
     let mut merged = 0;
     for (name, a) in &by_name {
@@ -50,21 +57,22 @@ pub fn merge(
                     ),
                 ));
             };
-            if w.shape != a.shape {
+            if w.shape() != a.shape {
                 return Err(Error::data(
                     what,
                     format!(
                         "`{name}` has shape {:?}, the base's {:?}: the adapter and the base \
                          do not belong together",
-                        a.shape, w.shape
+                        a.shape,
+                        w.shape()
                     ),
                 ));
             }
-            w.data.clone_from(&a.data);
+            *w = StoredTensor::borrowed(*name, a.shape.clone(), &a.data)?;
             continue;
         };
         let b_name = format!("{module}.lora_B.weight");
-        let b = by_name
+        let b = *by_name
             .get(b_name.as_str())
             .ok_or_else(|| Error::data(what, format!("has `{name}` but no `{b_name}`")))?;
         let w_name = format!("{module}.weight");
@@ -103,33 +111,19 @@ pub fn merge(
         } else {
             [outputs, inputs]
         };
-        if w.shape[..] != want {
+        if w.shape() != want {
             return Err(Error::data(
                 what,
                 format!(
                     "`{module}`'s update is {outputs} × {inputs} but the base's `{w_name}` is \
                      {:?}: the adapter and the base do not belong together",
-                    w.shape
+                    w.shape()
                 ),
             ));
         }
-        for o in 0..outputs {
-            for i in 0..inputs {
-                let mut d = 0f64;
-                for k in 0..r {
-                    d += f64::from(b.data[o * r + k]) * f64::from(a.data[k * inputs + i]);
-                }
-                let at = if fan_in_fan_out {
-                    i * outputs + o
-                } else {
-                    o * inputs + i
-                };
-                w.data[at] += (scale * d) as f32;
-            }
-        }
         let m_name = super::magnitude_name(module);
-        match by_name.get(m_name.as_str()) {
-            Some(m) if m.data.len() == outputs => rescale_rows(w, &m.data, fan_in_fan_out),
+        let m = match by_name.get(m_name.as_str()) {
+            Some(m) if m.data.len() == outputs => Some(&m.data[..]),
             Some(m) => {
                 return Err(Error::data(
                     what,
@@ -145,14 +139,75 @@ pub fn merge(
                     format!("is a DoRA adapter but has no `{m_name}`"),
                 ))
             }
-            None => {}
-        }
+            None => None,
+        };
+        let update = Update {
+            a: &a.data,
+            b: &b.data,
+            m,
+            rank: r,
+            inputs,
+            outputs,
+            scale,
+            fan_in_fan_out,
+        };
+        let base_w = w.clone();
+        let shape = base_w.shape().to_vec();
+        let compute = Arc::new(move |rows: Range<usize>| {
+            let mut values = base_w.values()?;
+            update.apply(&mut values);
+            let cols: usize = shape.iter().skip(1).product();
+            Ok(match rows == (0..shape[0]) {
+                true => values,
+                false => values[rows.start * cols..rows.end * cols].to_vec(),
+            })
+        });
+        *w = StoredTensor::computed(w_name, want.to_vec(), compute);
         merged += 1;
     }
     if merged == 0 {
         return Err(Error::data(what, "holds no LoRA update to merge"));
     }
     Ok(tensors.into_values().collect())
+}
+
+/// One module's low-rank update: `s·B·A` (`B` `[outputs, rank]`, `A` `[rank, inputs]`),
+/// DoRA's magnitudes `m` when it has them.
+#[derive(Clone, Copy)]
+struct Update<'a> {
+    a: &'a [f32],
+    b: &'a [f32],
+    m: Option<&'a [f32]>,
+    rank: usize,
+    inputs: usize,
+    outputs: usize,
+    scale: f64,
+    fan_in_fan_out: bool,
+}
+
+impl Update<'_> {
+    /// Adds the update to `w` (`[outputs, inputs]`, or `[inputs, outputs]` when
+    /// `fan_in_fan_out`), then rescales DoRA's rows.
+    fn apply(&self, w: &mut [f32]) {
+        let (r, inputs, outputs) = (self.rank, self.inputs, self.outputs);
+        for o in 0..outputs {
+            for i in 0..inputs {
+                let mut d = 0f64;
+                for k in 0..r {
+                    d += f64::from(self.b[o * r + k]) * f64::from(self.a[k * inputs + i]);
+                }
+                let at = if self.fan_in_fan_out {
+                    i * outputs + o
+                } else {
+                    o * inputs + i
+                };
+                w[at] += (self.scale * d) as f32;
+            }
+        }
+        if let Some(m) = self.m {
+            rescale_rows(w, m, self.fan_in_fan_out);
+        }
+    }
 }
 
 /// Whether `name` is the tied head's copy of an embedding the adapter saves whole: named
@@ -166,9 +221,9 @@ fn tied_copy(name: &str, t: &NamedTensor, saved: &BTreeMap<&str, &NamedTensor>) 
 
 /// DoRA's merge: each output feature's row of `w` (`[out, in]`, or `[in, out]` when
 /// `fan_in_fan_out`) scaled by `m[o] / ‖row‖`, the norm in f64.
-fn rescale_rows(w: &mut NamedTensor, m: &[f32], fan_in_fan_out: bool) {
+fn rescale_rows(w: &mut [f32], m: &[f32], fan_in_fan_out: bool) {
     let outputs = m.len();
-    let inputs = w.data.len() / outputs.max(1);
+    let inputs = w.len() / outputs.max(1);
     let at = |o: usize, i: usize| {
         if fan_in_fan_out {
             i * outputs + o
@@ -178,25 +233,26 @@ fn rescale_rows(w: &mut NamedTensor, m: &[f32], fan_in_fan_out: bool) {
     };
     for (o, &m) in m.iter().enumerate() {
         let norm = (0..inputs)
-            .map(|i| f64::from(w.data[at(o, i)]).powi(2))
+            .map(|i| f64::from(w[at(o, i)]).powi(2))
             .sum::<f64>()
             .sqrt();
         let g = f64::from(m) / norm;
         for i in 0..inputs {
-            let v = &mut w.data[at(o, i)];
+            let v = &mut w[at(o, i)];
             *v = (f64::from(*v) * g) as f32;
         }
     }
 }
 
-/// Writes `tensors` (the merged weights) as a Hugging Face model directory `out`, in
-/// `dtype`, with the base directory's `config.json`, generation config and tokenizer
-/// files; the directory is swapped in whole ([`crate::save::DirectoryWriter`]), so a
-/// failure leaves `out` as it was. `out` must not be the base.
+/// Writes `tensors` (the merged weights, [`merge`]'s) as a Hugging Face model directory
+/// `out`, in `dtype`, with the base directory's `config.json`, generation config and
+/// tokenizer files; each tensor is read (and merged) as the file reaches it. The
+/// directory is swapped in whole ([`crate::save::DirectoryWriter`]), so a failure leaves
+/// `out` as it was. `out` must not be the base.
 pub fn write_merged(
     out: &std::path::Path,
     base_dir: &std::path::Path,
-    tensors: &[NamedTensor],
+    tensors: &[StoredTensor<'_>],
     dtype: crate::tensor::DType,
 ) -> Result<()> {
     let same = |a: &std::path::Path, b: &std::path::Path| {
@@ -237,11 +293,11 @@ pub fn write_merged(
             std::fs::copy(&from, w.path(f)).map_err(|e| Error::io(&from, e))?;
         }
     }
-    let typed: Vec<(&NamedTensor, crate::tensor::DType)> =
-        tensors.iter().map(|t| (t, dtype)).collect();
+    let typed: Vec<(StoredTensor<'_>, crate::tensor::DType)> =
+        tensors.iter().map(|t| (t.clone(), dtype)).collect();
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    crate::save::tensors::write_typed(&w.path(crate::save::WEIGHTS_FILE), &typed, Some(meta))?;
+    crate::save::write_stored(&w.path(crate::save::WEIGHTS_FILE), &typed, Some(meta))?;
     w.commit()
 }
 

@@ -20,16 +20,16 @@ pub struct ModelDir {
     pub config: ModelConfig,
     /// Every weight by its name in the files, as the family reads them (GPT-2's under
     /// `transformer.`, without mask buffers).
-    pub tensors: BTreeMap<String, StoredTensor>,
+    pub tensors: BTreeMap<String, StoredTensor<'static>>,
 }
 
 impl ModelDir {
     /// Every tensor's name, shape and values, read now (the whole model in memory as
     /// f32).
-    pub fn read_tensors(&self) -> BTreeMap<String, crate::save::NamedTensor> {
+    pub fn read_tensors(&self) -> crate::Result<BTreeMap<String, crate::save::NamedTensor>> {
         self.tensors
             .iter()
-            .map(|(name, t)| (name.clone(), t.read()))
+            .map(|(name, t)| Ok((name.clone(), t.read()?)))
             .collect()
     }
 }
@@ -85,7 +85,7 @@ pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
 fn check_shapes(
     dir: &Path,
     shapes: &[(String, Vec<usize>)],
-    tensors: &BTreeMap<String, StoredTensor>,
+    tensors: &BTreeMap<String, StoredTensor<'static>>,
 ) -> Result<()> {
     let weights = dir.display().to_string();
     for (name, shape) in shapes {

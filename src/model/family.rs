@@ -7,7 +7,7 @@
 use super::{Model, Shape, ShapeFlags};
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::any::Any;
@@ -125,7 +125,7 @@ pub trait Family: Clone + Debug + PartialEq + Send + Sync + 'static {
 
     /// The parameters as the family's files name and shape them (see
     /// [`Model::export_tensors`]): the fused projections split into Hugging Face's.
-    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+    fn export_tensors<'t>(&self, tensors: Vec<StoredTensor<'t>>) -> Result<Vec<StoredTensor<'t>>> {
         super::decoder::split_fused(self, tensors)
     }
 
@@ -133,14 +133,17 @@ pub trait Family: Clone + Debug + PartialEq + Send + Sync + 'static {
     /// separate projections stacked into the fused ones.
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         super::decoder::stack_fused(self, tensors)
     }
 
     /// The tensors of a model directory's files by the names the family reads them
     /// under (GPT-2's files may lack the `transformer.` prefix and hold mask buffers).
-    fn file_tensors(&self, tensors: Vec<StoredTensor>) -> BTreeMap<String, StoredTensor> {
+    fn file_tensors(
+        &self,
+        tensors: Vec<StoredTensor<'static>>,
+    ) -> BTreeMap<String, StoredTensor<'static>> {
         tensors.into_iter().map(|t| (t.name.clone(), t)).collect()
     }
 
@@ -231,13 +234,16 @@ pub trait AnyFamily: Debug + Send + Sync {
     /// Every parameter's name and shape in model order.
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
     /// A model directory's tensors by the names the family reads them under.
-    fn file_tensors(&self, tensors: Vec<StoredTensor>) -> BTreeMap<String, StoredTensor>;
+    fn file_tensors(
+        &self,
+        tensors: Vec<StoredTensor<'static>>,
+    ) -> BTreeMap<String, StoredTensor<'static>>;
     /// The tensors by parameter name (see [`Family::import_tensors`]), the embedding and
     /// head padded to [`Shape::padded_vocab`] rows.
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>>;
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>>;
     /// The model (see [`Family::build_with`]).
     fn build_with(
         &self,
@@ -276,14 +282,17 @@ impl<F: Family> AnyFamily for F {
         super::decoder::param_shapes(self)
     }
 
-    fn file_tensors(&self, tensors: Vec<StoredTensor>) -> BTreeMap<String, StoredTensor> {
+    fn file_tensors(
+        &self,
+        tensors: Vec<StoredTensor<'static>>,
+    ) -> BTreeMap<String, StoredTensor<'static>> {
         Family::file_tensors(self, tensors)
     }
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         super::decoder::import_tensors(self, tensors)
     }
 

@@ -6,7 +6,7 @@ use super::{
     Biases, Decoder, Family, FamilyConfig, LayerSlot, Mlp, Norm, Positions, Shape, ShapeFlags, Slot,
 };
 use crate::error::{Error, Result};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -307,20 +307,23 @@ impl Family for Gpt2Config {
         "ln_f"
     }
 
-    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+    fn export_tensors<'t>(&self, tensors: Vec<StoredTensor<'t>>) -> Result<Vec<StoredTensor<'t>>> {
         Ok(tensors)
     }
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         Ok(tensors)
     }
 
     /// Names under `transformer.` (what `save_pretrained` writes with or without the
     /// prefix), without the tied `lm_head.weight` and the attention mask buffers.
-    fn file_tensors(&self, tensors: Vec<StoredTensor>) -> BTreeMap<String, StoredTensor> {
+    fn file_tensors(
+        &self,
+        tensors: Vec<StoredTensor<'static>>,
+    ) -> BTreeMap<String, StoredTensor<'static>> {
         let mut out = BTreeMap::new();
         for t in tensors {
             let name = if t.name.starts_with("transformer.") {

@@ -42,7 +42,7 @@ use crate::checkpoint::CheckpointPolicy;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::ops::{AttentionPath, LossPath};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -263,8 +263,11 @@ pub trait Model: Debug + Send + Sync {
 
     /// The parameters (by [`Model::init_params`] name) as the model's file format names and
     /// shapes them: what `model.safetensors` holds. The identity unless the model fuses
-    /// parameters the format keeps apart ([`Llama`]'s projections).
-    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+    /// parameters the format keeps apart ([`Llama`]'s projections). The tensors are read
+    /// only when the file is written (a save reads each parameter from the device then),
+    /// so a mapping by rows ([`StoredTensor::rows`], [`StoredTensor::stack`]) keeps the
+    /// save to one tensor's values at a time; [`StoredTensor::values`] reads one now.
+    fn export_tensors<'t>(&self, tensors: Vec<StoredTensor<'t>>) -> Result<Vec<StoredTensor<'t>>> {
         Ok(tensors)
     }
 
@@ -272,8 +275,8 @@ pub trait Model: Debug + Send + Sync {
     /// names. Errors name a tensor that is missing or misshapen.
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         Ok(tensors)
     }
 
@@ -401,14 +404,14 @@ impl Model for Box<dyn Model> {
         (**self).flops_per_token(seq_len)
     }
 
-    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+    fn export_tensors<'t>(&self, tensors: Vec<StoredTensor<'t>>) -> Result<Vec<StoredTensor<'t>>> {
         (**self).export_tensors(tensors)
     }
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         (**self).import_tensors(tensors)
     }
 

@@ -22,7 +22,7 @@ pub use files::{
 };
 pub use stored::{open_safetensors, StoredTensor};
 pub use tensors::{parse_safetensors, read_safetensors, write_safetensors, NamedTensor};
-pub(crate) use tensors::{read_typed, write_typed};
+pub(crate) use tensors::{read_typed, write_stored};
 
 use crate::error::{Error, Result};
 use std::path::Path;
@@ -30,7 +30,7 @@ use std::path::Path;
 /// Every tensor of a directory's weights, mapped and read when asked ([`StoredTensor`]):
 /// `model.safetensors`, or else each shard named in `model.safetensors.index.json`'s
 /// `weight_map`.
-pub fn open_weights(dir: &Path) -> Result<Vec<StoredTensor>> {
+pub fn open_weights(dir: &Path) -> Result<Vec<StoredTensor<'static>>> {
     let single = dir.join(WEIGHTS_FILE);
     let index = dir.join(WEIGHTS_INDEX_FILE);
     if single.exists() || !index.exists() {

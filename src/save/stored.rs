@@ -16,23 +16,33 @@ use crate::tensor::DType;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use std::fmt;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 /// A tensor's name and shape, and where its values come from: a file mapped into memory,
-/// values held in memory, or others stacked or padded. Cloning it copies no values.
+/// values held or borrowed in memory, values computed when asked (a parameter read from
+/// the device as a save writes it), or others stacked, sliced or padded. Cloning it copies
+/// no values. `'a` is how long borrowed values and computations live (`'static` for a
+/// model directory's tensors).
 #[derive(Clone)]
-pub struct StoredTensor {
+pub struct StoredTensor<'a> {
     /// Its name (in the file, or as the model reads it once renamed).
     pub name: String,
     shape: Vec<usize>,
-    source: Source,
+    source: Source<'a>,
 }
 
+/// How a [`StoredTensor`]'s values are computed when asked: the rows `rows` (of its first
+/// dimension; every row when the tensor is a scalar or empty) of the whole tensor as f32.
+pub type Compute<'a> = Arc<dyn Fn(Range<usize>) -> Result<Vec<f32>> + Send + Sync + 'a>;
+
 #[derive(Clone)]
-enum Source {
+enum Source<'a> {
     /// Values held in memory.
     Held(Arc<Vec<f32>>),
+    /// Values borrowed.
+    Borrowed(&'a [f32]),
     /// Bytes `start..end` of a mapped file, in `dtype`.
     File {
         map: Arc<Mmap>,
@@ -40,13 +50,55 @@ enum Source {
         end: usize,
         dtype: DType,
     },
+    /// Computed when asked.
+    Computed(Compute<'a>),
     /// Tensors stacked along the first dimension, in order.
-    Rows(Vec<StoredTensor>),
+    Rows(Vec<StoredTensor<'a>>),
+    /// Rows `start..` of another tensor (as many as the shape says).
+    Slice(Box<StoredTensor<'a>>, usize),
     /// A tensor with zeros after its values up to the shape's size.
-    Padded(Box<StoredTensor>),
+    Padded(Box<StoredTensor<'a>>),
 }
 
-impl StoredTensor {
+impl<'a> StoredTensor<'a> {
+    /// A tensor whose values `compute` gives when they are read (see [`Compute`]), called
+    /// once per read; errors it returns are the read's.
+    pub fn computed(
+        name: impl Into<String>,
+        shape: Vec<usize>,
+        compute: Compute<'a>,
+    ) -> StoredTensor<'a> {
+        StoredTensor {
+            name: name.into(),
+            shape,
+            source: Source::Computed(compute),
+        }
+    }
+
+    /// Values borrowed from memory, read when asked; `values` must fill `shape`.
+    pub fn borrowed(
+        name: impl Into<String>,
+        shape: Vec<usize>,
+        values: &'a [f32],
+    ) -> Result<StoredTensor<'a>> {
+        let name = name.into();
+        let n: usize = shape.iter().product();
+        if n != values.len() {
+            return Err(Error::data(
+                &name,
+                format!(
+                    "holds {} values, its shape {shape:?} says {n}",
+                    values.len()
+                ),
+            ));
+        }
+        Ok(StoredTensor {
+            name,
+            shape,
+            source: Source::Borrowed(values),
+        })
+    }
+
     /// Its shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape
@@ -63,7 +115,7 @@ impl StoredTensor {
     }
 
     /// The same tensor under another name.
-    pub fn renamed(self, name: impl Into<String>) -> StoredTensor {
+    pub fn renamed(self, name: impl Into<String>) -> StoredTensor<'a> {
         StoredTensor {
             name: name.into(),
             ..self
@@ -72,7 +124,10 @@ impl StoredTensor {
 
     /// `parts` stacked along their first dimension under `name`; every part must have the
     /// same trailing dimensions (the first part's).
-    pub fn stack(name: impl Into<String>, parts: Vec<StoredTensor>) -> Result<StoredTensor> {
+    pub fn stack(
+        name: impl Into<String>,
+        parts: Vec<StoredTensor<'a>>,
+    ) -> Result<StoredTensor<'a>> {
         let name = name.into();
         let tail = parts
             .first()
@@ -99,8 +154,32 @@ impl StoredTensor {
         })
     }
 
+    /// Rows `rows` of the tensor (along its first dimension) under `name`: the inverse of
+    /// [`StoredTensor::stack`]. Rows past the tensor's are an error naming both.
+    pub fn rows(&self, name: impl Into<String>, rows: Range<usize>) -> Result<StoredTensor<'a>> {
+        let name = name.into();
+        match self.shape.first() {
+            Some(&n) if rows.start <= rows.end && rows.end <= n => {
+                let mut shape = self.shape.clone();
+                shape[0] = rows.len();
+                Ok(StoredTensor {
+                    name,
+                    shape,
+                    source: Source::Slice(Box::new(self.clone()), rows.start),
+                })
+            }
+            _ => Err(Error::data(
+                &self.name,
+                format!(
+                    "has shape {:?}: it has no rows {rows:?} to give `{name}`",
+                    self.shape
+                ),
+            )),
+        }
+    }
+
     /// The tensor with zero rows after its own, `rows` in all (at least its own).
-    pub fn pad_rows(self, rows: usize) -> StoredTensor {
+    pub fn pad_rows(self, rows: usize) -> StoredTensor<'a> {
         match self.shape.first() {
             Some(&own) if rows > own => {
                 let mut shape = self.shape.clone();
@@ -116,47 +195,97 @@ impl StoredTensor {
     }
 
     /// Its values as f32, read and converted now (a mapped file's pages are dropped from
-    /// the process again after the read).
-    pub fn values(&self) -> Vec<f32> {
+    /// the process again after the read; a computed tensor computes them). Only a
+    /// computed tensor can fail.
+    pub fn values(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.len());
-        self.append_to(&mut out);
-        out
+        self.append_rows(0..self.shape.first().copied().unwrap_or(1), &mut out)?;
+        Ok(out)
     }
 
     /// Its name, shape and values (see [`StoredTensor::values`]).
-    pub fn read(&self) -> NamedTensor {
-        NamedTensor {
+    pub fn read(&self) -> Result<NamedTensor> {
+        Ok(NamedTensor {
             name: self.name.clone(),
             shape: self.shape.clone(),
-            data: self.values(),
-        }
+            data: self.values()?,
+        })
     }
 
-    fn append_to(&self, out: &mut Vec<f32>) {
+    /// Values in a row.
+    fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Appends the values of rows `rows` (every value when the tensor has no rows:
+    /// a scalar, `rows` is then `0..1`).
+    fn append_rows(&self, rows: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        let cols = self.row_len();
         match &self.source {
-            Source::Held(values) => out.extend_from_slice(values),
+            Source::Held(values) => {
+                out.extend_from_slice(&values[rows.start * cols..rows.end * cols])
+            }
+            Source::Borrowed(values) => {
+                out.extend_from_slice(&values[rows.start * cols..rows.end * cols])
+            }
             Source::File {
                 map,
                 start,
                 end,
                 dtype,
             } => {
-                dtype.decode_into(&map[*start..*end], self.len(), out);
-                crate::mapped::release(map, *start, end - start);
+                let width = dtype.bytes(cols);
+                let from = start + rows.start * width;
+                let to = (start + rows.end * width).min(*end);
+                dtype.decode_into(&map[from..to], rows.len() * cols, out);
+                crate::mapped::release(map, from, to - from);
             }
-            Source::Rows(parts) => parts.iter().for_each(|p| p.append_to(out)),
+            Source::Computed(compute) => {
+                let values = compute(rows.clone())?;
+                if values.len() != rows.len() * cols {
+                    return Err(Error::data(
+                        &self.name,
+                        format!(
+                            "was computed as {} values where rows {rows:?} of shape {:?} \
+                             hold {}",
+                            values.len(),
+                            self.shape,
+                            rows.len() * cols
+                        ),
+                    ));
+                }
+                out.extend_from_slice(&values);
+            }
+            Source::Rows(parts) => {
+                let mut at = 0;
+                for p in parts {
+                    let n = p.shape[0];
+                    let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
+                    if lo < hi {
+                        p.append_rows(lo - at..hi - at, out)?;
+                    }
+                    at += n;
+                }
+            }
+            Source::Slice(of, first) => {
+                of.append_rows(first + rows.start..first + rows.end, out)?
+            }
             Source::Padded(inner) => {
-                let end = out.len() + self.len();
-                inner.append_to(out);
-                out.resize(end, 0.0);
+                let own = inner.shape[0];
+                if rows.start < own {
+                    inner.append_rows(rows.start..rows.end.min(own), out)?;
+                }
+                let zeros = rows.end.saturating_sub(own.max(rows.start));
+                out.resize(out.len() + zeros * cols, 0.0);
             }
         }
+        Ok(())
     }
 }
 
-impl From<NamedTensor> for StoredTensor {
+impl From<NamedTensor> for StoredTensor<'static> {
     /// Values already in memory.
-    fn from(t: NamedTensor) -> StoredTensor {
+    fn from(t: NamedTensor) -> StoredTensor<'static> {
         StoredTensor {
             name: t.name,
             shape: t.shape,
@@ -165,12 +294,14 @@ impl From<NamedTensor> for StoredTensor {
     }
 }
 
-impl fmt::Debug for StoredTensor {
+impl fmt::Debug for StoredTensor<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let from = match &self.source {
-            Source::Held(_) => "memory".to_string(),
+            Source::Held(_) | Source::Borrowed(_) => "memory".to_string(),
             Source::File { dtype, .. } => format!("file, {dtype}"),
+            Source::Computed(_) => "computed".to_string(),
             Source::Rows(parts) => format!("{} stacked", parts.len()),
+            Source::Slice(of, first) => format!("rows of `{}` from {first}", of.name),
             Source::Padded(_) => "padded".to_string(),
         };
         f.debug_struct("StoredTensor")
@@ -184,7 +315,7 @@ impl fmt::Debug for StoredTensor {
 /// Every tensor of a safetensors file, mapped into memory and read when asked; f32, bf16
 /// and f16 tensors are taken (as [`super::read_safetensors`] takes them), any other dtype
 /// is refused by name.
-pub fn open_safetensors(path: &Path) -> Result<Vec<StoredTensor>> {
+pub fn open_safetensors(path: &Path) -> Result<Vec<StoredTensor<'static>>> {
     let what = path.display().to_string();
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the map is read-only; a model file changed by another process while a run
@@ -223,7 +354,8 @@ pub fn open_safetensors(path: &Path) -> Result<Vec<StoredTensor>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::save::{read_safetensors, write_typed};
+    use crate::save::read_safetensors;
+    use crate::save::tensors::write_typed;
 
     fn tensor(name: &str, shape: &[usize], from: f32) -> NamedTensor {
         let n: usize = shape.iter().product();
@@ -252,16 +384,29 @@ mod tests {
         let mapped = open_safetensors(&path).unwrap();
         assert_eq!(mapped.len(), 3);
         for (m, w) in mapped.iter().zip(&whole) {
-            assert_eq!(m.read(), *w);
+            assert_eq!(m.read().unwrap(), *w);
         }
         let stacked = StoredTensor::stack("ab", vec![mapped[0].clone(), mapped[1].clone()])
             .unwrap()
             .pad_rows(7);
         assert_eq!(stacked.shape(), [7, 4]);
-        let v = stacked.values();
+        let v = stacked.values().unwrap();
         assert_eq!(v[..12], whole[0].data[..]);
         assert_eq!(v[12..20], whole[1].data[..]);
         assert!(v[20..].iter().all(|&x| x == 0.0) && v.len() == 28);
+        // Any rows of it read what the whole tensor holds there: across the stacked
+        // parts, into the padding, a mapped file read in part.
+        for lo in 0..=7 {
+            for hi in lo..=7 {
+                let part = stacked.rows("part", lo..hi).unwrap();
+                assert_eq!(part.shape(), [hi - lo, 4]);
+                assert_eq!(part.values().unwrap(), v[lo * 4..hi * 4], "rows {lo}..{hi}");
+                let inner = part.rows("inner", 0..hi - lo).unwrap().values().unwrap();
+                assert_eq!(inner, v[lo * 4..hi * 4]);
+            }
+        }
+        let e = stacked.rows("past", 6..8).unwrap_err().to_string();
+        assert!(e.contains("`past`") && e.contains("[7, 4]"), "{e}");
         // A part whose rows differ is refused by name.
         let e = StoredTensor::stack("ac", vec![mapped[0].clone(), mapped[2].clone()])
             .err()
@@ -270,7 +415,7 @@ mod tests {
         assert!(e.contains("`c`") && e.contains("`ac`"), "{e}");
         // Held values read as themselves; padding to fewer rows keeps the tensor.
         let held = StoredTensor::from(c.clone()).pad_rows(2);
-        assert_eq!(held.read(), c);
+        assert_eq!(held.read().unwrap(), c);
         let junk = dir.join("junk.safetensors");
         std::fs::write(&junk, b"not a safetensors file").unwrap();
         let e = open_safetensors(&junk).unwrap_err().to_string();

@@ -1,12 +1,14 @@
 //! Named tensors in the safetensors format.
 
 use super::atomic::write_atomically_with;
+use super::stored::StoredTensor;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use safetensors::tensor::{Dtype, View};
 use safetensors::SafeTensorError;
 use safetensors::SafeTensors;
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -40,28 +42,64 @@ pub(crate) fn write_typed(
     tensors: &[(&NamedTensor, DType)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
+    let stored = tensors
+        .iter()
+        .map(|&(t, dtype)| {
+            Ok((
+                StoredTensor::borrowed(&t.name, t.shape.clone(), &t.data)?,
+                dtype,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write_stored(path, &stored, metadata)
+}
+
+/// Writes each tensor in its dtype (as [`write_typed`] does), reading its values only when
+/// the file reaches it: a file of tensors computed when asked (a model's parameters read
+/// from the device) holds one tensor's values in memory at a time. A tensor that fails to
+/// read fails the write with its error and leaves no file.
+pub(crate) fn write_stored(
+    path: &Path,
+    tensors: &[(StoredTensor<'_>, DType)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let failed = RefCell::new(None);
     let views = tensors
         .iter()
-        .map(|&(t, dtype)| Ok((t.name.as_str(), Encoded::new(t, dtype)?)))
+        .map(|(t, dtype)| Ok((t.name.as_str(), Encoded::new(t, *dtype, &failed)?)))
         .collect::<Result<Vec<_>>>()?;
-    write_atomically_with(path, |tmp| {
+    let written = write_atomically_with(path, |tmp| {
         safetensors::tensor::serialize_to_file(views, metadata, tmp).map_err(|e| match e {
             SafeTensorError::IoError(e) => e,
             e => std::io::Error::other(format!("cannot serialize: {e}")),
-        })
-    })
+        })?;
+        match failed.borrow().is_some() {
+            true => Err(std::io::Error::other("a tensor could not be read")),
+            false => Ok(()),
+        }
+    });
+    match failed.into_inner() {
+        Some(e) => Err(e),
+        None => written,
+    }
 }
 
-/// A tensor as a safetensors file stores it, encoded in its dtype only when the file is
-/// written.
-struct Encoded<'a> {
-    tensor: &'a NamedTensor,
+/// A tensor as a safetensors file stores it, read and encoded in its dtype only when the
+/// file is written. The first tensor that fails to read leaves its error in `failed`
+/// (zeros take its place, and no later tensor is read) for the write to return.
+struct Encoded<'t, 'a> {
+    tensor: &'t StoredTensor<'a>,
     dtype: DType,
     file_dtype: Dtype,
+    failed: &'t RefCell<Option<Error>>,
 }
 
-impl<'a> Encoded<'a> {
-    fn new(tensor: &'a NamedTensor, dtype: DType) -> Result<Encoded<'a>> {
+impl<'t, 'a> Encoded<'t, 'a> {
+    fn new(
+        tensor: &'t StoredTensor<'a>,
+        dtype: DType,
+        failed: &'t RefCell<Option<Error>>,
+    ) -> Result<Encoded<'t, 'a>> {
         let file_dtype = match dtype {
             DType::F32 => Dtype::F32,
             DType::Bf16 => Dtype::BF16,
@@ -74,40 +112,36 @@ impl<'a> Encoded<'a> {
                 ))
             }
         };
-        let n: usize = tensor.shape.iter().product();
-        if n != tensor.data.len() {
-            return Err(Error::data(
-                &tensor.name,
-                format!(
-                    "cannot be stored: it holds {} values, its shape {:?} says {n}",
-                    tensor.data.len(),
-                    tensor.shape
-                ),
-            ));
-        }
         Ok(Encoded {
             tensor,
             dtype,
             file_dtype,
+            failed,
         })
     }
 }
 
-impl View for Encoded<'_> {
+impl View for Encoded<'_, '_> {
     fn dtype(&self) -> Dtype {
         self.file_dtype
     }
 
     fn shape(&self) -> &[usize] {
-        &self.tensor.shape
+        self.tensor.shape()
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.dtype.encode(&self.tensor.data))
+        if self.failed.borrow().is_none() {
+            match self.tensor.values() {
+                Ok(values) => return Cow::Owned(self.dtype.encode(&values)),
+                Err(e) => *self.failed.borrow_mut() = Some(e),
+            }
+        }
+        Cow::Owned(vec![0; self.data_len()])
     }
 
     fn data_len(&self) -> usize {
-        self.tensor.data.len() * self.file_dtype.bitsize() / 8
+        self.tensor.len() * self.file_dtype.bitsize() / 8
     }
 }
 
@@ -218,7 +252,12 @@ mod tests {
             .iter()
             .zip(&bytes)
             .map(|((t, d), b)| {
-                let dtype = Encoded::new(t, *d).unwrap().file_dtype;
+                let dtype = match d {
+                    DType::F32 => Dtype::F32,
+                    DType::Bf16 => Dtype::BF16,
+                    DType::F16 => Dtype::F16,
+                    _ => Dtype::U8,
+                };
                 (
                     t.name.clone(),
                     TensorView::new(dtype, t.shape.clone(), b).unwrap(),
@@ -238,6 +277,67 @@ mod tests {
             .to_string();
         assert!(e.contains("short") && e.contains("4 values"), "{e}");
         assert!(!bad.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Computed tensors are read only as the file reaches them, in the file's order, and
+    /// give the file the held tensors give; one that fails fails the write with its own
+    /// error, leaves no file, and no tensor after it is read.
+    #[test]
+    fn computed_tensors_are_read_as_they_are_written() {
+        use std::sync::{Arc, Mutex};
+        let dir = std::env::temp_dir().join(format!("trainkit-lazy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let held: Vec<NamedTensor> = (0..4)
+            .map(|k| NamedTensor {
+                name: format!("t{k}"),
+                shape: vec![3, 2],
+                data: (0..6).map(|i| (k * 10 + i) as f32 * 0.25).collect(),
+            })
+            .collect();
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        let computed = |fail_at: Option<usize>| -> Vec<(StoredTensor<'_>, DType)> {
+            held.iter()
+                .enumerate()
+                .rev()
+                .map(|(k, t)| {
+                    let reads = Arc::clone(&reads);
+                    let compute = Arc::new(move |rows: std::ops::Range<usize>| {
+                        reads.lock().unwrap().push(k);
+                        if fail_at == Some(k) {
+                            return Err(Error::data(format!("t{k}"), "could not be read back"));
+                        }
+                        Ok(t.data[rows.start * 2..rows.end * 2].to_vec())
+                    });
+                    let s = StoredTensor::computed(&t.name, t.shape.clone(), compute);
+                    (s, DType::Bf16)
+                })
+                .collect()
+        };
+        let lazy = dir.join("lazy.safetensors");
+        let tensors = computed(None);
+        assert!(reads.lock().unwrap().is_empty());
+        write_stored(&lazy, &tensors, None).unwrap();
+        assert_eq!(*reads.lock().unwrap(), [0, 1, 2, 3]);
+        let typed: Vec<_> = held.iter().map(|t| (t, DType::Bf16)).collect();
+        let whole = dir.join("whole.safetensors");
+        write_typed(&whole, &typed, None).unwrap();
+        assert_eq!(
+            std::fs::read(&lazy).unwrap(),
+            std::fs::read(&whole).unwrap()
+        );
+
+        reads.lock().unwrap().clear();
+        let bad = dir.join("bad.safetensors");
+        let e = write_stored(&bad, &computed(Some(1)), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("t1") && e.contains("could not be read back"),
+            "{e}"
+        );
+        assert!(!bad.exists());
+        assert_eq!(*reads.lock().unwrap(), [0, 1]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

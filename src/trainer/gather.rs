@@ -12,8 +12,11 @@ use crate::memory::MemoryObserver;
 use crate::model::Param;
 use crate::optim::Optimizer;
 use crate::precision::Precision;
+use crate::save::StoredTensor;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 /// A tensor as a checkpoint saves it.
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -44,38 +47,24 @@ pub(super) struct SavedParam {
 impl SavedParam {
     /// `p` as it is here, its values read only `with_value`.
     fn read(be: &dyn crate::device::Backend, p: &Param, with_value: bool) -> Result<SavedParam> {
-        let state = p
-            .state()
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let name = if t.label().is_empty() {
-                    format!("{}.state.{i}", p.name())
-                } else {
-                    t.label().to_string()
-                };
-                // u8 codes are stored as bytes, bf16 moments as bf16 (so that a resumed
-                // run keeps them in bf16), other floats as f32: exact for all.
-                let dtype = match t.dtype() {
-                    DType::U8 => DType::U8,
-                    DType::Bf16 => DType::Bf16,
-                    _ => DType::F32,
-                };
-                saved(be, t, name, dtype)
+        let read = |(name, dtype, t): (String, DType, &Tensor)| {
+            Ok(SavedTensor {
+                name,
+                shape: t.shape().to_vec(),
+                dtype,
+                data: be.to_f32(t)?,
             })
-            .collect::<Result<Vec<_>>>()?;
-        let compensation = p
-            .compensation()
-            // bf16 values, exact in f32.
-            .map(|t| saved(be, t, t.label().to_string(), DType::F32))
-            .transpose()?;
+        };
         Ok(SavedParam {
             value: match with_value {
                 true => be.to_f32(p.value())?,
                 false => Vec::new(),
             },
-            state,
-            compensation,
+            state: state_layout(p)
+                .into_iter()
+                .map(read)
+                .collect::<Result<_>>()?,
+            compensation: compensation_layout(p).map(read).transpose()?,
         })
     }
 
@@ -131,19 +120,174 @@ impl SavedParam {
     }
 }
 
-/// Tensor `t` as saved under `name` in `dtype`.
-fn saved(
-    be: &dyn crate::device::Backend,
-    t: &Tensor,
-    name: String,
-    dtype: DType,
-) -> Result<SavedTensor> {
-    Ok(SavedTensor {
+/// Each optimizer-state slot of `p` with its name in the state file and the dtype it is
+/// saved in: u8 codes as bytes, bf16 moments as bf16 (so that a resumed run keeps them in
+/// bf16), other floats as f32: exact for all.
+fn state_layout(p: &Param) -> Vec<(String, DType, &Tensor)> {
+    p.state()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let name = if t.label().is_empty() {
+                format!("{}.state.{i}", p.name())
+            } else {
+                t.label().to_string()
+            };
+            let dtype = match t.dtype() {
+                DType::U8 => DType::U8,
+                DType::Bf16 => DType::Bf16,
+                _ => DType::F32,
+            };
+            (name, dtype, t)
+        })
+        .collect()
+}
+
+/// The Kahan compensation of `p`, when kept: bf16 values, saved as f32 (exact).
+fn compensation_layout(p: &Param) -> Option<(String, DType, &Tensor)> {
+    p.compensation()
+        .map(|t| (t.label().to_string(), DType::F32, t))
+}
+
+/// A tensor to write and the dtype the file stores it in.
+pub(super) type Typed<'a> = (StoredTensor<'a>, DType);
+
+/// A parameter as a checkpoint saves it: here, read from where training keeps it only as
+/// the files are written (one tensor's values in host memory at a time), or received
+/// from the rank that updates it (under ZeRO-1), its values held.
+pub(super) enum Saved<'p> {
+    /// A parameter this process holds.
+    Here(&'p Param),
+    /// A parameter received from its owner.
+    Received(SavedParam),
+}
+
+impl<'p> Saved<'p> {
+    /// Its f32 values (the master weights where the precision keeps them) as a tensor
+    /// read when asked; `index` is its place in the model, the key of `cache`.
+    pub(super) fn value<'a>(
+        &'a self,
+        p: &Param,
+        index: usize,
+        be: &'a dyn crate::device::Backend,
+        cache: &'a RowCache,
+    ) -> StoredTensor<'a> {
+        let shape = p.shape().to_vec();
+        match self {
+            Saved::Here(p) => {
+                let rows = shape.first().copied().unwrap_or(1);
+                let compute = Arc::new(move |range: Range<usize>| {
+                    cache.rows(index, rows, range, || be.to_f32(p.value()))
+                });
+                StoredTensor::computed(p.name(), shape, compute)
+            }
+            Saved::Received(s) => held(p.name(), shape, &s.value),
+        }
+    }
+
+    /// Its optimizer-state slots and Kahan compensation as the state file names and
+    /// types them, read when asked.
+    pub(super) fn state<'a>(
+        &'a self,
+        be: &'a dyn crate::device::Backend,
+    ) -> (Vec<Typed<'a>>, Option<Typed<'a>>) {
+        let here = |(name, dtype, t): (String, DType, &'a Tensor)| {
+            let compute =
+                Arc::new(move |range: Range<usize>| whole_rows(t.shape(), range, be.to_f32(t)?));
+            (
+                StoredTensor::computed(name, t.shape().to_vec(), compute),
+                dtype,
+            )
+        };
+        let received = |t: &'a SavedTensor| (held(&t.name, t.shape.clone(), &t.data), t.dtype);
+        match self {
+            Saved::Here(p) => (
+                state_layout(p).into_iter().map(here).collect(),
+                compensation_layout(p).map(here),
+            ),
+            Saved::Received(s) => (
+                s.state.iter().map(received).collect(),
+                s.compensation.as_ref().map(received),
+            ),
+        }
+    }
+}
+
+/// Values held in memory as a tensor (received from another rank, sized by `decode`).
+fn held<'a>(name: &str, shape: Vec<usize>, values: &'a [f32]) -> StoredTensor<'a> {
+    StoredTensor::computed(
         name,
-        shape: t.shape().to_vec(),
-        dtype,
-        data: be.to_f32(t)?,
-    })
+        shape.clone(),
+        Arc::new(move |range: Range<usize>| whole_rows(&shape, range, values.to_vec())),
+    )
+}
+
+/// Rows `range` of a tensor of `shape` whose every value is `all`.
+fn whole_rows(shape: &[usize], range: Range<usize>, all: Vec<f32>) -> Result<Vec<f32>> {
+    let rows = shape.first().copied().unwrap_or(1);
+    if range == (0..rows) {
+        return Ok(all);
+    }
+    let cols: usize = shape.iter().skip(1).product();
+    Ok(all[range.start * cols..range.end * cols].to_vec())
+}
+
+/// The parameters a save read last, kept while a file still wants rows of them: Hugging
+/// Face's files split a fused parameter (`qkv_proj`) into tensors (`q_proj`, `k_proj`,
+/// `v_proj`) that a file does not write one after another, and each would read the
+/// whole parameter from the device again. A parameter leaves once every row of it was
+/// given, or when two others came after it.
+#[derive(Default)]
+pub(super) struct RowCache {
+    kept: Mutex<Vec<Kept>>,
+}
+
+struct Kept {
+    index: usize,
+    values: Arc<Vec<f32>>,
+    rows_given: usize,
+}
+
+/// Parameters a [`RowCache`] keeps at most.
+const KEPT: usize = 2;
+
+impl RowCache {
+    /// Rows `range` of parameter `index` (of `rows` rows), whose values `read` gives.
+    fn rows(
+        &self,
+        index: usize,
+        rows: usize,
+        range: Range<usize>,
+        read: impl FnOnce() -> Result<Vec<f32>>,
+    ) -> Result<Vec<f32>> {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match kept.iter().position(|k| k.index == index) {
+            Some(at) => at,
+            None => {
+                let values = read()?;
+                if range == (0..rows) {
+                    return Ok(values);
+                }
+                if kept.len() == KEPT {
+                    kept.remove(0);
+                }
+                kept.push(Kept {
+                    index,
+                    values: Arc::new(values),
+                    rows_given: 0,
+                });
+                kept.len() - 1
+            }
+        };
+        let k = &mut kept[at];
+        let cols = k.values.len() / rows.max(1);
+        let out = k.values[range.start * cols..range.end * cols].to_vec();
+        k.rows_given += range.len();
+        if k.rows_given >= rows {
+            kept.remove(at);
+        }
+        Ok(out)
+    }
 }
 
 impl<P, C, O, A, M> Trainer<P, C, O, A, M>
@@ -156,12 +300,13 @@ where
 {
     /// Every parameter as a checkpoint saves it, in model order, on rank 0 (`None` on the
     /// other ranks), with its values where `wanted` says (an adapter's checkpoint reads
-    /// none of the frozen base's). Under ZeRO-1 every rank must call it: the rank that
-    /// updates a parameter sends it to rank 0, one parameter at a time.
+    /// none of the frozen base's). A parameter this process updates is read as the files
+    /// are written. Under ZeRO-1 every rank must call it: the rank that updates a
+    /// parameter sends it to rank 0, one parameter at a time.
     pub(super) fn saved_params(
         &self,
         wanted: fn(&Param) -> bool,
-    ) -> Result<Option<Vec<SavedParam>>> {
+    ) -> Result<Option<Vec<Saved<'_>>>> {
         let c = self.collective.as_ref();
         let rank = c.rank();
         if self.owners.is_empty() && rank != 0 {
@@ -173,7 +318,7 @@ where
             let owner = self.owner_of(i);
             if !p.trains() || owner == 0 {
                 if rank == 0 {
-                    all.push(SavedParam::read(be, p, wanted(p))?);
+                    all.push(Saved::Here(p));
                 }
                 continue;
             }
@@ -185,7 +330,7 @@ where
             broadcast_bytes(c, &mut bytes, owner)?;
             if rank == 0 {
                 let numel = if wanted(p) { p.numel() } else { 0 };
-                all.push(SavedParam::decode(&bytes, numel)?);
+                all.push(Saved::Received(SavedParam::decode(&bytes, numel)?));
             }
         }
         Ok((rank == 0).then_some(all))
@@ -195,6 +340,51 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A parameter a file reads in parts is read from the device once while its parts
+    /// are asked in turn, and let go once every row was given; one read whole is not
+    /// kept; a third parameter read in part pushes out the first.
+    #[test]
+    fn the_row_cache_reads_a_split_parameter_once() {
+        let cache = RowCache::default();
+        let reads = std::cell::Cell::new(0);
+        let read = |k: usize| {
+            reads.set(reads.get() + 1);
+            Ok((0..12).map(|i| (k * 100 + i) as f32).collect::<Vec<f32>>())
+        };
+        // Parameter 0: 6 rows of 2, asked as rows 0..2, 2..4, then 4..6.
+        assert_eq!(
+            cache.rows(0, 6, 0..2, || read(0)).unwrap(),
+            [0.0, 1.0, 2.0, 3.0]
+        );
+        // Another, read whole in between, is not kept.
+        assert_eq!(cache.rows(1, 6, 0..6, || read(1)).unwrap().len(), 12);
+        assert_eq!(
+            cache.rows(0, 6, 2..4, || read(0)).unwrap(),
+            [4.0, 5.0, 6.0, 7.0]
+        );
+        assert_eq!(
+            cache.rows(0, 6, 4..6, || read(0)).unwrap(),
+            [8.0, 9.0, 10.0, 11.0]
+        );
+        assert_eq!(reads.get(), 2);
+        // Every row given: asked again, it is read again.
+        cache.rows(0, 6, 0..1, || read(0)).unwrap();
+        assert_eq!(reads.get(), 3);
+        // Two more in part: parameter 0 leaves, the others stay.
+        cache.rows(2, 6, 0..1, || read(2)).unwrap();
+        cache.rows(3, 6, 0..1, || read(3)).unwrap();
+        assert_eq!(reads.get(), 5);
+        assert_eq!(cache.rows(2, 6, 1..2, || read(2)).unwrap(), [202.0, 203.0]);
+        assert_eq!(reads.get(), 5);
+        cache.rows(0, 6, 1..2, || read(0)).unwrap();
+        assert_eq!(reads.get(), 6);
+        // A failed read is the caller's error and keeps nothing.
+        let e = cache
+            .rows(4, 6, 0..1, || Err(Error::data("w", "lost")))
+            .unwrap_err();
+        assert!(e.to_string().contains("lost"));
+    }
 
     #[test]
     fn a_saved_parameter_comes_back_from_its_bytes_exactly() {

@@ -1,7 +1,7 @@
 //! Saving a trainer to a directory and restoring it: the model as Hugging Face reads it,
 //! plus everything an exact resume needs.
 
-use super::gather::SavedTensor;
+use super::gather::{RowCache, Saved};
 use super::Trainer;
 use crate::accumulate::AccumulationSchedule;
 use crate::adapter::{is_update_param, peft, Lora};
@@ -14,8 +14,8 @@ use crate::optim::Optimizer;
 use crate::precision::Precision;
 use crate::rng::Rng;
 use crate::save::{
-    read_typed, write_safetensors, write_typed, DirectoryWriter, NamedTensor, StoredTensor,
-    RUN_CONFIG_FILE, STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
+    read_typed, write_stored, DirectoryWriter, NamedTensor, StoredTensor, RUN_CONFIG_FILE,
+    STATE_FILE, STATE_TENSORS_FILE, WEIGHTS_FILE,
 };
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -107,7 +107,10 @@ where
     /// Under ZeRO-1 a parameter another rank updates gives its compute weights here (its
     /// master weights live on that rank); [`Trainer::save`] gathers them.
     pub fn model_tensors(&self) -> Result<Vec<NamedTensor>> {
-        self.model_tensors_of(self.values_here(|_| true)?)
+        let here: Vec<Saved<'_>> = self.params.iter().map(Saved::Here).collect();
+        let cache = RowCache::default();
+        let tensors = self.model_tensors_of(&here, &cache)?;
+        tensors.iter().map(StoredTensor::read).collect()
     }
 
     /// Each parameter's values here as f32, for those `wanted` says (empty for the rest).
@@ -121,17 +124,20 @@ where
             .collect()
     }
 
-    /// The model's tensors with `values` (one per parameter, in model order).
-    fn model_tensors_of(&self, values: Vec<Vec<f32>>) -> Result<Vec<NamedTensor>> {
+    /// The model's tensors as its files hold them, each read from `saved` (one per
+    /// parameter, in model order) when asked.
+    fn model_tensors_of<'a>(
+        &'a self,
+        saved: &'a [Saved<'a>],
+        cache: &'a RowCache,
+    ) -> Result<Vec<StoredTensor<'a>>> {
+        let be = self.backend.as_ref();
         let tensors = self
             .params
             .iter()
-            .zip(values)
-            .map(|(p, data)| NamedTensor {
-                name: p.name().to_string(),
-                shape: p.shape().to_vec(),
-                data,
-            })
+            .zip(saved)
+            .enumerate()
+            .map(|(i, (p, s))| s.value(p, i, be, cache))
             .collect();
         self.model.export_tensors(tensors)
     }
@@ -154,24 +160,30 @@ where
             Some(_) => in_adapter,
             None => |_: &Param| true,
         };
-        let Some(mut saved) = self.saved_params(wanted)? else {
+        let Some(saved) = self.saved_params(wanted)? else {
             return Ok(());
         };
-        let values: Vec<Vec<f32>> = saved
-            .iter_mut()
-            .map(|p| std::mem::take(&mut p.value))
-            .collect();
+        let be = self.backend.as_ref();
         let mut w = DirectoryWriter::new(dir)?;
         match self.lora() {
             Some(lora) => {
-                let saved =
+                let saved_whole =
                     |name: &String| self.params.iter().any(|p| p.name() == name && p.trains());
                 let base = peft::BaseInfo {
                     name_or_path: self.adapter_base.clone(),
                     fan_in_fan_out: self.model.weights_in_out(),
-                    tied_head: self.model.tied_head().filter(|(_, e)| saved(e)),
+                    tied_head: self.model.tied_head().filter(|(_, e)| saved_whole(e)),
                 };
-                peft::write(&w.path(""), lora, &base, &self.adapter_tensors_of(values))?;
+                let cache = RowCache::default();
+                let adapter = self
+                    .params
+                    .iter()
+                    .zip(&saved)
+                    .enumerate()
+                    .filter(|(_, (p, _))| in_adapter(p))
+                    .map(|(i, (p, s))| s.value(p, i, be, &cache).read())
+                    .collect::<Result<Vec<_>>>()?;
+                peft::write(&w.path(""), lora, &base, &adapter)?;
             }
             None => {
                 // A full model replaces an adapter saved there before: transformers would
@@ -180,41 +192,29 @@ where
                 self.model.write_config(&w.path(""))?;
                 let mut meta = HashMap::new();
                 meta.insert("format".to_string(), "pt".to_string());
-                let tensors = self.model_tensors_of(values)?;
-                write_safetensors(&w.path(WEIGHTS_FILE), &tensors, Some(meta))?;
+                let cache = RowCache::default();
+                let tensors: Vec<_> = self
+                    .model_tensors_of(&saved, &cache)?
+                    .into_iter()
+                    .map(|t| (t, DType::F32))
+                    .collect();
+                write_stored(&w.path(WEIGHTS_FILE), &tensors, Some(meta))?;
             }
         }
 
         let mut state_tensors = Vec::new();
-        let mut state_dtypes = Vec::new();
         let mut optimizer_state = BTreeMap::new();
-        let named = |t: SavedTensor| {
-            let dtype = t.dtype;
-            let t = NamedTensor {
-                name: t.name,
-                shape: t.shape,
-                data: t.data,
-            };
-            (t, dtype)
-        };
         let mut compensations = Vec::new();
-        for (p, s) in self.params.iter().zip(saved) {
-            let names = s.state.iter().map(|t| t.name.clone()).collect();
+        for (p, s) in self.params.iter().zip(&saved) {
+            let (state, compensation) = s.state(be);
+            let names = state.iter().map(|(t, _)| t.name.clone()).collect();
             optimizer_state.insert(p.name().to_string(), names);
-            for (t, dtype) in s.state.into_iter().map(named) {
-                state_tensors.push(t);
-                state_dtypes.push(dtype);
-            }
-            compensations.extend(s.compensation);
+            state_tensors.extend(state);
+            compensations.extend(compensation);
         }
-        let mut compensation = Vec::new();
-        for (t, dtype) in compensations.into_iter().map(named) {
-            compensation.push(t.name.clone());
-            state_tensors.push(t);
-            state_dtypes.push(dtype);
-        }
-        let typed: Vec<_> = state_tensors.iter().zip(state_dtypes).collect();
-        write_typed(&w.path(STATE_TENSORS_FILE), &typed, None)?;
+        let compensation = compensations.iter().map(|(t, _)| t.name.clone()).collect();
+        state_tensors.extend(compensations);
+        write_stored(&w.path(STATE_TENSORS_FILE), &state_tensors, None)?;
         let json = |v: Result<serde_json::Value, serde_json::Error>| {
             v.map_err(|e| Error::Serde(format!("saving the trainer state: {e}")))
         };
@@ -609,7 +609,7 @@ fn in_adapter(p: &Param) -> bool {
 /// which keeps its own initialisation; an error naming the parameter when it is missing
 /// otherwise or misshapen.
 pub(super) fn file_values(
-    tensors: &mut BTreeMap<String, StoredTensor>,
+    tensors: &mut BTreeMap<String, StoredTensor<'static>>,
     held: usize,
     name: &str,
     shape: &[usize],
@@ -637,7 +637,7 @@ pub(super) fn file_values(
             ),
         ));
     }
-    Ok(Some(t.values()))
+    Ok(Some(t.values()?))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use super::super::{Family, LayerSlot, Mlp, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use std::collections::BTreeMap;
 
 /// The fused parameters of layer `l` with the names and rows of their parts in files.
@@ -38,10 +38,10 @@ fn fused<F: Family>(family: &F, shape: &Shape, l: usize) -> Vec<(String, Vec<(St
 
 /// The parameters as Hugging Face names them: each fused projection (weight or bias)
 /// split into its parts' rows.
-pub(crate) fn split_fused<F: Family>(
+pub(crate) fn split_fused<'t, F: Family>(
     family: &F,
-    tensors: Vec<NamedTensor>,
-) -> Result<Vec<NamedTensor>> {
+    tensors: Vec<StoredTensor<'t>>,
+) -> Result<Vec<StoredTensor<'t>>> {
     let shape = family.shape();
     let parts: BTreeMap<String, Vec<(String, usize)>> = (0..shape.layers)
         .flat_map(|l| fused(family, &shape, l))
@@ -52,22 +52,10 @@ pub(crate) fn split_fused<F: Family>(
             out.push(t);
             continue;
         };
-        let cols: usize = t.shape.iter().skip(1).product();
         let mut at = 0;
         for (name, rows) in parts {
-            let data = t
-                .data
-                .get(at * cols..(at + rows) * cols)
-                .ok_or_else(|| Error::data(&t.name, "holds fewer values than its shape says"))?
-                .to_vec();
+            out.push(t.rows(name.clone(), at..at + rows)?);
             at += rows;
-            let mut shape = t.shape.clone();
-            shape[0] = *rows;
-            out.push(NamedTensor {
-                name: name.clone(),
-                shape,
-                data,
-            });
         }
     }
     Ok(out)
@@ -79,8 +67,8 @@ pub(crate) fn split_fused<F: Family>(
 /// error naming it.
 pub(crate) fn stack_fused<F: Family>(
     family: &F,
-    mut tensors: BTreeMap<String, StoredTensor>,
-) -> Result<BTreeMap<String, StoredTensor>> {
+    mut tensors: BTreeMap<String, StoredTensor<'static>>,
+) -> Result<BTreeMap<String, StoredTensor<'static>>> {
     let shape = family.shape();
     if shape.tied_embeddings {
         tensors.remove(&family.param_name(Slot::Head));

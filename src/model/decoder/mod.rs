@@ -19,7 +19,7 @@ use super::{
 use crate::adapter::{Adapter, FullFineTune, LowRank};
 use crate::error::{Error, Result};
 use crate::ops::{AttentionPath, LinearCrossEntropy, LossPath};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -309,8 +309,8 @@ pub(crate) fn num_params(shape: &Shape) -> usize {
 /// embedding and head padded to [`Shape::padded_vocab`] rows.
 pub(crate) fn import_tensors<F: Family>(
     family: &F,
-    tensors: BTreeMap<String, StoredTensor>,
-) -> Result<BTreeMap<String, StoredTensor>> {
+    tensors: BTreeMap<String, StoredTensor<'static>>,
+) -> Result<BTreeMap<String, StoredTensor<'static>>> {
     vocab::pad(family, family.import_tensors(tensors)?)
 }
 
@@ -634,15 +634,15 @@ impl<F: Family> Model for Decoder<F> {
         6.0 * self.num_params() as f64 + 6.0 * (s.layers * s.heads().q_width() * seq_len) as f64
     }
 
-    fn export_tensors(&self, tensors: Vec<NamedTensor>) -> Result<Vec<NamedTensor>> {
+    fn export_tensors<'t>(&self, tensors: Vec<StoredTensor<'t>>) -> Result<Vec<StoredTensor<'t>>> {
         self.config
-            .export_tensors(vocab::unpad(&self.config, tensors))
+            .export_tensors(vocab::unpad(&self.config, tensors)?)
     }
 
     fn import_tensors(
         &self,
-        tensors: BTreeMap<String, StoredTensor>,
-    ) -> Result<BTreeMap<String, StoredTensor>> {
+        tensors: BTreeMap<String, StoredTensor<'static>>,
+    ) -> Result<BTreeMap<String, StoredTensor<'static>>> {
         import_tensors(&self.config, tensors)
     }
 

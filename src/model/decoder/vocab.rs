@@ -7,7 +7,7 @@
 
 use super::super::{Family, Shape, Slot};
 use crate::error::{Error, Result};
-use crate::save::{NamedTensor, StoredTensor};
+use crate::save::StoredTensor;
 use std::collections::BTreeMap;
 
 /// The names of the parameters with a row per token: the embedding, and the head when
@@ -28,17 +28,21 @@ pub(crate) fn padding_params(shape: &Shape) -> usize {
 
 /// The parameters as files hold them: the embedding and the head cut to the
 /// tokenizer's vocabulary.
-pub(crate) fn unpad<F: Family>(family: &F, mut tensors: Vec<NamedTensor>) -> Vec<NamedTensor> {
+pub(crate) fn unpad<'t, F: Family>(
+    family: &F,
+    tensors: Vec<StoredTensor<'t>>,
+) -> Result<Vec<StoredTensor<'t>>> {
     let shape = family.shape();
     let names = vocab_params(family, &shape);
-    for t in tensors.iter_mut().filter(|t| names.contains(&t.name)) {
-        if t.shape.first() == Some(&shape.padded_vocab()) {
-            let cols: usize = t.shape[1..].iter().product();
-            t.data.truncate(shape.vocab * cols);
-            t.shape[0] = shape.vocab;
-        }
-    }
     tensors
+        .into_iter()
+        .map(|t| {
+            match names.contains(&t.name) && t.shape().first() == Some(&shape.padded_vocab()) {
+                true => t.rows(t.name.clone(), 0..shape.vocab),
+                false => Ok(t),
+            }
+        })
+        .collect()
 }
 
 /// A file's tensors (by parameter name) with the embedding and the head padded by zero
@@ -46,8 +50,8 @@ pub(crate) fn unpad<F: Family>(family: &F, mut tensors: Vec<NamedTensor>) -> Vec
 /// is an error naming both.
 pub(crate) fn pad<F: Family>(
     family: &F,
-    mut tensors: BTreeMap<String, StoredTensor>,
-) -> Result<BTreeMap<String, StoredTensor>> {
+    mut tensors: BTreeMap<String, StoredTensor<'static>>,
+) -> Result<BTreeMap<String, StoredTensor<'static>>> {
     let shape = family.shape();
     let (v, vp) = (shape.vocab, shape.padded_vocab());
     for name in vocab_params(family, &shape) {
@@ -91,6 +95,7 @@ pub(crate) fn unpad_logits(shape: &Shape, logits: Vec<f32>) -> Vec<f32> {
 mod tests {
     use super::*;
     use crate::model::Gpt2Config;
+    use crate::save::NamedTensor;
 
     #[test]
     fn gpt2_pads_to_50304_and_files_keep_50257() {
@@ -110,12 +115,12 @@ mod tests {
         };
         let stored = StoredTensor::from(wte.clone());
         let padded = pad(&small, [(wte.name.clone(), stored)].into()).unwrap();
-        let t = padded[&wte.name].read();
+        let t = padded[&wte.name].read().unwrap();
         assert_eq!(t.shape, vec![64, 3]);
         assert_eq!(t.data[..6], [1.0; 6]);
         assert!(t.data[6..].iter().all(|&x| x == 0.0));
-        let back = unpad(&small, vec![t]);
-        assert_eq!(back[0], wte);
+        let back = unpad(&small, vec![StoredTensor::from(t)]).unwrap();
+        assert_eq!(back[0].read().unwrap(), wte);
         let logits: Vec<f32> = (0..128).map(|i| i as f32).collect();
         assert_eq!(
             unpad_logits(&small.shape(), logits),
