@@ -5,6 +5,7 @@
 use super::Lora;
 use crate::error::{Error, Result};
 use crate::model::ModelDir;
+use crate::save::stored::rows_of;
 use crate::save::{NamedTensor, StoredTensor};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -156,11 +157,7 @@ pub fn merge<'a>(
         let compute = Arc::new(move |rows: Range<usize>| {
             let mut values = base_w.values()?;
             update.apply(&mut values);
-            let cols: usize = shape.iter().skip(1).product();
-            Ok(match rows == (0..shape[0]) {
-                true => values,
-                false => values[rows.start * cols..rows.end * cols].to_vec(),
-            })
+            Ok(rows_of(&shape, rows, values))
         });
         *w = StoredTensor::computed(w_name, want.to_vec(), compute);
         merged += 1;

@@ -37,6 +37,17 @@ pub struct StoredTensor<'a> {
 /// dimension; every row when the tensor is a scalar or empty) of the whole tensor as f32.
 pub type Compute<'a> = Arc<dyn Fn(Range<usize>) -> Result<Vec<f32>> + Send + Sync + 'a>;
 
+/// Rows `range` of a tensor of `shape` (of its first dimension; every value when it is a
+/// scalar) whose every value is `all`: `all` itself when the range is every row, else a
+/// copy of those rows. For a [`Compute`] that reads its tensor whole.
+pub fn rows_of(shape: &[usize], range: Range<usize>, all: Vec<f32>) -> Vec<f32> {
+    if range == (0..shape.first().copied().unwrap_or(1)) {
+        return all;
+    }
+    let cols: usize = shape.iter().skip(1).product();
+    all[range.start * cols..range.end * cols].to_vec()
+}
+
 #[derive(Clone)]
 enum Source<'a> {
     /// Values held in memory.

@@ -12,6 +12,7 @@ use crate::memory::MemoryObserver;
 use crate::model::Param;
 use crate::optim::Optimizer;
 use crate::precision::Precision;
+use crate::save::stored::rows_of;
 use crate::save::StoredTensor;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -171,7 +172,7 @@ impl<'p> Saved<'p> {
         index: usize,
         be: &'a dyn crate::device::Backend,
         cache: &'a RowCache,
-    ) -> StoredTensor<'a> {
+    ) -> Result<StoredTensor<'a>> {
         let shape = p.shape().to_vec();
         match self {
             Saved::Here(p) => {
@@ -179,9 +180,9 @@ impl<'p> Saved<'p> {
                 let compute = Arc::new(move |range: Range<usize>| {
                     cache.rows(index, rows, range, || be.to_f32(p.value()))
                 });
-                StoredTensor::computed(p.name(), shape, compute)
+                Ok(StoredTensor::computed(p.name(), shape, compute))
             }
-            Saved::Received(s) => held(p.name(), shape, &s.value),
+            Saved::Received(s) => StoredTensor::borrowed(p.name(), shape, &s.value),
         }
     }
 
@@ -190,46 +191,32 @@ impl<'p> Saved<'p> {
     pub(super) fn state<'a>(
         &'a self,
         be: &'a dyn crate::device::Backend,
-    ) -> (Vec<Typed<'a>>, Option<Typed<'a>>) {
+    ) -> Result<(Vec<Typed<'a>>, Option<Typed<'a>>)> {
         let here = |(name, dtype, t): (String, DType, &'a Tensor)| {
             let compute =
-                Arc::new(move |range: Range<usize>| whole_rows(t.shape(), range, be.to_f32(t)?));
+                Arc::new(move |range: Range<usize>| Ok(rows_of(t.shape(), range, be.to_f32(t)?)));
             (
                 StoredTensor::computed(name, t.shape().to_vec(), compute),
                 dtype,
             )
         };
-        let received = |t: &'a SavedTensor| (held(&t.name, t.shape.clone(), &t.data), t.dtype);
-        match self {
+        let received = |t: &'a SavedTensor| {
+            Ok((
+                StoredTensor::borrowed(&t.name, t.shape.clone(), &t.data)?,
+                t.dtype,
+            ))
+        };
+        Ok(match self {
             Saved::Here(p) => (
                 state_layout(p).into_iter().map(here).collect(),
                 compensation_layout(p).map(here),
             ),
             Saved::Received(s) => (
-                s.state.iter().map(received).collect(),
-                s.compensation.as_ref().map(received),
+                s.state.iter().map(received).collect::<Result<_>>()?,
+                s.compensation.as_ref().map(received).transpose()?,
             ),
-        }
+        })
     }
-}
-
-/// Values held in memory as a tensor (received from another rank, sized by `decode`).
-fn held<'a>(name: &str, shape: Vec<usize>, values: &'a [f32]) -> StoredTensor<'a> {
-    StoredTensor::computed(
-        name,
-        shape.clone(),
-        Arc::new(move |range: Range<usize>| whole_rows(&shape, range, values.to_vec())),
-    )
-}
-
-/// Rows `range` of a tensor of `shape` whose every value is `all`.
-fn whole_rows(shape: &[usize], range: Range<usize>, all: Vec<f32>) -> Result<Vec<f32>> {
-    let rows = shape.first().copied().unwrap_or(1);
-    if range == (0..rows) {
-        return Ok(all);
-    }
-    let cols: usize = shape.iter().skip(1).product();
-    Ok(all[range.start * cols..range.end * cols].to_vec())
 }
 
 /// The parameters a save read last, kept while a file still wants rows of them: Hugging

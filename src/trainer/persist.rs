@@ -138,7 +138,7 @@ where
             .zip(saved)
             .enumerate()
             .map(|(i, (p, s))| s.value(p, i, be, cache))
-            .collect();
+            .collect::<Result<_>>()?;
         self.model.export_tensors(tensors)
     }
 
@@ -181,7 +181,7 @@ where
                     .zip(&saved)
                     .enumerate()
                     .filter(|(_, (p, _))| in_adapter(p))
-                    .map(|(i, (p, s))| s.value(p, i, be, &cache).read())
+                    .map(|(i, (p, s))| s.value(p, i, be, &cache)?.read())
                     .collect::<Result<Vec<_>>>()?;
                 peft::write(&w.path(""), lora, &base, &adapter)?;
             }
@@ -206,7 +206,7 @@ where
         let mut optimizer_state = BTreeMap::new();
         let mut compensations = Vec::new();
         for (p, s) in self.params.iter().zip(&saved) {
-            let (state, compensation) = s.state(be);
+            let (state, compensation) = s.state(be)?;
             let names = state.iter().map(|(t, _)| t.name.clone()).collect();
             optimizer_state.insert(p.name().to_string(), names);
             state_tensors.extend(state);
