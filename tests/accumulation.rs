@@ -1,7 +1,7 @@
 //! Gradient accumulation: k micro-batches of b rows make the same update as one batch of
 //! k·b rows, through the real trainer; the shipped schedules choose the documented counts.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config, values};
 use trainkit::accumulate::AccumulationContext;

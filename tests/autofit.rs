@@ -4,7 +4,7 @@
 //! choice stays within the budget, and its exact prediction equals the ledger; when
 //! nothing fits it says what would.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu};
 use trainkit::checkpoint::{by_cost, named};

@@ -3,7 +3,7 @@
 //! more than asked once the layer inputs are in), results stay bitwise equal, the exact
 //! prediction equals the ledger, and the plan hook it uses serves a user's policy too.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, tiny_config, trainkit as run_cli, TINY_TRAIN};
 use serde::{Deserialize, Serialize};

@@ -15,7 +15,7 @@
 //!   before a reply), cut turn by turn or, where the template rewrites earlier turns
 //!   (Qwen3), located after the assistant header in one rendering.
 
-mod common;
+use crate::common;
 
 use serde_json::Value;
 use std::fs;

@@ -1,6 +1,6 @@
 //! The `trainkit` binary as a user runs it.
 
-mod common;
+use crate::common;
 
 use common::{scratch, trainkit, TINY_TRAIN};
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! Autofit's choice is the run's: every technique it takes is applied, and the run's
 //! memory report then agrees with the exact prediction.
 
-mod common;
+use crate::common;
 
 use common::{scratch, TINY_TRAIN};
 

@@ -1,7 +1,7 @@
 //! A policy of each of the five traits, written outside the crate as a user would: it
 //! trains, and round-trips through TOML and JSON as a `Box<dyn _>`.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use serde::{Deserialize, Serialize};

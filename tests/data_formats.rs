@@ -1,7 +1,7 @@
 //! Data formats through the public API: llm.c token files, GPT-2's tokenizer, and
 //! `prepare` (text to train/val token files).
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! glob or a directory; batching across shards and shuffling; exact resume across shard
 //! boundaries and epochs; the streaming `prepare` (text, JSON lines, shards); bad input.
 
-mod common;
+use crate::common;
 
 use common::{cpu, per_param, scratch, trainkit};
 use std::fs;

@@ -6,7 +6,7 @@
 //! token-weighted mean of the documents' solo losses and its gradient the token-weighted
 //! mean of their solo gradients, to f32 rounding; recomputation stays bitwise.
 
-mod common;
+use crate::common;
 
 use common::{cpu, grads, tiny_config};
 use trainkit::data::token_flags::{DOCUMENT_START, TRAINED};

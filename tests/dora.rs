@@ -4,7 +4,7 @@
 //! nothing, the exact prediction equals the ledger, the CLI trains, saves (PEFT's files),
 //! resumes and merges a DoRA adapter, and what DoRA cannot do is refused by name.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, gradient_probe, per_param, tiny_config, values};
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! MFU and HFU: model FLOPs by llm.c's count, hardware FLOPs as the backend executed them,
 //! recomputation included.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use trainkit::ops::AttentionPath;

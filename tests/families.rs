@@ -8,7 +8,7 @@
 //! finite differences, the exact memory prediction equal to the ledger, and the CPU's
 //! losses on the emulator.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, randn, values};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! and sequences that do not fill the tiles; whole models trained either way; and the
 //! memory it saves, from the exact prediction.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, randn, tiny_config};
 use trainkit::estimate::{predict, MicroBatch};

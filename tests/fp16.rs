@@ -1,7 +1,7 @@
 //! fp16 mixed precision: f16 compute with f32 master weights and gradients, and a dynamic
 //! loss scale that answers overflows by skipping the step and shrinking.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use trainkit::config::RunConfig;

@@ -4,7 +4,7 @@
 //! every chunk size, evaluation and logits included. Chunks never hold more than their
 //! rows of logits, and bad settings are refused by name.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, randn, tensor, tiny_config};
 use trainkit::config::RunConfig;

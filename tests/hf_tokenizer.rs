@@ -3,7 +3,7 @@
 //! lines, the end-of-text rule, the 32-bit token format for large vocabularies, and
 //! clear errors for bad files.
 
-mod common;
+use crate::common;
 
 use common::trainkit;
 use serde_json::{json, Value};

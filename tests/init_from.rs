@@ -5,7 +5,7 @@
 //! weights and the optimizer on the host; a directory that lacks a weight is refused by
 //! name.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use std::path::Path;

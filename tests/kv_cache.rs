@@ -5,7 +5,7 @@
 //! refused by name; and generation through the cache draws what rerunning the whole
 //! context draws.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use std::sync::Arc;

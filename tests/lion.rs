@@ -9,12 +9,12 @@
 //! `TRAINKIT_REQUIRE_EMULATOR` is set; the NVRTC check skips where NVRTC or the CUDA
 //! headers are missing, unless `TRAINKIT_REQUIRE_NVRTC=1`.
 
-mod common;
+use crate::common;
 #[path = "../examples/lion/lion.rs"]
-mod lion;
+mod example;
 
 use common::{corpus_loader, tiny_config, values};
-use lion::{Lion, LionUpdate};
+use example::{Lion, LionUpdate};
 use std::io::Write;
 use std::sync::Arc;
 use trainkit::config::RunConfig;

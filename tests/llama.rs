@@ -4,7 +4,7 @@
 //! equal to the ledger, and Hugging Face directories (separate q/k/v and gate/up tensors,
 //! single files and shards) that reload bitwise.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, scratch, values};
 use std::collections::BTreeMap;

@@ -4,7 +4,7 @@
 //! gradients against finite differences, every recompute policy bitwise equal, the exact
 //! prediction equal to the ledger, and bad adapters refused by name.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config, values};
 use std::sync::Arc;

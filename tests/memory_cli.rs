@@ -1,6 +1,6 @@
 //! `trainkit memory` as a user runs it.
 
-mod common;
+use crate::common;
 
 use common::scratch;
 use serde_json::Value;

@@ -2,7 +2,7 @@
 //! checkpoint policy and two written here, both precisions, several shapes, first and
 //! later steps.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, EveryOtherInput};
 use serde::{Deserialize, Serialize};

@@ -1,7 +1,7 @@
 //! The memory event stream: every buffer tagged, phases in order, observers agreeing with
 //! the ledger.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,6 @@
 //! The ledger measures what each checkpoint policy saves, exactly.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu};
 use trainkit::ops::AttentionPath;

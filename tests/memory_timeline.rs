@@ -1,7 +1,7 @@
 //! The timeline observer and what feeds it: per-label bytes, op spans with their flops,
 //! and the four outputs (SVG, PyTorch memory-viewer pickle, JSON lines, Chrome trace).
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, scratch, tiny_config, trainkit, TINY_TRAIN};
 use serde_json::Value;

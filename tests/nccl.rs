@@ -10,7 +10,7 @@
 
 #![cfg(feature = "nccl")]
 
-mod common;
+use crate::common;
 
 use common::mirrored::Mirrored;
 use common::{corpus_loader, tiny_config, update_bits};

@@ -4,7 +4,7 @@
 //! host memory (the ledger's `offloaded` category), and the exact prediction still equals
 //! the ledger byte for byte.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, tiny_config, values, EveryOtherInput};
 use serde::{Deserialize, Serialize};

@@ -1,7 +1,7 @@
 //! Every op's backward against central finite differences of its forward, on random
 //! inputs, through the public `Backend` API.
 
-mod common;
+use crate::common;
 
 use common::{cpu, randn, tensor};
 use trainkit::ops::Heads;

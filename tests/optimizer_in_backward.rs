@@ -3,7 +3,7 @@
 //! (without clipping), gradient memory drops to about a layer's, the exact prediction
 //! still equals the ledger, and the combinations that cannot work are refused by name.
 
-mod common;
+use crate::common;
 
 use common::mirrored::Mirrored;
 use common::{categories_match_prediction, corpus_loader, cpu, tiny_config, trainkit, update_bits};

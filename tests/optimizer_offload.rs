@@ -1,7 +1,7 @@
 //! Optimizer offload: master weights and optimizer state in host memory, the update on
 //! the host, bitwise the update without offload.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, scratch, tiny_config};
 use std::sync::Arc;

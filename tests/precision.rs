@@ -1,6 +1,6 @@
 //! Mixed precision tracks f32 training; the precision decides where every byte lives.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu};
 use trainkit::{

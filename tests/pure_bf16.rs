@@ -1,7 +1,7 @@
 //! Pure bf16: bf16 weights and gradients without an f32 master copy, each update rounded
 //! back into the weights to nearest, stochastically or Kahan-compensated.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, per_param, tiny_config};
 use trainkit::config::{Overrides, PolicyFlags, RunConfig};

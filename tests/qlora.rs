@@ -3,7 +3,7 @@
 //! finite differences through NF4 layers, recompute policies bitwise equal, the exact
 //! prediction equal to the ledger with the packed bytes, and the command line.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config};
 use std::sync::Arc;

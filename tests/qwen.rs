@@ -5,7 +5,7 @@
 //! and the models' losses there, and Hugging Face directories (their names, their
 //! config.json) that reload bitwise.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, randn, scratch, values};
 use std::sync::Arc;

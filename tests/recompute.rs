@@ -3,7 +3,7 @@
 //! and materialized) and each loss path (the fused linear cross-entropy in one chunk and
 //! in several, and the materialized logits).
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, grads, tiny_config, values, EveryOtherInput};
 use serde::{Deserialize, Serialize};

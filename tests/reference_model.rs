@@ -1,6 +1,6 @@
 //! GPT-2's forward pass against an independent, naive f64 implementation.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu};
 use trainkit::model::Batch;

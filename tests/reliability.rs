@@ -1,6 +1,6 @@
 //! Numerical trouble, interrupts and crashes never cost a user their run.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config, token_file_bytes, TINY_TRAIN};
 use std::io::{BufRead, BufReader};

@@ -1,6 +1,6 @@
 //! Saving, loading and exact resume.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, per_param, scratch, tiny_config};
 use trainkit::model::read_model_dir;

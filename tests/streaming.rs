@@ -5,7 +5,7 @@
 //! activations, evaluation and sampling; the device holds two layers' base instead of the
 //! model's; the exact prediction equals the ledger; and a weight that trains is refused.
 
-mod common;
+use crate::common;
 
 use common::{corpus_loader, cpu, tiny_config, values, EveryOtherInput};
 use std::sync::Arc;
