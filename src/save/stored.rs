@@ -48,6 +48,19 @@ pub fn rows_of(shape: &[usize], range: Range<usize>, all: Vec<f32>) -> Vec<f32> 
     all[range.start * cols..range.end * cols].to_vec()
 }
 
+/// A piece of the rows a read walks ([`StoredTensor::walk`]).
+enum Piece<'t, 'a> {
+    /// Rows of a tensor that holds, maps or computes its values.
+    Own(&'t StoredTensor<'a>, Range<usize>),
+    /// Rows of zeros, this many.
+    Zeros(usize),
+}
+
+/// The identity of a computation: where its closure lives, shared by its clones.
+fn identity(c: &Compute<'_>) -> usize {
+    Arc::as_ptr(c) as *const () as usize
+}
+
 #[derive(Clone)]
 enum Source<'a> {
     /// Values held in memory.
@@ -205,6 +218,31 @@ impl<'a> StoredTensor<'a> {
         }
     }
 
+    /// The computation this tensor's values come from, when it is computed itself
+    /// ([`StoredTensor::computed`]): an identity that [`StoredTensor::computed_reads`]
+    /// reports too, the same for its clones.
+    pub(crate) fn computation(&self) -> Option<usize> {
+        match &self.source {
+            Source::Computed(c) => Some(identity(c)),
+            _ => None,
+        }
+    }
+
+    /// Tells `asked`, for every computation a read of all its values calls (by
+    /// [`StoredTensor::computation`]'s identity, in the order it calls them), the rows it
+    /// asks of it; nothing is computed or read.
+    pub(crate) fn computed_reads(&self, asked: &mut dyn FnMut(usize, Range<usize>)) {
+        let every = 0..self.shape.first().copied().unwrap_or(1);
+        let _ = self.walk(every, &mut |piece| {
+            if let Piece::Own(t, rows) = piece {
+                if let Some(id) = t.computation() {
+                    asked(id, rows);
+                }
+            }
+            Ok(())
+        });
+    }
+
     /// Its values as f32, read and converted now (a mapped file's pages are dropped from
     /// the process again after the read; a computed tensor computes them). Only a
     /// computed tensor can fail.
@@ -231,6 +269,53 @@ impl<'a> StoredTensor<'a> {
     /// Appends the values of rows `rows` (every value when the tensor has no rows:
     /// a scalar, `rows` is then `0..1`).
     fn append_rows(&self, rows: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        let cols = self.row_len();
+        self.walk(rows, &mut |piece| match piece {
+            Piece::Own(t, rows) => t.append_own(rows, out),
+            Piece::Zeros(n) => {
+                out.resize(out.len() + n * cols, 0.0);
+                Ok(())
+            }
+        })
+    }
+
+    /// Hands `visit` the pieces rows `rows` are made of, in order: rows of tensors that
+    /// hold, map or compute their values, and rows of padding.
+    fn walk<'t>(
+        &'t self,
+        rows: Range<usize>,
+        visit: &mut dyn FnMut(Piece<'t, 'a>) -> Result<()>,
+    ) -> Result<()> {
+        match &self.source {
+            Source::Rows(parts) => {
+                let mut at = 0;
+                for p in parts {
+                    let n = p.shape[0];
+                    let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
+                    if lo < hi {
+                        p.walk(lo - at..hi - at, visit)?;
+                    }
+                    at += n;
+                }
+                Ok(())
+            }
+            Source::Slice(of, first) => of.walk(first + rows.start..first + rows.end, visit),
+            Source::Padded(inner) => {
+                let own = inner.shape[0];
+                if rows.start < own {
+                    inner.walk(rows.start..rows.end.min(own), visit)?;
+                }
+                match rows.end.saturating_sub(own.max(rows.start)) {
+                    0 => Ok(()),
+                    zeros => visit(Piece::Zeros(zeros)),
+                }
+            }
+            _ => visit(Piece::Own(self, rows)),
+        }
+    }
+
+    /// Appends rows `rows` of a tensor that holds, maps or computes its own values.
+    fn append_own(&self, rows: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
         let cols = self.row_len();
         match &self.source {
             Source::Held(values) => {
@@ -267,27 +352,8 @@ impl<'a> StoredTensor<'a> {
                 }
                 out.extend_from_slice(&values);
             }
-            Source::Rows(parts) => {
-                let mut at = 0;
-                for p in parts {
-                    let n = p.shape[0];
-                    let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
-                    if lo < hi {
-                        p.append_rows(lo - at..hi - at, out)?;
-                    }
-                    at += n;
-                }
-            }
-            Source::Slice(of, first) => {
-                of.append_rows(first + rows.start..first + rows.end, out)?
-            }
-            Source::Padded(inner) => {
-                let own = inner.shape[0];
-                if rows.start < own {
-                    inner.append_rows(rows.start..rows.end.min(own), out)?;
-                }
-                let zeros = rows.end.saturating_sub(own.max(rows.start));
-                out.resize(out.len() + zeros * cols, 0.0);
+            Source::Rows(_) | Source::Slice(..) | Source::Padded(_) => {
+                self.append_rows(rows, out)?
             }
         }
         Ok(())

@@ -16,6 +16,7 @@ use crate::save::stored::rows_of;
 use crate::save::StoredTensor;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -219,26 +220,51 @@ impl<'p> Saved<'p> {
     }
 }
 
-/// The parameters a save read last, kept while a file still wants rows of them: Hugging
-/// Face's files split a fused parameter (`qkv_proj`) into tensors (`q_proj`, `k_proj`,
-/// `v_proj`) that a file does not write one after another, and each would read the
-/// whole parameter from the device again. A parameter leaves once every row of it was
-/// given, or when two others came after it.
+/// The parameters a save read in part, kept while a file still wants rows of them:
+/// Hugging Face's files split a fused parameter (`qkv_proj`) into tensors (`q_proj`,
+/// `k_proj`, `v_proj`) that a file does not write one after another, and each would read
+/// the whole parameter from the device again. [`RowCache::plan`] counts the rows the
+/// files will ask of each parameter; one leaves as soon as they were given, and one asked
+/// once (read whole, or cut to the vocabulary) is not kept at all.
 #[derive(Default)]
 pub(super) struct RowCache {
-    kept: Mutex<Vec<Kept>>,
+    state: Mutex<CacheState>,
+}
+
+#[derive(Default)]
+struct CacheState {
+    kept: Vec<Kept>,
+    /// The rows each parameter (by index) will be asked in all, where planned.
+    asked: HashMap<usize, usize>,
 }
 
 struct Kept {
     index: usize,
-    values: Arc<Vec<f32>>,
+    values: Vec<f32>,
     rows_given: usize,
 }
 
-/// Parameters a [`RowCache`] keeps at most.
-const KEPT: usize = 2;
-
 impl RowCache {
+    /// Counts the rows `written` (the files' tensors, read from `read`: the parameters'
+    /// tensors by index) ask of each parameter, so that each is let go as soon as its last
+    /// rows were given. A parameter not planned is kept until every row of it was given.
+    pub(super) fn plan(&self, read: &[StoredTensor], written: &[StoredTensor]) {
+        let index: HashMap<usize, usize> = read
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| Some((t.computation()?, i)))
+            .collect();
+        let mut asked = HashMap::new();
+        for t in written {
+            t.computed_reads(&mut |id, rows| {
+                if let Some(&i) = index.get(&id) {
+                    *asked.entry(i).or_default() += rows.len();
+                }
+            });
+        }
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).asked = asked;
+    }
+
     /// Rows `range` of parameter `index` (of `rows` rows), whose values `read` gives.
     fn rows(
         &self,
@@ -247,33 +273,39 @@ impl RowCache {
         range: Range<usize>,
         read: impl FnOnce() -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
-        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-        let at = match kept.iter().position(|k| k.index == index) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let asked = state.asked.get(&index).copied().unwrap_or(rows);
+        let at = match state.kept.iter().position(|k| k.index == index) {
             Some(at) => at,
             None => {
                 let values = read()?;
-                if range == (0..rows) {
-                    return Ok(values);
+                if range.len() >= asked {
+                    let cols = values.len() / rows.max(1);
+                    return Ok(rows_of(&[rows, cols], range, values));
                 }
-                if kept.len() == KEPT {
-                    kept.remove(0);
-                }
-                kept.push(Kept {
+                state.kept.push(Kept {
                     index,
-                    values: Arc::new(values),
+                    values,
                     rows_given: 0,
                 });
-                kept.len() - 1
+                state.kept.len() - 1
             }
         };
-        let k = &mut kept[at];
+        let k = &mut state.kept[at];
         let cols = k.values.len() / rows.max(1);
         let out = k.values[range.start * cols..range.end * cols].to_vec();
         k.rows_given += range.len();
-        if k.rows_given >= rows {
-            kept.remove(at);
+        if k.rows_given >= asked {
+            state.kept.remove(at);
         }
         Ok(out)
+    }
+
+    /// The parameters kept now.
+    #[cfg(test)]
+    fn kept(&self) -> Vec<usize> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.kept.iter().map(|k| k.index).collect()
     }
 }
 
@@ -330,7 +362,7 @@ mod tests {
 
     /// A parameter a file reads in parts is read from the device once while its parts
     /// are asked in turn, and let go once every row was given; one read whole is not
-    /// kept; a third parameter read in part pushes out the first.
+    /// kept; a failed read keeps nothing.
     #[test]
     fn the_row_cache_reads_a_split_parameter_once() {
         let cache = RowCache::default();
@@ -346,6 +378,7 @@ mod tests {
         );
         // Another, read whole in between, is not kept.
         assert_eq!(cache.rows(1, 6, 0..6, || read(1)).unwrap().len(), 12);
+        assert_eq!(cache.kept(), [0]);
         assert_eq!(
             cache.rows(0, 6, 2..4, || read(0)).unwrap(),
             [4.0, 5.0, 6.0, 7.0]
@@ -355,22 +388,54 @@ mod tests {
             [8.0, 9.0, 10.0, 11.0]
         );
         assert_eq!(reads.get(), 2);
+        assert!(cache.kept().is_empty());
         // Every row given: asked again, it is read again.
         cache.rows(0, 6, 0..1, || read(0)).unwrap();
         assert_eq!(reads.get(), 3);
-        // Two more in part: parameter 0 leaves, the others stay.
-        cache.rows(2, 6, 0..1, || read(2)).unwrap();
-        cache.rows(3, 6, 0..1, || read(3)).unwrap();
-        assert_eq!(reads.get(), 5);
-        assert_eq!(cache.rows(2, 6, 1..2, || read(2)).unwrap(), [202.0, 203.0]);
-        assert_eq!(reads.get(), 5);
-        cache.rows(0, 6, 1..2, || read(0)).unwrap();
-        assert_eq!(reads.get(), 6);
         // A failed read is the caller's error and keeps nothing.
         let e = cache
             .rows(4, 6, 0..1, || Err(Error::data("w", "lost")))
             .unwrap_err();
         assert!(e.to_string().contains("lost"));
+        assert_eq!(cache.kept(), [0]);
+    }
+
+    /// Planned from the files' tensors, the cache keeps a parameter split three ways
+    /// (q, k, v) until its last part was written and one cut to the vocabulary's rows
+    /// (asked once, in part) not at all; each is read once.
+    #[test]
+    fn a_planned_row_cache_keeps_a_parameter_until_its_last_rows_are_written() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let cache = RowCache::default();
+        let reads = AtomicUsize::new(0);
+        let param = |index: usize, rows: usize| {
+            let (cache, reads) = (&cache, &reads);
+            let compute = Arc::new(move |range: Range<usize>| {
+                cache.rows(index, rows, range, || {
+                    reads.fetch_add(1, Ordering::Relaxed);
+                    Ok((0..rows * 2).map(|i| (index * 100 + i) as f32).collect())
+                })
+            });
+            StoredTensor::computed(format!("p{index}"), vec![rows, 2], compute)
+        };
+        let params = [param(0, 6), param(1, 5)];
+        let written = [
+            params[0].rows("q", 0..2).unwrap(),
+            params[1].rows("embedding", 0..4).unwrap(),
+            params[0].rows("k", 2..4).unwrap(),
+            params[0].rows("v", 4..6).unwrap(),
+        ];
+        cache.plan(&params, &written);
+        let mut kept = Vec::new();
+        for t in &written {
+            let values = t.values().unwrap();
+            assert_eq!(values.len(), t.len());
+            kept.push(cache.kept());
+        }
+        assert_eq!(kept, [vec![0], vec![0], vec![0], vec![]]);
+        assert_eq!(reads.load(Ordering::Relaxed), 2);
+        assert_eq!(written[1].values().unwrap()[..3], [100.0, 101.0, 102.0]);
+        assert_eq!(written[3].values().unwrap(), [8.0, 9.0, 10.0, 11.0]);
     }
 
     #[test]

@@ -125,21 +125,24 @@ where
     }
 
     /// The model's tensors as its files hold them, each read from `saved` (one per
-    /// parameter, in model order) when asked.
+    /// parameter, in model order) when asked; `cache` learns the rows the files ask of
+    /// each parameter ([`RowCache::plan`]).
     fn model_tensors_of<'a>(
         &'a self,
         saved: &'a [Saved<'a>],
         cache: &'a RowCache,
     ) -> Result<Vec<StoredTensor<'a>>> {
         let be = self.backend.as_ref();
-        let tensors = self
+        let tensors: Vec<_> = self
             .params
             .iter()
             .zip(saved)
             .enumerate()
             .map(|(i, (p, s))| s.value(p, i, be, cache))
             .collect::<Result<_>>()?;
-        self.model.export_tensors(tensors)
+        let written = self.model.export_tensors(tensors.clone())?;
+        cache.plan(&tensors, &written);
+        Ok(written)
     }
 
     /// Saves the model (`config.json`, `model.safetensors`: what transformers'
